@@ -1,0 +1,96 @@
+"""`queue-tinker` command line: one subcommand per way of running the service."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from queue_tinker.settings import Settings, load_settings
+
+
+def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
+    """Print the effective settings, with where each one comes from."""
+    fields = type(settings).model_fields
+    rows = {
+        name: {
+            "value": str(getattr(settings, name)) if getattr(settings, name) is not None else None,
+            "env": f"QT_{name.upper()}",
+            "description": info.description,
+        }
+        for name, info in fields.items()
+    }
+    print(json.dumps(rows, indent=2))
+    return 0
+
+
+def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from queue_tinker.store.migrate import downgrade, upgrade
+
+    if not settings.database_url:
+        print("QT_DATABASE_URL is not set (use `queue-tinker up` for the embedded stack)",
+              file=sys.stderr)
+        return 2
+    if args.downgrade:
+        downgrade(settings.database_url, args.revision or "base")
+    else:
+        upgrade(settings.database_url, args.revision or "head")
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from workers.main import run_worker
+
+    return run_worker(settings, base_model=args.base_model, device=args.device)
+
+
+def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    from queue_tinker.gateway.serve import serve
+
+    return serve(settings, host=args.host, port=args.port)
+
+
+def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from queue_tinker.up import run_up
+
+    return run_up(settings, base_model=args.base_model, device=args.device, workers=args.workers)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="queue-tinker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("config", help="print the effective settings").set_defaults(fn=_cmd_config)
+
+    migrate = sub.add_parser("migrate", help="apply alembic migrations to QT_DATABASE_URL")
+    migrate.add_argument("--revision", default=None, help="target revision (default head/base)")
+    migrate.add_argument("--downgrade", action="store_true", help="downgrade instead")
+    migrate.set_defaults(fn=_cmd_migrate)
+
+    worker = sub.add_parser("worker", help="run a worker that serves one base model")
+    worker.add_argument("--base-model", required=True, help="Hub id or local path")
+    worker.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    worker.set_defaults(fn=_cmd_worker)
+
+    serve = sub.add_parser("serve", help="run the HTTP gateway")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.set_defaults(fn=_cmd_serve)
+
+    up = sub.add_parser("up", help="embedded Redis + Postgres, migrations, gateway and workers")
+    up.add_argument("--base-model", default="tiny", help="base model the worker serves")
+    up.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    up.add_argument("--workers", type=int, default=1)
+    up.set_defaults(fn=_cmd_up)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    fn: Callable[[argparse.Namespace, Settings], int] = args.fn
+    return fn(args, load_settings())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The connection a client holds: enqueue with retries, and wait for outcomes.
+
+Everything here runs on the background loop (queue_tinker/client/loop.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from queue_tinker.errors import ErrorCategory, RequestFailedError
+from queue_tinker.queue.connection import connect
+from queue_tinker.queue.jobs import Enqueued, JobOutcome, JobQueue
+from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.registry import WorkerRegistry
+from queue_tinker.queue.results import ResultListener
+from queue_tinker.settings import Settings
+from queue_tinker.types import JobStatus, OpKind, SessionRecord
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_TENANT = "default"
+ENQUEUE_RETRY_S = 30.0  # keep retrying a submit this long while Redis is unreachable
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ClientHolder:
+    def __init__(self, settings: Settings) -> None:
+        if not settings.redis_url:
+            raise ValueError(
+                "QT_REDIS_URL is not set: start the service with `queue-tinker up` and export "
+                "the URL it prints, or pass redis_url=..."
+            )
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.redis = connect(settings.redis_url)
+        self.jobs = JobQueue(self.redis, self.keys, result_ttl_s=settings.result_ttl_s)
+        self.results = ResultListener(self.redis, self.keys, self.jobs)
+        self.registry = WorkerRegistry(self.redis, self.keys)
+        self.tenant_id = DEFAULT_TENANT
+        self.session_id = f"s-{new_id()}"
+
+    async def open_session(self) -> None:
+        await RecordLog(self.redis, self.keys).append(
+            SessionRecord(id=self.session_id, tenant_id=self.tenant_id, created_at=time.time())
+        )
+
+    async def enqueue(
+        self, model_id: str, kind: OpKind, payload: bytes, idempotency_key: str | None = None
+    ) -> Enqueued:
+        """Submit once; on a dropped connection, resubmit under the same key (runs once)."""
+        job_id = new_id()
+        key = idempotency_key or job_id
+        deadline = time.monotonic() + ENQUEUE_RETRY_S
+        delay = 0.05
+        while True:
+            try:
+                return await self.jobs.enqueue(
+                    model_id, kind, payload, job_id=job_id, idempotency_key=key
+                )
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("submit to Redis failed (%s); retrying in %.2fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def wait(self, job_id: str, model_id: str, decode: Callable[[bytes], T]) -> T:
+        outcome = await self.results.wait(job_id, model_id)
+        return decode_outcome(outcome, decode)
+
+    async def close(self) -> None:
+        await self.results.close()
+        await self.redis.aclose()
+
+
+def decode_outcome(outcome: JobOutcome, decode: Callable[[bytes], T]) -> T:
+    if outcome.status is JobStatus.FAILED:
+        raise RequestFailedError(
+            outcome.error,
+            category=ErrorCategory(outcome.error_category or ErrorCategory.SERVER),
+            request_id=outcome.job_id,
+            detail=outcome.error_detail,
+        )
+    return decode(outcome.result)
+
+
+def identity(data: bytes) -> Any:
+    return data

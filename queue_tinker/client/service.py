@@ -1,0 +1,112 @@
+"""ServiceClient: the entry point. Creates training clients and answers what the service offers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from queue_tinker.client.holder import ClientHolder, new_id
+from queue_tinker.client.loop import BackgroundLoop, background_loop
+from queue_tinker.client.training import TrainingClient
+from queue_tinker.errors import UserInputError
+from queue_tinker.queue import codec
+from queue_tinker.settings import Settings, load_settings
+from queue_tinker.types import OpKind
+
+MAX_LORA_RANK = 1024
+
+
+def lora_config(
+    rank: int, seed: int | None, train_attn: bool, train_mlp: bool, train_unembed: bool
+) -> dict[str, Any]:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_LORA_RANK:
+        raise UserInputError(f"rank: must be an integer from 1 to {MAX_LORA_RANK}, got {rank!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise UserInputError(f"seed: must be an integer or None, got {seed!r}")
+    if not (train_attn or train_mlp or train_unembed):
+        raise UserInputError(
+            "train_attn, train_mlp, train_unembed: at least one must be True, or nothing trains"
+        )
+    return {"rank": rank, "seed": seed, "train_attn": bool(train_attn),
+            "train_mlp": bool(train_mlp), "train_unembed": bool(train_unembed)}
+
+
+class ServiceClient:
+    """Connects to a queue_tinker deployment (QT_REDIS_URL, or settings=/overrides)."""
+
+    def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
+        self.settings = settings or load_settings(**overrides)
+        self._loop: BackgroundLoop = background_loop()
+        self._holder: ClientHolder = self._loop.run(self._open())
+
+    async def _open(self) -> ClientHolder:
+        holder = ClientHolder(self.settings)
+        await holder.open_session()
+        return holder
+
+    # --- training clients ------------------------------------------------------------------
+    async def create_lora_training_client_async(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_attn: bool = True,
+        train_mlp: bool = True,
+        train_unembed: bool = True,
+    ) -> TrainingClient:
+        if not isinstance(base_model, str) or not base_model.strip():
+            raise UserInputError(f"base_model: must be a non-empty string, got {base_model!r}")
+        config = lora_config(rank, seed, train_attn, train_mlp, train_unembed)
+        model_id = f"m-{new_id()}"
+        holder = self._holder
+
+        async def create() -> None:
+            await holder.jobs.register_model(
+                model_id, base_model=base_model, tenant_id=holder.tenant_id,
+                session_id=holder.session_id, lora_config=config,
+            )
+            await holder.results.watch(model_id)
+            enqueued = await holder.enqueue(model_id, OpKind.CREATE_MODEL, codec.encode(config))
+            await holder.wait(enqueued.job_id, model_id, codec.decode)
+
+        await self._loop.call(create())
+        return TrainingClient(self._loop, holder, model_id, base_model)
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_attn: bool = True,
+        train_mlp: bool = True,
+        train_unembed: bool = True,
+    ) -> TrainingClient:
+        return self._loop.run(
+            self.create_lora_training_client_async(
+                base_model, rank, seed, train_attn, train_mlp, train_unembed
+            )
+        )
+
+    def training_client(self, model_id: str) -> TrainingClient:
+        """A client for an existing model (another process may have created it)."""
+        base_model = self._loop.run(self._holder.jobs.base_model(model_id))
+        return TrainingClient(self._loop, self._holder, model_id, base_model)
+
+    # --- the service -----------------------------------------------------------------------
+    async def get_server_capabilities_async(self) -> dict[str, Any]:
+        """Base models served by live workers right now."""
+        max_age = self.settings.lease_ttl_ms * 3
+        workers = await self._loop.call(self._holder.registry.live(max_age))
+        models = sorted({w["base_model"] for w in workers})
+        return {"supported_models": [{"model_name": name} for name in models]}
+
+    def get_server_capabilities(self) -> dict[str, Any]:
+        return self._loop.run(self.get_server_capabilities_async())
+
+    def close(self) -> None:
+        self._loop.run(self._holder.close())
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

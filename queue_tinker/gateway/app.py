@@ -1,0 +1,72 @@
+"""The HTTP gateway: health and a queue overview now; the Tinker wire protocol and the
+dashboard mount here as they land."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from queue_tinker.gateway.overview import queue_overview
+from queue_tinker.queue.connection import connect
+from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.records import RecordLog
+from queue_tinker.recorder import Recorder
+from queue_tinker.settings import Settings
+from queue_tinker.store.db import make_engine, session_factory
+
+
+def create_app(settings: Settings) -> FastAPI:
+    if not settings.redis_url or not settings.database_url:
+        raise ValueError("the gateway needs QT_REDIS_URL and QT_DATABASE_URL")
+    keys = Keys(settings.key_prefix)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.redis = connect(settings.redis_url or "")
+        app.state.db = make_engine(settings.database_url or "")
+        # The gateway also writes the record behind, so Postgres keeps up with no worker alive.
+        recorder = Recorder(RecordLog(app.state.redis, keys), session_factory(app.state.db),
+                            consumer=f"gateway-{uuid.uuid4().hex[:8]}")
+        recording = asyncio.create_task(recorder.run())
+        try:
+            yield
+        finally:
+            recorder.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(recording, 5)
+            await app.state.redis.aclose()
+            await app.state.db.dispose()
+
+    app = FastAPI(title="queue_tinker", lifespan=lifespan)
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> JSONResponse:
+        """200 when Redis and Postgres both answer; 503 naming the one that does not."""
+        checks: dict[str, str] = {}
+        try:
+            await request.app.state.redis.ping()
+            checks["redis"] = "ok"
+        except Exception as exc:
+            checks["redis"] = f"error: {exc}"
+        try:
+            async with request.app.state.db.connect() as conn:
+                await conn.execute(text("select 1"))
+            checks["postgres"] = "ok"
+        except Exception as exc:
+            checks["postgres"] = f"error: {exc}"
+        healthy = all(v == "ok" for v in checks.values())
+        return JSONResponse(checks, status_code=200 if healthy else 503)
+
+    @app.get("/api/v1/overview")
+    async def overview(request: Request) -> dict[str, Any]:
+        """Workers and per-model queues (depth, owner, oldest waiting age)."""
+        return await queue_overview(request.app.state.redis, keys, settings)
+
+    return app

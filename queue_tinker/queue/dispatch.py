@@ -1,0 +1,236 @@
+"""The worker side of the queue: offers, leases with fencing, reading ops, publishing results.
+
+Every write a worker makes for a model goes through a script that first checks the lease
+token, so a worker that lost its lease (stalled, partitioned) cannot change anything.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from queue_tinker.errors import LeaseLostError
+from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.scripts import Scripts
+from queue_tinker.types import JobStatus, OpKind
+
+CONTROL_STREAM_LEN = 100
+
+
+@dataclass(frozen=True)
+class Lease:
+    model_id: str
+    token: str  # "<worker id>|<epoch>": the fencing token
+    done_seq: int  # ops up to here were published before the claim
+
+
+@dataclass(frozen=True)
+class Op:
+    job_id: str
+    model_id: str
+    seq: int
+    kind: OpKind
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a worker publishes for one op."""
+
+    status: JobStatus
+    result: bytes = b""
+    error: str = ""
+    error_category: str = ""
+    error_detail: str = ""
+    metrics: dict[str, float] | None = None
+
+
+def _lease_lost(exc: ResponseError, model_id: str) -> Exception:
+    if "LEASE_LOST" in str(exc):
+        return LeaseLostError(f"lease on model {model_id} was taken over")
+    return exc
+
+
+class Dispatcher:
+    """One worker's view of the queues of one base model."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        *,
+        worker_id: str,
+        base_model: str,
+        lease_ttl_ms: int,
+        result_ttl_s: int,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.worker_id = worker_id
+        self.base_model = base_model
+        self.lease_ttl_ms = lease_ttl_ms
+        self.result_ttl_s = result_ttl_s
+        self.scripts = Scripts.load(redis)
+
+    # --- offers and leases -----------------------------------------------------------------
+    async def next_offer(self, timeout_s: float) -> str | None:
+        """Block until a model of this base is offered (or the timeout passes)."""
+        popped = await self.redis.bzpopmin(self.keys.offers(self.base_model), timeout=timeout_s)
+        return popped[1].decode() if popped else None
+
+    async def oldest_offer_age_ms(self) -> float | None:
+        oldest = await self.redis.zrange(self.keys.offers(self.base_model), 0, 0, withscores=True)
+        if not oldest:
+            return None
+        return time.time() * 1000 - oldest[0][1]
+
+    async def take_offer(self) -> str | None:
+        popped = await self.redis.zpopmin(self.keys.offers(self.base_model))
+        return popped[0][0].decode() if popped else None
+
+    async def claim(self, model_id: str) -> Lease | None:
+        keys = self.keys
+        reply = await self.scripts.claim(
+            keys=[
+                keys.model_lease(model_id),
+                keys.model_epoch(model_id),
+                keys.model_meta(model_id),
+                keys.offers(self.base_model),
+            ],
+            args=[self.worker_id, self.lease_ttl_ms, model_id],
+        )
+        if reply is None:
+            return None
+        return Lease(model_id=model_id, token=reply[0].decode(), done_seq=int(reply[1]))
+
+    async def renew(self, leases: list[Lease]) -> list[bool]:
+        """Renew all leases in one round trip; False where the lease is no longer ours."""
+        if not leases:
+            return []
+        reply = await self.scripts.renew(
+            keys=[self.keys.model_lease(lease.model_id) for lease in leases],
+            args=[self.lease_ttl_ms, *[lease.token for lease in leases]],
+        )
+        return [bool(ok) for ok in reply]
+
+    async def release(self, lease: Lease, *, force: bool = False) -> int:
+        """1 released, 0 kept because ops are pending (unless force), -1 not ours anymore."""
+        keys = self.keys
+        return int(
+            await self.scripts.release(
+                keys=[
+                    keys.model_lease(lease.model_id),
+                    keys.model_meta(lease.model_id),
+                    keys.offers(self.base_model),
+                    keys.pending(self.base_model),
+                ],
+                args=[lease.token, lease.model_id, "1" if force else "0"],
+            )
+        )
+
+    async def offer_orphans(self) -> int:
+        """Offer every model that has pending ops but no owner (its worker died)."""
+        members = await self.redis.smembers(self.keys.pending(self.base_model))
+        pending = [m.decode() for m in members]
+        if not pending:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for model_id in pending:
+                pipe.exists(self.keys.model_lease(model_id))
+            owned = await pipe.execute()
+        orphans = {m: time.time() * 1000 for m, has_owner in zip(pending, owned, strict=True)
+                   if not has_owner}
+        if orphans:
+            await self.redis.zadd(self.keys.offers(self.base_model), orphans, nx=True)
+        return len(orphans)
+
+    # --- reading ops ------------------------------------------------------------------------
+    async def read(
+        self, cursors: dict[str, int], control_cursor: bytes, block_ms: int
+    ) -> tuple[list[Op], bytes]:
+        """New ops of the owned models after their cursors (seq), plus the control cursor.
+
+        Blocks on all the streams at once; a wake-up on the control stream returns early.
+        """
+        streams: dict[str, bytes | str] = {self.keys.worker_control(self.worker_id): control_cursor}
+        model_of_stream: dict[bytes, str] = {}
+        for model_id, seq in cursors.items():
+            stream_key = self.keys.model_ops(model_id)
+            streams[stream_key] = f"{seq}-0"
+            model_of_stream[stream_key.encode()] = model_id
+        reply = await self.redis.xread(streams, count=512, block=block_ms)
+        ops: list[Op] = []
+        control_key = self.keys.worker_control(self.worker_id).encode()
+        for stream, entries in reply or []:
+            if stream == control_key:
+                control_cursor = entries[-1][0]
+                continue
+            model_id = model_of_stream[stream]
+            for entry_id, fields in entries:
+                ops.append(
+                    Op(
+                        job_id=fields[b"job"].decode(),
+                        model_id=model_id,
+                        seq=int(entry_id.split(b"-")[0]),
+                        kind=OpKind(fields[b"kind"].decode()),
+                        payload=fields[b"payload"],
+                    )
+                )
+        return ops, control_cursor
+
+    async def wake(self) -> None:
+        """Interrupt this worker's blocking read (its owned-model set changed)."""
+        await self.redis.xadd(
+            self.keys.worker_control(self.worker_id), {"wake": "1"},
+            maxlen=CONTROL_STREAM_LEN, approximate=True,
+        )
+
+    # --- fenced job updates ----------------------------------------------------------------
+    async def start(self, lease: Lease, op: Op) -> bool:
+        """Mark the op running; False if it already finished (skip it)."""
+        try:
+            started = await self.scripts.start(
+                keys=[self.keys.model_lease(lease.model_id), self.keys.job(op.job_id),
+                      self.keys.records()],
+                args=[lease.token, self.worker_id],
+            )
+        except ResponseError as exc:
+            raise _lease_lost(exc, lease.model_id) from exc
+        return bool(started)
+
+    async def publish(
+        self, lease: Lease, op: Op, outcome: Outcome, *, trim_upto: int | None
+    ) -> None:
+        """Publish the op's outcome and advance the model; raises LeaseLostError if fenced."""
+        keys = self.keys
+        try:
+            await self.scripts.publish(
+                keys=[
+                    keys.model_lease(lease.model_id),
+                    keys.job(op.job_id),
+                    keys.model_meta(op.model_id),
+                    keys.model_ops(op.model_id),
+                    keys.pending(self.base_model),
+                    keys.records(),
+                    keys.model_events(op.model_id),
+                ],
+                args=[
+                    lease.token,
+                    outcome.status.value,
+                    outcome.result,
+                    outcome.error,
+                    outcome.error_category,
+                    json.dumps(outcome.metrics) if outcome.metrics else "",
+                    op.seq,
+                    self.result_ttl_s,
+                    op.model_id,
+                    "" if trim_upto is None else trim_upto,
+                    outcome.error_detail,
+                ],
+            )
+        except ResponseError as exc:
+            raise _lease_lost(exc, lease.model_id) from exc

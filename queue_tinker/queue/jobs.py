@@ -1,0 +1,151 @@
+"""The producer side of the queue: models, enqueue, and reading a job's outcome."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from queue_tinker.errors import ResultExpiredError, UnknownModelError, UserInputError
+from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.scripts import Scripts
+from queue_tinker.types import JobStatus, OpKind
+
+MAX_IDEMPOTENCY_KEY = 128
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    job_id: str
+    created: bool  # False: the idempotency key matched an earlier submit; nothing was queued
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """A finished job as the worker published it."""
+
+    job_id: str
+    status: JobStatus
+    result: bytes
+    error: str = ""
+    error_category: str = ""
+    error_detail: str = ""
+
+
+def _text(value: bytes | None) -> str:
+    return value.decode() if value is not None else ""
+
+
+def outcome_from_fields(job_id: str, fields: dict[bytes, bytes]) -> JobOutcome | None:
+    """The outcome in a job hash, or None while the job is still queued or running."""
+    status = JobStatus(_text(fields.get(b"status")))
+    if not status.terminal:
+        return None
+    return JobOutcome(
+        job_id=job_id,
+        status=status,
+        result=fields.get(b"result", b""),
+        error=_text(fields.get(b"error")),
+        error_category=_text(fields.get(b"error_category")),
+        error_detail=_text(fields.get(b"error_detail")),
+    )
+
+
+def check_idempotency_key(key: str | None) -> str:
+    if key is None:
+        return ""
+    if not isinstance(key, str) or not key or len(key) > MAX_IDEMPOTENCY_KEY:
+        raise UserInputError(
+            f"idempotency_key: must be a non-empty string of at most {MAX_IDEMPOTENCY_KEY} "
+            f"characters, got {key!r}"
+        )
+    return key
+
+
+class JobQueue:
+    """Submit ops to per-model queues and read their outcomes. No worker logic here."""
+
+    def __init__(self, redis: Redis, keys: Keys, *, result_ttl_s: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.result_ttl_s = result_ttl_s
+        self.scripts = Scripts.load(redis)
+        self._base_models: dict[str, str] = {}
+
+    async def register_model(
+        self,
+        model_id: str,
+        *,
+        base_model: str,
+        tenant_id: str,
+        session_id: str | None,
+        lora_config: dict[str, Any],
+    ) -> bool:
+        """Create the model's queue; False if it already existed (a retried create)."""
+        created = await self.scripts.register_model(
+            keys=[self.keys.model_meta(model_id), self.keys.records()],
+            args=[model_id, base_model, tenant_id, session_id or "", json.dumps(lora_config)],
+        )
+        return bool(created)
+
+    async def enqueue(
+        self,
+        model_id: str,
+        kind: OpKind,
+        payload: bytes,
+        *,
+        job_id: str,
+        idempotency_key: str | None = None,
+    ) -> Enqueued:
+        """Append an op to the model's log (one round trip). Same idempotency key, same job."""
+        idem = check_idempotency_key(idempotency_key)
+        base_model = await self.base_model(model_id)
+        keys = self.keys
+        try:
+            reply = await self.scripts.enqueue(
+                keys=[
+                    keys.model_meta(model_id),
+                    keys.model_ops(model_id),
+                    keys.idempotency(model_id, idem),
+                    keys.job(job_id),
+                    keys.model_lease(model_id),
+                    keys.offers(base_model),
+                    keys.pending(base_model),
+                    keys.records(),
+                ],
+                args=[job_id, kind.value, payload, self.result_ttl_s, idem, model_id],
+            )
+        except ResponseError as exc:
+            if "UNKNOWN_MODEL" in str(exc):
+                raise UnknownModelError(f"model_id: no model {model_id!r}") from exc
+            raise
+        return Enqueued(job_id=reply[0].decode(), created=bool(reply[1]))
+
+    async def base_model(self, model_id: str) -> str:
+        """The base model a model was created on (cached: it never changes)."""
+        cached = self._base_models.get(model_id)
+        if cached is not None:
+            return cached
+        raw = await self.redis.hget(self.keys.model_meta(model_id), "base_model")
+        if raw is None:
+            raise UnknownModelError(f"model_id: no model {model_id!r}")
+        self._base_models[model_id] = raw.decode()
+        return raw.decode()
+
+    async def outcome(self, job_id: str) -> JobOutcome | None:
+        """The job's outcome if finished, None if still pending; raises if Redis forgot it."""
+        fields = await self.redis.hgetall(self.keys.job(job_id))
+        if not fields:
+            raise ResultExpiredError(
+                f"request {job_id}: no such job in Redis (unknown, or its result outlived "
+                f"QT_RESULT_TTL_S={self.result_ttl_s})"
+            )
+        return outcome_from_fields(job_id, fields)
+
+    async def job_fields(self, job_id: str) -> dict[str, str]:
+        """The job hash as text (status, timings, worker...), without the result bytes."""
+        fields = await self.redis.hgetall(self.keys.job(job_id))
+        return {k.decode(): v.decode() for k, v in fields.items() if k != b"result"}

@@ -1,0 +1,69 @@
+"""Every Redis key name queue_tinker uses, in one place (tests/test_keys.py pins them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix, so deployments and test runs can share a Redis."""
+
+    prefix: str
+
+    # --- per model -------------------------------------------------------------------------
+    def model_meta(self, model_id: str) -> str:
+        """Hash: base_model, tenant_id, last_seq (assigned), done_seq (published)."""
+        return f"{self.prefix}:model:{model_id}:meta"
+
+    def model_ops(self, model_id: str) -> str:
+        """Stream: the model's op log; entry id `<seq>-0`, so stream order is seq order."""
+        return f"{self.prefix}:model:{model_id}:ops"
+
+    def model_lease(self, model_id: str) -> str:
+        """String `<worker_id>|<epoch>` with a TTL: who owns the model right now."""
+        return f"{self.prefix}:model:{model_id}:lease"
+
+    def model_epoch(self, model_id: str) -> str:
+        """Counter bumped on every claim; the epoch is the lease's fencing token."""
+        return f"{self.prefix}:model:{model_id}:epoch"
+
+    def model_events(self, model_id: str) -> str:
+        """Pub/sub channel: one message per finished job of the model (wakes futures)."""
+        return f"{self.prefix}:model:{model_id}:events"
+
+    def idempotency(self, model_id: str, key: str) -> str:
+        """String: the job id first submitted under this idempotency key."""
+        return f"{self.prefix}:model:{model_id}:idem:{key}"
+
+    # --- per job ---------------------------------------------------------------------------
+    def job(self, job_id: str) -> str:
+        """Hash: model_id, seq, kind, status, timings, worker, result or error."""
+        return f"{self.prefix}:job:{job_id}"
+
+    # --- per base model --------------------------------------------------------------------
+    def offers(self, base_model: str) -> str:
+        """Sorted set: models with pending ops and no owner, scored by offer time."""
+        return f"{self.prefix}:base:{base_model}:offers"
+
+    def pending(self, base_model: str) -> str:
+        """Set: models of this base with ops not yet published (the reaper scans it)."""
+        return f"{self.prefix}:base:{base_model}:pending"
+
+    # --- workers ---------------------------------------------------------------------------
+    def workers(self) -> str:
+        """Sorted set: worker id -> last heartbeat (ms)."""
+        return f"{self.prefix}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        """Hash: the worker's base model, device, host, pid, current op, owned models."""
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def worker_control(self, worker_id: str) -> str:
+        """Stream: wake-ups and commands for one worker's op reader."""
+        return f"{self.prefix}:worker:{worker_id}:control"
+
+    # --- the durable record ----------------------------------------------------------------
+    def records(self) -> str:
+        """Stream: record events the recorder writes behind into Postgres."""
+        return f"{self.prefix}:records"

@@ -1,0 +1,35 @@
+-- Append one op to a model's log: assign its seq, write the job, offer the model if unowned.
+-- One atomic step, so a seq is never skipped or reused and a retried submit returns the
+-- first job instead of running twice.
+-- KEYS[1] model meta hash     KEYS[2] model ops stream    KEYS[3] idempotency key
+-- KEYS[4] job hash (new id)   KEYS[5] model lease         KEYS[6] offers zset of the base
+-- KEYS[7] pending set of base KEYS[8] records stream
+-- ARGV[1] job id   ARGV[2] kind   ARGV[3] payload   ARGV[4] ttl seconds
+-- ARGV[5] idempotency key ('' = none)   ARGV[6] model id
+-- Returns {job id, 1 if newly queued else 0}; error 'UNKNOWN_MODEL' if the model is unknown.
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return redis.error_reply('UNKNOWN_MODEL')
+end
+if ARGV[5] ~= '' then
+  local existing = redis.call('GET', KEYS[3])
+  if existing then
+    return {existing, 0}
+  end
+end
+local seq = redis.call('HINCRBY', KEYS[1], 'last_seq', 1)
+local ttl = tonumber(ARGV[4])
+redis.call('HSET', KEYS[4], 'id', ARGV[1], 'model_id', ARGV[6], 'seq', seq, 'kind', ARGV[2],
+  'status', 'queued', 'tenant_id', redis.call('HGET', KEYS[1], 'tenant_id'),
+  'queued_at', now_text(), 'attempts', 0)
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[4], 'idempotency_key', ARGV[5])
+  redis.call('SET', KEYS[3], ARGV[1], 'EX', ttl)
+end
+redis.call('EXPIRE', KEYS[4], ttl)
+redis.call('XADD', KEYS[2], seq .. '-0', 'job', ARGV[1], 'kind', ARGV[2], 'payload', ARGV[3])
+redis.call('SADD', KEYS[7], ARGV[6])
+if redis.call('EXISTS', KEYS[5]) == 0 then
+  redis.call('ZADD', KEYS[6], 'NX', now_ms(), ARGV[6])
+end
+record_job(KEYS[4], KEYS[8])
+return {ARGV[1], 1}

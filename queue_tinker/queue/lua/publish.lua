@@ -1,0 +1,32 @@
+-- Publish a job's outcome, fenced by the lease: job hash, model progress, record, wake-up.
+-- KEYS[1] model lease   KEYS[2] job hash   KEYS[3] model meta   KEYS[4] model ops stream
+-- KEYS[5] pending set of base   KEYS[6] records stream   KEYS[7] model events channel
+-- ARGV[1] token   ARGV[2] status ('done'/'failed')   ARGV[3] result bytes   ARGV[4] error
+-- ARGV[5] error category   ARGV[6] metrics (JSON, '' none)   ARGV[7] seq   ARGV[8] ttl seconds
+-- ARGV[9] model id   ARGV[10] trim the log up to this seq ('' = keep)   ARGV[11] error detail
+-- Returns 1; error 'LEASE_LOST' when another worker owns the model now.
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return redis.error_reply('LEASE_LOST')
+end
+local finished = now_text()
+redis.call('HSET', KEYS[2], 'status', ARGV[2], 'finished_at', finished, 'result', ARGV[3])
+if ARGV[2] == 'failed' then
+  redis.call('HSET', KEYS[2], 'error', ARGV[4], 'error_category', ARGV[5], 'error_detail', ARGV[11])
+end
+if ARGV[6] ~= '' then
+  redis.call('HSET', KEYS[2], 'metrics', ARGV[6])
+end
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[8]))
+local seq = tonumber(ARGV[7])
+redis.call('HSET', KEYS[3], 'done_seq', seq)
+if tonumber(redis.call('HGET', KEYS[3], 'last_seq')) <= seq then
+  redis.call('SREM', KEYS[5], ARGV[9])
+end
+if ARGV[10] ~= '' then
+  redis.call('XTRIM', KEYS[4], 'MINID', (tonumber(ARGV[10]) + 1) .. '-0')
+end
+record_job(KEYS[2], KEYS[6])
+local job_id = redis.call('HGET', KEYS[2], 'id')
+redis.call('PUBLISH', KEYS[7], cmsgpack.pack({job_id, ARGV[2], ARGV[3], ARGV[4], ARGV[5],
+  ARGV[11]}))
+return 1

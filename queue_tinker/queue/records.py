@@ -1,0 +1,100 @@
+"""The records stream: state changes on their way to Postgres, written behind the hot path.
+
+Producers are the Lua scripts (requests, models) and processes (sessions, workers); the
+recorder consumes it as a consumer group, so an entry is acknowledged only after Postgres
+committed it, and a crashed recorder's entries are claimed by another.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from queue_tinker.queue.keys import Keys
+from queue_tinker.types import RECORD_ADAPTER, Record
+
+log = logging.getLogger(__name__)
+
+GROUP = "recorder"
+_JSON_FIELDS = ("metrics", "lora_config")
+
+Entry = tuple[bytes, Record | None]  # None: malformed, acknowledged and skipped
+
+
+def parse_record(fields: dict[bytes, bytes]) -> Record:
+    """A flat stream entry (all strings) as its typed record; '' means absent."""
+    data: dict[str, object] = {}
+    for raw_key, raw_value in fields.items():
+        key, value = raw_key.decode(), raw_value.decode()
+        if value == "":
+            continue
+        data[key] = json.loads(value) if key in _JSON_FIELDS else value
+    return RECORD_ADAPTER.validate_python(data)
+
+
+def flatten_record(record: Record) -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in record.model_dump(mode="json").items():
+        if value is None:
+            continue
+        flat[key] = json.dumps(value) if key in _JSON_FIELDS else str(value)
+    return flat
+
+
+class RecordLog:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.stream = keys.records()
+
+    async def append(self, record: Record) -> None:
+        await self.redis.xadd(self.stream, flatten_record(record))  # type: ignore[arg-type]
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read(self, consumer: str, *, count: int, block_ms: int | None,
+                   pending: bool = False) -> list[Entry]:
+        """New entries for this consumer, or (pending=True) the ones it read but never acked."""
+        reply = await self.redis.xreadgroup(
+            GROUP, consumer, {self.stream: "0" if pending else ">"}, count=count, block=block_ms
+        )
+        return self._parse(reply[0][1] if reply else [])
+
+    async def claim_stale(self, consumer: str, *, min_idle_ms: int, count: int) -> list[Entry]:
+        """Take over entries another (dead) recorder read but never acknowledged."""
+        reply = await self.redis.xautoclaim(
+            self.stream, GROUP, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
+        )
+        return self._parse(reply[1])
+
+    async def ack(self, entry_ids: list[bytes]) -> None:
+        if entry_ids:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xack(self.stream, GROUP, *entry_ids)
+                pipe.xdel(self.stream, *entry_ids)
+                await pipe.execute()
+
+    async def backlog(self) -> int:
+        """Entries not yet written to Postgres."""
+        return int(await self.redis.xlen(self.stream))
+
+    def _parse(self, raw: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
+        entries: list[Entry] = []
+        for entry_id, fields in raw:
+            if not fields:  # deleted while pending
+                continue
+            try:
+                entries.append((entry_id, parse_record(fields)))
+            except (ValidationError, ValueError) as exc:
+                # A malformed entry must not block the stream forever: log it, skip it.
+                log.error("dropping malformed record %s: %s", entry_id, exc)
+                entries.append((entry_id, None))
+        return entries

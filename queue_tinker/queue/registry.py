@@ -1,0 +1,44 @@
+"""Worker registry: who is alive, what it serves, what it is doing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from redis.asyncio import Redis
+
+from queue_tinker.queue.keys import Keys
+
+
+class WorkerRegistry:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def beat(self, worker_id: str, fields: dict[str, Any], ttl_ms: int) -> None:
+        """Record a heartbeat; the hash expires if the worker stops beating."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.worker(worker_id), mapping={k: str(v) for k, v in fields.items()})
+            pipe.pexpire(self.keys.worker(worker_id), ttl_ms)
+            pipe.zadd(self.keys.workers(), {worker_id: time.time() * 1000})
+            await pipe.execute()
+
+    async def remove(self, worker_id: str) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.workers(), worker_id)
+            pipe.delete(self.keys.worker(worker_id), self.keys.worker_control(worker_id))
+            await pipe.execute()
+
+    async def live(self, max_age_ms: int) -> list[dict[str, str]]:
+        """Workers that beat within max_age_ms, with their registry fields."""
+        since = time.time() * 1000 - max_age_ms
+        ids = await self.redis.zrangebyscore(self.keys.workers(), since, "+inf")
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                pipe.hgetall(self.keys.worker(worker_id.decode()))
+            rows = await pipe.execute()
+        return [
+            {"id": wid.decode(), **{k.decode(): v.decode() for k, v in row.items()}}
+            for wid, row in zip(ids, rows, strict=True)
+            if row
+        ]

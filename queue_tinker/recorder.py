@@ -1,0 +1,81 @@
+"""The recorder: moves record events from Redis into Postgres, in batches, behind the hot path.
+
+If Postgres is down, entries stay unacknowledged in the stream and are retried with backoff;
+the record catches up when the database returns. Any process may run a recorder (workers and
+the gateway do); the consumer group shares the work between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from queue_tinker.queue.records import Entry, RecordLog
+from queue_tinker.store.record_writer import apply_records
+
+log = logging.getLogger(__name__)
+
+BATCH = 500
+STALE_MS = 30_000  # a recorder silent this long is presumed dead; its entries are taken over
+MAX_BACKOFF_S = 5.0
+
+
+class Recorder:
+    def __init__(self, log_: RecordLog, sessions: async_sessionmaker, consumer: str) -> None:
+        self.log = log_
+        self.sessions = sessions
+        self.consumer = consumer
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        """Finish the batch in hand and return from run() (within one read block)."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        # Stopped by a flag, not by cancellation: a CancelledError raised inside a database
+        # call can be absorbed by the driver, which would leave this loop running forever.
+        await self.log.ensure_group()
+        backoff = 0.0
+        while not self._stopping.is_set():
+            try:
+                wrote = await self.step(block_ms=1000)
+                backoff = 0.0
+                if not wrote:
+                    await self._take_over_stale()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                backoff = min(MAX_BACKOFF_S, max(0.25, backoff * 2))
+                reason = str(exc).splitlines()[0][:200]
+                log.warning("recorder: Postgres write failed (%s: %s); retrying in %.2fs",
+                            type(exc).__name__, reason, backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), backoff)
+
+    async def step(self, *, block_ms: int | None) -> int:
+        """Write one batch: this consumer's unacknowledged entries first, then new ones."""
+        entries = await self.log.read(self.consumer, count=BATCH, block_ms=None, pending=True)
+        if not entries:
+            entries = await self.log.read(self.consumer, count=BATCH, block_ms=block_ms)
+        await self._write(entries)
+        return len(entries)
+
+    async def drain(self) -> None:
+        """Write everything currently in the stream (used on shutdown and by tests)."""
+        while await self.step(block_ms=None):
+            pass
+
+    async def _take_over_stale(self) -> None:
+        entries = await self.log.claim_stale(self.consumer, min_idle_ms=STALE_MS, count=BATCH)
+        await self._write(entries)
+
+    async def _write(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        records = [record for _, record in entries if record is not None]
+        if records:
+            await apply_records(self.sessions, records)
+        await self.log.ack([entry_id for entry_id, _ in entries])

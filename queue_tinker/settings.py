@@ -1,0 +1,69 @@
+"""The one settings model: every knob, its env var (QT_*) and what it does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Effective configuration, read from QT_* environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="QT_", extra="forbid", frozen=True)
+
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis URL (redis://host:port/db). Unset: `queue-tinker up` starts an "
+        "embedded Redis under data_dir.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="Postgres URL (postgresql://user@host/db). Unset: `queue-tinker up` starts "
+        "an embedded Postgres under data_dir.",
+    )
+    data_dir: Path = Field(
+        default=Path(".qt-data"),
+        description="Where the embedded Redis and Postgres keep their files.",
+    )
+    storage: Path | None = Field(
+        default=None, description="Checkpoint storage directory (default: data_dir/checkpoints)."
+    )
+    key_prefix: str = Field(
+        default="qt", description="Prefix of every Redis key, so several deployments or test "
+        "runs can share one Redis."
+    )
+    lease_ttl_ms: int = Field(
+        default=10_000, gt=0,
+        description="How long a worker's claim on a model lives without a heartbeat; after it "
+        "lapses another worker may take the model over.",
+    )
+    heartbeat_ms: int = Field(
+        default=2_000, gt=0, description="How often a worker renews its leases and registry entry."
+    )
+    linger_ms: int = Field(
+        default=30_000, ge=0,
+        description="How long a worker keeps an idle model before releasing it; keeps its "
+        "adapter resident for the next burst of ops.",
+    )
+    result_ttl_s: int = Field(
+        default=86_400, gt=0,
+        description="How long job records, results and idempotency keys stay in Redis after "
+        "submission; Postgres keeps the request row for good.",
+    )
+    gateway_host: str = Field(default="127.0.0.1", description="Gateway bind address.")
+    gateway_port: int = Field(default=8000, description="Gateway port.")
+    api_key: str | None = Field(
+        default=None,
+        description="API key the client sends (tml-...); unset uses the default tenant.",
+    )
+
+    @property
+    def storage_dir(self) -> Path:
+        return self.storage if self.storage is not None else self.data_dir / "checkpoints"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with explicit overrides winning."""
+    return Settings(**overrides)  # type: ignore[arg-type]

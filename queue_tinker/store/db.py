@@ -1,0 +1,82 @@
+"""Engines, sessions and database housekeeping on the asyncio (asyncpg) driver."""
+
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+
+_ASYNC_DRIVER = "postgresql+asyncpg"
+# Database names are interpolated into CREATE/DROP DATABASE (no bind parameters there).
+_SAFE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def _async_url(url: str | URL) -> URL:
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend not in ("postgresql", "postgres"):
+        raise ValueError(f"database url: expected a postgresql:// URL, got scheme {backend!r}")
+    parsed = parsed.set(drivername=_ASYNC_DRIVER)
+    query = dict(parsed.query)
+    # libpq spells it sslmode, asyncpg spells it ssl; asyncpg refuses the unknown keyword.
+    if "sslmode" in query:
+        query["ssl"] = query.pop("sslmode")
+        parsed = parsed.set(query=query)
+    return parsed
+
+
+def to_async_url(url: str) -> str:
+    """`postgresql://`, `postgres://` or `postgresql+psycopg://` as a `postgresql+asyncpg://` URL.
+
+    Query parameters are kept, so unix-socket URLs (`...@/db?host=/tmp/pgdir`, as pgserver
+    gives them) reach asyncpg as its `host` argument.
+    """
+    return _async_url(url).render_as_string(hide_password=False)
+
+
+def make_engine(url: str) -> AsyncEngine:
+    """An asyncpg engine; pre-ping so a restarted Postgres costs one retry, not an error."""
+    return create_async_engine(_async_url(url), pool_pre_ping=True)
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    # expire_on_commit=False: rows read in a session stay usable after it closes.
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def with_database(url: str, name: str) -> str:
+    """The same server and credentials as `url`, with database `name`."""
+    return make_url(url).set(database=name).render_as_string(hide_password=False)
+
+
+def _checked_name(name: str) -> str:
+    if not _SAFE_NAME.match(name):
+        raise ValueError(f"database name {name!r}: use letters, digits and _ (at most 63)")
+    return name
+
+
+async def _admin_execute(admin_url: str, sql: str) -> None:
+    # CREATE/DROP DATABASE cannot run inside a transaction block, hence AUTOCOMMIT.
+    engine = create_async_engine(_async_url(admin_url), isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text(sql))
+    finally:
+        await engine.dispose()
+
+
+async def create_database(admin_url: str, name: str) -> None:
+    """Create an empty database `name` on the server `admin_url` points at."""
+    await _admin_execute(admin_url, f'CREATE DATABASE "{_checked_name(name)}"')
+
+
+async def drop_database(admin_url: str, name: str) -> None:
+    """Drop database `name`, disconnecting whoever is still connected to it."""
+    await _admin_execute(admin_url, f'DROP DATABASE IF EXISTS "{_checked_name(name)}" WITH (FORCE)')

@@ -1,0 +1,39 @@
+"""Closed lists. Everything else (Lua, SQL, docs, the gateway) derives from these."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class OpKind(StrEnum):
+    """Every kind of job a model's queue can hold."""
+
+    CREATE_MODEL = "create_model"
+    PING = "ping"  # a no-op round trip: health checks, latency benchmarks, lease tests
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.DONE, JobStatus.FAILED)
+
+    @property
+    def rank(self) -> int:
+        """Order of progress; a record never moves to a lower rank (write-behind may reorder)."""
+        return _STATUS_RANK[self]
+
+
+_STATUS_RANK = {JobStatus.QUEUED: 0, JobStatus.RUNNING: 1, JobStatus.DONE: 2, JobStatus.FAILED: 2}
+
+
+class QueueState(StrEnum):
+    """Why a future is waiting, as reported to the client."""
+
+    ACTIVE = "active"
+    PAUSED_RATE_LIMIT = "paused_rate_limit"
+    PAUSED_CAPACITY = "paused_capacity"

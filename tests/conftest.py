@@ -1,0 +1,131 @@
+"""Real services for every test: the local Redis/Postgres when they answer, else embedded ones.
+
+Each test gets its own Redis key prefix (flushed afterwards); the run gets a scratch Postgres
+database created through the alembic migrations, dropped at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from queue_tinker.client import ServiceClient
+from queue_tinker.settings import Settings
+
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
+LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def services_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("services")
+
+
+@pytest.fixture(scope="session")
+def redis_url(services_dir: Path) -> Iterator[str]:
+    url = os.environ.get("QT_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    if _answers("127.0.0.1", 6379):
+        yield LOCAL_REDIS
+        return
+    from queue_tinker.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(services_dir / "redis")
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url(services_dir: Path) -> Iterator[str]:
+    url = os.environ.get("QT_TEST_DATABASE_URL")
+    if url:
+        yield url
+        return
+    if _answers("127.0.0.1", 5432):
+        yield LOCAL_POSTGRES
+        return
+    from queue_tinker.embedded import EmbeddedPostgres
+
+    server = EmbeddedPostgres(services_dir / "postgres")
+    yield server.start()
+    server.stop()
+
+
+def _scratch_database(admin_url: str) -> tuple[str, str]:
+    """Create an empty database beside the admin one; return (its URL, its name)."""
+    from queue_tinker.store.db import create_database, with_database
+
+    name = f"qt_test_{uuid.uuid4().hex[:12]}"
+    asyncio.run(create_database(admin_url, name))
+    return with_database(admin_url, name), name
+
+
+@pytest.fixture(scope="session")
+def database_url(postgres_admin_url: str) -> Iterator[str]:
+    """A scratch database at the head migration, shared by the run."""
+    from queue_tinker.store.db import drop_database
+    from queue_tinker.store.migrate import upgrade
+
+    url, name = _scratch_database(postgres_admin_url)
+    upgrade(url)
+    yield url
+    asyncio.run(drop_database(postgres_admin_url, name))
+
+
+@pytest.fixture
+def empty_database_url(postgres_admin_url: str) -> Iterator[str]:
+    """A brand-new empty database for this test alone (migration tests)."""
+    from queue_tinker.store.db import drop_database
+
+    url, name = _scratch_database(postgres_admin_url)
+    yield url
+    asyncio.run(drop_database(postgres_admin_url, name))
+
+
+@pytest.fixture
+def key_prefix(redis_url: str) -> Iterator[str]:
+    prefix = f"qt-test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    for start in range(0, len(keys), 500):
+        client.delete(*keys[start : start + 500])
+    client.close()
+
+
+@pytest.fixture
+def settings(redis_url: str, database_url: str, key_prefix: str, tmp_path: Path) -> Settings:
+    return Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        data_dir=tmp_path / "data",
+        lease_ttl_ms=3_000,
+        heartbeat_ms=500,
+        linger_ms=2_000,
+    )
+
+
+@pytest.fixture
+def service(settings: Settings) -> Iterator[ServiceClient]:
+    """A client of the test's deployment, closed afterwards."""
+    client = ServiceClient(settings)
+    yield client
+    client.close()

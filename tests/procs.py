@@ -1,0 +1,94 @@
+"""Real worker processes for tests: started with the test's settings, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+from queue_tinker.queue.keys import Keys
+from queue_tinker.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes a child process see the same settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QT_")}
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"QT_{name.upper()}"] = str(value)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a hung worker killed with SIGABRT dumps its stacks
+    return env
+
+
+class WorkerProcess:
+    def __init__(self, settings: Settings, base_model: str, log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "queue_tinker.cli", "worker", "--base-model", base_model,
+             "--device", "cpu"],
+            env=settings_env(settings), cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGABRT)
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_for_workers(settings: Settings, count: int, timeout: float = 30) -> list[str]:
+    """Block until `count` workers are registered; their ids."""
+    client = redis.Redis.from_url(settings.redis_url or "")
+    keys = Keys(settings.key_prefix)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ids = [w.decode() for w in client.zrange(keys.workers(), 0, -1)]
+            if len(ids) >= count:
+                return ids
+            time.sleep(0.05)
+    finally:
+        client.close()
+    raise TimeoutError(f"only saw fewer than {count} workers register within {timeout}s")
+
+
+@contextmanager
+def running_workers(
+    settings: Settings, count: int, log_dir: Path, base_model: str = "tiny"
+) -> Iterator[list[WorkerProcess]]:
+    procs = [WorkerProcess(settings, base_model, log_dir / f"worker-{i}.log") for i in range(count)]
+    try:
+        wait_for_workers(settings, count)
+        yield procs
+    finally:
+        codes = [p.stop() for p in procs]
+        for proc, code in zip(procs, codes, strict=True):
+            assert code == 0, f"worker exited with {code}:\n{proc.log()[-3000:]}"

@@ -1,0 +1,170 @@
+"""The queue's scripts against real Redis: ordering, idempotency, leases and fencing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from queue_tinker.errors import LeaseLostError, UnknownModelError, UserInputError
+from queue_tinker.queue.connection import connect
+from queue_tinker.queue.dispatch import Dispatcher, Outcome
+from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.keys import Keys
+from queue_tinker.types import JobStatus, OpKind
+
+BASE = "tiny"
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def keys(key_prefix: str) -> Keys:
+    return Keys(key_prefix)
+
+
+@pytest.fixture
+def jobs(redis: Redis, keys: Keys) -> JobQueue:
+    return JobQueue(redis, keys, result_ttl_s=60)
+
+
+def dispatcher(redis: Redis, keys: Keys, worker_id: str, lease_ttl_ms: int = 5_000) -> Dispatcher:
+    return Dispatcher(redis, keys, worker_id=worker_id, base_model=BASE,
+                      lease_ttl_ms=lease_ttl_ms, result_ttl_s=60)
+
+
+async def new_model(jobs: JobQueue, model_id: str = "m1") -> str:
+    await jobs.register_model(model_id, base_model=BASE, tenant_id="default", session_id=None,
+                              lora_config={"rank": 8})
+    return model_id
+
+
+async def test_enqueue_assigns_consecutive_seqs_under_concurrency(jobs: JobQueue,
+                                                                 keys: Keys) -> None:
+    """200 concurrent submits get seqs 1..200 with none skipped or reused."""
+    model = await new_model(jobs)
+    await asyncio.gather(*(jobs.enqueue(model, OpKind.PING, b"", job_id=f"j{i}")
+                           for i in range(200)))
+    entries = await jobs.redis.xrange(keys.model_ops(model))
+    assert [int(e[0].split(b"-")[0]) for e in entries] == list(range(1, 201))
+    assert sorted(e[1][b"job"].decode() for e in entries) == sorted(f"j{i}" for i in range(200))
+
+
+async def test_same_idempotency_key_returns_first_job(jobs: JobQueue, keys: Keys) -> None:
+    """A resubmit under the same key queues nothing and returns the original job id."""
+    model = await new_model(jobs)
+    first = await jobs.enqueue(model, OpKind.PING, b"a", job_id="j1", idempotency_key="k")
+    again = await jobs.enqueue(model, OpKind.PING, b"b", job_id="j2", idempotency_key="k")
+    assert (first.job_id, first.created) == ("j1", True)
+    assert (again.job_id, again.created) == ("j1", False)
+    assert await jobs.redis.xlen(keys.model_ops(model)) == 1
+    assert not await jobs.redis.exists(keys.job("j2"))
+
+
+async def test_bad_submits_name_the_field(jobs: JobQueue) -> None:
+    """Unknown models and malformed idempotency keys are user errors that say what is wrong."""
+    with pytest.raises(UnknownModelError, match="model_id"):
+        await jobs.enqueue("nope", OpKind.PING, b"", job_id="j")
+    model = await new_model(jobs)
+    with pytest.raises(UserInputError, match="idempotency_key"):
+        await jobs.enqueue(model, OpKind.PING, b"", job_id="j", idempotency_key="x" * 500)
+
+
+async def test_unowned_model_is_offered_once(jobs: JobQueue, redis: Redis, keys: Keys) -> None:
+    """Pending ops put an unowned model on its base model's offers, once; a claim takes it off."""
+    model = await new_model(jobs)
+    for i in range(3):
+        await jobs.enqueue(model, OpKind.PING, b"", job_id=f"j{i}")
+    assert await redis.zrange(keys.offers(BASE), 0, -1) == [model.encode()]
+    worker = dispatcher(redis, keys, "wA")
+    assert await worker.next_offer(timeout_s=1) == model
+    lease = await worker.claim(model)
+    assert lease is not None and lease.done_seq == 0
+    await jobs.enqueue(model, OpKind.PING, b"", job_id="j3")
+    assert await redis.zcard(keys.offers(BASE)) == 0  # owned: the owner sees it on its stream
+
+
+async def test_stale_owner_is_fenced_out(jobs: JobQueue, redis: Redis, keys: Keys) -> None:
+    """After a takeover the old owner cannot start, publish, renew or release."""
+    model = await new_model(jobs)
+    await jobs.enqueue(model, OpKind.PING, b"", job_id="j1")
+    worker_a, worker_b = dispatcher(redis, keys, "wA", 300), dispatcher(redis, keys, "wB")
+    lease_a = await worker_a.claim(model)
+    assert lease_a is not None
+    ops, _ = await worker_a.read({model: 0}, b"0-0", block_ms=100)
+    assert await worker_a.start(lease_a, ops[0])
+    assert await worker_b.claim(model) is None  # held
+    await asyncio.sleep(0.45)  # A stalls past its lease
+    lease_b = await worker_b.claim(model)
+    assert lease_b is not None and lease_b.token != lease_a.token
+
+    done = Outcome(status=JobStatus.DONE, result=b"from A")
+    with pytest.raises(LeaseLostError):
+        await worker_a.publish(lease_a, ops[0], done, trim_upto=None)
+    with pytest.raises(LeaseLostError):
+        await worker_a.start(lease_a, ops[0])
+    assert await worker_a.renew([lease_a]) == [False]
+    assert await worker_a.release(lease_a, force=True) == -1
+    assert (await jobs.outcome("j1")) is None  # nothing A did after losing the lease landed
+
+    assert await worker_b.start(lease_b, ops[0])
+    await worker_b.publish(lease_b, ops[0], Outcome(JobStatus.DONE, b"from B"), trim_upto=1)
+    outcome = await jobs.outcome("j1")
+    assert outcome is not None and outcome.result == b"from B"
+    fields = await jobs.job_fields("j1")
+    assert fields["worker_id"] == "wB" and fields["attempts"] == "2"
+    assert await worker_b.renew([lease_b]) == [True]
+
+
+async def test_release_keeps_a_model_with_pending_ops(jobs: JobQueue, redis: Redis,
+                                                      keys: Keys) -> None:
+    """A plain release refuses while ops are unpublished; a forced one re-offers the model."""
+    model = await new_model(jobs)
+    worker = dispatcher(redis, keys, "wA")
+    lease = await worker.claim(model)
+    assert lease is not None
+    await jobs.enqueue(model, OpKind.PING, b"", job_id="j1")
+    assert await worker.release(lease) == 0
+    assert await worker.release(lease, force=True) == 1
+    assert await redis.zrange(keys.offers(BASE), 0, -1) == [model.encode()]
+
+
+async def test_reaper_offers_models_of_dead_workers(jobs: JobQueue, redis: Redis,
+                                                    keys: Keys) -> None:
+    """Pending ops whose owner's lease lapsed are offered again; owned ones are not."""
+    dead, alive = await new_model(jobs, "dead"), await new_model(jobs, "alive")
+    worker = dispatcher(redis, keys, "wA", lease_ttl_ms=200)
+    for model in (dead, alive):
+        assert await worker.claim(model) is not None
+        await jobs.enqueue(model, OpKind.PING, b"", job_id=f"j-{model}")
+    await asyncio.sleep(0.3)
+    assert await worker.claim(alive) is not None  # re-claimed, so owned again
+    assert await worker.offer_orphans() == 1
+    assert await redis.zrange(keys.offers(BASE), 0, -1) == [b"dead"]
+
+
+async def test_publish_advances_the_model_and_trims_its_log(jobs: JobQueue, redis: Redis,
+                                                            keys: Keys) -> None:
+    """Publishing seq k marks k done, trims the log through k, and clears pending at the end."""
+    model = await new_model(jobs)
+    for i in range(3):
+        await jobs.enqueue(model, OpKind.PING, b"", job_id=f"j{i}")
+    worker = dispatcher(redis, keys, "wA")
+    lease = await worker.claim(model)
+    assert lease is not None
+    ops, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
+    assert [op.seq for op in ops] == [1, 2, 3]
+    for op in ops:
+        await worker.start(lease, op)
+        await worker.publish(lease, op, Outcome(JobStatus.DONE), trim_upto=op.seq)
+        remaining = await redis.xrange(keys.model_ops(model))
+        assert [int(e[0].split(b"-")[0]) for e in remaining] == list(range(op.seq + 1, 4))
+    assert await redis.hget(keys.model_meta(model), "done_seq") == b"3"
+    assert not await redis.sismember(keys.pending(BASE), model)

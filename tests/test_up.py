@@ -1,0 +1,108 @@
+"""`queue-tinker up` brings the whole stack up from nothing and Ctrl-C takes all of it down."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from queue_tinker.embedded import free_port
+from queue_tinker.processes import pid_alive
+
+HEALTHY_WITHIN_S = 90.0  # embedded Postgres initdb + migrations + gateway import, on 2 slow cores
+STOPPED_WITHIN_S = 30.0
+
+
+@pytest.fixture
+def scratch_dir() -> Iterator[Path]:
+    """A directory outside /tmp/pytest-of-<user>. As root, pgserver runs Postgres as the user
+    `pgserver`, and every pytest start (another run in parallel, say) chmods that root to 0700,
+    locking Postgres out of its own data mid-run."""
+    path = Path(tempfile.mkdtemp(prefix="qt-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process below `root`, read from /proc (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            if pid not in found:
+                found.add(pid)
+                todo.append(pid)
+    return found
+
+
+def _up_command() -> list[str]:
+    script = Path(sys.executable).with_name("queue-tinker")
+    if script.exists():
+        return [str(script), "up", "--workers", "1"]
+    return [sys.executable, "-m", "queue_tinker.cli", "up", "--workers", "1"]
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + HEALTHY_WITHIN_S
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"`queue-tinker up` exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+    pytest.fail(f"{url} did not answer 200 within {HEALTHY_WITHIN_S:.0f} s:\n{log.read_text()}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_up_serves_healthz_and_ctrl_c_stops_everything(scratch_dir: Path) -> None:
+    """With no URLs set, `up` starts embedded Redis+Postgres, gateway and a worker; SIGINT
+    exits 0 within 30 s and leaves no redis-server, postgres, gateway or worker running."""
+    data_dir = scratch_dir / "data"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QT_")}
+    env.update(QT_DATA_DIR=str(data_dir), QT_GATEWAY_PORT=str(port))
+    log = scratch_dir / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(_up_command(), env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}/healthz", log)
+        owned = _descendants(proc.pid)
+        postmaster = int((data_dir / "postgres" / "postmaster.pid").read_text().split()[0])
+        owned |= {postmaster, *_descendants(postmaster)}
+        assert len(owned) >= 4, f"expected redis, postgres, gateway, worker; got {owned}"
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=STOPPED_WITHIN_S) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    # pg_ctl stop returns when the postmaster is gone; its helpers may trail by a few ms.
+    deadline = time.monotonic() + 5
+    while (left := {pid for pid in owned if pid_alive(pid)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes left running after `up` exited: {sorted(left)}"

@@ -1,0 +1,274 @@
+"""The worker's control loop: claim models, run their ops in order, publish, keep leases alive.
+
+One asyncio loop, several tasks: the op reader (one blocking XREAD over every owned model's
+log), the claimer (waits on the base model's offers), heartbeats (renew all leases in one
+round trip, even while an op computes), the reaper (re-offers models of dead workers), the
+recorder (Postgres write-behind). Compute runs on one dedicated thread, so none of those stall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+import traceback
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from queue_tinker.errors import ErrorCategory, LeaseLostError, QueueTinkerError
+from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome
+from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.registry import WorkerRegistry
+from queue_tinker.types import JobStatus, WorkerRecord
+from workers.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# A busy worker still claims a waiting model once its offer is this old, so models owned by
+# busy workers cannot starve the ones nobody has claimed yet.
+CLAIM_WHEN_BUSY_AFTER_MS = 200
+READ_BLOCK_MS = 1_000
+
+
+@dataclass
+class OwnedModel:
+    lease: Lease
+    read_seq: int  # highest seq handed to the backlog
+    backlog: deque[Op] = field(default_factory=deque)
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class WorkerConfig:
+    base_model: str
+    device: str
+    lease_ttl_ms: int
+    heartbeat_ms: int
+    linger_ms: int
+    worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:12]}")
+
+
+class Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: Engine,
+        dispatcher: Dispatcher,
+        registry: WorkerRegistry,
+        records: RecordLog,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.dispatch = dispatcher
+        self.registry = registry
+        self.records = records
+        self.owned: dict[str, OwnedModel] = {}
+        self.current: Op | None = None
+        self.stopping = asyncio.Event()
+        self._work = asyncio.Event()  # set when a backlog gained ops
+        self._idle = asyncio.Event()
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qt-compute")
+        self._control_cursor = b"$"
+        self._started_at = time.time()
+        self._ops_done = 0
+
+    @property
+    def id(self) -> str:
+        return self.config.worker_id
+
+    def stop(self) -> None:
+        """Stop taking work; the op in progress finishes and is published."""
+        self.stopping.set()
+        self._work.set()
+
+    async def run(self) -> None:
+        await self._beat()
+        await self.records.append(self._record())
+        try:
+            async with asyncio.TaskGroup() as group:
+                background = [
+                    group.create_task(self._heartbeat_loop(), name="heartbeat"),
+                    group.create_task(self._read_loop(), name="reader"),
+                    group.create_task(self._claim_loop(), name="claimer"),
+                    group.create_task(self._reaper_loop(), name="reaper"),
+                ]
+                await self._execute_loop()
+                log.info("%s: stopping; handing back %d models", self.id, len(self.owned))
+                for task in background:
+                    task.cancel()
+        finally:
+            await self._shutdown()
+
+    # --- executing ops ---------------------------------------------------------------------
+    async def _execute_loop(self) -> None:
+        while not self.stopping.is_set():
+            owned = self._next_runnable()
+            if owned is None:
+                self._idle.set()
+                self._work.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._work.wait(), timeout=self._linger_check_s())
+                await self._release_lingering()
+                continue
+            self._idle.clear()
+            await self._run_op(owned, owned.backlog.popleft())
+
+    def _next_runnable(self) -> OwnedModel | None:
+        """Round robin: the model whose turn is next, rotated to the back after its op."""
+        for model_id in list(self.owned):
+            owned = self.owned[model_id]
+            if owned.backlog:
+                self.owned[model_id] = self.owned.pop(model_id)  # move to the end
+                return owned
+        return None
+
+    async def _run_op(self, owned: OwnedModel, op: Op) -> None:
+        lease = owned.lease
+        try:
+            if not await self.dispatch.start(lease, op):
+                return  # already finished by an earlier owner
+            self.current = op
+            outcome = await self._compute_outcome(op)
+            await self.dispatch.publish(
+                lease, op, outcome, trim_upto=self.engine.durable_seq(op.model_id)
+            )
+            self._ops_done += 1
+        except LeaseLostError:
+            log.warning("%s: lost the lease on %s; dropping it", self.id, op.model_id)
+            self._drop(op.model_id)
+        finally:
+            self.current = None
+            owned.idle_since = time.monotonic()
+
+    async def _compute_outcome(self, op: Op) -> Outcome:
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self._compute, self.engine.execute, op)
+        except QueueTinkerError as exc:
+            return Outcome(
+                status=JobStatus.FAILED, error=exc.message, error_category=exc.category.value,
+                error_detail="" if exc.category is ErrorCategory.USER else traceback.format_exc(),
+            )
+        except Exception as exc:
+            log.exception("%s: op %s (%s) failed", self.id, op.job_id, op.kind)
+            return Outcome(
+                status=JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}",
+                error_category=ErrorCategory.SERVER.value, error_detail=traceback.format_exc(),
+            )
+        return Outcome(status=JobStatus.DONE, result=result.result, metrics=result.metrics)
+
+    # --- owning models ---------------------------------------------------------------------
+    async def _claim_loop(self) -> None:
+        while not self.stopping.is_set():
+            if self._idle.is_set():
+                model_id = await self.dispatch.next_offer(timeout_s=1.0)
+            else:
+                await asyncio.sleep(CLAIM_WHEN_BUSY_AFTER_MS / 1000)
+                age = await self.dispatch.oldest_offer_age_ms()
+                if age is None or age < CLAIM_WHEN_BUSY_AFTER_MS:
+                    continue
+                model_id = await self.dispatch.take_offer()
+            if model_id is None or model_id in self.owned or self.stopping.is_set():
+                continue
+            lease = await self.dispatch.claim(model_id)
+            if lease is not None:
+                self.owned[model_id] = OwnedModel(lease=lease, read_seq=lease.done_seq)
+                await self.dispatch.wake()
+
+    async def _release_lingering(self) -> None:
+        linger_s = self.config.linger_ms / 1000
+        now = time.monotonic()
+        for model_id, owned in list(self.owned.items()):
+            if owned.backlog or now - owned.idle_since < linger_s:
+                continue
+            released = await self.dispatch.release(owned.lease)
+            if released != 0:  # 0: ops arrived meanwhile, keep it
+                self._drop(model_id)
+
+    def _linger_check_s(self) -> float:
+        return max(0.05, min(1.0, self.config.linger_ms / 1000))
+
+    def _drop(self, model_id: str) -> None:
+        self.owned.pop(model_id, None)
+        self.engine.drop(model_id)
+
+    # --- reading ---------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            cursors = {m: o.read_seq for m, o in self.owned.items()}
+            ops, self._control_cursor = await self.dispatch.read(
+                cursors, self._control_cursor, READ_BLOCK_MS
+            )
+            for op in ops:
+                owned = self.owned.get(op.model_id)
+                if owned is None or op.seq <= owned.read_seq:
+                    continue  # dropped meanwhile, or already queued locally
+                owned.backlog.append(op)
+                owned.read_seq = op.seq
+            if ops:
+                self._work.set()
+
+    # --- liveness --------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        beats = 0
+        while True:
+            await asyncio.sleep(self.config.heartbeat_ms / 1000)
+            owned = list(self.owned.values())
+            renewed = await self.dispatch.renew([o.lease for o in owned])
+            for o, ok in zip(owned, renewed, strict=True):
+                if not ok and self.owned.get(o.lease.model_id) is o:
+                    log.warning("%s: lease on %s lapsed; dropping it", self.id, o.lease.model_id)
+                    self._drop(o.lease.model_id)
+            await self._beat()
+            beats += 1
+            if beats % 10 == 0:
+                await self.records.append(self._record())
+
+    async def _reaper_loop(self) -> None:
+        period = self.config.lease_ttl_ms / 2000
+        while True:
+            await asyncio.sleep(period * random.uniform(0.75, 1.25))
+            await self.dispatch.offer_orphans()
+
+    async def _beat(self) -> None:
+        current = self.current
+        await self.registry.beat(
+            self.id,
+            {
+                "base_model": self.config.base_model,
+                "device": self.config.device,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started_at": self._started_at,
+                "owned": len(self.owned),
+                "ops_done": self._ops_done,
+                "current_op": f"{current.kind}:{current.job_id}" if current else "",
+                "stopping": int(self.stopping.is_set()),
+            },
+            ttl_ms=self.config.lease_ttl_ms * 3,
+        )
+
+    def _record(self, *, stopped: bool = False) -> WorkerRecord:
+        now = time.time()
+        return WorkerRecord(
+            id=self.id, base_model=self.config.base_model, device=self.config.device,
+            host=socket.gethostname(), pid=os.getpid(), started_at=self._started_at,
+            last_heartbeat_at=now, stopped_at=now if stopped else None,
+        )
+
+    async def _shutdown(self) -> None:
+        """Hand every model back (offering those with pending ops) and deregister."""
+        for owned in list(self.owned.values()):
+            with contextlib.suppress(Exception):
+                await self.dispatch.release(owned.lease, force=True)
+        self.owned.clear()
+        with contextlib.suppress(Exception):
+            await self.records.append(self._record(stopped=True))
+            await self.registry.remove(self.id)
+        self._compute.shutdown(wait=True)
