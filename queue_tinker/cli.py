@@ -57,6 +57,12 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     return run_up(settings, base_model=args.base_model, device=args.device, workers=args.workers)
 
 
+def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    from queue_tinker.demo import run_demo
+
+    return run_demo(settings, ops=args.ops)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="queue-tinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     up.add_argument("--workers", type=int, default=1)
     up.set_defaults(fn=_cmd_up)
+
+    demo = sub.add_parser("demo", help="run the service on the embedded default and drive it")
+    demo.add_argument("--ops", type=int, default=1_000, help="ops to submit")
+    demo.set_defaults(fn=_cmd_demo)
     return parser
 
 

@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import logging
 
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from queue_tinker.queue.records import Entry, RecordLog
 from queue_tinker.store.record_writer import apply_records
+from queue_tinker.types import Record
 
 log = logging.getLogger(__name__)
 
@@ -77,5 +79,21 @@ class Recorder:
             return
         records = [record for _, record in entries if record is not None]
         if records:
-            await apply_records(self.sessions, records)
+            try:
+                await apply_records(self.sessions, records)
+            except (IntegrityError, DataError):
+                # One record that can never apply must not block the stream: write the batch
+                # one by one and set the refused ones aside. Outages (connection errors) are
+                # not caught here; they are retried whole by run().
+                await self._write_one_by_one(records)
         await self.log.ack([entry_id for entry_id, _ in entries])
+
+    async def _write_one_by_one(self, records: list[Record]) -> None:
+        for record in records:
+            try:
+                await apply_records(self.sessions, [record])
+            except (IntegrityError, DataError) as exc:
+                reason = str(exc.orig or exc).splitlines()[0][:500]
+                log.error("recorder: Postgres refused %s %s (%s); kept on the dead-letter "
+                          "stream", record.type, record.id, reason)
+                await self.log.bury(record, reason)

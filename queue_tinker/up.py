@@ -57,7 +57,7 @@ class _Signals:
         os.read(self._read, 512)
 
 
-def _child_env(settings: Settings) -> dict[str, str]:
+def child_env(settings: Settings) -> dict[str, str]:
     """This environment plus every effective setting as QT_*, so children see what we see."""
     env = dict(os.environ)
     for name in type(settings).model_fields:
@@ -70,7 +70,7 @@ def _child_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def _start_backends(settings: Settings, stack: ExitStack) -> Settings:
+def start_backends(settings: Settings, stack: ExitStack) -> Settings:
     """Embedded Redis/Postgres where no URL is set, then migrations; settings with real URLs."""
     data_dir = settings.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -124,15 +124,15 @@ def run_up(settings: Settings, base_model: str, device: str, workers: int) -> in
     signals = _Signals()
     with signals.installed(), ExitStack() as stack:
         try:
-            settings = _start_backends(settings, stack)
+            settings = start_backends(settings, stack)
         except EmbeddedServerError as err:
             print(f"queue-tinker up: {err}", file=sys.stderr)
             return 1
         if signals.stop_requested is not None:  # Ctrl-C while the databases were starting
             return 0
-        env = _child_env(settings)
+        env = child_env(settings)
         group = ProcessGroup()
-        stack.callback(_stop_children, group)
+        stack.callback(stop_children, group)
         cli = [sys.executable, "-m", "queue_tinker.cli"]
         group.start("gateway", [*cli, "serve"], env)
         for i in range(workers):
@@ -142,7 +142,7 @@ def run_up(settings: Settings, base_model: str, device: str, workers: int) -> in
         return _supervise(group, signals)
 
 
-def _stop_children(group: ProcessGroup) -> None:
+def stop_children(group: ProcessGroup) -> None:
     killed = group.stop_all(timeout=CHILD_STOP_TIMEOUT_S)
     if killed:
         print(f"queue-tinker: killed {', '.join(killed)} after {CHILD_STOP_TIMEOUT_S:.0f} s",

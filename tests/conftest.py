@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +34,12 @@ def _answers(host: str, port: int) -> bool:
 
 
 @pytest.fixture(scope="session")
-def services_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("services")
+def services_dir() -> Iterator[Path]:
+    """Data of embedded fallbacks. Not under pytest's tmp: as root, pgserver runs Postgres as
+    its own user, and each pytest start locks /tmp/pytest-of-root back down to root."""
+    path = Path(tempfile.mkdtemp(prefix="qt-services-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

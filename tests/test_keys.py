@@ -19,3 +19,4 @@ def test_key_names_are_stable() -> None:
     assert k.worker("w1") == "qt:worker:w1"
     assert k.worker_control("w1") == "qt:worker:w1:control"
     assert k.records() == "qt:records"
+    assert k.dead_records() == "qt:records:dead"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -140,17 +141,21 @@ async def test_check_constraints_follow_the_enums(database_url: str) -> None:
         await engine.dispose()
 
 
-def test_pgserver_unix_socket_url(tmp_path: Path) -> None:
+def test_pgserver_unix_socket_url() -> None:
     """A pgserver unix-socket URL works for create_database, migrations and drop_database."""
     pgserver = pytest.importorskip("pgserver")
-    server = pgserver.get_server(tmp_path / "pg", cleanup_mode="delete")
-    try:
-        admin = server.get_uri()
-        assert "host=" in admin
-        asyncio.run(create_database(admin, "qt_socket"))
-        url = with_database(admin, "qt_socket")
-        upgrade(url)
-        assert current(url) == "0001"
-        asyncio.run(drop_database(admin, "qt_socket"))
-    finally:
-        server.cleanup()
+    # Not under tmp_path: as root, pgserver runs postgres as user 'pgserver' and opens up the
+    # parent folders, but every pytest start chmods /tmp/pytest-of-root back to 0700, so a
+    # concurrent pytest run made initdb fail with "Permission denied".
+    with tempfile.TemporaryDirectory(prefix="qt-pgserver-") as tmp:
+        server = pgserver.get_server(Path(tmp) / "pg", cleanup_mode="delete")
+        try:
+            admin = server.get_uri()
+            assert "host=" in admin
+            asyncio.run(create_database(admin, "qt_socket"))
+            url = with_database(admin, "qt_socket")
+            upgrade(url)
+            assert current(url) == "0001"
+            asyncio.run(drop_database(admin, "qt_socket"))
+        finally:
+            server.cleanup()

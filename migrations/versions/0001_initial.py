@@ -107,6 +107,7 @@ def upgrade() -> None:
         sa.Column("metrics", JSONB(), nullable=True),
         _text("error", nullable=True),
         _text("error_category", nullable=True),
+        _text("error_detail", nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_requests")),
         sa.UniqueConstraint("model_id", "seq", name=op.f("uq_requests_model_id_seq")),
         sa.CheckConstraint(in_values_sql("status", JobStatus), name=op.f("ck_requests_status")),

@@ -67,3 +67,7 @@ class Keys:
     def records(self) -> str:
         """Stream: record events the recorder writes behind into Postgres."""
         return f"{self.prefix}:records"
+
+    def dead_records(self) -> str:
+        """Stream: record events Postgres refused (constraint or data errors), kept to inspect."""
+        return f"{self.prefix}:records:dead"

@@ -49,6 +49,7 @@ class RecordLog:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.stream = keys.records()
+        self.dead_stream = keys.dead_records()
 
     async def append(self, record: Record) -> None:
         await self.redis.xadd(self.stream, flatten_record(record))  # type: ignore[arg-type]
@@ -81,6 +82,10 @@ class RecordLog:
                 pipe.xack(self.stream, GROUP, *entry_ids)
                 pipe.xdel(self.stream, *entry_ids)
                 await pipe.execute()
+
+    async def bury(self, record: Record, reason: str) -> None:
+        """Keep a record Postgres refused on the dead-letter stream, with the reason."""
+        await self.redis.xadd(self.dead_stream, {**flatten_record(record), "reason": reason})
 
     async def backlog(self) -> int:
         """Entries not yet written to Postgres."""

@@ -131,6 +131,7 @@ class Request(Base):
     metrics: Mapped[dict[str, float] | None] = mapped_column(JSONB(none_as_null=True))
     error: Mapped[str | None] = mapped_column(Text)
     error_category: Mapped[str | None] = mapped_column(Text)
+    error_detail: Mapped[str | None] = mapped_column(Text)  # traceback of a server error
 
 
 class Checkpoint(Base):

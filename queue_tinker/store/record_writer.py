@@ -115,7 +115,8 @@ def _upsert_requests() -> Any:
             else_=func.coalesce(old[name], new[name]),
         )
 
-    result_fields = ("started_at", "finished_at", "worker_id", "metrics", "error", "error_category")
+    result_fields = ("started_at", "finished_at", "worker_id", "metrics", "error",
+                     "error_category", "error_detail")
     return stmt.on_conflict_do_update(
         index_elements=[old.id],
         set_={

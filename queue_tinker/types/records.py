@@ -31,7 +31,7 @@ class ModelRecord(_Record):
     type: Literal["model"] = "model"
     id: str
     tenant_id: str
-    session_id: str | None
+    session_id: str | None = None
     base_model: str
     lora_config: dict[str, Any]
     created_at: float

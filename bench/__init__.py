@@ -1,0 +1,1 @@
+"""Benchmarks: run with real Redis, Postgres and worker processes (see docs/benchmarks.md)."""

@@ -1,0 +1,47 @@
+"""The command line: config shows the effective settings; migrate drives alembic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from procs import REPO
+
+from queue_tinker.settings import Settings
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "queue_tinker.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_config_prints_effective_settings_with_their_env_vars() -> None:
+    """Values come from QT_* variables; every setting lists its variable and description."""
+    env = {"PATH": "/usr/bin:/bin", "QT_REDIS_URL": "redis://example:6379/3",
+           "QT_LEASE_TTL_MS": "1234"}
+    shown = json.loads(run_cli("config", env=env).stdout)
+    assert shown["redis_url"]["value"] == "redis://example:6379/3"
+    described = Settings.model_fields["lease_ttl_ms"].description
+    assert shown["lease_ttl_ms"] == {"value": "1234", "env": "QT_LEASE_TTL_MS",
+                                     "description": described}
+    assert set(shown) == set(Settings.model_fields)
+    assert all(row["description"] for row in shown.values())
+
+
+def test_config_refuses_bad_values() -> None:
+    """A malformed setting stops the command with the variable's name in the error."""
+    result = run_cli("config", env={"PATH": "/usr/bin:/bin", "QT_LEASE_TTL_MS": "-5"})
+    assert result.returncode != 0
+    assert "lease_ttl_ms" in result.stderr
+
+
+def test_migrate_up_down_up(empty_database_url: str) -> None:
+    """`queue-tinker migrate` builds the schema, `--downgrade` removes it, and again."""
+    env = {"PATH": "/usr/bin:/bin", "QT_DATABASE_URL": empty_database_url}
+    for args in (["migrate"], ["migrate", "--downgrade"], ["migrate"]):
+        result = run_cli(*args, env=env)
+        assert result.returncode == 0, result.stderr
+    from queue_tinker.store.migrate import current
+
+    assert current(empty_database_url) is not None

@@ -1,0 +1,83 @@
+"""The recorder moves record events from Redis into Postgres, and nothing can jam it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from queue_tinker.queue.connection import connect
+from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.records import RecordLog
+from queue_tinker.recorder import Recorder
+from queue_tinker.store.db import make_engine, session_factory
+from queue_tinker.store.queries import get_training_run
+from queue_tinker.types import ModelRecord, SessionRecord
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = make_engine(database_url)
+    yield engine
+    await engine.dispose()
+
+
+def model(model_id: str, tenant: str = "default") -> ModelRecord:
+    return ModelRecord(id=model_id, tenant_id=tenant, session_id=None, base_model="tiny",
+                       lora_config={"rank": 4}, created_at=time.time())
+
+
+async def test_records_reach_postgres_and_leave_the_stream(redis: Redis, db: AsyncEngine,
+                                                           key_prefix: str) -> None:
+    """Appended events are written, acknowledged and removed from the stream."""
+    log = RecordLog(redis, Keys(key_prefix))
+    await log.ensure_group()
+    await log.append(SessionRecord(id="s1", tenant_id="default", created_at=time.time()))
+    await log.append(model("run-1"))
+    recorder = Recorder(log, session_factory(db), consumer="c1")
+    await recorder.drain()
+    run = await get_training_run(session_factory(db), "run-1")
+    assert run is not None and run.base_model == "tiny"
+    assert await log.backlog() == 0
+
+
+async def test_a_refused_record_is_set_aside_not_retried_forever(redis: Redis, db: AsyncEngine,
+                                                                 key_prefix: str) -> None:
+    """A record Postgres refuses (unknown tenant) goes to the dead-letter stream; the others in
+    its batch are written."""
+    keys = Keys(key_prefix)
+    log = RecordLog(redis, keys)
+    await log.ensure_group()
+    await log.append(model("good-1"))
+    await log.append(model("bad", tenant="no-such-tenant"))
+    await log.append(model("good-2"))
+    await Recorder(log, session_factory(db), consumer="c1").drain()
+    sessions = session_factory(db)
+    assert await get_training_run(sessions, "good-1") is not None
+    assert await get_training_run(sessions, "good-2") is not None
+    assert await get_training_run(sessions, "bad") is None
+    dead = await redis.xrange(keys.dead_records())
+    assert [fields[b"id"] for _, fields in dead] == [b"bad"]
+    assert b"tenant" in dead[0][1][b"reason"]
+    assert await log.backlog() == 0
+
+
+async def test_entries_of_a_dead_recorder_are_taken_over(redis: Redis, db: AsyncEngine,
+                                                         key_prefix: str) -> None:
+    """Entries one consumer read but never acknowledged are claimed by another."""
+    log = RecordLog(redis, Keys(key_prefix))
+    await log.ensure_group()
+    await log.append(model("orphaned"))
+    assert len(await log.read("crashed", count=10, block_ms=None)) == 1  # read, never acked
+    taken = await log.claim_stale("survivor", min_idle_ms=0, count=10)
+    assert [record.id for _, record in taken if record is not None] == ["orphaned"]
