@@ -465,9 +465,10 @@ class RqResult:
 
 
 def run_rq(args: argparse.Namespace, log_dir: Path) -> RqResult:
-    from bench.rq_worker import echo
     from rq import Queue
     from rq.results import Result
+
+    from bench.rq_worker import echo
 
     conn = redis.Redis.from_url(args.redis_url)
     name = f"qt-bench-rq-{uuid.uuid4().hex[:8]}"

@@ -168,3 +168,23 @@ async def test_publish_advances_the_model_and_trims_its_log(jobs: JobQueue, redi
         assert [int(e[0].split(b"-")[0]) for e in remaining] == list(range(op.seq + 1, 4))
     assert await redis.hget(keys.model_meta(model), "done_seq") == b"3"
     assert not await redis.sismember(keys.pending(BASE), model)
+
+
+async def test_inline_publish_starts_and_finishes_once(jobs: JobQueue, redis: Redis,
+                                                       keys: Keys) -> None:
+    """An op published without start() is marked started by this worker, attempt 1; a second
+    publish of a finished job changes nothing."""
+    model = await new_model(jobs)
+    await jobs.enqueue(model, OpKind.PING, b"", job_id="j1")
+    worker = dispatcher(redis, keys, "wA")
+    lease = await worker.claim(model)
+    assert lease is not None
+    ops, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
+    await worker.publish(lease, ops[0], Outcome(JobStatus.DONE, b"first"), trim_upto=None,
+                         started=False)
+    fields = await jobs.job_fields("j1")
+    assert (fields["status"], fields["worker_id"], fields["attempts"]) == ("done", "wA", "1")
+    assert fields["started_at"] == fields["finished_at"]
+    await worker.publish(lease, ops[0], Outcome(JobStatus.FAILED, b"again"), trim_upto=None)
+    outcome = await jobs.outcome("j1")
+    assert outcome is not None and (outcome.status, outcome.result) == (JobStatus.DONE, b"first")

@@ -29,6 +29,11 @@ class Engine(Protocol):
         """Run one op; raise UserInputError for bad input (fails only that op)."""
         ...
 
+    def runs_inline(self, op: Op) -> bool:
+        """True for ops so cheap (well under a millisecond, no model state) that they run on the
+        worker's event loop: no thread hop, no separate 'running' mark."""
+        ...
+
     def durable_seq(self, model_id: str) -> int | None:
         """The last seq whose effects are safe outside this process (log may be trimmed to it)."""
         ...
@@ -67,6 +72,12 @@ class BuiltinEngine:
             raise UserInputError(f"kind: {op.kind.value!r} is not supported by this worker")
         self.executed[op.model_id] = op.seq
         return OpResult(result=codec.encode(result))
+
+    def runs_inline(self, op: Op) -> bool:
+        if op.kind is not OpKind.PING:
+            return False
+        body = codec.decode(op.payload) if op.payload else {}
+        return isinstance(body, dict) and body.get("delay_ms", 0) == 0
 
     def durable_seq(self, model_id: str) -> int | None:
         # Nothing here needs replay after a takeover, so everything executed is durable.

@@ -130,13 +130,15 @@ class Worker:
 
     async def _run_op(self, owned: OwnedModel, op: Op) -> None:
         lease = owned.lease
+        inline = self.engine.runs_inline(op)
         try:
-            if not await self.dispatch.start(lease, op):
+            if not inline and not await self.dispatch.start(lease, op):
                 return  # already finished by an earlier owner
             self.current = op
-            outcome = await self._compute_outcome(op)
+            outcome = await self._compute_outcome(op, inline=inline)
             await self.dispatch.publish(
-                lease, op, outcome, trim_upto=self.engine.durable_seq(op.model_id)
+                lease, op, outcome, trim_upto=self.engine.durable_seq(op.model_id),
+                started=not inline,
             )
             self._ops_done += 1
         except LeaseLostError:
@@ -146,10 +148,13 @@ class Worker:
             self.current = None
             owned.idle_since = time.monotonic()
 
-    async def _compute_outcome(self, op: Op) -> Outcome:
+    async def _compute_outcome(self, op: Op, *, inline: bool) -> Outcome:
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self._compute, self.engine.execute, op)
+            if inline:
+                result = self.engine.execute(op)
+            else:
+                result = await loop.run_in_executor(self._compute, self.engine.execute, op)
         except QueueTinkerError as exc:
             return Outcome(
                 status=JobStatus.FAILED, error=exc.message, error_category=exc.category.value,

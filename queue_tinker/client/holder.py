@@ -57,11 +57,39 @@ class ClientHolder:
             SessionRecord(id=self.session_id, tenant_id=self.tenant_id, created_at=time.time())
         )
 
-    async def enqueue(
+    async def submit(
         self, model_id: str, kind: OpKind, payload: bytes, idempotency_key: str | None = None
+    ) -> tuple[str, asyncio.Future[JobOutcome]]:
+        """Enqueue and return (request id, a future of its outcome).
+
+        The future exists before the op does, so the hot path needs no extra read; only a
+        resubmit that matched an earlier job under its idempotency key waits the long way.
+        """
+        await self.results.watch(model_id)
+        job_id = new_id()
+        future = self.results.expect(job_id)
+        try:
+            enqueued = await self.enqueue(model_id, kind, payload, idempotency_key, job_id=job_id)
+        except BaseException:
+            future.cancel()
+            raise
+        if enqueued.job_id == job_id:
+            return job_id, future
+        future.cancel()
+        earlier = asyncio.ensure_future(self.results.wait(enqueued.job_id, model_id))
+        return enqueued.job_id, earlier
+
+    async def enqueue(
+        self,
+        model_id: str,
+        kind: OpKind,
+        payload: bytes,
+        idempotency_key: str | None = None,
+        *,
+        job_id: str | None = None,
     ) -> Enqueued:
         """Submit once; on a dropped connection, resubmit under the same key (runs once)."""
-        job_id = new_id()
+        job_id = job_id or new_id()
         key = idempotency_key or job_id
         deadline = time.monotonic() + ENQUEUE_RETRY_S
         delay = 0.05
@@ -80,6 +108,10 @@ class ClientHolder:
     async def wait(self, job_id: str, model_id: str, decode: Callable[[bytes], T]) -> T:
         outcome = await self.results.wait(job_id, model_id)
         return decode_outcome(outcome, decode)
+
+    @staticmethod
+    async def decoded(future: asyncio.Future[JobOutcome], decode: Callable[[bytes], T]) -> T:
+        return decode_outcome(await future, decode)
 
     async def close(self) -> None:
         await self.results.close()

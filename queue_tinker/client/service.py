@@ -64,9 +64,8 @@ class ServiceClient:
                 model_id, base_model=base_model, tenant_id=holder.tenant_id,
                 session_id=holder.session_id, lora_config=config,
             )
-            await holder.results.watch(model_id)
-            enqueued = await holder.enqueue(model_id, OpKind.CREATE_MODEL, codec.encode(config))
-            await holder.wait(enqueued.job_id, model_id, codec.decode)
+            _, outcome = await holder.submit(model_id, OpKind.CREATE_MODEL, codec.encode(config))
+            await holder.decoded(outcome, codec.decode)
 
         await self._loop.call(create())
         return TrainingClient(self._loop, holder, model_id, base_model)

@@ -29,11 +29,10 @@ class TrainingClient:
         """Enqueue (returns once the op holds its place in the model's order), then wait."""
         holder = self._holder
         payload = codec.encode(body)
-        enqueued = await self._loop.call(
-            holder.enqueue(self.model_id, kind, payload, idempotency_key)
+        job_id, outcome = await self._loop.call(
+            holder.submit(self.model_id, kind, payload, idempotency_key)
         )
-        waiting = self._loop.submit(holder.wait(enqueued.job_id, self.model_id, decode))
-        return APIFuture(waiting, enqueued.job_id)
+        return APIFuture(self._loop.submit(holder.decoded(outcome, decode)), job_id)
 
     async def ping_async(
         self, data: Any = None, *, delay_ms: int = 0, idempotency_key: str | None = None

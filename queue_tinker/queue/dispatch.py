@@ -203,9 +203,14 @@ class Dispatcher:
         return bool(started)
 
     async def publish(
-        self, lease: Lease, op: Op, outcome: Outcome, *, trim_upto: int | None
+        self, lease: Lease, op: Op, outcome: Outcome, *, trim_upto: int | None,
+        started: bool = True,
     ) -> None:
-        """Publish the op's outcome and advance the model; raises LeaseLostError if fenced."""
+        """Publish the op's outcome and advance the model; raises LeaseLostError if fenced.
+
+        started=False: the op ran without start() (cheap inline ops); this marks it started
+        and finished in one round trip.
+        """
         keys = self.keys
         try:
             await self.scripts.publish(
@@ -230,6 +235,7 @@ class Dispatcher:
                     op.model_id,
                     "" if trim_upto is None else trim_upto,
                     outcome.error_detail,
+                    "" if started else self.worker_id,
                 ],
             )
         except ResponseError as exc:

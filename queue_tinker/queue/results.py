@@ -49,24 +49,35 @@ class ResultListener:
                 ]
         await event.wait()
 
-    async def wait(self, job_id: str, model_id: str) -> JobOutcome:
-        """The job's outcome, as soon as the worker publishes it."""
-        await self.watch(model_id)
+    def expect(self, job_id: str) -> asyncio.Future[JobOutcome]:
+        """A future for a job not yet submitted (the caller has watched its model): no result
+        can be published before it exists, so no read is needed to close a race."""
         future: asyncio.Future[JobOutcome] = asyncio.get_running_loop().create_future()
         self._waiters[job_id].append(future)
+        future.add_done_callback(lambda f: self._forget(job_id, f))
+        return future
+
+    async def wait(self, job_id: str, model_id: str) -> JobOutcome:
+        """The outcome of any job (submitted anywhere), as soon as it is published."""
+        await self.watch(model_id)
+        future = self.expect(job_id)
         # Subscribed before this read, so a result published from here on is not missed, and
         # one published earlier is in the job hash.
-        outcome = await self.jobs.outcome(job_id)
+        try:
+            outcome = await self.jobs.outcome(job_id)
+        except Exception:
+            future.cancel()
+            raise
         if outcome is not None:
             self._resolve(outcome)
-        try:
-            return await future
-        finally:
-            waiters = self._waiters.get(job_id)
-            if waiters is not None and future in waiters:
-                waiters.remove(future)
-                if not waiters:
-                    del self._waiters[job_id]
+        return await future
+
+    def _forget(self, job_id: str, future: asyncio.Future[JobOutcome]) -> None:
+        waiters = self._waiters.get(job_id)
+        if waiters is not None and future in waiters:
+            waiters.remove(future)
+            if not waiters:
+                del self._waiters[job_id]
 
     def _resolve(self, outcome: JobOutcome) -> None:
         for future in self._waiters.pop(outcome.job_id, []):

@@ -4,11 +4,21 @@
 -- ARGV[1] token   ARGV[2] status ('done'/'failed')   ARGV[3] result bytes   ARGV[4] error
 -- ARGV[5] error category   ARGV[6] metrics (JSON, '' none)   ARGV[7] seq   ARGV[8] ttl seconds
 -- ARGV[9] model id   ARGV[10] trim the log up to this seq ('' = keep)   ARGV[11] error detail
--- Returns 1; error 'LEASE_LOST' when another worker owns the model now.
+-- ARGV[12] worker id, when the op ran without start.lua (an inline op): start it here too
+-- Returns 1, or 0 if the job was already terminal; error 'LEASE_LOST' when another worker
+-- owns the model now.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('LEASE_LOST')
 end
+local status = redis.call('HGET', KEYS[2], 'status')
+if status == 'done' or status == 'failed' then
+  return 0
+end
 local finished = now_text()
+if ARGV[12] ~= '' then
+  redis.call('HSET', KEYS[2], 'started_at', finished, 'worker_id', ARGV[12])
+  redis.call('HINCRBY', KEYS[2], 'attempts', 1)
+end
 redis.call('HSET', KEYS[2], 'status', ARGV[2], 'finished_at', finished, 'result', ARGV[3])
 if ARGV[2] == 'failed' then
   redis.call('HSET', KEYS[2], 'error', ARGV[4], 'error_category', ARGV[5], 'error_detail', ARGV[11])
