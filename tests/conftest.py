@@ -12,13 +12,15 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from redis.asyncio import Redis as AsyncRedis
 
 from queue_tinker.client import ServiceClient
+from queue_tinker.queue.connection import connect
 from queue_tinker.settings import Settings
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
@@ -135,3 +137,11 @@ def service(settings: Settings) -> Iterator[ServiceClient]:
     client = ServiceClient(settings)
     yield client
     client.close()
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator[AsyncRedis]:
+    """An asyncio client of the test Redis (the queue's own connection settings)."""
+    client = connect(redis_url)
+    yield client
+    await client.aclose()

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
 
 from queue_tinker.errors import LeaseLostError, UnknownModelError, UserInputError
-from queue_tinker.queue.connection import connect
 from queue_tinker.queue.dispatch import Dispatcher, Outcome
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
@@ -19,10 +17,8 @@ BASE = "tiny"
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = connect(redis_url)
-    yield client
-    await client.aclose()
+def redis(aredis: Redis) -> Redis:
+    return aredis
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import pytest
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.recorder import Recorder
@@ -19,10 +18,8 @@ from queue_tinker.types import ModelRecord, SessionRecord
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = connect(redis_url)
-    yield client
-    await client.aclose()
+def redis(aredis: Redis) -> Redis:
+    return aredis
 
 
 @pytest.fixture

@@ -23,3 +23,13 @@ local function record_job(job_key, records_key)
   end
   redis.call('XADD', records_key, '*', unpack(event))
 end
+
+-- The lease check every fenced write starts with: only the token's holder may write.
+local function holds_lease(lease_key, token)
+  return redis.call('GET', lease_key) == token
+end
+
+local function is_terminal(job_key)
+  local status = redis.call('HGET', job_key, 'status')
+  return status == 'done' or status == 'failed'
+end

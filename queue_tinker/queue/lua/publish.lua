@@ -7,11 +7,10 @@
 -- ARGV[12] worker id, when the op ran without start.lua (an inline op): start it here too
 -- Returns 1, or 0 if the job was already terminal; error 'LEASE_LOST' when another worker
 -- owns the model now.
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+if not holds_lease(KEYS[1], ARGV[1]) then
   return redis.error_reply('LEASE_LOST')
 end
-local status = redis.call('HGET', KEYS[2], 'status')
-if status == 'done' or status == 'failed' then
+if is_terminal(KEYS[2]) then
   return 0
 end
 local finished = now_text()

@@ -3,7 +3,7 @@
 -- KEYS[1] model lease   KEYS[2] model meta   KEYS[3] offers zset   KEYS[4] pending set
 -- ARGV[1] token   ARGV[2] model id   ARGV[3] force ('1' or '0')
 -- Returns 1 released, 0 kept (pending ops), -1 the lease was not ours.
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+if not holds_lease(KEYS[1], ARGV[1]) then
   return -1
 end
 local last = tonumber(redis.call('HGET', KEYS[2], 'last_seq') or '0')

@@ -3,7 +3,7 @@
 -- Returns a list of 1 (renewed) or 0 (lost: another worker owns it or it lapsed).
 local out = {}
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[i + 1] then
+  if holds_lease(KEYS[i], ARGV[i + 1]) then
     redis.call('PEXPIRE', KEYS[i], ARGV[1])
     out[i] = 1
   else

@@ -2,11 +2,10 @@
 -- KEYS[1] model lease   KEYS[2] job hash   KEYS[3] records stream
 -- ARGV[1] token   ARGV[2] worker id
 -- Returns 1 started, 0 the job is already terminal (skip it); error 'LEASE_LOST'.
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+if not holds_lease(KEYS[1], ARGV[1]) then
   return redis.error_reply('LEASE_LOST')
 end
-local status = redis.call('HGET', KEYS[2], 'status')
-if status == 'done' or status == 'failed' then
+if is_terminal(KEYS[2]) then
   return 0
 end
 redis.call('HSET', KEYS[2], 'status', 'running', 'started_at', now_text(), 'worker_id', ARGV[2])
