@@ -135,3 +135,20 @@ def test_bad_input_fails_only_its_request(settings: Settings, service: ServiceCl
         assert caught.value.request_id == bad.request_id
         assert good.result(timeout=20) == {"data": "y", "seq": 3}
         assert other.ping("z").result(timeout=20) == {"data": "z", "seq": 2}
+
+
+def test_heartbeats_keep_the_lease_through_a_long_op(redis_url: str, database_url: str,
+                                                     key_prefix: str, tmp_path: Path) -> None:
+    """An op three times longer than the lease TTL runs once: heartbeats beat during compute,
+    so the other worker never takes the model over."""
+    settings = Settings(redis_url=redis_url, database_url=database_url, key_prefix=key_prefix,
+                        lease_ttl_ms=800, heartbeat_ms=200, linger_ms=60_000)
+    service = ServiceClient(settings)
+    try:
+        with running_workers(settings, 2, tmp_path):
+            client = service.create_lora_training_client("tiny", rank=4)
+            slow = client.ping("slow", delay_ms=2_400)
+            assert slow.result(timeout=20) == {"data": "slow", "seq": 2}
+            assert job_fields(settings, slow.request_id)["attempts"] == "1"
+    finally:
+        service.close()
