@@ -176,11 +176,35 @@ async def test_inline_publish_starts_and_finishes_once(jobs: JobQueue, redis: Re
     lease = await worker.claim(model)
     assert lease is not None
     ops, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
-    await worker.publish(lease, ops[0], Outcome(JobStatus.DONE, b"first"), trim_upto=None,
-                         started=False)
+    assert await worker.publish_inline_batch(
+        [(lease, ops[0], Outcome(JobStatus.DONE, b"first"), None)]) == [True]
     fields = await jobs.job_fields("j1")
     assert (fields["status"], fields["worker_id"], fields["attempts"]) == ("done", "wA", "1")
     assert fields["started_at"] == fields["finished_at"]
     await worker.publish(lease, ops[0], Outcome(JobStatus.FAILED, b"again"), trim_upto=None)
     outcome = await jobs.outcome("j1")
     assert outcome is not None and (outcome.status, outcome.result) == (JobStatus.DONE, b"first")
+
+
+async def test_inline_batch_reports_lost_leases_per_op(jobs: JobQueue, redis: Redis,
+                                                        keys: Keys) -> None:
+    """In one pipelined batch, ops of a model whose lease was taken over are refused and
+    reported, while another model's ops publish."""
+    kept, lost = await new_model(jobs, "kept"), await new_model(jobs, "lost")
+    for model in (kept, lost):
+        await jobs.enqueue(model, OpKind.PING, b"", job_id=f"j-{model}")
+    worker = dispatcher(redis, keys, "wA", lease_ttl_ms=300)
+    lease_kept, lease_lost = await worker.claim(kept), await worker.claim(lost)
+    assert lease_kept is not None and lease_lost is not None
+    ops, _ = await worker.read({kept: 0, lost: 0}, b"0-0", block_ms=100)
+    await asyncio.sleep(0.4)
+    assert await dispatcher(redis, keys, "wB").claim(lost) is not None  # taken over
+    assert await worker.renew([lease_kept]) == [False]  # lapsed too, but nobody took it
+    lease_kept = await worker.claim(kept)
+    assert lease_kept is not None
+    leases = {kept: lease_kept, lost: lease_lost}
+    batch = [(leases[op.model_id], op, Outcome(JobStatus.DONE, b"r"), None) for op in ops]
+    published = await worker.publish_inline_batch(batch)
+    assert dict(zip([op.model_id for op in ops], published, strict=True)) == {kept: True,
+                                                                              lost: False}
+    assert (await jobs.outcome("j-lost")) is None

@@ -30,6 +30,9 @@ from workers.engine import Engine
 
 log = logging.getLogger(__name__)
 
+# Inline ops (cheap, stateless) run back to back and are published in one pipeline, up to
+# this many per round trip.
+INLINE_BATCH = 64
 # A busy worker still claims a waiting model once its offer is this old, so models owned by
 # busy workers cannot starve the ones nobody has claimed yet.
 CLAIM_WHEN_BUSY_AFTER_MS = 200
@@ -117,7 +120,10 @@ class Worker:
                 await self._release_lingering()
                 continue
             self._idle.clear()
-            await self._run_op(owned, owned.backlog.popleft())
+            if self.engine.runs_inline(owned.backlog[0]):
+                await self._run_inline_batch(self._take_inline_batch())
+            else:
+                await self._run_op(owned, owned.backlog.popleft())
 
     def _next_runnable(self) -> OwnedModel | None:
         """Round robin: the model whose turn is next, rotated to the back after its op."""
@@ -130,15 +136,13 @@ class Worker:
 
     async def _run_op(self, owned: OwnedModel, op: Op) -> None:
         lease = owned.lease
-        inline = self.engine.runs_inline(op)
         try:
-            if not inline and not await self.dispatch.start(lease, op):
+            if not await self.dispatch.start(lease, op):
                 return  # already finished by an earlier owner
             self.current = op
-            outcome = await self._compute_outcome(op, inline=inline)
+            outcome = await self._compute_outcome(op, inline=False)
             await self.dispatch.publish(
-                lease, op, outcome, trim_upto=self.engine.durable_seq(op.model_id),
-                started=not inline,
+                lease, op, outcome, trim_upto=self.engine.durable_seq(op.model_id)
             )
             self._ops_done += 1
         except LeaseLostError:
@@ -147,6 +151,35 @@ class Worker:
         finally:
             self.current = None
             owned.idle_since = time.monotonic()
+
+    def _take_inline_batch(self) -> list[tuple[OwnedModel, Op]]:
+        """Inline ops from the heads of the owned models' backlogs, round robin; each model's
+        ops stay in order and the batch stops at its first op that is not inline."""
+        batch: list[tuple[OwnedModel, Op]] = []
+        progress = True
+        while progress and len(batch) < INLINE_BATCH:
+            progress = False
+            for owned in self.owned.values():
+                if owned.backlog and self.engine.runs_inline(owned.backlog[0]):
+                    batch.append((owned, owned.backlog.popleft()))
+                    progress = True
+                    if len(batch) == INLINE_BATCH:
+                        break
+        return batch
+
+    async def _run_inline_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
+        publishes = []
+        for owned, op in batch:
+            outcome = await self._compute_outcome(op, inline=True)
+            publishes.append((owned.lease, op, outcome, self.engine.durable_seq(op.model_id)))
+        published = await self.dispatch.publish_inline_batch(publishes)
+        for (owned, op), ok in zip(batch, published, strict=True):
+            owned.idle_since = time.monotonic()
+            if ok:
+                self._ops_done += 1
+            elif self.owned.get(op.model_id) is owned:
+                log.warning("%s: lost the lease on %s; dropping it", self.id, op.model_id)
+                self._drop(op.model_id)
 
     async def _compute_outcome(self, op: Op, *, inline: bool) -> Outcome:
         loop = asyncio.get_running_loop()

@@ -203,40 +203,64 @@ class Dispatcher:
         return bool(started)
 
     async def publish(
-        self, lease: Lease, op: Op, outcome: Outcome, *, trim_upto: int | None,
-        started: bool = True,
+        self, lease: Lease, op: Op, outcome: Outcome, *, trim_upto: int | None
     ) -> None:
-        """Publish the op's outcome and advance the model; raises LeaseLostError if fenced.
-
-        started=False: the op ran without start() (cheap inline ops); this marks it started
-        and finished in one round trip.
-        """
-        keys = self.keys
+        """Publish the op's outcome and advance the model; raises LeaseLostError if fenced."""
+        keys, args = self._publish_call(lease, op, outcome, trim_upto, started=True)
         try:
-            await self.scripts.publish(
-                keys=[
-                    keys.model_lease(lease.model_id),
-                    keys.job(op.job_id),
-                    keys.model_meta(op.model_id),
-                    keys.model_ops(op.model_id),
-                    keys.pending(self.base_model),
-                    keys.records(),
-                    keys.model_events(op.model_id),
-                ],
-                args=[
-                    lease.token,
-                    outcome.status.value,
-                    outcome.result,
-                    outcome.error,
-                    outcome.error_category,
-                    json.dumps(outcome.metrics) if outcome.metrics else "",
-                    op.seq,
-                    self.result_ttl_s,
-                    op.model_id,
-                    "" if trim_upto is None else trim_upto,
-                    outcome.error_detail,
-                    "" if started else self.worker_id,
-                ],
-            )
+            await self.scripts.publish(keys=keys, args=args)
         except ResponseError as exc:
             raise _lease_lost(exc, lease.model_id) from exc
+
+    async def publish_inline_batch(
+        self, batch: list[tuple[Lease, Op, Outcome, int | None]]
+    ) -> list[bool]:
+        """Publish several inline ops in one round trip (a pipeline keeps their order). They
+        ran without start(), so each is marked started and finished here.
+
+        Returns, per op, False where the lease was lost (the caller drops that model).
+        """
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lease, op, outcome, trim_upto in batch:
+                keys, args = self._publish_call(lease, op, outcome, trim_upto, started=False)
+                await self.scripts.publish(keys=keys, args=args, client=pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        published = []
+        for reply in replies:
+            if isinstance(reply, ResponseError) and "LEASE_LOST" in str(reply):
+                published.append(False)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                published.append(True)
+        return published
+
+    def _publish_call(
+        self, lease: Lease, op: Op, outcome: Outcome, trim_upto: int | None, started: bool
+    ) -> tuple[list[str], list[str | int | bytes]]:
+        keys = self.keys
+        return (
+            [
+                keys.model_lease(lease.model_id),
+                keys.job(op.job_id),
+                keys.model_meta(op.model_id),
+                keys.model_ops(op.model_id),
+                keys.pending(self.base_model),
+                keys.records(),
+                keys.model_events(op.model_id),
+            ],
+            [
+                lease.token,
+                outcome.status.value,
+                outcome.result,
+                outcome.error,
+                outcome.error_category,
+                json.dumps(outcome.metrics) if outcome.metrics else "",
+                op.seq,
+                self.result_ttl_s,
+                op.model_id,
+                "" if trim_upto is None else trim_upto,
+                outcome.error_detail,
+                "" if started else self.worker_id,
+            ],
+        )
