@@ -50,6 +50,7 @@ import numpy as np
 import redis
 
 from queue_tinker.client import ServiceClient, TrainingClient
+from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
@@ -106,11 +107,11 @@ class Stages:
     """Per-op durations (seconds) of the stages of one round trip, from the job's timestamps."""
 
     names: tuple[str, ...] = (
-        "enqueue call (client)",
-        "submit -> queued (client -> enqueue script)",
-        "queued -> started (worker pick-up)",
-        "started -> finished (execute + publish)",
-        "finished -> client sees result",
+        "submit call returns (client holds the future)",
+        "submit -> queued_at (client -> enqueue script)",
+        "queued_at -> started_at (worker pick-up)",
+        "started_at -> finished_at (execute, publish)",
+        "finished_at -> result in the client's hand",
     )
     rows: list[tuple[float, ...]] = field(default_factory=list)
 
@@ -199,7 +200,9 @@ def worker_proc(settings: Settings, log_path: Path) -> Proc:
 
 
 @contextlib.contextmanager
-def running_workers(settings: Settings, count: int, log_dir: Path, tag: str) -> Iterator[list[Proc]]:
+def running_workers(
+    settings: Settings, count: int, log_dir: Path, tag: str
+) -> Iterator[list[Proc]]:
     procs = [worker_proc(settings, log_dir / f"{tag}-worker-{i}.log") for i in range(count)]
     try:
         wait_for_workers(settings, count)
@@ -266,6 +269,19 @@ def make_settings(redis_url: str, database_url: str, prefix: str, data_dir: Path
     # Production defaults for leases, heartbeats and linger: nothing tuned for the benchmark.
     return Settings(redis_url=redis_url, database_url=database_url, key_prefix=prefix,
                     data_dir=data_dir)
+
+
+def close_client(service: ServiceClient, timeout: float = 15) -> None:
+    """Close the client, but never hang the benchmark on it: a close that does not return in
+    `timeout` seconds is reported and left behind (its thread is a daemon)."""
+    import threading
+
+    closer = threading.Thread(target=service.close, name="qt-bench-close", daemon=True)
+    closer.start()
+    closer.join(timeout)
+    if closer.is_alive():
+        print(f"warning: ServiceClient.close() did not return within {timeout:g} s",
+              file=sys.stderr, flush=True)
 
 
 # --- part 1: round-trip latency ----------------------------------------------------------------
@@ -350,15 +366,22 @@ def run_latency(args: argparse.Namespace, database_url: str, log_dir: Path
                     Latency([s.total_s for s in samples]), Latency([s.enqueued_s for s in samples]),
                     stage_breakdown(args.redis_url, keys, samples))
             finally:
-                service.close()
+                close_client(service)
     return results
 
 
 # --- part 2: throughput ------------------------------------------------------------------------
-async def pump(clients: list[TrainingClient], total: int, window: int) -> float:
-    """Keep `window` pings in flight, spread round robin over the clients; seconds taken."""
+async def pump(clients: list[TrainingClient], total: int, window: int
+               ) -> tuple[float, dict[str, int]]:
+    """Keep `window` pings in flight, spread round robin over the clients.
+
+    Returns the seconds taken and the errors the service raised, counted by type (a typed
+    queue_tinker error fails that op, not the run: the benchmark reports it). A wrong result
+    or any other exception stops the run.
+    """
     slots = asyncio.Semaphore(window)
-    failures: list[BaseException] = []
+    errors: dict[str, int] = {}
+    fatal: list[BaseException] = []
 
     async def one(client: TrainingClient, i: int) -> None:
         try:
@@ -366,8 +389,13 @@ async def pump(clients: list[TrainingClient], total: int, window: int) -> float:
             result = await future
             if result["data"] != i:
                 raise AssertionError(f"ping {i} returned {result!r}")
+        except QueueTinkerError as exc:
+            name = type(exc).__name__
+            if name not in errors:
+                print(f"warning: ping failed: {name}: {exc}", file=sys.stderr, flush=True)
+            errors[name] = errors.get(name, 0) + 1
         except BaseException as exc:  # surfaced after the run
-            failures.append(exc)
+            fatal.append(exc)
         finally:
             slots.release()
 
@@ -375,16 +403,16 @@ async def pump(clients: list[TrainingClient], total: int, window: int) -> float:
     started = time.perf_counter()
     for i in range(total):
         await slots.acquire()
-        if failures:
+        if fatal:
             break
         task = asyncio.create_task(one(clients[i % len(clients)], i))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - started
-    if failures:
-        raise failures[0]
-    return elapsed
+    if fatal:
+        raise fatal[0]
+    return elapsed, errors
 
 
 def owners(redis_url: str, keys: Keys, clients: list[TrainingClient]) -> dict[str, int]:
@@ -413,7 +441,7 @@ def run_throughput(args: argparse.Namespace, database_url: str, log_dir: Path, w
                            for _ in range(args.models)]
                 warm = min(args.tput_ops // 10, 1_000)
                 asyncio.run(pump(clients, warm, args.window))
-                seconds = asyncio.run(pump(clients, args.tput_ops, args.window))
+                seconds, errors = asyncio.run(pump(clients, args.tput_ops, args.window))
                 backlog = redis.Redis.from_url(args.redis_url)
                 try:
                     record_backlog = int(backlog.xlen(keys.records()))
@@ -423,9 +451,10 @@ def run_throughput(args: argparse.Namespace, database_url: str, log_dir: Path, w
                     "models": args.models, "window": args.window,
                     "models_per_worker": sorted(owners(args.redis_url, keys, clients).values()),
                     "record_backlog_at_end": record_backlog,
+                    "errors": errors,
                 })
             finally:
-                service.close()
+                close_client(service)
 
 
 # --- part 3: the rq baseline -------------------------------------------------------------------
@@ -452,6 +481,7 @@ def rq_cleanup(redis_url: str, queue_name: str, job_ids: list[str]) -> None:
         for start in range(0, len(job_ids), 500):
             chunk = job_ids[start : start + 500]
             client.delete(*[f"rq:job:{j}" for j in chunk], *[f"rq:results:{j}" for j in chunk])
+        client.srem("rq:queues", f"rq:queue:{queue_name}")
     finally:
         client.close()
     delete_matching(redis_url, f"rq:*{queue_name}*")
@@ -577,6 +607,12 @@ def postgres_version(url: str) -> str:
 
 
 # --- report ------------------------------------------------------------------------------------
+def errors_text(errors: dict[str, int]) -> str:
+    if not errors:
+        return "no op failed"
+    return "**ops failed: " + ", ".join(f"{n:,} × `{name}`" for name, n in errors.items()) + "**"
+
+
 def verdict(ok: bool) -> str:
     return "**met**" if ok else "**not met**"
 
@@ -646,8 +682,11 @@ def render(args: argparse.Namespace, info: dict[str, str], lat: dict[str, Latenc
     add("")
     add("Where one round trip goes (medians / p99 in ms; stage boundaries are the Redis-clock "
         "timestamps the Lua scripts write into the job hash — `queued_at`, `started_at`, "
-        "`finished_at` — and the client's wall clock on the same host; the stages overlap "
-        "slightly, so they need not add up to the total exactly):")
+        "`finished_at` — and the client's wall clock on the same host; the first row overlaps "
+        "the others, which add up to the total). An op the engine runs inline (a ping) is "
+        "marked started and finished by the one publish script, so its `started_at -> "
+        "finished_at` is 0 and `queued_at -> started_at` covers pick-up, execution and the "
+        "publish script:")
     add("")
     add("| stage | sync p50 | sync p99 | async p50 | async p99 |")
     add("| --- | --- | --- | --- | --- |")
@@ -665,7 +704,7 @@ def render(args: argparse.Namespace, info: dict[str, str], lat: dict[str, Latenc
         add(f"| queue_tinker (async API) | {workers} | {t.ops:,} over {t.extra['models']} models "
             f"| {t.extra['window']:,} | {t.per_s:,.0f} | models per worker "
             f"{t.extra['models_per_worker']}; records not yet in Postgres at the end: "
-            f"{t.extra['record_backlog_at_end']:,} |")
+            f"{t.extra['record_backlog_at_end']:,}; {errors_text(t.extra['errors'])} |")
     if rq_result is not None:
         t = rq_result.throughput
         add(f"| rq {info['rq']} `SimpleWorker` | 1 | {t.ops:,} | all queued up front | "
@@ -799,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }, indent=2))
     if not args.no_docs:
         write_docs(args.docs, render(args, info, lat, tput, rq_result, total_s))
-        print(f"wrote {args.docs.relative_to(REPO) if args.docs.is_relative_to(REPO) else args.docs}")
+        print(f"wrote {args.docs}")
     return 0
 
 

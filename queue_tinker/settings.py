@@ -48,9 +48,10 @@ class Settings(BaseSettings):
         "adapter resident for the next burst of ops.",
     )
     result_ttl_s: int = Field(
-        default=86_400, gt=0,
+        default=3_600, gt=0,
         description="How long job records, results and idempotency keys stay in Redis after "
-        "submission; Postgres keeps the request row for good.",
+        "submission (memory grows with op rate times this); Postgres keeps the request row "
+        "for good.",
     )
     gateway_host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     gateway_port: int = Field(default=8000, description="Gateway port.")

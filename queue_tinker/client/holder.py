@@ -6,11 +6,12 @@ Everything here runs on the background loop (queue_tinker/client/loop.py).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -74,6 +75,7 @@ class ClientHolder:
             future.cancel()
             raise
         if enqueued.job_id == job_id:
+            self.results.confirm(job_id)
             return job_id, future
         future.cancel()
         earlier = asyncio.ensure_future(self.results.wait(enqueued.job_id, model_id))
@@ -88,15 +90,15 @@ class ClientHolder:
         *,
         job_id: str | None = None,
     ) -> Enqueued:
-        """Submit once; on a dropped connection, resubmit under the same key (runs once)."""
+        """Submit once; on a dropped connection, resubmit the same job id (runs once: the
+        script finds the job the lost reply was about)."""
         job_id = job_id or new_id()
-        key = idempotency_key or job_id
         deadline = time.monotonic() + ENQUEUE_RETRY_S
         delay = 0.05
         while True:
             try:
                 return await self.jobs.enqueue(
-                    model_id, kind, payload, job_id=job_id, idempotency_key=key
+                    model_id, kind, payload, job_id=job_id, idempotency_key=idempotency_key
                 )
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 if time.monotonic() > deadline:
@@ -105,13 +107,30 @@ class ClientHolder:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    async def wait(self, job_id: str, model_id: str, decode: Callable[[bytes], T]) -> T:
-        outcome = await self.results.wait(job_id, model_id)
-        return decode_outcome(outcome, decode)
+    async def submit_for_thread(
+        self,
+        model_id: str,
+        kind: OpKind,
+        payload: bytes,
+        idempotency_key: str | None,
+        decode: Callable[[bytes], T],
+    ) -> tuple[str, concurrent.futures.Future[T]]:
+        """submit(), with the decoded result delivered to a future any thread can wait on
+        (set from a callback: no extra task, no extra hop through the loop)."""
+        job_id, outcome = await self.submit(model_id, kind, payload, idempotency_key)
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-    @staticmethod
-    async def decoded(future: asyncio.Future[JobOutcome], decode: Callable[[bytes], T]) -> T:
-        return decode_outcome(await future, decode)
+        def settle(done: asyncio.Future[JobOutcome]) -> None:
+            if done.cancelled():
+                result.cancel()
+                return
+            try:
+                result.set_result(decode_outcome(done.result(), decode))
+            except Exception as exc:
+                result.set_exception(exc)
+
+        outcome.add_done_callback(settle)
+        return job_id, result
 
     async def close(self) -> None:
         await self.results.close()
@@ -127,7 +146,3 @@ def decode_outcome(outcome: JobOutcome, decode: Callable[[bytes], T]) -> T:
             detail=outcome.error_detail,
         )
     return decode(outcome.result)
-
-
-def identity(data: bytes) -> Any:
-    return data

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from queue_tinker.client.holder import ClientHolder, new_id
+from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop, background_loop
 from queue_tinker.client.training import TrainingClient
 from queue_tinker.errors import UserInputError
@@ -65,7 +65,7 @@ class ServiceClient:
                 session_id=holder.session_id, lora_config=config,
             )
             _, outcome = await holder.submit(model_id, OpKind.CREATE_MODEL, codec.encode(config))
-            await holder.decoded(outcome, codec.decode)
+            decode_outcome(await outcome, codec.decode)
 
         await self._loop.call(create())
         return TrainingClient(self._loop, holder, model_id, base_model)

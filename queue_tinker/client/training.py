@@ -27,12 +27,12 @@ class TrainingClient:
         self, kind: OpKind, body: Any, decode: Callable[[bytes], T], idempotency_key: str | None
     ) -> APIFuture[T]:
         """Enqueue (returns once the op holds its place in the model's order), then wait."""
-        holder = self._holder
-        payload = codec.encode(body)
-        job_id, outcome = await self._loop.call(
-            holder.submit(self.model_id, kind, payload, idempotency_key)
+        job_id, result = await self._loop.call(
+            self._holder.submit_for_thread(
+                self.model_id, kind, codec.encode(body), idempotency_key, decode
+            )
         )
-        return APIFuture(self._loop.submit(holder.decoded(outcome, decode)), job_id)
+        return APIFuture(result, job_id)
 
     async def ping_async(
         self, data: Any = None, *, delay_ms: int = 0, idempotency_key: str | None = None

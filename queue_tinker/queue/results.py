@@ -6,33 +6,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 
 import msgpack
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
-from queue_tinker.queue.jobs import JobOutcome, JobQueue
+from queue_tinker.errors import ResultExpiredError
+from queue_tinker.queue.jobs import JobOutcome, JobQueue, outcome_from_fields
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import JobStatus
 
 log = logging.getLogger(__name__)
 
 # A message lost while the pub/sub connection reconnects would strand its future; a slow
-# sweep re-reads the outstanding jobs. It is a safety net, not the wake-up path.
+# sweep re-reads jobs that have waited this long. It is a safety net, not the wake-up path.
 SWEEP_INTERVAL_S = 5.0
 
 
 class ResultListener:
     """Resolves local futures from the per-model events channels."""
 
-    def __init__(self, redis: Redis, keys: Keys, jobs: JobQueue) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, jobs: JobQueue, *,
+        sweep_interval_s: float = SWEEP_INTERVAL_S,
+    ) -> None:
         self.redis = redis
+        self.sweep_interval_s = sweep_interval_s
         self.keys = keys
         self.jobs = jobs
         self._pubsub: PubSub = redis.pubsub()
         self._subscribed: dict[bytes, asyncio.Event] = {}
         self._waiters: defaultdict[str, list[asyncio.Future[JobOutcome]]] = defaultdict(list)
+        # Jobs known to exist in Redis (submitted), with when: only these may be swept. A job
+        # whose submit still waits for a connection is not in Redis yet and is not "expired".
+        self._confirmed: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     async def watch(self, model_id: str) -> None:
@@ -51,11 +60,16 @@ class ResultListener:
 
     def expect(self, job_id: str) -> asyncio.Future[JobOutcome]:
         """A future for a job not yet submitted (the caller has watched its model): no result
-        can be published before it exists, so no read is needed to close a race."""
+        can be published before it exists, so no read is needed to close a race. Call
+        confirm() once the submit returned."""
         future: asyncio.Future[JobOutcome] = asyncio.get_running_loop().create_future()
         self._waiters[job_id].append(future)
         future.add_done_callback(lambda f: self._forget(job_id, f))
         return future
+
+    def confirm(self, job_id: str) -> None:
+        if job_id in self._waiters:
+            self._confirmed.setdefault(job_id, time.monotonic())
 
     async def wait(self, job_id: str, model_id: str) -> JobOutcome:
         """The outcome of any job (submitted anywhere), as soon as it is published."""
@@ -68,6 +82,7 @@ class ResultListener:
         except Exception:
             future.cancel()
             raise
+        self.confirm(job_id)
         if outcome is not None:
             self._resolve(outcome)
         return await future
@@ -78,20 +93,26 @@ class ResultListener:
             waiters.remove(future)
             if not waiters:
                 del self._waiters[job_id]
+                self._confirmed.pop(job_id, None)
 
     def _resolve(self, outcome: JobOutcome) -> None:
-        for future in self._waiters.pop(outcome.job_id, []):
+        for future in list(self._waiters.get(outcome.job_id, [])):
             if not future.done():
                 future.set_result(outcome)
+
+    def _fail(self, job_id: str, error: Exception) -> None:
+        for future in list(self._waiters.get(job_id, [])):
+            if not future.done():
+                future.set_exception(error)
 
     async def _read(self) -> None:
         async for message in self._pubsub.listen():
             kind = message["type"]
-            if kind == b"subscribe" or kind == "subscribe":
+            if kind in (b"subscribe", "subscribe"):
                 event = self._subscribed.get(message["channel"])
                 if event is not None:
                     event.set()
-            elif kind == b"message" or kind == "message":
+            elif kind in (b"message", "message"):
                 self._on_message(message["data"])
 
     def _on_message(self, data: bytes) -> None:
@@ -112,17 +133,27 @@ class ResultListener:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL_S)
-            for job_id in list(self._waiters):
-                try:
-                    outcome = await self.jobs.outcome(job_id)
-                except Exception as exc:  # the waiter learns it from its own read
-                    for future in self._waiters.pop(job_id, []):
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                if outcome is not None:
-                    self._resolve(outcome)
+            await asyncio.sleep(self.sweep_interval_s)
+            cutoff = time.monotonic() - self.sweep_interval_s
+            stale = [job for job, since in self._confirmed.items() if since < cutoff]
+            if stale:
+                await self._reread(stale)
+
+    async def _reread(self, job_ids: list[str]) -> None:
+        """Resolve the given jobs from their hashes, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(self.keys.job(job_id))
+            replies = await pipe.execute()
+        for job_id, fields in zip(job_ids, replies, strict=True):
+            if not fields:
+                self._fail(job_id, ResultExpiredError(
+                    f"request {job_id}: no longer in Redis (its result outlived "
+                    f"QT_RESULT_TTL_S={self.jobs.result_ttl_s})"))
+                continue
+            outcome = outcome_from_fields(job_id, fields)
+            if outcome is not None:
+                self._resolve(outcome)
 
     async def close(self) -> None:
         for task in self._tasks:

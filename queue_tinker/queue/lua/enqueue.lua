@@ -10,6 +10,10 @@
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return redis.error_reply('UNKNOWN_MODEL')
 end
+-- A client retrying a submit whose reply it lost sends the same job id: it finds its job.
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return {ARGV[1], 0}
+end
 if ARGV[5] ~= '' then
   local existing = redis.call('GET', KEYS[3])
   if existing then
