@@ -11,15 +11,12 @@ from queue_tinker.queue.dispatch import Dispatcher
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
-from queue_tinker.recorder import Recorder
+from queue_tinker.recorder import RecorderThread
 from queue_tinker.settings import Settings
-from queue_tinker.store.db import make_engine, session_factory
 from workers.engine import BuiltinEngine, Engine
 from workers.worker import Worker, WorkerConfig
 
 log = logging.getLogger("queue_tinker.worker")
-
-SHUTDOWN_FLUSH_S = 5.0
 
 
 def resolve_device(device: str) -> str:
@@ -41,7 +38,6 @@ async def serve_worker(settings: Settings, base_model: str, device: str) -> None
         raise SystemExit("QT_REDIS_URL and QT_DATABASE_URL must be set (or use `queue-tinker up`)")
     keys = Keys(settings.key_prefix)
     redis = connect(settings.redis_url)
-    db = make_engine(settings.database_url)
     config = WorkerConfig(
         base_model=base_model, device=resolve_device(device), lease_ttl_ms=settings.lease_ttl_ms,
         heartbeat_ms=settings.heartbeat_ms, linger_ms=settings.linger_ms,
@@ -53,27 +49,19 @@ async def serve_worker(settings: Settings, base_model: str, device: str) -> None
     )
     worker = Worker(config, build_engine(base_model, config.device), dispatcher,
                     WorkerRegistry(redis, keys), records)
-    recorder = Recorder(records, session_factory(db), consumer=worker.id)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
     log.info("worker %s serving %s on %s", worker.id, base_model, config.device)
     await records.ensure_group()
-    recording = asyncio.create_task(recorder.run(), name="recorder")
+    recorder = RecorderThread(settings.redis_url, settings.database_url, keys, worker.id)
+    recorder.start()
     try:
         await worker.run()
     finally:
         log.info("worker %s: models released; flushing the record", worker.id)
-        recorder.stop()
-        try:
-            await asyncio.wait_for(recording, SHUTDOWN_FLUSH_S)
-            # Leave the record complete where Postgres answers; the rest stays in the stream
-            # for the next recorder.
-            await asyncio.wait_for(recorder.drain(), SHUTDOWN_FLUSH_S)
-        except Exception as exc:
-            log.warning("worker %s: record not flushed on shutdown (%s)", worker.id, exc)
+        await asyncio.to_thread(recorder.stop)
         await redis.aclose()
-        await db.dispose()
         log.info("worker %s stopped", worker.id)
 
 

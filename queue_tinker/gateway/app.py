@@ -16,10 +16,9 @@ from sqlalchemy import text
 from queue_tinker.gateway.overview import queue_overview
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
-from queue_tinker.recorder import Recorder
+from queue_tinker.recorder import RecorderThread
 from queue_tinker.settings import Settings
-from queue_tinker.store.db import make_engine, session_factory
+from queue_tinker.store.db import make_engine
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -32,15 +31,13 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.redis = connect(settings.redis_url or "")
         app.state.db = make_engine(settings.database_url or "")
         # The gateway also writes the record behind, so Postgres keeps up with no worker alive.
-        recorder = Recorder(RecordLog(app.state.redis, keys), session_factory(app.state.db),
-                            consumer=f"gateway-{uuid.uuid4().hex[:8]}")
-        recording = asyncio.create_task(recorder.run())
+        recorder = RecorderThread(settings.redis_url or "", settings.database_url or "", keys,
+                                  consumer=f"gateway-{uuid.uuid4().hex[:8]}")
+        recorder.start()
         try:
             yield
         finally:
-            recorder.stop()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(recording, 5)
+            await asyncio.to_thread(recorder.stop)
             await app.state.redis.aclose()
             await app.state.db.dispose()
 
