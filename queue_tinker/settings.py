@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import Field
@@ -68,3 +69,14 @@ class Settings(BaseSettings):
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment, with explicit overrides winning."""
     return Settings(**overrides)  # type: ignore[arg-type]
+
+
+def settings_env(settings: Settings, base: Mapping[str, str]) -> dict[str, str]:
+    """`base` with every effective setting as its QT_* variable (unset ones removed), so a
+    child process sees exactly these settings."""
+    env = {k: v for k, v in base.items() if not k.startswith("QT_")}
+    for name in type(settings).model_fields:
+        value = getattr(settings, name)
+        if value is not None:
+            env[f"QT_{name.upper()}"] = str(value)
+    return env

@@ -18,7 +18,7 @@ from types import FrameType
 
 from queue_tinker.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError
 from queue_tinker.processes import ProcessGroup
-from queue_tinker.settings import Settings
+from queue_tinker.settings import Settings, settings_env
 
 CHILD_STOP_TIMEOUT_S = 15.0  # a worker finishes its current op, publishes, releases its leases
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -59,15 +59,7 @@ class _Signals:
 
 def child_env(settings: Settings) -> dict[str, str]:
     """This environment plus every effective setting as QT_*, so children see what we see."""
-    env = dict(os.environ)
-    for name in type(settings).model_fields:
-        value = getattr(settings, name)
-        key = f"QT_{name.upper()}"
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = str(value)
-    return env
+    return settings_env(settings, os.environ)
 
 
 def start_backends(settings: Settings, stack: ExitStack) -> Settings:

@@ -14,17 +14,14 @@ from pathlib import Path
 import redis
 
 from queue_tinker.queue.keys import Keys
-from queue_tinker.settings import Settings
+from queue_tinker.settings import Settings, settings_env
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def settings_env(settings: Settings) -> dict[str, str]:
+def child_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a child process see the same settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QT_")}
-    for name, value in settings.model_dump().items():
-        if value is not None:
-            env[f"QT_{name.upper()}"] = str(value)
+    env = settings_env(settings, os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # a hung worker killed with SIGABRT dumps its stacks
     return env
@@ -37,7 +34,7 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "queue_tinker.cli", "worker", "--base-model", base_model,
              "--device", "cpu"],
-            env=settings_env(settings), cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            env=child_env(settings), cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
         )
 
     @property

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from procs import REPO, running_workers, settings_env
+from procs import REPO, child_env, running_workers
 
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.settings import Settings
@@ -57,7 +57,7 @@ def test_thousand_ops_run_in_submission_order_once(settings: Settings, service: 
             subprocess.Popen(
                 [sys.executable, str(REPO / "tests/scripts/submit_pings.py"), f"p{p}",
                  str(PROCESS_OPS), *model_ids],
-                env=settings_env(settings), stdout=subprocess.PIPE, text=True,
+                env=child_env(settings), stdout=subprocess.PIPE, text=True,
             )
             for p in range(PROCESSES)
         ]
