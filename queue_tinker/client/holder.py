@@ -86,13 +86,12 @@ class ClientHolder:
         model_id: str,
         kind: OpKind,
         payload: bytes,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None,
         *,
-        job_id: str | None = None,
+        job_id: str,
     ) -> Enqueued:
         """Submit once; on a dropped connection, resubmit the same job id (runs once: the
         script finds the job the lost reply was about)."""
-        job_id = job_id or new_id()
         deadline = time.monotonic() + ENQUEUE_RETRY_S
         delay = 0.05
         while True:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections import defaultdict
 
@@ -17,8 +16,6 @@ from queue_tinker.errors import ResultExpiredError
 from queue_tinker.queue.jobs import JobOutcome, JobQueue, outcome_from_fields
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import JobStatus
-
-log = logging.getLogger(__name__)
 
 # A message lost while the pub/sub connection reconnects would strand its future; a slow
 # sweep re-reads jobs that have waited this long. It is a safety net, not the wake-up path.
