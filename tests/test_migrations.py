@@ -20,7 +20,7 @@ from queue_tinker.store.db import (
     to_async_url,
     with_database,
 )
-from queue_tinker.store.migrate import current, downgrade, upgrade
+from queue_tinker.store.migrate import current, downgrade, head, upgrade
 from queue_tinker.store.models import Base
 from queue_tinker.types.enums import JobStatus, OpKind
 
@@ -91,7 +91,7 @@ def test_upgrade_builds_schema_and_default_tenant(empty_database_url: str) -> No
     """upgrade on an empty database creates every table and the default tenant."""
     assert current(empty_database_url) is None
     upgrade(empty_database_url)
-    assert current(empty_database_url) == "0001"
+    assert current(empty_database_url) == head()
     assert _tables(empty_database_url) == TABLES | {"alembic_version"}
     select_tenants = text("SELECT id, name FROM tenants")
     tenants = asyncio.run(_on_sync(empty_database_url, lambda c: c.execute(select_tenants).all()))
@@ -116,7 +116,7 @@ def test_orm_matches_migrations(database_url: str) -> None:
 async def test_upgrade_from_inside_an_event_loop(empty_database_url: str) -> None:
     """upgrade/current work when called from async code (they step off the running loop)."""
     upgrade(empty_database_url)
-    assert current(empty_database_url) == "0001"
+    assert current(empty_database_url) == head()
 
 
 async def test_check_constraints_follow_the_enums(database_url: str) -> None:
@@ -129,9 +129,9 @@ async def test_check_constraints_follow_the_enums(database_url: str) -> None:
     try:
         async with engine.connect() as conn:
             for seq, status in enumerate(JobStatus):
-                for kind in OpKind:
+                for k, kind in enumerate(OpKind):
                     row = {"id": f"ck-{status}-{kind}", "kind": kind.value, "status": status.value}
-                    await conn.execute(insert, {**row, "seq": seq * 100 + len(kind)})
+                    await conn.execute(insert, {**row, "seq": seq * 100 + k})
             await conn.rollback()
             for bad in ({"kind": "ping", "status": "lost"}, {"kind": "teleport", "status": "done"}):
                 with pytest.raises(IntegrityError, match="ck_requests_"):
@@ -155,7 +155,7 @@ def test_pgserver_unix_socket_url() -> None:
             asyncio.run(create_database(admin, "qt_socket"))
             url = with_database(admin, "qt_socket")
             upgrade(url)
-            assert current(url) == "0001"
+            assert current(url) == head()
             asyncio.run(drop_database(admin, "qt_socket"))
         finally:
             server.cleanup()

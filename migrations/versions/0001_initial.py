@@ -7,9 +7,9 @@ Create Date: 2025-01-01
 Constraint names are wrapped in op.f() so the naming convention of the target metadata
 (queue_tinker.store.models.NAMING_CONVENTION) does not prefix them a second time.
 
-The status/kind CHECK lists come from the enums in queue_tinker/types/enums.py. A database
-keeps the lists it was migrated with: adding an enum member needs a new migration that drops
-and recreates the constraint (ck_requests_status / ck_requests_kind).
+The status/kind CHECK lists are spelled out as they were when this revision was written; a
+new enum member in queue_tinker/types/enums.py needs a new revision that recreates the
+constraint (see 0002).
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-from queue_tinker.store.models import CHECKPOINT_KINDS, DEFAULT_TENANT_ID, in_values_sql
-from queue_tinker.types.enums import JobStatus, OpKind
+from queue_tinker.store.models import DEFAULT_TENANT_ID, in_values_sql
+
+JOB_STATUSES = ("queued", "running", "done", "failed")
+OP_KINDS = ("create_model", "ping")
+CHECKPOINT_KINDS = ("state", "sampler")
 
 revision: str = "0001"
 down_revision: str | None = None
@@ -110,8 +113,8 @@ def upgrade() -> None:
         _text("error_detail", nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_requests")),
         sa.UniqueConstraint("model_id", "seq", name=op.f("uq_requests_model_id_seq")),
-        sa.CheckConstraint(in_values_sql("status", JobStatus), name=op.f("ck_requests_status")),
-        sa.CheckConstraint(in_values_sql("kind", OpKind), name=op.f("ck_requests_kind")),
+        sa.CheckConstraint(in_values_sql("status", JOB_STATUSES), name=op.f("ck_requests_status")),
+        sa.CheckConstraint(in_values_sql("kind", OP_KINDS), name=op.f("ck_requests_kind")),
     )
     op.create_index(op.f("ix_requests_status"), "requests", ["status"])
     op.create_table(

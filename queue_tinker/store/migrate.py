@@ -74,3 +74,12 @@ async def _current(url: str) -> str | None:
 def current(url: str) -> str | None:
     """The revision the database at `url` is at; None when it has never been migrated."""
     return _off_loop(lambda: asyncio.run(_current(url)))
+
+
+def head() -> str:
+    """The newest revision in migrations/ (what `upgrade` reaches)."""
+    from alembic.script import ScriptDirectory
+
+    revision = ScriptDirectory.from_config(alembic_config("postgresql://unused")).get_current_head()
+    assert revision is not None
+    return revision

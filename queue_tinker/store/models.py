@@ -24,11 +24,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from queue_tinker.types.enums import JobStatus, OpKind
+from queue_tinker.types.enums import CheckpointKind, JobStatus, OpKind
 
 DEFAULT_TENANT_ID = "default"
-# No enum in queue_tinker/types for these yet; this tuple is the one list (migration imports it).
-CHECKPOINT_KINDS: tuple[str, ...] = ("state", "sampler")
 
 # Explicit constraint names, so the migration can spell the same ones and alembic's
 # compare_metadata lines them up.
@@ -138,7 +136,7 @@ class Checkpoint(Base):
     __tablename__ = "checkpoints"
     __table_args__ = (
         UniqueConstraint("model_id", "kind", "name"),
-        CheckConstraint(in_values_sql("kind", CHECKPOINT_KINDS), name="kind"),
+        CheckConstraint(in_values_sql("kind", CheckpointKind), name="kind"),
     )
 
     id: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -149,7 +147,8 @@ class Checkpoint(Base):
     path: Mapped[str] = mapped_column(Text)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = _ts(nullable=False, now=True)
-    expires_at: Mapped[datetime | None] = _ts()
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
+    deleted_at: Mapped[datetime | None] = _ts()  # files removed (TTL expiry); row kept
 
 
 class Worker(Base):

@@ -26,9 +26,10 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
-from queue_tinker.store.models import Request, Session, TrainingRun, Worker
+from queue_tinker.store.models import Checkpoint, Request, Session, TrainingRun, Worker
 from queue_tinker.types.enums import JobStatus
 from queue_tinker.types.records import (
+    CheckpointRecord,
     ModelRecord,
     Record,
     RequestRecord,
@@ -43,12 +44,14 @@ _REQUESTS: Table = Request.__table__  # type: ignore[assignment]
 _RUNS: Table = TrainingRun.__table__  # type: ignore[assignment]
 _SESSIONS: Table = Session.__table__  # type: ignore[assignment]
 _WORKERS: Table = Worker.__table__  # type: ignore[assignment]
+_CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
 
 # How two known values of one field combine; fields not named here take the newer value.
 _SESSION_REDUCERS: Mapping[str, Reducer] = {"created_at": min, "last_heartbeat_at": max}
 _MODEL_REDUCERS: Mapping[str, Reducer] = {"created_at": min}
 _WORKER_REDUCERS: Mapping[str, Reducer] = {"started_at": min, "last_heartbeat_at": max}
 _REQUEST_REDUCERS: Mapping[str, Reducer] = {"queued_at": min, "attempts": max}
+_CHECKPOINT_REDUCERS: Mapping[str, Reducer] = {"created_at": min}
 
 
 def _to_row(record: Record) -> Row:
@@ -175,11 +178,27 @@ def _upsert_workers() -> Any:
     )
 
 
+def _upsert_checkpoints() -> Any:
+    stmt = insert(_CHECKPOINTS)
+    new, old = stmt.excluded, _CHECKPOINTS.c
+    return stmt.on_conflict_do_update(
+        index_elements=[old.id],
+        set_={
+            "size_bytes": new.size_bytes,
+            "created_at": func.least(old.created_at, new.created_at),
+            "expires_at": func.coalesce(new.expires_at, old.expires_at),
+            # Once the files are gone the row says so for good.
+            "deleted_at": func.coalesce(old.deleted_at, new.deleted_at),
+        },
+    )
+
+
 # Built once; SQLAlchemy caches their compiled form.
 _REQUEST_UPSERT = _upsert_requests()
 _RUN_UPSERT = _upsert_runs()
 _SESSION_UPSERT = _upsert_sessions()
 _WORKER_UPSERT = _upsert_workers()
+_CHECKPOINT_UPSERT = _upsert_checkpoints()
 
 
 async def _touch_runs(conn: AsyncConnection, requests: list[Row], new_models: list[str]) -> None:
@@ -225,6 +244,7 @@ async def apply_records(
     model_rows = _coalesce(rows[ModelRecord], _MODEL_REDUCERS)
     worker_rows = _coalesce(rows[WorkerRecord], _WORKER_REDUCERS)
     request_rows = _coalesce(rows[RequestRecord], _REQUEST_REDUCERS, order=_request_order)
+    checkpoint_rows = _coalesce(rows[CheckpointRecord], _CHECKPOINT_REDUCERS)
     async with sessions() as session, session.begin():
         conn = await session.connection()
         # Sessions and runs before requests: _touch_runs must see the runs of this batch.
@@ -233,6 +253,7 @@ async def apply_records(
             (_RUN_UPSERT, model_rows),
             (_WORKER_UPSERT, worker_rows),
             (_REQUEST_UPSERT, request_rows),
+            (_CHECKPOINT_UPSERT, checkpoint_rows),
         ):
             if batch:
                 await conn.execute(stmt, batch)

@@ -1,23 +1,61 @@
-"""Types shared by client, queue, store, gateway and workers: one definition per wire shape."""
+"""Types shared by client, queue, store, gateway and workers: one definition per wire shape.
 
-from queue_tinker.types.enums import JobStatus, OpKind, QueueState
+User code reads like Tinker's: `from queue_tinker import types; types.Datum(...)`.
+"""
+
+from queue_tinker.types.checkpoints import CheckpointPath
+from queue_tinker.types.enums import CheckpointKind, JobStatus, LossFn, OpKind, QueueState
 from queue_tinker.types.records import (
     RECORD_ADAPTER,
+    CheckpointRecord,
     ModelRecord,
     Record,
     RequestRecord,
     SessionRecord,
     WorkerRecord,
 )
+from queue_tinker.types.tensors import Datum, EncodedTextChunk, ModelInput, TensorData
+from queue_tinker.types.training import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    LoraConfig,
+    ModelData,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    UnloadModelResponse,
+)
 
 __all__ = [
     "RECORD_ADAPTER",
+    "AdamParams",
+    "CheckpointKind",
+    "CheckpointPath",
+    "CheckpointRecord",
+    "Datum",
+    "EncodedTextChunk",
+    "ForwardBackwardInput",
+    "ForwardBackwardOutput",
+    "GetInfoResponse",
     "JobStatus",
+    "LoadWeightsResponse",
+    "LoraConfig",
+    "LossFn",
+    "ModelData",
+    "ModelInput",
     "ModelRecord",
     "OpKind",
+    "OptimStepResponse",
     "QueueState",
     "Record",
     "RequestRecord",
+    "SaveWeightsForSamplerResponse",
+    "SaveWeightsResponse",
     "SessionRecord",
+    "TensorData",
+    "UnloadModelResponse",
     "WorkerRecord",
 ]

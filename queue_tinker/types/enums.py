@@ -10,6 +10,14 @@ class OpKind(StrEnum):
 
     CREATE_MODEL = "create_model"
     PING = "ping"  # a no-op round trip: health checks, latency benchmarks, lease tests
+    FORWARD = "forward"
+    FORWARD_BACKWARD = "forward_backward"
+    OPTIM_STEP = "optim_step"
+    SAVE_STATE = "save_state"
+    SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    LOAD_STATE = "load_state"
+    UNLOAD_MODEL = "unload_model"
+    SAMPLE = "sample"
 
 
 class JobStatus(StrEnum):
@@ -37,3 +45,25 @@ class QueueState(StrEnum):
     ACTIVE = "active"
     PAUSED_RATE_LIMIT = "paused_rate_limit"
     PAUSED_CAPACITY = "paused_capacity"
+
+
+class LossFn(StrEnum):
+    """The built-in loss functions of forward / forward_backward (formulas in docs/losses.md)."""
+
+    CROSS_ENTROPY = "cross_entropy"
+    IMPORTANCE_SAMPLING = "importance_sampling"
+    PPO = "ppo"
+    CISPO = "cispo"
+    DRO = "dro"
+
+
+class CheckpointKind(StrEnum):
+    """`state`: weights + optimizer (tinker://<run>/weights/<name>); `sampler`: weights only
+    (tinker://<run>/sampler_weights/<name>)."""
+
+    STATE = "state"
+    SAMPLER = "sampler"
+
+    @property
+    def path_segment(self) -> str:
+        return "weights" if self is CheckpointKind.STATE else "sampler_weights"

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from queue_tinker.types.enums import JobStatus, OpKind
+from queue_tinker.types.enums import CheckpointKind, JobStatus, OpKind
 
 
 class _Record(BaseModel):
@@ -71,7 +71,24 @@ class WorkerRecord(_Record):
     stopped_at: float | None = None
 
 
+class CheckpointRecord(_Record):
+    """A checkpoint written by a worker (or its files removed, with deleted_at)."""
+
+    type: Literal["checkpoint"] = "checkpoint"
+    id: str  # the tinker:// path: unique, and what users hold
+    model_id: str
+    tenant_id: str
+    name: str
+    kind: CheckpointKind
+    path: str
+    size_bytes: int
+    created_at: float
+    expires_at: float | None = None
+    deleted_at: float | None = None
+
+
 Record = Annotated[
-    SessionRecord | ModelRecord | RequestRecord | WorkerRecord, Field(discriminator="type")
+    SessionRecord | ModelRecord | RequestRecord | WorkerRecord | CheckpointRecord,
+    Field(discriminator="type"),
 ]
 RECORD_ADAPTER: TypeAdapter[Record] = TypeAdapter(Record)

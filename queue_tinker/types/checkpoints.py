@@ -1,0 +1,46 @@
+"""Checkpoint addresses: tinker://<run id>/weights/<name> and .../sampler_weights/<name>."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from queue_tinker.errors import UserInputError
+from queue_tinker.types.enums import CheckpointKind
+
+SCHEME = "tinker://"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SEGMENTS = {kind.path_segment: kind for kind in CheckpointKind}
+
+
+def check_name(name: object, field: str = "name") -> str:
+    """Names become directory names, so they are kept to a safe alphabet."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise UserInputError(
+            f"{field}: {name!r} is not a valid checkpoint name; use 1 to 128 letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    run_id: str  # the model id of the training run that saved it
+    kind: CheckpointKind
+    name: str
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.run_id}/{self.kind.path_segment}/{self.name}"
+
+    @classmethod
+    def parse(cls, path: object, field: str = "path") -> CheckpointPath:
+        text = path if isinstance(path, str) else ""
+        parts = text.removeprefix(SCHEME).split("/") if text.startswith(SCHEME) else []
+        if len(parts) != 3 or parts[1] not in _SEGMENTS or not parts[0]:
+            raise UserInputError(
+                f"{field}: {path!r} is not a checkpoint path; expected "
+                f"{SCHEME}<run id>/weights/<name> or {SCHEME}<run id>/sampler_weights/<name>"
+            )
+        run_id, segment, name = parts
+        check_name(run_id, field=f"{field} (run id)")
+        return cls(run_id=run_id, kind=_SEGMENTS[segment], name=check_name(name, field))

@@ -1,0 +1,179 @@
+"""What each built-in loss needs, and the checks every forward/forward_backward batch passes.
+
+The checks run at the client (before anything is queued) and again on the worker (the gateway
+and other clients may send anything); both use this one function. Messages name the datum,
+the field and what is wrong, because a user reads them far from where the batch was built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from queue_tinker.errors import UserInputError
+from queue_tinker.types.enums import LossFn
+from queue_tinker.types.tensors import Datum
+from queue_tinker.types.training import ForwardBackwardInput
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    config: Mapping[str, float | None] = field(default_factory=dict)  # default; None: required
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+
+_POLICY_INPUTS = ("target_tokens", "logprobs", "advantages")
+_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+LOSS_SPECS: dict[LossFn, LossSpec] = {
+    LossFn.CROSS_ENTROPY: LossSpec(("target_tokens",), optional=("weights",)),
+    LossFn.IMPORTANCE_SAMPLING: LossSpec(_POLICY_INPUTS),
+    LossFn.PPO: LossSpec(_POLICY_INPUTS, config=_CLIP),
+    LossFn.CISPO: LossSpec(_POLICY_INPUTS, config=_CLIP),
+    LossFn.DRO: LossSpec(_POLICY_INPUTS, config={"beta": None}),
+}
+assert set(LOSS_SPECS) == set(LossFn), "every LossFn needs a LossSpec"
+
+FLOAT_INPUTS = ("weights", "logprobs", "advantages")
+
+
+def parse_loss_fn(loss_fn: object) -> LossFn:
+    try:
+        return LossFn(loss_fn)
+    except ValueError:
+        names = ", ".join(f.value for f in LossFn)
+        raise UserInputError(
+            f"loss_fn: {loss_fn!r} is not a built-in loss function; choose one of {names} "
+            "(or use forward_backward_custom)"
+        ) from None
+
+
+def resolve_loss_config(loss_fn: LossFn, config: Mapping[str, object] | None) -> dict[str, float]:
+    """The loss's config with defaults filled in; unknown keys and bad values refused."""
+    spec = LOSS_SPECS[loss_fn]
+    given = dict(config or {})
+    unknown = sorted(set(given) - set(spec.config))
+    if unknown:
+        allowed = ", ".join(spec.config) or "none"
+        raise UserInputError(
+            f"loss_fn_config: {unknown} not used by {loss_fn.value} (it takes: {allowed})"
+        )
+    resolved: dict[str, float] = {}
+    for key, default in spec.config.items():
+        value = given.get(key, default)
+        if value is None:
+            raise UserInputError(f"loss_fn_config.{key}: required by {loss_fn.value}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
+            value
+        ):
+            raise UserInputError(f"loss_fn_config.{key}: must be a finite number, got {value!r}")
+        resolved[key] = float(value)
+    low, high = resolved.get("clip_low_threshold"), resolved.get("clip_high_threshold")
+    if low is not None and high is not None and not 0 <= low <= 1 <= high:
+        raise UserInputError(
+            f"loss_fn_config: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold, "
+            f"got {low} and {high}"
+        )
+    if resolved.get("beta", 0.0) < 0:
+        raise UserInputError(f"loss_fn_config.beta: must be >= 0, got {resolved['beta']}")
+    return resolved
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What only the model knows; None where the checker does not know it (the client)."""
+
+    vocab_size: int | None = None
+    context_length: int | None = None
+
+
+def check_batch(batch: ForwardBackwardInput, limits: ModelLimits = ModelLimits()) -> None:
+    """Raise UserInputError naming the first problem in the batch."""
+    if not batch.data:
+        raise UserInputError("data: the batch is empty; pass at least one Datum")
+    resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
+    for index, datum in enumerate(batch.data):
+        check_datum(index, datum, batch.loss_fn, limits)
+
+
+def check_datum(index: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) -> None:
+    where = f"data[{index}]"
+    tokens = datum.model_input.to_ints()
+    n = len(tokens)
+    if n == 0:
+        raise UserInputError(f"{where}.model_input: has no tokens")
+    if limits.context_length is not None and n > limits.context_length:
+        raise UserInputError(
+            f"{where}.model_input: {n} tokens is longer than the model's context of "
+            f"{limits.context_length}"
+        )
+    if limits.vocab_size is not None:
+        _check_token_ids(f"{where}.model_input", np.asarray(tokens), limits.vocab_size)
+    _check_loss_inputs(where, datum, loss_fn, n, limits)
+
+
+def _check_loss_inputs(
+    where: str, datum: Datum, loss_fn: LossFn, n_input: int, limits: ModelLimits
+) -> None:
+    inputs = datum.loss_fn_inputs
+    _check_input_names(where, set(inputs), loss_fn)
+    targets = inputs["target_tokens"]
+    length = targets.data.size
+    for key, tensor in inputs.items():
+        name = f"{where}.loss_fn_inputs[{key!r}]"
+        if tensor.data.ndim != 1:
+            raise UserInputError(f"{name}: must be 1-D, got shape {list(tensor.data.shape)}")
+        if tensor.data.size != length:
+            raise UserInputError(
+                f"{where}.loss_fn_inputs: {key} has {tensor.data.size} values but "
+                f"target_tokens has {length}; they must be the same length"
+            )
+        if key in FLOAT_INPUTS:
+            bad = np.flatnonzero(~np.isfinite(tensor.data))
+            if bad.size:
+                raise UserInputError(
+                    f"{name}: value at position {int(bad[0])} is {tensor.data[bad[0]]}; "
+                    "must be finite"
+                )
+    if targets.dtype != "int64":
+        raise UserInputError(f"{where}.loss_fn_inputs['target_tokens']: must be int64 token ids")
+    if not 1 <= length <= n_input:
+        raise UserInputError(
+            f"{where}.loss_fn_inputs['target_tokens']: has {length} values for a model_input "
+            f"of {n_input} tokens; position i predicts token i+1, so give 1 to {n_input}"
+        )
+    if limits.vocab_size is not None:
+        _check_token_ids(f"{where}.loss_fn_inputs['target_tokens']", targets.data,
+                         limits.vocab_size)
+
+
+def _check_input_names(where: str, names: set[str], loss_fn: LossFn) -> None:
+    spec = LOSS_SPECS[loss_fn]
+    takes = ", ".join(spec.inputs)
+    for key in spec.required:
+        if key not in names:
+            raise UserInputError(
+                f"{where}.loss_fn_inputs: missing {key!r}, required by {loss_fn.value} "
+                f"(it takes {takes})"
+            )
+    for key in sorted(names - set(spec.inputs)):
+        raise UserInputError(
+            f"{where}.loss_fn_inputs[{key!r}]: not an input of {loss_fn.value} (it takes {takes})"
+        )
+
+
+def _check_token_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        raise UserInputError(
+            f"{name}: token id {int(ids[bad[0]])} at position {int(bad[0])} is outside the "
+            f"vocabulary (0 to {vocab_size - 1})"
+        )

@@ -1,0 +1,182 @@
+"""Data that goes into a model: TensorData, ModelInput and Datum, shaped as in Tinker.
+
+TensorData keeps a numpy array, not a list of numbers: it crosses Redis as raw bytes (the
+msgpack codec's numpy extension) and only becomes a JSON list at the HTTP gateway.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+
+if TYPE_CHECKING:
+    import torch
+
+TensorDtype = Literal["int64", "float32"]
+_NUMPY_DTYPES: dict[str, type[np.generic]] = {"int64": np.int64, "float32": np.float32}
+
+# The dtype a plain Python list takes when it arrives under one of these loss_fn_inputs keys.
+_KEY_DTYPES: dict[str, TensorDtype] = {
+    "target_tokens": "int64",
+    "weights": "float32",
+    "advantages": "float32",
+    "logprobs": "float32",
+}
+
+
+def _dtype_of(array: np.ndarray) -> TensorDtype:
+    if array.dtype.kind in "iub":
+        return "int64"
+    if array.dtype.kind == "f":
+        return "float32"
+    raise ValueError(f"unsupported array dtype {array.dtype}; use integers or floats")
+
+
+class TensorData(BaseModel):
+    """A dense tensor: `data` (kept as a numpy array), `dtype` and `shape`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
+
+    data: np.ndarray
+    dtype: TensorDtype
+    shape: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _to_array(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        dtype = value.get("dtype")
+        raw = value.get("data")
+        if dtype not in _NUMPY_DTYPES:
+            return value  # the Literal check reports it
+        array = np.asarray(raw if raw is not None else [], dtype=_NUMPY_DTYPES[dtype])
+        shape = value.get("shape")
+        if shape is not None and list(array.shape) != list(shape):
+            if array.size != int(np.prod(shape)):
+                raise ValueError(f"data has {array.size} values but shape is {shape}")
+            array = array.reshape(shape)
+        return {**value, "data": array}
+
+    @field_serializer("data", when_used="json")
+    def _data_as_list(self, data: np.ndarray) -> list[Any]:
+        return data.ravel().tolist()  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        array = np.asarray(array)
+        return cls(data=array, dtype=_dtype_of(array), shape=list(array.shape))
+
+    @classmethod
+    def from_torch(cls, tensor: torch.Tensor) -> TensorData:
+        return cls.from_numpy(tensor.detach().cpu().float().numpy()
+                              if tensor.is_floating_point() else tensor.detach().cpu().numpy())
+
+    def to_numpy(self) -> np.ndarray:
+        return self.data
+
+    def to_torch(self) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(np.array(self.data, copy=True))
+
+    def tolist(self) -> list[Any]:
+        return self.data.tolist()  # type: ignore[no-any-return]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorData):
+            return NotImplemented
+        return (self.dtype == other.dtype and self.data.shape == other.data.shape
+                and bool(np.array_equal(self.data, other.data)))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def as_tensor_data(key: str, value: Any) -> TensorData:
+    """What users pass as a loss_fn_input (numpy, torch, list, ModelInput) as TensorData."""
+    if isinstance(value, TensorData):
+        return value
+    if isinstance(value, ModelInput):
+        return TensorData.from_numpy(np.asarray(value.to_ints(), dtype=np.int64))
+    if isinstance(value, dict):
+        return TensorData.model_validate(value)
+    if type(value).__module__.startswith("torch"):
+        return TensorData.from_torch(value)
+    if isinstance(value, np.ndarray):
+        return TensorData.from_numpy(value)
+    if isinstance(value, list | tuple):
+        dtype = _KEY_DTYPES.get(key)
+        if dtype is None:
+            return TensorData.from_numpy(np.asarray(value))
+        return TensorData(data=np.asarray(value, dtype=_NUMPY_DTYPES[dtype]), dtype=dtype)
+    raise TypeError(f"loss_fn_inputs[{key!r}]: expected an array, got {type(value).__name__}")
+
+
+class EncodedTextChunk(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tokens: list[int]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokens_as_ints(cls, value: Any) -> Any:
+        if isinstance(value, dict) and isinstance(value.get("tokens"), np.ndarray):
+            return {**value, "tokens": value["tokens"].tolist()}
+        return value
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class ModelInput(BaseModel):
+    """A token sequence made of chunks (only encoded text here: the models are text-only)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    chunks: list[EncodedTextChunk] = Field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens: Any) -> ModelInput:
+        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls(chunks=[])
+
+    def to_ints(self) -> list[int]:
+        return [token for chunk in self.chunks for token in chunk.tokens]
+
+    @property
+    def length(self) -> int:
+        return sum(chunk.length for chunk in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+        return ModelInput(chunks=[*self.chunks, chunk])
+
+    def append_int(self, token: int) -> ModelInput:
+        return self.append(EncodedTextChunk(tokens=[int(token)]))
+
+
+class Datum(BaseModel):
+    """One training example: the input tokens and the per-token tensors its loss needs.
+
+    Every loss_fn_inputs tensor is aligned with model_input: position i holds what goes with
+    the model's prediction at input position i (the target is token i+1 of the full sequence).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _convert_inputs(cls, value: Any) -> Any:
+        if isinstance(value, dict) and isinstance(value.get("loss_fn_inputs"), dict):
+            inputs = {k: as_tensor_data(k, v) for k, v in value["loss_fn_inputs"].items()}
+            return {**value, "loss_fn_inputs": inputs}
+        return value

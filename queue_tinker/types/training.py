@@ -1,0 +1,105 @@
+"""Training requests and results, shaped as in Tinker (field names and defaults match)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from queue_tinker.types.enums import LossFn
+from queue_tinker.types.tensors import Datum, TensorData
+
+# LoRA settings not exposed by Tinker's API; fixed here and written into every checkpoint's
+# adapter_config.json. Dropout 0 keeps a step deterministic (and replayable).
+LORA_ALPHA = 32
+LORA_DROPOUT = 0.0
+MAX_LORA_RANK = 1024
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class LoraConfig(_Wire):
+    rank: int = Field(32, ge=1, le=MAX_LORA_RANK)
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+
+class AdamParams(_Wire):
+    """Hyperparameters of one optimizer step; the update is torch.optim.AdamW's."""
+
+    learning_rate: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(0.0, ge=0)  # 0: no clipping
+
+    @field_validator("*")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class ForwardBackwardInput(_Wire):
+    """The body of a forward or forward_backward op."""
+
+    data: list[Datum]
+    loss_fn: LossFn
+    loss_fn_config: dict[str, float] | None = None
+
+
+class ForwardBackwardOutput(_Wire):
+    loss_fn_output_type: str = "ArrayRecord"
+    loss_fn_outputs: list[dict[str, TensorData]]  # per datum; always has "logprobs"
+    metrics: dict[str, float] = Field(default_factory=dict)  # "name:reduction" -> value
+
+    @property
+    def loss(self) -> float:
+        """The batch loss (the sum over data of each datum's loss)."""
+        return self.metrics["loss:sum"]
+
+
+class OptimStepResponse(_Wire):
+    metrics: dict[str, float] | None = None
+
+
+class SaveWeightsResponse(_Wire):
+    path: str  # tinker://<run>/weights/<name>
+    type: Literal["save_weights"] = "save_weights"
+
+
+class SaveWeightsForSamplerResponse(_Wire):
+    path: str  # tinker://<run>/sampler_weights/<name>
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+
+
+class LoadWeightsResponse(_Wire):
+    path: str
+    type: Literal["load_weights"] = "load_weights"
+
+
+class UnloadModelResponse(_Wire):
+    model_id: str
+    type: Literal["unload_model"] = "unload_model"
+
+
+class ModelData(_Wire):
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+class GetInfoResponse(_Wire):
+    model_id: str
+    model_data: ModelData
+    is_lora: bool = True
+    lora_rank: int | None = None
+    model_name: str | None = None
+    type: Literal["get_info"] = "get_info"
