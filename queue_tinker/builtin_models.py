@@ -1,0 +1,197 @@
+"""Built-in tiny models: made locally (fixed-seed random init, byte-level tokenizer), no Hub needed.
+
+Each built-in model lives under `models_dir` as an ordinary Hugging Face directory, so everything
+downstream (tests, demo, benchmarks, workers) loads it through the real `from_pretrained(path)`
+path. This module holds the catalogue and the tokenizer; it must not import torch (the gateway
+and client use it). The weights are made by `workers.base_model.ensure_builtin_model`.
+
+The tokenizer: ids 0..255 are the raw byte values, then `<|bos|>`=256, `<|eos|>`=257,
+`<|pad|>`=258. `encode(text)` adds NO special tokens, so it gives exactly `text.encode("utf-8")`
+as ids and `decode(encode(text)) == text` for any text. As with every HF tokenizer, the literal
+strings `<|bos|>`/`<|eos|>`/`<|pad|>` inside text are read as the special tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+BOS_ID = 256
+EOS_ID = 257
+PAD_ID = 258
+VOCAB_SIZE = 259  # 256 bytes + 3 specials
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MODEL_FILES = ("model.safetensors", "config.json")
+# Moved into place last, so a directory that has them has everything they describe.
+_LAST_FILES = ("tokenizer_config.json", "config.json")
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    config: dict[str, Any] = field(hash=False)  # LlamaConfig kwargs (token ids added at build)
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            name="queue-tinker/tiny-llama",
+            description="Llama, 2 layers, hidden 64, byte tokenizer; 107,200 params (tests).",
+            config={
+                "vocab_size": VOCAB_SIZE,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-5,
+            },
+        ),
+        BuiltinModel(
+            name="queue-tinker/llama-100m",
+            description=(
+                "Llama, 16 layers, hidden 768, byte tokenizer; 101,086,464 params (benchmarks)."
+            ),
+            config={
+                "vocab_size": VOCAB_SIZE,
+                "hidden_size": 768,
+                "intermediate_size": 2048,
+                "num_hidden_layers": 16,
+                "num_attention_heads": 12,
+                "num_key_value_heads": 4,
+                "max_position_embeddings": 1024,
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-5,
+            },
+        ),
+    )
+}
+
+
+def is_builtin(name: str) -> bool:
+    return name in BUILTIN_MODELS
+
+
+def builtin_dir(name: str, models_dir: Path) -> Path:
+    # One flat directory per model; "/" would nest and clash with other names' prefixes.
+    return Path(models_dir) / name.replace("/", "--")
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of the ByteLevel pre-tokenizer."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def write_tokenizer(path: Path) -> None:
+    """Write the byte-level tokenizer (tokenizer.json + tokenizer_config.json) into `path`."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    # A BPE with the 256 byte symbols and no merges: every byte is one token whose id is the
+    # byte value. ByteLevel maps bytes to printable symbols and its decoder maps them back.
+    vocab = {symbol: byte for byte, symbol in _byte_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([BOS_TOKEN, EOS_TOKEN, PAD_TOKEN])  # ids 256, 257, 258
+    if tokenizer.get_vocab_size() != VOCAB_SIZE or tokenizer.token_to_id(PAD_TOKEN) != PAD_ID:
+        raise RuntimeError("byte tokenizer came out with unexpected ids")
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {
+        # Written by hand (not save_pretrained) so both transformers 4.x and 5.x read it.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        # Cleanup would turn " ." into "." and break the exact round trip.
+        "clean_up_tokenization_spaces": False,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def has_files(directory: Path, names: Iterable[str]) -> bool:
+    return all((directory / n).is_file() for n in names)
+
+
+def staging_dir(final: Path) -> Path:
+    """A fresh private directory beside `final` (same filesystem, so renames are atomic)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+
+
+def publish_dir(staging: Path, final: Path) -> None:
+    """Move what was built in `staging` to `final` without readers ever seeing half of it.
+
+    If `final` does not exist the whole directory is renamed in one step. If it exists (a
+    concurrent builder won, or it holds only the tokenizer and we add weights) each missing file
+    is moved in by an atomic rename, config files last, and files already there are kept.
+    """
+    try:
+        os.rename(staging, final)
+        return
+    except OSError:
+        if not final.is_dir():
+            raise
+    staged = sorted(staging.iterdir(), key=lambda p: p.name in _LAST_FILES)
+    for src in staged:
+        dest = final / src.name
+        if not dest.exists():
+            os.replace(src, dest)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def ensure_tokenizer(name: str, models_dir: Path) -> Path:
+    """Make sure the built-in model's directory has its tokenizer files; return the directory."""
+    if not is_builtin(name):
+        raise ValueError(f"not a built-in model: {name!r}")
+    final = builtin_dir(name, models_dir)
+    if has_files(final, TOKENIZER_FILES):
+        return final
+    staging = staging_dir(final)
+    try:
+        write_tokenizer(staging)
+        publish_dir(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # left over only if publishing failed
+    return final
+
+
+@functools.lru_cache(maxsize=16)
+def load_tokenizer(base_model: str, models_dir: Path) -> Any:
+    """The tokenizer for `base_model`: a built-in name, a Hub id or a local path (cached)."""
+    from transformers import AutoTokenizer
+
+    if is_builtin(base_model):
+        return AutoTokenizer.from_pretrained(str(ensure_tokenizer(base_model, models_dir)))
+    return AutoTokenizer.from_pretrained(base_model)

@@ -1,0 +1,117 @@
+"""Base models for workers: built-ins are made on first use; all load through from_pretrained.
+
+A built-in name (see `queue_tinker.builtin_models`) resolves to a local directory that is created
+once (tokenizer + fixed-seed random weights) and then loaded like any downloaded checkpoint; any
+other name is passed to `from_pretrained` unchanged (a Hub id or a local path).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import cast
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from queue_tinker.builtin_models import (
+    BOS_ID,
+    BUILTIN_MODELS,
+    EOS_ID,
+    MODEL_FILES,
+    PAD_ID,
+    TOKENIZER_FILES,
+    builtin_dir,
+    has_files,
+    is_builtin,
+    publish_dir,
+    staging_dir,
+    write_tokenizer,
+)
+
+# The built-in weights are a pure function of (config, seed): every machine makes the same model.
+INIT_SEED = 0
+
+
+def builtin_config(name: str) -> LlamaConfig:
+    spec = BUILTIN_MODELS[name]
+    return LlamaConfig(**spec.config, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+
+
+def ensure_builtin_model(name: str, models_dir: Path) -> Path:
+    """Make sure the built-in model's directory is complete (tokenizer + weights); return it."""
+    if not is_builtin(name):
+        raise ValueError(f"not a built-in model: {name!r}")
+    final = builtin_dir(name, models_dir)
+    if has_files(final, (*TOKENIZER_FILES, *MODEL_FILES)):
+        return final
+    config = builtin_config(name)
+    staging = staging_dir(final)
+    try:
+        write_tokenizer(staging)
+        # Init runs on the CPU generator only; fork_rng restores the caller's stream afterwards
+        # (and devices=[] keeps CUDA out of it).
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(INIT_SEED)
+            model = LlamaForCausalLM(config).float()  # fp32 whatever the default dtype is
+        # transformers >= 4.35 (and 5.x, which dropped the flag) saves model.safetensors.
+        model.save_pretrained(str(staging))
+        del model
+        publish_dir(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # left over only if publishing failed
+    return final
+
+
+def resolve_model_path(base_model: str, models_dir: Path) -> str:
+    """What to hand to from_pretrained: the built-in directory, else the name unchanged."""
+    if is_builtin(base_model):
+        return str(ensure_builtin_model(base_model, models_dir))
+    return base_model
+
+
+def load_base_model(base_model: str, device: str, models_dir: Path) -> torch.nn.Module:
+    """Load the frozen base model on `device` (bf16 on CUDA, fp32 elsewhere).
+
+    Train/eval mode is left to the caller; dropout is switched off through the config instead,
+    so it stays off in either mode.
+    """
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    path = resolve_model_path(base_model, models_dir)
+    config = AutoConfig.from_pretrained(path)
+    _zero_dropout(config)
+    # Typed as a plain Module: transformers' wrapped `.to` confuses type checkers.
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    model.to(device)
+    model.requires_grad_(False)
+    return model
+
+
+def _zero_dropout(config: PretrainedConfig) -> None:
+    """Set every dropout probability the config declares to 0 (LoRA adds its own dropout)."""
+    for key, value in config.to_dict().items():
+        if "dropout" in key and isinstance(value, float) and value != 0.0:
+            setattr(config, key, 0.0)
+
+
+def _config(model: torch.nn.Module) -> PretrainedConfig:
+    return cast(PreTrainedModel, model).config
+
+
+def context_length(model: torch.nn.Module) -> int:
+    return int(_config(model).max_position_embeddings)
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """The width of the logits (the output embedding's rows; config.vocab_size as a fallback)."""
+    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
+    if isinstance(head, torch.nn.Module) and isinstance(head.weight, torch.Tensor):
+        return int(head.weight.shape[0])
+    return int(_config(model).vocab_size)
