@@ -1,8 +1,9 @@
 """`queue-tinker up`: the whole service on one machine, nothing to install but Python.
 
 Starts an embedded Redis and Postgres (unless QT_REDIS_URL / QT_DATABASE_URL point elsewhere),
-applies the migrations, then runs the gateway and N workers as child processes and supervises
-them in the foreground. Ctrl-C (or SIGTERM) stops the children, then the embedded servers.
+applies the migrations, then runs the gateway, N workers and the housekeeper (checkpoint expiry)
+as child processes and supervises them in the foreground. Ctrl-C (or SIGTERM) stops the
+children, then the embedded servers.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def run_up(settings: Settings, base_model: str, device: str, workers: int) -> in
         stack.callback(stop_children, group)
         cli = [sys.executable, "-m", "queue_tinker.cli"]
         group.start("gateway", [*cli, "serve"], env)
+        group.start("housekeeper", [*cli, "housekeeper"], env)
         for i in range(workers):
             argv = [*cli, "worker", "--base-model", base_model, "--device", device]
             group.start(f"worker-{i}", argv, env)

@@ -20,3 +20,4 @@ def test_key_names_are_stable() -> None:
     assert k.worker_control("w1") == "qt:worker:w1:control"
     assert k.records() == "qt:records"
     assert k.dead_records() == "qt:records:dead"
+    assert k.housekeeping_queue() == "qt-housekeeping"

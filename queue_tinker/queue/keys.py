@@ -71,3 +71,9 @@ class Keys:
     def dead_records(self) -> str:
         """Stream: record events Postgres refused (constraint or data errors), kept to inspect."""
         return f"{self.prefix}:records:dead"
+
+    # --- housekeeping (rq) -----------------------------------------------------------------
+    def housekeeping_queue(self) -> str:
+        """rq queue name (not a key: rq keeps it under `rq:queue:<name>` and friends) of the
+        housekeeper's jobs, e.g. checkpoint expiry."""
+        return f"{self.prefix}-housekeeping"

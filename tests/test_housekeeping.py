@@ -1,0 +1,397 @@
+"""Checkpoint TTL expiry by the rq housekeeper: real Redis, Postgres, rq and files.
+
+rq's scheduler in burst mode (`work(burst=True, with_scheduler=True)`) moves the scheduled jobs
+that are due at that moment onto the queue once, before the worker drains it; a job that comes
+due later waits for the next burst. Scores are whole seconds, so the tests wait for due times
+rounded up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from procs import REPO, child_env
+from rq import Queue, SimpleWorker, Worker
+from rq.job import Job
+from rq.registry import ScheduledJobRegistry
+from sqlalchemy import select
+
+from queue_tinker.housekeeping import (
+    Outcome,
+    configure,
+    expire_checkpoint,
+    expiry_job_id,
+    housekeeping_queue,
+    reset_configuration,
+    schedule_checkpoint_expiry,
+    sweep_expired_checkpoints,
+)
+from queue_tinker.settings import Settings
+from queue_tinker.store.db import make_engine, session_factory
+from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.record_writer import apply_records
+from queue_tinker.types import CheckpointRecord
+from queue_tinker.types.enums import CheckpointKind
+
+HOUR = 3_600.0
+
+
+# --- fixtures and helpers ------------------------------------------------------------------
+
+
+@pytest.fixture
+def queue_name(key_prefix: str) -> str:
+    return housekeeping_queue(key_prefix)
+
+
+@pytest.fixture
+def rq_redis(redis_url: str, queue_name: str) -> Iterator[redis.Redis]:
+    """A sync client; afterwards every rq key of the test's queue is deleted (job, worker and
+    registry names all contain the queue name)."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    keys = list(client.scan_iter(match=f"rq:*{queue_name}*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.srem("rq:queues", f"rq:queue:{queue_name}")
+    client.close()
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Path:
+    path = tmp_path / "checkpoints"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def configured(database_url: str, storage: Path) -> Iterator[None]:
+    """What the housekeeper process sets up, for jobs run by an in-test rq worker."""
+    configure(database_url, storage)
+    yield
+    reset_configuration()
+
+
+def make_checkpoint(storage: Path, expires_at: float | None) -> tuple[str, Path]:
+    """A checkpoint directory as a worker leaves it; its tinker:// id and directory."""
+    run, name = f"run-{uuid.uuid4().hex[:10]}", "ckpt"
+    checkpoint_id = f"tinker://{run}/weights/{name}"
+    directory = storage / run / "weights" / name
+    directory.mkdir(parents=True)
+    (directory / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+    write_meta(directory, checkpoint_id, expires_at)
+    return checkpoint_id, directory
+
+
+def write_meta(directory: Path, checkpoint_id: str, expires_at: float | None) -> None:
+    meta = {"id": checkpoint_id, "expires_at": expires_at, "kind": "state",
+            "model_id": checkpoint_id.split("/")[2], "created_at": time.time() - HOUR}
+    (directory / "qt_meta.json").write_text(json.dumps(meta))
+
+
+def record(
+    database_url: str, checkpoint_id: str, directory: Path, expires_at: float | None
+) -> None:
+    """The row the recorder would write."""
+    rec = CheckpointRecord(
+        id=checkpoint_id, model_id=checkpoint_id.split("/")[2], tenant_id="default",
+        name=directory.name, kind=CheckpointKind.STATE, path=str(directory), size_bytes=64,
+        created_at=time.time() - HOUR, expires_at=expires_at,
+    )
+
+    async def apply() -> None:
+        engine = make_engine(database_url)
+        try:
+            await apply_records(session_factory(engine), [rec])
+        finally:
+            await engine.dispose()
+
+    asyncio.run(apply())
+
+
+def deleted_at(database_url: str, checkpoint_id: str) -> datetime | None:
+    async def fetch() -> Any:
+        engine = make_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                query = select(Checkpoint.deleted_at).where(Checkpoint.id == checkpoint_id)
+                return (await conn.execute(query)).one().deleted_at
+        finally:
+            await engine.dispose()
+
+    result: datetime | None = asyncio.run(fetch())
+    return result
+
+
+def burst(connection: redis.Redis, queue_name: str) -> None:
+    """One rq burst: the scheduler moves due jobs onto the queue, then the worker drains it."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    worker = SimpleWorker([Queue(queue_name, connection=connection)], connection=connection,
+                          name=f"{queue_name}--test-{uuid.uuid4().hex[:8]}")
+    try:
+        worker.work(burst=True, with_scheduler=True, logging_level="WARNING")
+    finally:  # rq installs its own SIGINT/SIGTERM handlers; give pytest its own back
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def scheduled(connection: redis.Redis, queue_name: str) -> dict[str, float]:
+    """Job id -> due time (unix seconds) of the queue's scheduled jobs."""
+    key = ScheduledJobRegistry(queue_name, connection=connection).key
+    entries: list[tuple[bytes, float]] = connection.zrange(key, 0, -1, withscores=True)  # type: ignore[assignment]
+    return {job_id.decode(): score for job_id, score in entries}
+
+
+def sleep_until(when: float) -> None:
+    time.sleep(max(0.0, when - time.time()) + 0.05)
+
+
+def job_result(connection: redis.Redis, job_id: str) -> Any:
+    return Job.fetch(job_id, connection=connection).return_value()
+
+
+# --- the job -------------------------------------------------------------------------------
+
+
+def test_expire_removes_an_expired_checkpoint_and_marks_its_row(
+    database_url: str, storage: Path
+) -> None:
+    """Called directly: files gone, deleted_at set; again is a no-op; checkpoints with a TTL
+    ahead or none are left alone, files and rows."""
+    now = time.time()
+    expired, expired_dir = make_checkpoint(storage, now - 5)
+    later, later_dir = make_checkpoint(storage, now + HOUR)
+    forever, forever_dir = make_checkpoint(storage, None)
+    for cid, path, exp in ((expired, expired_dir, now - 5), (later, later_dir, now + HOUR),
+                           (forever, forever_dir, None)):
+        record(database_url, cid, path, exp)
+    def expire(cid: str, directory: Path) -> str:
+        return expire_checkpoint(cid, str(directory), database_url, storage_dir=str(storage))
+
+    assert expire(expired, expired_dir) == Outcome.EXPIRED
+    assert not expired_dir.exists()
+    assert not any(p.name.startswith(".") for p in expired_dir.parent.iterdir())  # no trash
+    marked = deleted_at(database_url, expired)
+    assert marked is not None
+
+    assert expire(expired, expired_dir) == Outcome.EXPIRED
+    assert deleted_at(database_url, expired) == marked  # marked once
+
+    for cid, path in ((later, later_dir), (forever, forever_dir)):
+        assert expire(cid, path) == Outcome.KEPT
+        assert (path / "adapter_model.safetensors").exists()
+        assert deleted_at(database_url, cid) is None
+
+
+def test_rq_runs_a_due_expiry_and_scheduling_twice_keeps_one_job(
+    database_url: str, storage: Path, rq_redis: redis.Redis, key_prefix: str, queue_name: str,
+    configured: None,
+) -> None:
+    """Through rq: a job scheduled in the past runs on the next burst; another checkpoint's
+    job, scheduled twice for an hour ahead, is one job and stays scheduled."""
+    now = time.time()
+    expired, expired_dir = make_checkpoint(storage, now - 5)
+    later, later_dir = make_checkpoint(storage, now + HOUR)
+    record(database_url, expired, expired_dir, now - 5)
+    record(database_url, later, later_dir, now + HOUR)
+    schedule_checkpoint_expiry(rq_redis, key_prefix, expired, str(expired_dir), now - 5)
+    schedule_checkpoint_expiry(rq_redis, key_prefix, later, str(later_dir), now + HOUR / 2)
+    schedule_checkpoint_expiry(rq_redis, key_prefix, later, str(later_dir), now + HOUR)
+
+    later_job = expiry_job_id(queue_name, later)
+    assert scheduled(rq_redis, queue_name) == {
+        expiry_job_id(queue_name, expired): math.ceil(now - 5),
+        later_job: math.ceil(now + HOUR),  # moved, not doubled
+    }
+    burst(rq_redis, queue_name)
+
+    assert job_result(rq_redis, expiry_job_id(queue_name, expired)) == Outcome.EXPIRED
+    assert not expired_dir.exists()
+    assert deleted_at(database_url, expired) is not None
+    assert later_dir.exists() and deleted_at(database_url, later) is None
+    assert list(scheduled(rq_redis, queue_name)) == [later_job]
+
+
+def test_scheduled_expiry_waits_for_its_time(
+    database_url: str, storage: Path, rq_redis: redis.Redis, key_prefix: str, queue_name: str,
+    configured: None,
+) -> None:
+    """A checkpoint expiring in ~1 s: a burst before then does nothing, one after removes it."""
+    expires_at = time.time() + 1.0
+    cid, directory = make_checkpoint(storage, expires_at)
+    record(database_url, cid, directory, expires_at)
+    schedule_checkpoint_expiry(rq_redis, key_prefix, cid, str(directory), expires_at)
+
+    burst(rq_redis, queue_name)
+    assert directory.exists() and deleted_at(database_url, cid) is None
+
+    sleep_until(math.ceil(expires_at))
+    burst(rq_redis, queue_name)
+    assert not directory.exists()
+    assert deleted_at(database_url, cid) is not None
+    assert scheduled(rq_redis, queue_name) == {}
+
+
+def test_missing_row_is_retried_until_the_recorder_writes_it(
+    database_url: str, storage: Path, rq_redis: redis.Redis, queue_name: str, configured: None
+) -> None:
+    """Files go at once; the row, recorded later, is marked by the job's retry."""
+    expires_at = time.time() - 5
+    cid, directory = make_checkpoint(storage, expires_at)
+    queue = Queue(queue_name, connection=rq_redis)
+    first = queue.enqueue(expire_checkpoint, job_id=expiry_job_id(queue_name, cid),
+                          kwargs={"checkpoint_id": cid, "directory": str(directory),
+                                  "retry_delay_s": 1.0})
+    burst(rq_redis, queue_name)
+
+    assert job_result(rq_redis, first.id) == Outcome.ROW_MISSING
+    assert not directory.exists()
+    retry_id = expiry_job_id(queue_name, cid, "-r1")
+    due = scheduled(rq_redis, queue_name)
+    assert list(due) == [retry_id]
+
+    # The recorder catches up (its record still says the files exist: no deleted_at).
+    record(database_url, cid, directory, expires_at)
+    sleep_until(due[retry_id])
+    burst(rq_redis, queue_name)
+    assert job_result(rq_redis, retry_id) == Outcome.EXPIRED
+    assert deleted_at(database_url, cid) is not None
+    assert scheduled(rq_redis, queue_name) == {}
+
+
+def test_meta_that_says_not_expired_keeps_the_checkpoint(
+    database_url: str, storage: Path, rq_redis: redis.Redis, queue_name: str, configured: None
+) -> None:
+    """The row says expired, but the files' meta (the source of truth) says the TTL was
+    extended, or removed: nothing is deleted; the extended one is looked at again then."""
+    past, extended_to = time.time() - 5, time.time() + HOUR
+    extended, extended_dir = make_checkpoint(storage, past)
+    write_meta(extended_dir, extended, extended_to)
+    no_ttl, no_ttl_dir = make_checkpoint(storage, past)
+    write_meta(no_ttl_dir, no_ttl, None)
+    queue = Queue(queue_name, connection=rq_redis)
+    jobs = []
+    for cid, directory in ((extended, extended_dir), (no_ttl, no_ttl_dir)):
+        record(database_url, cid, directory, past)
+        jobs.append(queue.enqueue(expire_checkpoint, job_id=expiry_job_id(queue_name, cid),
+                                  kwargs={"checkpoint_id": cid, "directory": str(directory)}))
+    burst(rq_redis, queue_name)
+
+    for job, (cid, directory) in zip(jobs, ((extended, extended_dir), (no_ttl, no_ttl_dir)),
+                                     strict=True):
+        assert job_result(rq_redis, job.id) == Outcome.KEPT
+        assert (directory / "adapter_model.safetensors").exists()
+        assert deleted_at(database_url, cid) is None
+    at = math.ceil(extended_to)
+    assert scheduled(rq_redis, queue_name) == {expiry_job_id(queue_name, extended, f"-at{at}"): at}
+
+
+# --- the sweep -----------------------------------------------------------------------------
+
+
+def test_sweep_expires_what_no_job_was_scheduled_for(
+    database_url: str, storage: Path, tmp_path: Path
+) -> None:
+    """Rows past expires_at get their files removed and deleted_at set, also when the files are
+    already gone; rows ahead or without TTL, and directories outside storage, are untouched."""
+    now = time.time()
+    lost, lost_dir = make_checkpoint(storage, now - 30)
+    gone, gone_dir = make_checkpoint(storage, now - 30)
+    later, later_dir = make_checkpoint(storage, now + HOUR)
+    forever, forever_dir = make_checkpoint(storage, None)
+    outside, outside_dir = make_checkpoint(tmp_path / "elsewhere", now - 30)
+    rows = ((lost, lost_dir, now - 30), (gone, gone_dir, now - 30),
+            (later, later_dir, now + HOUR), (forever, forever_dir, None),
+            (outside, outside_dir, now - 30))
+    for cid, path, exp in rows:
+        record(database_url, cid, path, exp)
+    for child in gone_dir.iterdir():
+        child.unlink()
+    gone_dir.rmdir()
+
+    counts = sweep_expired_checkpoints(database_url, storage_dir=str(storage))
+
+    # The database is shared with other tests: their leftovers count too (as refused).
+    assert counts["expired"] >= 2 and counts["refused"] >= 1
+    assert not lost_dir.exists()
+    assert deleted_at(database_url, lost) is not None
+    assert deleted_at(database_url, gone) is not None
+    for cid, path in ((later, later_dir), (forever, forever_dir), (outside, outside_dir)):
+        assert (path / "qt_meta.json").exists()
+        assert deleted_at(database_url, cid) is None
+
+
+# --- the process ---------------------------------------------------------------------------
+
+
+def wait_for_startup_sweep(connection: redis.Redis, queue_name: str, proc: subprocess.Popen[bytes],
+                           log_path: Path) -> None:
+    """Until the housekeeper's worker has run its first job (the sweep it queues at start)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_path.read_text()
+        workers = Worker.all(queue=Queue(queue_name, connection=connection))
+        if any(w.successful_job_count + w.failed_job_count >= 1 for w in workers):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the housekeeper ran no sweep within 10 s:\n{log_path.read_text()}")
+
+
+def test_housekeeper_process_expires_a_scheduled_checkpoint_and_stops_on_sigterm(
+    settings: Settings, rq_redis: redis.Redis, queue_name: str, tmp_path: Path
+) -> None:
+    """`queue-tinker housekeeper` (rq worker + scheduler) removes a checkpoint when its TTL
+    runs out, through the scheduled job, and exits 0 on SIGTERM."""
+    database_url = settings.database_url or ""
+    storage = settings.storage_dir
+    storage.mkdir(parents=True)
+    log_path = tmp_path / "housekeeper.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "queue_tinker.cli", "housekeeper"],
+                                env=child_env(settings), cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        # After the start-up sweep, so the expiry below is the scheduled job's doing.
+        wait_for_startup_sweep(rq_redis, queue_name, proc, log_path)
+        expires_at = time.time() + 1.0
+        cid, directory = make_checkpoint(storage, expires_at)
+        record(database_url, cid, directory, expires_at)
+        schedule_checkpoint_expiry(rq_redis, settings.key_prefix, cid, str(directory), expires_at)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and deleted_at(database_url, cid) is None:
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        assert not directory.exists(), log_path.read_text()
+        assert deleted_at(database_url, cid) is not None
+        assert job_result(rq_redis, expiry_job_id(queue_name, cid)) == Outcome.EXPIRED
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_compose_runs_a_housekeeper_with_the_checkpoint_volume() -> None:
+    """docker-compose.yml has a housekeeper service sharing the workers' checkpoint volume."""
+    from test_compose import _config
+
+    services = _config()["services"]
+    housekeeper, worker = services["housekeeper"], services["worker"]
+    assert housekeeper["command"] == ["housekeeper"]
+    assert housekeeper["volumes"] == worker["volumes"]
+    assert housekeeper["environment"]["QT_STORAGE"] == worker["environment"]["QT_STORAGE"]
