@@ -42,13 +42,20 @@ def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from workers.main import run_worker
 
-    return run_worker(settings, base_model=args.base_model, device=args.device)
+    return run_worker(settings, base_model=args.base_model, device=args.device,
+                      engine=args.engine)
 
 
 def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from queue_tinker.gateway.serve import serve
 
     return serve(settings, host=args.host, port=args.port)
+
+
+def _cmd_housekeeper(args: argparse.Namespace, settings: Settings) -> int:
+    from queue_tinker.housekeeping import run_housekeeper
+
+    return run_housekeeper(settings, sweep_interval_s=args.sweep_interval)
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -77,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run a worker that serves one base model")
     worker.add_argument("--base-model", required=True, help="Hub id or local path")
     worker.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    worker.add_argument(
+        "--engine", default="lora", choices=["lora", "queue-only"],
+        help="lora: train and sample (needs the worker extra); queue-only: create_model and "
+        "ping only, for queue tests and benchmarks",
+    )
     worker.set_defaults(fn=_cmd_worker)
 
     serve = sub.add_parser("serve", help="run the HTTP gateway")
@@ -84,8 +96,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None)
     serve.set_defaults(fn=_cmd_serve)
 
+    housekeeper = sub.add_parser(
+        "housekeeper", help="run the rq housekeeper: expires checkpoints past their TTL"
+    )
+    housekeeper.add_argument("--sweep-interval", type=float, default=60.0, metavar="SECONDS",
+                             help="how often to sweep Postgres for expired checkpoints")
+    housekeeper.set_defaults(fn=_cmd_housekeeper)
+
     up = sub.add_parser("up", help="embedded Redis + Postgres, migrations, gateway and workers")
-    up.add_argument("--base-model", default="tiny", help="base model the worker serves")
+    up.add_argument("--base-model", default="queue-tinker/tiny-llama",
+                    help="base model the worker serves")
     up.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     up.add_argument("--workers", type=int, default=1)
     up.set_defaults(fn=_cmd_up)

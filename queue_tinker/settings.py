@@ -54,6 +54,16 @@ class Settings(BaseSettings):
         "submission (memory grows with op rate times this); Postgres keeps the request row "
         "for good.",
     )
+    max_resident_adapters: int = Field(
+        default=32, ge=1,
+        description="LoRA adapters a worker keeps in memory; beyond this the least recently "
+        "used one is written to checkpoint storage and restored on its next op.",
+    )
+    snapshot_every_steps: int = Field(
+        default=20, ge=1,
+        description="A worker writes a model's state to storage every this many optimizer "
+        "steps (and on eviction or hand-over); the model's op log is trimmed up to it.",
+    )
     gateway_host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     gateway_port: int = Field(default=8000, description="Gateway port.")
     api_key: str | None = Field(
@@ -64,6 +74,11 @@ class Settings(BaseSettings):
     @property
     def storage_dir(self) -> Path:
         return self.storage if self.storage is not None else self.data_dir / "checkpoints"
+
+    @property
+    def models_dir(self) -> Path:
+        """Where built-in models (queue-tinker/...) are made on first use."""
+        return self.data_dir / "models"
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -113,6 +113,9 @@ def key_prefix(redis_url: str) -> Iterator[str]:
     yield prefix
     client = redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    # The housekeeper's rq queue is named after the prefix; rq keeps its keys under rq:.
+    keys += list(client.scan_iter(match=f"rq:*{prefix}-housekeeping*", count=1000))
+    client.srem("rq:queues", f"rq:queue:{prefix}-housekeeping")
     for start in range(0, len(keys), 500):
         client.delete(*keys[start : start + 500])
     client.close()

@@ -28,12 +28,14 @@ def child_env(settings: Settings) -> dict[str, str]:
 
 
 class WorkerProcess:
-    def __init__(self, settings: Settings, base_model: str, log_path: Path) -> None:
+    def __init__(
+        self, settings: Settings, base_model: str, log_path: Path, engine: str = "queue-only"
+    ) -> None:
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "queue_tinker.cli", "worker", "--base-model", base_model,
-             "--device", "cpu"],
+             "--device", "cpu", "--engine", engine],
             env=child_env(settings), cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
         )
 

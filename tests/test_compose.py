@@ -61,7 +61,9 @@ def test_compose_worker_knobs_come_from_the_environment() -> None:
     """QT_WORKERS, QT_BASE_MODEL and QT_DEVICE set replicas and the worker's command line."""
     default = _config()["services"]["worker"]
     assert default["deploy"]["replicas"] == 1
-    assert default["command"] == ["worker", "--base-model", "tiny", "--device", "auto"]
+    assert default["command"] == [
+        "worker", "--base-model", "queue-tinker/tiny-llama", "--device", "auto"
+    ]
 
     scaled = _config(QT_WORKERS="3", QT_BASE_MODEL="/models/m", QT_DEVICE="cuda")["services"]
     assert scaled["worker"]["deploy"]["replicas"] == 3

@@ -1,7 +1,8 @@
 """What a worker runs: an engine turns one op into one result. Engines know no Redis and no SQL.
 
-The built-in engine handles the op kinds that need no model (create_model bookkeeping and
-ping); the LoRA training engine plugs in behind the same interface.
+Two engines implement the interface: `QueueOnlyEngine` (create_model bookkeeping and ping, no
+torch: runs the queue end to end for tests and queue benchmarks) and the LoRA training engine
+in workers/lora_engine.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
 from queue_tinker.types import OpKind
+from queue_tinker.types.records import Record
 
 MAX_PING_DELAY_MS = 60_000
 
@@ -22,6 +24,9 @@ MAX_PING_DELAY_MS = 60_000
 class OpResult:
     result: bytes
     metrics: dict[str, float] | None = None
+    # Durable-record events the op produced (checkpoints); the worker puts them on the
+    # records stream before it publishes the result.
+    records: list[Record] = field(default_factory=list)
 
 
 class Engine(Protocol):
@@ -38,13 +43,41 @@ class Engine(Protocol):
         """The last seq whose effects are safe outside this process (log may be trimmed to it)."""
         ...
 
+    def restore_point(self, model_id: str) -> int | None:
+        """The seq the model's state would cover if its next op ran now (resident state or the
+        snapshot in storage); a new owner replays the logged ops after it. None: no replay."""
+        ...
+
+    def persist(self, model_id: str) -> None:
+        """Write the model's state where another worker can pick it up (before a hand-over)."""
+        ...
+
     def drop(self, model_id: str) -> None:
-        """Forget a model's in-memory state (its lease is gone)."""
+        """Forget a model's in-memory state (its lease is gone, or it was persisted)."""
         ...
 
 
+def run_ping(op: Op) -> OpResult:
+    body = codec.decode(op.payload) if op.payload else {}
+    delay_ms = body.get("delay_ms", 0)
+    if not isinstance(delay_ms, int) or not 0 <= delay_ms <= MAX_PING_DELAY_MS:
+        raise UserInputError(
+            f"delay_ms: must be an integer from 0 to {MAX_PING_DELAY_MS}, got {delay_ms!r}"
+        )
+    if delay_ms:
+        time.sleep(delay_ms / 1000)
+    return OpResult(result=codec.encode({"data": body.get("data"), "seq": op.seq}))
+
+
+def is_inline_ping(op: Op) -> bool:
+    if op.kind is not OpKind.PING:
+        return False
+    body = codec.decode(op.payload) if op.payload else {}
+    return isinstance(body, dict) and body.get("delay_ms", 0) == 0
+
+
 @dataclass
-class BuiltinEngine:
+class QueueOnlyEngine:
     """Ops with no model state: enough to run the queue end to end without torch."""
 
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -55,33 +88,31 @@ class BuiltinEngine:
         # Within one owner a model's ops must arrive in order and once: check it, loudly.
         if last is not None and op.seq <= last:
             raise RuntimeError(f"model {op.model_id}: op seq {op.seq} after {last}")
-        body = codec.decode(op.payload) if op.payload else {}
         if op.kind is OpKind.CREATE_MODEL:
-            self.models[op.model_id] = body
-            result = {"model_id": op.model_id}
+            self.models[op.model_id] = codec.decode(op.payload) if op.payload else {}
+            result = OpResult(result=codec.encode({"model_id": op.model_id}))
         elif op.kind is OpKind.PING:
-            result = {"data": body.get("data"), "seq": op.seq}
-            delay_ms = body.get("delay_ms", 0)
-            if not isinstance(delay_ms, int) or not 0 <= delay_ms <= MAX_PING_DELAY_MS:
-                raise UserInputError(
-                    f"delay_ms: must be an integer from 0 to {MAX_PING_DELAY_MS}, got {delay_ms!r}"
-                )
-            if delay_ms:
-                time.sleep(delay_ms / 1000)
+            result = run_ping(op)
         else:
-            raise UserInputError(f"kind: {op.kind.value!r} is not supported by this worker")
+            raise UserInputError(
+                f"kind: {op.kind.value!r} needs a training worker; this one runs the queue-only "
+                "engine (start workers with --engine lora)"
+            )
         self.executed[op.model_id] = op.seq
-        return OpResult(result=codec.encode(result))
+        return result
 
     def runs_inline(self, op: Op) -> bool:
-        if op.kind is not OpKind.PING:
-            return False
-        body = codec.decode(op.payload) if op.payload else {}
-        return isinstance(body, dict) and body.get("delay_ms", 0) == 0
+        return is_inline_ping(op)
 
     def durable_seq(self, model_id: str) -> int | None:
         # Nothing here needs replay after a takeover, so everything executed is durable.
         return self.executed.get(model_id)
+
+    def restore_point(self, model_id: str) -> int | None:
+        return None  # no state, nothing to replay
+
+    def persist(self, model_id: str) -> None:
+        pass  # nothing worth keeping
 
     def drop(self, model_id: str) -> None:
         self.executed.pop(model_id, None)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
+
+import redis
 
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.dispatch import Dispatcher
@@ -13,7 +16,9 @@ from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.recorder import RecorderThread
 from queue_tinker.settings import Settings
-from workers.engine import BuiltinEngine, Engine
+from queue_tinker.types import CheckpointRecord
+from queue_tinker.types.records import Record
+from workers.engine import Engine, QueueOnlyEngine
 from workers.worker import Worker, WorkerConfig
 
 log = logging.getLogger("queue_tinker.worker")
@@ -29,11 +34,40 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_engine(base_model: str, device: str) -> Engine:
-    return BuiltinEngine()
+ENGINES = ("lora", "queue-only")
 
 
-async def serve_worker(settings: Settings, base_model: str, device: str) -> None:
+def build_engine(settings: Settings, engine: str, base_model: str, device: str) -> Engine:
+    if engine == "queue-only":
+        return QueueOnlyEngine()
+    from workers.lora_engine import LoraEngine  # torch and friends load only here
+
+    return LoraEngine(
+        base_model, device, settings.storage_dir, settings.models_dir,
+        max_resident=settings.max_resident_adapters,
+        snapshot_every=settings.snapshot_every_steps,
+    )
+
+
+def expiry_scheduler(settings: Settings) -> Callable[[list[Record]], Awaitable[None]]:
+    """Hands each new checkpoint with a TTL to the housekeeper (rq), which deletes it then."""
+    from queue_tinker.housekeeping import schedule_checkpoint_expiry
+
+    sync_redis = redis.Redis.from_url(settings.redis_url or "")
+
+    def schedule(records: list[Record]) -> None:
+        for record in records:
+            if isinstance(record, CheckpointRecord) and record.expires_at is not None:
+                schedule_checkpoint_expiry(sync_redis, settings.key_prefix, record.id,
+                                           record.path, record.expires_at)
+
+    async def on_records(records: list[Record]) -> None:
+        await asyncio.to_thread(schedule, records)
+
+    return on_records
+
+
+async def serve_worker(settings: Settings, base_model: str, device: str, engine: str) -> None:
     if not settings.redis_url or not settings.database_url:
         raise SystemExit("QT_REDIS_URL and QT_DATABASE_URL must be set (or use `queue-tinker up`)")
     keys = Keys(settings.key_prefix)
@@ -47,8 +81,10 @@ async def serve_worker(settings: Settings, base_model: str, device: str) -> None
         redis, keys, worker_id=config.worker_id, base_model=base_model,
         lease_ttl_ms=settings.lease_ttl_ms, result_ttl_s=settings.result_ttl_s,
     )
-    worker = Worker(config, build_engine(base_model, config.device), dispatcher,
-                    WorkerRegistry(redis, keys), records)
+    log.info("loading %s on %s (%s engine)", base_model, config.device, engine)
+    built = await asyncio.to_thread(build_engine, settings, engine, base_model, config.device)
+    worker = Worker(config, built, dispatcher, WorkerRegistry(redis, keys), records,
+                    on_records=expiry_scheduler(settings))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
@@ -65,9 +101,9 @@ async def serve_worker(settings: Settings, base_model: str, device: str) -> None
         log.info("worker %s stopped", worker.id)
 
 
-def run_worker(settings: Settings, *, base_model: str, device: str) -> int:
+def run_worker(settings: Settings, *, base_model: str, device: str, engine: str = "lora") -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve_worker(settings, base_model, device))
+    asyncio.run(serve_worker(settings, base_model, device, engine))
     return 0

@@ -18,6 +18,7 @@ import time
 import traceback
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types import JobStatus, WorkerRecord
+from queue_tinker.types.records import Record
 from workers.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ READ_BLOCK_MS = 1_000
 class OwnedModel:
     lease: Lease
     read_seq: int  # highest seq handed to the backlog
+    replay_upto: int = 0  # ops up to here were published by an earlier owner: re-run only
     backlog: deque[Op] = field(default_factory=deque)
     idle_since: float = field(default_factory=time.monotonic)
 
@@ -65,8 +68,10 @@ class Worker:
         dispatcher: Dispatcher,
         registry: WorkerRegistry,
         records: RecordLog,
+        on_records: Callable[[list[Record]], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
+        self.on_records = on_records  # e.g. schedule checkpoint expiry
         self.engine = engine
         self.dispatch = dispatcher
         self.registry = registry
@@ -120,7 +125,9 @@ class Worker:
                 await self._release_lingering()
                 continue
             self._idle.clear()
-            if self.engine.runs_inline(owned.backlog[0]):
+            if owned.backlog[0].seq <= owned.replay_upto:
+                await self._replay(owned, owned.backlog.popleft())
+            elif self.engine.runs_inline(owned.backlog[0]):
                 await self._run_inline_batch(self._take_inline_batch())
             else:
                 await self._run_op(owned, owned.backlog.popleft())
@@ -140,7 +147,11 @@ class Worker:
             if not await self.dispatch.start(lease, op):
                 return  # already finished by an earlier owner
             self.current = op
-            outcome = await self._compute_outcome(op, inline=False)
+            outcome, records = await self._compute_outcome(op, inline=False)
+            for record in records:  # durable before the user hears of it
+                await self.records.append(record)
+            if records and self.on_records is not None:
+                await self.on_records(records)
             await self.dispatch.publish(
                 lease, op, outcome, trim_upto=self.engine.durable_seq(op.model_id)
             )
@@ -152,6 +163,15 @@ class Worker:
             self.current = None
             owned.idle_since = time.monotonic()
 
+    async def _replay(self, owned: OwnedModel, op: Op) -> None:
+        """Re-run an op an earlier owner published, to rebuild the model's state on top of its
+        snapshot; the result was delivered then and is not published again."""
+        outcome, _ = await self._compute_outcome(op, inline=False)
+        if outcome.status is JobStatus.FAILED and outcome.error_category != "user":
+            log.warning("%s: replay of %s (seq %d) failed: %s", self.id, op.model_id, op.seq,
+                        outcome.error)
+        owned.idle_since = time.monotonic()
+
     def _take_inline_batch(self) -> list[tuple[OwnedModel, Op]]:
         """Inline ops from the heads of the owned models' backlogs, round robin; each model's
         ops stay in order and the batch stops at its first op that is not inline."""
@@ -160,7 +180,8 @@ class Worker:
         while progress and len(batch) < INLINE_BATCH:
             progress = False
             for owned in self.owned.values():
-                if owned.backlog and self.engine.runs_inline(owned.backlog[0]):
+                head = owned.backlog[0] if owned.backlog else None
+                if head and head.seq > owned.replay_upto and self.engine.runs_inline(head):
                     batch.append((owned, owned.backlog.popleft()))
                     progress = True
                     if len(batch) == INLINE_BATCH:
@@ -170,7 +191,7 @@ class Worker:
     async def _run_inline_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
         publishes = []
         for owned, op in batch:
-            outcome = await self._compute_outcome(op, inline=True)
+            outcome, _ = await self._compute_outcome(op, inline=True)
             publishes.append((owned.lease, op, outcome, self.engine.durable_seq(op.model_id)))
         published = await self.dispatch.publish_inline_batch(publishes)
         for (owned, op), ok in zip(batch, published, strict=True):
@@ -181,7 +202,7 @@ class Worker:
                 log.warning("%s: lost the lease on %s; dropping it", self.id, op.model_id)
                 self._drop(op.model_id)
 
-    async def _compute_outcome(self, op: Op, *, inline: bool) -> Outcome:
+    async def _compute_outcome(self, op: Op, *, inline: bool) -> tuple[Outcome, list[Record]]:
         loop = asyncio.get_running_loop()
         try:
             if inline:
@@ -192,14 +213,15 @@ class Worker:
             return Outcome(
                 status=JobStatus.FAILED, error=exc.message, error_category=exc.category.value,
                 error_detail="" if exc.category is ErrorCategory.USER else traceback.format_exc(),
-            )
+            ), []
         except Exception as exc:
             log.exception("%s: op %s (%s) failed", self.id, op.job_id, op.kind)
             return Outcome(
                 status=JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}",
                 error_category=ErrorCategory.SERVER.value, error_detail=traceback.format_exc(),
-            )
-        return Outcome(status=JobStatus.DONE, result=result.result, metrics=result.metrics)
+            ), []
+        outcome = Outcome(status=JobStatus.DONE, result=result.result, metrics=result.metrics)
+        return outcome, result.records
 
     # --- owning models ---------------------------------------------------------------------
     async def _claim_loop(self) -> None:
@@ -216,8 +238,23 @@ class Worker:
                 continue
             lease = await self.dispatch.claim(model_id)
             if lease is not None:
-                self.owned[model_id] = OwnedModel(lease=lease, read_seq=lease.done_seq)
+                self.owned[model_id] = await self._adopt(lease)
                 await self.dispatch.wake()
+
+    async def _adopt(self, lease: Lease) -> OwnedModel:
+        """A newly claimed model, with the logged ops between its saved state and the last
+        published one queued for replay (an earlier owner died after its last snapshot)."""
+        owned = OwnedModel(lease=lease, read_seq=lease.done_seq)
+        restored = await asyncio.get_running_loop().run_in_executor(
+            self._compute, self.engine.restore_point, lease.model_id
+        )
+        if restored is not None and restored < lease.done_seq:
+            replay = await self.dispatch.read_range(lease.model_id, restored, lease.done_seq)
+            log.info("%s: %s resumes from seq %d; replaying %d ops", self.id, lease.model_id,
+                     restored, len(replay))
+            owned.backlog.extend(replay)
+            owned.replay_upto = lease.done_seq
+        return owned
 
     async def _release_lingering(self) -> None:
         linger_s = self.config.linger_ms / 1000
@@ -225,6 +262,8 @@ class Worker:
         for model_id, owned in list(self.owned.items()):
             if owned.backlog or now - owned.idle_since < linger_s:
                 continue
+            # The next owner starts from what is in storage, so write it before letting go.
+            await self._on_compute(self.engine.persist, model_id)
             released = await self.dispatch.release(owned.lease)
             if released != 0:  # 0: ops arrived meanwhile, keep it
                 self._drop(model_id)
@@ -234,7 +273,12 @@ class Worker:
 
     def _drop(self, model_id: str) -> None:
         self.owned.pop(model_id, None)
-        self.engine.drop(model_id)
+        # On the compute thread, queued behind the op in progress: an engine's state is only
+        # ever touched from that one thread.
+        self._compute.submit(self.engine.drop, model_id)
+
+    async def _on_compute(self, fn: Callable[[str], None], model_id: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._compute, fn, model_id)
 
     # --- reading ---------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -304,6 +348,7 @@ class Worker:
         """Hand every model back (offering those with pending ops) and deregister."""
         for owned in list(self.owned.values()):
             with contextlib.suppress(Exception):
+                await self._on_compute(self.engine.persist, owned.lease.model_id)
                 await self.dispatch.release(owned.lease, force=True)
         self.owned.clear()
         with contextlib.suppress(Exception):

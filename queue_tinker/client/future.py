@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 class APIFuture(Generic[T]):
@@ -29,6 +30,19 @@ class APIFuture(Generic[T]):
 
     async def result_async(self, timeout: float | None = None) -> T:
         return await asyncio.wait_for(asyncio.wrap_future(self._future), timeout)
+
+    def then(self, fn: Callable[[T], U]) -> APIFuture[U]:
+        """A future of fn(result), settled from this one's callback (no thread, no task)."""
+        mapped: Future[U] = Future()
+
+        def settle(done: Future[T]) -> None:
+            try:
+                mapped.set_result(fn(done.result()))
+            except BaseException as exc:
+                mapped.set_exception(exc)
+
+        self._future.add_done_callback(settle)
+        return APIFuture(mapped, self.request_id)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

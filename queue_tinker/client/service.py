@@ -11,13 +11,12 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec
 from queue_tinker.settings import Settings, load_settings
 from queue_tinker.types import OpKind
-
-MAX_LORA_RANK = 1024
+from queue_tinker.types.training import MAX_LORA_RANK, LoraConfig
 
 
 def lora_config(
     rank: int, seed: int | None, train_attn: bool, train_mlp: bool, train_unembed: bool
-) -> dict[str, Any]:
+) -> LoraConfig:
     if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_LORA_RANK:
         raise UserInputError(f"rank: must be an integer from 1 to {MAX_LORA_RANK}, got {rank!r}")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -26,8 +25,8 @@ def lora_config(
         raise UserInputError(
             "train_attn, train_mlp, train_unembed: at least one must be True, or nothing trains"
         )
-    return {"rank": rank, "seed": seed, "train_attn": bool(train_attn),
-            "train_mlp": bool(train_mlp), "train_unembed": bool(train_unembed)}
+    return LoraConfig(rank=rank, seed=seed, train_attn=bool(train_attn),
+                      train_mlp=bool(train_mlp), train_unembed=bool(train_unembed))
 
 
 class ServiceClient:
@@ -62,13 +61,16 @@ class ServiceClient:
         async def create() -> None:
             await holder.jobs.register_model(
                 model_id, base_model=base_model, tenant_id=holder.tenant_id,
-                session_id=holder.session_id, lora_config=config,
+                session_id=holder.session_id, lora_config=config.model_dump(),
             )
-            _, outcome = await holder.submit(model_id, OpKind.CREATE_MODEL, codec.encode(config))
+            body = {"lora_config": config.model_dump(), "tenant_id": holder.tenant_id,
+                    "base_model": base_model}
+            _, outcome = await holder.submit(model_id, OpKind.CREATE_MODEL, codec.encode(body))
             decode_outcome(await outcome, codec.decode)
 
         await self._loop.call(create())
-        return TrainingClient(self._loop, holder, model_id, base_model)
+        return TrainingClient(self._loop, holder, model_id, base_model, self.settings,
+                              lora_rank=config.rank)
 
     def create_lora_training_client(
         self,
@@ -87,8 +89,9 @@ class ServiceClient:
 
     def training_client(self, model_id: str) -> TrainingClient:
         """A client for an existing model (another process may have created it)."""
-        base_model = self._loop.run(self._holder.jobs.base_model(model_id))
-        return TrainingClient(self._loop, self._holder, model_id, base_model)
+        info = self._loop.run(self._holder.jobs.model_info(model_id))
+        return TrainingClient(self._loop, self._holder, model_id, info["base_model"],
+                              self.settings, lora_rank=info["lora_config"].get("rank"))
 
     # --- the service -----------------------------------------------------------------------
     async def get_server_capabilities_async(self) -> dict[str, Any]:

@@ -1,30 +1,109 @@
-"""TrainingClient: one model (LoRA adapter). Every method enqueues an op and returns a future."""
+"""TrainingClient: one model (LoRA adapter). Every method enqueues an op and returns a future.
+
+Each method has an `_async` twin (the primary surface, as in Tinker): `await
+client.forward_backward_async(...)` returns once the op holds its place in the model's order,
+and gives an APIFuture to await or `.result()` later. Ops of one client run in the order they
+were called.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
+
+from queue_tinker.builtin_models import load_tokenizer
+from queue_tinker.client.custom_loss import (
+    CustomLossFn,
+    custom_output,
+    forward_data,
+    run_custom_loss,
+)
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder
 from queue_tinker.client.loop import BackgroundLoop
+from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec
+from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind
+from queue_tinker.types.checkpoints import CheckpointPath, check_name
+from queue_tinker.types.loss_inputs import check_batch, parse_loss_fn
+from queue_tinker.types.tensors import Datum
+from queue_tinker.types.training import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    ModelData,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    UnloadModelResponse,
+)
 
 T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
+
+
+def _decoder(model: type[R]) -> Callable[[bytes], R]:
+    return lambda raw: model.model_validate(codec.decode(raw))
+
+
+def _validated(model: type[R], field: str, value: Any) -> R:
+    """Build a wire type from what the user passed; a bad field becomes a UserInputError."""
+    try:
+        return value if isinstance(value, model) else model.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in (field, *first["loc"]))
+        raise UserInputError(f"{where}: {first['msg']} (got {first.get('input')!r})") from None
+
+
+def datums(data: Any) -> list[Datum]:
+    if isinstance(data, Datum | dict) or not isinstance(data, Sequence):
+        raise UserInputError(f"data: must be a list of Datum, got {type(data).__name__}")
+    return [_validated(Datum, f"data[{i}]", d) for i, d in enumerate(data)]
+
+
+def make_batch(data: Sequence[Any], loss_fn: Any, loss_fn_config: Any) -> ForwardBackwardInput:
+    """The op body of forward / forward_backward, checked as far as the client can."""
+    batch = ForwardBackwardInput(data=datums(data), loss_fn=parse_loss_fn(loss_fn),
+                                 loss_fn_config=loss_fn_config)
+    check_batch(batch)
+    return batch
+
+
+def _ttl(ttl_seconds: Any) -> int | None:
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds <= 0:
+        raise UserInputError(f"ttl_seconds: must be a positive integer or None, got "
+                             f"{ttl_seconds!r}")
+    return ttl_seconds
 
 
 class TrainingClient:
     def __init__(
-        self, loop: BackgroundLoop, holder: ClientHolder, model_id: str, base_model: str
+        self,
+        loop: BackgroundLoop,
+        holder: ClientHolder,
+        model_id: str,
+        base_model: str,
+        settings: Settings,
+        lora_rank: int | None = None,
     ) -> None:
         self._loop = loop
         self._holder = holder
+        self._settings = settings
         self.model_id = model_id
         self.base_model = base_model
+        self.lora_rank = lora_rank
 
     async def _submit(
-        self, kind: OpKind, body: Any, decode: Callable[[bytes], T], idempotency_key: str | None
+        self, kind: OpKind, body: Any, decode: Callable[[bytes], T],
+        idempotency_key: str | None = None,
     ) -> APIFuture[T]:
         """Enqueue (returns once the op holds its place in the model's order), then wait."""
         job_id, result = await self._loop.call(
@@ -34,6 +113,141 @@ class TrainingClient:
         )
         return APIFuture(result, job_id)
 
+    # --- forward / backward ----------------------------------------------------------------
+    async def forward_async(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Loss and per-datum target logprobs, without gradients."""
+        batch = make_batch(data, loss_fn, loss_fn_config)
+        return await self._submit(OpKind.FORWARD, batch.model_dump(),
+                                  _decoder(ForwardBackwardOutput))
+
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self._loop.run(self.forward_async(data, loss_fn, loss_fn_config))
+
+    async def forward_backward_async(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Loss, logprobs, and gradients added to the adapter's (accumulating until
+        optim_step)."""
+        batch = make_batch(data, loss_fn, loss_fn_config)
+        return await self._submit(OpKind.FORWARD_BACKWARD, batch.model_dump(),
+                                  _decoder(ForwardBackwardOutput))
+
+    def forward_backward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self._loop.run(self.forward_backward_async(data, loss_fn, loss_fn_config))
+
+    async def forward_backward_custom_async(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Any differentiable loss of the logprobs: a forward pass, `loss_fn(data, logprobs)`
+        here with torch autograd, then a backward pass weighted by its gradient. Returns once
+        the backward pass holds its place, so later calls queue behind it."""
+        given = datums(data)
+        forward = await (await self.forward_async(forward_data(given), "cross_entropy"))
+        linear, loss, metrics = run_custom_loss(given, forward, loss_fn)
+        pending = await self.forward_backward_async(linear, "cross_entropy")
+        return pending.then(lambda _: custom_output(forward, loss, metrics))
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        # The user's loss runs on this thread, not on the client's event loop.
+        given = datums(data)
+        forward = self.forward(forward_data(given), "cross_entropy").result()
+        linear, loss, metrics = run_custom_loss(given, forward, loss_fn)
+        pending = self.forward_backward(linear, "cross_entropy")
+        return pending.then(lambda _: custom_output(forward, loss, metrics))
+
+    # --- optimizer -------------------------------------------------------------------------
+    async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        """One AdamW step on the gradients accumulated since the last step, then clear them."""
+        params = _validated(AdamParams, "adam_params", adam_params)
+        return await self._submit(OpKind.OPTIM_STEP, params.model_dump(),
+                                  _decoder(OptimStepResponse))
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        return self._loop.run(self.optim_step_async(adam_params))
+
+    # --- checkpoints -----------------------------------------------------------------------
+    async def save_state_async(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsResponse]:
+        """Weights + optimizer state at tinker://<model id>/weights/<name>."""
+        body = {"name": check_name(name), "ttl_seconds": _ttl(ttl_seconds)}
+        return await self._submit(OpKind.SAVE_STATE, body, _decoder(SaveWeightsResponse))
+
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[
+        SaveWeightsResponse
+    ]:
+        return self._loop.run(self.save_state_async(name, ttl_seconds))
+
+    async def save_weights_for_sampler_async(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """Weights only, at tinker://<model id>/sampler_weights/<name> (PEFT format)."""
+        body = {"name": check_name(name), "ttl_seconds": _ttl(ttl_seconds)}
+        return await self._submit(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, body,
+                                  _decoder(SaveWeightsForSamplerResponse))
+
+    def save_weights_for_sampler(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        return self._loop.run(self.save_weights_for_sampler_async(name, ttl_seconds))
+
+    async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Weights from a checkpoint; the optimizer starts afresh (moments and step at 0)."""
+        CheckpointPath.parse(path)
+        return await self._submit(OpKind.LOAD_STATE, {"path": path, "optimizer": False},
+                                  _decoder(LoadWeightsResponse))
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self._loop.run(self.load_state_async(path))
+
+    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Weights and optimizer state, to continue exactly where the checkpoint left off."""
+        CheckpointPath.parse(path)
+        return await self._submit(OpKind.LOAD_STATE, {"path": path, "optimizer": True},
+                                  _decoder(LoadWeightsResponse))
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self._loop.run(self.load_state_with_optimizer_async(path))
+
+    # --- the model -------------------------------------------------------------------------
+    async def get_info_async(self) -> GetInfoResponse:
+        info = await self._loop.call(self._holder.jobs.model_info(self.model_id))
+        return GetInfoResponse(
+            model_id=self.model_id, lora_rank=info["lora_config"].get("rank"),
+            model_name=info["base_model"],
+            model_data=ModelData(arch="causal_lm", model_name=info["base_model"],
+                                 tokenizer_id=info["base_model"]),
+        )
+
+    def get_info(self) -> GetInfoResponse:
+        return self._loop.run(self.get_info_async())
+
+    def get_tokenizer(self) -> Any:
+        """The base model's Hugging Face tokenizer (built locally for built-in models)."""
+        return load_tokenizer(self.base_model, self._settings.models_dir)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.get_tokenizer().encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return str(self.get_tokenizer().decode(list(tokens)))
+
+    async def unload_model_async(self) -> APIFuture[UnloadModelResponse]:
+        """Free the model on its worker and end it: later ops fail. Checkpoints stay."""
+        return await self._submit(OpKind.UNLOAD_MODEL, {}, _decoder(UnloadModelResponse))
+
+    def unload_model(self) -> APIFuture[UnloadModelResponse]:
+        return self._loop.run(self.unload_model_async())
+
+    # --- diagnostics -----------------------------------------------------------------------
     async def ping_async(
         self, data: Any = None, *, delay_ms: int = 0, idempotency_key: str | None = None
     ) -> APIFuture[dict[str, Any]]:

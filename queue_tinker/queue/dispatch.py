@@ -49,6 +49,16 @@ class Outcome:
     metrics: dict[str, float] | None = None
 
 
+def _op(model_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Op:
+    return Op(
+        job_id=fields[b"job"].decode(),
+        model_id=model_id,
+        seq=int(entry_id.split(b"-")[0]),
+        kind=OpKind(fields[b"kind"].decode()),
+        payload=fields[b"payload"],
+    )
+
+
 def _lease_lost(exc: ResponseError, model_id: str) -> Exception:
     if "LEASE_LOST" in str(exc):
         return LeaseLostError(f"lease on model {model_id} was taken over")
@@ -170,17 +180,16 @@ class Dispatcher:
                 control_cursor = entries[-1][0]
                 continue
             model_id = model_of_stream[stream]
-            for entry_id, fields in entries:
-                ops.append(
-                    Op(
-                        job_id=fields[b"job"].decode(),
-                        model_id=model_id,
-                        seq=int(entry_id.split(b"-")[0]),
-                        kind=OpKind(fields[b"kind"].decode()),
-                        payload=fields[b"payload"],
-                    )
-                )
+            ops.extend(_op(model_id, entry_id, fields) for entry_id, fields in entries)
         return ops, control_cursor
+
+    async def read_range(self, model_id: str, after_seq: int, upto_seq: int) -> list[Op]:
+        """The logged ops with after_seq < seq <= upto_seq: what a new owner replays on top of
+        the model's snapshot (the log is only trimmed up to a snapshot, so they are there)."""
+        entries = await self.redis.xrange(
+            self.keys.model_ops(model_id), min=f"({after_seq}-0", max=f"{upto_seq}-0"
+        )
+        return [_op(model_id, entry_id, fields) for entry_id, fields in entries]
 
     async def wake(self) -> None:
         """Interrupt this worker's blocking read (its owned-model set changed)."""

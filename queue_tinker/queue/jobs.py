@@ -135,6 +135,16 @@ class JobQueue:
         self._base_models[model_id] = raw.decode()
         return raw.decode()
 
+    async def model_info(self, model_id: str) -> dict[str, Any]:
+        """base_model, tenant_id and lora_config of a model."""
+        fields = await self.redis.hmget(
+            self.keys.model_meta(model_id), ["base_model", "tenant_id", "lora_config"]
+        )
+        if fields[0] is None:
+            raise UnknownModelError(f"model_id: no model {model_id!r}")
+        return {"base_model": fields[0].decode(), "tenant_id": fields[1].decode(),
+                "lora_config": json.loads(fields[2] or b"{}")}
+
     async def outcome(self, job_id: str) -> JobOutcome | None:
         """The job's outcome if finished, None if still pending; raises if Redis forgot it."""
         fields = await self.redis.hgetall(self.keys.job(job_id))

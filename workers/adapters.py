@@ -1,0 +1,198 @@
+"""Many LoRA adapters on one resident base model, each with its own AdamW and step count.
+
+All adapters live in one PeftModel (PEFT's multi-adapter support); the one an op belongs to is
+made active before it runs, which also makes its parameters the only trainable ones. Adapters
+beyond `max_resident` are evicted least recently used first: the engine writes their state to
+storage and deletes them here, and restores them on their next op.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from peft.utils import set_peft_model_state_dict
+
+from queue_tinker.types.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
+from workers.checkpoints import AdapterState, CheckpointMeta
+
+# Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,
+# Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2 names).
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value",
+                "c_attn", "dense")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "dense_h_to_4h",
+               "dense_4h_to_h", "c_fc", "c_proj", "fc1", "fc2")
+UNEMBED_MODULES = ("lm_head",)
+
+
+def linear_names(model: torch.nn.Module) -> set[str]:
+    """Short names of the model's linear layers (read before PEFT wraps them)."""
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)}
+
+
+def target_modules(present: set[str], config: LoraConfig) -> list[str]:
+    """The linear-layer names that the LoRA config asks to adapt."""
+    wanted: set[str] = set()
+    if config.train_attn:
+        wanted.update(ATTN_MODULES)
+    if config.train_mlp:
+        wanted.update(MLP_MODULES)
+    if config.train_unembed:
+        wanted.update(UNEMBED_MODULES)
+    return sorted(wanted & present)
+
+
+def peft_config(present: set[str], config: LoraConfig, base_model: str) -> PeftLoraConfig:
+    return PeftLoraConfig(
+        r=config.rank, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT,
+        target_modules=target_modules(present, config), base_model_name_or_path=base_model,
+        task_type="CAUSAL_LM",
+    )
+
+
+@dataclass
+class Adapter:
+    """One model (training run) resident on this worker."""
+
+    model_id: str
+    name: str  # the PEFT adapter name
+    tenant_id: str
+    config: LoraConfig
+    params: dict[str, torch.nn.Parameter]  # keyed by PEFT state-dict name
+    optimizer: torch.optim.AdamW
+    step: int = 0
+    last_seq: int = 0
+    snapshot_seq: int = 0  # newest seq whose state is on disk
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def has_grads(self) -> bool:
+        return any(p.grad is not None for p in self.params.values())
+
+
+def adapter_name(model_id: str) -> str:
+    return "a_" + re.sub(r"[^A-Za-z0-9_]", "_", model_id)
+
+
+class AdapterPool:
+    """The base model plus its resident adapters, in least-recently-used order."""
+
+    def __init__(self, base: torch.nn.Module, base_model: str, max_resident: int) -> None:
+        self.base = base
+        self.linear_names = linear_names(base)
+        self.base_model = base_model
+        self.max_resident = max_resident
+        self.peft: PeftModel | None = None
+        self.adapters: OrderedDict[str, Adapter] = OrderedDict()
+        self.active: str | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.peft if self.peft is not None else self.base
+
+    def get(self, model_id: str) -> Adapter | None:
+        adapter = self.adapters.get(model_id)
+        if adapter is not None:
+            self.adapters.move_to_end(model_id)
+        return adapter
+
+    def over_capacity(self) -> list[Adapter]:
+        """Adapters to evict (oldest first) to make room for one more."""
+        excess = len(self.adapters) + 1 - self.max_resident
+        return list(self.adapters.values())[:max(0, excess)]
+
+    def add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
+        """A fresh adapter: LoRA A from `seed` (B is zero), new AdamW."""
+        name = adapter_name(model_id)
+        cfg = peft_config(self.linear_names, config, self.base_model)
+        torch.manual_seed(seed)  # PEFT initialises lora_A from the global generator
+        with warnings.catch_warnings():
+            # peft 0.21 asks transformers 5 a deprecated question; nothing for us to change.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
+                                    category=FutureWarning)
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, cfg, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, cfg)
+        self.active = None
+        params = self._params_of(name)
+        adapter = Adapter(model_id=model_id, name=name, tenant_id=tenant_id, config=config,
+                          params=params, optimizer=torch.optim.AdamW(list(params.values())))
+        self.adapters[model_id] = adapter
+        return adapter
+
+    def activate(self, adapter: Adapter) -> None:
+        assert self.peft is not None
+        if self.active != adapter.name:
+            self.peft.set_adapter(adapter.name)
+            self.active = adapter.name
+
+    def remove(self, model_id: str) -> None:
+        adapter = self.adapters.pop(model_id, None)
+        if adapter is None or self.peft is None:
+            return
+        for p in adapter.params.values():
+            p.grad = None
+        with warnings.catch_warnings():
+            # PEFT warns that it moved the active adapter elsewhere; we re-activate per op.
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            self.peft.delete_adapter(adapter.name)
+        self.active = None
+
+    def peft_adapter_config(self, adapter: Adapter) -> dict[str, Any]:
+        assert self.peft is not None
+        config = self.peft.peft_config[adapter.name].to_dict()
+        config["target_modules"] = sorted(config["target_modules"])  # a set in PEFT
+        return config
+
+    # --- state in and out ------------------------------------------------------------------
+    def export(self, adapter: Adapter, meta: CheckpointMeta) -> AdapterState:
+        """A CPU copy of the adapter's weights, AdamW moments and pending gradients."""
+        state = AdapterState(meta=meta, weights={k: p.detach().cpu().clone()
+                                                 for k, p in adapter.params.items()})
+        for key, p in adapter.params.items():
+            moments = adapter.optimizer.state.get(p)
+            if moments:
+                state.exp_avg[key] = moments["exp_avg"].cpu().clone()
+                state.exp_avg_sq[key] = moments["exp_avg_sq"].cpu().clone()
+                meta.optimizer_steps[key] = int(moments["step"])
+            if p.grad is not None:
+                state.grads[key] = p.grad.detach().cpu().clone()
+        return state
+
+    def load_weights(self, adapter: Adapter, weights: dict[str, torch.Tensor]) -> None:
+        assert self.peft is not None
+        missing = sorted(set(adapter.params) - set(weights))
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} adapter tensors, e.g. {missing[0]}")
+        result = set_peft_model_state_dict(self.peft, weights, adapter_name=adapter.name)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise KeyError(f"checkpoint has tensors this adapter lacks, e.g. {unexpected[0]}")
+
+    def load_optimizer(self, adapter: Adapter, state: AdapterState) -> None:
+        """Fresh AdamW, then the saved moments (none saved: moments start at zero)."""
+        adapter.optimizer = torch.optim.AdamW(list(adapter.params.values()))
+        for key, p in adapter.params.items():
+            if key in state.exp_avg:
+                adapter.optimizer.state[p] = {
+                    "step": torch.tensor(float(state.meta.optimizer_steps.get(key, 0))),
+                    "exp_avg": state.exp_avg[key].to(p.device, p.dtype),
+                    "exp_avg_sq": state.exp_avg_sq[key].to(p.device, p.dtype),
+                }
+
+    def load_grads(self, adapter: Adapter, grads: dict[str, torch.Tensor]) -> None:
+        for key, p in adapter.params.items():
+            p.grad = grads[key].to(p.device, p.dtype) if key in grads else None
+
+    def _params_of(self, name: str) -> dict[str, torch.nn.Parameter]:
+        assert self.peft is not None
+        marker = f".{name}."
+        return {n.replace(f".{name}", ""): p for n, p in self.peft.named_parameters()
+                if marker in n}

@@ -1,0 +1,330 @@
+"""The LoRA training engine: one base model, many adapters, every TrainingClient op.
+
+Runs on the worker's compute thread, one op at a time; knows no Redis and no SQL. State that
+must outlive this process (checkpoints, snapshots) goes to `storage`, a directory every worker
+of the deployment shares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from transformers.utils import logging as transformers_logging
+
+from queue_tinker.errors import QueueTinkerError, UserInputError
+from queue_tinker.queue import codec
+from queue_tinker.queue.dispatch import Op
+from queue_tinker.types import CheckpointKind, CheckpointRecord, OpKind
+from queue_tinker.types.checkpoints import CheckpointPath, check_name
+from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
+from queue_tinker.types.training import (
+    AdamParams,
+    ForwardBackwardInput,
+    LoadWeightsResponse,
+    LoraConfig,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    UnloadModelResponse,
+)
+from workers import base_model as base_models
+from workers.adapters import Adapter, AdapterPool
+from workers.checkpoints import (
+    CheckpointMeta,
+    checkpoint_dir,
+    read_meta,
+    read_state,
+    snapshot_dir,
+    write_state,
+)
+from workers.engine import OpResult, is_inline_ping, run_ping
+from workers.forward import forward_backward, optim_step
+
+log = logging.getLogger(__name__)
+T = TypeVar("T", bound=BaseModel)
+
+UNLOADED = "_unloaded"  # marker file: the model was unloaded; its ops fail from then on
+MAX_TTL_SECONDS = 10 * 365 * 86_400
+
+
+class CreateModelInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_config: LoraConfig
+    tenant_id: str
+    base_model: str
+
+
+class SaveInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    ttl_seconds: int | None = Field(None, gt=0, le=MAX_TTL_SECONDS)
+
+
+class LoadInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    optimizer: bool = False
+
+
+def default_seed(model_id: str) -> int:
+    """A model created without a seed still initialises the same way every time (replay)."""
+    return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "big")
+
+
+def _parse(model: type[T], payload: bytes) -> T:
+    try:
+        return model.model_validate(codec.decode(payload) if payload else {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise UserInputError(f"{where}: {first['msg']}") from None
+
+
+class LoraEngine:
+    def __init__(
+        self,
+        base_model: str,
+        device: str,
+        storage: Path,
+        models_dir: Path,
+        *,
+        max_resident: int = 32,
+        snapshot_every: int = 20,
+    ) -> None:
+        self.base_model = base_model
+        self.device = torch.device(device)
+        self.storage = storage
+        self.snapshot_every = snapshot_every
+        transformers_logging.disable_progress_bar()  # per-shard bars are noise in worker logs
+        base = base_models.load_base_model(base_model, device, models_dir)
+        base.eval()  # no dropout anywhere: a step is a pure function of its inputs
+        # What adapter_config.json names as the base: the name users know, not a local path.
+        base.name_or_path = base_model
+        self.limits = ModelLimits(vocab_size=base_models.vocab_size(base),
+                                  context_length=base_models.context_length(base))
+        self.pool = AdapterPool(base, base_model, max_resident)
+        self._handlers: dict[OpKind, Callable[[Adapter, Op], OpResult]] = {
+            OpKind.FORWARD: self._forward,
+            OpKind.FORWARD_BACKWARD: self._forward_backward,
+            OpKind.OPTIM_STEP: self._optim_step,
+            OpKind.SAVE_STATE: self._save_state,
+            OpKind.SAVE_WEIGHTS_FOR_SAMPLER: self._save_for_sampler,
+            OpKind.LOAD_STATE: self._load_state,
+            OpKind.UNLOAD_MODEL: self._unload,
+        }
+
+    # --- the Engine interface --------------------------------------------------------------
+    def execute(self, op: Op) -> OpResult:
+        if op.kind is OpKind.PING:
+            return run_ping(op)
+        if op.kind is OpKind.CREATE_MODEL:
+            return self._create(op)
+        handler = self._handlers.get(op.kind)
+        if handler is None:
+            raise UserInputError(f"kind: {op.kind.value!r} is not supported by this worker")
+        adapter = self._resident(op.model_id)
+        if op.seq <= adapter.last_seq:
+            raise RuntimeError(f"model {op.model_id}: op seq {op.seq} after {adapter.last_seq}")
+        self.pool.activate(adapter)
+        result = handler(adapter, op)
+        adapter.last_seq = op.seq
+        return result
+
+    def runs_inline(self, op: Op) -> bool:
+        return is_inline_ping(op)
+
+    def durable_seq(self, model_id: str) -> int | None:
+        adapter = self.pool.adapters.get(model_id)
+        return adapter.snapshot_seq if adapter is not None and adapter.snapshot_seq else None
+
+    def restore_point(self, model_id: str) -> int | None:
+        adapter = self.pool.adapters.get(model_id)
+        if adapter is not None:
+            return adapter.last_seq
+        meta = read_meta(snapshot_dir(self.storage, model_id))
+        return meta.seq if meta is not None else 0
+
+    def persist(self, model_id: str) -> None:
+        adapter = self.pool.adapters.get(model_id)
+        if adapter is not None and adapter.last_seq > adapter.snapshot_seq:
+            self._snapshot(adapter)
+
+    def drop(self, model_id: str) -> None:
+        self.pool.remove(model_id)
+
+    # --- residency ---------------------------------------------------------------------------
+    def _resident(self, model_id: str) -> Adapter:
+        adapter = self.pool.get(model_id)
+        if adapter is not None:
+            return adapter
+        if (self.storage / model_id / UNLOADED).exists():
+            raise UserInputError(f"model {model_id} was unloaded; create a new training client")
+        directory = snapshot_dir(self.storage, model_id)
+        if read_meta(directory) is None:
+            # Created, but its state never reached storage: its worker died before the first
+            # snapshot. Rebuilding it by replaying the op log is the recovery path.
+            raise QueueTinkerError(f"model {model_id}: no saved state to restore it from")
+        state = read_state(directory, optimizer=True, grads=True)
+        adapter = self._add(model_id, state.meta.tenant_id,
+                            LoraConfig.model_validate(state.meta.lora_config), seed=0)
+        self.pool.load_weights(adapter, state.weights)
+        self.pool.load_optimizer(adapter, state)
+        self.pool.load_grads(adapter, state.grads)
+        adapter.step = state.meta.step
+        adapter.last_seq = adapter.snapshot_seq = state.meta.seq
+        return adapter
+
+    def _add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
+        for victim in self.pool.over_capacity():
+            log.info("evicting %s (least recently used) to storage", victim.model_id)
+            self.persist(victim.model_id)
+            self.pool.remove(victim.model_id)
+        return self.pool.add(model_id, tenant_id, config, seed)
+
+    def _snapshot(self, adapter: Adapter) -> None:
+        meta = self._meta(adapter, kind="snapshot")
+        write_state(snapshot_dir(self.storage, adapter.model_id), self.pool.export(adapter, meta),
+                    self.pool.peft_adapter_config(adapter), optimizer=True, grads=True)
+        adapter.snapshot_seq = adapter.last_seq
+
+    def _meta(self, adapter: Adapter, kind: str, **extra: Any) -> CheckpointMeta:
+        return CheckpointMeta(
+            model_id=adapter.model_id, tenant_id=adapter.tenant_id, base_model=self.base_model,
+            lora_config=adapter.config.model_dump(), seq=adapter.last_seq, step=adapter.step,
+            created_at=time.time(), kind=kind, **extra,
+        )
+
+    # --- ops -----------------------------------------------------------------------------------
+    def _create(self, op: Op) -> OpResult:
+        body = _parse(CreateModelInput, op.payload)
+        if body.base_model != self.base_model:
+            raise UserInputError(
+                f"base_model: {body.base_model!r} is not served by this worker ({self.base_model})"
+            )
+        if self.pool.get(op.model_id) is None:
+            if read_meta(snapshot_dir(self.storage, op.model_id)) is not None:
+                self._resident(op.model_id)  # created before, by an earlier owner
+            else:
+                config = body.lora_config
+                seed = config.seed if config.seed is not None else default_seed(op.model_id)
+                adapter = self._add(op.model_id, body.tenant_id, config, seed)
+                adapter.last_seq = op.seq
+                self._snapshot(adapter)  # from here on the model survives its worker
+        return OpResult(result=codec.encode({"model_id": op.model_id}))
+
+    def _batch(self, op: Op) -> tuple[ForwardBackwardInput, dict[str, float]]:
+        batch = _parse(ForwardBackwardInput, op.payload)
+        check_batch(batch, self.limits)
+        return batch, resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
+
+    def _forward(self, adapter: Adapter, op: Op) -> OpResult:
+        batch, config = self._batch(op)
+        out = forward_backward(self.pool.model, batch.data, batch.loss_fn, config, self.device,
+                               backward=False)
+        return OpResult(result=codec.encode(out.model_dump()), metrics=out.metrics)
+
+    def _forward_backward(self, adapter: Adapter, op: Op) -> OpResult:
+        batch, config = self._batch(op)
+        out = forward_backward(self.pool.model, batch.data, batch.loss_fn, config, self.device,
+                               backward=True)
+        return OpResult(result=codec.encode(out.model_dump()), metrics=out.metrics)
+
+    def _optim_step(self, adapter: Adapter, op: Op) -> OpResult:
+        metrics = optim_step(adapter, _parse(AdamParams, op.payload))
+        adapter.last_seq = op.seq
+        if adapter.step % self.snapshot_every == 0:
+            self._snapshot(adapter)
+        return OpResult(result=codec.encode(OptimStepResponse(metrics=metrics).model_dump()),
+                        metrics=metrics)
+
+    def _save_state(self, adapter: Adapter, op: Op) -> OpResult:
+        path, record = self._save(adapter, op, CheckpointKind.STATE)
+        response = SaveWeightsResponse(path=str(path))
+        return OpResult(result=codec.encode(response.model_dump()), records=[record])
+
+    def _save_for_sampler(self, adapter: Adapter, op: Op) -> OpResult:
+        path, record = self._save(adapter, op, CheckpointKind.SAMPLER)
+        response = SaveWeightsForSamplerResponse(path=str(path))
+        return OpResult(result=codec.encode(response.model_dump()), records=[record])
+
+    def _save(
+        self, adapter: Adapter, op: Op, kind: CheckpointKind
+    ) -> tuple[CheckpointPath, CheckpointRecord]:
+        body = _parse(SaveInput, op.payload)
+        path = CheckpointPath(adapter.model_id, kind, check_name(body.name))
+        directory = checkpoint_dir(self.storage, path)
+        existing = read_meta(directory)
+        now = time.time()
+        expires_at = now + body.ttl_seconds if body.ttl_seconds else None
+        if existing is not None and existing.seq != op.seq:
+            raise UserInputError(
+                f"name: {body.name!r} is already a {kind.value} checkpoint of this model "
+                f"({path}); checkpoints are never overwritten, pick a new name"
+            )
+        adapter.last_seq = op.seq
+        meta = self._meta(adapter, kind=kind.value, id=str(path), expires_at=expires_at)
+        if existing is None:  # else: a replay of this very op; its files are already there
+            write_state(directory, self.pool.export(adapter, meta),
+                        self.pool.peft_adapter_config(adapter),
+                        optimizer=kind is CheckpointKind.STATE)
+        size = sum(f.stat().st_size for f in directory.iterdir())
+        record = CheckpointRecord(
+            id=str(path), model_id=adapter.model_id, tenant_id=adapter.tenant_id, name=body.name,
+            kind=kind, path=str(directory), size_bytes=size, created_at=now,
+            expires_at=expires_at,
+        )
+        return path, record
+
+    def _load_state(self, adapter: Adapter, op: Op) -> OpResult:
+        body = _parse(LoadInput, op.payload)
+        path = CheckpointPath.parse(body.path)
+        if body.optimizer and path.kind is not CheckpointKind.STATE:
+            raise UserInputError(
+                f"path: {body.path} holds weights only (sampler weights); optimizer state "
+                "comes from a tinker://<run>/weights/<name> checkpoint"
+            )
+        directory = checkpoint_dir(self.storage, path)
+        meta = read_meta(directory)
+        if meta is None:
+            raise UserInputError(f"path: no checkpoint at {body.path}")
+        self._check_compatible(adapter, meta, body.path)
+        state = read_state(directory, optimizer=body.optimizer)
+        self.pool.load_weights(adapter, state.weights)
+        # load_state resets the optimizer (moments and step count); with_optimizer restores them.
+        self.pool.load_optimizer(adapter, state)
+        self.pool.load_grads(adapter, {})
+        adapter.step = state.meta.step if body.optimizer else 0
+        adapter.last_seq = op.seq
+        self._snapshot(adapter)
+        return OpResult(result=codec.encode(LoadWeightsResponse(path=body.path).model_dump()))
+
+    def _check_compatible(self, adapter: Adapter, meta: CheckpointMeta, path: str) -> None:
+        if meta.base_model != self.base_model:
+            raise UserInputError(
+                f"path: {path} was trained on {meta.base_model}, this model is on "
+                f"{self.base_model}"
+            )
+        theirs = LoraConfig.model_validate(meta.lora_config).model_dump(exclude={"seed"})
+        ours = adapter.config.model_dump(exclude={"seed"})
+        if theirs != ours:
+            raise UserInputError(
+                f"path: {path} has LoRA config {theirs}, this model has {ours}; they must match"
+            )
+
+    def _unload(self, adapter: Adapter, op: Op) -> OpResult:
+        self.pool.remove(adapter.model_id)
+        model_dir = self.storage / adapter.model_id
+        shutil.rmtree(snapshot_dir(self.storage, adapter.model_id), ignore_errors=True)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / UNLOADED).touch()
+        return OpResult(
+            result=codec.encode(UnloadModelResponse(model_id=adapter.model_id).model_dump())
+        )
