@@ -67,7 +67,7 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from queue_tinker.demo import run_demo
 
-    return run_demo(settings, ops=args.ops)
+    return run_demo(settings, steps=args.steps, seed=args.seed)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     up.set_defaults(fn=_cmd_up)
 
     demo = sub.add_parser("demo", help="run the service on the embedded default and drive it")
-    demo.add_argument("--ops", type=int, default=1_000, help="ops to submit")
+    demo.add_argument("--steps", type=int, default=100, help="training steps")
+    demo.add_argument("--seed", type=int, default=0, help="LoRA initialisation seed")
     demo.set_defaults(fn=_cmd_demo)
     return parser
 
