@@ -92,9 +92,9 @@ class Proc:
 
 
 def worker_proc(settings: Settings, log_path: Path) -> Proc:
-    """One queue_tinker worker (tiny base model, CPU) seeing `settings`."""
+    """One queue-only worker (ping and create_model: the queue's own cost) seeing `settings`."""
     return Proc([sys.executable, "-m", "queue_tinker.cli", "worker", "--base-model", "tiny",
-                 "--device", "cpu"], child_env(settings), log_path)
+                 "--device", "cpu", "--engine", "queue-only"], child_env(settings), log_path)
 
 
 @contextlib.contextmanager

@@ -158,14 +158,15 @@ def render(ops: int, warmup: int, info: dict[str, str], lat: dict[str, LatencyRe
     ])
 
 
-def write_docs(path: Path, section: str) -> None:
-    """Replace the `## Queue overhead` section (or append it), leaving other sections alone."""
+def write_docs(path: Path, section: str, heading: str = SECTION) -> None:
+    """Replace the section titled `heading` (default `## Queue overhead`) with `section`, or
+    append it, leaving other sections alone."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = text.find(SECTION + "\n")
+    start = text.find(heading + "\n")
     if start < 0:
         new = text.rstrip("\n") + "\n\n" + section
     else:
-        end = text.find("\n## ", start + len(SECTION))
+        end = text.find("\n## ", start + len(heading))
         new = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(new.rstrip("\n") + "\n")
