@@ -46,10 +46,10 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings, load_settings
 from queue_tinker.store.db import make_engine
 from queue_tinker.store.models import Checkpoint
+from queue_tinker.types.checkpoints import META_FILE
 
 log = logging.getLogger("queue_tinker.housekeeping")
 
-META_FILE = "qt_meta.json"  # workers/checkpoints.py META (not imported: that module needs torch)
 ROW_RETRY_DELAY_S = 3.0  # the recorder lags ~1 s; a few tries cover a short Postgres hiccup too
 ROW_RETRIES = 10
 SWEEP_INTERVAL_S = 60.0

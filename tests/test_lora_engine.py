@@ -39,7 +39,7 @@ from queue_tinker.types.training import (
 )
 from workers.adapters import linear_names, peft_config
 from workers.base_model import load_base_model
-from workers.checkpoints import META, snapshot_dir
+from workers.checkpoints import META_FILE, snapshot_dir
 from workers.lora_engine import LoraEngine, default_seed
 
 BASE = "queue-tinker/tiny-llama"
@@ -536,7 +536,7 @@ def test_periodic_snapshot_and_persist_drop_restore(main: Driver) -> None:
     main.train(model_id, 1)
     step_seq = main.seqs[model_id]
     assert main.engine.durable_seq(model_id) == step_seq
-    meta = json.loads((snapshot_dir(main.storage, model_id) / META).read_text())
+    meta = json.loads((snapshot_dir(main.storage, model_id) / META_FILE).read_text())
     assert (meta["seq"], meta["step"]) == (step_seq, 2)
 
     main.fb(model_id, batch())

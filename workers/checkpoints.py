@@ -22,9 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from queue_tinker.types.checkpoints import CheckpointPath
+from queue_tinker.types.checkpoints import META_FILE, CheckpointPath
 
-META = "qt_meta.json"
 WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 GRADS = "grads.safetensors"
@@ -81,7 +80,7 @@ def write_state(
             save_file(_contiguous(moments), tmp / OPTIMIZER)
         if grads and state.grads:
             save_file(_contiguous(state.grads), tmp / GRADS)
-        (tmp / META).write_text(json.dumps(asdict(state.meta), indent=2))
+        (tmp / META_FILE).write_text(json.dumps(asdict(state.meta), indent=2))
         size = sum(f.stat().st_size for f in tmp.iterdir())
         _replace_dir(tmp, directory)
         return size
@@ -92,7 +91,7 @@ def write_state(
 
 def read_meta(directory: Path) -> CheckpointMeta | None:
     try:
-        return CheckpointMeta(**json.loads((directory / META).read_text()))
+        return CheckpointMeta(**json.loads((directory / META_FILE).read_text()))
     except FileNotFoundError:
         return None
 
@@ -100,7 +99,7 @@ def read_meta(directory: Path) -> CheckpointMeta | None:
 def read_state(directory: Path, *, optimizer: bool, grads: bool = False) -> AdapterState:
     meta = read_meta(directory)
     if meta is None:
-        raise FileNotFoundError(directory / META)
+        raise FileNotFoundError(directory / META_FILE)
     state = AdapterState(meta=meta, weights=load_file(directory / WEIGHTS))
     if optimizer and (directory / OPTIMIZER).exists():
         for key, value in load_file(directory / OPTIMIZER).items():

@@ -220,21 +220,18 @@ class LoraEngine:
                 self._snapshot(adapter)  # from here on the model survives its worker
         return OpResult(result=codec.encode({"model_id": op.model_id}))
 
-    def _batch(self, op: Op) -> tuple[ForwardBackwardInput, dict[str, float]]:
-        batch = _parse(ForwardBackwardInput, op.payload)
-        check_batch(batch, self.limits)
-        return batch, resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
-
     def _forward(self, adapter: Adapter, op: Op) -> OpResult:
-        batch, config = self._batch(op)
-        out = forward_backward(self.pool.model, batch.data, batch.loss_fn, config, self.device,
-                               backward=False)
-        return OpResult(result=codec.encode(out.model_dump()), metrics=out.metrics)
+        return self._run_batch(op, backward=False)
 
     def _forward_backward(self, adapter: Adapter, op: Op) -> OpResult:
-        batch, config = self._batch(op)
+        return self._run_batch(op, backward=True)
+
+    def _run_batch(self, op: Op, *, backward: bool) -> OpResult:
+        batch = _parse(ForwardBackwardInput, op.payload)
+        check_batch(batch, self.limits)
+        config = resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
         out = forward_backward(self.pool.model, batch.data, batch.loss_fn, config, self.device,
-                               backward=True)
+                               backward=backward)
         return OpResult(result=codec.encode(out.model_dump()), metrics=out.metrics)
 
     def _optim_step(self, adapter: Adapter, op: Op) -> OpResult:
@@ -271,11 +268,12 @@ class LoraEngine:
             )
         adapter.last_seq = op.seq
         meta = self._meta(adapter, kind=kind.value, id=str(path), expires_at=expires_at)
-        if existing is None:  # else: a replay of this very op; its files are already there
-            write_state(directory, self.pool.export(adapter, meta),
-                        self.pool.peft_adapter_config(adapter),
-                        optimizer=kind is CheckpointKind.STATE)
-        size = sum(f.stat().st_size for f in directory.iterdir())
+        if existing is None:
+            size = write_state(directory, self.pool.export(adapter, meta),
+                               self.pool.peft_adapter_config(adapter),
+                               optimizer=kind is CheckpointKind.STATE)
+        else:  # a replay of this very op: its files are already there
+            size = sum(f.stat().st_size for f in directory.iterdir())
         record = CheckpointRecord(
             id=str(path), model_id=adapter.model_id, tenant_id=adapter.tenant_id, name=body.name,
             kind=kind, path=str(directory), size_bytes=size, created_at=now,

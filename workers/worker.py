@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from queue_tinker.errors import ErrorCategory, LeaseLostError, QueueTinkerError
 from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome
@@ -31,6 +32,7 @@ from queue_tinker.types.records import Record
 from workers.engine import Engine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Inline ops (cheap, stateless) run back to back and are published in one pipeline, up to
 # this many per round trip.
@@ -245,9 +247,7 @@ class Worker:
         """A newly claimed model, with the logged ops between its saved state and the last
         published one queued for replay (an earlier owner died after its last snapshot)."""
         owned = OwnedModel(lease=lease, read_seq=lease.done_seq)
-        restored = await asyncio.get_running_loop().run_in_executor(
-            self._compute, self.engine.restore_point, lease.model_id
-        )
+        restored = await self._on_compute(self.engine.restore_point, lease.model_id)
         if restored is not None and restored < lease.done_seq:
             replay = await self.dispatch.read_range(lease.model_id, restored, lease.done_seq)
             log.info("%s: %s resumes from seq %d; replaying %d ops", self.id, lease.model_id,
@@ -277,8 +277,8 @@ class Worker:
         # ever touched from that one thread.
         self._compute.submit(self.engine.drop, model_id)
 
-    async def _on_compute(self, fn: Callable[[str], None], model_id: str) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._compute, fn, model_id)
+    async def _on_compute(self, fn: Callable[[str], T], model_id: str) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, model_id)
 
     # --- reading ---------------------------------------------------------------------------
     async def _read_loop(self) -> None:

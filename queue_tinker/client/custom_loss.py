@@ -58,11 +58,12 @@ def run_custom_loss(
         raise UserInputError("loss_fn: the loss does not depend on the logprobs (no gradient)")
     loss.backward()
     linear = []
-    for datum, lp in zip(forward_data(data), logprobs, strict=True):
+    for datum, lp in zip(data, logprobs, strict=True):
         grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
         weights = TensorData.from_numpy((-grad).numpy().astype(np.float32))
+        targets = datum.loss_fn_inputs["target_tokens"]  # present: forward_data checked it
         linear.append(Datum(model_input=datum.model_input,
-                            loss_fn_inputs={**datum.loss_fn_inputs, "weights": weights}))
+                            loss_fn_inputs={"target_tokens": targets, "weights": weights}))
     return linear, float(loss.item()), {k: _number(k, v) for k, v in dict(metrics).items()}
 
 

@@ -9,6 +9,7 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.types.enums import CheckpointKind
 
 SCHEME = "tinker://"
+META_FILE = "qt_meta.json"  # our metadata beside the PEFT files of every checkpoint directory
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SEGMENTS = {kind.path_segment: kind for kind in CheckpointKind}
 
