@@ -29,6 +29,7 @@ TABLES = {
     "api_keys",
     "sessions",
     "training_runs",
+    "sampling_sessions",
     "requests",
     "checkpoints",
     "workers",

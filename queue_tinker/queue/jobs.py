@@ -84,10 +84,31 @@ class JobQueue:
         session_id: str | None,
         lora_config: dict[str, Any],
     ) -> bool:
-        """Create the model's queue; False if it already existed (a retried create)."""
+        """Create a training run's queue; False if it already existed (a retried create)."""
+        return await self._register(model_id, base_model, tenant_id, session_id,
+                                    kind="training", lora_config=lora_config)
+
+    async def register_sampling_session(
+        self,
+        sampler_id: str,
+        *,
+        base_model: str,
+        tenant_id: str,
+        session_id: str | None,
+        model_path: str | None,
+    ) -> bool:
+        """Create a sampling session's queue (its samples run in the order they were sent)."""
+        return await self._register(sampler_id, base_model, tenant_id, session_id,
+                                    kind="sampling", model_path=model_path)
+
+    async def _register(
+        self, model_id: str, base_model: str, tenant_id: str, session_id: str | None, *,
+        kind: str, lora_config: dict[str, Any] | None = None, model_path: str | None = None,
+    ) -> bool:
         created = await self.scripts.register_model(
             keys=[self.keys.model_meta(model_id), self.keys.records()],
-            args=[model_id, base_model, tenant_id, session_id or "", json.dumps(lora_config)],
+            args=[model_id, base_model, tenant_id, session_id or "",
+                  json.dumps(lora_config or {}), kind, model_path or ""],
         )
         return bool(created)
 
@@ -136,14 +157,17 @@ class JobQueue:
         return raw.decode()
 
     async def model_info(self, model_id: str) -> dict[str, Any]:
-        """base_model, tenant_id and lora_config of a model."""
+        """base_model, tenant_id, kind ('training' / 'sampling'), lora_config and model_path."""
         fields = await self.redis.hmget(
-            self.keys.model_meta(model_id), ["base_model", "tenant_id", "lora_config"]
+            self.keys.model_meta(model_id),
+            ["base_model", "tenant_id", "kind", "lora_config", "model_path"],
         )
         if fields[0] is None:
             raise UnknownModelError(f"model_id: no model {model_id!r}")
         return {"base_model": fields[0].decode(), "tenant_id": fields[1].decode(),
-                "lora_config": json.loads(fields[2] or b"{}")}
+                "kind": (fields[2] or b"training").decode(),
+                "lora_config": json.loads(fields[3] or b"{}"),
+                "model_path": (fields[4] or b"").decode() or None}
 
     async def outcome(self, job_id: str) -> JobOutcome | None:
         """The job's outcome if finished, None if still pending; raises if Redis forgot it."""

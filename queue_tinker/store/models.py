@@ -99,9 +99,22 @@ class TrainingRun(Base):
     last_request_at: Mapped[datetime | None] = _ts()
 
 
+class SamplingSession(Base):
+    """A sampling client's queue: samples from a checkpoint (model_path) or the base model."""
+
+    __tablename__ = "sampling_sessions"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(Text, ForeignKey("tenants.id"))
+    session_id: Mapped[str | None] = mapped_column(Text)  # no FK, as for training runs
+    base_model: Mapped[str] = mapped_column(Text)
+    model_path: Mapped[str | None] = mapped_column(Text)  # None: the base model itself
+    created_at: Mapped[datetime] = _ts(nullable=False, now=True)
+
+
 class Request(Base):
-    """One op of one model. model_id is not a FK: write-behind may deliver a request before
-    its model's row, and a batch must not fail for it."""
+    """One op of one model (a training run or a sampling session). model_id is not a FK:
+    write-behind may deliver a request before its model's row, and a batch must not fail."""
 
     __tablename__ = "requests"
     __table_args__ = (

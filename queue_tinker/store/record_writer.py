@@ -26,13 +26,21 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
-from queue_tinker.store.models import Checkpoint, Request, Session, TrainingRun, Worker
+from queue_tinker.store.models import (
+    Checkpoint,
+    Request,
+    SamplingSession,
+    Session,
+    TrainingRun,
+    Worker,
+)
 from queue_tinker.types.enums import JobStatus
 from queue_tinker.types.records import (
     CheckpointRecord,
     ModelRecord,
     Record,
     RequestRecord,
+    SamplingSessionRecord,
     SessionRecord,
     WorkerRecord,
 )
@@ -43,6 +51,7 @@ Reducer = Callable[[Any, Any], Any]
 _REQUESTS: Table = Request.__table__  # type: ignore[assignment]
 _RUNS: Table = TrainingRun.__table__  # type: ignore[assignment]
 _SESSIONS: Table = Session.__table__  # type: ignore[assignment]
+_SAMPLING: Table = SamplingSession.__table__  # type: ignore[assignment]
 _WORKERS: Table = Worker.__table__  # type: ignore[assignment]
 _CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
 
@@ -147,6 +156,16 @@ def _upsert_runs() -> Any:
     )
 
 
+def _upsert_sampling_sessions() -> Any:
+    stmt = insert(_SAMPLING)
+    new, old = stmt.excluded, _SAMPLING.c
+    # Everything but the creation time is fixed when the session is made.
+    return stmt.on_conflict_do_update(
+        index_elements=[old.id],
+        set_={"created_at": func.least(old.created_at, new.created_at)},
+    )
+
+
 def _upsert_sessions() -> Any:
     stmt = insert(_SESSIONS)
     new, old = stmt.excluded, _SESSIONS.c
@@ -197,6 +216,7 @@ def _upsert_checkpoints() -> Any:
 _REQUEST_UPSERT = _upsert_requests()
 _RUN_UPSERT = _upsert_runs()
 _SESSION_UPSERT = _upsert_sessions()
+_SAMPLING_UPSERT = _upsert_sampling_sessions()
 _WORKER_UPSERT = _upsert_workers()
 _CHECKPOINT_UPSERT = _upsert_checkpoints()
 
@@ -242,6 +262,7 @@ async def apply_records(
         return
     session_rows = _coalesce(rows[SessionRecord], _SESSION_REDUCERS)
     model_rows = _coalesce(rows[ModelRecord], _MODEL_REDUCERS)
+    sampling_rows = _coalesce(rows[SamplingSessionRecord], _MODEL_REDUCERS)
     worker_rows = _coalesce(rows[WorkerRecord], _WORKER_REDUCERS)
     request_rows = _coalesce(rows[RequestRecord], _REQUEST_REDUCERS, order=_request_order)
     checkpoint_rows = _coalesce(rows[CheckpointRecord], _CHECKPOINT_REDUCERS)
@@ -251,6 +272,7 @@ async def apply_records(
         for stmt, batch in (
             (_SESSION_UPSERT, session_rows),
             (_RUN_UPSERT, model_rows),
+            (_SAMPLING_UPSERT, sampling_rows),
             (_WORKER_UPSERT, worker_rows),
             (_REQUEST_UPSERT, request_rows),
             (_CHECKPOINT_UPSERT, checkpoint_rows),

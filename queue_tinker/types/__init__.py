@@ -11,8 +11,15 @@ from queue_tinker.types.records import (
     ModelRecord,
     Record,
     RequestRecord,
+    SamplingSessionRecord,
     SessionRecord,
     WorkerRecord,
+)
+from queue_tinker.types.sampling import (
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    StopReason,
 )
 from queue_tinker.types.tensors import Datum, EncodedTextChunk, ModelInput, TensorData
 from queue_tinker.types.training import (
@@ -52,9 +59,14 @@ __all__ = [
     "QueueState",
     "Record",
     "RequestRecord",
+    "SampleResponse",
+    "SampledSequence",
+    "SamplingParams",
+    "SamplingSessionRecord",
     "SaveWeightsForSamplerResponse",
     "SaveWeightsResponse",
     "SessionRecord",
+    "StopReason",
     "TensorData",
     "UnloadModelResponse",
     "WorkerRecord",

@@ -18,6 +18,7 @@ class OpKind(StrEnum):
     LOAD_STATE = "load_state"
     UNLOAD_MODEL = "unload_model"
     SAMPLE = "sample"
+    CREATE_SAMPLING_SESSION = "create_sampling_session"
 
 
 class JobStatus(StrEnum):

@@ -116,7 +116,7 @@ def check_datum(index: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) 
             f"{limits.context_length}"
         )
     if limits.vocab_size is not None:
-        _check_token_ids(f"{where}.model_input", np.asarray(tokens), limits.vocab_size)
+        check_token_ids(f"{where}.model_input", np.asarray(tokens), limits.vocab_size)
     _check_loss_inputs(where, datum, loss_fn, n, limits)
 
 
@@ -151,7 +151,7 @@ def _check_loss_inputs(
             f"of {n_input} tokens; position i predicts token i+1, so give 1 to {n_input}"
         )
     if limits.vocab_size is not None:
-        _check_token_ids(f"{where}.loss_fn_inputs['target_tokens']", targets.data,
+        check_token_ids(f"{where}.loss_fn_inputs['target_tokens']", targets.data,
                          limits.vocab_size)
 
 
@@ -170,7 +170,7 @@ def _check_input_names(where: str, names: set[str], loss_fn: LossFn) -> None:
         )
 
 
-def _check_token_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
+def check_token_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if bad.size:
         raise UserInputError(

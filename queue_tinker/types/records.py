@@ -37,6 +37,18 @@ class ModelRecord(_Record):
     created_at: float
 
 
+class SamplingSessionRecord(_Record):
+    """A sampling client's queue, on a checkpoint (model_path) or the base model."""
+
+    type: Literal["sampling_session"] = "sampling_session"
+    id: str
+    tenant_id: str
+    session_id: str | None = None
+    base_model: str
+    model_path: str | None = None
+    created_at: float
+
+
 class RequestRecord(_Record):
     """One op of one model, at some point of its life."""
 
@@ -88,7 +100,8 @@ class CheckpointRecord(_Record):
 
 
 Record = Annotated[
-    SessionRecord | ModelRecord | RequestRecord | WorkerRecord | CheckpointRecord,
+    SessionRecord | ModelRecord | SamplingSessionRecord | RequestRecord | WorkerRecord
+    | CheckpointRecord,
     Field(discriminator="type"),
 ]
 RECORD_ADAPTER: TypeAdapter[Record] = TypeAdapter(Record)

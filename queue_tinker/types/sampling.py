@@ -1,0 +1,152 @@
+"""Sampling requests and results, shaped as in Tinker (field names and defaults match)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from queue_tinker.errors import UserInputError
+from queue_tinker.types.loss_inputs import ModelLimits, check_token_ids
+from queue_tinker.types.tensors import ModelInput
+
+MAX_NUM_SAMPLES = 1024
+MAX_STOP_SEQUENCES = 32
+
+StopReason = Literal["length", "stop"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class SamplingParams(_Wire):
+    """How to generate. `stop=None` stops at the tokenizer's EOS; `stop=[]` never stops early;
+    strings stop once the generated text contains one (EOS still stops too); ints stop on
+    those token ids instead of EOS."""
+
+    max_tokens: int | None = Field(None, gt=0)  # None: up to the model's context length
+    seed: int | None = None  # same seed, same prompt, same weights: the same samples
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(1.0, ge=0)  # 0: greedy (argmax)
+    top_k: int = Field(-1, ge=-1)  # -1: off
+    top_p: float = Field(1.0, gt=0, le=1)
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (off) or a positive number of tokens, not 0")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_sequences(cls, value: str | list[str] | list[int] | None) -> object:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+        for stop in stops:
+            if isinstance(stop, str) and not stop:
+                raise ValueError("stop strings must not be empty")
+            if isinstance(stop, int) and stop < 0:
+                raise ValueError(f"stop token ids must be >= 0, got {stop}")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return [s for s in self.stop or [] if isinstance(s, str)]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        if isinstance(self.stop, str):
+            return []
+        return [s for s in self.stop or [] if isinstance(s, int)]
+
+    def ending_token_ids(self, eos_token_ids: Sequence[int]) -> list[int]:
+        """The token ids that end a sequence, given the tokenizer's EOS ids."""
+        if self.stop is None or (self.stop_strings and not self.stop_token_ids):
+            return list(eos_token_ids)
+        return self.stop_token_ids
+
+
+class SampleInput(_Wire):
+    """The body of one sample op."""
+
+    prompt: ModelInput
+    num_samples: int = Field(1, ge=1, le=MAX_NUM_SAMPLES)
+    sampling_params: SamplingParams
+    prompt_logprobs: bool = False
+    # The weights to sample from: a tinker:// checkpoint path, or None for the base model.
+    # Every op carries it, so any worker can run it without the session's history.
+    model_path: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value: ModelInput) -> ModelInput:
+        if value.length == 0:
+            raise ValueError("must hold at least one token")
+        return value
+
+
+class CreateSamplingSessionInput(_Wire):
+    """The body of a create_sampling_session op: the worker checks the weights exist, belong to
+    the tenant and fit its base model before the client is handed back."""
+
+    tenant_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class SampledSequence(_Wire):
+    stop_reason: StopReason
+    tokens: list[int]
+    logprobs: list[float]  # of each generated token under the model (no temperature)
+
+
+class SampleResponse(_Wire):
+    sequences: list[SampledSequence]
+    # One per prompt token when asked for; None at position 0 (nothing precedes it).
+    prompt_logprobs: list[float | None] | None = None
+    type: Literal["sample"] = "sample"
+
+
+def max_new_tokens(body: SampleInput, context_length: int) -> int:
+    """How many tokens a request may generate: its max_tokens, or what the context leaves."""
+    room = context_length - body.prompt.length
+    return body.sampling_params.max_tokens or room
+
+
+def check_sample(body: SampleInput, limits: ModelLimits | None = None) -> None:
+    """Raise UserInputError naming the first problem in a sample request (what the model
+    knows is checked only where `limits` has it: on the worker)."""
+    limits = limits or ModelLimits()
+    n = body.prompt.length
+    if limits.vocab_size is not None:
+        check_token_ids("prompt", np.asarray(body.prompt.to_ints()), limits.vocab_size)
+        check_token_ids("sampling_params.stop", np.asarray(body.sampling_params.stop_token_ids,
+                                                          dtype=np.int64), limits.vocab_size)
+    if limits.context_length is None:
+        return
+    if n >= limits.context_length:
+        raise UserInputError(
+            f"prompt: {n} tokens leaves no room to generate in the model's context of "
+            f"{limits.context_length}"
+        )
+    max_tokens = body.sampling_params.max_tokens
+    if max_tokens is not None and n + max_tokens > limits.context_length:
+        raise UserInputError(
+            f"sampling_params.max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) is "
+            f"more than the model's context of {limits.context_length}"
+        )
