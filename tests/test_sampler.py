@@ -1,0 +1,478 @@
+"""The sampler on the real tiny model: KV-cached, left-padded, mixed-adapter generation.
+
+Every expectation comes from outside the sampler: plain forward passes over prompt + tokens (no
+cache, no padding, one adapter set on the model at a time), an argmax loop that reruns the whole
+sequence each step, or the same request run alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from queue_tinker.builtin_models import load_tokenizer
+from queue_tinker.types.sampling import SampleResponse, SamplingParams
+from queue_tinker.types.training import LoraConfig
+from workers import sampler
+from workers.adapters import linear_names, peft_config
+from workers.base_model import load_base_model
+from workers.sampler import GenerationRequest, generate
+
+BASE = "queue-tinker/tiny-llama"
+VOCAB = 259
+EOS = 257
+CPU = torch.device("cpu")
+PROMPTS = [list(b"hello"), list(b"the quick brown fox"), list(b"ab"), [256, *b"queue"]]
+# name: (config, std of the random lora_B). a1/a2 nudge every layer; "sharp" makes the next-token
+# distribution peaked (the random base is near uniform), so 2000 draws can pin it down.
+ADAPTERS = {
+    "a1": (LoraConfig(rank=8), 0.05),
+    "a2": (LoraConfig(rank=2), 0.05),
+    "sharp": (LoraConfig(rank=8, train_attn=False, train_mlp=False), 1.5),
+}
+# (rtol, atol)
+LOGPROBS_VS_FORWARD = (1e-4, 1e-5)
+BATCHED_VS_ALONE = (1e-5, 1e-6)
+
+Decode = Callable[[list[int]], str]
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: PeftModel
+    plain: torch.nn.Module  # the base model alone, no PEFT wrapper
+    decode: Decode
+
+
+# --- fixtures -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def setup() -> Iterator[Setup]:
+    """One intra-op thread meanwhile: on a tiny model, thread hand-offs cost more than the math."""
+    path = Path(tempfile.mkdtemp(prefix="qt-sampler-"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    base = load_base_model(BASE, "cpu", path)
+    base.name_or_path = BASE  # as the engine does: adapter configs name the public base
+    plain = load_base_model(BASE, "cpu", path).eval()
+    tokenizer = load_tokenizer(BASE, path)
+    yield Setup(model=with_adapters(base), plain=plain, decode=tokenizer.decode)
+    torch.set_num_threads(threads)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def with_adapters(base: torch.nn.Module) -> PeftModel:
+    """A PeftModel holding ADAPTERS, each lora_B set to seeded random values (B starts at zero,
+    which would make every adapter equal to the base)."""
+    present = linear_names(base)
+    model: PeftModel | None = None
+    draws = torch.Generator().manual_seed(1234)
+    for seed, (name, (config, std)) in enumerate(ADAPTERS.items()):
+        cfg = peft_config(present, config, BASE)
+        torch.manual_seed(seed)  # PEFT initialises lora_A from the global generator
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
+                                    category=FutureWarning)
+            if model is None:
+                model = get_peft_model(base, cfg, adapter_name=name)
+            else:
+                model.add_adapter(name, cfg)
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                if f".lora_B.{name}." in key:
+                    param.copy_(torch.randn(param.shape, generator=draws) * std)
+    assert model is not None
+    return model.eval()
+
+
+# --- helpers --------------------------------------------------------------------------------
+def request(prompt: list[int], adapter: str | None = None, *, n: int = 1, max_tokens: int = 10,
+            prompt_logprobs: bool = False, **params: Any) -> GenerationRequest:
+    return GenerationRequest(prompt=list(prompt), num_samples=n, params=SamplingParams(**params),
+                             max_tokens=max_tokens, prompt_logprobs=prompt_logprobs,
+                             adapter=adapter)
+
+
+def run(setup: Setup, requests: list[GenerationRequest], model: torch.nn.Module | None = None,
+        eos: tuple[int, ...] = (EOS,)) -> list[SampleResponse]:
+    return generate(setup.model if model is None else model, requests, device=CPU,
+                    eos_token_ids=list(eos), decode=setup.decode)
+
+
+@contextmanager
+def using(model: torch.nn.Module, adapter: str | None) -> Iterator[None]:
+    """Make `adapter` the one the plain forward uses (None: adapters off)."""
+    if not isinstance(model, PeftModel):
+        assert adapter is None
+        yield
+    elif adapter is None:
+        with model.disable_adapter():
+            yield
+    else:
+        model.set_adapter(adapter)
+        yield
+
+
+def forward_logits(model: torch.nn.Module, adapter: str | None, tokens: list[int]) -> torch.Tensor:
+    """float32 logits (T, V) of one unpadded sequence, no cache."""
+    with torch.inference_mode(), using(model, adapter):
+        return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+def sequence_logprobs(model: torch.nn.Module, adapter: str | None, prompt: list[int],
+                      tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[i] | prompt + tokens[:i]) from one forward pass."""
+    logits = forward_logits(model, adapter, prompt + tokens)
+    rows = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return rows.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def greedy_reference(model: torch.nn.Module, adapter: str | None, prompt: list[int],
+                     steps: int) -> list[int]:
+    """Argmax decoding that reruns the whole sequence each step."""
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(forward_logits(model, adapter, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def last_new_token(tokens: list[int]) -> int:
+    """The index of the last token that had not occurred before it: stopping on it ends there."""
+    index = max(i for i, t in enumerate(tokens) if t not in tokens[:i])
+    assert index >= 2, f"greedy path too repetitive for a stop test: {tokens}"
+    return index
+
+
+def assert_close(actual: list[float | None] | list[float], expected: torch.Tensor,
+                 tol: tuple[float, float]) -> None:
+    rtol, atol = tol
+    torch.testing.assert_close(torch.tensor(actual), expected, rtol=rtol, atol=atol)
+
+
+def decoder_of(model: PeftModel) -> torch.nn.Module:
+    """The transformer under the LM head (LlamaModel), whose forward gets the decoder inputs."""
+    return model.get_base_model().get_submodule("model")
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
+    return 0.5 * float((p - q).abs().sum())
+
+
+def assert_same(a: SampleResponse, b: SampleResponse) -> None:
+    """Same tokens and stop reasons; logprobs (and prompt logprobs) equal to tolerance."""
+    assert len(a.sequences) == len(b.sequences)
+    for x, y in zip(a.sequences, b.sequences, strict=True):
+        assert (x.tokens, x.stop_reason) == (y.tokens, y.stop_reason)
+        assert_close(x.logprobs, torch.tensor(y.logprobs), BATCHED_VS_ALONE)
+    assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+    if a.prompt_logprobs is not None and b.prompt_logprobs is not None:
+        assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
+        assert_close(a.prompt_logprobs[1:], torch.tensor(b.prompt_logprobs[1:]),
+                     BATCHED_VS_ALONE)
+
+
+# --- logprobs -------------------------------------------------------------------------------
+def test_logprobs_equal_a_plain_forward_in_a_mixed_batch(setup: Setup) -> None:
+    requests = [
+        request(PROMPTS[0], None, n=2, max_tokens=8, seed=1, stop=[]),
+        request(PROMPTS[1], "a1", n=2, max_tokens=6, seed=2, stop=[], temperature=0.8),
+        request(PROMPTS[2], "a2", n=2, max_tokens=10, seed=3, stop=[], top_k=20),
+    ]
+    responses = run(setup, requests)
+    for req, response in zip(requests, responses, strict=True):
+        assert len(response.sequences) == req.num_samples
+        for seq in response.sequences:
+            assert len(seq.tokens) == len(seq.logprobs) == req.max_tokens
+            expected = sequence_logprobs(setup.model, req.adapter, req.prompt, seq.tokens)
+            assert_close(seq.logprobs, expected, LOGPROBS_VS_FORWARD)
+            if req.adapter is not None:  # the adapter really is in play
+                base = sequence_logprobs(setup.model, None, req.prompt, seq.tokens)
+                assert float((base - expected).abs().max()) > 1e-3
+
+
+def test_prompt_logprobs_equal_a_forward_pass(setup: Setup) -> None:
+    requests = [
+        request(PROMPTS[1], None, max_tokens=2, prompt_logprobs=True),
+        request(PROMPTS[0], "a1", n=2, max_tokens=3, prompt_logprobs=True, seed=0),
+        request(PROMPTS[3], "a2", max_tokens=1, prompt_logprobs=True, temperature=0),
+        request([65], "a1", max_tokens=1, prompt_logprobs=True),
+        request(PROMPTS[2], None, max_tokens=1),
+    ]
+    responses = run(setup, requests)
+    for req, response in zip(requests[:3], responses[:3], strict=True):
+        values = response.prompt_logprobs
+        assert values is not None and len(values) == len(req.prompt) and values[0] is None
+        logits = forward_logits(setup.model, req.adapter, req.prompt)
+        expected = torch.log_softmax(logits[:-1], dim=-1).gather(
+            1, torch.tensor(req.prompt[1:])[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(values[1:]), expected, rtol=1e-5, atol=1e-6)
+    assert responses[3].prompt_logprobs == [None]
+    assert responses[4].prompt_logprobs is None
+
+
+# --- greedy ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("adapter", [None, "a1", "a2"])
+def test_temperature_zero_and_top_k_one_are_argmax(setup: Setup, adapter: str | None) -> None:
+    prompt = PROMPTS[1]
+    expected = greedy_reference(setup.model, adapter, prompt, 20)
+    responses = run(setup, [request(prompt, adapter, max_tokens=20, stop=[], temperature=0),
+                            request(prompt, adapter, n=2, max_tokens=20, stop=[], top_k=1)])
+    for response in responses:
+        for seq in response.sequences:
+            assert seq.tokens == expected
+            assert seq.stop_reason == "length"
+
+
+# --- seeds ----------------------------------------------------------------------------------
+def test_a_seed_makes_sampling_reproducible_whatever_the_batch(setup: Setup) -> None:
+    def sampled(seed: int) -> GenerationRequest:
+        return request(PROMPTS[0], "a1", n=3, max_tokens=12, seed=seed, stop=[], top_p=0.95)
+
+    others = [request(PROMPTS[1], "a2", n=2, max_tokens=5, seed=4, stop=[]),
+              request(PROMPTS[2], None, max_tokens=15, temperature=0, stop=[])]
+    alone = run(setup, [sampled(7)])[0]
+    after = run(setup, [*others, sampled(7)])[2]
+    between = run(setup, [others[1], sampled(7), others[0]])[1]
+    tokens = [s.tokens for s in alone.sequences]
+    assert [s.tokens for s in after.sequences] == tokens
+    assert [s.tokens for s in between.sequences] == tokens
+    assert len({tuple(t) for t in tokens}) == 3  # the samples of one request differ
+    other_seed = run(setup, [sampled(8)])[0]
+    assert [s.tokens for s in other_seed.sequences] != tokens
+
+
+# --- stopping -------------------------------------------------------------------------------
+def test_stop_token_ends_the_sequence_and_is_included(setup: Setup) -> None:
+    prompt, adapter = PROMPTS[1], "a2"
+    ref = greedy_reference(setup.model, adapter, prompt, 20)
+    j = last_new_token(ref)
+    stop = [ref[j], 300]
+    at_stop, at_both, before = run(setup, [
+        request(prompt, adapter, max_tokens=20, temperature=0, stop=stop),
+        request(prompt, adapter, max_tokens=j + 1, temperature=0, stop=stop),
+        request(prompt, adapter, max_tokens=j, temperature=0, stop=stop),
+    ])
+    for response in (at_stop, at_both):  # "stop" wins when the stop token is also the last
+        (seq,) = response.sequences
+        assert (seq.tokens, seq.stop_reason) == (ref[:j + 1], "stop")
+        assert len(seq.logprobs) == j + 1
+    (seq,) = before.sequences
+    assert (seq.tokens, seq.stop_reason) == (ref[:j], "length")
+
+
+def test_stop_none_stops_at_eos_and_an_empty_list_never_early(setup: Setup) -> None:
+    prompt, adapter = PROMPTS[0], "a1"
+    ref = greedy_reference(setup.model, adapter, prompt, 16)
+    assert EOS not in ref
+    j = last_new_token(ref)
+    # The tiny model never picks EOS itself; naming the greedy path's token as EOS stands in.
+    at_eos, never = run(setup, [request(prompt, adapter, max_tokens=16, temperature=0),
+                                request(prompt, adapter, max_tokens=16, temperature=0, stop=[])],
+                        eos=(ref[j],))
+    assert (at_eos.sequences[0].tokens, at_eos.sequences[0].stop_reason) == (ref[:j + 1], "stop")
+    assert (never.sequences[0].tokens, never.sequences[0].stop_reason) == (ref, "length")
+    # EOS 257 never comes
+    (real_eos,) = run(setup, [request(prompt, adapter, max_tokens=16, temperature=0)])
+    assert (real_eos.sequences[0].tokens, real_eos.sequences[0].stop_reason) == (ref, "length")
+
+
+def test_stop_strings_end_the_sequence_and_are_included(setup: Setup) -> None:
+    prompt, adapter = PROMPTS[2], None
+    ref = greedy_reference(setup.model, adapter, prompt, 20)
+    text = setup.decode(ref[:12])
+    target = text[-2:]  # ends within 12 tokens; first found where the decoded text has it
+    end = next(i for i in range(len(ref)) if target in setup.decode(ref[:i + 1]))
+    assert end >= 1
+    responses = run(setup, [request(prompt, adapter, max_tokens=20, temperature=0, stop=target),
+                            request(prompt, adapter, max_tokens=20, temperature=0,
+                                    stop=["never there", target])])
+    for response in responses:
+        (seq,) = response.sequences
+        assert (seq.tokens, seq.stop_reason) == (ref[:end + 1], "stop")
+        assert target in setup.decode(seq.tokens)
+    # Stop strings add to EOS rather than replace it (stop token ids replace it).
+    j = last_new_token(ref)
+    at_eos, by_id = run(setup, [
+        request(prompt, adapter, max_tokens=20, temperature=0, stop=["never there"]),
+        request(prompt, adapter, max_tokens=20, temperature=0, stop=[ref[end]]),
+    ], eos=(ref[j],))
+    assert (at_eos.sequences[0].tokens, at_eos.sequences[0].stop_reason) == (ref[:j + 1], "stop")
+    assert by_id.sequences[0].tokens == ref[:ref.index(ref[end]) + 1]
+
+
+def test_max_tokens_ends_with_length(setup: Setup) -> None:
+    requests = [request(PROMPTS[0], "a1", n=3, max_tokens=7, seed=3, stop=[]),
+                request(PROMPTS[3], None, n=2, max_tokens=3, temperature=0, stop=[]),
+                request(PROMPTS[1], "a2", max_tokens=1, seed=4, stop=[])]
+    for req, response in zip(requests, run(setup, requests), strict=True):
+        for seq in response.sequences:
+            assert len(seq.tokens) == len(seq.logprobs) == req.max_tokens
+            assert seq.stop_reason == "length"
+
+
+def test_rows_stop_at_different_steps(setup: Setup) -> None:
+    """Many stop ids: samples end at different steps, each on its first stop token."""
+    stop = list(range(0, 256, 8))
+    (response,) = run(setup, [request(PROMPTS[0], "a2", n=12, max_tokens=12, seed=6, stop=stop)])
+    lengths = set()
+    for seq in response.sequences:
+        lengths.add(len(seq.tokens))
+        hits = [i for i, t in enumerate(seq.tokens) if t in stop]
+        if seq.stop_reason == "stop":
+            assert hits == [len(seq.tokens) - 1]
+        else:
+            assert not hits and len(seq.tokens) == 12
+    assert len(lengths) > 2
+
+
+# --- batching -------------------------------------------------------------------------------
+def mixed_requests() -> list[GenerationRequest]:
+    return [
+        request(PROMPTS[0], None, n=2, max_tokens=8, temperature=0, stop=[]),
+        request(PROMPTS[1], "a1", n=3, max_tokens=10, seed=3, temperature=0.9, stop=[]),
+        request(PROMPTS[2], "a2", max_tokens=6, temperature=0, prompt_logprobs=True),
+        request(PROMPTS[3], None, n=2, max_tokens=9, seed=5, top_k=50, top_p=0.9, stop=[]),
+        request(PROMPTS[1], "a2", n=2, max_tokens=12, seed=9, temperature=1.3,
+                stop=list(range(0, 256, 10))),
+        request(PROMPTS[0], "a1", n=2, max_tokens=7, temperature=0, stop=[],
+                prompt_logprobs=True),
+    ]
+
+
+def test_a_batch_equals_each_request_alone(setup: Setup) -> None:
+    requests = mixed_requests()
+    batched = run(setup, requests)
+    backwards = run(setup, requests[::-1])[::-1]
+    for req, together, reversed_order in zip(requests, batched, backwards, strict=True):
+        alone = run(setup, [req])[0]
+        assert_same(together, alone)
+        assert_same(reversed_order, alone)
+    greedy = batched[0].sequences
+    assert greedy[0].tokens == greedy[1].tokens == greedy_reference(
+        setup.model, None, PROMPTS[0], 8)
+
+
+def test_sampling_in_row_chunks_changes_nothing(setup: Setup,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Big batches go through softmax / sort a few rows at a time; results must not notice."""
+    requests = mixed_requests()
+    whole = run(setup, requests)
+    monkeypatch.setattr(sampler, "CHUNK_ELEMENTS", 3 * VOCAB)  # 3 rows per pass
+    for chunked, expected in zip(run(setup, requests), whole, strict=True):
+        assert_same(chunked, expected)
+
+
+def test_a_plain_model_samples_as_the_base_rows_of_a_peft_model(setup: Setup) -> None:
+    requests = [request(PROMPTS[0], n=2, max_tokens=8, seed=1, stop=[], prompt_logprobs=True),
+                request(PROMPTS[1], max_tokens=5, temperature=0, stop=[])]
+    on_plain = run(setup, requests, model=setup.plain)
+    for plain, peft in zip(on_plain, run(setup, requests), strict=True):
+        assert_same(plain, peft)
+    for seq in on_plain[0].sequences:
+        assert_close(seq.logprobs, sequence_logprobs(setup.plain, None, PROMPTS[0], seq.tokens),
+                     LOGPROBS_VS_FORWARD)
+
+
+def test_prompts_run_once_then_each_row_at_its_own_positions(setup: Setup) -> None:
+    """What reaches the decoder: one prefill row per request (left-padded, positions counting
+    from each prompt's first token), then one row per live sample at its next position."""
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def record(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        calls.append((kwargs["input_ids"], kwargs["attention_mask"], kwargs["position_ids"]))
+
+    decoder = decoder_of(setup.model)
+    handle = decoder.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        prompts = [PROMPTS[1], PROMPTS[2]]  # 19 and 2 tokens
+        run(setup, [request(prompts[0], "a1", n=3, max_tokens=4, seed=0, stop=[]),
+                    request(prompts[1], None, n=2, max_tokens=4, temperature=0, stop=[])])
+    finally:
+        handle.remove()
+    assert len(calls) == 4  # the prefill, then 3 steps (the 4th token needs no forward)
+    ids, mask, positions = calls[0]
+    width = len(prompts[0])
+    assert ids.shape == (2, width)
+    for row, prompt in enumerate(prompts):
+        pad = width - len(prompt)
+        assert ids[row, pad:].tolist() == prompt
+        assert mask[row].tolist() == [0] * pad + [1] * len(prompt)
+        assert positions[row, pad:].tolist() == list(range(len(prompt)))
+    for step, (ids, mask, positions) in enumerate(calls[1:]):
+        assert ids.shape == (5, 1)
+        assert mask.shape == (5, width + step + 1) and bool(mask[:, width:].all())
+        expected = [len(prompts[0]) + step] * 3 + [len(prompts[1]) + step] * 2
+        assert positions[:, 0].tolist() == expected
+
+
+def test_a_model_in_training_mode_samples_in_eval_mode_and_is_left_as_found(
+        setup: Setup) -> None:
+    """get_peft_model / add_adapter hand back training-mode modules, where PEFT refuses
+    adapter_names; generate runs in eval mode and restores every module's own flag."""
+    requests = [request(PROMPTS[0], "a1", max_tokens=5, temperature=0, stop=[]),
+                request(PROMPTS[2], None, max_tokens=5, temperature=0, stop=[])]
+    expected = run(setup, requests)
+    setup.model.train()
+    decoder_of(setup.model).get_submodule("norm").eval()  # a mixed state, to see it restored
+    modes = {name: module.training for name, module in setup.model.named_modules()}
+    try:
+        for got, want in zip(run(setup, requests), expected, strict=True):
+            assert_same(got, want)
+        assert {name: m.training for name, m in setup.model.named_modules()} == modes
+    finally:
+        setup.model.eval()
+
+
+def test_no_requests_no_responses(setup: Setup) -> None:
+    assert run(setup, []) == []
+
+
+# --- the distribution -----------------------------------------------------------------------
+def rank_and_mass_before(scaled: torch.Tensor, token: int, top_k: int) -> tuple[int, float]:
+    """The token's rank by probability, and the probability of the tokens above it within the
+    top_k (renormalised over the top_k)."""
+    order = torch.argsort(scaled, descending=True)
+    rank = int((order == token).nonzero())
+    kept = order if top_k == -1 else order[:top_k]
+    probs = torch.softmax(scaled[kept].double(), dim=-1)
+    return rank, float(probs[:rank].sum())
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (-1, 0.5), (12, 0.6)])
+def test_top_k_and_top_p_restrict_the_support(setup: Setup, top_k: int, top_p: float) -> None:
+    prompt, adapter, temperature = PROMPTS[1], "a1", 0.7
+    (response,) = run(setup, [request(prompt, adapter, n=16, max_tokens=5, seed=5, stop=[],
+                                      temperature=temperature, top_k=top_k, top_p=top_p)])
+    firsts = set()
+    for seq in response.sequences:
+        logits = forward_logits(setup.model, adapter, prompt + seq.tokens)
+        scaled = logits[len(prompt) - 1:-1] / temperature
+        for step, token in enumerate(seq.tokens):
+            rank, before = rank_and_mass_before(scaled[step], token, top_k)
+            assert top_k == -1 or rank < top_k
+            assert before < top_p + 1e-6  # in the smallest set holding top_p of the mass
+        firsts.add(seq.tokens[0])
+    assert len(firsts) > 1  # really sampled, not argmax
+
+
+@pytest.mark.parametrize(("temperature", "other"), [(1.0, 0.5), (0.5, 1.0)])
+def test_first_token_frequencies_follow_the_softmax(setup: Setup, temperature: float,
+                                                    other: float) -> None:
+    n, prompt = 2000, PROMPTS[0]
+    (response,) = run(setup, [request(prompt, "sharp", n=n, max_tokens=1, seed=2024, stop=[],
+                                      temperature=temperature)])
+    firsts = torch.tensor([seq.tokens[0] for seq in response.sequences])
+    freqs = torch.bincount(firsts, minlength=VOCAB).double() / n
+    logits = forward_logits(setup.model, "sharp", prompt)[-1].double()
+    assert total_variation(freqs, torch.softmax(logits / temperature, dim=-1)) < 0.06
+    # The check is sharp enough to tell the two temperatures apart.
+    assert total_variation(freqs, torch.softmax(logits / other, dim=-1)) > 0.15
