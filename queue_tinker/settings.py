@@ -64,6 +64,16 @@ class Settings(BaseSettings):
         description="A worker writes a model's state to storage every this many optimizer "
         "steps (and on eviction or hand-over); the model's op log is trimmed up to it.",
     )
+    sample_batch_sequences: int = Field(
+        default=64, ge=1,
+        description="Most sequences a worker generates in one batch; concurrent sample "
+        "requests beyond it run in the next batch. Bounds KV-cache memory.",
+    )
+    ephemeral_sampler_ttl_s: int = Field(
+        default=86_400, gt=0,
+        description="How long the sampler weights that save_weights_and_get_sampling_client "
+        "writes without a name are kept.",
+    )
     gateway_host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     gateway_port: int = Field(default=8000, description="Gateway port.")
     api_key: str | None = Field(

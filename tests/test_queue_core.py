@@ -176,8 +176,8 @@ async def test_inline_publish_starts_and_finishes_once(jobs: JobQueue, redis: Re
     lease = await worker.claim(model)
     assert lease is not None
     ops, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
-    assert await worker.publish_inline_batch(
-        [(lease, ops[0], Outcome(JobStatus.DONE, b"first"), None)]) == [True]
+    assert await worker.publish_batch(
+        [(lease, ops[0], Outcome(JobStatus.DONE, b"first"), None)], started=False) == [True]
     fields = await jobs.job_fields("j1")
     assert (fields["status"], fields["worker_id"], fields["attempts"]) == ("done", "wA", "1")
     assert fields["started_at"] == fields["finished_at"]
@@ -204,7 +204,7 @@ async def test_inline_batch_reports_lost_leases_per_op(jobs: JobQueue, redis: Re
     assert lease_kept is not None
     leases = {kept: lease_kept, lost: lease_lost}
     batch = [(leases[op.model_id], op, Outcome(JobStatus.DONE, b"r"), None) for op in ops]
-    published = await worker.publish_inline_batch(batch)
+    published = await worker.publish_batch(batch, started=False)
     assert dict(zip([op.model_id for op in ops], published, strict=True)) == {kept: True,
                                                                               lost: False}
     assert (await jobs.outcome("j-lost")) is None

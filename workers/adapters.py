@@ -8,10 +8,12 @@ storage and deletes them here, and restores them on their next op.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +92,7 @@ class AdapterPool:
         self.max_resident = max_resident
         self.peft: PeftModel | None = None
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
+        self.samplers: OrderedDict[Path, str] = OrderedDict()  # checkpoint dir -> adapter name
         self.active: str | None = None
 
     @property
@@ -139,10 +142,33 @@ class AdapterPool:
             return
         for p in adapter.params.values():
             p.grad = None
+        self._delete(adapter.name)
+
+    def sampler(self, directory: Path) -> str:
+        """The adapter name of a checkpoint's weights, loaded frozen for sampling. Checkpoints
+        are never overwritten, so a loaded one stays valid for as long as it is cached."""
+        name = self.samplers.get(directory)
+        if name is not None:
+            self.samplers.move_to_end(directory)
+            return name
+        while len(self.samplers) >= self.max_resident:
+            self._delete(self.samplers.popitem(last=False)[1])
+        name = "s_" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]
+        if self.peft is None:
+            self.peft = PeftModel.from_pretrained(self.base, str(directory), adapter_name=name,
+                                                  is_trainable=False)
+        else:
+            self.peft.load_adapter(str(directory), adapter_name=name, is_trainable=False)
+        self.active = None  # loading may have moved PEFT's active adapter
+        self.samplers[directory] = name
+        return name
+
+    def _delete(self, name: str) -> None:
+        assert self.peft is not None
         with warnings.catch_warnings():
             # PEFT warns that it moved the active adapter elsewhere; we re-activate per op.
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
-            self.peft.delete_adapter(adapter.name)
+            self.peft.delete_adapter(name)
         self.active = None
 
     def peft_adapter_config(self, adapter: Adapter) -> dict[str, Any]:

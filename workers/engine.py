@@ -8,8 +8,11 @@ in workers/lora_engine.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec
@@ -18,6 +21,17 @@ from queue_tinker.types import OpKind
 from queue_tinker.types.records import Record
 
 MAX_PING_DELAY_MS = 60_000
+B = TypeVar("B", bound=BaseModel)
+
+
+def parse_body(model: type[B], payload: bytes) -> B:
+    """An op's msgpack body as its request type; a bad field fails the op as user input."""
+    try:
+        return model.model_validate(codec.decode(payload) if payload else {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise UserInputError(f"{where}: {first['msg']}") from None
 
 
 @dataclass
@@ -32,6 +46,15 @@ class OpResult:
 class Engine(Protocol):
     def execute(self, op: Op) -> OpResult:
         """Run one op; raise UserInputError for bad input (fails only that op)."""
+        ...
+
+    def batchable(self, op: Op) -> bool:
+        """True for ops the engine runs together, several models' at once, in one pass
+        (sampling): the worker hands them over in one execute_batch call."""
+        ...
+
+    def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
+        """Run batchable ops together; one result or error per op, in order."""
         ...
 
     def runs_inline(self, op: Op) -> bool:
@@ -100,6 +123,12 @@ class QueueOnlyEngine:
             )
         self.executed[op.model_id] = op.seq
         return result
+
+    def batchable(self, op: Op) -> bool:
+        return False
+
+    def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
+        return [self.execute(op) for op in ops]
 
     def runs_inline(self, op: Op) -> bool:
         return is_inline_ping(op)

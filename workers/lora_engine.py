@@ -11,14 +11,15 @@ import hashlib
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from transformers.utils import logging as transformers_logging
 
+from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import QueueTinkerError, UserInputError
 from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
@@ -45,11 +46,11 @@ from workers.checkpoints import (
     snapshot_dir,
     write_state,
 )
-from workers.engine import OpResult, is_inline_ping, run_ping
+from workers.engine import OpResult, is_inline_ping, parse_body, run_ping
 from workers.forward import forward_backward, optim_step
+from workers.sampling import SamplingOps
 
 log = logging.getLogger(__name__)
-T = TypeVar("T", bound=BaseModel)
 
 UNLOADED = "_unloaded"  # marker file: the model was unloaded; its ops fail from then on
 MAX_TTL_SECONDS = 10 * 365 * 86_400
@@ -79,15 +80,6 @@ def default_seed(model_id: str) -> int:
     return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "big")
 
 
-def _parse(model: type[T], payload: bytes) -> T:
-    try:
-        return model.model_validate(codec.decode(payload) if payload else {})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise UserInputError(f"{where}: {first['msg']}") from None
-
-
 class LoraEngine:
     def __init__(
         self,
@@ -98,6 +90,7 @@ class LoraEngine:
         *,
         max_resident: int = 32,
         snapshot_every: int = 20,
+        max_batch_sequences: int = 64,
     ) -> None:
         self.base_model = base_model
         self.device = torch.device(device)
@@ -111,6 +104,11 @@ class LoraEngine:
         self.limits = ModelLimits(vocab_size=base_models.vocab_size(base),
                                   context_length=base_models.context_length(base))
         self.pool = AdapterPool(base, base_model, max_resident)
+        self.sampling = SamplingOps(
+            self.pool, storage, base_model, self.limits, self.device,
+            tokenizer=lambda: load_tokenizer(base_model, models_dir),
+            max_batch_sequences=max_batch_sequences,
+        )
         self._handlers: dict[OpKind, Callable[[Adapter, Op], OpResult]] = {
             OpKind.FORWARD: self._forward,
             OpKind.FORWARD_BACKWARD: self._forward_backward,
@@ -127,6 +125,13 @@ class LoraEngine:
             return run_ping(op)
         if op.kind is OpKind.CREATE_MODEL:
             return self._create(op)
+        if op.kind is OpKind.CREATE_SAMPLING_SESSION:
+            return self.sampling.create_session(op)
+        if op.kind is OpKind.SAMPLE:
+            result = self.sampling.run([op])[0]
+            if isinstance(result, Exception):
+                raise result
+            return result
         handler = self._handlers.get(op.kind)
         if handler is None:
             raise UserInputError(f"kind: {op.kind.value!r} is not supported by this worker")
@@ -138,10 +143,18 @@ class LoraEngine:
         adapter.last_seq = op.seq
         return result
 
+    def batchable(self, op: Op) -> bool:
+        return op.kind is OpKind.SAMPLE
+
+    def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
+        return self.sampling.run(ops)
+
     def runs_inline(self, op: Op) -> bool:
         return is_inline_ping(op)
 
     def durable_seq(self, model_id: str) -> int | None:
+        if self.sampling.owns(model_id):
+            return self.sampling.sessions[model_id]  # nothing to replay: all of it is durable
         adapter = self.pool.adapters.get(model_id)
         return adapter.snapshot_seq if adapter is not None and adapter.snapshot_seq else None
 
@@ -150,7 +163,8 @@ class LoraEngine:
         if adapter is not None:
             return adapter.last_seq
         meta = read_meta(snapshot_dir(self.storage, model_id))
-        return meta.seq if meta is not None else 0
+        # No snapshot: a sampling session (no state), or a run that never got created.
+        return meta.seq if meta is not None else None
 
     def persist(self, model_id: str) -> None:
         adapter = self.pool.adapters.get(model_id)
@@ -159,6 +173,7 @@ class LoraEngine:
 
     def drop(self, model_id: str) -> None:
         self.pool.remove(model_id)
+        self.sampling.sessions.pop(model_id, None)
 
     # --- residency ---------------------------------------------------------------------------
     def _resident(self, model_id: str) -> Adapter:
@@ -204,7 +219,7 @@ class LoraEngine:
 
     # --- ops -----------------------------------------------------------------------------------
     def _create(self, op: Op) -> OpResult:
-        body = _parse(CreateModelInput, op.payload)
+        body = parse_body(CreateModelInput, op.payload)
         if body.base_model != self.base_model:
             raise UserInputError(
                 f"base_model: {body.base_model!r} is not served by this worker ({self.base_model})"
@@ -227,7 +242,7 @@ class LoraEngine:
         return self._run_batch(op, backward=True)
 
     def _run_batch(self, op: Op, *, backward: bool) -> OpResult:
-        batch = _parse(ForwardBackwardInput, op.payload)
+        batch = parse_body(ForwardBackwardInput, op.payload)
         check_batch(batch, self.limits)
         config = resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
         out = forward_backward(self.pool.model, batch.data, batch.loss_fn, config, self.device,
@@ -235,7 +250,7 @@ class LoraEngine:
         return OpResult(result=codec.encode(out.model_dump()), metrics=out.metrics)
 
     def _optim_step(self, adapter: Adapter, op: Op) -> OpResult:
-        metrics = optim_step(adapter, _parse(AdamParams, op.payload))
+        metrics = optim_step(adapter, parse_body(AdamParams, op.payload))
         adapter.last_seq = op.seq
         if adapter.step % self.snapshot_every == 0:
             self._snapshot(adapter)
@@ -255,7 +270,7 @@ class LoraEngine:
     def _save(
         self, adapter: Adapter, op: Op, kind: CheckpointKind
     ) -> tuple[CheckpointPath, CheckpointRecord]:
-        body = _parse(SaveInput, op.payload)
+        body = parse_body(SaveInput, op.payload)
         path = CheckpointPath(adapter.model_id, kind, check_name(body.name))
         directory = checkpoint_dir(self.storage, path)
         existing = read_meta(directory)
@@ -282,7 +297,7 @@ class LoraEngine:
         return path, record
 
     def _load_state(self, adapter: Adapter, op: Op) -> OpResult:
-        body = _parse(LoadInput, op.payload)
+        body = parse_body(LoadInput, op.payload)
         path = CheckpointPath.parse(body.path)
         if body.optimizer and path.kind is not CheckpointKind.STATE:
             raise UserInputError(

@@ -46,6 +46,7 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
         base_model, device, settings.storage_dir, settings.models_dir,
         max_resident=settings.max_resident_adapters,
         snapshot_every=settings.snapshot_every_steps,
+        max_batch_sequences=settings.sample_batch_sequences,
     )
 
 

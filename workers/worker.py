@@ -29,7 +29,7 @@ from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types import JobStatus, WorkerRecord
 from queue_tinker.types.records import Record
-from workers.engine import Engine
+from workers.engine import Engine, OpResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +37,8 @@ T = TypeVar("T")
 # Inline ops (cheap, stateless) run back to back and are published in one pipeline, up to
 # this many per round trip.
 INLINE_BATCH = 64
+# Batchable ops (samples) of all owned models run together in one engine call, up to this many.
+ENGINE_BATCH = 256
 # A busy worker still claims a waiting model once its offer is this old, so models owned by
 # busy workers cannot starve the ones nobody has claimed yet.
 CLAIM_WHEN_BUSY_AFTER_MS = 200
@@ -85,6 +87,9 @@ class Worker:
         self._idle = asyncio.Event()
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qt-compute")
         self._control_cursor = b"$"
+        # After a single op, batchable ops waiting anywhere go next: sampling waits behind at
+        # most one training op, and training behind at most one batch.
+        self._batch_due = True
         self._started_at = time.time()
         self._ops_done = 0
 
@@ -131,11 +136,20 @@ class Worker:
                 await self._replay(owned, owned.backlog.popleft())
             elif self.engine.runs_inline(owned.backlog[0]):
                 await self._run_inline_batch(self._take_inline_batch())
+            elif self.engine.batchable(owned.backlog[0]):
+                self._batch_due = False
+                await self._run_engine_batch(self._take_engine_batch())
             else:
+                self._batch_due = True
                 await self._run_op(owned, owned.backlog.popleft())
 
     def _next_runnable(self) -> OwnedModel | None:
-        """Round robin: the model whose turn is next, rotated to the back after its op."""
+        """Round robin: the model whose turn is next, rotated to the back after its op; but
+        when a batch is due, any model with a batchable op first."""
+        if self._batch_due:
+            for owned in self.owned.values():
+                if self._batchable_head(owned):
+                    return owned
         for model_id in list(self.owned):
             owned = self.owned[model_id]
             if owned.backlog:
@@ -195,7 +209,7 @@ class Worker:
         for owned, op in batch:
             outcome, _ = await self._compute_outcome(op, inline=True)
             publishes.append((owned.lease, op, outcome, self.engine.durable_seq(op.model_id)))
-        published = await self.dispatch.publish_inline_batch(publishes)
+        published = await self.dispatch.publish_batch(publishes, started=False)
         for (owned, op), ok in zip(batch, published, strict=True):
             owned.idle_since = time.monotonic()
             if ok:
@@ -204,6 +218,46 @@ class Worker:
                 log.warning("%s: lost the lease on %s; dropping it", self.id, op.model_id)
                 self._drop(op.model_id)
 
+    def _batchable_head(self, owned: OwnedModel) -> bool:
+        head = owned.backlog[0] if owned.backlog else None
+        return head is not None and head.seq > owned.replay_upto and self.engine.batchable(head)
+
+    def _take_engine_batch(self) -> list[tuple[OwnedModel, Op]]:
+        """The batchable ops at the head of every owned model's backlog, each model's in order
+        (a model's run of them ends at its first op that is not batchable)."""
+        batch: list[tuple[OwnedModel, Op]] = []
+        for owned in self.owned.values():
+            while self._batchable_head(owned) and len(batch) < ENGINE_BATCH:
+                batch.append((owned, owned.backlog.popleft()))
+        return batch
+
+    async def _run_engine_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
+        started = await self.dispatch.start_batch([(o.lease, op) for o, op in batch])
+        runnable = [(o, op) for (o, op), ok in zip(batch, started, strict=True) if ok]
+        lost = {op.model_id for (_, op), ok in zip(batch, started, strict=True) if ok is None}
+        if runnable:
+            self.current = runnable[0][1]
+            loop = asyncio.get_running_loop()
+            try:
+                results = await loop.run_in_executor(
+                    self._compute, self.engine.execute_batch, [op for _, op in runnable]
+                )
+            finally:
+                self.current = None
+            publishes = [
+                (o.lease, op, self._outcome(op, result), self.engine.durable_seq(op.model_id))
+                for (o, op), result in zip(runnable, results, strict=True)
+            ]
+            published = await self.dispatch.publish_batch(publishes, started=True)
+            self._ops_done += sum(published)
+            lost.update(op.model_id for (_, op), ok in zip(runnable, published, strict=True)
+                        if not ok)
+        for owned, _ in batch:
+            owned.idle_since = time.monotonic()
+        for model_id in lost:
+            log.warning("%s: lost the lease on %s; dropping it", self.id, model_id)
+            self._drop(model_id)
+
     async def _compute_outcome(self, op: Op, *, inline: bool) -> tuple[Outcome, list[Record]]:
         loop = asyncio.get_running_loop()
         try:
@@ -211,19 +265,22 @@ class Worker:
                 result = self.engine.execute(op)
             else:
                 result = await loop.run_in_executor(self._compute, self.engine.execute, op)
-        except QueueTinkerError as exc:
-            return Outcome(
-                status=JobStatus.FAILED, error=exc.message, error_category=exc.category.value,
-                error_detail="" if exc.category is ErrorCategory.USER else traceback.format_exc(),
-            ), []
         except Exception as exc:
-            log.exception("%s: op %s (%s) failed", self.id, op.job_id, op.kind)
-            return Outcome(
-                status=JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}",
-                error_category=ErrorCategory.SERVER.value, error_detail=traceback.format_exc(),
-            ), []
-        outcome = Outcome(status=JobStatus.DONE, result=result.result, metrics=result.metrics)
-        return outcome, result.records
+            return self._outcome(op, exc), []
+        return self._outcome(op, result), result.records
+
+    def _outcome(self, op: Op, result: OpResult | Exception) -> Outcome:
+        if isinstance(result, OpResult):
+            return Outcome(status=JobStatus.DONE, result=result.result, metrics=result.metrics)
+        detail = "".join(traceback.format_exception(result))
+        if isinstance(result, QueueTinkerError):
+            user = result.category is ErrorCategory.USER
+            return Outcome(status=JobStatus.FAILED, error=result.message,
+                           error_category=result.category.value,
+                           error_detail="" if user else detail)
+        log.error("%s: op %s (%s) failed\n%s", self.id, op.job_id, op.kind, detail)
+        return Outcome(status=JobStatus.FAILED, error=f"{type(result).__name__}: {result}",
+                       error_category=ErrorCategory.SERVER.value, error_detail=detail)
 
     # --- owning models ---------------------------------------------------------------------
     async def _claim_loop(self) -> None:

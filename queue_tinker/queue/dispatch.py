@@ -59,6 +59,17 @@ def _op(model_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Op:
     )
 
 
+def _is_lease_lost(reply: object) -> bool:
+    return isinstance(reply, ResponseError) and "LEASE_LOST" in str(reply)
+
+
+def _raise_other(reply: object) -> object:
+    """A pipeline reply, raised if it is an error other than a lost lease."""
+    if isinstance(reply, Exception) and not _is_lease_lost(reply):
+        raise reply
+    return reply
+
+
 def _lease_lost(exc: ResponseError, model_id: str) -> Exception:
     if "LEASE_LOST" in str(exc):
         return LeaseLostError(f"lease on model {model_id} was taken over")
@@ -221,28 +232,33 @@ class Dispatcher:
         except ResponseError as exc:
             raise _lease_lost(exc, lease.model_id) from exc
 
-    async def publish_inline_batch(
-        self, batch: list[tuple[Lease, Op, Outcome, int | None]]
+    async def start_batch(self, batch: list[tuple[Lease, Op]]) -> list[bool | None]:
+        """start() for several ops in one round trip: per op True (started), False (already
+        finished: skip it) or None (the lease on its model was lost)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lease, op in batch:
+                await self.scripts.start(
+                    keys=[self.keys.model_lease(lease.model_id), self.keys.job(op.job_id),
+                          self.keys.records()],
+                    args=[lease.token, self.worker_id], client=pipe,
+                )
+            replies = await pipe.execute(raise_on_error=False)
+        return [None if _is_lease_lost(reply) else bool(_raise_other(reply)) for reply in replies]
+
+    async def publish_batch(
+        self, batch: list[tuple[Lease, Op, Outcome, int | None]], *, started: bool
     ) -> list[bool]:
-        """Publish several inline ops in one round trip (a pipeline keeps their order). They
-        ran without start(), so each is marked started and finished here.
+        """Publish several ops in one round trip (a pipeline keeps their order). Ops that ran
+        without start() (inline ops: started=False) are marked started and finished here.
 
         Returns, per op, False where the lease was lost (the caller drops that model).
         """
         async with self.redis.pipeline(transaction=False) as pipe:
             for lease, op, outcome, trim_upto in batch:
-                keys, args = self._publish_call(lease, op, outcome, trim_upto, started=False)
+                keys, args = self._publish_call(lease, op, outcome, trim_upto, started=started)
                 await self.scripts.publish(keys=keys, args=args, client=pipe)
             replies = await pipe.execute(raise_on_error=False)
-        published = []
-        for reply in replies:
-            if isinstance(reply, ResponseError) and "LEASE_LOST" in str(reply):
-                published.append(False)
-            elif isinstance(reply, Exception):
-                raise reply
-            else:
-                published.append(True)
-        return published
+        return [not _is_lease_lost(_raise_other(reply)) for reply in replies]
 
     def _publish_call(
         self, lease: Lease, op: Op, outcome: Outcome, trim_upto: int | None, started: bool
