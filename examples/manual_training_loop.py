@@ -2,8 +2,8 @@
 
 The changes from Tinker's version: the imports, the base model (the built-in tiny model), a
 dataclass + argparse config instead of chz (chz is not a dependency of queue_tinker), the
-training data shipped next to this file, and `save_weights_for_sampler` at the end instead of
-`save_weights_and_get_sampling_client` (sampling is not served yet).
+training data shipped next to this file, and a few lines at the end that sample from the
+trained weights.
 
 Start the service first (`queue-tinker up`, see README.md); the client reads QT_REDIS_URL.
 """
@@ -114,12 +114,20 @@ def train(config: Config):
         if (step + 1) % config.save_every == 0:
             training_client.save_state(name=f"checkpoint-{step+1}")
 
-    # Final checkpoint (Tinker: save_weights_and_get_sampling_client)
-    sampler_path = training_client.save_weights_for_sampler(name="final-model").result().path
-    print(f"Saved sampler weights: {sampler_path}")
+    # Final checkpoint and sampling client
+    sampling_client = training_client.save_weights_and_get_sampling_client(
+        name="final-model"
+    )
+    print(f"Saved sampler weights: {sampling_client.model_path}")
+
+    # Sample from the trained weights (not in Tinker's example)
+    prompt = types.ModelInput.from_ints(tokenizer.encode(data[0]["prompt"]))
+    params = types.SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])
+    sample = sampling_client.sample(prompt, 1, params).result()
+    print(f"Sample: {data[0]['prompt']!r} -> {tokenizer.decode(sample.sequences[0].tokens)!r}")
     print("Training complete!")
 
-    return sampler_path
+    return sampling_client
 
 
 def main():

@@ -1,4 +1,4 @@
-"""queue_tinker: a self-hosted, Tinker-style LoRA fine-tuning service.
+"""queue_tinker: a self-hosted, Tinker-style LoRA fine-tuning and sampling service.
 
     import queue_tinker as tinker
     from queue_tinker import types
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from queue_tinker.client import APIFuture, ServiceClient, TrainingClient
+    from queue_tinker.client import APIFuture, SamplingClient, ServiceClient, TrainingClient
 
-__all__ = ["APIFuture", "ServiceClient", "TrainingClient"]
+__all__ = ["APIFuture", "SamplingClient", "ServiceClient", "TrainingClient"]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,9 +3,10 @@
 Starts the embedded Redis and Postgres (or uses QT_REDIS_URL / QT_DATABASE_URL) and one LoRA
 worker serving the built-in tiny model on the CPU, then trains it on the demo task
 (queue_tinker.demo_task) with the ordinary client: 100 steps of forward_backward + optim_step,
-a state checkpoint and sampler weights. It prints the loss as it falls, reads the Postgres
-record back, and stops everything. Exit code 1 if the loss did not fall by 90% or the record
-is incomplete, so the demo doubles as a smoke test.
+a state checkpoint and sampler weights. It prints the loss as it falls, asks the trained
+weights (and, for contrast, the base model) the training questions, reads the Postgres record
+back, and stops everything. Exit code 1 if the loss did not fall by 90%, an answer is wrong,
+or the record is incomplete, so the demo doubles as a smoke test.
 """
 
 from __future__ import annotations
@@ -122,6 +123,26 @@ def _train(training: TrainingClient, steps: int) -> list[float]:
     return losses
 
 
+def _ask(service: ServiceClient, sampler_path: str) -> bool:
+    """The training questions to the sampler weights and to the base model; True if the
+    trained weights answer every one as taught."""
+    examples = demo_task.demo_examples()
+    trained = demo_task.answers(service.create_sampling_client(model_path=sampler_path),
+                                examples)
+    base = demo_task.answers(service.create_sampling_client(base_model=DEMO_BASE_MODEL),
+                             examples)
+    _out(f"sampling (greedy) from {sampler_path}, base model for contrast:")
+    right = 0
+    for example, answer, untrained in zip(examples, trained, base, strict=True):
+        question = example.prompt.splitlines()[0].removeprefix("Q: ")
+        ok = answer == example.completion
+        right += ok
+        _out(f"  {question:<26} {answer.strip()!r:<12} {'ok' if ok else 'WRONG':<6}"
+             f"base model: {untrained.strip()!r}")
+    _out(f"answered {right} of {len(examples)} as trained")
+    return right == len(examples)
+
+
 @dataclass
 class RecordView:
     all_by_status: dict[str, int]
@@ -190,13 +211,14 @@ def _session(settings: Settings, group: ProcessGroup, log_path: Path, steps: int
         sampler = training.save_weights_for_sampler("demo-final").result()
         _out(f"saved state (weights + optimizer): {state.path}")
         _out(f"saved sampler weights:             {sampler.path}")
+        answered = _ask(service, sampler.path)
         # create_model, a forward_backward and an optim_step per step, the two saves.
         recorded = _show_record(settings.database_url or "", training.model_id,
                                 requests=1 + 2 * steps + 2, checkpoints=2)
     learned = losses[-1] <= (1 - REQUIRED_DROP) * losses[0]
     if not learned:
         _out(f"FAILED: the loss fell by less than {100 * REQUIRED_DROP:.0f}% in {steps} steps")
-    return 0 if learned and recorded else 1
+    return 0 if learned and answered and recorded else 1
 
 
 def run_demo(

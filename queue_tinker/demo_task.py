@@ -13,12 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from queue_tinker.types import AdamParams, Datum, ModelInput, TensorData
+from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 DEMO_BASE_MODEL = "queue-tinker/tiny-llama"
 DEMO_RANK = 16
 DEMO_LEARNING_RATE = 5e-3
 DEMO_STEPS = 100
+# Greedy, up to the end of the line: the answer as the model would give it.
+ANSWER_PARAMS = SamplingParams(max_tokens=16, temperature=0.0, stop=["\n"])
 
 Encode = Callable[[str], Sequence[int]]
 StepCallback = Callable[[int, float], None]
@@ -97,3 +99,14 @@ def train(
         if on_step is not None:
             on_step(step, loss)
     return losses
+
+
+def answers(sampling_client: Any, examples: Sequence[Example]) -> list[str]:
+    """What a sampling client completes each prompt with (greedy, one line), all requests
+    sent before any is awaited so the worker generates them in one batch."""
+    tokenizer = sampling_client.get_tokenizer()
+    pending = [
+        sampling_client.sample(ModelInput.from_ints(tokenizer.encode(e.prompt)), 1, ANSWER_PARAMS)
+        for e in examples
+    ]
+    return [tokenizer.decode(p.result().sequences[0].tokens) for p in pending]

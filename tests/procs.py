@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,3 +94,29 @@ def running_workers(
         codes = [p.stop() for p in procs]
         for proc, code in zip(procs, codes, strict=True):
             assert code == 0, f"worker exited with {code}:\n{proc.log()[-3000:]}"
+
+
+@contextmanager
+def lora_deployment(redis_url: str, database_url: str, base_model: str,
+                    **overrides: object) -> Iterator[Settings]:
+    """Settings of a deployment with one LoRA worker on `base_model` (for a test module: torch
+    loads in seconds, not milliseconds); its keys and files are removed afterwards."""
+    data_dir = Path(tempfile.mkdtemp(prefix="qt-lora-"))
+    options: dict[str, object] = {"lease_ttl_ms": 3_000, "heartbeat_ms": 500,
+                                  "linger_ms": 60_000, **overrides}
+    settings = Settings(redis_url=redis_url, database_url=database_url,
+                        key_prefix=f"qt-test-{uuid.uuid4().hex[:10]}", data_dir=data_dir,
+                        **options)  # type: ignore[arg-type]
+    worker = WorkerProcess(settings, base_model, data_dir / "worker.log", engine="lora")
+    try:
+        wait_for_workers(settings, 1, timeout=90)
+        yield settings
+    finally:
+        code = worker.stop()
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(match=f"{settings.key_prefix}:*", count=1000):
+            client.delete(key)
+        client.close()
+        log = worker.log()
+        shutil.rmtree(data_dir, ignore_errors=True)
+        assert code == 0, log[-12000:]

@@ -90,9 +90,17 @@ def test_demo_task_loss_falls_by_90_percent_within_100_steps(
             demo_task.DEMO_BASE_MODEL, rank=demo_task.DEMO_RANK, seed=0)
         seen: list[int] = []
         losses = demo_task.train(training, 100, on_step=lambda step, _: seen.append(step))
+        sampler = training.save_weights_and_get_sampling_client("trained")
+        answers = demo_task.answers(sampler, demo_task.demo_examples())
+        untrained = demo_task.answers(
+            service.create_sampling_client(base_model=demo_task.DEMO_BASE_MODEL),
+            demo_task.demo_examples())
     assert seen == list(range(100))
     assert len(losses) == 100 and all(np.isfinite(losses))
     assert losses[-1] <= 0.1 * losses[0], f"first {losses[0]:.2f}, last {losses[-1]:.2f}"
+    # Sampling from the trained weights gives the answers it was taught; the base model not.
+    assert answers == [e.completion for e in demo_task.demo_examples()]
+    assert untrained != answers
 
 
 def test_manual_training_loop_example_runs_against_the_deployment(
@@ -109,6 +117,8 @@ def test_manual_training_loop_example_runs_against_the_deployment(
     assert saved is not None, proc.stdout
     path = CheckpointPath.parse(saved.group(1))
     assert path.kind.path_segment == "sampler_weights"
+    assert re.search(r"^Sample: 'Question: What is 2\+2\?\\nAnswer:' -> '.*'$", proc.stdout,
+                     re.M), proc.stdout
     assert proc.stdout.rstrip().endswith("Training complete!")
 
 
@@ -127,4 +137,6 @@ def test_demo_command_trains_saves_and_shows_the_record(
         assert re.search(rf"^ +{kind} +done +{count}$", out, re.M), out
     assert re.search(r"^ +state +demo-final ", out, re.M), out
     assert re.search(r"^ +sampler +demo-final ", out, re.M), out
+    assert re.search(r"^answered 12 of 12 as trained$", out, re.M), out
+    assert re.search(r"^ +capital of France\? +' ?Paris' +ok ", out, re.M), out
     assert Path(settings.data_dir / "demo-worker.log").is_file()

@@ -6,20 +6,15 @@ One worker serves the module (loading torch costs seconds); each test uses its o
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
-from procs import WorkerProcess, wait_for_workers
+from procs import lora_deployment
 from safetensors.torch import load_file
 from sqlalchemy import text
 
@@ -38,23 +33,8 @@ SEED = 3
 @pytest.fixture(scope="module")
 def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
     """Settings of a deployment with one LoRA worker on the tiny model."""
-    data_dir = Path(tempfile.mkdtemp(prefix="qt-train-"))
-    settings = Settings(redis_url=redis_url, database_url=database_url,
-                        key_prefix=f"qt-test-{uuid.uuid4().hex[:10]}", data_dir=data_dir,
-                        lease_ttl_ms=3_000, heartbeat_ms=500, linger_ms=60_000)
-    worker = WorkerProcess(settings, TINY, data_dir / "worker.log", engine="lora")
-    try:
-        wait_for_workers(settings, 1, timeout=90)
+    with lora_deployment(redis_url, database_url, TINY) as settings:
         yield settings
-    finally:
-        code = worker.stop()
-        client = redis.Redis.from_url(redis_url)
-        for key in client.scan_iter(match=f"{settings.key_prefix}:*", count=1000):
-            client.delete(key)
-        client.close()
-        log = worker.log()
-        shutil.rmtree(data_dir, ignore_errors=True)
-        assert code == 0, log[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-"""Client API: ServiceClient -> TrainingClient; every call returns an APIFuture."""
+"""Client API: ServiceClient -> TrainingClient / SamplingClient; every call returns an
+APIFuture."""
 
 from queue_tinker.client.future import APIFuture
+from queue_tinker.client.sampling import SamplingClient
 from queue_tinker.client.service import ServiceClient
 from queue_tinker.client.training import TrainingClient
 
-__all__ = ["APIFuture", "ServiceClient", "TrainingClient"]
+__all__ = ["APIFuture", "SamplingClient", "ServiceClient", "TrainingClient"]

@@ -6,6 +6,7 @@ from typing import Any
 
 from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop, background_loop
+from queue_tinker.client.sampling import SamplingClient, open_sampling_session
 from queue_tinker.client.training import TrainingClient
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec
@@ -90,8 +91,24 @@ class ServiceClient:
     def training_client(self, model_id: str) -> TrainingClient:
         """A client for an existing model (another process may have created it)."""
         info = self._loop.run(self._holder.jobs.model_info(model_id))
+        if info["kind"] != "training":
+            raise UserInputError(f"model_id: {model_id!r} is a sampling session, not a run")
         return TrainingClient(self._loop, self._holder, model_id, info["base_model"],
                               self.settings, lora_rank=info["lora_config"].get("rank"))
+
+    # --- sampling clients ------------------------------------------------------------------
+    async def create_sampling_client_async(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingClient:
+        """Sample from a checkpoint (tinker://<run>/sampler_weights/<name> or
+        .../weights/<name>) or, with base_model only, from the base model itself."""
+        return await open_sampling_session(self._loop, self._holder, self.settings, model_path,
+                                           base_model)
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingClient:
+        return self._loop.run(self.create_sampling_client_async(model_path, base_model))
 
     # --- the service -----------------------------------------------------------------------
     async def get_server_capabilities_async(self) -> dict[str, Any]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
-
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.client.custom_loss import (
     CustomLossFn,
@@ -21,8 +19,10 @@ from queue_tinker.client.custom_loss import (
     run_custom_loss,
 )
 from queue_tinker.client.future import APIFuture
-from queue_tinker.client.holder import ClientHolder
+from queue_tinker.client.holder import ClientHolder, new_id
 from queue_tinker.client.loop import BackgroundLoop
+from queue_tinker.client.sampling import SamplingClient, open_sampling_session
+from queue_tinker.client.wire import decoder, validated
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec
 from queue_tinker.settings import Settings
@@ -44,27 +44,12 @@ from queue_tinker.types.training import (
 )
 
 T = TypeVar("T")
-R = TypeVar("R", bound=BaseModel)
-
-
-def _decoder(model: type[R]) -> Callable[[bytes], R]:
-    return lambda raw: model.model_validate(codec.decode(raw))
-
-
-def _validated(model: type[R], field: str, value: Any) -> R:
-    """Build a wire type from what the user passed; a bad field becomes a UserInputError."""
-    try:
-        return value if isinstance(value, model) else model.model_validate(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in (field, *first["loc"]))
-        raise UserInputError(f"{where}: {first['msg']} (got {first.get('input')!r})") from None
 
 
 def datums(data: Any) -> list[Datum]:
     if isinstance(data, Datum | dict) or not isinstance(data, Sequence):
         raise UserInputError(f"data: must be a list of Datum, got {type(data).__name__}")
-    return [_validated(Datum, f"data[{i}]", d) for i, d in enumerate(data)]
+    return [validated(Datum, f"data[{i}]", d) for i, d in enumerate(data)]
 
 
 def make_batch(data: Sequence[Any], loss_fn: Any, loss_fn_config: Any) -> ForwardBackwardInput:
@@ -120,7 +105,7 @@ class TrainingClient:
         """Loss and per-datum target logprobs, without gradients."""
         batch = make_batch(data, loss_fn, loss_fn_config)
         return await self._submit(OpKind.FORWARD, batch.model_dump(),
-                                  _decoder(ForwardBackwardOutput))
+                                  decoder(ForwardBackwardOutput))
 
     def forward(
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
@@ -134,7 +119,7 @@ class TrainingClient:
         optim_step)."""
         batch = make_batch(data, loss_fn, loss_fn_config)
         return await self._submit(OpKind.FORWARD_BACKWARD, batch.model_dump(),
-                                  _decoder(ForwardBackwardOutput))
+                                  decoder(ForwardBackwardOutput))
 
     def forward_backward(
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
@@ -166,9 +151,9 @@ class TrainingClient:
     # --- optimizer -------------------------------------------------------------------------
     async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         """One AdamW step on the gradients accumulated since the last step, then clear them."""
-        params = _validated(AdamParams, "adam_params", adam_params)
+        params = validated(AdamParams, "adam_params", adam_params)
         return await self._submit(OpKind.OPTIM_STEP, params.model_dump(),
-                                  _decoder(OptimStepResponse))
+                                  decoder(OptimStepResponse))
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self._loop.run(self.optim_step_async(adam_params))
@@ -179,7 +164,7 @@ class TrainingClient:
     ) -> APIFuture[SaveWeightsResponse]:
         """Weights + optimizer state at tinker://<model id>/weights/<name>."""
         body = {"name": check_name(name), "ttl_seconds": _ttl(ttl_seconds)}
-        return await self._submit(OpKind.SAVE_STATE, body, _decoder(SaveWeightsResponse))
+        return await self._submit(OpKind.SAVE_STATE, body, decoder(SaveWeightsResponse))
 
     def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[
         SaveWeightsResponse
@@ -192,7 +177,7 @@ class TrainingClient:
         """Weights only, at tinker://<model id>/sampler_weights/<name> (PEFT format)."""
         body = {"name": check_name(name), "ttl_seconds": _ttl(ttl_seconds)}
         return await self._submit(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, body,
-                                  _decoder(SaveWeightsForSamplerResponse))
+                                  decoder(SaveWeightsForSamplerResponse))
 
     def save_weights_for_sampler(
         self, name: str, ttl_seconds: int | None = None
@@ -203,7 +188,7 @@ class TrainingClient:
         """Weights from a checkpoint; the optimizer starts afresh (moments and step at 0)."""
         CheckpointPath.parse(path)
         return await self._submit(OpKind.LOAD_STATE, {"path": path, "optimizer": False},
-                                  _decoder(LoadWeightsResponse))
+                                  decoder(LoadWeightsResponse))
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
         return self._loop.run(self.load_state_async(path))
@@ -212,10 +197,33 @@ class TrainingClient:
         """Weights and optimizer state, to continue exactly where the checkpoint left off."""
         CheckpointPath.parse(path)
         return await self._submit(OpKind.LOAD_STATE, {"path": path, "optimizer": True},
-                                  _decoder(LoadWeightsResponse))
+                                  decoder(LoadWeightsResponse))
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
         return self._loop.run(self.load_state_with_optimizer_async(path))
+
+    # --- sampling --------------------------------------------------------------------------
+    async def create_sampling_client_async(self, model_path: str) -> SamplingClient:
+        """A sampling client on a checkpoint (this run's or another of the tenant's)."""
+        return await open_sampling_session(self._loop, self._holder, self._settings,
+                                           model_path, None)
+
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
+        return self._loop.run(self.create_sampling_client_async(model_path))
+
+    async def save_weights_and_get_sampling_client_async(
+        self, name: str | None = None
+    ) -> SamplingClient:
+        """Save the weights as they are after every op sent so far, and sample from them.
+        Without a name the checkpoint is ephemeral: kept QT_EPHEMERAL_SAMPLER_TTL_S."""
+        ttl = None if name is not None else self._settings.ephemeral_sampler_ttl_s
+        saved = await self.save_weights_for_sampler_async(
+            name if name is not None else f"ephemeral-{new_id()[:16]}", ttl
+        )
+        return await self.create_sampling_client_async((await saved).path)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        return self._loop.run(self.save_weights_and_get_sampling_client_async(name))
 
     # --- the model -------------------------------------------------------------------------
     async def get_info_async(self) -> GetInfoResponse:
@@ -242,7 +250,7 @@ class TrainingClient:
 
     async def unload_model_async(self) -> APIFuture[UnloadModelResponse]:
         """Free the model on its worker and end it: later ops fail. Checkpoints stay."""
-        return await self._submit(OpKind.UNLOAD_MODEL, {}, _decoder(UnloadModelResponse))
+        return await self._submit(OpKind.UNLOAD_MODEL, {}, decoder(UnloadModelResponse))
 
     def unload_model(self) -> APIFuture[UnloadModelResponse]:
         return self._loop.run(self.unload_model_async())

@@ -1,0 +1,165 @@
+"""SamplingClient: generate from a checkpoint or a base model. Every call is a sample op in the
+client's own queue (its sampling session); workers batch the samples of many sessions into one
+generation loop.
+
+Made by ServiceClient.create_sampling_client(model_path=... or base_model=...),
+TrainingClient.create_sampling_client(path) or
+TrainingClient.save_weights_and_get_sampling_client(), never directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from queue_tinker.builtin_models import load_tokenizer
+from queue_tinker.client.future import APIFuture
+from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
+from queue_tinker.client.loop import BackgroundLoop
+from queue_tinker.client.wire import decoder, validated
+from queue_tinker.errors import UnknownModelError, UserInputError
+from queue_tinker.queue import codec
+from queue_tinker.settings import Settings
+from queue_tinker.types import OpKind
+from queue_tinker.types.checkpoints import CheckpointPath
+from queue_tinker.types.sampling import (
+    CreateSamplingSessionInput,
+    SampleInput,
+    SampleResponse,
+    SamplingParams,
+    check_sample,
+)
+from queue_tinker.types.tensors import ModelInput
+
+
+class SamplingClient:
+    def __init__(
+        self,
+        loop: BackgroundLoop,
+        holder: ClientHolder,
+        sampler_id: str,
+        base_model: str,
+        model_path: str | None,
+        settings: Settings,
+    ) -> None:
+        self._loop = loop
+        self._holder = holder
+        self._settings = settings
+        self.sampler_id = sampler_id
+        self.base_model = base_model
+        self.model_path = model_path  # None: samples come from the base model itself
+
+    # --- sampling --------------------------------------------------------------------------
+    async def sample_async(
+        self,
+        prompt: ModelInput,
+        num_samples: int,
+        sampling_params: SamplingParams,
+        include_prompt_logprobs: bool = False,
+    ) -> APIFuture[SampleResponse]:
+        """`num_samples` continuations of `prompt`, each with its tokens, their logprobs and
+        why it stopped; with include_prompt_logprobs, the prompt's logprobs too."""
+        body = validated(SampleInput, "", {
+            "prompt": validated(ModelInput, "prompt", prompt),
+            "num_samples": num_samples,
+            "sampling_params": validated(SamplingParams, "sampling_params", sampling_params),
+            "prompt_logprobs": include_prompt_logprobs,
+            "model_path": self.model_path,
+        })
+        check_sample(body)
+        return await self._submit(body)
+
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int,
+        sampling_params: SamplingParams,
+        include_prompt_logprobs: bool = False,
+    ) -> APIFuture[SampleResponse]:
+        return self._loop.run(
+            self.sample_async(prompt, num_samples, sampling_params, include_prompt_logprobs)
+        )
+
+    async def compute_logprobs_async(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        """The logprob of each prompt token given the ones before it (None for the first)."""
+        body = SampleInput(
+            prompt=validated(ModelInput, "prompt", prompt), num_samples=1,
+            sampling_params=SamplingParams(max_tokens=1), prompt_logprobs=True,
+            model_path=self.model_path,
+        )
+        check_sample(body)
+        pending = await self._submit(body)
+        return pending.then(lambda response: list(response.prompt_logprobs or []))
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        return self._loop.run(self.compute_logprobs_async(prompt))
+
+    async def _submit(self, body: SampleInput) -> APIFuture[SampleResponse]:
+        job_id, result = await self._loop.call(
+            self._holder.submit_for_thread(
+                self.sampler_id, OpKind.SAMPLE, codec.encode(body.model_dump()), None,
+                decoder(SampleResponse),
+            )
+        )
+        return APIFuture(result, job_id)
+
+    # --- the model -------------------------------------------------------------------------
+    def get_base_model(self) -> str:
+        return self.base_model
+
+    def get_tokenizer(self) -> Any:
+        """The base model's Hugging Face tokenizer (built locally for built-in models)."""
+        return load_tokenizer(self.base_model, self._settings.models_dir)
+
+    def __repr__(self) -> str:
+        weights = self.model_path or f"base model {self.base_model}"
+        return f"SamplingClient(sampler_id={self.sampler_id!r}, weights={weights!r})"
+
+
+async def open_sampling_session(
+    loop: BackgroundLoop,
+    holder: ClientHolder,
+    settings: Settings,
+    model_path: str | None,
+    base_model: str | None,
+) -> SamplingClient:
+    """Create a sampling session and wait until a worker has checked its weights (so a bad path
+    fails here, not at the first sample)."""
+    if model_path is None and base_model is None:
+        raise UserInputError("model_path, base_model: pass one (a tinker:// checkpoint path, or "
+                             "a base model to sample from without an adapter)")
+    if model_path is not None:
+        base_model = await loop.call(_base_model_of(holder, model_path, base_model))
+    if not isinstance(base_model, str) or not base_model.strip():
+        raise UserInputError(f"base_model: must be a non-empty string, got {base_model!r}")
+    sampler_id = f"smp-{new_id()}"
+
+    async def create() -> None:
+        await holder.jobs.register_sampling_session(
+            sampler_id, base_model=base_model, tenant_id=holder.tenant_id,
+            session_id=holder.session_id, model_path=model_path,
+        )
+        body = CreateSamplingSessionInput(tenant_id=holder.tenant_id, base_model=base_model,
+                                          model_path=model_path)
+        _, outcome = await holder.submit(sampler_id, OpKind.CREATE_SAMPLING_SESSION,
+                                         codec.encode(body.model_dump()))
+        decode_outcome(await outcome, codec.decode)
+
+    await loop.call(create())
+    return SamplingClient(loop, holder, sampler_id, base_model, model_path, settings)
+
+
+async def _base_model_of(holder: ClientHolder, model_path: str, base_model: str | None) -> str:
+    """The base model the checkpoint's run trained on; another tenant's run is reported like a
+    missing one."""
+    path = CheckpointPath.parse(model_path, "model_path")
+    try:
+        info = await holder.jobs.model_info(path.run_id)
+    except UnknownModelError:
+        info = None
+    if info is None or info["tenant_id"] != holder.tenant_id or info["kind"] != "training":
+        raise UserInputError(f"model_path: no checkpoint {model_path} (unknown run "
+                             f"{path.run_id!r})")
+    if base_model is not None and base_model != info["base_model"]:
+        raise UserInputError(f"base_model: {base_model!r} does not match model_path, which was "
+                             f"trained on {info['base_model']!r}")
+    return str(info["base_model"])

@@ -1,0 +1,307 @@
+"""Sampling through the whole service: SamplingClient -> Redis -> a real LoRA worker -> back.
+
+One worker serves the module; each test uses its own training runs and sampling sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from procs import lora_deployment
+from sqlalchemy import text
+
+import queue_tinker as tinker
+from queue_tinker import types
+from queue_tinker.errors import ErrorCategory, RequestFailedError, UserInputError
+from queue_tinker.settings import Settings
+from queue_tinker.store.db import make_engine
+
+TINY = "queue-tinker/tiny-llama"
+TEXT = "queue tinker samples what it learned"
+PROMPT = types.ModelInput.from_ints(list(TEXT[:13].encode()))  # "queue tinker "
+GREEDY = types.SamplingParams(max_tokens=len(TEXT) - 13, temperature=0.0, stop=[])
+ADAM = types.AdamParams(learning_rate=5e-3, eps=1e-8)
+
+
+@pytest.fixture(scope="module")
+def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
+    with lora_deployment(redis_url, database_url, TINY) as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
+def service(deployment: Settings) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(deployment)
+    yield client
+    client.close()
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)})
+
+
+def memorise(tc: tinker.TrainingClient, steps: int) -> None:
+    batch = [datum(list(TEXT.encode()))]
+    for _ in range(steps):
+        tc.forward_backward(batch, "cross_entropy")
+        tc.optim_step(ADAM)
+    tc.ping().result(timeout=120)  # every op before it has finished
+
+
+def forward_logprobs(tc: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
+    """What the training side computes for tokens[1:] given their prefixes."""
+    out = tc.forward([datum(tokens)], "cross_entropy").result(timeout=60)
+    return out.loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def completion(sampler: tinker.SamplingClient, params: types.SamplingParams = GREEDY) -> str:
+    response = sampler.sample(PROMPT, 1, params).result(timeout=60)
+    return bytes(response.sequences[0].tokens).decode(errors="replace")
+
+
+def test_sampling_from_the_base_model(service: tinker.ServiceClient) -> None:
+    """Greedy equals top_k=1; max_tokens ends with 'length'; a seed repeats itself;
+    compute_logprobs equals forward() of a fresh run (its adapter starts as a no-op)."""
+    sampler = service.create_sampling_client(base_model=TINY)
+    assert sampler.get_base_model() == TINY and sampler.model_path is None
+    greedy = sampler.sample(PROMPT, 2, GREEDY).result(timeout=60)
+    top1 = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=GREEDY.max_tokens,
+                                                          top_k=1, stop=[])).result(timeout=60)
+    assert greedy.sequences[0].tokens == greedy.sequences[1].tokens == top1.sequences[0].tokens
+    assert [s.stop_reason for s in greedy.sequences] == ["length", "length"]
+    assert len(greedy.sequences[0].tokens) == GREEDY.max_tokens
+
+    seeded = types.SamplingParams(max_tokens=12, seed=1234, stop=[])
+    first, again = (sampler.sample(PROMPT, 4, seeded).result(timeout=60) for _ in range(2))
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    assert len({tuple(s.tokens) for s in first.sequences}) > 1  # samples, not copies
+
+    tokens = PROMPT.to_ints() + greedy.sequences[0].tokens
+    fresh = service.create_lora_training_client(TINY, rank=4)
+    expected = forward_logprobs(fresh, tokens)
+    logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=60)
+    assert logprobs[0] is None
+    np.testing.assert_allclose(np.array(logprobs[1:], dtype=np.float64), expected, rtol=1e-4)
+    np.testing.assert_allclose(greedy.sequences[0].logprobs, expected[len(PROMPT.to_ints()) - 1:],
+                               rtol=1e-4)
+
+
+def test_a_sampler_sees_the_weights_after_every_op_before_it(
+    service: tinker.ServiceClient,
+) -> None:
+    """save_weights_and_get_sampling_client after training produces the trained text; the
+    logprobs it returns are those of the training run's own forward pass at that point."""
+    tc = service.create_lora_training_client(TINY, rank=8, seed=0)
+    base = service.create_sampling_client(base_model=TINY)
+    memorise(tc, 100)
+    trained = tc.save_weights_and_get_sampling_client()
+    assert trained.model_path is not None and "/sampler_weights/ephemeral-" in trained.model_path
+    assert completion(trained) == TEXT[13:]
+    assert completion(base) != TEXT[13:]
+
+    response = trained.sample(PROMPT, 1, GREEDY).result(timeout=60)
+    tokens = PROMPT.to_ints() + response.sequences[0].tokens
+    expected = forward_logprobs(tc, tokens)[len(PROMPT.to_ints()) - 1:]
+    np.testing.assert_allclose(response.sequences[0].logprobs, expected, rtol=1e-4)
+
+    # One more step: a new sampler sees it, the old one keeps its checkpoint's weights.
+    tc.forward_backward([datum(list(b"something else entirely"))], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=0.2))
+    later = tc.save_weights_and_get_sampling_client("after-one-more-step")
+    assert later.model_path == f"tinker://{tc.model_id}/sampler_weights/after-one-more-step"
+    before = trained.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=60)
+    after = later.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=60)
+    assert not np.allclose(np.array(before[1:], dtype=np.float64),
+                           np.array(after[1:], dtype=np.float64), rtol=1e-3)
+    np.testing.assert_allclose(np.array(after[1:], dtype=np.float64),
+                               forward_logprobs(tc, tokens), rtol=1e-4)
+
+    # A state checkpoint (weights/) samples the same as a sampler checkpoint of that moment.
+    state = tc.save_state("state-now").result(timeout=60).path
+    from_state = tc.create_sampling_client(state)
+    assert completion(from_state) == completion(later)
+
+
+def test_concurrent_samples_on_several_adapters_match_one_at_a_time(
+    service: tinker.ServiceClient,
+) -> None:
+    """Requests from three sessions (base model and two checkpoints), sent at once so the
+    worker batches them, return what each returns alone."""
+    samplers = [service.create_sampling_client(base_model=TINY)]
+    for seed in (1, 2):
+        tc = service.create_lora_training_client(TINY, rank=4, seed=seed)
+        memorise(tc, 5)
+        samplers.append(tc.save_weights_and_get_sampling_client(f"c{seed}"))
+    requests = [(samplers[i % 3], types.ModelInput.from_ints(list(f"prompt {i}:".encode())),
+                 types.SamplingParams(max_tokens=8 + i, seed=i, temperature=0.8, stop=[]))
+                for i in range(12)]
+
+    async def together() -> list[types.SampleResponse]:
+        pending = [await s.sample_async(p, 2, params) for s, p, params in requests]
+        return list(await asyncio.gather(*(p.result_async(timeout=120) for p in pending)))
+
+    batched = asyncio.run(together())
+    alone = [s.sample(p, 2, params).result(timeout=60) for s, p, params in requests]
+    for one, other in zip(batched, alone, strict=True):
+        assert [s.tokens for s in one.sequences] == [s.tokens for s in other.sequences]
+        for a, b in zip(one.sequences, other.sequences, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_does_not_wait_behind_another_models_training(
+    service: tinker.ServiceClient,
+) -> None:
+    """A sample sent after six slow ops of a training run on the same worker is answered
+    after at most one of them, not after all six."""
+    tc = service.create_lora_training_client(TINY, rank=4)
+    sampler = service.create_sampling_client(base_model=TINY)
+    slow = [tc.ping(delay_ms=500) for _ in range(6)]
+    sampled = sampler.sample(PROMPT, 1, GREEDY)
+    sampled.result(timeout=60)
+    assert sum(not p.done() for p in slow) >= 3
+    for p in slow:
+        p.result(timeout=60)
+
+
+def test_training_keeps_going_while_samples_keep_coming(service: tinker.ServiceClient) -> None:
+    """A stream of samples from several sessions does not hold up a training run's steps: they
+    finish while the stream goes on (starved, they would wait for the stream to end, which
+    waits for them: the test would time out)."""
+    tc = service.create_lora_training_client(TINY, rank=4)
+    samplers = [service.create_sampling_client(base_model=TINY) for _ in range(3)]
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        params = types.SamplingParams(max_tokens=40, stop=[])
+        while not stop.is_set():
+            futures = [s.sample(PROMPT, 4, params) for s in samplers]
+            for f in futures:
+                f.result(timeout=120)
+            sent[0] += len(futures)
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    try:
+        while sent[0] == 0:
+            time.sleep(0.05)
+        before = sent[0]
+        memorise(tc, 5)
+        sampled_meanwhile = sent[0] - before
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    assert sampled_meanwhile > 0
+
+
+BAD_PARAMS = [
+    ({"max_tokens": 0}, "sampling_params.max_tokens: Input should be greater than 0"),
+    ({"max_tokens": -3}, "sampling_params.max_tokens: Input should be greater than 0"),
+    ({"top_p": 0.0}, "sampling_params.top_p: Input should be greater than 0"),
+    ({"top_p": 1.5}, "sampling_params.top_p: Input should be less than or equal to 1"),
+    ({"temperature": -0.5}, "sampling_params.temperature: Input should be greater than or equal"),
+    ({"top_k": 0}, "sampling_params.top_k: Value error, must be -1 (off) or a positive"),
+    ({"stop": [""]}, "sampling_params.stop: Value error, stop strings must not be empty"),
+]
+
+
+@pytest.mark.parametrize(("params", "message"), BAD_PARAMS, ids=[str(p) for p, _ in BAD_PARAMS])
+def test_bad_sampling_params_are_refused_at_the_client(
+    service: tinker.ServiceClient, params: dict[str, object], message: str
+) -> None:
+    sampler = service.create_sampling_client(base_model=TINY)
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        sampler.sample(PROMPT, 1, params)  # type: ignore[arg-type]
+
+
+def test_bad_requests_fail_with_clear_errors(service: tinker.ServiceClient) -> None:
+    sampler = service.create_sampling_client(base_model=TINY)
+    with pytest.raises(UserInputError, match="num_samples: Input should be greater than"):
+        sampler.sample(PROMPT, 0, GREEDY)
+    with pytest.raises(UserInputError, match="prompt: Value error, must hold at least one token"):
+        sampler.sample(types.ModelInput.empty(), 1, GREEDY)
+    # What only the worker knows: the vocabulary and the context length.
+    with pytest.raises(RequestFailedError, match=r"prompt: token id 999 at position 1") as info:
+        sampler.sample(types.ModelInput.from_ints([5, 999]), 1, GREEDY).result(timeout=60)
+    assert info.value.category is ErrorCategory.USER
+    with pytest.raises(RequestFailedError, match=r"max_tokens: prompt \(13 tokens\) \+ "
+                                                 r"max_tokens \(250\) is more than"):
+        sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=250)).result(timeout=60)
+    # ...and the session goes on working.
+    assert completion(sampler) == completion(service.create_sampling_client(base_model=TINY))
+
+
+def test_unknown_foreign_and_malformed_paths(service: tinker.ServiceClient,
+                                             deployment: Settings) -> None:
+    tc = service.create_lora_training_client(TINY, rank=4)
+    with pytest.raises(UserInputError, match=r"model_path: .*tinker://"):
+        service.create_sampling_client(model_path="checkpoint-name")
+    with pytest.raises(UserInputError, match=r"model_path: no checkpoint .*unknown run"):
+        service.create_sampling_client(model_path="tinker://m-nope/sampler_weights/x")
+    with pytest.raises(RequestFailedError,
+                       match=f"model_path: no checkpoint tinker://{tc.model_id}/sampler_weights/"
+                             "never-saved") as info:
+        service.create_sampling_client(
+            model_path=f"tinker://{tc.model_id}/sampler_weights/never-saved")
+    assert info.value.category is ErrorCategory.USER
+    with pytest.raises(UserInputError, match="model_path, base_model: pass one"):
+        service.create_sampling_client()
+    with pytest.raises(UserInputError, match="base_model: 'other/model' does not match"):
+        service.create_sampling_client(
+            model_path=f"tinker://{tc.model_id}/sampler_weights/x", base_model="other/model")
+
+    # Another tenant's checkpoint looks exactly like a missing one.
+    path = tc.save_weights_for_sampler("mine").result(timeout=60).path
+    asyncio.run(_add_tenant(deployment, "someone-else"))
+    other = tinker.ServiceClient(deployment)
+    try:
+        other._holder.tenant_id = "someone-else"  # tenants come from API keys at the gateway
+        with pytest.raises(UserInputError, match="model_path: no checkpoint"):
+            other.create_sampling_client(model_path=path)
+    finally:
+        other.close()
+    assert completion(service.create_sampling_client(model_path=path))
+
+
+async def _add_tenant(settings: Settings, tenant: str) -> None:
+    engine = make_engine(settings.database_url or "")
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("INSERT INTO tenants (id, name) VALUES (:t, :t) "
+                                    "ON CONFLICT DO NOTHING"), {"t": tenant})
+    finally:
+        await engine.dispose()
+
+
+def test_sessions_and_samples_are_recorded(service: tinker.ServiceClient,
+                                           deployment: Settings) -> None:
+    sampler = service.create_sampling_client(base_model=TINY)
+    sampler.sample(PROMPT, 3, GREEDY).result(timeout=60)
+
+    async def rows() -> tuple[list[tuple[str, str | None]], list[tuple[str, str, float]]]:
+        engine = make_engine(deployment.database_url or "")
+        try:
+            async with engine.connect() as conn:
+                sessions = (await conn.execute(text(
+                    "SELECT base_model, model_path FROM sampling_sessions WHERE id = :s"),
+                    {"s": sampler.sampler_id})).all()
+                requests = (await conn.execute(text(
+                    "SELECT kind, status, (metrics->>'tokens_generated:sum')::float FROM requests"
+                    " WHERE model_id = :s ORDER BY seq"), {"s": sampler.sampler_id})).all()
+                return [tuple(r) for r in sessions], [tuple(r) for r in requests]
+        finally:
+            await engine.dispose()
+
+    deadline = time.monotonic() + 10
+    while (found := asyncio.run(rows()))[1][-1:] != [("sample", "done", 3.0 * GREEDY.max_tokens)]:
+        assert time.monotonic() < deadline, found
+        time.sleep(0.2)
+    assert found[0] == [(TINY, None)]
+    assert [r[0] for r in found[1]] == ["create_sampling_session", "sample"]
