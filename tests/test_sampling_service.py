@@ -130,7 +130,7 @@ def test_a_sampler_sees_the_weights_after_every_op_before_it(
 
 
 def test_concurrent_samples_on_several_adapters_match_one_at_a_time(
-    service: tinker.ServiceClient,
+    service: tinker.ServiceClient, deployment: Settings,
 ) -> None:
     """Requests from three sessions (base model and two checkpoints), sent at once so the
     worker batches them, return what each returns alone."""
@@ -149,6 +149,9 @@ def test_concurrent_samples_on_several_adapters_match_one_at_a_time(
 
     batched = asyncio.run(together())
     alone = [s.sample(p, 2, params).result(timeout=60) for s, p, params in requests]
+    # Sent together, they shared generation loops (each op reports its loop's size).
+    sizes = asyncio.run(_batch_sizes(deployment, [s.sampler_id for s in samplers]))
+    assert max(sizes) > 2
     for one, other in zip(batched, alone, strict=True):
         assert [s.tokens for s in one.sequences] == [s.tokens for s in other.sequences]
         for a, b in zip(one.sequences, other.sequences, strict=True):
@@ -268,6 +271,24 @@ def test_unknown_foreign_and_malformed_paths(service: tinker.ServiceClient,
     finally:
         other.close()
     assert completion(service.create_sampling_client(model_path=path))
+
+
+async def _batch_sizes(settings: Settings, sampler_ids: list[str]) -> list[float]:
+    """The batch_sequences metric of every finished sample op of these sessions."""
+    engine = make_engine(settings.database_url or "")
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            async with engine.connect() as conn:
+                rows = (await conn.execute(text(
+                    "SELECT (metrics->>'batch_sequences:max')::float FROM requests "
+                    "WHERE model_id = ANY(:ids) AND kind = 'sample' AND status = 'done'"),
+                    {"ids": sampler_ids})).scalars().all()
+            if len(rows) >= 24 or time.monotonic() > deadline:  # 12 requests, twice
+                return list(rows)
+            await asyncio.sleep(0.2)
+    finally:
+        await engine.dispose()
 
 
 async def _add_tenant(settings: Settings, tenant: str) -> None:

@@ -28,6 +28,8 @@ BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter bat
 # Rows x vocab per softmax / sort pass: bounds their float and index copies (~0.4 GB) however
 # many samples a batch holds.
 CHUNK_ELEMENTS = 1 << 25
+# Uniforms are drawn this many steps ahead, one generator call per request per block.
+UNIFORM_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,21 @@ def request_seed(params: SamplingParams) -> int:
     """The request's seed as a torch generator takes it (any int, wrapped to 64 bits)."""
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
     return seed & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def needs_sort(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Rows whose top_k or top_p cut the distribution (the others draw from all of it)."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+
+
+def sample_unfiltered(logits: torch.Tensor, temperature: torch.Tensor,
+                      uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), by inverse CDF in vocabulary
+    order: no sort needed when nothing is cut away."""
+    cdf = torch.softmax(logits.float() / temperature[:, None], dim=-1).cumsum(dim=-1)
+    target = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]
+    pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return pos.clamp(max=cdf.shape[-1] - 1)  # rounding at the top end stays in the vocabulary
 
 
 def sample_tokens(
@@ -152,6 +169,7 @@ class _Generation:
         self.row_strings = [bool(self.stop_strings[r]) for r in self.row_request]
         self.generators = [torch.Generator().manual_seed(request_seed(req.params))
                            for req in requests]
+        self.uniform_block = torch.zeros(0)
         self.adapters = [req.adapter or BASE_ADAPTER for req in requests]
         self.row_adapter = [self.adapters[r] for r in self.row_request]
         self._row_settings(eos_token_ids)
@@ -212,30 +230,44 @@ class _Generation:
         return logits[:, -1], mask, positions[:, -1] + 1, prompt_lps
 
     # --- one step ---
-    def _uniforms(self, live: list[int]) -> torch.Tensor:
-        """A uniform per row of every live sampling request, from the request's own generator:
-        one draw for all its samples each step, so its stream ignores the rest of the batch."""
-        uniforms = torch.zeros(len(self.row_request), dtype=torch.float32)
-        for r in sorted({self.row_request[g] for g in live}):
-            if not self.greedy[r]:
-                start, end = self.offsets[r], self.offsets[r + 1]
-                uniforms[start:end] = torch.rand(end - start, generator=self.generators[r],
-                                                 dtype=torch.float32)
-        return uniforms
+    def _uniforms(self, live: list[int], step: int) -> torch.Tensor:
+        """Row g's uniform at this step. Each sampling request draws a block of steps x samples
+        from its own generator while any of its rows lives, so its stream ignores the rest of
+        the batch."""
+        if step % UNIFORM_BLOCK == 0:
+            block = torch.zeros((UNIFORM_BLOCK, len(self.row_request)), dtype=torch.float32)
+            for r in sorted({self.row_request[g] for g in live}):
+                if not self.greedy[r]:
+                    start, end = self.offsets[r], self.offsets[r + 1]
+                    block[:, start:end] = torch.rand((UNIFORM_BLOCK, end - start),
+                                                     generator=self.generators[r])
+            self.uniform_block = block.to(self.device)
+        return self.uniform_block[step % UNIFORM_BLOCK]
 
-    def _choose(self, logits: torch.Tensor, live: list[int],
-                live_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(self, logits: torch.Tensor, live: list[int], live_t: torch.Tensor,
+                step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, raw logprobs of them) for the live rows."""
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, g in enumerate(live) if self.row_sampled[g]]
         if sampled:
             at = torch.tensor(sampled, dtype=torch.long, device=self.device)
             rows = live_t[at]
-            uniforms = self._uniforms(live)[[live[i] for i in sampled]].to(self.device)
-            for part in _chunks(len(sampled), logits.shape[-1]):
-                picked, seen = at[part], rows[part]
-                tokens[picked] = sample_tokens(logits[picked], self.temperature[seen],
-                                               self.top_k[seen], self.top_p[seen], uniforms[part])
+            uniforms = self._uniforms(live, step)[rows]
+            cut = needs_sort(self.top_k[rows], self.top_p[rows], logits.shape[-1])
+            for filtered in (True, False):
+                where = cut if filtered else ~cut
+                if not bool(where.any()):
+                    continue
+                picked, seen, u = at[where], rows[where], uniforms[where]
+                for part in _chunks(len(picked), logits.shape[-1]):
+                    if filtered:
+                        chosen = sample_tokens(logits[picked[part]], self.temperature[seen[part]],
+                                               self.top_k[seen[part]], self.top_p[seen[part]],
+                                               u[part])
+                    else:
+                        chosen = sample_unfiltered(logits[picked[part]],
+                                                   self.temperature[seen[part]], u[part])
+                    tokens[picked[part]] = chosen
         logprobs = [torch.log_softmax(logits[part].float(), dim=-1)
                     .gather(1, tokens[part, None]).squeeze(1)
                     for part in _chunks(len(live), logits.shape[-1])]
@@ -278,7 +310,7 @@ class _Generation:
         steps = _Steps([], [], [])
         step = 0
         while True:
-            tokens, logprobs = self._choose(logits, live, live_t)
+            tokens, logprobs = self._choose(logits, live, live_t, step)
             steps.rows.append(live_t)
             steps.tokens.append(tokens)
             steps.logprobs.append(logprobs)

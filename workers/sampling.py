@@ -118,10 +118,13 @@ class SamplingOps:
             for index, _ in ready:
                 results[index] = exc
             return
+        rows = float(sum(request.num_samples for _, request in ready))
         for (index, _), response in zip(ready, responses, strict=True):
             generated = sum(len(s.tokens) for s in response.sequences)
+            # batch_sequences: how many sequences shared the generation loop with this request.
             results[index] = OpResult(result=codec.encode(response.model_dump()),
-                                      metrics={"tokens_generated:sum": float(generated)})
+                                      metrics={"tokens_generated:sum": float(generated),
+                                               "batch_sequences:max": rows})
 
     def _request(self, op: Op) -> tuple[GenerationRequest, Path | None]:
         """The op as a generation request (adapter not yet resolved) and its weights."""
