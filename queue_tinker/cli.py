@@ -64,6 +64,18 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     return run_up(settings, base_model=args.base_model, device=args.device, workers=args.workers)
 
 
+def _cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncio
+
+    from queue_tinker.keys_cli import run_keys
+
+    if not settings.database_url:
+        print("QT_DATABASE_URL is not set (use `queue-tinker up` for the embedded stack)",
+              file=sys.stderr)
+        return 2
+    return asyncio.run(run_keys(settings.database_url, args))
+
+
 def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from queue_tinker.demo import run_demo
 
@@ -109,6 +121,17 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     up.add_argument("--workers", type=int, default=1)
     up.set_defaults(fn=_cmd_up)
+
+    keys = sub.add_parser("keys", help="API keys (tml-...) of tenants: create, list, revoke")
+    keys_sub = keys.add_subparsers(dest="action", required=True)
+    create = keys_sub.add_parser("create", help="make a key (printed once, stored hashed)")
+    create.add_argument("--tenant", required=True, help="tenant id (created on its first key)")
+    create.add_argument("--name", default=None, help="a note to tell keys apart")
+    listing = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
+    listing.add_argument("--tenant", default=None, help="only this tenant's keys")
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("key_id", help="the id `keys list` shows (key-...)")
+    keys.set_defaults(fn=_cmd_keys)
 
     demo = sub.add_parser("demo", help="run the service on the embedded default and drive it")
     demo.add_argument("--steps", type=int, default=100, help="training steps")

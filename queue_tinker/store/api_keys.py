@@ -1,0 +1,111 @@
+"""API keys: `tml-` tokens mapped to tenants. Only a key's SHA-256 is stored; the key itself is
+shown once, when it is created.
+
+A key is 32 random bytes, so a plain (unsalted) hash is safe to store and lets a lookup be one
+indexed equality on `key_hash`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from queue_tinker.errors import UserInputError
+from queue_tinker.store.models import ApiKey, Tenant
+
+KEY_PREFIX = "tml-"
+SHOWN_PREFIX = 12  # characters of a key kept for display ("tml-AbCdEfGh")
+MAX_TENANT_ID = 64
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """A key as listed: never the key itself."""
+
+    id: str
+    tenant_id: str
+    prefix: str
+    name: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_tenant_id(tenant_id: str) -> str:
+    if (not isinstance(tenant_id, str) or not tenant_id or len(tenant_id) > MAX_TENANT_ID
+            or not all(c.isalnum() or c in "-_." for c in tenant_id)):
+        raise UserInputError(
+            f"tenant: must be 1 to {MAX_TENANT_ID} letters, digits, '-', '_' or '.', "
+            f"got {tenant_id!r}"
+        )
+    return tenant_id
+
+
+def _info(row: ApiKey) -> KeyInfo:
+    return KeyInfo(id=row.id, tenant_id=row.tenant_id, prefix=row.prefix, name=row.name,
+                   created_at=row.created_at, revoked_at=row.revoked_at)
+
+
+async def create_key(
+    sessions: async_sessionmaker[AsyncSession], tenant_id: str, name: str | None = None
+) -> tuple[KeyInfo, str]:
+    """A new key for `tenant_id` (the tenant is created on its first key): (its info, the key,
+    which is not stored and cannot be shown again)."""
+    check_tenant_id(tenant_id)
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    async with sessions() as session, session.begin():
+        await session.execute(
+            insert(Tenant).values(id=tenant_id, name=tenant_id).on_conflict_do_nothing()
+        )
+        row = ApiKey(id=f"key-{uuid.uuid4().hex[:16]}", tenant_id=tenant_id,
+                     key_hash=hash_key(key), prefix=key[:SHOWN_PREFIX], name=name)
+        session.add(row)
+        await session.flush()
+        await session.refresh(row)
+        return _info(row), key
+
+
+async def list_keys(
+    sessions: async_sessionmaker[AsyncSession], tenant_id: str | None = None
+) -> list[KeyInfo]:
+    """Every key (of one tenant, if given), oldest first, revoked ones included."""
+    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+    if tenant_id is not None:
+        query = query.where(ApiKey.tenant_id == tenant_id)
+    async with sessions() as session:
+        return [_info(row) for row in await session.scalars(query)]
+
+
+async def revoke_key(sessions: async_sessionmaker[AsyncSession], key_id: str) -> bool:
+    """Revoke a key by its id; False if there is no such key or it was already revoked."""
+    async with sessions() as session, session.begin():
+        result = await session.execute(
+            update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+            .values(revoked_at=func.now())
+        )
+        return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+async def tenant_for_key(sessions: async_sessionmaker[AsyncSession], key: str) -> str | None:
+    """The tenant a key belongs to; None for a malformed, unknown or revoked key."""
+    if not isinstance(key, str) or not key.startswith(KEY_PREFIX):
+        return None
+    async with sessions() as session:
+        return await session.scalar(
+            select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key),
+                                           ApiKey.revoked_at.is_(None))
+        )
+
+
+def utc_text(moment: datetime | None) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "-"
