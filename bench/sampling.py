@@ -52,6 +52,8 @@ from bench.harness import (
     make_settings,
     scratch_database,
 )
+from bench.lora_service import job_times, lora_worker, worker_threads
+from bench.meters import CpuMeter
 from bench.report import DOCS, write_docs
 from bench.sampling_report import (
     ADAPTERS,
@@ -66,7 +68,6 @@ from bench.sampling_report import (
     split_lines,
     table,
 )
-from bench.train_step import CpuMeter, job_times, lora_worker, worker_threads
 from queue_tinker.builtin_models import EOS_ID, PAD_ID
 from queue_tinker.client import SamplingClient, ServiceClient
 from queue_tinker.queue.keys import Keys

@@ -32,18 +32,15 @@ used per service step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,7 +48,6 @@ if __package__ in (None, ""):  # run as a file: `python bench/train_step.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
-import redis
 import torch
 import torch.nn.functional as F
 from peft import get_peft_model
@@ -61,15 +57,14 @@ from transformers.utils import logging as transformers_logging
 from bench.harness import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
-    Proc,
-    child_env,
     close_client,
     fresh_prefix,
     machine,
     make_settings,
     scratch_database,
-    wait_for_workers,
 )
+from bench.lora_service import job_times, lora_worker, worker_threads
+from bench.meters import CpuMeter, SideCpu, load1, median_ms
 from bench.report import DOCS, write_docs
 from bench.stats import Latency, Stages
 from queue_tinker.builtin_models import BUILTIN_MODELS, VOCAB_SIZE
@@ -77,7 +72,6 @@ from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.client.training import make_batch
 from queue_tinker.queue import codec
 from queue_tinker.queue.keys import Keys
-from queue_tinker.settings import Settings
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
 from queue_tinker.types.tensors import Datum, ModelInput, TensorData
@@ -303,19 +297,6 @@ def service_block(tc: TrainingClient, data: list[Datum], steps: int) -> list[Ser
     return [service_step(tc, data) for _ in range(steps)]
 
 
-def job_times(redis_url: str, keys: Keys, job_ids: list[str]) -> list[tuple[float, ...] | None]:
-    """(queued_at, started_at, finished_at) of each job, from its hash (Redis clock)."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        pipe = client.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hmget(keys.job(job_id), ["queued_at", "started_at", "finished_at"])
-        replies = pipe.execute()
-    finally:
-        client.close()
-    return [None if None in r else tuple(float(v) for v in r) for r in replies]
-
-
 def stages_of(redis_url: str, keys: Keys, samples: list[ServiceSample]) -> Stages:
     """Split every service step at the worker's start/finish marks of its two ops."""
     ids = [job for s in samples for job in (s.fb_id, s.optim_id)]
@@ -329,38 +310,6 @@ def stages_of(redis_url: str, keys: Keys, samples: list[ServiceSample]) -> Stage
         stages.rows.append((s.submit_s, fb[1] - s.wall, fb[2] - fb[1], optim[1] - fb[2],
                             optim[2] - optim[1], seen - optim[2]))
     return stages
-
-
-def worker_threads(settings: Settings) -> dict[str, int]:
-    """torch's thread count in a process with the worker's environment: on its main thread
-    and on a pool thread like its compute thread."""
-    code = ("import torch, concurrent.futures as cf; "
-            "pool = cf.ThreadPoolExecutor(1); "
-            "print(torch.get_num_threads(), pool.submit(torch.get_num_threads).result())")
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(settings),
-                         capture_output=True, text=True, check=True).stdout.split()
-    return {"worker main": int(out[0]), "worker compute thread": int(out[1])}
-
-
-@contextmanager
-def lora_worker(settings: Settings, model: str, log_path: Path) -> Iterator[Proc]:
-    """One LoRA worker serving `model` on the CPU, registered (model loaded) before the body."""
-    proc = Proc([sys.executable, "-m", "queue_tinker.cli", "worker", "--base-model", model,
-                 "--device", "cpu", "--engine", "lora"], child_env(settings), log_path)
-    try:
-        wait_for_workers(settings, 1, timeout=600)
-        yield proc
-    finally:
-        proc.stop_and_report(f"worker {proc.pid}")
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
 
 
 def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str, float]:
@@ -409,103 +358,13 @@ def engine_function_ms(bare: BareLoop, data: list[Datum], reps: int) -> dict[str
     return {name: statistics.median(ts) * 1000 for name, ts in times.items()}
 
 
-# --- load from other processes ----------------------------------------------------------------
-def _ticks(stat: Path) -> int:
-    """utime + stime from a /proc stat file (a process: all its threads)."""
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-class CpuMeter:
-    """CPU the rest of the machine uses: busy time of all cores (with steal) minus ours."""
-
-    def __init__(self, pids: Sequence[int]) -> None:
-        self.pids = list(pids)
-        self.hz = os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _machine_ticks() -> int:
-        # user nice system idle iowait irq softirq steal ...: all but idle and iowait
-        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        return sum(ticks) - ticks[3] - ticks[4]
-
-    def _our_ticks(self) -> int:
-        return sum(_ticks(Path(f"/proc/{pid}/stat")) for pid in self.pids)
-
-    def mark(self) -> tuple[float, int, int]:
-        return time.perf_counter(), self._machine_ticks(), self._our_ticks()
-
-    def foreign_since(self, mark: tuple[float, int, int]) -> float:
-        """Cores' worth of CPU other processes used since `mark`."""
-        now = self.mark()
-        seconds = max(now[0] - mark[0], 1e-9)
-        return max(0, (now[1] - mark[1]) - (now[2] - mark[2])) / self.hz / seconds
-
-
-def find_pids(needle: bytes) -> list[int]:
-    """Processes whose command line contains `needle`."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if needle in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-    return pids
-
-
-class SideCpu:
-    """CPU time per service step of each part of the service: the worker's compute threads
-    (its busiest `compute_threads` threads) and what runs beside them."""
-
-    def __init__(self, worker: int, database: str, compute_threads: int) -> None:
-        self.worker = worker
-        self.compute_threads = compute_threads
-        self.parts = {"client (benchmark process)": [os.getpid()],
-                      "Redis (whole server)": find_pids(b"redis-server"),
-                      "Postgres (the run's backends)": find_pids(database.encode())}
-        self.ticks: dict[str, int] = {}
-        self.steps = 0
-        self.hz = os.sysconf("SC_CLK_TCK")
-
-    def snapshot(self) -> dict[str, int]:
-        snap: dict[str, int] = {}
-        for task in Path(f"/proc/{self.worker}/task").iterdir():
-            with contextlib.suppress(OSError):
-                snap[f"thread {task.name}"] = _ticks(task / "stat")
-        for label, pids in self.parts.items():
-            snap[label] = 0
-            for pid in pids:
-                with contextlib.suppress(OSError):
-                    snap[label] += _ticks(Path(f"/proc/{pid}/stat"))
-        return snap
-
-    def add(self, before: dict[str, int], steps: int) -> None:
-        for key, value in self.snapshot().items():
-            self.ticks[key] = self.ticks.get(key, 0) + value - before.get(key, 0)
-        self.steps += steps
-
-    def per_step_ms(self) -> dict[str, float]:
-        if not self.steps:
-            return {}
-        scale = 1000 / self.hz / self.steps
-        threads = sorted((v for k, v in self.ticks.items() if k.startswith("thread ")),
-                         reverse=True)
-        return {"worker compute threads": sum(threads[: self.compute_threads]) * scale,
-                "worker, other threads": sum(threads[self.compute_threads :]) * scale,
-                **{label: self.ticks[label] * scale for label in self.parts}}
-
-
+# --- one size ----------------------------------------------------------------------------------
 @dataclass
 class Meters:
     cpu: CpuMeter
     side: SideCpu
 
 
-def load1() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
-
-# --- one size ----------------------------------------------------------------------------------
 def one_round(r: int, meters: Meters, bare: BareLoop, tc: TrainingClient, data: list[Datum],
               steps: int) -> tuple[Round, list[ServiceSample]]:
     """A service block and a bare block (bare first in odd rounds); the round and the service
