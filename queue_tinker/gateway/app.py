@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from queue_tinker.gateway.overview import queue_overview
+from queue_tinker.gateway.tinker_session import session_router
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.recorder import RecorderThread
@@ -42,6 +43,7 @@ def create_app(settings: Settings) -> FastAPI:
             await app.state.db.dispose()
 
     app = FastAPI(title="queue_tinker", lifespan=lifespan)
+    app.include_router(session_router(settings, keys))
 
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:

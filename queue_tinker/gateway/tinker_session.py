@@ -1,0 +1,75 @@
+"""The Tinker protocol's session calls (docs/tinker-http-protocol.md, sections 2 and 7):
+client config, sessions and their heartbeats, server capabilities, telemetry."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.registry import WorkerRegistry
+from queue_tinker.settings import Settings
+from queue_tinker.types import SessionRecord
+
+# Features the SDK may switch on that this gateway does not serve: each `true` would make the
+# SDK call an endpoint that is not here (JWT exchange, zstd bodies, server-side custom loss...).
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+}
+
+
+def session_router(settings: Settings, keys: Keys) -> APIRouter:
+    router = APIRouter(prefix="/api/v1")
+
+    def records(request: Request) -> RecordLog:
+        return RecordLog(request.app.state.redis, keys)
+
+    @router.post("/client/config")
+    async def client_config(_: str = Depends(tenant_of)) -> dict[str, Any]:
+        return CLIENT_CONFIG
+
+    @router.post("/create_session")
+    async def create_session(request: Request,
+                             tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        session_id = f"sess-{uuid.uuid4().hex}"
+        await records(request).append(SessionRecord(id=session_id, tenant_id=tenant,
+                                           created_at=time.time()))
+        return {"session_id": session_id, "type": "create_session"}
+
+    @router.post("/session_heartbeat")
+    async def session_heartbeat(_: str = Depends(tenant_of)) -> dict[str, Any]:
+        # Acknowledged only: nothing here yet keeps a session alive or ends it.
+        return {"type": "session_heartbeat"}
+
+    @router.post("/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, _: str = Depends(tenant_of)) -> dict[str, Any]:
+        return {}
+
+    @router.get("/get_server_capabilities")
+    async def server_capabilities(request: Request,
+                                  _: str = Depends(tenant_of)) -> dict[str, Any]:
+        """Base models served by live workers right now."""
+        registry = WorkerRegistry(request.app.state.redis, keys)
+        workers = await registry.live(settings.lease_ttl_ms * 3)
+        names = sorted({w["base_model"] for w in workers})
+        return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": True}
+                                     for n in names]}
+
+    @router.post("/telemetry")
+    async def telemetry(_: str = Depends(tenant_of)) -> dict[str, Any]:
+        return {}  # accepted and dropped: the service keeps its own record
+
+    @router.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return router

@@ -1,0 +1,126 @@
+"""The gateway as the official `tinker` SDK sees it (docs/tinker-http-protocol.md): a real
+`queue-tinker serve` process, a real worker, the SDK unchanged. Grows with the protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from procs import REPO, child_env, running_workers
+from sqlalchemy import text
+
+from queue_tinker.settings import Settings
+from queue_tinker.store import api_keys
+from queue_tinker.store.db import make_engine, session_factory
+
+# The SDK's clients close their HTTP connections from a background loop after the test has
+# moved on; the sockets they leave for the collector are the SDK's, not ours.
+pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def gateway(settings: Settings, tmp_path: Path) -> Iterator[str]:
+    """The base URL of a `queue-tinker serve` process on the test's deployment."""
+    port = free_port()
+    log = (tmp_path / "gateway.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "queue_tinker.cli", "serve", "--host", "127.0.0.1",
+         "--port", str(port)], env=child_env(settings), cwd=REPO, stdout=log,
+        stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "gateway.log").read_text()
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+
+
+def make_key(settings: Settings, tenant: str) -> str:
+    async def go() -> str:
+        engine = make_engine(settings.database_url or "")
+        try:
+            return (await api_keys.create_key(session_factory(engine), tenant))[1]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def test_the_sdk_reads_server_capabilities_with_a_key(
+    settings: Settings, gateway: str, tmp_path: Path
+) -> None:
+    key = make_key(settings, f"t-{uuid.uuid4().hex[:8]}")
+    with running_workers(settings, 1, tmp_path, base_model="tiny"):
+        rest = tinker.RestClient(base_url=gateway, api_key=key)
+        capabilities = rest.get_server_capabilities().result(timeout=30)
+    assert [m.model_name for m in capabilities.supported_models] == ["tiny"]
+
+
+@pytest.mark.parametrize("key", ["tml-not-a-key", None])
+def test_a_missing_or_invalid_key_gets_401(settings: Settings, gateway: str,
+                                           key: str | None) -> None:
+    headers = {"X-API-Key": key} if key else {}
+    for method, path in (("POST", "/api/v1/client/config"), ("POST", "/api/v1/create_session"),
+                         ("GET", "/api/v1/get_server_capabilities")):
+        response = httpx.request(method, gateway + path, headers=headers, json={}, timeout=10)
+        assert response.status_code == 401, (path, response.text)
+        assert "API key" in response.json()["detail"] or "X-API-Key" in response.json()["detail"]
+    if key:
+        with pytest.raises(tinker.AuthenticationError):
+            tinker.RestClient(base_url=gateway, api_key=key).get_server_capabilities().result(
+                timeout=30)
+
+
+def test_a_session_belongs_to_the_keys_tenant(settings: Settings, gateway: str) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    headers = {"X-API-Key": make_key(settings, tenant)}
+    config = httpx.post(f"{gateway}/api/v1/client/config", headers=headers,
+                        json={"sdk_version": "0.38.0"}, timeout=10)
+    assert config.status_code == 200 and config.json()["pjwt_auth_enabled"] is False
+    created = httpx.post(f"{gateway}/api/v1/create_session", headers=headers,
+                         json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0",
+                               "type": "create_session"}, timeout=10).json()
+    session_id = created["session_id"]
+    beat = httpx.post(f"{gateway}/api/v1/session_heartbeat", headers=headers,
+                      json={"session_id": session_id, "type": "session_heartbeat"}, timeout=10)
+    assert beat.status_code == 200
+
+    async def owner() -> str | None:
+        engine = make_engine(settings.database_url or "")
+        try:
+            async with engine.connect() as conn:
+                return (await conn.execute(text("SELECT tenant_id FROM sessions WHERE id = :s"),
+                                           {"s": session_id})).scalar()
+        finally:
+            await engine.dispose()
+
+    deadline = time.monotonic() + 10
+    while (found := asyncio.run(owner())) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert found == tenant
