@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -23,9 +25,26 @@ from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory
 
 # The SDK's clients close their HTTP connections from a background loop after the test has
-# moved on; the sockets they leave for the collector are the SDK's, not ours.
+# moved on; the sockets they leave for the collector are the SDK's, not ours. They are
+# collected here (sdk_sockets_collected), so no later test inherits the warning.
 pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+
+@pytest.fixture(autouse=True)
+def sdk_sockets_collected() -> Iterator[None]:
+    yield
+    time.sleep(0.3)  # the SDK's background cleanup
+    gc.collect()
+
+
+@contextmanager
+def rest_client(gateway: str, key: str) -> Iterator[tinker.RestClient]:
+    rest = tinker.RestClient(base_url=gateway, api_key=key)
+    try:
+        yield rest
+    finally:
+        rest.holder.close()
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -76,8 +95,8 @@ def test_the_sdk_reads_server_capabilities_with_a_key(
     settings: Settings, gateway: str, tmp_path: Path
 ) -> None:
     key = make_key(settings, f"t-{uuid.uuid4().hex[:8]}")
-    with running_workers(settings, 1, tmp_path, base_model="tiny"):
-        rest = tinker.RestClient(base_url=gateway, api_key=key)
+    with running_workers(settings, 1, tmp_path, base_model="tiny"), \
+            rest_client(gateway, key) as rest:
         capabilities = rest.get_server_capabilities().result(timeout=30)
     assert [m.model_name for m in capabilities.supported_models] == ["tiny"]
 
@@ -92,9 +111,8 @@ def test_a_missing_or_invalid_key_gets_401(settings: Settings, gateway: str,
         assert response.status_code == 401, (path, response.text)
         assert "API key" in response.json()["detail"] or "X-API-Key" in response.json()["detail"]
     if key:
-        with pytest.raises(tinker.AuthenticationError):
-            tinker.RestClient(base_url=gateway, api_key=key).get_server_capabilities().result(
-                timeout=30)
+        with pytest.raises(tinker.AuthenticationError), rest_client(gateway, key) as rest:
+            rest.get_server_capabilities().result(timeout=30)
 
 
 def test_a_session_belongs_to_the_keys_tenant(settings: Settings, gateway: str) -> None:
