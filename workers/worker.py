@@ -211,18 +211,28 @@ class Worker:
         return batch
 
     async def _run_inline_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
-        publishes = []
-        for owned, op in batch:
-            outcome, _ = await self._compute_outcome(op, inline=True)
-            publishes.append((owned.lease, op, outcome, self.engine.durable_seq(op.model_id)))
-        published = await self.dispatch.publish_batch(publishes, started=False)
-        for (owned, op), ok in zip(batch, published, strict=True):
+        outcomes = [(await self._compute_outcome(op, inline=True))[0] for _, op in batch]
+        await self._publish_batch(batch, outcomes, started=False)
+        for owned, _ in batch:
             owned.idle_since = time.monotonic()
-            if ok:
-                self._ops_done += 1
-            elif self.owned.get(op.model_id) is owned:
-                log.warning("%s: lost the lease on %s; dropping it", self.id, op.model_id)
-                self._drop(op.model_id)
+
+    async def _publish_batch(self, batch: list[tuple[OwnedModel, Op]], outcomes: list[Outcome],
+                             *, started: bool) -> None:
+        """Publish ops that ran as a batch in one round trip; drop the models whose lease was
+        lost meanwhile."""
+        publishes = [(owned.lease, op, outcome, self.engine.durable_seq(op.model_id))
+                     for (owned, op), outcome in zip(batch, outcomes, strict=True)]
+        published = await self.dispatch.publish_batch(publishes, started=started)
+        self._ops_done += sum(published)
+        self._drop_lost([owned for (owned, _), ok in zip(batch, published, strict=True)
+                         if not ok])
+
+    def _drop_lost(self, lost: list[OwnedModel]) -> None:
+        for owned in lost:  # a model listed twice is dropped once
+            model_id = owned.lease.model_id
+            if self.owned.get(model_id) is owned:  # not already dropped, nor claimed anew
+                log.warning("%s: lost the lease on %s; dropping it", self.id, model_id)
+                self._drop(model_id)
 
     def _batchable_head(self, owned: OwnedModel) -> bool:
         head = owned.backlog[0] if owned.backlog else None
@@ -249,8 +259,8 @@ class Worker:
 
     async def _run_engine_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
         started = await self.dispatch.start_batch([(o.lease, op) for o, op in batch])
+        self._drop_lost([o for (o, _), ok in zip(batch, started, strict=True) if ok is None])
         runnable = [(o, op) for (o, op), ok in zip(batch, started, strict=True) if ok]
-        lost = {op.model_id for (_, op), ok in zip(batch, started, strict=True) if ok is None}
         if runnable:
             self.current = runnable[0][1]
             ops = [op for _, op in runnable]
@@ -262,19 +272,10 @@ class Worker:
                 results = [exc] * len(ops)
             finally:
                 self.current = None
-            publishes = [
-                (o.lease, op, self._outcome(op, result), self.engine.durable_seq(op.model_id))
-                for (o, op), result in zip(runnable, results, strict=True)
-            ]
-            published = await self.dispatch.publish_batch(publishes, started=True)
-            self._ops_done += sum(published)
-            lost.update(op.model_id for (_, op), ok in zip(runnable, published, strict=True)
-                        if not ok)
+            outcomes = [self._outcome(op, r) for op, r in zip(ops, results, strict=True)]
+            await self._publish_batch(runnable, outcomes, started=True)
         for owned, _ in batch:
             owned.idle_since = time.monotonic()
-        for model_id in lost:
-            log.warning("%s: lost the lease on %s; dropping it", self.id, model_id)
-            self._drop(model_id)
 
     async def _compute_outcome(self, op: Op, *, inline: bool) -> tuple[Outcome, list[Record]]:
         loop = asyncio.get_running_loop()

@@ -16,6 +16,8 @@ from typing import TypeVar
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from queue_tinker.client.future import APIFuture
+from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.errors import ErrorCategory, RequestFailedError
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.jobs import Enqueued, JobOutcome, JobQueue
@@ -130,6 +132,22 @@ class ClientHolder:
 
         outcome.add_done_callback(settle)
         return job_id, result
+
+    async def submit_future(
+        self,
+        loop: BackgroundLoop,
+        model_id: str,
+        kind: OpKind,
+        payload: bytes,
+        decode: Callable[[bytes], T],
+        idempotency_key: str | None = None,
+    ) -> APIFuture[T]:
+        """From the caller's thread or loop: enqueue on the background loop (returns once the
+        op holds its place in the model's order) and give the future of its decoded result."""
+        job_id, result = await loop.call(
+            self.submit_for_thread(model_id, kind, payload, idempotency_key, decode)
+        )
+        return APIFuture(result, job_id)
 
     async def close(self) -> None:
         await self.results.close()

@@ -94,13 +94,9 @@ class SamplingClient:
         return self._loop.run(self.compute_logprobs_async(prompt))
 
     async def _submit(self, body: SampleInput) -> APIFuture[SampleResponse]:
-        job_id, result = await self._loop.call(
-            self._holder.submit_for_thread(
-                self.sampler_id, OpKind.SAMPLE, codec.encode(body.model_dump()), None,
-                decoder(SampleResponse),
-            )
-        )
-        return APIFuture(result, job_id)
+        return await self._holder.submit_future(self._loop, self.sampler_id, OpKind.SAMPLE,
+                                                codec.encode(body.model_dump()),
+                                                decoder(SampleResponse))
 
     # --- the model -------------------------------------------------------------------------
     def get_base_model(self) -> str:

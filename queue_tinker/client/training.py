@@ -91,12 +91,8 @@ class TrainingClient:
         idempotency_key: str | None = None,
     ) -> APIFuture[T]:
         """Enqueue (returns once the op holds its place in the model's order), then wait."""
-        job_id, result = await self._loop.call(
-            self._holder.submit_for_thread(
-                self.model_id, kind, codec.encode(body), idempotency_key, decode
-            )
-        )
-        return APIFuture(result, job_id)
+        return await self._holder.submit_future(self._loop, self.model_id, kind,
+                                                codec.encode(body), decode, idempotency_key)
 
     # --- forward / backward ----------------------------------------------------------------
     async def forward_async(

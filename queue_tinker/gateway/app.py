@@ -19,7 +19,7 @@ from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.recorder import RecorderThread
 from queue_tinker.settings import Settings
-from queue_tinker.store.db import make_engine
+from queue_tinker.store.db import make_engine, session_factory
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -31,6 +31,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.redis = connect(settings.redis_url or "")
         app.state.db = make_engine(settings.database_url or "")
+        app.state.sessions = session_factory(app.state.db)
         # The gateway also writes the record behind, so Postgres keeps up with no worker alive.
         recorder = RecorderThread(settings.redis_url or "", settings.database_url or "", keys,
                                   consumer=f"gateway-{uuid.uuid4().hex[:8]}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import HTTPException, Request
 
 from queue_tinker.store import api_keys
-from queue_tinker.store.db import session_factory
 
 
 async def tenant_of(request: Request) -> str:
@@ -14,7 +13,7 @@ async def tenant_of(request: Request) -> str:
     if not key:
         raise HTTPException(401, "missing X-API-Key header: send a tml-... key "
                                  "(queue-tinker keys create --tenant NAME)")
-    tenant = await api_keys.tenant_for_key(session_factory(request.app.state.db), key)
+    tenant = await api_keys.tenant_for_key(request.app.state.sessions, key)
     if tenant is None:
         raise HTTPException(401, "invalid or revoked API key")
     return tenant

@@ -213,11 +213,7 @@ class Dispatcher:
     async def start(self, lease: Lease, op: Op) -> bool:
         """Mark the op running; False if it already finished (skip it)."""
         try:
-            started = await self.scripts.start(
-                keys=[self.keys.model_lease(lease.model_id), self.keys.job(op.job_id),
-                      self.keys.records()],
-                args=[lease.token, self.worker_id],
-            )
+            started = await self.scripts.start(**self._start_call(lease, op))
         except ResponseError as exc:
             raise _lease_lost(exc, lease.model_id) from exc
         return bool(started)
@@ -237,11 +233,7 @@ class Dispatcher:
         finished: skip it) or None (the lease on its model was lost)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for lease, op in batch:
-                await self.scripts.start(
-                    keys=[self.keys.model_lease(lease.model_id), self.keys.job(op.job_id),
-                          self.keys.records()],
-                    args=[lease.token, self.worker_id], client=pipe,
-                )
+                await self.scripts.start(**self._start_call(lease, op), client=pipe)
             replies = await pipe.execute(raise_on_error=False)
         return [None if _is_lease_lost(reply) else bool(_raise_other(reply)) for reply in replies]
 
@@ -260,9 +252,18 @@ class Dispatcher:
             replies = await pipe.execute(raise_on_error=False)
         return [not _is_lease_lost(_raise_other(reply)) for reply in replies]
 
+    def _start_call(self, lease: Lease, op: Op) -> dict[str, list[str]]:
+        keys = self.keys
+        return {"keys": [keys.model_lease(lease.model_id), keys.job(op.job_id), keys.records()],
+                "args": [lease.token, self.worker_id]}
+
     def _publish_call(
         self, lease: Lease, op: Op, outcome: Outcome, trim_upto: int | None, started: bool
     ) -> tuple[list[str], list[str | int | bytes]]:
+        if trim_upto is not None:
+            # Never past the op being published: a later op of the same batch that is not
+            # published yet must stay in the log for whoever owns the model next.
+            trim_upto = min(trim_upto, op.seq)
         keys = self.keys
         return (
             [
