@@ -112,16 +112,17 @@ class Worker:
         await self.records.append(self._record())
         try:
             async with asyncio.TaskGroup() as group:
-                background = [
-                    group.create_task(self._heartbeat_loop(), name="heartbeat"),
-                    group.create_task(self._read_loop(), name="reader"),
-                    group.create_task(self._claim_loop(), name="claimer"),
-                    group.create_task(self._reaper_loop(), name="reaper"),
-                ]
+                group.create_task(self._heartbeat_loop(), name="heartbeat")
+                group.create_task(self._read_loop(), name="reader")
+                group.create_task(self._claim_loop(), name="claimer")
+                group.create_task(self._reaper_loop(), name="reaper")
                 await self._execute_loop()
                 log.info("%s: stopping; handing back %d models", self.id, len(self.owned))
-                for task in background:
-                    task.cancel()
+                # The loops end on `stopping` by themselves; this ends the reader's blocking
+                # read. Cancelling them instead could catch a Redis call half-way, and
+                # redis-py can then leave the task waiting forever (seen: a reader cancelled
+                # in XREAD kept the worker from exiting).
+                await self.dispatch.wake()
         finally:
             await self._shutdown()
 
@@ -307,7 +308,8 @@ class Worker:
             if self._idle.is_set():
                 model_id = await self.dispatch.next_offer(timeout_s=1.0)
             else:
-                await asyncio.sleep(CLAIM_WHEN_BUSY_AFTER_MS / 1000)
+                if await self._pause(CLAIM_WHEN_BUSY_AFTER_MS / 1000):
+                    break
                 age = await self.dispatch.oldest_offer_age_ms()
                 if age is None or age < CLAIM_WHEN_BUSY_AFTER_MS:
                     continue
@@ -358,7 +360,7 @@ class Worker:
 
     # --- reading ---------------------------------------------------------------------------
     async def _read_loop(self) -> None:
-        while True:
+        while not self.stopping.is_set():
             cursors = {m: o.read_seq for m, o in self.owned.items()}
             ops, self._control_cursor = await self.dispatch.read(
                 cursors, self._control_cursor, READ_BLOCK_MS
@@ -375,8 +377,7 @@ class Worker:
     # --- liveness --------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
         beats = 0
-        while True:
-            await asyncio.sleep(self.config.heartbeat_ms / 1000)
+        while not await self._pause(self.config.heartbeat_ms / 1000):
             owned = list(self.owned.values())
             renewed = await self.dispatch.renew([o.lease for o in owned])
             for o, ok in zip(owned, renewed, strict=True):
@@ -390,9 +391,14 @@ class Worker:
 
     async def _reaper_loop(self) -> None:
         period = self.config.lease_ttl_ms / 2000
-        while True:
-            await asyncio.sleep(period * random.uniform(0.75, 1.25))
+        while not await self._pause(period * random.uniform(0.75, 1.25)):
             await self.dispatch.offer_orphans()
+
+    async def _pause(self, seconds: float) -> bool:
+        """Sleep, ending early when the worker stops; True once it is stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        return self.stopping.is_set()
 
     async def _beat(self) -> None:
         current = self.current
