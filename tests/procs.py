@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,10 +16,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import redis
 
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings, settings_env
+from queue_tinker.store import api_keys
+from queue_tinker.store.db import make_engine, session_factory
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -120,3 +125,50 @@ def lora_deployment(redis_url: str, database_url: str, base_model: str,
         log = worker.log()
         shutil.rmtree(data_dir, ignore_errors=True)
         assert code == 0, log[-12000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def gateway_process(settings: Settings, log_path: Path) -> Iterator[str]:
+    """A `queue-tinker serve` process on the deployment of `settings`; yields its base URL."""
+    port = free_port()
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "queue_tinker.cli", "serve", "--host", "127.0.0.1",
+         "--port", str(port)], env=child_env(settings), cwd=REPO, stdout=log,
+        stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        finally:
+            log.close()
+
+
+def make_key(settings: Settings, tenant: str) -> str:
+    """A new API key (`tml-...`) of `tenant`, created in the deployment's Postgres."""
+    async def go() -> str:
+        engine = make_engine(settings.database_url or "")
+        try:
+            return (await api_keys.create_key(session_factory(engine), tenant))[1]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())

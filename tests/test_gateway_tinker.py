@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,12 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from procs import REPO, child_env, running_workers
+from procs import gateway_process, make_key, running_workers
 from sqlalchemy import text
 
 from queue_tinker.settings import Settings
-from queue_tinker.store import api_keys
-from queue_tinker.store.db import make_engine, session_factory
+from queue_tinker.store.db import make_engine
 
 # The SDK's clients close their HTTP connections from a background loop after the test has
 # moved on; the sockets they leave for the collector are the SDK's, not ours. They are
@@ -45,50 +41,11 @@ def rest_client(gateway: str, key: str) -> Iterator[tinker.RestClient]:
         yield rest
     finally:
         rest.holder.close()
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def gateway(settings: Settings, tmp_path: Path) -> Iterator[str]:
     """The base URL of a `queue-tinker serve` process on the test's deployment."""
-    port = free_port()
-    log = (tmp_path / "gateway.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "queue_tinker.cli", "serve", "--host", "127.0.0.1",
-         "--port", str(port)], env=child_env(settings), cwd=REPO, stdout=log,
-        stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "gateway.log").read_text()
-            time.sleep(0.1)
+    with gateway_process(settings, tmp_path / "gateway.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        log.close()
-
-
-def make_key(settings: Settings, tenant: str) -> str:
-    async def go() -> str:
-        engine = make_engine(settings.database_url or "")
-        try:
-            return (await api_keys.create_key(session_factory(engine), tenant))[1]
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
 
 
 def test_the_sdk_reads_server_capabilities_with_a_key(
