@@ -158,6 +158,26 @@ def test_resume_with_optimizer_continues_exactly(service: tinker.ServiceClient,
         key = next(k for k in after if "lora_B" in k)
         assert not torch.allclose(after[key], expected_weights[key])
 
+        # A run created from the state continues the same way, its config from the checkpoint.
+        from_state = other.create_training_client_from_state_with_optimizer(path)
+        assert (from_state.base_model, from_state.lora_rank) == (TINY, RANK)
+        assert train(from_state, 4, start=6) == expected
+
+
+def test_another_tenants_checkpoint_cannot_be_loaded(service: tinker.ServiceClient,
+                                                     deployment: Settings) -> None:
+    """Neither load_state nor create-from-state reads another tenant's checkpoint; both report
+    it like a missing one."""
+    owner = service.create_lora_training_client(TINY, rank=RANK, seed=SEED)
+    path = owner.save_state("private").result(timeout=60).path
+    with tinker.ServiceClient(deployment) as other:
+        other._holder.tenant_id = "another-tenant"
+        with pytest.raises(UserInputError, match="path: no checkpoint"):
+            other.create_training_client_from_state(path)
+        theirs = other.create_lora_training_client(TINY, rank=RANK, seed=SEED)
+        with pytest.raises(RequestFailedError, match="path: no checkpoint"):
+            theirs.load_state(path).result(timeout=60)
+
 
 def test_custom_loss_trains_like_the_builtin_loss(service: tinker.ServiceClient) -> None:
     """forward_backward_custom with -Σ w·logp moves the weights exactly as cross_entropy does,

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from transformers.utils import logging as transformers_logging
 
 from queue_tinker.builtin_models import load_tokenizer
@@ -28,10 +27,13 @@ from queue_tinker.types.checkpoints import CheckpointPath, check_name
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
 from queue_tinker.types.training import (
     AdamParams,
+    CreateModelInput,
     ForwardBackwardInput,
+    LoadInput,
     LoadWeightsResponse,
     LoraConfig,
     OptimStepResponse,
+    SaveInput,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     UnloadModelResponse,
@@ -53,28 +55,6 @@ from workers.sampling import SamplingOps
 log = logging.getLogger(__name__)
 
 UNLOADED = "_unloaded"  # marker file: the model was unloaded; its ops fail from then on
-MAX_TTL_SECONDS = 10 * 365 * 86_400
-
-
-class CreateModelInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    lora_config: LoraConfig
-    tenant_id: str
-    base_model: str
-
-
-class SaveInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    ttl_seconds: int | None = Field(None, gt=0, le=MAX_TTL_SECONDS)
-
-
-class LoadInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    path: str
-    optimizer: bool = False
-
-
 def default_seed(model_id: str) -> int:
     """A model created without a seed still initialises the same way every time (replay)."""
     return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "big")
@@ -306,7 +286,8 @@ class LoraEngine:
             )
         directory = checkpoint_dir(self.storage, path)
         meta = read_meta(directory)
-        if meta is None:
+        # Another tenant's checkpoint is reported exactly like a missing one.
+        if meta is None or meta.tenant_id != adapter.tenant_id:
             raise UserInputError(f"path: no checkpoint at {body.path}")
         self._check_compatible(adapter, meta, body.path)
         state = read_state(directory, optimizer=body.optimizer)

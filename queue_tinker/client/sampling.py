@@ -16,13 +16,10 @@ from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.wire import decoder, validated
-from queue_tinker.errors import UnknownModelError, UserInputError
-from queue_tinker.queue import codec
+from queue_tinker.queue import codec, runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind
-from queue_tinker.types.checkpoints import CheckpointPath
 from queue_tinker.types.sampling import (
-    CreateSamplingSessionInput,
     SampleInput,
     SampleResponse,
     SamplingParams,
@@ -120,42 +117,16 @@ async def open_sampling_session(
 ) -> SamplingClient:
     """Create a sampling session and wait until a worker has checked its weights (so a bad path
     fails here, not at the first sample)."""
-    if model_path is None and base_model is None:
-        raise UserInputError("model_path, base_model: pass one (a tinker:// checkpoint path, or "
-                             "a base model to sample from without an adapter)")
-    if model_path is not None:
-        base_model = await loop.call(_base_model_of(holder, model_path, base_model))
-    if not isinstance(base_model, str) or not base_model.strip():
-        raise UserInputError(f"base_model: must be a non-empty string, got {base_model!r}")
     sampler_id = f"smp-{new_id()}"
 
-    async def create() -> None:
-        await holder.jobs.register_sampling_session(
-            sampler_id, base_model=base_model, tenant_id=holder.tenant_id,
-            session_id=holder.session_id, model_path=model_path,
-        )
-        body = CreateSamplingSessionInput(tenant_id=holder.tenant_id, base_model=base_model,
-                                          model_path=model_path)
-        _, outcome = await holder.submit(sampler_id, OpKind.CREATE_SAMPLING_SESSION,
-                                         codec.encode(body.model_dump()))
+    async def create() -> str:
+        base = await runs.sampling_base_model(holder.jobs, holder.tenant_id, model_path,
+                                              base_model)
+        _, outcome = await runs.open_sampling_session(
+            holder.jobs, holder.submit, sampler_id, base_model=base,
+            tenant_id=holder.tenant_id, session_id=holder.session_id, model_path=model_path)
         decode_outcome(await outcome, codec.decode)
+        return base
 
-    await loop.call(create())
-    return SamplingClient(loop, holder, sampler_id, base_model, model_path, settings)
-
-
-async def _base_model_of(holder: ClientHolder, model_path: str, base_model: str | None) -> str:
-    """The base model the checkpoint's run trained on; another tenant's run is reported like a
-    missing one."""
-    path = CheckpointPath.parse(model_path, "model_path")
-    try:
-        info = await holder.jobs.model_info(path.run_id)
-    except UnknownModelError:
-        info = None
-    if info is None or info["tenant_id"] != holder.tenant_id or info["kind"] != "training":
-        raise UserInputError(f"model_path: no checkpoint {model_path} (unknown run "
-                             f"{path.run_id!r})")
-    if base_model is not None and base_model != info["base_model"]:
-        raise UserInputError(f"base_model: {base_model!r} does not match model_path, which was "
-                             f"trained on {info['base_model']!r}")
-    return str(info["base_model"])
+    base = await loop.call(create())
+    return SamplingClient(loop, holder, sampler_id, base, model_path, settings)

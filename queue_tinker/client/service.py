@@ -9,9 +9,8 @@ from queue_tinker.client.loop import BackgroundLoop, background_loop
 from queue_tinker.client.sampling import SamplingClient, open_sampling_session
 from queue_tinker.client.training import TrainingClient
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
+from queue_tinker.queue import codec, runs
 from queue_tinker.settings import Settings, load_settings
-from queue_tinker.types import OpKind
 from queue_tinker.types.training import MAX_LORA_RANK, LoraConfig
 
 
@@ -60,13 +59,9 @@ class ServiceClient:
         holder = self._holder
 
         async def create() -> None:
-            await holder.jobs.register_model(
-                model_id, base_model=base_model, tenant_id=holder.tenant_id,
-                session_id=holder.session_id, lora_config=config.model_dump(),
-            )
-            body = {"lora_config": config.model_dump(), "tenant_id": holder.tenant_id,
-                    "base_model": base_model}
-            _, outcome = await holder.submit(model_id, OpKind.CREATE_MODEL, codec.encode(body))
+            _, outcome = await runs.open_training_run(
+                holder.jobs, holder.submit, model_id, base_model=base_model,
+                tenant_id=holder.tenant_id, session_id=holder.session_id, config=config)
             decode_outcome(await outcome, codec.decode)
 
         await self._loop.call(create())
@@ -87,6 +82,35 @@ class ServiceClient:
                 base_model, rank, seed, train_attn, train_mlp, train_unembed
             )
         )
+
+    async def create_training_client_from_state_async(
+        self, path: str, *, optimizer: bool = False
+    ) -> TrainingClient:
+        """A new run that starts from a saved state (tinker://<run>/weights/<name>): the
+        checkpoint's base model, LoRA config and weights; with optimizer=True its optimizer
+        state too, to continue exactly where the checkpoint left off."""
+        model_id = f"m-{new_id()}"
+        holder = self._holder
+
+        async def create() -> dict[str, Any]:
+            _, outcome = await runs.open_training_run_from_state(
+                holder.jobs, holder.submit, model_id, path, tenant_id=holder.tenant_id,
+                session_id=holder.session_id, optimizer=optimizer)
+            decode_outcome(await outcome, codec.decode)
+            return await holder.jobs.model_info(model_id)
+
+        info = await self._loop.call(create())
+        return TrainingClient(self._loop, holder, model_id, info["base_model"], self.settings,
+                              lora_rank=info["lora_config"].get("rank"))
+
+    def create_training_client_from_state(self, path: str) -> TrainingClient:
+        """Weights from the checkpoint; the optimizer starts afresh."""
+        return self._loop.run(self.create_training_client_from_state_async(path))
+
+    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
+        """Weights and optimizer state from the checkpoint."""
+        return self._loop.run(
+            self.create_training_client_from_state_async(path, optimizer=True))
 
     def training_client(self, model_id: str) -> TrainingClient:
         """A client for an existing model (another process may have created it)."""

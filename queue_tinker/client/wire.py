@@ -1,29 +1,20 @@
-"""Wire types in and out of the client: user arguments checked into request types, and result
-bytes decoded into result types."""
+"""Wire types in and out of the client: user arguments checked into request types (validated),
+and result bytes decoded into result types."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec
+from queue_tinker.types.validation import validated
+
+__all__ = ["decoder", "validated"]
 
 R = TypeVar("R", bound=BaseModel)
 
 
 def decoder(model: type[R]) -> Callable[[bytes], R]:
     return lambda raw: model.model_validate(codec.decode(raw))
-
-
-def validated(model: type[R], field: str, value: Any) -> R:
-    """Build a wire type from what the user passed; a bad field becomes a UserInputError that
-    names it (`field` is the argument's name; '' when `value` holds several arguments)."""
-    try:
-        return value if isinstance(value, model) else model.model_validate(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in (field, *first["loc"]) if p != "")
-        raise UserInputError(f"{where}: {first['msg']} (got {first.get('input')!r})") from None

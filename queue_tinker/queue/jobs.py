@@ -24,6 +24,19 @@ class Enqueued:
 
 
 @dataclass(frozen=True)
+class Ordered:
+    """What became of an op the client numbered itself (enqueue_in_order)."""
+
+    job_id: str
+    created: bool  # False: this seq_id was sent before; job_id is the first submit's
+    waiting_for: int  # the lowest seq_id the model still waits for (0: not known, a retry)
+
+
+class SeqIdUsedError(UserInputError):
+    """A seq_id below the model's next one arrived, and its first job is no longer known."""
+
+
+@dataclass(frozen=True)
 class JobOutcome:
     """A finished job as the worker published it."""
 
@@ -144,6 +157,50 @@ class JobQueue:
                 raise UnknownModelError(f"model_id: no model {model_id!r}") from exc
             raise
         return Enqueued(job_id=reply[0].decode(), created=bool(reply[1]))
+
+    async def enqueue_in_order(
+        self, model_id: str, seq_id: int, kind: OpKind | None, payload: bytes, *, job_id: str
+    ) -> Ordered:
+        """Append an op in the order of the client's own `seq_id` (1, 2, ... per model), however
+        the requests arrive: an early one is held until the ones before it are in. A seq_id is
+        used once (a retry gets the first job). `kind=None` consumes the seq_id without an op:
+        for a request refused at the door, so the ops after it are not held behind it."""
+        base_model = await self.base_model(model_id)
+        keys = self.keys
+        idem = f"seq:{seq_id}"
+        try:
+            reply = await self.scripts.enqueue_in_order(
+                keys=[
+                    keys.model_meta(model_id), keys.model_ops(model_id),
+                    keys.idempotency(model_id, idem), keys.job(job_id),
+                    keys.model_lease(model_id), keys.offers(base_model),
+                    keys.pending(base_model), keys.records(), keys.model_held(model_id),
+                ],
+                args=["" if kind is None else job_id, kind.value if kind else "", payload,
+                      self.result_ttl_s, idem, model_id, seq_id, keys.prefix],
+            )
+        except ResponseError as exc:
+            if "UNKNOWN_MODEL" in str(exc):
+                raise UnknownModelError(f"model_id: no model {model_id!r}") from exc
+            if "SEQ_USED" in str(exc):
+                raise SeqIdUsedError(
+                    f"seq_id: {seq_id} of model {model_id} was used before") from None
+            raise
+        return Ordered(job_id=reply[0].decode(), created=bool(reply[1]),
+                       waiting_for=int(reply[2]))
+
+    async def skip_seq_gap(self, model_id: str) -> tuple[int, int] | None:
+        """Resume the model's order at its lowest held op, giving up on the seq_ids missing
+        before it; (first skipped, resumed at), or None when nothing is held."""
+        base_model = await self.base_model(model_id)
+        keys = self.keys
+        reply = await self.scripts.skip_seq_gap(
+            keys=[keys.model_meta(model_id), keys.model_ops(model_id),
+                  keys.model_lease(model_id), keys.offers(base_model), keys.pending(base_model),
+                  keys.records(), keys.model_held(model_id)],
+            args=[self.result_ttl_s, model_id, keys.prefix],
+        )
+        return (int(reply[0]), int(reply[1])) if reply else None
 
     async def base_model(self, model_id: str) -> str:
         """The base model a model was created on (cached: it never changes)."""

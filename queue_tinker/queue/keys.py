@@ -36,10 +36,24 @@ class Keys:
         """String: the job id first submitted under this idempotency key."""
         return f"{self.prefix}:model:{model_id}:idem:{key}"
 
+    def model_held(self, model_id: str) -> str:
+        """Hash: client seq_id -> op that arrived before its turn (Tinker protocol order)."""
+        return f"{self.prefix}:model:{model_id}:held"
+
     # --- per job ---------------------------------------------------------------------------
     def job(self, job_id: str) -> str:
         """Hash: model_id, seq, kind, status, timings, worker, result or error."""
         return f"{self.prefix}:job:{job_id}"
+
+    def job_reply(self, job_id: str) -> str:
+        """String: how the gateway answers for a finished job when the kind alone does not say
+        (a save that becomes a sampling session)."""
+        return f"{self.prefix}:job:{job_id}:reply"
+
+    # --- per client session ----------------------------------------------------------------
+    def session(self, session_id: str) -> str:
+        """Hash: tenant_id of a gateway session (model ids are derived from session ids)."""
+        return f"{self.prefix}:session:{session_id}"
 
     # --- per base model --------------------------------------------------------------------
     def offers(self, base_model: str) -> str:

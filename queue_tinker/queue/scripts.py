@@ -23,6 +23,8 @@ class Scripts:
     """The queue's scripts bound to one client (EVALSHA, falling back to EVAL once)."""
 
     enqueue: AsyncScript
+    enqueue_in_order: AsyncScript
+    skip_seq_gap: AsyncScript
     register_model: AsyncScript
     claim: AsyncScript
     renew: AsyncScript

@@ -11,6 +11,8 @@ from queue_tinker.types.enums import CheckpointKind
 SCHEME = "tinker://"
 META_FILE = "qt_meta.json"  # our metadata beside the PEFT files of every checkpoint directory
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Run ids are ours (m-<hex>) or the Tinker protocol's (<session id>:train:<n>).
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,255}")
 _SEGMENTS = {kind.path_segment: kind for kind in CheckpointKind}
 
 
@@ -43,5 +45,6 @@ class CheckpointPath:
                 f"{SCHEME}<run id>/weights/<name> or {SCHEME}<run id>/sampler_weights/<name>"
             )
         run_id, segment, name = parts
-        check_name(run_id, field=f"{field} (run id)")
+        if not _RUN_ID.fullmatch(run_id) or ".." in run_id:
+            raise UserInputError(f"{field}: {path!r} names no valid run id ({run_id!r})")
         return cls(run_id=run_id, kind=_SEGMENTS[segment], name=check_name(name, field))

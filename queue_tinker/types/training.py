@@ -47,6 +47,31 @@ class AdamParams(_Wire):
         return value
 
 
+MAX_TTL_SECONDS = 10 * 365 * 86_400
+
+
+class CreateModelInput(_Wire):
+    """The body of a create_model op."""
+
+    lora_config: LoraConfig
+    tenant_id: str
+    base_model: str
+
+
+class SaveInput(_Wire):
+    """The body of a save_state / save_weights_for_sampler op."""
+
+    name: str
+    ttl_seconds: int | None = Field(None, gt=0, le=MAX_TTL_SECONDS)
+
+
+class LoadInput(_Wire):
+    """The body of a load_state op: weights, and with `optimizer` the optimizer state too."""
+
+    path: str
+    optimizer: bool = False
+
+
 class ForwardBackwardInput(_Wire):
     """The body of a forward or forward_backward op."""
 

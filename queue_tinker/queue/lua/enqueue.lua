@@ -14,26 +14,15 @@ end
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {ARGV[1], 0}
 end
+local ttl = tonumber(ARGV[4])
 if ARGV[5] ~= '' then
   local existing = redis.call('GET', KEYS[3])
   if existing then
     return {existing, 0}
   end
-end
-local seq = redis.call('HINCRBY', KEYS[1], 'last_seq', 1)
-local ttl = tonumber(ARGV[4])
-redis.call('HSET', KEYS[4], 'id', ARGV[1], 'model_id', ARGV[6], 'seq', seq, 'kind', ARGV[2],
-  'status', 'queued', 'tenant_id', redis.call('HGET', KEYS[1], 'tenant_id'),
-  'queued_at', now_text(), 'attempts', 0)
-if ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[4], 'idempotency_key', ARGV[5])
   redis.call('SET', KEYS[3], ARGV[1], 'EX', ttl)
+  redis.call('HSET', KEYS[4], 'idempotency_key', ARGV[5])
 end
-redis.call('EXPIRE', KEYS[4], ttl)
-redis.call('XADD', KEYS[2], seq .. '-0', 'job', ARGV[1], 'kind', ARGV[2], 'payload', ARGV[3])
-redis.call('SADD', KEYS[7], ARGV[6])
-if redis.call('EXISTS', KEYS[5]) == 0 then
-  redis.call('ZADD', KEYS[6], 'NX', now_ms(), ARGV[6])
-end
-record_job(KEYS[4], KEYS[8])
+append_op({KEYS[1], KEYS[2], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]},
+  ARGV[1], ARGV[2], ARGV[3], ttl, ARGV[6])
 return {ARGV[1], 1}

@@ -1,0 +1,103 @@
+"""Opening a model's queue: a training run (new, or from a checkpoint) or a sampling session.
+
+The Python client and the HTTP gateway both open queues through here, so a run or a session
+is the same thing whichever door it came in by. Each function registers the queue and submits
+its first ops through `submit`, the caller's own way of enqueueing (the client keeps a future
+per op; the gateway only needs the request id). A repeated call with the same id opens
+nothing new: the create ops carry fixed idempotency keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from queue_tinker.errors import UnknownModelError, UserInputError
+from queue_tinker.queue import codec
+from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.types import OpKind
+from queue_tinker.types.checkpoints import CheckpointPath
+from queue_tinker.types.sampling import CreateSamplingSessionInput
+from queue_tinker.types.training import CreateModelInput, LoadInput, LoraConfig
+
+T = TypeVar("T")
+# (model id, kind, payload, idempotency key) -> whatever the caller keeps of the submit
+Submit = Callable[[str, OpKind, bytes, str | None], Awaitable[T]]
+
+CREATE_KEY = "create"
+LOAD_STATE_KEY = "create-load-state"
+
+
+async def open_training_run(
+    jobs: JobQueue, submit: Submit[T], model_id: str, *, base_model: str, tenant_id: str,
+    session_id: str | None, config: LoraConfig,
+) -> T:
+    """A new LoRA run: its queue, then its create op (the worker builds the adapter)."""
+    await jobs.register_model(model_id, base_model=base_model, tenant_id=tenant_id,
+                              session_id=session_id, lora_config=config.model_dump())
+    body = CreateModelInput(lora_config=config, tenant_id=tenant_id, base_model=base_model)
+    return await submit(model_id, OpKind.CREATE_MODEL, codec.encode(body.model_dump()),
+                        CREATE_KEY)
+
+
+async def checkpoint_run(jobs: JobQueue, path: CheckpointPath, tenant_id: str,
+                         field: str) -> dict[str, Any]:
+    """The meta of the training run that saved a checkpoint. Another tenant's run reads exactly
+    like a missing one."""
+    try:
+        info = await jobs.model_info(path.run_id)
+    except UnknownModelError:
+        info = None
+    if info is None or info["tenant_id"] != tenant_id or info["kind"] != "training":
+        raise UserInputError(f"{field}: no checkpoint {path} (unknown run {path.run_id!r})")
+    return info
+
+
+async def open_training_run_from_state(
+    jobs: JobQueue, submit: Submit[T], model_id: str, path: str, *, tenant_id: str,
+    session_id: str | None, optimizer: bool, base_model: str | None = None,
+) -> T:
+    """A new run that starts from a checkpoint: the checkpoint's base model and LoRA config,
+    its weights, and with `optimizer` its optimizer state. Returns the load op's submit."""
+    parsed = CheckpointPath.parse(path)
+    source = await checkpoint_run(jobs, parsed, tenant_id, "path")
+    if base_model is not None and base_model != source["base_model"]:
+        raise UserInputError(f"base_model: {base_model!r} does not match path, which was "
+                             f"trained on {source['base_model']!r}")
+    config = LoraConfig.model_validate(source["lora_config"])
+    await open_training_run(jobs, submit, model_id, base_model=source["base_model"],
+                            tenant_id=tenant_id, session_id=session_id, config=config)
+    body = LoadInput(path=path, optimizer=optimizer)
+    return await submit(model_id, OpKind.LOAD_STATE, codec.encode(body.model_dump()),
+                        LOAD_STATE_KEY)
+
+
+async def sampling_base_model(jobs: JobQueue, tenant_id: str, model_path: str | None,
+                              base_model: str | None) -> str:
+    """The base model a sampling session runs on: the checkpoint's run's, or the one asked."""
+    if model_path is None and base_model is None:
+        raise UserInputError("model_path, base_model: pass one (a tinker:// checkpoint path, or "
+                             "a base model to sample from without an adapter)")
+    if model_path is not None:
+        path = CheckpointPath.parse(model_path, "model_path")
+        trained_on = str((await checkpoint_run(jobs, path, tenant_id, "model_path"))["base_model"])
+        if base_model is not None and base_model != trained_on:
+            raise UserInputError(f"base_model: {base_model!r} does not match model_path, which "
+                                 f"was trained on {trained_on!r}")
+        return trained_on
+    if not isinstance(base_model, str) or not base_model.strip():
+        raise UserInputError(f"base_model: must be a non-empty string, got {base_model!r}")
+    return base_model
+
+
+async def open_sampling_session(
+    jobs: JobQueue, submit: Submit[T], sampler_id: str, *, base_model: str, tenant_id: str,
+    session_id: str | None, model_path: str | None,
+) -> T:
+    """A sampling session's queue, then its create op (a worker checks the weights)."""
+    await jobs.register_sampling_session(sampler_id, base_model=base_model, tenant_id=tenant_id,
+                                         session_id=session_id, model_path=model_path)
+    body = CreateSamplingSessionInput(tenant_id=tenant_id, base_model=base_model,
+                                      model_path=model_path)
+    return await submit(sampler_id, OpKind.CREATE_SAMPLING_SESSION,
+                        codec.encode(body.model_dump()), CREATE_KEY)
