@@ -1,0 +1,1 @@
+"""Protobuf messages of the public tinker SDK wire format (generated module + .proto)."""

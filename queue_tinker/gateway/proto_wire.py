@@ -1,0 +1,242 @@
+"""Protobuf bytes <-> our wire types, for the messages the tinker SDK sends and expects as
+protobuf (docs/tinker-http-protocol.md, sections 5.3, 6.2 and 9).
+
+One job: decode a `ForwardBackwardRequest` into a `ForwardBackwardInput`, and encode our
+`ForwardBackwardOutput` / `SampleResponse` results. Numeric arrays travel as little-endian
+bytes; every bad input raises `UserInputError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from queue_tinker.errors import UserInputError
+from queue_tinker.gateway.proto import tinker_public_pb2 as pb
+from queue_tinker.types.enums import LossFn
+from queue_tinker.types.sampling import SampleResponse
+from queue_tinker.types.tensors import Datum, EncodedTextChunk, ModelInput, TensorData, TensorDtype
+from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
+
+PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
+
+# A sparse tensor's dense size is not bounded by the body's size; this bounds it (1 GiB of
+# float32s, far beyond any per-datum loss input).
+MAX_SPARSE_DENSE_CELLS = 1 << 28
+
+# Wire dtype -> (how its bytes read, our dtype). INT32 and BFLOAT16 widen, as the SDK does.
+_READ_DTYPES: dict[int, tuple[np.dtype, TensorDtype]] = {
+    pb.DTYPE_FLOAT32: (np.dtype("<f4"), "float32"),
+    pb.DTYPE_INT64: (np.dtype("<i8"), "int64"),
+    pb.DTYPE_INT32: (np.dtype("<i4"), "int64"),
+    pb.DTYPE_BFLOAT16: (np.dtype("<u2"), "float32"),
+}
+_WRITE_DTYPES: dict[TensorDtype, tuple[np.dtype, pb.DType]] = {
+    "float32": (np.dtype("<f4"), pb.DTYPE_FLOAT32),
+    "int64": (np.dtype("<i8"), pb.DTYPE_INT64),
+}
+_DTYPE_NAMES = {value: name for name, value in pb.DType.items()}
+_STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+
+
+# ---- forward_backward request ----
+
+
+@dataclass(frozen=True)
+class ParsedForwardBackward:
+    """A decoded request whose batch is converted only on demand: the gateway needs model_id
+    and seq_id even when the batch is bad, to consume that seq_id in the model's order."""
+
+    model_id: str
+    seq_id: int
+    forward_only: bool
+    _request: pb.ForwardBackwardRequest = field(repr=False, compare=False)
+
+    def batch(self) -> ForwardBackwardInput:
+        """The request's data, loss function and config as ours; UserInputError if bad."""
+        request = self._request
+        loss_fn = _loss_fn(request.loss_fn)
+        config = _loss_fn_config(request)
+        data = [_datum(f"data[{i}]", datum) for i, datum in enumerate(request.data)]
+        return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config)
+
+
+def parse_forward_backward(raw: bytes) -> ParsedForwardBackward:
+    """Decode a (decompressed) /forward_backward body; only the envelope is checked here."""
+    request = pb.ForwardBackwardRequest()
+    try:
+        request.ParseFromString(raw)
+    except DecodeError as exc:
+        raise UserInputError(
+            f"body: not a tinker_public.ForwardBackwardRequest protobuf ({exc})"
+        ) from None
+    return ParsedForwardBackward(model_id=request.model_id, seq_id=request.seq_id,
+                                 forward_only=request.forward_only, _request=request)
+
+
+def _loss_fn(name: str) -> LossFn:
+    try:
+        return LossFn(name)
+    except ValueError:
+        supported = ", ".join(fn.value for fn in LossFn)
+        raise UserInputError(
+            f"loss_fn: {name!r} is not supported by this service; use one of {supported}"
+        ) from None
+
+
+def _loss_fn_config(request: pb.ForwardBackwardRequest) -> dict[str, float] | None:
+    """v2 when the SDK sent it (it writes both maps; only v2 can hold text), else the legacy
+    map. Our losses take numbers only."""
+    if request.loss_fn_config_v2:
+        config: dict[str, float] = {}
+        for key, value in request.loss_fn_config_v2.items():
+            if value.WhichOneof("value") != "number":
+                raise UserInputError(
+                    f"loss_fn_config_v2[{key!r}]: must be a number; text values are not "
+                    "supported by this service's loss functions"
+                )
+            config[key] = value.number
+        return config
+    return dict(request.loss_fn_config) or None
+
+
+def _datum(where: str, datum: pb.Datum) -> Datum:
+    # Provenance spans (model_input_spans, loss_fn_input_spans) are accepted and ignored.
+    chunks = [_chunk(f"{where}.model_input[{j}]", chunk)
+              for j, chunk in enumerate(datum.model_input)]
+    inputs = {key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor)
+              for key, tensor in datum.loss_fn_inputs.items()}
+    return Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+
+
+def _chunk(where: str, chunk: pb.Chunk) -> EncodedTextChunk:
+    kind = chunk.WhichOneof("chunk")
+    if kind is None:
+        raise UserInputError(f"{where}: empty chunk (set encoded_text)")
+    if kind != "encoded_text":
+        raise UserInputError(
+            f"{where}: {kind} chunks are not supported; this service serves text models only "
+            "(send encoded_text chunks)"
+        )
+    tokens = _array(f"{where}.encoded_text.tokens", chunk.encoded_text.tokens, np.dtype("<i4"))
+    return EncodedTextChunk(tokens=tokens.tolist())
+
+
+def _array(where: str, raw: bytes, wire: np.dtype) -> np.ndarray:
+    """Little-endian bytes as a 1-D array (an owned, writable copy in native byte order)."""
+    if len(raw) % wire.itemsize:
+        raise UserInputError(
+            f"{where}: {len(raw)} bytes is not a whole number of {wire.itemsize}-byte values"
+        )
+    return np.frombuffer(raw, dtype=wire).astype(wire.newbyteorder("="))
+
+
+def _tensor(where: str, tensor: pb.Tensor) -> TensorData:
+    """A dense or sparse-CSR request tensor as our dense TensorData (doc section 9.1)."""
+    if tensor.dtype not in _READ_DTYPES:
+        name = _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+        raise UserInputError(f"{where}: dtype {name} is not supported; use FLOAT32 or INT64")
+    wire, dtype = _READ_DTYPES[tensor.dtype]
+    shape = list(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise UserInputError(f"{where}: shape {shape} has a negative dimension")
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        array = _dense_from_csr(where, tensor.sparse_csr, wire, shape)
+    else:
+        array = _array(f"{where}.dense", tensor.dense, wire)
+        if shape and math.prod(shape) != array.size:
+            raise UserInputError(
+                f"{where}: dense holds {array.size} values but shape {shape} needs "
+                f"{math.prod(shape)}"
+            )
+        array = array.reshape(shape or [array.size])
+    if tensor.dtype == pb.DTYPE_BFLOAT16:
+        array = (array.astype(np.uint32) << 16).view(np.float32)  # bf16 = a float32's top half
+    return TensorData(data=array.astype(dtype, copy=False), dtype=dtype, shape=list(array.shape))
+
+
+def _dense_from_csr(where: str, csr: pb.SparseCsr, wire: np.dtype, shape: list[int]
+                    ) -> np.ndarray:
+    """Densify a 2-D CSR tensor; absent cells are 0 (the pad value of loss_fn_inputs)."""
+    where = f"{where}: sparse_csr"
+    if len(shape) != 2:
+        raise UserInputError(f"{where} needs a 2-D shape, got {shape}")
+    rows, cols = shape
+    if rows * cols > MAX_SPARSE_DENSE_CELLS:
+        raise UserInputError(f"{where} shape {shape} is too large")
+    values = _array(f"{where} values", csr.values, wire)
+    crow = _array(f"{where} crow_indices", csr.crow_indices, np.dtype("<i8"))
+    col = _array(f"{where} col_indices", csr.col_indices, np.dtype("<i8"))
+    if len(crow) != rows + 1:
+        raise UserInputError(f"{where} crow_indices has {len(crow)} entries, expected {rows + 1}")
+    if crow[0] != 0 or crow[-1] != len(col) or bool(np.any(np.diff(crow) < 0)):
+        raise UserInputError(
+            f"{where} crow_indices must start at 0, never decrease and end at {len(col)}"
+        )
+    if len(values) != len(col):
+        raise UserInputError(
+            f"{where} values has {len(values)} entries but col_indices has {len(col)}"
+        )
+    if len(col) and (col.min() < 0 or col.max() >= cols):
+        raise UserInputError(f"{where} col_indices out of range for {cols} columns")
+    row = np.repeat(np.arange(rows), np.diff(crow))
+    if np.unique(row * cols + col).size != len(col):
+        raise UserInputError(f"{where} lists a cell twice")
+    dense = np.zeros((rows, cols), dtype=values.dtype)
+    dense[row, col] = values
+    return dense
+
+
+# ---- results ----
+
+
+def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
+    """One ArrayRecord for the whole batch: per field, all datums' values back to back with
+    int64 byte offsets, which the SDK slices per datum (doc section 9.3)."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type)
+    msg.metrics.update(out.metrics)
+    outputs = out.loss_fn_outputs
+    record = msg.loss_fn_outputs.add(num_datums=len(outputs))
+    names = list(outputs[0]) if outputs else []
+    assert all(d.keys() == set(names) for d in outputs), "datums' output fields differ"
+    for name in names:
+        tensors = [d[name] for d in outputs]
+        assert len({t.dtype for t in tensors}) == 1, f"{name}: datums' dtypes differ"
+        wire, dtype = _WRITE_DTYPES[tensors[0].dtype]
+        # Each datum's array as [leading, *trailing]; a scalar becomes [1].
+        arrays = [np.ascontiguousarray(t.data, dtype=wire).reshape(-1, *t.data.shape[1:])
+                  for t in tensors]
+        trailing = arrays[0].shape[1:]
+        assert all(a.shape[1:] == trailing for a in arrays), f"{name}: trailing shapes differ"
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64)
+        record.fields[name].CopyFrom(pb.BatchedTensor(
+            data=b"".join(a.tobytes() for a in arrays),
+            offsets=offsets.astype("<i8").tobytes(),
+            dtype=dtype,
+            trailing_shape=list(trailing),
+        ))
+    return msg.SerializeToString()
+
+
+def encode_sample_response(response: SampleResponse, *,
+                           prompt_logprobs_last_n: int | None = None) -> bytes:
+    """The sampling result as the SDK reads it (doc section 9.2): prompt logprobs are NaN where
+    not computed, including before the last N positions when the request asked for only N
+    (the SDK raises if any of those is a number)."""
+    msg = pb.SampleResponse()
+    for seq in response.sequences:
+        msg.sequences.add(
+            stop_reason=_STOP_REASONS[seq.stop_reason],
+            tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
+        )
+    if response.prompt_logprobs is not None:
+        values = np.array([math.nan if v is None else v for v in response.prompt_logprobs],
+                          dtype="<f4")
+        if prompt_logprobs_last_n is not None:
+            values[: max(len(values) - prompt_logprobs_last_n, 0)] = math.nan
+        msg.prompt_logprobs = values.tobytes()
+    return msg.SerializeToString()
