@@ -7,10 +7,13 @@ checkpoint has expired are the files removed, so a job that fires early, or for 
 saved again since, does no harm. Then the `checkpoints` row gets `deleted_at`. The recorder
 writes rows behind the queue, so a row that is not there yet is tried again a few seconds later.
 A periodic sweep over Postgres catches whatever a lost job (Redis flushed, housekeeper down) left
-behind.
+behind. A user's delete through the gateway (`delete_checkpoint`) and a TTL changed there
+(`set_meta_expiry`, then `schedule_checkpoint_expiry`) go through the same code, so the
+storage checks and the meta-first rule hold for them too.
 
-Everything here is synchronous (rq jobs are); the database work of a job goes through the
-asyncpg engine under `asyncio.run`, so no second Postgres driver is needed. No torch.
+The jobs are synchronous (rq jobs are); their database work goes through the asyncpg engine
+under `asyncio.run`, so no second Postgres driver is needed. `delete_checkpoint` is a coroutine
+for the gateway's own loop. No torch.
 """
 
 from __future__ import annotations
@@ -209,16 +212,25 @@ def _check_inside(directory: Path, storage_dir: Path | None) -> None:
         raise CheckpointPathError(f"{directory} is not inside checkpoint storage {root}")
 
 
+def _is_due(meta: dict[str, Any] | None, checkpoint_id: str, now: float, force: bool) -> bool:
+    """Whether to remove: always our checkpoint (its meta names it), and expired unless forced
+    (a user's delete)."""
+    if force:
+        return meta is not None and meta.get("id") == checkpoint_id
+    return _is_expired(meta, checkpoint_id, now)
+
+
 def _remove_if_expired(
-    checkpoint_id: str, directory: Path, now: float, storage_dir: Path | None
+    checkpoint_id: str, directory: Path, now: float, storage_dir: Path | None, *,
+    force: bool = False,
 ) -> tuple[_Disk, float | None]:
-    """Remove `directory` if its meta says `checkpoint_id` expired by `now`; the state on disk
-    and, when kept, the meta's expires_at."""
+    """Remove `directory` if its meta says `checkpoint_id` expired by `now` (with `force`: if
+    it is that checkpoint at all); the state on disk and, when kept, the meta's expires_at."""
     _check_inside(directory, storage_dir)
     if not directory.exists():
         return _Disk.ABSENT, None
     meta = _read_meta(directory)
-    if not _is_expired(meta, checkpoint_id, now):
+    if not _is_due(meta, checkpoint_id, now, force):
         expires_at = meta.get("expires_at") if meta and meta.get("id") == checkpoint_id else None
         return _Disk.KEPT, expires_at if isinstance(expires_at, int | float) else None
     # Move it aside in one rename, so readers see the checkpoint or nothing, never half of it;
@@ -228,12 +240,35 @@ def _remove_if_expired(
         directory.rename(trash)
     except FileNotFoundError:
         return _Disk.ABSENT, None
-    if not _is_expired(_read_meta(trash), checkpoint_id, now):
-        # Saved again between our read and the rename: put the new one back.
+    if not _is_due(_read_meta(trash), checkpoint_id, now, force):
+        # Saved again (or its TTL moved) between our read and the rename: put it back.
         trash.rename(directory)
         return _Disk.KEPT, None
     shutil.rmtree(trash)
     return _Disk.REMOVED, None
+
+
+def set_meta_expiry(
+    checkpoint_id: str, directory: Path, expires_at: float | None, storage_dir: Path | None
+) -> bool:
+    """Write a new expires_at (unix seconds, None: never) into the checkpoint's meta, which is
+    what expiry obeys; False if the directory does not hold that checkpoint (any more)."""
+    _check_inside(directory, storage_dir)
+    meta = _read_meta(directory)
+    if meta is None or meta.get("id") != checkpoint_id:
+        return False
+    meta["expires_at"] = expires_at
+    # Replace the file in one rename: the housekeeper never reads half a meta. If the
+    # directory is moved aside meanwhile, the write fails instead of landing in its trash.
+    tmp = directory / f".{META_FILE}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, directory / META_FILE)
+    except FileNotFoundError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
 
 
 # --- the row -------------------------------------------------------------------------------
@@ -267,15 +302,32 @@ class _Result:
 
 async def _expire(
     engine: AsyncEngine, checkpoint_id: str, directory: Path, storage_dir: Path | None, *,
-    files_removed: bool,
+    files_removed: bool, force: bool = False,
 ) -> _Result:
-    disk, meta_expires_at = _remove_if_expired(checkpoint_id, directory, time.time(), storage_dir)
-    if disk is _Disk.KEPT:
+    # Off the event loop: the gateway runs this too, and an rmtree can take a while.
+    disk, meta_expires_at = await asyncio.to_thread(
+        _remove_if_expired, checkpoint_id, directory, time.time(), storage_dir, force=force)
+    if disk is _Disk.KEPT and not force:
         return _Result(Outcome.KEPT, files_removed, meta_expires_at)
+    if disk is _Disk.KEPT:  # forced, but the directory is not this checkpoint's: leave it
+        log.warning("checkpoint %s: %s does not hold it (no matching %s); files left in place",
+                    checkpoint_id, directory, META_FILE)
     removed = files_removed or disk is _Disk.REMOVED
     async with engine.begin() as conn:
-        outcome = await _mark_deleted(conn, checkpoint_id, only_if_due=not removed)
+        # A user's delete marks the row whatever its expires_at says.
+        outcome = await _mark_deleted(conn, checkpoint_id, only_if_due=not (removed or force))
     return _Result(outcome, removed, None)
+
+
+async def delete_checkpoint(
+    engine: AsyncEngine, checkpoint_id: str, directory: Path, storage_dir: Path | None
+) -> bool:
+    """A user's delete (the REST DELETE): the same path as TTL expiry (storage checks, one
+    rename aside, then deleted_at), only without waiting for the TTL. True if files were
+    removed now. A scheduled expiry job for it later finds nothing to do."""
+    result = await _expire(engine, checkpoint_id, directory, storage_dir, files_removed=False,
+                           force=True)
+    return result.files_removed
 
 
 async def _expire_once(

@@ -74,6 +74,17 @@ class Settings(BaseSettings):
         description="How long the sampler weights that save_weights_and_get_sampling_client "
         "writes without a name are kept.",
     )
+    long_poll_s: float = Field(
+        default=25.0, gt=0, le=40,
+        description="How long the gateway holds a retrieve_future call open waiting for the "
+        "result before it answers try_again (the tinker SDK gives up on a call after 45 s).",
+    )
+    seq_gap_timeout_s: float = Field(
+        default=120.0, gt=0,
+        description="How long the gateway holds a model's ops behind a seq_id that never "
+        "arrived (a request the client numbered but failed to send) before it gives up on it "
+        "and runs the ops after it.",
+    )
     gateway_host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     gateway_port: int = Field(default=8000, description="Gateway port.")
     api_key: str | None = Field(

@@ -85,6 +85,14 @@ def test_a_session_belongs_to_the_keys_tenant(settings: Settings, gateway: str) 
     beat = httpx.post(f"{gateway}/api/v1/session_heartbeat", headers=headers,
                       json={"session_id": session_id, "type": "session_heartbeat"}, timeout=10)
     assert beat.status_code == 200
+    # Another tenant's heartbeat for this session is refused like an unknown session's.
+    stranger = {"X-API-Key": make_key(settings, f"t-{uuid.uuid4().hex[:8]}")}
+    assert httpx.post(f"{gateway}/api/v1/session_heartbeat", headers=stranger,
+                      json={"session_id": session_id}, timeout=10).status_code == 404
+    # The SDK validates the telemetry answer with its own model.
+    telemetry = httpx.post(f"{gateway}/api/v1/telemetry", headers=headers,
+                           json={"events": [], "session_id": session_id}, timeout=10)
+    tinker.types.TelemetryResponse.model_validate(telemetry.json())
 
     async def owner() -> str | None:
         engine = make_engine(settings.database_url or "")

@@ -1,5 +1,5 @@
-"""The HTTP gateway: health and a queue overview now; the Tinker wire protocol and the
-dashboard mount here as they land."""
+"""The HTTP gateway: the Tinker protocol (the official tinker SDK works against it unchanged),
+health, and a queue overview."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
+from queue_tinker.errors import UnknownModelError, UserInputError
+from queue_tinker.gateway import tinker_futures, tinker_sampling, tinker_training
 from queue_tinker.gateway.overview import queue_overview
+from queue_tinker.gateway.tinker_queue import GatewayQueue
+from queue_tinker.gateway.tinker_rest import rest_router
 from queue_tinker.gateway.tinker_session import session_router
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
@@ -32,6 +36,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.redis = connect(settings.redis_url or "")
         app.state.db = make_engine(settings.database_url or "")
         app.state.sessions = session_factory(app.state.db)
+        app.state.gateway_queue = GatewayQueue(app.state.redis, keys, settings)
         # The gateway also writes the record behind, so Postgres keeps up with no worker alive.
         recorder = RecorderThread(settings.redis_url or "", settings.database_url or "", keys,
                                   consumer=f"gateway-{uuid.uuid4().hex[:8]}")
@@ -40,11 +45,23 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(recorder.stop)
+            await app.state.gateway_queue.close()
             await app.state.redis.aclose()
             await app.state.db.dispose()
 
     app = FastAPI(title="queue_tinker", lifespan=lifespan)
+    app.state.settings = settings
     app.include_router(session_router(settings, keys))
+    app.include_router(rest_router(settings, keys))
+    for module in (tinker_training, tinker_sampling, tinker_futures):
+        app.include_router(module.router)
+
+    @app.exception_handler(UserInputError)
+    async def user_input_error(request: Request, exc: UserInputError) -> JSONResponse:
+        """Bad input is the caller's to fix: 400 (404 for an unknown model) with the message
+        that names the field; never a body-less 400, which the SDK retries as a proxy glitch."""
+        status = 404 if isinstance(exc, UnknownModelError) else 400
+        return JSONResponse({"detail": exc.message}, status_code=status)
 
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:

@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
 
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.queue.keys import Keys
@@ -27,6 +28,10 @@ CLIENT_CONFIG = {
 }
 
 
+class HeartbeatRequest(BaseModel):
+    session_id: str
+
+
 def session_router(settings: Settings, keys: Keys) -> APIRouter:
     router = APIRouter(prefix="/api/v1")
 
@@ -41,13 +46,16 @@ def session_router(settings: Settings, keys: Keys) -> APIRouter:
     async def create_session(request: Request,
                              tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         session_id = f"sess-{uuid.uuid4().hex}"
+        await request.app.state.gateway_queue.open_session(session_id, tenant)
         await records(request).append(SessionRecord(id=session_id, tenant_id=tenant,
                                            created_at=time.time()))
         return {"session_id": session_id, "type": "create_session"}
 
     @router.post("/session_heartbeat")
-    async def session_heartbeat(_: str = Depends(tenant_of)) -> dict[str, Any]:
-        # Acknowledged only: nothing here yet keeps a session alive or ends it.
+    async def session_heartbeat(body: HeartbeatRequest, request: Request,
+                                tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        """Keeps the session's record alive (only the owner's heartbeat counts)."""
+        await request.app.state.gateway_queue.session_of(body.session_id, tenant)
         return {"type": "session_heartbeat"}
 
     @router.post("/sessions/{session_id}/finish")
@@ -66,7 +74,7 @@ def session_router(settings: Settings, keys: Keys) -> APIRouter:
 
     @router.post("/telemetry")
     async def telemetry(_: str = Depends(tenant_of)) -> dict[str, Any]:
-        return {}  # accepted and dropped: the service keeps its own record
+        return {"status": "accepted"}  # and dropped: the service keeps its own record
 
     @router.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -1,0 +1,104 @@
+"""The gateway's side of the queue: one JobQueue and one ResultListener for every caller, plus
+the checks that keep each tenant to its own sessions and models."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from fastapi import HTTPException, Request
+from redis.asyncio import Redis
+
+from queue_tinker.errors import UnknownModelError
+from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.registry import WorkerRegistry
+from queue_tinker.queue.results import ResultListener
+from queue_tinker.settings import Settings
+from queue_tinker.types import OpKind
+
+SESSION_TTL_S = 7 * 86_400  # renewed by every heartbeat
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+def not_found(what: str) -> HTTPException:
+    """Unknown and another tenant's look the same: the caller learns nothing of the other."""
+    return HTTPException(404, f"{what}: not found")
+
+
+class GatewayQueue:
+    def __init__(self, redis: Redis, keys: Keys, settings: Settings) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.jobs = JobQueue(redis, keys, result_ttl_s=settings.result_ttl_s)
+        self.results = ResultListener(redis, keys, self.jobs)
+        self.registry = WorkerRegistry(redis, keys)
+
+    async def close(self) -> None:
+        await self.results.close()
+
+    # --- submitting ----------------------------------------------------------------------
+    async def submit(self, model_id: str, kind: OpKind, payload: bytes,
+                     idempotency_key: str | None) -> str:
+        """Enqueue at the end of the model's log; the request id (the first one's, on a
+        repeat under the same idempotency key)."""
+        enqueued = await self.jobs.enqueue(model_id, kind, payload, job_id=new_request_id(),
+                                           idempotency_key=idempotency_key)
+        return enqueued.job_id
+
+    async def submit_in_order(self, model_id: str, seq_id: int, kind: OpKind,
+                              payload: bytes) -> str:
+        """Enqueue in the order of the client's seq_id; a repeated seq_id gets the first id."""
+        ordered = await self.jobs.enqueue_in_order(model_id, seq_id, kind, payload,
+                                                   job_id=new_request_id())
+        return ordered.job_id
+
+    async def refuse_in_order(self, model_id: str, seq_id: int) -> None:
+        """A request refused at the door still takes its turn: later ones must not wait for it."""
+        await self.jobs.enqueue_in_order(model_id, seq_id, None, b"", job_id="")
+
+    async def set_reply(self, job_id: str, reply: dict[str, Any]) -> None:
+        """How to answer for the job once it is done, beyond what its kind says."""
+        await self.redis.set(self.keys.job_reply(job_id), json.dumps(reply),
+                             ex=self.settings.result_ttl_s)
+
+    async def reply(self, job_id: str) -> dict[str, Any]:
+        raw = await self.redis.get(self.keys.job_reply(job_id))
+        return json.loads(raw) if raw else {}
+
+    # --- ownership -------------------------------------------------------------------------
+    async def open_session(self, session_id: str, tenant: str) -> None:
+        await self.redis.set(self.keys.session(session_id), tenant, ex=SESSION_TTL_S)
+
+    async def session_of(self, session_id: str, tenant: str) -> str:
+        """The session id, if it is the tenant's (404 otherwise); renews its TTL."""
+        key = self.keys.session(session_id)
+        if (await self.redis.get(key) or b"").decode() != tenant:
+            raise not_found(f"session_id {session_id!r}")
+        await self.redis.expire(key, SESSION_TTL_S)
+        return session_id
+
+    async def model_of(self, model_id: str, tenant: str, kind: str = "training") -> dict[str, Any]:
+        """The model's meta, if it is the tenant's and of this kind (404 otherwise)."""
+        try:
+            info = await self.jobs.model_info(model_id)
+        except UnknownModelError:
+            info = None
+        if info is None or info["tenant_id"] != tenant or info["kind"] != kind:
+            what = "sampling_session_id" if kind == "sampling" else "model_id"
+            raise not_found(f"{what} {model_id!r}")
+        return info
+
+
+def gateway_queue(request: Request) -> GatewayQueue:
+    """FastAPI dependency: the app's GatewayQueue."""
+    return request.app.state.gateway_queue  # type: ignore[no-any-return]
+
+
+def gateway_settings(request: Request) -> Settings:
+    return request.app.state.settings  # type: ignore[no-any-return]

@@ -1,0 +1,290 @@
+"""The Tinker protocol's REST calls (docs/tinker-http-protocol.md, section 7): training runs,
+their checkpoints (list, delete, TTL), weights info, sessions and samplers.
+
+Everything is scoped to the caller's tenant: another tenant's id gets the same 404 as a
+missing one, so nothing tells whether it exists. Reads come from the Postgres record, except
+a sampler, which the SDK asks for right after creating it, before its row is written behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from queue_tinker import housekeeping
+from queue_tinker.errors import UnknownModelError
+from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.keys import Keys
+from queue_tinker.settings import Settings
+from queue_tinker.store import queries
+from queue_tinker.store.models import Checkpoint, TrainingRun
+from queue_tinker.types.checkpoints import SCHEME
+from queue_tinker.types.enums import CheckpointKind
+
+MAX_TTL_SECONDS = 10 * 365 * 86_400  # the bound the worker puts on a TTL given at save time
+MAX_PAGE = 1_000
+_CHECKPOINT_TYPES = {CheckpointKind.STATE: "training", CheckpointKind.SAMPLER: "sampler"}
+_SEGMENTS = {kind.path_segment: kind for kind in CheckpointKind}
+
+
+# --- JSON shapes (section 7.1) ---------------------------------------------------------------
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def checkpoint_json(row: Checkpoint) -> dict[str, Any]:
+    kind = CheckpointKind(row.kind)
+    return {"checkpoint_id": f"{kind.path_segment}/{row.name}",
+            "checkpoint_type": _CHECKPOINT_TYPES[kind], "time": _iso(row.created_at),
+            "tinker_path": row.id, "size_bytes": row.size_bytes, "public": False,
+            "expires_at": _iso(row.expires_at)}
+
+
+def training_run_json(
+    run: TrainingRun, newest: dict[tuple[str, str], Checkpoint]
+) -> dict[str, Any]:
+    """`newest`: (run id, kind) -> newest live checkpoint (queries.newest_checkpoints)."""
+    state = newest.get((run.id, CheckpointKind.STATE.value))
+    sampler = newest.get((run.id, CheckpointKind.SAMPLER.value))
+    return {"training_run_id": run.id, "base_model": run.base_model,
+            "model_owner": run.tenant_id, "is_lora": True, "corrupted": False,
+            "lora_rank": run.lora_config.get("rank"),
+            "last_request_time": _iso(run.last_request_at or run.created_at),
+            "last_checkpoint": checkpoint_json(state) if state else None,
+            "last_sampler_checkpoint": checkpoint_json(sampler) if sampler else None,
+            "user_metadata": None}
+
+
+# --- request checks --------------------------------------------------------------------------
+
+
+def _not_found(what: str) -> HTTPException:
+    # One message for missing and not-yours alike: existence must not leak across tenants.
+    return HTTPException(404, f"{what} not found")
+
+
+def checkpoint_tinker_path(run_id: str, checkpoint_id: str) -> str:
+    """tinker://<run>/<checkpoint_id> for a checkpoint_id of the form weights/<name> or
+    sampler_weights/<name>; 400 naming the field otherwise."""
+    segment, _, name = checkpoint_id.partition("/")
+    if segment not in _SEGMENTS or not name or "/" in name:
+        raise HTTPException(400, f"checkpoint_id: {checkpoint_id!r} is not a checkpoint id; "
+                                 "expected weights/<name> or sampler_weights/<name>")
+    return f"{SCHEME}{run_id}/{checkpoint_id}"
+
+
+def run_of_tinker_path(path: object) -> str:
+    """The run id of a tinker://<run>/weights|sampler_weights/<name> path; 400 otherwise.
+    Run ids may hold ':' (the SDK's <session>:train:<n>), never '/'."""
+    parts = path.removeprefix(SCHEME).split("/") if isinstance(path, str) else []
+    if (not isinstance(path, str) or not path.startswith(SCHEME) or len(parts) != 3
+            or parts[1] not in _SEGMENTS or not parts[0] or not parts[2]):
+        raise HTTPException(400, f"tinker_path: {path!r} is not a checkpoint path; expected "
+                                 f"{SCHEME}<run id>/weights/<name> or "
+                                 f"{SCHEME}<run id>/sampler_weights/<name>")
+    return parts[0]
+
+
+def ttl_seconds(body: dict[str, Any]) -> int | None:
+    """A positive whole number of seconds, or null (also when absent) to remove the TTL."""
+    ttl = body.get("ttl_seconds")
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 < ttl <= MAX_TTL_SECONDS:
+        raise HTTPException(422, f"ttl_seconds: must be a whole number of seconds from 1 to "
+                                 f"{MAX_TTL_SECONDS}, or null to remove the TTL; got {ttl!r}")
+    return ttl
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise HTTPException(422, "body: expected a JSON object")
+    return body
+
+
+@contextlib.contextmanager
+def _storage_errors() -> Iterator[None]:
+    """Checkpoint storage trouble as an error that says what is wrong with the deployment."""
+    try:
+        yield
+    except housekeeping.StorageUnavailableError as err:
+        raise HTTPException(503, f"checkpoint storage: {err}") from err
+    except housekeeping.CheckpointPathError as err:
+        raise HTTPException(500, f"checkpoint storage: {err}") from err
+
+
+# --- the routes ------------------------------------------------------------------------------
+
+
+def rest_router(settings: Settings, keys: Keys) -> APIRouter:
+    router = APIRouter(prefix="/api/v1")
+    _add_run_routes(router)
+    _add_checkpoint_routes(router, settings)
+    _add_session_routes(router, settings, keys)
+    return router
+
+
+def _db(request: Request) -> async_sessionmaker[AsyncSession]:
+    sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
+    return sessions
+
+
+async def _owned_checkpoint(
+    request: Request, tenant: str, run_id: str, checkpoint_id: str
+) -> Checkpoint:
+    path = checkpoint_tinker_path(run_id, checkpoint_id)
+    row = await queries.get_live_checkpoint(_db(request), tenant, path)
+    if row is None:
+        raise _not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
+    return row
+
+
+def _add_run_routes(router: APIRouter) -> None:
+    @router.get("/training_runs")
+    async def list_training_runs(
+        request: Request, tenant: str = Depends(tenant_of),
+        limit: int = Query(20, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0),
+    ) -> dict[str, Any]:
+        """The tenant's runs, newest first (access_scope and project_id are not used: every
+        run a tenant can see is its own)."""
+        runs, total = await queries.list_training_runs(_db(request), tenant, limit=limit,
+                                                       offset=offset)
+        newest = await queries.newest_checkpoints(_db(request), [r.id for r in runs])
+        return {"training_runs": [training_run_json(r, newest) for r in runs],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    @router.get("/training_runs/{run_id}")
+    async def get_training_run(run_id: str, request: Request,
+                               tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        run = await queries.get_tenant_training_run(_db(request), tenant, run_id)
+        if run is None:
+            raise _not_found(f"training run {run_id!r}")
+        return training_run_json(run, await queries.newest_checkpoints(_db(request), [run.id]))
+
+    @router.get("/training_runs/{run_id}/checkpoints")
+    async def list_run_checkpoints(run_id: str, request: Request,
+                                   tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        if await queries.get_tenant_training_run(_db(request), tenant, run_id) is None:
+            raise _not_found(f"training run {run_id!r}")
+        rows = await queries.run_checkpoints(_db(request), tenant, run_id)
+        return {"checkpoints": [checkpoint_json(row) for row in rows], "cursor": None}
+
+    @router.get("/checkpoints")
+    async def list_user_checkpoints(
+        request: Request, tenant: str = Depends(tenant_of),
+        limit: int = Query(100, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0),
+    ) -> dict[str, Any]:
+        rows, total = await queries.tenant_checkpoints(_db(request), tenant, limit=limit,
+                                                       offset=offset)
+        return {"checkpoints": [checkpoint_json(row) for row in rows],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    @router.post("/weights_info")
+    async def weights_info(request: Request,
+                           tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        path = (await _json_object(request)).get("tinker_path")
+        run_id = run_of_tinker_path(path)
+        row = await queries.get_live_checkpoint(_db(request), tenant, str(path))
+        run = await queries.get_tenant_training_run(_db(request), tenant, run_id) if row else None
+        if run is None:
+            raise _not_found(f"checkpoint {path!r}")
+        config = run.lora_config
+        return {"base_model": run.base_model, "is_lora": True, "lora_rank": config.get("rank"),
+                "train_unembed": config.get("train_unembed"),
+                "train_mlp": config.get("train_mlp"), "train_attn": config.get("train_attn")}
+
+
+def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
+    storage_dir = settings.storage_dir
+
+    def schedule_expiry(checkpoint_id: str, directory: str, expires_at: float) -> None:
+        # rq speaks sync Redis; a TTL change is rare enough for a connection of its own.
+        with redis.Redis.from_url(settings.redis_url or "") as client:
+            housekeeping.schedule_checkpoint_expiry(client, settings.key_prefix, checkpoint_id,
+                                                    directory, expires_at)
+
+    # The ttl route first: both take a path-type checkpoint id (it holds a '/').
+    @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request,
+                                 tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        """Set (from now) or remove a checkpoint's TTL. The meta file first: it is what expiry
+        obeys; then the row (listings); then the expiry job. A removed TTL leaves any job in
+        place: it finds no expiry in the meta and does nothing."""
+        ttl = ttl_seconds(await _json_object(request))
+        row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
+        expires_at = time.time() + ttl if ttl is not None else None
+        with _storage_errors():
+            written = await asyncio.to_thread(housekeeping.set_meta_expiry, row.id,
+                                              Path(row.path), expires_at, storage_dir)
+        when = datetime.fromtimestamp(expires_at, tz=UTC) if expires_at is not None else None
+        if not written or not await queries.set_checkpoint_expiry(_db(request), tenant, row.id,
+                                                                  when):
+            raise _not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
+        if expires_at is not None:
+            await asyncio.to_thread(schedule_expiry, row.id, row.path, expires_at)
+        return {}
+
+    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request,
+                                tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        """Remove the files and mark the row deleted, through the housekeeper's own path."""
+        row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
+        with _storage_errors():
+            await housekeeping.delete_checkpoint(request.app.state.db, row.id, Path(row.path),
+                                                 storage_dir)
+        return {}
+
+
+def _add_session_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
+    @router.get("/sessions")
+    async def list_sessions(
+        request: Request, tenant: str = Depends(tenant_of),
+        limit: int = Query(20, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0),
+    ) -> dict[str, Any]:
+        ids = await queries.list_session_ids(_db(request), tenant, limit=limit, offset=offset)
+        return {"sessions": ids}
+
+    @router.get("/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request,
+                          tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        members = await queries.session_members(_db(request), tenant, session_id)
+        if members is None:
+            raise _not_found(f"session {session_id!r}")
+        runs, samplers = members
+        return {"training_run_ids": runs, "sampler_ids": samplers}
+
+    @router.get("/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request,
+                          tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+        """Redis first: the SDK asks right after creating the session, before its row exists."""
+        jobs = JobQueue(request.app.state.redis, keys, result_ttl_s=settings.result_ttl_s)
+        try:
+            info: dict[str, Any] | None = await jobs.model_info(sampler_id)
+        except UnknownModelError:
+            info = None
+        if info is not None:
+            if info["kind"] != "sampling" or info["tenant_id"] != tenant:
+                raise _not_found(f"sampler {sampler_id!r}")
+            return {"sampler_id": sampler_id, "base_model": info["base_model"],
+                    "model_path": info["model_path"]}
+        row = await queries.get_sampling_session(_db(request), tenant, sampler_id)
+        if row is None:
+            raise _not_found(f"sampler {sampler_id!r}")
+        return {"sampler_id": row.id, "base_model": row.base_model,
+                "model_path": row.model_path}

@@ -1,0 +1,71 @@
+"""The Tinker protocol's sampling calls (docs/tinker-http-protocol.md, section 6): sampling
+sessions and asample. Samples need no mutual order; each (session, seq_id) runs once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends
+
+from queue_tinker.errors import UserInputError
+from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
+from queue_tinker.gateway.tinker_types import CreateSamplingSessionRequest, SampleRequest
+from queue_tinker.queue import codec, runs
+from queue_tinker.types import JobStatus, OpKind
+from queue_tinker.types.sampling import SampleInput, SamplingParams, check_sample
+from queue_tinker.types.tensors import ModelInput
+from queue_tinker.types.validation import validated
+
+# create_sampling_session answers synchronously; it waits this long for a worker to check the
+# weights, so a bad path fails here. With no worker up it answers anyway, and the samples wait.
+CREATE_CHECK_S = 20.0
+
+UNSUPPORTED = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
+               "target_prompt_logprobs")
+
+
+router = APIRouter(prefix="/api/v1")
+Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
+Tenant = Annotated[str, Depends(tenant_of)]
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(body: CreateSamplingSessionRequest, gq: Queue,
+                                  tenant: Tenant) -> dict[str, Any]:
+    session_id = await gq.session_of(body.session_id, tenant)
+    sampler_id = f"{session_id}:sample:{body.sampling_session_seq_id}"
+    base = await runs.sampling_base_model(gq.jobs, tenant, body.model_path, body.base_model)
+    job_id = await runs.open_sampling_session(
+        gq.jobs, gq.submit, sampler_id, base_model=base, tenant_id=tenant,
+        session_id=session_id, model_path=body.model_path)
+    with contextlib.suppress(TimeoutError):
+        outcome = await asyncio.wait_for(gq.results.wait(job_id, sampler_id), CREATE_CHECK_S)
+        if outcome.status is JobStatus.FAILED:
+            raise UserInputError(outcome.error)
+    return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+
+@router.post("/asample")
+async def asample(body: SampleRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+    info = await gq.model_of(body.sampling_session_id, tenant, kind="sampling")
+    for field in UNSUPPORTED:
+        if getattr(body, field):
+            raise UserInputError(f"{field}: not supported by this service (send 0 / none)")
+    sample = validated(SampleInput, "", {
+        "prompt": validated(ModelInput, "prompt", body.prompt),
+        "num_samples": body.num_samples,
+        "sampling_params": validated(SamplingParams, "sampling_params", body.sampling_params),
+        "prompt_logprobs": body.prompt_logprobs or body.prompt_logprobs_last_n is not None,
+        "model_path": info["model_path"],
+    })
+    check_sample(sample)
+    job_id = await gq.submit(body.sampling_session_id, OpKind.SAMPLE,
+                             codec.encode(sample.model_dump()), f"seq:{body.seq_id}")
+    if body.prompt_logprobs_last_n is not None:
+        await gq.set_reply(job_id, {"prompt_logprobs_last_n": body.prompt_logprobs_last_n})
+    return {"request_id": job_id,
+            "sample_sequence_ids": [f"{job_id}:{i}" for i in range(body.num_samples)]}
+

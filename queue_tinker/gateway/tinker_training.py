@@ -1,0 +1,195 @@
+"""The Tinker protocol's training calls (docs/tinker-http-protocol.md, section 5). Every call
+that does model work enqueues an op and answers at once with its request id; the result comes
+from retrieve_future. Ops of a model run in the order of the client's seq_id."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+
+from queue_tinker.builtin_models import ensure_tokenizer, is_builtin
+from queue_tinker.errors import UserInputError
+from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.gateway.proto_wire import parse_forward_backward
+from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
+from queue_tinker.gateway.tinker_types import (
+    CreateModelRequest,
+    JsonForwardBackwardRequest,
+    LoadWeightsRequest,
+    ModelRequest,
+    OptimStepRequest,
+    SaveWeightsRequest,
+)
+from queue_tinker.queue import codec, runs
+from queue_tinker.types import OpKind
+from queue_tinker.types.checkpoints import CheckpointPath, check_name
+from queue_tinker.types.loss_inputs import check_batch
+from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoadInput, SaveInput
+from queue_tinker.types.validation import validated
+
+router = APIRouter(prefix="/api/v1")
+Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
+Tenant = Annotated[str, Depends(tenant_of)]
+
+
+def model_id_of(session_id: str, model_seq_id: int) -> str:
+    """The SDK builds this id itself for create-from-state, so every run is named this way."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
+async def ordered(gq: GatewayQueue, tenant: str, model_id: str, seq_id: int, kind: OpKind,
+                  payload: Callable[[], bytes]) -> dict[str, Any]:
+    """Enqueue a training call in seq_id order. A body refused here (400) still uses its
+    seq_id, or every later call of the model would wait for it."""
+    await gq.model_of(model_id, tenant)
+    try:
+        body = payload()
+    except UserInputError:
+        await gq.refuse_in_order(model_id, seq_id)
+        raise
+    job_id = await gq.submit_in_order(model_id, seq_id, kind, body)
+    return {"request_id": job_id, "model_id": model_id}
+
+
+@router.post("/create_model")
+async def create_model(body: CreateModelRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+    session_id = await gq.session_of(body.session_id, tenant)
+    optimizer = (body.optimizer_config or {}).get("type", "adamw")
+    if optimizer != "adamw":
+        raise UserInputError(f"optimizer_config.type: {optimizer!r} is not supported; this "
+                             "service trains with AdamW")
+    if not body.base_model.strip():
+        raise UserInputError("base_model: must be a non-empty string")
+    model_id = model_id_of(session_id, body.model_seq_id)
+    job_id = await runs.open_training_run(
+        gq.jobs, gq.submit, model_id, base_model=body.base_model, tenant_id=tenant,
+        session_id=session_id, config=body.lora_config)
+    return {"request_id": job_id, "model_id": model_id}
+
+
+@router.post("/get_info")
+async def get_info(body: ModelRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+    info = await gq.model_of(body.model_id, tenant)
+    base = info["base_model"]
+    tokenizer = base
+    if is_builtin(base):
+        # Built-in models exist only where the service runs: point the SDK's
+        # AutoTokenizer at the local files (works where client and service share a disk).
+        tokenizer = str(await asyncio.to_thread(ensure_tokenizer, base, gq.settings.models_dir))
+    return {"model_id": body.model_id, "is_lora": True, "model_name": base,
+            "lora_rank": info["lora_config"].get("rank"), "type": "get_info",
+            "optimizer_config": {"type": "adamw"},
+            "model_data": {"arch": "causal_lm", "model_name": base, "tokenizer_id": tokenizer}}
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+    """Protobuf (SDK 0.38; forward_only for forward) or the older JSON form."""
+    if "json" in request.headers.get("content-type", ""):
+        return await json_forward_backward(await request.json(), gq, tenant)
+    parsed = parse_forward_backward(await request.body())
+    if parsed.seq_id < 1:
+        raise UserInputError(f"seq_id: must be >= 1, got {parsed.seq_id}")
+    kind = OpKind.FORWARD if parsed.forward_only else OpKind.FORWARD_BACKWARD
+    return await ordered(gq, tenant, parsed.model_id, parsed.seq_id, kind,
+                         lambda: batch_payload(parsed.batch))
+
+
+@router.post("/forward")
+async def forward(request: Request, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+    """The older JSON form of forward."""
+    return await json_forward_backward(await request.json(), gq, tenant)
+
+
+async def json_forward_backward(raw: Any, gq: GatewayQueue, tenant: str) -> dict[str, Any]:
+    body = validated(JsonForwardBackwardRequest, "", raw)
+    field = "forward_input" if body.forward_input is not None else "forward_backward_input"
+    kind = OpKind.FORWARD if body.forward_input is not None else OpKind.FORWARD_BACKWARD
+    return await ordered(gq, tenant, body.model_id, body.seq_id, kind, lambda: batch_payload(
+        lambda: validated(ForwardBackwardInput, field, getattr(body, field))))
+
+
+def batch_payload(batch: Callable[[], ForwardBackwardInput]) -> bytes:
+    checked = batch()
+    check_batch(checked)
+    return codec.encode(checked.model_dump())
+
+
+@router.post("/optim_step")
+async def optim_step(body: OptimStepRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+    def payload() -> bytes:
+        if body.adam_params is None:
+            kind = (body.optimizer_params or {}).get("type")
+            raise UserInputError(f"optimizer_params: {kind!r} is not supported; send "
+                                 "adam_params (this service trains with AdamW)")
+        params = validated(AdamParams, "adam_params", body.adam_params)
+        return codec.encode(params.model_dump())
+
+    return await ordered(gq, tenant, body.model_id, body.seq_id,
+                         OpKind.OPTIM_STEP, payload)
+
+
+def save_payload(body: SaveWeightsRequest, name: str, ttl: int | None) -> Callable[[], bytes]:
+    def payload() -> bytes:
+        if body.overwrite:
+            raise UserInputError("overwrite: not supported; checkpoints are never "
+                                 "overwritten, save under a new name")
+        save = validated(SaveInput, "", {"name": check_name(name, "path"),
+                                         "ttl_seconds": ttl})
+        return codec.encode(save.model_dump())
+
+    return payload
+
+
+@router.post("/save_weights")
+async def save_weights(body: SaveWeightsRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+    """save_state: weights and optimizer state at tinker://<model>/weights/<path>."""
+    return await ordered(gq, tenant, body.model_id, body.seq_id,
+                         OpKind.SAVE_STATE,
+                         save_payload(body, body.path or "", body.ttl_seconds))
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(body: SaveWeightsRequest, gq: Queue,
+                                   tenant: Tenant) -> dict[str, Any]:
+    """Named: weights at tinker://<model>/sampler_weights/<path>. Without a path: an
+    ephemeral checkpoint that becomes a sampling session when it is done."""
+    if body.path is not None:
+        return await ordered(gq, tenant, body.model_id, body.seq_id,
+                             OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                             save_payload(body, body.path, body.ttl_seconds))
+    name = f"ephemeral-s{body.seq_id}"
+    submitted = await ordered(gq, tenant, body.model_id, body.seq_id,
+                              OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                              save_payload(body, name, gq.settings.ephemeral_sampler_ttl_s))
+    sampler_id = f"{body.model_id}:sample:s{body.seq_id}"
+    await gq.set_reply(submitted["request_id"], {"sampling_session_id": sampler_id})
+    return submitted
+
+
+@router.post("/load_weights")
+async def load_weights(body: LoadWeightsRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+    if body.model_id is not None:
+        if body.seq_id is None:
+            raise UserInputError("seq_id: required with model_id")
+
+        def payload() -> bytes:
+            CheckpointPath.parse(body.path)
+            return codec.encode(LoadInput(path=body.path,
+                                          optimizer=body.optimizer).model_dump())
+
+        return await ordered(gq, tenant, body.model_id, body.seq_id, OpKind.LOAD_STATE,
+                             payload)
+    if body.session_id is None or body.model_seq_id is None:
+        raise UserInputError("model_id, session_id: send model_id + seq_id to load into a "
+                             "model, or session_id + model_seq_id to create one from path")
+    session_id = await gq.session_of(body.session_id, tenant)
+    model_id = model_id_of(session_id, body.model_seq_id)
+    job_id = await runs.open_training_run_from_state(
+        gq.jobs, gq.submit, model_id, body.path, tenant_id=tenant, session_id=session_id,
+        optimizer=body.optimizer, base_model=body.base_model)
+    return {"request_id": job_id, "model_id": model_id}
+

@@ -1,0 +1,488 @@
+"""Training and sampling through the official `tinker` SDK: a real `queue-tinker serve`, a real
+LoRA worker on the built-in tiny model, the SDK unchanged (docs/tinker-http-protocol.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+import tinker
+import torch
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from procs import REPO, free_port, gateway_process, lora_deployment, make_key
+from sqlalchemy import text
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+
+from queue_tinker.queue.keys import Keys
+from queue_tinker.settings import Settings
+from queue_tinker.store.db import make_engine
+
+TINY = "queue-tinker/tiny-llama"
+EXAMPLE = REPO / "examples" / "tinker_sdk_training_loop.py"
+SEQ_GAP_TIMEOUT_S = 3.0
+
+# The SDK closes its HTTP connections from a background loop after a test has moved on; the
+# sockets it leaves to the collector are collected here, so no later test inherits warnings.
+pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+
+@pytest.fixture(autouse=True)
+def sdk_sockets_collected() -> Iterator[None]:
+    yield
+    time.sleep(0.3)
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
+    with lora_deployment(redis_url, database_url, TINY,
+                         seq_gap_timeout_s=SEQ_GAP_TIMEOUT_S) as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
+def gateway(deployment: Settings) -> Iterator[str]:
+    with gateway_process(deployment, deployment.data_dir / "gateway.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def key(deployment: Settings) -> str:
+    return make_key(deployment, f"sdk-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def service(gateway: str, key: str) -> Iterator[tinker.ServiceClient]:
+    with tinker.ServiceClient(base_url=gateway, api_key=key) as client:
+        yield client
+
+
+def text_datum(tokenizer: Any, prompt: str, completion: str) -> types.Datum:
+    prompt_tokens = tokenizer.encode(prompt)
+    tokens = prompt_tokens + tokenizer.encode(completion)
+    weights = [0.0] * len(prompt_tokens) + [1.0] * (len(tokens) - len(prompt_tokens))
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
+                        "weights": np.array(weights[1:], dtype=np.float32)})
+
+
+# --- the seed's training loop --------------------------------------------------------------
+def test_the_manual_training_loop_runs_unchanged_on_the_official_sdk(
+    gateway: str, key: str, deployment: Settings
+) -> None:
+    """examples/tinker_sdk_training_loop.py: Tinker's loop on the SDK; the loss falls, then
+    save_state, load_state_with_optimizer, save_weights_and_get_sampling_client and sample."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QT_", "TINKER_"))}
+    env.update(TINKER_BASE_URL=gateway, TINKER_API_KEY=key, TINKER_TELEMETRY="0",
+               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--num-steps", "12", "--save-every", "6",
+         "--learning-rate", "5e-3", "--log-path", str(deployment.data_dir / "example")],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
+    losses = [float(x) for x in re.findall(r"^Step \d+, Loss: (\S+)$", proc.stdout, re.M)]
+    assert len(losses) == 12 and all(np.isfinite(losses)), proc.stdout
+    assert np.mean(losses[-3:]) < 0.75 * np.mean(losses[:3]), losses
+    resumed = re.search(r"^Resumed from: (tinker://\S+:train:0/weights/final-state)$",
+                        proc.stdout, re.M)
+    assert resumed, proc.stdout
+    assert re.search(r"^Sample: 'Question: What is 2\+2\?\\nAnswer:' -> '.+'$", proc.stdout,
+                     re.M), proc.stdout
+    assert proc.stdout.rstrip().endswith("Training complete!")
+
+
+# --- an RL-style loop ----------------------------------------------------------------------
+def test_an_rl_loop_with_importance_sampling_and_a_custom_loss(
+    service: tinker.ServiceClient,
+) -> None:
+    """Sample with logprobs, train on them with importance_sampling, then with a custom loss:
+    the losses match their formulas computed from the SDK's own results."""
+    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=3).result()
+    tokenizer = trainer.get_tokenizer()
+    prompt = tokenizer.encode("Question: What is 2+2?\nAnswer:")
+    adam = types.AdamParams(learning_rate=1e-3)
+    for iteration in range(2):
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        result = sampler.sample(
+            prompt=types.ModelInput.from_ints(prompt), num_samples=4,
+            sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0,
+                                                 seed=iteration)).result(timeout=120)
+        assert len(result.sequences) == 4
+        data, advantages_sum = [], 0.0
+        for i, sequence in enumerate(result.sequences):
+            assert sequence.logprobs is not None and len(sequence.logprobs) == len(sequence.tokens)
+            tokens = prompt + list(sequence.tokens)
+            n_prompt = len(prompt) - 1
+            advantage = float(i) - 1.5
+            advantages = [0.0] * n_prompt + [advantage] * len(sequence.tokens)
+            advantages_sum += advantage * len(sequence.tokens)
+            data.append(types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": np.array(tokens[1:], dtype=np.int64),
+                    "logprobs": np.array([0.0] * n_prompt + list(sequence.logprobs),
+                                         dtype=np.float32),
+                    "advantages": np.array(advantages, dtype=np.float32)}))
+        out = trainer.forward_backward(data, "importance_sampling").result(timeout=120)
+        # The sampler's weights are the trainer's, so every ratio is 1: loss = -sum(adv).
+        assert out.metrics["loss:sum"] == pytest.approx(-advantages_sum, rel=1e-3, abs=1e-3)
+        assert len(out.loss_fn_outputs) == 4
+        trainer.optim_step(adam).result(timeout=120)
+
+    batch = [text_datum(tokenizer, "Question: What is 3+5?\nAnswer:", " 8\n"),
+             text_datum(tokenizer, "Question: What is 7-4?\nAnswer:", " 3\n")]
+    seen: list[list[float]] = []
+
+    def weighted_nll(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
+        seen.extend(lp.detach().tolist() for lp in logprobs)
+        weights = [torch.tensor(d.loss_fn_inputs["weights"].data) for d in data]
+        loss = -sum(torch.dot(w, lp) for w, lp in zip(weights, logprobs, strict=True))
+        return loss, {"custom:sum": 1.0}
+
+    forward = trainer.forward(batch, "cross_entropy").result(timeout=120)
+    custom = trainer.forward_backward_custom(batch, weighted_nll).result(timeout=120)
+    assert custom.metrics["loss:sum"] == pytest.approx(forward.metrics["loss:sum"], rel=1e-4)
+    for got, output in zip(seen, forward.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(got, output["logprobs"].data, rtol=1e-5)
+    trainer.optim_step(adam).result(timeout=120)
+    after = trainer.forward(batch, "cross_entropy").result(timeout=120)
+    assert after.metrics["loss:sum"] < forward.metrics["loss:sum"]
+
+
+def test_a_training_client_from_a_saved_state_continues_like_the_original(
+    service: tinker.ServiceClient,
+) -> None:
+    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=5).result()
+    tokenizer = trainer.get_tokenizer()
+    batch = [text_datum(tokenizer, "Question: What is 2+2?\nAnswer:", " 4\n")]
+    adam = types.AdamParams(learning_rate=1e-2)
+    for _ in range(2):
+        trainer.forward_backward(batch, "cross_entropy")
+        trainer.optim_step(adam)
+    path = trainer.save_state("mid").result(timeout=120).path
+    trainer.forward_backward(batch, "cross_entropy")
+    trainer.optim_step(adam)
+    expected = trainer.forward(batch, "cross_entropy").result(timeout=120).metrics["loss:sum"]
+
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    assert resumed.get_info().model_data.model_name == TINY
+    resumed.forward_backward(batch, "cross_entropy")
+    resumed.optim_step(adam)
+    got = resumed.forward(batch, "cross_entropy").result(timeout=120).metrics["loss:sum"]
+    assert got == pytest.approx(expected, rel=1e-5)
+
+    sampler = service.create_sampling_client(model_path=path).result()
+    logprobs = sampler.compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result(120)
+    assert logprobs[0] is None and all(np.isfinite(logprobs[1:]))
+
+
+def test_a_batch_the_sdk_sends_in_chunks_runs_as_one(service: tinker.ServiceClient,
+                                                    deployment: Settings) -> None:
+    """Over 1,024 datums the SDK splits a call into chunks, each with its own seq_id, posted
+    concurrently with the first one last: each chunk runs once, and the merged result is the
+    whole batch's."""
+    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    batch = [types.Datum(model_input=types.ModelInput.from_ints([3 + i % 50, 4, 5 + i % 7]),
+                         loss_fn_inputs={"target_tokens": np.array([4, 5 + i % 7, 9])})
+             for i in range(1030)]
+    whole = trainer.forward(batch, "cross_entropy").result(timeout=120)
+    head = trainer.forward(batch[:1024], "cross_entropy").result(timeout=120)
+    tail = trainer.forward(batch[1024:], "cross_entropy").result(timeout=120)
+    assert len(whole.loss_fn_outputs) == 1030
+    assert whole.metrics["loss:sum"] == pytest.approx(
+        head.metrics["loss:sum"] + tail.metrics["loss:sum"], rel=1e-5)
+    assert ops_of(deployment, trainer.model_id, 5) == ["create_model"] + ["forward"] * 4
+
+
+# --- retries ---------------------------------------------------------------------------------
+class FlakyProxy:
+    """A reverse proxy in front of the gateway that forwards the first request to `path` and
+    then answers the client 503, as a proxy that lost the reply would: the SDK retries."""
+
+    def __init__(self, upstream: str, path: str) -> None:
+        self.upstream, self.path, self.dropped = upstream, path, 0
+        self.port = free_port()
+        app = FastAPI()
+
+        @app.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
+        async def forward(rest: str, request: Request) -> Response:
+            headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
+            async with httpx.AsyncClient(timeout=60) as client:
+                upstream = await client.request(request.method, f"{self.upstream}/{rest}",
+                                                headers=headers, content=await request.body())
+            if "/" + rest == self.path and self.dropped == 0:
+                self.dropped += 1
+                return Response("reply lost", status_code=503)
+            return Response(upstream.content, status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type"))
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def appended(settings: Settings, model_id: str) -> int:
+    """How many ops the model's log has been given so far."""
+    client = redis.Redis.from_url(settings.redis_url or "")
+    try:
+        return int(client.hget(Keys(settings.key_prefix).model_meta(model_id), "last_seq") or 0)
+    finally:
+        client.close()
+
+
+def ops_of(settings: Settings, model_id: str, expected: int) -> list[str]:
+    """The kinds of the model's ops in the durable record, in order, once `expected` of them
+    are there (it is written behind) and a moment has shown no more come."""
+    async def kinds() -> list[str]:
+        engine = make_engine(settings.database_url or "")
+        try:
+            async with engine.connect() as conn:
+                rows = await conn.execute(text(
+                    "select kind from requests where model_id = :m order by seq"), {"m": model_id})
+                return [row[0] for row in rows]
+        finally:
+            await engine.dispose()
+
+    deadline = time.monotonic() + 20
+    while len(asyncio.run(kinds())) < expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    return asyncio.run(kinds())
+
+
+@pytest.mark.parametrize("path", ["/api/v1/optim_step", "/api/v1/forward_backward"])
+def test_a_request_the_sdk_retries_runs_once(gateway: str, key: str, deployment: Settings,
+                                             path: str) -> None:
+    with FlakyProxy(gateway, path) as proxied, \
+            tinker.ServiceClient(base_url=proxied, api_key=key) as service:
+        trainer = service.create_lora_training_client(base_model=TINY, rank=4,
+                                                      seed=1).result()
+        tokenizer = trainer.get_tokenizer()
+        batch = [text_datum(tokenizer, "Question: What is 2+2?\nAnswer:", " 4\n")]
+        first = trainer.forward_backward(batch, "cross_entropy").result(timeout=120)
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=120)
+        assert first.metrics["loss:sum"] > 0
+        model_id = trainer.model_id
+    assert ops_of(deployment, model_id, 3) == ["create_model", "forward_backward", "optim_step"]
+
+
+# --- the wire, directly ----------------------------------------------------------------------
+class Wire:
+    """Raw protocol calls for what the SDK never does on purpose (out-of-order arrival, gaps,
+    another tenant's ids)."""
+
+    def __init__(self, gateway: str, key: str) -> None:
+        self.http = httpx.Client(base_url=gateway + "/api/v1", headers={"X-API-Key": key},
+                                 timeout=60)
+
+    def post(self, endpoint: str, **body: Any) -> httpx.Response:
+        return self.http.post(endpoint, json=body)
+
+    def new_model(self, base_model: str = TINY) -> str:
+        session = self.post("/create_session", tags=[]).json()["session_id"]
+        submitted = self.post("/create_model", session_id=session, model_seq_id=0,
+                              base_model=base_model, lora_config={"rank": 4}).json()
+        if base_model == TINY:
+            assert self.result(submitted["request_id"])["model_id"] == submitted["model_id"]
+        return str(submitted["model_id"])
+
+    def forward_backward(self, model_id: str, seq_id: int, tokens: list[int],
+                         loss_fn: str = "cross_entropy") -> httpx.Response:
+        request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=loss_fn)
+        datum = request.data.add()
+        datum.model_input.add().encoded_text.tokens = np.array(tokens[:-1], "<i4").tobytes()
+        target = datum.loss_fn_inputs["target_tokens"]
+        target.dense, target.dtype = np.array(tokens[1:], "<i8").tobytes(), pb.DTYPE_INT64
+        return self.http.post("/forward_backward", content=request.SerializeToString(),
+                              headers={"Content-Type": "application/x-protobuf"})
+
+    def result(self, request_id: str, read_timeout: float = 45, protobuf: bool = True) -> Any:
+        headers = {"X-Stainless-Read-Timeout": str(read_timeout)}
+        if protobuf:
+            headers["Accept"] = "application/x-protobuf"
+        response = self.http.post("/retrieve_future", json={"request_id": request_id},
+                                  headers=headers)
+        assert response.status_code == 200, response.text
+        if "protobuf" in response.headers["content-type"]:
+            out = pb.ForwardBackwardOutput()
+            out.ParseFromString(response.content)
+            return out
+        return response.json()
+
+
+@pytest.fixture
+def wire(gateway: str, key: str) -> Iterator[Wire]:
+    client = Wire(gateway, key)
+    yield client
+    client.http.close()
+
+
+def test_training_calls_run_in_seq_id_order_whatever_order_they_arrive_in(
+    wire: Wire, deployment: Settings
+) -> None:
+    model = wire.new_model()
+    tokens = [3, 4, 5, 6, 7, 8]
+    later = wire.post("/optim_step", model_id=model, seq_id=3,
+                      adam_params={"learning_rate": 0.01}).json()["request_id"]
+    second = wire.forward_backward(model, 2, tokens).json()["request_id"]
+    assert wire.result(later, read_timeout=6)["type"] == "try_again"  # held behind seq 1
+    assert appended(deployment, model) == 1  # create_model only
+    first = wire.forward_backward(model, 1, tokens).json()["request_id"]
+    assert wire.forward_backward(model, 1, tokens).json()["request_id"] == first  # a retry
+    assert wire.result(later)["metrics"] is not None
+    assert ops_of(deployment, model, 4) == ["create_model", "forward_backward",
+                                            "forward_backward", "optim_step"]
+    loss_1, loss_2 = (wire.result(r).metrics["loss:sum"] for r in (first, second))
+    assert loss_1 == pytest.approx(loss_2, rel=1e-6)  # both before the step
+
+
+def test_a_refused_request_still_takes_its_turn(wire: Wire, deployment: Settings) -> None:
+    model = wire.new_model()
+    after = wire.post("/optim_step", model_id=model, seq_id=2,
+                      adam_params={"learning_rate": 0.01}).json()["request_id"]
+    refused = wire.forward_backward(model, 1, [3, 4, 5], loss_fn="no_such_loss")
+    assert refused.status_code == 400 and "loss_fn" in refused.json()["detail"]
+    refused = wire.post("/optim_step", model_id=model, seq_id=3,
+                        adam_params={"learning_rate": -1})
+    assert refused.status_code == 400
+    assert refused.json()["detail"].startswith("adam_params.learning_rate")
+    assert "metrics" in wire.result(after)
+    assert ops_of(deployment, model, 2) == ["create_model", "optim_step"]
+
+
+def test_the_older_json_forms_of_forward_and_forward_backward(wire: Wire) -> None:
+    """JSON bodies (`forward_input` on /forward, `forward_backward_input`) and JSON results for
+    clients that do not accept protobuf: the same numbers as the protobuf path."""
+    model = wire.new_model()
+    tokens = [3, 4, 5, 6, 7]
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64",
+                                                  "shape": [4]}}}
+    batch = {"data": [datum], "loss_fn": "cross_entropy"}
+    json_forward = wire.post("/forward", model_id=model, seq_id=1, forward_input=batch)
+    proto_forward = wire.forward_backward(model, 2, tokens)  # forward_backward, same weights
+    json_result = wire.result(json_forward.json()["request_id"], protobuf=False)
+    proto_result = wire.result(proto_forward.json()["request_id"])
+    assert json_result["metrics"]["loss:sum"] == pytest.approx(
+        proto_result.metrics["loss:sum"], rel=1e-6)
+    logprobs = json_result["loss_fn_outputs"][0]["logprobs"]
+    assert logprobs["dtype"] == "float32" and len(logprobs["data"]) == 4
+    bad = wire.post("/forward_backward", model_id=model, seq_id=3,
+                    forward_backward_input={"data": [datum], "loss_fn": "nope"})
+    assert bad.status_code == 400 and "forward_backward_input.loss_fn" in bad.json()["detail"]
+
+
+def test_a_seq_id_that_never_comes_is_given_up_after_the_gap_timeout(
+    wire: Wire, deployment: Settings
+) -> None:
+    model = wire.new_model()
+    stranded = wire.post("/optim_step", model_id=model, seq_id=2,
+                         adam_params={"learning_rate": 0.01}).json()["request_id"]
+    started = time.monotonic()
+    answer = wire.result(stranded, read_timeout=30)
+    while answer.get("type") == "try_again":
+        assert "waiting for seq_id 1" in answer["queue_state_reason"]
+        answer = wire.result(stranded, read_timeout=30)
+    assert SEQ_GAP_TIMEOUT_S <= time.monotonic() - started < SEQ_GAP_TIMEOUT_S + 10
+    assert "metrics" in answer
+    assert wire.forward_backward(model, 1, [3, 4, 5]).status_code == 400  # too late now
+
+
+def test_a_model_no_worker_serves_reports_paused_capacity(wire: Wire) -> None:
+    model = wire.new_model(base_model="no-such-org/unserved-model")
+    request_id = wire.post("/optim_step", model_id=model, seq_id=1,
+                           adam_params={}).json()["request_id"]
+    answer = wire.result(request_id, read_timeout=6)
+    assert answer["type"] == "try_again" and answer["queue_state"] == "paused_capacity"
+    assert "no-such-org/unserved-model" in answer["queue_state_reason"]
+
+
+# --- tenants ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def other_key(deployment: Settings) -> str:
+    return make_key(deployment, f"other-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.mark.parametrize("direction", ["a-to-b", "b-to-a"])
+def test_tenants_never_reach_each_others_runs(gateway: str, key: str, other_key: str,
+                                              direction: str) -> None:
+    owner_key, intruder_key = (key, other_key) if direction == "a-to-b" else (other_key, key)
+    owner, intruder = Wire(gateway, owner_key), Wire(gateway, intruder_key)
+    try:
+        model = owner.new_model()
+        saved = owner.post("/save_weights", model_id=model, seq_id=1, path="mine").json()
+        path = owner.result(saved["request_id"])["path"]
+        sampler = owner.post("/create_sampling_session", session_id=model.split(":")[0],
+                             sampling_session_seq_id=0, base_model=TINY).json()
+        own_session = intruder.post("/create_session").json()["session_id"]
+        attempts = {
+            "get_info": intruder.post("/get_info", model_id=model),
+            "optim_step": intruder.post("/optim_step", model_id=model, seq_id=2,
+                                        adam_params={}),
+            "forward_backward": intruder.forward_backward(model, 2, [3, 4, 5]),
+            "retrieve_future": intruder.post("/retrieve_future",
+                                             request_id=saved["request_id"]),
+            "asample": intruder.post("/asample", sampling_session_id=sampler[
+                "sampling_session_id"], seq_id=0, prompt={"chunks": []}),
+            "create_model in their session": intruder.post(
+                "/create_model", session_id=model.split(":")[0], model_seq_id=5,
+                base_model=TINY),
+        }
+        for name, response in attempts.items():
+            assert response.status_code == 404, (name, response.text)
+        for create in (
+            lambda: intruder.post("/load_weights", session_id=own_session, model_seq_id=0,
+                                  path=path),
+            lambda: intruder.post("/create_sampling_session", session_id=own_session,
+                                  sampling_session_seq_id=0, model_path=path),
+        ):
+            response = create()
+            assert response.status_code == 400 and "no checkpoint" in response.json()["detail"]
+    finally:
+        owner.http.close()
+        intruder.http.close()
+
+
+def test_the_sdk_gets_401_without_a_valid_key(gateway: str) -> None:
+    for path in ("/api/v1/create_model", "/api/v1/forward_backward", "/api/v1/asample",
+                 "/api/v1/retrieve_future", "/api/v1/get_info"):
+        response = httpx.post(gateway + path, json={}, headers={"X-API-Key": "tml-nope"})
+        assert response.status_code == 401, path
+    with pytest.raises(tinker.AuthenticationError), \
+            tinker.ServiceClient(base_url=gateway, api_key="tml-nope") as service:
+        service.create_lora_training_client(base_model=TINY, rank=4).result()
+
+
+def test_tinker_paths_parse_with_sdk_made_run_ids(tmp_path: Path) -> None:
+    """The SDK's run ids hold ':' (session:train:n); checkpoint paths built on them parse."""
+    from queue_tinker.types.checkpoints import CheckpointPath
+    path = CheckpointPath.parse("tinker://sess-1a:train:0/weights/final")
+    assert (path.run_id, path.name) == ("sess-1a:train:0", "final")
