@@ -85,6 +85,11 @@ class Settings(BaseSettings):
         "arrived (a request the client numbered but failed to send) before it gives up on it "
         "and runs the ops after it.",
     )
+    api_key_cache_s: float = Field(
+        default=5.0, ge=0,
+        description="How long the gateway remembers a valid API key instead of asking Postgres "
+        "again; a revoked key stops working within this time (0: ask every time).",
+    )
     gateway_host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     gateway_port: int = Field(default=8000, description="Gateway port.")
     api_key: str | None = Field(

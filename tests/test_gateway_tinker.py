@@ -18,7 +18,8 @@ from procs import gateway_process, make_key, running_workers
 from sqlalchemy import text
 
 from queue_tinker.settings import Settings
-from queue_tinker.store.db import make_engine
+from queue_tinker.store import api_keys
+from queue_tinker.store.db import make_engine, session_factory
 
 # The SDK's clients close their HTTP connections from a background loop after the test has
 # moved on; the sockets they leave for the collector are the SDK's, not ours. They are
@@ -70,6 +71,35 @@ def test_a_missing_or_invalid_key_gets_401(settings: Settings, gateway: str,
     if key:
         with pytest.raises(tinker.AuthenticationError), rest_client(gateway, key) as rest:
             rest.get_server_capabilities().result(timeout=30)
+
+
+def test_a_revoked_key_stops_working_within_the_cache_time(settings: Settings,
+                                                           tmp_path: Path) -> None:
+    cached = settings.model_copy(update={"api_key_cache_s": 1.0})
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    key = make_key(cached, tenant)
+
+    async def revoke() -> None:
+        engine = make_engine(cached.database_url or "")
+        try:
+            sessions = session_factory(engine)
+            [listed] = await api_keys.list_keys(sessions, tenant)
+            await api_keys.revoke_key(sessions, listed.id)
+        finally:
+            await engine.dispose()
+
+    with gateway_process(cached, tmp_path / "gateway.log") as url:
+        def status() -> int:
+            return httpx.post(f"{url}/api/v1/client/config", headers={"X-API-Key": key},
+                              json={}, timeout=10).status_code
+
+        assert status() == 200  # and now cached
+        asyncio.run(revoke())
+        revoked_at = time.monotonic()
+        while status() == 200:
+            assert time.monotonic() - revoked_at < 1.0 + 2, "still accepted past the cache time"
+            time.sleep(0.1)
+        assert status() == 401
 
 
 def test_a_session_belongs_to_the_keys_tenant(settings: Settings, gateway: str) -> None:

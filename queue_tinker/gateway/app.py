@@ -15,6 +15,7 @@ from sqlalchemy import text
 
 from queue_tinker.errors import UnknownModelError, UserInputError
 from queue_tinker.gateway import tinker_futures, tinker_sampling, tinker_training
+from queue_tinker.gateway.auth import KeyCache
 from queue_tinker.gateway.overview import queue_overview
 from queue_tinker.gateway.tinker_queue import GatewayQueue
 from queue_tinker.gateway.tinker_rest import rest_router
@@ -37,6 +38,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.db = make_engine(settings.database_url or "")
         app.state.sessions = session_factory(app.state.db)
         app.state.gateway_queue = GatewayQueue(app.state.redis, keys, settings)
+        app.state.key_cache = KeyCache(settings.api_key_cache_s)
         # The gateway also writes the record behind, so Postgres keeps up with no worker alive.
         recorder = RecorderThread(settings.redis_url or "", settings.database_url or "", keys,
                                   consumer=f"gateway-{uuid.uuid4().hex[:8]}")
