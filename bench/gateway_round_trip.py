@@ -1,0 +1,513 @@
+"""Gateway round trip: the same training round trip through the official `tinker` SDK and the
+HTTP gateway (`queue-tinker serve`), and through queue_tinker's own client (Redis directly).
+
+Both doors drive one LoRA worker process (`python -m queue_tinker.cli worker --engine lora
+--device cpu`, production defaults) on the same model, in the same run, with the same data,
+LoRA rank and call sequence:
+
+- client: `queue_tinker.ServiceClient(settings)`, talking to Redis directly;
+- SDK: `tinker.ServiceClient(base_url=<gateway>, api_key=<tml- key>)` (SDK defaults: its own
+  background event loop, long-polled `retrieve_future`, telemetry as shipped), talking HTTP to
+  a `queue-tinker serve` process (uvicorn, access log at INFO) on the same Redis and Postgres.
+
+Each door gets a fresh LoRA training client (rank 32, seed 0) per shape.
+
+A round trip is the natural Tinker loop, `fb = tc.forward_backward(batch, "cross_entropy");
+opt = tc.optim_step(adam); fb.result(); opt.result()` (both submitted before waiting on
+either), or, for the "ping" shape, one `tc.forward([1 datum of 2 tokens]).result()`: the least
+model work a door can carry, so what is left is the door's own cost. Shapes: ping (forward
+1 x 2 tokens), small (4 x 32: queue and protocol overhead dominate), large (8 x 128).
+
+Per shape, each door first runs its warm-up round trips, then the doors alternate one round
+trip each (client, SDK, client, SDK, ...), so drift from other jobs on the machine hits both
+alike and every round trip follows one of the other door. Reported per door: p50/p90/p99 and
+mean ms per round trip; the ratio SDK / client; the gateway's absolute overhead per round trip
+(SDK minus client: of the p50s, of the means, and the median of the per-round paired
+differences, the figure drift disturbs least). Also, from the Redis-clock `queued_at` /
+`started_at` / `finished_at` the queue writes into every job hash and this process's wall clock
+(same host), where a round trip goes; the CPU time this process (client or SDK, all threads),
+the gateway, the worker, the run's Postgres backends and Redis spent per round trip; the HTTP
+requests the gateway answered per SDK round trip, from its access log; and the CPU the rest of
+the machine used meanwhile (everything but this process, the gateway and the worker).
+
+    .venv/bin/python -m bench.gateway_round_trip --out gateway_round_trip.json
+    .venv/bin/python -m bench.gateway_round_trip --rounds 10 --warmup 3   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: `python bench/gateway_round_trip.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import redis
+import tinker
+from sqlalchemy.engine import make_url
+from tinker import types as sdk_types
+
+from bench.gateway import gateway_proc, make_key, process_cpu_s, requests_by_endpoint
+from bench.harness import (
+    DEFAULT_POSTGRES,
+    DEFAULT_REDIS,
+    close_client,
+    fresh_prefix,
+    machine,
+    make_settings,
+    scratch_database,
+)
+from bench.lora_service import lora_worker
+from bench.meters import CpuMeter, find_pids
+from bench.stats import Latency
+from queue_tinker import types as qt_types
+from queue_tinker.client import ServiceClient
+from queue_tinker.queue.keys import Keys
+from queue_tinker.settings import Settings
+
+DEFAULT_MODEL = "queue-tinker/tiny-llama"
+RANK = 32  # as bench.train_step
+SEED = 0
+LEARNING_RATE = 1e-4
+RESULT_TIMEOUT_S = 120.0
+CLIENT, SDK = "client", "SDK"
+# Where a round trip goes, in order (they add up to it); a forward has no second op.
+STAGES = (
+    ("in", "submit -> first op queued: the door's way in"),
+    ("pick-up", "queued -> the worker starts it"),
+    ("op 1", "first op on the worker"),
+    ("op 1 -> op 2", "between the ops (a second submit that comes late shows here)"),
+    ("op 2", "second op on the worker"),
+    ("out", "last op finished -> every result in hand: the door's way out"),
+)
+NO_OP = float("nan")  # a stage a round trip does not have
+OpTimes = tuple[float, ...]  # an op's (queued_at, started_at, finished_at), Redis clock
+
+
+# --- what is measured --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """One kind of round trip: `op` "forward" (one op) or "step" (forward_backward +
+    optim_step), on `batch` datums of `seq` tokens."""
+
+    label: str
+    op: str
+    batch: int
+    seq: int
+
+    @property
+    def ops(self) -> int:
+        return 1 if self.op == "forward" else 2
+
+    @property
+    def calls(self) -> str:
+        return "`forward`" if self.op == "forward" else "`forward_backward` + `optim_step`"
+
+
+@dataclass
+class Trip:
+    """One round trip as this process saw it, and the CPU the parts spent meanwhile."""
+
+    wall: float  # time.time() before the first submit (lines up with Redis TIME)
+    total_s: float  # first submit -> every result in hand
+    cpu_s: dict[str, float]  # CPU seconds each part spent meanwhile (see Parts)
+
+
+@dataclass
+class DoorResult:
+    """One door's round trips of one shape."""
+
+    model_id: str
+    first_loss: float
+    trips: list[Trip] = field(default_factory=list)
+    stages: list[tuple[float, ...]] = field(default_factory=list)  # seconds, STAGES
+
+    @property
+    def latency(self) -> Latency:
+        return Latency([t.total_s for t in self.trips])
+
+    def cpu_ms(self) -> dict[str, float]:
+        """Mean CPU ms per round trip, by part."""
+        n = max(1, len(self.trips))
+        labels = self.trips[0].cpu_s if self.trips else {}
+        return {label: sum(t.cpu_s[label] for t in self.trips) * 1000 / n for label in labels}
+
+    def stage_medians_ms(self) -> list[float]:
+        """Median of each stage in ms (NaN for a stage these round trips do not have)."""
+        if not self.stages:
+            return []
+        return [float(v) for v in np.median(np.asarray(self.stages), axis=0) * 1000]
+
+
+@dataclass
+class ShapeResult:
+    shape: Shape
+    doors: dict[str, DoorResult]
+    requests: Counter[str]  # gateway access log during the measured rounds
+    foreign_cores: float  # CPU other processes used during the measured rounds
+
+    def ratio(self) -> float:
+        return self.doors[SDK].latency.p50 / self.doors[CLIENT].latency.p50
+
+    def overhead_ms(self) -> dict[str, float]:
+        """SDK minus client per round trip: p50s, means, median of paired differences."""
+        sdk, client = self.doors[SDK], self.doors[CLIENT]
+        paired = [s.total_s - c.total_s for s, c in zip(sdk.trips, client.trips, strict=True)]
+        return {"p50": sdk.latency.p50 - client.latency.p50,
+                "mean": sdk.latency.mean - client.latency.mean,
+                "paired_p50": statistics.median(paired) * 1000}
+
+    def requests_per_trip(self) -> dict[str, float]:
+        n = max(1, len(self.doors[SDK].trips))
+        return {name: count / n for name, count in sorted(self.requests.items())}
+
+
+# --- the two doors -----------------------------------------------------------------------------
+@dataclass
+class Door:
+    """A training client of either API with the batch and Adam params in its own types; the
+    two APIs have the same method names, so one function drives both."""
+
+    name: str
+    trainer: Any  # queue_tinker.client.TrainingClient or tinker.TrainingClient
+    data: list[Any]
+    adam: Any
+
+
+def token_rows(shape: Shape, seed: int = 0) -> np.ndarray:
+    """(batch, seq + 1) byte tokens: row i's inputs are [:-1], its targets [1:]."""
+    return np.random.default_rng(seed).integers(0, 256, (shape.batch, shape.seq + 1))
+
+
+def client_door(service: ServiceClient, model: str, rows: np.ndarray) -> Door:
+    data = [qt_types.Datum(
+        model_input=qt_types.ModelInput.from_ints(row[:-1].tolist()),
+        loss_fn_inputs={"target_tokens": qt_types.TensorData.from_numpy(row[1:].astype(np.int64)),
+                        "weights": qt_types.TensorData.from_numpy(
+                            np.ones(len(row) - 1, dtype=np.float32))})
+        for row in rows]
+    trainer = service.create_lora_training_client(model, rank=RANK, seed=SEED)
+    return Door(CLIENT, trainer, data, qt_types.AdamParams(learning_rate=LEARNING_RATE))
+
+
+def sdk_door(service: tinker.ServiceClient, model: str, rows: np.ndarray) -> Door:
+    data = [sdk_types.Datum(
+        model_input=sdk_types.ModelInput.from_ints(row[:-1].tolist()),
+        loss_fn_inputs={"target_tokens": row[1:].astype(np.int64),
+                        "weights": np.ones(len(row) - 1, dtype=np.float32)})
+        for row in rows]
+    # SDK 0.38: create_lora_training_client returns a future.
+    trainer = service.create_lora_training_client(base_model=model, rank=RANK,
+                                                  seed=SEED).result()
+    return Door(SDK, trainer, data, sdk_types.AdamParams(learning_rate=LEARNING_RATE))
+
+
+def round_trip(door: Door, op: str) -> float:
+    """One round trip, the same calls whichever the door; the batch loss."""
+    if op == "forward":
+        out = door.trainer.forward(door.data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
+        return float(out.metrics["loss:sum"])
+    # The Tinker loop: submit the optim_step before waiting on the forward_backward.
+    fb = door.trainer.forward_backward(door.data, "cross_entropy")
+    optim = door.trainer.optim_step(door.adam)
+    out = fb.result(timeout=RESULT_TIMEOUT_S)
+    optim.result(timeout=RESULT_TIMEOUT_S)
+    return float(out.metrics["loss:sum"])
+
+
+THIS_PROCESS = "this process"
+
+
+@dataclass
+class Parts:
+    """The processes a round trip's CPU is counted for, by label. This process (the client or
+    the SDK, all threads, their background event loops included) is read precisely; the others
+    from /proc in 10 ms ticks, which add up to a fair mean over many round trips."""
+
+    gateway: int
+    worker: int
+    database: str  # the run's scratch database: its Postgres backends
+    others: dict[str, list[int]] = field(default_factory=dict)
+
+    def refresh(self) -> None:
+        """Look the Postgres backends and Redis up again (pools open connections lazily)."""
+        self.others = {"gateway": [self.gateway], "worker": [self.worker],
+                       "Postgres (the run's backends)": find_pids(self.database.encode()),
+                       "Redis (whole server)": find_pids(b"redis-server")}
+
+    def cpu_s(self) -> dict[str, float]:
+        totals = {THIS_PROCESS: time.process_time()}
+        for label, pids in self.others.items():
+            totals[label] = 0.0
+            for pid in pids:
+                with contextlib.suppress(OSError):  # a backend that has gone
+                    totals[label] += process_cpu_s(pid)
+        return totals
+
+
+def timed_trip(door: Door, op: str, parts: Parts) -> tuple[Trip, float]:
+    """One round trip with its wall time and CPU; the trip and its loss. The CPU reads sit
+    outside the timed span."""
+    before = parts.cpu_s()
+    wall, t0 = time.time(), time.perf_counter()
+    loss = round_trip(door, op)
+    total = time.perf_counter() - t0
+    after = parts.cpu_s()
+    return Trip(wall, total, {k: after[k] - v for k, v in before.items()}), loss
+
+
+# --- one shape ---------------------------------------------------------------------------------
+def measure_shape(shape: Shape, doors: list[Door], parts: Parts, warmup: int, rounds: int,
+                  gateway_log: Callable[[], str]) -> ShapeResult:
+    """Warm-up round trips, then `rounds` rounds of one round trip per door, alternating."""
+    first: dict[str, float] = {}
+    for _ in range(warmup):
+        for door in doors:
+            _, loss = timed_trip(door, shape.op, parts)
+            first.setdefault(door.name, loss)
+    results = {d.name: DoorResult(d.trainer.model_id, first.get(d.name, float("nan")))
+               for d in doors}
+    before = requests_by_endpoint(gateway_log())
+    parts.refresh()
+    meter = CpuMeter([os.getpid(), parts.gateway, parts.worker])
+    mark = meter.mark()
+    for r in range(rounds):
+        for door in doors:
+            trip, _ = timed_trip(door, shape.op, parts)
+            results[door.name].trips.append(trip)
+        if (r + 1) % max(1, rounds // 4) == 0:
+            print(f"    {r + 1}/{rounds} rounds: " + ", ".join(
+                f"{name} p50 {res.latency.p50:.1f} ms" for name, res in results.items()),
+                flush=True)
+    foreign = meter.foreign_since(mark)
+    time.sleep(0.2)  # the gateway writes its last access lines
+    return ShapeResult(shape, results, requests_by_endpoint(gateway_log()) - before, foreign)
+
+
+def add_stages(redis_url: str, keys: Keys, result: ShapeResult, warmup: int) -> None:
+    """Split every measured round trip at the Redis-clock times of its ops (each door's
+    training client is its own model, so its ops in seq order are its round trips' ops)."""
+    ops = ops_by_model(redis_url, keys, {r.model_id for r in result.doors.values()})
+    per = result.shape.ops
+    for door in result.doors.values():
+        times = ops.get(door.model_id, [])[warmup * per:]
+        if len(times) != len(door.trips) * per:
+            print(f"warning: {door.model_id}: {len(times)} ops for {len(door.trips)} round "
+                  "trips; no stage split", file=sys.stderr)
+            continue
+        for i, trip in enumerate(door.trips):
+            door.stages.append(split(trip, times[i * per : (i + 1) * per]))
+
+
+def split(trip: Trip, ops: list[OpTimes]) -> tuple[float, ...]:
+    """The round trip's STAGES, from its ops' (queued_at, started_at, finished_at)."""
+    first, last = ops[0], ops[-1]
+    between = (last[1] - first[2], last[2] - last[1]) if len(ops) == 2 else (NO_OP, NO_OP)
+    return (first[0] - trip.wall, first[1] - first[0], first[2] - first[1], *between,
+            trip.wall + trip.total_s - last[2])
+
+
+def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list[OpTimes]]:
+    """(queued_at, started_at, finished_at) of every model's training ops, in seq order, from
+    the job hashes under the run's key prefix."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        names = [k for k in client.scan_iter(match=keys.job("*"), count=1000)
+                 if not k.endswith(b":reply")]
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.hmget(name, ["model_id", "kind", "seq", "queued_at", "started_at",
+                              "finished_at"])
+        rows = pipe.execute()
+    finally:
+        client.close()
+    found: dict[str, list[tuple[int, OpTimes]]] = {m: [] for m in models}
+    for model, kind, seq, *times in rows:
+        model_id = (model or b"").decode()
+        if model_id in found and kind != b"create_model" and None not in (seq, *times):
+            found[model_id].append((int(seq), tuple(float(t) for t in times)))
+    return {m: [t for _, t in sorted(rows)] for m, rows in found.items()}
+
+
+# --- the run -----------------------------------------------------------------------------------
+def shapes(args: argparse.Namespace) -> list[Shape]:
+    return [Shape("ping", "forward", 1, 2),
+            Shape("small", "step", *args.small_batch),
+            Shape("large", "step", *args.large_batch)]
+
+
+def run(args: argparse.Namespace, data_dir: Path) -> list[ShapeResult]:
+    """One worker and one gateway on a fresh key prefix and a scratch database; every shape."""
+    results = []
+    with scratch_database(args.postgres_url) as database_url, \
+            fresh_prefix(args.redis_url, "gateway") as prefix:
+        settings = make_settings(args.redis_url, database_url, prefix, data_dir)
+        began = time.perf_counter()
+        with lora_worker(settings, args.model, data_dir / "worker.log") as worker, \
+                gateway_proc(settings, data_dir / "gateway.log") as (gateway, url):
+            print(f"worker and gateway ready in {time.perf_counter() - began:.0f} s ({url})",
+                  flush=True)
+            parts = Parts(gateway.pid, worker.pid, make_url(database_url).database or "")
+            key = make_key(settings, f"bench-{uuid.uuid4().hex[:8]}")
+            service = ServiceClient(settings)
+            try:
+                with tinker.ServiceClient(base_url=url, api_key=key) as sdk:
+                    for shape in shapes(args):
+                        results.append(run_shape(args, settings, shape, service, sdk, parts,
+                                                 gateway.log))
+            finally:
+                close_client(service)
+    return results
+
+
+def run_shape(args: argparse.Namespace, settings: Settings, shape: Shape,
+              service: ServiceClient, sdk: tinker.ServiceClient, parts: Parts,
+              gateway_log: Callable[[], str]) -> ShapeResult:
+    print(f"[{shape.label}] {shape.calls} on {shape.batch} × {shape.seq} tokens: "
+          f"{args.warmup} warm-up + {args.rounds} rounds per door ...", flush=True)
+    rows = token_rows(shape)
+    doors = [client_door(service, args.model, rows), sdk_door(sdk, args.model, rows)]
+    result = measure_shape(shape, doors, parts, args.warmup, args.rounds, gateway_log)
+    add_stages(args.redis_url, Keys(settings.key_prefix), result, args.warmup)
+    return result
+
+
+# --- the report --------------------------------------------------------------------------------
+def markdown(results: list[ShapeResult], model: str) -> str:
+    """The tables printed at the end of a run."""
+    return "\n".join([*latency_lines(results, model), "", *stage_lines(results), "",
+                      *note_lines(results)])
+
+
+def latency_lines(results: list[ShapeResult], model: str) -> list[str]:
+    """Per shape and door: round-trip percentiles; on the SDK row, the ratio and overhead."""
+    lines = [
+        f"Round trip per door, `{model}`, ms (SDK − client: of the p50s / of the means / "
+        "median of the per-round paired differences):", "",
+        "| shape | calls | datums × tokens | rounds | door | p50 | p90 | p99 | mean | "
+        "SDK / client (p50) | SDK − client ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        s = r.shape
+        for name, door in r.doors.items():
+            lat, o = door.latency, r.overhead_ms()
+            gap = (f"**{r.ratio():.2f}×** | {o['p50']:+.1f} / {o['mean']:+.1f} / "
+                   f"{o['paired_p50']:+.1f}") if name == SDK else " | "
+            lines.append(f"| {s.label} | {s.calls} | {s.batch} × {s.seq} | {len(door.trips)} | "
+                         f"{name} | {lat.p50:.1f} | {lat.p90:.1f} | {lat.p99:.1f} | "
+                         f"{lat.mean:.1f} | {gap} |")
+    return lines
+
+
+def stage_lines(results: list[ShapeResult]) -> list[str]:
+    """Where a round trip goes (medians) and the CPU each process spent on it (means)."""
+    legend = "; ".join(f"{short} = {long}" for short, long in STAGES)
+    cpu_labels = list(results[0].doors[CLIENT].cpu_ms()) if results else []
+    columns = [short for short, _ in STAGES] + [f"CPU: {label}" for label in cpu_labels]
+    lines = [f"Where a round trip goes, median ms ({legend}; Redis clock and this process's "
+             "clock, same host) and the CPU each part spent per round trip, mean ms:", "",
+             "| shape | door | " + " | ".join(columns) + " |",
+             "| --- | --- | " + " | ".join("---" for _ in columns) + " |"]
+    for r in results:
+        for name, door in r.doors.items():
+            medians = door.stage_medians_ms() or [NO_OP] * len(STAGES)
+            stages = " | ".join("–" if np.isnan(v) else f"{v:.1f}" for v in medians)
+            cpu = " | ".join(f"{v:.1f}" for v in door.cpu_ms().values())
+            lines.append(f"| {r.shape.label} | {name} | {stages} | {cpu} |")
+    return lines
+
+
+def note_lines(results: list[ShapeResult]) -> list[str]:
+    """HTTP requests per SDK round trip, first losses (equal: same data, zero-init LoRA B) and
+    the machine's other load, per shape."""
+    lines = []
+    for r in results:
+        per_trip = ", ".join(f"`{name}` {n:.2f}" for name, n in r.requests_per_trip().items())
+        lines.append(f"- {r.shape.label}: HTTP requests per SDK round trip: {per_trip or 'none'}; "
+                     f"first loss client {r.doors[CLIENT].first_loss:.4f} / SDK "
+                     f"{r.doors[SDK].first_loss:.4f}; other processes used "
+                     f"{r.foreign_cores:.2f} cores meanwhile")
+    return lines
+
+
+def results_json(info: dict[str, str], args: argparse.Namespace, results: list[ShapeResult],
+                 total_s: float) -> str:
+    return json.dumps({
+        "machine": info, "model": args.model, "rounds": args.rounds, "warmup": args.warmup,
+        "total_s": total_s, "stages": [long for _, long in STAGES],
+        "shapes": [{
+            "shape": asdict(r.shape), "ratio_p50": r.ratio(), "overhead_ms": r.overhead_ms(),
+            "http_requests_per_sdk_trip": r.requests_per_trip(),
+            "other_processes_cores": r.foreign_cores,
+            "doors": {name: {"model_id": d.model_id, "first_loss": d.first_loss,
+                             "latency": d.latency.summary(), "cpu_ms_per_trip": d.cpu_ms(),
+                             "stages_p50_ms": [None if np.isnan(v) else v
+                                               for v in d.stage_medians_ms()],
+                             "trips": [asdict(t) for t in d.trips]}
+                      for name, d in r.doors.items()},
+        } for r in results]}, indent=2)
+
+
+# --- main --------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.gateway_round_trip", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
+    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
+                                                                 DEFAULT_POSTGRES),
+                        help="admin URL; a scratch database is created beside it")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="base model the worker serves")
+    parser.add_argument("--rounds", type=int, default=400,
+                        help="measured rounds per shape (one round trip per door each)")
+    parser.add_argument("--warmup", type=int, default=20, help="warm-up round trips per door "
+                        "and shape, not measured")
+    parser.add_argument("--small-batch", type=int, nargs=2, default=[4, 32],
+                        metavar=("DATUMS", "TOKENS"))
+    parser.add_argument("--large-batch", type=int, nargs=2, default=[8, 128],
+                        metavar=("DATUMS", "TOKENS"))
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="where the model is built and checkpoints and logs go (default: a "
+                        "temp dir, removed afterwards)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 1:
+        parser.error("--rounds and --warmup must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    began = time.perf_counter()
+    info = machine(args.redis_url, args.postgres_url,
+                   packages=("torch", "tinker", "fastapi", "uvicorn", "httpx"))
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    if args.data_dir is not None:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+        results = run(args, args.data_dir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="qt-bench-gateway-") as tmp:
+            results = run(args, Path(tmp))
+    total_s = time.perf_counter() - began
+    print("\n" + markdown(results, args.model) + f"\n\ntotal {total_s:.0f} s")
+    if args.out is not None:
+        args.out.write_text(results_json(info, args, results, total_s))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
