@@ -241,7 +241,7 @@ def test_unsupported_loss_fns(loss_fn: str) -> None:
     request = good_request()
     request.loss_fn = loss_fn
     message = batch_error(request)
-    assert message.startswith(f"loss_fn: {loss_fn!r} is not supported")
+    assert message.startswith(f"loss_fn: {loss_fn!r} is not a built-in loss function")
     assert all(fn.value in message for fn in LossFn)
 
 

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.proto import tinker_public_pb2 as pb
-from queue_tinker.types.enums import LossFn
+from queue_tinker.types.loss_inputs import parse_loss_fn
 from queue_tinker.types.sampling import SampleResponse
 from queue_tinker.types.tensors import Datum, EncodedTextChunk, ModelInput, TensorData, TensorDtype
 from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
@@ -58,7 +58,7 @@ class ParsedForwardBackward:
     def batch(self) -> ForwardBackwardInput:
         """The request's data, loss function and config as ours; UserInputError if bad."""
         request = self._request
-        loss_fn = _loss_fn(request.loss_fn)
+        loss_fn = parse_loss_fn(request.loss_fn)
         config = _loss_fn_config(request)
         data = [_datum(f"data[{i}]", datum) for i, datum in enumerate(request.data)]
         return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config)
@@ -75,16 +75,6 @@ def parse_forward_backward(raw: bytes) -> ParsedForwardBackward:
         ) from None
     return ParsedForwardBackward(model_id=request.model_id, seq_id=request.seq_id,
                                  forward_only=request.forward_only, _request=request)
-
-
-def _loss_fn(name: str) -> LossFn:
-    try:
-        return LossFn(name)
-    except ValueError:
-        supported = ", ".join(fn.value for fn in LossFn)
-        raise UserInputError(
-            f"loss_fn: {name!r} is not supported by this service; use one of {supported}"
-        ) from None
 
 
 def _loss_fn_config(request: pb.ForwardBackwardRequest) -> dict[str, float] | None:

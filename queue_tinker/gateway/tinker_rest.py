@@ -23,15 +23,15 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from queue_tinker import housekeeping
 from queue_tinker.errors import UnknownModelError
 from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.gateway.tinker_queue import not_found
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 from queue_tinker.store import queries
 from queue_tinker.store.models import Checkpoint, TrainingRun
 from queue_tinker.types.checkpoints import SCHEME
 from queue_tinker.types.enums import CheckpointKind
+from queue_tinker.types.training import MAX_TTL_SECONDS
 
-MAX_TTL_SECONDS = 10 * 365 * 86_400  # the bound the worker puts on a TTL given at save time
 MAX_PAGE = 1_000
 _CHECKPOINT_TYPES = {CheckpointKind.STATE: "training", CheckpointKind.SAMPLER: "sampler"}
 _SEGMENTS = {kind.path_segment: kind for kind in CheckpointKind}
@@ -68,11 +68,6 @@ def training_run_json(
 
 
 # --- request checks --------------------------------------------------------------------------
-
-
-def _not_found(what: str) -> HTTPException:
-    # One message for missing and not-yours alike: existence must not leak across tenants.
-    return HTTPException(404, f"{what} not found")
 
 
 def checkpoint_tinker_path(run_id: str, checkpoint_id: str) -> str:
@@ -151,7 +146,7 @@ async def _owned_checkpoint(
     path = checkpoint_tinker_path(run_id, checkpoint_id)
     row = await queries.get_live_checkpoint(_db(request), tenant, path)
     if row is None:
-        raise _not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
+        raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
     return row
 
 
@@ -174,14 +169,14 @@ def _add_run_routes(router: APIRouter) -> None:
                                tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         run = await queries.get_tenant_training_run(_db(request), tenant, run_id)
         if run is None:
-            raise _not_found(f"training run {run_id!r}")
+            raise not_found(f"training run {run_id!r}")
         return training_run_json(run, await queries.newest_checkpoints(_db(request), [run.id]))
 
     @router.get("/training_runs/{run_id}/checkpoints")
     async def list_run_checkpoints(run_id: str, request: Request,
                                    tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         if await queries.get_tenant_training_run(_db(request), tenant, run_id) is None:
-            raise _not_found(f"training run {run_id!r}")
+            raise not_found(f"training run {run_id!r}")
         rows = await queries.run_checkpoints(_db(request), tenant, run_id)
         return {"checkpoints": [checkpoint_json(row) for row in rows], "cursor": None}
 
@@ -203,7 +198,7 @@ def _add_run_routes(router: APIRouter) -> None:
         row = await queries.get_live_checkpoint(_db(request), tenant, str(path))
         run = await queries.get_tenant_training_run(_db(request), tenant, run_id) if row else None
         if run is None:
-            raise _not_found(f"checkpoint {path!r}")
+            raise not_found(f"checkpoint {path!r}")
         config = run.lora_config
         return {"base_model": run.base_model, "is_lora": True, "lora_rank": config.get("rank"),
                 "train_unembed": config.get("train_unembed"),
@@ -235,7 +230,7 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         when = datetime.fromtimestamp(expires_at, tz=UTC) if expires_at is not None else None
         if not written or not await queries.set_checkpoint_expiry(_db(request), tenant, row.id,
                                                                   when):
-            raise _not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
+            raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
         if expires_at is not None:
             await asyncio.to_thread(schedule_expiry, row.id, row.path, expires_at)
         return {}
@@ -265,7 +260,7 @@ def _add_session_routes(router: APIRouter, settings: Settings, keys: Keys) -> No
                           tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         members = await queries.session_members(_db(request), tenant, session_id)
         if members is None:
-            raise _not_found(f"session {session_id!r}")
+            raise not_found(f"session {session_id!r}")
         runs, samplers = members
         return {"training_run_ids": runs, "sampler_ids": samplers}
 
@@ -273,18 +268,18 @@ def _add_session_routes(router: APIRouter, settings: Settings, keys: Keys) -> No
     async def get_sampler(sampler_id: str, request: Request,
                           tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         """Redis first: the SDK asks right after creating the session, before its row exists."""
-        jobs = JobQueue(request.app.state.redis, keys, result_ttl_s=settings.result_ttl_s)
         try:
-            info: dict[str, Any] | None = await jobs.model_info(sampler_id)
+            info: dict[str, Any] | None = await request.app.state.gateway_queue.jobs.model_info(
+                sampler_id)
         except UnknownModelError:
             info = None
         if info is not None:
             if info["kind"] != "sampling" or info["tenant_id"] != tenant:
-                raise _not_found(f"sampler {sampler_id!r}")
+                raise not_found(f"sampler {sampler_id!r}")
             return {"sampler_id": sampler_id, "base_model": info["base_model"],
                     "model_path": info["model_path"]}
         row = await queries.get_sampling_session(_db(request), tenant, sampler_id)
         if row is None:
-            raise _not_found(f"sampler {sampler_id!r}")
+            raise not_found(f"sampler {sampler_id!r}")
         return {"sampler_id": row.id, "base_model": row.base_model,
                 "model_path": row.model_path}
