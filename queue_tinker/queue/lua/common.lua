@@ -58,9 +58,20 @@ local function append_op(k, job_id, kind, payload, ttl, model_id)
   return seq
 end
 
+-- Append an op that took its turn in a client's seq_id order; an empty job id is a seq_id
+-- consumed without an op (a request refused at the door). The job key is built from the key
+-- prefix because ops held earlier are only known here.
+-- log = {meta, ops, lease, offers, pending, records}
+local function admit_op(log, prefix, job_id, kind, payload, ttl, model_id)
+  if job_id ~= '' then
+    append_op({log[1], log[2], prefix .. ':job:' .. job_id, log[3], log[4], log[5], log[6]},
+      job_id, kind, payload, ttl, model_id)
+  end
+end
+
 -- Admit held ops (seq_id -> packed {job id, kind, payload}) from `next_id` on while there is
 -- no gap; returns the seq_id still missing.
-local function admit_held(held_key, next_id, admit)
+local function admit_held(held_key, next_id, log, prefix, ttl, model_id)
   while true do
     local entry = redis.call('HGET', held_key, next_id)
     if not entry then
@@ -68,7 +79,7 @@ local function admit_held(held_key, next_id, admit)
     end
     redis.call('HDEL', held_key, next_id)
     local op = cmsgpack.unpack(entry)
-    admit(op[1], op[2], op[3])
+    admit_op(log, prefix, op[1], op[2], op[3], ttl, model_id)
     next_id = next_id + 1
   end
 end

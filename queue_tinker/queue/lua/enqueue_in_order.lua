@@ -36,13 +36,8 @@ if seq_id > next_id then
   redis.call('EXPIRE', KEYS[9], ttl)
   return {ARGV[1], 1, next_id}
 end
-local function admit(job_id, kind, payload)
-  if job_id ~= '' then
-    append_op({KEYS[1], KEYS[2], ARGV[8] .. ':job:' .. job_id, KEYS[5], KEYS[6], KEYS[7],
-      KEYS[8]}, job_id, kind, payload, ttl, ARGV[6])
-  end
-end
-admit(ARGV[1], ARGV[2], ARGV[3])
-next_id = admit_held(KEYS[9], seq_id + 1, admit)
+local log = {KEYS[1], KEYS[2], KEYS[5], KEYS[6], KEYS[7], KEYS[8]}
+admit_op(log, ARGV[8], ARGV[1], ARGV[2], ARGV[3], ttl, ARGV[6])
+next_id = admit_held(KEYS[9], seq_id + 1, log, ARGV[8], ttl, ARGV[6])
 redis.call('HSET', KEYS[1], 'next_seq_id', next_id)
 return {ARGV[1], 1, next_id}

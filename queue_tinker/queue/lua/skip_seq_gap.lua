@@ -16,12 +16,7 @@ for _, key in ipairs(held) do
 end
 local missing = tonumber(redis.call('HGET', KEYS[1], 'next_seq_id') or '1')
 local ttl = tonumber(ARGV[1])
-local function admit(job_id, kind, payload)
-  if job_id ~= '' then
-    append_op({KEYS[1], KEYS[2], ARGV[3] .. ':job:' .. job_id, KEYS[3], KEYS[4], KEYS[5],
-      KEYS[6]}, job_id, kind, payload, ttl, ARGV[2])
-  end
-end
-local next_id = admit_held(KEYS[7], lowest, admit)
+local log = {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]}
+local next_id = admit_held(KEYS[7], lowest, log, ARGV[3], ttl, ARGV[2])
 redis.call('HSET', KEYS[1], 'next_seq_id', next_id)
 return {missing, lowest}
