@@ -7,10 +7,12 @@ database created through the alembic migrations, dropped at the end.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import shutil
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -140,6 +142,15 @@ def service(settings: Settings) -> Iterator[ServiceClient]:
     client = ServiceClient(settings)
     yield client
     client.close()
+
+
+@pytest.fixture
+def sdk_sockets_collected() -> Iterator[None]:
+    """After a test that used the tinker SDK: give its background cleanup a moment, then
+    collect the sockets it left (procs.SDK_CLIENT_MARKS)."""
+    yield
+    time.sleep(0.3)
+    gc.collect()
 
 
 @pytest.fixture

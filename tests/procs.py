@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 from queue_tinker.queue.keys import Keys
@@ -25,6 +26,16 @@ from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory
 
 REPO = Path(__file__).resolve().parent.parent
+
+# For modules that drive the official tinker SDK: its clients close their HTTP connections from
+# a background loop after a test has moved on, and the sockets they leave to the collector are
+# the SDK's, not ours. conftest's sdk_sockets_collected collects them after each test, so no
+# later test inherits the warnings.
+SDK_CLIENT_MARKS = [
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.usefixtures("sdk_sockets_collected"),
+]
 
 
 def child_env(settings: Settings) -> dict[str, str]:

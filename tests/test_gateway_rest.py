@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import redis
 import tinker
-from procs import gateway_process, lora_deployment, make_key
+from procs import SDK_CLIENT_MARKS, gateway_process, lora_deployment, make_key
 from rq.registry import ScheduledJobRegistry
 from sqlalchemy import text
 
@@ -38,18 +38,7 @@ from queue_tinker.types.training import LoraConfig
 TINY = "queue-tinker/tiny-llama"
 RANK = 4
 
-# The SDK's clients close their HTTP connections from a background loop after the test has
-# moved on; the sockets they leave for the collector are the SDK's, not ours (as in
-# test_gateway_tinker.py).
-pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
-              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
-
-
-@pytest.fixture(autouse=True)
-def sdk_sockets_collected() -> Iterator[None]:
-    yield
-    time.sleep(0.3)  # the SDK's background cleanup
-    gc.collect()
+pytestmark = SDK_CLIENT_MARKS
 
 
 # --- the deployment and its data -------------------------------------------------------------

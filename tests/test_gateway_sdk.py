@@ -4,7 +4,6 @@ LoRA worker on the built-in tiny model, the SDK unchanged (docs/tinker-http-prot
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import re
 import subprocess
@@ -24,7 +23,7 @@ import tinker
 import torch
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from procs import REPO, free_port, gateway_process, lora_deployment, make_key
+from procs import REPO, SDK_CLIENT_MARKS, free_port, gateway_process, lora_deployment, make_key
 from sqlalchemy import text
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
@@ -37,17 +36,7 @@ TINY = "queue-tinker/tiny-llama"
 EXAMPLE = REPO / "examples" / "tinker_sdk_training_loop.py"
 SEQ_GAP_TIMEOUT_S = 3.0
 
-# The SDK closes its HTTP connections from a background loop after a test has moved on; the
-# sockets it leaves to the collector are collected here, so no later test inherits warnings.
-pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
-              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
-
-
-@pytest.fixture(autouse=True)
-def sdk_sockets_collected() -> Iterator[None]:
-    yield
-    time.sleep(0.3)
-    gc.collect()
+pytestmark = SDK_CLIENT_MARKS
 
 
 @pytest.fixture(scope="module")

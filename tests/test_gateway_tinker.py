@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,25 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from procs import gateway_process, make_key, running_workers
+from procs import SDK_CLIENT_MARKS, gateway_process, make_key, running_workers
 from sqlalchemy import text
 
 from queue_tinker.settings import Settings
 from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory
 
-# The SDK's clients close their HTTP connections from a background loop after the test has
-# moved on; the sockets they leave for the collector are the SDK's, not ours. They are
-# collected here (sdk_sockets_collected), so no later test inherits the warning.
-pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
-              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
-
-
-@pytest.fixture(autouse=True)
-def sdk_sockets_collected() -> Iterator[None]:
-    yield
-    time.sleep(0.3)  # the SDK's background cleanup
-    gc.collect()
+pytestmark = SDK_CLIENT_MARKS
 
 
 @contextmanager
