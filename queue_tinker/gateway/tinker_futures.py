@@ -54,19 +54,20 @@ def poll_budget(request: Request, settings: Settings) -> float:
 @router.post("/retrieve_future")
 async def retrieve_future(body: RetrieveFutureRequest, request: Request, gq: Queue,
                           tenant: Tenant) -> Response:
-    job = await gq.jobs.job_fields(body.request_id)
+    job, outcome = await gq.jobs.job(body.request_id)
     if not job or job.get("tenant_id") != tenant:
         raise not_found(f"request_id {body.request_id!r}")
-    model_id = job["model_id"]
-    settings = gq.settings
-    budget = poll_budget(request, settings)
-    held_since = None if "seq" in job else float(job["queued_at"])
-    if held_since is not None:
-        budget = min(budget, max(0.1, held_since + settings.seq_gap_timeout_s - time.time()))
-    try:
-        outcome = await asyncio.wait_for(gq.results.wait(body.request_id, model_id), budget)
-    except TimeoutError:
-        return await still_waiting(gq, body.request_id, model_id, held_since)
+    if outcome is None:  # not finished yet: wait for its publish
+        model_id = job["model_id"]
+        settings = gq.settings
+        budget = poll_budget(request, settings)
+        held_since = None if "seq" in job else float(job["queued_at"])
+        if held_since is not None:
+            budget = min(budget, max(0.1, held_since + settings.seq_gap_timeout_s - time.time()))
+        try:
+            outcome = await asyncio.wait_for(gq.results.wait(body.request_id, model_id), budget)
+        except TimeoutError:
+            return await still_waiting(gq, body.request_id, model_id, held_since)
     protobuf = PROTOBUF_MEDIA_TYPE in request.headers.get("accept", "")
     return await answer(gq, job, outcome, protobuf=protobuf)
 
@@ -97,7 +98,9 @@ async def answer(gq: GatewayQueue, job: dict[str, str], outcome: JobOutcome, *,
         category = outcome.error_category or ErrorCategory.SERVER.value
         return JSONResponse({"error": outcome.error, "category": category})
     kind = OpKind(job["kind"])
-    reply = await gq.reply(outcome.job_id)
+    # Only these kinds are answered beyond what their kind says (gq.set_reply).
+    replied = kind in (OpKind.SAMPLE, OpKind.SAVE_WEIGHTS_FOR_SAMPLER)
+    reply = await gq.reply(outcome.job_id) if replied else {}
     if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
         output = ForwardBackwardOutput.model_validate(codec.decode(outcome.result))
         if not protobuf:

@@ -236,7 +236,13 @@ class JobQueue:
             )
         return outcome_from_fields(job_id, fields)
 
+    async def job(self, job_id: str) -> tuple[dict[str, str], JobOutcome | None]:
+        """In one read: the job hash as text (status, timings, worker...) without the result
+        bytes, and the outcome if the job has finished; ({}, None) for an unknown job."""
+        fields = await self.redis.hgetall(self.keys.job(job_id))
+        text = {k.decode(): v.decode() for k, v in fields.items() if k != b"result"}
+        return text, outcome_from_fields(job_id, fields) if fields else None
+
     async def job_fields(self, job_id: str) -> dict[str, str]:
         """The job hash as text (status, timings, worker...), without the result bytes."""
-        fields = await self.redis.hgetall(self.keys.job(job_id))
-        return {k.decode(): v.decode() for k, v in fields.items() if k != b"result"}
+        return (await self.job(job_id))[0]
