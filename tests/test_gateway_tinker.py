@@ -16,6 +16,7 @@ import tinker
 from procs import SDK_CLIENT_MARKS, gateway_process, make_key, running_workers
 from sqlalchemy import text
 
+from queue_tinker.client.service import ServiceClient
 from queue_tinker.settings import Settings
 from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory
@@ -44,6 +45,8 @@ def test_the_sdk_reads_server_capabilities_with_a_key(
     with running_workers(settings, 1, tmp_path, base_model="tiny"), \
             rest_client(gateway, key) as rest:
         capabilities = rest.get_server_capabilities().result(timeout=30)
+        with ServiceClient(settings) as ours:  # the Python client reads the same registry
+            assert ours.get_server_capabilities() == {"supported_models": [{"model_name": "tiny"}]}
     assert [m.model_name for m in capabilities.supported_models] == ["tiny"]
 
 

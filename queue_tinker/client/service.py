@@ -138,8 +138,7 @@ class ServiceClient:
     async def get_server_capabilities_async(self) -> dict[str, Any]:
         """Base models served by live workers right now."""
         max_age = self.settings.lease_ttl_ms * 3
-        workers = await self._loop.call(self._holder.registry.live(max_age))
-        models = sorted({w["base_model"] for w in workers})
+        models = await self._loop.call(self._holder.registry.base_models(max_age))
         return {"supported_models": [{"model_name": name} for name in models]}
 
     def get_server_capabilities(self) -> dict[str, Any]:

@@ -67,8 +67,7 @@ def session_router(settings: Settings, keys: Keys) -> APIRouter:
                                   _: str = Depends(tenant_of)) -> dict[str, Any]:
         """Base models served by live workers right now."""
         registry = WorkerRegistry(request.app.state.redis, keys)
-        workers = await registry.live(settings.lease_ttl_ms * 3)
-        names = sorted({w["base_model"] for w in workers})
+        names = await registry.base_models(settings.lease_ttl_ms * 3)
         return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": True}
                                      for n in names]}
 

@@ -42,3 +42,7 @@ class WorkerRegistry:
             for wid, row in zip(ids, rows, strict=True)
             if row
         ]
+
+    async def base_models(self, max_age_ms: int) -> list[str]:
+        """The base models live workers serve, sorted."""
+        return sorted({w["base_model"] for w in await self.live(max_age_ms) if "base_model" in w})

@@ -9,7 +9,6 @@ from queue_tinker.types import QueueState
 async def queue_state(registry: WorkerRegistry, base_model: str,
                       max_age_ms: int) -> tuple[QueueState, str | None]:
     """`paused_capacity` while no live worker serves the model's base model; else `active`."""
-    workers = await registry.live(max_age_ms)
-    if not any(w.get("base_model") == base_model for w in workers):
+    if base_model not in await registry.base_models(max_age_ms):
         return QueueState.PAUSED_CAPACITY, f"no live worker serves base model {base_model}"
     return QueueState.ACTIVE, None
