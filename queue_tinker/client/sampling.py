@@ -24,6 +24,7 @@ from queue_tinker.types.sampling import (
     SampleResponse,
     SamplingParams,
     check_sample,
+    sample_input,
 )
 from queue_tinker.types.tensors import ModelInput
 
@@ -55,15 +56,8 @@ class SamplingClient:
     ) -> APIFuture[SampleResponse]:
         """`num_samples` continuations of `prompt`, each with its tokens, their logprobs and
         why it stopped; with include_prompt_logprobs, the prompt's logprobs too."""
-        body = validated(SampleInput, "", {
-            "prompt": validated(ModelInput, "prompt", prompt),
-            "num_samples": num_samples,
-            "sampling_params": validated(SamplingParams, "sampling_params", sampling_params),
-            "prompt_logprobs": include_prompt_logprobs,
-            "model_path": self.model_path,
-        })
-        check_sample(body)
-        return await self._submit(body)
+        return await self._submit(sample_input(prompt, num_samples, sampling_params,
+                                               include_prompt_logprobs, self.model_path))
 
     def sample(
         self,

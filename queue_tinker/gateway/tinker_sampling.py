@@ -15,9 +15,7 @@ from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
 from queue_tinker.gateway.tinker_types import CreateSamplingSessionRequest, SampleRequest
 from queue_tinker.queue import codec, runs
 from queue_tinker.types import JobStatus, OpKind
-from queue_tinker.types.sampling import SampleInput, SamplingParams, check_sample
-from queue_tinker.types.tensors import ModelInput
-from queue_tinker.types.validation import validated
+from queue_tinker.types.sampling import sample_input
 
 # create_sampling_session answers synchronously; it waits this long for a worker to check the
 # weights, so a bad path fails here. With no worker up it answers anyway, and the samples wait.
@@ -54,14 +52,9 @@ async def asample(body: SampleRequest, gq: Queue, tenant: Tenant) -> dict[str, A
     for field in UNSUPPORTED:
         if getattr(body, field):
             raise UserInputError(f"{field}: not supported by this service (send 0 / none)")
-    sample = validated(SampleInput, "", {
-        "prompt": validated(ModelInput, "prompt", body.prompt),
-        "num_samples": body.num_samples,
-        "sampling_params": validated(SamplingParams, "sampling_params", body.sampling_params),
-        "prompt_logprobs": body.prompt_logprobs or body.prompt_logprobs_last_n is not None,
-        "model_path": info["model_path"],
-    })
-    check_sample(sample)
+    sample = sample_input(body.prompt, body.num_samples, body.sampling_params,
+                          body.prompt_logprobs or body.prompt_logprobs_last_n is not None,
+                          info["model_path"])
     job_id = await gq.submit(body.sampling_session_id, OpKind.SAMPLE,
                              codec.encode(sample.model_dump()), f"seq:{body.seq_id}")
     if body.prompt_logprobs_last_n is not None:

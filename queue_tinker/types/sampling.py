@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.loss_inputs import ModelLimits, check_token_ids
 from queue_tinker.types.tensors import ModelInput
+from queue_tinker.types.validation import validated
 
 MAX_NUM_SAMPLES = 1024
 MAX_STOP_SEQUENCES = 32
@@ -126,6 +127,21 @@ def max_new_tokens(body: SampleInput, context_length: int) -> int:
     """How many tokens a request may generate: its max_tokens, or what the context leaves."""
     room = context_length - body.prompt.length
     return body.sampling_params.max_tokens or room
+
+
+def sample_input(prompt: object, num_samples: object, sampling_params: object,
+                 prompt_logprobs: bool, model_path: str | None) -> SampleInput:
+    """A sample op's body from what a caller sent, checked as far as the caller's side can
+    (the Python client and the gateway both build it here); errors name the field."""
+    body = validated(SampleInput, "", {
+        "prompt": validated(ModelInput, "prompt", prompt),
+        "num_samples": num_samples,
+        "sampling_params": validated(SamplingParams, "sampling_params", sampling_params),
+        "prompt_logprobs": prompt_logprobs,
+        "model_path": model_path,
+    })
+    check_sample(body)
+    return body
 
 
 def check_sample(body: SampleInput, limits: ModelLimits | None = None) -> None:
