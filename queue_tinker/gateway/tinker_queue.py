@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import HTTPException, Request
 from redis.asyncio import Redis
 
-from queue_tinker.errors import UnknownModelError
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.registry import WorkerRegistry
@@ -85,11 +84,8 @@ class GatewayQueue:
 
     async def model_of(self, model_id: str, tenant: str, kind: str = "training") -> dict[str, Any]:
         """The model's meta, if it is the tenant's and of this kind (404 otherwise)."""
-        try:
-            info = await self.jobs.model_info(model_id)
-        except UnknownModelError:
-            info = None
-        if info is None or info["tenant_id"] != tenant or info["kind"] != kind:
+        info = await self.jobs.tenant_model(model_id, tenant, kind)
+        if info is None:
             what = "sampling_session_id" if kind == "sampling" else "model_id"
             raise not_found(f"{what} {model_id!r}")
         return info

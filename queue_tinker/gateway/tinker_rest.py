@@ -21,7 +21,6 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker import housekeeping
-from queue_tinker.errors import UnknownModelError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.tinker_queue import not_found
 from queue_tinker.queue.keys import Keys
@@ -268,14 +267,9 @@ def _add_session_routes(router: APIRouter, settings: Settings, keys: Keys) -> No
     async def get_sampler(sampler_id: str, request: Request,
                           tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         """Redis first: the SDK asks right after creating the session, before its row exists."""
-        try:
-            info: dict[str, Any] | None = await request.app.state.gateway_queue.jobs.model_info(
-                sampler_id)
-        except UnknownModelError:
-            info = None
+        jobs = request.app.state.gateway_queue.jobs
+        info = await jobs.tenant_model(sampler_id, tenant, kind="sampling")
         if info is not None:
-            if info["kind"] != "sampling" or info["tenant_id"] != tenant:
-                raise not_found(f"sampler {sampler_id!r}")
             return {"sampler_id": sampler_id, "base_model": info["base_model"],
                     "model_path": info["model_path"]}
         row = await queries.get_sampling_session(_db(request), tenant, sampler_id)

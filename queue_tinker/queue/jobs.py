@@ -226,6 +226,16 @@ class JobQueue:
                 "lora_config": json.loads(fields[3] or b"{}"),
                 "model_path": (fields[4] or b"").decode() or None}
 
+    async def tenant_model(self, model_id: str, tenant_id: str,
+                           kind: str = "training") -> dict[str, Any] | None:
+        """model_info, if the model is the tenant's and of this kind ('training' / 'sampling');
+        None otherwise, so another tenant's model reads exactly like a missing one."""
+        try:
+            info = await self.model_info(model_id)
+        except UnknownModelError:
+            return None
+        return info if info["tenant_id"] == tenant_id and info["kind"] == kind else None
+
     async def outcome(self, job_id: str) -> JobOutcome | None:
         """The job's outcome if finished, None if still pending; raises if Redis forgot it."""
         fields = await self.redis.hgetall(self.keys.job(job_id))

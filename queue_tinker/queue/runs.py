@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from queue_tinker.errors import UnknownModelError, UserInputError
+from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.types import OpKind
@@ -44,11 +44,8 @@ async def checkpoint_run(jobs: JobQueue, path: CheckpointPath, tenant_id: str,
                          field: str) -> dict[str, Any]:
     """The meta of the training run that saved a checkpoint. Another tenant's run reads exactly
     like a missing one."""
-    try:
-        info = await jobs.model_info(path.run_id)
-    except UnknownModelError:
-        info = None
-    if info is None or info["tenant_id"] != tenant_id or info["kind"] != "training":
+    info = await jobs.tenant_model(path.run_id, tenant_id)
+    if info is None:
         raise UserInputError(f"{field}: no checkpoint {path} (unknown run {path.run_id!r})")
     return info
 
