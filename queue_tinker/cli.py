@@ -76,6 +76,73 @@ def _cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(run_keys(settings.database_url, args))
 
 
+def _redis_url(settings: Settings) -> str | None:
+    """QT_REDIS_URL, or None after saying that it is missing (these commands read Redis)."""
+    if not settings.redis_url:
+        print("QT_REDIS_URL is not set: point it at the deployment's Redis", file=sys.stderr)
+    return settings.redis_url
+
+
+def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncio
+
+    if not _redis_url(settings):
+        return 2
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from queue_tinker.status_cli import run_status
+
+    try:
+        return asyncio.run(run_status(settings, as_json=args.json, watch_s=args.watch))
+    except KeyboardInterrupt:  # how --watch ends
+        return 0
+    except RedisConnectionError as exc:
+        print(f"cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _cmd_limits(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncio
+
+    redis_url = _redis_url(settings)
+    if not redis_url:
+        return 2
+    from queue_tinker.limits_cli import run_limits
+    from queue_tinker.queue.keys import Keys
+
+    return asyncio.run(run_limits(redis_url, Keys(settings.key_prefix), args))
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def _add_limits_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    limits = sub.add_parser(
+        "limits", help="tenants' limits (training runs, ops in flight, tokens per second)")
+    limits_sub = limits.add_subparsers(dest="action", required=True)
+    limits_sub.add_parser("show", help="every tenant with its own limits, and the default")
+    setting = limits_sub.add_parser(
+        "set", help="set some limits of a tenant or of the default (others stay as they are)")
+    clearing = limits_sub.add_parser(
+        "clear", help="remove a tenant's own limits (it gets the default's again)")
+    for action in (setting, clearing):
+        who = action.add_mutually_exclusive_group(required=True)
+        who.add_argument("--tenant", help="the tenant id")
+        who.add_argument("--default", action="store_true",
+                         help="the limits of every tenant without its own")
+    setting.add_argument("--training-runs", type=int, default=None, metavar="N",
+                         help="training runs open at once (0 = unlimited)")
+    setting.add_argument("--inflight-ops", type=int, default=None, metavar="N",
+                         help="ops running at once, over all its models (0 = unlimited)")
+    setting.add_argument("--tokens-per-s", type=float, default=None, metavar="X",
+                         help="tokens processed per second, averaged (0 = unlimited)")
+    limits.set_defaults(fn=_cmd_limits)
+
+
 def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from queue_tinker.demo import run_demo
 
@@ -127,11 +194,24 @@ def _parser() -> argparse.ArgumentParser:
     create = keys_sub.add_parser("create", help="make a key (printed once, stored hashed)")
     create.add_argument("--tenant", required=True, help="tenant id (created on its first key)")
     create.add_argument("--name", default=None, help="a note to tell keys apart")
+    create.add_argument("--admin", action="store_true",
+                        help="a key that sees every tenant on the dashboard and may drain "
+                        "workers")
     listing = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
     listing.add_argument("--tenant", default=None, help="only this tenant's keys")
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id", help="the id `keys list` shows (key-...)")
     keys.set_defaults(fn=_cmd_keys)
+
+    status = sub.add_parser(
+        "status", help="workers, queues, tenants' limits and op totals, read from Redis")
+    status.add_argument("--json", action="store_true",
+                        help="print the overview and the metrics as JSON")
+    status.add_argument("--watch", type=_positive_seconds, default=None, metavar="SECONDS",
+                        help="redraw every SECONDS until Ctrl-C")
+    status.set_defaults(fn=_cmd_status)
+
+    _add_limits_parser(sub)
 
     demo = sub.add_parser("demo", help="run the service on the embedded default and drive it")
     demo.add_argument("--steps", type=int, default=100, help="training steps")

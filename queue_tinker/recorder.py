@@ -12,13 +12,13 @@ import contextlib
 import logging
 import threading
 
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import Entry, RecordLog
-from queue_tinker.store.db import make_engine, session_factory
+from queue_tinker.store.db import make_engine, refused, session_factory
 from queue_tinker.store.record_writer import apply_records
 from queue_tinker.types import Record
 
@@ -30,6 +30,10 @@ BATCH = 500
 # of one write per op. The record lags Redis by about this much.
 WRITE_INTERVAL_S = 0.2
 STALE_MS = 30_000  # a recorder silent this long is presumed dead; its entries are taken over
+# How often a busy recorder looks for such entries (an idle one looks after every empty read).
+# A recorder always has new events under steady load, so without this a dead one's entries
+# would wait for the first quiet second, which a busy deployment may never have.
+TAKE_OVER_EVERY_S = 5.0
 MAX_BACKOFF_S = 5.0
 SHUTDOWN_FLUSH_S = 5.0
 
@@ -50,18 +54,28 @@ class Recorder:
         # call can be absorbed by the driver, which would leave this loop running forever.
         await self.log.ensure_group()
         backoff = 0.0
+        failing_since: float | None = None
+        loop = asyncio.get_running_loop()
+        take_over_at = loop.time() + TAKE_OVER_EVERY_S
         while not self._stopping.is_set():
             try:
                 wrote = await self.step(block_ms=1000)
+                if not wrote or loop.time() >= take_over_at:
+                    take_over_at = loop.time() + TAKE_OVER_EVERY_S
+                    wrote += await self._take_over_stale()
                 backoff = 0.0
-                if not wrote:
-                    await self._take_over_stale()
-                elif wrote < BATCH:
+                if failing_since is not None and wrote:  # a write went through, not a no-op
+                    log.info("recorder: Postgres is back after %.0fs; %d events still to write",
+                             loop.time() - failing_since, await self.log.backlog())
+                    failing_since = None
+                if wrote and wrote < BATCH:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._stopping.wait(), WRITE_INTERVAL_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if failing_since is None:
+                    failing_since = loop.time()
                 backoff = min(MAX_BACKOFF_S, max(0.25, backoff * 2))
                 reason = str(exc).splitlines()[0][:200]
                 log.warning("recorder: Postgres write failed (%s: %s); retrying in %.2fs",
@@ -82,9 +96,10 @@ class Recorder:
         while await self.step(block_ms=None):
             pass
 
-    async def _take_over_stale(self) -> None:
+    async def _take_over_stale(self) -> int:
         entries = await self.log.claim_stale(self.consumer, min_idle_ms=STALE_MS, count=BATCH)
         await self._write(entries)
+        return len(entries)
 
     async def _write(self, entries: list[Entry]) -> None:
         if not entries:
@@ -93,10 +108,12 @@ class Recorder:
         if records:
             try:
                 await apply_records(self.sessions, records)
-            except (IntegrityError, DataError):
+            except DBAPIError as exc:
                 # One record that can never apply must not block the stream: write the batch
                 # one by one and set the refused ones aside. Outages (connection errors) are
-                # not caught here; they are retried whole by run().
+                # raised on; run() retries them whole.
+                if not refused(exc):
+                    raise
                 await self._write_one_by_one(records)
         await self.log.ack([entry_id for entry_id, _ in entries])
 
@@ -104,7 +121,9 @@ class Recorder:
         for record in records:
             try:
                 await apply_records(self.sessions, [record])
-            except (IntegrityError, DataError) as exc:
+            except DBAPIError as exc:
+                if not refused(exc):
+                    raise
                 reason = str(exc.orig or exc).splitlines()[0][:500]
                 log.error("recorder: Postgres refused %s %s (%s); kept on the dead-letter "
                           "stream", record.type, record.id, reason)

@@ -69,6 +69,31 @@ class Settings(BaseSettings):
         description="Most sequences a worker generates in one batch; concurrent sample "
         "requests beyond it run in the next batch. Bounds KV-cache memory.",
     )
+    max_tokens_per_datum: int = Field(
+        default=32_768, ge=1,
+        description="Most tokens in one sequence of a request: a training datum's model_input "
+        "(and each of its loss_fn_inputs), a sample's prompt, a sample's max_tokens. 32K is the "
+        "longest context most served models train at; the model's own context length still "
+        "applies on the worker.",
+    )
+    max_datums_per_request: int = Field(
+        default=1_024, ge=1,
+        description="Most datums in one forward / forward_backward request. The tinker SDK "
+        "splits a bigger call into chunks of 1,024, so its calls of any size pass; the Python "
+        "client refuses a bigger batch (split it into several calls).",
+    )
+    max_samples_per_request: int = Field(
+        default=1_024, ge=1,
+        description="Most samples (num_samples) one sample request may ask for; a worker "
+        "generates them sample_batch_sequences at a time.",
+    )
+    max_request_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024,
+        description="Most bytes of one request: the gateway refuses a bigger HTTP body (413, "
+        "counted as it streams in, before it is parsed), and client, gateway and worker refuse "
+        "an op body that encodes bigger. 64 MiB is ~4M tokens of training data, far over the "
+        "SDK's own 5 MB chunks, and bounds what one op holds in Redis.",
+    )
     ephemeral_sampler_ttl_s: int = Field(
         default=86_400, gt=0,
         description="How long the sampler weights that save_weights_and_get_sampling_client "
@@ -92,9 +117,19 @@ class Settings(BaseSettings):
     )
     gateway_host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     gateway_port: int = Field(default=8000, description="Gateway port.")
+    metrics_token: str | None = Field(
+        default=None,
+        description="Bearer token the gateway's GET /metrics requires (Authorization: Bearer "
+        "<token>); unset, /metrics is open to anyone who reaches the gateway.",
+    )
     api_key: str | None = Field(
         default=None,
         description="API key the client sends (tml-...); unset uses the default tenant.",
+    )
+    tenant: str = Field(
+        default="default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="Tenant the Python client acts for. It talks to Redis directly, so it is "
+        "trusted to say who it is; the gateway instead learns the tenant from the API key.",
     )
 
     @property

@@ -183,3 +183,81 @@ def make_key(settings: Settings, tenant: str) -> str:
             await engine.dispose()
 
     return asyncio.run(go())
+
+
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+class RedisServer:
+    """A redis-server of the test's own (never the machine's Redis on 6379): a free port, a
+    temporary directory, append-only persistence as compose runs it. Stop it (SIGTERM: Redis
+    writes the AOF and exits) or kill it (SIGKILL), then start it again on the same port and
+    directory: it reloads the AOF."""
+
+    def __init__(self, data_dir: Path, *, appendfsync: str = "everysec") -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.appendfsync = appendfsync
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(self.port),
+             "--dir", str(self.data_dir), "--logfile", str(self.data_dir / "redis.log"),
+             "--daemonize", "no", "--save", "", "--appendonly", "yes",
+             "--appendfsync", self.appendfsync],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=2)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:  # no event tells us it listens: ask until it answers (10-50 ms)
+                assert self.proc.poll() is None, self.log()
+                try:
+                    # LOADING (reading the AOF) raises BusyLoadingError, a ConnectionError.
+                    if int(client.info("server")["process_id"]) == self.proc.pid:
+                        return self.url
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                assert time.monotonic() < deadline, f"redis-server did not start:\n{self.log()}"
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM: Redis flushes the AOF, closes every connection and exits."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final fsync; what is in the AOF is what was written."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
+    def log(self) -> str:
+        path = self.data_dir / "redis.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+@contextmanager
+def redis_server(data_dir: Path, *, appendfsync: str = "everysec") -> Iterator[RedisServer]:
+    server = RedisServer(data_dir, appendfsync=appendfsync)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

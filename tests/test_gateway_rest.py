@@ -68,16 +68,8 @@ def batch() -> list[types.Datum]:
 
 
 def service_for(settings: Settings, tenant: str) -> queue_tinker.ServiceClient:
-    """Our client, its runs and its session recorded as the tenant's (API keys for the
-    Python client come later)."""
-    service = queue_tinker.ServiceClient(settings)
-    holder = service._holder
-    holder.tenant_id = tenant
-    # A new session rather than the one opened as "default": recording that one again under
-    # the tenant would race its first record (two recorders; the later commit wins).
-    holder.session_id = f"s-{uuid.uuid4().hex}"
-    service._loop.run(holder.open_session())
-    return service
+    """Our client acting for `tenant` (QT_TENANT): its runs and session are the tenant's."""
+    return queue_tinker.ServiceClient(settings.model_copy(update={"tenant": tenant}))
 
 
 def run_with_id(service: queue_tinker.ServiceClient, model_id: str) -> Any:

@@ -28,7 +28,9 @@ from sqlalchemy import text
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
+from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.limits import set_limits
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine
 
@@ -412,6 +414,38 @@ def test_a_model_no_worker_serves_reports_paused_capacity(wire: Wire) -> None:
     answer = wire.result(request_id, read_timeout=6)
     assert answer["type"] == "try_again" and answer["queue_state"] == "paused_capacity"
     assert "no-such-org/unserved-model" in answer["queue_state_reason"]
+
+
+def test_a_tenant_over_its_token_limit_hears_paused_rate_limit_until_it_is_lifted(
+    gateway: str, deployment: Settings
+) -> None:
+    """A tenant allowed 1 token/s: its first call runs and puts it 9 tokens in debt; the next
+    waits (never fails) and retrieve_future says why; lifting the limit lets it run within
+    about a second."""
+    tenant = f"limited-{uuid.uuid4().hex[:8]}"
+    wire = Wire(gateway, make_key(deployment, tenant))
+    model = wire.new_model()
+    limits(deployment, tenant, tokens_per_s=1)
+    first = wire.forward_backward(model, 1, list(range(11))).json()["request_id"]
+    assert "loss_fn_outputs" in wire.result(first, protobuf=False)
+    waiting = wire.forward_backward(model, 2, list(range(11))).json()["request_id"]
+    answer = wire.result(waiting, read_timeout=6, protobuf=False)
+    assert answer == {"type": "try_again", "request_id": waiting,
+                      "queue_state": "paused_rate_limit",
+                      "queue_state_reason": "tokens per second rate limit hit (1 tokens/s)"}
+    limits(deployment, tenant, tokens_per_s=0)
+    assert "loss_fn_outputs" in wire.result(waiting, read_timeout=10, protobuf=False)
+
+
+def limits(deployment: Settings, tenant: str, **values: float) -> None:
+    async def go() -> None:
+        client = connect(deployment.redis_url or "")
+        try:
+            await set_limits(client, Keys(deployment.key_prefix), tenant, **values)  # type: ignore[arg-type]
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
 
 
 # --- tenants ----------------------------------------------------------------------------------

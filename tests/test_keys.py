@@ -1,6 +1,9 @@
 """The Redis key layout is an interface (workers of several versions share a Redis): pin it."""
 
+import redis
+
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.scripts import prelude
 
 
 def test_key_names_are_stable() -> None:
@@ -24,3 +27,41 @@ def test_key_names_are_stable() -> None:
     assert k.records() == "qt:records"
     assert k.dead_records() == "qt:records:dead"
     assert k.housekeeping_queue() == "qt-housekeeping"
+
+
+def test_new_key_names_are_stable() -> None:
+    k = Keys("qt")
+    assert k.offer_bell("tiny") == "qt:base:tiny:offers:bell"
+    assert k.limits("acme") == "qt:limits:acme"
+    assert k.limits("*") == "qt:limits:*"
+    assert k.tenant_leased("acme") == "qt:tenant:acme:leased"
+    assert k.tenant_parked("acme") == "qt:tenant:acme:parked"
+    assert k.tenant_running("acme") == "qt:tenant:acme:running"
+    assert k.tenant_bucket("acme") == "qt:tenant:acme:bucket"
+    assert k.metrics_ops() == "qt:metrics:ops"
+    assert k.metrics_latency("ping") == "qt:metrics:latency:ping"
+    assert k.metrics_tokens() == "qt:metrics:tokens"
+    assert k.metrics_tenant_tokens() == "qt:metrics:tenant-tokens"
+
+
+def test_the_scripts_build_the_same_key_names(redis_url: str) -> None:
+    """Scripts that learn a tenant or job only inside build its keys themselves: they must
+    match queue/keys.py, or a limit would be kept in one key and read from another."""
+    k = Keys("qt")
+    built = redis.Redis.from_url(redis_url).eval(
+        prelude() + """
+        return {meta_key('qt', 'm1'), lease_key('qt', 'm1'), job_key('qt', 'j1'),
+                events_key('qt', 'm1'), offers_key('qt', 'tiny'), limits_key('qt', 'acme'),
+                tenant_key('qt', 'acme', 'leased'), tenant_key('qt', 'acme', 'parked'),
+                tenant_key('qt', 'acme', 'running'), tenant_key('qt', 'acme', 'bucket')}""", 0)
+    assert [b.decode() for b in built] == [
+        k.model_meta("m1"), k.model_lease("m1"), k.job("j1"), k.model_events("m1"),
+        k.offers("tiny"), k.limits("acme"), k.tenant_leased("acme"), k.tenant_parked("acme"),
+        k.tenant_running("acme"), k.tenant_bucket("acme"),
+    ]
+
+
+def test_index_key_names_are_stable() -> None:
+    k = Keys("qt")
+    assert k.base_models() == "qt:bases"
+    assert k.limited_tenants() == "qt:limits"

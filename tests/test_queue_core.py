@@ -80,7 +80,7 @@ async def test_unowned_model_is_offered_once(jobs: JobQueue, redis: Redis, keys:
         await jobs.enqueue(model, OpKind.PING, b"", job_id=f"j{i}")
     assert await redis.zrange(keys.offers(BASE), 0, -1) == [model.encode()]
     worker = dispatcher(redis, keys, "wA")
-    assert await worker.next_offer(timeout_s=1) == model
+    assert await worker.take_offer() == model
     lease = await worker.claim(model)
     assert lease is not None and lease.done_seq == 0
     await jobs.enqueue(model, OpKind.PING, b"", job_id="j3")
@@ -94,8 +94,8 @@ async def test_stale_owner_is_fenced_out(jobs: JobQueue, redis: Redis, keys: Key
     worker_a, worker_b = dispatcher(redis, keys, "wA", 300), dispatcher(redis, keys, "wB")
     lease_a = await worker_a.claim(model)
     assert lease_a is not None
-    ops, _ = await worker_a.read({model: 0}, b"0-0", block_ms=100)
-    assert await worker_a.start(lease_a, ops[0])
+    ops, _, _ = await worker_a.read({model: 0}, b"0-0", block_ms=100)
+    assert (await worker_a.start(lease_a, ops[0])).run
     assert await worker_b.claim(model) is None  # held
     await asyncio.sleep(0.45)  # A stalls past its lease
     lease_b = await worker_b.claim(model)
@@ -110,7 +110,7 @@ async def test_stale_owner_is_fenced_out(jobs: JobQueue, redis: Redis, keys: Key
     assert await worker_a.release(lease_a, force=True) == -1
     assert (await jobs.outcome("j1")) is None  # nothing A did after losing the lease landed
 
-    assert await worker_b.start(lease_b, ops[0])
+    assert (await worker_b.start(lease_b, ops[0])).run
     await worker_b.publish(lease_b, ops[0], Outcome(JobStatus.DONE, b"from B"), trim_upto=1)
     outcome = await jobs.outcome("j1")
     assert outcome is not None and outcome.result == b"from B"
@@ -155,7 +155,7 @@ async def test_publish_advances_the_model_and_trims_its_log(jobs: JobQueue, redi
     worker = dispatcher(redis, keys, "wA")
     lease = await worker.claim(model)
     assert lease is not None
-    ops, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
+    ops, _, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
     assert [op.seq for op in ops] == [1, 2, 3]
     for op in ops:
         await worker.start(lease, op)
@@ -175,7 +175,7 @@ async def test_inline_publish_starts_and_finishes_once(jobs: JobQueue, redis: Re
     worker = dispatcher(redis, keys, "wA")
     lease = await worker.claim(model)
     assert lease is not None
-    ops, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
+    ops, _, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
     assert await worker.publish_batch(
         [(lease, ops[0], Outcome(JobStatus.DONE, b"first"), None)], started=False) == [True]
     fields = await jobs.job_fields("j1")
@@ -196,7 +196,7 @@ async def test_inline_batch_reports_lost_leases_per_op(jobs: JobQueue, redis: Re
     worker = dispatcher(redis, keys, "wA", lease_ttl_ms=300)
     lease_kept, lease_lost = await worker.claim(kept), await worker.claim(lost)
     assert lease_kept is not None and lease_lost is not None
-    ops, _ = await worker.read({kept: 0, lost: 0}, b"0-0", block_ms=100)
+    ops, _, _ = await worker.read({kept: 0, lost: 0}, b"0-0", block_ms=100)
     await asyncio.sleep(0.4)
     assert await dispatcher(redis, keys, "wB").claim(lost) is not None  # taken over
     assert await worker.renew([lease_kept]) == [False]  # lapsed too, but nobody took it

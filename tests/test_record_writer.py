@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.store.db import make_engine, session_factory
-from queue_tinker.store.models import Request, Session, Worker
+from queue_tinker.store.models import Request, Session, Tenant, Worker
 from queue_tinker.store.queries import (
     count_requests_by_status,
     get_request,
@@ -182,6 +182,22 @@ async def test_model_upsert_and_last_request_at(sessions: Sessions) -> None:
     run = await get_training_run(sessions, model_id)
     assert run is not None
     assert (run.session_id, run.last_request_at, run.created_at) == (session_id, _at(60), _at(-5))
+
+
+async def test_a_tenant_first_seen_in_the_record_gets_its_row(sessions: Sessions) -> None:
+    """A client acting for a tenant that has no API key (QT_TENANT) still gets its session and
+    runs recorded: the tenant's row is made with them, not refused by the foreign key."""
+    tenant, model_id, session_id = _id("tenant"), _id("model"), _id("session")
+    await apply_records(sessions, [
+        SessionRecord(id=session_id, tenant_id=tenant, created_at=T0),
+        ModelRecord(id=model_id, tenant_id=tenant, session_id=session_id,
+                    base_model="tiny-llama", lora_config={"rank": 8}, created_at=T0),
+    ])
+    run = await get_training_run(sessions, model_id)
+    assert run is not None and run.tenant_id == tenant
+    async with sessions() as session:
+        assert (await session.get(Tenant, tenant)) is not None
+        assert (await session.get(Session, session_id)) is not None
 
 
 async def test_worker_upsert(sessions: Sessions) -> None:

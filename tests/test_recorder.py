@@ -50,13 +50,13 @@ async def test_records_reach_postgres_and_leave_the_stream(redis: Redis, db: Asy
 
 async def test_a_refused_record_is_set_aside_not_retried_forever(redis: Redis, db: AsyncEngine,
                                                                  key_prefix: str) -> None:
-    """A record Postgres refuses (unknown tenant) goes to the dead-letter stream; the others in
-    its batch are written."""
+    """A record Postgres refuses (a NUL character, which no text column takes) goes to the
+    dead-letter stream; the others in its batch are written."""
     keys = Keys(key_prefix)
     log = RecordLog(redis, keys)
     await log.ensure_group()
     await log.append(model("good-1"))
-    await log.append(model("bad", tenant="no-such-tenant"))
+    await log.append(model("bad").model_copy(update={"base_model": "tiny\x00"}))
     await log.append(model("good-2"))
     await Recorder(log, session_factory(db), consumer="c1").drain()
     sessions = session_factory(db)
@@ -65,7 +65,7 @@ async def test_a_refused_record_is_set_aside_not_retried_forever(redis: Redis, d
     assert await get_training_run(sessions, "bad") is None
     dead = await redis.xrange(keys.dead_records())
     assert [fields[b"id"] for _, fields in dead] == [b"bad"]
-    assert b"tenant" in dead[0][1][b"reason"]
+    assert b"0x00" in dead[0][1][b"reason"]
     assert await log.backlog() == 0
 
 

@@ -43,7 +43,7 @@ async def test_sweep_fails_only_confirmed_jobs_that_vanished(aredis: Redis,
                             result_ttl_s=60)
         lease = await worker.claim("m")
         assert lease is not None
-        ops, _ = await worker.read({"m": 0}, b"0-0", block_ms=100)
+        ops, _, _ = await worker.read({"m": 0}, b"0-0", block_ms=100)
         await worker.publish_batch([(lease, ops[0], Outcome(JobStatus.DONE, b"ok"), None)],
                                    started=False)
         outcome = await asyncio.wait_for(not_yet, timeout=2)

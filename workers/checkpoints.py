@@ -11,10 +11,12 @@ written for one model loads into another with the same LoRA config.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,9 @@ class CheckpointMeta:
     id: str | None = None  # tinker:// path for named checkpoints
     expires_at: float | None = None
     optimizer_steps: dict[str, int] = field(default_factory=dict)  # per tensor, as AdamW keeps
+    # Snapshots written by an op (periodic, load_state): that op's outcome, published from
+    # here by the next owner if the writer died before publishing it (lora_engine.py).
+    op_result: dict[str, Any] | None = None
 
 
 @dataclass
@@ -90,13 +95,11 @@ def write_state(
 
 
 def read_meta(directory: Path) -> CheckpointMeta | None:
-    try:
-        return CheckpointMeta(**json.loads((directory / META_FILE).read_text()))
-    except FileNotFoundError:
-        return None
+    return _meta_in(_current(directory))
 
 
 def read_state(directory: Path, *, optimizer: bool, grads: bool = False) -> AdapterState:
+    directory = _current(directory)
     meta = read_meta(directory)
     if meta is None:
         raise FileNotFoundError(directory / META_FILE)
@@ -116,7 +119,8 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _replace_dir(tmp: Path, directory: Path) -> None:
     """Swap `tmp` in for `directory`. A reader sees the old or the new one, never a mix;
-    the old one is moved aside first because rename() cannot replace a non-empty directory."""
+    the old one is moved aside first because rename() cannot replace a non-empty directory
+    (a process that dies between the two renames leaves it there: see _current)."""
     old = None
     if directory.exists():
         old = directory.with_name(f".{directory.name}-old-{os.getpid()}")
@@ -125,3 +129,46 @@ def _replace_dir(tmp: Path, directory: Path) -> None:
     tmp.rename(directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    if directory.name == SNAPSHOT:
+        _clear_leftovers(directory)
+
+
+# Only a model's snapshot is ever replaced (named checkpoints are written once), and only its
+# directory's siblings are known to be ours alone: the two helpers below look at nothing else.
+ABANDONED_AFTER_S = 3600  # far longer than any write takes
+
+
+def _set_aside(snapshot: Path) -> list[Path]:
+    """Earlier versions of a snapshot that writers killed between _replace_dir's two renames
+    left moved aside."""
+    return list(snapshot.parent.glob(f".{SNAPSHOT}-old-*"))
+
+
+def _clear_leftovers(snapshot: Path) -> None:
+    """Remove what killed writers left beside a snapshot just written: versions moved aside,
+    and temporary directories (of writes cut short) once they are long abandoned."""
+    for aside in _set_aside(snapshot):
+        shutil.rmtree(aside, ignore_errors=True)
+    cutoff = time.time() - ABANDONED_AFTER_S
+    for leftover in snapshot.parent.glob(f".{SNAPSHOT}-*"):
+        with contextlib.suppress(OSError):
+            if leftover.stat().st_mtime < cutoff:
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _current(directory: Path) -> Path:
+    """Where `directory`'s content is: itself, or, for a snapshot whose replacement was cut
+    short between _replace_dir's two renames (its writer was killed there), the previous
+    version it had moved aside, which is whole. The next snapshot puts one back in place."""
+    if directory.exists() or directory.name != SNAPSHOT:
+        return directory
+    whole = [(meta.seq, aside) for aside in _set_aside(directory)
+             if (meta := _meta_in(aside)) is not None]
+    return max(whole)[1] if whole else directory
+
+
+def _meta_in(directory: Path) -> CheckpointMeta | None:
+    try:
+        return CheckpointMeta(**json.loads((directory / META_FILE).read_text()))
+    except (FileNotFoundError, NotADirectoryError):
+        return None

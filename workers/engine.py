@@ -19,6 +19,7 @@ from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
 from queue_tinker.types import OpKind
 from queue_tinker.types.records import Record
+from queue_tinker.types.validation import field_path
 
 MAX_PING_DELAY_MS = 60_000
 B = TypeVar("B", bound=BaseModel)
@@ -30,14 +31,14 @@ def parse_body(model: type[B], payload: bytes) -> B:
         return model.model_validate(codec.decode(payload) if payload else {})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise UserInputError(f"{where}: {first['msg']}") from None
+        raise UserInputError(f"{field_path('', first['loc'])}: {first['msg']}") from None
 
 
 @dataclass
 class OpResult:
     result: bytes
     metrics: dict[str, float] | None = None
+    tokens: int = 0  # tokens the op processed: its tenant's tokens-per-second limit, /metrics
     # Durable-record events the op produced (checkpoints); the worker puts them on the
     # records stream before it publishes the result.
     records: list[Record] = field(default_factory=list)
@@ -79,6 +80,14 @@ class Engine(Protocol):
         """Forget a model's in-memory state (its lease is gone, or it was persisted)."""
         ...
 
+    def resident(self) -> list[str]:
+        """The models whose state is in memory now (the dashboard's resident adapters)."""
+        ...
+
+    def device_memory_bytes(self) -> int:
+        """Accelerator memory in use (0 on the CPU)."""
+        ...
+
 
 def run_ping(op: Op) -> OpResult:
     body = codec.decode(op.payload) if op.payload else {}
@@ -95,7 +104,10 @@ def run_ping(op: Op) -> OpResult:
 def is_inline_ping(op: Op) -> bool:
     if op.kind is not OpKind.PING:
         return False
-    body = codec.decode(op.payload) if op.payload else {}
+    try:
+        body = codec.decode(op.payload) if op.payload else {}
+    except Exception:
+        return False  # not inline: executing it fails the op with the decode error, not the loop
     return isinstance(body, dict) and body.get("delay_ms", 0) == 0
 
 
@@ -146,3 +158,9 @@ class QueueOnlyEngine:
     def drop(self, model_id: str) -> None:
         self.executed.pop(model_id, None)
         self.models.pop(model_id, None)
+
+    def resident(self) -> list[str]:
+        return list(self.models)
+
+    def device_memory_bytes(self) -> int:
+        return 0

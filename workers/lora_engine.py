@@ -7,6 +7,7 @@ of the deployment shares.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import shutil
@@ -22,9 +23,15 @@ from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import QueueTinkerError, UserInputError
 from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
+from queue_tinker.settings import load_settings
 from queue_tinker.types import CheckpointKind, CheckpointRecord, OpKind
 from queue_tinker.types.checkpoints import CheckpointPath, check_name
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
+from queue_tinker.types.request_limits import (
+    RequestLimits,
+    check_batch_size,
+    check_request_bytes,
+)
 from queue_tinker.types.training import (
     AdamParams,
     CreateModelInput,
@@ -55,6 +62,10 @@ from workers.sampling import SamplingOps
 log = logging.getLogger(__name__)
 
 UNLOADED = "_unloaded"  # marker file: the model was unloaded; its ops fail from then on
+# Adapter.extra key: (seq, result) of the op that wrote the snapshot the adapter came from.
+SNAPSHOT_RESULT = "snapshot_result"
+
+
 def default_seed(model_id: str) -> int:
     """A model created without a seed still initialises the same way every time (replay)."""
     return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "big")
@@ -71,8 +82,13 @@ class LoraEngine:
         max_resident: int = 32,
         snapshot_every: int = 20,
         max_batch_sequences: int = 64,
+        request_limits: RequestLimits | None = None,
     ) -> None:
         self.base_model = base_model
+        # The same QT_MAX_* limits the client and gateway enforce, again here: an op may come
+        # from a client configured otherwise, or straight from Redis. None: this process's
+        # settings (a worker is started with the deployment's QT_* environment).
+        self.request_limits = request_limits or RequestLimits.of(load_settings())
         self.device = torch.device(device)
         self.storage = storage
         self.snapshot_every = snapshot_every
@@ -87,7 +103,7 @@ class LoraEngine:
         self.sampling = SamplingOps(
             self.pool, storage, base_model, self.limits, self.device,
             tokenizer=lambda: load_tokenizer(base_model, models_dir),
-            max_batch_sequences=max_batch_sequences,
+            max_batch_sequences=max_batch_sequences, request_limits=self.request_limits,
         )
         self._handlers: dict[OpKind, Callable[[Adapter, Op], OpResult]] = {
             OpKind.FORWARD: self._forward,
@@ -101,6 +117,7 @@ class LoraEngine:
 
     # --- the Engine interface --------------------------------------------------------------
     def execute(self, op: Op) -> OpResult:
+        check_request_bytes(len(op.payload), self.request_limits)  # before decoding it
         if op.kind is OpKind.PING:
             return run_ping(op)
         if op.kind is OpKind.CREATE_MODEL:
@@ -117,7 +134,7 @@ class LoraEngine:
             raise UserInputError(f"kind: {op.kind.value!r} is not supported by this worker")
         adapter = self._resident(op.model_id)
         if op.seq <= adapter.last_seq:
-            raise RuntimeError(f"model {op.model_id}: op seq {op.seq} after {adapter.last_seq}")
+            return self._already_applied(adapter, op)
         self.pool.activate(adapter)
         result = handler(adapter, op)
         adapter.last_seq = op.seq
@@ -155,6 +172,14 @@ class LoraEngine:
         self.pool.remove(model_id)
         self.sampling.sessions.pop(model_id, None)
 
+    def resident(self) -> list[str]:
+        return [*self.pool.adapters, *self.sampling.sessions]
+
+    def device_memory_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_allocated(self.device))
+
     # --- residency ---------------------------------------------------------------------------
     def _resident(self, model_id: str) -> Adapter:
         adapter = self.pool.get(model_id)
@@ -175,7 +200,21 @@ class LoraEngine:
         self.pool.load_grads(adapter, state.grads)
         adapter.step = state.meta.step
         adapter.last_seq = adapter.snapshot_seq = state.meta.seq
+        if state.meta.op_result is not None:
+            adapter.extra[SNAPSHOT_RESULT] = (state.meta.seq, _result_from(state.meta.op_result))
         return adapter
+
+    def _already_applied(self, adapter: Adapter, op: Op) -> OpResult:
+        """An op whose effect the state already holds: the op that wrote the snapshot this
+        adapter was restored from, run by an owner that died (or lost its lease) before it
+        published the result. The snapshot kept that result: publish it, do not apply the op
+        a second time."""
+        kept = adapter.extra.get(SNAPSHOT_RESULT)
+        if kept is not None and kept[0] == op.seq == adapter.last_seq:
+            log.info("model %s: op %d is in the snapshot already; its kept result is published",
+                     op.model_id, op.seq)
+            return kept[1]
+        raise RuntimeError(f"model {op.model_id}: op seq {op.seq} after {adapter.last_seq}")
 
     def _add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
         for victim in self.pool.over_capacity():
@@ -184,9 +223,24 @@ class LoraEngine:
             self.pool.remove(victim.model_id)
         return self.pool.add(model_id, tenant_id, config, seed)
 
-    def _snapshot(self, adapter: Adapter) -> None:
-        meta = self._meta(adapter, kind="snapshot")
-        write_state(snapshot_dir(self.storage, adapter.model_id), self.pool.export(adapter, meta),
+    def _snapshot(self, adapter: Adapter, result: OpResult | None = None) -> None:
+        """Write the adapter's state as the model's snapshot. `result`: the outcome of the op
+        being run (adapter.last_seq), which the snapshot already contains; it is kept with it,
+        because the op's publish may never happen (the worker dies first) and the next owner,
+        starting from this snapshot, must publish that result instead of running the op again.
+        """
+        directory = snapshot_dir(self.storage, adapter.model_id)
+        stored = read_meta(directory)
+        if stored is not None and stored.seq > adapter.last_seq:
+            # Another worker owns the model now and has gone further (this one stalled past
+            # its lease and has not heard yet). Going back would lose the steps in between:
+            # the log is trimmed up to the newer snapshot.
+            log.warning("model %s: not overwriting the snapshot at seq %d with older state "
+                        "(seq %d)", adapter.model_id, stored.seq, adapter.last_seq)
+            return
+        meta = self._meta(adapter, kind="snapshot",
+                          op_result=_result_to(result) if result is not None else None)
+        write_state(directory, self.pool.export(adapter, meta),
                     self.pool.peft_adapter_config(adapter), optimizer=True, grads=True)
         adapter.snapshot_seq = adapter.last_seq
 
@@ -223,19 +277,22 @@ class LoraEngine:
 
     def _run_batch(self, op: Op, *, backward: bool) -> OpResult:
         batch = parse_body(ForwardBackwardInput, op.payload)
+        check_batch_size(batch, self.request_limits)
         check_batch(batch, self.limits)
         config = resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
         out = forward_backward(self.pool.model, batch.data, batch.loss_fn, config, self.device,
                                backward=backward)
-        return OpResult(result=codec.encode(out.model_dump()), metrics=out.metrics)
+        return OpResult(result=codec.encode(out.model_dump()), metrics=out.metrics,
+                        tokens=sum(datum.model_input.length for datum in batch.data))
 
     def _optim_step(self, adapter: Adapter, op: Op) -> OpResult:
         metrics = optim_step(adapter, parse_body(AdamParams, op.payload))
         adapter.last_seq = op.seq
+        result = OpResult(result=codec.encode(OptimStepResponse(metrics=metrics).model_dump()),
+                          metrics=metrics)
         if adapter.step % self.snapshot_every == 0:
-            self._snapshot(adapter)
-        return OpResult(result=codec.encode(OptimStepResponse(metrics=metrics).model_dump()),
-                        metrics=metrics)
+            self._snapshot(adapter, result)
+        return result
 
     def _save_state(self, adapter: Adapter, op: Op) -> OpResult:
         path, record = self._save(adapter, op, CheckpointKind.STATE)
@@ -297,8 +354,9 @@ class LoraEngine:
         self.pool.load_grads(adapter, {})
         adapter.step = state.meta.step if body.optimizer else 0
         adapter.last_seq = op.seq
-        self._snapshot(adapter)
-        return OpResult(result=codec.encode(LoadWeightsResponse(path=body.path).model_dump()))
+        result = OpResult(result=codec.encode(LoadWeightsResponse(path=body.path).model_dump()))
+        self._snapshot(adapter, result)
+        return result
 
     def _check_compatible(self, adapter: Adapter, meta: CheckpointMeta, path: str) -> None:
         if meta.base_model != self.base_model:
@@ -322,3 +380,15 @@ class LoraEngine:
         return OpResult(
             result=codec.encode(UnloadModelResponse(model_id=adapter.model_id).model_dump())
         )
+
+
+def _result_to(result: OpResult) -> dict[str, Any]:
+    """An op's outcome as JSON for a snapshot's meta (its records are not kept: the ops that
+    snapshot write none)."""
+    return {"result": base64.b64encode(result.result).decode(), "metrics": result.metrics,
+            "tokens": result.tokens}
+
+
+def _result_from(kept: dict[str, Any]) -> OpResult:
+    return OpResult(result=base64.b64decode(kept["result"]), metrics=kept.get("metrics"),
+                    tokens=int(kept.get("tokens", 0)))

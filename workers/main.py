@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from queue_tinker.queue.connection import connect
+from queue_tinker.queue.connection import Reconnector, RedisUnavailableError, connect
 from queue_tinker.queue.dispatch import Dispatcher
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
@@ -84,20 +84,28 @@ async def serve_worker(settings: Settings, base_model: str, device: str, engine:
     )
     log.info("loading %s on %s (%s engine)", base_model, config.device, engine)
     built = await asyncio.to_thread(build_engine, settings, engine, base_model, config.device)
+    # Redis away (a restart, or not up yet): the worker waits for it and carries on.
+    reconnect = Reconnector(redis, config.worker_id)
     worker = Worker(config, built, dispatcher, WorkerRegistry(redis, keys), records,
-                    on_records=expiry_scheduler(settings))
+                    on_records=expiry_scheduler(settings), reconnect=reconnect)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
     log.info("worker %s serving %s on %s", worker.id, base_model, config.device)
-    await records.ensure_group()
     recorder = RecorderThread(settings.redis_url, settings.database_url, keys, worker.id)
-    recorder.start()
     try:
-        await worker.run()
+        await reconnect.call(records.ensure_group)
+        recorder.start()
+        try:
+            await worker.run()
+        finally:
+            log.info("worker %s: models released; flushing the record", worker.id)
+            await asyncio.to_thread(recorder.stop)
+    except* RedisUnavailableError as group:
+        # Only a stopping worker gives up on Redis: it could not hand its models back, and
+        # their leases lapse by themselves.
+        raise SystemExit(f"worker {worker.id}: {group.exceptions[0]}") from None
     finally:
-        log.info("worker %s: models released; flushing the record", worker.id)
-        await asyncio.to_thread(recorder.stop)
         await redis.aclose()
         log.info("worker %s stopped", worker.id)
 

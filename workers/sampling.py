@@ -20,6 +20,11 @@ from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
 from queue_tinker.types.checkpoints import CheckpointPath
 from queue_tinker.types.loss_inputs import ModelLimits
+from queue_tinker.types.request_limits import (
+    RequestLimits,
+    check_request_bytes,
+    check_sample_size,
+)
 from queue_tinker.types.sampling import (
     CreateSamplingSessionInput,
     SampleInput,
@@ -45,6 +50,7 @@ class SamplingOps:
         device: torch.device,
         tokenizer: Callable[[], Any],
         max_batch_sequences: int,
+        request_limits: RequestLimits | None = None,
     ) -> None:
         self.pool = pool
         self.storage = storage
@@ -53,6 +59,7 @@ class SamplingOps:
         self.device = device
         self._tokenizer = tokenizer  # loaded on the first sample: training needs none
         self.max_batch_sequences = max_batch_sequences
+        self.request_limits = request_limits or RequestLimits.defaults()
         self.sessions: dict[str, int] = {}  # sampling session -> last seq run here
 
     def owns(self, model_id: str) -> bool:
@@ -121,16 +128,19 @@ class SamplingOps:
                 results[index] = exc
             return
         rows = float(sum(request.num_samples for _, request in ready))
-        for (index, _), response in zip(ready, responses, strict=True):
+        for (index, request), response in zip(ready, responses, strict=True):
             generated = sum(len(s.tokens) for s in response.sequences)
             # batch_sequences: how many sequences shared the generation loop with this request.
             results[index] = OpResult(result=codec.encode(response.model_dump()),
                                       metrics={"tokens_generated:sum": float(generated),
-                                               "batch_sequences:max": rows})
+                                               "batch_sequences:max": rows},
+                                      tokens=len(request.prompt) + generated)
 
     def _request(self, op: Op) -> tuple[GenerationRequest, Path | None]:
         """The op as a generation request (adapter not yet resolved) and its weights."""
+        check_request_bytes(len(op.payload), self.request_limits)  # before decoding it
         body = parse_body(SampleInput, op.payload)
+        check_sample_size(body, self.request_limits)
         check_sample(body, self.limits)
         directory = self._weights(body.model_path) if body.model_path is not None else None
         assert self.limits.context_length is not None

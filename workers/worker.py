@@ -4,12 +4,18 @@ One asyncio loop, several tasks: the op reader (one blocking XREAD over every ow
 log), the claimer (waits on the base model's offers), heartbeats (renew all leases in one
 round trip, even while an op computes), the reaper (re-offers models of dead workers), the
 recorder (Postgres write-behind). Compute runs on one dedicated thread, so none of those stall.
+
+Every Redis call goes through the Reconnector: when Redis goes away (a restart), each task
+waits for it and carries on where it was, so the worker survives the outage. The calls are
+all safe to repeat (reads, fenced scripts, idempotent writes); fencing still decides what a
+worker may write afterwards: a lease that lapsed meanwhile refuses the publish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
@@ -21,10 +27,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from queue_tinker.errors import ErrorCategory, LeaseLostError, QueueTinkerError
-from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome
+from queue_tinker.queue.connection import Reconnector
+from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome, Start
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types import JobStatus, WorkerRecord
@@ -33,6 +41,7 @@ from workers.engine import Engine, OpResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # Inline ops (cheap, stateless) run back to back and are published in one pipeline, up to
 # this many per round trip.
@@ -45,9 +54,15 @@ ENGINE_BATCH = 256
 GATHER_QUIET_S = 0.005
 GATHER_MAX_S = 0.05
 # A busy worker still claims a waiting model once its offer is this old, so models owned by
-# busy workers cannot starve the ones nobody has claimed yet.
+# busy workers cannot starve the ones nobody has claimed yet; a model of a tenant with nothing
+# running anywhere sooner, once idle workers (who wake at once) have had this long to take it.
 CLAIM_WHEN_BUSY_AFTER_MS = 200
+CLAIM_UNSERVED_WHEN_BUSY_AFTER_MS = 20
+IDLE_OFFER_WAIT_MS = 1_000
 READ_BLOCK_MS = 1_000
+# An idle training run is handed back this soon (not after the whole linger time) when another
+# run of its tenant waits for a slot of the tenant's training-runs limit.
+PARKED_RELEASE_AFTER_S = 2.0
 
 
 @dataclass
@@ -57,6 +72,14 @@ class OwnedModel:
     replay_upto: int = 0  # ops up to here were published by an earlier owner: re-run only
     backlog: deque[Op] = field(default_factory=deque)
     idle_since: float = field(default_factory=time.monotonic)
+    blocked_until: float = 0.0  # its tenant is over a limit: its next op waits till then
+
+    @property
+    def tenant(self) -> str:
+        return self.lease.tenant_id
+
+    def runnable(self, now: float) -> bool:
+        return bool(self.backlog) and self.blocked_until <= now
 
 
 @dataclass
@@ -78,8 +101,10 @@ class Worker:
         registry: WorkerRegistry,
         records: RecordLog,
         on_records: Callable[[list[Record]], Awaitable[None]] | None = None,
+        reconnect: Reconnector | None = None,
     ) -> None:
         self.config = config
+        self.reconnect = reconnect or Reconnector(dispatcher.redis, config.worker_id)
         self.on_records = on_records  # e.g. schedule checkpoint expiry
         self.engine = engine
         self.dispatch = dispatcher
@@ -97,19 +122,24 @@ class Worker:
         self._batch_due = True
         self._started_at = time.time()
         self._ops_done = 0
+        # Round robin across tenants: the turn each tenant last had (a counter, not a time).
+        self._turns = 0
+        self._tenant_turn: dict[str, int] = {}
 
     @property
     def id(self) -> str:
         return self.config.worker_id
 
     def stop(self) -> None:
-        """Stop taking work; the op in progress finishes and is published."""
+        """Stop taking work; the op in progress finishes and is published. If Redis is away,
+        wait for it no longer than a lease lives: by then the models are someone else's."""
         self.stopping.set()
         self._work.set()
+        self.reconnect.give_up_after(self.config.lease_ttl_ms / 1000)
 
     async def run(self) -> None:
-        await self._beat()
-        await self.records.append(self._record())
+        await self._redis(self._beat)
+        await self._redis(self.records.append, self._record())
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -122,9 +152,15 @@ class Worker:
                 # read. Cancelling them instead could catch a Redis call half-way, and
                 # redis-py can then leave the task waiting forever (seen: a reader cancelled
                 # in XREAD kept the worker from exiting).
-                await self.dispatch.wake()
+                await self._redis(self.dispatch.wake)
         finally:
             await self._shutdown()
+            await self.reconnect.close()
+
+    async def _redis(self, fn: Callable[P, Awaitable[T]], *args: P.args,
+                     **kwargs: P.kwargs) -> T:
+        """A Redis call that rides out an outage: repeated once Redis answers again."""
+        return await self.reconnect.call(fn, *args, **kwargs)
 
     # --- executing ops ---------------------------------------------------------------------
     async def _execute_loop(self) -> None:
@@ -134,7 +170,7 @@ class Worker:
                 self._idle.set()
                 self._work.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._work.wait(), timeout=self._linger_check_s())
+                    await asyncio.wait_for(self._work.wait(), timeout=self._idle_wait_s())
                 await self._release_lingering()
                 continue
             self._idle.clear()
@@ -151,37 +187,68 @@ class Worker:
                 await self._run_op(owned, owned.backlog.popleft())
 
     def _next_runnable(self) -> OwnedModel | None:
-        """Round robin: the model whose turn is next, rotated to the back after its op; but
-        when a batch is due, any model with a batchable op first."""
+        """Round robin across tenants, then across each tenant's models: the tenant whose
+        last turn is oldest goes next, with its model that waited longest for a turn, so a
+        tenant with many busy models gets no more turns than one with a single op. When a
+        batch is due, any model with a batchable op goes first (the batch serves everyone)."""
+        now = time.monotonic()
         if self._batch_due:
             for owned in self.owned.values():
-                if self._batchable_head(owned):
+                if self._batchable_head(owned, now):
                     return owned
-        for model_id in list(self.owned):
-            owned = self.owned[model_id]
-            if owned.backlog:
-                self.owned[model_id] = self.owned.pop(model_id)  # move to the end
-                return owned
-        return None
+        chosen: OwnedModel | None = None
+        for owned in self.owned.values():
+            if owned.runnable(now) and (chosen is None or self._tenant_turn.get(owned.tenant, 0)
+                                        < self._tenant_turn.get(chosen.tenant, 0)):
+                chosen = owned
+        if chosen is None:
+            return None
+        model_id = chosen.lease.model_id
+        self.owned[model_id] = self.owned.pop(model_id)  # to the back of its tenant's models
+        self._turns += 1
+        self._tenant_turn[chosen.tenant] = self._turns
+        return chosen
+
+    def _idle_wait_s(self) -> float:
+        """How long to wait for new ops: until the first model over a limit may try again."""
+        wait = self._linger_check_s()
+        now = time.monotonic()
+        for owned in self.owned.values():
+            if owned.backlog and owned.blocked_until > now:
+                wait = min(wait, owned.blocked_until - now)
+        return max(wait, 0.001)
+
+    def _hold_back(self, owned: OwnedModel, ops: list[Op], start: Start) -> None:
+        """Ops refused for their tenant's limit go back to the front of their model's backlog,
+        in order; the model sits out until the limit may let them through."""
+        owned.backlog.extendleft(reversed(ops))
+        owned.blocked_until = time.monotonic() + start.retry_ms / 1000
 
     async def _run_op(self, owned: OwnedModel, op: Op) -> None:
         lease = owned.lease
         try:
-            if not await self.dispatch.start(lease, op):
-                return  # already finished by an earlier owner
+            start = await self._redis(self.dispatch.start, lease, op)
+            if start.limited:
+                self._hold_back(owned, [op], start)
+                return
+            if not start.run:
+                return  # already finished (by an earlier owner, or cancelled)
             self.current = op
             outcome, records = await self._compute_outcome(op, inline=False)
             for record in records:  # durable before the user hears of it
-                await self.records.append(record)
+                await self._redis(self.records.append, record)
             if records and self.on_records is not None:
-                await self.on_records(records)
-            await self.dispatch.publish(
-                lease, op, outcome, trim_upto=self.engine.durable_seq(op.model_id)
-            )
+                await self._redis(self.on_records, records)
+            # Computed once; only the publish is repeated after an outage (the script is
+            # fenced, and finds a job it already published terminal).
+            await self._redis(self.dispatch.publish, lease, op, outcome,
+                              trim_upto=self.engine.durable_seq(op.model_id))
             self._ops_done += 1
         except LeaseLostError:
-            log.warning("%s: lost the lease on %s; dropping it", self.id, op.model_id)
-            self._drop(op.model_id)
+            # Not a model claimed again meanwhile (after an outage, the heartbeat may have
+            # dropped it and the claimer taken it back under a new epoch while this publish
+            # waited for Redis): only this ownership ended.
+            self._drop_lost([owned])
         finally:
             self.current = None
             owned.idle_since = time.monotonic()
@@ -202,8 +269,9 @@ class Worker:
         progress = True
         while progress and len(batch) < INLINE_BATCH:
             progress = False
+            now = time.monotonic()
             for owned in self.owned.values():
-                head = owned.backlog[0] if owned.backlog else None
+                head = owned.backlog[0] if owned.runnable(now) else None
                 if head and head.seq > owned.replay_upto and self.engine.runs_inline(head):
                     batch.append((owned, owned.backlog.popleft()))
                     progress = True
@@ -223,7 +291,7 @@ class Worker:
         lost meanwhile."""
         publishes = [(owned.lease, op, outcome, self.engine.durable_seq(op.model_id))
                      for (owned, op), outcome in zip(batch, outcomes, strict=True)]
-        published = await self.dispatch.publish_batch(publishes, started=started)
+        published = await self._redis(self.dispatch.publish_batch, publishes, started=started)
         self._ops_done += sum(published)
         self._drop_lost([owned for (owned, _), ok in zip(batch, published, strict=True)
                          if not ok])
@@ -235,8 +303,8 @@ class Worker:
                 log.warning("%s: lost the lease on %s; dropping it", self.id, model_id)
                 self._drop(model_id)
 
-    def _batchable_head(self, owned: OwnedModel) -> bool:
-        head = owned.backlog[0] if owned.backlog else None
+    def _batchable_head(self, owned: OwnedModel, now: float) -> bool:
+        head = owned.backlog[0] if owned.runnable(now) else None
         return head is not None and head.seq > owned.replay_upto and self.engine.batchable(head)
 
     async def _gather(self) -> None:
@@ -253,15 +321,24 @@ class Worker:
         """The batchable ops at the head of every owned model's backlog, each model's in order
         (a model's run of them ends at its first op that is not batchable)."""
         batch: list[tuple[OwnedModel, Op]] = []
+        now = time.monotonic()
         for owned in self.owned.values():
-            while self._batchable_head(owned) and len(batch) < ENGINE_BATCH:
+            while self._batchable_head(owned, now) and len(batch) < ENGINE_BATCH:
                 batch.append((owned, owned.backlog.popleft()))
         return batch
 
     async def _run_engine_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
-        started = await self.dispatch.start_batch([(o.lease, op) for o, op in batch])
+        started = await self._redis(self.dispatch.start_batch,
+                                    [(o.lease, op) for o, op in batch])
         self._drop_lost([o for (o, _), ok in zip(batch, started, strict=True) if ok is None])
-        runnable = [(o, op) for (o, op), ok in zip(batch, started, strict=True) if ok]
+        held: dict[str, tuple[OwnedModel, list[Op], Start]] = {}
+        for (owned, op), start in zip(batch, started, strict=True):
+            if start is not None and start.limited:
+                held.setdefault(owned.lease.model_id, (owned, [], start))[1].append(op)
+        for owned, ops, start in held.values():
+            self._hold_back(owned, ops, start)
+        runnable = [(o, op) for (o, op), ok in zip(batch, started, strict=True)
+                    if ok is not None and ok.run]
         if runnable:
             self.current = runnable[0][1]
             ops = [op for _, op in runnable]
@@ -291,7 +368,8 @@ class Worker:
 
     def _outcome(self, op: Op, result: OpResult | Exception) -> Outcome:
         if isinstance(result, OpResult):
-            return Outcome(status=JobStatus.DONE, result=result.result, metrics=result.metrics)
+            return Outcome(status=JobStatus.DONE, result=result.result, metrics=result.metrics,
+                           tokens=result.tokens)
         detail = "".join(traceback.format_exception(result))
         if isinstance(result, QueueTinkerError):
             user = result.category is ErrorCategory.USER
@@ -304,22 +382,40 @@ class Worker:
 
     # --- owning models ---------------------------------------------------------------------
     async def _claim_loop(self) -> None:
+        """Take models offered to this base: an idle worker the fairest offer at once, a busy
+        one only offers nobody else took (lua/take_offer.lua)."""
+        # An offer taken just before an outage whose claim never got through is not lost:
+        # the model has pending ops and no lease, so a reaper offers it again.
+        cursor = await self._redis(self.dispatch.offer_bell_cursor)
         while not self.stopping.is_set():
-            if self._idle.is_set():
-                model_id = await self.dispatch.next_offer(timeout_s=1.0)
-            else:
-                if await self._pause(CLAIM_WHEN_BUSY_AFTER_MS / 1000):
-                    break
-                age = await self.dispatch.oldest_offer_age_ms()
-                if age is None or age < CLAIM_WHEN_BUSY_AFTER_MS:
+            busy = not self._idle.is_set()
+            model_id = await self._redis(
+                self.dispatch.take_offer,
+                min_age_ms=CLAIM_WHEN_BUSY_AFTER_MS if busy else 0,
+                unserved_min_age_ms=CLAIM_UNSERVED_WHEN_BUSY_AFTER_MS if busy else 0,
+            )
+            if model_id is None:
+                if not busy:
+                    cursor = await self._redis(self.dispatch.wait_for_offer, cursor,
+                                               IDLE_OFFER_WAIT_MS)
                     continue
-                model_id = await self.dispatch.take_offer()
-            if model_id is None or model_id in self.owned or self.stopping.is_set():
+                # Busy: look again when the offers there come due, or soon after a new one
+                # (idle workers, woken by the same bell, get a head start).
+                new = await self._redis(self.dispatch.wait_for_offer, cursor,
+                                        CLAIM_WHEN_BUSY_AFTER_MS)
+                if new != cursor:
+                    await self._pause(CLAIM_UNSERVED_WHEN_BUSY_AFTER_MS / 1000)
+                cursor = new
                 continue
-            lease = await self.dispatch.claim(model_id)
+            if model_id in self.owned or self.stopping.is_set():
+                continue
+            lease = await self._redis(self.dispatch.claim, model_id)
             if lease is not None:
                 self.owned[model_id] = await self._adopt(lease)
-                await self.dispatch.wake()
+                # Busy from now on (its ops are on their way): the next offers go to the
+                # workers that are still idle, so models spread over the fleet.
+                self._idle.clear()
+                await self._redis(self.dispatch.wake)
 
     async def _adopt(self, lease: Lease) -> OwnedModel:
         """A newly claimed model, with the logged ops between its saved state and the last
@@ -327,7 +423,8 @@ class Worker:
         owned = OwnedModel(lease=lease, read_seq=lease.done_seq)
         restored = await self._on_compute(self.engine.restore_point, lease.model_id)
         if restored is not None and restored < lease.done_seq:
-            replay = await self.dispatch.read_range(lease.model_id, restored, lease.done_seq)
+            replay = await self._redis(self.dispatch.read_range, lease.model_id, restored,
+                                       lease.done_seq)
             log.info("%s: %s resumes from seq %d; replaying %d ops", self.id, lease.model_id,
                      restored, len(replay))
             owned.backlog.extend(replay)
@@ -337,12 +434,25 @@ class Worker:
     async def _release_lingering(self) -> None:
         linger_s = self.config.linger_ms / 1000
         now = time.monotonic()
-        for model_id, owned in list(self.owned.items()):
-            if owned.backlog or now - owned.idle_since < linger_s:
+        soonest = min(linger_s, PARKED_RELEASE_AFTER_S)
+        idle = [(m, o) for m, o in self.owned.items()
+                if not o.backlog and now - o.idle_since >= soonest]
+        if not idle:
+            return
+        waiting = set()
+        if any(now - o.idle_since < linger_s for _, o in idle):
+            waiting = await self._redis(self.dispatch.parked_tenants,
+                                        {o.tenant for _, o in idle})
+        for model_id, owned in idle:
+            idle_for = now - owned.idle_since
+            if idle_for < linger_s and not (owned.tenant in waiting
+                                            and idle_for >= PARKED_RELEASE_AFTER_S):
                 continue
+            if self.owned.get(model_id) is not owned:
+                continue  # dropped while we asked
             # The next owner starts from what is in storage, so write it before letting go.
             await self._on_compute(self.engine.persist, model_id)
-            released = await self.dispatch.release(owned.lease)
+            released = await self._redis(self.dispatch.release, owned.lease)
             if released != 0:  # 0: ops arrived meanwhile, keep it
                 self._drop(model_id)
 
@@ -350,7 +460,9 @@ class Worker:
         return max(0.05, min(1.0, self.config.linger_ms / 1000))
 
     def _drop(self, model_id: str) -> None:
-        self.owned.pop(model_id, None)
+        owned = self.owned.pop(model_id, None)
+        if owned is not None and all(o.tenant != owned.tenant for o in self.owned.values()):
+            self._tenant_turn.pop(owned.tenant, None)
         # On the compute thread, queued behind the op in progress: an engine's state is only
         # ever touched from that one thread.
         self._compute.submit(self.engine.drop, model_id)
@@ -362,9 +474,13 @@ class Worker:
     async def _read_loop(self) -> None:
         while not self.stopping.is_set():
             cursors = {m: o.read_seq for m, o in self.owned.items()}
-            ops, self._control_cursor = await self.dispatch.read(
-                cursors, self._control_cursor, READ_BLOCK_MS
+            ops, self._control_cursor, commands = await self._redis(
+                self.dispatch.read, cursors, self._control_cursor, READ_BLOCK_MS
             )
+            if "drain" in commands:
+                log.info("%s: draining: finishing the op in progress, handing models back",
+                         self.id)
+                self.stop()
             for op in ops:
                 owned = self.owned.get(op.model_id)
                 if owned is None or op.seq <= owned.read_seq:
@@ -379,20 +495,22 @@ class Worker:
         beats = 0
         while not await self._pause(self.config.heartbeat_ms / 1000):
             owned = list(self.owned.values())
-            renewed = await self.dispatch.renew([o.lease for o in owned])
+            # After an outage longer than a lease, the leases that lapsed come back False
+            # here and their models are dropped (another worker may hold them by now).
+            renewed = await self._redis(self.dispatch.renew, [o.lease for o in owned])
             for o, ok in zip(owned, renewed, strict=True):
                 if not ok and self.owned.get(o.lease.model_id) is o:
                     log.warning("%s: lease on %s lapsed; dropping it", self.id, o.lease.model_id)
                     self._drop(o.lease.model_id)
-            await self._beat()
+            await self._redis(self._beat)
             beats += 1
             if beats % 10 == 0:
-                await self.records.append(self._record())
+                await self._redis(self.records.append, self._record())
 
     async def _reaper_loop(self) -> None:
         period = self.config.lease_ttl_ms / 2000
         while not await self._pause(period * random.uniform(0.75, 1.25)):
-            await self.dispatch.offer_orphans()
+            await self._redis(self.dispatch.offer_orphans)
 
     async def _pause(self, seconds: float) -> bool:
         """Sleep, ending early when the worker stops; True once it is stopping."""
@@ -414,6 +532,9 @@ class Worker:
                 "ops_done": self._ops_done,
                 "current_op": f"{current.kind}:{current.job_id}" if current else "",
                 "stopping": int(self.stopping.is_set()),
+                "memory_bytes": process_memory_bytes(),
+                "device_memory_bytes": self.engine.device_memory_bytes(),
+                "resident": json.dumps(self.engine.resident()),
             },
             ttl_ms=self.config.lease_ttl_ms * 3,
         )
@@ -437,3 +558,14 @@ class Worker:
             await self.records.append(self._record(stopped=True))
             await self.registry.remove(self.id)
         self._compute.shutdown(wait=True)
+
+
+def process_memory_bytes() -> int:
+    """This process's resident memory (Linux: /proc; elsewhere its peak, from getrusage)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -2,8 +2,10 @@
 APIFuture."""
 
 from queue_tinker.client.future import APIFuture
+from queue_tinker.client.queue_state import QueueStateChange, QueueStateObserver
 from queue_tinker.client.sampling import SamplingClient
 from queue_tinker.client.service import ServiceClient
 from queue_tinker.client.training import TrainingClient
 
-__all__ = ["APIFuture", "SamplingClient", "ServiceClient", "TrainingClient"]
+__all__ = ["APIFuture", "QueueStateChange", "QueueStateObserver", "SamplingClient",
+           "ServiceClient", "TrainingClient"]

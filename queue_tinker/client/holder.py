@@ -10,16 +10,14 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
-
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.loop import BackgroundLoop
+from queue_tinker.client.queue_state import QueueStateWatch
 from queue_tinker.errors import ErrorCategory, RequestFailedError
-from queue_tinker.queue.connection import connect
+from queue_tinker.queue.connection import REDIS_DOWN, RedisUnavailableError, connect, describe
 from queue_tinker.queue.jobs import Enqueued, JobOutcome, JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
@@ -31,8 +29,9 @@ from queue_tinker.types import JobStatus, OpKind, SessionRecord
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-DEFAULT_TENANT = "default"
-ENQUEUE_RETRY_S = 30.0  # keep retrying a submit this long while Redis is unreachable
+# Keep retrying a submit this long while Redis is unreachable (a restart takes seconds); the
+# futures of submitted requests wait as long for Redis to come back (ResultListener).
+ENQUEUE_RETRY_S = 30.0
 
 
 def new_id() -> str:
@@ -50,9 +49,12 @@ class ClientHolder:
         self.keys = Keys(settings.key_prefix)
         self.redis = connect(settings.redis_url)
         self.jobs = JobQueue(self.redis, self.keys, result_ttl_s=settings.result_ttl_s)
-        self.results = ResultListener(self.redis, self.keys, self.jobs)
+        self.results = ResultListener(self.redis, self.keys, self.jobs,
+                                      outage_limit_s=ENQUEUE_RETRY_S)
         self.registry = WorkerRegistry(self.redis, self.keys)
-        self.tenant_id = DEFAULT_TENANT
+        self.queue_state = QueueStateWatch(self.redis, self.keys, self.registry,
+                                           settings.lease_ttl_ms * 3)
+        self.tenant_id = settings.tenant
         self.session_id = f"s-{new_id()}"
 
     async def open_session(self) -> None:
@@ -67,20 +69,28 @@ class ClientHolder:
 
         The future exists before the op does, so the hot path needs no extra read; only a
         resubmit that matched an earlier job under its idempotency key waits the long way.
+        While Redis is unreachable, it retries for ENQUEUE_RETRY_S, then raises
+        RedisUnavailableError.
         """
-        await self.results.watch(model_id)
+        deadline = time.monotonic() + ENQUEUE_RETRY_S
+        await self._retrying(
+            lambda: self.results.watch(model_id, timeout_s=max(deadline - time.monotonic(), 0.1)),
+            deadline, f"subscribing to the results of {model_id}")
         job_id = new_id()
         future = self.results.expect(job_id)
         try:
-            enqueued = await self.enqueue(model_id, kind, payload, idempotency_key, job_id=job_id)
+            enqueued = await self.enqueue(model_id, kind, payload, idempotency_key, job_id=job_id,
+                                          deadline=deadline)
         except BaseException:
             future.cancel()
             raise
         if enqueued.job_id == job_id:
             self.results.confirm(job_id)
+            self.queue_state.track(model_id, future)
             return job_id, future
         future.cancel()
         earlier = asyncio.ensure_future(self.results.wait(enqueued.job_id, model_id))
+        self.queue_state.track(model_id, earlier)
         return enqueued.job_id, earlier
 
     async def enqueue(
@@ -91,21 +101,34 @@ class ClientHolder:
         idempotency_key: str | None,
         *,
         job_id: str,
+        deadline: float | None = None,
     ) -> Enqueued:
         """Submit once; on a dropped connection, resubmit the same job id (runs once: the
         script finds the job the lost reply was about)."""
-        deadline = time.monotonic() + ENQUEUE_RETRY_S
+        return await self._retrying(
+            lambda: self.jobs.enqueue(model_id, kind, payload, job_id=job_id,
+                                      idempotency_key=idempotency_key),
+            deadline or time.monotonic() + ENQUEUE_RETRY_S, f"submitting {kind} to {model_id}")
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]], deadline: float, what: str) -> T:
+        """call(), again with backoff while Redis is unreachable, until `deadline`
+        (monotonic); then RedisUnavailableError."""
         delay = 0.05
         while True:
             try:
-                return await self.jobs.enqueue(
-                    model_id, kind, payload, job_id=job_id, idempotency_key=idempotency_key
-                )
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("submit to Redis failed (%s); retrying in %.2fs", exc, delay)
-                await asyncio.sleep(delay)
+                return await call()
+            except REDIS_DOWN as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RedisUnavailableError(
+                        f"{what}: Redis unreachable for {ENQUEUE_RETRY_S:.0f} s "
+                        f"({describe(exc)}); not submitted, unless an attempt whose reply was "
+                        f"lost got through: resubmit with an idempotency_key to run it at most "
+                        f"once") from exc
+                delay = min(delay, left)
+                log.warning("%s: Redis unreachable (%s); retrying in %.2fs", what,
+                            describe(exc), delay)
+                await asyncio.sleep(delay)  # backoff, not a wait for an event
                 delay = min(delay * 2, 2.0)
 
     async def submit_for_thread(
@@ -150,6 +173,7 @@ class ClientHolder:
         return APIFuture(result, job_id)
 
     async def close(self) -> None:
+        await self.queue_state.close()
         await self.results.close()
         await self.redis.aclose()
 

@@ -15,17 +15,12 @@ from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop
-from queue_tinker.client.wire import decoder, validated
+from queue_tinker.client.wire import decoder
 from queue_tinker.queue import codec, runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind
-from queue_tinker.types.sampling import (
-    SampleInput,
-    SampleResponse,
-    SamplingParams,
-    check_sample,
-    sample_input,
-)
+from queue_tinker.types.request_limits import RequestLimits, encode_request
+from queue_tinker.types.sampling import SampleInput, SampleResponse, SamplingParams, sample_input
 from queue_tinker.types.tensors import ModelInput
 
 
@@ -45,6 +40,7 @@ class SamplingClient:
         self.sampler_id = sampler_id
         self.base_model = base_model
         self.model_path = model_path  # None: samples come from the base model itself
+        self._limits = RequestLimits.of(settings)
 
     # --- sampling --------------------------------------------------------------------------
     async def sample_async(
@@ -57,7 +53,8 @@ class SamplingClient:
         """`num_samples` continuations of `prompt`, each with its tokens, their logprobs and
         why it stopped; with include_prompt_logprobs, the prompt's logprobs too."""
         return await self._submit(sample_input(prompt, num_samples, sampling_params,
-                                               include_prompt_logprobs, self.model_path))
+                                               include_prompt_logprobs, self.model_path,
+                                               limits=self._limits))
 
     def sample(
         self,
@@ -72,12 +69,8 @@ class SamplingClient:
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """The logprob of each prompt token given the ones before it (None for the first)."""
-        body = SampleInput(
-            prompt=validated(ModelInput, "prompt", prompt), num_samples=1,
-            sampling_params=SamplingParams(max_tokens=1), prompt_logprobs=True,
-            model_path=self.model_path,
-        )
-        check_sample(body)
+        body = sample_input(prompt, 1, SamplingParams(max_tokens=1), True, self.model_path,
+                            limits=self._limits)
         pending = await self._submit(body)
         return pending.then(lambda response: list(response.prompt_logprobs or []))
 
@@ -86,7 +79,7 @@ class SamplingClient:
 
     async def _submit(self, body: SampleInput) -> APIFuture[SampleResponse]:
         return await self._holder.submit_future(self._loop, self.sampler_id, OpKind.SAMPLE,
-                                                codec.encode(body.model_dump()),
+                                                encode_request(body.model_dump(), self._limits),
                                                 decoder(SampleResponse))
 
     # --- the model -------------------------------------------------------------------------

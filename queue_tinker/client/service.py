@@ -6,12 +6,14 @@ from typing import Any
 
 from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop, background_loop
+from queue_tinker.client.queue_state import QueueStateObserver
 from queue_tinker.client.sampling import SamplingClient, open_sampling_session
 from queue_tinker.client.training import TrainingClient
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue import codec, runs
 from queue_tinker.settings import Settings, load_settings
 from queue_tinker.types.training import MAX_LORA_RANK, LoraConfig
+from queue_tinker.types.validation import validated
 
 
 def lora_config(
@@ -25,8 +27,9 @@ def lora_config(
         raise UserInputError(
             "train_attn, train_mlp, train_unembed: at least one must be True, or nothing trains"
         )
-    return LoraConfig(rank=rank, seed=seed, train_attn=bool(train_attn),
-                      train_mlp=bool(train_mlp), train_unembed=bool(train_unembed))
+    return validated(LoraConfig, "", {"rank": rank, "seed": seed, "train_attn": bool(train_attn),
+                                      "train_mlp": bool(train_mlp),
+                                      "train_unembed": bool(train_unembed)})
 
 
 class ServiceClient:
@@ -143,6 +146,17 @@ class ServiceClient:
 
     def get_server_capabilities(self) -> dict[str, Any]:
         return self._loop.run(self.get_server_capabilities_async())
+
+    # --- queue state -------------------------------------------------------------------------
+    def add_queue_state_observer(self, observer: QueueStateObserver) -> None:
+        """Call `observer(change)` whenever a model this client waits on changes queue state
+        (`paused_rate_limit`, `paused_capacity`, back to `active`), with the reason. It runs on
+        the client's background loop: keep it quick, and never block in it. The default
+        observer, which logs a warning at most once a minute per model, stays in place."""
+        self._loop.run(self._add_observer(observer))
+
+    async def _add_observer(self, observer: QueueStateObserver) -> None:
+        self._holder.queue_state.observers.append(observer)
 
     def close(self) -> None:
         self._loop.run(self._holder.close())

@@ -29,6 +29,12 @@ from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind
 from queue_tinker.types.checkpoints import CheckpointPath, check_name
 from queue_tinker.types.loss_inputs import check_batch, parse_loss_fn
+from queue_tinker.types.request_limits import (
+    RequestLimits,
+    check_batch_size,
+    check_datum_count,
+    encode_request,
+)
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import (
     AdamParams,
@@ -46,16 +52,21 @@ from queue_tinker.types.training import (
 T = TypeVar("T")
 
 
-def datums(data: Any) -> list[Datum]:
-    if isinstance(data, Datum | dict) or not isinstance(data, Sequence):
+def datums(data: Any, limits: RequestLimits | None = None) -> list[Datum]:
+    if isinstance(data, Datum | dict | str | bytes) or not isinstance(data, Sequence):
         raise UserInputError(f"data: must be a list of Datum, got {type(data).__name__}")
+    check_datum_count(len(data), limits or RequestLimits.defaults())  # before the work below
     return [validated(Datum, f"data[{i}]", d) for i, d in enumerate(data)]
 
 
-def make_batch(data: Sequence[Any], loss_fn: Any, loss_fn_config: Any) -> ForwardBackwardInput:
+def make_batch(data: Sequence[Any], loss_fn: Any, loss_fn_config: Any,
+               limits: RequestLimits | None = None) -> ForwardBackwardInput:
     """The op body of forward / forward_backward, checked as far as the client can."""
-    batch = ForwardBackwardInput(data=datums(data), loss_fn=parse_loss_fn(loss_fn),
-                                 loss_fn_config=loss_fn_config)
+    limits = limits or RequestLimits.defaults()
+    batch = validated(ForwardBackwardInput, "", {
+        "data": datums(data, limits), "loss_fn": parse_loss_fn(loss_fn),
+        "loss_fn_config": loss_fn_config})
+    check_batch_size(batch, limits)
     check_batch(batch)
     return batch
 
@@ -85,21 +96,23 @@ class TrainingClient:
         self.model_id = model_id
         self.base_model = base_model
         self.lora_rank = lora_rank
+        self._limits = RequestLimits.of(settings)
 
     async def _submit(
         self, kind: OpKind, body: Any, decode: Callable[[bytes], T],
         idempotency_key: str | None = None,
     ) -> APIFuture[T]:
         """Enqueue (returns once the op holds its place in the model's order), then wait."""
-        return await self._holder.submit_future(self._loop, self.model_id, kind,
-                                                codec.encode(body), decode, idempotency_key)
+        payload = encode_request(body, self._limits)
+        return await self._holder.submit_future(self._loop, self.model_id, kind, payload,
+                                                decode, idempotency_key)
 
     # --- forward / backward ----------------------------------------------------------------
     async def forward_async(
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
         """Loss and per-datum target logprobs, without gradients."""
-        batch = make_batch(data, loss_fn, loss_fn_config)
+        batch = make_batch(data, loss_fn, loss_fn_config, self._limits)
         return await self._submit(OpKind.FORWARD, batch.model_dump(),
                                   decoder(ForwardBackwardOutput))
 
@@ -113,7 +126,7 @@ class TrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         """Loss, logprobs, and gradients added to the adapter's (accumulating until
         optim_step)."""
-        batch = make_batch(data, loss_fn, loss_fn_config)
+        batch = make_batch(data, loss_fn, loss_fn_config, self._limits)
         return await self._submit(OpKind.FORWARD_BACKWARD, batch.model_dump(),
                                   decoder(ForwardBackwardOutput))
 
@@ -128,7 +141,7 @@ class TrainingClient:
         """Any differentiable loss of the logprobs: a forward pass, `loss_fn(data, logprobs)`
         here with torch autograd, then a backward pass weighted by its gradient. Returns once
         the backward pass holds its place, so later calls queue behind it."""
-        given = datums(data)
+        given = datums(data, self._limits)
         forward = await (await self.forward_async(forward_data(given), "cross_entropy"))
         linear, loss, metrics = run_custom_loss(given, forward, loss_fn)
         pending = await self.forward_backward_async(linear, "cross_entropy")
@@ -138,7 +151,7 @@ class TrainingClient:
         self, data: Sequence[Datum], loss_fn: CustomLossFn
     ) -> APIFuture[ForwardBackwardOutput]:
         # The user's loss runs on this thread, not on the client's event loop.
-        given = datums(data)
+        given = datums(data, self._limits)
         forward = self.forward(forward_data(given), "cross_entropy").result()
         linear, loss, metrics = run_custom_loss(given, forward, loss_fn)
         pending = self.forward_backward(linear, "cross_entropy")

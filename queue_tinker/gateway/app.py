@@ -1,5 +1,5 @@
 """The HTTP gateway: the Tinker protocol (the official tinker SDK works against it unchanged),
-health, and a queue overview."""
+health, and the dashboard (behind the same API keys)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -16,7 +15,9 @@ from sqlalchemy import text
 from queue_tinker.errors import UnknownModelError, UserInputError
 from queue_tinker.gateway import tinker_futures, tinker_sampling, tinker_training
 from queue_tinker.gateway.auth import KeyCache
-from queue_tinker.gateway.overview import queue_overview
+from queue_tinker.gateway.body_limit import BodyLimit
+from queue_tinker.gateway.dashboard import dashboard_router
+from queue_tinker.gateway.metrics import metrics_router
 from queue_tinker.gateway.tinker_queue import GatewayQueue
 from queue_tinker.gateway.tinker_rest import rest_router
 from queue_tinker.gateway.tinker_session import session_router
@@ -53,8 +54,11 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="queue_tinker", lifespan=lifespan)
     app.state.settings = settings
+    app.add_middleware(BodyLimit, settings=settings)  # QT_MAX_REQUEST_BYTES: 413 before parsing
     app.include_router(session_router(settings, keys))
     app.include_router(rest_router(settings, keys))
+    app.include_router(dashboard_router(settings, keys))
+    app.include_router(metrics_router(settings, keys))
     for module in (tinker_training, tinker_sampling, tinker_futures):
         app.include_router(module.router)
 
@@ -82,10 +86,5 @@ def create_app(settings: Settings) -> FastAPI:
             checks["postgres"] = f"error: {exc}"
         healthy = all(v == "ok" for v in checks.values())
         return JSONResponse(checks, status_code=200 if healthy else 503)
-
-    @app.get("/api/v1/overview")
-    async def overview(request: Request) -> dict[str, Any]:
-        """Workers and per-model queues (depth, owner, oldest waiting age)."""
-        return await queue_overview(request.app.state.redis, keys, settings)
 
     return app

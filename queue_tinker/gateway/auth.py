@@ -1,53 +1,96 @@
 """Who is calling: the `X-API-Key` header (a `tml-` key) resolved to its tenant in Postgres.
 
 Valid keys are remembered for QT_API_KEY_CACHE_S, so a training loop's every call does not
-cost a Postgres query; a revoked key therefore stops working within that time.
+cost a Postgres query; a revoked key therefore stops working within that time. While Postgres
+cannot be reached, a key seen before keeps working (training goes on through Redis), and a key
+never seen gets 503 with Retry-After rather than a 500.
+
+Two dependencies share that cache: `tenant_of` (the Tinker protocol routes: a key acts as its
+tenant, admin or not) and `caller_of` (the dashboard: an admin key sees every tenant).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
+from sqlalchemy.exc import DBAPIError
 
 from queue_tinker.store import api_keys
+from queue_tinker.store.db import refused
 
 MAX_CACHED_KEYS = 10_000
 
 
+@dataclass(frozen=True)
+class Caller:
+    """The owner of a valid key: its tenant, and whether it is an admin key."""
+
+    tenant_id: str
+    admin: bool = False
+
+    @property
+    def scope(self) -> str | None:
+        """The tenant whose things the caller sees on the dashboard; None (every tenant) for
+        an admin key. The queue module's functions take exactly this."""
+        return None if self.admin else self.tenant_id
+
+
 class KeyCache:
-    """key hash -> (tenant, valid until); only valid keys are kept, so a new key works at once."""
+    """key hash -> (caller, valid until); only valid keys are kept, so a new key works at once."""
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self._entries: dict[str, tuple[str, float]] = {}
+        self._entries: dict[str, tuple[Caller, float]] = {}
 
-    def get(self, key_hash: str) -> str | None:
+    def get(self, key_hash: str) -> Caller | None:
         entry = self._entries.get(key_hash)
         if entry is None or entry[1] < time.monotonic():
             return None
         return entry[0]
 
-    def put(self, key_hash: str, tenant: str) -> None:
+    def last_known(self, key_hash: str) -> Caller | None:
+        """The caller this key had when last checked, however long ago (Postgres is down)."""
+        entry = self._entries.get(key_hash)
+        return entry[0] if entry is not None else None
+
+    def put(self, key_hash: str, caller: Caller) -> None:
         if self.ttl_s <= 0:
             return
         if len(self._entries) >= MAX_CACHED_KEYS:
             self._entries.clear()
-        self._entries[key_hash] = (tenant, time.monotonic() + self.ttl_s)
+        self._entries[key_hash] = (caller, time.monotonic() + self.ttl_s)
 
 
-async def tenant_of(request: Request) -> str:
-    """The caller's tenant; 401 without a valid, unrevoked key."""
+async def caller_of(request: Request) -> Caller:
+    """The caller of a dashboard route; 401 without a valid, unrevoked key."""
     key = request.headers.get("X-API-Key")
     if not key:
         raise HTTPException(401, "missing X-API-Key header: send a tml-... key "
                                  "(queue-tinker keys create --tenant NAME)")
     cache: KeyCache = request.app.state.key_cache
     key_hash = api_keys.hash_key(key)
-    tenant = cache.get(key_hash)
-    if tenant is None:
-        tenant = await api_keys.tenant_for_key(request.app.state.sessions, key)
-        if tenant is None:
+    caller = cache.get(key_hash)
+    if caller is None:
+        try:
+            owner = await api_keys.owner_of_key(request.app.state.sessions, key)
+        except (OSError, DBAPIError) as exc:
+            if isinstance(exc, DBAPIError) and refused(exc):
+                raise
+            stale = cache.last_known(key_hash)
+            if stale is not None:
+                return stale
+            raise HTTPException(503, "cannot check the API key: Postgres is unreachable; "
+                                     "retry shortly", headers={"Retry-After": "5"}) from exc
+        if owner is None:
             raise HTTPException(401, "invalid or revoked API key")
-        cache.put(key_hash, tenant)
-    return tenant
+        caller = Caller(tenant_id=owner.tenant_id, admin=owner.admin)
+        cache.put(key_hash, caller)
+    return caller
+
+
+async def tenant_of(request: Request) -> str:
+    """The caller's tenant; 401 without a valid, unrevoked key. An admin key acts as its own
+    tenant here: the Tinker routes never cross tenants."""
+    return (await caller_of(request)).tenant_id

@@ -17,15 +17,12 @@ from google.protobuf.message import DecodeError
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.proto import tinker_public_pb2 as pb
 from queue_tinker.types.loss_inputs import parse_loss_fn
+from queue_tinker.types.request_limits import RequestLimits, check_datum_count, check_tokens
 from queue_tinker.types.sampling import SampleResponse
 from queue_tinker.types.tensors import Datum, EncodedTextChunk, ModelInput, TensorData, TensorDtype
 from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
 
 PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
-
-# A sparse tensor's dense size is not bounded by the body's size; this bounds it (1 GiB of
-# float32s, far beyond any per-datum loss input).
-MAX_SPARSE_DENSE_CELLS = 1 << 28
 
 # Wire dtype -> (how its bytes read, our dtype). INT32 and BFLOAT16 widen, as the SDK does.
 _READ_DTYPES: dict[int, tuple[np.dtype, TensorDtype]] = {
@@ -55,12 +52,15 @@ class ParsedForwardBackward:
     forward_only: bool
     _request: pb.ForwardBackwardRequest = field(repr=False, compare=False)
 
-    def batch(self) -> ForwardBackwardInput:
-        """The request's data, loss function and config as ours; UserInputError if bad."""
-        request = self._request
+    def batch(self, limits: RequestLimits | None = None) -> ForwardBackwardInput:
+        """The request's data, loss function and config as ours; UserInputError if bad. The
+        datum count is checked before any datum is converted, and a sparse tensor's dense size
+        before it is allocated (a few bytes of CSR can describe gigabytes)."""
+        request, limits = self._request, limits or RequestLimits.defaults()
         loss_fn = parse_loss_fn(request.loss_fn)
         config = _loss_fn_config(request)
-        data = [_datum(f"data[{i}]", datum) for i, datum in enumerate(request.data)]
+        check_datum_count(len(request.data), limits)
+        data = [_datum(f"data[{i}]", datum, limits) for i, datum in enumerate(request.data)]
         return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config)
 
 
@@ -93,11 +93,11 @@ def _loss_fn_config(request: pb.ForwardBackwardRequest) -> dict[str, float] | No
     return dict(request.loss_fn_config) or None
 
 
-def _datum(where: str, datum: pb.Datum) -> Datum:
+def _datum(where: str, datum: pb.Datum, limits: RequestLimits) -> Datum:
     # Provenance spans (model_input_spans, loss_fn_input_spans) are accepted and ignored.
     chunks = [_chunk(f"{where}.model_input[{j}]", chunk)
               for j, chunk in enumerate(datum.model_input)]
-    inputs = {key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor)
+    inputs = {key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor, limits)
               for key, tensor in datum.loss_fn_inputs.items()}
     return Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs)
 
@@ -124,7 +124,7 @@ def _array(where: str, raw: bytes, wire: np.dtype) -> np.ndarray:
     return np.frombuffer(raw, dtype=wire).astype(wire.newbyteorder("="))
 
 
-def _tensor(where: str, tensor: pb.Tensor) -> TensorData:
+def _tensor(where: str, tensor: pb.Tensor, limits: RequestLimits) -> TensorData:
     """A dense or sparse-CSR request tensor as our dense TensorData (doc section 9.1)."""
     if tensor.dtype not in _READ_DTYPES:
         name = _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
@@ -134,7 +134,7 @@ def _tensor(where: str, tensor: pb.Tensor) -> TensorData:
     if any(dim < 0 for dim in shape):
         raise UserInputError(f"{where}: shape {shape} has a negative dimension")
     if tensor.WhichOneof("encoding") == "sparse_csr":
-        array = _dense_from_csr(where, tensor.sparse_csr, wire, shape)
+        array = _dense_from_csr(where, tensor.sparse_csr, wire, shape, limits)
     else:
         array = _array(f"{where}.dense", tensor.dense, wire)
         if shape and math.prod(shape) != array.size:
@@ -148,15 +148,15 @@ def _tensor(where: str, tensor: pb.Tensor) -> TensorData:
     return TensorData(data=array.astype(dtype, copy=False), dtype=dtype, shape=list(array.shape))
 
 
-def _dense_from_csr(where: str, csr: pb.SparseCsr, wire: np.dtype, shape: list[int]
-                    ) -> np.ndarray:
+def _dense_from_csr(where: str, csr: pb.SparseCsr, wire: np.dtype, shape: list[int],
+                    limits: RequestLimits) -> np.ndarray:
     """Densify a 2-D CSR tensor; absent cells are 0 (the pad value of loss_fn_inputs)."""
     where = f"{where}: sparse_csr"
     if len(shape) != 2:
         raise UserInputError(f"{where} needs a 2-D shape, got {shape}")
     rows, cols = shape
-    if rows * cols > MAX_SPARSE_DENSE_CELLS:
-        raise UserInputError(f"{where} shape {shape} is too large")
+    # A loss input holds a value per token, so its dense size is bounded like a datum's.
+    check_tokens(f"{where} shape {shape} is too large", rows * cols, limits, what="values")
     values = _array(f"{where} values", csr.values, wire)
     crow = _array(f"{where} crow_indices", csr.crow_indices, np.dtype("<i8"))
     col = _array(f"{where} col_indices", csr.col_indices, np.dtype("<i8"))

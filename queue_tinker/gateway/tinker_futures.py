@@ -75,8 +75,7 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, gq: Que
 async def still_waiting(gq: GatewayQueue, request_id: str, model_id: str,
                         held_since: float | None) -> JSONResponse:
     settings = gq.settings
-    info = await gq.jobs.model_info(model_id)
-    state, reason = await queue_state(gq.registry, info["base_model"],
+    state, reason = await queue_state(gq.redis, gq.keys, gq.registry, model_id,
                                       settings.lease_ttl_ms * 3)
     if held_since is not None and state is QueueState.ACTIVE:
         waiting_for = int(await gq.redis.hget(gq.keys.model_meta(model_id), "next_seq_id")

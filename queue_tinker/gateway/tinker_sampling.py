@@ -13,8 +13,9 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
 from queue_tinker.gateway.tinker_types import CreateSamplingSessionRequest, SampleRequest
-from queue_tinker.queue import codec, runs
+from queue_tinker.queue import runs
 from queue_tinker.types import JobStatus, OpKind
+from queue_tinker.types.request_limits import RequestLimits, encode_request
 from queue_tinker.types.sampling import sample_input
 
 # create_sampling_session answers synchronously; it waits this long for a worker to check the
@@ -52,11 +53,12 @@ async def asample(body: SampleRequest, gq: Queue, tenant: Tenant) -> dict[str, A
     for field in UNSUPPORTED:
         if getattr(body, field):
             raise UserInputError(f"{field}: not supported by this service (send 0 / none)")
+    limits = RequestLimits.of(gq.settings)
     sample = sample_input(body.prompt, body.num_samples, body.sampling_params,
                           body.prompt_logprobs or body.prompt_logprobs_last_n is not None,
-                          info["model_path"])
+                          info["model_path"], limits=limits)
     job_id = await gq.submit(body.sampling_session_id, OpKind.SAMPLE,
-                             codec.encode(sample.model_dump()), f"seq:{body.seq_id}")
+                             encode_request(sample.model_dump(), limits), f"seq:{body.seq_id}")
     if body.prompt_logprobs_last_n is not None:
         await gq.set_reply(job_id, {"prompt_logprobs_last_n": body.prompt_logprobs_last_n})
     return {"request_id": job_id,

@@ -19,6 +19,9 @@ from queue_tinker.types import SessionRecord
 
 # Features the SDK may switch on that this gateway does not serve: each `true` would make the
 # SDK call an endpoint that is not here (JWT exchange, zstd bodies, server-side custom loss...).
+# The SDK's own chunking defaults (tinker.types.ClientConfigResponse).
+SDK_CHUNK_LEN = 1024
+SDK_CHUNK_BYTES = 5_000_000
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "proto_compress_fwdbwd": False,
@@ -40,7 +43,13 @@ def session_router(settings: Settings, keys: Keys) -> APIRouter:
 
     @router.post("/client/config")
     async def client_config(_: str = Depends(tenant_of)) -> dict[str, Any]:
-        return CLIENT_CONFIG
+        # The SDK splits a big forward_backward into chunks of these sizes: keep them within
+        # what this deployment accepts in one request, so lowered limits still fit (the SDK's
+        # byte count is its own estimate, so leave it half the body cap as margin).
+        return {**CLIENT_CONFIG,
+                "fwdbwd_max_chunk_len": min(SDK_CHUNK_LEN, settings.max_datums_per_request),
+                "fwdbwd_max_chunk_bytes_count": min(SDK_CHUNK_BYTES,
+                                                    settings.max_request_bytes // 2)}
 
     @router.post("/create_session")
     async def create_session(request: Request,

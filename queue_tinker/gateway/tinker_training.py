@@ -5,6 +5,7 @@ from retrieve_future. Ops of a model run in the order of the client's seq_id."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -27,12 +28,16 @@ from queue_tinker.queue import codec, runs
 from queue_tinker.types import OpKind
 from queue_tinker.types.checkpoints import CheckpointPath, check_name
 from queue_tinker.types.loss_inputs import check_batch
+from queue_tinker.types.request_limits import RequestLimits, check_batch_size, encode_request
 from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoadInput, SaveInput
 from queue_tinker.types.validation import validated
 
 router = APIRouter(prefix="/api/v1")
 Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
 Tenant = Annotated[str, Depends(tenant_of)]
+# The protobuf carries seq_id as an int32, so no SDK sends more. A JSON one past ~1e17 would
+# come back from Redis's Lua as "1e+17", which no longer reads as an integer.
+MAX_SEQ_ID = 2**31 - 1
 
 
 def model_id_of(session_id: str, model_seq_id: int) -> str:
@@ -44,6 +49,8 @@ async def ordered(gq: GatewayQueue, tenant: str, model_id: str, seq_id: int, kin
                   payload: Callable[[], bytes]) -> dict[str, Any]:
     """Enqueue a training call in seq_id order. A body refused here (400) still uses its
     seq_id, or every later call of the model would wait for it."""
+    if seq_id > MAX_SEQ_ID:
+        raise UserInputError(f"seq_id: must be at most {MAX_SEQ_ID}, got {seq_id}")
     await gq.model_of(model_id, tenant)
     try:
         body = payload()
@@ -89,33 +96,44 @@ async def get_info(body: ModelRequest, gq: Queue, tenant: Tenant) -> dict[str, A
 async def forward_backward(request: Request, gq: Queue, tenant: Tenant) -> dict[str, Any]:
     """Protobuf (SDK 0.38; forward_only for forward) or the older JSON form."""
     if "json" in request.headers.get("content-type", ""):
-        return await json_forward_backward(await request.json(), gq, tenant)
+        return await json_forward_backward(await json_body(request), gq, tenant)
     parsed = parse_forward_backward(await request.body())
     if parsed.seq_id < 1:
         raise UserInputError(f"seq_id: must be >= 1, got {parsed.seq_id}")
     kind = OpKind.FORWARD if parsed.forward_only else OpKind.FORWARD_BACKWARD
+    limits = RequestLimits.of(gq.settings)
     return await ordered(gq, tenant, parsed.model_id, parsed.seq_id, kind,
-                         lambda: batch_payload(parsed.batch))
+                         lambda: batch_payload(lambda: parsed.batch(limits), limits))
 
 
 @router.post("/forward")
 async def forward(request: Request, gq: Queue, tenant: Tenant) -> dict[str, Any]:
     """The older JSON form of forward."""
-    return await json_forward_backward(await request.json(), gq, tenant)
+    return await json_forward_backward(await json_body(request), gq, tenant)
+
+
+async def json_body(request: Request) -> Any:
+    """The request's JSON; a body that is not JSON is the caller's error (400), not ours."""
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
+        raise UserInputError(f"body: not valid JSON ({type(exc).__name__}: {exc})") from None
 
 
 async def json_forward_backward(raw: Any, gq: GatewayQueue, tenant: str) -> dict[str, Any]:
     body = validated(JsonForwardBackwardRequest, "", raw)
     field = "forward_input" if body.forward_input is not None else "forward_backward_input"
     kind = OpKind.FORWARD if body.forward_input is not None else OpKind.FORWARD_BACKWARD
+    limits = RequestLimits.of(gq.settings)
     return await ordered(gq, tenant, body.model_id, body.seq_id, kind, lambda: batch_payload(
-        lambda: validated(ForwardBackwardInput, field, getattr(body, field))))
+        lambda: validated(ForwardBackwardInput, field, getattr(body, field)), limits))
 
 
-def batch_payload(batch: Callable[[], ForwardBackwardInput]) -> bytes:
+def batch_payload(batch: Callable[[], ForwardBackwardInput], limits: RequestLimits) -> bytes:
     checked = batch()
+    check_batch_size(checked, limits)
     check_batch(checked)
-    return codec.encode(checked.model_dump())
+    return encode_request(checked.model_dump(), limits)
 
 
 @router.post("/optim_step")
@@ -126,7 +144,7 @@ async def optim_step(body: OptimStepRequest, gq: Queue, tenant: Tenant) -> dict[
             raise UserInputError(f"optimizer_params: {kind!r} is not supported; send "
                                  "adam_params (this service trains with AdamW)")
         params = validated(AdamParams, "adam_params", body.adam_params)
-        return codec.encode(params.model_dump())
+        return encode_request(params.model_dump(), RequestLimits.of(gq.settings))
 
     return await ordered(gq, tenant, body.model_id, body.seq_id,
                          OpKind.OPTIM_STEP, payload)

@@ -26,6 +26,27 @@ class Lease:
     model_id: str
     token: str  # "<worker id>|<epoch>": the fencing token
     done_seq: int  # ops up to here were published before the claim
+    tenant_id: str = ""
+
+
+@dataclass(frozen=True)
+class Start:
+    """What start() decided for an op."""
+
+    run: bool  # mark it running and run it now
+    retry_ms: int = 0  # > 0: its tenant is over a limit; it stays queued, try again after this
+    # run False and retry_ms 0: it already finished (an earlier owner, or it was cancelled)
+
+    @property
+    def limited(self) -> bool:
+        return self.retry_ms > 0
+
+
+def _start(reply: list[object]) -> Start:
+    code = int(reply[0])  # type: ignore[call-overload]
+    if code == 2:
+        return Start(run=False, retry_ms=max(1, int(reply[1])))  # type: ignore[call-overload]
+    return Start(run=code == 1)
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,7 @@ class Outcome:
     error_category: str = ""
     error_detail: str = ""
     metrics: dict[str, float] | None = None
+    tokens: int = 0  # charged to the tenant's tokens-per-second limit, counted in /metrics
 
 
 def _op(model_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Op:
@@ -98,20 +120,25 @@ class Dispatcher:
         self.scripts = Scripts.load(redis)
 
     # --- offers and leases -----------------------------------------------------------------
-    async def next_offer(self, timeout_s: float) -> str | None:
-        """Block until a model of this base is offered (or the timeout passes)."""
-        popped = await self.redis.bzpopmin(self.keys.offers(self.base_model), timeout=timeout_s)
-        return popped[1].decode() if popped else None
+    async def offer_bell_cursor(self) -> bytes:
+        """Where to start listening for offers (the newest bell entry now)."""
+        newest = await self.redis.xrevrange(self.keys.offer_bell(self.base_model), count=1)
+        return newest[0][0] if newest else b"0-0"
 
-    async def oldest_offer_age_ms(self) -> float | None:
-        oldest = await self.redis.zrange(self.keys.offers(self.base_model), 0, 0, withscores=True)
-        if not oldest:
-            return None
-        return time.time() * 1000 - oldest[0][1]
+    async def wait_for_offer(self, cursor: bytes, block_ms: int) -> bytes:
+        """Block until a model of this base is offered after `cursor` (or the time passes);
+        the new cursor. Every waiting worker wakes: each then asks take_offer()."""
+        reply = await self.redis.xread({self.keys.offer_bell(self.base_model): cursor},
+                                       count=100, block=block_ms)
+        return reply[0][1][-1][0] if reply else cursor
 
-    async def take_offer(self) -> str | None:
-        popped = await self.redis.zpopmin(self.keys.offers(self.base_model))
-        return popped[0][0].decode() if popped else None
+    async def take_offer(self, *, min_age_ms: int = 0, unserved_min_age_ms: int = 0) -> str | None:
+        """Remove and return the fairest offer (lua/take_offer.lua), if one is due."""
+        model = await self.scripts.take_offer(
+            keys=[self.keys.offers(self.base_model)],
+            args=[self.keys.prefix, min_age_ms, unserved_min_age_ms],
+        )
+        return model.decode() if model else None
 
     async def claim(self, model_id: str) -> Lease | None:
         keys = self.keys
@@ -122,11 +149,12 @@ class Dispatcher:
                 keys.model_meta(model_id),
                 keys.offers(self.base_model),
             ],
-            args=[self.worker_id, self.lease_ttl_ms, model_id],
+            args=[self.worker_id, self.lease_ttl_ms, model_id, keys.prefix],
         )
-        if reply is None:
+        if reply is None or not reply[0]:  # held by another worker, or its tenant is at its limit
             return None
-        return Lease(model_id=model_id, token=reply[0].decode(), done_seq=int(reply[1]))
+        return Lease(model_id=model_id, token=reply[0].decode(), done_seq=int(reply[1]),
+                     tenant_id=reply[2].decode())
 
     async def renew(self, leases: list[Lease]) -> list[bool]:
         """Renew all leases in one round trip; False where the lease is no longer ours."""
@@ -149,7 +177,7 @@ class Dispatcher:
                     keys.offers(self.base_model),
                     keys.pending(self.base_model),
                 ],
-                args=[lease.token, lease.model_id, "1" if force else "0"],
+                args=[lease.token, lease.model_id, "1" if force else "0", keys.prefix],
             )
         )
 
@@ -166,14 +194,28 @@ class Dispatcher:
         orphans = {m: time.time() * 1000 for m, has_owner in zip(pending, owned, strict=True)
                    if not has_owner}
         if orphans:
-            await self.redis.zadd(self.keys.offers(self.base_model), orphans, nx=True)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zadd(self.keys.offers(self.base_model), orphans, nx=True)
+                pipe.xadd(self.keys.offer_bell(self.base_model), {"m": "orphans"}, maxlen=100,
+                          approximate=True)
+                await pipe.execute()
         return len(orphans)
+
+    async def parked_tenants(self, tenants: set[str]) -> set[str]:
+        """Those of `tenants` with training runs waiting for a slot of their limit."""
+        ordered = sorted(tenants)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for tenant in ordered:
+                pipe.scard(self.keys.tenant_parked(tenant))
+            counts = await pipe.execute()
+        return {t for t, n in zip(ordered, counts, strict=True) if n}
 
     # --- reading ops ------------------------------------------------------------------------
     async def read(
         self, cursors: dict[str, int], control_cursor: bytes, block_ms: int
-    ) -> tuple[list[Op], bytes]:
-        """New ops of the owned models after their cursors (seq), plus the control cursor.
+    ) -> tuple[list[Op], bytes, set[str]]:
+        """New ops of the owned models after their cursors (seq), the control cursor, and the
+        commands that came on the control stream (e.g. "drain").
 
         Blocks on all the streams at once; a wake-up on the control stream returns early.
         """
@@ -186,13 +228,15 @@ class Dispatcher:
         reply = await self.redis.xread(streams, count=512, block=block_ms)
         ops: list[Op] = []
         control_key = self.keys.worker_control(self.worker_id).encode()
+        commands: set[str] = set()
         for stream, entries in reply or []:
             if stream == control_key:
                 control_cursor = entries[-1][0]
+                commands.update(f[b"command"].decode() for _, f in entries if b"command" in f)
                 continue
             model_id = model_of_stream[stream]
             ops.extend(_op(model_id, entry_id, fields) for entry_id, fields in entries)
-        return ops, control_cursor
+        return ops, control_cursor, commands
 
     async def read_range(self, model_id: str, after_seq: int, upto_seq: int) -> list[Op]:
         """The logged ops with after_seq < seq <= upto_seq: what a new owner replays on top of
@@ -204,19 +248,16 @@ class Dispatcher:
 
     async def wake(self) -> None:
         """Interrupt this worker's blocking read (its owned-model set changed)."""
-        await self.redis.xadd(
-            self.keys.worker_control(self.worker_id), {"wake": "1"},
-            maxlen=CONTROL_STREAM_LEN, approximate=True,
-        )
+        await command_worker(self.redis, self.keys, self.worker_id, "wake")
 
     # --- fenced job updates ----------------------------------------------------------------
-    async def start(self, lease: Lease, op: Op) -> bool:
-        """Mark the op running; False if it already finished (skip it)."""
+    async def start(self, lease: Lease, op: Op) -> Start:
+        """Mark the op running, unless it already finished or its tenant is over a limit."""
         try:
-            started = await self.scripts.start(**self._start_call(lease, op))
+            reply = await self.scripts.start(**self._start_call(lease, op))
         except ResponseError as exc:
             raise _lease_lost(exc, lease.model_id) from exc
-        return bool(started)
+        return _start(reply)
 
     async def publish(
         self, lease: Lease, op: Op, outcome: Outcome, *, trim_upto: int | None
@@ -228,14 +269,16 @@ class Dispatcher:
         except ResponseError as exc:
             raise _lease_lost(exc, lease.model_id) from exc
 
-    async def start_batch(self, batch: list[tuple[Lease, Op]]) -> list[bool | None]:
-        """start() for several ops in one round trip: per op True (started), False (already
-        finished: skip it) or None (the lease on its model was lost)."""
+    async def start_batch(self, batch: list[tuple[Lease, Op]]) -> list[Start | None]:
+        """start() for several ops in one round trip (None where the lease on its model was
+        lost). Once a tenant is refused, its later ops in the batch are refused too: the
+        scripts run in order and nothing frees in between."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for lease, op in batch:
                 await self.scripts.start(**self._start_call(lease, op), client=pipe)
             replies = await pipe.execute(raise_on_error=False)
-        return [None if _is_lease_lost(reply) else bool(_raise_other(reply)) for reply in replies]
+        return [None if _is_lease_lost(reply) else _start(_raise_other(reply))  # type: ignore[arg-type]
+                for reply in replies]
 
     async def publish_batch(
         self, batch: list[tuple[Lease, Op, Outcome, int | None]], *, started: bool
@@ -252,10 +295,11 @@ class Dispatcher:
             replies = await pipe.execute(raise_on_error=False)
         return [not _is_lease_lost(_raise_other(reply)) for reply in replies]
 
-    def _start_call(self, lease: Lease, op: Op) -> dict[str, list[str]]:
+    def _start_call(self, lease: Lease, op: Op) -> dict[str, list[str | int]]:
         keys = self.keys
-        return {"keys": [keys.model_lease(lease.model_id), keys.job(op.job_id), keys.records()],
-                "args": [lease.token, self.worker_id]}
+        return {"keys": [keys.model_lease(lease.model_id), keys.job(op.job_id), keys.records(),
+                         keys.model_meta(op.model_id), keys.pending(self.base_model)],
+                "args": [lease.token, self.worker_id, keys.prefix, op.seq, op.model_id]}
 
     def _publish_call(
         self, lease: Lease, op: Op, outcome: Outcome, trim_upto: int | None, started: bool
@@ -288,5 +332,14 @@ class Dispatcher:
                 "" if trim_upto is None else trim_upto,
                 outcome.error_detail,
                 "" if started else self.worker_id,
+                outcome.tokens,
+                keys.prefix,
             ],
         )
+
+
+async def command_worker(redis: Redis, keys: Keys, worker_id: str, command: str) -> None:
+    """Send a command to a worker's op reader ("wake": look at the owned models again;
+    "drain": finish the op in progress, hand every model back and exit)."""
+    await redis.xadd(keys.worker_control(worker_id), {"command": command},
+                     maxlen=CONTROL_STREAM_LEN, approximate=True)

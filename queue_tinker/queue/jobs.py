@@ -119,7 +119,7 @@ class JobQueue:
         kind: str, lora_config: dict[str, Any] | None = None, model_path: str | None = None,
     ) -> bool:
         created = await self.scripts.register_model(
-            keys=[self.keys.model_meta(model_id), self.keys.records()],
+            keys=[self.keys.model_meta(model_id), self.keys.records(), self.keys.base_models()],
             args=[model_id, base_model, tenant_id, session_id or "",
                   json.dumps(lora_config or {}), kind, model_path or ""],
         )
@@ -248,9 +248,11 @@ class JobQueue:
 
     async def job(self, job_id: str) -> tuple[dict[str, str], JobOutcome | None]:
         """In one read: the job hash as text (status, timings, worker...) without the result
-        bytes, and the outcome if the job has finished; ({}, None) for an unknown job."""
+        and payload bytes, and the outcome if the job has finished; ({}, None) for an unknown
+        job."""
         fields = await self.redis.hgetall(self.keys.job(job_id))
-        text = {k.decode(): v.decode() for k, v in fields.items() if k != b"result"}
+        text = {k.decode(): v.decode() for k, v in fields.items()
+                if k not in (b"result", b"payload")}
         return text, outcome_from_fields(job_id, fields) if fields else None
 
     async def job_fields(self, job_id: str) -> dict[str, str]:

@@ -64,6 +64,61 @@ class Keys:
         """Set: models of this base with ops not yet published (the reaper scans it)."""
         return f"{self.prefix}:base:{base_model}:pending"
 
+    def offer_bell(self, base_model: str) -> str:
+        """Stream: one entry per offer, so every idle worker of the base wakes and picks the
+        fairest offer (a pop would hand the oldest to one of them)."""
+        return f"{self.offers(base_model)}:bell"
+
+    def base_models(self) -> str:
+        """Set: every base model a model was registered on (where the overview looks for
+        pending models, instead of scanning the keyspace)."""
+        return f"{self.prefix}:bases"
+
+    # --- per tenant: limits and their live counts ------------------------------------------
+    def limited_tenants(self) -> str:
+        """Set: the tenants with limits of their own (and `*` once a default is set)."""
+        return f"{self.prefix}:limits"
+
+    def limits(self, tenant_id: str) -> str:
+        """Hash: training_runs, inflight_ops, tokens_per_s (absent or 0 = unlimited); tenant
+        `*` holds the default of every tenant without its own."""
+        return f"{self.prefix}:limits:{tenant_id}"
+
+    def tenant_leased(self, tenant_id: str) -> str:
+        """Set: the tenant's models some worker holds a lease on (its training runs in use)."""
+        return f"{self.prefix}:tenant:{tenant_id}:leased"
+
+    def tenant_parked(self, tenant_id: str) -> str:
+        """Set: the tenant's models refused a worker for its training-runs limit; offered
+        again when one of its runs is released."""
+        return f"{self.prefix}:tenant:{tenant_id}:parked"
+
+    def tenant_running(self, tenant_id: str) -> str:
+        """Set: the tenant's jobs started and not yet published (its in-flight ops)."""
+        return f"{self.prefix}:tenant:{tenant_id}:running"
+
+    def tenant_bucket(self, tenant_id: str) -> str:
+        """Hash: level, at_ms: the tenant's token bucket (tokens_per_s limit)."""
+        return f"{self.prefix}:tenant:{tenant_id}:bucket"
+
+    # --- fleet-wide counters (Prometheus) ---------------------------------------------------
+    def metrics_ops(self) -> str:
+        """Hash: `<kind>|<status>` -> published ops."""
+        return f"{self.prefix}:metrics:ops"
+
+    def metrics_latency(self, kind: str) -> str:
+        """Hash: `b<i>` -> ops whose queued-to-finished time fell in latency bucket i
+        (queue/metrics.py LATENCY_BUCKETS_S; i past the last bound is +Inf), count, sum_s."""
+        return f"{self.prefix}:metrics:latency:{kind}"
+
+    def metrics_tokens(self) -> str:
+        """Hash: op kind -> tokens processed."""
+        return f"{self.prefix}:metrics:tokens"
+
+    def metrics_tenant_tokens(self) -> str:
+        """Hash: tenant -> tokens processed."""
+        return f"{self.prefix}:metrics:tenant-tokens"
+
     # --- workers ---------------------------------------------------------------------------
     def workers(self) -> str:
         """Sorted set: worker id -> last heartbeat (ms)."""

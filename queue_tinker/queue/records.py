@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -64,17 +66,31 @@ class RecordLog:
     async def read(self, consumer: str, *, count: int, block_ms: int | None,
                    pending: bool = False) -> list[Entry]:
         """New entries for this consumer, or (pending=True) the ones it read but never acked."""
-        reply = await self.redis.xreadgroup(
+        reply = await self._in_group(lambda: self.redis.xreadgroup(
             GROUP, consumer, {self.stream: "0" if pending else ">"}, count=count, block=block_ms
-        )
+        ))
         return self._parse(reply[0][1] if reply else [])
 
     async def claim_stale(self, consumer: str, *, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over entries another (dead) recorder read but never acknowledged."""
-        reply = await self.redis.xautoclaim(
+        reply = await self._in_group(lambda: self.redis.xautoclaim(
             self.stream, GROUP, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
-        )
+        ))
         return self._parse(reply[1])
+
+    async def _in_group(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """A consumer-group command; the group is made again if Redis lost it (restarted
+        without persistence, or the stream was deleted), which would otherwise fail every
+        read with NOGROUP for good."""
+        try:
+            return await call()
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("records: consumer group %r missing (Redis lost its data?); "
+                        "creating it again", GROUP)
+            await self.ensure_group()
+            return await call()
 
     async def ack(self, entry_ids: list[bytes]) -> None:
         if entry_ids:

@@ -30,16 +30,19 @@ class WorkerRegistry:
             await pipe.execute()
 
     async def live(self, max_age_ms: int) -> list[dict[str, str]]:
-        """Workers that beat within max_age_ms, with their registry fields."""
+        """Workers that beat within max_age_ms, with their registry fields and beat_ms (the
+        last heartbeat, ms since the epoch)."""
         since = time.time() * 1000 - max_age_ms
-        ids = await self.redis.zrangebyscore(self.keys.workers(), since, "+inf")
+        beats = await self.redis.zrangebyscore(self.keys.workers(), since, "+inf",
+                                               withscores=True)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for worker_id in ids:
+            for worker_id, _ in beats:
                 pipe.hgetall(self.keys.worker(worker_id.decode()))
             rows = await pipe.execute()
         return [
-            {"id": wid.decode(), **{k.decode(): v.decode() for k, v in row.items()}}
-            for wid, row in zip(ids, rows, strict=True)
+            {"id": wid.decode(), "beat_ms": str(beat_ms),
+             **{k.decode(): v.decode() for k, v in row.items()}}
+            for (wid, beat_ms), row in zip(beats, rows, strict=True)
             if row
         ]
 

@@ -9,13 +9,22 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from queue_tinker.queue.metrics import LATENCY_BUCKETS_S
+
 _LUA_DIR = Path(__file__).parent / "lua"
 
 
 @cache
+def prelude() -> str:
+    """What every script starts with: lua/common.lua, after the latency buckets (they have one
+    definition, in Python; the scripts get them as a constant)."""
+    buckets = "local LATENCY_BUCKETS_S = {" + ", ".join(map(str, LATENCY_BUCKETS_S)) + "}\n"
+    return buckets + (_LUA_DIR / "common.lua").read_text()
+
+
+@cache
 def _source(name: str) -> str:
-    prelude = (_LUA_DIR / "common.lua").read_text()
-    return prelude + "\n" + (_LUA_DIR / f"{name}.lua").read_text()
+    return prelude() + "\n" + (_LUA_DIR / f"{name}.lua").read_text()
 
 
 @dataclass(frozen=True)
@@ -26,11 +35,13 @@ class Scripts:
     enqueue_in_order: AsyncScript
     skip_seq_gap: AsyncScript
     register_model: AsyncScript
+    take_offer: AsyncScript
     claim: AsyncScript
     renew: AsyncScript
     release: AsyncScript
     start: AsyncScript
     publish: AsyncScript
+    cancel: AsyncScript
 
     @classmethod
     def load(cls, redis: Redis) -> Scripts:

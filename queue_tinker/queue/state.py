@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from redis.asyncio import Redis
+
+from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types import QueueState
 
 
-async def queue_state(registry: WorkerRegistry, base_model: str,
-                      max_age_ms: int) -> tuple[QueueState, str | None]:
-    """`paused_capacity` while no live worker serves the model's base model; else `active`."""
-    if base_model not in await registry.base_models(max_age_ms):
+def model_state(meta: dict[bytes, bytes], served: list[str]) -> tuple[QueueState, str | None]:
+    """A model's state from its meta hash and the base models live workers serve:
+    `paused_capacity` while no live worker serves its base model, `paused_rate_limit` while
+    its tenant is over a limit (the scripts that refused its op left the reason), else
+    `active`."""
+    base_model = meta.get(b"base_model", b"").decode()
+    if base_model not in served:
         return QueueState.PAUSED_CAPACITY, f"no live worker serves base model {base_model}"
+    reason = meta.get(b"paused_reason")
+    if reason:
+        return QueueState.PAUSED_RATE_LIMIT, reason.decode()
     return QueueState.ACTIVE, None
+
+
+async def queue_state(redis: Redis, keys: Keys, registry: WorkerRegistry, model_id: str,
+                      max_age_ms: int) -> tuple[QueueState, str | None]:
+    """The state of one model's queue now (model_state, read from Redis)."""
+    meta = await redis.hgetall(keys.model_meta(model_id))
+    return model_state(meta, await registry.base_models(max_age_ms))

@@ -35,6 +35,16 @@ class KeyInfo:
     name: str | None
     created_at: datetime
     revoked_at: datetime | None
+    admin: bool = False
+
+
+@dataclass(frozen=True)
+class KeyOwner:
+    """Who a valid key speaks for: its tenant, and whether it is an admin key (which sees
+    every tenant on the dashboard and may drain workers)."""
+
+    tenant_id: str
+    admin: bool
 
 
 def hash_key(key: str) -> str:
@@ -53,14 +63,16 @@ def check_tenant_id(tenant_id: str) -> str:
 
 def _info(row: ApiKey) -> KeyInfo:
     return KeyInfo(id=row.id, tenant_id=row.tenant_id, prefix=row.prefix, name=row.name,
-                   created_at=row.created_at, revoked_at=row.revoked_at)
+                   created_at=row.created_at, revoked_at=row.revoked_at, admin=row.admin)
 
 
 async def create_key(
-    sessions: async_sessionmaker[AsyncSession], tenant_id: str, name: str | None = None
+    sessions: async_sessionmaker[AsyncSession], tenant_id: str, name: str | None = None,
+    admin: bool = False,
 ) -> tuple[KeyInfo, str]:
     """A new key for `tenant_id` (the tenant is created on its first key): (its info, the key,
-    which is not stored and cannot be shown again)."""
+    which is not stored and cannot be shown again). An admin key still belongs to a tenant (its
+    own runs are made there) but sees all tenants on the dashboard."""
     check_tenant_id(tenant_id)
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     async with sessions() as session, session.begin():
@@ -68,7 +80,8 @@ async def create_key(
             insert(Tenant).values(id=tenant_id, name=tenant_id).on_conflict_do_nothing()
         )
         row = ApiKey(id=f"key-{uuid.uuid4().hex[:16]}", tenant_id=tenant_id,
-                     key_hash=hash_key(key), prefix=key[:SHOWN_PREFIX], name=name)
+                     key_hash=hash_key(key), prefix=key[:SHOWN_PREFIX], name=name,
+                     admin=bool(admin))
         session.add(row)
         await session.flush()
         await session.refresh(row)
@@ -98,13 +111,21 @@ async def revoke_key(sessions: async_sessionmaker[AsyncSession], key_id: str) ->
 
 async def tenant_for_key(sessions: async_sessionmaker[AsyncSession], key: str) -> str | None:
     """The tenant a key belongs to; None for a malformed, unknown or revoked key."""
+    owner = await owner_of_key(sessions, key)
+    return owner.tenant_id if owner else None
+
+
+async def owner_of_key(sessions: async_sessionmaker[AsyncSession], key: str) -> KeyOwner | None:
+    """The tenant of a key and whether it is an admin key; None for a malformed, unknown or
+    revoked key."""
     if not isinstance(key, str) or not key.startswith(KEY_PREFIX):
         return None
     async with sessions() as session:
-        return await session.scalar(
-            select(ApiKey.tenant_id).where(ApiKey.key_hash == hash_key(key),
-                                           ApiKey.revoked_at.is_(None))
-        )
+        row = (await session.execute(
+            select(ApiKey.tenant_id, ApiKey.admin).where(ApiKey.key_hash == hash_key(key),
+                                                         ApiKey.revoked_at.is_(None))
+        )).first()
+    return KeyOwner(tenant_id=row.tenant_id, admin=bool(row.admin)) if row else None
 
 
 def utc_text(moment: datetime | None) -> str:

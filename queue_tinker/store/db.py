@@ -6,6 +6,7 @@ import re
 
 from sqlalchemy import text
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -80,3 +81,11 @@ async def create_database(admin_url: str, name: str) -> None:
 async def drop_database(admin_url: str, name: str) -> None:
     """Drop database `name`, disconnecting whoever is still connected to it."""
     await _admin_execute(admin_url, f'DROP DATABASE IF EXISTS "{_checked_name(name)}" WITH (FORCE)')
+
+
+def refused(exc: DBAPIError) -> bool:
+    """Postgres refused the data itself (a constraint, or a value it cannot store, such as a
+    NUL character: SQLSTATE classes 23 and 22), as opposed to an outage."""
+    if isinstance(exc, IntegrityError | DataError):
+        return True
+    return str(getattr(exc.orig, "sqlstate", "") or "")[:2] in ("22", "23")

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     ForeignKey,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     MetaData,
     Text,
     UniqueConstraint,
+    false,
     func,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -71,6 +73,8 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(Text, unique=True)  # sha256 hex of the full key
     prefix: Mapped[str] = mapped_column(Text)  # first characters, for display only
     name: Mapped[str | None] = mapped_column(Text)
+    # An admin key sees every tenant on the dashboard and may drain workers.
+    admin: Mapped[bool] = mapped_column(Boolean, server_default=false())
     created_at: Mapped[datetime] = _ts(nullable=False, now=True)
     revoked_at: Mapped[datetime | None] = _ts()
 
@@ -122,6 +126,9 @@ class Request(Base):
         # second index on the same columns (it would only slow every insert).
         UniqueConstraint("model_id", "seq"),
         Index(None, "status"),
+        # The dashboard's recent requests: newest first, everyone's or one tenant's.
+        Index("ix_requests_queued_at", "queued_at"),
+        Index("ix_requests_tenant_id_queued_at", "tenant_id", "queued_at"),
         CheckConstraint(in_values_sql("status", JobStatus), name="status"),
         CheckConstraint(in_values_sql("kind", OpKind), name="kind"),
     )

@@ -31,6 +31,7 @@ from queue_tinker.store.models import (
     Request,
     SamplingSession,
     Session,
+    Tenant,
     TrainingRun,
     Worker,
 )
@@ -48,6 +49,7 @@ from queue_tinker.types.records import (
 Row = dict[str, Any]
 Reducer = Callable[[Any, Any], Any]
 
+_TENANTS: Table = Tenant.__table__  # type: ignore[assignment]
 _REQUESTS: Table = Request.__table__  # type: ignore[assignment]
 _RUNS: Table = TrainingRun.__table__  # type: ignore[assignment]
 _SESSIONS: Table = Session.__table__  # type: ignore[assignment]
@@ -266,8 +268,14 @@ async def apply_records(
     worker_rows = _coalesce(rows[WorkerRecord], _WORKER_REDUCERS)
     request_rows = _coalesce(rows[RequestRecord], _REQUEST_REDUCERS, order=_request_order)
     checkpoint_rows = _coalesce(rows[CheckpointRecord], _CHECKPOINT_REDUCERS)
+    # A tenant first seen here (a Python client acting for a QT_TENANT that has no API key
+    # yet) gets its row, so its sessions and runs do not fail the foreign key.
+    tenants = sorted({row["tenant_id"] for row in (*session_rows, *model_rows, *sampling_rows)})
     async with sessions() as session, session.begin():
         conn = await session.connection()
+        if tenants:
+            await conn.execute(insert(_TENANTS).on_conflict_do_nothing(),
+                               [{"id": t, "name": t} for t in tenants])
         # Sessions and runs before requests: _touch_runs must see the runs of this batch.
         for stmt, batch in (
             (_SESSION_UPSERT, session_rows),

@@ -11,10 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.loss_inputs import ModelLimits, check_token_ids
+from queue_tinker.types.request_limits import RequestLimits, check_sample_size
 from queue_tinker.types.tensors import ModelInput
+from queue_tinker.types.training import Seed
 from queue_tinker.types.validation import validated
 
-MAX_NUM_SAMPLES = 1024
 MAX_STOP_SEQUENCES = 32
 
 StopReason = Literal["length", "stop"]
@@ -30,7 +31,7 @@ class SamplingParams(_Wire):
     those token ids instead of EOS."""
 
     max_tokens: int | None = Field(None, gt=0)  # None: up to the model's context length
-    seed: int | None = None  # same seed, same prompt, same weights: the same samples
+    seed: Seed | None = None  # same seed, same prompt, same weights: the same samples
     stop: str | list[str] | list[int] | None = None
     temperature: float = Field(1.0, ge=0)  # 0: greedy (argmax)
     top_k: int = Field(-1, ge=-1)  # -1: off
@@ -86,7 +87,7 @@ class SampleInput(_Wire):
     """The body of one sample op."""
 
     prompt: ModelInput
-    num_samples: int = Field(1, ge=1, le=MAX_NUM_SAMPLES)
+    num_samples: int = Field(1, ge=1)  # at most QT_MAX_SAMPLES_PER_REQUEST (request_limits)
     sampling_params: SamplingParams
     prompt_logprobs: bool = False
     # The weights to sample from: a tinker:// checkpoint path, or None for the base model.
@@ -130,7 +131,8 @@ def max_new_tokens(body: SampleInput, context_length: int) -> int:
 
 
 def sample_input(prompt: object, num_samples: object, sampling_params: object,
-                 prompt_logprobs: bool, model_path: str | None) -> SampleInput:
+                 prompt_logprobs: bool, model_path: str | None, *,
+                 limits: RequestLimits) -> SampleInput:
     """A sample op's body from what a caller sent, checked as far as the caller's side can
     (the Python client and the gateway both build it here); errors name the field."""
     body = validated(SampleInput, "", {
@@ -140,6 +142,7 @@ def sample_input(prompt: object, num_samples: object, sampling_params: object,
         "prompt_logprobs": prompt_logprobs,
         "model_path": model_path,
     })
+    check_sample_size(body, limits)
     check_sample(body)
     return body
 

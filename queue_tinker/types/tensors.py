@@ -52,12 +52,15 @@ class TensorData(BaseModel):
         raw = value.get("data")
         if dtype not in _NUMPY_DTYPES:
             return value  # the Literal check reports it
-        array = np.asarray(raw if raw is not None else [], dtype=_NUMPY_DTYPES[dtype])
-        shape = value.get("shape")
-        if shape is not None and list(array.shape) != list(shape):
-            if array.size != int(np.prod(shape)):
-                raise ValueError(f"data has {array.size} values but shape is {shape}")
-            array = array.reshape(shape)
+        try:
+            array = np.asarray(raw if raw is not None else [], dtype=_NUMPY_DTYPES[dtype])
+            shape = value.get("shape")
+            if shape is not None and list(array.shape) != list(shape):
+                if array.size != int(np.prod(shape)):
+                    raise ValueError(f"data has {array.size} values but shape is {shape}")
+                array = array.reshape(shape)
+        except (TypeError, OverflowError) as exc:  # pydantic reports only ValueErrors as input's
+            raise ValueError(f"not a {dtype} array: {exc}") from None
         return {**value, "data": array}
 
     @field_serializer("data", when_used="json")
@@ -177,6 +180,9 @@ class Datum(BaseModel):
     @classmethod
     def _convert_inputs(cls, value: Any) -> Any:
         if isinstance(value, dict) and isinstance(value.get("loss_fn_inputs"), dict):
-            inputs = {k: as_tensor_data(k, v) for k, v in value["loss_fn_inputs"].items()}
+            try:
+                inputs = {k: as_tensor_data(k, v) for k, v in value["loss_fn_inputs"].items()}
+            except (TypeError, OverflowError) as exc:  # as ValueError: pydantic reports it
+                raise ValueError(str(exc)) from None
             return {**value, "loss_fn_inputs": inputs}
         return value

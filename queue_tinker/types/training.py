@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,6 +16,9 @@ LORA_ALPHA = 32
 LORA_DROPOUT = 0.0
 MAX_LORA_RANK = 1024
 
+# A seed as torch takes it (torch.manual_seed / Generator.manual_seed: -2**63 to 2**64 - 1).
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -23,7 +26,7 @@ class _Wire(BaseModel):
 
 class LoraConfig(_Wire):
     rank: int = Field(32, ge=1, le=MAX_LORA_RANK)
-    seed: int | None = None
+    seed: Seed | None = None
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True

@@ -18,5 +18,24 @@ def validated(model: type[R], field: str, value: Any) -> R:
         return value if isinstance(value, model) else model.model_validate(value)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in (field, *first["loc"]) if p != "")
-        raise UserInputError(f"{where}: {first['msg']} (got {first.get('input')!r})") from None
+        where = field_path(field, first["loc"])
+        raise UserInputError(f"{where}: {first['msg']} (got {shown(first.get('input'))})"
+                             ) from None
+
+
+def shown(value: Any, limit: int = 200) -> str:
+    """A value's repr for an error message, cut short: a bad field may hold megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def field_path(field: str, loc: tuple[int | str, ...]) -> str:
+    """`data[0].model_input`, as the user wrote it (pydantic says `data.0.model_input`). A
+    request that is not an object at all names no field: it is the body's fault."""
+    path = field
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "":
+            path += f".{part}" if path else str(part)
+    return path or "body"

@@ -1,6 +1,6 @@
 -- Create a model's meta record once; a second call with the same id is a no-op. A "model" is
 -- any ordered queue: a training run (lora config) or a sampling session (model path).
--- KEYS[1] model meta hash   KEYS[2] records stream
+-- KEYS[1] model meta hash   KEYS[2] records stream   KEYS[3] set of every base model in use
 -- ARGV[1] model id   ARGV[2] base model   ARGV[3] tenant id   ARGV[4] session id ('' = none)
 -- ARGV[5] lora config (JSON text; training runs)   ARGV[6] kind ('training' / 'sampling')
 -- ARGV[7] model path (sampling sessions; '' = the base model)
@@ -9,6 +9,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 local now = now_text()
+redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('HSET', KEYS[1], 'base_model', ARGV[2], 'tenant_id', ARGV[3], 'last_seq', 0,
   'done_seq', 0, 'created_at', now, 'kind', ARGV[6], 'lora_config', ARGV[5],
   'model_path', ARGV[7])

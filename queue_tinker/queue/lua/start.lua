@@ -1,14 +1,27 @@
--- Mark a job running, fenced by the lease.
--- KEYS[1] model lease   KEYS[2] job hash   KEYS[3] records stream
--- ARGV[1] token   ARGV[2] worker id
--- Returns 1 started, 0 the job is already terminal (skip it); error 'LEASE_LOST'.
+-- Mark a job running, fenced by the lease, unless its tenant is over a limit (in-flight ops,
+-- tokens per second): then the job stays queued and the model is paused with the reason.
+-- KEYS[1] model lease   KEYS[2] job hash   KEYS[3] records stream   KEYS[4] model meta
+-- KEYS[5] pending set of the base
+-- ARGV[1] token   ARGV[2] worker id   ARGV[3] key prefix   ARGV[4] seq   ARGV[5] model id
+-- Returns {1} started; {0} the job is already terminal (skip it: an earlier owner finished
+-- it, or it was cancelled); {2, retry after ms} over a limit; error 'LEASE_LOST'.
 if not holds_lease(KEYS[1], ARGV[1]) then
   return redis.error_reply('LEASE_LOST')
 end
 if is_terminal(KEYS[2]) then
-  return 0
+  advance_done(KEYS[4], KEYS[5], ARGV[5], tonumber(ARGV[4]))
+  return {0}
 end
+local prefix = ARGV[3]
+local job = redis.call('HMGET', KEYS[2], 'id', 'tenant_id')
+local reason, retry_ms = op_refusal(prefix, job[2], job[1])
+if reason ~= '' then
+  redis.call('HSET', KEYS[4], 'paused_reason', reason)
+  return {2, retry_ms}
+end
+redis.call('HDEL', KEYS[4], 'paused_reason')
+redis.call('SADD', tenant_key(prefix, job[2], 'running'), job[1])
 redis.call('HSET', KEYS[2], 'status', 'running', 'started_at', now_text(), 'worker_id', ARGV[2])
 redis.call('HINCRBY', KEYS[2], 'attempts', 1)
 record_job(KEYS[2], KEYS[3])
-return 1
+return {1}

@@ -1,0 +1,121 @@
+"""What is queued, who works on it and where tenants stand against their limits, read from
+Redis: the dashboard, /metrics and `queue-tinker status` all show this one picture."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from redis.asyncio import Redis
+
+from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.limits import DEFAULT_TENANT_KEY, limits_dict, list_limits, read_limits
+from queue_tinker.queue.registry import WorkerRegistry
+from queue_tinker.queue.state import model_state
+from queue_tinker.settings import Settings
+
+
+async def queue_overview(redis: Redis, keys: Keys, settings: Settings,
+                         tenant: str | None = None) -> dict[str, Any]:
+    """Workers, the queues of models with ops not yet published, and tenants' limit state;
+    `tenant` narrows queues and tenants to one tenant (None: everyone's)."""
+    registry = WorkerRegistry(redis, keys)
+    live = await registry.live(settings.lease_ttl_ms * 3)
+    served = sorted({w["base_model"] for w in live if "base_model" in w})
+    queues = await _queues(redis, keys, served, tenant)
+    if tenant is not None:
+        tenants = [tenant]
+    else:  # everyone with queued work, or with limits of their own
+        tenants = sorted({q["tenant_id"] for q in queues}
+                         | (set(await list_limits(redis, keys)) - {DEFAULT_TENANT_KEY}))
+    return {
+        "workers": [_worker(w) for w in live],
+        "queues": queues,
+        "tenants": [await _tenant(redis, keys, t, queues) for t in tenants],
+    }
+
+
+def _worker(fields: dict[str, str]) -> dict[str, Any]:
+    beat_ms = float(fields.get("beat_ms", 0))
+    return {
+        "id": fields["id"],
+        "base_model": fields.get("base_model", ""),
+        "device": fields.get("device", ""),
+        "host": fields.get("host", ""),
+        "pid": int(fields.get("pid", 0)),
+        "heartbeat_age_s": round(max(0.0, time.time() - beat_ms / 1000), 3) if beat_ms else None,
+        "owned": int(fields.get("owned", 0)),
+        "ops_done": int(fields.get("ops_done", 0)),
+        "current_op": fields.get("current_op", ""),
+        "stopping": fields.get("stopping") == "1",
+        "memory_bytes": int(fields.get("memory_bytes", 0)),
+        "device_memory_bytes": int(fields.get("device_memory_bytes", 0)),
+        "resident": json.loads(fields.get("resident") or "[]"),
+    }
+
+
+async def _queues(redis: Redis, keys: Keys, served: list[str],
+                  tenant: str | None) -> list[dict[str, Any]]:
+    # Every base model in use, served or not: an unserved one is the paused_capacity case the
+    # overview must show.
+    bases = {b.decode() for b in await redis.smembers(keys.base_models())} | set(served)
+    now = time.time()
+    queues = []
+    for base in sorted(bases):
+        for model_id in sorted(m.decode() for m in await redis.smembers(keys.pending(base))):
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(keys.model_meta(model_id))
+                pipe.get(keys.model_lease(model_id))
+                meta, lease = await pipe.execute()
+            owner_tenant = meta.get(b"tenant_id", b"").decode()
+            if tenant is not None and owner_tenant != tenant:
+                continue
+            last, done = int(meta.get(b"last_seq", 0)), int(meta.get(b"done_seq", 0))
+            oldest = await redis.xrange(keys.model_ops(model_id), f"{done + 1}-0", "+", count=1)
+            queued_at = (await redis.hget(keys.job(oldest[0][1][b"job"].decode()), "queued_at")
+                         if oldest else None)
+            state, reason = model_state(meta, served)
+            queues.append({
+                "model_id": model_id,
+                "tenant_id": owner_tenant,
+                "kind": meta.get(b"kind", b"training").decode(),
+                "base_model": base,
+                "depth": last - done,
+                "owner": lease.decode().split("|")[0] if lease else None,
+                "oldest_wait_s": round(now - float(queued_at), 3) if queued_at else None,
+                "state": state.value,
+                "reason": reason,
+            })
+    return queues
+
+
+async def _tenant(redis: Redis, keys: Keys, tenant: str,
+                  queues: list[dict[str, Any]]) -> dict[str, Any]:
+    limits = await read_limits(redis, keys, tenant)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.smembers(keys.tenant_leased(tenant))
+        pipe.scard(keys.tenant_running(tenant))
+        pipe.hgetall(keys.tenant_bucket(tenant))
+        leased, running, bucket = await pipe.execute()
+    async with redis.pipeline(transaction=False) as pipe:
+        for model_id in leased:
+            pipe.hget(keys.model_meta(model_id.decode()), "kind")
+            pipe.exists(keys.model_lease(model_id.decode()))
+        flags = await pipe.execute()
+    runs = sum(1 for kind, held in zip(flags[::2], flags[1::2], strict=True)
+               if held and kind == b"training")
+    level = None
+    if limits.tokens_per_s and bucket:
+        elapsed = time.time() * 1000 - float(bucket[b"at_ms"])
+        level = round(min(limits.tokens_per_s, float(bucket[b"level"])
+                          + limits.tokens_per_s * elapsed / 1000), 1)
+    return {
+        "tenant_id": tenant,
+        "limits": limits_dict(limits),
+        "training_runs": runs,
+        "inflight_ops": int(running),
+        "tokens_level": level,
+        "paused_models": [q["model_id"] for q in queues
+                          if q["tenant_id"] == tenant and q["state"] == "paused_rate_limit"],
+    }

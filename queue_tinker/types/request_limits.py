@@ -1,0 +1,161 @@
+"""How big one request may be, and the one check of each limit.
+
+The client (before it enqueues), the gateway (on the decoded request) and the worker (before it
+runs an op, for bodies that came some other way) call these same functions, so a limit means the
+same thing at every door and the messages read the same. The limits are settings (QT_MAX_*);
+the messages name the field, the number and the setting, so a user knows what to change and an
+operator what to raise. What only the model knows (vocabulary, context length) is checked on the
+worker by loss_inputs.check_batch and sampling.check_sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from queue_tinker.errors import UserInputError
+from queue_tinker.queue import codec
+from queue_tinker.settings import Settings
+
+if TYPE_CHECKING:
+    from queue_tinker.types.sampling import SampleInput
+    from queue_tinker.types.training import ForwardBackwardInput
+
+# msgpack carries integers from -2**63 to 2**64 - 1; anything beyond cannot travel.
+_INT_RANGE = (-(2**63), 2**64)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The QT_MAX_* settings, as the checks take them."""
+
+    tokens_per_datum: int
+    datums_per_request: int
+    samples_per_request: int
+    request_bytes: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> RequestLimits:
+        return cls(tokens_per_datum=settings.max_tokens_per_datum,
+                   datums_per_request=settings.max_datums_per_request,
+                   samples_per_request=settings.max_samples_per_request,
+                   request_bytes=settings.max_request_bytes)
+
+    @classmethod
+    def defaults(cls) -> RequestLimits:
+        """The settings' defaults, whatever the environment says."""
+        fields = Settings.model_fields
+        return cls(tokens_per_datum=fields["max_tokens_per_datum"].default,
+                   datums_per_request=fields["max_datums_per_request"].default,
+                   samples_per_request=fields["max_samples_per_request"].default,
+                   request_bytes=fields["max_request_bytes"].default)
+
+
+def size_text(size: int) -> str:
+    """Bytes as a person reads them: '70.2 MiB', '512.0 KiB', '900 bytes'."""
+    if size >= 1 << 20:
+        return f"{size / (1 << 20):.1f} MiB"
+    if size >= 1 << 10:
+        return f"{size / (1 << 10):.1f} KiB"
+    return f"{size} bytes"
+
+
+# --- each limit ----------------------------------------------------------------------------
+def check_datum_count(count: int, limits: RequestLimits) -> None:
+    if count > limits.datums_per_request:
+        raise UserInputError(
+            f"data: {count} datums is more than QT_MAX_DATUMS_PER_REQUEST="
+            f"{limits.datums_per_request} allows in one request; split the batch into "
+            "several calls"
+        )
+
+
+def check_tokens(where: str, count: int, limits: RequestLimits, what: str = "tokens") -> None:
+    if count > limits.tokens_per_datum:
+        raise UserInputError(
+            f"{where}: {count} {what} is more than QT_MAX_TOKENS_PER_DATUM="
+            f"{limits.tokens_per_datum} allows in one sequence"
+        )
+
+
+def check_request_bytes(size: int, limits: RequestLimits, what: str = "the encoded body") -> None:
+    if size > limits.request_bytes:
+        raise too_many_bytes(limits, what, size)
+
+
+def too_many_bytes(limits: RequestLimits, what: str, size: int | None) -> UserInputError:
+    """The error of a request over QT_MAX_REQUEST_BYTES (`size` None: counted only as far as
+    the limit, as the gateway does with a body it stops reading)."""
+    amount = f"is {size_text(size)}, more than" if size is not None else "is more than"
+    return UserInputError(
+        f"request: {what} {amount} QT_MAX_REQUEST_BYTES={limits.request_bytes} "
+        f"({size_text(limits.request_bytes)}) allows; split it into smaller requests"
+    )
+
+
+# --- whole requests ------------------------------------------------------------------------
+def check_batch_size(batch: ForwardBackwardInput, limits: RequestLimits) -> None:
+    """A forward / forward_backward batch: datums per request, tokens per datum (its
+    model_input and each loss_fn_input)."""
+    check_datum_count(len(batch.data), limits)
+    for index, datum in enumerate(batch.data):
+        where = f"data[{index}]"
+        check_tokens(f"{where}.model_input", datum.model_input.length, limits)
+        for key, tensor in datum.loss_fn_inputs.items():
+            check_tokens(f"{where}.loss_fn_inputs[{key!r}]", int(tensor.data.size), limits,
+                         what="values")
+
+
+def check_sample_size(body: SampleInput, limits: RequestLimits) -> None:
+    """A sample request: samples per request, tokens in its prompt and in max_tokens."""
+    num_samples, max_tokens = body.num_samples, body.sampling_params.max_tokens
+    if num_samples > limits.samples_per_request:
+        raise UserInputError(
+            f"num_samples: {num_samples} is more than QT_MAX_SAMPLES_PER_REQUEST="
+            f"{limits.samples_per_request} allows in one request; send several requests"
+        )
+    check_tokens("prompt", body.prompt.length, limits)
+    if max_tokens is not None and max_tokens > limits.tokens_per_datum:
+        raise UserInputError(
+            f"sampling_params.max_tokens: {max_tokens} is more than QT_MAX_TOKENS_PER_DATUM="
+            f"{limits.tokens_per_datum} allows in one sequence"
+        )
+
+
+def encode_request(body: Any, limits: RequestLimits) -> bytes:
+    """An op body as the bytes that go on the queue, refused as the user's error (naming the
+    field) when a value cannot travel (an integer beyond 64 bits, a string that is not valid
+    Unicode) or the whole is over QT_MAX_REQUEST_BYTES."""
+    try:
+        payload = codec.encode(body)
+    except (TypeError, ValueError, OverflowError) as exc:
+        where = unencodable(body, "") or "request"
+        raise UserInputError(f"{where}: cannot be sent ({exc})") from None
+    check_request_bytes(len(payload), limits)
+    return payload
+
+
+def unencodable(value: Any, path: str) -> str | None:
+    """The path of the first value in `value` the queue's codec cannot carry (only walked
+    after an encode failed)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if _INT_RANGE[0] <= value < _INT_RANGE[1] else path or "request"
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "request"
+        return None
+    if isinstance(value, dict):
+        items: Any = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for where, item in items:
+        found = unencodable(item, where)
+        if found is not None:
+            return found
+    return None
