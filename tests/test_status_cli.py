@@ -86,21 +86,25 @@ def test_status_watch_redraws_until_interrupted(settings: Settings) -> None:
     queue_waiting_model(settings, "m-watched", ops=1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "queue_tinker.cli", "status", "--watch", "0.2"], cwd=REPO,
-        env=child_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=child_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A runner started in the background has SIGINT ignored, and children inherit that:
+        # give this one a terminal's default, as a user at a terminal has.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Read screens as they come (a loaded machine may take seconds to start the process), then
     # interrupt; a watch that stopped redrawing would time the test out at the deadline.
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     seen: list[str] = []
-    while sum("QUEUES (1 model, 1 op unfinished)" in line for line in seen) < 3:
+    # Three whole screens: the model's row comes after its section's header.
+    while sum("m-watched" in line for line in seen) < 3:
         assert time.monotonic() < deadline, "".join(seen)
         line = proc.stdout.readline()
         assert line, f"status --watch ended early: {proc.stderr.read() if proc.stderr else ''}"
         seen.append(line)
     proc.send_signal(signal.SIGINT)
-    rest, err = proc.communicate(timeout=10)
+    _, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err
-    assert sum("m-watched" in line for line in seen) >= 3
+    assert sum("QUEUES (1 model, 1 op unfinished)" in line for line in seen) >= 3
 
 
 def test_status_and_limits_need_redis_url() -> None:
