@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 
+from redis.exceptions import RedisError
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
@@ -52,21 +53,25 @@ class Recorder:
     async def run(self) -> None:
         # Stopped by a flag, not by cancellation: a CancelledError raised inside a database
         # call can be absorbed by the driver, which would leave this loop running forever.
-        await self.log.ensure_group()
+        grouped = False  # the consumer group is made inside the loop: Redis may be away too
         backoff = 0.0
         failing_since: float | None = None
+        failing_side = "Postgres"
         loop = asyncio.get_running_loop()
         take_over_at = loop.time() + TAKE_OVER_EVERY_S
         while not self._stopping.is_set():
             try:
+                if not grouped:
+                    await self.log.ensure_group()
+                    grouped = True
                 wrote = await self.step(block_ms=1000)
                 if not wrote or loop.time() >= take_over_at:
                     take_over_at = loop.time() + TAKE_OVER_EVERY_S
                     wrote += await self._take_over_stale()
                 backoff = 0.0
                 if failing_since is not None and wrote:  # a write went through, not a no-op
-                    log.info("recorder: Postgres is back after %.0fs; %d events still to write",
-                             loop.time() - failing_since, await self.log.backlog())
+                    log.info("recorder: %s is back after %.0fs; %d events still to write",
+                             failing_side, loop.time() - failing_since, await self.log.backlog())
                     failing_since = None
                 if wrote and wrote < BATCH:
                     with contextlib.suppress(TimeoutError):
@@ -78,8 +83,11 @@ class Recorder:
                     failing_since = loop.time()
                 backoff = min(MAX_BACKOFF_S, max(0.25, backoff * 2))
                 reason = str(exc).splitlines()[0][:200]
-                log.warning("recorder: Postgres write failed (%s: %s); retrying in %.2fs",
-                            type(exc).__name__, reason, backoff)
+                # Either side may be away: say which, so an operator looks at the right one.
+                failing_side = "Redis" if isinstance(exc, RedisError) else "Postgres"
+                action = "read" if failing_side == "Redis" else "write"
+                log.warning("recorder: %s %s failed (%s: %s); retrying in %.2fs",
+                            failing_side, action, type(exc).__name__, reason, backoff)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), backoff)
 

@@ -4,6 +4,9 @@ dashboard's auth now: tests/test_dashboard.py)."""
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
+from faults import TcpProxy, postgres_proxy, wait_until
+from procs import make_key
+from redis.connection import parse_url
 
 from queue_tinker.gateway.app import create_app
 from queue_tinker.settings import Settings
@@ -26,3 +29,50 @@ def test_healthz_names_the_backend_that_is_down(settings: Settings) -> None:
     assert response.status_code == 503
     assert response.json()["redis"] == "ok"
     assert response.json()["postgres"].startswith("error")
+
+
+def test_a_store_outage_is_a_503_with_retry_after(settings: Settings) -> None:
+    """Postgres or Redis away mid-request: 503 naming the store, with Retry-After (the SDK
+    retries those with the same body), not a 500 that reads as a bug; 200 again once back."""
+    key = make_key(settings, "t-outage")
+    headers = {"X-API-Key": key}
+    redis_proxy = TcpProxy(redis_upstream(settings.redis_url or "")).start()
+    try:
+        with postgres_proxy(settings.database_url or "") as (pg_proxy, database_url):
+            proxied = settings.model_copy(update={
+                "database_url": database_url,
+                "redis_url": f"redis://127.0.0.1:{redis_proxy.port}/{redis_db(settings)}"})
+            with TestClient(create_app(proxied)) as http:
+                runs, capabilities = "/api/v1/training_runs", "/api/v1/get_server_capabilities"
+                assert http.get(runs, headers=headers).status_code == 200  # the key is known
+
+                pg_proxy.outage()
+                down = http.get(runs, headers=headers)
+                assert down.status_code == 503, down.text
+                assert down.json() == {"detail": "Postgres is unreachable; retry shortly"}
+                assert down.headers["Retry-After"] == "2"
+                pg_proxy.restore()
+                wait_until("Postgres back", lambda: http.get(runs, headers=headers)
+                           .status_code == 200, timeout=30)
+
+                redis_proxy.outage()
+                down = http.get(capabilities, headers=headers)
+                assert down.status_code == 503, down.text
+                assert down.json() == {"detail": "Redis is unreachable; retry shortly"}
+                assert down.headers["Retry-After"] == "2"
+                redis_proxy.restore()
+                wait_until("Redis back", lambda: http.get(capabilities, headers=headers)
+                           .status_code == 200, timeout=30)
+    finally:
+        redis_proxy.close()
+
+
+def redis_upstream(url: str) -> tuple[str, int] | str:
+    """Where the Redis of `url` listens: (host, port), or a unix socket's path."""
+    parts = parse_url(url)
+    return parts["path"] if "path" in parts else (parts.get("host", "127.0.0.1"),
+                                                  parts.get("port", 6379))
+
+
+def redis_db(settings: Settings) -> int:
+    return int(parse_url(settings.redis_url or "").get("db", 0))

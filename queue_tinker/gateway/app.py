@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from queue_tinker.errors import UnknownModelError, UserInputError
 from queue_tinker.gateway import tinker_futures, tinker_sampling, tinker_training
@@ -21,11 +22,14 @@ from queue_tinker.gateway.metrics import metrics_router
 from queue_tinker.gateway.tinker_queue import GatewayQueue
 from queue_tinker.gateway.tinker_rest import rest_router
 from queue_tinker.gateway.tinker_session import session_router
-from queue_tinker.queue.connection import connect
+from queue_tinker.queue.connection import REDIS_DOWN, connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.recorder import RecorderThread
 from queue_tinker.settings import Settings
-from queue_tinker.store.db import make_engine, session_factory
+from queue_tinker.store.db import make_engine, refused, session_factory
+
+# How long a client told "503: a store is away" should wait before it tries again.
+OUTAGE_RETRY_AFTER_S = 2
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -69,6 +73,20 @@ def create_app(settings: Settings) -> FastAPI:
         status = 404 if isinstance(exc, UnknownModelError) else 400
         return JSONResponse({"detail": exc.message}, status_code=status)
 
+    async def store_outage(request: Request, exc: Exception) -> JSONResponse:
+        """Redis or Postgres away (a restart, a failover) is a 503 with Retry-After, which
+        the SDK retries with the same body, not a 500 that reads as a bug. Other errors of
+        these types (Postgres refusing a row) are bugs: raised on, for the 500 and the log."""
+        store = outage_of(exc)
+        if store is None:
+            raise exc
+        return JSONResponse({"detail": f"{store} is unreachable; retry shortly"},
+                            status_code=503,
+                            headers={"Retry-After": str(OUTAGE_RETRY_AFTER_S)})
+
+    for outage in (*REDIS_DOWN, DBAPIError, ConnectionError):
+        app.add_exception_handler(outage, store_outage)
+
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:
         """200 when Redis and Postgres both answer; 503 naming the one that does not."""
@@ -88,3 +106,14 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(checks, status_code=200 if healthy else 503)
 
     return app
+
+
+def outage_of(exc: BaseException) -> str | None:
+    """'Redis' or 'Postgres' when `exc` says that store is not answering, else None."""
+    if isinstance(exc, REDIS_DOWN):
+        return "Redis"
+    if isinstance(exc, DBAPIError) and not refused(exc):
+        return "Postgres"
+    if isinstance(exc, ConnectionError):  # asyncpg's connect refused or reset (an OSError)
+        return "Postgres"
+    return None
