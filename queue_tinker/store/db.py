@@ -42,9 +42,20 @@ def to_async_url(url: str) -> str:
     return _async_url(url).render_as_string(hide_password=False)
 
 
+# A connect that takes longer is to a host that is gone (asyncpg would wait 60 s); a statement
+# that takes longer is on a connection that died silently (no RST: a partition, a failover).
+# Either way the caller's retry loop (recorder) or a 503 (gateway) is better than a hang. Every
+# statement the service runs is a small indexed read or a batched write, far below this.
+CONNECT_TIMEOUT_S = 5.0
+COMMAND_TIMEOUT_S = 60.0
+
+
 def make_engine(url: str) -> AsyncEngine:
     """An asyncpg engine; pre-ping so a restarted Postgres costs one retry, not an error."""
-    return create_async_engine(_async_url(url), pool_pre_ping=True)
+    return create_async_engine(
+        _async_url(url), pool_pre_ping=True,
+        connect_args={"timeout": CONNECT_TIMEOUT_S, "command_timeout": COMMAND_TIMEOUT_S},
+    )
 
 
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
