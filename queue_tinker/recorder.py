@@ -31,6 +31,8 @@ BATCH = 500
 # of one write per op. The record lags Redis by about this much.
 WRITE_INTERVAL_S = 0.2
 STALE_MS = 30_000  # a recorder silent this long is presumed dead; its entries are taken over
+# A consumer silent this long with nothing pending is a recorder that is gone: forgotten.
+GONE_MS = 600_000
 # How often a busy recorder looks for such entries (an idle one looks after every empty read).
 # A recorder always has new events under steady load, so without this a dead one's entries
 # would wait for the first quiet second, which a busy deployment may never have.
@@ -107,6 +109,8 @@ class Recorder:
     async def _take_over_stale(self) -> int:
         entries = await self.log.claim_stale(self.consumer, min_idle_ms=STALE_MS, count=BATCH)
         await self._write(entries)
+        if not entries:  # the dead consumers' entries are all taken: forget the consumers
+            await self.log.forget_gone(self.consumer, min_idle_ms=GONE_MS)
         return len(entries)
 
     async def _write(self, entries: list[Entry]) -> None:

@@ -78,3 +78,12 @@ async def test_entries_of_a_dead_recorder_are_taken_over(redis: Redis, db: Async
     assert len(await log.read("crashed", count=10, block_ms=None)) == 1  # read, never acked
     taken = await log.claim_stale("survivor", min_idle_ms=0, count=10)
     assert [record.id for _, record in taken if record is not None] == ["orphaned"]
+    # Once its entries are taken, the dead consumer is forgotten; one with entries pending,
+    # and the caller itself, are kept.
+    await log.append(model("held"))
+    assert len(await log.read("busy", count=10, block_ms=None)) == 1
+    assert await log.forget_gone("survivor", min_idle_ms=0) == ["crashed"]
+    names = {c["name"] for c in await redis.xinfo_consumers(log.stream, "recorder")}
+    assert names == {b"busy", b"survivor"}
+    # A recent one is kept too: idle time is what tells a gone recorder from a quiet one.
+    assert await log.forget_gone("survivor", min_idle_ms=60_000) == []

@@ -78,6 +78,17 @@ class RecordLog:
         ))
         return self._parse(reply[1])
 
+    async def forget_gone(self, consumer: str, *, min_idle_ms: int) -> list[str]:
+        """Drop the group's consumers (other than `consumer`) idle this long with nothing
+        pending: recorders of processes that are gone. Each worker is a consumer of its own
+        name, so without this the group's consumer list grows with every worker ever started."""
+        gone = [c["name"] for c in await self.redis.xinfo_consumers(self.stream, GROUP)
+                if c["pending"] == 0 and c["idle"] >= min_idle_ms
+                and _text(c["name"]) != consumer]
+        for name in gone:
+            await self.redis.xgroup_delconsumer(self.stream, GROUP, name)
+        return [_text(name) for name in gone]
+
     async def _in_group(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """A consumer-group command; the group is made again if Redis lost it (restarted
         without persistence, or the stream was deleted), which would otherwise fail every
@@ -119,3 +130,7 @@ class RecordLog:
                 log.error("dropping malformed record %s: %s", entry_id, exc)
                 entries.append((entry_id, None))
         return entries
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
