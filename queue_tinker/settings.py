@@ -69,6 +69,19 @@ class Settings(BaseSettings):
         description="Most sequences a worker generates in one batch; concurrent sample "
         "requests beyond it run in the next batch. Bounds KV-cache memory.",
     )
+    cross_adapter_batch: bool = Field(
+        default=True,
+        description="Whether a worker runs the forward / forward_backward ops of different "
+        "models (LoRA adapters on its base model) together, in one model pass with each row "
+        "on its own adapter, and their optim_steps in the same batch; results equal running "
+        "them one at a time. Off (0): training ops run one at a time.",
+    )
+    train_batch_tokens: int = Field(
+        default=32_768, ge=1,
+        description="Most padded tokens (rows x longest row) in one shared training pass of a "
+        "cross-adapter batch; ops beyond it go in the next pass (one op always runs, however "
+        "big). Bounds activation memory.",
+    )
     max_tokens_per_datum: int = Field(
         default=32_768, ge=1,
         description="Most tokens in one sequence of a request: a training datum's model_input "

@@ -12,6 +12,8 @@ import hashlib
 import re
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Set
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
+from peft.tuners.lora import Linear as LoraLinear
 from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.types.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
@@ -94,6 +97,7 @@ class AdapterPool:
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
         self.samplers: OrderedDict[Path, str] = OrderedDict()  # checkpoint dir -> adapter name
         self.active: str | None = None
+        self._lora_layers: list[LoraLinear] | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -124,6 +128,7 @@ class AdapterPool:
             else:
                 self.peft.add_adapter(name, cfg)
         self.active = None
+        self._lora_layers = None  # the new adapter may adapt layers no other one did
         params = self._params_of(name)
         adapter = Adapter(model_id=model_id, name=name, tenant_id=tenant_id, config=config,
                           params=params, optimizer=torch.optim.AdamW(list(params.values())))
@@ -135,6 +140,35 @@ class AdapterPool:
         if self.active != adapter.name:
             self.peft.set_adapter(adapter.name)
             self.active = adapter.name
+
+    def lora_layers(self) -> list[LoraLinear]:
+        """The model's LoRA linear layers (a traversal of every module, ~3 ms with 8 adapters
+        on the tiny model: kept until an adapter comes or goes)."""
+        if self._lora_layers is None:
+            assert self.peft is not None
+            self._lora_layers = [module for module in self.peft.modules()
+                                 if isinstance(module, LoraLinear)]
+        return self._lora_layers
+
+    @contextmanager
+    def shared(self, adapters: Iterable[Adapter], trainable: Set[str]) -> Iterator[None]:
+        """For one pass whose rows each pick their adapter (cross-adapter batching): meanwhile
+        the `trainable` adapters' parameters require grad and the other adapters' do not;
+        afterwards they are as activate() left them."""
+        adapters = list(adapters)
+        if self.active is None:
+            # PeftModel.forward reads the active adapter's config even when every row names
+            # its adapter, and after a delete the adapter named active may be gone.
+            self.activate(adapters[0])
+        try:
+            for adapter in adapters:
+                for param in adapter.params.values():
+                    param.requires_grad_(adapter.name in trainable)
+            yield
+        finally:
+            for adapter in adapters:  # set_adapter's flags: only the active one trains
+                for param in adapter.params.values():
+                    param.requires_grad_(adapter.name == self.active)
 
     def remove(self, model_id: str) -> None:
         adapter = self.adapters.pop(model_id, None)
@@ -160,6 +194,7 @@ class AdapterPool:
         else:
             self.peft.load_adapter(str(directory), adapter_name=name, is_trainable=False)
         self.active = None  # loading may have moved PEFT's active adapter
+        self._lora_layers = None
         self.samplers[directory] = name
         return name
 
@@ -170,6 +205,7 @@ class AdapterPool:
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
             self.peft.delete_adapter(name)
         self.active = None
+        self._lora_layers = None
 
     def peft_adapter_config(self, adapter: Adapter) -> dict[str, Any]:
         assert self.peft is not None

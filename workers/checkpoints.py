@@ -48,6 +48,9 @@ class CheckpointMeta:
     # Snapshots written by an op (periodic, load_state): that op's outcome, published from
     # here by the next owner if the writer died before publishing it (lora_engine.py).
     op_result: dict[str, Any] | None = None
+    # Snapshots written inside a batch of ops: the outcomes of the model's earlier ops of that
+    # batch (seq -> result or error), not yet published then; kept for the same reason.
+    batch_results: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass

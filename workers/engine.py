@@ -8,9 +8,9 @@ in workers/lora_engine.py.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -34,6 +34,14 @@ def parse_body(model: type[B], payload: bytes) -> B:
         raise UserInputError(f"{field_path('', first['loc'])}: {first['msg']}") from None
 
 
+class BatchShare(NamedTuple):
+    """What one model's backlog gives the next batch: its first `take` ops; `complete` when
+    ops of this model arriving later could not join it (so a batch need not wait for them)."""
+
+    take: int
+    complete: bool
+
+
 @dataclass
 class OpResult:
     result: bytes
@@ -51,11 +59,18 @@ class Engine(Protocol):
 
     def batchable(self, op: Op) -> bool:
         """True for ops the engine runs together, several models' at once, in one pass
-        (sampling): the worker hands them over in one execute_batch call."""
+        (sampling; training steps with cross-adapter batching): the worker hands them over in
+        one execute_batch call."""
+        ...
+
+    def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
+        """How many ops from the head of one model's backlog (its next ops, in order) join
+        the next batch: batchable ones only, as many as make one unit of work."""
         ...
 
     def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
-        """Run batchable ops together; one result or error per op, in order."""
+        """Run batchable ops together; one result or error per op, in order (each model's
+        ops run in their order)."""
         ...
 
     def runs_inline(self, op: Op) -> bool:
@@ -138,6 +153,9 @@ class QueueOnlyEngine:
 
     def batchable(self, op: Op) -> bool:
         return False
+
+    def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
+        return BatchShare(take=0, complete=True)
 
     def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
         return [self.execute(op) for op in ops]

@@ -1,8 +1,8 @@
 """The LoRA training engine: one base model, many adapters, every TrainingClient op.
 
-Runs on the worker's compute thread, one op at a time; knows no Redis and no SQL. State that
-must outlive this process (checkpoints, snapshots) goes to `storage`, a directory every worker
-of the deployment shares.
+Runs on the worker's compute thread, one op or one batch of ops at a time; knows no Redis and
+no SQL. State that must outlive this process (checkpoints, snapshots) goes to `storage`, a
+directory every worker of the deployment shares.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import hashlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from queue_tinker.builtin_models import load_tokenizer
-from queue_tinker.errors import QueueTinkerError, UserInputError
+from queue_tinker.errors import ErrorCategory, QueueTinkerError, UserInputError
 from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
 from queue_tinker.settings import load_settings
@@ -32,10 +33,12 @@ from queue_tinker.types.request_limits import (
     check_batch_size,
     check_request_bytes,
 )
+from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import (
     AdamParams,
     CreateModelInput,
     ForwardBackwardInput,
+    ForwardBackwardOutput,
     LoadInput,
     LoadWeightsResponse,
     LoraConfig,
@@ -55,15 +58,23 @@ from workers.checkpoints import (
     snapshot_dir,
     write_state,
 )
-from workers.engine import OpResult, is_inline_ping, parse_body, run_ping
+from workers.engine import BatchShare, OpResult, is_inline_ping, parse_body, run_ping
 from workers.forward import forward_backward, optim_step
 from workers.sampling import SamplingOps
+from workers.train_batch import PassOp, padded_tokens, shared_pass
 
 log = logging.getLogger(__name__)
 
 UNLOADED = "_unloaded"  # marker file: the model was unloaded; its ops fail from then on
-# Adapter.extra key: (seq, result) of the op that wrote the snapshot the adapter came from.
-SNAPSHOT_RESULT = "snapshot_result"
+# Adapter.extra key: seq -> kept outcome (JSON) of the ops the snapshot the adapter came from
+# holds but whose results may never have been published (see _already_applied).
+SNAPSHOT_RESULTS = "snapshot_results"
+# Ops whose data one shared model pass runs, many adapters' at once (cross-adapter batching):
+# they only add to .grad, so a model's consecutive ones are independent of each other.
+PASS_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+# What cross-adapter batching takes from a model's queue: its passes, and the step after them.
+TRAIN_BATCH_KINDS = PASS_KINDS | {OpKind.OPTIM_STEP}
+Outcome = OpResult | Exception
 
 
 def default_seed(model_id: str) -> int:
@@ -83,8 +94,12 @@ class LoraEngine:
         snapshot_every: int = 20,
         max_batch_sequences: int = 64,
         request_limits: RequestLimits | None = None,
+        cross_adapter_batch: bool = True,
+        train_batch_tokens: int = 32_768,
     ) -> None:
         self.base_model = base_model
+        self.cross_adapter_batch = cross_adapter_batch
+        self.train_batch_tokens = train_batch_tokens
         # The same QT_MAX_* limits the client and gateway enforce, again here: an op may come
         # from a client configured otherwise, or straight from Redis. None: this process's
         # settings (a worker is started with the deployment's QT_* environment).
@@ -114,6 +129,10 @@ class LoraEngine:
             OpKind.LOAD_STATE: self._load_state,
             OpKind.UNLOAD_MODEL: self._unload,
         }
+        # Outcomes of the ops run so far in the current execute_batch, per model: the worker
+        # publishes them only when the whole batch is done, so a snapshot written meanwhile
+        # keeps them (_snapshot, _already_applied).
+        self._unpublished: dict[str, dict[int, Outcome]] = {}
 
     # --- the Engine interface --------------------------------------------------------------
     def execute(self, op: Op) -> OpResult:
@@ -132,19 +151,48 @@ class LoraEngine:
         handler = self._handlers.get(op.kind)
         if handler is None:
             raise UserInputError(f"kind: {op.kind.value!r} is not supported by this worker")
-        adapter = self._resident(op.model_id)
-        if op.seq <= adapter.last_seq:
-            return self._already_applied(adapter, op)
+        adapter = self._admit(op)
+        if isinstance(adapter, OpResult):
+            return adapter
         self.pool.activate(adapter)
         result = handler(adapter, op)
         adapter.last_seq = op.seq
         return result
 
     def batchable(self, op: Op) -> bool:
-        return op.kind is OpKind.SAMPLE
+        return op.kind is OpKind.SAMPLE or (self.cross_adapter_batch
+                                            and op.kind in TRAIN_BATCH_KINDS)
+
+    def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
+        """Samples: all the leading ones. Training: one step, i.e. the leading forward /
+        forward_backward ops and the optim_step after them (complete once that is there); a
+        client that pipelines many steps then hears of each as it finishes, not of all of them
+        once the last is done."""
+        taken = 0
+        for op in backlog:
+            if not self.batchable(op):
+                return BatchShare(taken, complete=True)
+            taken += 1
+            if op.kind is OpKind.OPTIM_STEP:
+                return BatchShare(taken, complete=True)
+        return BatchShare(taken, complete=False)
 
     def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
-        return self.sampling.run(ops)
+        """Samples in the sampling loop; training ops in rounds (_run_training). An op with
+        bad input fails alone, as in execute."""
+        outcomes: list[Outcome | None] = [None] * len(ops)
+        samples = [i for i, op in enumerate(ops) if op.kind is OpKind.SAMPLE]
+        for i, outcome in zip(samples, self.sampling.run([ops[i] for i in samples]),
+                              strict=True):
+            outcomes[i] = outcome
+        training = [(i, op) for i, op in enumerate(ops) if op.kind is not OpKind.SAMPLE]
+        try:
+            self._run_training(training, outcomes)
+        finally:
+            self._unpublished.clear()
+        done = [o for o in outcomes if o is not None]  # every op got a result or its error
+        assert len(done) == len(ops)
+        return done
 
     def runs_inline(self, op: Op) -> bool:
         return is_inline_ping(op)
@@ -200,20 +248,33 @@ class LoraEngine:
         self.pool.load_grads(adapter, state.grads)
         adapter.step = state.meta.step
         adapter.last_seq = adapter.snapshot_seq = state.meta.seq
+        kept = {int(seq): outcome for seq, outcome in state.meta.batch_results.items()}
         if state.meta.op_result is not None:
-            adapter.extra[SNAPSHOT_RESULT] = (state.meta.seq, _result_from(state.meta.op_result))
+            kept[state.meta.seq] = state.meta.op_result
+        if kept:
+            adapter.extra[SNAPSHOT_RESULTS] = kept
+        return adapter
+
+    def _admit(self, op: Op) -> Adapter | OpResult:
+        """The op's adapter, made resident; or, for an op the state already holds, its kept
+        result."""
+        adapter = self._resident(op.model_id)
+        if op.seq <= adapter.last_seq:
+            return self._already_applied(adapter, op)
+        adapter.extra.pop(SNAPSHOT_RESULTS, None)  # the state moves on: no op of them comes again
         return adapter
 
     def _already_applied(self, adapter: Adapter, op: Op) -> OpResult:
         """An op whose effect the state already holds: the op that wrote the snapshot this
-        adapter was restored from, run by an owner that died (or lost its lease) before it
-        published the result. The snapshot kept that result: publish it, do not apply the op
-        a second time."""
-        kept = adapter.extra.get(SNAPSHOT_RESULT)
-        if kept is not None and kept[0] == op.seq == adapter.last_seq:
+        adapter was restored from, or one run before it in the same batch, by an owner that died
+        (or lost its lease) before it published the result. The snapshot kept that result:
+        publish it (or raise its error), do not apply the op a second time."""
+        kept = adapter.extra.get(SNAPSHOT_RESULTS, {})
+        # max(kept) is the snapshot's own seq: equal to last_seq while nothing ran since.
+        if op.seq in kept and max(kept) == adapter.last_seq:
             log.info("model %s: op %d is in the snapshot already; its kept result is published",
                      op.model_id, op.seq)
-            return kept[1]
+            return _outcome_from(kept[op.seq])
         raise RuntimeError(f"model {op.model_id}: op seq {op.seq} after {adapter.last_seq}")
 
     def _add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
@@ -228,6 +289,8 @@ class LoraEngine:
         being run (adapter.last_seq), which the snapshot already contains; it is kept with it,
         because the op's publish may never happen (the worker dies first) and the next owner,
         starting from this snapshot, must publish that result instead of running the op again.
+        The same holds for the model's ops run earlier in the batch being run: their outcomes
+        are kept too.
         """
         directory = snapshot_dir(self.storage, adapter.model_id)
         stored = read_meta(directory)
@@ -238,8 +301,11 @@ class LoraEngine:
             log.warning("model %s: not overwriting the snapshot at seq %d with older state "
                         "(seq %d)", adapter.model_id, stored.seq, adapter.last_seq)
             return
+        earlier = self._unpublished.get(adapter.model_id, {})
         meta = self._meta(adapter, kind="snapshot",
-                          op_result=_result_to(result) if result is not None else None)
+                          op_result=_result_to(result) if result is not None else None,
+                          batch_results={str(seq): _outcome_to(outcome)
+                                         for seq, outcome in earlier.items()})
         write_state(directory, self.pool.export(adapter, meta),
                     self.pool.peft_adapter_config(adapter), optimizer=True, grads=True)
         adapter.snapshot_seq = adapter.last_seq
@@ -250,6 +316,94 @@ class LoraEngine:
             lora_config=adapter.config.model_dump(), seq=adapter.last_seq, step=adapter.step,
             created_at=time.time(), kind=kind, **extra,
         )
+
+    # --- training ops of many models, batched ------------------------------------------------
+    def _run_training(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
+        """Each model's ops in order, in rounds: every model's leading run of forward /
+        forward_backward ops goes into one shared pass with all the others' (weights change
+        only at optim_step, so a run's ops do not depend on each other); then each model's next
+        op (its optim_step) runs alone; and again, until every op has run."""
+        queues: dict[str, deque[tuple[int, Op]]] = {}
+        for index, op in ops:
+            queues.setdefault(op.model_id, deque()).append((index, op))
+        while queues:
+            passes: list[tuple[int, Op]] = []
+            for queue in queues.values():
+                while queue and queue[0][1].kind in PASS_KINDS:
+                    passes.append(queue.popleft())
+            self._run_passes(passes, outcomes)
+            for queue in queues.values():
+                if queue:
+                    index, op = queue.popleft()
+                    self._record(outcomes, index, op, self._attempt(op))
+            queues = {model: queue for model, queue in queues.items() if queue}
+
+    def _run_passes(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
+        """The ops in as few shared passes as fit: each pass under train_batch_tokens padded
+        tokens (one op always fits) and max_resident models, so that making one model resident
+        never evicts another of the same pass."""
+        chunk: list[tuple[int, Op, PassOp]] = []
+        for index, op in ops:
+            models = {o.model_id for _, o, _ in chunk}
+            if op.model_id not in models and len(models) >= self.pool.max_resident:
+                self._run_pass(chunk, outcomes)
+                chunk = []
+            try:
+                prepared = self._pass_op(op)
+            except Exception as exc:  # this op's failure, as execute would raise it
+                self._record(outcomes, index, op, exc)
+                continue
+            if isinstance(prepared, OpResult):  # already applied: its kept result
+                self._record(outcomes, index, op, prepared)
+                continue
+            if chunk and padded_tokens([*(p for _, _, p in chunk), prepared]) \
+                    > self.train_batch_tokens:
+                self._run_pass(chunk, outcomes)
+                chunk = []
+            chunk.append((index, op, prepared))
+        self._run_pass(chunk, outcomes)
+
+    def _pass_op(self, op: Op) -> PassOp | OpResult:
+        """execute's checks, in its order, and the op ready for a shared pass."""
+        check_request_bytes(len(op.payload), self.request_limits)
+        adapter = self._admit(op)
+        if isinstance(adapter, OpResult):
+            return adapter
+        batch, config = self._checked_batch(op)
+        return PassOp(adapter=adapter, data=batch.data, loss_fn=batch.loss_fn, config=config,
+                      backward=op.kind is OpKind.FORWARD_BACKWARD)
+
+    def _run_pass(self, chunk: Sequence[tuple[int, Op, PassOp]],
+                  outcomes: list[Outcome | None]) -> None:
+        if not chunk:
+            return
+        try:
+            outs: list[ForwardBackwardOutput | Exception] = shared_pass(
+                self.pool, [p for _, _, p in chunk], self.device)
+        except Exception as exc:  # the pass itself failed: so does every op in it
+            log.exception("a shared pass of %d ops failed", len(chunk))
+            outs = [exc] * len(chunk)
+        models = float(len({op.model_id for _, op, _ in chunk}))
+        for (index, op, prepared), out in zip(chunk, outs, strict=True):
+            if isinstance(out, Exception):
+                self._record(outcomes, index, op, out)
+                continue
+            prepared.adapter.last_seq = op.seq
+            # batch_models: how many models shared the pass (the job record's metrics only;
+            # the result is what the op returns alone).
+            self._record(outcomes, index, op,
+                         _pass_result(out, prepared.data, {"batch_models:max": models}))
+
+    def _attempt(self, op: Op) -> Outcome:
+        try:
+            return self.execute(op)
+        except Exception as exc:  # reported as this op's failure
+            return exc
+
+    def _record(self, outcomes: list[Outcome | None], index: int, op: Op,
+                outcome: Outcome) -> None:
+        outcomes[index] = outcome
+        self._unpublished.setdefault(op.model_id, {})[op.seq] = outcome
 
     # --- ops -----------------------------------------------------------------------------------
     def _create(self, op: Op) -> OpResult:
@@ -276,14 +430,17 @@ class LoraEngine:
         return self._run_batch(op, backward=True)
 
     def _run_batch(self, op: Op, *, backward: bool) -> OpResult:
+        batch, config = self._checked_batch(op)
+        out = forward_backward(self.pool.model, batch.data, batch.loss_fn, config, self.device,
+                               backward=backward)
+        return _pass_result(out, batch.data)
+
+    def _checked_batch(self, op: Op) -> tuple[ForwardBackwardInput, dict[str, float]]:
+        """A forward / forward_backward op's body, checked, and its loss config resolved."""
         batch = parse_body(ForwardBackwardInput, op.payload)
         check_batch_size(batch, self.request_limits)
         check_batch(batch, self.limits)
-        config = resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
-        out = forward_backward(self.pool.model, batch.data, batch.loss_fn, config, self.device,
-                               backward=backward)
-        return OpResult(result=codec.encode(out.model_dump()), metrics=out.metrics,
-                        tokens=sum(datum.model_input.length for datum in batch.data))
+        return batch, resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
 
     def _optim_step(self, adapter: Adapter, op: Op) -> OpResult:
         metrics = optim_step(adapter, parse_body(AdamParams, op.payload))
@@ -380,6 +537,33 @@ class LoraEngine:
         return OpResult(
             result=codec.encode(UnloadModelResponse(model_id=adapter.model_id).model_dump())
         )
+
+
+def _pass_result(out: ForwardBackwardOutput, data: Sequence[Datum],
+                 extra_metrics: dict[str, float] | None = None) -> OpResult:
+    return OpResult(result=codec.encode(out.model_dump()),
+                    metrics={**out.metrics, **(extra_metrics or {})},
+                    tokens=sum(datum.model_input.length for datum in data))
+
+
+def _outcome_to(outcome: Outcome) -> dict[str, Any]:
+    """An op's result, or its error as the worker would publish it, as JSON for a snapshot."""
+    if isinstance(outcome, OpResult):
+        return _result_to(outcome)
+    if isinstance(outcome, QueueTinkerError):
+        return {"error": outcome.message, "category": outcome.category.value}
+    return {"error": f"{type(outcome).__name__}: {outcome}",
+            "category": ErrorCategory.SERVER.value}
+
+
+def _outcome_from(kept: dict[str, Any]) -> OpResult:
+    """A kept outcome: the result, or its error raised again."""
+    if "error" in kept:
+        category = ErrorCategory(kept["category"])
+        if category is ErrorCategory.USER:
+            raise UserInputError(kept["error"])
+        raise QueueTinkerError(kept["error"], category=category)
+    return _result_from(kept)
 
 
 def _result_to(result: OpResult) -> dict[str, Any]:

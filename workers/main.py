@@ -47,6 +47,8 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
         max_resident=settings.max_resident_adapters,
         snapshot_every=settings.snapshot_every_steps,
         max_batch_sequences=settings.sample_batch_sequences,
+        cross_adapter_batch=settings.cross_adapter_batch,
+        train_batch_tokens=settings.train_batch_tokens,
     )
 
 

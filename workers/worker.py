@@ -46,11 +46,14 @@ P = ParamSpec("P")
 # Inline ops (cheap, stateless) run back to back and are published in one pipeline, up to
 # this many per round trip.
 INLINE_BATCH = 64
-# Batchable ops (samples) of all owned models run together in one engine call, up to this many.
+# Batchable ops (samples; training steps with cross-adapter batching) of all owned models run
+# together in one engine call, up to this many.
 ENGINE_BATCH = 256
 # Requests sent together reach the worker one enqueue round trip apart. Before a batch starts,
 # wait while they keep arriving (each gap under GATHER_QUIET_S, GATHER_MAX_S in all), so they
-# share one generation loop instead of the first one running alone and the rest after it.
+# share one generation loop (or training pass) instead of the first one running alone and the
+# rest after it. Training clients woken by one batch's results send their next steps as such a
+# burst.
 GATHER_QUIET_S = 0.005
 GATHER_MAX_S = 0.05
 # A busy worker still claims a waiting model once its offer is this old, so models owned by
@@ -308,23 +311,40 @@ class Worker:
         return head is not None and head.seq > owned.replay_upto and self.engine.batchable(head)
 
     async def _gather(self) -> None:
-        """Give ops that are on their way a few milliseconds to join the batch."""
+        """Give ops that are on their way a few milliseconds to join the batch; no longer than
+        until every owned model's share of it is complete (a lone training run's step has
+        arrived whole: nothing else could join)."""
         deadline = time.monotonic() + GATHER_MAX_S
         while not self.stopping.is_set() and time.monotonic() < deadline:
+            if all(self._share_complete(owned) for owned in self.owned.values()):
+                return
             self._work.clear()
             try:
                 await asyncio.wait_for(self._work.wait(), GATHER_QUIET_S)
             except TimeoutError:
                 return  # nothing new within the quiet gap: the burst is over
 
+    def _share_complete(self, owned: OwnedModel) -> bool:
+        """No op of this model arriving now could join the next batch."""
+        if owned.blocked_until > time.monotonic():
+            return True
+        if not owned.backlog:
+            return False  # an idle run's next step may be on its way
+        if owned.backlog[0].seq <= owned.replay_upto:
+            return True
+        return self.engine.batch_share(owned.backlog).complete
+
     def _take_engine_batch(self) -> list[tuple[OwnedModel, Op]]:
-        """The batchable ops at the head of every owned model's backlog, each model's in order
-        (a model's run of them ends at its first op that is not batchable)."""
+        """The batchable ops at the head of every owned model's backlog, each model's in order:
+        as many as the engine takes in one go (all its samples, one training step), so a
+        model that queued many steps does not hold every other model's results back."""
         batch: list[tuple[OwnedModel, Op]] = []
         now = time.monotonic()
         for owned in self.owned.values():
-            while self._batchable_head(owned, now) and len(batch) < ENGINE_BATCH:
-                batch.append((owned, owned.backlog.popleft()))
+            if not self._batchable_head(owned, now):
+                continue  # blocked, idle, replaying, or its next op runs alone
+            take = min(self.engine.batch_share(owned.backlog).take, ENGINE_BATCH - len(batch))
+            batch += [(owned, owned.backlog.popleft()) for _ in range(take)]
         return batch
 
     async def _run_engine_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:

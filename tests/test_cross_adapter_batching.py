@@ -1,0 +1,374 @@
+"""Cross-adapter batching: training ops of many models in one model pass equal running them alone.
+
+Engine level: the same ops (several models with their own LoRA configs, loss functions and
+sequence lengths) go through `execute_batch` in one engine and `execute`, one at a time, in a
+second engine built the same way; results, gradients and weights must agree. Worker level: a
+real worker process batching concurrent training clients ends where one without batching ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from procs import lora_deployment
+from sqlalchemy import text
+
+import queue_tinker as tinker
+from queue_tinker import types
+from queue_tinker.errors import QueueTinkerError, UserInputError
+from queue_tinker.queue import codec
+from queue_tinker.queue.dispatch import Op
+from queue_tinker.settings import Settings
+from queue_tinker.store.db import make_engine
+from queue_tinker.types import OpKind
+from queue_tinker.types.tensors import Datum, ModelInput
+from queue_tinker.types.training import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoraConfig,
+)
+from workers.checkpoints import AdapterState, read_state, snapshot_dir
+from workers.engine import OpResult
+from workers.lora_engine import LoraEngine
+
+BASE = "queue-tinker/tiny-llama"
+VOCAB = 259
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
+# float32 on one CPU thread. A shared pass pads rows to a wider batch and runs each LoRA layer on
+# a gathered sub-batch, so sums run in other orders than alone: agreement is to float32 rounding.
+# Results agree to RTOL. So do gradients, but for entries that cancel to ~0: they carry the
+# rounding of the large terms they sum, so each tensor is also allowed GRAD_ATOL times its largest
+# entry (seen: 4e-7 of it). AdamW divides each entry's step by its own gradient's size, so after
+# a step such an entry's rounding reaches the weights at up to ~lr x 1e-5 (seen: 5e-8 on a
+# weight of 5e-3): WEIGHT_ATOL, as tests/test_lora_engine.py allows.
+RTOL = 1e-5
+GRAD_ATOL = 1e-6
+WEIGHT_ATOL = 1e-7
+
+Tensors = dict[str, torch.Tensor]
+
+
+# --- data ----------------------------------------------------------------------------------------
+def datum(text: str, **extra: np.ndarray) -> Datum:
+    """Byte tokens of `text`: inputs tokens[:-1], targets tokens[1:], plus loss inputs."""
+    ids = list(text.encode())
+    inputs = {"target_tokens": np.array(ids[1:], dtype=np.int64), **extra}
+    return Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
+
+
+def rl_datum(text: str, seed: int) -> Datum:
+    """A datum with the sampling policy's logprobs and advantages (for the RL losses)."""
+    n = len(text.encode()) - 1
+    rng = np.random.default_rng(seed)
+    return datum(text, logprobs=rng.uniform(-6.0, -4.0, n).astype(np.float32),
+                 advantages=rng.normal(0.0, 1.0, n).astype(np.float32))
+
+
+def weighted(text: str) -> Datum:
+    n = len(text.encode()) - 1
+    return datum(text, weights=np.linspace(-0.5, 1.5, n, dtype=np.float32))
+
+
+def fb(data: list[Datum], loss_fn: str = "cross_entropy",
+       config: dict[str, float] | None = None) -> dict[str, Any]:
+    return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config).model_dump()
+
+
+# (model, LoRA config) of the engine-level tests: different ranks, seeds and adapted layers.
+MODELS = {
+    "m-ce": LoraConfig(rank=4, seed=1),
+    "m-is": LoraConfig(rank=8, seed=2, train_mlp=False),
+    "m-ppo": LoraConfig(rank=2, seed=3, train_unembed=False),
+    "m-bad": LoraConfig(rank=4, seed=4, train_attn=False),
+    "m-fwd": LoraConfig(rank=4, seed=5),
+}
+# Every model's ops, in the order a worker could hand them over (models interleaved; each
+# model's own ops in order): (model, kind, body, expected error or None).
+STEP_OPS: list[tuple[str, OpKind, Any, str | None]] = [
+    ("m-ce", OpKind.FORWARD_BACKWARD,
+     fb([weighted("a short one"), weighted("the quick brown fox jumps over the lazy dog")]), None),
+    ("m-is", OpKind.FORWARD_BACKWARD,
+     fb([rl_datum("importance sampled", 1), rl_datum("x y", 2)], "importance_sampling"), None),
+    ("m-ce", OpKind.FORWARD_BACKWARD, fb([weighted("accumulates into the same grads")]), None),
+    ("m-ppo", OpKind.FORWARD_BACKWARD,
+     fb([rl_datum("clipped ratios everywhere, a longer sequence than most", 3)], "ppo",
+        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), None),
+    ("m-bad", OpKind.FORWARD_BACKWARD,
+     fb([datum("fine"), Datum(model_input=ModelInput.from_ints([1, 2, 3]),
+                              loss_fn_inputs={"target_tokens": np.array([2, 3, 300])})]),
+     r"target_tokens.*300"),
+    ("m-is", OpKind.FORWARD, fb([rl_datum("forward only, same adapter", 4)], "cispo"), None),
+    ("m-ce", OpKind.OPTIM_STEP, ADAM.model_dump(), None),
+    ("m-bad", OpKind.FORWARD_BACKWARD,
+     fb([rl_datum("dro after a failure", 5)], "dro", {"beta": 0.3}), None),
+    ("m-fwd", OpKind.FORWARD, fb([datum("no gradient here"), datum("nor here")]), None),
+    ("m-ppo", OpKind.OPTIM_STEP, ADAM.model_dump(), None),
+]
+
+
+# --- engines -------------------------------------------------------------------------------------
+def make_op(model_id: str, seq: int, kind: OpKind, body: Any) -> Op:
+    return Op(job_id=f"{model_id}:{seq}", model_id=model_id, seq=seq, kind=kind,
+              payload=codec.encode(body))
+
+
+class Driver:
+    """One engine plus each model's next seq, so ops are numbered as a model's queue numbers
+    them."""
+
+    def __init__(self, root: Path, name: str, **kwargs: Any) -> None:
+        self.storage = root / name
+        self.engine = LoraEngine(BASE, "cpu", self.storage, root / "models", **kwargs)
+        self.seqs: dict[str, int] = {}
+
+    def make(self, model_id: str, kind: OpKind, body: Any) -> Op:
+        seq = self.seqs[model_id] = self.seqs.get(model_id, 0) + 1
+        return make_op(model_id, seq, kind, body)
+
+    def create(self, model_id: str, config: LoraConfig) -> None:
+        """A new model, stepped once alone: B starts at zero (and with it every gradient of
+        A); one step makes every LoRA matrix's gradient non-trivial."""
+        self.engine.execute(self.make(model_id, OpKind.CREATE_MODEL, {
+            "lora_config": config.model_dump(), "tenant_id": "default", "base_model": BASE}))
+        self.engine.execute(self.make(model_id, OpKind.FORWARD_BACKWARD,
+                                      fb([datum("one step first"), datum("to move B")])))
+        self.engine.execute(self.make(model_id, OpKind.OPTIM_STEP, ADAM.model_dump()))
+
+    def batched(self, ops: list[Op]) -> list[OpResult | Exception]:
+        return self.engine.execute_batch(ops)
+
+    def one_by_one(self, ops: list[Op]) -> list[OpResult | Exception]:
+        out: list[OpResult | Exception] = []
+        for op in ops:
+            try:
+                out.append(self.engine.execute(op))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def state(self, model_id: str) -> AdapterState:
+        """The model's weights and pending gradients, resident or evicted: its snapshot,
+        written now if the model moved on since."""
+        self.engine.persist(model_id)
+        return read_state(snapshot_dir(self.storage, model_id), optimizer=False, grads=True)
+
+    def weights(self, model_id: str) -> Tensors:
+        return self.state(model_id).weights
+
+    def grads(self, model_id: str) -> Tensors:
+        return self.state(model_id).grads
+
+
+@pytest.fixture(scope="module")
+def root() -> Iterator[Path]:
+    """A scratch directory; one intra-op thread meanwhile (tiny model: thread hand-offs cost
+    more than the math on a busy 2-core machine)."""
+    path = Path(tempfile.mkdtemp(prefix="qt-cross-batch-"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield path
+    torch.set_num_threads(threads)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def assert_tensors(actual: Tensors, expected: Tensors, atol: float = 0.0,
+                   atol_of_max: float = 0.0) -> None:
+    """allclose to RTOL, plus `atol`, plus `atol_of_max` times the tensor's largest entry."""
+    assert actual.keys() == expected.keys() and expected
+    for key, want in expected.items():
+        tol = atol + atol_of_max * float(want.abs().max())
+        torch.testing.assert_close(actual[key], want, rtol=RTOL, atol=tol,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+
+
+def assert_same_outcome(batched: OpResult | Exception, alone: OpResult | Exception,
+                        kind: OpKind) -> None:
+    if isinstance(alone, Exception):
+        assert type(batched) is type(alone) and str(batched) == str(alone)
+        return
+    assert isinstance(batched, OpResult), batched
+    assert batched.tokens == alone.tokens
+    ours, theirs = codec.decode(batched.result), codec.decode(alone.result)
+    if kind is OpKind.OPTIM_STEP:
+        assert ours.keys() == theirs.keys()
+        np.testing.assert_allclose([ours["metrics"][k] for k in sorted(theirs["metrics"])],
+                                   [theirs["metrics"][k] for k in sorted(theirs["metrics"])],
+                                   rtol=RTOL)
+        return
+    got = ForwardBackwardOutput.model_validate(ours)
+    want = ForwardBackwardOutput.model_validate(theirs)
+    assert got.metrics.keys() == want.metrics.keys()
+    for key, value in want.metrics.items():
+        assert got.metrics[key] == pytest.approx(value, rel=RTOL), key
+    assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
+    for ours_out, theirs_out in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(ours_out["logprobs"].to_numpy(),
+                                   theirs_out["logprobs"].to_numpy(), rtol=RTOL)
+
+
+# One pass for everything; and passes cut by a small token cap with only two adapters resident,
+# so the ops spread over several passes and adapters are evicted and restored between them.
+LAYOUTS = {"one-pass": {"max_resident": 64},
+           "tight": {"max_resident": 2, "train_batch_tokens": 64, "snapshot_every": 1}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_batched_step_equals_ops_one_at_a_time(root: Path, layout: str) -> None:
+    """Five models' forward_backward / forward / optim_step ops in one execute_batch give the
+    results, metrics, logprobs, gradients and (after optim_step) weights of the same ops run
+    one at a time; a bad op fails alone with execute's error."""
+    batch = Driver(root, f"batch-{layout}", **LAYOUTS[layout])
+    alone = Driver(root, f"alone-{layout}", max_resident=64,
+                   snapshot_every=LAYOUTS[layout].get("snapshot_every", 20))
+    for model_id, config in MODELS.items():
+        batch.create(model_id, config)
+        alone.create(model_id, config)
+    batch_ops = [batch.make(m, kind, body) for m, kind, body, _ in STEP_OPS]
+    alone_ops = [alone.make(m, kind, body) for m, kind, body, _ in STEP_OPS]
+
+    got = batch.batched(batch_ops)
+    want = alone.one_by_one(alone_ops)
+    for (_, kind, _, error), ours, theirs in zip(STEP_OPS, got, want, strict=True):
+        if error is not None:
+            assert isinstance(ours, UserInputError) and isinstance(theirs, UserInputError)
+            assert re.search(error, str(ours)), ours
+        assert_same_outcome(ours, theirs, kind)
+    # The job record's metrics (not the result) say how many models shared the op's pass. One
+    # pass: every model's leading ops in it; tight: no pass over two models, some alone.
+    shared = [r.metrics["batch_models:max"] for r, (_, kind, _, _) in zip(got, STEP_OPS,
+                                                                          strict=True)
+              if isinstance(r, OpResult) and r.metrics and kind is not OpKind.OPTIM_STEP]
+    assert (max(shared), min(shared)) == ((len(MODELS), len(MODELS)) if layout == "one-pass"
+                                          else (2, 1))
+
+    for model_id in MODELS:
+        ours_grads, theirs_grads = batch.grads(model_id), alone.grads(model_id)
+        assert ours_grads.keys() == theirs_grads.keys()
+        if ours_grads:
+            assert_tensors(ours_grads, theirs_grads, atol_of_max=GRAD_ATOL)
+        assert_tensors(batch.weights(model_id), alone.weights(model_id), atol=WEIGHT_ATOL)
+    assert not batch.grads("m-fwd") and not batch.grads("m-ce")  # none from forward / stepped
+    assert batch.grads("m-is") and batch.grads("m-bad")
+
+    # One more step for every model (batched: all at once) lands on the same weights.
+    steps = [(m, OpKind.OPTIM_STEP, ADAM.model_dump()) for m in MODELS]
+    got = batch.batched([batch.make(*s) for s in steps])
+    want = alone.one_by_one([alone.make(*s) for s in steps])
+    for ours, theirs in zip(got, want, strict=True):
+        assert_same_outcome(ours, theirs, OpKind.OPTIM_STEP)
+    for model_id in MODELS:
+        assert_tensors(batch.weights(model_id), alone.weights(model_id), atol=WEIGHT_ATOL)
+
+
+def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
+    """With cross_adapter_batch off only samples are batchable; with it on, a model's share of
+    a batch is one step: its forward_backward run and the optim_step after it."""
+    off = LoraEngine(BASE, "cpu", root / "off", root / "models", cross_adapter_batch=False)
+    kinds = [OpKind.FORWARD_BACKWARD, OpKind.FORWARD, OpKind.OPTIM_STEP, OpKind.FORWARD_BACKWARD,
+             OpKind.OPTIM_STEP]
+    backlog = [make_op("m", seq, kind, {}) for seq, kind in enumerate(kinds, start=1)]
+    samples = [make_op("s", seq, OpKind.SAMPLE, {}) for seq in range(1, 4)]
+    assert not any(off.batchable(op) for op in backlog) and off.batchable(samples[0])
+    # (ops taken, complete: no op arriving later could join)
+    assert off.batch_share(backlog) == (0, True)
+    assert off.batch_share(samples) == (3, False)
+    off.cross_adapter_batch = True
+    assert (off.batch_share(backlog), off.batch_share(samples)) == ((3, True), (3, False))
+    assert off.batch_share(backlog[:2]) == (2, False)  # its optim_step may be on its way
+    assert off.batch_share(backlog[2:]) == (1, True)  # an optim_step at the head: that step
+    save = make_op("m", 6, OpKind.SAVE_STATE, {})
+    assert off.batch_share([backlog[0], save, *backlog[1:]]) == (1, True)
+
+
+def test_outcomes_of_a_batch_survive_in_its_snapshot(root: Path) -> None:
+    """An optim_step that snapshots inside a batch keeps the outcomes of its model's earlier
+    ops of that batch (results and errors): an owner that died before publishing the batch
+    leaves them to the next owner, which publishes them instead of failing or rerunning."""
+    first = Driver(root, "kept", snapshot_every=1)
+    first.create("m-kept", MODELS["m-ce"])
+    ops = [first.make("m-kept", kind, body) for _, kind, body, _ in
+           [STEP_OPS[0], STEP_OPS[4], STEP_OPS[6]]]  # good fb, bad fb, optim_step (snapshot)
+    fb_result, error, step_result = first.batched(ops)
+    assert isinstance(fb_result, OpResult) and isinstance(step_result, OpResult)
+    assert isinstance(error, UserInputError)
+
+    nxt = LoraEngine(BASE, "cpu", first.storage, root / "models")  # same storage
+    assert nxt.restore_point("m-kept") == ops[-1].seq
+    kept = nxt.execute(ops[0])
+    assert (kept.result, kept.metrics) == (fb_result.result, fb_result.metrics)
+    with pytest.raises(QueueTinkerError, match=r"target_tokens.*300") as info:
+        nxt.execute(ops[1])
+    assert info.value.category is error.category
+    assert nxt.execute(ops[2]).result == step_result.result
+    assert nxt.pool.adapters["m-kept"].step == 2  # create()'s step and the batch's, once
+
+
+# --- through a real worker -----------------------------------------------------------------------
+CLIENTS = 3
+STEPS = 3
+
+
+def client_batch(client: int, step: int) -> list[types.Datum]:
+    texts = [f"client {client} step {step}", "x" * (4 + 3 * client), "shared words " * (client + 1)]
+    return [datum(t) for t in texts[: 1 + (client + step) % 3]]
+
+
+def train_together(settings: Settings) -> tuple[list[list[float]], list[str]]:
+    """CLIENTS training runs stepping at once (each pipelines forward_backward + optim_step,
+    then waits for both): every run's losses, and the model ids."""
+    with tinker.ServiceClient(settings) as service:
+        runs = [service.create_lora_training_client(BASE, rank=4, seed=10 + i)
+                for i in range(CLIENTS)]
+        losses: list[list[float]] = [[] for _ in runs]
+        for step in range(STEPS):
+            pending = [(tc.forward_backward(client_batch(i, step), "cross_entropy"),
+                        tc.optim_step(ADAM)) for i, tc in enumerate(runs)]
+            for i, (fwd, opt) in enumerate(pending):
+                losses[i].append(fwd.result(timeout=60).loss)
+                opt.result(timeout=60)
+        return losses, [tc.model_id for tc in runs]
+
+
+async def _pass_sizes(settings: Settings, model_ids: list[str]) -> list[float | None]:
+    """The batch_models metric of every finished forward_backward of these runs."""
+    engine = make_engine(settings.database_url or "")
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            async with engine.connect() as conn:
+                rows = (await conn.execute(text(
+                    "SELECT (metrics->>'batch_models:max')::float FROM requests "
+                    "WHERE model_id = ANY(:ids) AND kind = 'forward_backward' "
+                    "AND status = 'done'"), {"ids": model_ids})).scalars().all()
+            if len(rows) >= CLIENTS * STEPS or time.monotonic() > deadline:
+                return list(rows)
+            await asyncio.sleep(0.2)
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.timeout(120)
+def test_worker_batches_concurrent_training_runs(redis_url: str, database_url: str) -> None:
+    """Training runs stepping at once on one worker share its model passes, and end where the
+    same runs end on a worker that runs every op alone (QT_CROSS_ADAPTER_BATCH=0)."""
+    results = {}
+    for batching in (True, False):
+        with lora_deployment(redis_url, database_url, BASE,
+                             cross_adapter_batch=batching) as settings:
+            losses, model_ids = train_together(settings)
+            results[batching] = losses, asyncio.run(_pass_sizes(settings, model_ids))
+    (batched, sizes), (alone, unbatched_sizes) = results[True], results[False]
+    np.testing.assert_allclose(batched, alone, rtol=RTOL)
+    assert unbatched_sizes == [None] * (CLIENTS * STEPS)
+    assert len(sizes) == CLIENTS * STEPS and max(s or 1 for s in sizes) > 1, sizes
