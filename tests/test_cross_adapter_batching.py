@@ -372,3 +372,53 @@ def test_worker_batches_concurrent_training_runs(redis_url: str, database_url: s
     np.testing.assert_allclose(batched, alone, rtol=RTOL)
     assert unbatched_sizes == [None] * (CLIENTS * STEPS)
     assert len(sizes) == CLIENTS * STEPS and max(s or 1 for s in sizes) > 1, sizes
+
+
+def test_optimizer_steps_of_many_adapters_equal_torch_adamw_one_at_a_time() -> None:
+    """optim_steps (what a batch's optim_steps run as: one AdamW over every adapter sharing
+    hyperparameters) equals torch.optim.AdamW stepping each adapter alone: adapters at
+    different step counts, two hyperparameter sets, clipping per adapter, a tensor without a
+    gradient left alone."""
+    from workers.adapters import Adapter, new_optimizer
+    from workers.forward import optim_steps
+
+    torch.manual_seed(0)
+    hyper = [AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0),
+             AdamParams(learning_rate=3e-3, beta2=0.999)]
+    adapters, references = [], []
+    for i in range(5):
+        params = {f"t{j}": torch.nn.Parameter(torch.randn(4 + j, 3)) for j in range(3)}
+        adapters.append(Adapter(model_id=f"m{i}", name=f"a{i}", tenant_id="t",
+                                config=LoraConfig(), params=params,
+                                optimizer=new_optimizer(params.values())))
+        copies = {k: torch.nn.Parameter(p.detach().clone()) for k, p in params.items()}
+        references.append((copies, torch.optim.AdamW(list(copies.values()))))
+    for round_ in range(4):
+        # Adapter i steps in rounds >= i % 3 only, so step counts differ within a call.
+        stepping = [i for i in range(5) if round_ >= i % 3]
+        for i in stepping:
+            for j, (key, p) in enumerate(adapters[i].params.items()):
+                if (i, j) == (4, 2):
+                    continue  # no gradient: AdamW must leave it alone
+                grad = torch.randn_like(p) * (10 if i % 2 else 0.1)  # some clip, some do not
+                p.grad = grad.clone()
+                references[i][0][key].grad = grad.clone()
+        ours = optim_steps([(adapters[i], hyper[i % 2]) for i in stepping])
+        for i, metrics in zip(stepping, ours, strict=True):
+            params, reference = references[i]
+            adam = hyper[i % 2]
+            trainable = [p for p in params.values() if p.grad is not None]
+            norm = float(torch.nn.utils.clip_grad_norm_(trainable, adam.grad_clip_norm or
+                                                        float("inf")))
+            for group in reference.param_groups:
+                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
+                             eps=adam.eps, weight_decay=adam.weight_decay)
+            reference.step()
+            reference.zero_grad(set_to_none=True)
+            assert metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-6)
+            assert metrics["step:max"] == adapters[i].step
+    for adapter, (params, _) in zip(adapters, references, strict=True):
+        for key, p in adapter.params.items():
+            torch.testing.assert_close(p.detach(), params[key].detach(), rtol=1e-6, atol=0)
+            assert p.grad is None
+    assert [a.step for a in adapters] == [4, 3, 2, 4, 3]

@@ -91,16 +91,64 @@ def forward_backward(
 
 def optim_step(adapter: Adapter, params: AdamParams) -> dict[str, float]:
     """One torch.optim.AdamW step with this call's hyperparameters, then clear the grads."""
+    return optim_steps([(adapter, params)])[0]
+
+
+def optim_steps(steps: Sequence[tuple[Adapter, AdamParams]]) -> list[dict[str, float]]:
+    """optim_step for several adapters (each at most once), as if one after another.
+
+    Each adapter's gradients are clipped to its own norm; then the adapters whose calls share
+    hyperparameters step together, as one torch.optim.AdamW over all their tensors. AdamW is
+    elementwise per tensor, with a step count per tensor, so that changes nothing but the number
+    of multi-tensor kernel calls: one set for a whole cross-adapter batch instead of one per
+    adapter (on the CPU most of an adapter's step is that per-call cost)."""
+    norms = [_clip(adapter, params) for adapter, params in steps]
+    together: dict[tuple[float, ...], tuple[AdamParams, list[Adapter]]] = {}
+    for adapter, params in steps:
+        key = (params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay)
+        together.setdefault(key, (params, []))[1].append(adapter)
+    for params, adapters in together.values():
+        _adamw(adapters, params)
+    metrics = []
+    for (adapter, params), norm in zip(steps, norms, strict=True):
+        for p in adapter.params.values():
+            p.grad = None
+        adapter.step += 1
+        metrics.append({"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate,
+                        "step:max": float(adapter.step)})
+    return metrics
+
+
+def _clip(adapter: Adapter, params: AdamParams) -> float:
+    """Clip the adapter's gradients to params.grad_clip_norm (<= 0: no clipping); their norm."""
     trainable = [p for p in adapter.params.values() if p.grad is not None]
-    grad_norm = 0.0
-    if trainable:
-        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
-    for group in adapter.optimizer.param_groups:
-        group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2),
-                     eps=params.eps, weight_decay=params.weight_decay)
-    adapter.optimizer.step()
-    adapter.optimizer.zero_grad(set_to_none=True)
-    adapter.step += 1
-    return {"grad_norm:mean": grad_norm, "learning_rate:mean": params.learning_rate,
-            "step:max": float(adapter.step)}
+    if not trainable:
+        return 0.0
+    max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
+    return float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
+
+
+def _adamw(adapters: Sequence[Adapter], params: AdamParams) -> None:
+    """One AdamW step over the adapters' tensors with these hyperparameters. The moments live
+    in each adapter's own optimizer state (what snapshots and checkpoints save); a combined
+    optimizer borrows them for the step and hands new ones back."""
+    if len(adapters) == 1:  # its own optimizer: nothing to borrow
+        optimizer = adapters[0].optimizer
+        for group in optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2),
+                         eps=params.eps, weight_decay=params.weight_decay)
+        optimizer.step()
+        return
+    tensors = [p for adapter in adapters for p in adapter.params.values()]
+    combined = torch.optim.AdamW(tensors, lr=params.learning_rate,
+                                 betas=(params.beta1, params.beta2), eps=params.eps,
+                                 weight_decay=params.weight_decay, foreach=True)
+    for adapter in adapters:
+        for p in adapter.params.values():
+            if p in adapter.optimizer.state:
+                combined.state[p] = adapter.optimizer.state[p]
+    combined.step()
+    for adapter in adapters:
+        for p in adapter.params.values():
+            if p in combined.state:  # a tensor's first step made its moments here
+                adapter.optimizer.state[p] = combined.state[p]

@@ -59,7 +59,7 @@ from workers.checkpoints import (
     write_state,
 )
 from workers.engine import BatchShare, OpResult, is_inline_ping, parse_body, run_ping
-from workers.forward import forward_backward, optim_step
+from workers.forward import forward_backward, optim_steps
 from workers.sampling import SamplingOps
 from workers.train_batch import PassOp, padded_tokens, shared_pass
 
@@ -154,7 +154,10 @@ class LoraEngine:
         adapter = self._admit(op)
         if isinstance(adapter, OpResult):
             return adapter
-        self.pool.activate(adapter)
+        if op.kind in PASS_KINDS:
+            # Only a model pass reads PEFT's active adapter; the other ops touch this adapter's
+            # own tensors, and set_adapter walks every module (0.7 ms a call on the tiny model).
+            self.pool.activate(adapter)
         result = handler(adapter, op)
         adapter.last_seq = op.seq
         return result
@@ -321,8 +324,8 @@ class LoraEngine:
     def _run_training(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
         """Each model's ops in order, in rounds: every model's leading run of forward /
         forward_backward ops goes into one shared pass with all the others' (weights change
-        only at optim_step, so a run's ops do not depend on each other); then each model's next
-        op (its optim_step) runs alone; and again, until every op has run."""
+        only at optim_step, so a run's ops do not depend on each other); then every model's next
+        op (its optim_step), the optim_steps together; and again, until every op has run."""
         queues: dict[str, deque[tuple[int, Op]]] = {}
         for index, op in ops:
             queues.setdefault(op.model_id, deque()).append((index, op))
@@ -332,10 +335,7 @@ class LoraEngine:
                 while queue and queue[0][1].kind in PASS_KINDS:
                     passes.append(queue.popleft())
             self._run_passes(passes, outcomes)
-            for queue in queues.values():
-                if queue:
-                    index, op = queue.popleft()
-                    self._record(outcomes, index, op, self._attempt(op))
+            self._run_steps([queue.popleft() for queue in queues.values() if queue], outcomes)
             queues = {model: queue for model, queue in queues.items() if queue}
 
     def _run_passes(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
@@ -394,6 +394,41 @@ class LoraEngine:
             self._record(outcomes, index, op,
                          _pass_result(out, prepared.data, {"batch_models:max": models}))
 
+    def _run_steps(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
+        """Ops of different models: the optim_steps in one optimizer call (_step), any other
+        op alone."""
+        steps: list[tuple[int, Op, Adapter, AdamParams]] = []
+        for index, op in ops:
+            if op.kind is not OpKind.OPTIM_STEP:
+                self._record(outcomes, index, op, self._attempt(op))
+                continue
+            if len(steps) >= self.pool.max_resident:
+                # Making one more model resident could evict one of these: step them first.
+                self._run_step_call(steps, outcomes)
+                steps = []
+            try:  # execute's checks, in its order
+                check_request_bytes(len(op.payload), self.request_limits)
+                adapter = self._admit(op)
+                if isinstance(adapter, OpResult):  # already applied: its kept result
+                    self._record(outcomes, index, op, adapter)
+                    continue
+                steps.append((index, op, adapter, parse_body(AdamParams, op.payload)))
+            except Exception as exc:
+                self._record(outcomes, index, op, exc)
+        self._run_step_call(steps, outcomes)
+
+    def _run_step_call(self, steps: Sequence[tuple[int, Op, Adapter, AdamParams]],
+                       outcomes: list[Outcome | None]) -> None:
+        if not steps:
+            return
+        try:
+            results: list[Outcome] = list(self._step([(a, op, p) for _, op, a, p in steps]))
+        except Exception as exc:  # the engine's own failure: every step in it fails
+            log.exception("an optimizer step of %d models failed", len(steps))
+            results = [exc] * len(steps)
+        for (index, op, _, _), result in zip(steps, results, strict=True):
+            self._record(outcomes, index, op, result)
+
     def _attempt(self, op: Op) -> Outcome:
         try:
             return self.execute(op)
@@ -443,13 +478,22 @@ class LoraEngine:
         return batch, resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
 
     def _optim_step(self, adapter: Adapter, op: Op) -> OpResult:
-        metrics = optim_step(adapter, parse_body(AdamParams, op.payload))
-        adapter.last_seq = op.seq
-        result = OpResult(result=codec.encode(OptimStepResponse(metrics=metrics).model_dump()),
-                          metrics=metrics)
-        if adapter.step % self.snapshot_every == 0:
-            self._snapshot(adapter, result)
-        return result
+        return self._step([(adapter, op, parse_body(AdamParams, op.payload))])[0]
+
+    def _step(self, steps: Sequence[tuple[Adapter, Op, AdamParams]]) -> list[OpResult]:
+        """optim_step ops of different models, in one optimizer call (alone or batched: the
+        same code, so the same numbers); each model snapshots every snapshot_every steps."""
+        all_metrics = optim_steps([(adapter, params) for adapter, _, params in steps])
+        results = []
+        for (adapter, op, _), metrics in zip(steps, all_metrics, strict=True):
+            adapter.last_seq = op.seq
+            result = OpResult(
+                result=codec.encode(OptimStepResponse(metrics=metrics).model_dump()),
+                metrics=metrics)
+            if adapter.step % self.snapshot_every == 0:
+                self._snapshot(adapter, result)
+            results.append(result)
+        return results
 
     def _save_state(self, adapter: Adapter, op: Op) -> OpResult:
         path, record = self._save(adapter, op, CheckpointKind.STATE)
