@@ -30,8 +30,11 @@ the gateway, the worker, the run's Postgres backends and Redis spent per round t
 requests the gateway answered per SDK round trip, from its access log; and the CPU the rest of
 the machine used meanwhile (everything but this process, the gateway and the worker).
 
+Results go to the `## Gateway: the official SDK against the Python client` section of
+docs/benchmarks.md (bench/gateway_report.py renders it).
+
     .venv/bin/python -m bench.gateway_round_trip --out gateway_round_trip.json
-    .venv/bin/python -m bench.gateway_round_trip --rounds 10 --warmup 3   # smoke run
+    .venv/bin/python -m bench.gateway_round_trip --quick    # smoke run, docs left alone
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from sqlalchemy.engine import make_url
 from tinker import types as sdk_types
 
 from bench.gateway import gateway_proc, make_key, process_cpu_s, requests_by_endpoint
+from bench.gateway_report import SECTION, Gap, render
 from bench.harness import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
@@ -72,6 +76,7 @@ from bench.harness import (
 )
 from bench.lora_service import lora_worker
 from bench.meters import CpuMeter, find_pids
+from bench.report import DOCS, write_docs
 from bench.stats import Latency
 from queue_tinker import types as qt_types
 from queue_tinker.client import ServiceClient
@@ -483,7 +488,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="where the model is built and checkpoints and logs go (default: a "
                         "temp dir, removed afterwards)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run (10 rounds, 3 warm-up), docs left alone")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup, args.no_docs = 10, 3, True
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1")
     return args
@@ -506,6 +517,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(results_json(info, args, results, total_s))
         print(f"wrote {args.out}")
+    if not args.no_docs:
+        gaps = [Gap(r.shape.label, r.shape.calls, r.ratio(), r.overhead_ms()["paired_p50"])
+                for r in results]
+        write_docs(args.docs, render(info, args.model, args.rounds, args.warmup,
+                                     markdown(results, args.model), gaps, total_s),
+                   heading=SECTION)
+        print(f"wrote {args.docs}")
     return 0
 
 

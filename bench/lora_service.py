@@ -1,13 +1,14 @@
 """A LoRA worker for a benchmark, and what it tells about its work: the worker process itself
-(`lora_worker`), the torch thread counts it computes with (`worker_threads`), and the Redis-clock
-queued / started / finished times it writes into each job's hash (`job_times`).
+(`lora_worker`; `lora_workers` starts several side by side), the torch thread counts it
+computes with (`worker_threads`), and the Redis-clock queued / started / finished times it
+writes into each job's hash (`job_times`).
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,15 +31,31 @@ def worker_threads(settings: Settings) -> dict[str, int]:
 
 
 @contextmanager
-def lora_worker(settings: Settings, model: str, log_path: Path) -> Iterator[Proc]:
-    """One LoRA worker serving `model` on the CPU, registered (model loaded) before the body."""
-    proc = Proc([sys.executable, "-m", "queue_tinker.cli", "worker", "--base-model", model,
-                 "--device", "cpu", "--engine", "lora"], child_env(settings), log_path)
+def lora_worker(settings: Settings, model: str, log_path: Path,
+                env: Mapping[str, str] | None = None) -> Iterator[Proc]:
+    """One LoRA worker serving `model` on the CPU, registered (model loaded) before the body;
+    `env` is added to the environment the settings give it."""
+    with lora_workers([settings], model, [log_path], env) as procs:
+        yield procs[0]
+
+
+@contextmanager
+def lora_workers(settings: Sequence[Settings], model: str, log_paths: Sequence[Path],
+                 env: Mapping[str, str] | None = None) -> Iterator[list[Proc]]:
+    """One LoRA worker per settings (one deployment each, when their key prefixes differ),
+    all started before any is waited for, so they load their models side by side."""
+    procs: list[Proc] = []
     try:
-        wait_for_workers(settings, 1, timeout=600)
-        yield proc
+        for one, log_path in zip(settings, log_paths, strict=True):
+            procs.append(Proc([sys.executable, "-m", "queue_tinker.cli", "worker",
+                               "--base-model", model, "--device", "cpu", "--engine", "lora"],
+                              {**child_env(one), **(env or {})}, log_path))
+        for one in settings:
+            wait_for_workers(one, 1, timeout=600)
+        yield procs
     finally:
-        proc.stop_and_report(f"worker {proc.pid}")
+        for proc in procs:
+            proc.stop_and_report(f"worker {proc.pid}")
 
 
 def job_times(redis_url: str, keys: Keys, job_ids: list[str]) -> list[tuple[float, ...] | None]:

@@ -1,0 +1,460 @@
+"""Model FLOPs utilisation of LoRA training: training tokens/s and MFU of the engine's own
+forward_backward on a Llama-3.1-8B-shaped model with random weights (no download).
+
+The model is `LlamaConfig` (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab
+128256) built with `AutoModelForCausalLM.from_config` in bf16 straight on the device. LoRA goes
+on through the worker's own code: `workers.adapters.AdapterPool.add` (rank 32 by default, the
+service's default targets: every attention, MLP and unembedding linear), and a step is
+`workers.forward.forward_backward` (cross-entropy, padded batch, per-datum logprobs, as a
+forward_backward op runs on a worker) followed by `workers.forward.optim_step` (AdamW on the
+adapter). Timing brackets each call with `torch.cuda.synchronize()`; peak memory is
+`torch.cuda.max_memory_allocated()`. A batch that does not fit is halved until it does.
+
+FLOPs per trained token, T = sequence length, L = layers, d = heads × head_dim:
+
+- LoRA count (the headline): 4·N_mm + 6·N_lora + 12·L·d·T. N_mm is the parameters that
+  multiply activations (every linear, lm_head included; not the embedding, a lookup): each
+  costs 2 FLOPs per token forward and 2 more backward for the activation gradient; a frozen
+  base weight needs no weight gradient, so not the 2 more that full fine-tuning pays. LoRA's
+  own A and B pay all three (6·N_lora). Attention (QKᵀ and AV) is 4·L·d·T forward, twice that
+  backward, counted over the whole sequence as PaLM's MFU does (no halving for the causal mask).
+- 6N convention: 6·N_total, all parameters and no attention term (C ≈ 6·N·D); it counts weight
+  gradients LoRA never computes, so it reads about 1.5× the LoRA count.
+
+MFU = achieved FLOPs/s ÷ the GPU's dense bf16 peak (H100 SXM and H200 989 TFLOPS, H100 PCIe 756,
+A100 312); another GPU gets achieved TFLOPS only. With `--adapters K` (K > 1) it also times K
+adapters' forward_backward ops in one cross-adapter pass (`workers.train_batch.shared_pass`)
+against the same ops one at a time, on the same tokens.
+
+    .venv/bin/python -m bench.mfu --device cuda                  # writes its docs section
+    .venv/bin/python -m bench.mfu --device cpu --quick           # scaled-down smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: `python bench/mfu.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.utils import logging as transformers_logging
+
+from bench.report import DOCS, write_docs
+from bench.train_step import make_data
+from queue_tinker.types.enums import LossFn
+from queue_tinker.types.loss_inputs import resolve_loss_config
+from queue_tinker.types.tensors import Datum
+from queue_tinker.types.training import AdamParams, LoraConfig
+from workers.adapters import Adapter, AdapterPool
+from workers.forward import forward_backward, optim_step
+
+SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
+COMMAND = ".venv/bin/python -m bench.mfu --device cuda"
+NOT_MEASURED = "Not measured here"
+BASE_NAME = "bench/llama-3.1-8b-shaped"  # what adapter configs name as their base
+# Dense bf16 peaks (no sparsity), TFLOPS; the first name found in the device's name wins.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama decoder's sizes."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear of one layer, and of lm_head."""
+        d, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (self.hidden, d), "k_proj": (self.hidden, kv),
+                "v_proj": (self.hidden, kv), "o_proj": (d, self.hidden),
+                "gate_proj": (self.hidden, self.intermediate),
+                "up_proj": (self.hidden, self.intermediate),
+                "down_proj": (self.intermediate, self.hidden), "lm_head": (self.hidden, self.vocab)}
+
+
+SHAPES = {
+    "llama-3.1-8b": Shape(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
+                          vocab=128256),
+    # Small enough for a CPU smoke run in seconds; same structure.
+    "small": Shape(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=896, vocab=4096),
+}
+
+
+# --- counting ----------------------------------------------------------------------------------
+def matmul_params(shape: Shape) -> int:
+    """Parameters that multiply activations: every layer's linears, and lm_head."""
+    per_layer = sum(i * o for name, (i, o) in shape.linears().items() if name != "lm_head")
+    return shape.layers * per_layer + shape.hidden * shape.vocab
+
+
+def total_params(shape: Shape) -> int:
+    """Every parameter (untied embeddings): linears, the embedding, the RMSNorm weights."""
+    norms = (2 * shape.layers + 1) * shape.hidden
+    return matmul_params(shape) + shape.vocab * shape.hidden + norms
+
+
+def lora_params(shape: Shape, rank: int, targets: Sequence[str]) -> int:
+    """rank × (in + out) for every adapted linear."""
+    total = 0
+    for name, (i, o) in shape.linears().items():
+        if name in targets:
+            total += rank * (i + o) * (1 if name == "lm_head" else shape.layers)
+    return total
+
+
+def flops_per_token(shape: Shape, seq: int, n_lora: int) -> dict[str, float]:
+    """Training FLOPs per token, both ways (see the module's docstring)."""
+    attention = 12 * shape.layers * shape.heads * shape.head_dim * seq
+    return {"lora": 4 * matmul_params(shape) + 6 * n_lora + attention,
+            "6N": 6 * total_params(shape)}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in device_name), None)
+
+
+# --- the model ---------------------------------------------------------------------------------
+def build_model(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0
+                ) -> torch.nn.Module:
+    """Random weights straight on the device (no CPU copy of 16 GB first); frozen, eval mode."""
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, max_position_embeddings=131072,
+        tie_word_embeddings=False, rms_norm_eps=1e-5)  # RoPE's settings change no FLOP
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model: torch.nn.Module = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="sdpa")
+    model.requires_grad_(False)
+    model.eval()  # as the engine does
+    model.name_or_path = BASE_NAME  # type: ignore[assignment]
+    return model
+
+
+def random_data(shape: Shape, batch: int, seq: int, seed: int = 0) -> list[Datum]:
+    rows = np.random.default_rng(seed).integers(0, shape.vocab, (batch, seq + 1))
+    return make_data(rows)
+
+
+# --- timing ------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call, the device drained before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Result:
+    device: str
+    shape: str
+    batch: int
+    seq: int
+    rank: int
+    params: int
+    lora_params: int
+    fb_s: list[float] = field(default_factory=list)
+    optim_s: list[float] = field(default_factory=list)
+    peak_gib: float | None = None
+    shrunk_from: int | None = None  # the batch asked for, when it did not fit
+    adapters: int = 1  # --adapters
+    multi: dict[str, float] = field(default_factory=dict)  # median seconds, both ways
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def tokens_per_s(self, with_optim: bool = False) -> float:
+        step = statistics.median(self.fb_s)
+        if with_optim:
+            step += statistics.median(self.optim_s)
+        return self.tokens / step
+
+
+def engine_step(pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torch.device
+                ) -> Callable[[], object]:
+    config = resolve_loss_config(LossFn.CROSS_ENTROPY, None)
+
+    def step() -> object:
+        pool.activate(adapter)
+        return forward_backward(pool.model, data, LossFn.CROSS_ENTROPY, config, device,
+                                backward=True)
+    return step
+
+
+def measure(pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torch.device,
+            args: argparse.Namespace, result: Result) -> None:
+    """Warm-up steps, then timed forward_backward and optim_step calls."""
+    fb = engine_step(pool, adapter, data, device)
+    adam = AdamParams(learning_rate=1e-5)
+    for i in range(args.warmup + args.steps):
+        fb_s = timed(fb, device)
+        optim_s = timed(lambda: optim_step(adapter, adam), device)
+        if i >= args.warmup:
+            result.fb_s.append(fb_s)
+            result.optim_s.append(optim_s)
+
+
+def fit_batch(pool: AdapterPool, adapter: Adapter, shape: Shape, args: argparse.Namespace,
+              device: torch.device) -> tuple[int, list[Datum]]:
+    """The asked batch, halved until one forward_backward fits in the device's memory."""
+    batch = args.batch
+    while True:
+        data = random_data(shape, batch, args.seq)
+        try:
+            engine_step(pool, adapter, data, device)()
+            adapter.optimizer.zero_grad(set_to_none=True)
+            return batch, data
+        except torch.OutOfMemoryError:
+            if batch == 1:
+                raise
+        # Out of the except block: its traceback no longer holds the failed pass's tensors.
+        print(f"  {batch} × {args.seq} does not fit; halving", flush=True)
+        adapter.optimizer.zero_grad(set_to_none=True)
+        batch //= 2
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_adapters(pool: AdapterPool, first: Adapter, data: list[Datum],
+                     device: torch.device, args: argparse.Namespace) -> dict[str, float]:
+    """K adapters, the batch split between them: one cross-adapter pass against K passes one
+    at a time; median seconds of each. Empty when this build has no cross-adapter pass."""
+    try:
+        from workers.train_batch import PassOp, shared_pass  # lands with cross-adapter batching
+    except ImportError:
+        print("  no workers.train_batch in this build: multi-adapter case skipped", flush=True)
+        return {}
+    k = min(args.adapters, len(data))  # one datum each at least
+    adapters = [first, *(pool.add(f"mfu-{i}", "bench", LoraConfig(rank=args.rank), seed=i)
+                         for i in range(1, k))]
+    config = resolve_loss_config(LossFn.CROSS_ENTROPY, None)
+    parts = [data[i::k] for i in range(k)]
+    ops = [PassOp(a, part, LossFn.CROSS_ENTROPY, config, True)
+           for a, part in zip(adapters, parts, strict=True) if part]
+
+    def together() -> None:
+        shared_pass(pool, ops, device)
+
+    def apart() -> None:
+        for op in ops:
+            pool.activate(op.adapter)
+            forward_backward(pool.model, op.data, LossFn.CROSS_ENTROPY, config, device,
+                             backward=True)
+
+    times: dict[str, list[float]] = {"one pass": [], "one at a time": []}
+    for i in range(args.warmup + args.steps):
+        for name, fn in (("one pass", together), ("one at a time", apart)):
+            seconds = timed(fn, device)
+            for op in ops:
+                op.adapter.optimizer.zero_grad(set_to_none=True)
+            if i >= args.warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def run(args: argparse.Namespace) -> Result:
+    device = torch.device(args.device)
+    shape = SHAPES[args.shape]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as load_base_model
+    began = time.perf_counter()
+    base = build_model(shape, args.device, dtype)
+    pool = AdapterPool(base, BASE_NAME, max_resident=max(2, args.adapters + 1))
+    adapter = pool.add("mfu-0", "bench", LoraConfig(rank=args.rank), seed=0)
+    print(f"model built and adapter added in {time.perf_counter() - began:.0f} s", flush=True)
+    batch, data = fit_batch(pool, adapter, shape, args, device)
+    if device.type == "cuda":  # after the fitting, whose failed tries would set the peak
+        torch.cuda.reset_peak_memory_stats(device)
+    result = Result(args.device, args.shape, batch, args.seq, args.rank,
+                    sum(p.numel() for p in base.parameters()),
+                    sum(p.numel() for p in adapter.params.values()),
+                    shrunk_from=args.batch if batch != args.batch else None)
+    measure(pool, adapter, data, device, args, result)
+    if device.type == "cuda":
+        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.adapters > 1:
+        result.adapters = min(args.adapters, batch)
+        try:
+            result.multi = measure_adapters(pool, adapter, data, device, args)
+        except torch.OutOfMemoryError:
+            print("  the multi-adapter case ran out of memory: skipped", flush=True)
+    return result
+
+
+# --- output ------------------------------------------------------------------------------------
+def figures(result: Result, device_name: str) -> dict[str, Any]:
+    """Achieved TFLOPS and MFU of the forward_backward, both FLOPs counts."""
+    shape = SHAPES[result.shape]
+    peak = peak_tflops(device_name)
+    out: dict[str, Any] = {"peak_tflops": peak}
+    per_s = result.tokens_per_s()
+    for name, per_token in flops_per_token(shape, result.seq, result.lora_params).items():
+        achieved = per_token * per_s / 1e12
+        out[f"tflops_{name}"] = achieved
+        out[f"mfu_{name}"] = achieved / peak if peak else None
+    return out
+
+
+def pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.1f}%"
+
+
+def summary_lines(result: Result, device_name: str) -> list[str]:
+    f = figures(result, device_name)
+    batch = f"{result.batch} × {result.seq}" + (
+        f" ({result.shrunk_from} × {result.seq} did not fit)" if result.shrunk_from else "")
+    peak = "–" if result.peak_gib is None else f"{result.peak_gib:.1f}"
+    lines = [
+        "| device | shape (params, LoRA params) | batch | forward_backward ms | optim_step ms "
+        "| tokens/s (forward_backward) | tokens/s (with optim_step) | TFLOPS (LoRA count) "
+        "| MFU (LoRA count) | MFU (6N) | peak memory GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {device_name} | {result.shape} ({result.params:,}, {result.lora_params:,}) "
+        f"| {batch} | {statistics.median(result.fb_s) * 1000:,.1f} "
+        f"| {statistics.median(result.optim_s) * 1000:,.1f} | {result.tokens_per_s():,.0f} "
+        f"| {result.tokens_per_s(with_optim=True):,.0f} | {f['tflops_lora']:,.1f} "
+        f"| **{pct(f['mfu_lora'])}** | {pct(f['mfu_6N'])} | {peak} |"]
+    if result.multi:
+        one, apart = result.multi["one pass"], result.multi["one at a time"]
+        lines += ["", f"{result.adapters} adapters' forward_backward ops on the same "
+                  f"{result.tokens:,} tokens (the batch split between them): one cross-adapter "
+                  f"pass {one * 1000:,.1f} ms, one at a time {apart * 1000:,.1f} ms "
+                  f"(**{apart / one:.2f}×**)."]
+    return lines
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "CPU"
+
+
+def render(result: Result, info: dict[str, str], args: argparse.Namespace) -> str:
+    shape = SHAPES[result.shape]
+    per_token = flops_per_token(shape, result.seq, result.lora_params)
+    return "\n".join([
+        SECTION, "",
+        f"Training tokens/s and model FLOPs utilisation of the engine's own LoRA "
+        f"forward_backward (`workers.forward.forward_backward` on an adapter added by "
+        f"`workers.adapters.AdapterPool`, as a worker runs the op) on a {args.shape}-shaped "
+        f"Llama with random weights in bf16 (built from `LlamaConfig`, no download), rank-"
+        f"{result.rank} LoRA on every attention, MLP and unembedding linear, cross-entropy "
+        f"on random tokens; {args.warmup} warm-up steps, then the median of {args.steps}.", "",
+        f"FLOPs per token at this shape: LoRA count 4·N_mm + 6·N_lora + 12·L·d·T = "
+        f"{per_token['lora'] / 1e9:,.2f} GFLOP (frozen base: forward and activation gradient, "
+        f"no weight gradient; attention over the whole sequence, as PaLM counts it); 6N "
+        f"convention 6·N_total = {per_token['6N'] / 1e9:,.2f} GFLOP (what full fine-tuning "
+        f"would pay; no attention term). Peak: dense bf16 from the GPU's data sheet.", "",
+        "```", COMMAND, "```", "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".", "",
+        *summary_lines(result, device_name(args.device)), ""])
+
+
+def not_measured_section(reason: str) -> str:
+    """The section a run without a GPU leaves: what would be measured and how."""
+    return "\n".join([
+        SECTION, "",
+        f"{NOT_MEASURED}: {reason}. On a CUDA machine this builds a Llama-3.1-8B-shaped model "
+        "(hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab 128256) with random "
+        "bf16 weights, adds a rank-32 LoRA through the worker's `AdapterPool`, and times the "
+        "engine's `forward_backward` on 8 × 2048 tokens (halved until it fits): training "
+        "tokens/s and MFU, counted as 4·N_mm + 6·N_lora + 12·L·d·T FLOPs per token (frozen "
+        "base weights need no weight gradient) and, for comparison, by the 6N convention; and "
+        "8 adapters' ops in one cross-adapter pass against one at a time. Run it there with:",
+        "",
+        "```", COMMAND, "```", ""])
+
+
+def machine_info(device: str) -> dict[str, str]:
+    import platform
+
+    import peft
+    import transformers
+
+    info = {"device": device_name(device), "torch": torch.__version__,
+            "transformers": transformers.__version__, "peft": peft.__version__,
+            "Python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if device.startswith("cuda"):
+        info["CUDA"] = str(torch.version.cuda)
+    return info
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.mfu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", choices=list(SHAPES), default=None,
+                        help="default: llama-3.1-8b on CUDA, small on the CPU")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="datums (default 8, halved while it does not fit; CPU 8)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens each (default 2048; CPU 64)")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--adapters", type=int, default=8,
+                        help="K adapters for the one-pass vs one-at-a-time case, the batch "
+                        "split between them (1: skip it)")
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
+    parser.add_argument("--quick", action="store_true", help="few steps, docs left alone")
+    args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.shape = args.shape or ("llama-3.1-8b" if cuda else "small")
+    args.batch = args.batch or 8
+    args.seq = args.seq or (2048 if cuda else 64)
+    if args.quick:
+        args.warmup, args.steps, args.no_docs = 1, 2, True
+    # Only GPU numbers belong in the docs: a CPU run is a smoke test of the code path.
+    args.no_docs = args.no_docs or not cuda
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    info = machine_info(args.device)
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    result = run(args)
+    print("\n".join(summary_lines(result, device_name(args.device))))
+    print(f"FLOPs per token: {flops_per_token(SHAPES[args.shape], args.seq, result.lora_params)}; "
+          f"{figures(result, device_name(args.device))}")
+    if not args.no_docs:
+        write_docs(args.docs, render(result, info, args), heading=SECTION)
+        print(f"wrote {args.docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

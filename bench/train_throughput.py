@@ -1,0 +1,362 @@
+"""Training throughput: aggregate training tokens/s of N models training at once, served three
+ways: one worker with cross-adapter batching on, one worker with it off, one worker per model.
+
+For each base model (queue-tinker/tiny-llama, queue-tinker/llama-100m) and each N (1, 4, 8, 16):
+N `TrainingClient`s (rank-32 LoRA each) run forward_backward + optim_step steps without pause,
+concurrently, on a fixed batch (4 datums × 64 tokens), against real worker processes, the local
+Redis and a scratch Postgres database:
+
+- batched: one worker, `QT_CROSS_ADAPTER_BATCH=1` (the default);
+- one at a time: one worker, `QT_CROSS_ADAPTER_BATCH=0`;
+- process per model: N workers, each its own deployment (key prefix) serving one model, with
+  max(1, cores // N) torch threads each.
+
+After a warm-up, a window of steady state: each model's step rate there, summed over models and
+times tokens per step, is the aggregate. Also measured: the bare PEFT loop (bench.train_step's)
+on one model in this process, forward_backward ops per compute pass on the one worker (from the
+Redis-clock start/finish times of the ops), and the CPU other processes used meanwhile. Results
+go to the `## Training throughput: many models on one worker` section of docs/benchmarks.md.
+
+    .venv/bin/python -m bench.train_throughput            # full run (about 12 minutes)
+    .venv/bin/python -m bench.train_throughput --quick    # smoke run, docs left alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: `python bench/train_throughput.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from transformers.utils import logging as transformers_logging
+
+from bench.harness import (
+    DEFAULT_POSTGRES,
+    DEFAULT_REDIS,
+    close_client,
+    fresh_prefix,
+    machine,
+    make_settings,
+    scratch_database,
+)
+from bench.lora_service import job_times, lora_workers, worker_threads
+from bench.meters import CpuMeter
+from bench.report import DOCS, write_docs
+from bench.train_step import ADAM, BareLoop, make_data, token_rows
+from bench.train_step_report import RANK
+from bench.train_step_report import Size as StepSize
+from bench.train_throughput_report import (
+    BATCHED,
+    MODES,
+    PROCESSES,
+    SECTION,
+    Cell,
+    Size,
+    SizeResult,
+    print_table,
+    render,
+    results_json,
+)
+from queue_tinker.client import ServiceClient, TrainingClient
+from queue_tinker.errors import QueueTinkerError
+from queue_tinker.queue.keys import Keys
+from queue_tinker.settings import Settings
+from queue_tinker.types import Datum
+from workers.base_model import ensure_builtin_model
+
+BATCH_ENV = "QT_CROSS_ADAPTER_BATCH"  # read by `queue-tinker worker` (Settings.cross_adapter_batch)
+CORES = os.cpu_count() or 1
+
+
+@dataclass
+class StepLog:
+    """One model's finished steps: when (perf_counter) and the forward_backward's job id."""
+
+    done: list[float] = field(default_factory=list)
+    fb_ids: list[str] = field(default_factory=list)
+
+    def in_window(self, t0: float, t1: float) -> list[int]:
+        return [i for i, t in enumerate(self.done) if t0 < t <= t1]
+
+
+@dataclass
+class Window:
+    t0: float
+    t1: float
+    foreign: float
+    cut_short: bool = False  # closed at --max-cell-s before every model had its steps
+    mark: tuple[float, int, int] | None = None  # the CPU meter's mark at t0
+
+
+# --- driving N models --------------------------------------------------------------------------
+async def train(tc: TrainingClient, data: list[Datum], log: StepLog, stop: asyncio.Event,
+                progress: asyncio.Condition) -> None:
+    """The Tinker loop, back to back, until `stop`: the step in flight always finishes."""
+    while not stop.is_set():
+        fb = await tc.forward_backward_async(data, "cross_entropy")
+        optim = await tc.optim_step_async(ADAM)
+        await fb
+        await optim
+        log.done.append(time.perf_counter())
+        log.fb_ids.append(fb.request_id)
+        async with progress:
+            progress.notify_all()
+
+
+async def drive(clients: list[TrainingClient], data: list[Datum], size: Size,
+                args: argparse.Namespace, meter: CpuMeter) -> tuple[list[StepLog], Window]:
+    """Every client trains; the window opens once each has done `size.warmup` steps and closes
+    after `size.seconds` once each has done `args.min_steps` more, or when `args.max_cell_s`
+    have passed since the start (cut short). A failing loop raises: the cell fails."""
+    logs = [StepLog() for _ in clients]
+    stop, progress = asyncio.Event(), asyncio.Condition()
+    loops = [asyncio.create_task(train(tc, data, log, stop, progress))
+             for tc, log in zip(clients, logs, strict=True)]
+    win: list[Window] = []  # the window as far as it got
+
+    async def window() -> None:
+        async with progress:
+            await progress.wait_for(lambda: all(len(g.done) >= size.warmup for g in logs))
+        win.append(Window(time.perf_counter(), 0.0, 0.0, cut_short=True, mark=meter.mark()))
+        await asyncio.sleep(size.seconds)
+        async with progress:
+            await progress.wait_for(
+                lambda: all(len(g.in_window(win[0].t0, time.perf_counter())) >= args.min_steps
+                            for g in logs))
+        win[0].t1, win[0].cut_short = time.perf_counter(), False
+
+    timer = asyncio.create_task(window())
+    try:
+        done, _ = await asyncio.wait([timer, *loops], timeout=args.max_cell_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()  # a loop only ends early by raising: surface it
+        if not win:
+            raise TimeoutError(f"the models did not finish warming up in {args.max_cell_s:.0f} s")
+        if win[0].cut_short:
+            print(f"warning: window cut short at {args.max_cell_s:.0f} s", file=sys.stderr)
+            win[0].t1 = time.perf_counter()
+        timer.cancel()
+        if win[0].mark is not None:
+            win[0].foreign = meter.foreign_since(win[0].mark)
+        stop.set()
+        await asyncio.gather(*loops)
+    finally:
+        for task in [timer, *loops]:
+            task.cancel()
+    return logs, win[0]
+
+
+def step_rates(logs: list[StepLog], win: Window) -> list[float]:
+    """Each model's steps per second between its first and last step in the window."""
+    rates = []
+    for log in logs:
+        times = [log.done[i] for i in log.in_window(win.t0, win.t1)]
+        span = times[-1] - times[0] if len(times) >= 2 else 0.0
+        rates.append((len(times) - 1) / span if span > 0 else 0.0)
+    return rates
+
+
+def ops_per_pass(redis_url: str, keys: Keys, logs: list[StepLog], win: Window) -> float | None:
+    """forward_backward ops per compute pass on one worker: ops whose Redis-clock
+    [started_at, finished_at] overlap ran in one pass (one compute thread runs one at a time)."""
+    ids = [log.fb_ids[i] for log in logs for i in log.in_window(win.t0, win.t1)]
+    spans = sorted(t[1:] for t in job_times(redis_url, keys, ids) if t is not None)
+    if not spans:
+        return None
+    passes, end = 0, float("-inf")
+    for start, finish in spans:
+        if start >= end:  # no overlap with the pass so far: a new pass
+            passes, end = passes + 1, finish
+        else:
+            end = max(end, finish)
+    return len(spans) / passes
+
+
+# --- one cell: a mode at a model count ---------------------------------------------------------
+def cell_env(mode: str, models: int) -> dict[str, str]:
+    """What the mode's worker processes get on top of the deployment's settings."""
+    if mode == PROCESSES:
+        # Each process's best case: threads enough to share the cores out, never more.
+        return {BATCH_ENV: "1", "OMP_NUM_THREADS": str(max(1, CORES // models))}
+    return {BATCH_ENV: "1" if mode == BATCHED else "0"}
+
+
+def run_cell(args: argparse.Namespace, size: Size, mode: str, models: int, database_url: str,
+             data_dir: Path, threads: int) -> Cell:
+    """Fresh workers and N fresh models; drive them; the cell."""
+    data = make_data(token_rows(StepSize(size.label, size.model, size.batch, size.seq, 1, 0)))
+    env = cell_env(mode, models)
+    deployments = models if mode == PROCESSES else 1
+    tag = f"{size.label}-{mode.replace(' ', '-')}-{models}"
+    with contextlib.ExitStack() as stack:
+        prefixes = [stack.enter_context(fresh_prefix(args.redis_url, f"tput-{tag}"))
+                    for _ in range(deployments)]
+        settings = [make_settings(args.redis_url, database_url, p, data_dir) for p in prefixes]
+        logs = [data_dir / f"worker-{tag}-{i}.log" for i in range(deployments)]
+        began = time.perf_counter()
+        procs = stack.enter_context(lora_workers(settings, size.model, logs, env))
+        print(f"    {mode}, {models} models: {deployments} worker(s) ready in "
+              f"{time.perf_counter() - began:.0f} s", flush=True)
+        services = [ServiceClient(s) for s in settings]
+        for service in services:
+            stack.callback(close_client, service)
+        clients = [services[i % deployments].create_lora_training_client(
+                       size.model, rank=RANK, seed=i) for i in range(models)]
+        meter = CpuMeter([os.getpid(), *(p.pid for p in procs)])
+        step_logs, win = asyncio.run(drive(clients, data, size, args, meter))
+        passes = None if mode == PROCESSES else ops_per_pass(
+            args.redis_url, Keys(prefixes[0]), step_logs, win)
+    cell = Cell(mode, models, size.tokens, step_rates(step_logs, win), win.t1 - win.t0,
+                sum(len(g.in_window(win.t0, win.t1)) for g in step_logs), win.foreign,
+                int(env.get("OMP_NUM_THREADS", threads)), passes, win.cut_short)
+    print(f"    {mode}, {models} models: {cell.tokens_per_s:,.0f} tokens/s over "
+          f"{cell.window_s:.1f} s ({cell.steps} steps, ops per pass {passes or 1:.1f}, other "
+          f"processes {cell.foreign:.2f} cores)", flush=True)
+    return cell
+
+
+def bare_tokens_per_s(size: Size, models_dir: Path, steps: int) -> tuple[float, int, int]:
+    """The bare PEFT loop on one model in this process: tokens/s of its median step, and the
+    base model's and the LoRA's parameter counts."""
+    rows = token_rows(StepSize(size.label, size.model, size.batch, size.seq, 1, 0))
+    bare = BareLoop(size.model, models_dir, rows)
+    bare.timed(2)  # warm-up
+    median = statistics.median(t for t, _ in bare.timed(steps))
+    return size.tokens / median, bare.params, bare.lora_params
+
+
+def measure_size(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path,
+                 threads: int) -> SizeResult:
+    ensure_builtin_model(size.model, data_dir / "models")  # once, not by every worker at once
+    bare, params, lora = bare_tokens_per_s(size, data_dir / "models", args.bare_steps)
+    result = SizeResult(size, params, lora, bare)
+    print(f"[{size.label}] {size.model}: bare PEFT loop {bare:,.0f} tokens/s", flush=True)
+    for models in size.counts:
+        for mode in MODES:
+            if mode == PROCESSES and models > size.max_processes:
+                print(f"    {mode}, {models} models: skipped (more than {size.max_processes} "
+                      "processes)", flush=True)
+                continue
+            try:
+                result.cells.append(run_cell(args, size, mode, models, database_url,
+                                             data_dir, threads))
+            except (QueueTinkerError, TimeoutError) as exc:
+                # One broken cell (an op the worker failed) costs that cell, not the run.
+                print(f"    {mode}, {models} models: FAILED: {exc}", file=sys.stderr, flush=True)
+                result.failures.append(f"{mode}, {models} models: {type(exc).__name__}: "
+                                       f"{str(exc)[:300]}")
+    return result
+
+
+# --- main --------------------------------------------------------------------------------------
+# Most worker processes the per-model mode starts: a 100M worker holds ~1 GB.
+SIZES = {"tiny": ("queue-tinker/tiny-llama", 16), "100m": ("queue-tinker/llama-100m", 8)}
+
+
+def sizes(args: argparse.Namespace) -> list[Size]:
+    return [Size(label, SIZES[label][0], args.batch[0], args.batch[1], tuple(args.counts),
+                 args.warmup if label == "tiny" else args.big_warmup,
+                 args.seconds if label == "tiny" else args.big_seconds, SIZES[label][1])
+            for label in args.models]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.train_throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
+    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
+                                                                 DEFAULT_POSTGRES),
+                        help="admin URL; a scratch database is created beside it")
+    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 4, 8, 16],
+                        help="how many models train at once")
+    parser.add_argument("--batch", type=int, nargs=2, default=[4, 64],
+                        metavar=("DATUMS", "TOKENS"))
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="steps per model before the window, tiny model")
+    parser.add_argument("--big-warmup", type=int, default=1, help="the same, 100M")
+    parser.add_argument("--min-steps", type=int, default=3,
+                        help="steps every model finishes in the window (2 at least)")
+    parser.add_argument("--seconds", type=float, default=10, help="least window, tiny model")
+    parser.add_argument("--big-seconds", type=float, default=15, help="least window, 100M")
+    parser.add_argument("--max-cell-s", type=float, default=300,
+                        help="close a cell's window after this long (reported as cut short)")
+    parser.add_argument("--bare-steps", type=int, default=10, help="bare PEFT loop steps")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="where models are built and checkpoints and logs go (default: a "
+                        "temp dir); reuse one to skip building the 100M model")
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
+    parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.counts, args.warmup, args.min_steps = ["tiny"], [1, 2], 2, 2
+        args.seconds, args.bare_steps, args.no_docs = 2, 3, True
+    if args.min_steps < 2:
+        parser.error("--min-steps must be at least 2 (a rate needs two steps)")
+    return args
+
+
+def batching_note() -> str:
+    """Whether this build's worker knows the batching switch: without it the first two modes
+    run the same code."""
+    if "cross_adapter_batch" in Settings.model_fields:
+        return f"Cross-adapter batching switched by `{BATCH_ENV}` in the workers' environment."
+    return (f"**This build's worker has no cross-adapter batching** (no `{BATCH_ENV}` "
+            "setting): the batched and one-at-a-time columns ran the same code.")
+
+
+def run(args: argparse.Namespace, data_dir: Path) -> tuple[list[SizeResult], int]:
+    with scratch_database(args.postgres_url) as database_url:
+        probe = make_settings(args.redis_url, database_url, "qt-bench-probe", data_dir)
+        threads = worker_threads(probe)["worker compute thread"]
+        torch.set_num_threads(threads)  # the bare loop computes like the worker
+        results = [measure_size(args, size, database_url, data_dir, threads)
+                   for size in sizes(args)]
+    return results, threads
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    began = time.perf_counter()
+    transformers_logging.disable_progress_bar()
+    info = machine(args.redis_url, args.postgres_url, packages=("torch", "transformers", "peft"))
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    print(batching_note(), flush=True)
+    with contextlib.ExitStack() as stack:
+        data_dir = args.data_dir or Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="qt-bench-tput-")))
+        data_dir.mkdir(parents=True, exist_ok=True)
+        results, threads = run(args, data_dir)
+    total_s = time.perf_counter() - began
+    print_table(results)
+    print(f"total {total_s:.0f} s")
+    if args.json is not None:
+        args.json.write_text(results_json(info, results))
+    if not args.no_docs:
+        method = {"rank": str(RANK), "warmup": f"{args.warmup} (tiny) / {args.big_warmup} (100M)",
+                  "min_steps": str(args.min_steps),
+                  "seconds": f"{args.seconds:g} s (tiny) / {args.big_seconds:g} s (100M)"}
+        info = {**info, "torch threads per worker": f"{threads} (process per model: "
+                f"max(1, {CORES} ÷ N))"}
+        write_docs(args.docs, render(info, results, method, batching_note(), total_s),
+                   heading=SECTION)
+        print(f"wrote {args.docs}")
+    return 1 if any(r.failures for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

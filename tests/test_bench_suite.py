@@ -1,0 +1,93 @@
+"""The benchmark suite's command line and bench.mfu's parameter and FLOPs counts (no benchmark
+runs here: they take minutes; `python -m bench --quick` is their smoke run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import suite
+from bench.mfu import (
+    BASE_NAME,
+    SHAPES,
+    Shape,
+    build_model,
+    flops_per_token,
+    lora_params,
+    matmul_params,
+    peak_tflops,
+    total_params,
+)
+from queue_tinker.types.training import LoraConfig
+from workers.adapters import AdapterPool, target_modules
+
+TINY = Shape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=300)
+
+
+def test_default_set_leaves_out_soak_and_only_picks_in_order() -> None:
+    """No --only: every benchmark but the soak; --only: the named ones, in suite order."""
+    assert [b.name for b in suite.chosen(suite.parse_args([]))] == [
+        "queue", "train_step", "train_throughput", "sampling", "gateway", "mfu"]
+    args = suite.parse_args(["--quick", "--only", "mfu", "soak", "queue"])
+    assert args.quick
+    assert [b.name for b in suite.chosen(args)] == ["queue", "mfu", "soak"]
+
+
+def test_unknown_benchmark_name_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--only", "nope"])
+
+
+def test_commands_fill_in_the_data_dir_and_skip_mfu_without_a_gpu() -> None:
+    """A full mfu run needs CUDA (None without); its quick run smoke-tests on the CPU."""
+    benches = {b.name: b for b in suite.BENCHES}
+    data = Path("/tmp/data")
+    argv = suite.command(benches["train_step"], False, data, cuda=False)
+    assert argv is not None and argv[1:] == ["-m", "bench.train_step", "--data-dir", "/tmp/data"]
+    assert suite.command(benches["mfu"], False, data, cuda=False) is None
+    assert suite.command(benches["mfu"], True, data, cuda=False) is not None
+    assert suite.command(benches["mfu"], False, data, cuda=True) is not None
+
+
+def test_header_replaces_only_what_comes_before_the_first_section(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\nold head\n\n## A\n\nkept\n")
+    suite.write_header(docs, "# Benchmarks\n\nnew head\n")
+    assert docs.read_text() == "# Benchmarks\n\nnew head\n\n## A\n\nkept\n"
+
+
+def test_llama_3_1_8b_counts() -> None:
+    """Llama-3.1-8B has 8,030,261,248 parameters; the LoRA FLOPs per token at rank 32 on every
+    linear, 2048 tokens: 4·N_mm + 6·N_lora + 12·L·d·T, worked out by hand."""
+    shape = SHAPES["llama-3.1-8b"]
+    assert total_params(shape) == 8_030_261_248
+    assert matmul_params(shape) == 8_030_261_248 - 128_256 * 4096 - 65 * 4096
+    n_lora = lora_params(shape, 32, list(shape.linears()))
+    assert n_lora == 32 * 2_621_440 + 32 * (4096 + 128_256)
+    flops = flops_per_token(shape, 2048, n_lora)
+    assert flops["lora"] == 4 * 7_504_658_432 + 6 * 88_121_344 + 12 * 32 * 4096 * 2048
+    assert flops["6N"] == 6 * 8_030_261_248
+
+
+def test_counts_match_the_built_model_and_its_adapter() -> None:
+    """The formulas' parameter counts against the model built from the config and a LoRA added
+    through the worker's AdapterPool."""
+    model = build_model(TINY, "cpu", torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == total_params(TINY)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(m.weight.numel() for m in linears) == matmul_params(TINY)
+    pool = AdapterPool(model, BASE_NAME, max_resident=2)
+    config = LoraConfig(rank=8)
+    adapter = pool.add("m", "t", config, seed=0)
+    targets = target_modules(pool.linear_names, config)
+    assert sum(p.numel() for p in adapter.params.values()) == lora_params(TINY, 8, targets)
+
+
+def test_peak_table() -> None:
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA H200") == 989.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA GeForce RTX 4090") is None
