@@ -53,7 +53,7 @@ BENCHES: tuple[Bench, ...] = (
           ("--quick", "--data-dir", DATA_DIR), 150,
           "one training step through the service against the bare PEFT loop"),
     Bench("train_throughput", "bench.train_throughput", ("--data-dir", DATA_DIR),
-          ("--quick", "--data-dir", DATA_DIR), 720,
+          ("--quick", "--data-dir", DATA_DIR), 900,
           "aggregate training tokens/s of 1-16 models: batched, one at a time, a process each"),
     # Its quick run on the tiny model alone: at 100M even a smoke run takes minutes.
     Bench("sampling", "bench.sampling", (), ("--quick", "--models", "queue-tinker/tiny-llama"),

@@ -3,7 +3,8 @@ ways: one worker with cross-adapter batching on, one worker with it off, one wor
 
 For each base model (queue-tinker/tiny-llama, queue-tinker/llama-100m) and each N (1, 4, 8, 16):
 N `TrainingClient`s (rank-32 LoRA each) run forward_backward + optim_step steps without pause,
-concurrently, on a fixed batch (4 datums × 64 tokens), against real worker processes, the local
+concurrently, on a fixed batch (1 × 32 and 4 × 64 datums × tokens on the tiny model, 4 × 64 on
+the 100M; `--shapes` picks others), against real worker processes, the local
 Redis and a scratch Postgres database:
 
 - batched: one worker, `QT_CROSS_ADAPTER_BATCH=1` (the default);
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -261,15 +263,28 @@ def measure_size(args: argparse.Namespace, size: Size, database_url: str, data_d
 
 
 # --- main --------------------------------------------------------------------------------------
-# Most worker processes the per-model mode starts: a 100M worker holds ~1 GB.
-SIZES = {"tiny": ("queue-tinker/tiny-llama", 16), "100m": ("queue-tinker/llama-100m", 8)}
+# Per base model: the most worker processes the per-model mode starts (a 100M worker holds
+# ~1 GB) and the step shapes (datums, tokens) measured by default: on the tiny model a small
+# step, whose compute is mostly per-op overhead, and a bigger one, closer to compute-bound.
+SIZES: dict[str, tuple[str, int, tuple[tuple[int, int], ...]]] = {
+    "tiny": ("queue-tinker/tiny-llama", 16, ((1, 32), (4, 64))),
+    "100m": ("queue-tinker/llama-100m", 8, ((4, 64),)),
+}
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'4x64' as (4 datums, 64 tokens)."""
+    match = re.fullmatch(r"(\d+)[x×](\d+)", text)
+    if match is None or min(int(match[1]), int(match[2])) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected DATUMSxTOKENS, e.g. 4x64")
+    return int(match[1]), int(match[2])
 
 
 def sizes(args: argparse.Namespace) -> list[Size]:
-    return [Size(label, SIZES[label][0], args.batch[0], args.batch[1], tuple(args.counts),
+    return [Size(f"{label}-{batch}x{seq}", SIZES[label][0], batch, seq, tuple(args.counts),
                  args.warmup if label == "tiny" else args.big_warmup,
                  args.seconds if label == "tiny" else args.big_seconds, SIZES[label][1])
-            for label in args.models]
+            for label in args.models for batch, seq in (args.shapes or SIZES[label][2])]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -282,8 +297,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 4, 8, 16],
                         help="how many models train at once")
-    parser.add_argument("--batch", type=int, nargs=2, default=[4, 64],
-                        metavar=("DATUMS", "TOKENS"))
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=None,
+                        metavar="DATUMSxTOKENS",
+                        help="the step shapes to measure on every model (default: 1x32 and "
+                        "4x64 on the tiny model, 4x64 on the 100M)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="steps per model before the window, tiny model")
     parser.add_argument("--big-warmup", type=int, default=1, help="the same, 100M")
@@ -304,6 +321,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.counts, args.warmup, args.min_steps = ["tiny"], [1, 2], 2, 2
+        args.shapes = args.shapes or [(1, 32)]
         args.seconds, args.bare_steps, args.no_docs = 2, 3, True
     if args.min_steps < 2:
         parser.error("--min-steps must be at least 2 (a rate needs two steps)")

@@ -104,7 +104,7 @@ def verdict(r: SizeResult) -> str:
     if speedup is None:
         return f"`{r.size.model}`: not measured at {TARGET_MODELS} models"
     met = "met" if speedup >= TARGET_CPU else "not met"
-    return f"`{r.size.model}` {speedup:.2f}× (**{met}**)"
+    return f"`{r.size.model}`, {r.size.batch} × {r.size.seq}: {speedup:.2f}× (**{met}**)"
 
 
 def table_lines(r: SizeResult) -> list[str]:
@@ -173,8 +173,10 @@ INTRO = (
     "tc.optim_step_async(adam); await fb; await opt` without pause, all N concurrently from one "
     "asyncio loop in the benchmark process, against real worker processes (`python -m "
     "queue_tinker.cli worker --engine lora --device cpu`), the local Redis and a scratch "
-    "Postgres database. Every step trains on a fixed batch of {batch} datums × {seq} tokens "
-    "({tokens} tokens: the size of a small RL or SFT step). Three ways to serve them:")
+    "Postgres database. Every step trains on a fixed batch, datums × tokens in each table's "
+    "title: 1 × 32 is a small step (a single short RL rollout), whose CPU time is mostly the "
+    "per-op costs batching shares; 4 × 64 is a bigger step, closer to compute-bound on a CPU. "
+    "Three ways to serve them:")
 MODE_TEXT = [
     f"- **{BATCHED}**: one worker process, cross-adapter batching on "
     "(`QT_CROSS_ADAPTER_BATCH=1`): forward_backward ops of different models that wait at the "
@@ -202,10 +204,8 @@ METHOD = (
 def render(info: dict[str, str], results: list[SizeResult], method: dict[str, str],
            batching: str, total_s: float) -> str:
     """The docs section, in Markdown."""
-    first = results[0].size
     lines = [SECTION, "",
-             INTRO.format(rank=method["rank"], batch=first.batch, seq=first.seq,
-                          tokens=first.tokens), "", *MODE_TEXT, "",
+             INTRO.format(rank=method["rank"]), "", *MODE_TEXT, "",
              METHOD.format(**method), "",
              "Reproduce (`--quick` is a smoke run that leaves this file alone; `--models` picks "
              "the sizes, `--counts` the model counts):", "", "```", COMMAND, "```", "",
