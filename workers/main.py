@@ -40,6 +40,7 @@ ENGINES = ("lora", "queue-only")
 def build_engine(settings: Settings, engine: str, base_model: str, device: str) -> Engine:
     if engine == "queue-only":
         return QueueOnlyEngine()
+    from queue_tinker.types.request_limits import RequestLimits
     from workers.lora_engine import LoraEngine  # torch and friends load only here
 
     return LoraEngine(
@@ -47,6 +48,7 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
         max_resident=settings.max_resident_adapters,
         snapshot_every=settings.snapshot_every_steps,
         max_batch_sequences=settings.sample_batch_sequences,
+        request_limits=RequestLimits.of(settings),
         cross_adapter_batch=settings.cross_adapter_batch,
         train_batch_tokens=settings.train_batch_tokens,
     )
