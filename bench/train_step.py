@@ -327,7 +327,11 @@ def measure_size(args: argparse.Namespace, size: Size, database_url: str, data_d
                             {"bare": torch.get_num_threads(), **worker_threads(settings)},
                             load=[load1()])
         began = time.perf_counter()
-        with lora_worker(settings, size.model, data_dir / f"worker-{size.label}.log") as proc:
+        # Batching off: its one model has nothing to batch with, and a batch would start and
+        # finish the step's two ops together, hiding the stage split (train_throughput
+        # measures batching).
+        with lora_worker(settings, size.model, data_dir / f"worker-{size.label}.log",
+                         {"QT_CROSS_ADAPTER_BATCH": "0"}) as proc:
             print(f"    worker ready in {time.perf_counter() - began:.0f} s", flush=True)
             service = ServiceClient(settings)
             try:
