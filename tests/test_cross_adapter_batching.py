@@ -422,3 +422,41 @@ def test_optimizer_steps_of_many_adapters_equal_torch_adamw_one_at_a_time() -> N
             torch.testing.assert_close(p.detach(), params[key].detach(), rtol=1e-6, atol=0)
             assert p.grad is None
     assert [a.step for a in adapters] == [4, 3, 2, 4, 3]
+
+
+def test_a_pass_that_fails_in_backward_leaves_every_models_gradients_as_they_were(
+        root: Path) -> None:
+    """A shared pass whose backward fails half-way (a hook raising on one tensor stands in for
+    running out of memory) fails its ops and puts back every model's gradients: pending ones
+    from an earlier op, and none where there were none; later ops then run as if it never
+    happened."""
+    driver = Driver(root, "failing-pass")
+    for model_id in ("m-held", "m-fresh"):
+        driver.create(model_id, LoraConfig(rank=4, seed=7))
+    driver.engine.execute(driver.make("m-held", OpKind.FORWARD_BACKWARD,
+                                      fb([datum("pending before the pass")])))
+    before = {k: p.grad.clone() for k, p in driver.engine.pool.adapters["m-held"]
+              .params.items()}
+    fresh = driver.engine.pool.adapters["m-fresh"]
+    assert not fresh.has_grads()
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+    # The base model's lowest LoRA tensor: its gradient comes last, after others were added.
+    victim = next(p for k, p in fresh.params.items() if "layers.0." in k and "lora_A" in k)
+    trains = victim.requires_grad
+    victim.requires_grad_(True)  # a hook needs it; the pass makes it so anyway
+    hook = victim.register_hook(fail)
+    victim.requires_grad_(trains)
+    try:
+        results = driver.batched([
+            driver.make("m-held", OpKind.FORWARD_BACKWARD, fb([datum("in the failing pass")])),
+            driver.make("m-fresh", OpKind.FORWARD_BACKWARD, fb([datum("also failing")]))])
+    finally:
+        hook.remove()
+    assert all(isinstance(r, RuntimeError) and "simulated" in str(r) for r in results)
+    held = driver.engine.pool.adapters["m-held"]
+    for key, p in held.params.items():
+        assert p.grad is not None and torch.equal(p.grad, before[key]), key
+    assert not fresh.has_grads()

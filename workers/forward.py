@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -68,6 +69,22 @@ def op_loss(
     outputs = [{"logprobs": TensorData.from_numpy(lp.detach().float().cpu().numpy())}
                for lp in logprobs]
     return loss, ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
+
+
+@contextmanager
+def grads_kept_on_error(adapters: Sequence[Adapter]) -> Iterator[None]:
+    """A backward that fails half-way (out of memory) has added to some tensors' .grad and not
+    to others: put every adapter's gradients back as they were, so a failed op leaves its
+    model (and, in a shared pass, every other model of the pass) as it found it. Only
+    gradients pending from earlier ops are copied, and most steps have none."""
+    kept = [(p, p.grad.clone() if p.grad is not None else None)
+            for adapter in adapters for p in adapter.params.values()]
+    try:
+        yield
+    except BaseException:
+        for p, grad in kept:
+            p.grad = grad
+        raise
 
 
 def forward_backward(

@@ -59,7 +59,7 @@ from workers.checkpoints import (
     write_state,
 )
 from workers.engine import BatchShare, OpResult, is_inline_ping, parse_body, run_ping
-from workers.forward import forward_backward, optim_steps
+from workers.forward import forward_backward, grads_kept_on_error, optim_steps
 from workers.sampling import SamplingOps
 from workers.train_batch import PassOp, padded_tokens, shared_pass
 
@@ -462,7 +462,8 @@ class LoraEngine:
         return self._run_batch(op, backward=False)
 
     def _forward_backward(self, adapter: Adapter, op: Op) -> OpResult:
-        return self._run_batch(op, backward=True)
+        with grads_kept_on_error([adapter]):
+            return self._run_batch(op, backward=True)
 
     def _run_batch(self, op: Op, *, backward: bool) -> OpResult:
         batch, config = self._checked_batch(op)

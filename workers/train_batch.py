@@ -23,7 +23,7 @@ from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardOutput
 from workers.adapters import Adapter, AdapterPool
-from workers.forward import op_loss, target_logprobs
+from workers.forward import grads_kept_on_error, op_loss, target_logprobs
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ def shared_pass(
     # build no graph of their own).
     trainable = {op.adapter.name for op in ops if op.backward}
     data = [datum for op in ops for datum in op.data]
-    with pool.shared([op.adapter for op in ops], trainable):
+    training = list({op.adapter.name: op.adapter for op in ops if op.backward}.values())
+    with pool.shared([op.adapter for op in ops], trainable), grads_kept_on_error(training):
         with torch.set_grad_enabled(bool(trainable)), \
                 row_blocks(pool.lora_layers(), _blocks(ops)):
             logprobs = target_logprobs(pool.model, data, device)
