@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from procs import gateway_process
 from redis.asyncio import Redis as AsyncRedis
 
 from queue_tinker.client import ServiceClient
@@ -142,6 +143,14 @@ def service(settings: Settings) -> Iterator[ServiceClient]:
     client = ServiceClient(settings)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(deployment: Settings) -> Iterator[str]:
+    """A `queue-tinker serve` process for the module's `deployment` fixture (each module that
+    drives a gateway process defines its deployment); its URL."""
+    with gateway_process(deployment, deployment.data_dir / "gateway.log") as url:
+        yield url
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from procs import gateway_process, lora_deployment, make_key
+from procs import lora_deployment, make_key
 from tinker.proto import tinker_public_pb2 as pb
 
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient
@@ -55,12 +55,6 @@ CONTROL_SEED = 11
 def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
     with lora_deployment(redis_url, database_url, TINY, **LIMITS) as settings_:
         yield settings_
-
-
-@pytest.fixture(scope="module")
-def gateway(deployment: Settings) -> Iterator[str]:
-    with gateway_process(deployment, deployment.data_dir / "gateway.log") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

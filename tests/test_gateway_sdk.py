@@ -23,7 +23,7 @@ import tinker
 import torch
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from procs import REPO, SDK_CLIENT_MARKS, free_port, gateway_process, lora_deployment, make_key
+from procs import REPO, SDK_CLIENT_MARKS, free_port, lora_deployment, make_key
 from sqlalchemy import text
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
@@ -46,12 +46,6 @@ def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
     with lora_deployment(redis_url, database_url, TINY,
                          seq_gap_timeout_s=SEQ_GAP_TIMEOUT_S) as settings:
         yield settings
-
-
-@pytest.fixture(scope="module")
-def gateway(deployment: Settings) -> Iterator[str]:
-    with gateway_process(deployment, deployment.data_dir / "gateway.log") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 import tinker
-from procs import SDK_CLIENT_MARKS, gateway_process, lora_deployment, make_key
+from procs import SDK_CLIENT_MARKS, lora_deployment, make_key
 from tinker import types as sdk
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -39,12 +39,6 @@ pytestmark = SDK_CLIENT_MARKS
 def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
     with lora_deployment(redis_url, database_url, TINY, **LIMITS) as settings:
         yield settings
-
-
-@pytest.fixture(scope="module")
-def gateway(deployment: Settings) -> Iterator[str]:
-    with gateway_process(deployment, deployment.data_dir / "gateway.log") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
