@@ -26,7 +26,7 @@ from queue_tinker.queue.connection import REDIS_DOWN, connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.recorder import RecorderThread
 from queue_tinker.settings import Settings
-from queue_tinker.store.db import make_engine, refused, session_factory
+from queue_tinker.store.db import make_engine, session_factory, unreachable
 
 # How long a client told "503: a store is away" should wait before it tries again.
 OUTAGE_RETRY_AFTER_S = 2
@@ -84,7 +84,7 @@ def create_app(settings: Settings) -> FastAPI:
                             status_code=503,
                             headers={"Retry-After": str(OUTAGE_RETRY_AFTER_S)})
 
-    for outage in (*REDIS_DOWN, DBAPIError, ConnectionError):
+    for outage in (*REDIS_DOWN, DBAPIError, ConnectionError, TimeoutError):
         app.add_exception_handler(outage, store_outage)
 
     @app.get("/healthz")
@@ -112,8 +112,4 @@ def outage_of(exc: BaseException) -> str | None:
     """'Redis' or 'Postgres' when `exc` says that store is not answering, else None."""
     if isinstance(exc, REDIS_DOWN):
         return "Redis"
-    if isinstance(exc, DBAPIError) and not refused(exc):
-        return "Postgres"
-    if isinstance(exc, ConnectionError):  # asyncpg's connect refused or reset (an OSError)
-        return "Postgres"
-    return None
+    return "Postgres" if unreachable(exc) else None

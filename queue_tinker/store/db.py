@@ -6,7 +6,7 @@ import re
 
 from sqlalchemy import text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -94,9 +94,25 @@ async def drop_database(admin_url: str, name: str) -> None:
     await _admin_execute(admin_url, f'DROP DATABASE IF EXISTS "{_checked_name(name)}" WITH (FORCE)')
 
 
+def unreachable(exc: BaseException) -> bool:
+    """Postgres did not answer (down, restarting, a connection cut or timed out), as opposed
+    to refusing what it was sent or a bug in the statement. asyncpg's connect raises plain
+    OSErrors (refused, reset) and TimeoutError (CONNECT_TIMEOUT_S, COMMAND_TIMEOUT_S)."""
+    if isinstance(exc, DBAPIError):
+        # A cut connection, or Postgres saying it cannot serve (SQLSTATE 08 connection
+        # exception, 53 insufficient resources, 57 operator intervention: shutting down).
+        return (exc.connection_invalidated or isinstance(exc, InterfaceError)
+                or _sqlstate(exc)[:2] in ("08", "53", "57"))
+    return isinstance(exc, ConnectionError | TimeoutError)
+
+
+def _sqlstate(exc: DBAPIError) -> str:
+    return str(getattr(exc.orig, "sqlstate", "") or "")
+
+
 def refused(exc: DBAPIError) -> bool:
     """Postgres refused the data itself (a constraint, or a value it cannot store, such as a
     NUL character: SQLSTATE classes 23 and 22), as opposed to an outage."""
     if isinstance(exc, IntegrityError | DataError):
         return True
-    return str(getattr(exc.orig, "sqlstate", "") or "")[:2] in ("22", "23")
+    return _sqlstate(exc)[:2] in ("22", "23")
