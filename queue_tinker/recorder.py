@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from queue_tinker.queue.connection import connect
+from queue_tinker.queue.connection import connect, describe
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import Entry, RecordLog
 from queue_tinker.store.db import make_engine, refused, session_factory
@@ -33,6 +33,7 @@ WRITE_INTERVAL_S = 0.2
 STALE_MS = 30_000  # a recorder silent this long is presumed dead; its entries are taken over
 # A consumer silent this long with nothing pending is a recorder that is gone: forgotten.
 GONE_MS = 600_000
+FORGET_EVERY_S = 60.0
 # How often a busy recorder looks for such entries (an idle one looks after every empty read).
 # A recorder always has new events under steady load, so without this a dead one's entries
 # would wait for the first quiet second, which a busy deployment may never have.
@@ -61,6 +62,7 @@ class Recorder:
         failing_side = "Postgres"
         loop = asyncio.get_running_loop()
         take_over_at = loop.time() + TAKE_OVER_EVERY_S
+        forget_at = loop.time() + FORGET_EVERY_S
         while not self._stopping.is_set():
             try:
                 if not grouped:
@@ -70,6 +72,9 @@ class Recorder:
                 if not wrote or loop.time() >= take_over_at:
                     take_over_at = loop.time() + TAKE_OVER_EVERY_S
                     wrote += await self._take_over_stale()
+                if loop.time() >= forget_at:  # listing the group costs: once a minute
+                    forget_at = loop.time() + FORGET_EVERY_S
+                    await self.log.forget_gone(self.consumer, min_idle_ms=GONE_MS)
                 backoff = 0.0
                 if failing_since is not None and wrote:  # a write went through, not a no-op
                     log.info("recorder: %s is back after %.0fs; %d events still to write",
@@ -84,12 +89,11 @@ class Recorder:
                 if failing_since is None:
                     failing_since = loop.time()
                 backoff = min(MAX_BACKOFF_S, max(0.25, backoff * 2))
-                reason = str(exc).splitlines()[0][:200]
                 # Either side may be away: say which, so an operator looks at the right one.
                 failing_side = "Redis" if isinstance(exc, RedisError) else "Postgres"
                 action = "read" if failing_side == "Redis" else "write"
-                log.warning("recorder: %s %s failed (%s: %s); retrying in %.2fs",
-                            failing_side, action, type(exc).__name__, reason, backoff)
+                log.warning("recorder: %s %s failed (%s); retrying in %.2fs",
+                            failing_side, action, describe(exc), backoff)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), backoff)
 
@@ -109,8 +113,6 @@ class Recorder:
     async def _take_over_stale(self) -> int:
         entries = await self.log.claim_stale(self.consumer, min_idle_ms=STALE_MS, count=BATCH)
         await self._write(entries)
-        if not entries:  # the dead consumers' entries are all taken: forget the consumers
-            await self.log.forget_gone(self.consumer, min_idle_ms=GONE_MS)
         return len(entries)
 
     async def _write(self, entries: list[Entry]) -> None:

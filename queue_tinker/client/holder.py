@@ -17,7 +17,13 @@ from queue_tinker.client.future import APIFuture
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.queue_state import QueueStateWatch
 from queue_tinker.errors import ErrorCategory, RequestFailedError
-from queue_tinker.queue.connection import REDIS_DOWN, RedisUnavailableError, connect, describe
+from queue_tinker.queue.connection import (
+    MAX_RETRY_DELAY_S,
+    REDIS_DOWN,
+    RedisUnavailableError,
+    connect,
+    describe,
+)
 from queue_tinker.queue.jobs import Enqueued, JobOutcome, JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
@@ -129,7 +135,7 @@ class ClientHolder:
                 log.warning("%s: Redis unreachable (%s); retrying in %.2fs", what,
                             describe(exc), delay)
                 await asyncio.sleep(delay)  # backoff, not a wait for an event
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
     async def submit_for_thread(
         self,

@@ -193,12 +193,12 @@ class Dispatcher:
             owned = await pipe.execute()
         orphans = {m: time.time() * 1000 for m, has_owner in zip(pending, owned, strict=True)
                    if not has_owner}
-        if orphans:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zadd(self.keys.offers(self.base_model), orphans, nx=True)
-                pipe.xadd(self.keys.offer_bell(self.base_model), {"m": "orphans"}, maxlen=100,
-                          approximate=True)
-                await pipe.execute()
+        # Ring the bell only for models not on offer already (as offer() in common.lua does):
+        # every reaper runs this every few seconds, and each ring wakes every idle worker.
+        if orphans and await self.redis.zadd(self.keys.offers(self.base_model), orphans,
+                                             nx=True):
+            await self.redis.xadd(self.keys.offer_bell(self.base_model), {"m": "orphans"},
+                                  maxlen=100, approximate=True)
         return len(orphans)
 
     async def parked_tenants(self, tenants: set[str]) -> set[str]:

@@ -22,7 +22,12 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from queue_tinker.errors import ResultExpiredError
-from queue_tinker.queue.connection import REDIS_DOWN, RedisUnavailableError, describe
+from queue_tinker.queue.connection import (
+    MAX_RETRY_DELAY_S,
+    REDIS_DOWN,
+    RedisUnavailableError,
+    describe,
+)
 from queue_tinker.queue.jobs import JobOutcome, JobQueue, outcome_from_fields
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import JobStatus
@@ -35,7 +40,6 @@ SWEEP_INTERVAL_S = 5.0
 # Waiting futures fail once Redis has been unreachable this long (the same window a submit
 # retries for): a caller blocked on .result() hears of the outage instead of hanging.
 OUTAGE_LIMIT_S = 30.0
-RECONNECT_MAX_DELAY_S = 2.0
 
 
 class _PubSub(PubSub):
@@ -193,7 +197,7 @@ class ResultListener:
             log.debug("results: Redis still unreachable (%s); retrying in %.2fs",
                       describe(exc), delay)
             await asyncio.sleep(delay)  # backoff between connection attempts
-            delay = min(delay * 2, RECONNECT_MAX_DELAY_S)
+            delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
     def _on_reply(self, message: dict[str, Any]) -> None:
         if self._resync:
