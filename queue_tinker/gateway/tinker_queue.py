@@ -16,6 +16,7 @@ from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.queue.results import ResultListener
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind
+from queue_tinker.types.request_limits import RequestLimits
 
 SESSION_TTL_S = 7 * 86_400  # renewed by every heartbeat
 
@@ -34,6 +35,7 @@ class GatewayQueue:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        self.limits = RequestLimits.of(settings)  # QT_MAX_*: what one request may hold
         self.jobs = JobQueue(redis, keys, result_ttl_s=settings.result_ttl_s)
         self.results = ResultListener(redis, keys, self.jobs)
         self.registry = WorkerRegistry(redis, keys)

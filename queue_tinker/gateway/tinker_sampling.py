@@ -15,7 +15,7 @@ from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
 from queue_tinker.gateway.tinker_types import CreateSamplingSessionRequest, SampleRequest
 from queue_tinker.queue import runs
 from queue_tinker.types import JobStatus, OpKind
-from queue_tinker.types.request_limits import RequestLimits, encode_request
+from queue_tinker.types.request_limits import encode_request
 from queue_tinker.types.sampling import sample_input
 
 # create_sampling_session answers synchronously; it waits this long for a worker to check the
@@ -53,7 +53,7 @@ async def asample(body: SampleRequest, gq: Queue, tenant: Tenant) -> dict[str, A
     for field in UNSUPPORTED:
         if getattr(body, field):
             raise UserInputError(f"{field}: not supported by this service (send 0 / none)")
-    limits = RequestLimits.of(gq.settings)
+    limits = gq.limits
     sample = sample_input(body.prompt, body.num_samples, body.sampling_params,
                           body.prompt_logprobs or body.prompt_logprobs_last_n is not None,
                           info["model_path"], limits=limits)

@@ -101,7 +101,7 @@ async def forward_backward(request: Request, gq: Queue, tenant: Tenant) -> dict[
     if parsed.seq_id < 1:
         raise UserInputError(f"seq_id: must be >= 1, got {parsed.seq_id}")
     kind = OpKind.FORWARD if parsed.forward_only else OpKind.FORWARD_BACKWARD
-    limits = RequestLimits.of(gq.settings)
+    limits = gq.limits
     return await ordered(gq, tenant, parsed.model_id, parsed.seq_id, kind,
                          lambda: batch_payload(lambda: parsed.batch(limits), limits))
 
@@ -124,7 +124,7 @@ async def json_forward_backward(raw: Any, gq: GatewayQueue, tenant: str) -> dict
     body = validated(JsonForwardBackwardRequest, "", raw)
     field = "forward_input" if body.forward_input is not None else "forward_backward_input"
     kind = OpKind.FORWARD if body.forward_input is not None else OpKind.FORWARD_BACKWARD
-    limits = RequestLimits.of(gq.settings)
+    limits = gq.limits
     return await ordered(gq, tenant, body.model_id, body.seq_id, kind, lambda: batch_payload(
         lambda: validated(ForwardBackwardInput, field, getattr(body, field)), limits))
 
@@ -144,7 +144,7 @@ async def optim_step(body: OptimStepRequest, gq: Queue, tenant: Tenant) -> dict[
             raise UserInputError(f"optimizer_params: {kind!r} is not supported; send "
                                  "adam_params (this service trains with AdamW)")
         params = validated(AdamParams, "adam_params", body.adam_params)
-        return encode_request(params.model_dump(), RequestLimits.of(gq.settings))
+        return encode_request(params.model_dump(), gq.limits)
 
     return await ordered(gq, tenant, body.model_id, body.seq_id,
                          OpKind.OPTIM_STEP, payload)

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import InstrumentedAttribute
 
 from queue_tinker.store.models import Checkpoint, Request, TrainingRun
+from queue_tinker.store.queries import live_checkpoint
 from queue_tinker.types.enums import CheckpointKind, JobStatus, OpKind
 
 LOSS_METRIC = "loss:sum"  # what the worker's losses always report (workers/losses.py)
@@ -163,17 +164,12 @@ async def loss_curve(
     return points[-MAX_CURVE_POINTS:]
 
 
-def _live() -> Any:
-    return and_(Checkpoint.deleted_at.is_(None),
-                or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > func.now()))
-
-
 async def checkpoints(
     sessions: async_sessionmaker[AsyncSession], tenant: str | None, *, limit: int,
     run_id: str | None = None,
 ) -> list[dict[str, Any]]:
     """The newest live checkpoints (of one run, if given)."""
-    query = _scoped(select(Checkpoint).where(_live()), Checkpoint.tenant_id, tenant)
+    query = _scoped(select(Checkpoint).where(live_checkpoint()), Checkpoint.tenant_id, tenant)
     if run_id:
         query = query.where(Checkpoint.model_id == run_id)
     query = query.order_by(Checkpoint.created_at.desc(), Checkpoint.id).limit(limit)

@@ -53,7 +53,7 @@ async def get_training_run(
 # Every lookup below takes the tenant: another tenant's row reads exactly like a missing one.
 
 
-def _live() -> ColumnElement[bool]:
+def live_checkpoint() -> ColumnElement[bool]:
     """A checkpoint the user can still use: files not removed and its TTL not run out (the
     housekeeper may not have got to it yet)."""
     return and_(Checkpoint.deleted_at.is_(None),
@@ -94,7 +94,7 @@ async def newest_checkpoints(
     async with sessions() as session:
         rows = await session.scalars(
             select(Checkpoint)
-            .where(Checkpoint.model_id.in_(run_ids), _live())
+            .where(Checkpoint.model_id.in_(run_ids), live_checkpoint())
             .distinct(Checkpoint.model_id, Checkpoint.kind)
             .order_by(Checkpoint.model_id, Checkpoint.kind, Checkpoint.created_at.desc(),
                       Checkpoint.id.desc())
@@ -109,7 +109,8 @@ async def run_checkpoints(
     async with sessions() as session:
         rows = await session.scalars(
             select(Checkpoint)
-            .where(Checkpoint.model_id == run_id, Checkpoint.tenant_id == tenant_id, _live())
+            .where(Checkpoint.model_id == run_id, Checkpoint.tenant_id == tenant_id,
+                   live_checkpoint())
             .order_by(Checkpoint.created_at.desc(), Checkpoint.id)
         )
         return list(rows)
@@ -119,7 +120,7 @@ async def tenant_checkpoints(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, *, limit: int, offset: int
 ) -> tuple[list[Checkpoint], int]:
     """A page of the tenant's live checkpoints over all its runs, newest first, and the total."""
-    where = (Checkpoint.tenant_id == tenant_id, _live())
+    where = (Checkpoint.tenant_id == tenant_id, live_checkpoint())
     async with sessions() as session:
         total = await session.scalar(select(func.count()).select_from(Checkpoint).where(*where))
         rows = await session.scalars(
@@ -136,7 +137,7 @@ async def get_live_checkpoint(
     async with sessions() as session:
         return await session.scalar(
             select(Checkpoint).where(Checkpoint.id == checkpoint_id,
-                                     Checkpoint.tenant_id == tenant_id, _live())
+                                     Checkpoint.tenant_id == tenant_id, live_checkpoint())
         )
 
 
@@ -148,7 +149,8 @@ async def set_checkpoint_expiry(
     async with sessions() as session, session.begin():
         updated = await session.execute(
             update(Checkpoint)
-            .where(Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id, _live())
+            .where(Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id,
+                   live_checkpoint())
             .values(expires_at=expires_at)
             .returning(Checkpoint.id)
         )
