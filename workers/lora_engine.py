@@ -304,7 +304,11 @@ class LoraEngine:
             log.warning("model %s: not overwriting the snapshot at seq %d with older state "
                         "(seq %d)", adapter.model_id, stored.seq, adapter.last_seq)
             return
-        earlier = self._unpublished.get(adapter.model_id, {})
+        # Only ops the snapshot's state covers: an op after it (one that failed, leaving
+        # last_seq behind it) is run again by the next owner, not taken from here.
+        earlier = {seq: outcome for seq, outcome
+                   in self._unpublished.get(adapter.model_id, {}).items()
+                   if seq <= adapter.last_seq}
         meta = self._meta(adapter, kind="snapshot",
                           op_result=_result_to(result) if result is not None else None,
                           batch_results={str(seq): _outcome_to(outcome)
@@ -363,10 +367,15 @@ class LoraEngine:
             chunk.append((index, op, prepared))
         self._run_pass(chunk, outcomes)
 
+    def _admit_batched(self, op: Op) -> Adapter | OpResult:
+        """execute's checks of a training op, in its order: its size, then its model (or, for
+        an op the state already holds, its kept result)."""
+        check_request_bytes(len(op.payload), self.request_limits)
+        return self._admit(op)
+
     def _pass_op(self, op: Op) -> PassOp | OpResult:
         """execute's checks, in its order, and the op ready for a shared pass."""
-        check_request_bytes(len(op.payload), self.request_limits)
-        adapter = self._admit(op)
+        adapter = self._admit_batched(op)
         if isinstance(adapter, OpResult):
             return adapter
         batch, config = self._checked_batch(op)
@@ -395,20 +404,17 @@ class LoraEngine:
                          _pass_result(out, prepared.data, {"batch_models:max": models}))
 
     def _run_steps(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
-        """Ops of different models: the optim_steps in one optimizer call (_step), any other
-        op alone."""
+        """Optim_steps of different models (what follows a round's passes: batch_share takes
+        nothing else), in one optimizer call (_step)."""
         steps: list[tuple[int, Op, Adapter, AdamParams]] = []
         for index, op in ops:
-            if op.kind is not OpKind.OPTIM_STEP:
-                self._record(outcomes, index, op, self._attempt(op))
-                continue
+            assert op.kind is OpKind.OPTIM_STEP, op.kind
             if len(steps) >= self.pool.max_resident:
                 # Making one more model resident could evict one of these: step them first.
                 self._run_step_call(steps, outcomes)
                 steps = []
-            try:  # execute's checks, in its order
-                check_request_bytes(len(op.payload), self.request_limits)
-                adapter = self._admit(op)
+            try:
+                adapter = self._admit_batched(op)
                 if isinstance(adapter, OpResult):  # already applied: its kept result
                     self._record(outcomes, index, op, adapter)
                     continue
@@ -428,12 +434,6 @@ class LoraEngine:
             results = [exc] * len(steps)
         for (index, op, _, _), result in zip(steps, results, strict=True):
             self._record(outcomes, index, op, result)
-
-    def _attempt(self, op: Op) -> Outcome:
-        try:
-            return self.execute(op)
-        except Exception as exc:  # reported as this op's failure
-            return exc
 
     def _record(self, outcomes: list[Outcome | None], index: int, op: Op,
                 outcome: Outcome) -> None:

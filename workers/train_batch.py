@@ -56,10 +56,11 @@ def shared_pass(
     gradient). A failure of the pass itself raises."""
     # Every adapter with a backward op trains; a forward-only one does not (its rows then
     # build no graph of their own).
+    adapters = {op.adapter.name: op.adapter for op in ops}  # each model once
     trainable = {op.adapter.name for op in ops if op.backward}
     data = [datum for op in ops for datum in op.data]
-    training = list({op.adapter.name: op.adapter for op in ops if op.backward}.values())
-    with pool.shared([op.adapter for op in ops], trainable), grads_kept_on_error(training):
+    with pool.shared(adapters.values(), trainable), \
+            grads_kept_on_error([adapters[name] for name in trainable]):
         with torch.set_grad_enabled(bool(trainable)), \
                 row_blocks(pool.lora_layers(), _blocks(ops)):
             logprobs = target_logprobs(pool.model, data, device)
