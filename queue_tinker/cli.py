@@ -88,15 +88,14 @@ def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
     if not _redis_url(settings):
         return 2
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
+    from queue_tinker.queue.connection import REDIS_DOWN
     from queue_tinker.status_cli import run_status
 
     try:
         return asyncio.run(run_status(settings, as_json=args.json, watch_s=args.watch))
     except KeyboardInterrupt:  # how --watch ends
         return 0
-    except RedisConnectionError as exc:
+    except REDIS_DOWN as exc:  # refused, dropped or timed out
         print(f"cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
         return 1
 

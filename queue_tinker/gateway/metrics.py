@@ -159,7 +159,7 @@ def metrics_router(settings: Settings, keys: Keys) -> APIRouter:
         """Prometheus exposition of the deployment (every tenant: an operator's view)."""
         _check_token(request, settings.metrics_token)
         redis = request.app.state.redis
-        overview = await queue_overview(redis, keys, settings)
+        overview = await queue_overview(redis, keys, settings, tenants=False)  # not shown
         snapshot = await read_metrics(redis, keys)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(QueueCollector(overview, snapshot))

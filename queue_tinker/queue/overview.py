@@ -10,30 +10,31 @@ from typing import Any
 from redis.asyncio import Redis
 
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.limits import DEFAULT_TENANT_KEY, limits_dict, list_limits, read_limits
+from queue_tinker.queue.limits import DEFAULT_TENANT_KEY, limits_dict, read_limits
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.queue.state import model_state
 from queue_tinker.settings import Settings
 
 
 async def queue_overview(redis: Redis, keys: Keys, settings: Settings,
-                         tenant: str | None = None) -> dict[str, Any]:
-    """Workers, the queues of models with ops not yet published, and tenants' limit state;
-    `tenant` narrows queues and tenants to one tenant (None: everyone's)."""
+                         tenant: str | None = None, *, tenants: bool = True) -> dict[str, Any]:
+    """Workers, the queues of models with ops not yet published, and (`tenants`) tenants' limit
+    state; `tenant` narrows queues and tenants to one tenant (None: everyone's)."""
     registry = WorkerRegistry(redis, keys)
     live = await registry.live(settings.lease_ttl_ms * 3)
     served = sorted({w["base_model"] for w in live if "base_model" in w})
     queues = await _queues(redis, keys, served, tenant)
+    overview: dict[str, Any] = {"workers": [_worker(w) for w in live], "queues": queues}
+    if not tenants:
+        return overview
     if tenant is not None:
-        tenants = [tenant]
+        names = [tenant]
     else:  # everyone with queued work, or with limits of their own
-        tenants = sorted({q["tenant_id"] for q in queues}
-                         | (set(await list_limits(redis, keys)) - {DEFAULT_TENANT_KEY}))
-    return {
-        "workers": [_worker(w) for w in live],
-        "queues": queues,
-        "tenants": [await _tenant(redis, keys, t, queues) for t in tenants],
-    }
+        names = sorted({q["tenant_id"] for q in queues}
+                       | ({t.decode() for t in await redis.smembers(keys.limited_tenants())}
+                          - {DEFAULT_TENANT_KEY}))
+    overview["tenants"] = [await _tenant(redis, keys, t, queues) for t in names]
+    return overview
 
 
 def _worker(fields: dict[str, str]) -> dict[str, Any]:
