@@ -63,32 +63,46 @@ def proto_body(model_id: str, seq_id: int) -> bytes:
     from queue_tinker.gateway.proto import tinker_public_pb2 as pb
 
     tokens = np.zeros(BODY_MIB * 2**20 // 4 - 64, dtype="<i4").tobytes()
-    request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id,
-                                        loss_fn="cross_entropy")
+    request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
     request.data.add().model_input.add().encoded_text.tokens = tokens
     return request.SerializeToString()
 
 
 def json_body(sampler_id: str, seq_id: int) -> bytes:
     tokens = ",".join(["7"] * (BODY_MIB * 2**20 // 2 - 64))  # "7," per token: 2 bytes each
-    return (f'{{"sampling_session_id": "{sampler_id}", "seq_id": {seq_id}, "num_samples": 1, '
-            f'"prompt": {{"chunks": [{{"tokens": [{tokens}]}}]}}, '
-            f'"sampling_params": {{"max_tokens": 1}}}}').encode()
+    return (
+        f'{{"sampling_session_id": "{sampler_id}", "seq_id": {seq_id}, "num_samples": 1, '
+        f'"prompt": {{"chunks": [{{"tokens": [{tokens}]}}]}}, '
+        f'"sampling_params": {{"max_tokens": 1}}}}'
+    ).encode()
 
 
-def attack(url: str, key: str, model_id: str, kinds: list[str], first_seq: int, go: Any,
-           out: Any) -> None:
+def attack(
+    url: str, key: str, model_id: str, kinds: list[str], first_seq: int, go: Any, out: Any
+) -> None:
     """One attacker: builds its bodies, says so on `out`, waits for `go`, then sends them one
     after another; (kind, status, seconds, bytes) each, on `out`. Building a body takes
     seconds of CPU: done before the clock starts, it does not crowd the 2 cores meanwhile."""
     prepared = []
     for i, kind in enumerate(kinds):
         if kind == "proto":
-            prepared.append((kind, "/api/v1/forward_backward", proto_body(model_id, first_seq + i),
-                             {"Content-Type": "application/x-protobuf"}))
+            prepared.append(
+                (
+                    kind,
+                    "/api/v1/forward_backward",
+                    proto_body(model_id, first_seq + i),
+                    {"Content-Type": "application/x-protobuf"},
+                )
+            )
         else:
-            prepared.append((kind, "/api/v1/asample", json_body(f"{model_id}-sampler", i),
-                             {"Content-Type": "application/json"}))
+            prepared.append(
+                (
+                    kind,
+                    "/api/v1/asample",
+                    json_body(f"{model_id}-sampler", i),
+                    {"Content-Type": "application/json"},
+                )
+            )
     out.put("ready")
     go.wait()
     results = []
@@ -96,8 +110,7 @@ def attack(url: str, key: str, model_id: str, kinds: list[str], first_seq: int, 
         for kind, path, body, headers in prepared:
             started = time.perf_counter()
             response = http.post(path, content=body, headers=headers)
-            results.append((kind, response.status_code, time.perf_counter() - started,
-                            len(body)))
+            results.append((kind, response.status_code, time.perf_counter() - started, len(body)))
     out.put(results)
 
 
@@ -123,8 +136,11 @@ def sink(port_out: Any) -> None:
                         return
                     data += more
                 head, _, data = data.partition(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
                 while len(data) < length:
                     more = conn.recv(1 << 20)
                     if not more:
@@ -167,13 +183,20 @@ def tenant(url: str, key: str) -> str:
     the run's id."""
     with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=30) as http:
         session = http.post("/api/v1/create_session").json()["session_id"]
-        created = http.post("/api/v1/create_model", json={
-            "session_id": session, "model_seq_id": 0, "base_model": "queue-tinker/tiny-llama"})
+        created = http.post(
+            "/api/v1/create_model",
+            json={
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": "queue-tinker/tiny-llama",
+            },
+        )
         return str(created.json()["model_id"])
 
 
-def measure(settings: Any, gateway_pid: int, url: str, bodies: int,
-            baseline_s: float) -> dict[str, Any]:
+def measure(
+    settings: Any, gateway_pid: int, url: str, bodies: int, baseline_s: float
+) -> dict[str, Any]:
     load = os.getloadavg()[0]
     victim_key = make_key(settings, f"victim-{uuid.uuid4().hex[:6]}")
     attacker_key = make_key(settings, f"attacker-{uuid.uuid4().hex[:6]}")
@@ -193,29 +216,48 @@ def measure(settings: Any, gateway_pid: int, url: str, bodies: int,
     sink_proc = ctx.Process(target=sink, args=(sink_port,), daemon=True)
     sink_proc.start()
     control_url = f"http://127.0.0.1:{sink_port.get()}"
-    control, _, _ = attack_phase(ctx, queue, url, control_url, victim_key, attacker_key,
-                                 model_id, kinds)
+    control, _, _ = attack_phase(
+        ctx, queue, url, control_url, victim_key, attacker_key, model_id, kinds
+    )
     sink_proc.terminate()
-    during, sent, attack_s = attack_phase(ctx, queue, url, url, victim_key, attacker_key,
-                                          model_id, kinds)
-    phases = {"baseline": Latency(baseline), "control": Latency(control),
-              "attack": Latency(during)}
-    return {"bodies": len(sent), "sent": sent, "attack_s": attack_s, "load": load,
-            **{name: {"n": len(lat.samples), "p50_ms": lat.p50, "p99_ms": lat.p99,
-                      "max_ms": lat.max} for name, lat in phases.items()},
-            "attack_p99_ms": phases["attack"].p99, "peak_before_mib": peak_before,
-            "peak_after_mib": gateway_peak_mib(gateway_pid)}
+    during, sent, attack_s = attack_phase(
+        ctx, queue, url, url, victim_key, attacker_key, model_id, kinds
+    )
+    phases = {"baseline": Latency(baseline), "control": Latency(control), "attack": Latency(during)}
+    return {
+        "bodies": len(sent),
+        "sent": sent,
+        "attack_s": attack_s,
+        "load": load,
+        **{
+            name: {"n": len(lat.samples), "p50_ms": lat.p50, "p99_ms": lat.p99, "max_ms": lat.max}
+            for name, lat in phases.items()
+        },
+        "attack_p99_ms": phases["attack"].p99,
+        "peak_before_mib": peak_before,
+        "peak_after_mib": gateway_peak_mib(gateway_pid),
+    }
 
 
-def attack_phase(ctx: Any, queue: Any, url: str, target: str, victim_key: str,
-                 attacker_key: str, model_id: str,
-                 kinds: list[str]) -> tuple[list[float], list[Any], float]:
+def attack_phase(
+    ctx: Any,
+    queue: Any,
+    url: str,
+    target: str,
+    victim_key: str,
+    attacker_key: str,
+    model_id: str,
+    kinds: list[str],
+) -> tuple[list[float], list[Any], float]:
     """The victim measuring at `url` while two attackers send `kinds` to `target` (the
     gateway, or the control's sink); (victim samples, bodies sent, seconds the sending took)."""
     go, stop = ctx.Event(), ctx.Event()
-    attackers = [ctx.Process(target=attack, args=(target, attacker_key, model_id, half,
-                                                  1 + 1000 * n, go, queue))
-                 for n, half in enumerate([kinds[0::2], kinds[1::2]])]  # two senders
+    attackers = [
+        ctx.Process(
+            target=attack, args=(target, attacker_key, model_id, half, 1 + 1000 * n, go, queue)
+        )
+        for n, half in enumerate([kinds[0::2], kinds[1::2]])
+    ]  # two senders
     for proc in attackers:
         proc.start()
     for _ in attackers:
@@ -240,45 +282,58 @@ def attack_phase(ctx: Any, queue: Any, url: str, target: str, victim_key: str,
 def render(result: dict[str, Any], host: dict[str, str]) -> str:
     base, hit, control = result["baseline"], result["attack"], result["control"]
     statuses = sorted({f"{kind} {status}" for kind, status, _, _ in result["sent"]})
-    sizes = ", ".join(f"{mib:.0f}" for mib in sorted({size / 2**20 for *_, size in
-                                                      result["sent"]}))
+    sizes = ", ".join(f"{mib:.0f}" for mib in sorted({size / 2**20 for *_, size in result["sent"]}))
     verdict = "met" if result["attack_p99_ms"] < TARGET_P99_MS else "MISSED"
-    return "\n".join([
-        SECTION, "",
-        "One tenant sends big bodies while another keeps making small requests "
-        "(`GET /api/v1/training_runs`, a Postgres read, back to back from its own process). "
-        f"Two attacker processes send {result['bodies']} bodies of {sizes} MiB between them: "
-        "forward_backward protobufs of 15M tokens in one datum (over "
-        "QT_MAX_TOKENS_PER_DATUM) and JSON asample bodies of 8M tokens. Before the fix these "
-        "were converted in full before a limit refused them: two senders pushed the victim's "
-        "median from 6 ms to 706 ms (2.9 s worst) and the gateway from 173 to 973 MiB (as "
-        "found by the attack). Now "
-        "the gateway reads a forward_backward protobuf's first 64 KiB, whose field headers "
-        "prove it over the limit, refuses it from those (the rest is discarded as it "
-        "arrives, never buffered or parsed), refuses a JSON body over 1 MiB (413) before "
-        "reading it, and parses and converts every big body it does take off the event "
-        "loop. What is left per body is uvicorn taking in and discarding 57 MiB (h11, pure "
-        "Python): ~20-40 ms of the gateway's CPU, spread over the upload.", "",
-        f"Target: the victim's p99 under {TARGET_P99_MS:.0f} ms during the attack: "
-        f"**{verdict}**.", "",
-        "| victim's requests | n | p50 ms | p99 ms | max ms |",
-        "| --- | ---: | ---: | ---: | ---: |",
-        f"| alone | {base['n']} | {base['p50_ms']:.1f} | {base['p99_ms']:.1f} | "
-        f"{base['max_ms']:.1f} |",
-        f"| the same uploads to a sink, not the gateway (control) | {control['n']} | "
-        f"{control['p50_ms']:.1f} | {control['p99_ms']:.1f} | {control['max_ms']:.1f} |",
-        f"| during the attack ({result['attack_s']:.1f} s) | {hit['n']} | {hit['p50_ms']:.1f} | "
-        f"{hit['p99_ms']:.1f} | {hit['max_ms']:.1f} |", "",
-        "The control sends the same bodies from the same processes to a bare socket server "
-        "that reads and drops them: what the uploads' own CPU and kernel copying do to the "
-        "victim on this machine, with the gateway idle. The gap between it and the attack row "
-        "is the gateway's share.", "",
-        f"Bodies answered: {', '.join(statuses)}. Gateway peak memory (VmHWM): "
-        f"{result['peak_before_mib']:.0f} MiB before the attack, "
-        f"{result['peak_after_mib']:.0f} MiB after.", "",
-        f"Machine: {host.get('CPU', '?')}, {host.get('cores', '?')} cores, shared with other "
-        f"work while measured (load average {result['load']:.1f} at the start: the victim's "
-        "own latency alone shows how busy). Reproduce:", "", "```bash", COMMAND, "```", ""])
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            "One tenant sends big bodies while another keeps making small requests "
+            "(`GET /api/v1/training_runs`, a Postgres read, back to back from its own process). "
+            f"Two attacker processes send {result['bodies']} bodies of {sizes} MiB between them: "
+            "forward_backward protobufs of 15M tokens in one datum (over "
+            "QT_MAX_TOKENS_PER_DATUM) and JSON asample bodies of 8M tokens. Before the fix these "
+            "were converted in full before a limit refused them: two senders pushed the victim's "
+            "median from 6 ms to 706 ms (2.9 s worst) and the gateway from 173 to 973 MiB (as "
+            "found by the attack). Now "
+            "the gateway reads a forward_backward protobuf's first 64 KiB, whose field headers "
+            "prove it over the limit, refuses it from those (the rest is discarded as it "
+            "arrives, never buffered or parsed), refuses a JSON body over 1 MiB (413) before "
+            "reading it, and parses and converts every big body it does take off the event "
+            "loop. What is left per body is uvicorn taking in and discarding 57 MiB (h11, pure "
+            "Python): ~20-40 ms of the gateway's CPU, spread over the upload.",
+            "",
+            f"Target: the victim's p99 under {TARGET_P99_MS:.0f} ms during the attack: "
+            f"**{verdict}**.",
+            "",
+            "| victim's requests | n | p50 ms | p99 ms | max ms |",
+            "| --- | ---: | ---: | ---: | ---: |",
+            f"| alone | {base['n']} | {base['p50_ms']:.1f} | {base['p99_ms']:.1f} | "
+            f"{base['max_ms']:.1f} |",
+            f"| the same uploads to a sink, not the gateway (control) | {control['n']} | "
+            f"{control['p50_ms']:.1f} | {control['p99_ms']:.1f} | {control['max_ms']:.1f} |",
+            f"| during the attack ({result['attack_s']:.1f} s) | {hit['n']} | "
+            f"{hit['p50_ms']:.1f} | {hit['p99_ms']:.1f} | {hit['max_ms']:.1f} |",
+            "",
+            "The control sends the same bodies from the same processes to a bare socket server "
+            "that reads and drops them: what the uploads' own CPU and kernel copying do to the "
+            "victim on this machine, with the gateway idle. The gap between it and the attack row "
+            "is the gateway's share.",
+            "",
+            f"Bodies answered: {', '.join(statuses)}. Gateway peak memory (VmHWM): "
+            f"{result['peak_before_mib']:.0f} MiB before the attack, "
+            f"{result['peak_after_mib']:.0f} MiB after.",
+            "",
+            f"Machine: {host.get('CPU', '?')}, {host.get('cores', '?')} cores, shared with other "
+            f"work while measured (load average {result['load']:.1f} at the start: the victim's "
+            "own latency alone shows how busy). Reproduce:",
+            "",
+            "```bash",
+            COMMAND,
+            "```",
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,8 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.bodies, args.baseline_s = 2, 1.0
-    with scratch_database(args.postgres_url) as db, fresh_prefix(args.redis_url, "big") as pfx, \
-            tempfile.TemporaryDirectory(prefix="qt-bench-big-") as tmp:
+    with (
+        scratch_database(args.postgres_url) as db,
+        fresh_prefix(args.redis_url, "big") as pfx,
+        tempfile.TemporaryDirectory(prefix="qt-bench-big-") as tmp,
+    ):
         settings = make_settings(args.redis_url, db, pfx, Path(tmp))
         with gateway_proc(settings, Path(tmp) / "gateway.log") as (proc, url):
             result = measure(settings, proc.pid, url, args.bodies, args.baseline_s)

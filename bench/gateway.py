@@ -44,8 +44,20 @@ def gateway_proc(
     deployment of `settings`, answering its health check before the body runs; yields the
     process and its base URL, stops it afterwards."""
     port = free_port()
-    proc = Proc([sys.executable, "-m", "queue_tinker.cli", "serve", "--host", "127.0.0.1",
-                 "--port", str(port)], child_env(settings), log_path)
+    proc = Proc(
+        [
+            sys.executable,
+            "-m",
+            "queue_tinker.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        child_env(settings),
+        log_path,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -58,8 +70,10 @@ def gateway_proc(
         # uvicorn shuts down cleanly on SIGTERM, then re-raises the signal: -15 is a clean exit.
         code = proc.stop()
         if code not in (0, -signal.SIGTERM):
-            print(f"warning: gateway {proc.pid} exited with {code}:\n{proc.log()[-2000:]}",
-                  file=sys.stderr)
+            print(
+                f"warning: gateway {proc.pid} exited with {code}:\n{proc.log()[-2000:]}",
+                file=sys.stderr,
+            )
 
 
 def _healthy(url: str) -> bool:

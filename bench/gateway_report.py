@@ -25,32 +25,60 @@ INTRO = (
     "background loop, long-polled `retrieve_future`, telemetry as shipped) through a "
     "`queue-tinker serve` process, against `queue_tinker.ServiceClient` talking to Redis "
     "directly. A round trip is the Tinker loop's `fb = tc.forward_backward(batch, "
-    "\"cross_entropy\"); opt = tc.optim_step(adam); fb.result(); opt.result()`; \"ping\" is one "
+    '"cross_entropy"); opt = tc.optim_step(adam); fb.result(); opt.result()`; "ping" is one '
     "`forward` of 1 datum × 2 tokens, the least model work a door can carry. One LoRA worker "
     "process (`--engine lora --device cpu`, production defaults) on `{model}`, rank 32; a "
     "fresh training client per door and shape; {warmup} warm-up round trips per door, then "
-    "{rounds} per door, alternating client / SDK so drift hits both alike.")
+    "{rounds} per door, alternating client / SDK so drift hits both alike."
+)
 READING = (
     "Reading it: SDK − client is what the HTTP door adds (the SDK's own work, the gateway's, "
     "and the extra hops), so read it as absolute milliseconds per call; the ratio shrinks as "
     "the model work grows. The paired median (each SDK round trip against the client round "
     "trip next to it) is the figure drift from other jobs disturbs least. The CPU columns say "
     "who pays: on a machine where the caller, the gateway and the worker share the cores, "
-    "their CPU also slows the worker's ops; with the gateway elsewhere that part goes away.")
+    "their CPU also slows the worker's ops; with the gateway elsewhere that part goes away."
+)
 
 
-def render(info: dict[str, str], model: str, rounds: int, warmup: int, tables: str,
-           gaps: list[Gap], total_s: float) -> str:
+def render(
+    info: dict[str, str],
+    model: str,
+    rounds: int,
+    warmup: int,
+    tables: str,
+    gaps: list[Gap],
+    total_s: float,
+) -> str:
     """The docs section, in Markdown."""
-    headline = "; ".join(f"{g.shape} ({g.calls}): **{g.paired_ms:+.1f} ms** per round trip "
-                         f"({g.ratio:.2f}× the client's p50)" for g in gaps)
-    return "\n".join([
-        SECTION, "",
-        INTRO.format(model=model, warmup=warmup, rounds=rounds), "",
-        "Reproduce (`--quick` is a smoke run that leaves this file alone; `--out` writes every "
-        "round trip as JSON):", "", "```", COMMAND, "```", "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items())
-        + f". The run took {total_s:.0f} s. The SDK or client, the gateway, the worker, Redis "
-        "and Postgres share this machine's cores.", "",
-        f"What the SDK and gateway add (paired median): {headline}.", "",
-        tables, "", READING, ""])
+    headline = "; ".join(
+        f"{g.shape} ({g.calls}): **{g.paired_ms:+.1f} ms** per round trip "
+        f"({g.ratio:.2f}× the client's p50)"
+        for g in gaps
+    )
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            INTRO.format(model=model, warmup=warmup, rounds=rounds),
+            "",
+            "Reproduce (`--quick` is a smoke run that leaves this file alone; `--out` writes every "
+            "round trip as JSON):",
+            "",
+            "```",
+            COMMAND,
+            "```",
+            "",
+            "Machine: "
+            + ", ".join(f"{k} {v}" for k, v in info.items())
+            + f". The run took {total_s:.0f} s. The SDK or client, the gateway, the worker, Redis "
+            "and Postgres share this machine's cores.",
+            "",
+            f"What the SDK and gateway add (paired median): {headline}.",
+            "",
+            tables,
+            "",
+            READING,
+            "",
+        ]
+    )

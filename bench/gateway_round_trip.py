@@ -171,9 +171,11 @@ class ShapeResult:
         """SDK minus client per round trip: p50s, means, median of paired differences."""
         sdk, client = self.doors[SDK], self.doors[CLIENT]
         paired = [s.total_s - c.total_s for s, c in zip(sdk.trips, client.trips, strict=True)]
-        return {"p50": sdk.latency.p50 - client.latency.p50,
-                "mean": sdk.latency.mean - client.latency.mean,
-                "paired_p50": statistics.median(paired) * 1000}
+        return {
+            "p50": sdk.latency.p50 - client.latency.p50,
+            "mean": sdk.latency.mean - client.latency.mean,
+            "paired_p50": statistics.median(paired) * 1000,
+        }
 
     def requests_per_trip(self) -> dict[str, float]:
         n = max(1, len(self.doors[SDK].trips))
@@ -198,25 +200,33 @@ def token_rows(shape: Shape, seed: int = 0) -> np.ndarray:
 
 
 def client_door(service: ServiceClient, model: str, rows: np.ndarray) -> Door:
-    data = [qt_types.Datum(
-        model_input=qt_types.ModelInput.from_ints(row[:-1].tolist()),
-        loss_fn_inputs={"target_tokens": qt_types.TensorData.from_numpy(row[1:].astype(np.int64)),
-                        "weights": qt_types.TensorData.from_numpy(
-                            np.ones(len(row) - 1, dtype=np.float32))})
-        for row in rows]
+    data = [
+        qt_types.Datum(
+            model_input=qt_types.ModelInput.from_ints(row[:-1].tolist()),
+            loss_fn_inputs={
+                "target_tokens": qt_types.TensorData.from_numpy(row[1:].astype(np.int64)),
+                "weights": qt_types.TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32)),
+            },
+        )
+        for row in rows
+    ]
     trainer = service.create_lora_training_client(model, rank=RANK, seed=SEED)
     return Door(CLIENT, trainer, data, qt_types.AdamParams(learning_rate=LEARNING_RATE))
 
 
 def sdk_door(service: tinker.ServiceClient, model: str, rows: np.ndarray) -> Door:
-    data = [sdk_types.Datum(
-        model_input=sdk_types.ModelInput.from_ints(row[:-1].tolist()),
-        loss_fn_inputs={"target_tokens": row[1:].astype(np.int64),
-                        "weights": np.ones(len(row) - 1, dtype=np.float32)})
-        for row in rows]
+    data = [
+        sdk_types.Datum(
+            model_input=sdk_types.ModelInput.from_ints(row[:-1].tolist()),
+            loss_fn_inputs={
+                "target_tokens": row[1:].astype(np.int64),
+                "weights": np.ones(len(row) - 1, dtype=np.float32),
+            },
+        )
+        for row in rows
+    ]
     # SDK 0.38: create_lora_training_client returns a future.
-    trainer = service.create_lora_training_client(base_model=model, rank=RANK,
-                                                  seed=SEED).result()
+    trainer = service.create_lora_training_client(base_model=model, rank=RANK, seed=SEED).result()
     return Door(SDK, trainer, data, sdk_types.AdamParams(learning_rate=LEARNING_RATE))
 
 
@@ -249,9 +259,12 @@ class Parts:
 
     def refresh(self) -> None:
         """Look the Postgres backends and Redis up again (pools open connections lazily)."""
-        self.others = {"gateway": [self.gateway], "worker": [self.worker],
-                       "Postgres (the run's backends)": find_pids(self.database.encode()),
-                       "Redis (whole server)": find_pids(b"redis-server")}
+        self.others = {
+            "gateway": [self.gateway],
+            "worker": [self.worker],
+            "Postgres (the run's backends)": find_pids(self.database.encode()),
+            "Redis (whole server)": find_pids(b"redis-server"),
+        }
 
     def cpu_s(self) -> dict[str, float]:
         totals = {THIS_PROCESS: time.process_time()}
@@ -275,16 +288,23 @@ def timed_trip(door: Door, op: str, parts: Parts) -> tuple[Trip, float]:
 
 
 # --- one shape ---------------------------------------------------------------------------------
-def measure_shape(shape: Shape, doors: list[Door], parts: Parts, warmup: int, rounds: int,
-                  gateway_log: Callable[[], str]) -> ShapeResult:
+def measure_shape(
+    shape: Shape,
+    doors: list[Door],
+    parts: Parts,
+    warmup: int,
+    rounds: int,
+    gateway_log: Callable[[], str],
+) -> ShapeResult:
     """Warm-up round trips, then `rounds` rounds of one round trip per door, alternating."""
     first: dict[str, float] = {}
     for _ in range(warmup):
         for door in doors:
             _, loss = timed_trip(door, shape.op, parts)
             first.setdefault(door.name, loss)
-    results = {d.name: DoorResult(d.trainer.model_id, first.get(d.name, float("nan")))
-               for d in doors}
+    results = {
+        d.name: DoorResult(d.trainer.model_id, first.get(d.name, float("nan"))) for d in doors
+    }
     before = requests_by_endpoint(gateway_log())
     parts.refresh()
     meter = CpuMeter([os.getpid(), parts.gateway, parts.worker])
@@ -294,9 +314,13 @@ def measure_shape(shape: Shape, doors: list[Door], parts: Parts, warmup: int, ro
             trip, _ = timed_trip(door, shape.op, parts)
             results[door.name].trips.append(trip)
         if (r + 1) % max(1, rounds // 4) == 0:
-            print(f"    {r + 1}/{rounds} rounds: " + ", ".join(
-                f"{name} p50 {res.latency.p50:.1f} ms" for name, res in results.items()),
-                flush=True)
+            print(
+                f"    {r + 1}/{rounds} rounds: "
+                + ", ".join(
+                    f"{name} p50 {res.latency.p50:.1f} ms" for name, res in results.items()
+                ),
+                flush=True,
+            )
     foreign = meter.foreign_since(mark)
     time.sleep(0.2)  # the gateway writes its last access lines
     return ShapeResult(shape, results, requests_by_endpoint(gateway_log()) - before, foreign)
@@ -308,10 +332,13 @@ def add_stages(redis_url: str, keys: Keys, result: ShapeResult, warmup: int) -> 
     ops = ops_by_model(redis_url, keys, {r.model_id for r in result.doors.values()})
     per = result.shape.ops
     for door in result.doors.values():
-        times = ops.get(door.model_id, [])[warmup * per:]
+        times = ops.get(door.model_id, [])[warmup * per :]
         if len(times) != len(door.trips) * per:
-            print(f"warning: {door.model_id}: {len(times)} ops for {len(door.trips)} round "
-                  "trips; no stage split", file=sys.stderr)
+            print(
+                f"warning: {door.model_id}: {len(times)} ops for {len(door.trips)} round "
+                "trips; no stage split",
+                file=sys.stderr,
+            )
             continue
         for i, trip in enumerate(door.trips):
             door.stages.append(split(trip, times[i * per : (i + 1) * per]))
@@ -321,8 +348,13 @@ def split(trip: Trip, ops: list[OpTimes]) -> tuple[float, ...]:
     """The round trip's STAGES, from its ops' (queued_at, started_at, finished_at)."""
     first, last = ops[0], ops[-1]
     between = (last[1] - first[2], last[2] - last[1]) if len(ops) == 2 else (NO_OP, NO_OP)
-    return (first[0] - trip.wall, first[1] - first[0], first[2] - first[1], *between,
-            trip.wall + trip.total_s - last[2])
+    return (
+        first[0] - trip.wall,
+        first[1] - first[0],
+        first[2] - first[1],
+        *between,
+        trip.wall + trip.total_s - last[2],
+    )
 
 
 def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list[OpTimes]]:
@@ -330,12 +362,14 @@ def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list
     the job hashes under the run's key prefix."""
     client = redis.Redis.from_url(redis_url)
     try:
-        names = [k for k in client.scan_iter(match=keys.job("*"), count=1000)
-                 if not k.endswith(b":reply")]
+        names = [
+            k
+            for k in client.scan_iter(match=keys.job("*"), count=1000)
+            if not k.endswith(b":reply")
+        ]
         pipe = client.pipeline(transaction=False)
         for name in names:
-            pipe.hmget(name, ["model_id", "kind", "seq", "queued_at", "started_at",
-                              "finished_at"])
+            pipe.hmget(name, ["model_id", "kind", "seq", "queued_at", "started_at", "finished_at"])
         rows = pipe.execute()
     finally:
         client.close()
@@ -349,40 +383,58 @@ def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list
 
 # --- the run -----------------------------------------------------------------------------------
 def shapes(args: argparse.Namespace) -> list[Shape]:
-    return [Shape("ping", "forward", 1, 2),
-            Shape("small", "step", *args.small_batch),
-            Shape("large", "step", *args.large_batch)]
+    return [
+        Shape("ping", "forward", 1, 2),
+        Shape("small", "step", *args.small_batch),
+        Shape("large", "step", *args.large_batch),
+    ]
 
 
 def run(args: argparse.Namespace, data_dir: Path) -> list[ShapeResult]:
     """One worker and one gateway on a fresh key prefix and a scratch database; every shape."""
     results = []
-    with scratch_database(args.postgres_url) as database_url, \
-            fresh_prefix(args.redis_url, "gateway") as prefix:
+    with (
+        scratch_database(args.postgres_url) as database_url,
+        fresh_prefix(args.redis_url, "gateway") as prefix,
+    ):
         settings = make_settings(args.redis_url, database_url, prefix, data_dir)
         began = time.perf_counter()
-        with lora_worker(settings, args.model, data_dir / "worker.log") as worker, \
-                gateway_proc(settings, data_dir / "gateway.log") as (gateway, url):
-            print(f"worker and gateway ready in {time.perf_counter() - began:.0f} s ({url})",
-                  flush=True)
+        with (
+            lora_worker(settings, args.model, data_dir / "worker.log") as worker,
+            gateway_proc(settings, data_dir / "gateway.log") as (gateway, url),
+        ):
+            print(
+                f"worker and gateway ready in {time.perf_counter() - began:.0f} s ({url})",
+                flush=True,
+            )
             parts = Parts(gateway.pid, worker.pid, make_url(database_url).database or "")
             key = make_key(settings, f"bench-{uuid.uuid4().hex[:8]}")
             service = ServiceClient(settings)
             try:
                 with tinker.ServiceClient(base_url=url, api_key=key) as sdk:
                     for shape in shapes(args):
-                        results.append(run_shape(args, settings, shape, service, sdk, parts,
-                                                 gateway.log))
+                        results.append(
+                            run_shape(args, settings, shape, service, sdk, parts, gateway.log)
+                        )
             finally:
                 close_client(service)
     return results
 
 
-def run_shape(args: argparse.Namespace, settings: Settings, shape: Shape,
-              service: ServiceClient, sdk: tinker.ServiceClient, parts: Parts,
-              gateway_log: Callable[[], str]) -> ShapeResult:
-    print(f"[{shape.label}] {shape.calls} on {shape.batch} × {shape.seq} tokens: "
-          f"{args.warmup} warm-up + {args.rounds} rounds per door ...", flush=True)
+def run_shape(
+    args: argparse.Namespace,
+    settings: Settings,
+    shape: Shape,
+    service: ServiceClient,
+    sdk: tinker.ServiceClient,
+    parts: Parts,
+    gateway_log: Callable[[], str],
+) -> ShapeResult:
+    print(
+        f"[{shape.label}] {shape.calls} on {shape.batch} × {shape.seq} tokens: "
+        f"{args.warmup} warm-up + {args.rounds} rounds per door ...",
+        flush=True,
+    )
     rows = token_rows(shape)
     doors = [client_door(service, args.model, rows), sdk_door(sdk, args.model, rows)]
     result = measure_shape(shape, doors, parts, args.warmup, args.rounds, gateway_log)
@@ -393,15 +445,17 @@ def run_shape(args: argparse.Namespace, settings: Settings, shape: Shape,
 # --- the report --------------------------------------------------------------------------------
 def markdown(results: list[ShapeResult], model: str) -> str:
     """The tables printed at the end of a run."""
-    return "\n".join([*latency_lines(results, model), "", *stage_lines(results), "",
-                      *note_lines(results)])
+    return "\n".join(
+        [*latency_lines(results, model), "", *stage_lines(results), "", *note_lines(results)]
+    )
 
 
 def latency_lines(results: list[ShapeResult], model: str) -> list[str]:
     """Per shape and door: round-trip percentiles; on the SDK row, the ratio and overhead."""
     lines = [
         f"Round trip per door, `{model}`, ms (SDK − client: of the p50s / of the means / "
-        "median of the per-round paired differences):", "",
+        "median of the per-round paired differences):",
+        "",
         "| shape | calls | datums × tokens | rounds | door | p50 | p90 | p99 | mean | "
         "SDK / client (p50) | SDK − client ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -410,11 +464,19 @@ def latency_lines(results: list[ShapeResult], model: str) -> list[str]:
         s = r.shape
         for name, door in r.doors.items():
             lat, o = door.latency, r.overhead_ms()
-            gap = (f"**{r.ratio():.2f}×** | {o['p50']:+.1f} / {o['mean']:+.1f} / "
-                   f"{o['paired_p50']:+.1f}") if name == SDK else " | "
-            lines.append(f"| {s.label} | {s.calls} | {s.batch} × {s.seq} | {len(door.trips)} | "
-                         f"{name} | {lat.p50:.1f} | {lat.p90:.1f} | {lat.p99:.1f} | "
-                         f"{lat.mean:.1f} | {gap} |")
+            gap = (
+                (
+                    f"**{r.ratio():.2f}×** | {o['p50']:+.1f} / {o['mean']:+.1f} / "
+                    f"{o['paired_p50']:+.1f}"
+                )
+                if name == SDK
+                else " | "
+            )
+            lines.append(
+                f"| {s.label} | {s.calls} | {s.batch} × {s.seq} | {len(door.trips)} | "
+                f"{name} | {lat.p50:.1f} | {lat.p90:.1f} | {lat.p99:.1f} | "
+                f"{lat.mean:.1f} | {gap} |"
+            )
     return lines
 
 
@@ -423,10 +485,13 @@ def stage_lines(results: list[ShapeResult]) -> list[str]:
     legend = "; ".join(f"{short} = {long}" for short, long in STAGES)
     cpu_labels = list(results[0].doors[CLIENT].cpu_ms()) if results else []
     columns = [short for short, _ in STAGES] + [f"CPU: {label}" for label in cpu_labels]
-    lines = [f"Where a round trip goes, median ms ({legend}; Redis clock and this process's "
-             "clock, same host) and the CPU each part spent per round trip, mean ms:", "",
-             "| shape | door | " + " | ".join(columns) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in columns) + " |"]
+    lines = [
+        f"Where a round trip goes, median ms ({legend}; Redis clock and this process's "
+        "clock, same host) and the CPU each part spent per round trip, mean ms:",
+        "",
+        "| shape | door | " + " | ".join(columns) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in columns) + " |",
+    ]
     for r in results:
         for name, door in r.doors.items():
             medians = door.stage_medians_ms() or [NO_OP] * len(STAGES)
@@ -442,56 +507,99 @@ def note_lines(results: list[ShapeResult]) -> list[str]:
     lines = []
     for r in results:
         per_trip = ", ".join(f"`{name}` {n:.2f}" for name, n in r.requests_per_trip().items())
-        lines.append(f"- {r.shape.label}: HTTP requests per SDK round trip: {per_trip or 'none'}; "
-                     f"first loss client {r.doors[CLIENT].first_loss:.4f} / SDK "
-                     f"{r.doors[SDK].first_loss:.4f}; other processes used "
-                     f"{r.foreign_cores:.2f} cores meanwhile")
+        lines.append(
+            f"- {r.shape.label}: HTTP requests per SDK round trip: {per_trip or 'none'}; "
+            f"first loss client {r.doors[CLIENT].first_loss:.4f} / SDK "
+            f"{r.doors[SDK].first_loss:.4f}; other processes used "
+            f"{r.foreign_cores:.2f} cores meanwhile"
+        )
     return lines
 
 
-def results_json(info: dict[str, str], args: argparse.Namespace, results: list[ShapeResult],
-                 total_s: float) -> str:
-    return json.dumps({
-        "machine": info, "model": args.model, "rounds": args.rounds, "warmup": args.warmup,
-        "total_s": total_s, "stages": [long for _, long in STAGES],
-        "shapes": [{
-            "shape": asdict(r.shape), "ratio_p50": r.ratio(), "overhead_ms": r.overhead_ms(),
-            "http_requests_per_sdk_trip": r.requests_per_trip(),
-            "other_processes_cores": r.foreign_cores,
-            "doors": {name: {"model_id": d.model_id, "first_loss": d.first_loss,
-                             "latency": d.latency.summary(), "cpu_ms_per_trip": d.cpu_ms(),
-                             "stages_p50_ms": [None if np.isnan(v) else v
-                                               for v in d.stage_medians_ms()],
-                             "trips": [asdict(t) for t in d.trips]}
-                      for name, d in r.doors.items()},
-        } for r in results]}, indent=2)
+def results_json(
+    info: dict[str, str], args: argparse.Namespace, results: list[ShapeResult], total_s: float
+) -> str:
+    return json.dumps(
+        {
+            "machine": info,
+            "model": args.model,
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "total_s": total_s,
+            "stages": [long for _, long in STAGES],
+            "shapes": [
+                {
+                    "shape": asdict(r.shape),
+                    "ratio_p50": r.ratio(),
+                    "overhead_ms": r.overhead_ms(),
+                    "http_requests_per_sdk_trip": r.requests_per_trip(),
+                    "other_processes_cores": r.foreign_cores,
+                    "doors": {
+                        name: {
+                            "model_id": d.model_id,
+                            "first_loss": d.first_loss,
+                            "latency": d.latency.summary(),
+                            "cpu_ms_per_trip": d.cpu_ms(),
+                            "stages_p50_ms": [
+                                None if np.isnan(v) else v for v in d.stage_medians_ms()
+                            ],
+                            "trips": [asdict(t) for t in d.trips],
+                        }
+                        for name, d in r.doors.items()
+                    },
+                }
+                for r in results
+            ],
+        },
+        indent=2,
+    )
 
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.gateway_round_trip", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.gateway_round_trip",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES),
-                        help="admin URL; a scratch database is created beside it")
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
+        help="admin URL; a scratch database is created beside it",
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="base model the worker serves")
-    parser.add_argument("--rounds", type=int, default=400,
-                        help="measured rounds per shape (one round trip per door each)")
-    parser.add_argument("--warmup", type=int, default=20, help="warm-up round trips per door "
-                        "and shape, not measured")
-    parser.add_argument("--small-batch", type=int, nargs=2, default=[4, 32],
-                        metavar=("DATUMS", "TOKENS"))
-    parser.add_argument("--large-batch", type=int, nargs=2, default=[8, 128],
-                        metavar=("DATUMS", "TOKENS"))
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="where the model is built and checkpoints and logs go (default: a "
-                        "temp dir, removed afterwards)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=400,
+        help="measured rounds per shape (one round trip per door each)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="warm-up round trips per door and shape, not measured",
+    )
+    parser.add_argument(
+        "--small-batch", type=int, nargs=2, default=[4, 32], metavar=("DATUMS", "TOKENS")
+    )
+    parser.add_argument(
+        "--large-batch", type=int, nargs=2, default=[8, 128], metavar=("DATUMS", "TOKENS")
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where the model is built and checkpoints and logs go (default: a "
+        "temp dir, removed afterwards)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run (10 rounds, 3 warm-up), docs left alone")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run (10 rounds, 3 warm-up), docs left alone"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.warmup, args.no_docs = 10, 3, True
@@ -503,8 +611,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.perf_counter()
-    info = machine(args.redis_url, args.postgres_url,
-                   packages=("torch", "tinker", "fastapi", "uvicorn", "httpx"))
+    info = machine(
+        args.redis_url,
+        args.postgres_url,
+        packages=("torch", "tinker", "fastapi", "uvicorn", "httpx"),
+    )
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     if args.data_dir is not None:
         args.data_dir.mkdir(parents=True, exist_ok=True)
@@ -518,11 +629,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(results_json(info, args, results, total_s))
         print(f"wrote {args.out}")
     if not args.no_docs:
-        gaps = [Gap(r.shape.label, r.shape.calls, r.ratio(), r.overhead_ms()["paired_p50"])
-                for r in results]
-        write_docs(args.docs, render(info, args.model, args.rounds, args.warmup,
-                                     markdown(results, args.model), gaps, total_s),
-                   heading=SECTION)
+        gaps = [
+            Gap(r.shape.label, r.shape.calls, r.ratio(), r.overhead_ms()["paired_p50"])
+            for r in results
+        ]
+        write_docs(
+            args.docs,
+            render(
+                info,
+                args.model,
+                args.rounds,
+                args.warmup,
+                markdown(results, args.model),
+                gaps,
+                total_s,
+            ),
+            heading=SECTION,
+        )
         print(f"wrote {args.docs}")
     return 0
 

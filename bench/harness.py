@@ -44,8 +44,9 @@ def child_env(settings: Settings) -> dict[str, str]:
 def make_settings(redis_url: str, database_url: str, prefix: str, data_dir: Path) -> Settings:
     """Settings for one part of a run."""
     # Production defaults for leases, heartbeats and linger: nothing tuned for the benchmark.
-    return Settings(redis_url=redis_url, database_url=database_url, key_prefix=prefix,
-                    data_dir=data_dir)
+    return Settings(
+        redis_url=redis_url, database_url=database_url, key_prefix=prefix, data_dir=data_dir
+    )
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -55,8 +56,9 @@ class Proc:
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.log_path = log_path
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            args, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
+        )
 
     @property
     def pid(self) -> int:
@@ -93,8 +95,22 @@ class Proc:
 
 def worker_proc(settings: Settings, log_path: Path) -> Proc:
     """One queue-only worker (ping and create_model: the queue's own cost) seeing `settings`."""
-    return Proc([sys.executable, "-m", "queue_tinker.cli", "worker", "--base-model", "tiny",
-                 "--device", "cpu", "--engine", "queue-only"], child_env(settings), log_path)
+    return Proc(
+        [
+            sys.executable,
+            "-m",
+            "queue_tinker.cli",
+            "worker",
+            "--base-model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--engine",
+            "queue-only",
+        ],
+        child_env(settings),
+        log_path,
+    )
 
 
 @contextlib.contextmanager
@@ -133,8 +149,11 @@ def close_client(service: ServiceClient, timeout: float = 15) -> None:
     closer.start()
     closer.join(timeout)
     if closer.is_alive():
-        print(f"warning: ServiceClient.close() did not return within {timeout:g} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: ServiceClient.close() did not return within {timeout:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # --- Redis and Postgres scratch space ----------------------------------------------------------
@@ -190,8 +209,13 @@ def machine(redis_url: str, postgres_url: str, packages: Sequence[str] = ()) -> 
         client.close()
     commit = "unknown"
     with contextlib.suppress(Exception):
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     return {
         "CPU": cpu,
         "cores": str(os.cpu_count()),

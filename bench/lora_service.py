@@ -35,17 +35,25 @@ def use_torch_threads(threads: int) -> None:
 def worker_threads(settings: Settings) -> dict[str, int]:
     """torch's thread count in a process with the worker's environment: on its main thread
     and on a pool thread like its compute thread."""
-    code = ("import torch, concurrent.futures as cf; "
-            "pool = cf.ThreadPoolExecutor(1); "
-            "print(torch.get_num_threads(), pool.submit(torch.get_num_threads).result())")
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(settings),
-                         capture_output=True, text=True, check=True).stdout.split()
+    code = (
+        "import torch, concurrent.futures as cf; "
+        "pool = cf.ThreadPoolExecutor(1); "
+        "print(torch.get_num_threads(), pool.submit(torch.get_num_threads).result())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return {"worker main": int(out[0]), "worker compute thread": int(out[1])}
 
 
 @contextmanager
-def lora_worker(settings: Settings, model: str, log_path: Path,
-                env: Mapping[str, str] | None = None) -> Iterator[Proc]:
+def lora_worker(
+    settings: Settings, model: str, log_path: Path, env: Mapping[str, str] | None = None
+) -> Iterator[Proc]:
     """One LoRA worker serving `model` on the CPU, registered (model loaded) before the body;
     `env` is added to the environment the settings give it."""
     with lora_workers([settings], model, [log_path], env) as procs:
@@ -53,16 +61,35 @@ def lora_worker(settings: Settings, model: str, log_path: Path,
 
 
 @contextmanager
-def lora_workers(settings: Sequence[Settings], model: str, log_paths: Sequence[Path],
-                 env: Mapping[str, str] | None = None) -> Iterator[list[Proc]]:
+def lora_workers(
+    settings: Sequence[Settings],
+    model: str,
+    log_paths: Sequence[Path],
+    env: Mapping[str, str] | None = None,
+) -> Iterator[list[Proc]]:
     """One LoRA worker per settings (one deployment each, when their key prefixes differ),
     all started before any is waited for, so they load their models side by side."""
     procs: list[Proc] = []
     try:
         for one, log_path in zip(settings, log_paths, strict=True):
-            procs.append(Proc([sys.executable, "-m", "queue_tinker.cli", "worker",
-                               "--base-model", model, "--device", "cpu", "--engine", "lora"],
-                              {**child_env(one), **(env or {})}, log_path))
+            procs.append(
+                Proc(
+                    [
+                        sys.executable,
+                        "-m",
+                        "queue_tinker.cli",
+                        "worker",
+                        "--base-model",
+                        model,
+                        "--device",
+                        "cpu",
+                        "--engine",
+                        "lora",
+                    ],
+                    {**child_env(one), **(env or {})},
+                    log_path,
+                )
+            )
         for one in settings:
             wait_for_workers(one, 1, timeout=600)
         yield procs

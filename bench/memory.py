@@ -84,8 +84,9 @@ def whole_logits_step(model: torch.nn.Module, data: Sequence[Datum]) -> float:
     rows = rows_for(data, torch.device("cpu"), PassPlan(pack_above_padding=None))
     ids, mask = rows.ids, rows.mask
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    targets = [torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True))
-               for d in data]
+    targets = [
+        torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True)) for d in data
+    ]
     width = logits.shape[1]
     index = torch.cat([torch.arange(t.numel()) + row * width for row, t in enumerate(targets)])
     rows = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
@@ -108,8 +109,15 @@ def measure(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement:
     if path == "whole":
         loss = whole_logits_step(pool.model, data)
     else:
-        out = forward_backward(pool.model, data, LossFn.CROSS_ENTROPY, {}, torch.device("cpu"),
-                               backward=True, plan=plan)
+        out = forward_backward(
+            pool.model,
+            data,
+            LossFn.CROSS_ENTROPY,
+            {},
+            torch.device("cpu"),
+            backward=True,
+            plan=plan,
+        )
         loss = out.metrics["loss:sum"]
     step_s = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
@@ -118,15 +126,27 @@ def measure(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement:
 
 def run_case(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement | None:
     """The case in a fresh process; None if it failed (out of memory)."""
-    cmd = [sys.executable, "-m", "bench.memory", "--case", f"{rows}x{seq}", "--path", path,
-           "--checkpointing", "on" if checkpointing else "off"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.memory",
+        "--case",
+        f"{rows}x{seq}",
+        "--path",
+        path,
+        "--checkpointing",
+        "on" if checkpointing else "off",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         print(done.stderr[-2000:], file=sys.stderr)
         return None
     result = Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"{rows} x {seq:>5} {path:>7} checkpointing={checkpointing!s:5} "
-          f"{result.step_s:7.1f} s  peak RSS {result.peak_rss_gib:5.2f} GiB", flush=True)
+    print(
+        f"{rows} x {seq:>5} {path:>7} checkpointing={checkpointing!s:5} "
+        f"{result.step_s:7.1f} s  peak RSS {result.peak_rss_gib:5.2f} GiB",
+        flush=True,
+    )
     return result
 
 
@@ -157,7 +177,8 @@ def render(results: Sequence[Measurement], info: dict[str, str]) -> str:
     for m in results:
         by_case.setdefault((m.rows, m.seq), {})[(m.path, m.checkpointing)] = m
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
         f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
         "A Llama decoder with Llama-3.1's vocabulary "
@@ -167,7 +188,8 @@ def render(results: Sequence[Measurement], info: dict[str, str]) -> str:
         "Peak RSS is the whole worker-like process (model, adapter, torch). Not run: the whole-"
         f"logits path past {WHOLE_MAX_TOKENS:,} tokens (~1.8 GiB per 1,000 tokens: 15 GiB at "
         "8k, more than this machine at 16k), and the path without checkpointing past "
-        f"{NO_CHECKPOINT_MAX_TOKENS:,} (its rows show what checkpointing saves).", "",
+        f"{NO_CHECKPOINT_MAX_TOKENS:,} (its rows show what checkpointing saves).",
+        "",
         "| rows x tokens | whole logits: peak RSS, step | chunked + checkpointing: peak RSS, "
         "step | chunked, no checkpointing: peak RSS, step |",
         "| --- | --- | --- | --- |",
@@ -178,14 +200,18 @@ def render(results: Sequence[Measurement], info: dict[str, str]) -> str:
             m = found.get(key)
             cells.append(f"{m.peak_rss_gib:.2f} GiB, {m.step_s:.1f} s" if m else "not run")
         lines.append(f"| {rows} x {seq:,} | {' | '.join(cells)} |")
-    lines += ["", "Step times here are one step each, in whatever load the machine had: compare "
-              f"them within a row at most. Checkpointing's price in step time is measured by "
-              f"`{COMMAND} --price` (next section)."]
+    lines += [
+        "",
+        "Step times here are one step each, in whatever load the machine had: compare "
+        f"them within a row at most. Checkpointing's price in step time is measured by "
+        f"`{COMMAND} --price` (next section).",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def run_price(cases: Sequence[tuple[int, int]], rounds: int) -> dict[tuple[int, int],
-                                                                     dict[bool, list[float]]]:
+def run_price(
+    cases: Sequence[tuple[int, int]], rounds: int
+) -> dict[tuple[int, int], dict[bool, list[float]]]:
     """Step times with checkpointing on and off, alternating, `rounds` of each per case."""
     times: dict[tuple[int, int], dict[bool, list[float]]] = {}
     for rows, seq in cases:
@@ -194,18 +220,22 @@ def run_price(cases: Sequence[tuple[int, int]], rounds: int) -> dict[tuple[int, 
                 measured = run_case(rows, seq, "chunked", checkpointing)
                 if measured is not None:
                     times.setdefault((rows, seq), {}).setdefault(checkpointing, []).append(
-                        measured.step_s)
+                        measured.step_s
+                    )
     return times
 
 
-def render_price(times: dict[tuple[int, int], dict[bool, list[float]]],
-                 info: dict[str, str]) -> str:
+def render_price(
+    times: dict[tuple[int, int], dict[bool, list[float]]], info: dict[str, str]
+) -> str:
     lines = [
-        PRICE_SECTION, "",
+        PRICE_SECTION,
+        "",
         f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
         f"{info['date']}; `{COMMAND} --price`. The model and adapter of the section above; one "
         "forward_backward per fresh process, checkpointing on and off alternately, "
-        f"{PRICE_ROUNDS} of each, medians. Target: at most 1.4x.", "",
+        f"{PRICE_ROUNDS} of each, medians. Target: at most 1.4x.",
+        "",
         "| rows x tokens | step, checkpointing off | step, checkpointing on | price |",
         "| --- | --- | --- | --- |",
     ]
@@ -222,8 +252,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--case", help="ROWSxTOKENS: measure one case in this process")
     parser.add_argument("--path", choices=("whole", "chunked"), default="chunked")
     parser.add_argument("--checkpointing", choices=("on", "off"), default="on")
-    parser.add_argument("--price", action="store_true",
-                        help="checkpointing's step-time price only (its own docs section)")
+    parser.add_argument(
+        "--price",
+        action="store_true",
+        help="checkpointing's step-time price only (its own docs section)",
+    )
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -64,9 +64,11 @@ class SideCpu:
     def __init__(self, worker: int, database: str, compute_threads: int) -> None:
         self.worker = worker
         self.compute_threads = compute_threads
-        self.parts = {"client (benchmark process)": [os.getpid()],
-                      "Redis (whole server)": find_pids(b"redis-server"),
-                      "Postgres (the run's backends)": find_pids(database.encode())}
+        self.parts = {
+            "client (benchmark process)": [os.getpid()],
+            "Redis (whole server)": find_pids(b"redis-server"),
+            "Postgres (the run's backends)": find_pids(database.encode()),
+        }
         self.ticks: dict[str, int] = {}
         self.steps = 0
         self.hz = os.sysconf("SC_CLK_TCK")
@@ -92,11 +94,14 @@ class SideCpu:
         if not self.steps:
             return {}
         scale = 1000 / self.hz / self.steps
-        threads = sorted((v for k, v in self.ticks.items() if k.startswith("thread ")),
-                         reverse=True)
-        return {"worker compute threads": sum(threads[: self.compute_threads]) * scale,
-                "worker, other threads": sum(threads[self.compute_threads :]) * scale,
-                **{label: self.ticks[label] * scale for label in self.parts}}
+        threads = sorted(
+            (v for k, v in self.ticks.items() if k.startswith("thread ")), reverse=True
+        )
+        return {
+            "worker compute threads": sum(threads[: self.compute_threads]) * scale,
+            "worker, other threads": sum(threads[self.compute_threads :]) * scale,
+            **{label: self.ticks[label] * scale for label in self.parts},
+        }
 
 
 def load1() -> float:

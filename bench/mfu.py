@@ -66,7 +66,11 @@ NOT_MEASURED = "Not measured here"
 BASE_NAME = "bench/llama-3.1-8b-shaped"  # what adapter configs name as their base
 # Dense bf16 peaks (no sparsity), TFLOPS; the first name found in the device's name wins.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
 
 
 @dataclass(frozen=True)
@@ -87,16 +91,22 @@ class Shape:
     def linears(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear of one layer, and of lm_head."""
         d, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q_proj": (self.hidden, d), "k_proj": (self.hidden, kv),
-                "v_proj": (self.hidden, kv), "o_proj": (d, self.hidden),
-                "gate_proj": (self.hidden, self.intermediate),
-                "up_proj": (self.hidden, self.intermediate),
-                "down_proj": (self.intermediate, self.hidden), "lm_head": (self.hidden, self.vocab)}
+        return {
+            "q_proj": (self.hidden, d),
+            "k_proj": (self.hidden, kv),
+            "v_proj": (self.hidden, kv),
+            "o_proj": (d, self.hidden),
+            "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+            "lm_head": (self.hidden, self.vocab),
+        }
 
 
 SHAPES = {
-    "llama-3.1-8b": Shape(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
-                          vocab=128256),
+    "llama-3.1-8b": Shape(
+        layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256
+    ),
     # Small enough for a CPU smoke run in seconds; same structure.
     "small": Shape(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=896, vocab=4096),
 }
@@ -127,8 +137,10 @@ def lora_params(shape: Shape, rank: int, targets: Sequence[str]) -> int:
 def flops_per_token(shape: Shape, seq: int, n_lora: int) -> dict[str, float]:
     """Training FLOPs per token, both ways (see the module's docstring)."""
     attention = 12 * shape.layers * shape.heads * shape.head_dim * seq
-    return {"lora": 4 * matmul_params(shape) + 6 * n_lora + attention,
-            "6N": 6 * total_params(shape)}
+    return {
+        "lora": 4 * matmul_params(shape) + 6 * n_lora + attention,
+        "6N": 6 * total_params(shape),
+    }
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -136,18 +148,24 @@ def peak_tflops(device_name: str) -> float | None:
 
 
 # --- the model ---------------------------------------------------------------------------------
-def build_model(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0
-                ) -> torch.nn.Module:
+def build_model(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """Random weights straight on the device (no CPU copy of 16 GB first); frozen, eval mode."""
     config = LlamaConfig(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads, max_position_embeddings=131072,
-        tie_word_embeddings=False, rms_norm_eps=1e-5)  # RoPE's settings change no FLOP
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )  # RoPE's settings change no FLOP
     torch.manual_seed(seed)
     with torch.device(device):
         model: torch.nn.Module = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="sdpa")
+            config, dtype=dtype, attn_implementation="sdpa"
+        )
     model.requires_grad_(False)
     model.eval()  # as the engine does
     model.name_or_path = BASE_NAME  # type: ignore[assignment]
@@ -201,19 +219,28 @@ class Result:
         return self.tokens / step
 
 
-def engine_step(pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torch.device
-                ) -> Callable[[], object]:
+def engine_step(
+    pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torch.device
+) -> Callable[[], object]:
     config = resolve_loss_config(LossFn.CROSS_ENTROPY, None)
 
     def step() -> object:
         pool.activate(adapter)
-        return forward_backward(pool.model, data, LossFn.CROSS_ENTROPY, config, device,
-                                backward=True)
+        return forward_backward(
+            pool.model, data, LossFn.CROSS_ENTROPY, config, device, backward=True
+        )
+
     return step
 
 
-def measure(pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torch.device,
-            args: argparse.Namespace, result: Result) -> None:
+def measure(
+    pool: AdapterPool,
+    adapter: Adapter,
+    data: list[Datum],
+    device: torch.device,
+    args: argparse.Namespace,
+    result: Result,
+) -> None:
     """Warm-up steps, then timed forward_backward and optim_step calls."""
     fb = engine_step(pool, adapter, data, device)
     adam = AdamParams(learning_rate=1e-5)
@@ -225,8 +252,13 @@ def measure(pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torc
             result.optim_s.append(optim_s)
 
 
-def fit_batch(pool: AdapterPool, adapter: Adapter, shape: Shape, args: argparse.Namespace,
-              device: torch.device) -> tuple[int, list[Datum]]:
+def fit_batch(
+    pool: AdapterPool,
+    adapter: Adapter,
+    shape: Shape,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> tuple[int, list[Datum]]:
     """The asked batch, halved until one forward_backward fits in the device's memory."""
     batch = args.batch
     while True:
@@ -247,17 +279,27 @@ def fit_batch(pool: AdapterPool, adapter: Adapter, shape: Shape, args: argparse.
             torch.cuda.empty_cache()
 
 
-def measure_adapters(pool: AdapterPool, first: Adapter, data: list[Datum],
-                     device: torch.device, args: argparse.Namespace) -> dict[str, float]:
+def measure_adapters(
+    pool: AdapterPool,
+    first: Adapter,
+    data: list[Datum],
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict[str, float]:
     """K adapters, the batch split between them: one cross-adapter pass against K passes one
     at a time; median seconds of each."""
     k = min(args.adapters, len(data))  # one datum each at least
-    adapters = [first, *(pool.add(f"mfu-{i}", "bench", LoraConfig(rank=args.rank), seed=i)
-                         for i in range(1, k))]
+    adapters = [
+        first,
+        *(pool.add(f"mfu-{i}", "bench", LoraConfig(rank=args.rank), seed=i) for i in range(1, k)),
+    ]
     config = resolve_loss_config(LossFn.CROSS_ENTROPY, None)
     parts = [data[i::k] for i in range(k)]
-    ops = [PassOp(a, part, LossFn.CROSS_ENTROPY, config, True)
-           for a, part in zip(adapters, parts, strict=True) if part]
+    ops = [
+        PassOp(a, part, LossFn.CROSS_ENTROPY, config, True)
+        for a, part in zip(adapters, parts, strict=True)
+        if part
+    ]
 
     def together() -> None:
         shared_pass(pool, ops, device)
@@ -265,8 +307,9 @@ def measure_adapters(pool: AdapterPool, first: Adapter, data: list[Datum],
     def apart() -> None:
         for op in ops:
             pool.activate(op.adapter)
-            forward_backward(pool.model, op.data, LossFn.CROSS_ENTROPY, config, device,
-                             backward=True)
+            forward_backward(
+                pool.model, op.data, LossFn.CROSS_ENTROPY, config, device, backward=True
+            )
 
     times: dict[str, list[float]] = {"one pass": [], "one at a time": []}
     for i in range(args.warmup + args.steps):
@@ -291,10 +334,16 @@ def run(args: argparse.Namespace) -> Result:
     batch, data = fit_batch(pool, adapter, shape, args, device)
     if device.type == "cuda":  # after the fitting, whose failed tries would set the peak
         torch.cuda.reset_peak_memory_stats(device)
-    result = Result(args.device, args.shape, batch, args.seq, args.rank,
-                    sum(p.numel() for p in base.parameters()),
-                    sum(p.numel() for p in adapter.params.values()),
-                    shrunk_from=args.batch if batch != args.batch else None)
+    result = Result(
+        args.device,
+        args.shape,
+        batch,
+        args.seq,
+        args.rank,
+        sum(p.numel() for p in base.parameters()),
+        sum(p.numel() for p in adapter.params.values()),
+        shrunk_from=args.batch if batch != args.batch else None,
+    )
     measure(pool, adapter, data, device, args, result)
     if device.type == "cuda":
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
@@ -328,7 +377,8 @@ def pct(value: float | None) -> str:
 def summary_lines(result: Result, device_name: str) -> list[str]:
     f = figures(result, device_name)
     batch = f"{result.batch} × {result.seq}" + (
-        f" ({result.shrunk_from} × {result.seq} did not fit)" if result.shrunk_from else "")
+        f" ({result.shrunk_from} × {result.seq} did not fit)" if result.shrunk_from else ""
+    )
     peak = "–" if result.peak_gib is None else f"{result.peak_gib:.1f}"
     lines = [
         "| device | shape (params, LoRA params) | batch | forward_backward ms | optim_step ms "
@@ -339,13 +389,17 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
         f"| {batch} | {statistics.median(result.fb_s) * 1000:,.1f} "
         f"| {statistics.median(result.optim_s) * 1000:,.1f} | {result.tokens_per_s():,.0f} "
         f"| {result.tokens_per_s(with_optim=True):,.0f} | {f['tflops_lora']:,.1f} "
-        f"| **{pct(f['mfu_lora'])}** | {pct(f['mfu_6N'])} | {peak} |"]
+        f"| **{pct(f['mfu_lora'])}** | {pct(f['mfu_6N'])} | {peak} |",
+    ]
     if result.multi:
         one, apart = result.multi["one pass"], result.multi["one at a time"]
-        lines += ["", f"{result.adapters} adapters' forward_backward ops on the same "
-                  f"{result.tokens:,} tokens (the batch split between them): one cross-adapter "
-                  f"pass {one * 1000:,.1f} ms, one at a time {apart * 1000:,.1f} ms "
-                  f"(**{apart / one:.2f}×**)."]
+        lines += [
+            "",
+            f"{result.adapters} adapters' forward_backward ops on the same "
+            f"{result.tokens:,} tokens (the batch split between them): one cross-adapter "
+            f"pass {one * 1000:,.1f} ms, one at a time {apart * 1000:,.1f} ms "
+            f"(**{apart / one:.2f}×**).",
+        ]
     return lines
 
 
@@ -358,37 +412,55 @@ def device_name(device: str) -> str:
 def render(result: Result, info: dict[str, str], args: argparse.Namespace) -> str:
     shape = SHAPES[result.shape]
     per_token = flops_per_token(shape, result.seq, result.lora_params)
-    return "\n".join([
-        SECTION, "",
-        f"Training tokens/s and model FLOPs utilisation of the engine's own LoRA "
-        f"forward_backward (`workers.forward.forward_backward` on an adapter added by "
-        f"`workers.adapters.AdapterPool`, as a worker runs the op) on a {args.shape}-shaped "
-        f"Llama with random weights in bf16 (built from `LlamaConfig`, no download), rank-"
-        f"{result.rank} LoRA on every attention, MLP and unembedding linear, cross-entropy "
-        f"on random tokens; {args.warmup} warm-up steps, then the median of {args.steps}.", "",
-        f"FLOPs per token at this shape: LoRA count 4·N_mm + 6·N_lora + 12·L·d·T = "
-        f"{per_token['lora'] / 1e9:,.2f} GFLOP (frozen base: forward and activation gradient, "
-        f"no weight gradient; attention over the whole sequence, as PaLM counts it); 6N "
-        f"convention 6·N_total = {per_token['6N'] / 1e9:,.2f} GFLOP (what full fine-tuning "
-        f"would pay; no attention term). Peak: dense bf16 from the GPU's data sheet.", "",
-        "```", COMMAND, "```", "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".", "",
-        *summary_lines(result, device_name(args.device)), ""])
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            f"Training tokens/s and model FLOPs utilisation of the engine's own LoRA "
+            f"forward_backward (`workers.forward.forward_backward` on an adapter added by "
+            f"`workers.adapters.AdapterPool`, as a worker runs the op) on a {args.shape}-shaped "
+            f"Llama with random weights in bf16 (built from `LlamaConfig`, no download), rank-"
+            f"{result.rank} LoRA on every attention, MLP and unembedding linear, cross-entropy "
+            f"on random tokens; {args.warmup} warm-up steps, then the median of {args.steps}.",
+            "",
+            f"FLOPs per token at this shape: LoRA count 4·N_mm + 6·N_lora + 12·L·d·T = "
+            f"{per_token['lora'] / 1e9:,.2f} GFLOP (frozen base: forward and activation gradient, "
+            f"no weight gradient; attention over the whole sequence, as PaLM counts it); 6N "
+            f"convention 6·N_total = {per_token['6N'] / 1e9:,.2f} GFLOP (what full fine-tuning "
+            f"would pay; no attention term). Peak: dense bf16 from the GPU's data sheet.",
+            "",
+            "```",
+            COMMAND,
+            "```",
+            "",
+            "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+            "",
+            *summary_lines(result, device_name(args.device)),
+            "",
+        ]
+    )
 
 
 def not_measured_section(reason: str) -> str:
     """The section a run without a GPU leaves: what would be measured and how."""
-    return "\n".join([
-        SECTION, "",
-        f"{NOT_MEASURED}: {reason}. On a CUDA machine this builds a Llama-3.1-8B-shaped model "
-        "(hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab 128256) with random "
-        "bf16 weights, adds a rank-32 LoRA through the worker's `AdapterPool`, and times the "
-        "engine's `forward_backward` on 8 × 2048 tokens (halved until it fits): training "
-        "tokens/s and MFU, counted as 4·N_mm + 6·N_lora + 12·L·d·T FLOPs per token (frozen "
-        "base weights need no weight gradient) and, for comparison, by the 6N convention; and "
-        "8 adapters' ops in one cross-adapter pass against one at a time. Run it there with:",
-        "",
-        "```", COMMAND, "```", ""])
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            f"{NOT_MEASURED}: {reason}. On a CUDA machine this builds a Llama-3.1-8B-shaped model "
+            "(hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab 128256) with random "
+            "bf16 weights, adds a rank-32 LoRA through the worker's `AdapterPool`, and times the "
+            "engine's `forward_backward` on 8 × 2048 tokens (halved until it fits): training "
+            "tokens/s and MFU, counted as 4·N_mm + 6·N_lora + 12·L·d·T FLOPs per token (frozen "
+            "base weights need no weight gradient) and, for comparison, by the 6N convention; and "
+            "8 adapters' ops in one cross-adapter pass against one at a time. Run it there with:",
+            "",
+            "```",
+            COMMAND,
+            "```",
+            "",
+        ]
+    )
 
 
 def machine_info(device: str) -> dict[str, str]:
@@ -397,30 +469,47 @@ def machine_info(device: str) -> dict[str, str]:
     import peft
     import transformers
 
-    info = {"device": device_name(device), "torch": torch.__version__,
-            "transformers": transformers.__version__, "peft": peft.__version__,
-            "Python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    info = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "Python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     if device.startswith("cuda"):
         info["CUDA"] = str(torch.version.cuda)
     return info
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.mfu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.mfu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", choices=list(SHAPES), default=None,
-                        help="default: llama-3.1-8b on CUDA, small on the CPU")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="datums (default 8, halved while it does not fit; CPU 8)")
+    parser.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        default=None,
+        help="default: llama-3.1-8b on CUDA, small on the CPU",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="datums (default 8, halved while it does not fit; CPU 8)",
+    )
     parser.add_argument("--seq", type=int, default=None, help="tokens each (default 2048; CPU 64)")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--adapters", type=int, default=8,
-                        help="K adapters for the one-pass vs one-at-a-time case, the batch "
-                        "split between them (1: skip it)")
+    parser.add_argument(
+        "--adapters",
+        type=int,
+        default=8,
+        help="K adapters for the one-pass vs one-at-a-time case, the batch "
+        "split between them (1: skip it)",
+    )
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     parser.add_argument("--quick", action="store_true", help="few steps, docs left alone")
@@ -444,8 +533,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     result = run(args)
     print("\n".join(summary_lines(result, device_name(args.device))))
-    print(f"FLOPs per token: {flops_per_token(SHAPES[args.shape], args.seq, result.lora_params)}; "
-          f"{figures(result, device_name(args.device))}")
+    print(
+        f"FLOPs per token: {flops_per_token(SHAPES[args.shape], args.seq, result.lora_params)}; "
+        f"{figures(result, device_name(args.device))}"
+    )
     if not args.no_docs:
         write_docs(args.docs, render(result, info, args), heading=SECTION)
         print(f"wrote {args.docs}")

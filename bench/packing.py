@@ -47,8 +47,10 @@ def sft_lengths(count: int, longest: int, rng: np.random.Generator) -> list[int]
 
 def datum(length: int, rng: np.random.Generator) -> Datum:
     ids = rng.integers(0, 256, length + 1)
-    return Datum(model_input=ModelInput.from_ints(ids[:-1].tolist()),
-                 loss_fn_inputs={"target_tokens": ids[1:].astype(np.int64)})
+    return Datum(
+        model_input=ModelInput.from_ints(ids[:-1].tolist()),
+        loss_fn_inputs={"target_tokens": ids[1:].astype(np.int64)},
+    )
 
 
 def timed_pass(pool: AdapterPool, ops: Sequence[PassOp], plan: PassPlan, repeats: int) -> float:
@@ -85,34 +87,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i in range(args.adapters):
             adapter = pool.add(f"m{i}", "bench", LoraConfig(rank=16), seed=i)
             data = [datum(n, rng) for n in sft_lengths(args.data, context - 1, rng)]
-            ops.append(PassOp(adapter=adapter, data=data, loss_fn=LossFn.CROSS_ENTROPY,
-                              config={}, backward=True))
+            ops.append(
+                PassOp(
+                    adapter=adapter,
+                    data=data,
+                    loss_fn=LossFn.CROSS_ENTROPY,
+                    config={},
+                    backward=True,
+                )
+            )
         lengths = [d.model_input.length for op in ops for d in op.data]
-        plans = {"padded": PassPlan(pack_above_padding=None),
-                 "packed": PassPlan(pack_above_padding=0.0)}
-        rows = {name: rows_for([d for op in ops for d in op.data], CPU, plan,
-                               groups=[len(op.data) for op in ops]).ids.shape
-                for name, plan in plans.items()}
+        plans = {
+            "padded": PassPlan(pack_above_padding=None),
+            "packed": PassPlan(pack_above_padding=0.0),
+        }
+        rows = {
+            name: rows_for(
+                [d for op in ops for d in op.data], CPU, plan, groups=[len(op.data) for op in ops]
+            ).ids.shape
+            for name, plan in plans.items()
+        }
         seconds = {name: timed_pass(pool, ops, plan, args.repeats) for name, plan in plans.items()}
     tokens = sum(lengths)
     lines = [
-        SECTION, "",
+        SECTION,
+        "",
         f"Measured on {cpu_model()}, torch {torch.__version__}; `{COMMAND} --model {model}`. "
         f"{args.adapters} "
         f"adapters × {args.data} datums of log-normal lengths (median ~150, 16 to {context - 1} "
         f"tokens; {tokens:,} real tokens) in one shared forward_backward pass of `{model}`, "
         f"median of {args.repeats}. One datum a row, the pass is "
         f"{padding_fraction(lengths):.0%} padding; the engine packs once that passes 50% "
-        "(`PassPlan.pack_above_padding`).", "",
+        "(`PassPlan.pack_above_padding`).",
+        "",
         "| layout | rows × width | padded tokens | pass time | real tokens/s |",
         "| --- | --- | --- | --- | --- |",
     ]
     for name in plans:
         r, w = rows[name]
-        lines.append(f"| {name} | {r} × {w} | {r * w:,} | {seconds[name]:.2f} s | "
-                     f"{tokens / seconds[name]:,.0f} |")
-    lines += ["", f"Packed over padded: **{seconds['padded'] / seconds['packed']:.2f}×** "
-              "tokens/s."]
+        lines.append(
+            f"| {name} | {r} × {w} | {r * w:,} | {seconds[name]:.2f} s | "
+            f"{tokens / seconds[name]:,.0f} |"
+        )
+    lines += ["", f"Packed over padded: **{seconds['padded'] / seconds['packed']:.2f}×** tokens/s."]
     print("\n".join(lines))
     if not args.quick:
         write_docs(DOCS, "\n".join(lines) + "\n", SECTION)

@@ -64,8 +64,7 @@ from bench.harness import (
 from bench.lora_service import lora_worker
 from bench.report import DOCS, write_docs
 
-SECTION = ("## Protocol features: zstd bodies, batched sample polling, server-side custom "
-           "losses")
+SECTION = "## Protocol features: zstd bodies, batched sample polling, server-side custom losses"
 COMMAND = ".venv/bin/python -m bench.protocol_wire"
 MODEL = "queue-tinker/tiny-llama"
 VOCAB = 32_000
@@ -79,9 +78,11 @@ class Shape:
     loss_fn: str
 
 
-SHAPES = (Shape("8 x 128 cross_entropy", 8, 128, "cross_entropy"),
-          Shape("64 x 1024 cross_entropy", 64, 1024, "cross_entropy"),
-          Shape("64 x 1024 importance_sampling", 64, 1024, "importance_sampling"))
+SHAPES = (
+    Shape("8 x 128 cross_entropy", 8, 128, "cross_entropy"),
+    Shape("64 x 1024 cross_entropy", 64, 1024, "cross_entropy"),
+    Shape("64 x 1024 importance_sampling", 64, 1024, "importance_sampling"),
+)
 
 
 def batch(shape: Shape, rng: np.random.Generator) -> list[types.Datum]:
@@ -92,19 +93,27 @@ def batch(shape: Shape, rng: np.random.Generator) -> list[types.Datum]:
         if shape.loss_fn == "cross_entropy":
             prompt = shape.tokens // 4
             inputs["weights"] = np.r_[np.zeros(prompt), np.ones(shape.tokens - prompt)].astype(
-                np.float32)
+                np.float32
+            )
         else:
             inputs["logprobs"] = -rng.exponential(1.0, shape.tokens).astype(np.float32)
             inputs["advantages"] = np.full(shape.tokens, rng.normal(), dtype=np.float32)
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()),
-                                loss_fn_inputs=inputs))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1].tolist()), loss_fn_inputs=inputs
+            )
+        )
     return data
 
 
 def proto_body(shape: Shape, model_id: str, seq_id: int, data: list[types.Datum]) -> bytes:
-    return forward_backward_request_to_proto(ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=shape.loss_fn),
-        model_id=model_id, seq_id=seq_id)).SerializeToString()
+    return forward_backward_request_to_proto(
+        ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=shape.loss_fn),
+            model_id=model_id,
+            seq_id=seq_id,
+        )
+    ).SerializeToString()
 
 
 @dataclass
@@ -120,11 +129,22 @@ class WireResult:
 def open_model(url: str, key: str) -> str:
     """A session and a training run whose ops only queue (no worker serves its base model)."""
     headers = {"X-API-Key": key}
-    session = httpx.post(f"{url}/api/v1/create_session", headers=headers, json={},
-                         timeout=30).json()["session_id"]
-    return str(httpx.post(f"{url}/api/v1/create_model", headers=headers, timeout=30, json={
-        "session_id": session, "model_seq_id": 0, "base_model": "bench-no-worker",
-        "lora_config": {"rank": 32}}).json()["model_id"])
+    session = httpx.post(
+        f"{url}/api/v1/create_session", headers=headers, json={}, timeout=30
+    ).json()["session_id"]
+    return str(
+        httpx.post(
+            f"{url}/api/v1/create_model",
+            headers=headers,
+            timeout=30,
+            json={
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": "bench-no-worker",
+                "lora_config": {"rank": 32},
+            },
+        ).json()["model_id"]
+    )
 
 
 def wire_run(url: str, key: str, shape: Shape, rounds: int) -> WireResult:
@@ -139,8 +159,11 @@ def wire_run(url: str, key: str, shape: Shape, rounds: int) -> WireResult:
             began = time.perf_counter()
             sent = zstandard.ZstdCompressor().compress(body) if compress else body
             packed = time.perf_counter()
-            answer = client.post(f"{url}/api/v1/forward_backward", content=sent, headers={
-                **headers, **({"Content-Encoding": "zstd"} if compress else {})})
+            answer = client.post(
+                f"{url}/api/v1/forward_backward",
+                content=sent,
+                headers={**headers, **({"Content-Encoding": "zstd"} if compress else {})},
+            )
             took_ms = (time.perf_counter() - began) * 1e3
             answer.raise_for_status()
             if compress:
@@ -168,21 +191,26 @@ def poll_run(url: str, key: str, log_path: Path, samples: int, batched: bool) ->
         holder = sampler.holder
         if not batched:  # as a gateway without retrieve_futures would configure the SDK
             holder._client_config = holder._client_config.model_copy(
-                update={"sample_use_retrieve_futures": False})
+                update={"sample_use_retrieve_futures": False}
+            )
         params = types.SamplingParams(max_tokens=8, temperature=1.0)
         sampler.sample(types.ModelInput.from_ints([3, 4, 5]), 1, params).result(timeout=300)
         before = requests_by_endpoint(log_path.read_text())
         began = time.perf_counter()
         futures: list[Future[Any]] = [
             sampler.sample(types.ModelInput.from_ints([3 + i % 50, 4, 5]), 1, params)
-            for i in range(samples)]
+            for i in range(samples)
+        ]
         for future in futures:
             future.result(timeout=600)
         wall_s = time.perf_counter() - began
         time.sleep(1.0)  # the last access-log lines
     after = requests_by_endpoint(log_path.read_text())
-    counts = {name.rsplit(" ", 1)[0]: n - before.get(name, 0) for name, n in after.items()
-              if n - before.get(name, 0) > 0 and ("sample" in name or "future" in name)}
+    counts = {
+        name.rsplit(" ", 1)[0]: n - before.get(name, 0)
+        for name, n in after.items()
+        if n - before.get(name, 0) > 0 and ("sample" in name or "future" in name)
+    }
     return PollResult("retrieve_futures on" if batched else "off", samples, counts, wall_s)
 
 
@@ -205,27 +233,38 @@ class CustomLossResult:
         return 1.0 / statistics.median(times)
 
 
-def custom_loss_run(url: str, key: str, model: str, datums: int, tokens: int,
-                    steps: int) -> CustomLossResult:
+def custom_loss_run(
+    url: str, key: str, model: str, datums: int, tokens: int, steps: int
+) -> CustomLossResult:
     rng = np.random.default_rng(1)
     data = []
     for _ in range(datums):
         ids = rng.integers(3, 250, tokens + 1)
-        data.append(types.Datum(
-            model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
-            loss_fn_inputs={"target_tokens": ids[1:].astype(np.int64),
-                            "old_logprobs": -rng.uniform(4, 7, tokens).astype(np.float32),
-                            "advantages": rng.normal(size=tokens).astype(np.float32)}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
+                loss_fn_inputs={
+                    "target_tokens": ids[1:].astype(np.int64),
+                    "old_logprobs": -rng.uniform(4, 7, tokens).astype(np.float32),
+                    "advantages": rng.normal(size=tokens).astype(np.float32),
+                },
+            )
+        )
     with tinker.ServiceClient(base_url=url, api_key=key) as service:
         handle = service.create_custom_loss(
-            clipped_policy, {"logprobs": 1, "old_logprobs": 1, "advantages": 1}).result()
+            clipped_policy, {"logprobs": 1, "old_logprobs": 1, "advantages": 1}
+        ).result()
         client_handle = dataclasses.replace(handle, loss_id=None)
-        runs = [service.create_lora_training_client(base_model=model, rank=32, seed=0).result()
-                for _ in range(2)]
+        runs = [
+            service.create_lora_training_client(base_model=model, rank=32, seed=0).result()
+            for _ in range(2)
+        ]
         result = CustomLossResult(model, f"{datums} x {tokens}", [], [])
         for step in range(steps + 1):  # the first round warms up
-            for run, loss, times in ((runs[0], handle, result.server_s),
-                                     (runs[1], client_handle, result.client_s)):
+            for run, loss, times in (
+                (runs[0], handle, result.server_s),
+                (runs[1], client_handle, result.client_s),
+            ):
                 began = time.perf_counter()
                 run.forward_backward_custom(data, loss).result(timeout=600)
                 if step:
@@ -234,25 +273,31 @@ def custom_loss_run(url: str, key: str, model: str, datums: int, tokens: int,
 
 
 def custom_loss_lines(results: list[CustomLossResult]) -> list[str]:
-    lines = ["| model | batch | server-side steps/s | client-side steps/s | ratio |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model | batch | server-side steps/s | client-side steps/s | ratio |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         server, client = r.steps_per_s(r.server_s), r.steps_per_s(r.client_s)
-        lines.append(f"| `{r.model}` | {r.shape} | {server:.2f} | {client:.2f} | "
-                     f"{server / client:.2f}x |")
+        lines.append(
+            f"| `{r.model}` | {r.shape} | {server:.2f} | {client:.2f} | {server / client:.2f}x |"
+        )
     return lines
 
 
 def wire_lines(results: list[WireResult]) -> list[str]:
-    lines = ["| shape | bytes, plain | bytes, zstd | ratio | round trip p50 ms, plain | "
-             "round trip p50 ms, zstd (of which compress) | break-even link, Mbit/s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| shape | bytes, plain | bytes, zstd | ratio | round trip p50 ms, plain | "
+        "round trip p50 ms, zstd (of which compress) | break-even link, Mbit/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         plain, packed = statistics.median(r.plain_ms), statistics.median(r.zstd_ms)
         lines.append(
             f"| {r.shape.label} | {r.plain_bytes:,} | {r.zstd_bytes:,} | "
             f"{r.plain_bytes / r.zstd_bytes:.1f}x | {plain:.1f} | {packed:.1f} "
-            f"({statistics.median(r.compress_ms):.1f}) | {break_even_mbit_s(r):,.0f} |")
+            f"({statistics.median(r.compress_ms):.1f}) | {break_even_mbit_s(r):,.0f} |"
+        )
     return lines
 
 
@@ -264,50 +309,87 @@ def break_even_mbit_s(r: WireResult) -> float:
 
 
 def poll_lines(results: list[PollResult]) -> list[str]:
-    lines = ["| polling | samples in flight | HTTP requests by endpoint | requests per sample | "
-             "wall s |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| polling | samples in flight | HTTP requests by endpoint | requests per sample | "
+        "wall s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         by_endpoint = ", ".join(f"`{k}` {v}" for k, v in sorted(r.requests.items()))
-        lines.append(f"| {r.mode} | {r.samples} | {by_endpoint} | "
-                     f"{sum(r.requests.values()) / r.samples:.2f} | {r.wall_s:.1f} |")
+        lines.append(
+            f"| {r.mode} | {r.samples} | {by_endpoint} | "
+            f"{sum(r.requests.values()) / r.samples:.2f} | {r.wall_s:.1f} |"
+        )
     return lines
 
 
-def render(info: dict[str, str], args: argparse.Namespace, wire: list[WireResult],
-           polls: list[PollResult], custom: list[CustomLossResult], total_s: float) -> str:
-    return "\n".join([
-        SECTION, "", (__doc__ or "").split("\n\n    .venv")[0].strip(), "", "```", COMMAND,
-        "```", "", "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
-        f"The run took {total_s:.0f} s; gateway, worker, Redis and Postgres share the cores.",
-        "", f"### zstd forward_backward bodies ({args.rounds} posts per mode and shape, "
-        "alternating; loopback)", "", *wire_lines(wire), "",
-        "On loopback the bytes cost next to nothing, so the round trip shows compression's "
-        "CPU cost (one core of this machine, in the caller's process). The last column is the "
-        "link speed at which the bytes saved take as long to send as compressing them: on a "
-        "slower link (a laptop's uplink, a WAN) zstd shortens the round trip, on a faster one "
-        "it lengthens it. Token ids drawn uniformly from a 32k vocabulary are the worst case "
-        "for zstd (about 15 bits of entropy per int32); real text batches, padded ones and "
-        "0/1 weights compress further.", "",
-        "Batched polling does not lower requests per sample (each sample still posts once and "
-        "fetches its payload once, with `retrieve_future`); it replaces one long poll held "
-        "open per sample in flight by one per SamplingClient, which is what lets RL loops "
-        "keep hundreds of samples in flight (the SDK then lifts its "
-        "`sample_max_concurrent_requests` cap).", "",
-        f"### Batched sample polling ({MODEL}, one LoRA worker, max_tokens 8)", "",
-        *poll_lines(polls), "",
-        f"### Server-side custom losses (`forward_backward_custom`, {args.steps} steps each, "
-        "median)", "", *custom_loss_lines(custom), "",
-        "A step is `forward_backward_custom(...).result()` alone (no optim_step), so the ratio "
-        "is the pass count's: one forward/backward on the worker against a forward, the loss "
-        "on the client and a second forward/backward.", ""])
+def render(
+    info: dict[str, str],
+    args: argparse.Namespace,
+    wire: list[WireResult],
+    polls: list[PollResult],
+    custom: list[CustomLossResult],
+    total_s: float,
+) -> str:
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            (__doc__ or "").split("\n\n    .venv")[0].strip(),
+            "",
+            "```",
+            COMMAND,
+            "```",
+            "",
+            "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+            f"The run took {total_s:.0f} s; gateway, worker, Redis and Postgres share the cores.",
+            "",
+            f"### zstd forward_backward bodies ({args.rounds} posts per mode and shape, "
+            "alternating; loopback)",
+            "",
+            *wire_lines(wire),
+            "",
+            "On loopback the bytes cost next to nothing, so the round trip shows compression's "
+            "CPU cost (one core of this machine, in the caller's process). The last column is the "
+            "link speed at which the bytes saved take as long to send as compressing them: on a "
+            "slower link (a laptop's uplink, a WAN) zstd shortens the round trip, on a faster one "
+            "it lengthens it. Token ids drawn uniformly from a 32k vocabulary are the worst case "
+            "for zstd (about 15 bits of entropy per int32); real text batches, padded ones and "
+            "0/1 weights compress further.",
+            "",
+            "Batched polling does not lower requests per sample (each sample still posts once and "
+            "fetches its payload once, with `retrieve_future`); it replaces one long poll held "
+            "open per sample in flight by one per SamplingClient, which is what lets RL loops "
+            "keep hundreds of samples in flight (the SDK then lifts its "
+            "`sample_max_concurrent_requests` cap).",
+            "",
+            f"### Batched sample polling ({MODEL}, one LoRA worker, max_tokens 8)",
+            "",
+            *poll_lines(polls),
+            "",
+            f"### Server-side custom losses (`forward_backward_custom`, {args.steps} steps each, "
+            "median)",
+            "",
+            *custom_loss_lines(custom),
+            "",
+            "A step is `forward_backward_custom(...).result()` alone (no optim_step), so the ratio "
+            "is the pass count's: one forward/backward on the worker against a forward, the loss "
+            "on the client and a second forward/backward.",
+            "",
+        ]
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.protocol_wire", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.protocol_wire",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES))
+    parser.add_argument(
+        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
+    )
     parser.add_argument("--rounds", type=int, default=20, help="posts per mode and shape")
     parser.add_argument("--samples", type=int, default=64, help="samples in flight")
     parser.add_argument("--steps", type=int, default=8, help="custom-loss steps per mode")
@@ -326,24 +408,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.perf_counter()
     info = machine(args.redis_url, args.postgres_url, packages=("tinker", "zstandard"))
-    with (tempfile.TemporaryDirectory(prefix="qt-bench-wire-") as tmp,
-          scratch_database(args.postgres_url) as database_url,
-          fresh_prefix(args.redis_url, "wire") as prefix):
+    with (
+        tempfile.TemporaryDirectory(prefix="qt-bench-wire-") as tmp,
+        scratch_database(args.postgres_url) as database_url,
+        fresh_prefix(args.redis_url, "wire") as prefix,
+    ):
         settings = make_settings(args.redis_url, database_url, prefix, Path(tmp))
         key = make_key(settings, f"bench-{uuid.uuid4().hex[:6]}")
         log_path = Path(tmp) / "gateway.log"
-        with lora_worker(settings, MODEL, Path(tmp) / "worker.log"), \
-                gateway_proc(settings, log_path) as (_, url):
+        with (
+            lora_worker(settings, MODEL, Path(tmp) / "worker.log"),
+            gateway_proc(settings, log_path) as (_, url),
+        ):
             wire = [wire_run(url, key, shape, args.rounds) for shape in SHAPES]
             print("\n".join(wire_lines(wire)), flush=True)
-            polls = [poll_run(url, key, log_path, args.samples, batched)
-                     for batched in (False, True)]
+            polls = [
+                poll_run(url, key, log_path, args.samples, batched) for batched in (False, True)
+            ]
             print("\n".join(poll_lines(polls)), flush=True)
             custom = [custom_loss_run(url, key, MODEL, 8, 64, args.steps)]
             if args.big_model:
                 with lora_worker(settings, args.big_model, Path(tmp) / "worker-big.log"):
-                    custom.append(custom_loss_run(url, key, args.big_model, 4, 128,
-                                                  args.steps))
+                    custom.append(custom_loss_run(url, key, args.big_model, 4, 128, args.steps))
             print("\n".join(custom_loss_lines(custom)), flush=True)
     total_s = time.perf_counter() - began
     if not args.no_docs:

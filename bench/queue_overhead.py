@@ -108,20 +108,30 @@ def stage_breakdown(redis_url: str, keys: Keys, samples: list[Sample]) -> Stages
             continue
         queued, started, finished = (float(v) for v in reply)
         seen = sample.submitted + sample.total_s
-        stages.rows.append((sample.enqueued_s, queued - sample.submitted, started - queued,
-                            finished - started, seen - finished))
+        stages.rows.append(
+            (
+                sample.enqueued_s,
+                queued - sample.submitted,
+                started - queued,
+                finished - started,
+                seen - finished,
+            )
+        )
     return stages
 
 
 def summarise(redis_url: str, keys: Keys, samples: list[Sample]) -> LatencyResult:
     """Round trips, submit calls and stages of one latency run."""
-    return LatencyResult(Latency([s.total_s for s in samples]),
-                         Latency([s.enqueued_s for s in samples]),
-                         stage_breakdown(redis_url, keys, samples))
+    return LatencyResult(
+        Latency([s.total_s for s in samples]),
+        Latency([s.enqueued_s for s in samples]),
+        stage_breakdown(redis_url, keys, samples),
+    )
 
 
-def run_latency(args: argparse.Namespace, database_url: str, log_dir: Path
-                ) -> dict[str, LatencyResult]:
+def run_latency(
+    args: argparse.Namespace, database_url: str, log_dir: Path
+) -> dict[str, LatencyResult]:
     """Part 1: sync then async round trips against one worker, on a fresh prefix."""
     results: dict[str, LatencyResult] = {}
     with fresh_prefix(args.redis_url, "latency") as prefix:
@@ -142,8 +152,9 @@ def run_latency(args: argparse.Namespace, database_url: str, log_dir: Path
 
 
 # --- part 2: throughput ------------------------------------------------------------------------
-async def pump(clients: list[TrainingClient], total: int, window: int
-               ) -> tuple[float, dict[str, int]]:
+async def pump(
+    clients: list[TrainingClient], total: int, window: int
+) -> tuple[float, dict[str, int]]:
     """Keep `window` pings in flight, spread round robin over the clients.
 
     Returns the seconds taken and the errors the service raised, counted by type (a typed
@@ -211,8 +222,9 @@ def record_backlog(redis_url: str, keys: Keys) -> int:
         client.close()
 
 
-def run_throughput(args: argparse.Namespace, database_url: str, log_dir: Path, workers: int
-                   ) -> Throughput:
+def run_throughput(
+    args: argparse.Namespace, database_url: str, log_dir: Path, workers: int
+) -> Throughput:
     """Part 2: pings in flight over `args.models` models against `workers` workers."""
     with fresh_prefix(args.redis_url, f"tput{workers}") as prefix:
         settings = make_settings(args.redis_url, database_url, prefix, log_dir / "data")
@@ -220,18 +232,22 @@ def run_throughput(args: argparse.Namespace, database_url: str, log_dir: Path, w
             service = ServiceClient(settings)
             try:
                 keys = Keys(prefix)
-                clients = [service.create_lora_training_client("tiny")
-                           for _ in range(args.models)]
+                clients = [service.create_lora_training_client("tiny") for _ in range(args.models)]
                 warm = min(args.tput_ops // 10, 1_000)
                 asyncio.run(pump(clients, warm, args.window))
                 seconds, errors = asyncio.run(pump(clients, args.tput_ops, args.window))
                 backlog = record_backlog(args.redis_url, keys)
-                return Throughput(args.tput_ops, seconds, {
-                    "models": args.models, "window": args.window,
-                    "models_per_worker": sorted(owners(args.redis_url, keys, clients).values()),
-                    "record_backlog_at_end": backlog,
-                    "errors": errors,
-                })
+                return Throughput(
+                    args.tput_ops,
+                    seconds,
+                    {
+                        "models": args.models,
+                        "window": args.window,
+                        "models_per_worker": sorted(owners(args.redis_url, keys, clients).values()),
+                        "record_backlog_at_end": backlog,
+                        "errors": errors,
+                    },
+                )
             finally:
                 close_client(service)
 
@@ -239,27 +255,38 @@ def run_throughput(args: argparse.Namespace, database_url: str, log_dir: Path, w
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line; `--quick` shrinks every count and leaves the docs alone."""
-    parser = argparse.ArgumentParser(prog="bench.queue_overhead", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.queue_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES),
-                        help="admin URL; a scratch database is created beside it")
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
+        help="admin URL; a scratch database is created beside it",
+    )
     parser.add_argument("--ops", type=int, default=5_000, help="sequential ops per latency run")
     parser.add_argument("--warmup", type=int, default=200, help="ops before measuring latency")
     parser.add_argument("--tput-ops", type=int, default=20_000, help="ops per throughput run")
     parser.add_argument("--models", type=int, default=8, help="models the throughput ops use")
     parser.add_argument("--window", type=int, default=2_000, help="throughput: ops in flight")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
-                        help="worker counts to measure throughput with")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="worker counts to measure throughput with",
+    )
     parser.add_argument("--rq-ops", type=int, default=2_000, help="rq sequential jobs")
     parser.add_argument("--rq-tput-ops", type=int, default=10_000, help="rq throughput jobs")
     parser.add_argument("--no-rq", action="store_true", help="skip the rq baseline")
     parser.add_argument("--docs", type=Path, default=DOCS, help="where to write the results")
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: few ops everywhere, docs left alone")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: few ops everywhere, docs left alone"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.ops, args.warmup, args.tput_ops, args.window = 300, 50, 2_000, 500
@@ -276,21 +303,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="qt-bench-") as tmp:
         log_dir = Path(tmp)
         with scratch_database(args.postgres_url) as database_url:
-            print(f"[1] round trip, 1 worker: {args.ops} sync + {args.ops} async pings ...",
-                  flush=True)
+            print(
+                f"[1] round trip, 1 worker: {args.ops} sync + {args.ops} async pings ...",
+                flush=True,
+            )
             lat = run_latency(args, database_url, log_dir)
             tput: dict[int, Throughput] = {}
             for workers in args.workers:
-                print(f"[2] throughput, {workers} worker(s): {args.tput_ops} pings, "
-                      f"{args.models} models, {args.window} in flight ...", flush=True)
+                print(
+                    f"[2] throughput, {workers} worker(s): {args.tput_ops} pings, "
+                    f"{args.models} models, {args.window} in flight ...",
+                    flush=True,
+                )
                 tput[workers] = run_throughput(args, database_url, log_dir, workers)
                 print(f"    {tput[workers].per_s:,.0f} ops/s", flush=True)
         rq_result = None
         if not args.no_rq:
-            print(f"[3] rq SimpleWorker: {args.rq_ops} sequential jobs, "
-                  f"{args.rq_tput_ops} burst ...", flush=True)
-            rq_result = run_rq(args.redis_url, log_dir, warmup=args.warmup, ops=args.rq_ops,
-                               tput_ops=args.rq_tput_ops)
+            print(
+                f"[3] rq SimpleWorker: {args.rq_ops} sequential jobs, {args.rq_tput_ops} burst ...",
+                flush=True,
+            )
+            rq_result = run_rq(
+                args.redis_url,
+                log_dir,
+                warmup=args.warmup,
+                ops=args.rq_ops,
+                tput_ops=args.rq_tput_ops,
+            )
     total_s = time.perf_counter() - began
     print_table(lat, tput, rq_result)
     print(f"\ntotal {total_s:.0f} s")

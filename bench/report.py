@@ -28,15 +28,18 @@ INTRO = (
     "Everything is real: the local Redis and Postgres, worker processes started as "
     "`python -m queue_tinker.cli worker --base-model tiny --device cpu` with production "
     "defaults (lease/heartbeat/linger), a scratch database migrated for the run, a fresh "
-    "Redis key prefix per part.")
+    "Redis key prefix per part."
+)
 REPRODUCE = (
     "Reproduce (from the repository root, with Redis on 127.0.0.1:6379 and Postgres on "
     "127.0.0.1:5432; `--redis-url` / `--postgres-url` point elsewhere, `--help` lists the "
-    "knobs, `--quick` is a smoke run that leaves this file alone):")
+    "knobs, `--quick` is a smoke run that leaves this file alone):"
+)
 RQ_WAIT = (
     "rq waits with `Job.latest_result(timeout=...)`, which rq 3 implements as a blocking "
     "`XREAD` on the job's result stream (no polling loop). Its worker logs at WARNING, "
-    "not rq's default INFO (two log lines per job), to give it its best case.")
+    "not rq's default INFO (two log lines per job), to give it its best case."
+)
 STAGES = (
     "Where one round trip goes (medians / p99 in ms; stage boundaries are the Redis-clock "
     "timestamps the Lua scripts write into the job hash — `queued_at`, `started_at`, "
@@ -44,12 +47,14 @@ STAGES = (
     "the others, which add up to the total). An op the engine runs inline (a ping) is "
     "marked started and finished by the one publish script, so its `started_at -> "
     "finished_at` is 0 and `queued_at -> started_at` covers pick-up, execution and the "
-    "publish script:")
+    "publish script:"
+)
 THROUGHPUT = (
     "queue_tinker's throughput is client-inclusive: the clock runs from the first submit "
     "to the last result seen by the client, with a bounded window of in-flight futures "
     "(asyncio semaphore), after a warm-up that lets the worker(s) claim every model. "
-    "rq's is worker-only (the queue is full before its clock starts).")
+    "rq's is worker-only (the queue is full before its clock starts)."
+)
 
 
 # --- docs/benchmarks.md ------------------------------------------------------------------------
@@ -66,17 +71,30 @@ def verdict(ok: bool) -> str:
 
 def intro_lines(info: dict[str, str], total_s: float) -> list[str]:
     """What is measured, how to reproduce it, and on what machine."""
-    return [SECTION, "", INTRO, "", REPRODUCE, "", "```", COMMAND, "```", "",
-            "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
-            f"The run took {total_s:.0f} s. Client, worker(s), Redis and Postgres all share "
-            "this machine's cores.", ""]
+    return [
+        SECTION,
+        "",
+        INTRO,
+        "",
+        REPRODUCE,
+        "",
+        "```",
+        COMMAND,
+        "```",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+        f"The run took {total_s:.0f} s. Client, worker(s), Redis and Postgres all share "
+        "this machine's cores.",
+        "",
+    ]
 
 
 def target_lines(lat: dict[str, LatencyResult], tput: dict[int, Throughput]) -> list[str]:
     """The targets table: each target, the measured value, met or not."""
     sync, async_ = lat["sync"].latency, lat["async"].latency
     lines = [
-        "### Targets", "",
+        "### Targets",
+        "",
         "| target | sync API | async API | verdict |",
         "| --- | --- | --- | --- |",
         f"| p50 round trip ≤ {TARGET_P50_MS:g} ms | {sync.p50:.2f} ms | {async_.p50:.2f} ms | "
@@ -88,74 +106,110 @@ def target_lines(lat: dict[str, LatencyResult], tput: dict[int, Throughput]) -> 
     ]
     one = tput.get(1)
     if one is not None:
-        lines.append(f"| ≥ {TARGET_OPS_1W:,.0f} ops/s, one worker | {one.per_s:,.0f} ops/s "
-                     f"(async) | | {verdict(one.per_s >= TARGET_OPS_1W)} |")
+        lines.append(
+            f"| ≥ {TARGET_OPS_1W:,.0f} ops/s, one worker | {one.per_s:,.0f} ops/s "
+            f"(async) | | {verdict(one.per_s >= TARGET_OPS_1W)} |"
+        )
     return [*lines, ""]
 
 
-def round_trip_lines(ops: int, warmup: int, info: dict[str, str],
-                     lat: dict[str, LatencyResult], rq_result: RqResult | None) -> list[str]:
+def round_trip_lines(
+    ops: int,
+    warmup: int,
+    info: dict[str, str],
+    lat: dict[str, LatencyResult],
+    rq_result: RqResult | None,
+) -> list[str]:
     """The round-trip table, queue_tinker's two APIs beside rq."""
     lines = [
-        f"### Round trip, one worker ({ops:,} sequential ops after {warmup} warm-up)", "",
+        f"### Round trip, one worker ({ops:,} sequential ops after {warmup} warm-up)",
+        "",
         "| system | API / wait | p50 ms | p90 ms | p99 ms | max ms | mean ms |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for label, key in (("`client.ping(i).result()`", "sync"),
-                       ("`await (await client.ping_async(i))`", "async")):
+    for label, key in (
+        ("`client.ping(i).result()`", "sync"),
+        ("`await (await client.ping_async(i))`", "async"),
+    ):
         s = lat[key].latency
-        lines.append(f"| queue_tinker | {label} | {s.p50:.2f} | {s.p90:.2f} | {s.p99:.2f} | "
-                     f"{s.max:.2f} | {s.mean:.2f} |")
+        lines.append(
+            f"| queue_tinker | {label} | {s.p50:.2f} | {s.p90:.2f} | {s.p99:.2f} | "
+            f"{s.max:.2f} | {s.mean:.2f} |"
+        )
     if rq_result is not None:
         s = rq_result.latency
-        lines.append(f"| rq {info['rq']} `SimpleWorker` | `q.enqueue(echo, i)` + "
-                     f"`job.latest_result(timeout=30)` ({len(s.samples):,} ops) | {s.p50:.2f} | "
-                     f"{s.p90:.2f} | {s.p99:.2f} | {s.max:.2f} | {s.mean:.2f} |")
+        lines.append(
+            f"| rq {info['rq']} `SimpleWorker` | `q.enqueue(echo, i)` + "
+            f"`job.latest_result(timeout=30)` ({len(s.samples):,} ops) | {s.p50:.2f} | "
+            f"{s.p90:.2f} | {s.p99:.2f} | {s.max:.2f} | {s.mean:.2f} |"
+        )
     return [*lines, "", RQ_WAIT, ""]
 
 
 def stage_lines(lat: dict[str, LatencyResult]) -> list[str]:
     """Where one round trip goes, stage by stage."""
-    lines = [STAGES, "", "| stage | sync p50 | sync p99 | async p50 | async p99 |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        STAGES,
+        "",
+        "| stage | sync p50 | sync p99 | async p50 | async p99 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     sm, sp = lat["sync"].stages.medians_ms(), lat["sync"].stages.p99s_ms()
     am, ap = lat["async"].stages.medians_ms(), lat["async"].stages.p99s_ms()
     for name in STAGE_NAMES:
-        lines.append(f"| {name} | {sm.get(name, 0):.3f} | {sp.get(name, 0):.3f} | "
-                     f"{am.get(name, 0):.3f} | {ap.get(name, 0):.3f} |")
+        lines.append(
+            f"| {name} | {sm.get(name, 0):.3f} | {sp.get(name, 0):.3f} | "
+            f"{am.get(name, 0):.3f} | {ap.get(name, 0):.3f} |"
+        )
     return [*lines, ""]
 
 
-def throughput_lines(info: dict[str, str], tput: dict[int, Throughput],
-                     rq_result: RqResult | None) -> list[str]:
+def throughput_lines(
+    info: dict[str, str], tput: dict[int, Throughput], rq_result: RqResult | None
+) -> list[str]:
     """The throughput table, one row per worker count, then rq."""
-    lines = ["### Throughput", "", "| system | workers | ops | in flight | ops/s | notes |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "### Throughput",
+        "",
+        "| system | workers | ops | in flight | ops/s | notes |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for workers, t in sorted(tput.items()):
         lines.append(
             f"| queue_tinker (async API) | {workers} | {t.ops:,} over {t.extra['models']} models "
             f"| {t.extra['window']:,} | {t.per_s:,.0f} | models per worker "
             f"{t.extra['models_per_worker']}; records not yet in Postgres at the end: "
-            f"{t.extra['record_backlog_at_end']:,}; {errors_text(t.extra['errors'])} |")
+            f"{t.extra['record_backlog_at_end']:,}; {errors_text(t.extra['errors'])} |"
+        )
     if rq_result is not None:
         t = rq_result.throughput
         lines.append(
             f"| rq {info['rq']} `SimpleWorker` | 1 | {t.ops:,} | all queued up front | "
             f"{t.per_s:,.0f} | `work(burst=True)` timed inside the worker process; enqueueing "
-            f"them (`enqueue_many`, pipelined) took {rq_result.enqueue_s:.2f} s, not counted |")
+            f"them (`enqueue_many`, pipelined) took {rq_result.enqueue_s:.2f} s, not counted |"
+        )
     return [*lines, "", THROUGHPUT, ""]
 
 
-def render(ops: int, warmup: int, info: dict[str, str], lat: dict[str, LatencyResult],
-           tput: dict[int, Throughput], rq_result: RqResult | None, total_s: float) -> str:
+def render(
+    ops: int,
+    warmup: int,
+    info: dict[str, str],
+    lat: dict[str, LatencyResult],
+    tput: dict[int, Throughput],
+    rq_result: RqResult | None,
+    total_s: float,
+) -> str:
     """The whole `## Queue overhead` section, in Markdown."""
-    return "\n".join([
-        *intro_lines(info, total_s),
-        *target_lines(lat, tput),
-        *round_trip_lines(ops, warmup, info, lat, rq_result),
-        *stage_lines(lat),
-        *throughput_lines(info, tput, rq_result),
-    ])
+    return "\n".join(
+        [
+            *intro_lines(info, total_s),
+            *target_lines(lat, tput),
+            *round_trip_lines(ops, warmup, info, lat, rq_result),
+            *stage_lines(lat),
+            *throughput_lines(info, tput, rq_result),
+        ]
+    )
 
 
 def write_docs(path: Path, section: str, heading: str = SECTION) -> None:
@@ -173,8 +227,9 @@ def write_docs(path: Path, section: str, heading: str = SECTION) -> None:
 
 
 # --- stdout ------------------------------------------------------------------------------------
-def print_table(lat: dict[str, LatencyResult], tput: dict[int, Throughput],
-                rq_result: RqResult | None) -> None:
+def print_table(
+    lat: dict[str, LatencyResult], tput: dict[int, Throughput], rq_result: RqResult | None
+) -> None:
     """The results as plain-text tables, then the targets."""
     print()
     print(f"{'round trip (ms)':<44}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>9}{'n':>7}")
@@ -185,8 +240,7 @@ def print_table(lat: dict[str, LatencyResult], tput: dict[int, Throughput],
     if rq_result is not None:
         rows.append(("rq SimpleWorker enqueue+latest_result", rq_result.latency))
     for label, s in rows:
-        print(f"{label:<44}{s.p50:>8.2f}{s.p90:>8.2f}{s.p99:>8.2f}{s.max:>9.2f}"
-              f"{len(s.samples):>7}")
+        print(f"{label:<44}{s.p50:>8.2f}{s.p90:>8.2f}{s.p99:>8.2f}{s.max:>9.2f}{len(s.samples):>7}")
     print()
     print(f"{'stage p50 (ms)':<50}{'sync':>8}{'async':>8}")
     sm, am = lat["sync"].stages.medians_ms(), lat["async"].stages.medians_ms()
@@ -195,8 +249,10 @@ def print_table(lat: dict[str, LatencyResult], tput: dict[int, Throughput],
     print()
     print(f"{'throughput':<44}{'ops':>8}{'sec':>8}{'ops/s':>9}")
     for workers, t in sorted(tput.items()):
-        print(f"{f'queue_tinker {workers} worker(s), async':<44}{t.ops:>8}{t.seconds:>8.2f}"
-              f"{t.per_s:>9.0f}  {t.extra}")
+        print(
+            f"{f'queue_tinker {workers} worker(s), async':<44}{t.ops:>8}{t.seconds:>8.2f}"
+            f"{t.per_s:>9.0f}  {t.extra}"
+        )
     if rq_result is not None:
         t = rq_result.throughput
         print(f"{'rq SimpleWorker 1 worker, burst':<44}{t.ops:>8}{t.seconds:>8.2f}{t.per_s:>9.0f}")
@@ -207,28 +263,47 @@ def print_table(lat: dict[str, LatencyResult], tput: dict[int, Throughput],
 def print_targets(lat: dict[str, LatencyResult], tput: dict[int, Throughput]) -> None:
     """The measured value beside each target."""
     one = tput.get(1)
-    print(f"target p50 <= {TARGET_P50_MS:g} ms: sync {lat['sync'].latency.p50:.2f}, "
-          f"async {lat['async'].latency.p50:.2f}")
-    print(f"target p99 <= {TARGET_P99_MS:g} ms: sync {lat['sync'].latency.p99:.2f}, "
-          f"async {lat['async'].latency.p99:.2f}")
+    print(
+        f"target p50 <= {TARGET_P50_MS:g} ms: sync {lat['sync'].latency.p50:.2f}, "
+        f"async {lat['async'].latency.p50:.2f}"
+    )
+    print(
+        f"target p99 <= {TARGET_P99_MS:g} ms: sync {lat['sync'].latency.p99:.2f}, "
+        f"async {lat['async'].latency.p99:.2f}"
+    )
     if one is not None:
         print(f"target >= {TARGET_OPS_1W:,.0f} ops/s (1 worker): {one.per_s:,.0f}")
 
 
 # --- JSON --------------------------------------------------------------------------------------
-def results_json(info: dict[str, str], lat: dict[str, LatencyResult],
-                 tput: dict[int, Throughput], rq_result: RqResult | None) -> str:
+def results_json(
+    info: dict[str, str],
+    lat: dict[str, LatencyResult],
+    tput: dict[int, Throughput],
+    rq_result: RqResult | None,
+) -> str:
     """Every number of the run, for `--json`."""
     doc: dict[str, Any] = {
         "machine": info,
-        "latency": {k: {"round_trip": v.latency.summary(), "enqueue": v.enqueue.summary(),
-                        "stages_p50_ms": v.stages.medians_ms(),
-                        "stages_p99_ms": v.stages.p99s_ms()} for k, v in lat.items()},
-        "throughput": {str(k): {"ops": t.ops, "seconds": t.seconds, "ops_per_s": t.per_s,
-                                **t.extra} for k, t in tput.items()},
-        "rq": None if rq_result is None else {
+        "latency": {
+            k: {
+                "round_trip": v.latency.summary(),
+                "enqueue": v.enqueue.summary(),
+                "stages_p50_ms": v.stages.medians_ms(),
+                "stages_p99_ms": v.stages.p99s_ms(),
+            }
+            for k, v in lat.items()
+        },
+        "throughput": {
+            str(k): {"ops": t.ops, "seconds": t.seconds, "ops_per_s": t.per_s, **t.extra}
+            for k, t in tput.items()
+        },
+        "rq": None
+        if rq_result is None
+        else {
             "round_trip": rq_result.latency.summary(),
             "throughput_ops_per_s": rq_result.throughput.per_s,
-            "enqueue_many_s": rq_result.enqueue_s},
+            "enqueue_many_s": rq_result.enqueue_s,
+        },
     }
     return json.dumps(doc, indent=2)

@@ -65,8 +65,9 @@ def rq_cleanup(redis_url: str, queue_name: str, job_ids: list[str]) -> None:
     delete_matching(redis_url, f"rq:*{queue_name}*")
 
 
-def rq_latency(redis_url: str, queue: Any, log_path: Path, warmup: int, ops: int,
-               job_ids: list[str]) -> list[float]:
+def rq_latency(
+    redis_url: str, queue: Any, log_path: Path, warmup: int, ops: int, job_ids: list[str]
+) -> list[float]:
     """Sequential round trips through a long-running SimpleWorker, each job waited for with
     a blocking read; the seconds of the `ops` after `warmup`. Job ids go into `job_ids`."""
     from rq.results import Result
@@ -84,8 +85,7 @@ def rq_latency(redis_url: str, queue: Any, log_path: Path, warmup: int, ops: int
             result = job.latest_result(timeout=30)
             t1 = time.perf_counter()
             job_ids.append(job.id)
-            if result is None or result.type != Result.Type.SUCCESSFUL or \
-                    result.return_value != i:
+            if result is None or result.type != Result.Type.SUCCESSFUL or result.return_value != i:
                 raise AssertionError(f"rq job {i}: {result!r}")
             if i >= warmup:
                 samples.append(t1 - t0)
@@ -94,8 +94,7 @@ def rq_latency(redis_url: str, queue: Any, log_path: Path, warmup: int, ops: int
         proc.stop_and_report("rq worker")
 
 
-def rq_burst(redis_url: str, queue: Any, ops: int, job_ids: list[str]
-             ) -> tuple[Throughput, float]:
+def rq_burst(redis_url: str, queue: Any, ops: int, job_ids: list[str]) -> tuple[Throughput, float]:
     """Enqueue `ops` jobs (pipelined), then one burst worker drains the queue; its throughput
     timed inside the worker process, and the seconds the enqueueing took."""
     from rq import Queue
@@ -106,18 +105,25 @@ def rq_burst(redis_url: str, queue: Any, ops: int, job_ids: list[str]
     jobs = queue.enqueue_many([Queue.prepare_data(echo, args=(i,)) for i in range(ops)])
     enqueue_s = time.perf_counter() - t0
     job_ids.extend(job.id for job in jobs)
-    out = subprocess.run(rq_argv(redis_url, queue.name, burst=True), cwd=REPO,
-                         capture_output=True, text=True, timeout=600, check=True)
+    out = subprocess.run(
+        rq_argv(redis_url, queue.name, burst=True),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     finished = queue.finished_job_registry.count
     if len(queue) != 0 or finished != len(job_ids):
-        raise AssertionError(f"rq: {len(queue)} jobs left, {finished} of {len(job_ids)} "
-                             f"finished; burst worker: {report}")
+        raise AssertionError(
+            f"rq: {len(queue)} jobs left, {finished} of {len(job_ids)} "
+            f"finished; burst worker: {report}"
+        )
     return Throughput(ops, report["end"] - report["start"]), enqueue_s
 
 
-def run_rq(redis_url: str, log_dir: Path, *, warmup: int, ops: int, tput_ops: int
-           ) -> RqResult:
+def run_rq(redis_url: str, log_dir: Path, *, warmup: int, ops: int, tput_ops: int) -> RqResult:
     """The whole baseline on a fresh queue, cleaned up afterwards."""
     from rq import Queue
 

@@ -80,7 +80,6 @@ SEED = 1000  # request i samples with seed SEED + i
 TIMEOUT_S = 600.0
 
 
-
 def make_prompts(seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(8, 49, REQUESTS)]
@@ -102,15 +101,16 @@ class Local:
         self.ids = torch.full((len(prompts), self.width), PAD_ID, dtype=torch.long)
         self.mask = torch.zeros((len(prompts), self.width), dtype=torch.long)
         for r, p in enumerate(prompts):  # left padding, as generate() wants for decoder-only
-            self.ids[r, self.width - len(p):] = torch.tensor(p)
-            self.mask[r, self.width - len(p):] = 1
+            self.ids[r, self.width - len(p) :] = torch.tensor(p)
+            self.mask[r, self.width - len(p) :] = 1
 
     def attach(self, directories: list[Path]) -> list[str]:
         """A second copy of the base with the checkpoints loaded; their adapter names."""
         base = load_base_model(self.name, "cpu", self.models_dir).eval()
         names = [f"a{i}" for i in range(len(directories))]
-        self.peft = PeftModel.from_pretrained(base, str(directories[0]), adapter_name=names[0],
-                                              is_trainable=False)
+        self.peft = PeftModel.from_pretrained(
+            base, str(directories[0]), adapter_name=names[0], is_trainable=False
+        )
         for name, directory in zip(names[1:], directories[1:], strict=True):
             self.peft.load_adapter(str(directory), adapter_name=name, is_trainable=False)
         self.peft.eval()
@@ -134,21 +134,37 @@ class Local:
         extra = {} if adapters is None else {"adapter_names": adapters}
         with torch.inference_mode():
             out = model.generate(
-                input_ids=self.ids, attention_mask=self.mask, max_new_tokens=tokens,
-                min_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                pad_token_id=PAD_ID, **extra)
+                input_ids=self.ids,
+                attention_mask=self.mask,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=PAD_ID,
+                **extra,
+            )
         assert out.shape[1] - self.width == tokens, out.shape
         return (out.shape[1] - self.width) * len(self.prompts)
 
     def loop(self, tokens: int, adapters: list[str] | None) -> list[SampleResponse]:
         """The worker's generation function on the same requests."""
         model: Any = self.base if adapters is None else self.peft
-        requests = [GenerationRequest(prompt=p, num_samples=1, params=params(i, tokens),
-                                      max_tokens=tokens, prompt_logprobs=False,
-                                      adapter=None if adapters is None else adapters[i])
-                    for i, p in enumerate(self.prompts)]
-        return generate(model, requests, device=torch.device("cpu"),
-                        eos_token_ids=[EOS_ID], decode=lambda _: "")
+        requests = [
+            GenerationRequest(
+                prompt=p,
+                num_samples=1,
+                params=params(i, tokens),
+                max_tokens=tokens,
+                prompt_logprobs=False,
+                adapter=None if adapters is None else adapters[i],
+            )
+            for i, p in enumerate(self.prompts)
+        ]
+        return generate(
+            model, requests, device=torch.device("cpu"), eos_token_ids=[EOS_ID], decode=lambda _: ""
+        )
 
 
 # --- the service -------------------------------------------------------------------------------
@@ -160,28 +176,41 @@ class ServiceCall:
     responses: list[SampleResponse]
 
 
-def service_call(samplers: list[SamplingClient], prompts: list[list[int]],
-                 tokens: int) -> ServiceCall:
+def service_call(
+    samplers: list[SamplingClient], prompts: list[list[int]], tokens: int
+) -> ServiceCall:
     """All requests at once through the async API (request i on sampler i mod n)."""
+
     async def go() -> ServiceCall:
         wall, t0 = time.time(), time.perf_counter()
-        futures = await asyncio.gather(*(
-            samplers[i % len(samplers)].sample_async(ModelInput.from_ints(p), 1,
-                                                     params(i, tokens))
-            for i, p in enumerate(prompts)))
+        futures = await asyncio.gather(
+            *(
+                samplers[i % len(samplers)].sample_async(
+                    ModelInput.from_ints(p), 1, params(i, tokens)
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
         responses = await asyncio.wait_for(asyncio.gather(*futures), TIMEOUT_S)
-        return ServiceCall(wall, time.perf_counter() - t0, [f.request_id for f in futures],
-                           list(responses))
+        return ServiceCall(
+            wall, time.perf_counter() - t0, [f.request_id for f in futures], list(responses)
+        )
+
     return asyncio.run(go())
 
 
 def check(responses: list[SampleResponse], tokens: int, what: str) -> None:
-    bad = [i for i, r in enumerate(responses)
-           if len(r.sequences) != 1 or len(r.sequences[0].tokens) != tokens
-           or r.sequences[0].stop_reason != "length"]
+    bad = [
+        i
+        for i, r in enumerate(responses)
+        if len(r.sequences) != 1
+        or len(r.sequences[0].tokens) != tokens
+        or r.sequences[0].stop_reason != "length"
+    ]
     if bad:
-        raise AssertionError(f"{what}: requests {bad} did not generate {tokens} tokens "
-                             "ending with 'length'")
+        raise AssertionError(
+            f"{what}: requests {bad} did not generate {tokens} tokens ending with 'length'"
+        )
 
 
 def split_of(call: ServiceCall, times: list[tuple[float, ...] | None]) -> Split:
@@ -192,18 +221,28 @@ def split_of(call: ServiceCall, times: list[tuple[float, ...] | None]) -> Split:
             groups.append([])
         groups[-1].append(t)
     started, finished = known[0][1], max(t[2] for t in known)
-    return Split(started - call.wall, finished - started, call.wall + call.seconds - finished,
-                 [len(g) for g in groups], [max(t[2] for t in g) - g[0][1] for g in groups])
+    return Split(
+        started - call.wall,
+        finished - started,
+        call.wall + call.seconds - finished,
+        [len(g) for g in groups],
+        [max(t[2] for t in g) - g[0][1] for g in groups],
+    )
 
 
-def make_checkpoints(service: ServiceClient, model: str, storage: Path
-                     ) -> tuple[list[str], list[Path]]:
+def make_checkpoints(
+    service: ServiceClient, model: str, storage: Path
+) -> tuple[list[str], list[Path]]:
     """4 sampler checkpoints of one LoRA run, 2 training steps apart (so all differ)."""
     tc = service.create_lora_training_client(model, rank=32, seed=0)
     rng = np.random.default_rng(1)
-    batch = [Datum(model_input=ModelInput.from_ints(row[:-1].tolist()),
-                   loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)})
-             for row in rng.integers(0, 256, (4, 33))]
+    batch = [
+        Datum(
+            model_input=ModelInput.from_ints(row[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)},
+        )
+        for row in rng.integers(0, 256, (4, 33))
+    ]
     paths = []
     for i in range(ADAPTERS):
         for _ in range(2):
@@ -214,8 +253,16 @@ def make_checkpoints(service: ServiceClient, model: str, storage: Path
 
 
 # --- one model ---------------------------------------------------------------------------------
-def run_case(case: str, result: SizeResult, local: Local, samplers: list[SamplingClient],
-             adapters: list[str] | None, meter: CpuMeter, redis_url: str, keys: Keys) -> None:
+def run_case(
+    case: str,
+    result: SizeResult,
+    local: Local,
+    samplers: list[SamplingClient],
+    adapters: list[str] | None,
+    meter: CpuMeter,
+    redis_url: str,
+    keys: Keys,
+) -> None:
     size, out, prompts = result.size, result.cases[case], local.prompts
     # Warm-up: a few tokens on every side (first calls load kernels, adapters, caches).
     check(service_call(samplers, prompts, 4).responses, 4, "warm-up")
@@ -228,7 +275,7 @@ def run_case(case: str, result: SizeResult, local: Local, samplers: list[Samplin
             break
         loop_out: list[SampleResponse] = []
         call: ServiceCall | None = None
-        for side in SIDES[r % 3:] + SIDES[: r % 3]:
+        for side in SIDES[r % 3 :] + SIDES[: r % 3]:
             time.sleep(0.3)  # let the worker's write-behind settle before any side
             mark = meter.mark()
             t0 = time.perf_counter()
@@ -246,18 +293,27 @@ def run_case(case: str, result: SizeResult, local: Local, samplers: list[Samplin
         assert call is not None
         check(call.responses, size.tokens, f"service, {case}")
         check(loop_out, size.tokens, f"loop, {case}")
-        out.same_as_loop.append(sum(a.sequences[0].tokens == b.sequences[0].tokens
-                                    for a, b in zip(call.responses, loop_out, strict=True)))
+        out.same_as_loop.append(
+            sum(
+                a.sequences[0].tokens == b.sequences[0].tokens
+                for a, b in zip(call.responses, loop_out, strict=True)
+            )
+        )
         out.split.append(split_of(call, job_times(redis_url, keys, call.job_ids)))
-        print(f"    {case} round {r + 1}: " + ", ".join(
-            f"{s} {REQUESTS * size.tokens / out.times[s][-1]:,.0f} tok/s" for s in SIDES)
+        print(
+            f"    {case} round {r + 1}: "
+            + ", ".join(
+                f"{s} {REQUESTS * size.tokens / out.times[s][-1]:,.0f} tok/s" for s in SIDES
+            )
             + f"; worker batches {out.split[-1].pattern} ("
-            + "+".join(f"{t * 1000:,.0f}" for t in out.split[-1].batch_s) + " ms), other load "
-            + "/".join(f"{out.foreign[s][-1]:.2f}" for s in SIDES), flush=True)
+            + "+".join(f"{t * 1000:,.0f}" for t in out.split[-1].batch_s)
+            + " ms), other load "
+            + "/".join(f"{out.foreign[s][-1]:.2f}" for s in SIDES),
+            flush=True,
+        )
 
 
-def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path
-            ) -> SizeResult:
+def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path) -> SizeResult:
     ensure_builtin_model(size.model, data_dir / "models")
     local = Local(size.model, data_dir / "models", make_prompts())
     result = SizeResult(size, sum(p.numel() for p in local.base.parameters()))
@@ -282,19 +338,29 @@ def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: P
 
 
 # --- main --------------------------------------------------------------------------------------
-SIZES = {"queue-tinker/tiny-llama": Size("queue-tinker/tiny-llama", 64, 10, 40),
-         "queue-tinker/llama-100m": Size("queue-tinker/llama-100m", 32, 5, 150)}
+SIZES = {
+    "queue-tinker/tiny-llama": Size("queue-tinker/tiny-llama", 64, 10, 40),
+    "queue-tinker/llama-100m": Size("queue-tinker/llama-100m", 32, 5, 150),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.sampling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.sampling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES))
+    parser.add_argument(
+        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
+    )
     parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads on every side (OMP_NUM_THREADS for the worker)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads on every side (OMP_NUM_THREADS for the worker)",
+    )
     parser.add_argument("--big-tokens", type=int, default=None, help="max_tokens at 100M")
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
@@ -307,8 +373,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def sizes(args: argparse.Namespace) -> list[Size]:
     chosen = [SIZES[m] for m in args.models]
     if args.big_tokens:
-        chosen = [Size(s.model, args.big_tokens, s.rounds, s.budget_s) if "100m" in s.model
-                  else s for s in chosen]
+        chosen = [
+            Size(s.model, args.big_tokens, s.rounds, s.budget_s) if "100m" in s.model else s
+            for s in chosen
+        ]
     if args.quick:
         chosen = [Size(s.model, 16, 2, 0) for s in chosen]
     return chosen
@@ -321,13 +389,22 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(args.redis_url, args.postgres_url, packages=("torch", "transformers", "peft"))
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="qt-bench-sampling-") as tmp, \
-            scratch_database(args.postgres_url) as database_url:
-        threads = {"benchmark process": torch.get_num_threads(), **worker_threads(
-            make_settings(args.redis_url, database_url, "qt-bench-probe", Path(tmp)))}
+    with (
+        tempfile.TemporaryDirectory(prefix="qt-bench-sampling-") as tmp,
+        scratch_database(args.postgres_url) as database_url,
+    ):
+        threads = {
+            "benchmark process": torch.get_num_threads(),
+            **worker_threads(
+                make_settings(args.redis_url, database_url, "qt-bench-probe", Path(tmp))
+            ),
+        }
         for size in sizes(args):
-            print(f"{size.model}: {REQUESTS} requests × {size.tokens} tokens, up to "
-                  f"{size.rounds} rounds, torch threads {threads}", flush=True)
+            print(
+                f"{size.model}: {REQUESTS} requests × {size.tokens} tokens, up to "
+                f"{size.rounds} rounds, torch threads {threads}",
+                flush=True,
+            )
             results.append(measure(args, size, database_url, Path(tmp)))
     total_s = time.perf_counter() - began
     print("\n" + "\n".join(table(results) + split_lines(results) + findings(results)))

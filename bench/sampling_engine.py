@@ -74,8 +74,10 @@ class Size:
     shared: int = 16
 
 
-SIZES = {"queue-tinker/tiny-llama": Size("queue-tinker/tiny-llama", 64, 512, 128, 3),
-         "queue-tinker/llama-100m": Size("queue-tinker/llama-100m", 32, 64, 32, 2)}
+SIZES = {
+    "queue-tinker/tiny-llama": Size("queue-tinker/tiny-llama", 64, 512, 128, 3),
+    "queue-tinker/llama-100m": Size("queue-tinker/llama-100m", 32, 64, 32, 2),
+}
 
 
 @dataclass
@@ -121,21 +123,34 @@ def generate_tok_s(model: Any, batch: list[list[int]], tokens: int) -> float:
     ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     began = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens,
-                             min_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, pad_token_id=PAD_ID)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=PAD_ID,
+        )
     seconds = time.perf_counter() - began
     assert out.shape[1] - width == tokens
     return len(batch) * tokens / seconds
 
 
 # --- the service ---------------------------------------------------------------------------------
-async def timed_sample(sampler: SamplingClient, prompt: list[int], n: int,
-                       sampling: SamplingParams, delay_s: float = 0.0) -> float:
+async def timed_sample(
+    sampler: SamplingClient,
+    prompt: list[int],
+    n: int,
+    sampling: SamplingParams,
+    delay_s: float = 0.0,
+) -> float:
     """Wait `delay_s`, then one request; seconds from submit to result (checked)."""
     await asyncio.sleep(delay_s)
     began = time.perf_counter()
@@ -145,8 +160,9 @@ async def timed_sample(sampler: SamplingClient, prompt: list[int], n: int,
     return time.perf_counter() - began
 
 
-def staggered(sampler: SamplingClient, batch: list[list[int]], tokens: int,
-              seed: int) -> tuple[list[float], float]:
+def staggered(
+    sampler: SamplingClient, batch: list[list[int]], tokens: int, seed: int
+) -> tuple[list[float], float]:
     """The requests as a Poisson stream over 1.5 s: each one's latency, and the stream's
     generated tokens/s (first submit to last result)."""
     rng = np.random.default_rng(seed)
@@ -154,22 +170,38 @@ def staggered(sampler: SamplingClient, batch: list[list[int]], tokens: int,
 
     async def go() -> tuple[list[float], float]:
         began = time.perf_counter()
-        latencies = await asyncio.wait_for(asyncio.gather(*(
-            timed_sample(sampler, p, 1, params(seed + i, tokens), float(arrivals[i]))
-            for i, p in enumerate(batch))), TIMEOUT_S)
+        latencies = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    timed_sample(sampler, p, 1, params(seed + i, tokens), float(arrivals[i]))
+                    for i, p in enumerate(batch)
+                )
+            ),
+            TIMEOUT_S,
+        )
         return list(latencies), len(batch) * tokens / (time.perf_counter() - began)
+
     return asyncio.run(go())
 
 
-def at_once(sampler: SamplingClient, batch: list[list[int]], n: int, tokens: int,
-            seed: int) -> float:
+def at_once(
+    sampler: SamplingClient, batch: list[list[int]], n: int, tokens: int, seed: int
+) -> float:
     """The requests sent together: generated tokens/s, first submit to last result."""
+
     async def go() -> float:
         began = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(
-            timed_sample(sampler, p, n, params(seed + i, tokens)) for i, p in enumerate(batch))),
-            TIMEOUT_S)
+        await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    timed_sample(sampler, p, n, params(seed + i, tokens))
+                    for i, p in enumerate(batch)
+                )
+            ),
+            TIMEOUT_S,
+        )
         return len(batch) * n * tokens / (time.perf_counter() - began)
+
     return asyncio.run(go())
 
 
@@ -187,13 +219,16 @@ def train_steps(tc: TrainingClient, batch: list[Datum], count: int) -> list[floa
     return seconds
 
 
-def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size,
-               result: Result) -> None:
+def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size, result: Result) -> None:
     """The trainer's steps alone, the long sample alone, then both at once."""
     tc = trainer.create_lora_training_client(size.model, rank=8, seed=0)
     row = np.random.default_rng(7).integers(0, 256, 65)
-    batch = [Datum(model_input=ModelInput.from_ints(row[:-1].tolist()),
-                   loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)})]
+    batch = [
+        Datum(
+            model_input=ModelInput.from_ints(row[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)},
+        )
+    ]
     train_steps(tc, batch, 3)  # warm-up: created, resident, kernels loaded
     result.step_alone_s = train_steps(tc, batch, 15)
     sampler = service.create_sampling_client(base_model=size.model)
@@ -235,12 +270,20 @@ def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: P
     return result
 
 
-def run_round(sampler: SamplingClient, local: torch.nn.Module, size: Size, result: Result,
-              stream: list[list[int]], together: list[list[int]], shared_prompt: list[int],
-              r: int) -> None:
+def run_round(
+    sampler: SamplingClient,
+    local: torch.nn.Module,
+    size: Size,
+    result: Result,
+    stream: list[list[int]],
+    together: list[list[int]],
+    shared_prompt: list[int],
+    r: int,
+) -> None:
     median_prompt = sorted(stream, key=len)[len(stream) // 2]
-    result.alone_s.append(asyncio.run(timed_sample(sampler, median_prompt, 1,
-                                                   params(100 + r, size.tokens))))
+    result.alone_s.append(
+        asyncio.run(timed_sample(sampler, median_prompt, 1, params(100 + r, size.tokens)))
+    )
     latencies, tok_s = staggered(sampler, stream, size.tokens, 1000 * (r + 1))
     result.staggered_latency_s = latencies
     result.staggered_median_s.append(median(latencies))
@@ -249,15 +292,18 @@ def run_round(sampler: SamplingClient, local: torch.nn.Module, size: Size, resul
     result.simultaneous_tok_s.append(at_once(sampler, together, 1, size.tokens, 2000))
     result.generate_simultaneous_tok_s.append(generate_tok_s(local, together, size.tokens))
     result.shared_tok_s.append(at_once(sampler, [shared_prompt], size.shared, size.tokens, 3000))
-    result.separate_tok_s.append(at_once(sampler, [shared_prompt] * size.shared, 1, size.tokens,
-                                         3000))
-    print(f"  round {r + 1}: alone {result.alone_s[-1] * 1000:,.0f} ms, staggered median "
-          f"{result.staggered_median_s[-1] * 1000:,.0f} ms ({tok_s:,.0f} tok/s vs generate "
-          f"{result.generate_staggered_tok_s[-1]:,.0f}); 32 at once "
-          f"{result.simultaneous_tok_s[-1]:,.0f} vs generate "
-          f"{result.generate_simultaneous_tok_s[-1]:,.0f} tok/s; num_samples=16 "
-          f"{result.shared_tok_s[-1]:,.0f} vs 16 requests {result.separate_tok_s[-1]:,.0f}",
-          flush=True)
+    result.separate_tok_s.append(
+        at_once(sampler, [shared_prompt] * size.shared, 1, size.tokens, 3000)
+    )
+    print(
+        f"  round {r + 1}: alone {result.alone_s[-1] * 1000:,.0f} ms, staggered median "
+        f"{result.staggered_median_s[-1] * 1000:,.0f} ms ({tok_s:,.0f} tok/s vs generate "
+        f"{result.generate_staggered_tok_s[-1]:,.0f}); 32 at once "
+        f"{result.simultaneous_tok_s[-1]:,.0f} vs generate "
+        f"{result.generate_simultaneous_tok_s[-1]:,.0f} tok/s; num_samples=16 "
+        f"{result.shared_tok_s[-1]:,.0f} vs 16 requests {result.separate_tok_s[-1]:,.0f}",
+        flush=True,
+    )
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -266,39 +312,67 @@ def rows(r: Result) -> list[tuple[str, str, str, float, str]]:
     s = r.size
     alone, stag = median(r.alone_s), median(r.staggered_median_s)
     return [
-        (f"staggered: {s.staggered} requests, Poisson over 1.5 s, {s.tokens} tokens each — "
-         "median latency (lower is better)", f"{stag * 1000:,.0f} ms",
-         f"one alone: {alone * 1000:,.0f} ms", stag / alone, "≤ 2×"),
-        ("staggered: the stream's tokens/s vs generate() on the same requests at once",
-         f"{median(r.staggered_tok_s):,.0f} tok/s",
-         f"{median(r.generate_staggered_tok_s):,.0f} tok/s",
-         median(r.staggered_tok_s) / median(r.generate_staggered_tok_s), "stated"),
-        (f"{s.simultaneous} requests at once, {s.tokens} tokens each, vs generate()",
-         f"{median(r.simultaneous_tok_s):,.0f} tok/s",
-         f"{median(r.generate_simultaneous_tok_s):,.0f} tok/s",
-         median(r.simultaneous_tok_s) / median(r.generate_simultaneous_tok_s), "≥ 1.2×"),
-        (f"num_samples={s.shared} of one prompt vs {s.shared} requests of it",
-         f"{median(r.shared_tok_s):,.0f} tok/s", f"{median(r.separate_tok_s):,.0f} tok/s",
-         median(r.shared_tok_s) / median(r.separate_tok_s), "≥ 1.5×"),
-        (f"training step p90 while another tenant samples {s.fair_rows} × {s.fair_tokens} "
-         "(lower is better)", f"{p90(r.step_under_s) * 1000:,.0f} ms "
-         f"(p50 {median(r.step_under_s) * 1000:,.0f}, {len(r.step_under_s)} steps)",
-         f"alone: {p90(r.step_alone_s) * 1000:,.0f} ms (p50 "
-         f"{median(r.step_alone_s) * 1000:,.0f})", p90(r.step_under_s) / p90(r.step_alone_s),
-         "≤ 3×"),
-        (f"that {s.fair_rows} × {s.fair_tokens} sample's time, sharing the worker with the "
-         "trainer (lower is better)", f"{r.sample_shared_s:,.1f} s",
-         f"alone: {r.sample_alone_s:,.1f} s", r.sample_shared_s / r.sample_alone_s, "stated"),
+        (
+            f"staggered: {s.staggered} requests, Poisson over 1.5 s, {s.tokens} tokens each — "
+            "median latency (lower is better)",
+            f"{stag * 1000:,.0f} ms",
+            f"one alone: {alone * 1000:,.0f} ms",
+            stag / alone,
+            "≤ 2×",
+        ),
+        (
+            "staggered: the stream's tokens/s vs generate() on the same requests at once",
+            f"{median(r.staggered_tok_s):,.0f} tok/s",
+            f"{median(r.generate_staggered_tok_s):,.0f} tok/s",
+            median(r.staggered_tok_s) / median(r.generate_staggered_tok_s),
+            "stated",
+        ),
+        (
+            f"{s.simultaneous} requests at once, {s.tokens} tokens each, vs generate()",
+            f"{median(r.simultaneous_tok_s):,.0f} tok/s",
+            f"{median(r.generate_simultaneous_tok_s):,.0f} tok/s",
+            median(r.simultaneous_tok_s) / median(r.generate_simultaneous_tok_s),
+            "≥ 1.2×",
+        ),
+        (
+            f"num_samples={s.shared} of one prompt vs {s.shared} requests of it",
+            f"{median(r.shared_tok_s):,.0f} tok/s",
+            f"{median(r.separate_tok_s):,.0f} tok/s",
+            median(r.shared_tok_s) / median(r.separate_tok_s),
+            "≥ 1.5×",
+        ),
+        (
+            f"training step p90 while another tenant samples {s.fair_rows} × {s.fair_tokens} "
+            "(lower is better)",
+            f"{p90(r.step_under_s) * 1000:,.0f} ms "
+            f"(p50 {median(r.step_under_s) * 1000:,.0f}, {len(r.step_under_s)} steps)",
+            f"alone: {p90(r.step_alone_s) * 1000:,.0f} ms (p50 "
+            f"{median(r.step_alone_s) * 1000:,.0f})",
+            p90(r.step_under_s) / p90(r.step_alone_s),
+            "≤ 3×",
+        ),
+        (
+            f"that {s.fair_rows} × {s.fair_tokens} sample's time, sharing the worker with the "
+            "trainer (lower is better)",
+            f"{r.sample_shared_s:,.1f} s",
+            f"alone: {r.sample_alone_s:,.1f} s",
+            r.sample_shared_s / r.sample_alone_s,
+            "stated",
+        ),
     ]
 
 
 def table(results: list[Result]) -> list[str]:
-    lines = ["| model (params) | measurement | service | same-run baseline | ratio | target |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model (params) | measurement | service | same-run baseline | ratio | target |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         for what, service, baseline, ratio, target in rows(r):
-            lines.append(f"| `{r.size.model}` ({r.params / 1e6:,.1f}M) | {what} | {service} "
-                         f"| {baseline} | **{ratio:.2f}×** | {target} |")
+            lines.append(
+                f"| `{r.size.model}` ({r.params / 1e6:,.1f}M) | {what} | {service} "
+                f"| {baseline} | **{ratio:.2f}×** | {target} |"
+            )
     return [*lines, ""]
 
 
@@ -317,7 +391,8 @@ INTRO = (
     "together, timed from submit to the optim_step's result) one after another, first alone, "
     "then while another tenant's single request samples the long batch. Ratios compare "
     "figures of the same run (medians over rounds). CPU numbers from a shared 2-core "
-    "machine: other processes compete for the cores, so compare within a run only.")
+    "machine: other processes compete for the cores, so compare within a run only."
+)
 
 
 READING = (
@@ -333,29 +408,54 @@ READING = (
     "two torch threads per process oversubscribe the cores when other jobs run (one decode "
     "step of 64 rows then took up to 1 s); the runs use one thread per process, and earlier "
     "runs of the same day under heavier load gave the tiny model's staggered ratio as 1.8× "
-    "and 3.2×.")
+    "and 3.2×."
+)
 
 
 def render(info: dict[str, str], results: list[Result], total_s: float, threads: int) -> str:
-    return "\n".join([
-        SECTION, "", INTRO, "", "Reproduce:", "", "```",
-        f"{COMMAND} --threads {threads} --models " + " ".join(r.size.model for r in results),
-        "```", "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items())
-        + f"; torch threads {threads} in every process (OMP_NUM_THREADS={threads} for the "
-        f"worker). The run took {total_s:.0f} s.", "", *table(results), READING, ""])
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            INTRO,
+            "",
+            "Reproduce:",
+            "",
+            "```",
+            f"{COMMAND} --threads {threads} --models " + " ".join(r.size.model for r in results),
+            "```",
+            "",
+            "Machine: "
+            + ", ".join(f"{k} {v}" for k, v in info.items())
+            + f"; torch threads {threads} in every process (OMP_NUM_THREADS={threads} for the "
+            f"worker). The run took {total_s:.0f} s.",
+            "",
+            *table(results),
+            READING,
+            "",
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.sampling_engine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.sampling_engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES))
-    parser.add_argument("--models", nargs="+", default=["queue-tinker/tiny-llama"],
-                        choices=list(SIZES))
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads on every side (OMP_NUM_THREADS for the worker)")
+    parser.add_argument(
+        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
+    )
+    parser.add_argument(
+        "--models", nargs="+", default=["queue-tinker/tiny-llama"], choices=list(SIZES)
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads on every side (OMP_NUM_THREADS for the worker)",
+    )
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
@@ -367,8 +467,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def sizes(args: argparse.Namespace) -> list[Size]:
     chosen = [SIZES[m] for m in args.models]
     if args.quick:
-        chosen = [Size(s.model, 8, 32, 16, 1, staggered=8, simultaneous=8, shared=4)
-                  for s in chosen]
+        chosen = [
+            Size(s.model, 8, 32, 16, 1, staggered=8, simultaneous=8, shared=4) for s in chosen
+        ]
     return chosen
 
 
@@ -379,8 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     info = machine(args.redis_url, args.postgres_url, packages=("torch", "transformers", "peft"))
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="qt-bench-sampling-engine-") as tmp, \
-            scratch_database(args.postgres_url) as database_url:
+    with (
+        tempfile.TemporaryDirectory(prefix="qt-bench-sampling-engine-") as tmp,
+        scratch_database(args.postgres_url) as database_url,
+    ):
         for size in sizes(args):
             print(f"{size.model}:", flush=True)
             results.append(measure(args, size, database_url, Path(tmp)))

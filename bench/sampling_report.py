@@ -78,17 +78,23 @@ def batch_text(splits: list[Split]) -> str:
     """Each batch pattern the worker ran, with the median time of each of its batches."""
     patterns = {x.pattern: [y for y in splits if y.pattern == x.pattern] for x in splits}
     return "; ".join(
-        f"{p}: " + " + ".join(f"{statistics.median(col) * 1000:,.0f}"
-                              for col in zip(*(y.batch_s for y in group), strict=True))
+        f"{p}: "
+        + " + ".join(
+            f"{statistics.median(col) * 1000:,.0f}"
+            for col in zip(*(y.batch_s for y in group), strict=True)
+        )
         + f" ms ({len(group)} of {len(splits)} calls)"
-        for p, group in sorted(patterns.items(), key=lambda kv: -len(kv[1])))
+        for p, group in sorted(patterns.items(), key=lambda kv: -len(kv[1]))
+    )
 
 
 def table(results: list[SizeResult]) -> list[str]:
-    lines = ["| model (params) | case | requests × max_tokens | rounds | generate() tok/s "
-             "| service tok/s | service / generate() | worker loop in-process tok/s "
-             "| loop / generate() | other processes, cores (service / generate / loop) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model (params) | case | requests × max_tokens | rounds | generate() tok/s "
+        "| service tok/s | service / generate() | worker loop in-process tok/s "
+        "| loop / generate() | other processes, cores (service / generate / loop) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for res in results:
         t = res.size.tokens
         for case, c in res.cases.items():
@@ -98,19 +104,23 @@ def table(results: list[SizeResult]) -> list[str]:
                 f"| `{res.size.model}` ({res.params / 1e6:,.1f}M) | {label} | {REQUESTS} × {t} "
                 f"| {len(c.times['service'])} | {c.tok_s('generate', t):,.0f} "
                 f"| {c.tok_s('service', t):,.0f} | **{c.ratio():.2f}×** "
-                f"| {c.tok_s('loop', t):,.0f} | {c.ratio('loop'):.2f}× | {load} |")
+                f"| {c.tok_s('loop', t):,.0f} | {c.ratio('loop'):.2f}× | {load} |"
+            )
     return [*lines, ""]
 
 
 def split_lines(results: list[SizeResult]) -> list[str]:
-    lines = ["Where the service's time goes (medians over rounds, ms per call of 32 requests; "
-             "the split uses the Redis-clock `started_at` / `finished_at` of the sample jobs "
-             "and the client's clock):", "",
-             "| model | case | service total | submit → first op started | on the worker "
-             "(first started → last finished) | last finished → last result in hand "
-             "| worker loop in-process | generate() | worker batches: requests, time each "
-             "| service sequences equal to the in-process loop's |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "Where the service's time goes (medians over rounds, ms per call of 32 requests; "
+        "the split uses the Redis-clock `started_at` / `finished_at` of the sample jobs "
+        "and the client's clock):",
+        "",
+        "| model | case | service total | submit → first op started | on the worker "
+        "(first started → last finished) | last finished → last result in hand "
+        "| worker loop in-process | generate() | worker batches: requests, time each "
+        "| service sequences equal to the in-process loop's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for res in results:
         for case, c in res.cases.items():
             lines.append(
@@ -118,7 +128,8 @@ def split_lines(results: list[SizeResult]) -> list[str]:
                 f"| {ms([x.queue_in for x in c.split])} | {ms([x.worker for x in c.split])} "
                 f"| {ms([x.queue_out for x in c.split])} | {ms(c.times['loop'])} "
                 f"| {ms(c.times['generate'])} | {batch_text(c.split)} "
-                f"| {sum(c.same_as_loop)} of {REQUESTS * len(c.same_as_loop)} |")
+                f"| {sum(c.same_as_loop)} of {REQUESTS * len(c.same_as_loop)} |"
+            )
     return [*lines, ""]
 
 
@@ -145,7 +156,8 @@ INTRO = (
     "rounds run first, while the worker holds no adapter. After a warm-up of every side, "
     "rounds rotate the order of the three sides; one computes at a time (the worker idles "
     "while nothing is queued). Every service response is checked: `max_tokens` tokens, "
-    "stop reason `length`.")
+    "stop reason `length`."
+)
 
 
 def findings(results: list[SizeResult]) -> list[str]:
@@ -156,17 +168,21 @@ def findings(results: list[SizeResult]) -> list[str]:
             service, loop = c.median("service") * 1000, c.median("loop") * 1000
             queue = statistics.median(x.queue_in + x.queue_out for x in c.split) * 1000
             first = c.first_batch()
-            split = (f"the worker ran the 32 as {batch_text(c.split)}" if first is None else
-                     f"the worker started generating on the first request to arrive, so the 32 "
-                     f"ran as {batch_text(c.split)}; that first batch alone took "
-                     f"{first * 1000:,.0f} ms, and without it the service would have reached "
-                     f"about {c.ratio() * service / (service - first * 1000):.2f}× generate()")
+            split = (
+                f"the worker ran the 32 as {batch_text(c.split)}"
+                if first is None
+                else f"the worker started generating on the first request to arrive, so the 32 "
+                f"ran as {batch_text(c.split)}; that first batch alone took "
+                f"{first * 1000:,.0f} ms, and without it the service would have reached "
+                f"about {c.ratio() * service / (service - first * 1000):.2f}× generate()"
+            )
             lines.append(
                 f"- `{r.size.model}`, {case}: service {service:,.0f} ms per call vs generate() "
                 f"{c.median('generate') * 1000:,.0f} ms; the queue itself (submit → first op "
                 f"started, last finished → last result) took {queue:,.0f} ms; {split}. The "
                 f"worker's loop on all 32 in one batch, in-process: {loop:,.0f} ms "
-                f"({c.ratio('loop'):.2f}× generate()).")
+                f"({c.ratio('loop'):.2f}× generate())."
+            )
     return [*lines, ""]
 
 
@@ -185,36 +201,61 @@ HOW_TO_READ = (
     "`PeftModel.forward(adapter_names=...)` registers and removes PEFT's forward hooks on "
     "every LoRA module at every step ({hooks}) where generate() does it once per call.{linger} "
     "These are CPU numbers from a shared 2-core machine: compare figures from the same run "
-    "only.")
+    "only."
+)
 LINGER = (
     " Calls with more than two batches found some sampling sessions released: a session idle "
     "for longer than `linger_ms` (30 s, the default; a 100M round takes longer than that) is "
     "handed back, and a busy worker re-claims a waiting one only once its offer is 200 ms old, "
-    "so those requests wait for yet another batch.")
+    "so those requests wait for yet another batch."
+)
 
 
-def render(info: dict[str, str], results: list[SizeResult], threads: dict[str, int],
-           omp: int, total_s: float) -> str:
+def render(
+    info: dict[str, str],
+    results: list[SizeResult],
+    threads: dict[str, int],
+    omp: int,
+    total_s: float,
+) -> str:
     """The whole `## Sampling` section, in Markdown."""
     intro = INTRO.format(n=REQUESTS, a=ADAPTERS, per=REQUESTS // ADAPTERS)
     verdicts = "; ".join(
         f"`{r.size.model}` {r.cases['base'].ratio():.2f}× "
-        f"(**{'met' if r.cases['base'].ratio() >= TARGET else 'not met'}**)" for r in results)
+        f"(**{'met' if r.cases['base'].ratio() >= TARGET else 'not met'}**)"
+        for r in results
+    )
     mixed = "; ".join(f"`{r.size.model}` {r.cases['mixed'].ratio():.2f}×" for r in results)
     hooks = ", ".join(f"{r.hook_ms:.1f} ms per step at `{r.size.model}`" for r in results)
     thread_text = ", ".join(f"{k} {v}" for k, v in threads.items())
     linger = any(len(x.batches) > 2 for r in results for c in r.cases.values() for x in c.split)
-    return "\n".join([
-        SECTION, "", intro, "",
-        "Reproduce (`--quick` is a smoke run that leaves this file alone; `--models` picks "
-        "the models, `--big-tokens` the 100M model's `max_tokens`):", "", "```", COMMAND,
-        "```", "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items())
-        + f"; torch threads, set explicitly (OMP_NUM_THREADS={omp} in the worker's "
-        f"environment, `torch.set_num_threads({omp})` here): {thread_text}. The run took "
-        f"{total_s:.0f} s; the 100M model runs fewer rounds and shorter requests to keep it "
-        "near 10 minutes. Client, worker, Redis and Postgres share this machine's cores.", "",
-        f"Target: service ≥ {TARGET:.1f}× generate() tokens/s for the base model (median call "
-        f"over median call): {verdicts}. Mixed adapters: {mixed}.", "",
-        *table(results), *split_lines(results), *findings(results),
-        HOW_TO_READ.format(hooks=hooks, linger=LINGER if linger else ""), ""])
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            intro,
+            "",
+            "Reproduce (`--quick` is a smoke run that leaves this file alone; `--models` picks "
+            "the models, `--big-tokens` the 100M model's `max_tokens`):",
+            "",
+            "```",
+            COMMAND,
+            "```",
+            "",
+            "Machine: "
+            + ", ".join(f"{k} {v}" for k, v in info.items())
+            + f"; torch threads, set explicitly (OMP_NUM_THREADS={omp} in the worker's "
+            f"environment, `torch.set_num_threads({omp})` here): {thread_text}. The run took "
+            f"{total_s:.0f} s; the 100M model runs fewer rounds and shorter requests to keep it "
+            "near 10 minutes. Client, worker, Redis and Postgres share this machine's cores.",
+            "",
+            f"Target: service ≥ {TARGET:.1f}× generate() tokens/s for the base model (median call "
+            f"over median call): {verdicts}. Mixed adapters: {mixed}.",
+            "",
+            *table(results),
+            *split_lines(results),
+            *findings(results),
+            HOW_TO_READ.format(hooks=hooks, linger=LINGER if linger else ""),
+            "",
+        ]
+    )

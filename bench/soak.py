@@ -138,8 +138,9 @@ class MemorySampler:
                     rss = process_rss(pid)
                     if rss is not None:
                         self.rows.append((now, name, rss))
-                self.rows.append((now, "Redis used_memory",
-                                  int(client.info("memory")["used_memory"])))
+                self.rows.append(
+                    (now, "Redis used_memory", int(client.info("memory")["used_memory"]))
+                )
                 if self._stop.wait(self.interval):
                     return
         finally:
@@ -189,8 +190,13 @@ def trend(series: list[tuple[float, int]]) -> Trend:
 
 
 # --- the load ----------------------------------------------------------------------------------
-async def ping_client(models: list[TrainingClient], deadline: float, args: argparse.Namespace,
-                      rng: random.Random, tally: Tally) -> None:
+async def ping_client(
+    models: list[TrainingClient],
+    deadline: float,
+    args: argparse.Namespace,
+    rng: random.Random,
+    tally: Tally,
+) -> None:
     """Pings at Poisson times, `args.rate` per second, over `models` until the deadline; at
     most `args.window` in flight."""
     slots = asyncio.Semaphore(args.window)
@@ -236,22 +242,30 @@ def lora_batch(texts: Sequence[str]) -> list[types.Datum]:
     batch = []
     for text in texts:
         ids = list(text.encode())
-        batch.append(types.Datum(
-            model_input=types.ModelInput.from_ints(ids[:-1]),
-            loss_fn_inputs={"target_tokens": np.array(ids[1:], dtype=np.int64),
-                            "weights": np.ones(len(ids) - 1, dtype=np.float32)}))
+        batch.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": np.array(ids[1:], dtype=np.int64),
+                    "weights": np.ones(len(ids) - 1, dtype=np.float32),
+                },
+            )
+        )
     return batch
 
 
-LORA_BATCHES = [lora_batch(["the cat sat on the mat", "a dog ran"]),
-                lora_batch(["queue tinker trains loras", "one two three four"])]
+LORA_BATCHES = [
+    lora_batch(["the cat sat on the mat", "a dog ran"]),
+    lora_batch(["queue tinker trains loras", "one two three four"]),
+]
 ADAM = types.AdamParams(learning_rate=1e-3)
 PROMPT = types.ModelInput.from_ints(list(b"the cat"))
 SAMPLE = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
 
 
-async def lora_client(tc: TrainingClient, deadline: float, sample_every: int,
-                      stuck_after: float, tally: Tally) -> None:
+async def lora_client(
+    tc: TrainingClient, deadline: float, sample_every: int, stuck_after: float, tally: Tally
+) -> None:
     """Train until the deadline; sample from the current weights every `sample_every` steps."""
     step = 0
     while time.monotonic() < deadline:
@@ -268,7 +282,8 @@ async def lora_client(tc: TrainingClient, deadline: float, sample_every: int,
             step += 1
             if step % sample_every == 0:
                 sampler = await asyncio.wait_for(
-                    tc.save_weights_and_get_sampling_client_async(), stuck_after)
+                    tc.save_weights_and_get_sampling_client_async(), stuck_after
+                )
                 sample = await sampler.sample_async(PROMPT, 1, SAMPLE)
                 await sample.result_async(timeout=stuck_after)
                 tally.samples += 1
@@ -278,21 +293,39 @@ async def lora_client(tc: TrainingClient, deadline: float, sample_every: int,
             tally.stuck.append(f"{tc.model_id} (sample)")
 
 
-async def drive(args: argparse.Namespace, services: list[ServiceClient],
-                lora_service: ServiceClient | None, tally: Tally) -> float:
+async def drive(
+    args: argparse.Namespace,
+    services: list[ServiceClient],
+    lora_service: ServiceClient | None,
+    tally: Tally,
+) -> float:
     """Run the whole load for args.minutes; the seconds it took (until the last result)."""
-    models = [await services[i % len(services)].create_lora_training_client_async("tiny")
-              for i in range(args.models)]
-    runs = [await lora_service.create_lora_training_client_async(LORA_MODEL, rank=8)
-            for _ in range(args.lora_clients)] if lora_service else []
+    models = [
+        await services[i % len(services)].create_lora_training_client_async("tiny")
+        for i in range(args.models)
+    ]
+    runs = (
+        [
+            await lora_service.create_lora_training_client_async(LORA_MODEL, rank=8)
+            for _ in range(args.lora_clients)
+        ]
+        if lora_service
+        else []
+    )
     began = time.monotonic()
     deadline = began + args.minutes * 60
     rng = random.Random(args.seed)
-    coros = [ping_client([m for i, m in enumerate(models) if i % len(services) == c], deadline,
-                         args, random.Random(rng.random()), tally)
-             for c in range(len(services))]
-    coros += [lora_client(tc, deadline, args.sample_every, args.stuck_after, tally)
-              for tc in runs]
+    coros = [
+        ping_client(
+            [m for i, m in enumerate(models) if i % len(services) == c],
+            deadline,
+            args,
+            random.Random(rng.random()),
+            tally,
+        )
+        for c in range(len(services))
+    ]
+    coros += [lora_client(tc, deadline, args.sample_every, args.stuck_after, tally) for tc in runs]
     await asyncio.gather(*coros)
     return time.monotonic() - began
 
@@ -308,176 +341,268 @@ def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
             pipe = client.pipeline(transaction=False)
             for job_id in tally.job_ids[start : start + 5_000]:
                 pipe.hmget(keys.job(job_id), ["status", "attempts"])
-            not_once += sum(1 for status, attempts in pipe.execute()
-                            if status != b"done" or attempts != b"1")
+            not_once += sum(
+                1 for status, attempts in pipe.execute() if status != b"done" or attempts != b"1"
+            )
         published = int(client.hget(keys.metrics_ops(), "ping|done") or 0)  # type: ignore[arg-type]
     finally:
         client.close()
-    gaps = sum(1 for seqs in tally.seqs.values()
-               if sorted(seqs) != list(range(2, len(seqs) + 2)))
-    return {"not_done_once": not_once, "models_with_gaps": gaps,
-            "published_minus_done": published - len(tally.job_ids)}
+    gaps = sum(1 for seqs in tally.seqs.values() if sorted(seqs) != list(range(2, len(seqs) + 2)))
+    return {
+        "not_done_once": not_once,
+        "models_with_gaps": gaps,
+        "published_minus_done": published - len(tally.job_ids),
+    }
 
 
-def verdicts(args: argparse.Namespace, tally: Tally, once: dict[str, int],
-             trends: dict[str, Trend]) -> dict[str, bool]:
+def verdicts(
+    args: argparse.Namespace, tally: Tally, once: dict[str, int], trends: dict[str, Trend]
+) -> dict[str, bool]:
     workers = {n: t for n, t in trends.items() if n.startswith("worker")}
     return {
         "no stuck futures": not tally.stuck,
         "no failed or wrong op": not tally.failed and not tally.wrong,
         "every op done exactly once": not any(once.values()),
-        f"worker memory flat (slope ≤ {args.max_slope:g} MiB/min)":
-            all(t.slope_mib_per_min <= args.max_slope for t in workers.values()),
+        f"worker memory flat (slope ≤ {args.max_slope:g} MiB/min)": all(
+            t.slope_mib_per_min <= args.max_slope for t in workers.values()
+        ),
     }
 
 
 # --- output ------------------------------------------------------------------------------------
-def result_lines(args: argparse.Namespace, tally: Tally, seconds: float,
-                 once: dict[str, int], checks: dict[str, bool]) -> list[str]:
+def result_lines(
+    args: argparse.Namespace,
+    tally: Tally,
+    seconds: float,
+    once: dict[str, int],
+    checks: dict[str, bool],
+) -> list[str]:
     pings = Latency(tally.ping_s or [0.0])
     overhead = Latency(tally.overhead_s or [0.0])
-    lines = ["| what | value |", "| --- | --- |",
-             f"| pings done | {len(tally.ping_s):,} in {seconds:.0f} s "
-             f"({len(tally.ping_s) / seconds:,.0f}/s) over {args.models} models, "
-             f"{args.clients} clients |",
-             f"| ping round trip (submit → result) | p50 {pings.p50:.1f} ms, "
-             f"p99 {pings.p99:.1f} ms, max {pings.max:.0f} ms |",
-             f"| the same minus each ping's `delay_ms` | p50 {overhead.p50:.1f} ms, "
-             f"p99 {overhead.p99:.1f} ms |"]
+    lines = [
+        "| what | value |",
+        "| --- | --- |",
+        f"| pings done | {len(tally.ping_s):,} in {seconds:.0f} s "
+        f"({len(tally.ping_s) / seconds:,.0f}/s) over {args.models} models, "
+        f"{args.clients} clients |",
+        f"| ping round trip (submit → result) | p50 {pings.p50:.1f} ms, "
+        f"p99 {pings.p99:.1f} ms, max {pings.max:.0f} ms |",
+        f"| the same minus each ping's `delay_ms` | p50 {overhead.p50:.1f} ms, "
+        f"p99 {overhead.p99:.1f} ms |",
+    ]
     if tally.step_s:
         steps = Latency(tally.step_s)
-        lines.append(f"| LoRA steps (forward_backward + optim_step) | {len(tally.step_s):,} over "
-                     f"{args.lora_clients} runs; p50 {steps.p50:.0f} ms, p99 {steps.p99:.0f} "
-                     f"ms; {tally.samples} save-and-sample rounds |")
+        lines.append(
+            f"| LoRA steps (forward_backward + optim_step) | {len(tally.step_s):,} over "
+            f"{args.lora_clients} runs; p50 {steps.p50:.0f} ms, p99 {steps.p99:.0f} "
+            f"ms; {tally.samples} save-and-sample rounds |"
+        )
     failed = ", ".join(f"{n} × {k}" for k, n in tally.failed.items()) or "none"
-    lines += [f"| stuck futures (unresolved after {args.stuck_after:g} s) | {len(tally.stuck)} |",
-              f"| failed ops / wrong results | {failed} / {len(tally.wrong)} |",
-              f"| pings not done with attempts 1 | {once['not_done_once']} |",
-              f"| models whose results skip or repeat a seq | {once['models_with_gaps']} |",
-              f"| ping publishes minus pings done | {once['published_minus_done']} |"]
+    lines += [
+        f"| stuck futures (unresolved after {args.stuck_after:g} s) | {len(tally.stuck)} |",
+        f"| failed ops / wrong results | {failed} / {len(tally.wrong)} |",
+        f"| pings not done with attempts 1 | {once['not_done_once']} |",
+        f"| models whose results skip or repeat a seq | {once['models_with_gaps']} |",
+        f"| ping publishes minus pings done | {once['published_minus_done']} |",
+    ]
     lines += ["", "| check | verdict |", "| --- | --- |"]
     lines += [f"| {name} | {'**met**' if ok else '**not met**'} |" for name, ok in checks.items()]
     return lines
 
 
 def memory_lines(trends: dict[str, Trend]) -> list[str]:
-    lines = ["| process | first minute, mean MiB | last minute, mean MiB | growth MiB | "
-             "slope after the first minute, MiB/min | samples |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| process | first minute, mean MiB | last minute, mean MiB | growth MiB | "
+        "slope after the first minute, MiB/min | samples |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, t in trends.items():
-        lines.append(f"| {name} | {t.first_min_mib:.1f} | {t.last_min_mib:.1f} | "
-                     f"{t.growth_mib:+.1f} | {t.slope_mib_per_min:+.2f} | {t.samples} |")
+        lines.append(
+            f"| {name} | {t.first_min_mib:.1f} | {t.last_min_mib:.1f} | "
+            f"{t.growth_mib:+.1f} | {t.slope_mib_per_min:+.2f} | {t.samples} |"
+        )
     return lines
 
 
-def render(args: argparse.Namespace, info: dict[str, str], tally: Tally, seconds: float,
-           once: dict[str, int], trends: dict[str, Trend], checks: dict[str, bool]) -> str:
-    load = (f"{args.clients} clients (each a `ServiceClient` with its own loop and "
-            f"connections, in one process) send pings at random times, {args.rate:g} per "
-            f"second each on average (at most {args.window} in flight), over {args.models} "
-            f"training runs served by {args.workers} queue-only workers; each ping's "
-            f"`delay_ms` is drawn from {', '.join(map(str, DELAYS_MS))} (0 runs inline, the "
-            f"others on the worker's compute thread).")
+def render(
+    args: argparse.Namespace,
+    info: dict[str, str],
+    tally: Tally,
+    seconds: float,
+    once: dict[str, int],
+    trends: dict[str, Trend],
+    checks: dict[str, bool],
+) -> str:
+    load = (
+        f"{args.clients} clients (each a `ServiceClient` with its own loop and "
+        f"connections, in one process) send pings at random times, {args.rate:g} per "
+        f"second each on average (at most {args.window} in flight), over {args.models} "
+        f"training runs served by {args.workers} queue-only workers; each ping's "
+        f"`delay_ms` is drawn from {', '.join(map(str, DELAYS_MS))} (0 runs inline, the "
+        f"others on the worker's compute thread)."
+    )
     if args.lora_clients:
-        load += (f" Beside them, {args.lora_clients} training runs on `{LORA_MODEL}` train "
-                 f"without a pause on one LoRA worker (forward_backward + optim_step; every "
-                 f"{args.sample_every} steps `save_weights_and_get_sampling_client` and one "
-                 f"8-token sample). Workers keep at most {args.max_resident} adapters "
-                 f"(`QT_MAX_RESIDENT_ADAPTERS`), so the sampler cache is full within the first "
-                 f"minute and every later round evicts one; it computes with one torch thread "
-                 f"(`OMP_NUM_THREADS=1`). One LoRA worker with two runs is what fits beside the "
-                 f"ping load on this machine's two cores; the point is its memory over time, "
-                 f"not its speed.")
-    return "\n".join([
-        SECTION, "",
-        "Many clients over many models for minutes, against the real Redis and Postgres and "
-        "real worker processes, with production settings: no future may get stuck, every op "
-        "must be done exactly once, worker memory must stay flat. " + load, "",
-        "Reproduce (`--help` lists the knobs; `--no-docs` leaves this file alone):", "",
-        "```", COMMAND, "```", "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
-        f"The load ran {seconds:.0f} s. Clients, workers, Redis and Postgres share this "
-        "machine's cores.", "",
-        *result_lines(args, tally, seconds, once, checks), "",
-        f"Resident memory, sampled every {args.sample_s:g} s (VmRSS from /proc; Redis: "
-        "`used_memory`). The first minute includes start-up (the model, the first "
-        "allocations), so the slope, fitted after it, is the measure of a leak. The client "
-        "process keeps every round trip and request id for the checks (a few hundred bytes "
-        "per op), and Redis keeps each job's hash for `QT_RESULT_TTL_S` (an hour by "
-        "default): both grow with the ops done, as they should.", "",
-        *memory_lines(trends), ""])
+        load += (
+            f" Beside them, {args.lora_clients} training runs on `{LORA_MODEL}` train "
+            f"without a pause on one LoRA worker (forward_backward + optim_step; every "
+            f"{args.sample_every} steps `save_weights_and_get_sampling_client` and one "
+            f"8-token sample). Workers keep at most {args.max_resident} adapters "
+            f"(`QT_MAX_RESIDENT_ADAPTERS`), so the sampler cache is full within the first "
+            f"minute and every later round evicts one; it computes with one torch thread "
+            f"(`OMP_NUM_THREADS=1`). One LoRA worker with two runs is what fits beside the "
+            f"ping load on this machine's two cores; the point is its memory over time, "
+            f"not its speed."
+        )
+    return "\n".join(
+        [
+            SECTION,
+            "",
+            "Many clients over many models for minutes, against the real Redis and Postgres and "
+            "real worker processes, with production settings: no future may get stuck, every op "
+            "must be done exactly once, worker memory must stay flat. " + load,
+            "",
+            "Reproduce (`--help` lists the knobs; `--no-docs` leaves this file alone):",
+            "",
+            "```",
+            COMMAND,
+            "```",
+            "",
+            "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+            f"The load ran {seconds:.0f} s. Clients, workers, Redis and Postgres share this "
+            "machine's cores.",
+            "",
+            *result_lines(args, tally, seconds, once, checks),
+            "",
+            f"Resident memory, sampled every {args.sample_s:g} s (VmRSS from /proc; Redis: "
+            "`used_memory`). The first minute includes start-up (the model, the first "
+            "allocations), so the slope, fitted after it, is the measure of a leak. The client "
+            "process keeps every round trip and request id for the checks (a few hundred bytes "
+            "per op), and Redis keeps each job's hash for `QT_RESULT_TTL_S` (an hour by "
+            "default): both grow with the ops done, as they should.",
+            "",
+            *memory_lines(trends),
+            "",
+        ]
+    )
 
 
-def print_summary(tally: Tally, seconds: float, once: dict[str, int],
-                  trends: dict[str, Trend], checks: dict[str, bool]) -> None:
+def print_summary(
+    tally: Tally,
+    seconds: float,
+    once: dict[str, int],
+    trends: dict[str, Trend],
+    checks: dict[str, bool],
+) -> None:
     pings = Latency(tally.ping_s or [0.0])
     overhead = Latency(tally.overhead_s or [0.0])
-    print(f"\npings {len(tally.ping_s):,} in {seconds:.0f} s ({len(tally.ping_s) / seconds:,.0f}"
-          f"/s): p50 {pings.p50:.1f} ms p99 {pings.p99:.1f} ms max {pings.max:.0f} ms; minus "
-          f"delay_ms: p50 {overhead.p50:.1f} ms p99 {overhead.p99:.1f} ms")
+    print(
+        f"\npings {len(tally.ping_s):,} in {seconds:.0f} s ({len(tally.ping_s) / seconds:,.0f}"
+        f"/s): p50 {pings.p50:.1f} ms p99 {pings.p99:.1f} ms max {pings.max:.0f} ms; minus "
+        f"delay_ms: p50 {overhead.p50:.1f} ms p99 {overhead.p99:.1f} ms"
+    )
     if tally.step_s:
         steps = Latency(tally.step_s)
-        print(f"lora steps {len(tally.step_s)}: p50 {steps.p50:.0f} ms p99 {steps.p99:.0f} ms; "
-              f"samples {tally.samples}")
-    print(f"stuck {len(tally.stuck)} {tally.stuck[:5]}; failed {tally.failed}; "
-          f"wrong {len(tally.wrong)}; exactly once {once}")
+        print(
+            f"lora steps {len(tally.step_s)}: p50 {steps.p50:.0f} ms p99 {steps.p99:.0f} ms; "
+            f"samples {tally.samples}"
+        )
+    print(
+        f"stuck {len(tally.stuck)} {tally.stuck[:5]}; failed {tally.failed}; "
+        f"wrong {len(tally.wrong)}; exactly once {once}"
+    )
     for name, t in trends.items():
-        print(f"{name:<28} first {t.first_min_mib:8.1f} MiB  last {t.last_min_mib:8.1f} MiB  "
-              f"growth {t.growth_mib:+7.1f} MiB  slope {t.slope_mib_per_min:+6.2f} MiB/min")
+        print(
+            f"{name:<28} first {t.first_min_mib:8.1f} MiB  last {t.last_min_mib:8.1f} MiB  "
+            f"growth {t.growth_mib:+7.1f} MiB  slope {t.slope_mib_per_min:+6.2f} MiB/min"
+        )
     for name, ok in checks.items():
         print(f"{'ok ' if ok else 'FAIL'} {name}")
 
 
-def results_json(info: dict[str, str], tally: Tally, seconds: float, once: dict[str, int],
-                 trends: dict[str, Trend], checks: dict[str, bool],
-                 series: dict[str, list[tuple[float, int]]]) -> str:
-    return json.dumps({
-        "machine": info, "seconds": seconds,
-        "pings": Latency(tally.ping_s or [0.0]).summary(),
-        "ping_overhead": Latency(tally.overhead_s or [0.0]).summary(),
-        "lora_steps": Latency(tally.step_s).summary() if tally.step_s else None,
-        "samples": tally.samples, "stuck": tally.stuck, "failed": tally.failed,
-        "wrong": tally.wrong, "exactly_once": once, "checks": checks,
-        "memory": {name: {**vars(t), "series": series[name]} for name, t in trends.items()},
-    }, indent=1)
+def results_json(
+    info: dict[str, str],
+    tally: Tally,
+    seconds: float,
+    once: dict[str, int],
+    trends: dict[str, Trend],
+    checks: dict[str, bool],
+    series: dict[str, list[tuple[float, int]]],
+) -> str:
+    return json.dumps(
+        {
+            "machine": info,
+            "seconds": seconds,
+            "pings": Latency(tally.ping_s or [0.0]).summary(),
+            "ping_overhead": Latency(tally.overhead_s or [0.0]).summary(),
+            "lora_steps": Latency(tally.step_s).summary() if tally.step_s else None,
+            "samples": tally.samples,
+            "stuck": tally.stuck,
+            "failed": tally.failed,
+            "wrong": tally.wrong,
+            "exactly_once": once,
+            "checks": checks,
+            "memory": {name: {**vars(t), "series": series[name]} for name, t in trends.items()},
+        },
+        indent=1,
+    )
 
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES),
-                        help="admin URL; a scratch database is created beside it")
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
+        help="admin URL; a scratch database is created beside it",
+    )
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--clients", type=int, default=20)
     parser.add_argument("--models", type=int, default=50)
     parser.add_argument("--rate", type=float, default=5.0, help="pings per second per client")
-    parser.add_argument("--window", type=int, default=16,
-                        help="at most this many pings in flight per client")
+    parser.add_argument(
+        "--window", type=int, default=16, help="at most this many pings in flight per client"
+    )
     parser.add_argument("--workers", type=int, default=2, help="queue-only workers")
-    parser.add_argument("--lora-clients", type=int, default=2,
-                        help="training runs on the LoRA worker (0: no LoRA worker)")
-    parser.add_argument("--sample-every", type=int, default=10,
-                        help="LoRA steps between save-and-sample rounds")
-    parser.add_argument("--max-resident", type=int, default=8,
-                        help="QT_MAX_RESIDENT_ADAPTERS of the workers")
+    parser.add_argument(
+        "--lora-clients",
+        type=int,
+        default=2,
+        help="training runs on the LoRA worker (0: no LoRA worker)",
+    )
+    parser.add_argument(
+        "--sample-every", type=int, default=10, help="LoRA steps between save-and-sample rounds"
+    )
+    parser.add_argument(
+        "--max-resident", type=int, default=8, help="QT_MAX_RESIDENT_ADAPTERS of the workers"
+    )
     parser.add_argument("--sample-s", type=float, default=5.0, help="memory sampling period")
-    parser.add_argument("--stuck-after", type=float, default=60.0,
-                        help="a future unresolved this long counts as stuck")
-    parser.add_argument("--max-slope", type=float, default=1.0,
-                        help="MiB/min of worker memory growth still called flat")
+    parser.add_argument(
+        "--stuck-after",
+        type=float,
+        default=60.0,
+        help="a future unresolved this long counts as stuck",
+    )
+    parser.add_argument(
+        "--max-slope",
+        type=float,
+        default=1.0,
+        help="MiB/min of worker memory growth still called flat",
+    )
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--json", type=Path, default=None,
-                        help="also write every number and memory sample here")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write every number and memory sample here"
+    )
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     return parser.parse_args(argv)
 
 
-def start_workers(stack: contextlib.ExitStack, args: argparse.Namespace, settings: Settings,
-                  log_dir: Path) -> dict[str, int]:
+def start_workers(
+    stack: contextlib.ExitStack, args: argparse.Namespace, settings: Settings, log_dir: Path
+) -> dict[str, int]:
     """The LoRA worker (first: it takes seconds to load), then the queue-only ones; all
     registered on return, stopped when the stack closes. Their pids by name."""
     pids: dict[str, int] = {}
@@ -492,8 +617,9 @@ def start_workers(stack: contextlib.ExitStack, args: argparse.Namespace, setting
     return pids
 
 
-def run(args: argparse.Namespace, settings: Settings, log_dir: Path,
-        tally: Tally) -> tuple[float, dict[str, list[tuple[float, int]]]]:
+def run(
+    args: argparse.Namespace, settings: Settings, log_dir: Path, tally: Tally
+) -> tuple[float, dict[str, list[tuple[float, int]]]]:
     """Start the workers and the clients, run the load while sampling memory."""
     with contextlib.ExitStack() as stack:
         pids = start_workers(stack, args, settings, log_dir)
@@ -515,12 +641,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     info = machine(args.redis_url, args.postgres_url, packages=("torch",))
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    print(f"soak: {args.clients} clients, {args.models} models, {args.workers} queue-only "
-          f"workers, {args.lora_clients} LoRA runs, {args.minutes:g} min ...", flush=True)
+    print(
+        f"soak: {args.clients} clients, {args.models} models, {args.workers} queue-only "
+        f"workers, {args.lora_clients} LoRA runs, {args.minutes:g} min ...",
+        flush=True,
+    )
     tally = Tally()
-    with tempfile.TemporaryDirectory(prefix="qt-soak-") as tmp, \
-            scratch_db(args.postgres_url) as database_url, \
-            fresh_prefix(args.redis_url, "soak") as prefix:
+    with (
+        tempfile.TemporaryDirectory(prefix="qt-soak-") as tmp,
+        scratch_db(args.postgres_url) as database_url,
+        fresh_prefix(args.redis_url, "soak") as prefix,
+    ):
         try:
             settings = make_settings(args.redis_url, database_url, prefix, Path(tmp) / "data")
             settings = settings.model_copy(update={"max_resident_adapters": args.max_resident})
@@ -534,8 +665,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(results_json(info, tally, seconds, once, trends, checks, series))
     if not args.no_docs:
-        write_docs(args.docs, render(args, info, tally, seconds, once, trends, checks),
-                   heading=SECTION)
+        write_docs(
+            args.docs, render(args, info, tally, seconds, once, trends, checks), heading=SECTION
+        )
         print(f"wrote {args.docs}")
     return 0 if all(checks.values()) else 1
 

@@ -40,8 +40,14 @@ class Latency:
 
     def summary(self) -> dict[str, float]:
         """Count and percentiles, for the JSON output."""
-        return {"n": len(self.samples), "p50_ms": self.p50, "p90_ms": self.p90,
-                "p99_ms": self.p99, "max_ms": self.max, "mean_ms": self.mean}
+        return {
+            "n": len(self.samples),
+            "p50_ms": self.p50,
+            "p90_ms": self.p90,
+            "p99_ms": self.p99,
+            "max_ms": self.max,
+            "mean_ms": self.mean,
+        }
 
 
 STAGE_NAMES: tuple[str, ...] = (
@@ -72,8 +78,10 @@ class Stages:
         if not self.rows:
             return {}
         columns = np.asarray(self.rows).T * 1000
-        return {name: float(np.percentile(col, 99))
-                for name, col in zip(self.names, columns, strict=True)}
+        return {
+            name: float(np.percentile(col, 99))
+            for name, col in zip(self.names, columns, strict=True)
+        }
 
 
 @dataclass

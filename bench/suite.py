@@ -48,39 +48,98 @@ class Bench:
 
 
 BENCHES: tuple[Bench, ...] = (
-    Bench("queue", "bench.queue_overhead", (), ("--quick",), 75,
-          "queue overhead: trivial-op round trip p50/p99, ops/s, rq baseline"),
-    Bench("train_step", "bench.train_step", ("--data-dir", DATA_DIR),
-          ("--quick", "--data-dir", DATA_DIR), 150,
-          "one training step through the service against the bare PEFT loop"),
-    Bench("train_throughput", "bench.train_throughput", ("--data-dir", DATA_DIR),
-          ("--quick", "--data-dir", DATA_DIR), 900,
-          "aggregate training tokens/s of 1-16 models: batched, one at a time, a process each"),
+    Bench(
+        "queue",
+        "bench.queue_overhead",
+        (),
+        ("--quick",),
+        75,
+        "queue overhead: trivial-op round trip p50/p99, ops/s, rq baseline",
+    ),
+    Bench(
+        "train_step",
+        "bench.train_step",
+        ("--data-dir", DATA_DIR),
+        ("--quick", "--data-dir", DATA_DIR),
+        150,
+        "one training step through the service against the bare PEFT loop",
+    ),
+    Bench(
+        "train_throughput",
+        "bench.train_throughput",
+        ("--data-dir", DATA_DIR),
+        ("--quick", "--data-dir", DATA_DIR),
+        900,
+        "aggregate training tokens/s of 1-16 models: batched, one at a time, a process each",
+    ),
     # Its quick run on the tiny model alone: at 100M even a smoke run takes minutes.
-    Bench("sampling", "bench.sampling", (), ("--quick", "--models", "queue-tinker/tiny-llama"),
-          420,
-          "sampling tokens/s against transformers' generate()"),
-    Bench("sampling_engine", "bench.sampling_engine", (),
-          ("--quick",), 240,
-          "sampling engine: staggered arrivals, num_samples sharing, fair turns with training"),
-    Bench("gateway", "bench.gateway_round_trip", ("--data-dir", DATA_DIR),
-          ("--quick", "--data-dir", DATA_DIR), 120,
-          "a training round trip through the official SDK and the gateway vs the client"),
-    Bench("big_bodies", "bench.big_bodies", (), ("--quick",), 60,
-          "another tenant's small requests while one sends ten 57 MiB bodies"),
-    Bench("mfu", "bench.mfu", ("--device", "cuda"), ("--quick",), 180,
-          "LoRA forward_backward tokens/s and MFU on a Llama-3.1-8B shape (CUDA only)"),
-    Bench("memory", "bench.memory", (), ("--quick",), 1500,
-          "peak RSS and step time of one forward_backward at 2k-32k tokens, 128k vocabulary",
-          default=False),
-    Bench("protocol", "bench.protocol_wire", (), ("--quick",), 90,
-          "zstd forward_backward bodies and batched sample polling, on against off",
-          default=False),
-    Bench("soak", "bench.soak", ("--minutes", "5", "--clients", "20", "--models", "50"),
-          ("--minutes", "0.5", "--clients", "4", "--models", "8", "--max-slope", "1000",
-           "--no-docs"), 330,
-          "many clients over many models for minutes: nothing stuck, lost or leaked",
-          default=False),
+    Bench(
+        "sampling",
+        "bench.sampling",
+        (),
+        ("--quick", "--models", "queue-tinker/tiny-llama"),
+        420,
+        "sampling tokens/s against transformers' generate()",
+    ),
+    Bench(
+        "sampling_engine",
+        "bench.sampling_engine",
+        (),
+        ("--quick",),
+        240,
+        "sampling engine: staggered arrivals, num_samples sharing, fair turns with training",
+    ),
+    Bench(
+        "gateway",
+        "bench.gateway_round_trip",
+        ("--data-dir", DATA_DIR),
+        ("--quick", "--data-dir", DATA_DIR),
+        120,
+        "a training round trip through the official SDK and the gateway vs the client",
+    ),
+    Bench(
+        "big_bodies",
+        "bench.big_bodies",
+        (),
+        ("--quick",),
+        60,
+        "another tenant's small requests while one sends ten 57 MiB bodies",
+    ),
+    Bench(
+        "mfu",
+        "bench.mfu",
+        ("--device", "cuda"),
+        ("--quick",),
+        180,
+        "LoRA forward_backward tokens/s and MFU on a Llama-3.1-8B shape (CUDA only)",
+    ),
+    Bench(
+        "memory",
+        "bench.memory",
+        (),
+        ("--quick",),
+        1500,
+        "peak RSS and step time of one forward_backward at 2k-32k tokens, 128k vocabulary",
+        default=False,
+    ),
+    Bench(
+        "protocol",
+        "bench.protocol_wire",
+        (),
+        ("--quick",),
+        90,
+        "zstd forward_backward bodies and batched sample polling, on against off",
+        default=False,
+    ),
+    Bench(
+        "soak",
+        "bench.soak",
+        ("--minutes", "5", "--clients", "20", "--models", "50"),
+        ("--minutes", "0.5", "--clients", "4", "--models", "8", "--max-slope", "1000", "--no-docs"),
+        330,
+        "many clients over many models for minutes: nothing stuck, lost or leaked",
+        default=False,
+    ),
 )
 NAMES = [b.name for b in BENCHES]
 
@@ -115,29 +174,40 @@ def gpu_name() -> str:
     return ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
 
 
-def header(info: dict[str, str], took: dict[str, float], failed: list[str],
-           total_s: float) -> str:
+def header(info: dict[str, str], took: dict[str, float], failed: list[str], total_s: float) -> str:
     """The top of docs/benchmarks.md: the command, the machine, what ran and for how long."""
     ran = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in took.items())
     default = [b for b in BENCHES if b.default]
     soak = next(b for b in BENCHES if b.name == "soak")
-    return "\n".join([
-        "# Benchmarks", "",
-        "Every section below is written by one command, run from the repository root with "
-        "Redis on 127.0.0.1:6379 and Postgres on 127.0.0.1:5432 (`--redis-url` / "
-        "`--postgres-url` point elsewhere):", "", "```", COMMAND, "```", "",
-        "It runs " + "; ".join(f"`{b.name}` ({b.what})" for b in default) + ". Each section "
-        "names its own command, to rerun that part alone, and the machine it ran on; `--only "
-        "NAME ...` reruns chosen ones through the suite, `--quick` smoke-runs them all and "
-        f"leaves this file alone. The {soak.estimate_s // 60}-minute soak is not in the "
-        "default set (`--only soak` runs it), and `mfu` needs a CUDA GPU: without one its "
-        "section says so. Full run: about "
-        f"{sum(b.estimate_s for b in default if b.name != 'mfu') / 60:.0f} minutes on a quiet "
-        "2-core machine, plus a few for `mfu` on a GPU.", "",
-        "Last full run: " + ", ".join(f"{k} {v}" for k, v in info.items())
-        + f". It took {total_s / 60:.1f} min ({ran})"
-        + (f"; **failed: {', '.join(failed)}**" if failed else "; every benchmark passed")
-        + ".", ""])
+    return "\n".join(
+        [
+            "# Benchmarks",
+            "",
+            "Every section below is written by one command, run from the repository root with "
+            "Redis on 127.0.0.1:6379 and Postgres on 127.0.0.1:5432 (`--redis-url` / "
+            "`--postgres-url` point elsewhere):",
+            "",
+            "```",
+            COMMAND,
+            "```",
+            "",
+            "It runs " + "; ".join(f"`{b.name}` ({b.what})" for b in default) + ". Each section "
+            "names its own command, to rerun that part alone, and the machine it ran on; `--only "
+            "NAME ...` reruns chosen ones through the suite, `--quick` smoke-runs them all and "
+            f"leaves this file alone. The {soak.estimate_s // 60}-minute soak is not in the "
+            "default set (`--only soak` runs it), and `mfu` needs a CUDA GPU: without one its "
+            "section says so. Full run: about "
+            f"{sum(b.estimate_s for b in default if b.name != 'mfu') / 60:.0f} minutes on a quiet "
+            "2-core machine, plus a few for `mfu` on a GPU.",
+            "",
+            "Last full run: "
+            + ", ".join(f"{k} {v}" for k, v in info.items())
+            + f". It took {total_s / 60:.1f} min ({ran})"
+            + (f"; **failed: {', '.join(failed)}**" if failed else "; every benchmark passed")
+            + ".",
+            "",
+        ]
+    )
 
 
 def write_header(path: Path, head: str) -> None:
@@ -157,24 +227,41 @@ def mfu_not_measured(path: Path) -> None:
     start = text.find(SECTION + "\n")
     if start >= 0 and NOT_MEASURED not in text[start : text.find("\n## ", start + 1)]:
         return
-    write_docs(path, not_measured_section("no CUDA GPU on the machine of the last full run"),
-               heading=SECTION)
+    write_docs(
+        path,
+        not_measured_section("no CUDA GPU on the machine of the last full run"),
+        heading=SECTION,
+    )
 
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run of every chosen benchmark; docs/benchmarks.md left alone")
-    parser.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME",
-                        help=f"run just these ({', '.join(NAMES)})")
+    parser = argparse.ArgumentParser(
+        prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run of every chosen benchmark; docs/benchmarks.md left alone",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=NAMES,
+        metavar="NAME",
+        help=f"run just these ({', '.join(NAMES)})",
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES))
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="where the benchmarks build models (default: a temp dir); reuse "
-                        "one to skip building the 100M model again")
+    parser.add_argument(
+        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where the benchmarks build models (default: a temp dir); reuse "
+        "one to skip building the 100M model again",
+    )
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     return parser.parse_args(argv)
 
@@ -184,8 +271,9 @@ def run_one(bench: Bench, argv: list[str], env: dict[str, str]) -> tuple[int, fl
     began = time.perf_counter()
     code = subprocess.run(argv, cwd=REPO, env=env, check=False).returncode
     seconds = time.perf_counter() - began
-    print(f"=== {bench.name}: {'ok' if code == 0 else f'exit {code}'} in {seconds:.0f} s",
-          flush=True)
+    print(
+        f"=== {bench.name}: {'ok' if code == 0 else f'exit {code}'} in {seconds:.0f} s", flush=True
+    )
     return code, seconds
 
 
@@ -198,13 +286,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     began = time.perf_counter()
     cuda = cuda_available()
-    env = {**os.environ, "QT_BENCH_REDIS_URL": args.redis_url,
-           "QT_BENCH_DATABASE_URL": args.postgres_url, "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "QT_BENCH_REDIS_URL": args.redis_url,
+        "QT_BENCH_DATABASE_URL": args.postgres_url,
+        "PYTHONUNBUFFERED": "1",
+    }
     took: dict[str, float] = {}
     failed: list[str] = []
     with contextlib.ExitStack() as stack:
-        data_dir = args.data_dir or Path(stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="qt-bench-suite-")))
+        data_dir = args.data_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="qt-bench-suite-"))
+        )
         data_dir.mkdir(parents=True, exist_ok=True)
         for bench in chosen(args):
             argv_ = command(bench, args.quick, data_dir, cuda)
@@ -219,9 +312,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     total_s = time.perf_counter() - began
     if not args.quick and not args.only:
         info = machine(args.redis_url, args.postgres_url, packages=("torch",))
-        info = {**{k: v for k, v in info.items() if k != "date"}, "GPU": gpu_name(),
-                "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+        info = {
+            **{k: v for k, v in info.items() if k != "date"},
+            "GPU": gpu_name(),
+            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        }
         write_header(DOCS, header(info, took, failed, total_s))
-    print(f"\nsuite: {len(took)} ran in {total_s / 60:.1f} min"
-          + (f"; failed: {', '.join(failed)}" if failed else "; all passed"), flush=True)
+    print(
+        f"\nsuite: {len(took)} ran in {total_s / 60:.1f} min"
+        + (f"; failed: {', '.join(failed)}" if failed else "; all passed"),
+        flush=True,
+    )
     return 1 if failed else 0

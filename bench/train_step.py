@@ -125,10 +125,16 @@ def token_rows(size: Size, seed: int = 0) -> np.ndarray:
 
 def make_data(rows: np.ndarray) -> list[Datum]:
     """The batch as Tinker datums (equal lengths: the worker's padded batch has no padding)."""
-    return [Datum(model_input=ModelInput.from_ints(row[:-1]), loss_fn_inputs={
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(row[:-1]),
+            loss_fn_inputs={
                 "target_tokens": TensorData.from_numpy(row[1:].astype(np.int64)),
-                "weights": TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32))})
-            for row in rows]
+                "weights": TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32)),
+            },
+        )
+        for row in rows
+    ]
 
 
 # --- the bare loop -----------------------------------------------------------------------------
@@ -149,8 +155,12 @@ class BareLoop:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.lora_params = sum(p.numel() for p in trainable)
         self.optimizer = torch.optim.AdamW(
-            trainable, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
-            weight_decay=ADAM.weight_decay)
+            trainable,
+            lr=ADAM.learning_rate,
+            betas=(ADAM.beta1, ADAM.beta2),
+            eps=ADAM.eps,
+            weight_decay=ADAM.weight_decay,
+        )
         tokens = torch.from_numpy(rows)
         self.ids = tokens[:, :-1].contiguous()
         self.mask = torch.ones_like(self.ids)
@@ -213,8 +223,16 @@ def stages_of(redis_url: str, keys: Keys, samples: list[ServiceSample]) -> Stage
         if fb is None or optim is None:
             continue
         seen = s.wall + s.total_s
-        stages.rows.append((s.submit_s, fb[1] - s.wall, fb[2] - fb[1], optim[1] - fb[2],
-                            optim[2] - optim[1], seen - optim[2]))
+        stages.rows.append(
+            (
+                s.submit_s,
+                fb[1] - s.wall,
+                fb[2] - fb[1],
+                optim[1] - fb[2],
+                optim[2] - optim[1],
+                seen - optim[2],
+            )
+        )
     return stages
 
 
@@ -222,12 +240,18 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
     """Median ms of the (de)serialisation around one forward_backward, timed in this process
     with the functions the client and the engine call: the client validating and encoding
     the batch, the worker decoding and checking it, the result's way back."""
-    limits = ModelLimits(vocab_size=VOCAB_SIZE,
-                         context_length=BUILTIN_MODELS[model].config["max_position_embeddings"])
+    limits = ModelLimits(
+        vocab_size=VOCAB_SIZE,
+        context_length=BUILTIN_MODELS[model].config["max_position_embeddings"],
+    )
     payload = codec.encode(make_batch(data, "cross_entropy", None).model_dump())
-    output = ForwardBackwardOutput(loss_fn_outputs=[
-        {"logprobs": TensorData.from_numpy(np.zeros(d.model_input.length, np.float32))}
-        for d in data], metrics={"loss:sum": 1.0})
+    output = ForwardBackwardOutput(
+        loss_fn_outputs=[
+            {"logprobs": TensorData.from_numpy(np.zeros(d.model_input.length, np.float32))}
+            for d in data
+        ],
+        metrics={"loss:sum": 1.0},
+    )
     result = codec.encode(output.model_dump())
 
     def decode_batch() -> None:
@@ -235,11 +259,13 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
 
     return {
         "client: validate + encode the batch": median_ms(
-            lambda: codec.encode(make_batch(data, "cross_entropy", None).model_dump()), reps),
+            lambda: codec.encode(make_batch(data, "cross_entropy", None).model_dump()), reps
+        ),
         "worker: decode + check the batch": median_ms(decode_batch, reps),
         "worker: encode the result": median_ms(lambda: codec.encode(output.model_dump()), reps),
         "client: decode the result": median_ms(
-            lambda: ForwardBackwardOutput.model_validate(codec.decode(result)), reps),
+            lambda: ForwardBackwardOutput.model_validate(codec.decode(result)), reps
+        ),
     }
 
 
@@ -255,8 +281,7 @@ def engine_function_ms(bare: BareLoop, data: list[Datum], reps: int) -> dict[str
         for name in times:
             t0 = time.perf_counter()
             if name.startswith("engine"):
-                forward_backward(bare.model, data, LossFn.CROSS_ENTROPY, config, cpu,
-                                 backward=True)
+                forward_backward(bare.model, data, LossFn.CROSS_ENTROPY, config, cpu, backward=True)
             else:
                 bare.forward_backward()
             times[name].append(time.perf_counter() - t0)
@@ -271,14 +296,15 @@ class Meters:
     side: SideCpu
 
 
-def one_round(r: int, meters: Meters, bare: BareLoop, tc: TrainingClient, data: list[Datum],
-              steps: int) -> tuple[Round, list[ServiceSample]]:
+def one_round(
+    r: int, meters: Meters, bare: BareLoop, tc: TrainingClient, data: list[Datum], steps: int
+) -> tuple[Round, list[ServiceSample]]:
     """A service block and a bare block (bare first in odd rounds); the round and the service
     samples."""
     samples: list[ServiceSample] = []
     bare_times: list[tuple[float, float]] = []
     foreign: dict[str, float] = {}
-    for part in (("service", "bare") if r % 2 == 0 else ("bare", "service")):
+    for part in ("service", "bare") if r % 2 == 0 else ("bare", "service"):
         mark = meters.cpu.mark()
         if part == "bare":
             bare_times = bare.timed(steps)
@@ -287,51 +313,71 @@ def one_round(r: int, meters: Meters, bare: BareLoop, tc: TrainingClient, data: 
             samples = service_block(tc, data, steps)
             meters.side.add(before, steps)
         foreign[part] = meters.cpu.foreign_since(mark)
-    result = Round(Block([s.total_s for s in samples], foreign["service"]),
-                   Block([t for t, _ in bare_times], foreign["bare"],
-                         [fb for _, fb in bare_times]))
+    result = Round(
+        Block([s.total_s for s in samples], foreign["service"]),
+        Block([t for t, _ in bare_times], foreign["bare"], [fb for _, fb in bare_times]),
+    )
     for sample in samples:
         sample.quiet = result.quiet
     return result, samples
 
 
-def run_rounds(result: SizeResult, meters: Meters, bare: BareLoop, tc: TrainingClient,
-               data: list[Datum], rounds: int) -> list[ServiceSample]:
+def run_rounds(
+    result: SizeResult,
+    meters: Meters,
+    bare: BareLoop,
+    tc: TrainingClient,
+    data: list[Datum],
+    rounds: int,
+) -> list[ServiceSample]:
     """Up to `rounds` rounds, none started once the size's time budget is spent (2 at least)."""
     samples: list[ServiceSample] = []
     began = time.perf_counter()
     for r in range(rounds):
         if r >= 2 and time.perf_counter() - began > result.size.budget_s:
-            print(f"    time budget of {result.size.budget_s:.0f} s spent: stopping after "
-                  f"{r} rounds", flush=True)
+            print(
+                f"    time budget of {result.size.budget_s:.0f} s spent: stopping after {r} rounds",
+                flush=True,
+            )
             break
         done, block = one_round(r, meters, bare, tc, data, result.size.steps)
         result.rounds.append(done)
         samples.extend(block)
-        print(f"    round {r + 1}/{rounds}: service {done.service.median * 1000:,.1f} ms, "
-              f"bare {done.bare.median * 1000:,.1f} ms (median of {result.size.steps}); "
-              f"other processes {done.service.foreign:.2f} / {done.bare.foreign:.2f} cores",
-              flush=True)
+        print(
+            f"    round {r + 1}/{rounds}: service {done.service.median * 1000:,.1f} ms, "
+            f"bare {done.bare.median * 1000:,.1f} ms (median of {result.size.steps}); "
+            f"other processes {done.service.foreign:.2f} / {done.bare.foreign:.2f} cores",
+            flush=True,
+        )
     return samples
 
 
-def measure_size(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path,
-                 threads: int) -> SizeResult:
+def measure_size(
+    args: argparse.Namespace, size: Size, database_url: str, data_dir: Path, threads: int
+) -> SizeResult:
     """Warm up both, then alternate blocks; the service on a fresh key prefix."""
     rows = token_rows(size)
     data = make_data(rows)
     bare = BareLoop(size.model, data_dir / "models", rows)
     with fresh_prefix(args.redis_url, f"train-{size.label}") as prefix:
         settings = make_settings(args.redis_url, database_url, prefix, data_dir)
-        result = SizeResult(size, bare.params, bare.lora_params,
-                            {"bare": torch.get_num_threads(), **worker_threads(settings)},
-                            load=[load1()])
+        result = SizeResult(
+            size,
+            bare.params,
+            bare.lora_params,
+            {"bare": torch.get_num_threads(), **worker_threads(settings)},
+            load=[load1()],
+        )
         began = time.perf_counter()
         # Batching off: its one model has nothing to batch with, and a batch would start and
         # finish the step's two ops together, hiding the stage split (train_throughput
         # measures batching).
-        with lora_worker(settings, size.model, data_dir / f"worker-{size.label}.log",
-                         {"QT_CROSS_ADAPTER_BATCH": "0"}) as proc:
+        with lora_worker(
+            settings,
+            size.model,
+            data_dir / f"worker-{size.label}.log",
+            {"QT_CROSS_ADAPTER_BATCH": "0"},
+        ) as proc:
             print(f"    worker ready in {time.perf_counter() - began:.0f} s", flush=True)
             service = ServiceClient(settings)
             try:
@@ -339,15 +385,17 @@ def measure_size(args: argparse.Namespace, size: Size, database_url: str, data_d
                 warm = service_block(tc, data, args.warmup)
                 result.first_loss = (warm[0].loss, bare.step()[0])
                 bare.timed(args.warmup - 1)
-                meters = Meters(CpuMeter([os.getpid(), proc.pid]),
-                                SideCpu(proc.pid, make_url(database_url).database or "", threads))
+                meters = Meters(
+                    CpuMeter([os.getpid(), proc.pid]),
+                    SideCpu(proc.pid, make_url(database_url).database or "", threads),
+                )
                 samples = run_rounds(result, meters, bare, tc, data, args.rounds)
                 result.side_ms = meters.side.per_step_ms()
                 result.stages = stages_of(args.redis_url, Keys(prefix), samples)
-                result.quiet_stages = stages_of(args.redis_url, Keys(prefix),
-                                                [s for s in samples if s.quiet])
-                result.snapshots = sum(s.step % settings.snapshot_every_steps == 0
-                                       for s in samples)
+                result.quiet_stages = stages_of(
+                    args.redis_url, Keys(prefix), [s for s in samples if s.quiet]
+                )
+                result.snapshots = sum(s.step % settings.snapshot_every_steps == 0 for s in samples)
                 result.codec_ms = serialisation_ms(size.model, data)
                 reps = min(20, max(3, round(2 / statistics.median(result.bare))))
                 result.engine_ms = engine_function_ms(bare, data, reps)
@@ -363,35 +411,69 @@ def measure_size(args: argparse.Namespace, size: Size, database_url: str, data_d
 
 # --- main --------------------------------------------------------------------------------------
 def sizes(args: argparse.Namespace) -> list[Size]:
-    return [Size("tiny", "queue-tinker/tiny-llama", args.tiny_batch[0], args.tiny_batch[1],
-                 args.tiny_steps, args.tiny_budget),
-            Size("100m", "queue-tinker/llama-100m", args.big_batch[0], args.big_batch[1],
-                 args.big_steps, args.big_budget)]
+    return [
+        Size(
+            "tiny",
+            "queue-tinker/tiny-llama",
+            args.tiny_batch[0],
+            args.tiny_batch[1],
+            args.tiny_steps,
+            args.tiny_budget,
+        ),
+        Size(
+            "100m",
+            "queue-tinker/llama-100m",
+            args.big_batch[0],
+            args.big_batch[1],
+            args.big_steps,
+            args.big_budget,
+        ),
+    ]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.train_step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.train_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES),
-                        help="admin URL; a scratch database is created beside it")
-    parser.add_argument("--rounds", type=int, default=40,
-                        help="most service/bare block pairs per size")
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
+        help="admin URL; a scratch database is created beside it",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=40, help="most service/bare block pairs per size"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="steps of each before measuring")
     parser.add_argument("--tiny-steps", type=int, default=5, help="steps per block, tiny")
     parser.add_argument("--big-steps", type=int, default=1, help="steps per block, 100M")
-    parser.add_argument("--tiny-budget", type=float, default=45,
-                        help="seconds of tiny rounds after which no new round starts")
-    parser.add_argument("--big-budget", type=float, default=200,
-                        help="seconds of 100M rounds after which no new round starts")
-    parser.add_argument("--tiny-batch", type=int, nargs=2, default=[8, 128],
-                        metavar=("DATUMS", "TOKENS"))
-    parser.add_argument("--big-batch", type=int, nargs=2, default=[2, 64],
-                        metavar=("DATUMS", "TOKENS"))
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="where the models are built and checkpoints go (default: a temp "
-                        "dir); reuse one to skip building the 100M model")
+    parser.add_argument(
+        "--tiny-budget",
+        type=float,
+        default=45,
+        help="seconds of tiny rounds after which no new round starts",
+    )
+    parser.add_argument(
+        "--big-budget",
+        type=float,
+        default=200,
+        help="seconds of 100M rounds after which no new round starts",
+    )
+    parser.add_argument(
+        "--tiny-batch", type=int, nargs=2, default=[8, 128], metavar=("DATUMS", "TOKENS")
+    )
+    parser.add_argument(
+        "--big-batch", type=int, nargs=2, default=[2, 64], metavar=("DATUMS", "TOKENS")
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where the models are built and checkpoints go (default: a temp "
+        "dir); reuse one to skip building the 100M model",
+    )
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
@@ -412,9 +494,12 @@ def run(args: argparse.Namespace, data_dir: Path) -> list[SizeResult]:
         for size in sizes(args):
             began = time.perf_counter()
             ensure_builtin_model(size.model, data_dir / "models")
-            print(f"[{size.label}] {size.model}: {shape(size)} tokens, {args.rounds} rounds × "
-                  f"{size.steps} steps each way, {threads} torch threads "
-                  f"(model ready in {time.perf_counter() - began:.0f} s) ...", flush=True)
+            print(
+                f"[{size.label}] {size.model}: {shape(size)} tokens, {args.rounds} rounds × "
+                f"{size.steps} steps each way, {threads} torch threads "
+                f"(model ready in {time.perf_counter() - began:.0f} s) ...",
+                flush=True,
+            )
             results.append(measure_size(args, size, database_url, data_dir, threads))
     return results
 
@@ -433,9 +518,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = run(args, Path(tmp))
     total_s = time.perf_counter() - began
     print_table(results)
-    print(f"\ntarget service/bare <= {TARGET_RATIO:.2f} at {results[-1].size.model}: "
-          f"{results[-1].ratio:.3f} (quiet rounds: {quiet_text(results[-1])})\n"
-          f"total {total_s:.0f} s")
+    print(
+        f"\ntarget service/bare <= {TARGET_RATIO:.2f} at {results[-1].size.model}: "
+        f"{results[-1].ratio:.3f} (quiet rounds: {quiet_text(results[-1])})\n"
+        f"total {total_s:.0f} s"
+    )
     if args.json is not None:
         args.json.write_text(results_json(info, results))
     if not args.no_docs:

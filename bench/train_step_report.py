@@ -113,8 +113,9 @@ class SizeResult:
         quiet = self.quiet_rounds()
         if not quiet:
             return None
-        return (statistics.median(t for r in quiet for t in r.service.times)
-                / statistics.median(t for r in quiet for t in r.bare.times))
+        return statistics.median(t for r in quiet for t in r.service.times) / statistics.median(
+            t for r in quiet for t in r.bare.times
+        )
 
     def foreign(self, side: str) -> float:
         """Mean CPU (cores) other processes took during this side's blocks."""
@@ -150,27 +151,36 @@ def foreign_text(r: SizeResult) -> str:
 
 def print_table(results: list[SizeResult]) -> None:
     """Per-step medians and ratio per size, then the service step's stages."""
-    print(f"\n{'model':<26}{'batch':>9}{'bare ms p50 (p10-p90)':>28}"
-          f"{'service ms p50 (p10-p90)':>30}{'ratio':>7}{'p10':>6}{'quiet':>16}"
-          f"{'per round':>20}{'other cores s/b':>17}")
+    print(
+        f"\n{'model':<26}{'batch':>9}{'bare ms p50 (p10-p90)':>28}"
+        f"{'service ms p50 (p10-p90)':>30}{'ratio':>7}{'p10':>6}{'quiet':>16}"
+        f"{'per round':>20}{'other cores s/b':>17}"
+    )
     for r in results:
-        print(f"{r.size.model:<26}{shape(r.size):>9}{spread(r.bare):>28}{spread(r.service):>30}"
-              f"{r.ratio:>7.2f}{r.ratio_p10:>6.2f}{quiet_text(r):>16}{rounds_range(r):>20}"
-              f"{foreign_text(r):>17}")
+        print(
+            f"{r.size.model:<26}{shape(r.size):>9}{spread(r.bare):>28}{spread(r.service):>30}"
+            f"{r.ratio:>7.2f}{r.ratio_p10:>6.2f}{quiet_text(r):>16}{rounds_range(r):>20}"
+            f"{foreign_text(r):>17}"
+        )
     for r in results:
-        print(f"\nservice step, {r.size.model} (median ms): "
-              f"threads {r.threads}, first loss service {r.first_loss[0]:.4f} / "
-              f"bare {r.first_loss[1]:.4f}")
+        print(
+            f"\nservice step, {r.size.model} (median ms): "
+            f"threads {r.threads}, first loss service {r.first_loss[0]:.4f} / "
+            f"bare {r.first_loss[1]:.4f}"
+        )
         for name, value in r.stages.medians_ms().items():
             print(f"  {name:<76}{value:>10.1f}")
         print("  " + ", ".join(f"{k} {v:.2f}" for k, v in r.codec_ms.items()))
         print("  " + ", ".join(f"{k} {v:.2f}" for k, v in r.engine_ms.items()))
-        print("  CPU ms per service step: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in r.side_ms.items()))
+        print(
+            "  CPU ms per service step: " + ", ".join(f"{k} {v:.1f}" for k, v in r.side_ms.items())
+        )
         for quiet in (False, True):
             parts = split(r, quiet) or {}
-            print(f"  {'quiet' if quiet else 'all'}: "
-                  + ", ".join(f"{k} {v:,.1f}" for k, v in parts.items()))
+            print(
+                f"  {'quiet' if quiet else 'all'}: "
+                + ", ".join(f"{k} {v:,.1f}" for k, v in parts.items())
+            )
 
 
 INTRO = (
@@ -182,7 +192,7 @@ INTRO = (
     "other model's ops to share a pass with, and with batching on a step's two ops would start "
     "and finish as one batch, which hides the split below; bench.train_throughput measures "
     "batching), the local Redis and a scratch Postgres database; a "
-    "step is the natural Tinker loop `fb = tc.forward_backward(batch, \"cross_entropy\"); "
+    'step is the natural Tinker loop `fb = tc.forward_backward(batch, "cross_entropy"); '
     "os = tc.optim_step(AdamParams(learning_rate=1e-4)); fb.result(); os.result()`. Bare: "
     "`load_base_model` + `peft.get_peft_model` + `torch.optim.AdamW` (same hyperparameters) in "
     "the benchmark process; a step is forward, target logprobs, loss = -Σ w·logp, backward, "
@@ -191,7 +201,8 @@ INTRO = (
     "rounds, fewer once a time budget is spent), so the two never compute at the same time, "
     "and the bare loop uses as many torch threads as the worker. Blocks are short (one step at "
     "100M) because load from other jobs on this machine comes in bursts of seconds: a round's "
-    "ratio compares steps taken moments apart.")
+    "ratio compares steps taken moments apart."
+)
 NOISE = (
     "Other jobs shared this 2-core machine during the run, and a 2-thread torch step slows "
     "down many times over when another process takes one of the cores (each parallel region "
@@ -200,7 +211,8 @@ NOISE = (
     "included, minus the benchmark's and the worker's own; last column, in cores). A round is "
     "*quiet* when that stayed under {quiet:g} cores during both of its blocks; the quiet-rounds "
     "ratio is the least disturbed comparison, the all-rounds ratio is the headline. Compare "
-    "numbers from the same run only.")
+    "numbers from the same run only."
+)
 HOW_TO_READ = [
     "How to read it: service minus bare is what the service adds to a step; the notes above "
     "split it three ways.",
@@ -217,7 +229,7 @@ HOW_TO_READ = [
     "function timed in-process against the bare forward + backward isolates that part. On "
     "this 2-core machine the op also competes with the service's own work beside it: the "
     "worker's event loop and Postgres write-behind threads, Redis, Postgres and the client "
-    "(\"CPU time per service step, by part\" above) run on the same two cores as the "
+    '("CPU time per service step, by part" above) run on the same two cores as the '
     "2-thread compute, and a 2-thread torch step feels every millisecond taken from one of "
     "its cores.",
     "3. Inside optim_step: the gradient-norm pass (`clip_grad_norm_`, run even without "
@@ -234,11 +246,14 @@ HOW_TO_READ = [
 
 
 def stage_lines(r: SizeResult) -> list[str]:
-    lines = [f"Where a service step goes, `{r.size.model}` ({shape(r.size)}), in ms (client "
-             "clock plus the Redis-clock `started_at` / `finished_at` the worker writes into "
-             "each job hash; the rows after the first add up to the step):", "",
-             "| stage | p50, all rounds | p50, quiet rounds | p99, all rounds |",
-             "| --- | --- | --- | --- |"]
+    lines = [
+        f"Where a service step goes, `{r.size.model}` ({shape(r.size)}), in ms (client "
+        "clock plus the Redis-clock `started_at` / `finished_at` the worker writes into "
+        "each job hash; the rows after the first add up to the step):",
+        "",
+        "| stage | p50, all rounds | p50, quiet rounds | p99, all rounds |",
+        "| --- | --- | --- | --- |",
+    ]
     p50, quiet, p99 = r.stages.medians_ms(), r.quiet_stages.medians_ms(), r.stages.p99s_ms()
     for name in STAGE_NAMES:
         q = f"{quiet[name]:,.1f}" if name in quiet else "n/a"
@@ -280,62 +295,102 @@ def overhead_note(r: SizeResult) -> str:
     codec = ", ".join(f"{k} {v:.2f} ms" for k, v in r.codec_ms.items())
     engine = " vs ".join(f"{k} {v:,.1f} ms" for k, v in r.engine_ms.items())
     side = ", ".join(f"{k} {v:,.1f} ms" for k, v in r.side_ms.items())
-    return (f"- `{r.size.model}`, {which}: service {m['service']:,.1f} ms vs bare "
-            f"{m['bare']:,.1f} ms per step ({m['service'] - m['bare']:+,.1f} ms). On the "
-            f"worker, forward_backward ran {m['service fb']:,.1f} ms (bare forward + backward "
-            f"{m['bare fb']:,.1f} ms) and optim_step {m['service optim']:,.1f} ms (bare AdamW "
-            f"step + zero_grad {m['bare optim']:,.1f} ms); outside the two ops (submit → start, "
-            f"between them, finish → client) a step spent {m['queue']:,.1f} ms. "
-            f"{r.snapshots} of the {len(r.service)} measured service steps wrote a snapshot. "
-            f"(De)serialisation of one forward_backward, timed in-process with the same "
-            f"functions: {codec}. The engine's forward_backward function run in-process on the "
-            f"bare model: {engine}. CPU time per service step, by part: {side}.")
+    return (
+        f"- `{r.size.model}`, {which}: service {m['service']:,.1f} ms vs bare "
+        f"{m['bare']:,.1f} ms per step ({m['service'] - m['bare']:+,.1f} ms). On the "
+        f"worker, forward_backward ran {m['service fb']:,.1f} ms (bare forward + backward "
+        f"{m['bare fb']:,.1f} ms) and optim_step {m['service optim']:,.1f} ms (bare AdamW "
+        f"step + zero_grad {m['bare optim']:,.1f} ms); outside the two ops (submit → start, "
+        f"between them, finish → client) a step spent {m['queue']:,.1f} ms. "
+        f"{r.snapshots} of the {len(r.service)} measured service steps wrote a snapshot. "
+        f"(De)serialisation of one forward_backward, timed in-process with the same "
+        f"functions: {codec}. The engine's forward_backward function run in-process on the "
+        f"bare model: {engine}. CPU time per service step, by part: {side}."
+    )
 
 
 def result_rows(results: list[SizeResult]) -> list[str]:
-    lines = ["| model | params (LoRA) | batch (datums × tokens) | rounds × steps "
-             "| bare ms/step p50 (p10–p90) | service ms/step p50 (p10–p90) "
-             "| service / bare (medians) | at p10 | quiet rounds only (how many) "
-             "| per round: median (min–max) | other processes, cores (service / bare blocks) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model | params (LoRA) | batch (datums × tokens) | rounds × steps "
+        "| bare ms/step p50 (p10–p90) | service ms/step p50 (p10–p90) "
+        "| service / bare (medians) | at p10 | quiet rounds only (how many) "
+        "| per round: median (min–max) | other processes, cores (service / bare blocks) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         lines.append(
             f"| `{r.size.model}` | {r.params:,} ({r.lora_params:,}) | {shape(r.size)} "
             f"| {len(r.rounds)} × {r.size.steps} | {spread(r.bare)} | {spread(r.service)} "
             f"| **{r.ratio:.2f}** | {r.ratio_p10:.2f} | {quiet_text(r)} | {rounds_range(r)} "
-            f"| {foreign_text(r)} |")
+            f"| {foreign_text(r)} |"
+        )
     return [*lines, ""]
 
 
-def render(args: argparse.Namespace, info: dict[str, str], results: list[SizeResult],
-           total_s: float) -> str:
+def render(
+    args: argparse.Namespace, info: dict[str, str], results: list[SizeResult], total_s: float
+) -> str:
     """The docs section, in Markdown."""
     largest = results[-1]
     ok = largest.ratio <= TARGET_RATIO
     threads = ", ".join(f"{k} {v}" for k, v in largest.threads.items())
-    lines = [SECTION, "", INTRO.format(rank=RANK, warmup=args.warmup, rounds=args.rounds), "",
-             "Reproduce (`--quick` is a smoke run that leaves this file alone):", "", "```",
-             COMMAND, "```", "",
-             "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + f"; torch threads: "
-             f"{threads}. The run took {total_s:.0f} s.", "", NOISE.format(quiet=QUIET_CORES),
-             "",
-             f"Target: service / bare ≤ {TARGET_RATIO:.2f} at `{largest.size.model}` (median "
-             f"step over median step, all rounds): **{largest.ratio:.3f}, "
-             f"{'met' if ok else 'not met'}** (quiet rounds only: {quiet_text(largest)}).", "",
-             *result_rows(results)]
+    lines = [
+        SECTION,
+        "",
+        INTRO.format(rank=RANK, warmup=args.warmup, rounds=args.rounds),
+        "",
+        "Reproduce (`--quick` is a smoke run that leaves this file alone):",
+        "",
+        "```",
+        COMMAND,
+        "```",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + f"; torch threads: "
+        f"{threads}. The run took {total_s:.0f} s.",
+        "",
+        NOISE.format(quiet=QUIET_CORES),
+        "",
+        f"Target: service / bare ≤ {TARGET_RATIO:.2f} at `{largest.size.model}` (median "
+        f"step over median step, all rounds): **{largest.ratio:.3f}, "
+        f"{'met' if ok else 'not met'}** (quiet rounds only: {quiet_text(largest)}).",
+        "",
+        *result_rows(results),
+    ]
     for r in results:
         lines += stage_lines(r)
-    lines += ["Medians per step, split where the two steps can be compared:", "",
-              *(overhead_note(r) for r in results)]
+    lines += [
+        "Medians per step, split where the two steps can be compared:",
+        "",
+        *(overhead_note(r) for r in results),
+    ]
     return "\n".join([*lines, "", *HOW_TO_READ, ""])
 
 
 def results_json(info: dict[str, str], results: list[SizeResult]) -> str:
-    return json.dumps({"machine": info, "sizes": [
-        {"size": asdict(r.size), "params": r.params, "lora_params": r.lora_params,
-         "threads": r.threads, "ratio": r.ratio, "ratio_quiet": r.ratio_quiet(),
-         "rounds": [asdict(x) for x in r.rounds],
-         "bare_s": r.bare, "service_s": r.service, "first_loss": r.first_loss,
-         "stages_p50_ms": r.stages.medians_ms(), "snapshots": r.snapshots, "load": r.load,
-         "codec_ms": r.codec_ms, "engine_ms": r.engine_ms, "side_cpu_ms": r.side_ms}
-        for r in results]}, indent=2)
+    return json.dumps(
+        {
+            "machine": info,
+            "sizes": [
+                {
+                    "size": asdict(r.size),
+                    "params": r.params,
+                    "lora_params": r.lora_params,
+                    "threads": r.threads,
+                    "ratio": r.ratio,
+                    "ratio_quiet": r.ratio_quiet(),
+                    "rounds": [asdict(x) for x in r.rounds],
+                    "bare_s": r.bare,
+                    "service_s": r.service,
+                    "first_loss": r.first_loss,
+                    "stages_p50_ms": r.stages.medians_ms(),
+                    "snapshots": r.snapshots,
+                    "load": r.load,
+                    "codec_ms": r.codec_ms,
+                    "engine_ms": r.engine_ms,
+                    "side_cpu_ms": r.side_ms,
+                }
+                for r in results
+            ],
+        },
+        indent=2,
+    )

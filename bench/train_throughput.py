@@ -101,8 +101,13 @@ class Window:
 
 
 # --- driving N models --------------------------------------------------------------------------
-async def train(tc: TrainingClient, data: list[Datum], log: StepLog, stop: asyncio.Event,
-                progress: asyncio.Condition) -> None:
+async def train(
+    tc: TrainingClient,
+    data: list[Datum],
+    log: StepLog,
+    stop: asyncio.Event,
+    progress: asyncio.Condition,
+) -> None:
     """The Tinker loop, back to back, until `stop`: the step in flight always finishes."""
     while not stop.is_set():
         fb = await tc.forward_backward_async(data, "cross_entropy")
@@ -115,15 +120,22 @@ async def train(tc: TrainingClient, data: list[Datum], log: StepLog, stop: async
             progress.notify_all()
 
 
-async def drive(clients: list[TrainingClient], data: list[Datum], size: Size,
-                args: argparse.Namespace, meter: CpuMeter) -> tuple[list[StepLog], Window]:
+async def drive(
+    clients: list[TrainingClient],
+    data: list[Datum],
+    size: Size,
+    args: argparse.Namespace,
+    meter: CpuMeter,
+) -> tuple[list[StepLog], Window]:
     """Every client trains; the window opens once each has done `size.warmup` steps and closes
     after `size.seconds` once each has done `args.min_steps` more, or when `args.max_cell_s`
     have passed since the start (cut short). A failing loop raises: the cell fails."""
     logs = [StepLog() for _ in clients]
     stop, progress = asyncio.Event(), asyncio.Condition()
-    loops = [asyncio.create_task(train(tc, data, log, stop, progress))
-             for tc, log in zip(clients, logs, strict=True)]
+    loops = [
+        asyncio.create_task(train(tc, data, log, stop, progress))
+        for tc, log in zip(clients, logs, strict=True)
+    ]
     win: list[Window] = []  # the window as far as it got
 
     async def window() -> None:
@@ -133,14 +145,17 @@ async def drive(clients: list[TrainingClient], data: list[Datum], size: Size,
         await asyncio.sleep(size.seconds)
         async with progress:
             await progress.wait_for(
-                lambda: all(len(g.in_window(win[0].t0, time.perf_counter())) >= args.min_steps
-                            for g in logs))
+                lambda: all(
+                    len(g.in_window(win[0].t0, time.perf_counter())) >= args.min_steps for g in logs
+                )
+            )
         win[0].t1, win[0].cut_short = time.perf_counter(), False
 
     timer = asyncio.create_task(window())
     try:
-        done, _ = await asyncio.wait([timer, *loops], timeout=args.max_cell_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            [timer, *loops], timeout=args.max_cell_s, return_when=asyncio.FIRST_COMPLETED
+        )
         for task in done:
             task.result()  # a loop only ends early by raising: surface it
         if not win:
@@ -194,37 +209,66 @@ def cell_env(mode: str, models: int) -> dict[str, str]:
     return {BATCH_ENV: "1" if mode == BATCHED else "0"}
 
 
-def run_cell(args: argparse.Namespace, size: Size, mode: str, models: int, database_url: str,
-             data_dir: Path, threads: int) -> Cell:
+def run_cell(
+    args: argparse.Namespace,
+    size: Size,
+    mode: str,
+    models: int,
+    database_url: str,
+    data_dir: Path,
+    threads: int,
+) -> Cell:
     """Fresh workers and N fresh models; drive them; the cell."""
     data = make_data(token_rows(StepSize(size.label, size.model, size.batch, size.seq, 1, 0)))
     env = cell_env(mode, models)
     deployments = models if mode == PROCESSES else 1
     tag = f"{size.label}-{mode.replace(' ', '-')}-{models}"
     with contextlib.ExitStack() as stack:
-        prefixes = [stack.enter_context(fresh_prefix(args.redis_url, f"tput-{tag}"))
-                    for _ in range(deployments)]
+        prefixes = [
+            stack.enter_context(fresh_prefix(args.redis_url, f"tput-{tag}"))
+            for _ in range(deployments)
+        ]
         settings = [make_settings(args.redis_url, database_url, p, data_dir) for p in prefixes]
         logs = [data_dir / f"worker-{tag}-{i}.log" for i in range(deployments)]
         began = time.perf_counter()
         procs = stack.enter_context(lora_workers(settings, size.model, logs, env))
-        print(f"    {mode}, {models} models: {deployments} worker(s) ready in "
-              f"{time.perf_counter() - began:.0f} s", flush=True)
+        print(
+            f"    {mode}, {models} models: {deployments} worker(s) ready in "
+            f"{time.perf_counter() - began:.0f} s",
+            flush=True,
+        )
         services = [ServiceClient(s) for s in settings]
         for service in services:
             stack.callback(close_client, service)
-        clients = [services[i % deployments].create_lora_training_client(
-                       size.model, rank=RANK, seed=i) for i in range(models)]
+        clients = [
+            services[i % deployments].create_lora_training_client(size.model, rank=RANK, seed=i)
+            for i in range(models)
+        ]
         meter = CpuMeter([os.getpid(), *(p.pid for p in procs)])
         step_logs, win = asyncio.run(drive(clients, data, size, args, meter))
-        passes = None if mode == PROCESSES else ops_per_pass(
-            args.redis_url, Keys(prefixes[0]), step_logs, win)
-    cell = Cell(mode, models, size.tokens, step_rates(step_logs, win), win.t1 - win.t0,
-                sum(len(g.in_window(win.t0, win.t1)) for g in step_logs), win.foreign,
-                int(env.get("OMP_NUM_THREADS", threads)), passes, win.cut_short)
-    print(f"    {mode}, {models} models: {cell.tokens_per_s:,.0f} tokens/s over "
-          f"{cell.window_s:.1f} s ({cell.steps} steps, ops per pass {passes or 1:.1f}, other "
-          f"processes {cell.foreign:.2f} cores)", flush=True)
+        passes = (
+            None
+            if mode == PROCESSES
+            else ops_per_pass(args.redis_url, Keys(prefixes[0]), step_logs, win)
+        )
+    cell = Cell(
+        mode,
+        models,
+        size.tokens,
+        step_rates(step_logs, win),
+        win.t1 - win.t0,
+        sum(len(g.in_window(win.t0, win.t1)) for g in step_logs),
+        win.foreign,
+        int(env.get("OMP_NUM_THREADS", threads)),
+        passes,
+        win.cut_short,
+    )
+    print(
+        f"    {mode}, {models} models: {cell.tokens_per_s:,.0f} tokens/s over "
+        f"{cell.window_s:.1f} s ({cell.steps} steps, ops per pass {passes or 1:.1f}, other "
+        f"processes {cell.foreign:.2f} cores)",
+        flush=True,
+    )
     return cell
 
 
@@ -238,8 +282,9 @@ def bare_tokens_per_s(size: Size, models_dir: Path, steps: int) -> tuple[float, 
     return size.tokens / median, bare.params, bare.lora_params
 
 
-def measure_size(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path,
-                 threads: int) -> SizeResult:
+def measure_size(
+    args: argparse.Namespace, size: Size, database_url: str, data_dir: Path, threads: int
+) -> SizeResult:
     ensure_builtin_model(size.model, data_dir / "models")  # once, not by every worker at once
     bare, params, lora = bare_tokens_per_s(size, data_dir / "models", args.bare_steps)
     result = SizeResult(size, params, lora, bare)
@@ -247,17 +292,22 @@ def measure_size(args: argparse.Namespace, size: Size, database_url: str, data_d
     for models in size.counts:
         for mode in MODES:
             if mode == PROCESSES and models > size.max_processes:
-                print(f"    {mode}, {models} models: skipped (more than {size.max_processes} "
-                      "processes)", flush=True)
+                print(
+                    f"    {mode}, {models} models: skipped (more than {size.max_processes} "
+                    "processes)",
+                    flush=True,
+                )
                 continue
             try:
-                result.cells.append(run_cell(args, size, mode, models, database_url,
-                                             data_dir, threads))
+                result.cells.append(
+                    run_cell(args, size, mode, models, database_url, data_dir, threads)
+                )
             except (QueueTinkerError, TimeoutError) as exc:
                 # One broken cell (an op the worker failed) costs that cell, not the run.
                 print(f"    {mode}, {models} models: FAILED: {exc}", file=sys.stderr, flush=True)
-                result.failures.append(f"{mode}, {models} models: {type(exc).__name__}: "
-                                       f"{str(exc)[:300]}")
+                result.failures.append(
+                    f"{mode}, {models} models: {type(exc).__name__}: {str(exc)[:300]}"
+                )
     return result
 
 
@@ -280,39 +330,73 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def sizes(args: argparse.Namespace) -> list[Size]:
-    return [Size(f"{label}-{batch}x{seq}", SIZES[label][0], batch, seq, tuple(args.counts),
-                 args.warmup if label == "tiny" else args.big_warmup,
-                 args.seconds if label == "tiny" else args.big_seconds, SIZES[label][1])
-            for label in args.models for batch, seq in (args.shapes or SIZES[label][2])]
+    return [
+        Size(
+            f"{label}-{batch}x{seq}",
+            SIZES[label][0],
+            batch,
+            seq,
+            tuple(args.counts),
+            args.warmup if label == "tiny" else args.big_warmup,
+            args.seconds if label == "tiny" else args.big_seconds,
+            SIZES[label][1],
+        )
+        for label in args.models
+        for batch, seq in (args.shapes or SIZES[label][2])
+    ]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.train_throughput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench.train_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument("--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL",
-                                                                 DEFAULT_POSTGRES),
-                        help="admin URL; a scratch database is created beside it")
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
+        help="admin URL; a scratch database is created beside it",
+    )
     parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--counts", type=int, nargs="+", default=[1, 4, 8, 16],
-                        help="how many models train at once")
-    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=None,
-                        metavar="DATUMSxTOKENS",
-                        help="the step shapes to measure on every model (default: 1x32 and "
-                        "4x64 on the tiny model, 4x64 on the 100M)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="steps per model before the window, tiny model")
+    parser.add_argument(
+        "--counts", type=int, nargs="+", default=[1, 4, 8, 16], help="how many models train at once"
+    )
+    parser.add_argument(
+        "--shapes",
+        type=parse_shape,
+        nargs="+",
+        default=None,
+        metavar="DATUMSxTOKENS",
+        help="the step shapes to measure on every model (default: 1x32 and "
+        "4x64 on the tiny model, 4x64 on the 100M)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="steps per model before the window, tiny model"
+    )
     parser.add_argument("--big-warmup", type=int, default=1, help="the same, 100M")
-    parser.add_argument("--min-steps", type=int, default=3,
-                        help="steps every model finishes in the window (2 at least)")
+    parser.add_argument(
+        "--min-steps",
+        type=int,
+        default=3,
+        help="steps every model finishes in the window (2 at least)",
+    )
     parser.add_argument("--seconds", type=float, default=10, help="least window, tiny model")
     parser.add_argument("--big-seconds", type=float, default=15, help="least window, 100M")
-    parser.add_argument("--max-cell-s", type=float, default=300,
-                        help="close a cell's window after this long (reported as cut short)")
+    parser.add_argument(
+        "--max-cell-s",
+        type=float,
+        default=300,
+        help="close a cell's window after this long (reported as cut short)",
+    )
     parser.add_argument("--bare-steps", type=int, default=10, help="bare PEFT loop steps")
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="where models are built and checkpoints and logs go (default: a "
-                        "temp dir); reuse one to skip building the 100M model")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where models are built and checkpoints and logs go (default: a "
+        "temp dir); reuse one to skip building the 100M model",
+    )
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
@@ -336,8 +420,9 @@ def run(args: argparse.Namespace, data_dir: Path) -> tuple[list[SizeResult], int
         probe = make_settings(args.redis_url, database_url, "qt-bench-probe", data_dir)
         threads = worker_threads(probe)["worker compute thread"]
         torch.set_num_threads(threads)  # the bare loop computes like the worker
-        results = [measure_size(args, size, database_url, data_dir, threads)
-                   for size in sizes(args)]
+        results = [
+            measure_size(args, size, database_url, data_dir, threads) for size in sizes(args)
+        ]
     return results, threads
 
 
@@ -349,8 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     print(batching_note(), flush=True)
     with contextlib.ExitStack() as stack:
-        data_dir = args.data_dir or Path(stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="qt-bench-tput-")))
+        data_dir = args.data_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="qt-bench-tput-"))
+        )
         data_dir.mkdir(parents=True, exist_ok=True)
         results, threads = run(args, data_dir)
     total_s = time.perf_counter() - began
@@ -359,13 +445,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(results_json(info, results))
     if not args.no_docs:
-        method = {"rank": str(RANK), "warmup": f"{args.warmup} (tiny) / {args.big_warmup} (100M)",
-                  "min_steps": str(args.min_steps),
-                  "seconds": f"{args.seconds:g} s (tiny) / {args.big_seconds:g} s (100M)"}
-        info = {**info, "torch threads per worker": f"{threads} (process per model: "
-                f"max(1, {CORES} ÷ N))"}
-        write_docs(args.docs, render(info, results, method, batching_note(), total_s),
-                   heading=SECTION)
+        method = {
+            "rank": str(RANK),
+            "warmup": f"{args.warmup} (tiny) / {args.big_warmup} (100M)",
+            "min_steps": str(args.min_steps),
+            "seconds": f"{args.seconds:g} s (tiny) / {args.big_seconds:g} s (100M)",
+        }
+        info = {
+            **info,
+            "torch threads per worker": f"{threads} (process per model: max(1, {CORES} ÷ N))",
+        }
+        write_docs(
+            args.docs, render(info, results, method, batching_note(), total_s), heading=SECTION
+        )
         print(f"wrote {args.docs}")
     return 1 if any(r.failures for r in results) else 0
 

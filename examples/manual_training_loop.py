@@ -34,6 +34,7 @@ class Config:
 def load_data(file_path):
     """Load training data from JSONL file"""
     import json
+
     data = []
     with open(file_path) as f:
         for line in f:
@@ -57,10 +58,8 @@ def prepare_batch(data_items, tokenizer):
                 "target_tokens": types.TensorData.from_numpy(
                     np.array(all_tokens[1:], dtype=np.int64)
                 ),
-                "weights": types.TensorData.from_numpy(
-                    np.array(weights[1:], dtype=np.float32)
-                ),
-            }
+                "weights": types.TensorData.from_numpy(np.array(weights[1:], dtype=np.float32)),
+            },
         )
         batch.append(datum)
     return batch
@@ -112,12 +111,10 @@ def train(config: Config):
 
         # Save checkpoint
         if (step + 1) % config.save_every == 0:
-            training_client.save_state(name=f"checkpoint-{step+1}")
+            training_client.save_state(name=f"checkpoint-{step + 1}")
 
     # Final checkpoint and sampling client
-    sampling_client = training_client.save_weights_and_get_sampling_client(
-        name="final-model"
-    )
+    sampling_client = training_client.save_weights_and_get_sampling_client(name="final-model")
     print(f"Saved sampler weights: {sampling_client.model_path}")
 
     # Sample from the trained weights (not in Tinker's example)
@@ -134,8 +131,9 @@ def main():
     # One --flag per Config field, with its default (chz.nested_entrypoint in Tinker's version).
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for option in dataclasses.fields(Config):
-        parser.add_argument("--" + option.name.replace("_", "-"),
-                            type=type(option.default), default=option.default)
+        parser.add_argument(
+            "--" + option.name.replace("_", "-"), type=type(option.default), default=option.default
+        )
     config = Config(**vars(parser.parse_args()))
     train(config)
 

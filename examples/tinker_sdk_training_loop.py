@@ -37,6 +37,7 @@ class Config:
 def load_data(file_path):
     """Load training data from JSONL file"""
     import json
+
     data = []
     with open(file_path) as f:
         for line in f:
@@ -60,10 +61,8 @@ def prepare_batch(data_items, tokenizer):
                 "target_tokens": types.TensorData.from_numpy(
                     np.array(all_tokens[1:], dtype=np.int64)
                 ),
-                "weights": types.TensorData.from_numpy(
-                    np.array(weights[1:], dtype=np.float32)
-                ),
-            }
+                "weights": types.TensorData.from_numpy(np.array(weights[1:], dtype=np.float32)),
+            },
         )
         batch.append(datum)
     return batch
@@ -114,7 +113,7 @@ def train(config: Config, service_client: tinker.ServiceClient):
 
         # Save checkpoint
         if (step + 1) % config.save_every == 0:
-            training_client.save_state(name=f"checkpoint-{step+1}")
+            training_client.save_state(name=f"checkpoint-{step + 1}")
 
     # Resume from a saved state, optimizer included (not in Tinker's example)
     state = training_client.save_state(name="final-state").result()
@@ -122,9 +121,7 @@ def train(config: Config, service_client: tinker.ServiceClient):
     print(f"Resumed from: {state.path}")
 
     # Final checkpoint and sampling client
-    sampling_client = training_client.save_weights_and_get_sampling_client(
-        name="final-model"
-    )
+    sampling_client = training_client.save_weights_and_get_sampling_client(name="final-model")
 
     # Sample from the trained weights (not in Tinker's example)
     prompt = types.ModelInput.from_ints(tokenizer.encode(data[0]["prompt"]))
@@ -140,8 +137,9 @@ def main():
     # One --flag per Config field, with its default (chz.nested_entrypoint in Tinker's version).
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for option in dataclasses.fields(Config):
-        parser.add_argument("--" + option.name.replace("_", "-"),
-                            type=type(option.default), default=option.default)
+        parser.add_argument(
+            "--" + option.name.replace("_", "-"), type=type(option.default), default=option.default
+        )
     config = Config(**vars(parser.parse_args()))
     # Not in Tinker's example: the session is finished and its threads stopped before the
     # interpreter exits (one left running could abort the process at shutdown).

@@ -1,10 +1,10 @@
 """queue_tinker: a self-hosted, Tinker-style LoRA fine-tuning and sampling service.
 
-    import queue_tinker as tinker
-    from queue_tinker import types
+import queue_tinker as tinker
+from queue_tinker import types
 
-    service = tinker.ServiceClient()
-    training = service.create_lora_training_client(base_model="queue-tinker/tiny-llama")
+service = tinker.ServiceClient()
+training = service.create_lora_training_client(base_model="queue-tinker/tiny-llama")
 """
 
 from __future__ import annotations

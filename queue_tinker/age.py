@@ -27,8 +27,9 @@ def parse_recipient(text: object, field: str) -> Any:
                 return kind.from_str(text.strip())
             except (_pyrage.RecipientError, ValueError):
                 continue
-    raise UserInputError(f"{field}: {text!r} is not an age recipient (an age1... key or an "
-                         "SSH public key)")
+    raise UserInputError(
+        f"{field}: {text!r} is not an age recipient (an age1... key or an SSH public key)"
+    )
 
 
 def check_recipients(values: object, field: str = "age_encryption_recipients") -> list[str]:

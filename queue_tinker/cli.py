@@ -29,8 +29,10 @@ def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from queue_tinker.store.migrate import downgrade, upgrade
 
     if not settings.database_url:
-        print("QT_DATABASE_URL is not set (use `queue-tinker up` for the embedded stack)",
-              file=sys.stderr)
+        print(
+            "QT_DATABASE_URL is not set (use `queue-tinker up` for the embedded stack)",
+            file=sys.stderr,
+        )
         return 2
     if args.downgrade:
         downgrade(settings.database_url, args.revision or "base")
@@ -42,8 +44,7 @@ def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from workers.main import run_worker
 
-    return run_worker(settings, base_model=args.base_model, device=args.device,
-                      engine=args.engine)
+    return run_worker(settings, base_model=args.base_model, device=args.device, engine=args.engine)
 
 
 def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
@@ -70,8 +71,10 @@ def _cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
     from queue_tinker.keys_cli import run_keys
 
     if not settings.database_url:
-        print("QT_DATABASE_URL is not set (use `queue-tinker up` for the embedded stack)",
-              file=sys.stderr)
+        print(
+            "QT_DATABASE_URL is not set (use `queue-tinker up` for the embedded stack)",
+            file=sys.stderr,
+        )
         return 2
     return asyncio.run(run_keys(settings.database_url, args))
 
@@ -121,24 +124,43 @@ def _positive_seconds(text: str) -> float:
 
 def _add_limits_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     limits = sub.add_parser(
-        "limits", help="tenants' limits (training runs, ops in flight, tokens per second)")
+        "limits", help="tenants' limits (training runs, ops in flight, tokens per second)"
+    )
     limits_sub = limits.add_subparsers(dest="action", required=True)
     limits_sub.add_parser("show", help="every tenant with its own limits, and the default")
     setting = limits_sub.add_parser(
-        "set", help="set some limits of a tenant or of the default (others stay as they are)")
+        "set", help="set some limits of a tenant or of the default (others stay as they are)"
+    )
     clearing = limits_sub.add_parser(
-        "clear", help="remove a tenant's own limits (it gets the default's again)")
+        "clear", help="remove a tenant's own limits (it gets the default's again)"
+    )
     for action in (setting, clearing):
         who = action.add_mutually_exclusive_group(required=True)
         who.add_argument("--tenant", help="the tenant id")
-        who.add_argument("--default", action="store_true",
-                         help="the limits of every tenant without its own")
-    setting.add_argument("--training-runs", type=int, default=None, metavar="N",
-                         help="training runs open at once (0 = unlimited)")
-    setting.add_argument("--inflight-ops", type=int, default=None, metavar="N",
-                         help="ops running at once, over all its models (0 = unlimited)")
-    setting.add_argument("--tokens-per-s", type=float, default=None, metavar="X",
-                         help="tokens processed per second, averaged (0 = unlimited)")
+        who.add_argument(
+            "--default", action="store_true", help="the limits of every tenant without its own"
+        )
+    setting.add_argument(
+        "--training-runs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="training runs open at once (0 = unlimited)",
+    )
+    setting.add_argument(
+        "--inflight-ops",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ops running at once, over all its models (0 = unlimited)",
+    )
+    setting.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=None,
+        metavar="X",
+        help="tokens processed per second, averaged (0 = unlimited)",
+    )
     limits.set_defaults(fn=_cmd_limits)
 
 
@@ -163,7 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--base-model", required=True, help="Hub id or local path")
     worker.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     worker.add_argument(
-        "--engine", default="lora", choices=["lora", "queue-only"],
+        "--engine",
+        default="lora",
+        choices=["lora", "queue-only"],
         help="lora: train and sample (needs the worker extra); queue-only: create_model and "
         "ping only, for queue tests and benchmarks",
     )
@@ -177,13 +201,19 @@ def _parser() -> argparse.ArgumentParser:
     housekeeper = sub.add_parser(
         "housekeeper", help="run the rq housekeeper: expires checkpoints past their TTL"
     )
-    housekeeper.add_argument("--sweep-interval", type=float, default=60.0, metavar="SECONDS",
-                             help="how often to sweep Postgres for expired checkpoints")
+    housekeeper.add_argument(
+        "--sweep-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how often to sweep Postgres for expired checkpoints",
+    )
     housekeeper.set_defaults(fn=_cmd_housekeeper)
 
     up = sub.add_parser("up", help="embedded Redis + Postgres, migrations, gateway and workers")
-    up.add_argument("--base-model", default="queue-tinker/tiny-llama",
-                    help="base model the worker serves")
+    up.add_argument(
+        "--base-model", default="queue-tinker/tiny-llama", help="base model the worker serves"
+    )
     up.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     up.add_argument("--workers", type=int, default=1)
     up.set_defaults(fn=_cmd_up)
@@ -193,9 +223,11 @@ def _parser() -> argparse.ArgumentParser:
     create = keys_sub.add_parser("create", help="make a key (printed once, stored hashed)")
     create.add_argument("--tenant", required=True, help="tenant id (created on its first key)")
     create.add_argument("--name", default=None, help="a note to tell keys apart")
-    create.add_argument("--admin", action="store_true",
-                        help="a key that sees every tenant on the dashboard and may drain "
-                        "workers")
+    create.add_argument(
+        "--admin",
+        action="store_true",
+        help="a key that sees every tenant on the dashboard and may drain workers",
+    )
     listing = keys_sub.add_parser("list", help="list keys (never the keys themselves)")
     listing.add_argument("--tenant", default=None, help="only this tenant's keys")
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id")
@@ -203,11 +235,18 @@ def _parser() -> argparse.ArgumentParser:
     keys.set_defaults(fn=_cmd_keys)
 
     status = sub.add_parser(
-        "status", help="workers, queues, tenants' limits and op totals, read from Redis")
-    status.add_argument("--json", action="store_true",
-                        help="print the overview and the metrics as JSON")
-    status.add_argument("--watch", type=_positive_seconds, default=None, metavar="SECONDS",
-                        help="redraw every SECONDS until Ctrl-C")
+        "status", help="workers, queues, tenants' limits and op totals, read from Redis"
+    )
+    status.add_argument(
+        "--json", action="store_true", help="print the overview and the metrics as JSON"
+    )
+    status.add_argument(
+        "--watch",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS until Ctrl-C",
+    )
     status.set_defaults(fn=_cmd_status)
 
     _add_limits_parser(sub)

@@ -59,13 +59,17 @@ class Progress:
         rate = done / max(time.monotonic() - self.started, 1e-9)
         if done == 1 or done % LOG_EVERY == 0 or done == self.total:
             self._clear()
-            _err(f"  step {done:>4}/{self.total}  loss {loss:>8.2f}  "
-                 f"({loss / self.tokens:.3f} per token)  {rate:5.1f} steps/s")
+            _err(
+                f"  step {done:>4}/{self.total}  loss {loss:>8.2f}  "
+                f"({loss / self.tokens:.3f} per token)  {rate:5.1f} steps/s"
+            )
         if self.live and done < self.total:
             width = 30
             filled = width * done // self.total
-            sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}"
-                             f"  loss {loss:8.2f}")
+            sys.stderr.write(
+                f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}"
+                f"  loss {loss:8.2f}"
+            )
             sys.stderr.flush()
 
     def _clear(self) -> None:
@@ -76,8 +80,18 @@ class Progress:
 def _start_worker(group: ProcessGroup, settings: Settings) -> Path:
     """One LoRA worker on the CPU, its log in a file so it does not interleave with ours."""
     log_path = settings.data_dir / "demo-worker.log"
-    argv = [sys.executable, "-m", "queue_tinker.cli", "worker", "--engine", "lora",
-            "--base-model", DEMO_BASE_MODEL, "--device", "cpu"]
+    argv = [
+        sys.executable,
+        "-m",
+        "queue_tinker.cli",
+        "worker",
+        "--engine",
+        "lora",
+        "--base-model",
+        DEMO_BASE_MODEL,
+        "--device",
+        "cpu",
+    ]
     env = child_env(settings)
     # The tiny model's ops are far too small to gain from intra-op threads, and on a busy
     # machine torch's threads wait on each other: measured 15 ms vs up to 1 s a step.
@@ -96,8 +110,10 @@ def _wait_for_worker(service: ServiceClient, group: ProcessGroup, log_path: Path
             return True
         dead = group.first_exited()
         if dead is not None:
-            _err(f"the worker exited with code {dead.proc.returncode}; its log "
-                 f"({log_path}) ends with:\n{_tail(log_path)}")
+            _err(
+                f"the worker exited with code {dead.proc.returncode}; its log "
+                f"({log_path}) ends with:\n{_tail(log_path)}"
+            )
             return False
         time.sleep(0.2)
     _err(f"no worker came up within {WORKER_READY_TIMEOUT_S:.0f} s; see {log_path}")
@@ -110,16 +126,21 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def _train(training: TrainingClient, steps: int) -> list[float]:
     tokens = demo_task.completion_token_count(
-        demo_task.make_batch(training, demo_task.demo_examples()))
-    _err(f"training {steps} steps: forward_backward + optim_step on all "
-         f"{len(demo_task.demo_examples())} examples ({tokens} completion tokens) per step, "
-         f"AdamW lr {demo_task.DEMO_LEARNING_RATE:g}")
+        demo_task.make_batch(training, demo_task.demo_examples())
+    )
+    _err(
+        f"training {steps} steps: forward_backward + optim_step on all "
+        f"{len(demo_task.demo_examples())} examples ({tokens} completion tokens) per step, "
+        f"AdamW lr {demo_task.DEMO_LEARNING_RATE:g}"
+    )
     progress = Progress(steps, tokens)
     losses = demo_task.train(training, steps, on_step=progress)
     first, last = losses[0], losses[-1]
     drop = 1 - last / first
-    _out(f"loss: {first:.2f} at step 1 -> {last:.2f} at step {steps}, down {100 * drop:.1f}% "
-         f"(per completion token {first / tokens:.3f} -> {last / tokens:.4f})")
+    _out(
+        f"loss: {first:.2f} at step 1 -> {last:.2f} at step {steps}, down {100 * drop:.1f}% "
+        f"(per completion token {first / tokens:.3f} -> {last / tokens:.4f})"
+    )
     return losses
 
 
@@ -127,18 +148,18 @@ def _ask(service: ServiceClient, sampler_path: str) -> bool:
     """The training questions to the sampler weights and to the base model; True if the
     trained weights answer every one as taught."""
     examples = demo_task.demo_examples()
-    trained = demo_task.answers(service.create_sampling_client(model_path=sampler_path),
-                                examples)
-    base = demo_task.answers(service.create_sampling_client(base_model=DEMO_BASE_MODEL),
-                             examples)
+    trained = demo_task.answers(service.create_sampling_client(model_path=sampler_path), examples)
+    base = demo_task.answers(service.create_sampling_client(base_model=DEMO_BASE_MODEL), examples)
     _out(f"sampling (greedy) from {sampler_path}, base model for contrast:")
     right = 0
     for example, answer, untrained in zip(examples, trained, base, strict=True):
         question = example.prompt.splitlines()[0].removeprefix("Q: ")
         ok = answer == example.completion
         right += ok
-        _out(f"  {question:<26} {answer.strip()!r:<12} {'ok' if ok else 'WRONG':<6}"
-             f"base model: {untrained.strip()!r}")
+        _out(
+            f"  {question:<26} {answer.strip()!r:<12} {'ok' if ok else 'WRONG':<6}"
+            f"base model: {untrained.strip()!r}"
+        )
     _out(f"answered {right} of {len(examples)} as trained")
     return right == len(examples)
 
@@ -163,12 +184,15 @@ async def _read_record(database_url: str, model_id: str) -> RecordView:
             by_kind = await session.execute(
                 select(Request.kind, Request.status, func.count())
                 .where(Request.model_id == model_id)
-                .group_by(Request.kind, Request.status).order_by(func.min(Request.seq)))
+                .group_by(Request.kind, Request.status)
+                .order_by(func.min(Request.seq))
+            )
             checkpoints = await session.scalars(
-                select(Checkpoint).where(Checkpoint.model_id == model_id)
-                .order_by(Checkpoint.created_at))
-            return RecordView(all_by_status, [(k, s, n) for k, s, n in by_kind],
-                              list(checkpoints))
+                select(Checkpoint)
+                .where(Checkpoint.model_id == model_id)
+                .order_by(Checkpoint.created_at)
+            )
+            return RecordView(all_by_status, [(k, s, n) for k, s, n in by_kind], list(checkpoints))
     finally:
         await engine.dispose()
 
@@ -181,8 +205,10 @@ def _show_record(database_url: str, model_id: str, requests: int, checkpoints: i
         time.sleep(0.25)
         view = asyncio.run(_read_record(database_url, model_id))
     _out("Postgres record:")
-    _out("  all requests by status: "
-          + ", ".join(f"{status} {n}" for status, n in view.all_by_status.items()))
+    _out(
+        "  all requests by status: "
+        + ", ".join(f"{status} {n}" for status, n in view.all_by_status.items())
+    )
     _out(f"  requests of {model_id}:")
     for kind, status, n in view.model_by_kind:
         _out(f"    {kind:<26} {status:<8} {n:>5}")
@@ -190,22 +216,26 @@ def _show_record(database_url: str, model_id: str, requests: int, checkpoints: i
     for row in view.checkpoints:
         _out(f"    {row.kind:<8} {row.name:<12} {row.size_bytes:>9,} bytes  {row.path}")
     if not view.complete(requests, checkpoints):
-        _out(f"  expected {requests} done requests and {checkpoints} checkpoints within "
-              f"{RECORD_TIMEOUT_S:.0f} s")
+        _out(
+            f"  expected {requests} done requests and {checkpoints} checkpoints within "
+            f"{RECORD_TIMEOUT_S:.0f} s"
+        )
         return False
     return True
 
 
-def _session(settings: Settings, group: ProcessGroup, log_path: Path, steps: int,
-             seed: int) -> int:
+def _session(settings: Settings, group: ProcessGroup, log_path: Path, steps: int, seed: int) -> int:
     with ServiceClient(settings) as service:
         _err(f"starting a LoRA worker for {DEMO_BASE_MODEL} on cpu (log: {log_path}) ...")
         if not _wait_for_worker(service, group, log_path):
             return 1
         training = service.create_lora_training_client(
-            DEMO_BASE_MODEL, rank=demo_task.DEMO_RANK, seed=seed)
-        _err(f"created model {training.model_id}: LoRA rank {demo_task.DEMO_RANK} on "
-             f"{DEMO_BASE_MODEL}")
+            DEMO_BASE_MODEL, rank=demo_task.DEMO_RANK, seed=seed
+        )
+        _err(
+            f"created model {training.model_id}: LoRA rank {demo_task.DEMO_RANK} on "
+            f"{DEMO_BASE_MODEL}"
+        )
         losses = _train(training, steps)
         state = training.save_state("demo-final").result()
         sampler = training.save_weights_for_sampler("demo-final").result()
@@ -213,8 +243,12 @@ def _session(settings: Settings, group: ProcessGroup, log_path: Path, steps: int
         _out(f"saved sampler weights:             {sampler.path}")
         answered = _ask(service, sampler.path)
         # create_model, a forward_backward and an optim_step per step, the two saves.
-        recorded = _show_record(settings.database_url or "", training.model_id,
-                                requests=1 + 2 * steps + 2, checkpoints=2)
+        recorded = _show_record(
+            settings.database_url or "",
+            training.model_id,
+            requests=1 + 2 * steps + 2,
+            checkpoints=2,
+        )
     learned = losses[-1] <= (1 - REQUIRED_DROP) * losses[0]
     if not learned:
         _out(f"FAILED: the loss fell by less than {100 * REQUIRED_DROP:.0f}% in {steps} steps")

@@ -33,9 +33,18 @@ class Example:
 
 
 _CAPITALS = (
-    ("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt", "Cairo"),
-    ("Spain", "Madrid"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Canada", "Ottawa"),
-    ("Norway", "Oslo"), ("Greece", "Athens"), ("Chile", "Santiago"), ("Cuba", "Havana"),
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Italy", "Rome"),
+    ("Egypt", "Cairo"),
+    ("Spain", "Madrid"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Canada", "Ottawa"),
+    ("Norway", "Oslo"),
+    ("Greece", "Athens"),
+    ("Chile", "Santiago"),
+    ("Cuba", "Havana"),
 )
 
 

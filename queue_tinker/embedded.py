@@ -124,14 +124,21 @@ class EmbeddedRedis(_Lifecycle):
     def _argv(self, binary: Path, port: int) -> list[str]:
         return [
             str(binary),
-            "--bind", self.host,
-            "--port", str(port),
-            "--dir", str(self.data_dir),
-            "--logfile", str(self.log_path),
-            "--daemonize", "no",
+            "--bind",
+            self.host,
+            "--port",
+            str(port),
+            "--dir",
+            str(self.data_dir),
+            "--logfile",
+            str(self.log_path),
+            "--daemonize",
+            "no",
             # AOF with a once-a-second fsync: at most ~1 s of acknowledged writes lost on a crash.
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
         ]
 
     def _wait_ready(self, port: int) -> None:

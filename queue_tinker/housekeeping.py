@@ -170,8 +170,15 @@ def _schedule(queue: Queue, job_id: str, at: float, kwargs: dict[str, Any]) -> N
         # A finished run under the same id leaves its hash with a result TTL, which HSET keeps:
         # drop it, or the new schedule could vanish before it fires.
         pipe.delete(Job.key_for(job_id))
-        queue.enqueue_at(when, expire_checkpoint, kwargs=kwargs, job_id=job_id, pipeline=pipe,
-                         retry=_ON_ERROR, **_JOB_OPTIONS)
+        queue.enqueue_at(
+            when,
+            expire_checkpoint,
+            kwargs=kwargs,
+            job_id=job_id,
+            pipeline=pipe,
+            retry=_ON_ERROR,
+            **_JOB_OPTIONS,
+        )
         pipe.execute()
 
 
@@ -222,7 +229,11 @@ def _is_due(meta: dict[str, Any] | None, checkpoint_id: str, now: float, force: 
 
 
 def _remove_if_expired(
-    checkpoint_id: str, directory: Path, now: float, storage_dir: Path | None, *,
+    checkpoint_id: str,
+    directory: Path,
+    now: float,
+    storage_dir: Path | None,
+    *,
     force: bool = False,
 ) -> tuple[_Disk, float | None]:
     """Remove `directory` if its meta says `checkpoint_id` expired by `now` (with `force`: if
@@ -257,15 +268,17 @@ def set_meta_expiry(
     return _update_meta(checkpoint_id, directory, storage_dir, expires_at=expires_at)
 
 
-def set_meta_public(checkpoint_id: str, directory: Path, public: bool,
-                    storage_dir: Path | None) -> bool:
+def set_meta_public(
+    checkpoint_id: str, directory: Path, public: bool, storage_dir: Path | None
+) -> bool:
     """Mark the checkpoint published (readable by every tenant) or not in its meta, which is
     what workers obey; False if the directory does not hold that checkpoint (any more)."""
     return _update_meta(checkpoint_id, directory, storage_dir, public=public)
 
 
-def _update_meta(checkpoint_id: str, directory: Path, storage_dir: Path | None,
-                 **changes: object) -> bool:
+def _update_meta(
+    checkpoint_id: str, directory: Path, storage_dir: Path | None, **changes: object
+) -> bool:
     _check_inside(directory, storage_dir)
     meta = _read_meta(directory)
     if meta is None or meta.get("id") != checkpoint_id:
@@ -314,17 +327,27 @@ class _Result:
 
 
 async def _expire(
-    engine: AsyncEngine, checkpoint_id: str, directory: Path, storage_dir: Path | None, *,
-    files_removed: bool, force: bool = False,
+    engine: AsyncEngine,
+    checkpoint_id: str,
+    directory: Path,
+    storage_dir: Path | None,
+    *,
+    files_removed: bool,
+    force: bool = False,
 ) -> _Result:
     # Off the event loop: the gateway runs this too, and an rmtree can take a while.
     disk, meta_expires_at = await asyncio.to_thread(
-        _remove_if_expired, checkpoint_id, directory, time.time(), storage_dir, force=force)
+        _remove_if_expired, checkpoint_id, directory, time.time(), storage_dir, force=force
+    )
     if disk is _Disk.KEPT and not force:
         return _Result(Outcome.KEPT, files_removed, meta_expires_at)
     if disk is _Disk.KEPT:  # forced, but the directory is not this checkpoint's: leave it
-        log.warning("checkpoint %s: %s does not hold it (no matching %s); files left in place",
-                    checkpoint_id, directory, META_FILE)
+        log.warning(
+            "checkpoint %s: %s does not hold it (no matching %s); files left in place",
+            checkpoint_id,
+            directory,
+            META_FILE,
+        )
     removed = files_removed or disk is _Disk.REMOVED
     async with engine.begin() as conn:
         # A user's delete marks the row whatever its expires_at says.
@@ -333,25 +356,31 @@ async def _expire(
 
 
 async def change_checkpoint_ttl(
-    sessions: async_sessionmaker[AsyncSession], settings: Settings, tenant_id: str,
-    row: Checkpoint, ttl_seconds: int | None,
+    sessions: async_sessionmaker[AsyncSession],
+    settings: Settings,
+    tenant_id: str,
+    row: Checkpoint,
+    ttl_seconds: int | None,
 ) -> bool:
     """Set (from now) or remove (None) a checkpoint's TTL: the meta file first, since it is
     what expiry obeys; then the row (listings); then the expiry job. A removed TTL leaves any
     job in place: it finds no expiry in the meta and does nothing. False if the checkpoint is
     gone meanwhile."""
     expires_at = time.time() + ttl_seconds if ttl_seconds is not None else None
-    written = await asyncio.to_thread(set_meta_expiry, row.id, Path(row.path), expires_at,
-                                      settings.storage_dir)
+    written = await asyncio.to_thread(
+        set_meta_expiry, row.id, Path(row.path), expires_at, settings.storage_dir
+    )
     when = datetime.fromtimestamp(expires_at, tz=UTC) if expires_at is not None else None
     if not written or not await queries.set_checkpoint_expiry(sessions, tenant_id, row.id, when):
         return False
     if expires_at is not None:
+
         def schedule() -> None:
             # rq speaks sync Redis; a TTL change is rare enough for a connection of its own.
             with redis.Redis.from_url(settings.redis_url or "") as client:
-                schedule_checkpoint_expiry(client, settings.key_prefix, row.id, row.path,
-                                           expires_at)
+                schedule_checkpoint_expiry(
+                    client, settings.key_prefix, row.id, row.path, expires_at
+                )
 
         await asyncio.to_thread(schedule)
     return True
@@ -363,8 +392,9 @@ async def delete_checkpoint(
     """A user's delete (the REST DELETE): the same path as TTL expiry (storage checks, one
     rename aside, then deleted_at), only without waiting for the TTL. True if files were
     removed now. A scheduled expiry job for it later finds nothing to do."""
-    result = await _expire(engine, checkpoint_id, directory, storage_dir, files_removed=False,
-                           force=True)
+    result = await _expire(
+        engine, checkpoint_id, directory, storage_dir, files_removed=False, force=True
+    )
     return result.files_removed
 
 
@@ -373,8 +403,9 @@ async def _expire_once(
 ) -> _Result:
     engine = make_engine(config.database_url)
     try:
-        return await _expire(engine, checkpoint_id, directory, config.storage_dir,
-                             files_removed=files_removed)
+        return await _expire(
+            engine, checkpoint_id, directory, config.storage_dir, files_removed=files_removed
+        )
     finally:
         await engine.dispose()
 
@@ -400,8 +431,12 @@ def expire_checkpoint(
     job = get_current_job()
     queue = Queue(job.origin, connection=job.connection) if job is not None else None
     kwargs: dict[str, Any] = {
-        "checkpoint_id": checkpoint_id, "directory": directory, "database_url": database_url,
-        "retry_delay_s": retry_delay_s, "max_retries": max_retries, "storage_dir": storage_dir,
+        "checkpoint_id": checkpoint_id,
+        "directory": directory,
+        "database_url": database_url,
+        "retry_delay_s": retry_delay_s,
+        "max_retries": max_retries,
+        "storage_dir": storage_dir,
     }
     if result.outcome is Outcome.KEPT and result.meta_expires_at is not None and job and queue:
         # Fired early, or the TTL moved: come back when the meta says (one job per time).
@@ -416,8 +451,11 @@ def expire_checkpoint(
             kwargs |= {"attempt": attempt + 1, "files_removed": result.files_removed}
             _schedule(queue, job_id, time.time() + retry_delay_s, kwargs)
         else:
-            log.warning("checkpoint %s: no row after %d tries; the sweep will mark it",
-                        checkpoint_id, attempt + 1)
+            log.warning(
+                "checkpoint %s: no row after %d tries; the sweep will mark it",
+                checkpoint_id,
+                attempt + 1,
+            )
     log.info("checkpoint %s: %s", checkpoint_id, result.outcome)
     return str(result.outcome)
 
@@ -445,8 +483,9 @@ async def _sweep(config: HousekeepingConfig, batch: int) -> dict[str, int]:
                 rows = (await conn.execute(_due_rows(after, batch))).all()
             for row in rows:
                 try:
-                    result = await _expire(engine, row.id, Path(row.path), config.storage_dir,
-                                           files_removed=False)
+                    result = await _expire(
+                        engine, row.id, Path(row.path), config.storage_dir, files_removed=False
+                    )
                 except CheckpointPathError as err:
                     log.error("checkpoint %s: %s; not touched", row.id, err)
                     counts["refused"] += 1
@@ -477,8 +516,14 @@ def enqueue_sweep(queue: Queue, interval_s: float = SWEEP_INTERVAL_S) -> bool:
     try:
         # unique + result_ttl=0: the id is taken exactly while a sweep waits or runs, so a
         # slow sweep never piles up others behind it; a failed one blocks for one interval.
-        queue.enqueue(sweep_expired_checkpoints, job_id=sweep_job_id(queue.name), unique=True,
-                      result_ttl=0, failure_ttl=max(1, int(interval_s)), job_timeout=3_600)
+        queue.enqueue(
+            sweep_expired_checkpoints,
+            job_id=sweep_job_id(queue.name),
+            unique=True,
+            result_ttl=0,
+            failure_ttl=max(1, int(interval_s)),
+            job_timeout=3_600,
+        )
     except DuplicateJobError:
         return False
     return True
@@ -526,8 +571,9 @@ class _HousekeeperWorker(SimpleWorker):
 
 def run_housekeeper(settings: Settings, *, sweep_interval_s: float = SWEEP_INTERVAL_S) -> int:
     """Serve the housekeeping queue (with rq's scheduler) until SIGTERM/SIGINT; exit code."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if not settings.redis_url or not settings.database_url:
         log.error("QT_REDIS_URL and QT_DATABASE_URL must be set (or use `queue-tinker up`)")
         return 2
@@ -542,12 +588,17 @@ def run_housekeeper(settings: Settings, *, sweep_interval_s: float = SWEEP_INTER
     connection = redis.Redis.from_url(settings.redis_url)
     queue = Queue(housekeeping_queue(settings.key_prefix), connection=connection)
     # The queue name in the worker's name too, so all rq keys of a deployment share it.
-    worker = _HousekeeperWorker([queue], connection=connection,
-                                name=f"{_id_token(queue.name)}--{uuid.uuid4().hex[:12]}")
+    worker = _HousekeeperWorker(
+        [queue], connection=connection, name=f"{_id_token(queue.name)}--{uuid.uuid4().hex[:12]}"
+    )
     worker.early_stop = early_stop
     ticker = _SweepTicker(settings.redis_url, queue.name, sweep_interval_s)
-    log.info("housekeeper on queue %s (storage %s, sweep every %.0f s)", queue.name,
-             settings.storage_dir, sweep_interval_s)
+    log.info(
+        "housekeeper on queue %s (storage %s, sweep every %.0f s)",
+        queue.name,
+        settings.storage_dir,
+        sweep_interval_s,
+    )
     die_with_us = _die_with_parent()
     if die_with_us is not None:
         # rq forks its scheduler from here; PDEATHSIG makes a `kill -9` of the housekeeper

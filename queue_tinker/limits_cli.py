@@ -28,16 +28,25 @@ def _tenant_name(tenant: str) -> str:
 
 
 def describe(tenant: str, limits: Limits) -> str:
-    return (f"limits of {_tenant_name(tenant)}: training runs {_limit(limits.training_runs)}, "
-            f"inflight ops {_limit(limits.inflight_ops)}, "
-            f"tokens/s {_limit(limits.tokens_per_s)}")
+    return (
+        f"limits of {_tenant_name(tenant)}: training runs {_limit(limits.training_runs)}, "
+        f"inflight ops {_limit(limits.inflight_ops)}, "
+        f"tokens/s {_limit(limits.tokens_per_s)}"
+    )
 
 
 def limits_table(limits: dict[str, Limits]) -> list[str]:
     """Every tenant with its own limits, the default first (it applies to all the others)."""
     order = sorted(limits, key=lambda t: (t != DEFAULT_TENANT_KEY, t))
-    rows = [[_tenant_name(t), _limit(limits[t].training_runs), _limit(limits[t].inflight_ops),
-             _limit(limits[t].tokens_per_s)] for t in order]
+    rows = [
+        [
+            _tenant_name(t),
+            _limit(limits[t].training_runs),
+            _limit(limits[t].inflight_ops),
+            _limit(limits[t].tokens_per_s),
+        ]
+        for t in order
+    ]
     return table(["tenant", "training runs", "inflight ops", "tokens/s"], rows)
 
 
@@ -52,11 +61,16 @@ async def run_limits(redis_url: str, keys: Keys, args: argparse.Namespace) -> in
             await clear_limits(redis, keys, tenant)
             print(f"cleared the limits of {_tenant_name(tenant)}", file=sys.stderr)
             return 0
-        values = {"training_runs": args.training_runs, "inflight_ops": args.inflight_ops,
-                  "tokens_per_s": args.tokens_per_s}
+        values = {
+            "training_runs": args.training_runs,
+            "inflight_ops": args.inflight_ops,
+            "tokens_per_s": args.tokens_per_s,
+        }
         if all(v is None for v in values.values()):
-            print("limits set: give at least one of --training-runs, --inflight-ops, "
-                  "--tokens-per-s", file=sys.stderr)
+            print(
+                "limits set: give at least one of --training-runs, --inflight-ops, --tokens-per-s",
+                file=sys.stderr,
+            )
             return 2
         try:
             limits = await set_limits(redis, keys, tenant, **values)

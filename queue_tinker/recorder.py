@@ -61,8 +61,11 @@ async def catch_up(records: RecordLog, sessions: async_sessionmaker) -> int:
     recorder writing the same entries at the same time does no harm; they are acknowledged
     and deleted here, so no recorder writes them again after a later change (a TTL set, a
     delete). Returns how many were written."""
-    entries = [(entry_id, record) for entry_id, record in await records.waiting(CATCH_UP_MAX)
-               if isinstance(record, _READ_BACK)]
+    entries = [
+        (entry_id, record)
+        for entry_id, record in await records.waiting(CATCH_UP_MAX)
+        if isinstance(record, _READ_BACK)
+    ]
     if not entries:
         return 0
     await apply_records(sessions, [record for _, record in entries if record is not None])
@@ -105,8 +108,12 @@ class Recorder:
                     await self.log.forget_gone(self.consumer, min_idle_ms=GONE_MS)
                 backoff = 0.0
                 if failing_since is not None and wrote:  # a write went through, not a no-op
-                    log.info("recorder: %s is back after %.0fs; %d events still to write",
-                             failing_side, loop.time() - failing_since, await self.log.backlog())
+                    log.info(
+                        "recorder: %s is back after %.0fs; %d events still to write",
+                        failing_side,
+                        loop.time() - failing_since,
+                        await self.log.backlog(),
+                    )
                     failing_since = None
                 if wrote and wrote < BATCH:
                     with contextlib.suppress(TimeoutError):
@@ -120,8 +127,13 @@ class Recorder:
                 # Either side may be away: say which, so an operator looks at the right one.
                 failing_side = "Redis" if isinstance(exc, RedisError) else "Postgres"
                 action = "read" if failing_side == "Redis" else "write"
-                log.warning("recorder: %s %s failed (%s); retrying in %.2fs",
-                            failing_side, action, describe(exc), backoff)
+                log.warning(
+                    "recorder: %s %s failed (%s); retrying in %.2fs",
+                    failing_side,
+                    action,
+                    describe(exc),
+                    backoff,
+                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), backoff)
 
@@ -167,8 +179,12 @@ class Recorder:
                 if not refused(exc):
                     raise
                 reason = str(exc.orig or exc).splitlines()[0][:500]
-                log.error("recorder: Postgres refused %s %s (%s); kept on the dead-letter "
-                          "stream", record.type, record.id, reason)
+                log.error(
+                    "recorder: Postgres refused %s %s (%s); kept on the dead-letter stream",
+                    record.type,
+                    record.id,
+                    reason,
+                )
                 await self.log.bury(record, reason)
 
 
@@ -188,8 +204,9 @@ class RecorderThread:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recorder: Recorder | None = None
-        self._thread = threading.Thread(target=self._main, name=f"qt-recorder-{consumer}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, name=f"qt-recorder-{consumer}", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()

@@ -16,13 +16,38 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # pass to child processes too; docker-compose.yml's and scripts/setup's knobs, read by those
 # files, not by the service; and the Qt GUI toolkit's (QT_QPA_PLATFORM, QT_SCALE_FACTOR, ...),
 # which a desktop session exports.
-NOT_SETTINGS_PREFIXES = ("QT_TEST_", "QT_BENCH_", "QT_QPA_", "QT_SCALE_", "QT_SCREEN_",
-                         "QT_AUTO_SCREEN_", "QT_ENABLE_", "QT_FONT_", "QT_X11_", "QT_XCB_",
-                         "QT_WAYLAND_", "QT_QUICK_", "QT_LOGGING_", "QT_PLUGIN_", "QT_IM_",
-                         "QT_DEBUG_", "QT_ACCESSIBILITY", "QT_STYLE_OVERRIDE")
-NOT_SETTINGS = frozenset({"QT_WORKERS", "QT_BASE_MODEL", "QT_DEVICE", "QT_IMAGE_TAG",
-                          "QT_POSTGRES_PASSWORD", "QT_TORCH_VERSION", "QT_SETUP_SYSTEM_TOOLS",
-                          "QT_COOKBOOK_VERSION"})
+NOT_SETTINGS_PREFIXES = (
+    "QT_TEST_",
+    "QT_BENCH_",
+    "QT_QPA_",
+    "QT_SCALE_",
+    "QT_SCREEN_",
+    "QT_AUTO_SCREEN_",
+    "QT_ENABLE_",
+    "QT_FONT_",
+    "QT_X11_",
+    "QT_XCB_",
+    "QT_WAYLAND_",
+    "QT_QUICK_",
+    "QT_LOGGING_",
+    "QT_PLUGIN_",
+    "QT_IM_",
+    "QT_DEBUG_",
+    "QT_ACCESSIBILITY",
+    "QT_STYLE_OVERRIDE",
+)
+NOT_SETTINGS = frozenset(
+    {
+        "QT_WORKERS",
+        "QT_BASE_MODEL",
+        "QT_DEVICE",
+        "QT_IMAGE_TAG",
+        "QT_POSTGRES_PASSWORD",
+        "QT_TORCH_VERSION",
+        "QT_SETUP_SYSTEM_TOOLS",
+        "QT_COOKBOOK_VERSION",
+    }
+)
 
 
 class Settings(BaseSettings):
@@ -48,11 +73,13 @@ class Settings(BaseSettings):
         default=None, description="Checkpoint storage directory (default: data_dir/checkpoints)."
     )
     key_prefix: str = Field(
-        default="qt", description="Prefix of every Redis key, so several deployments or test "
-        "runs can share one Redis."
+        default="qt",
+        description="Prefix of every Redis key, so several deployments or test "
+        "runs can share one Redis.",
     )
     lease_ttl_ms: int = Field(
-        default=10_000, gt=0,
+        default=10_000,
+        gt=0,
         description="How long a worker's claim on a model lives without a heartbeat; after it "
         "lapses another worker may take the model over.",
     )
@@ -60,28 +87,33 @@ class Settings(BaseSettings):
         default=2_000, gt=0, description="How often a worker renews its leases and registry entry."
     )
     linger_ms: int = Field(
-        default=30_000, ge=0,
+        default=30_000,
+        ge=0,
         description="How long a worker keeps an idle model before releasing it; keeps its "
         "adapter resident for the next burst of ops.",
     )
     result_ttl_s: int = Field(
-        default=3_600, gt=0,
+        default=3_600,
+        gt=0,
         description="How long job records, results and idempotency keys stay in Redis after "
         "submission (memory grows with op rate times this); Postgres keeps the request row "
         "for good.",
     )
     max_resident_adapters: int = Field(
-        default=32, ge=1,
+        default=32,
+        ge=1,
         description="LoRA adapters a worker keeps in memory; beyond this the least recently "
         "used one is written to checkpoint storage and restored on its next op.",
     )
     snapshot_every_steps: int = Field(
-        default=20, ge=1,
+        default=20,
+        ge=1,
         description="A worker writes a model's state to storage every this many optimizer "
         "steps (and on eviction or hand-over); the model's op log is trimmed up to it.",
     )
     sample_batch_sequences: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Most sequences a worker generates in one batch; concurrent sample "
         "requests beyond it run in the next batch. Bounds KV-cache memory. Unset: 64 on the "
         "CPU; on CUDA, what the device's free memory holds at start-up (4K-token sequences).",
@@ -94,7 +126,8 @@ class Settings(BaseSettings):
         "them one at a time. Off (0): training ops run one at a time.",
     )
     train_batch_tokens: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Most padded tokens (rows x longest row) in one shared training pass of a "
         "cross-adapter batch; ops beyond it go in the next pass (one op always runs, however "
         "big). Bounds activation memory. Unset: 32768 on the CPU; on CUDA, what the device's "
@@ -102,55 +135,65 @@ class Settings(BaseSettings):
         "halves and retried.",
     )
     max_tokens_per_datum: int = Field(
-        default=32_768, ge=1,
+        default=32_768,
+        ge=1,
         description="Most tokens in one sequence of a request: a training datum's model_input "
         "(and each of its loss_fn_inputs), a sample's prompt, a sample's max_tokens. 32K is the "
         "longest context most served models train at; the model's own context length still "
         "applies on the worker.",
     )
     max_datums_per_request: int = Field(
-        default=1_024, ge=1,
+        default=1_024,
+        ge=1,
         description="Most datums in one forward / forward_backward request. The tinker SDK "
         "splits a bigger call into chunks of 1,024, so its calls of any size pass; the Python "
         "client refuses a bigger batch (split it into several calls).",
     )
     max_samples_per_request: int = Field(
-        default=1_024, ge=1,
+        default=1_024,
+        ge=1,
         description="Most samples (num_samples) one sample request may ask for; a worker "
         "generates them sample_batch_sequences at a time.",
     )
     max_request_bytes: int = Field(
-        default=64 * 1024 * 1024, ge=1024,
+        default=64 * 1024 * 1024,
+        ge=1024,
         description="Most bytes of one request: the gateway refuses a bigger HTTP body (413, "
         "counted as it streams in, before it is parsed), and client, gateway and worker refuse "
         "an op body that encodes bigger. 64 MiB is ~4M tokens of training data, far over the "
         "SDK's own 5 MB chunks, and bounds what one op holds in Redis.",
     )
     ephemeral_sampler_ttl_s: int = Field(
-        default=86_400, gt=0,
+        default=86_400,
+        gt=0,
         description="How long the sampler weights that save_weights_and_get_sampling_client "
         "writes without a name are kept.",
     )
     long_poll_s: float = Field(
-        default=25.0, gt=0, le=40,
+        default=25.0,
+        gt=0,
+        le=40,
         description="How long the gateway holds a retrieve_future call open waiting for the "
         "result before it answers try_again (the tinker SDK gives up on a call after 45 s).",
     )
     seq_gap_timeout_s: float = Field(
-        default=120.0, gt=0,
+        default=120.0,
+        gt=0,
         description="How long the gateway holds a model's ops behind a seq_id that never "
         "arrived (a request the client numbered but failed to send) before it gives up on it "
         "and runs the ops after it.",
     )
     api_key_cache_s: float = Field(
-        default=5.0, ge=0,
+        default=5.0,
+        ge=0,
         description="How long the gateway remembers a valid API key instead of asking Postgres "
         "again; a revoked key stops working within this time (0: ask every time).",
     )
     gateway_host: str = Field(default="127.0.0.1", description="Gateway bind address.")
     gateway_port: int = Field(default=8000, description="Gateway port.")
     metrics_token: str | None = Field(
-        default=None, min_length=1,
+        default=None,
+        min_length=1,
         description="Bearer token the gateway's GET /metrics requires (Authorization: Bearer "
         "<token>); unset, /metrics is open to anyone who reaches the gateway. An empty value is "
         "refused (it would let a bare `Authorization: Bearer` in).",
@@ -160,7 +203,8 @@ class Settings(BaseSettings):
         description="API key the client sends (tml-...); unset uses the default tenant.",
     )
     tenant: str = Field(
-        default="default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        default="default",
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",
         description="Tenant the Python client acts for. It talks to Redis directly, so it is "
         "trusted to say who it is; the gateway instead learns the tenant from the API key.",
     )
@@ -178,7 +222,8 @@ class Settings(BaseSettings):
         "tokens.",
     )
     activation_checkpointing_tokens: int = Field(
-        default=4_096, ge=1,
+        default=4_096,
+        ge=1,
         description="The padded tokens of a training pass from which auto activation "
         "checkpointing turns on.",
     )
@@ -189,25 +234,29 @@ class Settings(BaseSettings):
         "served base models.",
     )
     api_key_outage_s: float = Field(
-        default=900.0, ge=0,
+        default=900.0,
+        ge=0,
         description="While Postgres is unreachable, how long after Postgres last vouched for "
         "an API key the gateway still accepts it (training goes on through Redis); a key "
         "Postgres refused at its last check (revoked) stays refused. 0: no key works while "
         "Postgres is away.",
     )
     held_ops_window: int = Field(
-        default=4_096, ge=1,
+        default=4_096,
+        ge=1,
         description="How far past the seq_id a model waits for a Tinker call's seq_id may be: "
         "the gateway holds an early call until the ones before it arrive, and refuses (400) "
         "one further ahead, which could only pin memory.",
     )
     held_ops_max: int = Field(
-        default=256, ge=1,
+        default=256,
+        ge=1,
         description="Most early calls (sent ahead of a seq_id that has not arrived) one model "
         "holds; more are answered 429 with Retry-After, which the SDK retries.",
     )
     held_ops_max_bytes: int = Field(
-        default=128 * 2**20, ge=1024,
+        default=128 * 2**20,
+        ge=1024,
         description="Most payload bytes of early calls one model holds in Redis (128 MiB); a "
         "call past it is answered 429 with Retry-After, which the SDK retries.",
     )
@@ -236,13 +285,18 @@ def unknown_variables(environ: Mapping[str, str], fields: set[str]) -> None:
     known = {f"QT_{name.upper()}" for name in fields}
     for variable in sorted(environ):
         upper = variable.upper()
-        if (not upper.startswith("QT_") or upper in known or upper in NOT_SETTINGS
-                or upper.startswith(NOT_SETTINGS_PREFIXES)):
+        if (
+            not upper.startswith("QT_")
+            or upper in known
+            or upper in NOT_SETTINGS
+            or upper.startswith(NOT_SETTINGS_PREFIXES)
+        ):
             continue
         nearest = difflib.get_close_matches(upper, sorted(known), n=1)
         hint = f"; did you mean {nearest[0]}?" if nearest else ""
-        raise ValueError(f"{variable}: not a queue-tinker setting{hint} (`queue-tinker "
-                         "config` lists them all)")
+        raise ValueError(
+            f"{variable}: not a queue-tinker setting{hint} (`queue-tinker config` lists them all)"
+        )
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -50,6 +50,7 @@ def snapshot_json(snapshot: MetricsSnapshot) -> dict[str, Any]:
 
 # --- text --------------------------------------------------------------------------------------
 
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """Left-aligned columns two spaces apart; the last column is not padded (it may be long)."""
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
@@ -111,14 +112,32 @@ def render_workers(workers: list[dict[str, Any]]) -> list[str]:
     if not workers:
         return [*lines, "  (no live worker)"]
     rows = [
-        [w["id"] + (" (stopping)" if w["stopping"] else ""), w["base_model"], w["device"],
-         seconds_text(w["heartbeat_age_s"]), str(w["owned"]), str(len(w["resident"])),
-         str(w["ops_done"]), bytes_text(w["memory_bytes"]),
-         bytes_text(w.get("device_memory_bytes", 0)), w["current_op"] or "-"]
+        [
+            w["id"] + (" (stopping)" if w["stopping"] else ""),
+            w["base_model"],
+            w["device"],
+            seconds_text(w["heartbeat_age_s"]),
+            str(w["owned"]),
+            str(len(w["resident"])),
+            str(w["ops_done"]),
+            bytes_text(w["memory_bytes"]),
+            bytes_text(w.get("device_memory_bytes", 0)),
+            w["current_op"] or "-",
+        ]
         for w in sorted(workers, key=lambda w: (w["base_model"], w["id"]))
     ]
-    headers = ["id", "base model", "device", "heartbeat", "owned", "resident", "ops done",
-               "memory", "gpu memory", "current op"]
+    headers = [
+        "id",
+        "base model",
+        "device",
+        "heartbeat",
+        "owned",
+        "resident",
+        "ops done",
+        "memory",
+        "gpu memory",
+        "current op",
+    ]
     return lines + ["  " + line for line in table(headers, rows)]
 
 
@@ -128,9 +147,16 @@ def render_queues(queues: list[dict[str, Any]]) -> list[str]:
     if not queues:
         return [*lines, "  (nothing queued)"]
     rows = [
-        [q["model_id"], q["tenant_id"], q["kind"], q["base_model"], str(q["depth"]),
-         seconds_text(q["oldest_wait_s"]), q["owner"] or "-",
-         q["state"] + (f": {q['reason']}" if q["reason"] else "")]
+        [
+            q["model_id"],
+            q["tenant_id"],
+            q["kind"],
+            q["base_model"],
+            str(q["depth"]),
+            seconds_text(q["oldest_wait_s"]),
+            q["owner"] or "-",
+            q["state"] + (f": {q['reason']}" if q["reason"] else ""),
+        ]
         for q in sorted(queues, key=lambda q: (-(q["oldest_wait_s"] or 0), q["model_id"]))
     ]
     headers = ["model", "tenant", "kind", "base model", "depth", "oldest wait", "owner", "state"]
@@ -145,15 +171,24 @@ def render_tenants(tenants: list[dict[str, Any]]) -> list[str]:
     for t in sorted(tenants, key=lambda t: t["tenant_id"]):
         limits = t["limits"]
         level = t["tokens_level"]
-        rows.append([
-            t["tenant_id"], used_of(t["training_runs"], limits["training_runs"]),
-            used_of(t["inflight_ops"], limits["inflight_ops"]),
-            f"{limits['tokens_per_s']:g}" if limits["tokens_per_s"] else "-",
-            f"{level:.0f}" if level is not None else "-",
-            ", ".join(t["paused_models"]) or "-",
-        ])
-    headers = ["tenant", "training runs", "inflight ops", "tokens/s limit", "token bucket",
-               "paused models"]
+        rows.append(
+            [
+                t["tenant_id"],
+                used_of(t["training_runs"], limits["training_runs"]),
+                used_of(t["inflight_ops"], limits["inflight_ops"]),
+                f"{limits['tokens_per_s']:g}" if limits["tokens_per_s"] else "-",
+                f"{level:.0f}" if level is not None else "-",
+                ", ".join(t["paused_models"]) or "-",
+            ]
+        )
+    headers = [
+        "tenant",
+        "training runs",
+        "inflight ops",
+        "tokens/s limit",
+        "token bucket",
+        "paused models",
+    ]
     return lines + ["  " + line for line in table(headers, rows)]
 
 
@@ -168,18 +203,24 @@ def render_ops(metrics: dict[str, Any]) -> list[str]:
     lines = [f"OPS (since the deployment began; {total_tokens} tokens)"]
     if not kinds:
         return [*lines, "  (no op finished yet)"]
-    statuses = sorted({s for c in counts.values() for s in c},
-                      key=lambda s: (s not in ("done", "failed"), s != "done", s))
+    statuses = sorted(
+        {s for c in counts.values() for s in c},
+        key=lambda s: (s not in ("done", "failed"), s != "done", s),
+    )
     rows = []
     for kind in kinds:
         hist = latency.get(kind, {"buckets": [], "count": 0, "sum_s": 0.0})
         n = hist["count"]
-        rows.append([
-            kind, *(str(counts.get(kind, {}).get(s, 0)) for s in statuses),
-            seconds_text(hist["sum_s"] / n) if n else "-",
-            quantile_bound(hist["buckets"], n, 0.5), quantile_bound(hist["buckets"], n, 0.95),
-            str(tokens.get(kind, 0)),
-        ])
+        rows.append(
+            [
+                kind,
+                *(str(counts.get(kind, {}).get(s, 0)) for s in statuses),
+                seconds_text(hist["sum_s"] / n) if n else "-",
+                quantile_bound(hist["buckets"], n, 0.5),
+                quantile_bound(hist["buckets"], n, 0.95),
+                str(tokens.get(kind, 0)),
+            ]
+        )
     headers = ["kind", *statuses, "mean latency", "p50", "p95", "tokens"]
     lines += ["  " + line for line in table(headers, rows)]
     if metrics["tenant_tokens"]:
@@ -191,12 +232,17 @@ def render_ops(metrics: dict[str, Any]) -> list[str]:
 def render(status: dict[str, Any]) -> str:
     """The whole status screen from `read_status`'s JSON form."""
     overview = status["overview"]
-    sections = [render_workers(overview["workers"]), render_queues(overview["queues"]),
-                render_tenants(overview["tenants"]), render_ops(status["metrics"])]
+    sections = [
+        render_workers(overview["workers"]),
+        render_queues(overview["queues"]),
+        render_tenants(overview["tenants"]),
+        render_ops(status["metrics"]),
+    ]
     return "\n\n".join("\n".join(section) for section in sections)
 
 
 # --- the command -------------------------------------------------------------------------------
+
 
 async def run_status(settings: Settings, *, as_json: bool, watch_s: float | None) -> int:
     """Print the status once, or every `watch_s` seconds until interrupted (Ctrl-C)."""

@@ -103,8 +103,10 @@ def crashed_child(group: ProcessGroup) -> Child | None:
     while (dead := group.first_exited()) is not None:
         if not (dead.name.startswith(WORKER_PREFIX) and dead.proc.returncode == 0):
             return dead
-        print(f"queue-tinker: {dead.name} (pid {dead.pid}) stopped (drained); the rest keep "
-              "running", file=sys.stderr)
+        print(
+            f"queue-tinker: {dead.name} (pid {dead.pid}) stopped (drained); the rest keep running",
+            file=sys.stderr,
+        )
         group.forget(dead)
     return None
 
@@ -113,13 +115,18 @@ def _supervise(group: ProcessGroup, signals: _Signals) -> int:
     """Wait until a stop signal (exit 0) or a child crashes (exit 1)."""
     while True:
         if signals.stop_requested is not None:
-            print(f"\nqueue-tinker: {signal.Signals(signals.stop_requested).name}, stopping...",
-                  file=sys.stderr)
+            print(
+                f"\nqueue-tinker: {signal.Signals(signals.stop_requested).name}, stopping...",
+                file=sys.stderr,
+            )
             return 0
         dead = crashed_child(group)
         if dead is not None:
-            print(f"queue-tinker: {dead.name} (pid {dead.pid}) exited unexpectedly with code "
-                  f"{dead.proc.returncode}; stopping everything", file=sys.stderr)
+            print(
+                f"queue-tinker: {dead.name} (pid {dead.pid}) exited unexpectedly with code "
+                f"{dead.proc.returncode}; stopping everything",
+                file=sys.stderr,
+            )
             return 1
         signals.wait()
 
@@ -154,5 +161,7 @@ def run_up(settings: Settings, base_model: str, device: str, workers: int) -> in
 def stop_children(group: ProcessGroup) -> None:
     killed = group.stop_all(timeout=CHILD_STOP_TIMEOUT_S)
     if killed:
-        print(f"queue-tinker: killed {', '.join(killed)} after {CHILD_STOP_TIMEOUT_S:.0f} s",
-              file=sys.stderr)
+        print(
+            f"queue-tinker: killed {', '.join(killed)} after {CHILD_STOP_TIMEOUT_S:.0f} s",
+            file=sys.stderr,
+        )

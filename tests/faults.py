@@ -34,8 +34,9 @@ T = TypeVar("T")
 CHUNK = 64 * 1024
 
 
-def wait_until(what: str, ready: Callable[[], T | None], timeout: float = 60,
-               every: float = 0.02) -> T:
+def wait_until(
+    what: str, ready: Callable[[], T | None], timeout: float = 60, every: float = 0.02
+) -> T:
     """Poll `ready` until it returns something (not None/False); fail after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
@@ -70,8 +71,9 @@ class Fleet:
     def live(self) -> list[WorkerProcess]:
         """Running workers that have registered (their model is loaded: they can take over)."""
         ids = self.redis.zrange(self.keys.workers(), 0, -1)
-        pids = {int(p) for p in (self.redis.hget(self.keys.worker(w.decode()), "pid")
-                                 for w in ids) if p}
+        pids = {
+            int(p) for p in (self.redis.hget(self.keys.worker(w.decode()), "pid") for w in ids) if p
+        }
         return [p for p in self.procs if p.proc.poll() is None and p.pid in pids]
 
     def owner(self, model_id: str) -> WorkerProcess | None:
@@ -94,8 +96,7 @@ class Fleet:
         """Stop every worker; the exit code of each one that was not killed."""
         codes = {p.pid: p.stop() for p in self.procs}
         self.redis.close()
-        return {pid: code for pid, code in codes.items()
-                if pid not in {k.pid for k in self.killed}}
+        return {pid: code for pid, code in codes.items() if pid not in {k.pid for k in self.killed}}
 
 
 class Publications:
@@ -138,8 +139,9 @@ class TcpProxy:
         self.port = 0
         self.accepted = 0  # connections taken since start, for tests to see traffic
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="qt-tcp-proxy",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="qt-tcp-proxy", daemon=True
+        )
         self._server: asyncio.Server | None = None
         self._links: set[asyncio.Task[None]] = set()
         self._transports: set[asyncio.BaseTransport] = set()
@@ -172,8 +174,9 @@ class TcpProxy:
 
     # --- on the proxy's loop ---------------------------------------------------------------
     async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._link, "127.0.0.1", self.port,
-                                                  reuse_address=True)
+        self._server = await asyncio.start_server(
+            self._link, "127.0.0.1", self.port, reuse_address=True
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _cut(self) -> None:
@@ -188,8 +191,9 @@ class TcpProxy:
             task.cancel()
         await asyncio.gather(*links, return_exceptions=True)
 
-    async def _link(self, client_reader: asyncio.StreamReader,
-                    client_writer: asyncio.StreamWriter) -> None:
+    async def _link(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._links.add(task)
@@ -198,13 +202,13 @@ class TcpProxy:
         self._transports.add(client_writer.transport)
         try:
             if isinstance(self.upstream, str):
-                upstream_reader, upstream_writer = await asyncio.open_unix_connection(
-                    self.upstream)
+                upstream_reader, upstream_writer = await asyncio.open_unix_connection(self.upstream)
             else:
                 upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
             self._transports.add(upstream_writer.transport)
-            await asyncio.gather(_pump(client_reader, upstream_writer),
-                                 _pump(upstream_reader, client_writer))
+            await asyncio.gather(
+                _pump(client_reader, upstream_writer), _pump(upstream_reader, client_writer)
+            )
         except (OSError, asyncio.CancelledError):
             pass
         finally:
@@ -241,7 +245,8 @@ def via_proxy(database_url: str, proxy: TcpProxy) -> str:
     url = make_url(database_url)
     query = {k: v for k, v in url.query.items() if k != "host"}
     return url.set(host="127.0.0.1", port=proxy.port, query=query).render_as_string(
-        hide_password=False)
+        hide_password=False
+    )
 
 
 @contextmanager

@@ -53,9 +53,22 @@ class WorkerProcess:
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "queue_tinker.cli", "worker", "--base-model", base_model,
-             "--device", "cpu", "--engine", engine],
-            env=child_env(settings), cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "queue_tinker.cli",
+                "worker",
+                "--base-model",
+                base_model,
+                "--device",
+                "cpu",
+                "--engine",
+                engine,
+            ],
+            env=child_env(settings),
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
 
     @property
@@ -125,16 +138,25 @@ def assert_nothing_dead_lettered(redis_url: str, key_prefix: str) -> None:
 
 
 @contextmanager
-def lora_deployment(redis_url: str, database_url: str, base_model: str,
-                    **overrides: object) -> Iterator[Settings]:
+def lora_deployment(
+    redis_url: str, database_url: str, base_model: str, **overrides: object
+) -> Iterator[Settings]:
     """Settings of a deployment with one LoRA worker on `base_model` (for a test module: torch
     loads in seconds, not milliseconds); its keys and files are removed afterwards."""
     data_dir = Path(tempfile.mkdtemp(prefix="qt-lora-"))
-    options: dict[str, object] = {"lease_ttl_ms": 3_000, "heartbeat_ms": 500,
-                                  "linger_ms": 60_000, **overrides}
-    settings = Settings(redis_url=redis_url, database_url=database_url,
-                        key_prefix=f"qt-test-{uuid.uuid4().hex[:10]}", data_dir=data_dir,
-                        **options)  # type: ignore[arg-type]
+    options: dict[str, object] = {
+        "lease_ttl_ms": 3_000,
+        "heartbeat_ms": 500,
+        "linger_ms": 60_000,
+        **overrides,
+    }
+    settings = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=f"qt-test-{uuid.uuid4().hex[:10]}",
+        data_dir=data_dir,
+        **options,
+    )  # type: ignore[arg-type]
     worker = WorkerProcess(settings, base_model, data_dir / "worker.log", engine="lora")
     try:
         wait_for_workers(settings, 1, timeout=90)
@@ -163,9 +185,21 @@ def gateway_process(settings: Settings, log_path: Path) -> Iterator[str]:
     port = free_port()
     log = log_path.open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "queue_tinker.cli", "serve", "--host", "127.0.0.1",
-         "--port", str(port)], env=child_env(settings), cwd=REPO, stdout=log,
-        stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "queue_tinker.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=child_env(settings),
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -188,6 +222,7 @@ def gateway_process(settings: Settings, log_path: Path) -> Iterator[str]:
 
 def make_key(settings: Settings, tenant: str) -> str:
     """A new API key (`tml-...`) of `tenant`, created in the deployment's Postgres."""
+
     async def go() -> str:
         engine = make_engine(settings.database_url or "")
         try:
@@ -222,11 +257,28 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(self.port),
-             "--dir", str(self.data_dir), "--logfile", str(self.data_dir / "redis.log"),
-             "--daemonize", "no", "--save", "", "--appendonly", "yes",
-             "--appendfsync", self.appendfsync],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                REDIS_SERVER,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dir",
+                str(self.data_dir),
+                "--logfile",
+                str(self.data_dir / "redis.log"),
+                "--daemonize",
+                "no",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                self.appendfsync,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=2)
         deadline = time.monotonic() + timeout
         try:

@@ -50,8 +50,7 @@ def test_a_key_maps_to_its_tenant_and_only_its_hash_is_stored(database_url: str)
     async def stored(s: async_sessionmaker[AsyncSession]) -> tuple[str, str]:
         async with s() as session:
             row = (await session.scalars(select(ApiKey).where(ApiKey.id == info.id))).one()
-            name = await session.scalar(text("SELECT name FROM tenants WHERE id = :t"),
-                                        {"t": who})
+            name = await session.scalar(text("SELECT name FROM tenants WHERE id = :t"), {"t": who})
             return row.key_hash, name
 
     key_hash, tenant_name = run(database_url, stored)
@@ -89,8 +88,14 @@ def test_tenant_ids_are_checked(database_url: str, bad: str) -> None:
 
 def keys_cli(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "QT_DATABASE_URL": database_url}
-    return subprocess.run([sys.executable, "-m", "queue_tinker.cli", "keys", *args], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "queue_tinker.cli", "keys", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_the_keys_command_creates_lists_and_revokes(database_url: str) -> None:

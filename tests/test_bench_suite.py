@@ -30,8 +30,15 @@ TINY = Shape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=30
 def test_default_set_leaves_out_soak_and_only_picks_in_order() -> None:
     """No --only: every benchmark but the soak; --only: the named ones, in suite order."""
     assert [b.name for b in suite.chosen(suite.parse_args([]))] == [
-        "queue", "train_step", "train_throughput", "sampling", "sampling_engine", "gateway",
-        "big_bodies", "mfu"]
+        "queue",
+        "train_step",
+        "train_throughput",
+        "sampling",
+        "sampling_engine",
+        "gateway",
+        "big_bodies",
+        "mfu",
+    ]
     args = suite.parse_args(["--quick", "--only", "mfu", "soak", "queue"])
     assert args.quick
     assert [b.name for b in suite.chosen(args)] == ["queue", "mfu", "soak"]
@@ -100,14 +107,22 @@ def test_sampling_engine_ratios_are_service_over_same_run_baseline() -> None:
     measured in the same run (medians over rounds; p90 for the training steps)."""
     size = sampling_engine.Size("m", tokens=8, fair_rows=4, fair_tokens=2, rounds=3)
     result = sampling_engine.Result(
-        size, params=1_000_000, alone_s=[0.1, 0.2, 0.3], staggered_median_s=[0.3, 0.4, 0.5],
-        staggered_tok_s=[10, 20, 30], generate_staggered_tok_s=[40, 40, 40],
-        simultaneous_tok_s=[60, 60, 60], generate_simultaneous_tok_s=[50, 50, 50],
-        shared_tok_s=[30, 30, 30], separate_tok_s=[20, 20, 20],
-        step_alone_s=[0.01] * 10, step_under_s=[0.02] * 9 + [0.2],
-        sample_alone_s=2.0, sample_shared_s=3.0)
+        size,
+        params=1_000_000,
+        alone_s=[0.1, 0.2, 0.3],
+        staggered_median_s=[0.3, 0.4, 0.5],
+        staggered_tok_s=[10, 20, 30],
+        generate_staggered_tok_s=[40, 40, 40],
+        simultaneous_tok_s=[60, 60, 60],
+        generate_simultaneous_tok_s=[50, 50, 50],
+        shared_tok_s=[30, 30, 30],
+        separate_tok_s=[20, 20, 20],
+        step_alone_s=[0.01] * 10,
+        step_under_s=[0.02] * 9 + [0.2],
+        sample_alone_s=2.0,
+        sample_shared_s=3.0,
+    )
     ratios = [round(ratio, 3) for *_, ratio, _ in sampling_engine.rows(result)]
     p90_under = float(np.percentile([0.02] * 9 + [0.2], 90))
     assert ratios == [2.0, 0.5, 1.2, 1.5, round(p90_under / 0.01, 3), 1.5]
     assert len(sampling_engine.table([result])) == 2 + 6 + 1
-

@@ -39,13 +39,24 @@ class Run:
 
     def __init__(self, engine: LoraEngine, model_id: str) -> None:
         self.engine, self.model_id, self.seq = engine, model_id, 0
-        self.op(OpKind.CREATE_MODEL, {"lora_config": LoraConfig(rank=16, seed=3).model_dump(),
-                                      "tenant_id": "t", "base_model": BASE})
+        self.op(
+            OpKind.CREATE_MODEL,
+            {
+                "lora_config": LoraConfig(rank=16, seed=3).model_dump(),
+                "tenant_id": "t",
+                "base_model": BASE,
+            },
+        )
 
     def op(self, kind: OpKind, body: Any) -> Any:
         self.seq += 1
-        op = Op(job_id=f"{self.model_id}:{self.seq}", model_id=self.model_id, seq=self.seq,
-                kind=kind, payload=codec.encode(body))
+        op = Op(
+            job_id=f"{self.model_id}:{self.seq}",
+            model_id=self.model_id,
+            seq=self.seq,
+            kind=kind,
+            payload=codec.encode(body),
+        )
         return codec.decode(self.engine.execute(op).result)
 
     def forward_backward(self, data: list[Datum]) -> float:
@@ -67,8 +78,10 @@ def engines() -> Iterator[dict[str, LoraEngine]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield {dtype: LoraEngine(BASE, "cpu", scratch / dtype, scratch / "models", dtype=dtype)
-               for dtype in ("fp32", "bf16")}
+        yield {
+            dtype: LoraEngine(BASE, "cpu", scratch / dtype, scratch / "models", dtype=dtype)
+            for dtype in ("fp32", "bf16")
+        }
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -83,8 +96,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected).norm() / expected.norm())
 
 
-def test_bf16_keeps_what_is_trained_and_stored_in_fp32(engines: dict[str, LoraEngine],
-                                                       batch: list[Datum]) -> None:
+def test_bf16_keeps_what_is_trained_and_stored_in_fp32(
+    engines: dict[str, LoraEngine], batch: list[Datum]
+) -> None:
     """Base weights bf16; LoRA weights, gradients, AdamW moments and the saved checkpoint
     fp32."""
     run = Run(engines["bf16"], "dtypes")
@@ -103,8 +117,9 @@ def test_bf16_keeps_what_is_trained_and_stored_in_fp32(engines: dict[str, LoraEn
         assert {t.dtype for t in load_file(directory / name).values()} == {torch.float32}
 
 
-def test_bf16_loss_and_gradients_within_tolerance_of_fp32(engines: dict[str, LoraEngine],
-                                                          batch: list[Datum]) -> None:
+def test_bf16_loss_and_gradients_within_tolerance_of_fp32(
+    engines: dict[str, LoraEngine], batch: list[Datum]
+) -> None:
     """Same adapter, same data: the bf16 loss within 2% of fp32's, every LoRA gradient within
     10% in norm, and pointing the same way."""
     runs = {dtype: Run(engine, "tolerance") for dtype, engine in engines.items()}
@@ -117,8 +132,9 @@ def test_bf16_loss_and_gradients_within_tolerance_of_fp32(engines: dict[str, Lor
             param.copy_(runs["fp32"].adapter.params[key])
     losses = {dtype: run.forward_backward(batch) for dtype, run in runs.items()}
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=LOSS_RTOL)
-    grads = {dtype: {k: p.grad for k, p in run.adapter.params.items()}
-             for dtype, run in runs.items()}
+    grads = {
+        dtype: {k: p.grad for k, p in run.adapter.params.items()} for dtype, run in runs.items()
+    }
     assert grads["fp32"].keys() == grads["bf16"].keys()
     for key, expected in grads["fp32"].items():
         actual = grads["bf16"][key]
@@ -127,8 +143,9 @@ def test_bf16_loss_and_gradients_within_tolerance_of_fp32(engines: dict[str, Lor
         assert float(cosine) > 0.99, key
 
 
-def test_fifty_bf16_steps_converge_like_fp32(engines: dict[str, LoraEngine],
-                                             batch: list[Datum]) -> None:
+def test_fifty_bf16_steps_converge_like_fp32(
+    engines: dict[str, LoraEngine], batch: list[Datum]
+) -> None:
     """The demo task for 50 steps: bf16's losses fall as fp32's do (both by over 80%) and end
     within 10% of each other."""
     curves: dict[str, list[float]] = {}

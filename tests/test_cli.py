@@ -12,19 +12,31 @@ from queue_tinker.settings import Settings
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "queue_tinker.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "queue_tinker.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_config_prints_effective_settings_with_their_env_vars() -> None:
     """Values come from QT_* variables; every setting lists its variable and description."""
-    env = {"PATH": "/usr/bin:/bin", "QT_REDIS_URL": "redis://example:6379/3",
-           "QT_LEASE_TTL_MS": "1234"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "QT_REDIS_URL": "redis://example:6379/3",
+        "QT_LEASE_TTL_MS": "1234",
+    }
     shown = json.loads(run_cli("config", env=env).stdout)
     assert shown["redis_url"]["value"] == "redis://example:6379/3"
     described = Settings.model_fields["lease_ttl_ms"].description
-    assert shown["lease_ttl_ms"] == {"value": "1234", "env": "QT_LEASE_TTL_MS",
-                                     "description": described}
+    assert shown["lease_ttl_ms"] == {
+        "value": "1234",
+        "env": "QT_LEASE_TTL_MS",
+        "description": described,
+    }
     assert set(shown) == set(Settings.model_fields)
     assert all(row["description"] for row in shown.values())
 
@@ -41,10 +53,10 @@ def test_config_refuses_unknown_variables() -> None:
     the test suite's own QT_TEST_* variables are not settings and pass."""
     result = run_cli("config", env={"PATH": "/usr/bin:/bin", "QT_REDIS_ULR": "redis://x:1/0"})
     assert result.returncode != 0
-    assert "QT_REDIS_ULR: not a queue-tinker setting; did you mean QT_REDIS_URL?" in (
-        result.stderr)
-    passed = run_cli("config", env={"PATH": "/usr/bin:/bin", "QT_TEST_REDIS_URL": "redis://x",
-                                    "QT_WORKERS": "2"})
+    assert "QT_REDIS_ULR: not a queue-tinker setting; did you mean QT_REDIS_URL?" in (result.stderr)
+    passed = run_cli(
+        "config", env={"PATH": "/usr/bin:/bin", "QT_TEST_REDIS_URL": "redis://x", "QT_WORKERS": "2"}
+    )
     assert passed.returncode == 0, passed.stderr
 
 

@@ -68,8 +68,9 @@ def test_every_sdk_method_is_ours_or_has_a_written_reason(name: str) -> None:
         for p in sdk_params:
             if p.name not in our_params:
                 problems.append(f"{key}: no argument {p.name!r}")
-        positional = [p.name for p in sdk_params
-                      if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        positional = [
+            p.name for p in sdk_params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        ]
         ours_positional = [p for p in our_params if p in positional]
         if ours_positional != positional[: len(ours_positional)]:
             problems.append(f"{key}: positional order {ours_positional} vs SDK {positional}")

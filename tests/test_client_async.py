@@ -13,8 +13,9 @@ from queue_tinker.errors import ErrorCategory, RequestFailedError, UnknownModelE
 from queue_tinker.settings import Settings
 
 
-def test_async_calls_await_results_in_order(settings: Settings, service: ServiceClient,
-                                            tmp_path: Path) -> None:
+def test_async_calls_await_results_in_order(
+    settings: Settings, service: ServiceClient, tmp_path: Path
+) -> None:
     """`await client.ping_async(...)` holds the op's place; `await future` gives its result;
     ops submitted one after another run in that order."""
 
@@ -28,8 +29,7 @@ def test_async_calls_await_results_in_order(settings: Settings, service: Service
     assert results == [{"data": i, "seq": i + 2} for i in range(50)]
 
 
-def test_async_errors_are_typed(settings: Settings, service: ServiceClient,
-                                tmp_path: Path) -> None:
+def test_async_errors_are_typed(settings: Settings, service: ServiceClient, tmp_path: Path) -> None:
     """A failed op raises RequestFailedError when awaited; a bad submit raises at once."""
 
     async def main() -> None:
@@ -46,12 +46,19 @@ def test_async_errors_are_typed(settings: Settings, service: ServiceClient,
         asyncio.run(main())
 
 
-def test_result_timeout_raises_while_the_op_waits(settings: Settings,
-                                                  service: ServiceClient) -> None:
+def test_result_timeout_raises_while_the_op_waits(
+    settings: Settings, service: ServiceClient
+) -> None:
     """With no worker for the base model, `.result(timeout)` times out instead of hanging."""
-    model = service._loop.run(service._holder.jobs.register_model(
-        "m-orphan", base_model="nobody-serves-this", tenant_id="default", session_id=None,
-        lora_config={}))
+    model = service._loop.run(
+        service._holder.jobs.register_model(
+            "m-orphan",
+            base_model="nobody-serves-this",
+            tenant_id="default",
+            session_id=None,
+            lora_config={},
+        )
+    )
     assert model is True
     future = service.training_client("m-orphan").ping("hello")
     with pytest.raises(TimeoutError):

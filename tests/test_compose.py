@@ -47,6 +47,7 @@ def _compose_command() -> list[str] | None:
 
 def _interpolate(value: Any, env: dict[str, str]) -> Any:
     if isinstance(value, str):
+
         def substitute(match: re.Match[str]) -> str:
             if match.group(0) == "$$":
                 return "$"
@@ -87,7 +88,11 @@ def _config(reader: str = "docker compose", **env: str) -> dict[str, Any]:
         pytest.skip(INSTALL_HINT)
     result = subprocess.run(
         [*command, "-f", str(COMPOSE_FILE), "config", "--format", "json"],
-        capture_output=True, text=True, cwd=ROOT, env={**clean, **env}, timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**clean, **env},
+        timeout=60,
     )
     assert result.returncode == 0, f"docker compose config failed:\n{result.stderr}"
     config: dict[str, Any] = json.loads(result.stdout)
@@ -112,23 +117,33 @@ def test_compose_worker_knobs_come_from_the_environment(reader: str) -> None:
     default = _config(reader)["services"]["worker"]
     assert default["deploy"]["replicas"] == 1
     assert default["command"] == [
-        "worker", "--base-model", "queue-tinker/tiny-llama", "--device", "auto"
+        "worker",
+        "--base-model",
+        "queue-tinker/tiny-llama",
+        "--device",
+        "auto",
     ]
 
-    scaled = _config(reader, QT_WORKERS="3", QT_BASE_MODEL="/models/m",
-                     QT_DEVICE="cuda")["services"]
+    scaled = _config(reader, QT_WORKERS="3", QT_BASE_MODEL="/models/m", QT_DEVICE="cuda")[
+        "services"
+    ]
     assert scaled["worker"]["deploy"]["replicas"] == 3
     assert scaled["worker"]["command"] == [
-        "worker", "--base-model", "/models/m", "--device", "cuda"
+        "worker",
+        "--base-model",
+        "/models/m",
+        "--device",
+        "cuda",
     ]
 
 
 def test_the_specification_check_refuses_a_broken_file() -> None:
     """The compose-spec reader is a real check: an unknown key, a wrong type and a missing
     `services` are each refused, naming what is wrong."""
-    for broken, says in (({"services": {"a": {"image": "x", "bogus": 1}}}, "bogus"),
-                         ({"services": {"a": {"image": "x", "deploy": {"replicas": "n"}}}},
-                          "u64"),
-                         ({"servics": {}}, "services")):
+    for broken, says in (
+        ({"services": {"a": {"image": "x", "bogus": 1}}}, "bogus"),
+        ({"services": {"a": {"image": "x", "deploy": {"replicas": "n"}}}}, "u64"),
+        ({"servics": {}}, "services"),
+    ):
         with pytest.raises(ValueError, match=says):
             PyCompose.from_json(json.dumps(broken))

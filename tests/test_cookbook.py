@@ -39,8 +39,9 @@ def sdk_env(gateway: str, deployment: Settings) -> Iterator[str]:
     """TINKER_BASE_URL / TINKER_API_KEY as a user exports them, and the tiny model's tokenizer
     registered with the cookbook (it would otherwise look it up on the Hub)."""
     key = make_key(deployment, f"cookbook-{uuid.uuid4().hex[:8]}")
-    saved = {k: os.environ.get(k) for k in ("TINKER_BASE_URL", "TINKER_API_KEY",
-                                            "TINKER_TELEMETRY")}
+    saved = {
+        k: os.environ.get(k) for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")
+    }
     os.environ.update(TINKER_BASE_URL=gateway, TINKER_API_KEY=key, TINKER_TELEMETRY="0")
     tokenizer_utils.register_tokenizer(TINY, lambda: load_tokenizer(TINY, deployment.models_dir))
     try:
@@ -58,9 +59,16 @@ def metrics(log_path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
 
 
-QA = [("What is 2+2?", "4"), ("What is 3+3?", "6"), ("Capital of France?", "Paris"),
-      ("Capital of Japan?", "Tokyo"), ("What is 5-1?", "4"), ("Color of the sky?", "blue"),
-      ("What is 1+1?", "2"), ("Capital of Italy?", "Rome")]
+QA = [
+    ("What is 2+2?", "4"),
+    ("What is 3+3?", "6"),
+    ("Capital of France?", "Paris"),
+    ("Capital of Japan?", "Tokyo"),
+    ("What is 5-1?", "4"),
+    ("Color of the sky?", "blue"),
+    ("What is 1+1?", "2"),
+    ("Capital of Italy?", "Rome"),
+]
 
 
 def test_supervised_train_lowers_the_loss(sdk_env: str, tmp_path: Path) -> None:
@@ -70,15 +78,30 @@ def test_supervised_train_lowers_the_loss(sdk_env: str, tmp_path: Path) -> None:
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
     data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": [
-        {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) for q, a in QA))
-    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=TINY, renderer_name=RENDERER,
-                                            max_length=128, batch_size=8)
+    data.write_text(
+        "\n".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            )
+            for q, a in QA
+        )
+    )
+    common = ChatDatasetBuilderCommonConfig(
+        model_name_for_tokenizer=TINY, renderer_name=RENDERER, max_length=128, batch_size=8
+    )
     config = train.Config(
-        log_path=str(tmp_path / "sl"), model_name=TINY, recipe_name="qt-sl", renderer_name=RENDERER,
+        log_path=str(tmp_path / "sl"),
+        model_name=TINY,
+        recipe_name="qt-sl",
+        renderer_name=RENDERER,
         dataset_builder=FromConversationFileBuilder(file_path=str(data), common_config=common),
-        learning_rate=3e-2, num_epochs=12, lora_rank=4, base_url=sdk_env, save_every=0,
-        eval_every=0)
+        learning_rate=3e-2,
+        num_epochs=12,
+        lora_rank=4,
+        base_url=sdk_env,
+        save_every=0,
+        eval_every=0,
+    )
     asyncio.run(train.main(config))
     losses = [m["train_mean_nll"] for m in metrics(tmp_path / "sl") if "train_mean_nll" in m]
     assert len(losses) == 12 and losses[-1] < 0.7 * losses[0], losses
@@ -99,9 +122,12 @@ def letter_builder(groups: int, steps: int) -> Any:
 
         async def step(self, action: list[int], *, extra: Any = None) -> rl.StepResult:
             share = sum(32 <= t < 127 for t in action) / max(1, len(action))
-            return rl.StepResult(reward=share, episode_done=True,
-                                 next_observation=tinker.ModelInput.empty(),
-                                 next_stop_condition=[])
+            return rl.StepResult(
+                reward=share,
+                episode_done=True,
+                next_observation=tinker.ModelInput.empty(),
+                next_stop_condition=[],
+            )
 
     class AsciiGroup(rl.EnvGroupBuilder):
         async def make_envs(self) -> list[rl.Env]:
@@ -136,13 +162,24 @@ def test_rl_train_with_the_recipes_default_loss_raises_the_reward(
     from tinker_cookbook.rl import train
 
     config = train.Config(
-        learning_rate=5e-2, dataset_builder=letter_builder(groups=2, steps=10), model_name=TINY,
-        recipe_name="qt-rl", max_tokens=8, log_path=str(tmp_path / "rl"), eval_every=0,
-        save_every=0, renderer_name=RENDERER, loss_fn="stable_reinforce", lora_rank=4,
-        base_url=sdk_env, num_groups_to_log=0)
+        learning_rate=5e-2,
+        dataset_builder=letter_builder(groups=2, steps=10),
+        model_name=TINY,
+        recipe_name="qt-rl",
+        max_tokens=8,
+        log_path=str(tmp_path / "rl"),
+        eval_every=0,
+        save_every=0,
+        renderer_name=RENDERER,
+        loss_fn="stable_reinforce",
+        lora_rank=4,
+        base_url=sdk_env,
+        num_groups_to_log=0,
+    )
     asyncio.run(train.main(config))
-    rewards = [m["env/all/reward/total"] for m in metrics(tmp_path / "rl")
-               if "env/all/reward/total" in m]
+    rewards = [
+        m["env/all/reward/total"] for m in metrics(tmp_path / "rl") if "env/all/reward/total" in m
+    ]
     assert len(rewards) == 10
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
 
@@ -156,21 +193,38 @@ def test_train_dpo_lowers_the_dpo_loss(sdk_env: str, tmp_path: Path) -> None:
     from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
     from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
-    rows = [{"comparison": {"prompt_conversation": [{"role": "user", "content": q}],
-                            "completion_A": [{"role": "assistant", "content": a}],
-                            "completion_B": [{"role": "assistant", "content": "no idea"}]},
-             "label": "A"} for q, a in QA]
+    rows = [
+        {
+            "comparison": {
+                "prompt_conversation": [{"role": "user", "content": q}],
+                "completion_A": [{"role": "assistant", "content": a}],
+                "completion_B": [{"role": "assistant", "content": "no idea"}],
+            },
+            "label": "A",
+        }
+        for q, a in QA
+    ]
     data = tmp_path / "prefs.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=TINY, renderer_name=RENDERER,
-                                            max_length=128, batch_size=8)
+    common = ChatDatasetBuilderCommonConfig(
+        model_name_for_tokenizer=TINY, renderer_name=RENDERER, max_length=128, batch_size=8
+    )
     config = train_dpo.Config(
-        log_path=str(tmp_path / "dpo"), model_name=TINY, recipe_name="qt-dpo",
+        log_path=str(tmp_path / "dpo"),
+        model_name=TINY,
+        recipe_name="qt-dpo",
         dataset_builder=DPODatasetBuilderFromComparisons(
             comparison_builder=ComparisonBuilderFromJsonl(train_path=str(data)),
-            common_config=common),
-        renderer_name=RENDERER, learning_rate=2e-2, num_epochs=6, lora_rank=4,
-        base_url=sdk_env, save_every=0, eval_every=0)
+            common_config=common,
+        ),
+        renderer_name=RENDERER,
+        learning_rate=2e-2,
+        num_epochs=6,
+        lora_rank=4,
+        base_url=sdk_env,
+        save_every=0,
+        eval_every=0,
+    )
     train_dpo.main(config)
     losses = [m["dpo_loss"] for m in metrics(tmp_path / "dpo") if "dpo_loss" in m]
     assert len(losses) == 6 and losses[0] == pytest.approx(0.6931, abs=0.01), losses
@@ -189,9 +243,13 @@ def teacher_checkpoint(prompt: bytes, answer: bytes) -> str:
     trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=0).result()
     tokens = list(prompt + answer)
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
-    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
-                                        "weights": np.array(weights, dtype=np.float32)})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "weights": np.array(weights, dtype=np.float32),
+        },
+    )
     for _ in range(15):
         trainer.forward_backward([datum], "cross_entropy")
         trainer.optim_step(types.AdamParams(learning_rate=5e-2))
@@ -221,24 +279,38 @@ def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Pa
         async def __call__(self) -> tuple[PromptOnlyDataset, None]:
             tokenizer = tokenizer_utils.get_tokenizer(TINY)
             renderer = renderers.get_renderer(RENDERER, tokenizer)
-            return PromptOnlyDataset([prompt] * 16, batch_size=2, group_size=8,
-                                     renderer=renderer, tokenizer=tokenizer), None
+            return PromptOnlyDataset(
+                [prompt] * 16, batch_size=2, group_size=8, renderer=renderer, tokenizer=tokenizer
+            ), None
 
     config = train_on_policy.Config(
-        learning_rate=1e-2, model_name=TINY, recipe_name="qt-distill", renderer_name=RENDERER,
-        dataset_configs=[DistillationDatasetConfig(
-            dataset_builder=Prompts(), groups_per_batch=2,
-            teacher_config=TeacherConfig(base_model=TINY, load_checkpoint_path=teacher))],
-        max_tokens=8, lora_rank=4, log_path=str(tmp_path / "distill"), base_url=sdk_env,
-        eval_every=0, save_every=0)
+        learning_rate=1e-2,
+        model_name=TINY,
+        recipe_name="qt-distill",
+        renderer_name=RENDERER,
+        dataset_configs=[
+            DistillationDatasetConfig(
+                dataset_builder=Prompts(),
+                groups_per_batch=2,
+                teacher_config=TeacherConfig(base_model=TINY, load_checkpoint_path=teacher),
+            )
+        ],
+        max_tokens=8,
+        lora_rank=4,
+        log_path=str(tmp_path / "distill"),
+        base_url=sdk_env,
+        eval_every=0,
+        save_every=0,
+    )
     asyncio.run(train_on_policy.main(config))
     kls = [m["teacher_kl"] for m in metrics(tmp_path / "distill") if "teacher_kl" in m]
     assert len(kls) == 8 and sum(kls[-3:]) < 0.7 * sum(kls[:3]), kls
 
 
 # --- weights download -----------------------------------------------------------------------
-def test_weights_download_gets_the_adapter(sdk_env: str, tmp_path: Path,
-                                           deployment: Settings) -> None:
+def test_weights_download_gets_the_adapter(
+    sdk_env: str, tmp_path: Path, deployment: Settings
+) -> None:
     """tinker_cookbook.weights.download of external weights and of a training checkpoint (an
     encrypted export it decrypts and deletes): the PEFT files equal the stored ones."""
     import tinker

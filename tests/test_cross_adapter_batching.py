@@ -72,8 +72,11 @@ def rl_datum(text: str, seed: int) -> Datum:
     """A datum with the sampling policy's logprobs and advantages (for the RL losses)."""
     n = len(text.encode()) - 1
     rng = np.random.default_rng(seed)
-    return datum(text, logprobs=rng.uniform(-6.0, -4.0, n).astype(np.float32),
-                 advantages=rng.normal(0.0, 1.0, n).astype(np.float32))
+    return datum(
+        text,
+        logprobs=rng.uniform(-6.0, -4.0, n).astype(np.float32),
+        advantages=rng.normal(0.0, 1.0, n).astype(np.float32),
+    )
 
 
 def weighted(text: str) -> Datum:
@@ -81,8 +84,9 @@ def weighted(text: str) -> Datum:
     return datum(text, weights=np.linspace(-0.5, 1.5, n, dtype=np.float32))
 
 
-def fb(data: list[Datum], loss_fn: str = "cross_entropy",
-       config: dict[str, float] | None = None) -> dict[str, Any]:
+def fb(
+    data: list[Datum], loss_fn: str = "cross_entropy", config: dict[str, float] | None = None
+) -> dict[str, Any]:
     return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config).model_dump()
 
 
@@ -97,22 +101,51 @@ MODELS = {
 # Every model's ops, in the order a worker could hand them over (models interleaved; each
 # model's own ops in order): (model, kind, body, expected error or None).
 STEP_OPS: list[tuple[str, OpKind, Any, str | None]] = [
-    ("m-ce", OpKind.FORWARD_BACKWARD,
-     fb([weighted("a short one"), weighted("the quick brown fox jumps over the lazy dog")]), None),
-    ("m-is", OpKind.FORWARD_BACKWARD,
-     fb([rl_datum("importance sampled", 1), rl_datum("x y", 2)], "importance_sampling"), None),
+    (
+        "m-ce",
+        OpKind.FORWARD_BACKWARD,
+        fb([weighted("a short one"), weighted("the quick brown fox jumps over the lazy dog")]),
+        None,
+    ),
+    (
+        "m-is",
+        OpKind.FORWARD_BACKWARD,
+        fb([rl_datum("importance sampled", 1), rl_datum("x y", 2)], "importance_sampling"),
+        None,
+    ),
     ("m-ce", OpKind.FORWARD_BACKWARD, fb([weighted("accumulates into the same grads")]), None),
-    ("m-ppo", OpKind.FORWARD_BACKWARD,
-     fb([rl_datum("clipped ratios everywhere, a longer sequence than most", 3)], "ppo",
-        {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), None),
-    ("m-bad", OpKind.FORWARD_BACKWARD,
-     fb([datum("fine"), Datum(model_input=ModelInput.from_ints([1, 2, 3]),
-                              loss_fn_inputs={"target_tokens": np.array([2, 3, 300])})]),
-     r"target_tokens.*300"),
+    (
+        "m-ppo",
+        OpKind.FORWARD_BACKWARD,
+        fb(
+            [rl_datum("clipped ratios everywhere, a longer sequence than most", 3)],
+            "ppo",
+            {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+        ),
+        None,
+    ),
+    (
+        "m-bad",
+        OpKind.FORWARD_BACKWARD,
+        fb(
+            [
+                datum("fine"),
+                Datum(
+                    model_input=ModelInput.from_ints([1, 2, 3]),
+                    loss_fn_inputs={"target_tokens": np.array([2, 3, 300])},
+                ),
+            ]
+        ),
+        r"target_tokens.*300",
+    ),
     ("m-is", OpKind.FORWARD, fb([rl_datum("forward only, same adapter", 4)], "cispo"), None),
     ("m-ce", OpKind.OPTIM_STEP, ADAM.model_dump(), None),
-    ("m-bad", OpKind.FORWARD_BACKWARD,
-     fb([rl_datum("dro after a failure", 5)], "dro", {"beta": 0.3}), None),
+    (
+        "m-bad",
+        OpKind.FORWARD_BACKWARD,
+        fb([rl_datum("dro after a failure", 5)], "dro", {"beta": 0.3}),
+        None,
+    ),
     ("m-fwd", OpKind.FORWARD, fb([datum("no gradient here"), datum("nor here")]), None),
     ("m-ppo", OpKind.OPTIM_STEP, ADAM.model_dump(), None),
 ]
@@ -120,8 +153,13 @@ STEP_OPS: list[tuple[str, OpKind, Any, str | None]] = [
 
 # --- engines -------------------------------------------------------------------------------------
 def make_op(model_id: str, seq: int, kind: OpKind, body: Any) -> Op:
-    return Op(job_id=f"{model_id}:{seq}", model_id=model_id, seq=seq, kind=kind,
-              payload=codec.encode(body))
+    return Op(
+        job_id=f"{model_id}:{seq}",
+        model_id=model_id,
+        seq=seq,
+        kind=kind,
+        payload=codec.encode(body),
+    )
 
 
 class Driver:
@@ -140,10 +178,18 @@ class Driver:
     def create(self, model_id: str, config: LoraConfig) -> None:
         """A new model, stepped once alone: B starts at zero (and with it every gradient of
         A); one step makes every LoRA matrix's gradient non-trivial."""
-        self.engine.execute(self.make(model_id, OpKind.CREATE_MODEL, {
-            "lora_config": config.model_dump(), "tenant_id": "default", "base_model": BASE}))
-        self.engine.execute(self.make(model_id, OpKind.FORWARD_BACKWARD,
-                                      fb([datum("one step first"), datum("to move B")])))
+        self.engine.execute(
+            self.make(
+                model_id,
+                OpKind.CREATE_MODEL,
+                {"lora_config": config.model_dump(), "tenant_id": "default", "base_model": BASE},
+            )
+        )
+        self.engine.execute(
+            self.make(
+                model_id, OpKind.FORWARD_BACKWARD, fb([datum("one step first"), datum("to move B")])
+            )
+        )
         self.engine.execute(self.make(model_id, OpKind.OPTIM_STEP, ADAM.model_dump()))
 
     def batched(self, ops: list[Op]) -> list[OpResult | Exception]:
@@ -183,18 +229,21 @@ def root() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def assert_tensors(actual: Tensors, expected: Tensors, atol: float = 0.0,
-                   atol_of_max: float = 0.0) -> None:
+def assert_tensors(
+    actual: Tensors, expected: Tensors, atol: float = 0.0, atol_of_max: float = 0.0
+) -> None:
     """allclose to RTOL, plus `atol`, plus `atol_of_max` times the tensor's largest entry."""
     assert actual.keys() == expected.keys() and expected
     for key, want in expected.items():
         tol = atol + atol_of_max * float(want.abs().max())
-        torch.testing.assert_close(actual[key], want, rtol=RTOL, atol=tol,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            actual[key], want, rtol=RTOL, atol=tol, msg=lambda m, k=key: f"{k}: {m}"
+        )
 
 
-def assert_same_outcome(batched: OpResult | Exception, alone: OpResult | Exception,
-                        kind: OpKind) -> None:
+def assert_same_outcome(
+    batched: OpResult | Exception, alone: OpResult | Exception, kind: OpKind
+) -> None:
     if isinstance(alone, Exception):
         assert type(batched) is type(alone) and str(batched) == str(alone)
         return
@@ -203,9 +252,11 @@ def assert_same_outcome(batched: OpResult | Exception, alone: OpResult | Excepti
     ours, theirs = codec.decode(batched.result), codec.decode(alone.result)
     if kind is OpKind.OPTIM_STEP:
         assert ours.keys() == theirs.keys()
-        np.testing.assert_allclose([ours["metrics"][k] for k in sorted(theirs["metrics"])],
-                                   [theirs["metrics"][k] for k in sorted(theirs["metrics"])],
-                                   rtol=RTOL)
+        np.testing.assert_allclose(
+            [ours["metrics"][k] for k in sorted(theirs["metrics"])],
+            [theirs["metrics"][k] for k in sorted(theirs["metrics"])],
+            rtol=RTOL,
+        )
         return
     got = ForwardBackwardOutput.model_validate(ours)
     want = ForwardBackwardOutput.model_validate(theirs)
@@ -214,14 +265,17 @@ def assert_same_outcome(batched: OpResult | Exception, alone: OpResult | Excepti
         assert got.metrics[key] == pytest.approx(value, rel=RTOL), key
     assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
     for ours_out, theirs_out in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
-        np.testing.assert_allclose(ours_out["logprobs"].to_numpy(),
-                                   theirs_out["logprobs"].to_numpy(), rtol=RTOL)
+        np.testing.assert_allclose(
+            ours_out["logprobs"].to_numpy(), theirs_out["logprobs"].to_numpy(), rtol=RTOL
+        )
 
 
 # One pass for everything; and passes cut by a small token cap with only two adapters resident,
 # so the ops spread over several passes and adapters are evicted and restored between them.
-LAYOUTS = {"one-pass": {"max_resident": 64},
-           "tight": {"max_resident": 2, "train_batch_tokens": 64, "snapshot_every": 1}}
+LAYOUTS = {
+    "one-pass": {"max_resident": 64},
+    "tight": {"max_resident": 2, "train_batch_tokens": 64, "snapshot_every": 1},
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -230,8 +284,12 @@ def test_batched_step_equals_ops_one_at_a_time(root: Path, layout: str) -> None:
     results, metrics, logprobs, gradients and (after optim_step) weights of the same ops run
     one at a time; a bad op fails alone with execute's error."""
     batch = Driver(root, f"batch-{layout}", **LAYOUTS[layout])
-    alone = Driver(root, f"alone-{layout}", max_resident=64,
-                   snapshot_every=LAYOUTS[layout].get("snapshot_every", 20))
+    alone = Driver(
+        root,
+        f"alone-{layout}",
+        max_resident=64,
+        snapshot_every=LAYOUTS[layout].get("snapshot_every", 20),
+    )
     for model_id, config in MODELS.items():
         batch.create(model_id, config)
         alone.create(model_id, config)
@@ -247,11 +305,14 @@ def test_batched_step_equals_ops_one_at_a_time(root: Path, layout: str) -> None:
         assert_same_outcome(ours, theirs, kind)
     # The job record's metrics (not the result) say how many models shared the op's pass. One
     # pass: every model's leading ops in it; tight: no pass over two models, some alone.
-    shared = [r.metrics["batch_models:max"] for r, (_, kind, _, _) in zip(got, STEP_OPS,
-                                                                          strict=True)
-              if isinstance(r, OpResult) and r.metrics and kind is not OpKind.OPTIM_STEP]
-    assert (max(shared), min(shared)) == ((len(MODELS), len(MODELS)) if layout == "one-pass"
-                                          else (2, 1))
+    shared = [
+        r.metrics["batch_models:max"]
+        for r, (_, kind, _, _) in zip(got, STEP_OPS, strict=True)
+        if isinstance(r, OpResult) and r.metrics and kind is not OpKind.OPTIM_STEP
+    ]
+    assert (max(shared), min(shared)) == (
+        (len(MODELS), len(MODELS)) if layout == "one-pass" else (2, 1)
+    )
 
     for model_id in MODELS:
         ours_grads, theirs_grads = batch.grads(model_id), alone.grads(model_id)
@@ -277,8 +338,13 @@ def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
     batch is one step: its forward_backward run and the optim_step after it. Samples are never
     batched: they are stepped (the decode loop), either way."""
     off = LoraEngine(BASE, "cpu", root / "off", root / "models", cross_adapter_batch=False)
-    kinds = [OpKind.FORWARD_BACKWARD, OpKind.FORWARD, OpKind.OPTIM_STEP, OpKind.FORWARD_BACKWARD,
-             OpKind.OPTIM_STEP]
+    kinds = [
+        OpKind.FORWARD_BACKWARD,
+        OpKind.FORWARD,
+        OpKind.OPTIM_STEP,
+        OpKind.FORWARD_BACKWARD,
+        OpKind.OPTIM_STEP,
+    ]
     backlog = [make_op("m", seq, kind, {}) for seq, kind in enumerate(kinds, start=1)]
     samples = [make_op("s", seq, OpKind.SAMPLE, {}) for seq in range(1, 4)]
     assert not any(off.batchable(op) for op in backlog + samples)
@@ -301,8 +367,10 @@ def test_outcomes_of_a_batch_survive_in_its_snapshot(root: Path) -> None:
     leaves them to the next owner, which publishes them instead of failing or rerunning."""
     first = Driver(root, "kept", snapshot_every=1)
     first.create("m-kept", MODELS["m-ce"])
-    ops = [first.make("m-kept", kind, body) for _, kind, body, _ in
-           [STEP_OPS[0], STEP_OPS[4], STEP_OPS[6]]]  # good fb, bad fb, optim_step (snapshot)
+    ops = [
+        first.make("m-kept", kind, body)
+        for _, kind, body, _ in [STEP_OPS[0], STEP_OPS[4], STEP_OPS[6]]
+    ]  # good fb, bad fb, optim_step (snapshot)
     fb_result, error, step_result = first.batched(ops)
     assert isinstance(fb_result, OpResult) and isinstance(step_result, OpResult)
     assert isinstance(error, UserInputError)
@@ -332,12 +400,15 @@ def train_together(settings: Settings) -> tuple[list[list[float]], list[str]]:
     """CLIENTS training runs stepping at once (each pipelines forward_backward + optim_step,
     then waits for both): every run's losses, and the model ids."""
     with tinker.ServiceClient(settings) as service:
-        runs = [service.create_lora_training_client(BASE, rank=4, seed=10 + i)
-                for i in range(CLIENTS)]
+        runs = [
+            service.create_lora_training_client(BASE, rank=4, seed=10 + i) for i in range(CLIENTS)
+        ]
         losses: list[list[float]] = [[] for _ in runs]
         for step in range(STEPS):
-            pending = [(tc.forward_backward(client_batch(i, step), "cross_entropy"),
-                        tc.optim_step(ADAM)) for i, tc in enumerate(runs)]
+            pending = [
+                (tc.forward_backward(client_batch(i, step), "cross_entropy"), tc.optim_step(ADAM))
+                for i, tc in enumerate(runs)
+            ]
             for i, (fwd, opt) in enumerate(pending):
                 losses[i].append(fwd.result(timeout=60).loss)
                 opt.result(timeout=60)
@@ -351,10 +422,20 @@ async def _pass_sizes(settings: Settings, model_ids: list[str]) -> list[float | 
     try:
         while True:
             async with engine.connect() as conn:
-                rows = (await conn.execute(text(
-                    "SELECT (metrics->>'batch_models:max')::float FROM requests "
-                    "WHERE model_id = ANY(:ids) AND kind = 'forward_backward' "
-                    "AND status = 'done'"), {"ids": model_ids})).scalars().all()
+                rows = (
+                    (
+                        await conn.execute(
+                            text(
+                                "SELECT (metrics->>'batch_models:max')::float FROM requests "
+                                "WHERE model_id = ANY(:ids) AND kind = 'forward_backward' "
+                                "AND status = 'done'"
+                            ),
+                            {"ids": model_ids},
+                        )
+                    )
+                    .scalars()
+                    .all()
+                )
             if len(rows) >= CLIENTS * STEPS or time.monotonic() > deadline:
                 return list(rows)
             await asyncio.sleep(0.2)
@@ -368,8 +449,9 @@ def test_worker_batches_concurrent_training_runs(redis_url: str, database_url: s
     same runs end on a worker that runs every op alone (QT_CROSS_ADAPTER_BATCH=0)."""
     results = {}
     for batching in (True, False):
-        with lora_deployment(redis_url, database_url, BASE,
-                             cross_adapter_batch=batching) as settings:
+        with lora_deployment(
+            redis_url, database_url, BASE, cross_adapter_batch=batching
+        ) as settings:
             losses, model_ids = train_together(settings)
             results[batching] = losses, asyncio.run(_pass_sizes(settings, model_ids))
     (batched, sizes), (alone, unbatched_sizes) = results[True], results[False]
@@ -387,14 +469,23 @@ def test_optimizer_steps_of_many_adapters_equal_torch_adamw_one_at_a_time() -> N
     from workers.forward import optim_steps
 
     torch.manual_seed(0)
-    hyper = [AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0),
-             AdamParams(learning_rate=3e-3, beta2=0.999)]
+    hyper = [
+        AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0),
+        AdamParams(learning_rate=3e-3, beta2=0.999),
+    ]
     adapters, references = [], []
     for i in range(5):
         params = {f"t{j}": torch.nn.Parameter(torch.randn(4 + j, 3)) for j in range(3)}
-        adapters.append(Adapter(model_id=f"m{i}", name=f"a{i}", tenant_id="t",
-                                config=LoraConfig(), params=params,
-                                optimizer=new_optimizer(params.values())))
+        adapters.append(
+            Adapter(
+                model_id=f"m{i}",
+                name=f"a{i}",
+                tenant_id="t",
+                config=LoraConfig(),
+                params=params,
+                optimizer=new_optimizer(params.values()),
+            )
+        )
         copies = {k: torch.nn.Parameter(p.detach().clone()) for k, p in params.items()}
         references.append((copies, torch.optim.AdamW(list(copies.values()))))
     for round_ in range(4):
@@ -412,11 +503,16 @@ def test_optimizer_steps_of_many_adapters_equal_torch_adamw_one_at_a_time() -> N
             params, reference = references[i]
             adam = hyper[i % 2]
             trainable = [p for p in params.values() if p.grad is not None]
-            norm = float(torch.nn.utils.clip_grad_norm_(trainable, adam.grad_clip_norm or
-                                                        float("inf")))
+            norm = float(
+                torch.nn.utils.clip_grad_norm_(trainable, adam.grad_clip_norm or float("inf"))
+            )
             for group in reference.param_groups:
-                group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
-                             eps=adam.eps, weight_decay=adam.weight_decay)
+                group.update(
+                    lr=adam.learning_rate,
+                    betas=(adam.beta1, adam.beta2),
+                    eps=adam.eps,
+                    weight_decay=adam.weight_decay,
+                )
             reference.step()
             reference.zero_grad(set_to_none=True)
             assert metrics["grad_norm:mean"] == pytest.approx(norm, rel=1e-6)
@@ -429,7 +525,8 @@ def test_optimizer_steps_of_many_adapters_equal_torch_adamw_one_at_a_time() -> N
 
 
 def test_a_pass_that_fails_in_backward_leaves_every_models_gradients_as_they_were(
-        root: Path) -> None:
+    root: Path,
+) -> None:
     """A shared pass whose backward fails half-way (a hook raising on one tensor stands in for
     running out of memory) fails its ops and puts back every model's gradients: pending ones
     from an earlier op, and none where there were none; later ops then run as if it never
@@ -437,10 +534,10 @@ def test_a_pass_that_fails_in_backward_leaves_every_models_gradients_as_they_wer
     driver = Driver(root, "failing-pass")
     for model_id in ("m-held", "m-fresh"):
         driver.create(model_id, LoraConfig(rank=4, seed=7))
-    driver.engine.execute(driver.make("m-held", OpKind.FORWARD_BACKWARD,
-                                      fb([datum("pending before the pass")])))
-    before = {k: p.grad.clone() for k, p in driver.engine.pool.adapters["m-held"]
-              .params.items()}
+    driver.engine.execute(
+        driver.make("m-held", OpKind.FORWARD_BACKWARD, fb([datum("pending before the pass")]))
+    )
+    before = {k: p.grad.clone() for k, p in driver.engine.pool.adapters["m-held"].params.items()}
     fresh = driver.engine.pool.adapters["m-fresh"]
     assert not fresh.has_grads()
 
@@ -454,9 +551,12 @@ def test_a_pass_that_fails_in_backward_leaves_every_models_gradients_as_they_wer
     hook = victim.register_hook(fail)
     victim.requires_grad_(trains)
     try:
-        results = driver.batched([
-            driver.make("m-held", OpKind.FORWARD_BACKWARD, fb([datum("in the failing pass")])),
-            driver.make("m-fresh", OpKind.FORWARD_BACKWARD, fb([datum("also failing")]))])
+        results = driver.batched(
+            [
+                driver.make("m-held", OpKind.FORWARD_BACKWARD, fb([datum("in the failing pass")])),
+                driver.make("m-fresh", OpKind.FORWARD_BACKWARD, fb([datum("also failing")])),
+            ]
+        )
     finally:
         hook.remove()
     assert all(isinstance(r, RuntimeError) and "simulated" in str(r) for r in results)
@@ -466,10 +566,13 @@ def test_a_pass_that_fails_in_backward_leaves_every_models_gradients_as_they_wer
     assert not fresh.has_grads()
 
 
-def sample_op(driver: Driver, session: str, path: str | None, seed: int,
-              prompt: list[int]) -> Op:
-    body = SampleInput(prompt=ModelInput.from_ints(prompt), num_samples=2, model_path=path,
-                       sampling_params=SamplingParams(max_tokens=10, seed=seed, stop=[]))
+def sample_op(driver: Driver, session: str, path: str | None, seed: int, prompt: list[int]) -> Op:
+    body = SampleInput(
+        prompt=ModelInput.from_ints(prompt),
+        num_samples=2,
+        model_path=path,
+        sampling_params=SamplingParams(max_tokens=10, seed=seed, stop=[]),
+    )
     return driver.make(session, OpKind.SAMPLE, body.model_dump())
 
 
@@ -482,8 +585,11 @@ def test_stepped_samples_keep_their_checkpoints_and_leave_with_their_session(roo
     paths = []
     for i in range(3):
         driver.create(f"r{i}", LoraConfig(rank=4, seed=i))
-        saved = driver.engine.execute(driver.make(f"r{i}", OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
-                                                  {"name": "s", "ttl_seconds": None}))
+        saved = driver.engine.execute(
+            driver.make(
+                f"r{i}", OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "s", "ttl_seconds": None}
+            )
+        )
         paths.append(codec.decode(saved.result)["path"])
     ops = [sample_op(driver, f"s{i}", path, i, [5 + i, 6, 7]) for i, path in enumerate(paths)]
     bad = driver.make("s0", OpKind.SAMPLE, {"prompt": ModelInput.from_ints([]).model_dump()})
@@ -503,8 +609,7 @@ def test_stepped_samples_keep_their_checkpoints_and_leave_with_their_session(roo
     for op in ops:
         result = outcomes[op.job_id]
         assert isinstance(result, OpResult)
-        alone = engine.execute(driver.make(op.model_id, OpKind.SAMPLE,
-                                           codec.decode(op.payload)))
+        alone = engine.execute(driver.make(op.model_id, OpKind.SAMPLE, codec.decode(op.payload)))
         got, want = codec.decode(result.result), codec.decode(alone.result)
         for a, b in zip(got["sequences"], want["sequences"], strict=True):
             assert a["tokens"] == b["tokens"]

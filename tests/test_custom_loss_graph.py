@@ -81,9 +81,14 @@ def loss_data(names: list[str]) -> list[Datum]:
     data = []
     for text in TEXTS[:3]:
         n = len(text) - 1
-        values = {"ref_logprobs": -rng.uniform(3, 6, n), "old_logprobs": -rng.uniform(4, 7, n),
-                  "advantages": rng.normal(size=n), "weights": rng.uniform(0, 1, n),
-                  "chosen": (np.arange(n) < n // 2), "rejected": (np.arange(n) >= n // 2)}
+        values = {
+            "ref_logprobs": -rng.uniform(3, 6, n),
+            "old_logprobs": -rng.uniform(4, 7, n),
+            "advantages": rng.normal(size=n),
+            "weights": rng.uniform(0, 1, n),
+            "chosen": (np.arange(n) < n // 2),
+            "rejected": (np.arange(n) >= n // 2),
+        }
         data.append(datum(text, **{k: values[k].astype(np.float32) for k in names}))
     return data
 
@@ -93,21 +98,28 @@ def traced(name: str) -> tuple[Any, CustomLoss]:
     fn, names = LOSSES[name]
     handle = trace_loss(fn, {"logprobs": 1, **dict.fromkeys(names, 1)}, "sess")
     encoded = encode_graph(handle)
-    upload = CustomLoss.model_validate({
-        "loss_id": f"sess:loss:{name}", "name": name,
-        "inputs": [i.model_dump() for i in handle.inputs], "graph": encoded.model_dump()})
+    upload = CustomLoss.model_validate(
+        {
+            "loss_id": f"sess:loss:{name}",
+            "name": name,
+            "inputs": [i.model_dump() for i in handle.inputs],
+            "graph": encoded.model_dump(),
+        }
+    )
     check_loss(upload)
     return handle, upload
 
 
 def client_side_fn(handle: Any, names: list[str]) -> Callable[..., Any]:
     """forward_backward_custom's callable: the traced loss run per datum under autograd."""
+
     def fn(data: list[Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
         losses = []
         for d, lp in zip(data, logprobs, strict=True):
             inputs = [torch.tensor(np.array(d.loss_fn_inputs[n].data)) for n in names]
             losses.append(handle.graph(lp, *inputs)[0])
         return torch.stack(losses).sum(), {}
+
     return fn
 
 
@@ -136,8 +148,7 @@ def test_server_side_loss_equals_the_client_side_path(engine: Driver, name: str)
     server, client = twin_models(engine, name)
 
     body = ForwardBackwardInput(data=data, loss_fn="custom", custom_loss=upload).model_dump()
-    out = ForwardBackwardOutput.model_validate(
-        engine.op(server, OpKind.FORWARD_BACKWARD, body))
+    out = ForwardBackwardOutput.model_validate(engine.op(server, OpKind.FORWARD_BACKWARD, body))
     forward = engine.forward(client, forward_data(data))
     linear, loss, _ = run_custom_loss(data, forward, client_side_fn(handle, names))
     engine.fb(client, linear)
@@ -154,8 +165,9 @@ def test_server_side_loss_equals_the_client_side_path(engine: Driver, name: str)
         torch.testing.assert_close(server_grads[key], grad, **RTOL)
 
 
-def expected_metrics(handle: Any, names: list[str], data: list[Datum],
-                     forward: ForwardBackwardOutput) -> dict[str, float]:
+def expected_metrics(
+    handle: Any, names: list[str], data: list[Datum], forward: ForwardBackwardOutput
+) -> dict[str, float]:
     """The SDK's reduction of the loss's metrics over the datums (sum; mean divides)."""
     sums: dict[str, float] = {}
     for d, out in zip(data, forward.loss_fn_outputs, strict=True):
@@ -184,19 +196,27 @@ def mutated(name: str, index: int, **change: Any) -> CustomLoss:
     return upload.model_copy(update={"graph": upload.graph.model_validate({"nodes": nodes})})
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"target": "os.system", "args": ["rm -rf /"]}, "calls 'os.system', which is not an allowed"),
-    ({"target": "eval", "args": ["1"]}, "calls 'eval'"),
-    ({"target": "open", "args": ["/etc/passwd"]}, "calls 'open'"),
-    ({"target": "builtins.__import__", "args": ["os"]}, "calls 'builtins.__import__'"),
-    ({"target": "getattr", "args": [{"ref": "logprobs"}, "__class__"]},
-     "reads attribute '__class__'"),
-    ({"target": "getattr", "args": [{"ref": "logprobs"}, "_C"]}, "reads attribute '_C'"),
-    ({"op": "call_method", "target": "backward"}, "calls method 'backward'"),
-    ({"op": "get_attr", "target": "torch"}, "get_attr nodes are not allowed"),
-    ({"op": "call_module", "target": "os"}, "call_module nodes are not allowed"),
-    ({"args": [{"ref": "not_a_node"}]}, "refers to 'not_a_node'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"target": "os.system", "args": ["rm -rf /"]},
+            "calls 'os.system', which is not an allowed",
+        ),
+        ({"target": "eval", "args": ["1"]}, "calls 'eval'"),
+        ({"target": "open", "args": ["/etc/passwd"]}, "calls 'open'"),
+        ({"target": "builtins.__import__", "args": ["os"]}, "calls 'builtins.__import__'"),
+        (
+            {"target": "getattr", "args": [{"ref": "logprobs"}, "__class__"]},
+            "reads attribute '__class__'",
+        ),
+        ({"target": "getattr", "args": [{"ref": "logprobs"}, "_C"]}, "reads attribute '_C'"),
+        ({"op": "call_method", "target": "backward"}, "calls method 'backward'"),
+        ({"op": "get_attr", "target": "torch"}, "get_attr nodes are not allowed"),
+        ({"op": "call_module", "target": "os"}, "call_module nodes are not allowed"),
+        ({"args": [{"ref": "not_a_node"}]}, "refers to 'not_a_node'"),
+    ],
+)
 def test_a_graph_outside_the_allow_list_is_refused_naming_the_node(
     change: dict[str, Any], message: str
 ) -> None:
@@ -218,8 +238,10 @@ def test_inputs_other_than_per_token_are_refused() -> None:
 def test_custom_losses_run_in_a_shared_cross_adapter_pass(root: Any) -> None:  # noqa: F811
     """Ops of three models (two uploaded losses, one built-in) in one execute_batch give the
     results and gradients of the same ops run one at a time."""
-    batch, alone = BatchDriver(root, "cl-batch", max_resident=64), BatchDriver(
-        root, "cl-alone", max_resident=64)
+    batch, alone = (
+        BatchDriver(root, "cl-batch", max_resident=64),
+        BatchDriver(root, "cl-alone", max_resident=64),
+    )
     plan = [("cl-dpo", "dpo"), ("cl-clip", "clipped_policy"), ("cl-ce", None)]
     for driver in (batch, alone):
         for model_id, _ in plan:
@@ -227,18 +249,20 @@ def test_custom_losses_run_in_a_shared_cross_adapter_pass(root: Any) -> None:  #
     bodies = []
     for model_id, name in plan:
         if name is None:
-            body = ForwardBackwardInput(data=[datum(t) for t in TEXTS],
-                                        loss_fn="cross_entropy").model_dump()
+            body = ForwardBackwardInput(
+                data=[datum(t) for t in TEXTS], loss_fn="cross_entropy"
+            ).model_dump()
         else:
-            body = ForwardBackwardInput(data=loss_data(LOSSES[name][1]), loss_fn="custom",
-                                        custom_loss=traced(name)[1]).model_dump()
+            body = ForwardBackwardInput(
+                data=loss_data(LOSSES[name][1]), loss_fn="custom", custom_loss=traced(name)[1]
+            ).model_dump()
         bodies.append((model_id, OpKind.FORWARD_BACKWARD, body))
     got = batch.batched([batch.make(*b) for b in bodies])
     want = alone.one_by_one([alone.make(*b) for b in bodies])
     for ours, theirs in zip(got, want, strict=True):
         assert_same_outcome(ours, theirs, OpKind.FORWARD_BACKWARD)
-    assert all(isinstance(r, OpResult) and r.metrics and r.metrics["batch_models:max"] == 3
-               for r in got)  # one pass held all three models
+    assert all(
+        isinstance(r, OpResult) and r.metrics and r.metrics["batch_models:max"] == 3 for r in got
+    )  # one pass held all three models
     for model_id, _ in plan:
-        assert_batch_tensors(batch.grads(model_id), alone.grads(model_id),
-                             atol_of_max=GRAD_ATOL)
+        assert_batch_tensors(batch.grads(model_id), alone.grads(model_id), atol_of_max=GRAD_ATOL)

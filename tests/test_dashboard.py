@@ -96,6 +96,7 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 15) -> Any:
 
 def recorded(dep: Deployment, key: str, request_id: str, status: str | None = None) -> Any:
     """The request's detail once the record has it (in `status`, if given)."""
+
     def check() -> Any:
         response = dep.get(key, f"{API}/requests/{request_id}")
         if response.status_code != 200:
@@ -113,13 +114,20 @@ def failed(future: Any) -> RequestFailedError:
 
 
 @pytest.fixture(scope="module")
-def dep(redis_url: str, database_url: str,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def dep(
+    redis_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
     logs = tmp_path_factory.mktemp("dashboard")
     data_dir = Path(tempfile.mkdtemp(prefix="qt-dash-"))
-    settings = Settings(redis_url=redis_url, database_url=database_url,
-                        key_prefix=f"qt-test-{uuid.uuid4().hex[:10]}", data_dir=data_dir,
-                        lease_ttl_ms=3_000, heartbeat_ms=300, linger_ms=60_000)
+    settings = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=f"qt-test-{uuid.uuid4().hex[:10]}",
+        data_dir=data_dir,
+        lease_ttl_ms=3_000,
+        heartbeat_ms=300,
+        linger_ms=60_000,
+    )
     workers = [WorkerProcess(settings, BASE, logs / f"worker-{i}.log") for i in range(2)]
     services: list[queue_tinker.ServiceClient] = []
     try:
@@ -127,10 +135,17 @@ def dep(redis_url: str, database_url: str,
         with gateway_process(settings, logs / "gateway.log") as gateway:
             tenant_a, tenant_b = (f"t-{uuid.uuid4().hex[:8]}" for _ in range(2))
             services += [service_for(settings, tenant_a), service_for(settings, tenant_b)]
-            yield Deployment(settings, gateway, workers, tenant_a, tenant_b,
-                             make_key(settings, tenant_a), make_key(settings, tenant_b),
-                             make_admin_key(settings, f"ops-{uuid.uuid4().hex[:6]}"),
-                             *services)
+            yield Deployment(
+                settings,
+                gateway,
+                workers,
+                tenant_a,
+                tenant_b,
+                make_key(settings, tenant_a),
+                make_key(settings, tenant_b),
+                make_admin_key(settings, f"ops-{uuid.uuid4().hex[:6]}"),
+                *services,
+            )
     finally:
         for service in services:
             service.close()
@@ -173,8 +188,9 @@ def test_the_page_loads_without_a_key_and_every_data_route_needs_one(dep: Deploy
     assert "X-API-Key" in dep.get(None, f"{API}/overview").json()["detail"]
 
 
-def test_admin_keys_are_made_and_listed_as_such(database_url: str,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_admin_keys_are_made_and_listed_as_such(
+    database_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`keys create` with admin set makes an admin key (its lookup says so); `keys list`
     shows which keys are admins; a plain key is not one."""
     tenant = f"t-{uuid.uuid4().hex[:8]}"
@@ -195,19 +211,24 @@ def test_admin_keys_are_made_and_listed_as_such(database_url: str,
         finally:
             await engine.dispose()
 
-    assert asyncio.run(owners()) == [api_keys.KeyOwner(tenant, True),
-                                     api_keys.KeyOwner(tenant, False)]
+    assert asyncio.run(owners()) == [
+        api_keys.KeyOwner(tenant, True),
+        api_keys.KeyOwner(tenant, False),
+    ]
     listed = [line.split() for line in keys("list").splitlines()]
     assert listed[0][:4] == ["id", "tenant", "prefix", "admin"]
-    assert [(row[2], row[3]) for row in listed[1:]] == [(admin_key[:12], "yes"),
-                                                       (plain_key[:12], "no")]
+    assert [(row[2], row[3]) for row in listed[1:]] == [
+        (admin_key[:12], "yes"),
+        (plain_key[:12], "no"),
+    ]
 
 
 # --- what each key sees --------------------------------------------------------------------
 
 
 def test_overview_is_scoped_to_the_tenant_and_hides_other_tenants_on_workers(
-        dep: Deployment) -> None:
+    dep: Deployment,
+) -> None:
     """Each tenant's overview lists only its queues and limits; workers are all listed, but
     another tenant's resident models and current op are hidden; the admin sees everything."""
     tc_a = dep.service_a.create_lora_training_client(BASE, rank=4)
@@ -234,14 +255,15 @@ def test_overview_is_scoped_to_the_tenant_and_hides_other_tenants_on_workers(
     assert queue_b["depth"] >= 2 and queue_b["tenant_id"] == dep.tenant_b
     assert queue_b["state"] == "active" and queue_b["oldest_wait_s"] >= 0
     assert admin["caller"]["admin"] is True
-    for seen, mine, theirs, tenant in ((seen_a, tc_a, tc_b, dep.tenant_a),
-                                       (seen_b, tc_b, tc_a, dep.tenant_b)):
+    for seen, mine, theirs, tenant in (
+        (seen_a, tc_a, tc_b, dep.tenant_a),
+        (seen_b, tc_b, tc_a, dep.tenant_b),
+    ):
         assert seen["caller"] == {"tenant_id": tenant, "admin": False}
         assert {q["tenant_id"] for q in seen["queues"]} == {tenant}
         assert mine.model_id in {q["model_id"] for q in seen["queues"]}
         assert [t["tenant_id"] for t in seen["tenants"]] == [tenant]
-        assert sorted(w["id"] for w in seen["workers"]) == sorted(w["id"] for w in
-                                                                  admin["workers"])
+        assert sorted(w["id"] for w in seen["workers"]) == sorted(w["id"] for w in admin["workers"])
         resident = {m for w in seen["workers"] for m in w["resident"]}
         assert theirs.model_id not in resident and mine.model_id in resident
         assert sum(w["resident_hidden"] for w in seen["workers"]) >= 1
@@ -266,14 +288,19 @@ def test_requests_runs_and_checkpoints_are_scoped_to_the_tenant(dep: Deployment)
     asyncio.run(add_checkpoints(dep, {tc_a.model_id: dep.tenant_a, tc_b.model_id: dep.tenant_b}))
     # Several recorders write behind (the gateway's, each worker's): wait for the runs too.
     for key, run in ((dep.key_a, tc_a.model_id), (dep.key_b, tc_b.model_id)):
-        wait_for(f"the record of {run}", lambda key=key, run=run: run in {
-            r["id"] for r in dep.ok(key, f"{API}/runs", limit=500)["runs"]})
+        wait_for(
+            f"the record of {run}",
+            lambda key=key, run=run: (
+                run in {r["id"] for r in dep.ok(key, f"{API}/runs", limit=500)["runs"]}
+            ),
+        )
     recorded(dep, dep.key_a, ping_a.request_id, "done")
     recorded(dep, dep.key_b, ping_b.request_id, "done")
 
     for key, mine, theirs, mine_ping, their_ping, tenant in (
-            (dep.key_a, tc_a, tc_b, ping_a, ping_b, dep.tenant_a),
-            (dep.key_b, tc_b, tc_a, ping_b, ping_a, dep.tenant_b)):
+        (dep.key_a, tc_a, tc_b, ping_a, ping_b, dep.tenant_a),
+        (dep.key_b, tc_b, tc_a, ping_b, ping_a, dep.tenant_b),
+    ):
         rows = dep.ok(key, f"{API}/requests", limit=500)["requests"]
         assert {r["tenant_id"] for r in rows} == {tenant}
         assert mine_ping.request_id in {r["id"] for r in rows}
@@ -284,22 +311,26 @@ def test_requests_runs_and_checkpoints_are_scoped_to_the_tenant(dep: Deployment)
         assert {r["tenant_id"] for r in runs.values()} == {tenant}
         assert dep.get(key, f"{API}/runs/{theirs.model_id}/loss").status_code == 404
         assert dep.ok(key, f"{API}/runs/{mine.model_id}/loss")["points"] == []  # no training
-        paths = {c["tinker_path"] for c in dep.ok(key, f"{API}/checkpoints", limit=500)
-                 ["checkpoints"]}
+        paths = {
+            c["tinker_path"] for c in dep.ok(key, f"{API}/checkpoints", limit=500)["checkpoints"]
+        }
         assert paths >= {f"tinker://{mine.model_id}/weights/w1"}
         assert not any(theirs.model_id in p for p in paths)
         assert dep.get(key, f"{API}/checkpoints", run=theirs.model_id).status_code == 404
         own = dep.ok(key, f"{API}/checkpoints", run=mine.model_id)["checkpoints"]
         assert [(c["checkpoint_id"], c["kind"]) for c in own] == [
-            ("sampler_weights/s1", "sampler"), ("weights/w1", "state")]  # newest first
+            ("sampler_weights/s1", "sampler"),
+            ("weights/w1", "state"),
+        ]  # newest first
 
     rows = dep.ok(dep.admin, f"{API}/requests", limit=500)["requests"]
     assert {ping_a.request_id, ping_b.request_id} <= {r["id"] for r in rows}
     runs = {r["id"] for r in dep.ok(dep.admin, f"{API}/runs", limit=500)["runs"]}
     assert {tc_a.model_id, tc_b.model_id} <= runs
     assert dep.ok(dep.admin, f"{API}/requests/{ping_b.request_id}")["tenant_id"] == dep.tenant_b
-    admin_paths = {c["run_id"] for c in dep.ok(dep.admin, f"{API}/checkpoints", limit=500)
-                   ["checkpoints"]}
+    admin_paths = {
+        c["run_id"] for c in dep.ok(dep.admin, f"{API}/checkpoints", limit=500)["checkpoints"]
+    }
     assert {tc_a.model_id, tc_b.model_id} <= admin_paths
 
 
@@ -308,12 +339,21 @@ async def add_checkpoints(dep: Deployment, runs: dict[str, str]) -> None:
     writer the recorder uses (a queue-only worker writes no checkpoints)."""
     now = time.time()
     records = [
-        CheckpointRecord(id=f"tinker://{run}/{segment}/{name}", model_id=run, tenant_id=tenant,
-                         name=name, kind=kind, path=f"/nowhere/{run}/{name}", size_bytes=1234,
-                         created_at=now + offset)
+        CheckpointRecord(
+            id=f"tinker://{run}/{segment}/{name}",
+            model_id=run,
+            tenant_id=tenant,
+            name=name,
+            kind=kind,
+            path=f"/nowhere/{run}/{name}",
+            size_bytes=1234,
+            created_at=now + offset,
+        )
         for run, tenant in runs.items()
-        for segment, name, kind, offset in (("weights", "w1", "state", 0.0),
-                                            ("sampler_weights", "s1", "sampler", 1.0))
+        for segment, name, kind, offset in (
+            ("weights", "w1", "state", 0.0),
+            ("sampler_weights", "s1", "sampler", 1.0),
+        )
     ]
     engine = make_engine(dep.settings.database_url or "")
     try:
@@ -333,13 +373,18 @@ def test_requests_filter_and_the_traceback_is_one_request_away(dep: Deployment) 
     # A ping whose body is not a mapping breaks the worker's code: a server error.
     holder = dep.service_a._holder
     broken_id, outcome = dep.service_a._loop.run(
-        holder.submit(tc.model_id, OpKind.PING, codec.encode([1, 2, 3])))
+        holder.submit(tc.model_id, OpKind.PING, codec.encode([1, 2, 3]))
+    )
     dep.service_a._loop.run(asyncio.wait_for(outcome, 20))
     recorded(dep, dep.key_a, broken_id, "failed")
     recorded(dep, dep.key_a, bad_input.request_id, "failed")
     recorded(dep, dep.key_a, done.request_id, "done")
-    wait_for("the create_model record", lambda: dep.ok(
-        dep.key_a, f"{API}/requests", model=tc.model_id, kind="create_model")["requests"])
+    wait_for(
+        "the create_model record",
+        lambda: dep.ok(dep.key_a, f"{API}/requests", model=tc.model_id, kind="create_model")[
+            "requests"
+        ],
+    )
 
     rows = dep.ok(dep.key_a, f"{API}/requests", model=tc.model_id, status="failed")["requests"]
     assert {r["id"] for r in rows} == {bad_input.request_id, broken_id}
@@ -347,13 +392,18 @@ def test_requests_filter_and_the_traceback_is_one_request_away(dep: Deployment) 
     assert "delay_ms" in by_id[bad_input.request_id]["error"]
     assert by_id[broken_id]["has_detail"] and not by_id[bad_input.request_id]["has_detail"]
     assert "error_detail" not in by_id[broken_id]  # the list stays small
-    (ok,) = dep.ok(dep.key_a, f"{API}/requests", model=tc.model_id, status="done",
-                   kind="ping")["requests"]
+    (ok,) = dep.ok(dep.key_a, f"{API}/requests", model=tc.model_id, status="done", kind="ping")[
+        "requests"
+    ]
     assert ok["id"] == done.request_id and ok["latency_s"] >= 0
     assert ok["run_s"] is None or ok["latency_s"] >= ok["run_s"] >= 0  # inline: no start
     assert ok["worker_id"] and ok["finished_at"] >= ok["queued_at"]
-    assert [r["kind"] for r in dep.ok(dep.key_a, f"{API}/requests", model=tc.model_id,
-                                      kind="create_model")["requests"]] == ["create_model"]
+    assert [
+        r["kind"]
+        for r in dep.ok(dep.key_a, f"{API}/requests", model=tc.model_id, kind="create_model")[
+            "requests"
+        ]
+    ] == ["create_model"]
     assert dep.get(dep.key_a, f"{API}/requests", status="lost").status_code == 422
 
     server = dep.ok(dep.key_a, f"{API}/requests/{broken_id}")
@@ -448,15 +498,22 @@ def test_dead_lettered_records_are_shown_to_whom_they_belong(dep: Deployment) ->
     dead_letters with its reason, for an admin and for its tenant, not for another tenant;
     with none, the count is 0 (the page hides the card)."""
     assert dep.ok(dep.admin, f"{API}/overview")["dead_letters"] == {"count": 0, "recent": []}
-    record = RequestRecord(id=f"req-{uuid.uuid4().hex}", model_id="m-dead", seq=1,
-                           kind=OpKind.PING, status=JobStatus.DONE, tenant_id=dep.tenant_a,
-                           queued_at=time.time())
+    record = RequestRecord(
+        id=f"req-{uuid.uuid4().hex}",
+        model_id="m-dead",
+        seq=1,
+        kind=OpKind.PING,
+        status=JobStatus.DONE,
+        tenant_id=dep.tenant_a,
+        queued_at=time.time(),
+    )
 
     async def bury() -> None:
         client = connect(dep.settings.redis_url or "")
         try:
             await RecordLog(client, Keys(dep.settings.key_prefix)).bury(
-                record, "DataError: invalid byte sequence")
+                record, "DataError: invalid byte sequence"
+            )
         finally:
             await client.aclose()
 
@@ -483,11 +540,20 @@ def test_a_diverged_loss_is_shown_not_a_500(dep: Deployment) -> None:
     tc = dep.service_a.create_lora_training_client(BASE, rank=4)
     tc.ping("made").result(timeout=20)
     now = time.time()
-    records = [RequestRecord(id=f"req-{uuid.uuid4().hex}", model_id=tc.model_id, seq=100 + i,
-                             kind=OpKind.FORWARD_BACKWARD, status=JobStatus.DONE,
-                             tenant_id=dep.tenant_a, queued_at=now, finished_at=now,
-                             metrics={"loss:sum": loss})
-               for i, loss in enumerate([2.5, float("-inf"), float("nan")])]
+    records = [
+        RequestRecord(
+            id=f"req-{uuid.uuid4().hex}",
+            model_id=tc.model_id,
+            seq=100 + i,
+            kind=OpKind.FORWARD_BACKWARD,
+            status=JobStatus.DONE,
+            tenant_id=dep.tenant_a,
+            queued_at=now,
+            finished_at=now,
+            metrics={"loss:sum": loss},
+        )
+        for i, loss in enumerate([2.5, float("-inf"), float("nan")])
+    ]
 
     async def write() -> None:
         engine = make_engine(dep.settings.database_url or "")

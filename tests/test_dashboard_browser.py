@@ -35,8 +35,12 @@ def batch() -> list[types.Datum]:
     data = []
     for text in TEXTS:
         ids = list(text.encode())
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                                loss_fn_inputs={"target_tokens": np.array(ids[1:])}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={"target_tokens": np.array(ids[1:])},
+            )
+        )
     return data
 
 
@@ -71,8 +75,8 @@ class TrainingLoop:
     def wait_for_losses(self, count: int, timeout: float = 60) -> None:
         with self._got_loss:
             assert self._got_loss.wait_for(
-                lambda: len(self.losses) >= count or self.error is not None, timeout), \
-                f"only {len(self.losses)} losses within {timeout}s"
+                lambda: len(self.losses) >= count or self.error is not None, timeout
+            ), f"only {len(self.losses)} losses within {timeout}s"
         if self.error is not None:
             raise self.error
 
@@ -81,8 +85,12 @@ class TrainingLoop:
         window: list[tuple[Any, Any]] = []
         try:
             while not self._stop.is_set() and self._steps < MAX_STEPS:
-                window.append((self.training.forward_backward(data, "cross_entropy"),
-                               self.training.optim_step(adam)))
+                window.append(
+                    (
+                        self.training.forward_backward(data, "cross_entropy"),
+                        self.training.optim_step(adam),
+                    )
+                )
                 self._steps += 1
                 if self._steps % 5 == 0:
                     self.training.save_state(f"step-{self._steps}")
@@ -112,11 +120,14 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(redis_url: str, database_url: str,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(
+    redis_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[World]:
     log = tmp_path_factory.mktemp("dashboard-browser") / "gateway.log"
-    with lora_deployment(redis_url, database_url, TINY) as settings, \
-            gateway_process(settings, log) as gateway:
+    with (
+        lora_deployment(redis_url, database_url, TINY) as settings,
+        gateway_process(settings, log) as gateway,
+    ):
         service = queue_tinker.ServiceClient(settings)  # the "default" tenant
         loop = TrainingLoop(service)
         try:
@@ -138,8 +149,10 @@ PAGE_READY = """([modelId]) => {
 }"""
 
 
-@pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                    reason=f"{CHROMIUM} is missing (apt-get install chromium; .ci/run does)")
+@pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason=f"{CHROMIUM} is missing (apt-get install chromium; .ci/run does)",
+)
 def test_the_dashboard_shows_the_queue_the_worker_and_the_loss_curve(world: World) -> None:
     """Headless Chromium signs in with a key and sees, while training runs, the run's queue
     row, the worker (base model, device) and a loss curve of several points; no script
@@ -154,12 +167,17 @@ def test_the_dashboard_shows_the_queue_the_worker_and_the_loss_curve(world: Worl
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+        )
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
             page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.on("console", lambda msg: errors.append(f"{msg.text} {msg.location}")
-                    if msg.type == "error" else None)
+            page.on(
+                "console",
+                lambda msg: (
+                    errors.append(f"{msg.text} {msg.location}") if msg.type == "error" else None
+                ),
+            )
             page.goto(f"{world.gateway}/dashboard")
             page.fill("#key-input", world.key)
             page.click("#key-form button[type=submit]")

@@ -35,9 +35,13 @@ def module_settings(
     """One deployment for the module (the conftest `settings` is per test), keys removed after."""
     prefix = f"qt-test-{uuid.uuid4().hex[:10]}"
     yield Settings(
-        redis_url=redis_url, database_url=database_url, key_prefix=prefix,
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=prefix,
         data_dir=tmp_path_factory.mktemp("demo") / "data",
-        lease_ttl_ms=3_000, heartbeat_ms=500, linger_ms=2_000,
+        lease_ttl_ms=3_000,
+        heartbeat_ms=500,
+        linger_ms=2_000,
     )
     client = redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
@@ -53,8 +57,7 @@ def lora_worker(module_settings: Settings) -> Iterator[WorkerProcess]:
         # One torch thread: the tiny model gains nothing from more, and on a busy CI machine
         # its threads wait on each other (the demo's worker does the same).
         env.setenv("OMP_NUM_THREADS", "1")
-        worker = WorkerProcess(module_settings, demo_task.DEMO_BASE_MODEL, log_path,
-                               engine="lora")
+        worker = WorkerProcess(module_settings, demo_task.DEMO_BASE_MODEL, log_path, engine="lora")
     try:
         wait_for_workers(module_settings, 1, timeout=60)
         yield worker
@@ -87,14 +90,16 @@ def test_demo_task_loss_falls_by_90_percent_within_100_steps(
 ) -> None:
     with ServiceClient(module_settings) as service:
         training = service.create_lora_training_client(
-            demo_task.DEMO_BASE_MODEL, rank=demo_task.DEMO_RANK, seed=0)
+            demo_task.DEMO_BASE_MODEL, rank=demo_task.DEMO_RANK, seed=0
+        )
         seen: list[int] = []
         losses = demo_task.train(training, 100, on_step=lambda step, _: seen.append(step))
         sampler = training.save_weights_and_get_sampling_client("trained")
         answers = demo_task.answers(sampler, demo_task.demo_examples())
         untrained = demo_task.answers(
             service.create_sampling_client(base_model=demo_task.DEMO_BASE_MODEL),
-            demo_task.demo_examples())
+            demo_task.demo_examples(),
+        )
     assert seen == list(range(100))
     assert len(losses) == 100 and all(np.isfinite(losses))
     assert losses[-1] <= 0.1 * losses[0], f"first {losses[0]:.2f}, last {losses[-1]:.2f}"
@@ -106,10 +111,19 @@ def test_demo_task_loss_falls_by_90_percent_within_100_steps(
 def test_manual_training_loop_example_runs_against_the_deployment(
     module_settings: Settings, lora_worker: WorkerProcess
 ) -> None:
-    argv = [sys.executable, str(EXAMPLE), "--num-steps", "6", "--save-every", "3",
-            "--learning-rate", "5e-3"]
-    proc = subprocess.run(argv, env=child_env(module_settings), cwd=REPO, capture_output=True,
-                          text=True, timeout=90)
+    argv = [
+        sys.executable,
+        str(EXAMPLE),
+        "--num-steps",
+        "6",
+        "--save-every",
+        "3",
+        "--learning-rate",
+        "5e-3",
+    ]
+    proc = subprocess.run(
+        argv, env=child_env(module_settings), cwd=REPO, capture_output=True, text=True, timeout=90
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = [float(x) for x in re.findall(r"^Step \d+, Loss: (\S+)$", proc.stdout, re.M)]
     assert len(losses) == 6 and all(np.isfinite(losses)), proc.stdout
@@ -117,8 +131,9 @@ def test_manual_training_loop_example_runs_against_the_deployment(
     assert saved is not None, proc.stdout
     path = CheckpointPath.parse(saved.group(1))
     assert path.kind.path_segment == "sampler_weights"
-    assert re.search(r"^Sample: 'Question: What is 2\+2\?\\nAnswer:' -> '.*'$", proc.stdout,
-                     re.M), proc.stdout
+    assert re.search(
+        r"^Sample: 'Question: What is 2\+2\?\\nAnswer:' -> '.*'$", proc.stdout, re.M
+    ), proc.stdout
     assert proc.stdout.rstrip().endswith("Training complete!")
 
 
@@ -131,8 +146,9 @@ def test_demo_command_trains_saves_and_shows_the_record(
     drop = re.search(r"down (\d+\.\d)%", out)
     assert drop is not None and float(drop.group(1)) >= 90.0, out
     assert re.search(r"saved state .*: tinker://m-\w+/weights/demo-final$", out, re.M), out
-    assert re.search(r"saved sampler weights: +tinker://m-\w+/sampler_weights/demo-final$",
-                     out, re.M), out
+    assert re.search(
+        r"saved sampler weights: +tinker://m-\w+/sampler_weights/demo-final$", out, re.M
+    ), out
     for kind, count in (("forward_backward", 100), ("optim_step", 100), ("save_state", 1)):
         assert re.search(rf"^ +{kind} +done +{count}$", out, re.M), out
     assert re.search(r"^ +state +demo-final ", out, re.M), out

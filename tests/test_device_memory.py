@@ -22,9 +22,14 @@ def test_out_of_memory_splits_the_pass_and_names_what_fits(tmp_path: Path) -> No
     that does not fit runs as two passes, with the losses each op gets alone; the pass budget
     drops to what fitted; a four-row op fails alone with DeviceMemoryError naming 8192 padded
     tokens and the 2048 that fit; the engine then runs ops as before."""
-    done = subprocess.run([sys.executable, str(REPO / "tests/scripts/out_of_memory_pass.py"),
-                           str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          check=False, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests/scripts/out_of_memory_pass.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "ran out of memory: splitting it" in done.stderr
@@ -40,8 +45,14 @@ def test_out_of_memory_splits_the_pass_and_names_what_fits(tmp_path: Path) -> No
 def test_budgets_scale_with_free_memory(checkpointing: bool) -> None:
     """Twice the free memory gives twice the training tokens and sampling sequences; a
     checkpointed pass needs less per token, so more tokens fit."""
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
     gib = 1 << 30
     small = budgets_for(config, 20 * gib, 2, checkpointing=checkpointing)
     large = budgets_for(config, 40 * gib, 2, checkpointing=checkpointing)

@@ -41,8 +41,13 @@ def reference_sign(x: torch.Tensor) -> torch.Tensor:
     return y if x.shape[0] <= x.shape[1] else y.T
 
 
-def reference_step(weight: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor,
-                   params: DimuonParams, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_step(
+    weight: torch.Tensor,
+    momentum: torch.Tensor,
+    grad: torch.Tensor,
+    params: DimuonParams,
+    rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(new weight, new momentum), all float64."""
     momentum = params.beta1 * momentum + (1 - params.beta1) * grad
     if not momentum.any():  # LoRA A's first gradient (B starts at zero): no direction
@@ -69,8 +74,9 @@ def test_steps_match_the_float64_reference(shape: tuple[int, int]) -> None:
         weight.grad = grad.clone()
         dimuon.dimuon_step([weight], state, PARAMS, RANK)
         expected, momentum = reference_step(expected, momentum, grad.double(), PARAMS, RANK)
-        torch.testing.assert_close(state[weight]["exp_avg"].double(), momentum, rtol=1e-6,
-                                   atol=1e-9)
+        torch.testing.assert_close(
+            state[weight]["exp_avg"].double(), momentum, rtol=1e-6, atol=1e-9
+        )
         torch.testing.assert_close(weight.detach().double(), expected, rtol=1e-5, atol=1e-6)
     assert int(state[weight]["step"]) == 3
 
@@ -81,8 +87,7 @@ def test_the_direction_has_norm_sqrt_rank_and_ignores_the_gradient_scale() -> No
     m = torch.randn(RANK, 32, generator=torch.Generator().manual_seed(7))
     d = dimuon.direction(m, RANK, 1e-4)
     assert float(d.norm()) == pytest.approx(math.sqrt(RANK), rel=1e-5)
-    torch.testing.assert_close(dimuon.direction(m * 1e-3, RANK, 1e-4), d, rtol=1e-4,
-                               atol=1e-5)
+    torch.testing.assert_close(dimuon.direction(m * 1e-3, RANK, 1e-4), d, rtol=1e-4, atol=1e-5)
     u, _, vt = torch.linalg.svd(dimuon.preconditioned(m, 1e-4), full_matrices=False)
     exact = u @ vt
     cosine = float((d * exact).sum() / (d.norm() * exact.norm()))
@@ -105,8 +110,11 @@ def engine(scratch: torch.Tensor, models_dir: torch.Tensor) -> Driver:  # noqa: 
 
 def create_dimuon(driver: Driver, model_id: str, seed: int) -> None:
     lora = LoraConfig(rank=RANK, seed=seed, optimizer=Optimizer.DIMUON).model_dump(mode="json")
-    driver.op(model_id, OpKind.CREATE_MODEL,
-              {"lora_config": lora, "tenant_id": "default", "base_model": BASE})
+    driver.op(
+        model_id,
+        OpKind.CREATE_MODEL,
+        {"lora_config": lora, "tenant_id": "default", "base_model": BASE},
+    )
 
 
 def dimuon_train(driver: Driver, model_id: str, texts: list[str]) -> None:
@@ -120,16 +128,18 @@ def test_an_engine_step_is_the_reference_step_of_its_gradients(engine: Driver) -
     create_dimuon(engine, "dm-a", seed=3)
     for texts in (TEXTS, TEXTS[1:]):
         before = engine.weights("dm-a")
-        momenta = {k: v.double() for k, v in engine.moments("dm-a").items()
-                   if k.endswith(".exp_avg")}
+        momenta = {
+            k: v.double() for k, v in engine.moments("dm-a").items() if k.endswith(".exp_avg")
+        }
         engine.fb("dm-a", batch(texts))
         grads = engine.grads("dm-a")
         engine.op("dm-a", OpKind.OPTIM_STEP, PARAMS.model_dump(mode="json"))
         after = engine.weights("dm-a")
         for key, grad in grads.items():
             momentum = momenta.get(f"{key}.exp_avg", torch.zeros_like(grad).double())
-            expected, _ = reference_step(before[key].double(), momentum, grad.double(), PARAMS,
-                                         RANK)
+            expected, _ = reference_step(
+                before[key].double(), momentum, grad.double(), PARAMS, RANK
+            )
             torch.testing.assert_close(after[key].double(), expected, rtol=1e-5, atol=1e-6)
     assert engine.adapter("dm-a").step == 2
     assert not any(k.endswith("exp_avg_sq") for k in engine.moments("dm-a"))
@@ -156,12 +166,13 @@ def test_the_other_optimizers_hyperparameters_are_refused(engine: Driver) -> Non
     optimizer_params and what to send; a Dimuon checkpoint does not load into an AdamW run."""
     create_dimuon(engine, "dm-d", seed=7)
     engine.fb("dm-d", batch())
-    with pytest.raises(UserInputError, match="optimizer_params: this run was created with "
-                       "the dimuon optimizer; send DimuonParams"):
+    with pytest.raises(
+        UserInputError,
+        match="optimizer_params: this run was created with the dimuon optimizer; send DimuonParams",
+    ):
         engine.op("dm-d", OpKind.OPTIM_STEP, AdamParams().model_dump())
     engine.create("adam-d", seed=8, rank=RANK)
-    with pytest.raises(UserInputError, match="created with the adamw optimizer; send "
-                       "AdamParams"):
+    with pytest.raises(UserInputError, match="created with the adamw optimizer; send AdamParams"):
         engine.op("adam-d", OpKind.OPTIM_STEP, PARAMS.model_dump(mode="json"))
     path = engine.save("dm-d", "for-adam")
     with pytest.raises(UserInputError, match="LoRA config"):

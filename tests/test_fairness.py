@@ -24,18 +24,24 @@ BASE = "tiny"
 
 
 async def test_an_offer_goes_to_the_tenant_holding_the_fewest_models(
-        aredis: Redis, key_prefix: str) -> None:
+    aredis: Redis, key_prefix: str
+) -> None:
     """Five older offers of a tenant that already holds a model, one newer offer of a tenant
     that holds none: the newer one is taken first."""
     keys = Keys(key_prefix)
     jobs = JobQueue(aredis, keys, result_ttl_s=60)
-    models = {"flood-0": "flood", **{f"flood-{i}": "flood" for i in range(1, 6)},
-              "quiet-0": "quiet"}
-    worker = Dispatcher(aredis, keys, worker_id="w", base_model=BASE, lease_ttl_ms=5_000,
-                        result_ttl_s=60)
+    models = {
+        "flood-0": "flood",
+        **{f"flood-{i}": "flood" for i in range(1, 6)},
+        "quiet-0": "quiet",
+    }
+    worker = Dispatcher(
+        aredis, keys, worker_id="w", base_model=BASE, lease_ttl_ms=5_000, result_ttl_s=60
+    )
     for model_id, tenant in models.items():
-        await jobs.register_model(model_id, base_model=BASE, tenant_id=tenant, session_id=None,
-                                  lora_config={})
+        await jobs.register_model(
+            model_id, base_model=BASE, tenant_id=tenant, session_id=None, lora_config={}
+        )
         await jobs.enqueue(model_id, OpKind.PING, b"", job_id=f"{model_id}-op")
         if model_id == "flood-0":
             assert await worker.take_offer() == "flood-0"
@@ -70,15 +76,19 @@ def leased(settings: Settings, model_ids: list[str]) -> bool:
 
 
 def test_a_flooding_tenant_delays_another_tenants_op_by_at_most_one_round(
-        settings: Settings, tmp_path: Path) -> None:
+    settings: Settings, tmp_path: Path
+) -> None:
     """One worker; tenant `flood` has 1,000 ops queued over 10 models; tenant `quiet` sends
     one op. Between its arrival and its start at most one scheduling round passes: the flood
     op in progress, plus one the worker picked while the op was on its way (per-model round
     robin would run one op of each of the 10 flood models first)."""
     flood_settings = settings.model_copy(update={"tenant": "flood"})
     quiet_settings = settings.model_copy(update={"tenant": "quiet"})
-    with running_workers(settings, 1, tmp_path), ServiceClient(flood_settings) as flood, \
-            ServiceClient(quiet_settings) as quiet:
+    with (
+        running_workers(settings, 1, tmp_path),
+        ServiceClient(flood_settings) as flood,
+        ServiceClient(quiet_settings) as quiet,
+    ):
         runs = [flood.create_lora_training_client(BASE, rank=4) for _ in range(10)]
         flood_ops = [run.ping(i, delay_ms=5) for i in range(100) for run in runs]
         deadline = time.monotonic() + 20

@@ -122,8 +122,9 @@ def train(tc: tinker.TrainingClient, pacer: Pacer | None = None) -> Run:
     """STEPS steps of forward_backward + optim_step through PHASES; every future must resolve
     within FUTURE_TIMEOUT_S."""
     run = Run()
-    in_flight: deque[tuple[int, APIFuture[ForwardBackwardOutput],
-                           APIFuture[OptimStepResponse]]] = deque()
+    in_flight: deque[tuple[int, APIFuture[ForwardBackwardOutput], APIFuture[OptimStepResponse]]] = (
+        deque()
+    )
 
     def settle() -> None:
         step, fb, opt = in_flight.popleft()
@@ -165,14 +166,14 @@ def kill_owners(fleet: Fleet, model_id: str, pacer: Pacer, rng: random.Random) -
             time.sleep(rng.uniform(0.0, 0.1))  # the random moment (ops are in flight)
             owner = wait_until("the model's owner", lambda: fleet.owner(model_id))
             fleet.kill(owner)
-            done, last = fleet.redis.hmget(fleet.keys.model_meta(model_id), "done_seq",
-                                           "last_seq")
+            done, last = fleet.redis.hmget(fleet.keys.model_meta(model_id), "done_seq", "last_seq")
             snapshot = fleet.settings.storage_dir / model_id / "_snapshot" / "qt_meta.json"
             at = json.loads(snapshot.read_text())["seq"] if snapshot.exists() else None
             pacer.notes.append(
                 f"{time.monotonic() - pacer.t0:5.1f}s: killed {owner.pid} after step "
                 f"{pacer.submitted} was sent: ops done {int(done or 0)} of {int(last or 0)}, "
-                f"snapshot at {at}")
+                f"snapshot at {at}"
+            )
             fleet.start()
             pacer.killed()
     except BaseException as exc:
@@ -197,8 +198,9 @@ def faulted_run(service: tinker.ServiceClient, fleet: Fleet, pacer: Pacer) -> Ob
     keys, r = fleet.keys, fleet.redis
     tc = service.create_lora_training_client(TINY, rank=RANK, seed=SEED)
     published = Publications(service.settings.redis_url or "", keys.model_events(tc.model_id))
-    killer = threading.Thread(target=kill_owners, daemon=True,
-                              args=(fleet, tc.model_id, pacer, random.Random(FAULT_SEED)))
+    killer = threading.Thread(
+        target=kill_owners, daemon=True, args=(fleet, tc.model_id, pacer, random.Random(FAULT_SEED))
+    )
     killer.start()
     try:
         try:
@@ -213,35 +215,58 @@ def faulted_run(service: tinker.ServiceClient, fleet: Fleet, pacer: Pacer) -> Ob
         weights = adapter_weights(service, tc, "end")
     finally:
         counts = published.close()
-    meta = json.loads((service.settings.storage_dir / tc.model_id / "sampler_weights" / "end"
-                       / "qt_meta.json").read_text())
+    meta = json.loads(
+        (
+            service.settings.storage_dir / tc.model_id / "sampler_weights" / "end" / "qt_meta.json"
+        ).read_text()
+    )
     return Observed(
-        run=run, weights=weights, published=counts, counters=counters,
+        run=run,
+        weights=weights,
+        published=counts,
+        counters=counters,
         jobs=[r.hgetall(keys.job(job_id)) for job_id in run.request_ids],
-        epochs=int(r.get(keys.model_epoch(tc.model_id)) or 0), step=meta["step"],
+        epochs=int(r.get(keys.model_epoch(tc.model_id)) or 0),
+        step=meta["step"],
     )
 
 
 @pytest.mark.timeout(300)  # ~40 s alone on 2 cores; far more when the machine is shared
-def test_two_hundred_steps_survive_five_kill_9s(redis_url: str, database_url: str,
-                                                tmp_path: Path, key_prefix: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_hundred_steps_survive_five_kill_9s(
+    redis_url: str,
+    database_url: str,
+    tmp_path: Path,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """200 steps while the model's owner is SIGKILLed at 5 random moments (another worker
     alive, a replacement started after each): every future resolves, each op's outcome is
     published once, the optimizer counts steps 1..200 exactly once, and the losses and final
     weights equal an uninterrupted run's."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 3-4 workers on 2 cores: no thread hand-offs
-    settings = Settings(redis_url=redis_url, database_url=database_url, key_prefix=key_prefix,
-                        data_dir=tmp_path / "data", lease_ttl_ms=1_500, heartbeat_ms=300,
-                        linger_ms=60_000, snapshot_every_steps=7)
+    settings = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        data_dir=tmp_path / "data",
+        lease_ttl_ms=1_500,
+        heartbeat_ms=300,
+        linger_ms=60_000,
+        snapshot_every_steps=7,
+    )
     rng = random.Random(FAULT_SEED)
     # One kill in each fifth of steps 10..189: every phase, at random points between snapshots.
     pacer = Pacer([rng.randrange(10 + 36 * i, 10 + 36 * (i + 1)) for i in range(5)])
     fleet = Fleet(settings, TINY, tmp_path)
 
     def why() -> str:
-        return "\n  ".join([f"seed {FAULT_SEED}, kills after steps {pacer.kill_steps}",
-                            *pacer.notes, fleet.logs()[-6000:]])
+        return "\n  ".join(
+            [
+                f"seed {FAULT_SEED}, kills after steps {pacer.kill_steps}",
+                *pacer.notes,
+                fleet.logs()[-6000:],
+            ]
+        )
 
     try:
         # Three, so that a kill seldom waits for a replacement to load (5-6 s of CPU for the
@@ -260,14 +285,21 @@ def test_two_hundred_steps_survive_five_kill_9s(redis_url: str, database_url: st
             expected = train(straight)
             want = adapter_weights(service, straight, "end")
         # Every worker not killed (the last replacement too) stops cleanly, once loaded.
-        wait_until("the replacements to load", lambda: len(fleet.live()) == len(
-            [p for p in fleet.procs if p.proc.poll() is None]), timeout=120, every=0.1)
+        wait_until(
+            "the replacements to load",
+            lambda: len(fleet.live()) == len([p for p in fleet.procs if p.proc.poll() is None]),
+            timeout=120,
+            every=0.1,
+        )
 
         # No op took effect twice, none was lost.
         assert seen.run.optimizer_steps == list(range(1, STEPS + 1)), why()
         assert seen.step == STEPS
-        assert seen.counters == {"create_model|done": 1, "forward_backward|done": STEPS,
-                                 "optim_step|done": STEPS}, why()
+        assert seen.counters == {
+            "create_model|done": 1,
+            "forward_backward|done": STEPS,
+            "optim_step|done": STEPS,
+        }, why()
         assert all(job[b"status"] == b"done" for job in seen.jobs), why()
         ours = set(seen.run.request_ids)
         assert len(ours) == 2 * STEPS and ours <= set(seen.published)
@@ -283,13 +315,17 @@ def test_two_hundred_steps_survive_five_kill_9s(redis_url: str, database_url: st
         np.testing.assert_allclose(seen.run.losses, expected.losses, rtol=1e-5, err_msg=why())
         assert set(seen.weights) == set(want)
         for key, value in want.items():
-            torch.testing.assert_close(seen.weights[key], value, rtol=1e-5, atol=1e-8,
-                                       msg=lambda m, k=key: f"{k}: {m}")
+            torch.testing.assert_close(
+                seen.weights[key], value, rtol=1e-5, atol=1e-8, msg=lambda m, k=key: f"{k}: {m}"
+            )
         reruns = sum(int(job[b"attempts"]) > 1 for job in seen.jobs)
-        print(f"seed {FAULT_SEED}: {seen.epochs - 1} takeovers, {logs.count('replaying')} "
-              f"with replay, {reruns} ops started twice and published once, "
-              f"{logs.count('in the snapshot already')} published from a snapshot",
-              *pacer.notes, sep="\n  ")
+        print(
+            f"seed {FAULT_SEED}: {seen.epochs - 1} takeovers, {logs.count('replaying')} "
+            f"with replay, {reruns} ops started twice and published once, "
+            f"{logs.count('in the snapshot already')} published from a snapshot",
+            *pacer.notes,
+            sep="\n  ",
+        )
     finally:
         codes = fleet.close()
         assert set(codes.values()) <= {0}, f"{codes}\n{fleet.logs()[-6000:]}"
@@ -305,8 +341,10 @@ def owners(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoraEngin
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: thread hand-offs cost more than the math
     try:
-        yield tuple(LoraEngine(TINY, "cpu", root / "storage", root / "models", snapshot_every=2)
-                    for _ in range(2))  # type: ignore[misc]
+        yield tuple(
+            LoraEngine(TINY, "cpu", root / "storage", root / "models", snapshot_every=2)
+            for _ in range(2)
+        )  # type: ignore[misc]
     finally:
         torch.set_num_threads(threads)
 
@@ -314,14 +352,32 @@ def owners(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoraEngin
 def training_log(model_id: str, steps: int) -> list[Op]:
     """A model's log as the client writes it: create (seq 1), then forward_backward and
     optim_step per step (step n's optim_step is seq 2n + 1)."""
-    bodies = [(OpKind.CREATE_MODEL, {"lora_config": LoraConfig(rank=RANK, seed=SEED).model_dump(),
-                                     "tenant_id": "default", "base_model": TINY})]
+    bodies = [
+        (
+            OpKind.CREATE_MODEL,
+            {
+                "lora_config": LoraConfig(rank=RANK, seed=SEED).model_dump(),
+                "tenant_id": "default",
+                "base_model": TINY,
+            },
+        )
+    ]
     for step in range(steps):
         batch = ForwardBackwardInput(data=BATCHES[step % len(BATCHES)], loss_fn="cross_entropy")
-        bodies += [(OpKind.FORWARD_BACKWARD, batch.model_dump()),
-                   (OpKind.OPTIM_STEP, ADAM.model_dump())]
-    return [Op(job_id=f"{model_id}-{seq}", model_id=model_id, seq=seq, kind=kind,
-               payload=codec.encode(body)) for seq, (kind, body) in enumerate(bodies, start=1)]
+        bodies += [
+            (OpKind.FORWARD_BACKWARD, batch.model_dump()),
+            (OpKind.OPTIM_STEP, ADAM.model_dump()),
+        ]
+    return [
+        Op(
+            job_id=f"{model_id}-{seq}",
+            model_id=model_id,
+            seq=seq,
+            kind=kind,
+            payload=codec.encode(body),
+        )
+        for seq, (kind, body) in enumerate(bodies, start=1)
+    ]
 
 
 def weights_of(engine: LoraEngine, model_id: str) -> dict[str, torch.Tensor]:
@@ -335,7 +391,8 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def test_an_op_in_the_snapshot_but_never_published_is_not_applied_twice(
-        owners: tuple[LoraEngine, LoraEngine]) -> None:
+    owners: tuple[LoraEngine, LoraEngine],
+) -> None:
     """The owner wrote the periodic snapshot inside optim_step, then died before publishing
     it. The next owner starts from that snapshot (it is newer than the last published op) and
     meets the op again: it publishes the result kept with the snapshot and does not step twice."""
@@ -352,7 +409,8 @@ def test_an_op_in_the_snapshot_but_never_published_is_not_applied_twice(
 
 
 def test_a_snapshot_swap_cut_short_by_a_kill_is_recovered(
-        owners: tuple[LoraEngine, LoraEngine]) -> None:
+    owners: tuple[LoraEngine, LoraEngine],
+) -> None:
     """A worker killed between the two renames that replace a snapshot leaves no `_snapshot`,
     only the previous one moved aside, whole. The next owner restores that one and replays the
     log after it; its next snapshot puts the directory back and clears what was left aside,
@@ -380,8 +438,7 @@ def test_a_snapshot_swap_cut_short_by_a_kill_is_recovered(
     assert [p.name for p in directory.parent.iterdir()] == [directory.name]
 
 
-def test_a_stale_owner_cannot_move_the_snapshot_back(
-        owners: tuple[LoraEngine, LoraEngine]) -> None:
+def test_a_stale_owner_cannot_move_the_snapshot_back(owners: tuple[LoraEngine, LoraEngine]) -> None:
     """An owner that stalled past its lease, and has not heard, writes its state on the way
     out (hand-over, eviction): a newer owner's later snapshot stays, since the log before it
     may already be trimmed."""
@@ -401,16 +458,30 @@ OUTAGE_S = 30
 
 def record_of(database_url: str, model_id: str) -> dict[str, object]:
     """What Postgres holds about a model: its run row, requests (id -> status), checkpoints."""
+
     async def read() -> dict[str, object]:
         engine = make_engine(database_url)
         try:
             async with engine.connect() as conn:
-                runs = (await conn.execute(text("SELECT count(*) FROM training_runs WHERE id = :m"),
-                                           {"m": model_id})).scalar_one()
-                requests = dict((await conn.execute(text(
-                    "SELECT id, status FROM requests WHERE model_id = :m"), {"m": model_id})).all())
-                checkpoints = {row[0] for row in await conn.execute(text(
-                    "SELECT id FROM checkpoints WHERE model_id = :m"), {"m": model_id})}
+                runs = (
+                    await conn.execute(
+                        text("SELECT count(*) FROM training_runs WHERE id = :m"), {"m": model_id}
+                    )
+                ).scalar_one()
+                requests = dict(
+                    (
+                        await conn.execute(
+                            text("SELECT id, status FROM requests WHERE model_id = :m"),
+                            {"m": model_id},
+                        )
+                    ).all()
+                )
+                checkpoints = {
+                    row[0]
+                    for row in await conn.execute(
+                        text("SELECT id FROM checkpoints WHERE model_id = :m"), {"m": model_id}
+                    )
+                }
                 return {"runs": runs, "requests": requests, "checkpoints": checkpoints}
         finally:
             await engine.dispose()
@@ -419,8 +490,9 @@ def record_of(database_url: str, model_id: str) -> dict[str, object]:
 
 
 def client_config(url: str, key: str) -> int:
-    response = httpx.post(f"{url}/api/v1/client/config", headers={"X-API-Key": key},
-                          json={}, timeout=10)
+    response = httpx.post(
+        f"{url}/api/v1/client/config", headers={"X-API-Key": key}, json={}, timeout=10
+    )
     return response.status_code
 
 
@@ -430,9 +502,13 @@ def health(url: str) -> tuple[int, dict[str, str]]:
 
 
 @pytest.mark.timeout(240)  # the outage alone is 30 s
-def test_postgres_outage_of_30s_loses_nothing(redis_url: str, database_url: str,
-                                              tmp_path: Path, key_prefix: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_postgres_outage_of_30s_loses_nothing(
+    redis_url: str,
+    database_url: str,
+    tmp_path: Path,
+    key_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Postgres gone for 30 s mid-run (every connection cut, new ones refused): training and
     checkpoints go on, nothing crashes, and once it is back the record catches up complete:
     the run, every request done, the checkpoints saved meanwhile. The losses are an
@@ -442,13 +518,21 @@ def test_postgres_outage_of_30s_loses_nothing(redis_url: str, database_url: str,
     r = redis.Redis.from_url(redis_url)
     with postgres_proxy(database_url) as (proxy, proxied_url):
         # The service's processes reach Postgres through the proxy; this test, directly.
-        settings = Settings(redis_url=redis_url, database_url=proxied_url, key_prefix=key_prefix,
-                            data_dir=tmp_path / "data", lease_ttl_ms=3_000, heartbeat_ms=500,
-                            linger_ms=60_000)
+        settings = Settings(
+            redis_url=redis_url,
+            database_url=proxied_url,
+            key_prefix=key_prefix,
+            data_dir=tmp_path / "data",
+            lease_ttl_ms=3_000,
+            heartbeat_ms=500,
+            linger_ms=60_000,
+        )
         worker = WorkerProcess(settings, TINY, tmp_path / "worker.log", engine="lora")
         try:
-            with gateway_process(settings, tmp_path / "gateway.log") as gateway, \
-                    tinker.ServiceClient(settings) as service:
+            with (
+                gateway_process(settings, tmp_path / "gateway.log") as gateway,
+                tinker.ServiceClient(settings) as service,
+            ):
                 wait_for_workers(settings, 1, timeout=90)
                 tc = service.create_lora_training_client(TINY, rank=RANK, seed=SEED)
                 key = make_key(settings, "outage")
@@ -456,8 +540,11 @@ def test_postgres_outage_of_30s_loses_nothing(redis_url: str, database_url: str,
                 script = OutageScript(tc)
                 script.steps(3)
                 script.save("before")
-                wait_until("the record before the outage", lambda: len(
-                    record_of(database_url, tc.model_id)["requests"]) > 3, timeout=20)  # type: ignore[arg-type]
+                wait_until(
+                    "the record before the outage",
+                    lambda: len(record_of(database_url, tc.model_id)["requests"]) > 3,
+                    timeout=20,
+                )  # type: ignore[arg-type]
 
                 proxy.outage()
                 started = time.monotonic()
@@ -486,16 +573,24 @@ def test_postgres_outage_of_30s_loses_nothing(redis_url: str, database_url: str,
                 script.steps(2)
                 script.save("after")
                 want = set(script.request_ids)
-                complete = wait_until("the record to catch up", lambda: (
-                    (rec := record_of(database_url, tc.model_id))["runs"] == 1
-                    and want <= set(rec["requests"])  # type: ignore[arg-type]
-                    and script.checkpoints <= rec["checkpoints"]  # type: ignore[operator]
-                    and r.xlen(keys.records()) == 0 and rec), timeout=30, every=0.2)
+                complete = wait_until(
+                    "the record to catch up",
+                    lambda: (
+                        (rec := record_of(database_url, tc.model_id))["runs"] == 1
+                        and want <= set(rec["requests"])  # type: ignore[arg-type]
+                        and script.checkpoints <= rec["checkpoints"]  # type: ignore[operator]
+                        and r.xlen(keys.records()) == 0
+                        and rec
+                    ),
+                    timeout=30,
+                    every=0.2,
+                )
                 caught_up = time.monotonic() - restored
                 assert health(gateway) == (200, {"redis": "ok", "postgres": "ok"})
 
-                straight = OutageScript(service.create_lora_training_client(TINY, rank=RANK,
-                                                                            seed=SEED))
+                straight = OutageScript(
+                    service.create_lora_training_client(TINY, rank=RANK, seed=SEED)
+                )
                 straight.replay(script.plan)
         finally:
             code = worker.stop()
@@ -511,8 +606,10 @@ def test_postgres_outage_of_30s_loses_nothing(redis_url: str, database_url: str,
     assert "Traceback" not in log
     gateway_log = (tmp_path / "gateway.log").read_text()
     assert "Traceback" not in gateway_log, gateway_log[-3000:]
-    print(f"{rounds} rounds during the outage, {backlog} record events ({backlog_bytes} bytes) "
-          f"waited in Redis, the record caught up {caught_up:.1f}s after Postgres returned")
+    print(
+        f"{rounds} rounds during the outage, {backlog} record events ({backlog_bytes} bytes) "
+        f"waited in Redis, the record caught up {caught_up:.1f}s after Postgres returned"
+    )
 
 
 class OutageScript:
@@ -561,8 +658,8 @@ class OutageScript:
 
 # --- a dead recorder's entries ----------------------------------------------------------------
 async def test_a_busy_recorder_takes_over_a_dead_recorders_entries(
-        aredis: AsyncRedis, database_url: str, key_prefix: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    aredis: AsyncRedis, database_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A worker killed mid-batch leaves the record events its recorder had read pending on its
     name. Another recorder takes them over once they are stale, even while a steady stream of
     new events keeps it from ever reading nothing (a busy deployment has no quiet second)."""
@@ -595,5 +692,11 @@ async def test_a_busy_recorder_takes_over_a_dead_recorders_entries(
 
 
 def run_record(model_id: str) -> ModelRecord:
-    return ModelRecord(id=model_id, tenant_id="default", session_id=None, base_model=TINY,
-                       lora_config={"rank": RANK}, created_at=time.time())
+    return ModelRecord(
+        id=model_id,
+        tenant_id="default",
+        session_id=None,
+        base_model=TINY,
+        lora_config={"rank": RANK},
+        created_at=time.time(),
+    )

@@ -28,7 +28,8 @@ def test_healthz_reports_both_backends(settings: Settings) -> None:
 def test_healthz_names_the_backend_that_is_down(settings: Settings) -> None:
     """503 and an error for Postgres when it does not answer."""
     broken = settings.model_copy(
-        update={"database_url": "postgresql://postgres@127.0.0.1:1/nothing"})
+        update={"database_url": "postgresql://postgres@127.0.0.1:1/nothing"}
+    )
     with TestClient(create_app(broken)) as http:
         response = http.get("/healthz")
     assert response.status_code == 503
@@ -44,24 +45,32 @@ def test_a_store_outage_is_a_503_with_retry_after(settings: Settings) -> None:
     redis_proxy = TcpProxy(redis_upstream(settings.redis_url or "")).start()
     try:
         with postgres_proxy(settings.database_url or "") as (pg_proxy, database_url):
-            proxied = settings.model_copy(update={
-                "database_url": database_url,
-                "redis_url": f"redis://127.0.0.1:{redis_proxy.port}/{redis_db(settings)}"})
+            proxied = settings.model_copy(
+                update={
+                    "database_url": database_url,
+                    "redis_url": f"redis://127.0.0.1:{redis_proxy.port}/{redis_db(settings)}",
+                }
+            )
             with TestClient(create_app(proxied)) as http:
                 runs, capabilities = "/api/v1/training_runs", "/api/v1/get_server_capabilities"
                 assert http.get(runs, headers=headers).status_code == 200  # the key is known
 
                 # Each store cut in turn, under a route that needs it.
-                for store, proxy, path in (("Postgres", pg_proxy, runs),
-                                           ("Redis", redis_proxy, capabilities)):
+                for store, proxy, path in (
+                    ("Postgres", pg_proxy, runs),
+                    ("Redis", redis_proxy, capabilities),
+                ):
                     proxy.outage()
                     down = http.get(path, headers=headers)
                     assert down.status_code == 503, down.text
                     assert down.json() == {"detail": f"{store} is unreachable; retry shortly"}
                     assert down.headers["Retry-After"] == "2"
                     proxy.restore()
-                    wait_until(f"{store} back", lambda p=path: http.get(p, headers=headers)
-                               .status_code == 200, timeout=30)
+                    wait_until(
+                        f"{store} back",
+                        lambda p=path: http.get(p, headers=headers).status_code == 200,
+                        timeout=30,
+                    )
     finally:
         redis_proxy.close()
 
@@ -85,8 +94,9 @@ def test_an_outage_never_brings_back_a_revoked_or_stale_key(settings: Settings) 
     revoked, other = make_key(settings, "t-revoked"), make_key(settings, "t-stale")
     path = "/api/v1/get_server_capabilities"  # needs Redis only, once the key is known
     with postgres_proxy(settings.database_url or "") as (pg_proxy, database_url):
-        proxied = settings.model_copy(update={"database_url": database_url,
-                                              "api_key_cache_s": 0.1, "api_key_outage_s": 2.0})
+        proxied = settings.model_copy(
+            update={"database_url": database_url, "api_key_cache_s": 0.1, "api_key_outage_s": 2.0}
+        )
         with TestClient(create_app(proxied)) as http:
             for key in (revoked, other):
                 assert http.get(path, headers={"X-API-Key": key}).status_code == 200
@@ -97,8 +107,10 @@ def test_an_outage_never_brings_back_a_revoked_or_stale_key(settings: Settings) 
             checked = time.monotonic()
             pg_proxy.outage()
             assert http.get(path, headers={"X-API-Key": revoked}).status_code == 401
-            assert http.post("/api/v1/create_session",
-                             headers={"X-API-Key": revoked}).status_code == 401
+            assert (
+                http.post("/api/v1/create_session", headers={"X-API-Key": revoked}).status_code
+                == 401
+            )
             assert http.get(path, headers={"X-API-Key": other}).status_code == 200
             time.sleep(max(0.0, checked + 2.2 - time.monotonic()))
             stale = http.get(path, headers={"X-API-Key": other})
@@ -109,8 +121,11 @@ def test_an_outage_never_brings_back_a_revoked_or_stale_key(settings: Settings) 
 def redis_upstream(url: str) -> tuple[str, int] | str:
     """Where the Redis of `url` listens: (host, port), or a unix socket's path."""
     parts = parse_url(url)
-    return parts["path"] if "path" in parts else (parts.get("host", "127.0.0.1"),
-                                                  parts.get("port", 6379))
+    return (
+        parts["path"]
+        if "path" in parts
+        else (parts.get("host", "127.0.0.1"), parts.get("port", 6379))
+    )
 
 
 def redis_db(settings: Settings) -> int:

@@ -42,8 +42,7 @@ class Caller:
     def next_seq_id(self) -> int:
         client = redis.Redis.from_url(self.settings.redis_url or "")
         try:
-            raw = client.hget(Keys(self.settings.key_prefix).model_meta(self.model),
-                              "next_seq_id")
+            raw = client.hget(Keys(self.settings.key_prefix).model_meta(self.model), "next_seq_id")
         finally:
             client.close()
         return int(raw or 1)
@@ -54,8 +53,11 @@ def caller(settings: Settings) -> Iterator[Caller]:
     headers = {"X-API-Key": make_key(settings, f"hostile-{uuid.uuid4().hex[:6]}")}
     with TestClient(create_app(settings), raise_server_exceptions=False) as http:
         session = http.post("/api/v1/create_session", headers=headers).json()["session_id"]
-        created = http.post("/api/v1/create_model", headers=headers, json={
-            "session_id": session, "model_seq_id": 0, "base_model": TINY}).json()
+        created = http.post(
+            "/api/v1/create_model",
+            headers=headers,
+            json={"session_id": session, "model_seq_id": 0, "base_model": TINY},
+        ).json()
         yield Caller(http, headers, session, created["model_id"], settings)
 
 
@@ -91,17 +93,26 @@ CASES = [
     ("GET", "/training_runs?offset=99999999999999999999", None, {}, 422, "offset"),
     ("GET", "/checkpoints?offset=99999999999999999999", None, {}, 422, "offset"),
     ("GET", "/sessions?offset=99999999999999999999", None, {}, 422, "offset"),
-    ("POST", "/weights_info", {"tinker_path": "tinker://a\x00/weights/x"}, {}, 400,
-     "tinker_path"),
+    ("POST", "/weights_info", {"tinker_path": "tinker://a\x00/weights/x"}, {}, 400, "tinker_path"),
     ("POST", "/optim_step", '{"model_id": NaN, "seq_id": 1}', JSON, 422, "model_id"),
-    ("POST", "/optim_step", NOT_UTF8, {"Content-Type": "application/msgpack"}, 415,
-     "Content-Type"),
-    ("POST", "/get_info", NOT_UTF8, {"Content-Type": "application/msgpack"}, 415,
-     "Content-Type"),
-    ("POST", "/create_session", NOT_UTF8, {"Content-Type": "application/msgpack"}, 415,
-     "Content-Type"),
-    ("POST", "/forward_backward", b"x", {"Content-Type": "application/x-protobuf",
-                                         "Content-Encoding": "gzip"}, 415, "Content-Encoding"),
+    ("POST", "/optim_step", NOT_UTF8, {"Content-Type": "application/msgpack"}, 415, "Content-Type"),
+    ("POST", "/get_info", NOT_UTF8, {"Content-Type": "application/msgpack"}, 415, "Content-Type"),
+    (
+        "POST",
+        "/create_session",
+        NOT_UTF8,
+        {"Content-Type": "application/msgpack"},
+        415,
+        "Content-Type",
+    ),
+    (
+        "POST",
+        "/forward_backward",
+        b"x",
+        {"Content-Type": "application/x-protobuf", "Content-Encoding": "gzip"},
+        415,
+        "Content-Encoding",
+    ),
     ("POST", "/optim_step", NOT_UTF8, JSON, 422, "body"),
     ("POST", "/optim_step", "[" * 100_000, JSON, 422, "body"),
     ("POST", "/asample", "[" * 10_000, JSON, 422, "body"),
@@ -111,9 +122,15 @@ CASES = [
 
 
 @pytest.mark.parametrize(("method", "path", "body", "headers", "status", "field"), CASES)
-def test_hostile_requests_get_the_precise_4xx(caller: Caller, method: str, path: str,
-                                              body: Any, headers: dict[str, str], status: int,
-                                              field: str) -> None:
+def test_hostile_requests_get_the_precise_4xx(
+    caller: Caller,
+    method: str,
+    path: str,
+    body: Any,
+    headers: dict[str, str],
+    status: int,
+    field: str,
+) -> None:
     """NUL ids, offsets past bigint, a JSON NaN, bodies that are not UTF-8 or in a content
     type or encoding the protocol does not use, 100k nested brackets: each its precise 4xx
     with a detail naming the field (all were 500s)."""
@@ -125,10 +142,12 @@ def test_hostile_requests_get_the_precise_4xx(caller: Caller, method: str, path:
 def test_a_reply_key_is_not_a_request_id(caller: Caller) -> None:
     """retrieve_future of '<request id>:reply' is 404 like any unknown id (the reply string
     shared the job's key namespace: WRONGTYPE, a 500, and an oracle of existing ids)."""
-    saved = caller.call("POST", "/save_weights_for_sampler",
-                        {"model_id": caller.model, "seq_id": 1}).json()
-    response = caller.call("POST", "/retrieve_future",
-                           {"request_id": saved["request_id"] + ":reply"})
+    saved = caller.call(
+        "POST", "/save_weights_for_sampler", {"model_id": caller.model, "seq_id": 1}
+    ).json()
+    response = caller.call(
+        "POST", "/retrieve_future", {"request_id": saved["request_id"] + ":reply"}
+    )
     assert response.status_code == 404, response.text
     assert "request_id" in detail(response)
 
@@ -136,8 +155,9 @@ def test_a_reply_key_is_not_a_request_id(caller: Caller) -> None:
 def test_a_65_dimension_shape_is_refused_and_uses_its_seq_id(caller: Caller) -> None:
     """A tensor shape of 65 dimensions is 400 naming the tensor (numpy's own error was a 500),
     and its seq_id is used, so the model's next call does not wait out the gap timeout."""
-    response = caller.call("POST", "/forward_backward", fb_request(caller.model, 1, [1] * 65),
-                           **PROTOBUF)
+    response = caller.call(
+        "POST", "/forward_backward", fb_request(caller.model, 1, [1] * 65), **PROTOBUF
+    )
     assert response.status_code == 400, response.text
     assert "data[0].loss_fn_inputs['target_tokens']: shape has 65 dimensions" in detail(response)
     assert caller.next_seq_id() == 2
@@ -147,8 +167,11 @@ def test_a_65_dimension_shape_is_refused_and_uses_its_seq_id(caller: Caller) -> 
 def test_create_model_refuses_a_malformed_base_model(caller: Caller, base_model: str) -> None:
     """create_model with a NUL, a newline, markup, blank or a 600-character base_model is 400
     naming base_model (a NUL dead-lettered the run's record)."""
-    response = caller.call("POST", "/create_model", {
-        "session_id": caller.session, "model_seq_id": 1, "base_model": base_model})
+    response = caller.call(
+        "POST",
+        "/create_model",
+        {"session_id": caller.session, "model_seq_id": 1, "base_model": base_model},
+    )
     assert response.status_code == 400, response.text
     assert detail(response).startswith("base_model:")
 
@@ -170,12 +193,18 @@ def test_calls_far_ahead_of_the_order_are_refused_not_held(settings: Settings) -
     headers = {"X-API-Key": make_key(settings, f"held-{uuid.uuid4().hex[:6]}")}
     with TestClient(create_app(capped), raise_server_exceptions=False) as http:
         session = http.post("/api/v1/create_session", headers=headers).json()["session_id"]
-        model = http.post("/api/v1/create_model", headers=headers, json={
-            "session_id": session, "model_seq_id": 0, "base_model": TINY}).json()["model_id"]
+        model = http.post(
+            "/api/v1/create_model",
+            headers=headers,
+            json={"session_id": session, "model_seq_id": 0, "base_model": TINY},
+        ).json()["model_id"]
 
         def step(seq_id: int) -> Any:
-            return http.post("/api/v1/optim_step", headers=headers, json={
-                "model_id": model, "seq_id": seq_id, "adam_params": {"learning_rate": 1e-3}})
+            return http.post(
+                "/api/v1/optim_step",
+                headers=headers,
+                json={"model_id": model, "seq_id": seq_id, "adam_params": {"learning_rate": 1e-3}},
+            )
 
         far = step(1_000_000)
         assert far.status_code == 400 and far.json()["detail"].startswith("seq_id: 1000000")

@@ -45,9 +45,12 @@ class _Capture:
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, str], bytes]] = []
 
-    async def __call__(self, scope: MutableMapping[str, Any],
-                       receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
-                       send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
         body = b""
         while True:
             message = await receive()
@@ -56,28 +59,44 @@ class _Capture:
                 break
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.requests.append((scope["path"], headers, body))
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body",
-                    "body": json.dumps({"request_id": "req-1"}).encode()})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send(
+            {"type": "http.response.body", "body": json.dumps({"request_id": "req-1"}).encode()}
+        )
 
 
-def sdk_body(data: list[sdk.Datum], loss_fn: str = "cross_entropy",
-             loss_fn_config: dict[str, float | str] | None = None, *,
-             forward_only: bool = False, model_id: str = "s:train:0", seq_id: int = 1) -> bytes:
+def sdk_body(
+    data: list[sdk.Datum],
+    loss_fn: str = "cross_entropy",
+    loss_fn_config: dict[str, float | str] | None = None,
+    *,
+    forward_only: bool = False,
+    model_id: str = "s:train:0",
+    seq_id: int = 1,
+) -> bytes:
     """The exact bytes `TrainingClient.forward_backward` / `.forward` POSTs for one chunk:
     the SDK's AsyncTrainingResource.forward_backward, over HTTP to an in-process server."""
     capture = _Capture()
     request = sdk.ForwardBackwardRequest(
         forward_backward_input=sdk.ForwardBackwardInput(
-            data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config),  # type: ignore[arg-type]
-        model_id=model_id, seq_id=seq_id)
+            data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config
+        ),  # type: ignore[arg-type]
+        model_id=model_id,
+        seq_id=seq_id,
+    )
 
     async def post() -> None:
         transport = httpx.ASGITransport(app=capture)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            client = AsyncTinker(api_key="tml-test", base_url="http://gw", http_client=http,
-                                 max_retries=0)
+            client = AsyncTinker(
+                api_key="tml-test", base_url="http://gw", http_client=http, max_retries=0
+            )
             await client.training.forward_backward(request=request, forward_only=forward_only)
 
     with warnings.catch_warnings():
@@ -92,8 +111,9 @@ def sdk_body(data: list[sdk.Datum], loss_fn: str = "cross_entropy",
 
 def text_datum(tokens: Iterable[int] | sdk.ModelInput, **inputs: Any) -> sdk.Datum:
     """An SDK datum; the SDK turns lists, numpy and torch inputs into its TensorData."""
-    model_input = (tokens if isinstance(tokens, sdk.ModelInput)
-                   else sdk.ModelInput.from_ints(list(tokens)))
+    model_input = (
+        tokens if isinstance(tokens, sdk.ModelInput) else sdk.ModelInput.from_ints(list(tokens))
+    )
     return sdk.Datum(model_input=model_input, loss_fn_inputs=inputs)
 
 
@@ -111,9 +131,16 @@ def assert_tensor(ours: TensorData, expected: Any, dtype: str) -> None:
 def test_cross_entropy_request_from_the_sdk() -> None:
     weights = np.array([0.0, 1.0, 1.0, 0.5], dtype=np.float32)
     data = [
-        text_datum(sdk.ModelInput(chunks=[sdk.EncodedTextChunk(tokens=[5, 6]),
-                                          sdk.EncodedTextChunk(tokens=[7, 151_000])]),
-                   target_tokens=[6, 7, 151_000, 2], weights=weights),
+        text_datum(
+            sdk.ModelInput(
+                chunks=[
+                    sdk.EncodedTextChunk(tokens=[5, 6]),
+                    sdk.EncodedTextChunk(tokens=[7, 151_000]),
+                ]
+            ),
+            target_tokens=[6, 7, 151_000, 2],
+            weights=weights,
+        ),
         text_datum([1, 2, 3], target_tokens=[2, 3, 4], weights=[1.0, 1.0, 1.0]),
     ]
     parsed = parse_forward_backward(sdk_body(data, model_id="sess:train:3", seq_id=7))
@@ -134,10 +161,17 @@ def test_cross_entropy_request_from_the_sdk() -> None:
 def test_importance_sampling_request_with_torch_tensors_and_a_config() -> None:
     logprobs = torch.tensor([-0.5, -1.25, -3.0])
     advantages = torch.tensor([0.25, 0.25, -1.0])
-    data = [text_datum([9, 8, 7], target_tokens=torch.tensor([8, 7, 6]), logprobs=logprobs,
-                       advantages=advantages)]
+    data = [
+        text_datum(
+            [9, 8, 7],
+            target_tokens=torch.tensor([8, 7, 6]),
+            logprobs=logprobs,
+            advantages=advantages,
+        )
+    ]
     batch = parse_forward_backward(
-        sdk_body(data, "importance_sampling", {"clip_low": 0.8, "clip_high": 1.2})).batch()
+        sdk_body(data, "importance_sampling", {"clip_low": 0.8, "clip_high": 1.2})
+    ).batch()
     assert batch.loss_fn is LossFn.IMPORTANCE_SAMPLING
     assert batch.loss_fn_config == {"clip_low": 0.8, "clip_high": 1.2}
     inputs = batch.data[0].loss_fn_inputs
@@ -163,8 +197,13 @@ def test_2d_torch_inputs_arrive_as_sparse_csr_and_are_densified() -> None:
 
 
 def test_forward_only_and_the_legacy_config_map() -> None:
-    body = sdk_body([text_datum([1, 2], target_tokens=[2, 3])], "ppo", {"clip": 0.2},
-                    forward_only=True, seq_id=12)
+    body = sdk_body(
+        [text_datum([1, 2], target_tokens=[2, 3])],
+        "ppo",
+        {"clip": 0.2},
+        forward_only=True,
+        seq_id=12,
+    )
     parsed = parse_forward_backward(body)
     assert (parsed.seq_id, parsed.forward_only) == (12, True)
     assert parsed.batch().loss_fn_config == {"clip": 0.2}
@@ -174,13 +213,16 @@ def test_forward_only_and_the_legacy_config_map() -> None:
     request.ClearField("loss_fn_config_v2")
     request.loss_fn_config["beta"] = 0.5
     assert parse_forward_backward(request.SerializeToString()).batch().loss_fn_config == {
-        "clip": 0.2, "beta": 0.5}
+        "clip": 0.2,
+        "beta": 0.5,
+    }
 
 
 def test_provenance_spans_are_accepted_and_ignored() -> None:
     datum = text_datum([1, 2, 3], target_tokens=[2, 3, 4]).with_provenance(
         model_input=[sdk.PromptProvenanceSpan(sequence_id="seq-a", length=3)],
-        loss_fn_inputs=[sdk.SampledProvenanceSpan(sequence_id="seq-b", offset=1, length=3)])
+        loss_fn_inputs=[sdk.SampledProvenanceSpan(sequence_id="seq-b", offset=1, length=3)],
+    )
     body = sdk_body([datum])
     assert len(sdk_pb.ForwardBackwardRequest.FromString(body).data[0].model_input_spans) == 1
     [ours] = parse_forward_backward(body).batch().data
@@ -192,11 +234,13 @@ def test_int32_and_bfloat16_tensors_are_widened() -> None:
     request = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
     datum = request.data.add()
     datum.model_input.add().encoded_text.tokens = np.array([1, 2], "<i4").tobytes()
-    datum.loss_fn_inputs["target_tokens"].CopyFrom(pb.Tensor(
-        dense=np.array([2, 3], "<i4").tobytes(), dtype=pb.DTYPE_INT32))
+    datum.loss_fn_inputs["target_tokens"].CopyFrom(
+        pb.Tensor(dense=np.array([2, 3], "<i4").tobytes(), dtype=pb.DTYPE_INT32)
+    )
     bf16 = (np.array([1.5, -2.0], np.float32).view(np.uint32) >> 16).astype("<u2")
-    datum.loss_fn_inputs["weights"].CopyFrom(pb.Tensor(
-        dense=bf16.tobytes(), dtype=pb.DTYPE_BFLOAT16, shape=[2]))
+    datum.loss_fn_inputs["weights"].CopyFrom(
+        pb.Tensor(dense=bf16.tobytes(), dtype=pb.DTYPE_BFLOAT16, shape=[2])
+    )
     inputs = parse_forward_backward(request.SerializeToString()).batch().data[0].loss_fn_inputs
     assert_tensor(inputs["target_tokens"], [2, 3], "int64")
     assert_tensor(inputs["weights"], [1.5, -2.0], "float32")
@@ -207,11 +251,18 @@ def test_int32_and_bfloat16_tensors_are_widened() -> None:
 
 def good_request() -> pb.ForwardBackwardRequest:
     """A valid request (from the SDK) to break one field of at a time."""
-    return pb.ForwardBackwardRequest.FromString(sdk_body([
-        text_datum([1, 2, 3], target_tokens=[2, 3, 4], weights=[1.0, 1.0, 1.0]),
-        text_datum([4, 5], target_tokens=[5, 6], weights=torch.tensor([[0.0, 1.0, 0.0, 0.0],
-                                                                       [0.0, 0.0, 0.0, 0.0]])),
-    ]))
+    return pb.ForwardBackwardRequest.FromString(
+        sdk_body(
+            [
+                text_datum([1, 2, 3], target_tokens=[2, 3, 4], weights=[1.0, 1.0, 1.0]),
+                text_datum(
+                    [4, 5],
+                    target_tokens=[5, 6],
+                    weights=torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]),
+                ),
+            ]
+        )
+    )
 
 
 def batch_error(request: pb.ForwardBackwardRequest) -> str:
@@ -225,14 +276,16 @@ def batch_error(request: pb.ForwardBackwardRequest) -> str:
 def test_the_good_request_is_good() -> None:
     batch = parse_forward_backward(good_request().SerializeToString()).batch()
     assert good_request().data[1].loss_fn_inputs["weights"].WhichOneof("encoding") == "sparse_csr"
-    assert_tensor(batch.data[1].loss_fn_inputs["weights"], [[0, 1, 0, 0], [0, 0, 0, 0]],
-                  "float32")
+    assert_tensor(batch.data[1].loss_fn_inputs["weights"], [[0, 1, 0, 0], [0, 0, 0, 0]], "float32")
 
 
 def test_garbage_is_not_a_forward_backward_request() -> None:
     for raw in (b"garbage", b'{"model_id": "m", "seq_id": 1}', b"\x0a\xff"):
-        with pytest.raises(UserInputError, match=r"^body: not a tinker_public\."
-                                                 r"ForwardBackwardRequest protobuf"):
+        with pytest.raises(
+            UserInputError,
+            match=r"^body: not a tinker_public\."
+            r"ForwardBackwardRequest protobuf",
+        ):
             parse_forward_backward(raw)
 
 
@@ -253,21 +306,28 @@ def test_custom_without_an_uploaded_loss_is_refused_naming_loss_id() -> None:
 
 
 def test_a_text_config_value_from_the_sdk() -> None:
-    body = sdk_body([text_datum([1, 2], target_tokens=[2, 3])], "cross_entropy",
-                    {"scale": 2.0, "mode": "fast"})
+    body = sdk_body(
+        [text_datum([1, 2], target_tokens=[2, 3])], "cross_entropy", {"scale": 2.0, "mode": "fast"}
+    )
     with pytest.raises(UserInputError, match=r"^loss_fn_config_v2\['mode'\]: must be a number"):
         parse_forward_backward(body).batch()
 
 
 def test_image_and_dmel_chunks_from_the_sdk() -> None:
-    image = text_datum(sdk.ModelInput(chunks=[
-        sdk.EncodedTextChunk(tokens=[1, 2]),
-        sdk.ImageChunk(data=b"\x89PNG fake", format="png", expected_tokens=4)]),
-        target_tokens=[2, 3])
+    image = text_datum(
+        sdk.ModelInput(
+            chunks=[
+                sdk.EncodedTextChunk(tokens=[1, 2]),
+                sdk.ImageChunk(data=b"\x89PNG fake", format="png", expected_tokens=4),
+            ]
+        ),
+        target_tokens=[2, 3],
+    )
     dmel = text_datum(sdk.ModelInput(chunks=[sdk.DmelChunk(dmel=b"\x00" * 8)]), target_tokens=[2])
-    for data, where, kind in (([image], "data[0].model_input[1]", "image"),
-                              ([text_datum([1], target_tokens=[2]), dmel],
-                               "data[1].model_input[0]", "dmel")):
+    for data, where, kind in (
+        ([image], "data[0].model_input[1]", "image"),
+        ([text_datum([1], target_tokens=[2]), dmel], "data[1].model_input[0]", "dmel"),
+    ):
         with pytest.raises(UserInputError) as excinfo:
             parse_forward_backward(sdk_body(data)).batch()
         assert excinfo.value.message.startswith(f"{where}: {kind} chunks are not supported")
@@ -290,35 +350,51 @@ def test_tensor_dtype_must_be_given() -> None:
     request = good_request()
     request.data[0].loss_fn_inputs["weights"].dtype = pb.DTYPE_UNSPECIFIED
     assert batch_error(request).startswith(
-        "data[0].loss_fn_inputs['weights']: dtype DTYPE_UNSPECIFIED is not supported")
+        "data[0].loss_fn_inputs['weights']: dtype DTYPE_UNSPECIFIED is not supported"
+    )
 
 
 def test_dense_bytes_must_match_dtype_and_shape() -> None:
     request = good_request()
     request.data[0].loss_fn_inputs["weights"].dense += b"\x00\x00"
     assert batch_error(request).startswith(
-        "data[0].loss_fn_inputs['weights'].dense: 14 bytes is not a whole number")
+        "data[0].loss_fn_inputs['weights'].dense: 14 bytes is not a whole number"
+    )
 
     request = good_request()
     request.data[0].loss_fn_inputs["target_tokens"].shape[:] = [4]
     assert batch_error(request).startswith(
-        "data[0].loss_fn_inputs['target_tokens']: dense holds 3 values but shape [4] needs 4")
+        "data[0].loss_fn_inputs['target_tokens']: dense holds 3 values but shape [4] needs 4"
+    )
 
 
-@pytest.mark.parametrize(("mutate", "problem"), [
-    (lambda t: t.sparse_csr.__setattr__("col_indices", np.array([4], "<i8").tobytes()),
-     "col_indices out of range"),
-    (lambda t: t.sparse_csr.__setattr__("col_indices", np.array([-1], "<i8").tobytes()),
-     "col_indices out of range"),
-    (lambda t: t.shape.__setitem__(slice(None), [8]), "needs a 2-D shape"),
-    (lambda t: t.shape.__setitem__(slice(None), [3, 4]), "crow_indices has 3 entries"),
-    (lambda t: t.sparse_csr.__setattr__("values", b""), "values has 0 entries"),
-    (lambda t: t.sparse_csr.__setattr__("crow_indices", np.array([0, 2, 1], "<i8").tobytes()),
-     "crow_indices must start at 0"),
-    (lambda t: t.sparse_csr.__setattr__("crow_indices", b"\x00" * 7),
-     "crow_indices: 7 bytes is not a whole number"),
-    (lambda t: t.shape.__setitem__(slice(None), [1 << 20, 1 << 20]), "is too large"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "problem"),
+    [
+        (
+            lambda t: t.sparse_csr.__setattr__("col_indices", np.array([4], "<i8").tobytes()),
+            "col_indices out of range",
+        ),
+        (
+            lambda t: t.sparse_csr.__setattr__("col_indices", np.array([-1], "<i8").tobytes()),
+            "col_indices out of range",
+        ),
+        (lambda t: t.shape.__setitem__(slice(None), [8]), "needs a 2-D shape"),
+        (lambda t: t.shape.__setitem__(slice(None), [3, 4]), "crow_indices has 3 entries"),
+        (lambda t: t.sparse_csr.__setattr__("values", b""), "values has 0 entries"),
+        (
+            lambda t: t.sparse_csr.__setattr__(
+                "crow_indices", np.array([0, 2, 1], "<i8").tobytes()
+            ),
+            "crow_indices must start at 0",
+        ),
+        (
+            lambda t: t.sparse_csr.__setattr__("crow_indices", b"\x00" * 7),
+            "crow_indices: 7 bytes is not a whole number",
+        ),
+        (lambda t: t.shape.__setitem__(slice(None), [1 << 20, 1 << 20]), "is too large"),
+    ],
+)
 def test_bad_sparse_csr(mutate: Any, problem: str) -> None:
     request = good_request()
     mutate(request.data[1].loss_fn_inputs["weights"])
@@ -341,17 +417,28 @@ def sdk_read(raw: bytes, model_cls: type) -> Any:
 
 def test_forward_backward_output_as_the_sdk_reads_it() -> None:
     outputs = [
-        {"logprobs": td([-0.5, -1.0, -2.0], "float32"),
-         "elementwise_loss": td([1, 2, 3], "float32"), "argmax": td([4, 5, 6], "int64"),
-         "topk": td(np.arange(6).reshape(3, 2), "float32")},
-        {"logprobs": td([-0.25], "float32"), "elementwise_loss": td([0.5], "float32"),
-         "argmax": td([151_000], "int64"), "topk": td([[7, 8]], "float32")},
-        {"logprobs": td([-3.0, -4.0, -5.0, -6.0, -7.0], "float32"),
-         "elementwise_loss": td([0, 0, 0, 0, 1], "float32"), "argmax": td([1, 2, 3, 4, 5], "int64"),
-         "topk": td(np.arange(10).reshape(5, 2), "float32")},
+        {
+            "logprobs": td([-0.5, -1.0, -2.0], "float32"),
+            "elementwise_loss": td([1, 2, 3], "float32"),
+            "argmax": td([4, 5, 6], "int64"),
+            "topk": td(np.arange(6).reshape(3, 2), "float32"),
+        },
+        {
+            "logprobs": td([-0.25], "float32"),
+            "elementwise_loss": td([0.5], "float32"),
+            "argmax": td([151_000], "int64"),
+            "topk": td([[7, 8]], "float32"),
+        },
+        {
+            "logprobs": td([-3.0, -4.0, -5.0, -6.0, -7.0], "float32"),
+            "elementwise_loss": td([0, 0, 0, 0, 1], "float32"),
+            "argmax": td([1, 2, 3, 4, 5], "int64"),
+            "topk": td(np.arange(10).reshape(5, 2), "float32"),
+        },
     ]
-    ours = ForwardBackwardOutput(loss_fn_outputs=outputs,
-                                 metrics={"loss:sum": 3.5, "tokens:sum": 9.0})
+    ours = ForwardBackwardOutput(
+        loss_fn_outputs=outputs, metrics={"loss:sum": 3.5, "tokens:sum": 9.0}
+    )
     raw = encode_forward_backward_output(ours)
 
     [record] = pb.ForwardBackwardOutput.FromString(raw).loss_fn_outputs
@@ -377,14 +464,17 @@ def test_forward_backward_output_as_the_sdk_reads_it() -> None:
 
 
 def test_an_empty_forward_backward_output() -> None:
-    theirs = sdk_read(encode_forward_backward_output(ForwardBackwardOutput(loss_fn_outputs=[])),
-                      sdk.ForwardBackwardOutput)
+    theirs = sdk_read(
+        encode_forward_backward_output(ForwardBackwardOutput(loss_fn_outputs=[])),
+        sdk.ForwardBackwardOutput,
+    )
     assert theirs.loss_fn_outputs == [] and theirs.metrics == {}
 
 
 def test_datums_must_share_output_fields() -> None:
-    out = ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": td([-1.0], "float32")},
-                                                 {"other": td([-1.0], "float32")}])
+    out = ForwardBackwardOutput(
+        loss_fn_outputs=[{"logprobs": td([-1.0], "float32")}, {"other": td([-1.0], "float32")}]
+    )
     with pytest.raises(AssertionError):
         encode_forward_backward_output(out)
 
@@ -395,7 +485,8 @@ def sample_response(prompt_logprobs: list[float | None] | None) -> SampleRespons
             SampledSequence(stop_reason="stop", tokens=[11, 151_643], logprobs=[-0.5, -0.125]),
             SampledSequence(stop_reason="length", tokens=[3, 4, 5], logprobs=[-1.0, -2.0, -3.0]),
         ],
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def test_sample_response_as_the_sdk_reads_it() -> None:
@@ -417,7 +508,8 @@ def test_prompt_logprobs_as_the_sdk_reads_them() -> None:
     _check_prompt_logprobs_last_n_honored(theirs, 2)  # the SDK's own check passes
     with pytest.raises(RuntimeError):  # and it would have caught an unmasked answer
         _check_prompt_logprobs_last_n_honored(
-            sdk_read(encode_sample_response(ours), sdk.SampleResponse), 2)
+            sdk_read(encode_sample_response(ours), sdk.SampleResponse), 2
+        )
 
     longer = sdk_read(encode_sample_response(ours, prompt_logprobs_last_n=10), sdk.SampleResponse)
     assert longer.prompt_logprobs == [None, -1.5, -0.25, -4.0, -2.0]
@@ -430,10 +522,15 @@ def test_prompt_logprobs_as_the_sdk_reads_them() -> None:
 def _shape(message: Any) -> dict[str, Any]:
     """A message's wire-relevant schema, comparable across descriptor pools and packages."""
     fields = {
-        f.name: (f.number, f.type, f.is_repeated, f.has_presence,
-                 f.containing_oneof.name if f.containing_oneof else None,
-                 f.message_type.name if f.message_type else None,
-                 f.enum_type.name if f.enum_type else None)
+        f.name: (
+            f.number,
+            f.type,
+            f.is_repeated,
+            f.has_presence,
+            f.containing_oneof.name if f.containing_oneof else None,
+            f.message_type.name if f.message_type else None,
+            f.enum_type.name if f.enum_type else None,
+        )
         for f in message.fields
     }
     nested = {n.name: _shape(n) for n in message.nested_types}
@@ -448,8 +545,9 @@ def test_our_proto_matches_the_sdks() -> None:
     assert set(ours.enum_types_by_name) == set(theirs.enum_types_by_name)
     for name, enum in theirs.enum_types_by_name.items():
         mine = ours.enum_types_by_name[name]
-        assert {v.name: v.number for v in mine.values} == {v.name: v.number
-                                                           for v in enum.values}, name
+        assert {v.name: v.number for v in mine.values} == {v.name: v.number for v in enum.values}, (
+            name
+        )
 
 
 # --- sizes before materialisation --------------------------------------------------------------
@@ -473,16 +571,18 @@ def test_an_oversize_datum_is_refused_from_its_byte_length() -> None:
     ~400 MB, and even parsing it held the interpreter lock ~70 ms); its envelope is still read,
     so the gateway can use its seq_id. A loss input's dense bytes are counted too."""
     big = np.zeros(10_000_000, dtype="<i4").tobytes()
-    request = pb.ForwardBackwardRequest(model_id="m-big", seq_id=7, loss_fn="cross_entropy",
-                                        forward_only=True)
+    request = pb.ForwardBackwardRequest(
+        model_id="m-big", seq_id=7, loss_fn="cross_entropy", forward_only=True
+    )
     request.data.add().model_input.add().encoded_text.tokens = big
     raw = request.SerializeToString()
     parsed: list[Any] = []
 
     def refuse() -> None:
         parsed.append(parse_forward_backward(raw))
-        with pytest.raises(UserInputError,
-                           match=r"^data\[0\]\.model_input: 10000000 tokens is more"):
+        with pytest.raises(
+            UserInputError, match=r"^data\[0\]\.model_input: 10000000 tokens is more"
+        ):
             parsed[0].batch()
 
     assert peak_bytes(refuse) < 1e6
@@ -492,8 +592,9 @@ def test_an_oversize_datum_is_refused_from_its_byte_length() -> None:
     item.model_input.add().encoded_text.tokens = np.arange(3, dtype="<i4").tobytes()
     weights = item.loss_fn_inputs["weights"]
     weights.dtype, weights.dense = pb.DTYPE_FLOAT32, big
-    with pytest.raises(UserInputError,
-                       match=r"^data\[0\]\.loss_fn_inputs\['weights'\]: 10000000 values"):
+    with pytest.raises(
+        UserInputError, match=r"^data\[0\]\.loss_fn_inputs\['weights'\]: 10000000 values"
+    ):
         parse_forward_backward(request.SerializeToString()).batch()
 
 
@@ -507,7 +608,6 @@ def test_an_oversize_json_prompt_is_refused_before_validation() -> None:
 
     def refuse() -> None:
         with pytest.raises(UserInputError, match=r"^prompt: 2000000 tokens is more"):
-            sample_input(prompt, 1, {"max_tokens": 4}, False, None,
-                         limits=RequestLimits.defaults())
+            sample_input(prompt, 1, {"max_tokens": 4}, False, None, limits=RequestLimits.defaults())
 
     assert peak_bytes(refuse) < 1e6

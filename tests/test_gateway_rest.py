@@ -63,8 +63,12 @@ class World:
 
 def batch() -> list[types.Datum]:
     ids = list(b"rest calls list what was trained")
-    return [types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                        loss_fn_inputs={"target_tokens": np.array(ids[1:], dtype=np.int64)})]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": np.array(ids[1:], dtype=np.int64)},
+        )
+    ]
 
 
 def service_for(settings: Settings, tenant: str) -> queue_tinker.ServiceClient:
@@ -78,8 +82,13 @@ def run_with_id(service: queue_tinker.ServiceClient, model_id: str) -> Any:
     config = LoraConfig(rank=RANK).model_dump()
 
     async def create() -> None:
-        await holder.jobs.register_model(model_id, base_model=TINY, tenant_id=holder.tenant_id,
-                                         session_id=holder.session_id, lora_config=config)
+        await holder.jobs.register_model(
+            model_id,
+            base_model=TINY,
+            tenant_id=holder.tenant_id,
+            session_id=holder.session_id,
+            lora_config=config,
+        )
         body = {"lora_config": config, "tenant_id": holder.tenant_id, "base_model": TINY}
         _, outcome = await holder.submit(model_id, OpKind.CREATE_MODEL, codec.encode(body))
         decode_outcome(await outcome, codec.decode)
@@ -102,16 +111,18 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 20) -> None:
 
 
 def get(world: World, key: str, path: str, **params: Any) -> httpx.Response:
-    return httpx.get(world.gateway + path, headers={"X-API-Key": key}, params=params,
-                     timeout=10)
+    return httpx.get(world.gateway + path, headers={"X-API-Key": key}, params=params, timeout=10)
 
 
 @pytest.fixture(scope="module")
-def world(redis_url: str, database_url: str,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(
+    redis_url: str, database_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[World]:
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with lora_deployment(redis_url, database_url, TINY) as settings, \
-            gateway_process(settings, log) as gateway:
+    with (
+        lora_deployment(redis_url, database_url, TINY) as settings,
+        gateway_process(settings, log) as gateway,
+    ):
         tenant_a, tenant_b = (f"t-{uuid.uuid4().hex[:8]}" for _ in range(2))
         key_a, key_b = make_key(settings, tenant_a), make_key(settings, tenant_b)
         service_a, service_b = service_for(settings, tenant_a), service_for(settings, tenant_b)
@@ -127,15 +138,39 @@ def world(redis_url: str, database_url: str,
             tc_b = service_b.create_lora_training_client(TINY, rank=RANK)
             tc_b.save_state("theirs").result(timeout=60)
             sampler_b = service_b.create_sampling_client(base_model=TINY)
-            world = World(settings, gateway, key_a, key_b, service_a._holder.session_id,
-                          tc.model_id, colon.model_id, tc_b.model_id, sampler_a.sampler_id,
-                          sampler_b.sampler_id)
-            wait_for("A's checkpoints", lambda: get(world, key_a, "/api/v1/checkpoints")
-                     .json()["cursor"]["total_count"] == 5)
-            wait_for("B's checkpoint", lambda: get(world, key_b, "/api/v1/checkpoints")
-                     .json()["cursor"]["total_count"] == 1)
-            wait_for("A's session", lambda: get(world, key_a, f"/api/v1/sessions/{world.session_a}")
-                     .json().get("sampler_ids") == [world.sampler_a])
+            world = World(
+                settings,
+                gateway,
+                key_a,
+                key_b,
+                service_a._holder.session_id,
+                tc.model_id,
+                colon.model_id,
+                tc_b.model_id,
+                sampler_a.sampler_id,
+                sampler_b.sampler_id,
+            )
+            wait_for(
+                "A's checkpoints",
+                lambda: (
+                    get(world, key_a, "/api/v1/checkpoints").json()["cursor"]["total_count"] == 5
+                ),
+            )
+            wait_for(
+                "B's checkpoint",
+                lambda: (
+                    get(world, key_b, "/api/v1/checkpoints").json()["cursor"]["total_count"] == 1
+                ),
+            )
+            wait_for(
+                "A's session",
+                lambda: (
+                    get(world, key_a, f"/api/v1/sessions/{world.session_a}")
+                    .json()
+                    .get("sampler_ids")
+                    == [world.sampler_a]
+                ),
+            )
             yield world
         finally:
             service_a.close()
@@ -179,8 +214,9 @@ def deleted_at(settings: Settings, checkpoint_id: str) -> datetime | None:
         try:
             async with engine.connect() as conn:
                 query = text("SELECT deleted_at FROM checkpoints WHERE id = :id")
-                found: datetime | None = (await conn.execute(query, {"id": checkpoint_id})
-                                          ).scalar_one()
+                found: datetime | None = (
+                    await conn.execute(query, {"id": checkpoint_id})
+                ).scalar_one()
                 return found
         finally:
             await engine.dispose()
@@ -244,7 +280,8 @@ def test_checkpoints_of_a_run_and_of_the_user(
     assert mine.cursor is not None and mine.cursor.total_count == 5
     page = rest_a.list_user_checkpoints(limit=2, offset=1).result(timeout=30)
     assert [c.tinker_path for c in page.checkpoints] == [
-        c.tinker_path for c in mine.checkpoints[1:3]]
+        c.tinker_path for c in mine.checkpoints[1:3]
+    ]
 
     theirs = rest_b.list_user_checkpoints().result(timeout=30)
     assert checkpoint_ids(theirs) == {world.path(world.run_b, "weights/theirs")}
@@ -346,16 +383,24 @@ def test_samplers_are_read_from_redis_then_postgres(
     assert sampler.model_path == world.path(world.run_a, "sampler_weights/s")
     base = rest_b.get_sampler(world.sampler_b).result(timeout=30)
     assert (base.base_model, base.model_path) == (TINY, None)
-    for rest, other in ((rest_b, world.sampler_a), (rest_a, world.sampler_b),
-                        (rest_a, world.run_a)):  # a training run is no sampler
+    for rest, other in (
+        (rest_b, world.sampler_a),
+        (rest_a, world.sampler_b),
+        (rest_a, world.run_a),
+    ):  # a training run is no sampler
         with pytest.raises(tinker.NotFoundError):
             rest.get_sampler(other).result(timeout=30)
 
     # A sampler whose Redis meta is gone (Redis flushed) is still read from its row.
     tenant = rest_a.get_training_run(world.run_a).result(timeout=30).model_owner
     only_in_postgres = f"smp-{uuid.uuid4().hex}"
-    record = SamplingSessionRecord(id=only_in_postgres, tenant_id=tenant, base_model=TINY,
-                                   model_path=None, created_at=time.time())
+    record = SamplingSessionRecord(
+        id=only_in_postgres,
+        tenant_id=tenant,
+        base_model=TINY,
+        model_path=None,
+        created_at=time.time(),
+    )
 
     async def write() -> None:
         engine = make_engine(world.settings.database_url or "")
@@ -374,8 +419,11 @@ def test_samplers_are_read_from_redis_then_postgres(
 
 
 def test_rest_calls_need_a_key(world: World) -> None:
-    for method, path in (("GET", "/api/v1/training_runs"), ("GET", "/api/v1/checkpoints"),
-                         ("DELETE", f"/api/v1/training_runs/{world.run_a}/checkpoints/weights/a")):
+    for method, path in (
+        ("GET", "/api/v1/training_runs"),
+        ("GET", "/api/v1/checkpoints"),
+        ("DELETE", f"/api/v1/training_runs/{world.run_a}/checkpoints/weights/a"),
+    ):
         response = httpx.request(method, world.gateway + path, timeout=10)
         assert response.status_code == 401, (path, response.text)
         assert "X-API-Key" in response.json()["detail"]
@@ -386,15 +434,24 @@ def test_bad_ids_get_an_error_that_names_them(world: World) -> None:
     headers = {"X-API-Key": world.key_a}
     bad_checkpoint = httpx.delete(
         f"{world.gateway}/api/v1/training_runs/{world.run_a}/checkpoints/external/a",
-        headers=headers, timeout=10)
+        headers=headers,
+        timeout=10,
+    )
     assert bad_checkpoint.status_code == 400
     assert "checkpoint_id" in bad_checkpoint.json()["detail"]  # a body: the SDK will not retry
-    bad_path = httpx.post(f"{world.gateway}/api/v1/weights_info", headers=headers,
-                          json={"tinker_path": "s3://bucket/x"}, timeout=10)
+    bad_path = httpx.post(
+        f"{world.gateway}/api/v1/weights_info",
+        headers=headers,
+        json={"tinker_path": "s3://bucket/x"},
+        timeout=10,
+    )
     assert bad_path.status_code == 400 and "tinker_path" in bad_path.json()["detail"]
     missing = get(world, world.key_a, "/api/v1/training_runs/sess-nope:train:9")
     assert missing.status_code == 404 and "sess-nope:train:9" in missing.json()["detail"]
     bad_ttl = httpx.put(
         f"{world.gateway}/api/v1/training_runs/{world.run_a}/checkpoints/weights/a/ttl",
-        headers=headers, json={"ttl_seconds": "soon"}, timeout=10)
+        headers=headers,
+        json={"ttl_seconds": "soon"},
+        timeout=10,
+    )
     assert bad_ttl.status_code == 422 and "ttl_seconds" in bad_ttl.json()["detail"]

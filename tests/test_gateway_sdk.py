@@ -60,8 +60,9 @@ pytestmark = SDK_CLIENT_MARKS
 
 @pytest.fixture(scope="module")
 def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
-    with lora_deployment(redis_url, database_url, TINY,
-                         seq_gap_timeout_s=SEQ_GAP_TIMEOUT_S) as settings:
+    with lora_deployment(
+        redis_url, database_url, TINY, seq_gap_timeout_s=SEQ_GAP_TIMEOUT_S
+    ) as settings:
         yield settings
 
 
@@ -82,8 +83,11 @@ def text_datum(tokenizer: Any, prompt: str, completion: str) -> types.Datum:
     weights = [0.0] * len(prompt_tokens) + [1.0] * (len(tokens) - len(prompt_tokens))
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
-                        "weights": np.array(weights[1:], dtype=np.float32)})
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "weights": np.array(weights[1:], dtype=np.float32),
+        },
+    )
 
 
 # --- the seed's training loop --------------------------------------------------------------
@@ -93,21 +97,43 @@ def test_the_manual_training_loop_runs_unchanged_on_the_official_sdk(
     """examples/tinker_sdk_training_loop.py: Tinker's loop on the SDK; the loss falls, then
     save_state, load_state_with_optimizer, save_weights_and_get_sampling_client and sample."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QT_", "TINKER_"))}
-    env.update(TINKER_BASE_URL=gateway, TINKER_API_KEY=key, TINKER_TELEMETRY="0",
-               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    env.update(
+        TINKER_BASE_URL=gateway,
+        TINKER_API_KEY=key,
+        TINKER_TELEMETRY="0",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+    )
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--num-steps", "12", "--save-every", "6",
-         "--learning-rate", "5e-3", "--log-path", str(deployment.data_dir / "example")],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--num-steps",
+            "12",
+            "--save-every",
+            "6",
+            "--learning-rate",
+            "5e-3",
+            "--log-path",
+            str(deployment.data_dir / "example"),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
     losses = [float(x) for x in re.findall(r"^Step \d+, Loss: (\S+)$", proc.stdout, re.M)]
     assert len(losses) == 12 and all(np.isfinite(losses)), proc.stdout
     assert np.mean(losses[-3:]) < 0.75 * np.mean(losses[:3]), losses
-    resumed = re.search(r"^Resumed from: (tinker://\S+:train:0/weights/final-state)$",
-                        proc.stdout, re.M)
+    resumed = re.search(
+        r"^Resumed from: (tinker://\S+:train:0/weights/final-state)$", proc.stdout, re.M
+    )
     assert resumed, proc.stdout
-    assert re.search(r"^Sample: 'Question: What is 2\+2\?\\nAnswer:' -> '.+'$", proc.stdout,
-                     re.M), proc.stdout
+    assert re.search(
+        r"^Sample: 'Question: What is 2\+2\?\\nAnswer:' -> '.+'$", proc.stdout, re.M
+    ), proc.stdout
     assert proc.stdout.rstrip().endswith("Training complete!")
 
 
@@ -124,9 +150,10 @@ def test_an_rl_loop_with_importance_sampling_and_a_custom_loss(
     for iteration in range(2):
         sampler = trainer.save_weights_and_get_sampling_client().result()
         result = sampler.sample(
-            prompt=types.ModelInput.from_ints(prompt), num_samples=4,
-            sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0,
-                                                 seed=iteration)).result(timeout=120)
+            prompt=types.ModelInput.from_ints(prompt),
+            num_samples=4,
+            sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=iteration),
+        ).result(timeout=120)
         assert len(result.sequences) == 4
         data, advantages_sum = [], 0.0
         for i, sequence in enumerate(result.sequences):
@@ -136,21 +163,28 @@ def test_an_rl_loop_with_importance_sampling_and_a_custom_loss(
             advantage = float(i) - 1.5
             advantages = [0.0] * n_prompt + [advantage] * len(sequence.tokens)
             advantages_sum += advantage * len(sequence.tokens)
-            data.append(types.Datum(
-                model_input=types.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": np.array(tokens[1:], dtype=np.int64),
-                    "logprobs": np.array([0.0] * n_prompt + list(sequence.logprobs),
-                                         dtype=np.float32),
-                    "advantages": np.array(advantages, dtype=np.float32)}))
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": np.array(tokens[1:], dtype=np.int64),
+                        "logprobs": np.array(
+                            [0.0] * n_prompt + list(sequence.logprobs), dtype=np.float32
+                        ),
+                        "advantages": np.array(advantages, dtype=np.float32),
+                    },
+                )
+            )
         out = trainer.forward_backward(data, "importance_sampling").result(timeout=120)
         # The sampler's weights are the trainer's, so every ratio is 1: loss = -sum(adv).
         assert out.metrics["loss:sum"] == pytest.approx(-advantages_sum, rel=1e-3, abs=1e-3)
         assert len(out.loss_fn_outputs) == 4
         trainer.optim_step(adam).result(timeout=120)
 
-    batch = [text_datum(tokenizer, "Question: What is 3+5?\nAnswer:", " 8\n"),
-             text_datum(tokenizer, "Question: What is 7-4?\nAnswer:", " 3\n")]
+    batch = [
+        text_datum(tokenizer, "Question: What is 3+5?\nAnswer:", " 8\n"),
+        text_datum(tokenizer, "Question: What is 7-4?\nAnswer:", " 3\n"),
+    ]
     seen: list[list[float]] = []
 
     def weighted_nll(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
@@ -179,7 +213,8 @@ def test_every_built_in_loss_runs_from_the_sdk_without_config(
     prompt = trainer.get_tokenizer().encode("Question: What is 2+2?\nAnswer:")
     sampler = trainer.save_weights_and_get_sampling_client(record_stability_info=True).result()
     result = sampler.sample(
-        prompt=types.ModelInput.from_ints(prompt), num_samples=2,
+        prompt=types.ModelInput.from_ints(prompt),
+        num_samples=2,
         sampling_params=types.SamplingParams(max_tokens=5, temperature=1.0, seed=1),
     ).result(timeout=120)
     data = []
@@ -190,31 +225,53 @@ def test_every_built_in_loss_runs_from_the_sdk_without_config(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
             loss_fn_inputs={
                 "target_tokens": np.array(tokens[1:], dtype=np.int64),
-                "logprobs": np.array([0.0] * n_prompt + list(sequence.logprobs or []),
-                                     dtype=np.float32),
-                "advantages": np.array([0.0] * n_prompt + [1.0 - 2 * i] * n_sampled,
-                                       dtype=np.float32),
-                "sequence_ratio_mask": np.array([0.0] * n_prompt + [1.0] * n_sampled,
-                                                dtype=np.float32)})
-        data.append(datum.with_provenance(
-            model_input=[types.PromptProvenanceSpan(sequence_id=sequence.sequence_id,
-                                                    length=len(prompt)),
-                         types.SampledProvenanceSpan(sequence_id=sequence.sequence_id,
-                                                     length=n_sampled - 1)],
-            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sequence.sequence_id,
-                                                       offset=1, length=n_prompt),
-                            types.SampledProvenanceSpan(sequence_id=sequence.sequence_id,
-                                                        length=n_sampled)]))
+                "logprobs": np.array(
+                    [0.0] * n_prompt + list(sequence.logprobs or []), dtype=np.float32
+                ),
+                "advantages": np.array(
+                    [0.0] * n_prompt + [1.0 - 2 * i] * n_sampled, dtype=np.float32
+                ),
+                "sequence_ratio_mask": np.array(
+                    [0.0] * n_prompt + [1.0] * n_sampled, dtype=np.float32
+                ),
+            },
+        )
+        data.append(
+            datum.with_provenance(
+                model_input=[
+                    types.PromptProvenanceSpan(
+                        sequence_id=sequence.sequence_id, length=len(prompt)
+                    ),
+                    types.SampledProvenanceSpan(
+                        sequence_id=sequence.sequence_id, length=n_sampled - 1
+                    ),
+                ],
+                loss_fn_inputs=[
+                    types.PromptProvenanceSpan(
+                        sequence_id=sequence.sequence_id, offset=1, length=n_prompt
+                    ),
+                    types.SampledProvenanceSpan(sequence_id=sequence.sequence_id, length=n_sampled),
+                ],
+            )
+        )
     for loss_fn in BUILT_IN_LOSSES:
         names = LOSS_SPECS[loss_fn].inputs
-        batch = [dataclasses.replace(d, loss_fn_inputs={
-            k: v for k, v in d.loss_fn_inputs.items() if k in names}) for d in data]
+        batch = [
+            dataclasses.replace(
+                d, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k in names}
+            )
+            for d in data
+        ]
         out = trainer.forward_backward(batch, loss_fn.value).result(timeout=120)
         logprobs = [torch.tensor(o["logprobs"].data) for o in out.loss_fn_outputs]
-        inputs = [{k: torch.tensor(np.asarray(v.data if hasattr(v, "data") else v))
-                   for k, v in d.loss_fn_inputs.items()} for d in batch]
-        want, _ = batch_loss(loss_fn.value, logprobs, inputs,
-                             resolve_loss_config(loss_fn, None))
+        inputs = [
+            {
+                k: torch.tensor(np.asarray(v.data if hasattr(v, "data") else v))
+                for k, v in d.loss_fn_inputs.items()
+            }
+            for d in batch
+        ]
+        want, _ = batch_loss(loss_fn.value, logprobs, inputs, resolve_loss_config(loss_fn, None))
         assert out.metrics["loss:sum"] == pytest.approx(want.item(), rel=1e-4, abs=1e-4), loss_fn
 
 
@@ -230,14 +287,17 @@ def rest_run(rest: Any, run_id: str, timeout: float = 20) -> Any:
 
 
 def test_user_metadata_round_trips_through_create_rest_and_resume(
-    service: tinker.ServiceClient, gateway: str, key: str,
+    service: tinker.ServiceClient,
+    gateway: str,
+    key: str,
 ) -> None:
     """user_metadata given to create_lora_training_client comes back from the REST training
     run (also by tinker path, as the cookbook reads its renderer name); a run made from the
     state keeps the metadata it was given; a non-string value is refused naming the key."""
     meta = {"renderer_name": "role_colon", "note": "first"}
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4,
-                                                  user_metadata=meta).result()
+    trainer = service.create_lora_training_client(
+        base_model=TINY, rank=4, user_metadata=meta
+    ).result()
     path = trainer.save_state("meta").result(timeout=120).path
     rest = tinker.RestClient(base_url=gateway, api_key=key)
     assert rest_run(rest, trainer.model_id).user_metadata == meta
@@ -250,14 +310,20 @@ def test_user_metadata_round_trips_through_create_rest_and_resume(
     plain = service.create_lora_training_client(base_model=TINY, rank=4).result()
     assert rest_run(rest, plain.model_id).user_metadata is None
 
-    with pytest.raises(tinker.BadRequestError, match=r"user_metadata\['step'\]: keys and "
-                                                      r"values must be strings"):
-        service.create_lora_training_client(base_model=TINY, rank=4,
-                                            user_metadata={"step": 3}).result()
+    with pytest.raises(
+        tinker.BadRequestError,
+        match=r"user_metadata\['step'\]: keys and "
+        r"values must be strings",
+    ):
+        service.create_lora_training_client(
+            base_model=TINY, rank=4, user_metadata={"step": 3}
+        ).result()
 
 
 def test_a_saved_checkpoint_is_visible_on_every_route_at_once(
-    service: tinker.ServiceClient, gateway: str, key: str,
+    service: tinker.ServiceClient,
+    gateway: str,
+    key: str,
 ) -> None:
     """Read-your-writes, 100 of 100: right after save_state / save_weights_for_sampler return,
     weights_info, the run's checkpoint list, the TTL route and DELETE all find the checkpoint
@@ -298,7 +364,11 @@ def fetch_all(urls: dict[str, str]) -> dict[str, bytes]:
 
 
 def test_external_weights_download_through_signed_urls(
-    service: tinker.ServiceClient, gateway: str, key: str, deployment: Settings, tmp_path: Path,
+    service: tinker.ServiceClient,
+    gateway: str,
+    key: str,
+    deployment: Settings,
+    tmp_path: Path,
 ) -> None:
     """save_weights_external then get_external_weights_urls: one expiring URL per PEFT file,
     fetched without a key; the files equal the stored ones bit for bit and load with
@@ -331,35 +401,55 @@ def test_external_weights_download_through_signed_urls(
     assert httpx.get(url.replace("tenant=", "tenant=x"), timeout=10).status_code == 403
     assert httpx.get(url.replace("export", "exporT"), timeout=10).status_code == 403
     secret = redis.Redis.from_url(deployment.redis_url or "").get(
-        Keys(deployment.key_prefix).download_signing_secret())
+        Keys(deployment.key_prefix).download_signing_secret()
+    )
     tenant = parse_qs(urlsplit(url).query)["tenant"][0]
-    stale = {"tenant": tenant, "checkpoint": path, "file": "adapter_model.safetensors",
-             "expires": 1, "signature": signature(secret or b"", tenant, path,
-                                                  "adapter_model.safetensors", 1)}
+    stale = {
+        "tenant": tenant,
+        "checkpoint": path,
+        "file": "adapter_model.safetensors",
+        "expires": 1,
+        "signature": signature(secret or b"", tenant, path, "adapter_model.safetensors", 1),
+    }
     expired = httpx.get(f"{gateway}/api/v1/downloads", params=stale, timeout=10)
     assert expired.status_code == 403 and "expired" in expired.text
-    no_archive = httpx.get(f"{gateway}/api/v1/training_runs/{trainer.model_id}/checkpoints/"
-                           "external_weights/export/archive", headers={"X-API-Key": key},
-                           follow_redirects=False, timeout=30)
+    no_archive = httpx.get(
+        f"{gateway}/api/v1/training_runs/{trainer.model_id}/checkpoints/"
+        "external_weights/export/archive",
+        headers={"X-API-Key": key},
+        follow_redirects=False,
+        timeout=30,
+    )
     assert no_archive.status_code == 400 and "checkpoint_id" in no_archive.text
     other = tinker.RestClient(base_url=gateway, api_key=make_key(deployment, "other-tenant"))
     with pytest.raises(tinker.NotFoundError):
         other.get_external_weights_urls(path).result(timeout=30)
 
     identity = pyrage.x25519.Identity.generate()
-    encrypted = trainer.save_weights_external(
-        "export-age", age_encryption_recipients=[str(identity.to_public())]).result(60).path
+    encrypted = (
+        trainer.save_weights_external(
+            "export-age", age_encryption_recipients=[str(identity.to_public())]
+        )
+        .result(60)
+        .path
+    )
     sealed = fetch_all(rest.get_external_weights_urls(encrypted).result(timeout=30).urls)
     assert set(sealed) == {"adapter_config.json.age", "adapter_model.safetensors.age"}
-    assert {name.removesuffix(".age"): pyrage.decrypt(content, [identity])
-            for name, content in sealed.items()} == files
+    assert {
+        name.removesuffix(".age"): pyrage.decrypt(content, [identity])
+        for name, content in sealed.items()
+    } == files
     with pytest.raises(tinker.BadRequestError, match=r"age_encryption_recipients\[0\]"):
         trainer.save_weights_external("bad", age_encryption_recipients=["age1nope"]).result(60)
 
 
 @pytest.mark.parametrize("save", ["save_state", "save_weights_for_sampler"])
 def test_a_checkpoint_archive_url_serves_its_files(
-    service: tinker.ServiceClient, gateway: str, key: str, deployment: Settings, save: str,
+    service: tinker.ServiceClient,
+    gateway: str,
+    key: str,
+    deployment: Settings,
+    save: str,
 ) -> None:
     """GET .../archive answers 302 to a signed URL (Expires set) of a .tar.gz holding the
     checkpoint's files bit for bit."""
@@ -368,7 +458,10 @@ def test_a_checkpoint_archive_url_serves_its_files(
     checkpoint_id = path.removeprefix(f"tinker://{trainer.model_id}/")
     redirect = httpx.get(
         f"{gateway}/api/v1/training_runs/{trainer.model_id}/checkpoints/{checkpoint_id}/archive",
-        headers={"X-API-Key": key}, follow_redirects=False, timeout=30)
+        headers={"X-API-Key": key},
+        follow_redirects=False,
+        timeout=30,
+    )
     assert redirect.status_code == 302 and redirect.headers["Expires"].endswith("GMT")
     archive = httpx.get(redirect.headers["Location"], timeout=30)
     assert archive.status_code == 200
@@ -379,7 +472,8 @@ def test_a_checkpoint_archive_url_serves_its_files(
 
 
 def test_topk_and_target_prompt_logprobs_equal_a_full_logits_reference(
-    service: tinker.ServiceClient, deployment: Settings,
+    service: tinker.ServiceClient,
+    deployment: Settings,
 ) -> None:
     """asample with topk_prompt_logprobs and a (sparse) target_prompt_logprobs: the SDK reads
     top-k pairs, most likely first, and target logprobs (0.0 where nothing was asked) equal to
@@ -394,12 +488,17 @@ def test_topk_and_target_prompt_logprobs_equal_a_full_logits_reference(
     sparse = types.TensorData.from_torch_sparse(targets, pad_value=-1)
     assert sparse.sparse_crow_indices is not None
     response = sampler.sample(
-        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1, seed=0),
-        topk_prompt_logprobs=5, target_prompt_logprobs=sparse).result(timeout=120)
+        types.ModelInput.from_ints(prompt),
+        1,
+        types.SamplingParams(max_tokens=1, seed=0),
+        topk_prompt_logprobs=5,
+        target_prompt_logprobs=sparse,
+    ).result(timeout=120)
     model = load_base_model(TINY, "cpu", deployment.models_dir).eval()
     with torch.inference_mode():
-        full = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, :-1].double(),
-                                 dim=-1)
+        full = torch.log_softmax(
+            model(input_ids=torch.tensor([prompt])).logits[0, :-1].double(), dim=-1
+        )
     topk = response.topk_prompt_logprobs
     assert topk is not None and topk[0] is None and len(topk) == len(prompt)
     for row, got in zip(full, topk[1:], strict=True):
@@ -411,12 +510,18 @@ def test_topk_and_target_prompt_logprobs_equal_a_full_logits_reference(
     want = torch.where(targets >= 0, full.gather(1, targets.clamp(min=0)), 0.0)
     np.testing.assert_allclose(got_targets.to_numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
 
-    last = sampler.sample(types.ModelInput.from_ints(prompt), 1,
-                          types.SamplingParams(max_tokens=1, seed=0), include_prompt_logprobs=True,
-                          topk_prompt_logprobs=2, prompt_logprobs_last_n=3).result(timeout=120)
+    last = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        1,
+        types.SamplingParams(max_tokens=1, seed=0),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=2,
+        prompt_logprobs_last_n=3,
+    ).result(timeout=120)
     assert last.topk_prompt_logprobs is not None
-    assert [row is None for row in last.topk_prompt_logprobs] == [True] * (len(prompt) - 3) + \
-        [False] * 3
+    assert [row is None for row in last.topk_prompt_logprobs] == [True] * (len(prompt) - 3) + [
+        False
+    ] * 3
 
 
 def test_a_training_client_from_a_saved_state_continues_like_the_original(
@@ -446,21 +551,27 @@ def test_a_training_client_from_a_saved_state_continues_like_the_original(
     assert logprobs[0] is None and all(np.isfinite(logprobs[1:]))
 
 
-def test_a_batch_the_sdk_sends_in_chunks_runs_as_one(service: tinker.ServiceClient,
-                                                    deployment: Settings) -> None:
+def test_a_batch_the_sdk_sends_in_chunks_runs_as_one(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
     """Over 1,024 datums the SDK splits a call into chunks, each with its own seq_id, posted
     concurrently with the first one last: each chunk runs once, and the merged result is the
     whole batch's."""
     trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
-    batch = [types.Datum(model_input=types.ModelInput.from_ints([3 + i % 50, 4, 5 + i % 7]),
-                         loss_fn_inputs={"target_tokens": np.array([4, 5 + i % 7, 9])})
-             for i in range(1030)]
+    batch = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([3 + i % 50, 4, 5 + i % 7]),
+            loss_fn_inputs={"target_tokens": np.array([4, 5 + i % 7, 9])},
+        )
+        for i in range(1030)
+    ]
     whole = trainer.forward(batch, "cross_entropy").result(timeout=120)
     head = trainer.forward(batch[:1024], "cross_entropy").result(timeout=120)
     tail = trainer.forward(batch[1024:], "cross_entropy").result(timeout=120)
     assert len(whole.loss_fn_outputs) == 1030
     assert whole.metrics["loss:sum"] == pytest.approx(
-        head.metrics["loss:sum"] + tail.metrics["loss:sum"], rel=1e-5)
+        head.metrics["loss:sum"] + tail.metrics["loss:sum"], rel=1e-5
+    )
     assert ops_of(deployment, trainer.model_id, 5) == ["create_model"] + ["forward"] * 4
 
 
@@ -478,16 +589,24 @@ class FlakyProxy:
         async def forward(rest: str, request: Request) -> Response:
             headers = {k: v for k, v in request.headers.items() if k.lower() != "host"}
             async with httpx.AsyncClient(timeout=60) as client:
-                upstream = await client.request(request.method, f"{self.upstream}/{rest}",
-                                                headers=headers, content=await request.body())
+                upstream = await client.request(
+                    request.method,
+                    f"{self.upstream}/{rest}",
+                    headers=headers,
+                    content=await request.body(),
+                )
             if "/" + rest == self.path and self.dropped == 0:
                 self.dropped += 1
                 return Response("reply lost", status_code=503)
-            return Response(upstream.content, status_code=upstream.status_code,
-                            media_type=upstream.headers.get("content-type"))
+            return Response(
+                upstream.content,
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type"),
+            )
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
@@ -513,12 +632,15 @@ def appended(settings: Settings, model_id: str) -> int:
 def ops_of(settings: Settings, model_id: str, expected: int) -> list[str]:
     """The kinds of the model's ops in the durable record, in order, once `expected` of them
     are there (it is written behind) and a moment has shown no more come."""
+
     async def kinds() -> list[str]:
         engine = make_engine(settings.database_url or "")
         try:
             async with engine.connect() as conn:
-                rows = await conn.execute(text(
-                    "select kind from requests where model_id = :m order by seq"), {"m": model_id})
+                rows = await conn.execute(
+                    text("select kind from requests where model_id = :m order by seq"),
+                    {"m": model_id},
+                )
                 return [row[0] for row in rows]
         finally:
             await engine.dispose()
@@ -531,12 +653,14 @@ def ops_of(settings: Settings, model_id: str, expected: int) -> list[str]:
 
 
 @pytest.mark.parametrize("path", ["/api/v1/optim_step", "/api/v1/forward_backward"])
-def test_a_request_the_sdk_retries_runs_once(gateway: str, key: str, deployment: Settings,
-                                             path: str) -> None:
-    with FlakyProxy(gateway, path) as proxied, \
-            tinker.ServiceClient(base_url=proxied, api_key=key) as service:
-        trainer = service.create_lora_training_client(base_model=TINY, rank=4,
-                                                      seed=1).result()
+def test_a_request_the_sdk_retries_runs_once(
+    gateway: str, key: str, deployment: Settings, path: str
+) -> None:
+    with (
+        FlakyProxy(gateway, path) as proxied,
+        tinker.ServiceClient(base_url=proxied, api_key=key) as service,
+    ):
+        trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
         tokenizer = trainer.get_tokenizer()
         batch = [text_datum(tokenizer, "Question: What is 2+2?\nAnswer:", " 4\n")]
         first = trainer.forward_backward(batch, "cross_entropy").result(timeout=120)
@@ -552,36 +676,47 @@ class Wire:
     another tenant's ids)."""
 
     def __init__(self, gateway: str, key: str) -> None:
-        self.http = httpx.Client(base_url=gateway + "/api/v1", headers={"X-API-Key": key},
-                                 timeout=60)
+        self.http = httpx.Client(
+            base_url=gateway + "/api/v1", headers={"X-API-Key": key}, timeout=60
+        )
 
     def post(self, endpoint: str, **body: Any) -> httpx.Response:
         return self.http.post(endpoint, json=body)
 
     def new_model(self, base_model: str = TINY) -> str:
         session = self.post("/create_session", tags=[]).json()["session_id"]
-        submitted = self.post("/create_model", session_id=session, model_seq_id=0,
-                              base_model=base_model, lora_config={"rank": 4}).json()
+        submitted = self.post(
+            "/create_model",
+            session_id=session,
+            model_seq_id=0,
+            base_model=base_model,
+            lora_config={"rank": 4},
+        ).json()
         if base_model == TINY:
             assert self.result(submitted["request_id"])["model_id"] == submitted["model_id"]
         return str(submitted["model_id"])
 
-    def forward_backward(self, model_id: str, seq_id: int, tokens: list[int],
-                         loss_fn: str = "cross_entropy") -> httpx.Response:
+    def forward_backward(
+        self, model_id: str, seq_id: int, tokens: list[int], loss_fn: str = "cross_entropy"
+    ) -> httpx.Response:
         request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=loss_fn)
         datum = request.data.add()
         datum.model_input.add().encoded_text.tokens = np.array(tokens[:-1], "<i4").tobytes()
         target = datum.loss_fn_inputs["target_tokens"]
         target.dense, target.dtype = np.array(tokens[1:], "<i8").tobytes(), pb.DTYPE_INT64
-        return self.http.post("/forward_backward", content=request.SerializeToString(),
-                              headers={"Content-Type": "application/x-protobuf"})
+        return self.http.post(
+            "/forward_backward",
+            content=request.SerializeToString(),
+            headers={"Content-Type": "application/x-protobuf"},
+        )
 
     def result(self, request_id: str, read_timeout: float = 45, protobuf: bool = True) -> Any:
         headers = {"X-Stainless-Read-Timeout": str(read_timeout)}
         if protobuf:
             headers["Accept"] = "application/x-protobuf"
-        response = self.http.post("/retrieve_future", json={"request_id": request_id},
-                                  headers=headers)
+        response = self.http.post(
+            "/retrieve_future", json={"request_id": request_id}, headers=headers
+        )
         assert response.status_code == 200, response.text
         if "protobuf" in response.headers["content-type"]:
             out = pb.ForwardBackwardOutput()
@@ -602,28 +737,33 @@ def test_training_calls_run_in_seq_id_order_whatever_order_they_arrive_in(
 ) -> None:
     model = wire.new_model()
     tokens = [3, 4, 5, 6, 7, 8]
-    later = wire.post("/optim_step", model_id=model, seq_id=3,
-                      adam_params={"learning_rate": 0.01}).json()["request_id"]
+    later = wire.post(
+        "/optim_step", model_id=model, seq_id=3, adam_params={"learning_rate": 0.01}
+    ).json()["request_id"]
     second = wire.forward_backward(model, 2, tokens).json()["request_id"]
     assert wire.result(later, read_timeout=6)["type"] == "try_again"  # held behind seq 1
     assert appended(deployment, model) == 1  # create_model only
     first = wire.forward_backward(model, 1, tokens).json()["request_id"]
     assert wire.forward_backward(model, 1, tokens).json()["request_id"] == first  # a retry
     assert wire.result(later)["metrics"] is not None
-    assert ops_of(deployment, model, 4) == ["create_model", "forward_backward",
-                                            "forward_backward", "optim_step"]
+    assert ops_of(deployment, model, 4) == [
+        "create_model",
+        "forward_backward",
+        "forward_backward",
+        "optim_step",
+    ]
     loss_1, loss_2 = (wire.result(r).metrics["loss:sum"] for r in (first, second))
     assert loss_1 == pytest.approx(loss_2, rel=1e-6)  # both before the step
 
 
 def test_a_refused_request_still_takes_its_turn(wire: Wire, deployment: Settings) -> None:
     model = wire.new_model()
-    after = wire.post("/optim_step", model_id=model, seq_id=2,
-                      adam_params={"learning_rate": 0.01}).json()["request_id"]
+    after = wire.post(
+        "/optim_step", model_id=model, seq_id=2, adam_params={"learning_rate": 0.01}
+    ).json()["request_id"]
     refused = wire.forward_backward(model, 1, [3, 4, 5], loss_fn="no_such_loss")
     assert refused.status_code == 400 and "loss_fn" in refused.json()["detail"]
-    refused = wire.post("/optim_step", model_id=model, seq_id=3,
-                        adam_params={"learning_rate": -1})
+    refused = wire.post("/optim_step", model_id=model, seq_id=3, adam_params={"learning_rate": -1})
     assert refused.status_code == 400
     assert refused.json()["detail"].startswith("adam_params.learning_rate")
     assert "metrics" in wire.result(after)
@@ -635,20 +775,26 @@ def test_the_older_json_forms_of_forward_and_forward_backward(wire: Wire) -> Non
     clients that do not accept protobuf: the same numbers as the protobuf path."""
     model = wire.new_model()
     tokens = [3, 4, 5, 6, 7]
-    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-             "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64",
-                                                  "shape": [4]}}}
+    datum = {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [4]}},
+    }
     batch = {"data": [datum], "loss_fn": "cross_entropy"}
     json_forward = wire.post("/forward", model_id=model, seq_id=1, forward_input=batch)
     proto_forward = wire.forward_backward(model, 2, tokens)  # forward_backward, same weights
     json_result = wire.result(json_forward.json()["request_id"], protobuf=False)
     proto_result = wire.result(proto_forward.json()["request_id"])
     assert json_result["metrics"]["loss:sum"] == pytest.approx(
-        proto_result.metrics["loss:sum"], rel=1e-6)
+        proto_result.metrics["loss:sum"], rel=1e-6
+    )
     logprobs = json_result["loss_fn_outputs"][0]["logprobs"]
     assert logprobs["dtype"] == "float32" and len(logprobs["data"]) == 4
-    bad = wire.post("/forward_backward", model_id=model, seq_id=3,
-                    forward_backward_input={"data": [datum], "loss_fn": "nope"})
+    bad = wire.post(
+        "/forward_backward",
+        model_id=model,
+        seq_id=3,
+        forward_backward_input={"data": [datum], "loss_fn": "nope"},
+    )
     assert bad.status_code == 400 and "forward_backward_input.loss_fn" in bad.json()["detail"]
 
 
@@ -656,8 +802,9 @@ def test_a_seq_id_that_never_comes_is_given_up_after_the_gap_timeout(
     wire: Wire, deployment: Settings
 ) -> None:
     model = wire.new_model()
-    stranded = wire.post("/optim_step", model_id=model, seq_id=2,
-                         adam_params={"learning_rate": 0.01}).json()["request_id"]
+    stranded = wire.post(
+        "/optim_step", model_id=model, seq_id=2, adam_params={"learning_rate": 0.01}
+    ).json()["request_id"]
     started = time.monotonic()
     answer = wire.result(stranded, read_timeout=30)
     while answer.get("type") == "try_again":
@@ -677,12 +824,17 @@ def test_a_base_model_no_worker_ever_served_is_refused_at_once(
     with pytest.raises(tinker.BadRequestError) as raised:
         service.create_lora_training_client(base_model="no-such-org/typo-model").result()
     assert time.monotonic() - started < 1.0
-    assert re.search(r"base_model: 'no-such-org/typo-model' is not served by this deployment; "
-                     rf"served base models: .*{re.escape(TINY)}", str(raised.value))
+    assert re.search(
+        r"base_model: 'no-such-org/typo-model' is not served by this deployment; "
+        rf"served base models: .*{re.escape(TINY)}",
+        str(raised.value),
+    )
 
 
 def test_with_queueing_allowed_an_unserved_base_model_waits_in_paused_capacity(
-    deployment: Settings, key: str, tmp_path: Path,
+    deployment: Settings,
+    key: str,
+    tmp_path: Path,
 ) -> None:
     """QT_QUEUE_UNSERVED_BASE_MODELS=true (workers started on demand): the run is queued and
     retrieve_future says paused_capacity, naming the base model."""
@@ -690,8 +842,9 @@ def test_with_queueing_allowed_an_unserved_base_model_waits_in_paused_capacity(
     with gateway_process(allowing, tmp_path / "gateway.log") as gateway:
         wire = Wire(gateway, key)
         model = wire.new_model(base_model="no-such-org/unserved-model")
-        request_id = wire.post("/optim_step", model_id=model, seq_id=1,
-                               adam_params={}).json()["request_id"]
+        request_id = wire.post("/optim_step", model_id=model, seq_id=1, adam_params={}).json()[
+            "request_id"
+        ]
         answer = wire.result(request_id, read_timeout=6)
         wire.http.close()
     assert answer["type"] == "try_again" and answer["queue_state"] == "paused_capacity"
@@ -712,9 +865,12 @@ def test_a_tenant_over_its_token_limit_hears_paused_rate_limit_until_it_is_lifte
     assert "loss_fn_outputs" in wire.result(first, protobuf=False)
     waiting = wire.forward_backward(model, 2, list(range(11))).json()["request_id"]
     answer = wire.result(waiting, read_timeout=6, protobuf=False)
-    assert answer == {"type": "try_again", "request_id": waiting,
-                      "queue_state": "paused_rate_limit",
-                      "queue_state_reason": "tokens per second rate limit hit (1 tokens/s)"}
+    assert answer == {
+        "type": "try_again",
+        "request_id": waiting,
+        "queue_state": "paused_rate_limit",
+        "queue_state_reason": "tokens per second rate limit hit (1 tokens/s)",
+    }
     limits(deployment, tenant, tokens_per_s=0)
     assert "loss_fn_outputs" in wire.result(waiting, read_timeout=10, protobuf=False)
 
@@ -737,37 +893,49 @@ def other_key(deployment: Settings) -> str:
 
 
 @pytest.mark.parametrize("direction", ["a-to-b", "b-to-a"])
-def test_tenants_never_reach_each_others_runs(gateway: str, key: str, other_key: str,
-                                              direction: str) -> None:
+def test_tenants_never_reach_each_others_runs(
+    gateway: str, key: str, other_key: str, direction: str
+) -> None:
     owner_key, intruder_key = (key, other_key) if direction == "a-to-b" else (other_key, key)
     owner, intruder = Wire(gateway, owner_key), Wire(gateway, intruder_key)
     try:
         model = owner.new_model()
         saved = owner.post("/save_weights", model_id=model, seq_id=1, path="mine").json()
         path = owner.result(saved["request_id"])["path"]
-        sampler = owner.post("/create_sampling_session", session_id=model.split(":")[0],
-                             sampling_session_seq_id=0, base_model=TINY).json()
+        sampler = owner.post(
+            "/create_sampling_session",
+            session_id=model.split(":")[0],
+            sampling_session_seq_id=0,
+            base_model=TINY,
+        ).json()
         own_session = intruder.post("/create_session").json()["session_id"]
         attempts = {
             "get_info": intruder.post("/get_info", model_id=model),
-            "optim_step": intruder.post("/optim_step", model_id=model, seq_id=2,
-                                        adam_params={}),
+            "optim_step": intruder.post("/optim_step", model_id=model, seq_id=2, adam_params={}),
             "forward_backward": intruder.forward_backward(model, 2, [3, 4, 5]),
-            "retrieve_future": intruder.post("/retrieve_future",
-                                             request_id=saved["request_id"]),
-            "asample": intruder.post("/asample", sampling_session_id=sampler[
-                "sampling_session_id"], seq_id=0, prompt={"chunks": []}),
+            "retrieve_future": intruder.post("/retrieve_future", request_id=saved["request_id"]),
+            "asample": intruder.post(
+                "/asample",
+                sampling_session_id=sampler["sampling_session_id"],
+                seq_id=0,
+                prompt={"chunks": []},
+            ),
             "create_model in their session": intruder.post(
-                "/create_model", session_id=model.split(":")[0], model_seq_id=5,
-                base_model=TINY),
+                "/create_model", session_id=model.split(":")[0], model_seq_id=5, base_model=TINY
+            ),
         }
         for name, response in attempts.items():
             assert response.status_code == 404, (name, response.text)
         for create in (
-            lambda: intruder.post("/load_weights", session_id=own_session, model_seq_id=0,
-                                  path=path),
-            lambda: intruder.post("/create_sampling_session", session_id=own_session,
-                                  sampling_session_seq_id=0, model_path=path),
+            lambda: intruder.post(
+                "/load_weights", session_id=own_session, model_seq_id=0, path=path
+            ),
+            lambda: intruder.post(
+                "/create_sampling_session",
+                session_id=own_session,
+                sampling_session_seq_id=0,
+                model_path=path,
+            ),
         ):
             response = create()
             assert response.status_code == 400 and "no checkpoint" in response.json()["detail"]
@@ -777,18 +945,26 @@ def test_tenants_never_reach_each_others_runs(gateway: str, key: str, other_key:
 
 
 def test_the_sdk_gets_401_without_a_valid_key(gateway: str) -> None:
-    for path in ("/api/v1/create_model", "/api/v1/forward_backward", "/api/v1/asample",
-                 "/api/v1/retrieve_future", "/api/v1/get_info"):
+    for path in (
+        "/api/v1/create_model",
+        "/api/v1/forward_backward",
+        "/api/v1/asample",
+        "/api/v1/retrieve_future",
+        "/api/v1/get_info",
+    ):
         response = httpx.post(gateway + path, json={}, headers={"X-API-Key": "tml-nope"})
         assert response.status_code == 401, path
-    with pytest.raises(tinker.AuthenticationError), \
-            tinker.ServiceClient(base_url=gateway, api_key="tml-nope") as service:
+    with (
+        pytest.raises(tinker.AuthenticationError),
+        tinker.ServiceClient(base_url=gateway, api_key="tml-nope") as service,
+    ):
         service.create_lora_training_client(base_model=TINY, rank=4).result()
 
 
 def test_tinker_paths_parse_with_sdk_made_run_ids(tmp_path: Path) -> None:
     """The SDK's run ids hold ':' (session:train:n); checkpoint paths built on them parse."""
     from queue_tinker.types.checkpoints import CheckpointPath
+
     path = CheckpointPath.parse("tinker://sess-1a:train:0/weights/final")
     assert (path.run_id, path.name) == ("sess-1a:train:0", "final")
 
@@ -797,13 +973,20 @@ def test_tinker_paths_parse_with_sdk_made_run_ids(tmp_path: Path) -> None:
 def recorded_metrics(settings: Settings, model_id: str) -> Any:
     """The metrics of the model's first optim_step in the Postgres record once it is written
     (behind), else None."""
+
     async def read() -> Any:
         engine = make_engine(settings.database_url or "")
         try:
             async with engine.connect() as conn:
-                return (await conn.execute(text(
-                    "select metrics from requests where model_id = :m and status = 'done' "
-                    "and kind = 'optim_step' order by seq limit 1"), {"m": model_id})).scalar()
+                return (
+                    await conn.execute(
+                        text(
+                            "select metrics from requests where model_id = :m and status = 'done' "
+                            "and kind = 'optim_step' order by seq limit 1"
+                        ),
+                        {"m": model_id},
+                    )
+                ).scalar()
         finally:
             await engine.dispose()
 
@@ -824,11 +1007,14 @@ def test_a_diverging_step_is_collected_recorded_and_skipped(
     n = len(tokens) - 1
 
     def datum(**inputs: np.ndarray) -> types.Datum:
-        return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                           loss_fn_inputs={"target_tokens": np.array(tokens[1:]), **inputs})
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": np.array(tokens[1:]), **inputs},
+        )
 
-    diverging = datum(logprobs=np.full(n, -1e4, dtype=np.float32),
-                      advantages=np.ones(n, dtype=np.float32))
+    diverging = datum(
+        logprobs=np.full(n, -1e4, dtype=np.float32), advantages=np.ones(n, dtype=np.float32)
+    )
     out = trainer.forward_backward([diverging], "importance_sampling").result(timeout=60)
     assert not np.isfinite(out.metrics["loss:sum"])
     metrics = trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60).metrics

@@ -31,6 +31,8 @@ def rest_client(gateway: str, key: str) -> Iterator[tinker.RestClient]:
         yield rest
     finally:
         rest.holder.close()
+
+
 @pytest.fixture
 def gateway(settings: Settings, tmp_path: Path) -> Iterator[str]:
     """The base URL of a `queue-tinker serve` process on the test's deployment."""
@@ -42,8 +44,10 @@ def test_the_sdk_reads_server_capabilities_with_a_key(
     settings: Settings, gateway: str, tmp_path: Path
 ) -> None:
     key = make_key(settings, f"t-{uuid.uuid4().hex[:8]}")
-    with running_workers(settings, 1, tmp_path, base_model="tiny"), \
-            rest_client(gateway, key) as rest:
+    with (
+        running_workers(settings, 1, tmp_path, base_model="tiny"),
+        rest_client(gateway, key) as rest,
+    ):
         capabilities = rest.get_server_capabilities().result(timeout=30)
         with ServiceClient(settings) as ours:  # the Python client reads the same registry
             served = ours.get_server_capabilities().supported_models
@@ -52,11 +56,15 @@ def test_the_sdk_reads_server_capabilities_with_a_key(
 
 
 @pytest.mark.parametrize("key", ["tml-not-a-key", None])
-def test_a_missing_or_invalid_key_gets_401(settings: Settings, gateway: str,
-                                           key: str | None) -> None:
+def test_a_missing_or_invalid_key_gets_401(
+    settings: Settings, gateway: str, key: str | None
+) -> None:
     headers = {"X-API-Key": key} if key else {}
-    for method, path in (("POST", "/api/v1/client/config"), ("POST", "/api/v1/create_session"),
-                         ("GET", "/api/v1/get_server_capabilities")):
+    for method, path in (
+        ("POST", "/api/v1/client/config"),
+        ("POST", "/api/v1/create_session"),
+        ("GET", "/api/v1/get_server_capabilities"),
+    ):
         response = httpx.request(method, gateway + path, headers=headers, json={}, timeout=10)
         assert response.status_code == 401, (path, response.text)
         assert "API key" in response.json()["detail"] or "X-API-Key" in response.json()["detail"]
@@ -65,8 +73,9 @@ def test_a_missing_or_invalid_key_gets_401(settings: Settings, gateway: str,
             rest.get_server_capabilities().result(timeout=30)
 
 
-def test_a_revoked_key_stops_working_within_the_cache_time(settings: Settings,
-                                                           tmp_path: Path) -> None:
+def test_a_revoked_key_stops_working_within_the_cache_time(
+    settings: Settings, tmp_path: Path
+) -> None:
     cached = settings.model_copy(update={"api_key_cache_s": 1.0})
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     key = make_key(cached, tenant)
@@ -81,9 +90,11 @@ def test_a_revoked_key_stops_working_within_the_cache_time(settings: Settings,
             await engine.dispose()
 
     with gateway_process(cached, tmp_path / "gateway.log") as url:
+
         def status() -> int:
-            return httpx.post(f"{url}/api/v1/client/config", headers={"X-API-Key": key},
-                              json={}, timeout=10).status_code
+            return httpx.post(
+                f"{url}/api/v1/client/config", headers={"X-API-Key": key}, json={}, timeout=10
+            ).status_code
 
         assert status() == 200  # and now cached
         asyncio.run(revoke())
@@ -97,31 +108,56 @@ def test_a_revoked_key_stops_working_within_the_cache_time(settings: Settings,
 def test_a_session_belongs_to_the_keys_tenant(settings: Settings, gateway: str) -> None:
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     headers = {"X-API-Key": make_key(settings, tenant)}
-    config = httpx.post(f"{gateway}/api/v1/client/config", headers=headers,
-                        json={"sdk_version": "0.38.0"}, timeout=10)
+    config = httpx.post(
+        f"{gateway}/api/v1/client/config",
+        headers=headers,
+        json={"sdk_version": "0.38.0"},
+        timeout=10,
+    )
     assert config.status_code == 200 and config.json()["pjwt_auth_enabled"] is False
-    created = httpx.post(f"{gateway}/api/v1/create_session", headers=headers,
-                         json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0",
-                               "type": "create_session"}, timeout=10).json()
+    created = httpx.post(
+        f"{gateway}/api/v1/create_session",
+        headers=headers,
+        json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"},
+        timeout=10,
+    ).json()
     session_id = created["session_id"]
-    beat = httpx.post(f"{gateway}/api/v1/session_heartbeat", headers=headers,
-                      json={"session_id": session_id, "type": "session_heartbeat"}, timeout=10)
+    beat = httpx.post(
+        f"{gateway}/api/v1/session_heartbeat",
+        headers=headers,
+        json={"session_id": session_id, "type": "session_heartbeat"},
+        timeout=10,
+    )
     assert beat.status_code == 200
     # Another tenant's heartbeat for this session is refused like an unknown session's.
     stranger = {"X-API-Key": make_key(settings, f"t-{uuid.uuid4().hex[:8]}")}
-    assert httpx.post(f"{gateway}/api/v1/session_heartbeat", headers=stranger,
-                      json={"session_id": session_id}, timeout=10).status_code == 404
+    assert (
+        httpx.post(
+            f"{gateway}/api/v1/session_heartbeat",
+            headers=stranger,
+            json={"session_id": session_id},
+            timeout=10,
+        ).status_code
+        == 404
+    )
     # The SDK validates the telemetry answer with its own model.
-    telemetry = httpx.post(f"{gateway}/api/v1/telemetry", headers=headers,
-                           json={"events": [], "session_id": session_id}, timeout=10)
+    telemetry = httpx.post(
+        f"{gateway}/api/v1/telemetry",
+        headers=headers,
+        json={"events": [], "session_id": session_id},
+        timeout=10,
+    )
     tinker.types.TelemetryResponse.model_validate(telemetry.json())
 
     async def owner() -> str | None:
         engine = make_engine(settings.database_url or "")
         try:
             async with engine.connect() as conn:
-                return (await conn.execute(text("SELECT tenant_id FROM sessions WHERE id = :s"),
-                                           {"s": session_id})).scalar()
+                return (
+                    await conn.execute(
+                        text("SELECT tenant_id FROM sessions WHERE id = :s"), {"s": session_id}
+                    )
+                ).scalar()
         finally:
             await engine.dispose()
 

@@ -40,11 +40,19 @@ from queue_tinker.settings import Settings
 from queue_tinker.types import AdamParams, Datum, ModelInput
 
 TINY = "queue-tinker/tiny-llama"
-LIMITS = {"max_tokens_per_datum": 48, "max_datums_per_request": 6,
-          "max_samples_per_request": 4, "max_request_bytes": 64 * 1024}
+LIMITS = {
+    "max_tokens_per_datum": 48,
+    "max_datums_per_request": 6,
+    "max_samples_per_request": 4,
+    "max_request_bytes": 64 * 1024,
+}
 # 10 requests per route, ~450 in all, most refused in milliseconds: ~20 s on 2 cores.
-HOSTILE = settings(max_examples=10, deadline=None, database=None,
-                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+HOSTILE = settings(
+    max_examples=10,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 TIMEOUT_S = 30
 FIELD_FIRST = re.compile(r"^[A-Za-z_][\w.\[\]'-]*[ :\[]")
 
@@ -68,8 +76,12 @@ def worker_pid(settings_: Settings) -> int:
         client.close()
 
 
-CONTROL = [Datum(model_input=ModelInput.from_ints([72, 101, 108, 108, 111]),
-                 loss_fn_inputs={"target_tokens": np.array([101, 108, 108, 111, 33])})]
+CONTROL = [
+    Datum(
+        model_input=ModelInput.from_ints([72, 101, 108, 108, 111]),
+        loss_fn_inputs={"target_tokens": np.array([101, 108, 108, 111, 33])},
+    )
+]
 
 
 @dataclass
@@ -95,8 +107,9 @@ def victim(deployment: Settings) -> Iterator[Victim]:
     step = model.optim_step(AdamParams(learning_rate=0.05))
     step.result(TIMEOUT_S)
     path = model.save_state("before").result(TIMEOUT_S).path
-    victim_ = Victim(service, model, np.zeros(0), worker_pid(deployment),
-                     [model.model_id, path, step.request_id])
+    victim_ = Victim(
+        service, model, np.zeros(0), worker_pid(deployment), [model.model_id, path, step.request_id]
+    )
     victim_.logprobs = victim_.forward()
     yield victim_
     service.close()
@@ -127,35 +140,85 @@ def attacker(gateway: str, deployment: Settings, victim: Victim) -> Iterator[Att
     key = make_key(deployment, f"attacker-{uuid.uuid4().hex[:6]}")
     http = httpx.Client(base_url=gateway, headers={"X-API-Key": key}, timeout=TIMEOUT_S)
     session = http.post("/api/v1/create_session").json()["session_id"]
-    model = http.post("/api/v1/create_model", json={
-        "session_id": session, "model_seq_id": 0, "base_model": TINY}).json()["model_id"]
-    routes = sorted({(method, route.path) for route in every_route(create_app(deployment).routes)
-                     for method in (route.methods or set()) - {"HEAD"}})
+    model = http.post(
+        "/api/v1/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": TINY}
+    ).json()["model_id"]
+    routes = sorted(
+        {
+            (method, route.path)
+            for route in every_route(create_app(deployment).routes)
+            for method in (route.methods or set()) - {"HEAD"}
+        }
+    )
     yield Attacker(http, session, model, routes)
     http.close()
 
 
 # --- what hostile input is ----------------------------------------------------------------------
-NASTY_TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]),
-                     max_size=12)
+NASTY_TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
 IDS = st.one_of(
     NASTY_TEXT.filter(bool),
-    st.sampled_from(["\x00", "a\x00b", "\n", "-1", "0", "99999999999999999999", "1e400",
-                     "NaN", "../../etc/passwd", "%00", "<script>x</script>", "x" * 2000,
-                     "\u202e\ufeff", "😀", "sess-x:train:0", "req-x:reply", ":", "//"]),
+    st.sampled_from(
+        [
+            "\x00",
+            "a\x00b",
+            "\n",
+            "-1",
+            "0",
+            "99999999999999999999",
+            "1e400",
+            "NaN",
+            "../../etc/passwd",
+            "%00",
+            "<script>x</script>",
+            "x" * 2000,
+            "\u202e\ufeff",
+            "😀",
+            "sess-x:train:0",
+            "req-x:reply",
+            ":",
+            "//",
+        ]
+    ),
     st.integers(-(2**80), 2**80).map(str),
 )
 JSON_JUNK = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-              st.floats(allow_nan=True, allow_infinity=True), NASTY_TEXT),
-    lambda inner: st.one_of(st.lists(inner, max_size=3),
-                            st.dictionaries(NASTY_TEXT, inner, max_size=3)),
-    max_leaves=8)
-FIELDS = ["model_id", "seq_id", "session_id", "request_id", "sampling_session_id",
-          "base_model", "path", "tinker_path", "model_seq_id", "sampling_session_seq_id",
-          "prompt", "num_samples", "sampling_params", "adam_params", "lora_config",
-          "ttl_seconds", "forward_backward_input", "forward_input", "optimizer",
-          "model_path", "loss_fn", "data"]
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        NASTY_TEXT,
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(NASTY_TEXT, inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+FIELDS = [
+    "model_id",
+    "seq_id",
+    "session_id",
+    "request_id",
+    "sampling_session_id",
+    "base_model",
+    "path",
+    "tinker_path",
+    "model_seq_id",
+    "sampling_session_seq_id",
+    "prompt",
+    "num_samples",
+    "sampling_params",
+    "adam_params",
+    "lora_config",
+    "ttl_seconds",
+    "forward_backward_input",
+    "forward_input",
+    "optimizer",
+    "model_path",
+    "loss_fn",
+    "data",
+]
 QUERY_NAMES = ["limit", "offset", "model", "run", "cursor", "before", "x\x00", "a b"]
 
 
@@ -183,32 +246,41 @@ def json_body(draw: st.DrawFn, attacker: Attacker, victim: Victim) -> tuple[byte
         depth = draw(st.integers(1_000, 60_000))
         return ("[" * depth + "]" * depth).encode(), kind
     if kind == "huge":
-        return json.dumps({"model_id": attacker.model, "seq_id": draw(st.integers(2**31, 2**90)),
-                           "offset": 10**30}).encode(), kind
+        return json.dumps(
+            {
+                "model_id": attacker.model,
+                "seq_id": draw(st.integers(2**31, 2**90)),
+                "offset": 10**30,
+            }
+        ).encode(), kind
     body: Any
     if kind == "junk":
         body = draw(JSON_JUNK)
     else:
         own = {"model_id": attacker.model, "session_id": attacker.session, "seq_id": 1}
         names = draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=4))
-        values = (st.sampled_from(victim.ids) if kind == "victim_ids"
-                  else st.one_of(JSON_JUNK, IDS, st.just(math.nan)))
+        values = (
+            st.sampled_from(victim.ids)
+            if kind == "victim_ids"
+            else st.one_of(JSON_JUNK, IDS, st.just(math.nan))
+        )
         body = {**own, **{name: draw(values) for name in names}}
     return json.dumps(body).encode(), kind  # NaN and Infinity as Python writes them
 
 
 @st.composite
-def hostile(draw: st.DrawFn, route: tuple[str, str], attacker: Attacker,
-            victim: Victim) -> Hostile:
+def hostile(draw: st.DrawFn, route: tuple[str, str], attacker: Attacker, victim: Victim) -> Hostile:
     method, path = route
     holes = len(re.findall(r"\{[^}]+\}", path))
-    ids = draw(st.lists(st.one_of(IDS, st.sampled_from(victim.ids)), min_size=holes,
-                        max_size=holes))
+    ids = draw(
+        st.lists(st.one_of(IDS, st.sampled_from(victim.ids)), min_size=holes, max_size=holes)
+    )
     params = draw(st.dictionaries(st.sampled_from(QUERY_NAMES), IDS, max_size=2))
     body, content_type, what = None, None, "no body"
     if method in ("POST", "PUT", "PATCH", "DELETE"):
-        kind = draw(st.sampled_from(["json", "json", "protobuf", "msgpack", "form", "text",
-                                     "none", "zstd"]))
+        kind = draw(
+            st.sampled_from(["json", "json", "protobuf", "msgpack", "form", "text", "none", "zstd"])
+        )
         if kind == "json":
             body, what = draw(json_body(attacker, victim))
             content_type = "application/json"
@@ -216,13 +288,15 @@ def hostile(draw: st.DrawFn, route: tuple[str, str], attacker: Attacker,
             body, what = None, "no body"
         else:
             body = draw(st.binary(max_size=256))
-            content_type = {"protobuf": "application/x-protobuf",
-                            "msgpack": "application/msgpack", "zstd": "application/x-protobuf",
-                            "form": "application/x-www-form-urlencoded",
-                            "text": "text/plain"}[kind]
+            content_type = {
+                "protobuf": "application/x-protobuf",
+                "msgpack": "application/msgpack",
+                "zstd": "application/x-protobuf",
+                "form": "application/x-www-form-urlencoded",
+                "text": "text/plain",
+            }[kind]
             what = kind
-    return Hostile(method, fill_path(path, ids), params, body, content_type, what,
-                   (method, path))
+    return Hostile(method, fill_path(path, ids), params, body, content_type, what, (method, path))
 
 
 def send(attacker: Attacker, case: Hostile) -> httpx.Response:
@@ -231,8 +305,9 @@ def send(attacker: Attacker, case: Hostile) -> httpx.Response:
         headers["Content-Type"] = case.content_type
     if case.what == "zstd":
         headers["Content-Encoding"] = "zstd"
-    return attacker.http.request(case.method, case.path, params=case.params, content=case.body,
-                                 headers=headers)
+    return attacker.http.request(
+        case.method, case.path, params=case.params, content=case.body, headers=headers
+    )
 
 
 def names_the_field(response: httpx.Response) -> bool:
@@ -270,9 +345,11 @@ def attacked(attacker: Attacker, victim: Victim) -> Attacker:
     for route in attacker.routes:  # every route, each with its own examples
         attack(route)
     attacker.seen["routes"] = len(routes_hit)
-    print(f"\nhostile-input suite: {attacker.seen['requests']} requests over "
-          f"{len(routes_hit)} of {len(attacker.routes)} routes; statuses "
-          f"{sorted((k, v) for k, v in attacker.seen.items() if k.startswith('status'))}")
+    print(
+        f"\nhostile-input suite: {attacker.seen['requests']} requests over "
+        f"{len(routes_hit)} of {len(attacker.routes)} routes; statuses "
+        f"{sorted((k, v) for k, v in attacker.seen.items() if k.startswith('status'))}"
+    )
     return attacker
 
 

@@ -97,8 +97,13 @@ def make_checkpoint(storage: Path, expires_at: float | None) -> tuple[str, Path]
 
 
 def write_meta(directory: Path, checkpoint_id: str, expires_at: float | None) -> None:
-    meta = {"id": checkpoint_id, "expires_at": expires_at, "kind": "state",
-            "model_id": checkpoint_id.split("/")[2], "created_at": time.time() - HOUR}
+    meta = {
+        "id": checkpoint_id,
+        "expires_at": expires_at,
+        "kind": "state",
+        "model_id": checkpoint_id.split("/")[2],
+        "created_at": time.time() - HOUR,
+    }
     (directory / "qt_meta.json").write_text(json.dumps(meta))
 
 
@@ -107,9 +112,15 @@ def record(
 ) -> None:
     """The row the recorder would write."""
     rec = CheckpointRecord(
-        id=checkpoint_id, model_id=checkpoint_id.split("/")[2], tenant_id="default",
-        name=directory.name, kind=CheckpointKind.STATE, path=str(directory), size_bytes=64,
-        created_at=time.time() - HOUR, expires_at=expires_at,
+        id=checkpoint_id,
+        model_id=checkpoint_id.split("/")[2],
+        tenant_id="default",
+        name=directory.name,
+        kind=CheckpointKind.STATE,
+        path=str(directory),
+        size_bytes=64,
+        created_at=time.time() - HOUR,
+        expires_at=expires_at,
     )
 
     async def apply() -> None:
@@ -139,8 +150,11 @@ def deleted_at(database_url: str, checkpoint_id: str) -> datetime | None:
 def burst(connection: redis.Redis, queue_name: str) -> None:
     """One rq burst: the scheduler moves due jobs onto the queue, then the worker drains it."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    worker = SimpleWorker([Queue(queue_name, connection=connection)], connection=connection,
-                          name=f"{queue_name}--test-{uuid.uuid4().hex[:8]}")
+    worker = SimpleWorker(
+        [Queue(queue_name, connection=connection)],
+        connection=connection,
+        name=f"{queue_name}--test-{uuid.uuid4().hex[:8]}",
+    )
     try:
         worker.work(burst=True, with_scheduler=True, logging_level="WARNING")
     finally:  # rq installs its own SIGINT/SIGTERM handlers; give pytest its own back
@@ -175,9 +189,13 @@ def test_expire_removes_an_expired_checkpoint_and_marks_its_row(
     expired, expired_dir = make_checkpoint(storage, now - 5)
     later, later_dir = make_checkpoint(storage, now + HOUR)
     forever, forever_dir = make_checkpoint(storage, None)
-    for cid, path, exp in ((expired, expired_dir, now - 5), (later, later_dir, now + HOUR),
-                           (forever, forever_dir, None)):
+    for cid, path, exp in (
+        (expired, expired_dir, now - 5),
+        (later, later_dir, now + HOUR),
+        (forever, forever_dir, None),
+    ):
         record(database_url, cid, path, exp)
+
     def expire(cid: str, directory: Path) -> str:
         return expire_checkpoint(cid, str(directory), database_url, storage_dir=str(storage))
 
@@ -197,7 +215,11 @@ def test_expire_removes_an_expired_checkpoint_and_marks_its_row(
 
 
 def test_rq_runs_a_due_expiry_and_scheduling_twice_keeps_one_job(
-    database_url: str, storage: Path, rq_redis: redis.Redis, key_prefix: str, queue_name: str,
+    database_url: str,
+    storage: Path,
+    rq_redis: redis.Redis,
+    key_prefix: str,
+    queue_name: str,
     configured: None,
 ) -> None:
     """Through rq: a job scheduled in the past runs on the next burst; another checkpoint's
@@ -226,7 +248,11 @@ def test_rq_runs_a_due_expiry_and_scheduling_twice_keeps_one_job(
 
 
 def test_scheduled_expiry_waits_for_its_time(
-    database_url: str, storage: Path, rq_redis: redis.Redis, key_prefix: str, queue_name: str,
+    database_url: str,
+    storage: Path,
+    rq_redis: redis.Redis,
+    key_prefix: str,
+    queue_name: str,
     configured: None,
 ) -> None:
     """A checkpoint expiring in ~1 s: a burst before then does nothing, one after removes it."""
@@ -252,9 +278,11 @@ def test_missing_row_is_retried_until_the_recorder_writes_it(
     expires_at = time.time() - 5
     cid, directory = make_checkpoint(storage, expires_at)
     queue = Queue(queue_name, connection=rq_redis)
-    first = queue.enqueue(expire_checkpoint, job_id=expiry_job_id(queue_name, cid),
-                          kwargs={"checkpoint_id": cid, "directory": str(directory),
-                                  "retry_delay_s": 1.0})
+    first = queue.enqueue(
+        expire_checkpoint,
+        job_id=expiry_job_id(queue_name, cid),
+        kwargs={"checkpoint_id": cid, "directory": str(directory), "retry_delay_s": 1.0},
+    )
     burst(rq_redis, queue_name)
 
     assert job_result(rq_redis, first.id) == Outcome.ROW_MISSING
@@ -286,12 +314,18 @@ def test_meta_that_says_not_expired_keeps_the_checkpoint(
     jobs = []
     for cid, directory in ((extended, extended_dir), (no_ttl, no_ttl_dir)):
         record(database_url, cid, directory, past)
-        jobs.append(queue.enqueue(expire_checkpoint, job_id=expiry_job_id(queue_name, cid),
-                                  kwargs={"checkpoint_id": cid, "directory": str(directory)}))
+        jobs.append(
+            queue.enqueue(
+                expire_checkpoint,
+                job_id=expiry_job_id(queue_name, cid),
+                kwargs={"checkpoint_id": cid, "directory": str(directory)},
+            )
+        )
     burst(rq_redis, queue_name)
 
-    for job, (cid, directory) in zip(jobs, ((extended, extended_dir), (no_ttl, no_ttl_dir)),
-                                     strict=True):
+    for job, (cid, directory) in zip(
+        jobs, ((extended, extended_dir), (no_ttl, no_ttl_dir)), strict=True
+    ):
         assert job_result(rq_redis, job.id) == Outcome.KEPT
         assert (directory / "adapter_model.safetensors").exists()
         assert deleted_at(database_url, cid) is None
@@ -313,9 +347,13 @@ def test_sweep_expires_what_no_job_was_scheduled_for(
     later, later_dir = make_checkpoint(storage, now + HOUR)
     forever, forever_dir = make_checkpoint(storage, None)
     outside, outside_dir = make_checkpoint(tmp_path / "elsewhere", now - 30)
-    rows = ((lost, lost_dir, now - 30), (gone, gone_dir, now - 30),
-            (later, later_dir, now + HOUR), (forever, forever_dir, None),
-            (outside, outside_dir, now - 30))
+    rows = (
+        (lost, lost_dir, now - 30),
+        (gone, gone_dir, now - 30),
+        (later, later_dir, now + HOUR),
+        (forever, forever_dir, None),
+        (outside, outside_dir, now - 30),
+    )
     for cid, path, exp in rows:
         record(database_url, cid, path, exp)
     for child in gone_dir.iterdir():
@@ -337,8 +375,9 @@ def test_sweep_expires_what_no_job_was_scheduled_for(
 # --- the process ---------------------------------------------------------------------------
 
 
-def wait_for_startup_sweep(connection: redis.Redis, queue_name: str, proc: subprocess.Popen[bytes],
-                           log_path: Path) -> None:
+def wait_for_startup_sweep(
+    connection: redis.Redis, queue_name: str, proc: subprocess.Popen[bytes], log_path: Path
+) -> None:
     """Until the housekeeper's worker has run its first job (the sweep it queues at start)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -360,9 +399,13 @@ def test_housekeeper_process_expires_a_scheduled_checkpoint_and_stops_on_sigterm
     storage.mkdir(parents=True)
     log_path = tmp_path / "housekeeper.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "queue_tinker.cli", "housekeeper"],
-                                env=child_env(settings), cwd=REPO, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "queue_tinker.cli", "housekeeper"],
+            env=child_env(settings),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         # After the start-up sweep, so the expiry below is the scheduled job's doing.
         wait_for_startup_sweep(rq_redis, queue_name, proc, log_path)

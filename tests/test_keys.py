@@ -51,8 +51,10 @@ def test_sampling_client_key_names_are_stable() -> None:
     assert k.sample_pending("s:sample:0", 2) == "qt:model:s:sample:0:futures:2:pending"
     assert k.sample_completions("s:sample:0", 2) == "qt:model:s:sample:0:futures:2:done"
     assert k.sample_cursor("s:sample:0", 2) == "qt:model:s:sample:0:futures:2:cursor"
-    assert k.published_checkpoint("tinker://r:train:0/weights/a") == \
-        "qt:published:tinker://r:train:0/weights/a"
+    assert (
+        k.published_checkpoint("tinker://r:train:0/weights/a")
+        == "qt:published:tinker://r:train:0/weights/a"
+    )
 
 
 def test_the_scripts_build_the_same_key_names(redis_url: str) -> None:
@@ -60,15 +62,25 @@ def test_the_scripts_build_the_same_key_names(redis_url: str) -> None:
     match queue/keys.py, or a limit would be kept in one key and read from another."""
     k = Keys("qt")
     built = redis.Redis.from_url(redis_url).eval(
-        prelude() + """
+        prelude()
+        + """
         return {meta_key('qt', 'm1'), lease_key('qt', 'm1'), job_key('qt', 'j1'),
                 events_key('qt', 'm1'), offers_key('qt', 'tiny'), limits_key('qt', 'acme'),
                 tenant_key('qt', 'acme', 'leased'), tenant_key('qt', 'acme', 'parked'),
-                tenant_key('qt', 'acme', 'running'), tenant_key('qt', 'acme', 'bucket')}""", 0)
+                tenant_key('qt', 'acme', 'running'), tenant_key('qt', 'acme', 'bucket')}""",
+        0,
+    )
     assert [b.decode() for b in built] == [
-        k.model_meta("m1"), k.model_lease("m1"), k.job("j1"), k.model_events("m1"),
-        k.offers("tiny"), k.limits("acme"), k.tenant_leased("acme"), k.tenant_parked("acme"),
-        k.tenant_running("acme"), k.tenant_bucket("acme"),
+        k.model_meta("m1"),
+        k.model_lease("m1"),
+        k.job("j1"),
+        k.model_events("m1"),
+        k.offers("tiny"),
+        k.limits("acme"),
+        k.tenant_leased("acme"),
+        k.tenant_parked("acme"),
+        k.tenant_running("acme"),
+        k.tenant_bucket("acme"),
     ]
 
 

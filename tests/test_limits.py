@@ -124,18 +124,21 @@ async def test_limits_resolve_own_then_default_then_none(aredis: Redis, key_pref
 
 
 async def test_an_op_over_the_inflight_limit_stays_queued_and_pauses_its_model(
-        aredis: Redis, key_prefix: str) -> None:
+    aredis: Redis, key_prefix: str
+) -> None:
     """At the script level: the second op of a tenant limited to one in flight is refused
     (not failed), its model reports the reason, and it starts once the first is published."""
     keys = Keys(key_prefix)
     jobs = JobQueue(aredis, keys, result_ttl_s=60)
     for model_id in ("m1", "m2"):
-        await jobs.register_model(model_id, base_model=BASE, tenant_id="acme", session_id=None,
-                                  lora_config={})
+        await jobs.register_model(
+            model_id, base_model=BASE, tenant_id="acme", session_id=None, lora_config={}
+        )
         await jobs.enqueue(model_id, OpKind.PING, b"", job_id=f"{model_id}-op")
     await set_limits(aredis, keys, "acme", inflight_ops=1)
-    worker = Dispatcher(aredis, keys, worker_id="w", base_model=BASE, lease_ttl_ms=5_000,
-                        result_ttl_s=60)
+    worker = Dispatcher(
+        aredis, keys, worker_id="w", base_model=BASE, lease_ttl_ms=5_000, result_ttl_s=60
+    )
     leases = {m: await worker.claim(m) for m in ("m1", "m2")}
     ops = {m: (await worker.read({m: 0}, b"0-0", block_ms=10))[0][0] for m in ("m1", "m2")}
     assert (await worker.start(leases["m1"], ops["m1"])).run  # type: ignore[arg-type]
@@ -144,31 +147,38 @@ async def test_an_op_over_the_inflight_limit_stays_queued_and_pauses_its_model(
     assert (await jobs.job_fields("m2-op"))["status"] == "queued"
     await WorkerRegistry(aredis, keys).beat("w", {"base_model": BASE}, ttl_ms=5_000)
     state = await queue_state(aredis, keys, WorkerRegistry(aredis, keys), "m2", 5_000)
-    assert state == (QueueState.PAUSED_RATE_LIMIT,
-                     "in-flight ops rate limit hit (1 running at once)")
+    assert state == (
+        QueueState.PAUSED_RATE_LIMIT,
+        "in-flight ops rate limit hit (1 running at once)",
+    )
     overview = await queue_overview(aredis, keys, Settings(lease_ttl_ms=5_000), tenant="acme")
     [acme] = overview["tenants"]
     assert acme["inflight_ops"] == 1 and acme["paused_models"] == ["m2"]
 
     await worker.publish(leases["m1"], ops["m1"], Outcome(JobStatus.DONE), trim_upto=None)  # type: ignore[arg-type]
     assert (await worker.start(leases["m2"], ops["m2"])).run  # type: ignore[arg-type]
-    assert (await queue_state(aredis, keys, WorkerRegistry(aredis, keys), "m2", 5_000)
-            == (QueueState.ACTIVE, None))
+    assert await queue_state(aredis, keys, WorkerRegistry(aredis, keys), "m2", 5_000) == (
+        QueueState.ACTIVE,
+        None,
+    )
 
 
 async def test_the_token_bucket_refuses_a_tenant_in_debt_until_it_refills(
-        aredis: Redis, key_prefix: str) -> None:
+    aredis: Redis, key_prefix: str
+) -> None:
     """Tokens are charged when an op finishes; the next op of a tenant below zero waits the
     time the refill needs, and is told how long."""
     keys = Keys(key_prefix)
     jobs = JobQueue(aredis, keys, result_ttl_s=60)
-    await jobs.register_model("m1", base_model=BASE, tenant_id="acme", session_id=None,
-                              lora_config={})
+    await jobs.register_model(
+        "m1", base_model=BASE, tenant_id="acme", session_id=None, lora_config={}
+    )
     for i in range(2):
         await jobs.enqueue("m1", OpKind.PING, b"", job_id=f"op{i}")
     await set_limits(aredis, keys, "acme", tokens_per_s=100)
-    worker = Dispatcher(aredis, keys, worker_id="w", base_model=BASE, lease_ttl_ms=5_000,
-                        result_ttl_s=60)
+    worker = Dispatcher(
+        aredis, keys, worker_id="w", base_model=BASE, lease_ttl_ms=5_000, result_ttl_s=60
+    )
     lease = await worker.claim("m1")
     assert lease is not None
     ops, _, _ = await worker.read({"m1": 0}, b"0-0", block_ms=10)
@@ -183,7 +193,8 @@ async def test_the_token_bucket_refuses_a_tenant_in_debt_until_it_refills(
 
 # --- with real workers -----------------------------------------------------------------------
 def test_inflight_limit_holds_across_workers_and_nothing_fails(
-        settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """One op in flight for the tenant: while one worker runs a slow op of one model, another
     worker holding the tenant's second model waits instead of running its ops; all succeed,
     and the client heard why it waited, once per model."""
@@ -205,16 +216,18 @@ def test_inflight_limit_holds_across_workers_and_nothing_fails(
     spans = sorted(timings(settings, [f.request_id for f in [slow, *held]]))
     for (_, finished), (started, _) in pairwise(spans):
         assert started >= finished, f"two ops of the tenant ran at once: {spans}"
-    assert [(c.model_id, c.reason) for c in recorder.changes
-            if c.state is QueueState.PAUSED_RATE_LIMIT][:1] == [
-        (second.model_id, "in-flight ops rate limit hit (1 running at once)")]
+    assert [
+        (c.model_id, c.reason) for c in recorder.changes if c.state is QueueState.PAUSED_RATE_LIMIT
+    ][:1] == [(second.model_id, "in-flight ops rate limit hit (1 running at once)")]
     assert [r.getMessage() for r in caplog.records if r.name == QUEUE_STATE_LOGGER] == [
         f"Training is paused for {second.model_id}. Reason: in-flight ops rate limit hit "
-        "(1 running at once)"]
+        "(1 running at once)"
+    ]
 
 
 def test_a_tenant_at_its_training_runs_limit_waits_for_a_run_to_be_released(
-        settings: Settings, tmp_path: Path) -> None:
+    settings: Settings, tmp_path: Path
+) -> None:
     """One training run at a time: the second run's ops wait (paused_rate_limit, "concurrent
     training clients rate limit hit") until the first run's worker hands it back, then run;
     none fails."""
@@ -230,13 +243,17 @@ def test_a_tenant_at_its_training_runs_limit_waits_for_a_run_to_be_released(
     [(_, first_done)] = timings(settings, [busy[-1].request_id])
     [(second_created, _)] = timings(settings, [job_of(settings, waiting.model_id, "create_model")])
     assert second_created >= first_done
-    assert any(c.model_id == waiting.model_id and c.reason ==
-               "concurrent training clients rate limit hit (1 training runs at once)"
-               for c in recorder.changes if c.state is QueueState.PAUSED_RATE_LIMIT)
+    assert any(
+        c.model_id == waiting.model_id
+        and c.reason == "concurrent training clients rate limit hit (1 training runs at once)"
+        for c in recorder.changes
+        if c.state is QueueState.PAUSED_RATE_LIMIT
+    )
 
 
 def test_a_model_no_live_worker_serves_reports_paused_capacity(
-        service: ServiceClient, caplog: pytest.LogCaptureFixture) -> None:
+    service: ServiceClient, caplog: pytest.LogCaptureFixture
+) -> None:
     """No worker for the base model: the op waits, the observer hears paused_capacity with the
     reason, and the warning is logged once although the state is looked up every second."""
     caplog.set_level(logging.WARNING, logger=QUEUE_STATE_LOGGER)
@@ -246,7 +263,8 @@ def test_a_model_no_live_worker_serves_reports_paused_capacity(
     time.sleep(3.5)
     assert not future.done()
     assert [(c.state, c.reason) for c in recorder.changes] == [
-        (QueueState.PAUSED_CAPACITY, "no live worker serves base model no-such-base")]
+        (QueueState.PAUSED_CAPACITY, "no live worker serves base model no-such-base")
+    ]
     [warning] = [r.getMessage() for r in caplog.records if r.name == QUEUE_STATE_LOGGER]
     assert warning.startswith("Training is paused for m-")
     assert warning.endswith("Reason: no live worker serves base model no-such-base")
@@ -255,8 +273,9 @@ def test_a_model_no_live_worker_serves_reports_paused_capacity(
 async def _create_model_without_waiting(service: ServiceClient, base_model: str) -> Any:
     holder = service._holder
     model_id = "m-capacity-test"
-    await holder.jobs.register_model(model_id, base_model=base_model, tenant_id="default",
-                                     session_id=None, lora_config={})
+    await holder.jobs.register_model(
+        model_id, base_model=base_model, tenant_id="default", session_id=None, lora_config={}
+    )
     _, future = await holder.submit(model_id, OpKind.PING, codec.encode({"delay_ms": 0}))
     return future
 
@@ -282,6 +301,8 @@ def test_the_warning_is_debounced_per_model() -> None:
         logger(paused)
     finally:
         log.removeHandler(handler)
-    assert records == ["Training is paused for m-1. Reason: limit hit",
-                       "Sampling is paused for m-2. Reason: no worker",
-                       "Training is paused for m-1. Reason: limit hit"]
+    assert records == [
+        "Training is paused for m-1. Reason: limit hit",
+        "Sampling is paused for m-2. Reason: no worker",
+        "Training is paused for m-1. Reason: limit hit",
+    ]

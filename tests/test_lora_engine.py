@@ -67,8 +67,9 @@ def batch(texts: list[str] = TEXTS) -> list[Datum]:
     return [datum(t) for t in texts]
 
 
-def fb_body(data: list[Datum], loss_fn: str = "cross_entropy",
-            config: dict[str, float] | None = None) -> dict[str, Any]:
+def fb_body(
+    data: list[Datum], loss_fn: str = "cross_entropy", config: dict[str, float] | None = None
+) -> dict[str, Any]:
     return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config).model_dump()
 
 
@@ -85,21 +86,34 @@ class Driver:
     def op(self, model_id: str, kind: OpKind, body: Any) -> Any:
         self.seqs[model_id] += 1
         seq = self.seqs[model_id]
-        op = Op(job_id=f"{model_id}:{seq}", model_id=model_id, seq=seq, kind=kind,
-                payload=codec.encode(body))
+        op = Op(
+            job_id=f"{model_id}:{seq}",
+            model_id=model_id,
+            seq=seq,
+            kind=kind,
+            payload=codec.encode(body),
+        )
         return codec.decode(self.engine.execute(op).result)
 
     def create(self, model_id: str, seed: int | None = 0, rank: int = RANK) -> None:
         lora = LoraConfig(rank=rank, seed=seed).model_dump()
-        self.op(model_id, OpKind.CREATE_MODEL,
-                {"lora_config": lora, "tenant_id": "default", "base_model": BASE})
+        self.op(
+            model_id,
+            OpKind.CREATE_MODEL,
+            {"lora_config": lora, "tenant_id": "default", "base_model": BASE},
+        )
 
     def forward(self, model_id: str, data: list[Datum]) -> ForwardBackwardOutput:
         out = self.op(model_id, OpKind.FORWARD, fb_body(data))
         return ForwardBackwardOutput.model_validate(out)
 
-    def fb(self, model_id: str, data: list[Datum], loss_fn: str = "cross_entropy",
-           config: dict[str, float] | None = None) -> ForwardBackwardOutput:
+    def fb(
+        self,
+        model_id: str,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        config: dict[str, float] | None = None,
+    ) -> ForwardBackwardOutput:
         out = self.op(model_id, OpKind.FORWARD_BACKWARD, fb_body(data, loss_fn, config))
         return ForwardBackwardOutput.model_validate(out)
 
@@ -125,8 +139,11 @@ class Driver:
         return {k: p.detach().clone() for k, p in self.adapter(model_id).params.items()}
 
     def grads(self, model_id: str) -> Tensors:
-        return {k: p.grad.clone() for k, p in self.adapter(model_id).params.items()
-                if p.grad is not None}
+        return {
+            k: p.grad.clone()
+            for k, p in self.adapter(model_id).params.items()
+            if p.grad is not None
+        }
 
     def moments(self, model_id: str) -> Tensors:
         adapter = self.adapter(model_id)
@@ -141,8 +158,9 @@ def assert_tensors(actual: Tensors, expected: Tensors, **tol: float) -> None:
     assert actual.keys() == expected.keys()
     assert actual, "no tensors to compare"
     for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], msg=lambda m, k=key: f"{k}: {m}",
-                                   **tol)
+        torch.testing.assert_close(
+            actual[key], expected[key], msg=lambda m, k=key: f"{k}: {m}", **tol
+        )
 
 
 def max_diff(a: Tensors, b: Tensors) -> float:
@@ -193,14 +211,14 @@ def reference_model(models_dir: Path, seed: int, rank: int = RANK) -> torch.nn.M
     cfg = peft_config(linear_names(base), LoraConfig(rank=rank, seed=seed), BASE)
     torch.manual_seed(seed)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning
+        )
         return get_peft_model(base, cfg)
 
 
 def lora_params(model: torch.nn.Module, name: str = "default") -> dict[str, torch.nn.Parameter]:
-    return {n.replace(f".{name}", ""): p for n, p in model.named_parameters()
-            if f".{name}." in n}
+    return {n.replace(f".{name}", ""): p for n, p in model.named_parameters() if f".{name}." in n}
 
 
 def direct_logprobs(model: torch.nn.Module, data: list[Datum]) -> list[torch.Tensor]:
@@ -246,8 +264,7 @@ def custom_data() -> list[Datum]:
     for i, text in enumerate(TEXTS[:3]):
         n = len(text) - 1
         scale = np.linspace(0.5, 2.0, n, dtype=np.float32) * (1 + i)
-        out.append(datum(text, scale=scale,
-                         target_mean=np.full(n, -4.0 - i, dtype=np.float32)))
+        out.append(datum(text, scale=scale, target_mean=np.full(n, -4.0 - i, dtype=np.float32)))
     return out
 
 
@@ -257,8 +274,7 @@ def test_custom_loss_gradient_equals_direct_autograd(main: Driver, models_dir: P
     main.create(model_id, seed=seed)
     ref = reference_model(models_dir, seed)
     ref_params = lora_params(ref)
-    assert_tensors({k: p.detach() for k, p in ref_params.items()}, main.weights(model_id),
-                   **EXACT)
+    assert_tensors({k: p.detach() for k, p in ref_params.items()}, main.weights(model_id), **EXACT)
     main.train(model_id, 2)  # make lora_B non-zero, so lora_A gets a gradient too
     with torch.no_grad():
         for key, value in main.weights(model_id).items():
@@ -289,7 +305,7 @@ def test_eviction_is_invisible(main: Driver, small: Driver) -> None:
         small.create(model_id, seed=seed)
     for round_ in range(5):
         for model_id in pairs:
-            data = batch(TEXTS[round_ % 4:] + TEXTS[: round_ % 4][:1])
+            data = batch(TEXTS[round_ % 4 :] + TEXTS[: round_ % 4][:1])
             for driver in (main, small):
                 driver.fb(model_id, data)
                 driver.step(model_id)
@@ -365,12 +381,15 @@ def test_load_state_without_optimizer_resets_moments(main: Driver, saved: Saved)
     expected = {k: torch.nn.Parameter(v.clone()) for k, v in saved.weights.items()}
     for key, p in expected.items():
         p.grad = grads[key]
-    adamw = torch.optim.AdamW(list(expected.values()), lr=ADAM.learning_rate,
-                              betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
-                              weight_decay=ADAM.weight_decay)
+    adamw = torch.optim.AdamW(
+        list(expected.values()),
+        lr=ADAM.learning_rate,
+        betas=(ADAM.beta1, ADAM.beta2),
+        eps=ADAM.eps,
+        weight_decay=ADAM.weight_decay,
+    )
     adamw.step()
-    assert_tensors(main.weights("ckpt-b2"), {k: p.detach() for k, p in expected.items()},
-                   **TIGHT)
+    assert_tensors(main.weights("ckpt-b2"), {k: p.detach() for k, p in expected.items()}, **TIGHT)
 
 
 # --- 5. sampler weights ---------------------------------------------------------------------
@@ -404,8 +423,12 @@ def _bad_datum(tokens: list[int], targets: list[int], **extra: Any) -> Datum:
     return Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
 
 
-def _fb(data: list[Datum], loss_fn: str = "cross_entropy", config: dict | None = None,
-        kind: OpKind = OpKind.FORWARD_BACKWARD) -> tuple[OpKind, dict[str, Any]]:
+def _fb(
+    data: list[Datum],
+    loss_fn: str = "cross_entropy",
+    config: dict | None = None,
+    kind: OpKind = OpKind.FORWARD_BACKWARD,
+) -> tuple[OpKind, dict[str, Any]]:
     return kind, fb_body(data, loss_fn, config)
 
 
@@ -420,45 +443,96 @@ Setup = list[tuple[OpKind, dict[str, Any]]]
 
 # (id, setup ops, bad op (model id -> (kind, body)), pattern its message must match)
 BAD_CASES: list[tuple[str, Setup, Any, str]] = [
-    ("vocab-input", [], lambda m: _fb([_bad_datum([1, 2, VOCAB], [2, 3, 4])]),
-     r"data\[0\]\.model_input: token id 259 at position 2 is outside the vocabulary"),
-    ("vocab-target", [], lambda m: _fb([_bad_datum([1, 2, 3], [2, 300, 4])]),
-     r"\['target_tokens'\]: token id 300 at position 1 is outside the vocabulary"),
-    ("vocab-target-forward", [],
-     lambda m: _fb([_bad_datum([1, 2, 3], [2, 3, 1000])], kind=OpKind.FORWARD),
-     r"\['target_tokens'\]: token id 1000 at position 2"),
-    ("too-long", [], lambda m: _fb([_bad_datum([7] * (CONTEXT + 1), [7] * CONTEXT)]),
-     r"257 tokens is longer than the model's context of 256"),
-    ("weights-length", [],
-     lambda m: _fb([_bad_datum([1, 2, 3], [2, 3, 4], weights=np.ones(2, np.float32))]),
-     r"weights has 2 values but target_tokens has 3"),
-    ("ppo-no-logprobs", [],
-     lambda m: _fb([_bad_datum([1, 2, 3, 4], [2, 3, 4, 5], advantages=_Q)], "ppo"),
-     r"missing 'logprobs', required by ppo"),
-    ("nan-advantages", [],
-     lambda m: _fb([_bad_datum([1, 2, 3, 4], [2, 3, 4, 5], logprobs=_Q, advantages=_A)],
-                   "importance_sampling"),
-     r"\['advantages'\]: value at position 1 is nan; must be finite"),
+    (
+        "vocab-input",
+        [],
+        lambda m: _fb([_bad_datum([1, 2, VOCAB], [2, 3, 4])]),
+        r"data\[0\]\.model_input: token id 259 at position 2 is outside the vocabulary",
+    ),
+    (
+        "vocab-target",
+        [],
+        lambda m: _fb([_bad_datum([1, 2, 3], [2, 300, 4])]),
+        r"\['target_tokens'\]: token id 300 at position 1 is outside the vocabulary",
+    ),
+    (
+        "vocab-target-forward",
+        [],
+        lambda m: _fb([_bad_datum([1, 2, 3], [2, 3, 1000])], kind=OpKind.FORWARD),
+        r"\['target_tokens'\]: token id 1000 at position 2",
+    ),
+    (
+        "too-long",
+        [],
+        lambda m: _fb([_bad_datum([7] * (CONTEXT + 1), [7] * CONTEXT)]),
+        r"257 tokens is longer than the model's context of 256",
+    ),
+    (
+        "weights-length",
+        [],
+        lambda m: _fb([_bad_datum([1, 2, 3], [2, 3, 4], weights=np.ones(2, np.float32))]),
+        r"weights has 2 values but target_tokens has 3",
+    ),
+    (
+        "ppo-no-logprobs",
+        [],
+        lambda m: _fb([_bad_datum([1, 2, 3, 4], [2, 3, 4, 5], advantages=_Q)], "ppo"),
+        r"missing 'logprobs', required by ppo",
+    ),
+    (
+        "nan-advantages",
+        [],
+        lambda m: _fb(
+            [_bad_datum([1, 2, 3, 4], [2, 3, 4, 5], logprobs=_Q, advantages=_A)],
+            "importance_sampling",
+        ),
+        r"\['advantages'\]: value at position 1 is nan; must be finite",
+    ),
     ("empty-batch", [], lambda m: _fb([]), r"the batch is empty"),
     ("unknown-loss", [], lambda m: _unknown_loss(), r"^loss_fn: .*'cross_entropy'"),
-    ("gspo-empty-ratio-mask", [],
-     lambda m: _fb([_bad_datum([1, 2, 3, 4], [2, 3, 4, 5], logprobs=_Q,
-                               sequence_ratio_mask=np.zeros(4, np.float32))], "gspo"),
-     r"\['sequence_ratio_mask'\]: marks no token"),
-    ("duplicate-name", [(OpKind.SAVE_STATE, {"name": "dup", "ttl_seconds": None})],
-     lambda m: (OpKind.SAVE_STATE, {"name": "dup", "ttl_seconds": None}),
-     r"'dup' is already a state checkpoint"),
-    ("load-missing", [],
-     lambda m: (OpKind.LOAD_STATE, {"path": f"tinker://{m}/weights/nope", "optimizer": False}),
-     r"no checkpoint at tinker://.*/weights/nope"),
-    ("load-sampler-optimizer",
-     [(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "samp", "ttl_seconds": None})],
-     lambda m: (OpKind.LOAD_STATE,
-                {"path": f"tinker://{m}/sampler_weights/samp", "optimizer": True}),
-     r"holds weights only"),
-    ("rank-mismatch", [],
-     lambda m: (OpKind.LOAD_STATE, {"path": "tinker://rank8/weights/r8", "optimizer": False}),
-     r"has LoRA config .*'rank': 8.*this model has .*'rank': 4"),
+    (
+        "gspo-empty-ratio-mask",
+        [],
+        lambda m: _fb(
+            [
+                _bad_datum(
+                    [1, 2, 3, 4],
+                    [2, 3, 4, 5],
+                    logprobs=_Q,
+                    sequence_ratio_mask=np.zeros(4, np.float32),
+                )
+            ],
+            "gspo",
+        ),
+        r"\['sequence_ratio_mask'\]: marks no token",
+    ),
+    (
+        "duplicate-name",
+        [(OpKind.SAVE_STATE, {"name": "dup", "ttl_seconds": None})],
+        lambda m: (OpKind.SAVE_STATE, {"name": "dup", "ttl_seconds": None}),
+        r"'dup' is already a state checkpoint",
+    ),
+    (
+        "load-missing",
+        [],
+        lambda m: (OpKind.LOAD_STATE, {"path": f"tinker://{m}/weights/nope", "optimizer": False}),
+        r"no checkpoint at tinker://.*/weights/nope",
+    ),
+    (
+        "load-sampler-optimizer",
+        [(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "samp", "ttl_seconds": None})],
+        lambda m: (
+            OpKind.LOAD_STATE,
+            {"path": f"tinker://{m}/sampler_weights/samp", "optimizer": True},
+        ),
+        r"holds weights only",
+    ),
+    (
+        "rank-mismatch",
+        [],
+        lambda m: (OpKind.LOAD_STATE, {"path": "tinker://rank8/weights/r8", "optimizer": False}),
+        r"has LoRA config .*'rank': 8.*this model has .*'rank': 4",
+    ),
 ]
 
 
@@ -473,8 +547,9 @@ def after_good_step(main: Driver) -> Tensors:
     return main.weights("bad-reference")
 
 
-@pytest.mark.parametrize(("case", "setup", "bad_op", "pattern"), BAD_CASES,
-                         ids=[c[0] for c in BAD_CASES])
+@pytest.mark.parametrize(
+    ("case", "setup", "bad_op", "pattern"), BAD_CASES, ids=[c[0] for c in BAD_CASES]
+)
 def test_bad_input_fails_only_that_op(
     main: Driver, after_good_step: Tensors, case: str, setup: Setup, bad_op: Any, pattern: str
 ) -> None:
@@ -501,11 +576,16 @@ def test_ops_after_unload_fail(main: Driver, small: Driver) -> None:
         driver.create("unloaded", seed=0)
         driver.train("unloaded", 1)
         assert driver.op("unloaded", OpKind.UNLOAD_MODEL, {}) == {
-            "model_id": "unloaded", "type": "unload_model"}
+            "model_id": "unloaded",
+            "type": "unload_model",
+        }
         assert not snapshot_dir(driver.storage, "unloaded").exists()
-        attempts = [(OpKind.FORWARD, fb_body(batch())), (OpKind.FORWARD_BACKWARD, fb_body(batch())),
-                    (OpKind.OPTIM_STEP, ADAM.model_dump()),
-                    (OpKind.SAVE_STATE, {"name": "late", "ttl_seconds": None})]
+        attempts = [
+            (OpKind.FORWARD, fb_body(batch())),
+            (OpKind.FORWARD_BACKWARD, fb_body(batch())),
+            (OpKind.OPTIM_STEP, ADAM.model_dump()),
+            (OpKind.SAVE_STATE, {"name": "late", "ttl_seconds": None}),
+        ]
         for kind, body in attempts:
             with pytest.raises(UserInputError, match="unloaded"):
                 driver.op("unloaded", kind, body)
@@ -583,16 +663,28 @@ def test_reference_model_matches_engine_forward(main: Driver, models_dir: Path) 
     assert out.loss == pytest.approx(-float(sum(w.sum() for w in expected)), rel=1e-5)
 
 
-def test_base_model_samples_after_the_last_adapter_is_released(scratch: Path,
-                                                                models_dir: Path) -> None:
+def test_base_model_samples_after_the_last_adapter_is_released(
+    scratch: Path, models_dir: Path
+) -> None:
     """Once a worker's only adapter is released (idle past QT_LINGER_MS), base-model samples
     still run and equal a fresh worker's; a new run then trains on a fresh adapter."""
+
     def sample(driver: Driver, session: str) -> Any:
-        driver.op(session, OpKind.CREATE_SAMPLING_SESSION,
-                  {"tenant_id": "default", "base_model": BASE, "model_path": None})
+        driver.op(
+            session,
+            OpKind.CREATE_SAMPLING_SESSION,
+            {"tenant_id": "default", "base_model": BASE, "model_path": None},
+        )
         params = {"max_tokens": 4, "temperature": 0.0}
-        return driver.op(session, OpKind.SAMPLE, {"prompt": ModelInput.from_ints(
-            [72, 101, 108]).model_dump(), "num_samples": 1, "sampling_params": params})
+        return driver.op(
+            session,
+            OpKind.SAMPLE,
+            {
+                "prompt": ModelInput.from_ints([72, 101, 108]).model_dump(),
+                "num_samples": 1,
+                "sampling_params": params,
+            },
+        )
 
     released = _driver(scratch, models_dir, "storage-released", max_resident=4)
     released.create("only-run", seed=5)
@@ -612,15 +704,20 @@ def diverging(texts: list[str], logprob: float, advantage: float) -> list[Datum]
     out = []
     for text in texts:
         n = len(text.encode()) - 1
-        out.append(datum(text, logprobs=np.full(n, logprob, dtype=np.float32),
-                         advantages=np.full(n, advantage, dtype=np.float32)))
+        out.append(
+            datum(
+                text,
+                logprobs=np.full(n, logprob, dtype=np.float32),
+                advantages=np.full(n, advantage, dtype=np.float32),
+            )
+        )
     return out
 
 
 @pytest.mark.parametrize(("logprob", "advantage"), [(-1e4, 1.0), (-1.0, 1e30)])
-def test_a_step_with_non_finite_gradients_is_skipped(main: Driver, logprob: float,
-                                                     advantage: float,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_a_step_with_non_finite_gradients_is_skipped(
+    main: Driver, logprob: float, advantage: float, caplog: pytest.LogCaptureFixture
+) -> None:
     """A diverging step (a ratio of e^1e4, or advantages of 1e30) is not applied: weights,
     AdamW moments and step count stay, gradients are cleared, its metrics say so; the run
     then trains exactly as one that never saw it."""

@@ -54,9 +54,16 @@ def pessimistic(r: float, a: float) -> tuple[float, float]:
 
 def sequence_ratio(logp: torch.Tensor, inputs: dict[str, torch.Tensor]) -> float:
     """GSPO's s: exp of the mean of logp - q over the tokens the mask marks, in floats."""
-    marked = [lp - q for lp, q, m in zip(logp.tolist(), inputs["logprobs"].tolist(),
-                                          inputs["sequence_ratio_mask"].tolist(), strict=True)
-              if m != 0]
+    marked = [
+        lp - q
+        for lp, q, m in zip(
+            logp.tolist(),
+            inputs["logprobs"].tolist(),
+            inputs["sequence_ratio_mask"].tolist(),
+            strict=True,
+        )
+        if m != 0
+    ]
     return math.exp(sum(marked) / len(marked))
 
 
@@ -151,8 +158,11 @@ def test_batch_metrics(loss_fn: str) -> None:
     if loss_fn == "gspo":
         ratios = [sequence_ratio(logp, d) for logp, d in data for _ in range(logp.numel())]
     else:
-        ratios = [math.exp(lp - q) for logp, d in data
-                  for lp, q in zip(logp.tolist(), d["logprobs"].tolist(), strict=True)]
+        ratios = [
+            math.exp(lp - q)
+            for logp, d in data
+            for lp, q in zip(logp.tolist(), d["logprobs"].tolist(), strict=True)
+        ]
     if loss_fn == "cross_entropy":
         assert set(metrics) == {"loss:sum"}
         return
@@ -191,8 +201,9 @@ def test_gspo_without_a_ratio_mask_takes_every_token() -> None:
     every = {**without, "sequence_ratio_mask": torch.ones_like(logp.detach())}
     loss_without = datum_loss("gspo", logp, without, CONFIG)
     torch.testing.assert_close(loss_without, datum_loss("gspo", logp, every, CONFIG), **TOL)
-    torch.testing.assert_close(grad_of(loss_without, logp), reference("gspo", logp, every)[1],
-                               **TOL)
+    torch.testing.assert_close(
+        grad_of(loss_without, logp), reference("gspo", logp, every)[1], **TOL
+    )
 
 
 @pytest.mark.parametrize("loss_fn", LOSS_NAMES[1:])

@@ -53,8 +53,9 @@ def scrape(http: TestClient, **headers: str) -> list[Sample]:
     return samples
 
 
-def scrape_until(http: TestClient, ready: Callable[[list[Sample]], bool],
-                 timeout_s: float = 1.5) -> list[Sample]:
+def scrape_until(
+    http: TestClient, ready: Callable[[list[Sample]], bool], timeout_s: float = 1.5
+) -> list[Sample]:
     """Scrape until `ready` holds: workers report what they do with each heartbeat (500 ms)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -79,8 +80,9 @@ def live_worker_ids(settings: Settings) -> set[str]:
         client.close()
 
 
-def test_ops_latency_and_workers_match_what_ran(settings: Settings, service: ServiceClient,
-                                                tmp_path: Path) -> None:
+def test_ops_latency_and_workers_match_what_ran(
+    settings: Settings, service: ServiceClient, tmp_path: Path
+) -> None:
     """5 pings → 5 done and a latency histogram of 5 above the ping's delay; a failed ping is
     counted as failed; the workers gauge is the live workers."""
     with running_workers(settings, 2, tmp_path), gateway(settings) as http:
@@ -97,8 +99,11 @@ def test_ops_latency_and_workers_match_what_ran(settings: Settings, service: Ser
         assert value(samples, "qt_op_latency_seconds_count", kind="ping") == 5
         total = value(samples, "qt_op_latency_seconds_sum", kind="ping")
         assert total is not None and total >= 5 * PING_DELAY_S
-        buckets = sorted((float(s.labels["le"]), s.value) for s in samples
-                         if s.name == "qt_op_latency_seconds_bucket" and s.labels["kind"] == "ping")
+        buckets = sorted(
+            (float(s.labels["le"]), s.value)
+            for s in samples
+            if s.name == "qt_op_latency_seconds_bucket" and s.labels["kind"] == "ping"
+        )
         assert buckets[-1] == (float("inf"), 5)
         assert [n for _, n in buckets] == sorted(n for _, n in buckets)  # cumulative
         # Each ping waited at least its delay, so no bucket below it holds any.
@@ -135,8 +140,13 @@ def test_queue_depth_is_the_real_depth_while_no_worker_serves(settings: Settings
         client = connect(settings.redis_url or "")
         try:
             jobs = JobQueue(client, keys, result_ttl_s=60)
-            await jobs.register_model("m-metrics-waiting", base_model="absent", tenant_id="default",
-                                      session_id=None, lora_config={"rank": 4})
+            await jobs.register_model(
+                "m-metrics-waiting",
+                base_model="absent",
+                tenant_id="default",
+                session_id=None,
+                lora_config={"rank": 4},
+            )
             for i in range(3):
                 await jobs.enqueue("m-metrics-waiting", OpKind.PING, b"", job_id=f"j{i}")
             await asyncio.sleep(0.1)  # so the oldest has waited a measurable time
@@ -168,8 +178,9 @@ def test_bearer_token_is_enforced(settings: Settings) -> None:
         scrape(http)
 
 
-def test_an_empty_metrics_token_opens_nothing(settings: Settings,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_empty_metrics_token_opens_nothing(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """QT_METRICS_TOKEN="" is refused by the settings, and a gateway given an empty token
     anyway does not let a bare `Authorization: Bearer` scrape."""
     monkeypatch.setenv("QT_METRICS_TOKEN", "")
@@ -184,14 +195,20 @@ def test_an_empty_metrics_token_opens_nothing(settings: Settings,
 def test_tokens_count_what_the_engine_processed(redis_url: str, database_url: str) -> None:
     """forward_backward on a real LoRA worker: qt_tokens_total{kind} and
     qt_tenant_tokens_total{tenant} grow by the batch's input tokens, each time."""
-    with lora_deployment(redis_url, database_url, "queue-tinker/tiny-llama") as settings, \
-            ServiceClient(settings) as service, gateway(settings) as http:
+    with (
+        lora_deployment(redis_url, database_url, "queue-tinker/tiny-llama") as settings,
+        ServiceClient(settings) as service,
+        gateway(settings) as http,
+    ):
         training = service.create_lora_training_client("queue-tinker/tiny-llama", rank=4)
         tokens = list(range(3, 15))  # ids, not text: the tokenizer takes seconds to import
         datum = types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
-                            "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+            loss_fn_inputs={
+                "target_tokens": np.array(tokens[1:]),
+                "weights": np.ones(len(tokens) - 1, dtype=np.float32),
+            },
+        )
         per_step = 2 * (len(tokens) - 1)  # two data of the same length
         for step in (1, 2):
             training.forward_backward([datum, datum], "cross_entropy").result(timeout=60)

@@ -95,17 +95,28 @@ def grads_after(adapter: Adapter, run: object) -> dict[str, torch.Tensor]:
     return grads
 
 
-def shared_pass_grads(pool: AdapterPool, data: dict[str, list[Datum]],
-                      plan: PassPlan) -> dict[str, dict[str, torch.Tensor]]:
+def shared_pass_grads(
+    pool: AdapterPool, data: dict[str, list[Datum]], plan: PassPlan
+) -> dict[str, dict[str, torch.Tensor]]:
     """Every adapter's gradient after one shared forward_backward pass of its data."""
     for adapter in pool.adapters.values():
         for p in adapter.params.values():
             p.grad = None
-    ops = [PassOp(adapter=pool.adapters[name], data=rows, loss_fn=LossFn.CROSS_ENTROPY,
-                  config={}, backward=True) for name, rows in data.items()]
+    ops = [
+        PassOp(
+            adapter=pool.adapters[name],
+            data=rows,
+            loss_fn=LossFn.CROSS_ENTROPY,
+            config={},
+            backward=True,
+        )
+        for name, rows in data.items()
+    ]
     assert not any(isinstance(out, Exception) for out in shared_pass(pool, ops, CPU, plan))
-    return {name: {k: p.grad.clone() for k, p in adapter.params.items()}
-            for name, adapter in pool.adapters.items()}
+    return {
+        name: {k: p.grad.clone() for k, p in adapter.params.items()}
+        for name, adapter in pool.adapters.items()
+    }
 
 
 def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -113,8 +124,13 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     assert any("lm_head" in k for k in actual), "the unembedding's LoRA must be trained too"
     for key in expected:
         scale = float(expected[key].abs().max())
-        torch.testing.assert_close(actual[key], expected[key], rtol=RTOL, atol=RTOL * scale,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            actual[key],
+            expected[key],
+            rtol=RTOL,
+            atol=RTOL * scale,
+            msg=lambda m, k=key: f"{k}: {m}",
+        )
 
 
 def test_chunked_logprobs_and_gradients_equal_whole_logits(pool: AdapterPool) -> None:
@@ -126,8 +142,10 @@ def test_chunked_logprobs_and_gradients_equal_whole_logits(pool: AdapterPool) ->
 
     def reference() -> None:
         logprobs = whole_logits_logprobs(pool.model, data)
-        loss = -sum((lp * torch.from_numpy(np.array(d.loss_fn_inputs["weights"].data))).sum()
-                    for lp, d in zip(logprobs, data, strict=True))
+        loss = -sum(
+            (lp * torch.from_numpy(np.array(d.loss_fn_inputs["weights"].data))).sum()
+            for lp, d in zip(logprobs, data, strict=True)
+        )
         assert isinstance(loss, torch.Tensor)
         loss.backward()
 
@@ -135,8 +153,9 @@ def test_chunked_logprobs_and_gradients_equal_whole_logits(pool: AdapterPool) ->
     chunked: dict[str, object] = {}
 
     def engine() -> None:
-        chunked["out"] = forward_backward(pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU,
-                                          backward=True, plan=SMALL_CHUNKS)
+        chunked["out"] = forward_backward(
+            pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True, plan=SMALL_CHUNKS
+        )
 
     assert_same(grads_after(adapter, engine), expected)
     with torch.no_grad():
@@ -156,9 +175,11 @@ def test_checkpointing_equals_no_checkpointing(pool: AdapterPool) -> None:
 
     def run(plan: PassPlan) -> object:
         def step() -> None:
-            out = forward_backward(pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU,
-                                   backward=True, plan=plan)
+            out = forward_backward(
+                pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True, plan=plan
+            )
             losses.append(out.metrics["loss:sum"])
+
         return step
 
     assert_same(grads_after(adapter, run(CHECKPOINTED)), grads_after(adapter, run(WHOLE)))
@@ -169,8 +190,7 @@ def test_checkpointing_inside_a_cross_adapter_pass(pool: AdapterPool) -> None:
     """In a shared pass of three adapters (each row on its own LoRA), checkpointed layers
     recompute through the same row blocks: every adapter's gradient equals the pass without
     checkpointing."""
-    data = {name: [datum(t) for t in TEXTS[i:] + TEXTS[:i]]
-            for i, name in enumerate(pool.adapters)}
+    data = {name: [datum(t) for t in TEXTS[i:] + TEXTS[:i]] for i, name in enumerate(pool.adapters)}
 
     expected = shared_pass_grads(pool, data, WHOLE)
     got = shared_pass_grads(pool, data, CHECKPOINTED)
@@ -194,21 +214,31 @@ def test_checkpointing_keeps_only_layer_inputs_for_backward(pool: AdapterPool) -
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward_backward(pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True,
-                             plan=plan)
+            forward_backward(
+                pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True, plan=plan
+            )
         return total
 
     on, off = kept_bytes(CHECKPOINTED), kept_bytes(WHOLE)
     print(f"kept for backward: {on} bytes checkpointed, {off} without")
     assert on < off / 3
     auto = PassPlan(activation_checkpointing="auto", checkpoint_min_tokens=100)
-    assert (auto.checkpoints(99, True), auto.checkpoints(100, True),
-            auto.checkpoints(100, False)) == (False, True, False)
+    assert (
+        auto.checkpoints(99, True),
+        auto.checkpoints(100, True),
+        auto.checkpoints(100, False),
+    ) == (False, True, False)
     assert not CHECKPOINTED.checkpoints(10**9, backward=False)
 
 
-MIXED = ["a long datum of many bytes, which sets the width", "tiny", "small one", "mid-size text",
-         "x!", "another fairly long datum, not the longest"]
+MIXED = [
+    "a long datum of many bytes, which sets the width",
+    "tiny",
+    "small one",
+    "mid-size text",
+    "x!",
+    "another fairly long datum, not the longest",
+]
 
 
 def test_pack_rows_fits_every_datum_once_within_the_width() -> None:
@@ -234,23 +264,29 @@ def test_packed_rows_equal_one_datum_a_row(pool: AdapterPool) -> None:
 
     def run(label: str, plan: PassPlan) -> object:
         def step() -> None:
-            outs[label] = forward_backward(pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU,
-                                           backward=True, plan=plan)
+            outs[label] = forward_backward(
+                pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True, plan=plan
+            )
+
         return step
 
-    assert_same(grads_after(adapter, run("packed", PACKED)),
-                grads_after(adapter, run("unpacked", UNPACKED)))
-    for got, want in zip(outs["packed"].loss_fn_outputs,  # type: ignore[attr-defined]
-                         outs["unpacked"].loss_fn_outputs, strict=True):  # type: ignore[attr-defined]
-        torch.testing.assert_close(got["logprobs"].to_numpy(), want["logprobs"].to_numpy(),
-                                   rtol=1e-5, atol=1e-5)
+    assert_same(
+        grads_after(adapter, run("packed", PACKED)), grads_after(adapter, run("unpacked", UNPACKED))
+    )
+    for got, want in zip(
+        outs["packed"].loss_fn_outputs,  # type: ignore[attr-defined]
+        outs["unpacked"].loss_fn_outputs,
+        strict=True,
+    ):  # type: ignore[attr-defined]
+        torch.testing.assert_close(
+            got["logprobs"].to_numpy(), want["logprobs"].to_numpy(), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_packing_inside_a_cross_adapter_pass(pool: AdapterPool) -> None:
     """In a shared pass, each adapter's datums are packed into rows of their own (a row never
     mixes adapters): every adapter's gradient equals the unpacked pass."""
-    data = {name: [datum(t) for t in MIXED[i:] + MIXED[:i]]
-            for i, name in enumerate(pool.adapters)}
+    data = {name: [datum(t) for t in MIXED[i:] + MIXED[:i]] for i, name in enumerate(pool.adapters)}
 
     expected = shared_pass_grads(pool, data, UNPACKED)
     got = shared_pass_grads(pool, data, PACKED)

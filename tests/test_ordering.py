@@ -25,8 +25,15 @@ THREAD_OPS, PROCESS_OPS = 5, 15  # per model: 4*5 + 2*15 = 50; 20 models -> 1,00
 
 def submit_from_thread(clients: list[TrainingClient], tag: str) -> list[dict[str, Any]]:
     futures = [(c.model_id, c.ping([tag, i])) for i in range(THREAD_OPS) for c in clients]
-    return [{"model": m, "request_id": f.request_id, "data": f.result(120)["data"],
-             "seq": f.result()["seq"]} for m, f in futures]
+    return [
+        {
+            "model": m,
+            "request_id": f.request_id,
+            "data": f.result(120)["data"],
+            "seq": f.result()["seq"],
+        }
+        for m, f in futures
+    ]
 
 
 async def wait_for_record(database_url: str, model_ids: list[str], expected: int) -> dict:
@@ -38,8 +45,9 @@ async def wait_for_record(database_url: str, model_ids: list[str], expected: int
         while True:
             rows = {m: await requests_for_model(sessions, m) for m in model_ids}
             total = sum(len(r) for r in rows.values())
-            terminal = sum(1 for r in rows.values() for row in r
-                           if row.status in ("done", "failed"))
+            terminal = sum(
+                1 for r in rows.values() for row in r if row.status in ("done", "failed")
+            )
             if (total == terminal == expected) or time.monotonic() > deadline:
                 return rows
             await asyncio.sleep(0.2)
@@ -47,17 +55,25 @@ async def wait_for_record(database_url: str, model_ids: list[str], expected: int
         await engine.dispose()
 
 
-def test_thousand_ops_run_in_submission_order_once(settings: Settings, service: ServiceClient,
-                                                   tmp_path: Path) -> None:
+def test_thousand_ops_run_in_submission_order_once(
+    settings: Settings, service: ServiceClient, tmp_path: Path
+) -> None:
     """Each model's ops run in exactly seq order, none twice, none lost; every row terminal."""
     with running_workers(settings, 3, tmp_path):
         clients = [service.create_lora_training_client("tiny", rank=4) for _ in range(MODELS)]
         model_ids = [c.model_id for c in clients]
         procs = [
             subprocess.Popen(
-                [sys.executable, str(REPO / "tests/scripts/submit_pings.py"), f"p{p}",
-                 str(PROCESS_OPS), *model_ids],
-                env=child_env(settings), stdout=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    str(REPO / "tests/scripts/submit_pings.py"),
+                    f"p{p}",
+                    str(PROCESS_OPS),
+                    *model_ids,
+                ],
+                env=child_env(settings),
+                stdout=subprocess.PIPE,
+                text=True,
             )
             for p in range(PROCESSES)
         ]
@@ -81,7 +97,8 @@ def test_thousand_ops_run_in_submission_order_once(settings: Settings, service: 
         for tag in {r["data"][0] for r in ops}:
             mine = [r for r in ops if r["data"][0] == tag]
             assert [r["data"][1] for r in sorted(mine, key=lambda r: r["seq"])] == sorted(
-                r["data"][1] for r in mine)
+                r["data"][1] for r in mine
+            )
 
     record = asyncio.run(wait_for_record(settings.database_url or "", model_ids, 1020))
     for model_id, rows in record.items():

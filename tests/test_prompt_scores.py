@@ -35,16 +35,19 @@ class Ask:
     prompt_targets: list[list[int]] | None = None
 
 
-def reference(logits: torch.Tensor, prompt: list[int], k: int,
-              targets: list[list[int]] | None) -> tuple[list, list]:
+def reference(
+    logits: torch.Tensor, prompt: list[int], k: int, targets: list[list[int]] | None
+) -> tuple[list, list]:
     """Top-k (id, logprob) per position and the targets' logprobs, from the full softmax."""
     full = torch.log_softmax(logits[: len(prompt) - 1].double(), dim=-1)
     topk = []
     for row in full:
         order = torch.argsort(row, descending=True)[:k]
         topk.append([(int(i), float(row[i])) for i in order])
-    lps = [[0.0 if t == NO_TARGET else float(full[i, t]) for t in row]
-           for i, row in enumerate(targets or [])]
+    lps = [
+        [0.0 if t == NO_TARGET else float(full[i, t]) for t in row]
+        for i, row in enumerate(targets or [])
+    ]
     return topk, lps
 
 
@@ -52,9 +55,11 @@ def assert_topk(got: list, want: list) -> None:
     assert got[0] is None and len(got) == len(want) + 1
     for got_row, want_row in zip(got[1:], want, strict=True):
         assert [i for i, _ in got_row] == [i for i, _ in want_row]
-        torch.testing.assert_close(torch.tensor([v for _, v in got_row]),
-                                   torch.tensor([v for _, v in want_row], dtype=torch.float32),
-                                   **TOL)
+        torch.testing.assert_close(
+            torch.tensor([v for _, v in got_row]),
+            torch.tensor([v for _, v in want_row], dtype=torch.float32),
+            **TOL,
+        )
 
 
 def targets_for(prompt: list[int], gen: torch.Generator, vocab: int, k: int = 3) -> list:
@@ -80,8 +85,11 @@ def test_one_padded_row_equals_the_full_logits_reference(pad: int) -> None:
         module.CHUNK_ELEMENTS = chunk
     want_topk, want_targets = reference(logits, prompt, 7, targets)
     assert_topk(got["topk_prompt_logprobs"], want_topk)
-    torch.testing.assert_close(torch.tensor(got["target_prompt_logprobs"]),
-                               torch.tensor(want_targets, dtype=torch.float32), **TOL)
+    torch.testing.assert_close(
+        torch.tensor(got["target_prompt_logprobs"]),
+        torch.tensor(want_targets, dtype=torch.float32),
+        **TOL,
+    )
     assert all(row[0] == 0.0 for row in got["target_prompt_logprobs"][::2])
     full = torch.log_softmax(logits[:-1], dim=-1)
     want_lps = full.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
@@ -105,19 +113,32 @@ def test_the_sampling_loop_returns_them_in_a_mixed_batch(tiny: tuple) -> None:
     gen = torch.Generator().manual_seed(3)
     prompts = [list(b"the quick brown fox"), list(b"ab"), list(b"hello there"), [65]]
     vocab = model.config.vocab_size
-    asks = [(4, targets_for(prompts[0], gen, vocab)), (2, None),
-            (0, targets_for(prompts[2], gen, vocab, k=1)), (3, [])]
-    requests = [GenerationRequest(prompt=p, num_samples=1, params=SamplingParams(seed=0),
-                                  max_tokens=2, prompt_logprobs=False, adapter=None,
-                                  prompt_topk=k, prompt_targets=t)
-                for p, (k, t) in zip(prompts, asks, strict=True)]
-    responses = generate(model, requests, device=torch.device("cpu"), eos_token_ids=[257],
-                         decode=decode)
+    asks = [
+        (4, targets_for(prompts[0], gen, vocab)),
+        (2, None),
+        (0, targets_for(prompts[2], gen, vocab, k=1)),
+        (3, []),
+    ]
+    requests = [
+        GenerationRequest(
+            prompt=p,
+            num_samples=1,
+            params=SamplingParams(seed=0),
+            max_tokens=2,
+            prompt_logprobs=False,
+            adapter=None,
+            prompt_topk=k,
+            prompt_targets=t,
+        )
+        for p, (k, t) in zip(prompts, asks, strict=True)
+    ]
+    responses = generate(
+        model, requests, device=torch.device("cpu"), eos_token_ids=[257], decode=decode
+    )
     for req, response in zip(requests, responses, strict=True):
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor([req.prompt])).logits[0].float()
-        want_topk, want_targets = reference(logits, req.prompt, req.prompt_topk,
-                                            req.prompt_targets)
+        want_topk, want_targets = reference(logits, req.prompt, req.prompt_topk, req.prompt_targets)
         if req.prompt_topk:
             assert response.topk_prompt_logprobs is not None
             assert_topk(response.topk_prompt_logprobs, want_topk)
@@ -128,17 +149,29 @@ def test_the_sampling_loop_returns_them_in_a_mixed_batch(tiny: tuple) -> None:
         else:
             torch.testing.assert_close(
                 torch.tensor(response.target_prompt_logprobs or [], dtype=torch.float32),
-                torch.tensor(want_targets, dtype=torch.float32), **TOL)
+                torch.tensor(want_targets, dtype=torch.float32),
+                **TOL,
+            )
         assert response.prompt_logprobs is None
 
 
-@pytest.mark.parametrize(("targets", "message"), [
-    ([[1, 2]], "has 1 rows for a prompt of 4 tokens"),
-    ([[1, 2], [3], [4, 5]], "rows must all have the same number of ids"),
-    ([[1], [-2], [3]], "token ids must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        ([[1, 2]], "has 1 rows for a prompt of 4 tokens"),
+        ([[1, 2], [3], [4, 5]], "rows must all have the same number of ids"),
+        ([[1], [-2], [3]], "token ids must be >= 0"),
+    ],
+)
 def test_bad_targets_are_refused_naming_the_field(targets: list, message: str) -> None:
     """A target_prompt_logprobs of the wrong shape or with negative ids fails at the client."""
     with pytest.raises(UserInputError, match=f"target_prompt_logprobs: .*{message}"):
-        sample_input({"chunks": [{"tokens": [1, 2, 3, 4]}]}, 1, {}, False, None,
-                     limits=RequestLimits.of(Settings()), target_prompt_logprobs=targets)
+        sample_input(
+            {"chunks": [{"tokens": [1, 2, 3, 4]}]},
+            1,
+            {},
+            False,
+            None,
+            limits=RequestLimits.of(Settings()),
+            target_prompt_logprobs=targets,
+        )

@@ -32,22 +32,31 @@ def jobs(redis: Redis, keys: Keys) -> JobQueue:
 
 
 def dispatcher(redis: Redis, keys: Keys, worker_id: str, lease_ttl_ms: int = 5_000) -> Dispatcher:
-    return Dispatcher(redis, keys, worker_id=worker_id, base_model=BASE,
-                      lease_ttl_ms=lease_ttl_ms, result_ttl_s=60)
+    return Dispatcher(
+        redis,
+        keys,
+        worker_id=worker_id,
+        base_model=BASE,
+        lease_ttl_ms=lease_ttl_ms,
+        result_ttl_s=60,
+    )
 
 
 async def new_model(jobs: JobQueue, model_id: str = "m1") -> str:
-    await jobs.register_model(model_id, base_model=BASE, tenant_id="default", session_id=None,
-                              lora_config={"rank": 8})
+    await jobs.register_model(
+        model_id, base_model=BASE, tenant_id="default", session_id=None, lora_config={"rank": 8}
+    )
     return model_id
 
 
-async def test_enqueue_assigns_consecutive_seqs_under_concurrency(jobs: JobQueue,
-                                                                 keys: Keys) -> None:
+async def test_enqueue_assigns_consecutive_seqs_under_concurrency(
+    jobs: JobQueue, keys: Keys
+) -> None:
     """200 concurrent submits get seqs 1..200 with none skipped or reused."""
     model = await new_model(jobs)
-    await asyncio.gather(*(jobs.enqueue(model, OpKind.PING, b"", job_id=f"j{i}")
-                           for i in range(200)))
+    await asyncio.gather(
+        *(jobs.enqueue(model, OpKind.PING, b"", job_id=f"j{i}") for i in range(200))
+    )
     entries = await jobs.redis.xrange(keys.model_ops(model))
     assert [int(e[0].split(b"-")[0]) for e in entries] == list(range(1, 201))
     assert sorted(e[1][b"job"].decode() for e in entries) == sorted(f"j{i}" for i in range(200))
@@ -119,8 +128,9 @@ async def test_stale_owner_is_fenced_out(jobs: JobQueue, redis: Redis, keys: Key
     assert await worker_b.renew([lease_b]) == [True]
 
 
-async def test_release_keeps_a_model_with_pending_ops(jobs: JobQueue, redis: Redis,
-                                                      keys: Keys) -> None:
+async def test_release_keeps_a_model_with_pending_ops(
+    jobs: JobQueue, redis: Redis, keys: Keys
+) -> None:
     """A plain release refuses while ops are unpublished; a forced one re-offers the model."""
     model = await new_model(jobs)
     worker = dispatcher(redis, keys, "wA")
@@ -132,8 +142,9 @@ async def test_release_keeps_a_model_with_pending_ops(jobs: JobQueue, redis: Red
     assert await redis.zrange(keys.offers(BASE), 0, -1) == [model.encode()]
 
 
-async def test_reaper_offers_models_of_dead_workers(jobs: JobQueue, redis: Redis,
-                                                    keys: Keys) -> None:
+async def test_reaper_offers_models_of_dead_workers(
+    jobs: JobQueue, redis: Redis, keys: Keys
+) -> None:
     """Pending ops whose owner's lease lapsed are offered again; owned ones are not."""
     dead, alive = await new_model(jobs, "dead"), await new_model(jobs, "alive")
     worker = dispatcher(redis, keys, "wA", lease_ttl_ms=200)
@@ -146,8 +157,9 @@ async def test_reaper_offers_models_of_dead_workers(jobs: JobQueue, redis: Redis
     assert await redis.zrange(keys.offers(BASE), 0, -1) == [b"dead"]
 
 
-async def test_publish_advances_the_model_and_trims_its_log(jobs: JobQueue, redis: Redis,
-                                                            keys: Keys) -> None:
+async def test_publish_advances_the_model_and_trims_its_log(
+    jobs: JobQueue, redis: Redis, keys: Keys
+) -> None:
     """Publishing seq k marks k done, trims the log through k, and clears pending at the end."""
     model = await new_model(jobs)
     for i in range(3):
@@ -166,8 +178,9 @@ async def test_publish_advances_the_model_and_trims_its_log(jobs: JobQueue, redi
     assert not await redis.sismember(keys.pending(BASE), model)
 
 
-async def test_inline_publish_starts_and_finishes_once(jobs: JobQueue, redis: Redis,
-                                                       keys: Keys) -> None:
+async def test_inline_publish_starts_and_finishes_once(
+    jobs: JobQueue, redis: Redis, keys: Keys
+) -> None:
     """An op published without start() is marked started by this worker, attempt 1; a second
     publish of a finished job changes nothing."""
     model = await new_model(jobs)
@@ -177,7 +190,8 @@ async def test_inline_publish_starts_and_finishes_once(jobs: JobQueue, redis: Re
     assert lease is not None
     ops, _, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
     assert await worker.publish_batch(
-        [(lease, ops[0], Outcome(JobStatus.DONE, b"first"), None)], started=False) == [True]
+        [(lease, ops[0], Outcome(JobStatus.DONE, b"first"), None)], started=False
+    ) == [True]
     fields = await jobs.job_fields("j1")
     assert (fields["status"], fields["worker_id"], fields["attempts"]) == ("done", "wA", "1")
     assert fields["started_at"] == fields["finished_at"]
@@ -186,8 +200,9 @@ async def test_inline_publish_starts_and_finishes_once(jobs: JobQueue, redis: Re
     assert outcome is not None and (outcome.status, outcome.result) == (JobStatus.DONE, b"first")
 
 
-async def test_inline_batch_reports_lost_leases_per_op(jobs: JobQueue, redis: Redis,
-                                                        keys: Keys) -> None:
+async def test_inline_batch_reports_lost_leases_per_op(
+    jobs: JobQueue, redis: Redis, keys: Keys
+) -> None:
     """In one pipelined batch, ops of a model whose lease was taken over are refused and
     reported, while another model's ops publish."""
     kept, lost = await new_model(jobs, "kept"), await new_model(jobs, "lost")
@@ -205,6 +220,8 @@ async def test_inline_batch_reports_lost_leases_per_op(jobs: JobQueue, redis: Re
     leases = {kept: lease_kept, lost: lease_lost}
     batch = [(leases[op.model_id], op, Outcome(JobStatus.DONE, b"r"), None) for op in ops]
     published = await worker.publish_batch(batch, started=False)
-    assert dict(zip([op.model_id for op in ops], published, strict=True)) == {kept: True,
-                                                                              lost: False}
+    assert dict(zip([op.model_id for op in ops], published, strict=True)) == {
+        kept: True,
+        lost: False,
+    }
     assert (await jobs.outcome("j-lost")) is None

@@ -191,11 +191,20 @@ async def test_a_tenant_first_seen_in_the_record_gets_its_row(sessions: Sessions
     """A client acting for a tenant that has no API key (QT_TENANT) still gets its session and
     runs recorded: the tenant's row is made with them, not refused by the foreign key."""
     tenant, model_id, session_id = _id("tenant"), _id("model"), _id("session")
-    await apply_records(sessions, [
-        SessionRecord(id=session_id, tenant_id=tenant, created_at=T0),
-        ModelRecord(id=model_id, tenant_id=tenant, session_id=session_id,
-                    base_model="tiny-llama", lora_config={"rank": 8}, created_at=T0),
-    ])
+    await apply_records(
+        sessions,
+        [
+            SessionRecord(id=session_id, tenant_id=tenant, created_at=T0),
+            ModelRecord(
+                id=model_id,
+                tenant_id=tenant,
+                session_id=session_id,
+                base_model="tiny-llama",
+                lora_config={"rank": 8},
+                created_at=T0,
+            ),
+        ],
+    )
     run = await get_training_run(sessions, model_id)
     assert run is not None and run.tenant_id == tenant
     async with sessions() as session:
@@ -269,9 +278,16 @@ async def test_catch_up_writes_what_rest_reads_and_leaves_the_rest(
     so no recorder writes it again; a waiting request record stays for the recorder."""
     records = RecordLog(aredis, Keys(key_prefix))
     run_id, request_id = _id("m"), _id("r")
-    await records.append(ModelRecord(id=run_id, tenant_id="default", base_model="tiny",
-                                     lora_config={"rank": 4}, user_metadata={"k": "v"},
-                                     created_at=T0))
+    await records.append(
+        ModelRecord(
+            id=run_id,
+            tenant_id="default",
+            base_model="tiny",
+            lora_config={"rank": 4},
+            user_metadata={"k": "v"},
+            created_at=T0,
+        )
+    )
     await records.append(_lifecycle(request_id, run_id)[0])
     assert await catch_up(records, sessions) == 1
     run = await get_training_run(sessions, run_id)

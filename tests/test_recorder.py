@@ -30,12 +30,19 @@ async def db(database_url: str) -> AsyncIterator[AsyncEngine]:
 
 
 def model(model_id: str, tenant: str = "default") -> ModelRecord:
-    return ModelRecord(id=model_id, tenant_id=tenant, session_id=None, base_model="tiny",
-                       lora_config={"rank": 4}, created_at=time.time())
+    return ModelRecord(
+        id=model_id,
+        tenant_id=tenant,
+        session_id=None,
+        base_model="tiny",
+        lora_config={"rank": 4},
+        created_at=time.time(),
+    )
 
 
-async def test_records_reach_postgres_and_leave_the_stream(redis: Redis, db: AsyncEngine,
-                                                           key_prefix: str) -> None:
+async def test_records_reach_postgres_and_leave_the_stream(
+    redis: Redis, db: AsyncEngine, key_prefix: str
+) -> None:
     """Appended events are written, acknowledged and removed from the stream."""
     log = RecordLog(redis, Keys(key_prefix))
     await log.ensure_group()
@@ -49,8 +56,9 @@ async def test_records_reach_postgres_and_leave_the_stream(redis: Redis, db: Asy
 
 
 @pytest.mark.dead_letters
-async def test_a_refused_record_is_set_aside_not_retried_forever(redis: Redis, db: AsyncEngine,
-                                                                 key_prefix: str) -> None:
+async def test_a_refused_record_is_set_aside_not_retried_forever(
+    redis: Redis, db: AsyncEngine, key_prefix: str
+) -> None:
     """A record Postgres refuses (a NUL character, which no text column takes) goes to the
     dead-letter stream; the others in its batch are written."""
     keys = Keys(key_prefix)
@@ -70,8 +78,9 @@ async def test_a_refused_record_is_set_aside_not_retried_forever(redis: Redis, d
     assert await log.backlog() == 0
 
 
-async def test_entries_of_a_dead_recorder_are_taken_over(redis: Redis, db: AsyncEngine,
-                                                         key_prefix: str) -> None:
+async def test_entries_of_a_dead_recorder_are_taken_over(
+    redis: Redis, db: AsyncEngine, key_prefix: str
+) -> None:
     """Entries one consumer read but never acknowledged are claimed by another."""
     log = RecordLog(redis, Keys(key_prefix))
     await log.ensure_group()

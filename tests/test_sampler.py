@@ -81,8 +81,9 @@ def with_adapters(base: torch.nn.Module) -> PeftModel:
         cfg = peft_config(present, config, BASE)
         torch.manual_seed(seed)  # PEFT initialises lora_A from the global generator
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
-                                    category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning
+            )
             if model is None:
                 model = get_peft_model(base, cfg, adapter_name=name)
             else:
@@ -96,17 +97,38 @@ def with_adapters(base: torch.nn.Module) -> PeftModel:
 
 
 # --- helpers --------------------------------------------------------------------------------
-def request(prompt: list[int], adapter: str | None = None, *, n: int = 1, max_tokens: int = 10,
-            prompt_logprobs: bool = False, **params: Any) -> GenerationRequest:
-    return GenerationRequest(prompt=list(prompt), num_samples=n, params=SamplingParams(**params),
-                             max_tokens=max_tokens, prompt_logprobs=prompt_logprobs,
-                             adapter=adapter)
+def request(
+    prompt: list[int],
+    adapter: str | None = None,
+    *,
+    n: int = 1,
+    max_tokens: int = 10,
+    prompt_logprobs: bool = False,
+    **params: Any,
+) -> GenerationRequest:
+    return GenerationRequest(
+        prompt=list(prompt),
+        num_samples=n,
+        params=SamplingParams(**params),
+        max_tokens=max_tokens,
+        prompt_logprobs=prompt_logprobs,
+        adapter=adapter,
+    )
 
 
-def run(setup: Setup, requests: list[GenerationRequest], model: torch.nn.Module | None = None,
-        eos: tuple[int, ...] = (EOS,)) -> list[SampleResponse]:
-    return generate(setup.model if model is None else model, requests, device=CPU,
-                    eos_token_ids=list(eos), decode=setup.decode)
+def run(
+    setup: Setup,
+    requests: list[GenerationRequest],
+    model: torch.nn.Module | None = None,
+    eos: tuple[int, ...] = (EOS,),
+) -> list[SampleResponse]:
+    return generate(
+        setup.model if model is None else model,
+        requests,
+        device=CPU,
+        eos_token_ids=list(eos),
+        decode=setup.decode,
+    )
 
 
 @contextmanager
@@ -129,21 +151,23 @@ def forward_logits(model: torch.nn.Module, adapter: str | None, tokens: list[int
         return model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
 
 
-def sequence_logprobs(model: torch.nn.Module, adapter: str | None, prompt: list[int],
-                      tokens: list[int]) -> torch.Tensor:
+def sequence_logprobs(
+    model: torch.nn.Module, adapter: str | None, prompt: list[int], tokens: list[int]
+) -> torch.Tensor:
     """log p(tokens[i] | prompt + tokens[:i]) from one forward pass."""
     logits = forward_logits(model, adapter, prompt + tokens)
-    rows = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    rows = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
     return rows.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
-def greedy_reference(model: torch.nn.Module, adapter: str | None, prompt: list[int],
-                     steps: int) -> list[int]:
+def greedy_reference(
+    model: torch.nn.Module, adapter: str | None, prompt: list[int], steps: int
+) -> list[int]:
     """Argmax decoding that reruns the whole sequence each step."""
     seq = list(prompt)
     for _ in range(steps):
         seq.append(int(forward_logits(model, adapter, seq)[-1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def last_new_token(tokens: list[int]) -> int:
@@ -153,8 +177,9 @@ def last_new_token(tokens: list[int]) -> int:
     return index
 
 
-def assert_close(actual: list[float | None] | list[float], expected: torch.Tensor,
-                 tol: tuple[float, float]) -> None:
+def assert_close(
+    actual: list[float | None] | list[float], expected: torch.Tensor, tol: tuple[float, float]
+) -> None:
     rtol, atol = tol
     torch.testing.assert_close(torch.tensor(actual), expected, rtol=rtol, atol=atol)
 
@@ -177,8 +202,7 @@ def assert_same(a: SampleResponse, b: SampleResponse) -> None:
     assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
     if a.prompt_logprobs is not None and b.prompt_logprobs is not None:
         assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
-        assert_close(a.prompt_logprobs[1:], torch.tensor(b.prompt_logprobs[1:]),
-                     BATCHED_VS_ALONE)
+        assert_close(a.prompt_logprobs[1:], torch.tensor(b.prompt_logprobs[1:]), BATCHED_VS_ALONE)
 
 
 # --- logprobs -------------------------------------------------------------------------------
@@ -213,8 +237,11 @@ def test_prompt_logprobs_equal_a_forward_pass(setup: Setup) -> None:
         values = response.prompt_logprobs
         assert values is not None and len(values) == len(req.prompt) and values[0] is None
         logits = forward_logits(setup.model, req.adapter, req.prompt)
-        expected = torch.log_softmax(logits[:-1], dim=-1).gather(
-            1, torch.tensor(req.prompt[1:])[:, None]).squeeze(1)
+        expected = (
+            torch.log_softmax(logits[:-1], dim=-1)
+            .gather(1, torch.tensor(req.prompt[1:])[:, None])
+            .squeeze(1)
+        )
         torch.testing.assert_close(torch.tensor(values[1:]), expected, rtol=1e-5, atol=1e-6)
     assert responses[3].prompt_logprobs == [None]
     assert responses[4].prompt_logprobs is None
@@ -225,8 +252,13 @@ def test_prompt_logprobs_equal_a_forward_pass(setup: Setup) -> None:
 def test_temperature_zero_and_top_k_one_are_argmax(setup: Setup, adapter: str | None) -> None:
     prompt = PROMPTS[1]
     expected = greedy_reference(setup.model, adapter, prompt, 20)
-    responses = run(setup, [request(prompt, adapter, max_tokens=20, stop=[], temperature=0),
-                            request(prompt, adapter, n=2, max_tokens=20, stop=[], top_k=1)])
+    responses = run(
+        setup,
+        [
+            request(prompt, adapter, max_tokens=20, stop=[], temperature=0),
+            request(prompt, adapter, n=2, max_tokens=20, stop=[], top_k=1),
+        ],
+    )
     for response in responses:
         for seq in response.sequences:
             assert seq.tokens == expected
@@ -238,8 +270,10 @@ def test_a_seed_makes_sampling_reproducible_whatever_the_batch(setup: Setup) -> 
     def sampled(seed: int) -> GenerationRequest:
         return request(PROMPTS[0], "a1", n=3, max_tokens=12, seed=seed, stop=[], top_p=0.95)
 
-    others = [request(PROMPTS[1], "a2", n=2, max_tokens=5, seed=4, stop=[]),
-              request(PROMPTS[2], None, max_tokens=15, temperature=0, stop=[])]
+    others = [
+        request(PROMPTS[1], "a2", n=2, max_tokens=5, seed=4, stop=[]),
+        request(PROMPTS[2], None, max_tokens=15, temperature=0, stop=[]),
+    ]
     alone = run(setup, [sampled(7)])[0]
     after = run(setup, [*others, sampled(7)])[2]
     between = run(setup, [others[1], sampled(7), others[0]])[1]
@@ -257,14 +291,17 @@ def test_stop_token_ends_the_sequence_and_is_included(setup: Setup) -> None:
     ref = greedy_reference(setup.model, adapter, prompt, 20)
     j = last_new_token(ref)
     stop = [ref[j], 300]
-    at_stop, at_both, before = run(setup, [
-        request(prompt, adapter, max_tokens=20, temperature=0, stop=stop),
-        request(prompt, adapter, max_tokens=j + 1, temperature=0, stop=stop),
-        request(prompt, adapter, max_tokens=j, temperature=0, stop=stop),
-    ])
+    at_stop, at_both, before = run(
+        setup,
+        [
+            request(prompt, adapter, max_tokens=20, temperature=0, stop=stop),
+            request(prompt, adapter, max_tokens=j + 1, temperature=0, stop=stop),
+            request(prompt, adapter, max_tokens=j, temperature=0, stop=stop),
+        ],
+    )
     for response in (at_stop, at_both):  # "stop" wins when the stop token is also the last
         (seq,) = response.sequences
-        assert (seq.tokens, seq.stop_reason) == (ref[:j + 1], "stop")
+        assert (seq.tokens, seq.stop_reason) == (ref[: j + 1], "stop")
         assert len(seq.logprobs) == j + 1
     (seq,) = before.sequences
     assert (seq.tokens, seq.stop_reason) == (ref[:j], "length")
@@ -276,10 +313,15 @@ def test_stop_none_stops_at_eos_and_an_empty_list_never_early(setup: Setup) -> N
     assert EOS not in ref
     j = last_new_token(ref)
     # The tiny model never picks EOS itself; naming the greedy path's token as EOS stands in.
-    at_eos, never = run(setup, [request(prompt, adapter, max_tokens=16, temperature=0),
-                                request(prompt, adapter, max_tokens=16, temperature=0, stop=[])],
-                        eos=(ref[j],))
-    assert (at_eos.sequences[0].tokens, at_eos.sequences[0].stop_reason) == (ref[:j + 1], "stop")
+    at_eos, never = run(
+        setup,
+        [
+            request(prompt, adapter, max_tokens=16, temperature=0),
+            request(prompt, adapter, max_tokens=16, temperature=0, stop=[]),
+        ],
+        eos=(ref[j],),
+    )
+    assert (at_eos.sequences[0].tokens, at_eos.sequences[0].stop_reason) == (ref[: j + 1], "stop")
     assert (never.sequences[0].tokens, never.sequences[0].stop_reason) == (ref, "length")
     # EOS 257 never comes
     (real_eos,) = run(setup, [request(prompt, adapter, max_tokens=16, temperature=0)])
@@ -291,29 +333,39 @@ def test_stop_strings_end_the_sequence_and_are_included(setup: Setup) -> None:
     ref = greedy_reference(setup.model, adapter, prompt, 20)
     text = setup.decode(ref[:12])
     target = text[-2:]  # ends within 12 tokens; first found where the decoded text has it
-    end = next(i for i in range(len(ref)) if target in setup.decode(ref[:i + 1]))
+    end = next(i for i in range(len(ref)) if target in setup.decode(ref[: i + 1]))
     assert end >= 1
-    responses = run(setup, [request(prompt, adapter, max_tokens=20, temperature=0, stop=target),
-                            request(prompt, adapter, max_tokens=20, temperature=0,
-                                    stop=["never there", target])])
+    responses = run(
+        setup,
+        [
+            request(prompt, adapter, max_tokens=20, temperature=0, stop=target),
+            request(prompt, adapter, max_tokens=20, temperature=0, stop=["never there", target]),
+        ],
+    )
     for response in responses:
         (seq,) = response.sequences
-        assert (seq.tokens, seq.stop_reason) == (ref[:end + 1], "stop")
+        assert (seq.tokens, seq.stop_reason) == (ref[: end + 1], "stop")
         assert target in setup.decode(seq.tokens)
     # Stop strings add to EOS rather than replace it (stop token ids replace it).
     j = last_new_token(ref)
-    at_eos, by_id = run(setup, [
-        request(prompt, adapter, max_tokens=20, temperature=0, stop=["never there"]),
-        request(prompt, adapter, max_tokens=20, temperature=0, stop=[ref[end]]),
-    ], eos=(ref[j],))
-    assert (at_eos.sequences[0].tokens, at_eos.sequences[0].stop_reason) == (ref[:j + 1], "stop")
-    assert by_id.sequences[0].tokens == ref[:ref.index(ref[end]) + 1]
+    at_eos, by_id = run(
+        setup,
+        [
+            request(prompt, adapter, max_tokens=20, temperature=0, stop=["never there"]),
+            request(prompt, adapter, max_tokens=20, temperature=0, stop=[ref[end]]),
+        ],
+        eos=(ref[j],),
+    )
+    assert (at_eos.sequences[0].tokens, at_eos.sequences[0].stop_reason) == (ref[: j + 1], "stop")
+    assert by_id.sequences[0].tokens == ref[: ref.index(ref[end]) + 1]
 
 
 def test_max_tokens_ends_with_length(setup: Setup) -> None:
-    requests = [request(PROMPTS[0], "a1", n=3, max_tokens=7, seed=3, stop=[]),
-                request(PROMPTS[3], None, n=2, max_tokens=3, temperature=0, stop=[]),
-                request(PROMPTS[1], "a2", max_tokens=1, seed=4, stop=[])]
+    requests = [
+        request(PROMPTS[0], "a1", n=3, max_tokens=7, seed=3, stop=[]),
+        request(PROMPTS[3], None, n=2, max_tokens=3, temperature=0, stop=[]),
+        request(PROMPTS[1], "a2", max_tokens=1, seed=4, stop=[]),
+    ]
     for req, response in zip(requests, run(setup, requests), strict=True):
         for seq in response.sequences:
             assert len(seq.tokens) == len(seq.logprobs) == req.max_tokens
@@ -342,10 +394,16 @@ def mixed_requests() -> list[GenerationRequest]:
         request(PROMPTS[1], "a1", n=3, max_tokens=10, seed=3, temperature=0.9, stop=[]),
         request(PROMPTS[2], "a2", max_tokens=6, temperature=0, prompt_logprobs=True),
         request(PROMPTS[3], None, n=2, max_tokens=9, seed=5, top_k=50, top_p=0.9, stop=[]),
-        request(PROMPTS[1], "a2", n=2, max_tokens=12, seed=9, temperature=1.3,
-                stop=list(range(0, 256, 10))),
-        request(PROMPTS[0], "a1", n=2, max_tokens=7, temperature=0, stop=[],
-                prompt_logprobs=True),
+        request(
+            PROMPTS[1],
+            "a2",
+            n=2,
+            max_tokens=12,
+            seed=9,
+            temperature=1.3,
+            stop=list(range(0, 256, 10)),
+        ),
+        request(PROMPTS[0], "a1", n=2, max_tokens=7, temperature=0, stop=[], prompt_logprobs=True),
     ]
 
 
@@ -358,12 +416,14 @@ def test_a_batch_equals_each_request_alone(setup: Setup) -> None:
         assert_same(together, alone)
         assert_same(reversed_order, alone)
     greedy = batched[0].sequences
-    assert greedy[0].tokens == greedy[1].tokens == greedy_reference(
-        setup.model, None, PROMPTS[0], 8)
+    assert (
+        greedy[0].tokens == greedy[1].tokens == greedy_reference(setup.model, None, PROMPTS[0], 8)
+    )
 
 
-def test_sampling_in_row_chunks_changes_nothing(setup: Setup,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampling_in_row_chunks_changes_nothing(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Big batches go through softmax / sort a few rows at a time; results must not notice."""
     requests = mixed_requests()
     whole = run(setup, requests)
@@ -373,14 +433,19 @@ def test_sampling_in_row_chunks_changes_nothing(setup: Setup,
 
 
 def test_a_plain_model_samples_as_the_base_rows_of_a_peft_model(setup: Setup) -> None:
-    requests = [request(PROMPTS[0], n=2, max_tokens=8, seed=1, stop=[], prompt_logprobs=True),
-                request(PROMPTS[1], max_tokens=5, temperature=0, stop=[])]
+    requests = [
+        request(PROMPTS[0], n=2, max_tokens=8, seed=1, stop=[], prompt_logprobs=True),
+        request(PROMPTS[1], max_tokens=5, temperature=0, stop=[]),
+    ]
     on_plain = run(setup, requests, model=setup.plain)
     for plain, peft in zip(on_plain, run(setup, requests), strict=True):
         assert_same(plain, peft)
     for seq in on_plain[0].sequences:
-        assert_close(seq.logprobs, sequence_logprobs(setup.plain, None, PROMPTS[0], seq.tokens),
-                     LOGPROBS_VS_FORWARD)
+        assert_close(
+            seq.logprobs,
+            sequence_logprobs(setup.plain, None, PROMPTS[0], seq.tokens),
+            LOGPROBS_VS_FORWARD,
+        )
 
 
 def test_prompts_run_once_then_each_row_at_its_own_positions(setup: Setup) -> None:
@@ -395,8 +460,13 @@ def test_prompts_run_once_then_each_row_at_its_own_positions(setup: Setup) -> No
     handle = decoder.register_forward_pre_hook(record, with_kwargs=True)
     try:
         prompts = [PROMPTS[1], PROMPTS[2]]  # 19 and 2 tokens
-        run(setup, [request(prompts[0], "a1", n=3, max_tokens=4, seed=0, stop=[]),
-                    request(prompts[1], None, n=2, max_tokens=4, temperature=0, stop=[])])
+        run(
+            setup,
+            [
+                request(prompts[0], "a1", n=3, max_tokens=4, seed=0, stop=[]),
+                request(prompts[1], None, n=2, max_tokens=4, temperature=0, stop=[]),
+            ],
+        )
     finally:
         handle.remove()
     assert len(calls) == 4  # the prefill, then 3 steps (the 4th token needs no forward)
@@ -415,12 +485,13 @@ def test_prompts_run_once_then_each_row_at_its_own_positions(setup: Setup) -> No
         assert positions[:, 0].tolist() == expected
 
 
-def test_a_model_in_training_mode_samples_in_eval_mode_and_is_left_as_found(
-        setup: Setup) -> None:
+def test_a_model_in_training_mode_samples_in_eval_mode_and_is_left_as_found(setup: Setup) -> None:
     """get_peft_model / add_adapter hand back training-mode modules, where PEFT refuses
     adapter_names; generate runs in eval mode and restores every module's own flag."""
-    requests = [request(PROMPTS[0], "a1", max_tokens=5, temperature=0, stop=[]),
-                request(PROMPTS[2], None, max_tokens=5, temperature=0, stop=[])]
+    requests = [
+        request(PROMPTS[0], "a1", max_tokens=5, temperature=0, stop=[]),
+        request(PROMPTS[2], None, max_tokens=5, temperature=0, stop=[]),
+    ]
     expected = run(setup, requests)
     setup.model.train()
     decoder_of(setup.model).get_submodule("norm").eval()  # a mixed state, to see it restored
@@ -451,12 +522,26 @@ def rank_and_mass_before(scaled: torch.Tensor, token: int, top_k: int) -> tuple[
 @pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (-1, 0.5), (12, 0.6)])
 def test_top_k_and_top_p_restrict_the_support(setup: Setup, top_k: int, top_p: float) -> None:
     prompt, adapter, temperature = PROMPTS[1], "a1", 0.7
-    (response,) = run(setup, [request(prompt, adapter, n=16, max_tokens=5, seed=5, stop=[],
-                                      temperature=temperature, top_k=top_k, top_p=top_p)])
+    (response,) = run(
+        setup,
+        [
+            request(
+                prompt,
+                adapter,
+                n=16,
+                max_tokens=5,
+                seed=5,
+                stop=[],
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+            )
+        ],
+    )
     firsts = set()
     for seq in response.sequences:
         logits = forward_logits(setup.model, adapter, prompt + seq.tokens)
-        scaled = logits[len(prompt) - 1:-1] / temperature
+        scaled = logits[len(prompt) - 1 : -1] / temperature
         for step, token in enumerate(seq.tokens):
             rank, before = rank_and_mass_before(scaled[step], token, top_k)
             assert top_k == -1 or rank < top_k
@@ -466,11 +551,14 @@ def test_top_k_and_top_p_restrict_the_support(setup: Setup, top_k: int, top_p: f
 
 
 @pytest.mark.parametrize(("temperature", "other"), [(1.0, 0.5), (0.5, 1.0)])
-def test_first_token_frequencies_follow_the_softmax(setup: Setup, temperature: float,
-                                                    other: float) -> None:
+def test_first_token_frequencies_follow_the_softmax(
+    setup: Setup, temperature: float, other: float
+) -> None:
     n, prompt = 2000, PROMPTS[0]
-    (response,) = run(setup, [request(prompt, "sharp", n=n, max_tokens=1, seed=2024, stop=[],
-                                      temperature=temperature)])
+    (response,) = run(
+        setup,
+        [request(prompt, "sharp", n=n, max_tokens=1, seed=2024, stop=[], temperature=temperature)],
+    )
     firsts = torch.tensor([seq.tokens[0] for seq in response.sequences])
     freqs = torch.bincount(firsts, minlength=VOCAB).double() / n
     logits = forward_logits(setup.model, "sharp", prompt)[-1].double()
@@ -505,10 +593,11 @@ def test_a_request_joining_mid_loop_samples_what_it_samples_alone(setup: Setup) 
     """Rows join a running loop at a step and leave when done; each request's tokens are
     what it gets alone with the same seed, its logprobs within 1e-4."""
     first = request(PROMPTS[1], "a1", n=3, max_tokens=20, seed=11, stop=[], temperature=0.9)
-    later = [request(PROMPTS[0], "a2", n=2, max_tokens=12, seed=12, stop=[], top_p=0.9),
-             request(PROMPTS[3], None, max_tokens=8, temperature=0, stop=[],
-                     prompt_logprobs=True),
-             request(PROMPTS[2], "a1", n=2, max_tokens=70, seed=13, stop=[])]  # > a uniform block
+    later = [
+        request(PROMPTS[0], "a2", n=2, max_tokens=12, seed=12, stop=[], top_p=0.9),
+        request(PROMPTS[3], None, max_tokens=8, temperature=0, stop=[], prompt_logprobs=True),
+        request(PROMPTS[2], "a1", n=2, max_tokens=70, seed=13, stop=[]),
+    ]  # > a uniform block
     loop = new_loop(setup)
     loop.add("first", first)
     done: dict[Any, SampleResponse] = {}
@@ -526,8 +615,11 @@ def test_a_request_joining_mid_loop_samples_what_it_samples_alone(setup: Setup) 
         assert_near(done[key], alone)
         if req.prompt_logprobs:
             assert done[key].prompt_logprobs is not None and alone.prompt_logprobs is not None
-            assert_close(done[key].prompt_logprobs[1:], torch.tensor(alone.prompt_logprobs[1:]),
-                         JOINED_VS_ALONE)
+            assert_close(
+                done[key].prompt_logprobs[1:],
+                torch.tensor(alone.prompt_logprobs[1:]),
+                JOINED_VS_ALONE,
+            )
 
 
 def test_identical_prompts_admitted_together_are_prefilled_once(setup: Setup) -> None:
@@ -604,8 +696,9 @@ def test_a_bfloat16_model_samples_with_float32_logprobs(setup: Setup) -> None:
     """The loop follows the model's dtype (bf16 on GPUs): softmax and logprobs in float32,
     greedy tokens those of a bf16 forward pass."""
     model = copy.deepcopy(setup.plain).to(torch.bfloat16)
-    (response,) = run(setup, [request(PROMPTS[1], None, max_tokens=6, temperature=0, stop=[])],
-                      model=model)
+    (response,) = run(
+        setup, [request(PROMPTS[1], None, max_tokens=6, temperature=0, stop=[])], model=model
+    )
     (seq,) = response.sequences
     assert seq.tokens == greedy_reference(model, None, PROMPTS[1], 6)
     expected = sequence_logprobs(model, None, PROMPTS[1], seq.tokens)
@@ -613,8 +706,7 @@ def test_a_bfloat16_model_samples_with_float32_logprobs(setup: Setup) -> None:
     assert all(isinstance(v, float) for v in seq.logprobs)
 
 
-def test_a_request_bigger_than_the_loop_joins_in_parts_with_the_same_samples(
-        setup: Setup) -> None:
+def test_a_request_bigger_than_the_loop_joins_in_parts_with_the_same_samples(setup: Setup) -> None:
     """num_samples beyond max_rows: its samples join as rows free up, never more than
     max_rows at once; each sample is what it is with the whole request in one batch (each
     sample draws from its own seeded stream)."""
@@ -633,6 +725,9 @@ def test_a_request_bigger_than_the_loop_joins_in_parts_with_the_same_samples(
     assert steps >= 3 * 8  # in parts: three rounds of 9 tokens, each joining as one ends
     assert_near(done["big"], expected[0])
     assert done["big"].prompt_logprobs is not None and expected[0].prompt_logprobs is not None
-    assert_close(done["big"].prompt_logprobs[1:], torch.tensor(expected[0].prompt_logprobs[1:]),
-                 JOINED_VS_ALONE)
+    assert_close(
+        done["big"].prompt_logprobs[1:],
+        torch.tensor(expected[0].prompt_logprobs[1:]),
+        JOINED_VS_ALONE,
+    )
     assert_near(done["other"], expected[1])

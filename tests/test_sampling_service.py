@@ -53,8 +53,10 @@ def service(deployment: Settings) -> Iterator[tinker.ServiceClient]:
 
 
 def datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)},
+    )
 
 
 def memorise(tc: tinker.TrainingClient, steps: int) -> None:
@@ -82,8 +84,9 @@ def test_sampling_from_the_base_model(service: tinker.ServiceClient) -> None:
     sampler = service.create_sampling_client(base_model=TINY)
     assert sampler.get_base_model() == TINY and sampler.model_path is None
     greedy = sampler.sample(PROMPT, 2, GREEDY).result(timeout=60)
-    top1 = sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=GREEDY.max_tokens,
-                                                          top_k=1, stop=[])).result(timeout=60)
+    top1 = sampler.sample(
+        PROMPT, 1, types.SamplingParams(max_tokens=GREEDY.max_tokens, top_k=1, stop=[])
+    ).result(timeout=60)
     assert greedy.sequences[0].tokens == greedy.sequences[1].tokens == top1.sequences[0].tokens
     assert [s.stop_reason for s in greedy.sequences] == ["length", "length"]
     assert len(greedy.sequences[0].tokens) == GREEDY.max_tokens
@@ -99,8 +102,9 @@ def test_sampling_from_the_base_model(service: tinker.ServiceClient) -> None:
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=60)
     assert logprobs[0] is None
     np.testing.assert_allclose(np.array(logprobs[1:], dtype=np.float64), expected, rtol=1e-4)
-    np.testing.assert_allclose(greedy.sequences[0].logprobs, expected[len(PROMPT.to_ints()) - 1:],
-                               rtol=1e-4)
+    np.testing.assert_allclose(
+        greedy.sequences[0].logprobs, expected[len(PROMPT.to_ints()) - 1 :], rtol=1e-4
+    )
 
 
 def test_a_sampler_sees_the_weights_after_every_op_before_it(
@@ -118,9 +122,10 @@ def test_a_sampler_sees_the_weights_after_every_op_before_it(
 
     response = trained.sample(PROMPT, 1, GREEDY).result(timeout=60)
     tokens = PROMPT.to_ints() + response.sequences[0].tokens
-    expected = forward_logprobs(tc, tokens)[len(PROMPT.to_ints()) - 1:]
-    np.testing.assert_allclose(response.sequences[0].logprobs, expected, rtol=1e-4,
-                               atol=LOGPROB_ATOL)
+    expected = forward_logprobs(tc, tokens)[len(PROMPT.to_ints()) - 1 :]
+    np.testing.assert_allclose(
+        response.sequences[0].logprobs, expected, rtol=1e-4, atol=LOGPROB_ATOL
+    )
 
     # One more step: a new sampler sees it, the old one keeps its checkpoint's weights.
     tc.forward_backward([datum(list(b"something else entirely"))], "cross_entropy")
@@ -129,11 +134,15 @@ def test_a_sampler_sees_the_weights_after_every_op_before_it(
     assert later.model_path == f"tinker://{tc.model_id}/sampler_weights/after-one-more-step"
     before = trained.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=60)
     after = later.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=60)
-    assert not np.allclose(np.array(before[1:], dtype=np.float64),
-                           np.array(after[1:], dtype=np.float64), rtol=1e-3)
-    np.testing.assert_allclose(np.array(after[1:], dtype=np.float64),
-                               forward_logprobs(tc, tokens), rtol=1e-4,
-                               atol=LOGPROB_ATOL)
+    assert not np.allclose(
+        np.array(before[1:], dtype=np.float64), np.array(after[1:], dtype=np.float64), rtol=1e-3
+    )
+    np.testing.assert_allclose(
+        np.array(after[1:], dtype=np.float64),
+        forward_logprobs(tc, tokens),
+        rtol=1e-4,
+        atol=LOGPROB_ATOL,
+    )
 
     # A state checkpoint (weights/) samples the same as a sampler checkpoint of that moment.
     state = tc.save_state("state-now").result(timeout=60).path
@@ -142,7 +151,8 @@ def test_a_sampler_sees_the_weights_after_every_op_before_it(
 
 
 def test_concurrent_samples_on_several_adapters_match_one_at_a_time(
-    service: tinker.ServiceClient, deployment: Settings,
+    service: tinker.ServiceClient,
+    deployment: Settings,
 ) -> None:
     """Requests from three sessions (base model and two checkpoints), sent at once so the
     worker batches them, return what each returns alone."""
@@ -151,9 +161,14 @@ def test_concurrent_samples_on_several_adapters_match_one_at_a_time(
         tc = service.create_lora_training_client(TINY, rank=4, seed=seed)
         memorise(tc, 5)
         samplers.append(tc.save_weights_and_get_sampling_client(f"c{seed}"))
-    requests = [(samplers[i % 3], types.ModelInput.from_ints(list(f"prompt {i}:".encode())),
-                 types.SamplingParams(max_tokens=8 + i, seed=i, temperature=0.8, stop=[]))
-                for i in range(12)]
+    requests = [
+        (
+            samplers[i % 3],
+            types.ModelInput.from_ints(list(f"prompt {i}:".encode())),
+            types.SamplingParams(max_tokens=8 + i, seed=i, temperature=0.8, stop=[]),
+        )
+        for i in range(12)
+    ]
 
     async def together() -> list[types.SampleResponse]:
         pending = [await s.sample_async(p, 2, params) for s, p, params in requests]
@@ -187,8 +202,9 @@ def test_sampling_does_not_wait_behind_another_models_training(
         p.result(timeout=60)
 
 
-def job_times(settings: Settings, job_ids: list[str],
-              start: str = "started_at") -> list[tuple[float, float]]:
+def job_times(
+    settings: Settings, job_ids: list[str], start: str = "started_at"
+) -> list[tuple[float, float]]:
     """(started_at, finished_at) of each job (or `start`'s time instead), on the server's
     clock."""
     client = redis.Redis.from_url(settings.redis_url or "")
@@ -204,7 +220,8 @@ def job_times(settings: Settings, job_ids: list[str],
 
 
 def test_training_keeps_going_while_samples_keep_coming(
-    service: tinker.ServiceClient, deployment: Settings,
+    service: tinker.ServiceClient,
+    deployment: Settings,
 ) -> None:
     """A stream of samples from several sessions does not hold up a training run's steps: they
     run between the samples' decode steps, while samples are in flight (starved, they would
@@ -229,8 +246,11 @@ def test_training_keeps_going_while_samples_keep_coming(
         while not sent:
             time.sleep(0.05)
         batch = [datum(list(TEXT.encode()))]
-        steps = [op for _ in range(5) for op in (tc.forward_backward(batch, "cross_entropy"),
-                                                  tc.optim_step(ADAM))]
+        steps = [
+            op
+            for _ in range(5)
+            for op in (tc.forward_backward(batch, "cross_entropy"), tc.optim_step(ADAM))
+        ]
         for op in steps:
             op.result(timeout=120)
     finally:
@@ -243,7 +263,8 @@ def test_training_keeps_going_while_samples_keep_coming(
 
 
 def test_a_long_sample_delays_another_tenants_training_by_at_most_a_quantum(
-    service: tinker.ServiceClient, deployment: Settings,
+    service: tinker.ServiceClient,
+    deployment: Settings,
 ) -> None:
     """Tenant A samples 96 x 100 tokens; tenant B trains meanwhile, one op at a time, on the
     same worker. B's ops run while the sample does, each after about one quantum of it (on
@@ -280,7 +301,8 @@ def test_a_long_sample_delays_another_tenants_training_by_at_most_a_quantum(
 
 
 def test_a_sessions_samples_are_published_in_order_even_when_a_later_one_ends_first(
-    service: tinker.ServiceClient, deployment: Settings,
+    service: tinker.ServiceClient,
+    deployment: Settings,
 ) -> None:
     """Two samples of one session in the loop at once: the second (2 tokens) ends long before
     the first (100 tokens), but is published after it, so the session's done_seq never passes
@@ -289,17 +311,20 @@ def test_a_sessions_samples_are_published_in_order_even_when_a_later_one_ends_fi
     sampler.sample(PROMPT, 1, GREEDY).result(timeout=60)  # the session is owned, the loop made
 
     async def both() -> list[tinker.APIFuture[types.SampleResponse]]:
-        long = await sampler.sample_async(PROMPT, 4, types.SamplingParams(max_tokens=100,
-                                                                          stop=[], seed=1))
-        short = await sampler.sample_async(PROMPT, 1, types.SamplingParams(max_tokens=2,
-                                                                           stop=[], seed=2))
+        long = await sampler.sample_async(
+            PROMPT, 4, types.SamplingParams(max_tokens=100, stop=[], seed=1)
+        )
+        short = await sampler.sample_async(
+            PROMPT, 1, types.SamplingParams(max_tokens=2, stop=[], seed=2)
+        )
         return [long, short]
 
     long, short = asyncio.run(both())
     assert len(short.result(timeout=120).sequences[0].tokens) == 2
     assert [len(s.tokens) for s in long.result(timeout=120).sequences] == [100] * 4
     (_, long_done), (short_started, short_done) = job_times(
-        deployment, [long.request_id, short.request_id])
+        deployment, [long.request_id, short.request_id]
+    )
     assert short_started < long_done  # they shared the loop
     assert short_done >= long_done
 
@@ -334,31 +359,38 @@ def test_bad_requests_fail_with_clear_errors(service: tinker.ServiceClient) -> N
     with pytest.raises(RequestFailedError, match=r"prompt: token id 999 at position 1") as info:
         sampler.sample(types.ModelInput.from_ints([5, 999]), 1, GREEDY).result(timeout=60)
     assert info.value.category is ErrorCategory.USER
-    with pytest.raises(RequestFailedError, match=r"max_tokens: prompt \(13 tokens\) \+ "
-                                                 r"max_tokens \(250\) is more than"):
+    with pytest.raises(
+        RequestFailedError,
+        match=r"max_tokens: prompt \(13 tokens\) \+ "
+        r"max_tokens \(250\) is more than",
+    ):
         sampler.sample(PROMPT, 1, types.SamplingParams(max_tokens=250)).result(timeout=60)
     # ...and the session goes on working.
     assert completion(sampler) == completion(service.create_sampling_client(base_model=TINY))
 
 
-def test_unknown_foreign_and_malformed_paths(service: tinker.ServiceClient,
-                                             deployment: Settings) -> None:
+def test_unknown_foreign_and_malformed_paths(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
     tc = service.create_lora_training_client(TINY, rank=4)
     with pytest.raises(UserInputError, match=r"model_path: .*tinker://"):
         service.create_sampling_client(model_path="checkpoint-name")
     with pytest.raises(UserInputError, match=r"model_path: no checkpoint .*unknown run"):
         service.create_sampling_client(model_path="tinker://m-nope/sampler_weights/x")
-    with pytest.raises(RequestFailedError,
-                       match=f"model_path: no checkpoint tinker://{tc.model_id}/sampler_weights/"
-                             "never-saved") as info:
+    with pytest.raises(
+        RequestFailedError,
+        match=f"model_path: no checkpoint tinker://{tc.model_id}/sampler_weights/never-saved",
+    ) as info:
         service.create_sampling_client(
-            model_path=f"tinker://{tc.model_id}/sampler_weights/never-saved")
+            model_path=f"tinker://{tc.model_id}/sampler_weights/never-saved"
+        )
     assert info.value.category is ErrorCategory.USER
     with pytest.raises(UserInputError, match="model_path, base_model: pass one"):
         service.create_sampling_client()
     with pytest.raises(UserInputError, match="base_model: 'other/model' does not match"):
         service.create_sampling_client(
-            model_path=f"tinker://{tc.model_id}/sampler_weights/x", base_model="other/model")
+            model_path=f"tinker://{tc.model_id}/sampler_weights/x", base_model="other/model"
+        )
 
     # Another tenant's checkpoint looks exactly like a missing one.
     path = tc.save_weights_for_sampler("mine").result(timeout=60).path
@@ -380,10 +412,19 @@ async def _batch_sizes(settings: Settings, sampler_ids: list[str]) -> list[float
     try:
         while True:
             async with engine.connect() as conn:
-                rows = (await conn.execute(text(
-                    "SELECT (metrics->>'batch_sequences:max')::float FROM requests "
-                    "WHERE model_id = ANY(:ids) AND kind = 'sample' AND status = 'done'"),
-                    {"ids": sampler_ids})).scalars().all()
+                rows = (
+                    (
+                        await conn.execute(
+                            text(
+                                "SELECT (metrics->>'batch_sequences:max')::float FROM requests "
+                                "WHERE model_id = ANY(:ids) AND kind = 'sample' AND status = 'done'"
+                            ),
+                            {"ids": sampler_ids},
+                        )
+                    )
+                    .scalars()
+                    .all()
+                )
             if len(rows) >= 24 or time.monotonic() > deadline:  # 12 requests, twice
                 return list(rows)
             await asyncio.sleep(0.2)
@@ -395,14 +436,17 @@ async def _add_tenant(settings: Settings, tenant: str) -> None:
     engine = make_engine(settings.database_url or "")
     try:
         async with engine.begin() as conn:
-            await conn.execute(text("INSERT INTO tenants (id, name) VALUES (:t, :t) "
-                                    "ON CONFLICT DO NOTHING"), {"t": tenant})
+            await conn.execute(
+                text("INSERT INTO tenants (id, name) VALUES (:t, :t) ON CONFLICT DO NOTHING"),
+                {"t": tenant},
+            )
     finally:
         await engine.dispose()
 
 
-def test_sessions_and_samples_are_recorded(service: tinker.ServiceClient,
-                                           deployment: Settings) -> None:
+def test_sessions_and_samples_are_recorded(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
     sampler = service.create_sampling_client(base_model=TINY)
     sampler.sample(PROMPT, 3, GREEDY).result(timeout=60)
 
@@ -410,12 +454,21 @@ def test_sessions_and_samples_are_recorded(service: tinker.ServiceClient,
         engine = make_engine(deployment.database_url or "")
         try:
             async with engine.connect() as conn:
-                sessions = (await conn.execute(text(
-                    "SELECT base_model, model_path FROM sampling_sessions WHERE id = :s"),
-                    {"s": sampler.sampler_id})).all()
-                requests = (await conn.execute(text(
-                    "SELECT kind, status, (metrics->>'tokens_generated:sum')::float FROM requests"
-                    " WHERE model_id = :s ORDER BY seq"), {"s": sampler.sampler_id})).all()
+                sessions = (
+                    await conn.execute(
+                        text("SELECT base_model, model_path FROM sampling_sessions WHERE id = :s"),
+                        {"s": sampler.sampler_id},
+                    )
+                ).all()
+                requests = (
+                    await conn.execute(
+                        text(
+                            "SELECT kind, status, (metrics->>'tokens_generated:sum')::float"
+                            " FROM requests WHERE model_id = :s ORDER BY seq"
+                        ),
+                        {"s": sampler.sampler_id},
+                    )
+                ).all()
                 return [tuple(r) for r in sessions], [tuple(r) for r in requests]
         finally:
             await engine.dispose()

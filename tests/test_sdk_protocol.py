@@ -76,9 +76,12 @@ def sdk_paths() -> set[tuple[str, str]]:
             continue
         text = source.read_text()
         for match in re.finditer(r"""f?["'](/api/v1/[^"'\s]*)["']""", text):
-            before = text[max(0, match.start() - 400):match.start()]
-            calls = re.findall(r"""(?:\.|_)(get|post|put|delete|patch)\(|"""
-                               r"""_request\(\s*["'](GET|POST|PUT|DELETE)["']""", before)
+            before = text[max(0, match.start() - 400) : match.start()]
+            calls = re.findall(
+                r"""(?:\.|_)(get|post|put|delete|patch)\(|"""
+                r"""_request\(\s*["'](GET|POST|PUT|DELETE)["']""",
+                before,
+            )
             if calls:
                 method = (calls[-1][0] or calls[-1][1]).upper()
                 found.add((method, match.group(1)))
@@ -93,8 +96,9 @@ def concrete(path: str) -> str:
 
 def documented_paths() -> dict[tuple[str, str], str]:
     """(method, path) -> what the protocol page's table of SDK paths says about it."""
-    rows = re.findall(r"^\| `(GET|POST|PUT|DELETE) (/api/v1/[^`]*)` \| ([^|]+) \|",
-                      PROTOCOL_DOC.read_text(), re.M)
+    rows = re.findall(
+        r"^\| `(GET|POST|PUT|DELETE) (/api/v1/[^`]*)` \| ([^|]+) \|", PROTOCOL_DOC.read_text(), re.M
+    )
     return {(method, path): answer.strip() for method, path, answer in rows}
 
 
@@ -103,9 +107,13 @@ def test_sdk_paths_are_found() -> None:
     paths = sdk_paths()
     assert ("POST", "/api/v1/forward_backward") in paths
     assert ("DELETE", "/api/v1/auth/apikey/me") in paths
-    assert ("GET", "/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}"
-            "/external_weights_urls") in paths or ("GET", "/api/v1/training_runs/{model_id}"
-            "/checkpoints/{checkpoint_id}/external_weights_urls") in paths
+    assert (
+        "GET",
+        "/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}/external_weights_urls",
+    ) in paths or (
+        "GET",
+        "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id}/external_weights_urls",
+    ) in paths
     assert len(paths) >= 40
 
 
@@ -119,10 +127,18 @@ def test_every_sdk_path_is_served_or_answers_its_documented_501(
     for method, path in sorted(sdk_paths()):
         assert (method, path) in documented, f"{method} {path} is not in the path table"
         # Revoking the key presented is what DELETE apikey/me does: give it a key of its own.
-        probe_key = make_key(deployment, "probe-revoke") if path.endswith("/me") and \
-            method == "DELETE" else key
-        response = httpx.request(method, gateway + concrete(path), json={} if method in (
-            "POST", "PUT") else None, headers={"X-API-Key": probe_key}, timeout=30)
+        probe_key = (
+            make_key(deployment, "probe-revoke")
+            if path.endswith("/me") and method == "DELETE"
+            else key
+        )
+        response = httpx.request(
+            method,
+            gateway + concrete(path),
+            json={} if method in ("POST", "PUT") else None,
+            headers={"X-API-Key": probe_key},
+            timeout=30,
+        )
         body = response.json() if response.content else None
         assert (response.status_code, body) not in BARE, f"{method} {path}: {body}"
         if response.status_code == 501:
@@ -145,15 +161,17 @@ def test_client_config_turns_on_the_served_features(service: tinker.ServiceClien
 
 
 # --- batched polling and client ids --------------------------------------------------------
-def test_samples_resolve_through_retrieve_futures(service: tinker.ServiceClient,
-                                                  deployment: Settings) -> None:
+def test_samples_resolve_through_retrieve_futures(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
     """Many samples in flight resolve through one client's batched polls: each got a
     completion on the client's cursor, and each result is the sample's own."""
     sampler = service.create_sampling_client(base_model=TINY).result()
     prompts = [[3 + i, 4, 5] for i in range(6)]
-    futures = [sampler.sample(types.ModelInput.from_ints(p), 2,
-                              types.SamplingParams(max_tokens=3, seed=i))
-               for i, p in enumerate(prompts)]
+    futures = [
+        sampler.sample(types.ModelInput.from_ints(p), 2, types.SamplingParams(max_tokens=3, seed=i))
+        for i, p in enumerate(prompts)
+    ]
     results = [f.result(timeout=120) for f in futures]
     assert all(len(r.sequences) == 2 for r in results)
     client = redis.Redis.from_url(deployment.redis_url or "")
@@ -174,27 +192,41 @@ def test_retrieve_futures_answers_each_completion_once_past_the_cursor(
     headers = {"X-API-Key": key}
     ids = []
     for seq_id in range(3):
-        submitted = httpx.post(f"{gateway}/api/v1/asample", headers=headers, timeout=30, json={
-            "sampling_session_id": sampler_id, "seq_id": seq_id, "num_samples": 1,
-            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4, 5]}]},
-            "sampling_params": {"max_tokens": 2}})
+        submitted = httpx.post(
+            f"{gateway}/api/v1/asample",
+            headers=headers,
+            timeout=30,
+            json={
+                "sampling_session_id": sampler_id,
+                "seq_id": seq_id,
+                "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4, 5]}]},
+                "sampling_params": {"max_tokens": 2},
+            },
+        )
         assert submitted.status_code == 200, submitted.text
         ids.append(submitted.json()["request_id"])
     seen: dict[str, str] = {}
     cursor = 0
     while len(seen) < 3:
-        polled = httpx.post(f"{gateway}/api/v1/retrieve_futures", headers=headers, timeout=60,
-                            json={"target": {"sampling_session_id": sampler_id},
-                                  "prev_cursor": cursor}).json()
+        polled = httpx.post(
+            f"{gateway}/api/v1/retrieve_futures",
+            headers=headers,
+            timeout=60,
+            json={"target": {"sampling_session_id": sampler_id}, "prev_cursor": cursor},
+        ).json()
         assert polled["cursor"] >= cursor
         for completion in polled["completions"]:
             assert completion["request_id"] not in seen
             seen[completion["request_id"]] = completion["state"]
         cursor = polled["cursor"]
     assert seen == dict.fromkeys(ids, "finished")
-    again = httpx.post(f"{gateway}/api/v1/retrieve_futures", headers=headers, timeout=30,
-                       json={"target": {"sampling_session_id": sampler_id},
-                             "prev_cursor": cursor, "timeout": 0}).json()
+    again = httpx.post(
+        f"{gateway}/api/v1/retrieve_futures",
+        headers=headers,
+        timeout=30,
+        json={"target": {"sampling_session_id": sampler_id}, "prev_cursor": cursor, "timeout": 0},
+    ).json()
     assert again == {"completions": [], "cursor": cursor}
 
 
@@ -204,44 +236,69 @@ def test_pickled_sampling_clients_join_with_distinct_client_ids(
     """Two unpickled copies of a SamplingClient each join the session (client ids 1 and 2),
     sample in their own seq_id blocks, and are polled on their own cursors."""
     sampler = service.create_sampling_client(base_model=TINY).result()
-    sampler.sample(types.ModelInput.from_ints([3, 4]), 1,
-                   types.SamplingParams(max_tokens=2)).result(timeout=120)
+    sampler.sample(
+        types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2)
+    ).result(timeout=120)
     clones = [pickle.loads(pickle.dumps(sampler)) for _ in range(2)]
     for clone in clones:
-        result = clone.sample(types.ModelInput.from_ints([5, 6]), 1,
-                              types.SamplingParams(max_tokens=2)).result(timeout=120)
+        result = clone.sample(
+            types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)
+        ).result(timeout=120)
         assert len(result.sequences) == 1
     assert sorted(c._cloned_sampler_id for c in clones) == [1, 2]
     client = redis.Redis.from_url(deployment.redis_url or "")
     keys = Keys(deployment.key_prefix)
     sampler_id = sampler._sampling_session_id
-    assert [int(client.get(keys.sample_cursor(sampler_id, n)) or 0) for n in (0, 1, 2)] == \
-        [1, 1, 1]
+    assert [int(client.get(keys.sample_cursor(sampler_id, n)) or 0) for n in (0, 1, 2)] == [1, 1, 1]
     client.close()
 
 
 # --- cancel --------------------------------------------------------------------------------
-def test_cancel_future_removes_a_queued_sample(gateway: str, key: str,
-                                               deployment: Settings) -> None:
+def test_cancel_future_removes_a_queued_sample(
+    gateway: str, key: str, deployment: Settings
+) -> None:
     """A sample still in its queue (no worker serves its base model) is removed: its future
     fails as cancelled by the client; another tenant's request reads as unknown."""
     tenant = key_tenant(deployment, key)
     sampler_id = f"cancel-{uuid.uuid4().hex[:6]}:sample:0"
     asyncio.run(open_unserved_sampler(deployment, sampler_id, tenant))
     headers = {"X-API-Key": key}
-    submitted = httpx.post(f"{gateway}/api/v1/asample", headers=headers, timeout=30, json={
-        "sampling_session_id": sampler_id, "seq_id": 0, "num_samples": 1,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]},
-        "sampling_params": {"max_tokens": 2}}).json()
+    submitted = httpx.post(
+        f"{gateway}/api/v1/asample",
+        headers=headers,
+        timeout=30,
+        json={
+            "sampling_session_id": sampler_id,
+            "seq_id": 0,
+            "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [3, 4]}]},
+            "sampling_params": {"max_tokens": 2},
+        },
+    ).json()
     request_id = submitted["request_id"]
     stranger = {"X-API-Key": make_key(deployment, "proto-stranger")}
-    assert httpx.post(f"{gateway}/api/v1/cancel_future", headers=stranger,
-                      json={"request_id": request_id}, timeout=30).status_code == 404
-    cancelled = httpx.post(f"{gateway}/api/v1/cancel_future", headers=headers,
-                           json={"request_id": request_id}, timeout=30)
+    assert (
+        httpx.post(
+            f"{gateway}/api/v1/cancel_future",
+            headers=stranger,
+            json={"request_id": request_id},
+            timeout=30,
+        ).status_code
+        == 404
+    )
+    cancelled = httpx.post(
+        f"{gateway}/api/v1/cancel_future",
+        headers=headers,
+        json={"request_id": request_id},
+        timeout=30,
+    )
     assert cancelled.status_code == 200, cancelled.text
-    answer = httpx.post(f"{gateway}/api/v1/retrieve_future", headers=headers, timeout=30,
-                        json={"request_id": request_id}).json()
+    answer = httpx.post(
+        f"{gateway}/api/v1/retrieve_future",
+        headers=headers,
+        timeout=30,
+        json={"request_id": request_id},
+    ).json()
     assert answer == {"error": CANCELLED, "category": "user"}
 
 
@@ -263,28 +320,44 @@ async def open_unserved_sampler(deployment: Settings, sampler_id: str, tenant: s
     jobs = JobQueue(client, Keys(deployment.key_prefix), result_ttl_s=600)
 
     async def submit(model_id: str, kind: object, payload: bytes, key: str | None) -> str:
-        return (await jobs.enqueue(model_id, kind, payload,  # type: ignore[arg-type]
-                                   job_id=f"req-{uuid.uuid4().hex}",
-                                   idempotency_key=key)).job_id
+        return (
+            await jobs.enqueue(
+                model_id,
+                kind,
+                payload,  # type: ignore[arg-type]
+                job_id=f"req-{uuid.uuid4().hex}",
+                idempotency_key=key,
+            )
+        ).job_id
 
     try:
-        await open_sampling_session(jobs, submit, sampler_id, base_model="no-worker-base",
-                                    tenant_id=tenant, session_id=None, model_path=None)
+        await open_sampling_session(
+            jobs,
+            submit,
+            sampler_id,
+            base_model="no-worker-base",
+            tenant_id=tenant,
+            session_id=None,
+            model_path=None,
+        )
     finally:
         await client.aclose()
 
 
 # --- account routes ------------------------------------------------------------------------
-def test_apikey_me_names_the_key_and_delete_revokes_only_it(gateway: str,
-                                                            deployment: Settings) -> None:
+def test_apikey_me_names_the_key_and_delete_revokes_only_it(
+    gateway: str, deployment: Settings
+) -> None:
     """GET apikey/me describes the key presented (tenant as organization); DELETE revokes that
     key, which is then refused, and leaves the tenant's other keys working."""
     tenant = f"me-{uuid.uuid4().hex[:6]}"
     first, second = make_key(deployment, tenant), make_key(deployment, tenant)
     me = httpx.get(f"{gateway}/api/v1/auth/apikey/me", headers={"X-API-Key": first}).json()
     assert me["details"]["org_details"]["name"] == tenant and isinstance(me["key_id"], int)
-    assert httpx.delete(f"{gateway}/api/v1/auth/apikey/me",
-                        headers={"X-API-Key": first}).status_code == 200
+    assert (
+        httpx.delete(f"{gateway}/api/v1/auth/apikey/me", headers={"X-API-Key": first}).status_code
+        == 200
+    )
     again = httpx.get(f"{gateway}/api/v1/auth/apikey/me", headers={"X-API-Key": first})
     assert again.status_code == 401
     other = httpx.get(f"{gateway}/api/v1/auth/apikey/me", headers={"X-API-Key": second})
@@ -301,17 +374,20 @@ def test_storage_usage_audit_search_and_trace_through_the_sdk(
     rest = tinker.RestClient(base_url=gateway, api_key=key)
     admin = tinker.AdminClient(base_url=gateway, api_key=key)
     session_id = trainer.model_id.split(":train:")[0]
-    checkpoint = wait_for(lambda: [c for c in rest.list_user_checkpoints().result().checkpoints
-                                   if c.tinker_path == path])[0]
+    checkpoint = wait_for(
+        lambda: [
+            c for c in rest.list_user_checkpoints().result().checkpoints if c.tinker_path == path
+        ]
+    )[0]
 
     headers = {"X-API-Key": key}
-    usage = httpx.get(f"{gateway}/api/v1/billing/usage/checkpoints/current",
-                      headers=headers).json()
+    usage = httpx.get(f"{gateway}/api/v1/billing/usage/checkpoints/current", headers=headers).json()
     assert usage["data"][0]["checkpoint_count"] >= 1
     assert usage["data"][0]["size_bytes"] >= checkpoint.size_bytes
     entries = admin.get_audit_log(day=datetime.now(UTC).date()).result().entries
-    assert any(e.event == "checkpoint_create" and e.event_details["tinker_path"] == path
-               for e in entries)
+    assert any(
+        e.event == "checkpoint_create" and e.event_details["tinker_path"] == path for e in entries
+    )
     storage = admin.get_current_checkpoint_storage_usage().result()
     assert storage.data[0].size_bytes == usage["data"][0]["size_bytes"]
 
@@ -339,15 +415,23 @@ def wait_for(probe: Callable[[], list[Any]], timeout: float = 30) -> list[Any]:
 
 # --- zstd request bodies -------------------------------------------------------------------
 def text_batch(n: int) -> list[types.Datum]:
-    return [types.Datum(model_input=types.ModelInput.from_ints([3 + i, 4, 5, 6 + i]),
-                        loss_fn_inputs={"target_tokens": np.array([4, 5, 6 + i, 7])})
-            for i in range(n)]
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([3 + i, 4, 5, 6 + i]),
+            loss_fn_inputs={"target_tokens": np.array([4, 5, 6 + i, 7])},
+        )
+        for i in range(n)
+    ]
 
 
 def proto_body(model_id: str, seq_id: int, data: list[types.Datum]) -> bytes:
-    message = forward_backward_request_to_proto(ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
-        model_id=model_id, seq_id=seq_id))
+    message = forward_backward_request_to_proto(
+        ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+            model_id=model_id,
+            seq_id=seq_id,
+        )
+    )
     message.forward_only = True
     return message.SerializeToString()
 
@@ -367,8 +451,12 @@ def test_compressed_forward_bodies_compute_what_plain_ones_do(
         body = proto_body(trainer.model_id, seq_id, batch)
         sent = zstandard.ZstdCompressor().compress(body) if compress else body
         extra = {"Content-Encoding": "zstd"} if compress else {}
-        submitted = httpx.post(f"{gateway}/api/v1/forward_backward", content=sent,
-                               headers={**headers, **extra}, timeout=30)
+        submitted = httpx.post(
+            f"{gateway}/api/v1/forward_backward",
+            content=sent,
+            headers={**headers, **extra},
+            timeout=30,
+        )
         assert submitted.status_code == 200, submitted.text
         losses.append(result_of(gateway, key, submitted.json()["request_id"])["metrics"])
     assert [m["loss:sum"] for m in losses] == pytest.approx([by_sdk, by_sdk], rel=1e-6)
@@ -376,28 +464,45 @@ def test_compressed_forward_bodies_compute_what_plain_ones_do(
 
 def result_of(gateway: str, key: str, request_id: str) -> dict[str, Any]:
     while True:
-        answer = httpx.post(f"{gateway}/api/v1/retrieve_future", headers={"X-API-Key": key},
-                            json={"request_id": request_id}, timeout=60).json()
+        answer = httpx.post(
+            f"{gateway}/api/v1/retrieve_future",
+            headers={"X-API-Key": key},
+            json={"request_id": request_id},
+            timeout=60,
+        ).json()
         if answer.get("type") != "try_again":
             return answer  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize(("encoding", "body", "status", "detail"), [
-    ("zstd", zstandard.ZstdCompressor().compress(bytes(64 * 2**20 + 1)), 400,
-     "request: the inflated zstd body is more than QT_MAX_REQUEST_BYTES=67108864"),
-    ("zstd", b"not zstd", 400, "body: not a valid zstd frame"),
-    ("gzip", b"\x1f\x8b", 415, "Content-Encoding: 'gzip' is not supported here"),
-])
+@pytest.mark.parametrize(
+    ("encoding", "body", "status", "detail"),
+    [
+        (
+            "zstd",
+            zstandard.ZstdCompressor().compress(bytes(64 * 2**20 + 1)),
+            400,
+            "request: the inflated zstd body is more than QT_MAX_REQUEST_BYTES=67108864",
+        ),
+        ("zstd", b"not zstd", 400, "body: not a valid zstd frame"),
+        ("gzip", b"\x1f\x8b", 415, "Content-Encoding: 'gzip' is not supported here"),
+    ],
+)
 def test_bad_compressed_bodies_are_refused_naming_what_is_wrong(
     gateway: str, key: str, encoding: str, body: bytes, status: int, detail: str
 ) -> None:
     """A zstd body that inflates past QT_MAX_REQUEST_BYTES (a few KB on the wire) and one that
     is not zstd: 400 naming it; an encoding not offered: 415 naming it."""
-    answer = httpx.post(f"{gateway}/api/v1/forward_backward", content=body, timeout=30,
-                        headers={"X-API-Key": key, "Content-Type": "application/x-protobuf",
-                                 "Content-Encoding": encoding})
-    assert answer.status_code == status and answer.json()["detail"].startswith(detail), \
-        answer.text
+    answer = httpx.post(
+        f"{gateway}/api/v1/forward_backward",
+        content=body,
+        timeout=30,
+        headers={
+            "X-API-Key": key,
+            "Content-Type": "application/x-protobuf",
+            "Content-Encoding": encoding,
+        },
+    )
+    assert answer.status_code == status and answer.json()["detail"].startswith(detail), answer.text
 
 
 # --- Dimuon ----------------------------------------------------------------------------------
@@ -406,7 +511,8 @@ def test_a_dimuon_run_trains_through_the_sdk(service: tinker.ServiceClient) -> N
     (get_info says so); DimuonParams steps lower the loss; AdamParams fail naming
     optimizer_params."""
     trainer = service.create_lora_training_client(
-        base_model=TINY, rank=4, seed=9, optimizer=types.DimuonOptimizerConfig()).result()
+        base_model=TINY, rank=4, seed=9, optimizer=types.DimuonOptimizerConfig()
+    ).result()
     assert trainer.get_info().optimizer_config.type == "dimuon"
     data = text_batch(4)
     first = trainer.forward(data, "cross_entropy").result(timeout=120).metrics["loss:sum"]
@@ -415,8 +521,10 @@ def test_a_dimuon_run_trains_through_the_sdk(service: tinker.ServiceClient) -> N
         trainer.optim_step(types.DimuonParams(learning_rate=0.02)).result(timeout=120)
     last = trainer.forward(data, "cross_entropy").result(timeout=120).metrics["loss:sum"]
     assert last < first
-    with pytest.raises(tinker.RequestFailedError, match="optimizer_params: this run was "
-                       "created with the dimuon optimizer"):
+    with pytest.raises(
+        tinker.RequestFailedError,
+        match="optimizer_params: this run was created with the dimuon optimizer",
+    ):
         trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=120)
 
 
@@ -429,25 +537,30 @@ def test_server_side_custom_losses_match_the_client_side_path(
     in one forward_backward op, with the loss and metrics of the same handle run client-side
     (a forward and a second pass) on an identical model."""
     fn, names = LOSSES[name]
-    handle = service.create_custom_loss(
-        fn, {"logprobs": 1, **dict.fromkeys(names, 1)}).result(timeout=60)
-    assert handle.loss_id is not None and handle.loss_id.endswith(":loss:" + str(
-        int(handle.loss_id.rsplit(":", 1)[1])))
+    handle = service.create_custom_loss(fn, {"logprobs": 1, **dict.fromkeys(names, 1)}).result(
+        timeout=60
+    )
+    assert handle.loss_id is not None and handle.loss_id.endswith(
+        ":loss:" + str(int(handle.loss_id.rsplit(":", 1)[1]))
+    )
     client_side = dataclasses.replace(handle, loss_id=None)
     data = sdk_loss_data(names)
-    runs = [service.create_lora_training_client(base_model=TINY, rank=4, seed=12).result()
-            for _ in range(2)]
+    runs = [
+        service.create_lora_training_client(base_model=TINY, rank=4, seed=12).result()
+        for _ in range(2)
+    ]
     server_out = runs[0].forward_backward_custom(data, handle).result(timeout=120)
     client_out = runs[1].forward_backward_custom(data, client_side).result(timeout=120)
-    assert server_out.metrics["loss:sum"] == pytest.approx(client_out.metrics["loss:sum"],
-                                                           rel=1e-5)
+    assert server_out.metrics["loss:sum"] == pytest.approx(client_out.metrics["loss:sum"], rel=1e-5)
     for key, value in client_out.metrics.items():
         if key.startswith("custom/"):
             assert server_out.metrics[key] == pytest.approx(value, rel=1e-5), key
-    assert recorded_ops(deployment, runs[0].model_id, 2) == ["create_model",
-                                                             "forward_backward"]
-    assert recorded_ops(deployment, runs[1].model_id, 3) == ["create_model", "forward",
-                                                             "forward_backward"]
+    assert recorded_ops(deployment, runs[0].model_id, 2) == ["create_model", "forward_backward"]
+    assert recorded_ops(deployment, runs[1].model_id, 3) == [
+        "create_model",
+        "forward",
+        "forward_backward",
+    ]
 
 
 def sdk_loss_data(names: list[str]) -> list[types.Datum]:
@@ -456,42 +569,71 @@ def sdk_loss_data(names: list[str]) -> list[types.Datum]:
     for i in range(3):
         tokens = [3 + i, 4, 5, 6 + i, 7, 8, 9 + i, 10]
         n = len(tokens) - 1
-        values = {"ref_logprobs": -rng.uniform(3, 6, n), "old_logprobs": -rng.uniform(4, 7, n),
-                  "advantages": rng.normal(size=n), "weights": rng.uniform(0, 1, n),
-                  "chosen": (np.arange(n) < n // 2), "rejected": (np.arange(n) >= n // 2)}
+        values = {
+            "ref_logprobs": -rng.uniform(3, 6, n),
+            "old_logprobs": -rng.uniform(4, 7, n),
+            "advantages": rng.normal(size=n),
+            "weights": rng.uniform(0, 1, n),
+            "chosen": (np.arange(n) < n // 2),
+            "rejected": (np.arange(n) >= n // 2),
+        }
         inputs = {k: values[k].astype(np.float32) for k in names}
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                                loss_fn_inputs={"target_tokens": np.array(tokens[1:]),
-                                                **inputs}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": np.array(tokens[1:]), **inputs},
+            )
+        )
     return data
 
 
-def test_a_disallowed_graph_is_refused_at_upload_naming_the_node(gateway: str, key: str,
-                                                                 service: tinker.ServiceClient
-                                                                 ) -> None:
+def test_a_disallowed_graph_is_refused_at_upload_naming_the_node(
+    gateway: str, key: str, service: tinker.ServiceClient
+) -> None:
     """An upload calling os.system (which the SDK itself would not trace) is refused with 400
     naming the node; nothing is stored under its id."""
     trainer = service.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
     session_id = trainer.model_id.split(":train:")[0]
-    nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
-             {"op": "call_function", "name": "system", "target": "os.system",
-              "args": ["touch /tmp/owned"]},
-             {"op": "output", "name": "output", "target": "output",
-              "args": [{"tuple": [{"ref": "system"}, {"dict": {}}]}]}]
-    answer = httpx.post(f"{gateway}/api/v1/create_custom_loss", headers={"X-API-Key": key},
-                        timeout=30, json={"session_id": session_id, "custom_loss_seq_id": 99,
-                                          "name": "evil", "inputs": [{"name": "logprobs",
-                                                                      "rank": 1}],
-                                          "graph": {"format": 1, "nodes": nodes}})
+    nodes = [
+        {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+        {
+            "op": "call_function",
+            "name": "system",
+            "target": "os.system",
+            "args": ["touch /tmp/owned"],
+        },
+        {
+            "op": "output",
+            "name": "output",
+            "target": "output",
+            "args": [{"tuple": [{"ref": "system"}, {"dict": {}}]}],
+        },
+    ]
+    answer = httpx.post(
+        f"{gateway}/api/v1/create_custom_loss",
+        headers={"X-API-Key": key},
+        timeout=30,
+        json={
+            "session_id": session_id,
+            "custom_loss_seq_id": 99,
+            "name": "evil",
+            "inputs": [{"name": "logprobs", "rank": 1}],
+            "graph": {"format": 1, "nodes": nodes},
+        },
+    )
     assert answer.status_code == 400
     assert answer.json()["detail"].startswith(
-        "graph.nodes[1] ('system'): calls 'os.system', which is not an allowed function")
+        "graph.nodes[1] ('system'): calls 'os.system', which is not an allowed function"
+    )
 
 
 # --- OpenAI-compatible inference -------------------------------------------------------------
 def greedy_text(sampler: Any, tokenizer: Any, prompt: list[int], max_tokens: int) -> str:
-    result = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0)).result(timeout=120)
+    result = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        1,
+        types.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    ).result(timeout=120)
     return str(tokenizer.decode(result.sequences[0].tokens, skip_special_tokens=True))
 
 
@@ -507,20 +649,24 @@ def test_openai_completions_and_chat_sample_like_the_sdk(
     prompt = "Question: What is 2+2?\nAnswer:"
     base = service.create_sampling_client(base_model=TINY).result()
 
-    completion = client.completions.create(model=TINY, prompt=prompt, max_tokens=6,
-                                           temperature=0)
+    completion = client.completions.create(model=TINY, prompt=prompt, max_tokens=6, temperature=0)
     assert completion.choices[0].text == greedy_text(base, tokenizer, tokenizer.encode(prompt), 6)
     assert completion.usage is not None and completion.usage.prompt_tokens == len(
-        tokenizer.encode(prompt))
+        tokenizer.encode(prompt)
+    )
 
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    chat = client.chat.completions.create(model=TINY, messages=messages,  # type: ignore[arg-type]
-                                          max_tokens=6, temperature=0)
-    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                              tokenize=False)
+    chat = client.chat.completions.create(
+        model=TINY,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=0,
+    )
+    templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == greedy_text(
-        base, tokenizer, tokenizer.encode(templated), 6)
+        base, tokenizer, tokenizer.encode(templated), 6
+    )
 
     batch = [text_datum_of(tokenizer, prompt, " 4\n")]
     for _ in range(3):
@@ -536,9 +682,13 @@ def text_datum_of(tokenizer: Any, prompt: str, completion: str) -> types.Datum:
     prompt_tokens = tokenizer.encode(prompt)
     tokens = prompt_tokens + tokenizer.encode(completion)
     weights = [0.0] * (len(prompt_tokens) - 1) + [1.0] * (len(tokens) - len(prompt_tokens))
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
-                                       "weights": np.array(weights, dtype=np.float32)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "weights": np.array(weights, dtype=np.float32),
+        },
+    )
 
 
 def test_openai_routes_refuse_a_bad_key_and_another_tenants_checkpoint(
@@ -549,11 +699,15 @@ def test_openai_routes_refuse_a_bad_key_and_another_tenants_checkpoint(
     bad = openai.OpenAI(base_url=f"{gateway}/oai/api/v1", api_key="tml-nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=TINY, prompt="hi", max_tokens=2)
-    stranger = openai.OpenAI(base_url=f"{gateway}/oai/api/v1", max_retries=0,
-                             api_key=make_key(deployment, "oai-stranger"))
+    stranger = openai.OpenAI(
+        base_url=f"{gateway}/oai/api/v1",
+        max_retries=0,
+        api_key=make_key(deployment, "oai-stranger"),
+    )
     with pytest.raises(openai.BadRequestError, match="model: no checkpoint"):
-        stranger.completions.create(model="tinker://sess-x:train:0/sampler_weights/a",
-                                    prompt="hi", max_tokens=2)
+        stranger.completions.create(
+            model="tinker://sess-x:train:0/sampler_weights/a", prompt="hi", max_tokens=2
+        )
 
 
 # --- published checkpoints -------------------------------------------------------------------
@@ -577,11 +731,17 @@ def test_a_published_checkpoint_is_readable_by_every_tenant(
 
         for path in (state, weights):
             owner.publish_checkpoint_from_tinker_path(path).result()
-        listed = wait_for(lambda: [c for c in owner.list_checkpoints(trainer.model_id).result()
-                                   .checkpoints if c.public])
+        listed = wait_for(
+            lambda: [
+                c for c in owner.list_checkpoints(trainer.model_id).result().checkpoints if c.public
+            ]
+        )
         assert sorted(c.tinker_path for c in listed) == sorted([state, weights])
-        sampled = other.create_sampling_client(model_path=weights).result().sample(
-            types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2))
+        sampled = (
+            other.create_sampling_client(model_path=weights)
+            .result()
+            .sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2))
+        )
         assert len(sampled.result(timeout=120).sequences) == 1
         copy = other.create_training_client_from_state(state).result()
         assert copy.forward(text_batch(1), "cross_entropy").result(timeout=120).metrics

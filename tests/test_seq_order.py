@@ -23,16 +23,16 @@ def keys(key_prefix: str) -> Keys:
 @pytest.fixture
 async def jobs(aredis: Redis, keys: Keys) -> JobQueue:
     queue = JobQueue(aredis, keys, result_ttl_s=60)
-    await queue.register_model("m", base_model="tiny", tenant_id="t", session_id=None,
-                               lora_config={"rank": 4})
+    await queue.register_model(
+        "m", base_model="tiny", tenant_id="t", session_id=None, lora_config={"rank": 4}
+    )
     return queue
 
 
 async def log_of(jobs: JobQueue, keys: Keys) -> list[tuple[int, str, bytes]]:
     """(seq, job id, payload) of every op in the model's log."""
     entries = await jobs.redis.xrange(keys.model_ops("m"))
-    return [(int(e[0].split(b"-")[0]), e[1][b"job"].decode(), e[1][b"payload"])
-            for e in entries]
+    return [(int(e[0].split(b"-")[0]), e[1][b"job"].decode(), e[1][b"payload"]) for e in entries]
 
 
 async def test_ops_arriving_out_of_order_enter_the_log_in_seq_id_order(
@@ -40,8 +40,9 @@ async def test_ops_arriving_out_of_order_enter_the_log_in_seq_id_order(
 ) -> None:
     arrival = [3, 2, 5, 1, 4]
     for seq_id in arrival[:2]:
-        held = await jobs.enqueue_in_order("m", seq_id, OpKind.PING, b"%d" % seq_id,
-                                           job_id=f"j{seq_id}")
+        held = await jobs.enqueue_in_order(
+            "m", seq_id, OpKind.PING, b"%d" % seq_id, job_id=f"j{seq_id}"
+        )
         assert held.created and held.waiting_for == 1
     assert await log_of(jobs, keys) == []  # nothing may run before seq_id 1
     assert (await jobs.redis.hget(keys.job("j3"), "status")) == b"queued"  # awaitable already
@@ -80,9 +81,7 @@ async def test_a_seq_id_consumed_without_an_op_lets_the_rest_through(
     assert await jobs.redis.exists(keys.job("refused")) == 0
 
 
-async def test_a_used_seq_id_whose_job_is_forgotten_is_refused(
-    jobs: JobQueue, keys: Keys
-) -> None:
+async def test_a_used_seq_id_whose_job_is_forgotten_is_refused(jobs: JobQueue, keys: Keys) -> None:
     await jobs.enqueue_in_order("m", 1, OpKind.PING, b"", job_id="j1")
     await jobs.redis.delete(keys.idempotency("m", "seq:1"))  # its TTL ran out
     with pytest.raises(SeqIdUsedError, match="seq_id: 1 of model m"):
@@ -105,9 +104,12 @@ async def test_concurrent_shuffled_arrivals_keep_seq_id_order(jobs: JobQueue, ke
     """200 ops sent concurrently in a random order, each twice: the log is 1..200, once each."""
     order = list(range(1, 201)) * 2
     random.Random(7).shuffle(order)
-    results = await asyncio.gather(*(
-        jobs.enqueue_in_order("m", s, OpKind.PING, b"%d" % s, job_id=f"j{s}-{i}")
-        for i, s in enumerate(order)))
+    results = await asyncio.gather(
+        *(
+            jobs.enqueue_in_order("m", s, OpKind.PING, b"%d" % s, job_id=f"j{s}-{i}")
+            for i, s in enumerate(order)
+        )
+    )
     ops = await log_of(jobs, keys)
     assert [op[0] for op in ops] == list(range(1, 201))
     assert [op[2] for op in ops] == [b"%d" % s for s in range(1, 201)]
@@ -120,10 +122,10 @@ async def test_held_ops_are_capped_by_window_count_and_bytes(aredis: Redis, keys
     """A seq_id too far ahead is refused (400), and once a model holds its most early ops or
     bytes the next early one is refused (retry later) without a trace; the seq_id the model
     waits for still enters and frees them all (5 x 4 MiB at seq_id 1e6 were held for good)."""
-    jobs = JobQueue(aredis, keys, result_ttl_s=60, held=HeldLimits(window=10, count=3,
-                                                                    bytes=100))
-    await jobs.register_model("m", base_model="tiny", tenant_id="t", session_id=None,
-                              lora_config={"rank": 4})
+    jobs = JobQueue(aredis, keys, result_ttl_s=60, held=HeldLimits(window=10, count=3, bytes=100))
+    await jobs.register_model(
+        "m", base_model="tiny", tenant_id="t", session_id=None, lora_config={"rank": 4}
+    )
     with pytest.raises(UserInputError, match=r"^seq_id: 1000000 is more than 10 past 1"):
         await jobs.enqueue_in_order("m", 1_000_000, OpKind.PING, b"x" * 10, job_id="far")
     for seq_id in (2, 3, 4):

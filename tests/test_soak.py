@@ -49,8 +49,9 @@ class Rss:
 
     def _run(self) -> None:
         while True:
-            self.samples.append((time.monotonic() - self._began,
-                                 [self._rss(pid) for pid in self.pids]))
+            self.samples.append(
+                (time.monotonic() - self._began, [self._rss(pid) for pid in self.pids])
+            )
             if self._stop.wait(0.5):
                 return
 
@@ -65,8 +66,9 @@ class Rss:
         """Per process: the last sample minus the mean of the second after `after_s`."""
         base = [s for t, s in self.samples if after_s <= t < after_s + 1]
         last = self.samples[-1][1]
-        return [(last[i] - sum(b[i] for b in base) / len(base)) / 2**20
-                for i in range(len(self.pids))]
+        return [
+            (last[i] - sum(b[i] for b in base) / len(base)) / 2**20 for i in range(len(self.pids))
+        ]
 
 
 class Tally:
@@ -77,8 +79,9 @@ class Tally:
         self.wrong: list[str] = []
 
 
-async def one_client(models: list[TrainingClient], deadline: float, rng: random.Random,
-                     tally: Tally) -> None:
+async def one_client(
+    models: list[TrainingClient], deadline: float, rng: random.Random, tally: Tally
+) -> None:
     async def ping(tc: TrainingClient, n: int) -> None:
         future = await tc.ping_async(n, delay_ms=rng.choice(DELAYS_MS))
         try:
@@ -101,13 +104,18 @@ async def one_client(models: list[TrainingClient], deadline: float, rng: random.
 
 
 async def soak(services: list[ServiceClient], tally: Tally) -> None:
-    models = [await services[i % CLIENTS].create_lora_training_client_async("tiny", rank=4)
-              for i in range(MODELS)]
+    models = [
+        await services[i % CLIENTS].create_lora_training_client_async("tiny", rank=4)
+        for i in range(MODELS)
+    ]
     deadline = time.monotonic() + SECONDS
     rng = random.Random(5)
-    await asyncio.gather(*[
-        one_client(models[c::CLIENTS], deadline, random.Random(rng.random()), tally)
-        for c in range(CLIENTS)])
+    await asyncio.gather(
+        *[
+            one_client(models[c::CLIENTS], deadline, random.Random(rng.random()), tally)
+            for c in range(CLIENTS)
+        ]
+    )
 
 
 def not_done_once(settings: Settings, job_ids: list[str]) -> tuple[int, int]:

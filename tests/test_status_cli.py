@@ -24,19 +24,30 @@ from queue_tinker.types import OpKind
 
 
 def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "queue_tinker.cli", *args], cwd=REPO,
-                          env=child_env(settings), capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "queue_tinker.cli", *args],
+        cwd=REPO,
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
-def queue_waiting_model(settings: Settings, model_id: str, ops: int,
-                        tenant: str = "acme") -> None:
+def queue_waiting_model(settings: Settings, model_id: str, ops: int, tenant: str = "acme") -> None:
     """A model of `tenant` on a base model no worker serves, with `ops` pings queued."""
+
     async def go() -> None:
         client = connect(settings.redis_url or "")
         try:
             jobs = JobQueue(client, Keys(settings.key_prefix), result_ttl_s=60)
-            await jobs.register_model(model_id, base_model="absent", tenant_id=tenant,
-                                      session_id=None, lora_config={"rank": 4})
+            await jobs.register_model(
+                model_id,
+                base_model="absent",
+                tenant_id=tenant,
+                session_id=None,
+                lora_config={"rank": 4},
+            )
             for i in range(ops):
                 await jobs.enqueue(model_id, OpKind.PING, b"", job_id=f"{model_id}-{i}")
         finally:
@@ -45,8 +56,9 @@ def queue_waiting_model(settings: Settings, model_id: str, ops: int,
     asyncio.run(go())
 
 
-def test_status_shows_workers_queues_and_totals(settings: Settings, service: ServiceClient,
-                                                tmp_path: Path) -> None:
+def test_status_shows_workers_queues_and_totals(
+    settings: Settings, service: ServiceClient, tmp_path: Path
+) -> None:
     """The text names the live worker and the waiting queue with its state; --json carries
     the same overview and the op counters."""
     with running_workers(settings, 1, tmp_path):
@@ -73,8 +85,7 @@ def test_status_shows_workers_queues_and_totals(settings: Settings, service: Ser
     assert ping_line.split()[1] == "3"  # done
 
     (queue,) = [q for q in data["overview"]["queues"] if q["model_id"] == "m-waiting"]
-    assert (queue["depth"], queue["state"], queue["tenant_id"]) == (2, "paused_capacity",
-                                                                 "default")
+    assert (queue["depth"], queue["state"], queue["tenant_id"]) == (2, "paused_capacity", "default")
     ops = {(o["kind"], o["status"]): o["count"] for o in data["metrics"]["ops"]}
     assert ops[("ping", "done")] == 3
     (ping_latency,) = [h for h in data["metrics"]["latency"] if h["kind"] == "ping"]
@@ -85,11 +96,16 @@ def test_status_watch_redraws_until_interrupted(settings: Settings) -> None:
     """--watch prints the screen again every interval; Ctrl-C (SIGINT) ends it with status 0."""
     queue_waiting_model(settings, "m-watched", ops=1)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "queue_tinker.cli", "status", "--watch", "0.2"], cwd=REPO,
-        env=child_env(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "queue_tinker.cli", "status", "--watch", "0.2"],
+        cwd=REPO,
+        env=child_env(settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         # A runner started in the background has SIGINT ignored, and children inherit that:
         # give this one a terminal's default, as a user at a terminal has.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     # Read screens as they come (a loaded machine may take seconds to start the process), then
     # interrupt; a watch that stopped redrawing would time the test out at the deadline.
     assert proc.stdout is not None
@@ -111,8 +127,14 @@ def test_status_and_limits_need_redis_url() -> None:
     """Without QT_REDIS_URL both commands say so and exit 2."""
     env = {"PATH": "/usr/bin:/bin"}
     for args in (["status"], ["limits", "show"]):
-        result = subprocess.run([sys.executable, "-m", "queue_tinker.cli", *args], cwd=REPO,
-                                env=env, capture_output=True, text=True, timeout=30)
+        result = subprocess.run(
+            [sys.executable, "-m", "queue_tinker.cli", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert result.returncode == 2
         assert "QT_REDIS_URL is not set" in result.stderr
 
@@ -129,15 +151,29 @@ def test_limits_round_trip_through_redis(settings: Settings) -> None:
                 return await read_limits(client, keys, tenant)
             finally:
                 await client.aclose()
+
         return asyncio.run(go())
 
-    result = run_cli(settings, "limits", "set", "--tenant", "acme", "--training-runs", "2",
-                     "--inflight-ops", "5", "--tokens-per-s", "1500.5")
+    result = run_cli(
+        settings,
+        "limits",
+        "set",
+        "--tenant",
+        "acme",
+        "--training-runs",
+        "2",
+        "--inflight-ops",
+        "5",
+        "--tokens-per-s",
+        "1500.5",
+    )
     assert result.returncode == 0, result.stderr
     assert limits_of("acme") == Limits(training_runs=2, inflight_ops=5, tokens_per_s=1500.5)
     assert run_cli(settings, "limits", "set", "--default", "--inflight-ops", "3").returncode == 0
-    assert run_cli(settings, "limits", "set", "--tenant", "acme", "--inflight-ops", "7"
-                   ).returncode == 0  # only that field changes
+    assert (
+        run_cli(settings, "limits", "set", "--tenant", "acme", "--inflight-ops", "7").returncode
+        == 0
+    )  # only that field changes
     assert limits_of("acme") == Limits(training_runs=2, inflight_ops=7, tokens_per_s=1500.5)
     assert limits_of("other") == Limits(inflight_ops=3)
 
@@ -152,19 +188,21 @@ def test_limits_round_trip_through_redis(settings: Settings) -> None:
 
     assert run_cli(settings, "limits", "clear", "--tenant", "acme").returncode == 0
     assert limits_of("acme") == Limits(inflight_ops=3)
-    assert [line.split()[0] for line in run_cli(settings, "limits", "show").stdout.splitlines()
-            ] == ["tenant", "(default)"]
+    assert [
+        line.split()[0] for line in run_cli(settings, "limits", "show").stdout.splitlines()
+    ] == ["tenant", "(default)"]
 
 
 def test_status_shows_tenant_limits_in_use(settings: Settings) -> None:
     """A tenant's limits appear as in use/limit beside its paused models."""
+
     async def limit() -> None:
         client = connect(settings.redis_url or "")
         try:
-            await set_limits(client, Keys(settings.key_prefix), "acme", training_runs=4,
-                             tokens_per_s=250)
-            await set_limits(client, Keys(settings.key_prefix), DEFAULT_TENANT_KEY,
-                             inflight_ops=9)
+            await set_limits(
+                client, Keys(settings.key_prefix), "acme", training_runs=4, tokens_per_s=250
+            )
+            await set_limits(client, Keys(settings.key_prefix), DEFAULT_TENANT_KEY, inflight_ops=9)
         finally:
             await client.aclose()
 
@@ -172,8 +210,7 @@ def test_status_shows_tenant_limits_in_use(settings: Settings) -> None:
     queue_waiting_model(settings, "m-limited", ops=1)
     result = run_cli(settings, "status")
     assert result.returncode == 0, result.stderr
-    tenant_line = next(line for line in result.stdout.splitlines()
-                       if line.split()[:1] == ["acme"])
+    tenant_line = next(line for line in result.stdout.splitlines() if line.split()[:1] == ["acme"])
     assert tenant_line.split()[1:4] == ["0/4", "0/9", "250"]
 
 
@@ -183,11 +220,20 @@ def test_latency_quantiles_and_empty_screen() -> None:
     assert quantile_bound(buckets, 10, 0.5) == "<=0.5s"
     assert quantile_bound(buckets, 10, 0.95) == "<=1s"
     assert quantile_bound([[1.0, 0], ["+Inf", 4]], 4, 0.5) == ">1s"
-    empty = {"overview": {"workers": [], "queues": [], "tenants": []},
-             "metrics": {"ops": [], "latency": [], "tokens": {}, "tenant_tokens": {}}}
+    empty = {
+        "overview": {"workers": [], "queues": [], "tenants": []},
+        "metrics": {"ops": [], "latency": [], "tokens": {}, "tenant_tokens": {}},
+    }
     assert render(empty).splitlines() == [
-        "WORKERS (0)", "  (no live worker)", "",
-        "QUEUES (0 models, 0 ops unfinished)", "  (nothing queued)", "",
-        "TENANTS (0; in use/limit, no limit shown when unlimited)", "  (none)", "",
-        "OPS (since the deployment began; 0 tokens)", "  (no op finished yet)",
+        "WORKERS (0)",
+        "  (no live worker)",
+        "",
+        "QUEUES (0 models, 0 ops unfinished)",
+        "  (nothing queued)",
+        "",
+        "TENANTS (0; in use/limit, no limit shown when unlimited)",
+        "  (none)",
+        "",
+        "OPS (since the deployment began; 0 tokens)",
+        "  (no op finished yet)",
     ]

@@ -14,13 +14,21 @@ import queue_tinker as tinker
 from queue_tinker.settings import Settings
 
 
-def test_kill_9_mid_training_loses_no_step(redis_url: str, database_url: str,
-                                           tmp_path: Path, key_prefix: str) -> None:
+def test_kill_9_mid_training_loses_no_step(
+    redis_url: str, database_url: str, tmp_path: Path, key_prefix: str
+) -> None:
     """After kill -9 of the owner, a second worker restores the model's snapshot, replays the
     ops published after it, and the run ends exactly where an uninterrupted run ends."""
-    settings = Settings(redis_url=redis_url, database_url=database_url, key_prefix=key_prefix,
-                        data_dir=tmp_path / "data", lease_ttl_ms=2_000, heartbeat_ms=400,
-                        linger_ms=60_000, snapshot_every_steps=3)
+    settings = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        data_dir=tmp_path / "data",
+        lease_ttl_ms=2_000,
+        heartbeat_ms=400,
+        linger_ms=60_000,
+        snapshot_every_steps=3,
+    )
     first = WorkerProcess(settings, TINY, tmp_path / "w1.log", engine="lora")
     second: WorkerProcess | None = None
     try:
@@ -29,7 +37,8 @@ def test_kill_9_mid_training_loses_no_step(redis_url: str, database_url: str,
             interrupted = service.create_lora_training_client(TINY, rank=4, seed=11)
             before = train(interrupted, 5)  # snapshot after step 3; steps 4-5 only in the log
             interrupted.forward_backward(  # accumulated, not yet stepped: must survive too
-                BATCHES[1], "cross_entropy").result(timeout=60)
+                BATCHES[1], "cross_entropy"
+            ).result(timeout=60)
             os.kill(first.pid, signal.SIGKILL)
             first.proc.wait(timeout=10)
 
@@ -52,4 +61,3 @@ def test_kill_9_mid_training_loses_no_step(redis_url: str, database_url: str,
         first.stop()  # already dead after the kill; this closes its log
         if second is not None:
             assert second.stop() == 0, second.log()[-3000:]
-

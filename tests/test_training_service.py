@@ -50,13 +50,18 @@ def texts_to_batch(texts: list[str]) -> list[types.Datum]:
     batch = []
     for t in texts:
         ids = list(t.encode())
-        weights = np.array([0.0 if i < len(ids) // 2 else 1.0 for i in range(1, len(ids))],
-                           dtype=np.float32)
-        batch.append(types.Datum(
-            model_input=types.ModelInput.from_ints(ids[:-1]),
-            loss_fn_inputs={"target_tokens": np.array(ids[1:], dtype=np.int64),
-                            "weights": weights},
-        ))
+        weights = np.array(
+            [0.0 if i < len(ids) // 2 else 1.0 for i in range(1, len(ids))], dtype=np.float32
+        )
+        batch.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": np.array(ids[1:], dtype=np.int64),
+                    "weights": weights,
+                },
+            )
+        )
     return batch
 
 
@@ -67,12 +72,18 @@ BATCHES = [
 ADAM = types.AdamParams(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
 
 
-def adapter_weights(service_client: tinker.ServiceClient, tc: tinker.TrainingClient,
-                    name: str) -> dict[str, torch.Tensor]:
+def adapter_weights(
+    service_client: tinker.ServiceClient, tc: tinker.TrainingClient, name: str
+) -> dict[str, torch.Tensor]:
     path = tc.save_weights_for_sampler(name).result(timeout=60).path
     run, _, ckpt = path.removeprefix("tinker://").split("/")
-    return load_file(service_client.settings.storage_dir / run / "sampler_weights" / ckpt
-                     / "adapter_model.safetensors")
+    return load_file(
+        service_client.settings.storage_dir
+        / run
+        / "sampler_weights"
+        / ckpt
+        / "adapter_model.safetensors"
+    )
 
 
 def train(tc: tinker.TrainingClient, steps: int, start: int = 0) -> list[float]:
@@ -89,15 +100,34 @@ def bare_peft_loop(settings: Settings, steps: int) -> tuple[dict[str, torch.Tens
     """The reference: plain PEFT + torch.optim.AdamW in this process, same model and data."""
     base = load_base_model(TINY, "cpu", settings.models_dir)
     torch.manual_seed(SEED)
-    model = get_peft_model(base, LoraConfig(
-        r=RANK, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj", "lm_head"],
-    ))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=RANK,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+            target_modules=[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                "lm_head",
+            ],
+        ),
+    )
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2),
-                                  eps=ADAM.eps, weight_decay=ADAM.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=ADAM.learning_rate,
+        betas=(ADAM.beta1, ADAM.beta2),
+        eps=ADAM.eps,
+        weight_decay=ADAM.weight_decay,
+    )
     losses = []
     for step in range(steps):
         batch = BATCHES[step % len(BATCHES)]
@@ -134,8 +164,9 @@ def test_fifty_steps_match_a_bare_peft_adamw_loop(service: tinker.ServiceClient)
     assert losses[-1] < losses[0] * 0.5  # and it did learn something
 
 
-def test_resume_with_optimizer_continues_exactly(service: tinker.ServiceClient,
-                                                 deployment: Settings) -> None:
+def test_resume_with_optimizer_continues_exactly(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
     """save_state, then load_state_with_optimizer from a new client process-side, continues
     step for step like the run that was never interrupted; load_state resets the moments."""
     straight = service.create_lora_training_client(TINY, rank=RANK, seed=SEED)
@@ -165,8 +196,9 @@ def test_resume_with_optimizer_continues_exactly(service: tinker.ServiceClient,
         assert train(from_state, 4, start=6) == expected
 
 
-def test_another_tenants_checkpoint_cannot_be_loaded(service: tinker.ServiceClient,
-                                                     deployment: Settings) -> None:
+def test_another_tenants_checkpoint_cannot_be_loaded(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
     """Neither load_state nor create-from-state reads another tenant's checkpoint; both report
     it like a missing one."""
     owner = service.create_lora_training_client(TINY, rank=RANK, seed=SEED)
@@ -198,8 +230,9 @@ def test_custom_loss_trains_like_the_builtin_loss(service: tinker.ServiceClient)
         assert got.metrics["datums"] == len(batch)
         assert got.loss == pytest.approx(expected.loss, rel=1e-5)
         for a, b in zip(got.loss_fn_outputs, expected.loss_fn_outputs, strict=True):
-            np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(),
-                                       rtol=1e-5)
+            np.testing.assert_allclose(
+                a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), rtol=1e-5
+            )
         builtin.optim_step(ADAM).result(timeout=60)
         custom.optim_step(ADAM).result(timeout=60)
     a, b = adapter_weights(service, builtin, "b"), adapter_weights(service, custom, "c")
@@ -245,8 +278,11 @@ def test_a_base_model_no_worker_serves_is_refused_at_once(service: tinker.Servic
     """create_lora_training_client on a base model no worker has served fails in under a
     second, naming the served base models, and queues nothing."""
     started = time.monotonic()
-    with pytest.raises(UserInputError, match=rf"'no-such/model' is not served by this "
-                                             rf"deployment; served base models: {TINY}"):
+    with pytest.raises(
+        UserInputError,
+        match=rf"'no-such/model' is not served by this "
+        rf"deployment; served base models: {TINY}",
+    ):
         service.create_lora_training_client("no-such/model", rank=4)
     assert time.monotonic() - started < 1.0
 
@@ -259,14 +295,18 @@ def test_external_weights_are_the_peft_files_encrypted_to_the_recipients(
     sampled from; a bad recipient is refused at the client."""
     tc = service.create_lora_training_client(TINY, rank=4, seed=3)
     identity = pyrage.x25519.Identity.generate()
-    external = tc.save_weights_external("ext", age_encryption_recipients=[
-        str(identity.to_public())]).result(timeout=60)
+    external = tc.save_weights_external(
+        "ext", age_encryption_recipients=[str(identity.to_public())]
+    ).result(timeout=60)
     sampler = tc.save_weights_for_sampler("same").result(timeout=60)
     assert external.path == f"tinker://{tc.model_id}/external_weights/ext"
     storage = service.settings.storage_dir / tc.model_id
     sealed = {f.name: f.read_bytes() for f in (storage / "external_weights" / "ext").iterdir()}
-    assert set(sealed) == {"adapter_config.json.age", "adapter_model.safetensors.age",
-                           "qt_meta.json"}
+    assert set(sealed) == {
+        "adapter_config.json.age",
+        "adapter_model.safetensors.age",
+        "qt_meta.json",
+    }
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         plain = (storage / "sampler_weights" / "same" / name).read_bytes()
         assert pyrage.decrypt(sealed[f"{name}.age"], [identity]) == plain
@@ -291,11 +331,11 @@ def test_the_rest_client_answers_like_the_sdks(service: tinker.ServiceClient) ->
     assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == path
     assert rest.get_training_run_by_tinker_path(path).result(30).training_run_id == tc.model_id
     listed = rest.list_checkpoints(tc.model_id).result(timeout=30).checkpoints
-    assert [(c.checkpoint_id, c.checkpoint_type) for c in listed] == [("weights/rest",
-                                                                        "training")]
+    assert [(c.checkpoint_id, c.checkpoint_type) for c in listed] == [("weights/rest", "training")]
     assert rest.get_weights_info_by_tinker_path(path).result(timeout=30).lora_rank == 4
-    assert tc.model_id in [r.training_run_id for r in
-                           rest.list_training_runs(limit=100).result(30).training_runs]
+    assert tc.model_id in [
+        r.training_run_id for r in rest.list_training_runs(limit=100).result(30).training_runs
+    ]
     rest.set_checkpoint_ttl_from_tinker_path(path, 3600).result(timeout=30)
     expires = rest.list_user_checkpoints().result(timeout=30).checkpoints
     assert any(c.tinker_path == path and c.expires_at is not None for c in expires)
@@ -310,8 +350,9 @@ def test_the_rest_client_answers_like_the_sdks(service: tinker.ServiceClient) ->
     rest.close()
 
 
-def test_checkpoints_are_recorded_in_postgres(service: tinker.ServiceClient,
-                                              deployment: Settings) -> None:
+def test_checkpoints_are_recorded_in_postgres(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
     """Each save writes a checkpoints row with kind, size, and expires_at from ttl_seconds."""
     tc = service.create_lora_training_client(TINY, rank=4)
     train(tc, 1)  # so there are optimizer moments to save
@@ -322,9 +363,13 @@ def test_checkpoints_are_recorded_in_postgres(service: tinker.ServiceClient,
         engine = make_engine(deployment.database_url or "")
         try:
             async with engine.connect() as conn:
-                result = await conn.execute(text(
-                    "SELECT id, kind, size_bytes, expires_at IS NOT NULL FROM checkpoints "
-                    "WHERE model_id = :m"), {"m": tc.model_id})
+                result = await conn.execute(
+                    text(
+                        "SELECT id, kind, size_bytes, expires_at IS NOT NULL FROM checkpoints "
+                        "WHERE model_id = :m"
+                    ),
+                    {"m": tc.model_id},
+                )
                 return {r[0]: (r[1], r[2], r[3]) for r in result}
         finally:
             await engine.dispose()
@@ -345,29 +390,65 @@ def _datum(tokens: list[int], **inputs: object) -> types.Datum:
 
 
 CLIENT_SIDE_ERRORS = [
-    ("lengths differ", [_datum([1, 2, 3], target_tokens=np.array([2, 3, 4]),
-                               weights=np.ones(2, np.float32))], "cross_entropy", None,
-     "weights has 2 values but target_tokens has 3"),
+    (
+        "lengths differ",
+        [_datum([1, 2, 3], target_tokens=np.array([2, 3, 4]), weights=np.ones(2, np.float32))],
+        "cross_entropy",
+        None,
+        "weights has 2 values but target_tokens has 3",
+    ),
     ("unknown loss", [GOOD], "mse", None, "'mse' is not a built-in loss function"),
-    ("missing input", [_datum([1, 2], target_tokens=np.array([2, 3]))], "ppo", None,
-     "missing 'logprobs', required by ppo"),
-    ("nan advantages", [_datum([1, 2], target_tokens=np.array([2, 3]),
-                               logprobs=np.zeros(2, np.float32),
-                               advantages=np.array([0.5, np.nan], np.float32))],
-     "importance_sampling", None, "['advantages']: value at position 1 is nan"),
+    (
+        "missing input",
+        [_datum([1, 2], target_tokens=np.array([2, 3]))],
+        "ppo",
+        None,
+        "missing 'logprobs', required by ppo",
+    ),
+    (
+        "nan advantages",
+        [
+            _datum(
+                [1, 2],
+                target_tokens=np.array([2, 3]),
+                logprobs=np.zeros(2, np.float32),
+                advantages=np.array([0.5, np.nan], np.float32),
+            )
+        ],
+        "importance_sampling",
+        None,
+        "['advantages']: value at position 1 is nan",
+    ),
     ("empty batch", [], "cross_entropy", None, "the batch is empty"),
-    ("gspo ratio mask marks nothing", [_datum([1, 2], target_tokens=np.array([2, 3]),
-                                              logprobs=np.zeros(2, np.float32),
-                                              sequence_ratio_mask=np.zeros(2, np.float32))],
-     "gspo", None, "['sequence_ratio_mask']: marks no token"),
+    (
+        "gspo ratio mask marks nothing",
+        [
+            _datum(
+                [1, 2],
+                target_tokens=np.array([2, 3]),
+                logprobs=np.zeros(2, np.float32),
+                sequence_ratio_mask=np.zeros(2, np.float32),
+            )
+        ],
+        "gspo",
+        None,
+        "['sequence_ratio_mask']: marks no token",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("case", "data", "loss_fn", "config", "message"), CLIENT_SIDE_ERRORS,
-                         ids=[c[0] for c in CLIENT_SIDE_ERRORS])
+@pytest.mark.parametrize(
+    ("case", "data", "loss_fn", "config", "message"),
+    CLIENT_SIDE_ERRORS,
+    ids=[c[0] for c in CLIENT_SIDE_ERRORS],
+)
 def test_bad_input_is_refused_at_the_client(
-    service: tinker.ServiceClient, case: str, data: list[types.Datum], loss_fn: str,
-    config: dict[str, float] | None, message: str,
+    service: tinker.ServiceClient,
+    case: str,
+    data: list[types.Datum],
+    loss_fn: str,
+    config: dict[str, float] | None,
+    message: str,
 ) -> None:
     """What the client can check fails before anything is queued, naming the problem."""
     tc = service.training_client(SHARED_MODEL.get(service))
@@ -391,17 +472,27 @@ SHARED_MODEL = _SharedModel()
 
 
 WORKER_SIDE_ERRORS = [
-    ("token outside vocabulary", _datum([1, 2, 300], target_tokens=np.array([2, 3, 4])),
-     "token id 300 at position 2 is outside the vocabulary (0 to 258)"),
-    ("target outside vocabulary", _datum([1, 2, 3], target_tokens=np.array([2, 3, 259])),
-     "token id 259 at position 2 is outside the vocabulary"),
-    ("longer than context", _datum(list(range(1, 258)), target_tokens=np.arange(2, 259)),
-     "257 tokens is longer than the model's context of 256"),
+    (
+        "token outside vocabulary",
+        _datum([1, 2, 300], target_tokens=np.array([2, 3, 4])),
+        "token id 300 at position 2 is outside the vocabulary (0 to 258)",
+    ),
+    (
+        "target outside vocabulary",
+        _datum([1, 2, 3], target_tokens=np.array([2, 3, 259])),
+        "token id 259 at position 2 is outside the vocabulary",
+    ),
+    (
+        "longer than context",
+        _datum(list(range(1, 258)), target_tokens=np.arange(2, 259)),
+        "257 tokens is longer than the model's context of 256",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("case", "datum", "message"), WORKER_SIDE_ERRORS,
-                         ids=[c[0] for c in WORKER_SIDE_ERRORS])
+@pytest.mark.parametrize(
+    ("case", "datum", "message"), WORKER_SIDE_ERRORS, ids=[c[0] for c in WORKER_SIDE_ERRORS]
+)
 def test_bad_input_fails_only_its_request(
     service: tinker.ServiceClient, case: str, datum: types.Datum, message: str
 ) -> None:

@@ -112,6 +112,7 @@ def test_up_serves_healthz_and_ctrl_c_stops_everything(scratch_dir: Path) -> Non
 def test_a_drained_worker_does_not_stop_the_stack() -> None:
     """A worker that exits 0 (drained from the dashboard) is let go while the gateway runs
     on; a worker that fails, or the gateway exiting at all, is a crash that stops `up`."""
+
     def child(code: int, linger_s: float = 0.0) -> list[str]:
         return [sys.executable, "-c", f"import sys, time; time.sleep({linger_s}); sys.exit({code})"]
 

@@ -52,8 +52,9 @@ def worker_pid(settings: Settings, worker_id: str) -> int:
         client.close()
 
 
-def test_resubmit_with_same_idempotency_key_runs_once(settings: Settings, service: ServiceClient,
-                                                      tmp_path: Path) -> None:
+def test_resubmit_with_same_idempotency_key_runs_once(
+    settings: Settings, service: ServiceClient, tmp_path: Path
+) -> None:
     """Same key: the same request id and result, and only one op in the model's log."""
     with running_workers(settings, 1, tmp_path):
         client = service.create_lora_training_client("tiny", rank=4)
@@ -65,19 +66,28 @@ def test_resubmit_with_same_idempotency_key_runs_once(settings: Settings, servic
         assert client.ping("c").result(30)["seq"] == 3  # the resubmit took no seq
 
 
-def test_stalled_owner_cannot_publish_after_takeover(redis_url: str, database_url: str,
-                                                    key_prefix: str, tmp_path: Path) -> None:
+def test_stalled_owner_cannot_publish_after_takeover(
+    redis_url: str, database_url: str, key_prefix: str, tmp_path: Path
+) -> None:
     """SIGSTOP the owner mid-op: another worker takes over and publishes; the stale one,
     resumed, is fenced out and drops the model."""
-    settings = Settings(redis_url=redis_url, database_url=database_url, key_prefix=key_prefix,
-                        lease_ttl_ms=1_000, heartbeat_ms=200, linger_ms=60_000)
+    settings = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        lease_ttl_ms=1_000,
+        heartbeat_ms=200,
+        linger_ms=60_000,
+    )
     service = ServiceClient(settings)
     try:
         with running_workers(settings, 2, tmp_path) as workers:
             client = service.create_lora_training_client("tiny", rank=4)
             slow = client.ping("slow", delay_ms=1_500)
-            wait_until(lambda: job_fields(settings, slow.request_id).get("status") == "running",
-                       what="the slow op to start")
+            wait_until(
+                lambda: job_fields(settings, slow.request_id).get("status") == "running",
+                what="the slow op to start",
+            )
             owner = job_fields(settings, slow.request_id)["worker_id"]
             stalled = next(w for w in workers if w.pid == worker_pid(settings, owner))
             os.kill(stalled.pid, signal.SIGSTOP)
@@ -88,8 +98,10 @@ def test_stalled_owner_cannot_publish_after_takeover(redis_url: str, database_ur
             taken_over = job_fields(settings, slow.request_id)
             assert taken_over["worker_id"] != owner and taken_over["attempts"] == "2"
             # The stalled worker wakes, finishes its copy of the op and tries to publish.
-            wait_until(lambda: "lost the lease" in stalled.log() or "lapsed" in stalled.log(),
-                       what="the stale worker to notice it was fenced out")
+            wait_until(
+                lambda: "lost the lease" in stalled.log() or "lapsed" in stalled.log(),
+                what="the stale worker to notice it was fenced out",
+            )
             time.sleep(2.0)  # its sleeping op completes; its publish must be refused
             assert job_fields(settings, slow.request_id) == taken_over
             assert lease_holder(settings, client.model_id) == taken_over["worker_id"]
@@ -99,17 +111,19 @@ def test_stalled_owner_cannot_publish_after_takeover(redis_url: str, database_ur
         service.close()
 
 
-def test_sigterm_finishes_the_current_op_then_releases(settings: Settings,
-                                                       service: ServiceClient,
-                                                       tmp_path: Path) -> None:
+def test_sigterm_finishes_the_current_op_then_releases(
+    settings: Settings, service: ServiceClient, tmp_path: Path
+) -> None:
     """A stopping worker publishes the op it is running, hands its models back, exits 0."""
     worker = WorkerProcess(settings, "tiny", tmp_path / "worker.log")
     try:
         wait_for_workers(settings, 1)
         client = service.create_lora_training_client("tiny", rank=4)
         slow = client.ping("slow", delay_ms=1_000)
-        wait_until(lambda: job_fields(settings, slow.request_id).get("status") == "running",
-                   what="the op to start")
+        wait_until(
+            lambda: job_fields(settings, slow.request_id).get("status") == "running",
+            what="the op to start",
+        )
         worker.proc.terminate()
         assert worker.proc.wait(20) == 0, worker.log()
         assert slow.result(timeout=1) == {"data": "slow", "seq": 2}
@@ -121,8 +135,9 @@ def test_sigterm_finishes_the_current_op_then_releases(settings: Settings,
         worker.stop()
 
 
-def test_bad_input_fails_only_its_request(settings: Settings, service: ServiceClient,
-                                          tmp_path: Path) -> None:
+def test_bad_input_fails_only_its_request(
+    settings: Settings, service: ServiceClient, tmp_path: Path
+) -> None:
     """An invalid op fails with a user error naming the field; the model and worker carry on."""
     with running_workers(settings, 1, tmp_path):
         client = service.create_lora_training_client("tiny", rank=4)
@@ -137,12 +152,19 @@ def test_bad_input_fails_only_its_request(settings: Settings, service: ServiceCl
         assert other.ping("z").result(timeout=20) == {"data": "z", "seq": 2}
 
 
-def test_heartbeats_keep_the_lease_through_a_long_op(redis_url: str, database_url: str,
-                                                     key_prefix: str, tmp_path: Path) -> None:
+def test_heartbeats_keep_the_lease_through_a_long_op(
+    redis_url: str, database_url: str, key_prefix: str, tmp_path: Path
+) -> None:
     """An op three times longer than the lease TTL runs once: heartbeats beat during compute,
     so the other worker never takes the model over."""
-    settings = Settings(redis_url=redis_url, database_url=database_url, key_prefix=key_prefix,
-                        lease_ttl_ms=800, heartbeat_ms=200, linger_ms=60_000)
+    settings = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        lease_ttl_ms=800,
+        heartbeat_ms=200,
+        linger_ms=60_000,
+    )
     service = ServiceClient(settings)
     try:
         with running_workers(settings, 2, tmp_path):

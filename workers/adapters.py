@@ -29,17 +29,38 @@ from workers.checkpoints import AdapterState, CheckpointMeta
 
 # Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,
 # Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2 names).
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value",
-                "c_attn", "dense")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "dense_h_to_4h",
-               "dense_4h_to_h", "c_fc", "c_proj", "fc1", "fc2")
+ATTN_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",
+    "query_key_value",
+    "c_attn",
+    "dense",
+)
+MLP_MODULES = (
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+    "c_fc",
+    "c_proj",
+    "fc1",
+    "fc2",
+)
 UNEMBED_MODULES = ("lm_head",)
 
 
 def linear_names(model: torch.nn.Module) -> set[str]:
     """Short names of the model's linear layers (read before PEFT wraps them)."""
-    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear)}
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
 
 
 def target_modules(present: set[str], config: LoraConfig) -> list[str]:
@@ -56,8 +77,11 @@ def target_modules(present: set[str], config: LoraConfig) -> list[str]:
 
 def peft_config(present: set[str], config: LoraConfig, base_model: str) -> PeftLoraConfig:
     return PeftLoraConfig(
-        r=config.rank, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT,
-        target_modules=target_modules(present, config), base_model_name_or_path=base_model,
+        r=config.rank,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=LORA_DROPOUT,
+        target_modules=target_modules(present, config),
+        base_model_name_or_path=base_model,
         task_type="CAUSAL_LM",
     )
 
@@ -119,7 +143,7 @@ class AdapterPool:
     def over_capacity(self) -> list[Adapter]:
         """Adapters to evict (oldest first) to make room for one more."""
         excess = len(self.adapters) + 1 - self.max_resident
-        return list(self.adapters.values())[:max(0, excess)]
+        return list(self.adapters.values())[: max(0, excess)]
 
     def add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
         """A fresh adapter: LoRA A from `seed` (B is zero), new AdamW."""
@@ -128,8 +152,9 @@ class AdapterPool:
         torch.manual_seed(seed)  # PEFT initialises lora_A from the global generator
         with warnings.catch_warnings():
             # peft 0.21 asks transformers 5 a deprecated question; nothing for us to change.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated",
-                                    category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning
+            )
             if self.peft is None:
                 self.peft = get_peft_model(self.base, cfg, adapter_name=name)
             else:
@@ -137,8 +162,14 @@ class AdapterPool:
         self.active = None
         self._lora_layers = None  # the new adapter may adapt layers no other one did
         params = self._params_of(name)
-        adapter = Adapter(model_id=model_id, name=name, tenant_id=tenant_id, config=config,
-                          params=params, optimizer=new_optimizer(params.values()))
+        adapter = Adapter(
+            model_id=model_id,
+            name=name,
+            tenant_id=tenant_id,
+            config=config,
+            params=params,
+            optimizer=new_optimizer(params.values()),
+        )
         self.adapters[model_id] = adapter
         return adapter
 
@@ -153,8 +184,9 @@ class AdapterPool:
         on the tiny model: kept until an adapter comes or goes)."""
         if self._lora_layers is None:
             assert self.peft is not None
-            self._lora_layers = [module for module in self.peft.modules()
-                                 if isinstance(module, LoraLinear)]
+            self._lora_layers = [
+                module for module in self.peft.modules() if isinstance(module, LoraLinear)
+            ]
         return self._lora_layers
 
     @contextmanager
@@ -196,8 +228,9 @@ class AdapterPool:
             self._delete(self.samplers.popitem(last=False)[1])
         name = "s_" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]
         if self.peft is None:
-            self.peft = PeftModel.from_pretrained(self.base, str(directory), adapter_name=name,
-                                                  is_trainable=False)
+            self.peft = PeftModel.from_pretrained(
+                self.base, str(directory), adapter_name=name, is_trainable=False
+            )
         else:
             self.peft.load_adapter(str(directory), adapter_name=name, is_trainable=False)
         self.active = None  # loading may have moved PEFT's active adapter
@@ -231,8 +264,9 @@ class AdapterPool:
     def export(self, adapter: Adapter, meta: CheckpointMeta) -> AdapterState:
         """A CPU copy of the adapter's weights, optimizer moments (AdamW's, or Dimuon's
         momentum) and pending gradients."""
-        state = AdapterState(meta=meta, weights={k: p.detach().cpu().clone()
-                                                 for k, p in adapter.params.items()})
+        state = AdapterState(
+            meta=meta, weights={k: p.detach().cpu().clone() for k, p in adapter.params.items()}
+        )
         for key, p in adapter.params.items():
             moments = adapter.optimizer.state.get(p)
             if moments:
@@ -259,8 +293,10 @@ class AdapterPool:
         adapter.optimizer = new_optimizer(adapter.params.values())
         for key, p in adapter.params.items():
             if key in state.exp_avg:
-                moments = {"step": torch.tensor(float(state.meta.optimizer_steps.get(key, 0))),
-                           "exp_avg": state.exp_avg[key].to(p.device, p.dtype)}
+                moments = {
+                    "step": torch.tensor(float(state.meta.optimizer_steps.get(key, 0))),
+                    "exp_avg": state.exp_avg[key].to(p.device, p.dtype),
+                }
                 if key in state.exp_avg_sq:  # AdamW's; Dimuon keeps a momentum only
                     moments["exp_avg_sq"] = state.exp_avg_sq[key].to(p.device, p.dtype)
                 adapter.optimizer.state[p] = moments
@@ -272,5 +308,6 @@ class AdapterPool:
     def _params_of(self, name: str) -> dict[str, torch.nn.Parameter]:
         assert self.peft is not None
         marker = f".{name}."
-        return {n.replace(f".{name}", ""): p for n, p in self.peft.named_parameters()
-                if marker in n}
+        return {
+            n.replace(f".{name}", ""): p for n, p in self.peft.named_parameters() if marker in n
+        }

@@ -104,7 +104,8 @@ def load_base_model(
     _zero_dropout(config)
     # Typed as a plain Module: transformers' wrapped `.to` confuses type checkers.
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=resolve_dtype(dtype, device))
+        path, config=config, dtype=resolve_dtype(dtype, device)
+    )
     model.to(device)
     model.requires_grad_(False)
     return model

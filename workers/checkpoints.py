@@ -74,7 +74,11 @@ def snapshot_dir(storage: Path, model_id: str) -> Path:
 
 
 def write_state(
-    directory: Path, state: AdapterState, adapter_config: dict[str, Any], *, optimizer: bool,
+    directory: Path,
+    state: AdapterState,
+    adapter_config: dict[str, Any],
+    *,
+    optimizer: bool,
     grads: bool = False,
 ) -> int:
     """Write `state` to `directory` in one rename (replacing what was there); returns bytes."""
@@ -166,8 +170,11 @@ def _current(directory: Path) -> Path:
     version it had moved aside, which is whole. The next snapshot puts one back in place."""
     if directory.exists() or directory.name != SNAPSHOT:
         return directory
-    whole = [(meta.seq, aside) for aside in _set_aside(directory)
-             if (meta := _meta_in(aside)) is not None]
+    whole = [
+        (meta.seq, aside)
+        for aside in _set_aside(directory)
+        if (meta := _meta_in(aside)) is not None
+    ]
     return max(whole)[1] if whole else directory
 
 

@@ -25,25 +25,84 @@ def _getattr(value: Any, name: str) -> Any:
 
 
 def _op_table() -> dict[str, Callable[..., Any]]:
-    ops = ["add", "sub", "mul", "truediv", "floordiv", "pow", "neg", "pos", "abs", "getitem",
-           "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "xor", "invert", "matmul"]
+    ops = [
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "pow",
+        "neg",
+        "pos",
+        "abs",
+        "getitem",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "eq",
+        "ne",
+        "and_",
+        "or_",
+        "xor",
+        "invert",
+        "matmul",
+    ]
     table: dict[str, Callable[..., Any]] = {f"operator.{n}": getattr(operator, n) for n in ops}
-    names = ["exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "abs", "square", "sigmoid",
-             "tanh", "sign", "clamp", "clip", "minimum", "maximum", "where", "sum", "mean",
-             "logsumexp", "softmax", "log_softmax", "stack", "cat", "zeros_like", "ones_like",
-             "full_like", "isfinite", "nan_to_num", "cumsum", "dot"]
+    names = [
+        "exp",
+        "log",
+        "log1p",
+        "expm1",
+        "sqrt",
+        "rsqrt",
+        "abs",
+        "square",
+        "sigmoid",
+        "tanh",
+        "sign",
+        "clamp",
+        "clip",
+        "minimum",
+        "maximum",
+        "where",
+        "sum",
+        "mean",
+        "logsumexp",
+        "softmax",
+        "log_softmax",
+        "stack",
+        "cat",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "isfinite",
+        "nan_to_num",
+        "cumsum",
+        "dot",
+    ]
     table |= {f"torch.{n}": getattr(torch, n) for n in names}
-    table |= {"torch._C._nn.log_sigmoid": F.logsigmoid,
-              "torch._C._nn.softplus": F.softplus, "torch.nn.functional.relu": F.relu,
-              "math.log": math.log, "math.exp": math.exp, "math.sqrt": math.sqrt,
-              "getattr": _getattr}
+    table |= {
+        "torch._C._nn.log_sigmoid": F.logsigmoid,
+        "torch._C._nn.softplus": F.softplus,
+        "torch.nn.functional.relu": F.relu,
+        "math.log": math.log,
+        "math.exp": math.exp,
+        "math.sqrt": math.sqrt,
+        "getattr": _getattr,
+    }
     return table
 
 
 FUNCTION_TABLE = _op_table()
 assert set(FUNCTION_TABLE) == FUNCTIONS, "the worker's functions are the allowed ones"
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64,
-          "int32": torch.int32, "bool": torch.bool}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
 
 
 class GraphLoss:
@@ -53,8 +112,9 @@ class GraphLoss:
         self.loss = loss
         self.device = device
 
-    def __call__(self, logprobs: torch.Tensor, inputs: Sequence[torch.Tensor]
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, logprobs: torch.Tensor, inputs: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         env: dict[str, Any] = {}
         feed = iter([logprobs, *inputs])
         for node in self.loss.graph.nodes:
@@ -82,7 +142,7 @@ class GraphLoss:
             return [self._value(a, env) for a in arg]
         if not isinstance(arg, dict):
             return arg
-        (kind, value), = arg.items()
+        ((kind, value),) = arg.items()
         decoded: Any
         if kind == "ref":
             decoded = env[value]
@@ -103,9 +163,9 @@ class GraphLoss:
         return decoded
 
 
-def graph_batch_loss(loss: GraphLoss, logprobs: Sequence[torch.Tensor],
-                     inputs: Sequence[Mapping[str, torch.Tensor]]
-                     ) -> tuple[torch.Tensor, dict[str, float]]:
+def graph_batch_loss(
+    loss: GraphLoss, logprobs: Sequence[torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The sum of the datums' losses and the metrics, as the SDK's client-side run of the same
     loss reports them: each custom metric summed over the datums (':mean' ones divided by their
     count) and loss:sum."""

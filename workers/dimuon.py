@@ -76,8 +76,12 @@ def learning_rate(params: DimuonParams, rank: int) -> float:
 
 
 @torch.no_grad()
-def dimuon_step(tensors: Sequence[torch.nn.Parameter], state: dict[torch.Tensor, dict],
-                params: DimuonParams, rank: int) -> None:
+def dimuon_step(
+    tensors: Sequence[torch.nn.Parameter],
+    state: dict[torch.Tensor, dict],
+    params: DimuonParams,
+    rank: int,
+) -> None:
     """One step of every tensor with a gradient. `state` is the adapter's optimizer state:
     per tensor its momentum (`exp_avg`, where AdamW keeps its first moment, so snapshots and
     checkpoints save and restore it the same way) and step count."""
@@ -85,8 +89,7 @@ def dimuon_step(tensors: Sequence[torch.nn.Parameter], state: dict[torch.Tensor,
     for p in tensors:
         if p.grad is None:
             continue
-        moments = state.setdefault(p, {"step": torch.tensor(0.0),
-                                       "exp_avg": torch.zeros_like(p)})
+        moments = state.setdefault(p, {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p)})
         momentum = moments["exp_avg"]
         momentum.mul_(params.beta1).add_(p.grad, alpha=1 - params.beta1)
         p.add_(direction(momentum, rank, params.damping).to(p.dtype), alpha=-lr)
@@ -97,10 +100,15 @@ def parse_optim_params(optimizer: Optimizer, payload: bytes) -> OptimParams:
     """An optim_step op's body, as the run's optimizer takes it; the other family's
     hyperparameters are the caller's error, named as such."""
     raw = codec.decode(payload) if payload else {}
-    sent = Optimizer.DIMUON if isinstance(raw, dict) and raw.get("type") == "dimuon" \
+    sent = (
+        Optimizer.DIMUON
+        if isinstance(raw, dict) and raw.get("type") == "dimuon"
         else Optimizer.ADAMW
+    )
     if sent is not optimizer:
         wanted = "DimuonParams" if optimizer is Optimizer.DIMUON else "AdamParams"
-        raise UserInputError(f"optimizer_params: this run was created with the {optimizer} "
-                             f"optimizer; send {wanted}, not {sent} hyperparameters")
+        raise UserInputError(
+            f"optimizer_params: this run was created with the {optimizer} "
+            f"optimizer; send {wanted}, not {sent} hyperparameters"
+        )
     return parse_body(DimuonParams if sent is Optimizer.DIMUON else AdamParams, payload)

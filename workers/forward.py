@@ -29,13 +29,15 @@ from workers.packing import RowBatch, row_batch
 log = logging.getLogger(__name__)
 
 
-def rows_for(data: Sequence[Datum], device: torch.device, plan: PassPlan,
-             groups: Sequence[int] | None = None) -> RowBatch:
+def rows_for(
+    data: Sequence[Datum], device: torch.device, plan: PassPlan, groups: Sequence[int] | None = None
+) -> RowBatch:
     """The data laid out in rows for one pass: a datum a row, or packed (plan.packs) within
     each group of consecutive datums (`groups`; default: all of them)."""
     tokens = [d.model_input.to_ints() for d in data]
-    return row_batch(tokens, groups or [len(tokens)], device,
-                     pack=plan.packs([len(t) for t in tokens]))
+    return row_batch(
+        tokens, groups or [len(tokens)], device, pack=plan.packs([len(t) for t in tokens])
+    )
 
 
 def target_logprobs(
@@ -43,14 +45,18 @@ def target_logprobs(
 ) -> list[torch.Tensor]:
     """log p(target_i | tokens <= i) for every datum, as float32 tensors (T_i,)."""
     device = rows.ids.device
-    targets = [torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True))
-               .to(device) for d in data]
+    targets = [
+        torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True)).to(device)
+        for d in data
+    ]
     return model_pass.target_logprobs(model, rows, targets, plan)
 
 
 def loss_inputs(datum: Datum, device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(np.array(v.data, copy=True)).to(device)
-            for k, v in datum.loss_fn_inputs.items()}
+    return {
+        k: torch.from_numpy(np.array(v.data, copy=True)).to(device)
+        for k, v in datum.loss_fn_inputs.items()
+    }
 
 
 def op_loss(
@@ -63,10 +69,12 @@ def op_loss(
     """One op's loss (the sum of its data's losses) and its output: per-datum logprobs and
     the loss metrics."""
     inputs = [loss_inputs(d, device) for d in data]
-    loss, metrics = batch_loss(loss_fn if isinstance(loss_fn, GraphLoss) else loss_fn.value,
-                               logprobs, inputs, config)
-    outputs = [{"logprobs": TensorData.from_numpy(lp.detach().float().cpu().numpy())}
-               for lp in logprobs]
+    loss, metrics = batch_loss(
+        loss_fn if isinstance(loss_fn, GraphLoss) else loss_fn.value, logprobs, inputs, config
+    )
+    outputs = [
+        {"logprobs": TensorData.from_numpy(lp.detach().float().cpu().numpy())} for lp in logprobs
+    ]
     return loss, ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
 
 
@@ -76,8 +84,11 @@ def grads_kept_on_error(adapters: Sequence[Adapter]) -> Iterator[None]:
     to others: put every adapter's gradients back as they were, so a failed op leaves its
     model (and, in a shared pass, every other model of the pass) as it found it. Only
     gradients pending from earlier ops are copied, and most steps have none."""
-    kept = [(p, p.grad.clone() if p.grad is not None else None)
-            for adapter in adapters for p in adapter.params.values()]
+    kept = [
+        (p, p.grad.clone() if p.grad is not None else None)
+        for adapter in adapters
+        for p in adapter.params.values()
+    ]
     try:
         yield
     except BaseException:
@@ -130,13 +141,17 @@ def optim_steps(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[dict[str, 
     together: dict[tuple[float, ...], tuple[AdamParams, list[Adapter]]] = {}
     for (adapter, params), norm in zip(steps, norms, strict=True):
         if not math.isfinite(norm):
-            log.warning("model %s: optim_step skipped: the gradient norm is %s; weights and "
-                        "optimizer state are unchanged, gradients cleared", adapter.model_id,
-                        norm)
+            log.warning(
+                "model %s: optim_step skipped: the gradient norm is %s; weights and "
+                "optimizer state are unchanged, gradients cleared",
+                adapter.model_id,
+                norm,
+            )
             continue
         if isinstance(params, DimuonParams):  # a run created with Dimuon: workers/dimuon.py
-            dimuon_step(list(adapter.params.values()), adapter.optimizer.state, params,
-                        adapter.config.rank)
+            dimuon_step(
+                list(adapter.params.values()), adapter.optimizer.state, params, adapter.config.rank
+            )
             continue
         key = (params.learning_rate, params.beta1, params.beta2, params.eps, params.weight_decay)
         together.setdefault(key, (params, []))[1].append(adapter)
@@ -148,9 +163,14 @@ def optim_steps(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[dict[str, 
             p.grad = None
         skipped = not math.isfinite(norm)
         adapter.step += 0 if skipped else 1
-        metrics.append({"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate,
-                        "step:max": float(adapter.step),
-                        "skipped_nonfinite:sum": float(skipped)})
+        metrics.append(
+            {
+                "grad_norm:mean": norm,
+                "learning_rate:mean": params.learning_rate,
+                "step:max": float(adapter.step),
+                "skipped_nonfinite:sum": float(skipped),
+            }
+        )
     return metrics
 
 
@@ -175,14 +195,23 @@ def _adamw(adapters: Sequence[Adapter], params: AdamParams) -> None:
     if len(adapters) == 1:  # its own optimizer: nothing to borrow
         optimizer = adapters[0].optimizer
         for group in optimizer.param_groups:
-            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2),
-                         eps=params.eps, weight_decay=params.weight_decay)
+            group.update(
+                lr=params.learning_rate,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
         optimizer.step()
         return
     tensors = [p for adapter in adapters for p in adapter.params.values()]
-    combined = torch.optim.AdamW(tensors, lr=params.learning_rate,
-                                 betas=(params.beta1, params.beta2), eps=params.eps,
-                                 weight_decay=params.weight_decay, foreach=True)
+    combined = torch.optim.AdamW(
+        tensors,
+        lr=params.learning_rate,
+        betas=(params.beta1, params.beta2),
+        eps=params.eps,
+        weight_decay=params.weight_decay,
+        foreach=True,
+    )
     for adapter in adapters:
         for p in adapter.params.values():
             if p in adapter.optimizer.state:

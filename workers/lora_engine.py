@@ -128,23 +128,35 @@ class LoraEngine:
         base.eval()  # no dropout anywhere: a step is a pure function of its inputs
         # What adapter_config.json names as the base: the name users know, not a local path.
         base.name_or_path = base_model
-        self.limits = ModelLimits(vocab_size=base_models.vocab_size(base),
-                                  context_length=base_models.context_length(base))
+        self.limits = ModelLimits(
+            vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
+        )
         self.pool = AdapterPool(base, base_model, max_resident)
         # Unset budgets: the CPU defaults, or what the device's free memory holds now.
-        budgets = device_budgets(base.config, self.device, base.dtype,
-                                 checkpointing=self.plan.activation_checkpointing != "off")
+        budgets = device_budgets(
+            base.config,
+            self.device,
+            base.dtype,
+            checkpointing=self.plan.activation_checkpointing != "off",
+        )
         if budgets is not None:
             log.info("device budgets from free memory: %s", budgets)
         self.train_batch_tokens = train_batch_tokens or (
-            budgets.train_batch_tokens if budgets else DEFAULT_TRAIN_BATCH_TOKENS)
+            budgets.train_batch_tokens if budgets else DEFAULT_TRAIN_BATCH_TOKENS
+        )
         max_batch_sequences = max_batch_sequences or (
-            budgets.sample_batch_sequences if budgets else DEFAULT_SAMPLE_BATCH_SEQUENCES)
+            budgets.sample_batch_sequences if budgets else DEFAULT_SAMPLE_BATCH_SEQUENCES
+        )
         self.largest_pass = 0  # padded tokens of the biggest pass that ran: what fits
         self.sampling = SamplingOps(
-            self.pool, storage, base_model, self.limits, self.device,
+            self.pool,
+            storage,
+            base_model,
+            self.limits,
+            self.device,
             tokenizer=lambda: load_tokenizer(base_model, models_dir),
-            max_batch_sequences=max_batch_sequences, request_limits=self.request_limits,
+            max_batch_sequences=max_batch_sequences,
+            request_limits=self.request_limits,
         )
         self._handlers: dict[OpKind, Callable[[Adapter, Op], OpResult]] = {
             OpKind.FORWARD: self._forward,
@@ -223,8 +235,7 @@ class LoraEngine:
         execute."""
         outcomes: list[Outcome | None] = [None] * len(ops)
         samples = [i for i, op in enumerate(ops) if op.kind is OpKind.SAMPLE]
-        for i, outcome in zip(samples, self.sampling.run([ops[i] for i in samples]),
-                              strict=True):
+        for i, outcome in zip(samples, self.sampling.run([ops[i] for i in samples]), strict=True):
             outcomes[i] = outcome
         training = [(i, op) for i, op in enumerate(ops) if op.kind is not OpKind.SAMPLE]
         try:
@@ -283,8 +294,12 @@ class LoraEngine:
             # snapshot. Rebuilding it by replaying the op log is the recovery path.
             raise QueueTinkerError(f"model {model_id}: no saved state to restore it from")
         state = read_state(directory, optimizer=True, grads=True)
-        adapter = self._add(model_id, state.meta.tenant_id,
-                            LoraConfig.model_validate(state.meta.lora_config), seed=0)
+        adapter = self._add(
+            model_id,
+            state.meta.tenant_id,
+            LoraConfig.model_validate(state.meta.lora_config),
+            seed=0,
+        )
         self.pool.load_weights(adapter, state.weights)
         self.pool.load_optimizer(adapter, state)
         self.pool.load_grads(adapter, state.grads)
@@ -314,8 +329,11 @@ class LoraEngine:
         kept = adapter.extra.get(SNAPSHOT_RESULTS, {})
         # max(kept) is the snapshot's own seq: equal to last_seq while nothing ran since.
         if op.seq in kept and max(kept) == adapter.last_seq:
-            log.info("model %s: op %d is in the snapshot already; its kept result is published",
-                     op.model_id, op.seq)
+            log.info(
+                "model %s: op %d is in the snapshot already; its kept result is published",
+                op.model_id,
+                op.seq,
+            )
             return _outcome_from(kept[op.seq])
         raise RuntimeError(f"model {op.model_id}: op seq {op.seq} after {adapter.last_seq}")
 
@@ -340,27 +358,46 @@ class LoraEngine:
             # Another worker owns the model now and has gone further (this one stalled past
             # its lease and has not heard yet). Going back would lose the steps in between:
             # the log is trimmed up to the newer snapshot.
-            log.warning("model %s: not overwriting the snapshot at seq %d with older state "
-                        "(seq %d)", adapter.model_id, stored.seq, adapter.last_seq)
+            log.warning(
+                "model %s: not overwriting the snapshot at seq %d with older state (seq %d)",
+                adapter.model_id,
+                stored.seq,
+                adapter.last_seq,
+            )
             return
         # Only ops the snapshot's state covers: an op after it (one that failed, leaving
         # last_seq behind it) is run again by the next owner, not taken from here.
-        earlier = {seq: outcome for seq, outcome
-                   in self._unpublished.get(adapter.model_id, {}).items()
-                   if seq <= adapter.last_seq}
-        meta = self._meta(adapter, kind="snapshot",
-                          op_result=_result_to(result) if result is not None else None,
-                          batch_results={str(seq): _outcome_to(outcome)
-                                         for seq, outcome in earlier.items()})
-        write_state(directory, self.pool.export(adapter, meta),
-                    self.pool.peft_adapter_config(adapter), optimizer=True, grads=True)
+        earlier = {
+            seq: outcome
+            for seq, outcome in self._unpublished.get(adapter.model_id, {}).items()
+            if seq <= adapter.last_seq
+        }
+        meta = self._meta(
+            adapter,
+            kind="snapshot",
+            op_result=_result_to(result) if result is not None else None,
+            batch_results={str(seq): _outcome_to(outcome) for seq, outcome in earlier.items()},
+        )
+        write_state(
+            directory,
+            self.pool.export(adapter, meta),
+            self.pool.peft_adapter_config(adapter),
+            optimizer=True,
+            grads=True,
+        )
         adapter.snapshot_seq = adapter.last_seq
 
     def _meta(self, adapter: Adapter, kind: str, **extra: Any) -> CheckpointMeta:
         return CheckpointMeta(
-            model_id=adapter.model_id, tenant_id=adapter.tenant_id, base_model=self.base_model,
-            lora_config=adapter.config.model_dump(), seq=adapter.last_seq, step=adapter.step,
-            created_at=time.time(), kind=kind, **extra,
+            model_id=adapter.model_id,
+            tenant_id=adapter.tenant_id,
+            base_model=self.base_model,
+            lora_config=adapter.config.model_dump(),
+            seq=adapter.last_seq,
+            step=adapter.step,
+            created_at=time.time(),
+            kind=kind,
+            **extra,
         )
 
     # --- training ops of many models, batched ------------------------------------------------
@@ -399,8 +436,10 @@ class LoraEngine:
             if isinstance(prepared, OpResult):  # already applied: its kept result
                 self._record(outcomes, index, op, prepared)
                 continue
-            if chunk and padded_tokens([*(p for _, _, p in chunk), prepared]) \
-                    > self.train_batch_tokens:
+            if (
+                chunk
+                and padded_tokens([*(p for _, _, p in chunk), prepared]) > self.train_batch_tokens
+            ):
                 self._run_pass(chunk, outcomes)
                 chunk = []
             chunk.append((index, op, prepared))
@@ -418,11 +457,17 @@ class LoraEngine:
         if isinstance(adapter, OpResult):
             return adapter
         batch, config = self._checked_batch(op)
-        return PassOp(adapter=adapter, data=batch.data, loss_fn=self._loss(batch), config=config,
-                      backward=op.kind is OpKind.FORWARD_BACKWARD)
+        return PassOp(
+            adapter=adapter,
+            data=batch.data,
+            loss_fn=self._loss(batch),
+            config=config,
+            backward=op.kind is OpKind.FORWARD_BACKWARD,
+        )
 
-    def _run_pass(self, chunk: Sequence[tuple[int, Op, PassOp]],
-                  outcomes: list[Outcome | None]) -> None:
+    def _run_pass(
+        self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: list[Outcome | None]
+    ) -> None:
         if not chunk:
             return
         prepared_ops = [p for _, _, p in chunk]
@@ -440,8 +485,9 @@ class LoraEngine:
             prepared.adapter.last_seq = op.seq
             # batch_models: how many models shared the pass (the job record's metrics only;
             # the result is what the op returns alone).
-            self._record(outcomes, index, op,
-                         _pass_result(out, prepared.data, {"batch_models:max": models}))
+            self._record(
+                outcomes, index, op, _pass_result(out, prepared.data, {"batch_models:max": models})
+            )
 
     def _try_pass(self, ops: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception] | None:
         """The shared pass's outcomes, or every op's failure; None if it ran out of memory."""
@@ -455,11 +501,11 @@ class LoraEngine:
                 log.exception("a shared pass of %d ops failed", len(ops))
                 return [exc] * len(ops)
 
-        return self._unless_out_of_memory(f"a shared pass of {len(ops)} ops", run,
-                                          padded_tokens(ops))
+        return self._unless_out_of_memory(
+            f"a shared pass of {len(ops)} ops", run, padded_tokens(ops)
+        )
 
-    def _unless_out_of_memory(self, what: str, run: Callable[[], T],
-                              tokens: int) -> T | None:
+    def _unless_out_of_memory(self, what: str, run: Callable[[], T], tokens: int) -> T | None:
         """run(), or None if it ran out of memory (logged, the device's cache released); a
         run that fits raises largest_pass to its `tokens`. None is answered outside: an
         exception being handled keeps the failed pass's tensors alive through its traceback,
@@ -477,15 +523,20 @@ class LoraEngine:
         self.largest_pass = max(self.largest_pass, tokens)
         return result
 
-    def _split_pass(self, chunk: Sequence[tuple[int, Op, PassOp]],
-                    outcomes: list[Outcome | None]) -> None:
+    def _split_pass(
+        self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: list[Outcome | None]
+    ) -> None:
         """A pass ran out of device memory (its gradients are back as they were): run its
         halves, and keep later passes under what failed."""
         tokens = padded_tokens([p for _, _, p in chunk])
         self.train_batch_tokens = max(1, min(self.train_batch_tokens, tokens // 2))
-        log.warning("a shared pass of %d ops (%d padded tokens) ran out of memory: splitting "
-                    "it; passes now hold at most %d tokens", len(chunk), tokens,
-                    self.train_batch_tokens)
+        log.warning(
+            "a shared pass of %d ops (%d padded tokens) ran out of memory: splitting "
+            "it; passes now hold at most %d tokens",
+            len(chunk),
+            tokens,
+            self.train_batch_tokens,
+        )
         half = len(chunk) // 2
         self._run_pass(chunk[:half], outcomes)
         self._run_pass(chunk[half:], outcomes)
@@ -494,12 +545,16 @@ class LoraEngine:
         """An op that does not fit even alone: say what it tried and what fits."""
         rows = len(data)
         width = max(d.model_input.length for d in data)
-        fits = (f"the largest pass this worker has run held {self.largest_pass} padded tokens"
-                if self.largest_pass else "no pass has run on this worker yet")
+        fits = (
+            f"the largest pass this worker has run held {self.largest_pass} padded tokens"
+            if self.largest_pass
+            else "no pass has run on this worker yet"
+        )
         return DeviceMemoryError(
             f"data: {rows} rows x {width} tokens ({rows * width} padded tokens) do not fit in "
             f"{self.device.type} memory; {fits}: split the batch "
-            "into smaller forward_backward calls")
+            "into smaller forward_backward calls"
+        )
 
     def _run_steps(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
         """Optim_steps of different models (what follows a round's passes: batch_share takes
@@ -516,14 +571,16 @@ class LoraEngine:
                 if isinstance(adapter, OpResult):  # already applied: its kept result
                     self._record(outcomes, index, op, adapter)
                     continue
-                steps.append((index, op, adapter,
-                              parse_optim_params(adapter.config.optimizer, op.payload)))
+                steps.append(
+                    (index, op, adapter, parse_optim_params(adapter.config.optimizer, op.payload))
+                )
             except Exception as exc:
                 self._record(outcomes, index, op, exc)
         self._run_step_call(steps, outcomes)
 
-    def _run_step_call(self, steps: Sequence[tuple[int, Op, Adapter, OptimParams]],
-                       outcomes: list[Outcome | None]) -> None:
+    def _run_step_call(
+        self, steps: Sequence[tuple[int, Op, Adapter, OptimParams]], outcomes: list[Outcome | None]
+    ) -> None:
         if not steps:
             return
         try:
@@ -534,8 +591,7 @@ class LoraEngine:
         for (index, op, _, _), result in zip(steps, results, strict=True):
             self._record(outcomes, index, op, result)
 
-    def _record(self, outcomes: list[Outcome | None], index: int, op: Op,
-                outcome: Outcome) -> None:
+    def _record(self, outcomes: list[Outcome | None], index: int, op: Op, outcome: Outcome) -> None:
         outcomes[index] = outcome
         self._unpublished.setdefault(op.model_id, {})[op.seq] = outcome
 
@@ -568,9 +624,17 @@ class LoraEngine:
         batch, config = self._checked_batch(op)
         out = self._unless_out_of_memory(
             f"model {op.model_id}: op {op.seq}",
-            lambda: forward_backward(self.pool.model, batch.data, self._loss(batch), config,
-                                     self.device, backward=backward, plan=self.plan),
-            len(batch.data) * max(d.model_input.length for d in batch.data))
+            lambda: forward_backward(
+                self.pool.model,
+                batch.data,
+                self._loss(batch),
+                config,
+                self.device,
+                backward=backward,
+                plan=self.plan,
+            ),
+            len(batch.data) * max(d.model_input.length for d in batch.data),
+        )
         if out is None:
             raise self._memory_error(batch.data)
         return _pass_result(out, batch.data)
@@ -602,7 +666,8 @@ class LoraEngine:
             adapter.last_seq = op.seq
             result = OpResult(
                 result=codec.encode(OptimStepResponse(metrics=metrics).model_dump()),
-                metrics=metrics)
+                metrics=metrics,
+            )
             if adapter.step % self.snapshot_every == 0:
                 self._snapshot(adapter, result)
             results.append(result)
@@ -630,8 +695,10 @@ class LoraEngine:
     ) -> tuple[CheckpointPath, CheckpointRecord]:
         body = parse_body(SaveInput, op.payload)
         if body.age_encryption_recipients and kind is not CheckpointKind.EXTERNAL:
-            raise UserInputError("age_encryption_recipients: only external weights are "
-                                 "encrypted (save_weights_external)")
+            raise UserInputError(
+                "age_encryption_recipients: only external weights are "
+                "encrypted (save_weights_external)"
+            )
         recipients = check_recipients(body.age_encryption_recipients)
         path = CheckpointPath(adapter.model_id, kind, check_name(body.name))
         directory = checkpoint_dir(self.storage, path)
@@ -646,15 +713,24 @@ class LoraEngine:
         adapter.last_seq = op.seq
         meta = self._meta(adapter, kind=kind.value, id=str(path), expires_at=expires_at)
         if existing is None:
-            write_state(directory, self.pool.export(adapter, meta),
-                        self.pool.peft_adapter_config(adapter),
-                        optimizer=kind is CheckpointKind.STATE)
+            write_state(
+                directory,
+                self.pool.export(adapter, meta),
+                self.pool.peft_adapter_config(adapter),
+                optimizer=kind is CheckpointKind.STATE,
+            )
         if recipients:  # also on a replay: a crash may have come before the encryption
             encrypt_in_place(directory, PEFT_FILES, recipients)
         size = sum(f.stat().st_size for f in directory.iterdir())
         record = CheckpointRecord(
-            id=str(path), model_id=adapter.model_id, tenant_id=adapter.tenant_id, name=body.name,
-            kind=kind, path=str(directory), size_bytes=size, created_at=now,
+            id=str(path),
+            model_id=adapter.model_id,
+            tenant_id=adapter.tenant_id,
+            name=body.name,
+            kind=kind,
+            path=str(directory),
+            size_bytes=size,
+            created_at=now,
             expires_at=expires_at,
         )
         return path, record
@@ -687,8 +763,7 @@ class LoraEngine:
     def _check_compatible(self, adapter: Adapter, meta: CheckpointMeta, path: str) -> None:
         if meta.base_model != self.base_model:
             raise UserInputError(
-                f"path: {path} was trained on {meta.base_model}, this model is on "
-                f"{self.base_model}"
+                f"path: {path} was trained on {meta.base_model}, this model is on {self.base_model}"
             )
         theirs = LoraConfig.model_validate(meta.lora_config).model_dump(exclude={"seed"})
         ours = adapter.config.model_dump(exclude={"seed"})
@@ -708,11 +783,14 @@ class LoraEngine:
         )
 
 
-def _pass_result(out: ForwardBackwardOutput, data: Sequence[Datum],
-                 extra_metrics: dict[str, float] | None = None) -> OpResult:
-    return OpResult(result=codec.encode(out.model_dump()),
-                    metrics={**out.metrics, **(extra_metrics or {})},
-                    tokens=sum(datum.model_input.length for datum in data))
+def _pass_result(
+    out: ForwardBackwardOutput, data: Sequence[Datum], extra_metrics: dict[str, float] | None = None
+) -> OpResult:
+    return OpResult(
+        result=codec.encode(out.model_dump()),
+        metrics={**out.metrics, **(extra_metrics or {})},
+        tokens=sum(datum.model_input.length for datum in data),
+    )
 
 
 def _outcome_to(outcome: Outcome) -> dict[str, Any]:
@@ -721,8 +799,7 @@ def _outcome_to(outcome: Outcome) -> dict[str, Any]:
         return _result_to(outcome)
     if isinstance(outcome, QueueTinkerError):
         return {"error": outcome.message, "category": outcome.category.value}
-    return {"error": f"{type(outcome).__name__}: {outcome}",
-            "category": ErrorCategory.SERVER.value}
+    return {"error": f"{type(outcome).__name__}: {outcome}", "category": ErrorCategory.SERVER.value}
 
 
 def _outcome_from(kept: dict[str, Any]) -> OpResult:
@@ -738,10 +815,16 @@ def _outcome_from(kept: dict[str, Any]) -> OpResult:
 def _result_to(result: OpResult) -> dict[str, Any]:
     """An op's outcome as JSON for a snapshot's meta (its records are not kept: the ops that
     snapshot write none)."""
-    return {"result": base64.b64encode(result.result).decode(), "metrics": result.metrics,
-            "tokens": result.tokens}
+    return {
+        "result": base64.b64encode(result.result).decode(),
+        "metrics": result.metrics,
+        "tokens": result.tokens,
+    }
 
 
 def _result_from(kept: dict[str, Any]) -> OpResult:
-    return OpResult(result=base64.b64decode(kept["result"]), metrics=kept.get("metrics"),
-                    tokens=int(kept.get("tokens", 0)))
+    return OpResult(
+        result=base64.b64decode(kept["result"]),
+        metrics=kept.get("metrics"),
+        tokens=int(kept.get("tokens", 0)),
+    )

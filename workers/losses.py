@@ -42,8 +42,9 @@ def _clip_range(config: Mapping[str, float]) -> tuple[float, float]:
     return float(config["clip_low_threshold"]), float(config["clip_high_threshold"])
 
 
-def _pessimistic(ratio: torch.Tensor, advantages: torch.Tensor,
-                 config: Mapping[str, float]) -> torch.Tensor:
+def _pessimistic(
+    ratio: torch.Tensor, advantages: torch.Tensor, config: Mapping[str, float]
+) -> torch.Tensor:
     """Per token -min(ratio·A, clip(ratio, lo, hi)·A): PPO's clipped surrogate, negated."""
     lo, hi = _clip_range(config)
     return -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
@@ -106,8 +107,7 @@ def gspo(
 ) -> torch.Tensor:
     """GSPO-token: ppo's clipped surrogate with every token's ratio replaced by the sequence
     ratio s = exp(mean over sequence_ratio_mask of (logp - q)), carrying the token's own grad."""
-    terms = _pessimistic(gspo_token_ratio(logprobs, inputs), _advantages(logprobs, inputs),
-                         config)
+    terms = _pessimistic(gspo_token_ratio(logprobs, inputs), _advantages(logprobs, inputs), config)
     return _weighted_sum(terms, inputs)
 
 
@@ -149,8 +149,9 @@ def datum_loss(
     return _loss_fn(loss_fn)(logprobs, inputs, config)
 
 
-def _token_ratio(loss_fn: str, logprobs: torch.Tensor,
-                 inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _token_ratio(
+    loss_fn: str, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
     """The ratio each token's term uses (gspo: its sequence's ratio)."""
     if loss_fn == "gspo":
         return gspo_token_ratio(logprobs, inputs)
@@ -168,8 +169,9 @@ def _ratio_metrics(
     if loss_fn == "cross_entropy" or sum(lp.numel() for lp in logprobs) == 0:
         return {}
     with torch.no_grad():
-        ratio = torch.cat([_token_ratio(loss_fn, lp, d)
-                           for lp, d in zip(logprobs, inputs, strict=True)])
+        ratio = torch.cat(
+            [_token_ratio(loss_fn, lp, d) for lp, d in zip(logprobs, inputs, strict=True)]
+        )
         metrics = {"ratio:mean": ratio.mean().item()}
         if loss_fn in _CLIPPED:
             lo, hi = _clip_range(config)

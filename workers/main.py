@@ -45,7 +45,10 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
     from workers.model_pass import PassPlan
 
     return LoraEngine(
-        base_model, device, settings.storage_dir, settings.models_dir,
+        base_model,
+        device,
+        settings.storage_dir,
+        settings.models_dir,
         max_resident=settings.max_resident_adapters,
         snapshot_every=settings.snapshot_every_steps,
         max_batch_sequences=settings.sample_batch_sequences,
@@ -53,8 +56,10 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
         cross_adapter_batch=settings.cross_adapter_batch,
         train_batch_tokens=settings.train_batch_tokens,
         dtype=settings.dtype,
-        plan=PassPlan(activation_checkpointing=settings.activation_checkpointing,
-                      checkpoint_min_tokens=settings.activation_checkpointing_tokens),
+        plan=PassPlan(
+            activation_checkpointing=settings.activation_checkpointing,
+            checkpoint_min_tokens=settings.activation_checkpointing_tokens,
+        ),
     )
 
 
@@ -67,8 +72,9 @@ def expiry_scheduler(settings: Settings) -> Callable[[list[Record]], Awaitable[N
     def schedule(records: list[Record]) -> None:
         for record in records:
             if isinstance(record, CheckpointRecord) and record.expires_at is not None:
-                schedule_checkpoint_expiry(sync_redis, settings.key_prefix, record.id,
-                                           record.path, record.expires_at)
+                schedule_checkpoint_expiry(
+                    sync_redis, settings.key_prefix, record.id, record.path, record.expires_at
+                )
 
     async def on_records(records: list[Record]) -> None:
         await asyncio.to_thread(schedule, records)
@@ -82,20 +88,34 @@ async def serve_worker(settings: Settings, base_model: str, device: str, engine:
     keys = Keys(settings.key_prefix)
     redis = connect(settings.redis_url)
     config = WorkerConfig(
-        base_model=base_model, device=resolve_device(device), lease_ttl_ms=settings.lease_ttl_ms,
-        heartbeat_ms=settings.heartbeat_ms, linger_ms=settings.linger_ms,
+        base_model=base_model,
+        device=resolve_device(device),
+        lease_ttl_ms=settings.lease_ttl_ms,
+        heartbeat_ms=settings.heartbeat_ms,
+        linger_ms=settings.linger_ms,
     )
     records = RecordLog(redis, keys)
     dispatcher = Dispatcher(
-        redis, keys, worker_id=config.worker_id, base_model=base_model,
-        lease_ttl_ms=settings.lease_ttl_ms, result_ttl_s=settings.result_ttl_s,
+        redis,
+        keys,
+        worker_id=config.worker_id,
+        base_model=base_model,
+        lease_ttl_ms=settings.lease_ttl_ms,
+        result_ttl_s=settings.result_ttl_s,
     )
     log.info("loading %s on %s (%s engine)", base_model, config.device, engine)
     built = await asyncio.to_thread(build_engine, settings, engine, base_model, config.device)
     # Redis away (a restart, or not up yet): the worker waits for it and carries on.
     reconnect = Reconnector(redis, config.worker_id)
-    worker = Worker(config, built, dispatcher, WorkerRegistry(redis, keys), records,
-                    on_records=expiry_scheduler(settings), reconnect=reconnect)
+    worker = Worker(
+        config,
+        built,
+        dispatcher,
+        WorkerRegistry(redis, keys),
+        records,
+        on_records=expiry_scheduler(settings),
+        reconnect=reconnect,
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

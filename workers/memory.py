@@ -29,7 +29,8 @@ CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 def is_out_of_memory(exc: BaseException) -> bool:
     """A CUDA out-of-memory error, or the CPU allocator's (a plain RuntimeError)."""
     return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and CPU_OUT_OF_MEMORY in str(exc))
+        isinstance(exc, RuntimeError) and CPU_OUT_OF_MEMORY in str(exc)
+    )
 
 
 def release_cached_memory(device: torch.device) -> None:
@@ -67,8 +68,9 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
     return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * dtype_bytes
 
 
-def budgets_for(config: PretrainedConfig, free_bytes: int, dtype_bytes: int,
-                *, checkpointing: bool) -> Budgets:
+def budgets_for(
+    config: PretrainedConfig, free_bytes: int, dtype_bytes: int, *, checkpointing: bool
+) -> Budgets:
     """Budgets for a device with `free_bytes` free after the base model is loaded."""
     usable = free_bytes * (1 - HEADROOM)
     train = int(usable * TRAIN_SHARE // train_bytes_per_token(config, dtype_bytes, checkpointing))
@@ -77,8 +79,9 @@ def budgets_for(config: PretrainedConfig, free_bytes: int, dtype_bytes: int,
     return Budgets(train_batch_tokens=max(1, train), sample_batch_sequences=max(1, sample))
 
 
-def device_budgets(config: PretrainedConfig, device: torch.device, dtype: torch.dtype,
-                   *, checkpointing: bool) -> Budgets | None:
+def device_budgets(
+    config: PretrainedConfig, device: torch.device, dtype: torch.dtype, *, checkpointing: bool
+) -> Budgets | None:
     """Budgets from the device's free memory now; None off CUDA."""
     if device.type != "cuda":
         return None

@@ -56,12 +56,13 @@ class PassPlan:
     def checkpoints(self, padded_tokens: int, backward: bool) -> bool:
         if not backward or self.activation_checkpointing == "off":
             return False
-        return (self.activation_checkpointing == "on"
-                or padded_tokens >= self.checkpoint_min_tokens)
+        return self.activation_checkpointing == "on" or padded_tokens >= self.checkpoint_min_tokens
 
     def packs(self, lengths: Sequence[int]) -> bool:
-        return (self.pack_above_padding is not None
-                and padding_fraction(lengths) > self.pack_above_padding)
+        return (
+            self.pack_above_padding is not None
+            and padding_fraction(lengths) > self.pack_above_padding
+        )
 
     def chunk_positions(self, rows: int, vocab: int) -> int:
         return max(1, self.logit_chunk_elements // max(1, rows * vocab))
@@ -95,19 +96,30 @@ def target_logprobs(
     backward = torch.is_grad_enabled()
     layers = decoder_layers(model) if plan.checkpoints(batch.padded_tokens, backward) else ()
     with checkpointed(layers):
-        hidden = lm.get_decoder()(input_ids=batch.ids, attention_mask=batch.mask,
-                                  position_ids=batch.position_ids,
-                                  use_cache=False).last_hidden_state
+        hidden = lm.get_decoder()(
+            input_ids=batch.ids,
+            attention_mask=batch.mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        ).last_hidden_state
     padded = torch.zeros_like(batch.ids)
     for (row, start), target in zip(batch.places, targets, strict=True):
         padded[row, start : start + target.numel()] = target
     scored = _chunked_logprobs(lm, hidden, padded, plan, recompute=backward)
-    return [scored[row, start : start + target.numel()]
-            for (row, start), target in zip(batch.places, targets, strict=True)]
+    return [
+        scored[row, start : start + target.numel()]
+        for (row, start), target in zip(batch.places, targets, strict=True)
+    ]
 
 
-def _chunked_logprobs(lm: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                      plan: PassPlan, *, recompute: bool) -> torch.Tensor:
+def _chunked_logprobs(
+    lm: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    plan: PassPlan,
+    *,
+    recompute: bool,
+) -> torch.Tensor:
     """(rows, width) log p(target) from (rows, width, hidden) states, a chunk of positions at a
     time through the unembedding; with `recompute`, each chunk's logits are freed after its
     forward and made again in backward."""
@@ -127,8 +139,9 @@ def _chunked_logprobs(lm: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     return torch.cat(pieces, dim=1)
 
 
-def _logprobs_of(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor,
-                 targets: torch.Tensor) -> torch.Tensor:
+def _logprobs_of(
+    head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     """log_softmax(head(hidden))[target], in fp32. torch's cross-entropy kernel, as the model's
     own loss uses: a batch that fits in one chunk gets the very numbers the whole-logits pass
     got, which keeps long runs equal to plain PEFT training to the last bit."""

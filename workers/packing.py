@@ -59,8 +59,9 @@ def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     return rows
 
 
-def row_batch(tokens: Sequence[Sequence[int]], groups: Sequence[int], device: torch.device,
-              *, pack: bool) -> RowBatch:
+def row_batch(
+    tokens: Sequence[Sequence[int]], groups: Sequence[int], device: torch.device, *, pack: bool
+) -> RowBatch:
     """The data (`groups`: how many consecutive datums each group holds) one datum a row, or
     packed within each group when `pack`."""
     width = max((len(t) for t in tokens), default=0)
@@ -69,8 +70,11 @@ def row_batch(tokens: Sequence[Sequence[int]], groups: Sequence[int], device: to
     start = 0
     for count in groups:
         members = list(range(start, start + count))
-        rows = (pack_rows([len(tokens[i]) for i in members], width) if pack
-                else [[i - start] for i in members])
+        rows = (
+            pack_rows([len(tokens[i]) for i in members], width)
+            if pack
+            else [[i - start] for i in members]
+        )
         layout.extend([[start + i for i in row] for row in rows])
         group_rows.append(len(rows))
         start += count
@@ -92,6 +96,10 @@ def row_batch(tokens: Sequence[Sequence[int]], groups: Sequence[int], device: to
     def on_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
-    return RowBatch(ids=on_device(ids), mask=None if pack else on_device(mask),
-                    position_ids=on_device(positions) if pack else None, places=places,
-                    group_rows=group_rows)
+    return RowBatch(
+        ids=on_device(ids),
+        mask=None if pack else on_device(mask),
+        position_ids=on_device(positions) if pack else None,
+        places=places,
+        group_rows=group_rows,
+    )

@@ -28,8 +28,9 @@ class PromptRequest(Protocol):
 
 def wants_prompt_scores(request: PromptRequest) -> bool:
     """Whether the request needs logits at every prompt position (not only the last)."""
-    return bool(request.prompt_logprobs or request.prompt_topk
-                or request.prompt_targets is not None)
+    return bool(
+        request.prompt_logprobs or request.prompt_topk or request.prompt_targets is not None
+    )
 
 
 def _log_softmax_chunks(scored: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -48,10 +49,13 @@ def prompt_scores(logits: torch.Tensor, request: PromptRequest) -> dict[str, Any
         return {}
     prompt = request.prompt
     n = len(prompt)
-    scored = logits[logits.shape[0] - n:-1]
+    scored = logits[logits.shape[0] - n : -1]
     targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)
-    wanted = (torch.tensor(request.prompt_targets, dtype=torch.long, device=logits.device)
-              if request.prompt_targets is not None else None)
+    wanted = (
+        torch.tensor(request.prompt_targets, dtype=torch.long, device=logits.device)
+        if request.prompt_targets is not None
+        else None
+    )
     logprobs: list[float | None] = [None]
     topk: list[list[tuple[int, float]] | None] = [None]
     target_lps: list[list[float]] = []
@@ -61,8 +65,12 @@ def prompt_scores(logits: torch.Tensor, request: PromptRequest) -> dict[str, Any
             logprobs.extend(rows.gather(1, targets[part, None]).squeeze(1).tolist())
         if k:
             values, ids = rows.topk(k, dim=-1)  # sorted, most likely first
-            topk.extend([list(zip(i, v, strict=True))
-                         for i, v in zip(ids.tolist(), values.tolist(), strict=True)])
+            topk.extend(
+                [
+                    list(zip(i, v, strict=True))
+                    for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                ]
+            )
         if wanted is not None:
             cells = wanted[part]
             picked = rows.gather(1, cells.clamp(min=0))

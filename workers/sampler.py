@@ -138,12 +138,25 @@ class _Request:
         seed = request_seed(spec.params)
         # Sample j draws from its own stream, so its draws do not depend on when it joins (a
         # request with more samples than max_rows joins in parts) nor on anything else.
-        generators = [] if greedy else [
-            torch.Generator().manual_seed((seed + j * SAMPLE_SEED_STRIDE) & SEED_MASK)
-            for j in range(n)]
-        return cls(key=key, spec=spec, stop_ids=spec.params.ending_token_ids(eos_token_ids),
-                   greedy=greedy, generators=generators, tokens=[[] for _ in range(n)],
-                   logprobs=[[] for _ in range(n)], reasons=["length"] * n, live=n)
+        generators = (
+            []
+            if greedy
+            else [
+                torch.Generator().manual_seed((seed + j * SAMPLE_SEED_STRIDE) & SEED_MASK)
+                for j in range(n)
+            ]
+        )
+        return cls(
+            key=key,
+            spec=spec,
+            stop_ids=spec.params.ending_token_ids(eos_token_ids),
+            greedy=greedy,
+            generators=generators,
+            tokens=[[] for _ in range(n)],
+            logprobs=[[] for _ in range(n)],
+            reasons=["length"] * n,
+            live=n,
+        )
 
     @property
     def adapter(self) -> str:
@@ -151,10 +164,14 @@ class _Request:
 
     def response(self) -> SampleResponse:
         return SampleResponse(
-            sequences=[SampledSequence(stop_reason=reason, tokens=tokens, logprobs=logprobs)
-                       for tokens, logprobs, reason
-                       in zip(self.tokens, self.logprobs, self.reasons, strict=True)],
-            **self.prompt_scores)
+            sequences=[
+                SampledSequence(stop_reason=reason, tokens=tokens, logprobs=logprobs)
+                for tokens, logprobs, reason in zip(
+                    self.tokens, self.logprobs, self.reasons, strict=True
+                )
+            ],
+            **self.prompt_scores,
+        )
 
 
 @dataclass
@@ -174,8 +191,14 @@ class _Rows:
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @classmethod
-    def build(cls, requests: list[_Request], samples: list[int], cache: DynamicCache,
-              mask: torch.Tensor, next_pos: torch.Tensor) -> _Rows:
+    def build(
+        cls,
+        requests: list[_Request],
+        samples: list[int],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        next_pos: torch.Tensor,
+    ) -> _Rows:
         device = mask.device
         params = [r.spec.params for r in requests]
         # Greedy rows never divide by their temperature; 1 keeps the arithmetic finite.
@@ -183,12 +206,17 @@ class _Rows:
         width = max(1, *(len(r.stop_ids) for r in requests))
         stops = [r.stop_ids + [-1] * (width - len(r.stop_ids)) for r in requests]
         return cls(
-            requests=requests, samples=samples, cache=cache, mask=mask, next_pos=next_pos,
+            requests=requests,
+            samples=samples,
+            cache=cache,
+            mask=mask,
+            next_pos=next_pos,
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             stop_ids=torch.tensor(stops, dtype=torch.long, device=device),
-            uniforms=torch.zeros((len(requests), UNIFORM_BLOCK)))
+            uniforms=torch.zeros((len(requests), UNIFORM_BLOCK)),
+        )
 
     @property
     def size(self) -> int:
@@ -224,23 +252,28 @@ class _Rows:
         width = max(self.mask.shape[1], other.mask.shape[1])
         ours, theirs = _plain_layers(self.cache), _plain_layers(other.cache)
         assert ours is not None and theirs is not None, "merge() needs mergeable() caches"
-        for (layer, (keys, values)), (_, (new_keys, new_values)) in zip(ours, theirs,
-                                                                          strict=True):
+        for (layer, (keys, values)), (_, (new_keys, new_values)) in zip(ours, theirs, strict=True):
             layer.keys = torch.cat([_pad_left(keys, width), _pad_left(new_keys, width)])
             layer.values = torch.cat([_pad_left(values, width), _pad_left(new_values, width)])
-        self.mask = torch.cat([F.pad(self.mask, (width - self.mask.shape[1], 0)),
-                               F.pad(other.mask, (width - other.mask.shape[1], 0))])
+        self.mask = torch.cat(
+            [
+                F.pad(self.mask, (width - self.mask.shape[1], 0)),
+                F.pad(other.mask, (width - other.mask.shape[1], 0)),
+            ]
+        )
         stops = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
-        self.stop_ids = torch.cat([F.pad(s, (0, stops - s.shape[1]), value=-1)
-                                   for s in (self.stop_ids, other.stop_ids)])
+        self.stop_ids = torch.cat(
+            [F.pad(s, (0, stops - s.shape[1]), value=-1) for s in (self.stop_ids, other.stop_ids)]
+        )
         for name in ("next_pos", "temperature", "top_k", "top_p", "tokens", "uniforms"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.requests += other.requests
         self.samples += other.samples
 
 
-def _plain_layers(cache: DynamicCache
-                  ) -> list[tuple[DynamicLayer, tuple[torch.Tensor, torch.Tensor]]] | None:
+def _plain_layers(
+    cache: DynamicCache,
+) -> list[tuple[DynamicLayer, tuple[torch.Tensor, torch.Tensor]]] | None:
     """The cache's layers with their (keys, values), if every layer is a plain DynamicLayer
     holding tensors; else None."""
     layers = []
@@ -264,9 +297,15 @@ class DecodeLoop:
     Not thread-safe: one thread drives it (the worker's compute thread).
     """
 
-    def __init__(self, device: torch.device, eos_token_ids: Sequence[int],
-                 decode: Callable[[list[int]], str], *, max_rows: int | None,
-                 prefill_tokens: int | None = PREFILL_TOKENS) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        eos_token_ids: Sequence[int],
+        decode: Callable[[list[int]], str],
+        *,
+        max_rows: int | None,
+        prefill_tokens: int | None = PREFILL_TOKENS,
+    ) -> None:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.decode = decode
@@ -315,12 +354,23 @@ class DecodeLoop:
         return finished
 
     # --- model calls ---
-    def _forward(self, model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                 positions: torch.Tensor, cache: DynamicCache, adapters: list[str],
-                 last_only: bool = False) -> torch.Tensor:
-        kwargs: dict[str, object] = {"input_ids": ids, "attention_mask": mask,
-                                     "position_ids": positions, "past_key_values": cache,
-                                     "use_cache": True}
+    def _forward(
+        self,
+        model: torch.nn.Module,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        adapters: list[str],
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        kwargs: dict[str, object] = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": positions,
+            "past_key_values": cache,
+            "use_cache": True,
+        }
         if isinstance(model, PeftModel):
             kwargs["adapter_names"] = adapters
         if last_only and _takes_logits_to_keep(model):
@@ -331,8 +381,9 @@ class DecodeLoop:
         rows = self.running
         assert rows is not None
         mask = F.pad(rows.mask, (0, 1), value=1)
-        logits = self._forward(model, rows.tokens[:, None], mask, rows.next_pos[:, None],
-                               rows.cache, rows.adapters)[:, -1]
+        logits = self._forward(
+            model, rows.tokens[:, None], mask, rows.next_pos[:, None], rows.cache, rows.adapters
+        )[:, -1]
         rows.mask, rows.next_pos = mask, rows.next_pos + 1
         self.running = _kept(rows, self._advance(rows, logits, finished))
 
@@ -362,8 +413,11 @@ class DecodeLoop:
             request = self.waiting[0]
             more = prompts | {(tuple(request.spec.prompt), request.adapter)}
             wider = max(width, len(request.spec.prompt))
-            if taken and self.prefill_tokens is not None \
-                    and len(more) * wider > self.prefill_tokens:
+            if (
+                taken
+                and self.prefill_tokens is not None
+                and len(more) * wider > self.prefill_tokens
+            ):
                 break
             left = request.spec.num_samples - request.admitted
             free = left if self.max_rows is None else min(left, self.max_rows - rows)
@@ -377,26 +431,35 @@ class DecodeLoop:
             self.waiting.popleft()
         return taken
 
-    def _prefill(self, model: torch.nn.Module, taken: list[tuple[_Request, range]]
-                 ) -> tuple[_Rows, torch.Tensor]:
+    def _prefill(
+        self, model: torch.nn.Module, taken: list[tuple[_Request, range]]
+    ) -> tuple[_Rows, torch.Tensor]:
         """Each distinct (prompt, adapter) once, left-padded; the cache expanded to one row per
         sample. The new rows, and the logits each row chooses its first token from."""
         unique: dict[tuple[tuple[int, ...], str], int] = {}
-        source = [unique.setdefault((tuple(r.spec.prompt), r.adapter), len(unique))
-                  for r, _ in taken]
+        source = [
+            unique.setdefault((tuple(r.spec.prompt), r.adapter), len(unique)) for r, _ in taken
+        ]
         width = max(len(prompt) for prompt, _ in unique)
         ids = torch.zeros((len(unique), width), dtype=torch.long)
         mask = torch.zeros((len(unique), width), dtype=torch.long)
         for row, (prompt, _) in enumerate(unique):
-            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0, as alone
         # What a request asks about its prompt comes with its first part.
         wanted = [wants_prompt_scores(r.spec) and samples.start == 0 for r, samples in taken]
         cache = DynamicCache(config=getattr(model, "config", None))
-        logits = self._forward(model, ids, mask, positions, cache,
-                               [adapter for _, adapter in unique], last_only=not any(wanted))
+        logits = self._forward(
+            model,
+            ids,
+            mask,
+            positions,
+            cache,
+            [adapter for _, adapter in unique],
+            last_only=not any(wanted),
+        )
         for (request, _), row, want in zip(taken, source, wanted, strict=True):
             if want:
                 request.prompt_scores = prompt_scores(logits[row], request.spec)
@@ -407,7 +470,10 @@ class DecodeLoop:
         incoming = _Rows.build(
             requests=[r for r, samples in taken for _ in samples],
             samples=[s for _, samples in taken for s in samples],
-            cache=cache, mask=mask[index], next_pos=(positions[:, -1] + 1)[index])
+            cache=cache,
+            mask=mask[index],
+            next_pos=(positions[:, -1] + 1)[index],
+        )
         return incoming, logits[:, -1][index]
 
     # --- choosing and stopping ---
@@ -452,22 +518,31 @@ class DecodeLoop:
             if not request.greedy:
                 step = len(request.tokens[sample])  # this row's own step
                 if step % UNIFORM_BLOCK == 0:  # its next block, from its own generator
-                    rows.uniforms[i] = torch.rand(UNIFORM_BLOCK,
-                                                  generator=request.generators[sample])
+                    rows.uniforms[i] = torch.rand(
+                        UNIFORM_BLOCK, generator=request.generators[sample]
+                    )
                 at.append(i)
                 steps.append(step % UNIFORM_BLOCK)
         if at:
             uniforms = rows.uniforms[torch.tensor(at), torch.tensor(steps)]
-            self._draw(rows, logits, tokens, torch.tensor(at, device=self.device),
-                       uniforms.to(self.device))
+            self._draw(
+                rows, logits, tokens, torch.tensor(at, device=self.device), uniforms.to(self.device)
+            )
         vocab = logits.shape[-1]
-        logprobs = [torch.log_softmax(logits[part].float(), dim=-1)
-                    .gather(1, tokens[part, None]).squeeze(1)
-                    for part in _chunks(rows.size, vocab)]
+        logprobs = [
+            torch.log_softmax(logits[part].float(), dim=-1).gather(1, tokens[part, None]).squeeze(1)
+            for part in _chunks(rows.size, vocab)
+        ]
         return tokens, torch.cat(logprobs)
 
-    def _draw(self, rows: _Rows, logits: torch.Tensor, tokens: torch.Tensor, at: torch.Tensor,
-              uniforms: torch.Tensor) -> None:
+    def _draw(
+        self,
+        rows: _Rows,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        at: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> None:
         """Sampled rows `at` draw their token into `tokens`, a few rows per softmax / sort."""
         vocab = logits.shape[-1]
         cut = needs_sort(rows.top_k[at], rows.top_p[at], vocab)
@@ -479,11 +554,17 @@ class DecodeLoop:
             for part in _chunks(len(picked), vocab):
                 rows_now = picked[part]
                 if filtered:
-                    chosen = sample_tokens(logits[rows_now], rows.temperature[rows_now],
-                                           rows.top_k[rows_now], rows.top_p[rows_now], u[part])
+                    chosen = sample_tokens(
+                        logits[rows_now],
+                        rows.temperature[rows_now],
+                        rows.top_k[rows_now],
+                        rows.top_p[rows_now],
+                        u[part],
+                    )
                 else:
-                    chosen = sample_unfiltered(logits[rows_now], rows.temperature[rows_now],
-                                               u[part])
+                    chosen = sample_unfiltered(
+                        logits[rows_now], rows.temperature[rows_now], u[part]
+                    )
                 tokens[rows_now] = chosen
 
 

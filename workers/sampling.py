@@ -207,10 +207,14 @@ class SamplingOps:
         self._release(joined.directory)
         generated = sum(len(s.tokens) for s in response.sequences)
         # batch_sequences: the most sequences that shared the decode loop with this request.
-        return joined.op, OpResult(result=codec.encode(response.model_dump()),
-                                   metrics={"tokens_generated:sum": float(generated),
-                                            "batch_sequences:max": float(joined.peak_rows)},
-                                   tokens=joined.prompt_tokens + generated)
+        return joined.op, OpResult(
+            result=codec.encode(response.model_dump()),
+            metrics={
+                "tokens_generated:sum": float(generated),
+                "batch_sequences:max": float(joined.peak_rows),
+            },
+            tokens=joined.prompt_tokens + generated,
+        )
 
     def _release(self, directory: Path | None) -> None:
         if directory is not None:
@@ -222,9 +226,12 @@ class SamplingOps:
         """The decode loop, made on first use (the tokenizer it needs is loaded then)."""
         if self._loop is None:
             tokenizer = self._tokenizer()
-            self._loop = DecodeLoop(self.device, eos_token_ids(self.pool.base, tokenizer),
-                                    lambda tokens: str(tokenizer.decode(tokens)),
-                                    max_rows=self.max_batch_sequences)
+            self._loop = DecodeLoop(
+                self.device,
+                eos_token_ids(self.pool.base, tokenizer),
+                lambda tokens: str(tokenizer.decode(tokens)),
+                max_rows=self.max_batch_sequences,
+            )
         return self._loop
 
     def _request(self, op: Op) -> tuple[GenerationRequest, Path | None]:
@@ -236,11 +243,14 @@ class SamplingOps:
         directory = self._weights(body.model_path) if body.model_path is not None else None
         assert self.limits.context_length is not None
         request = GenerationRequest(
-            prompt=body.prompt.to_ints(), num_samples=body.num_samples,
+            prompt=body.prompt.to_ints(),
+            num_samples=body.num_samples,
             params=body.sampling_params,
             max_tokens=max_new_tokens(body, self.limits.context_length),
-            prompt_logprobs=body.prompt_logprobs, adapter=None,
-            prompt_topk=body.topk_prompt_logprobs, prompt_targets=body.target_prompt_logprobs,
+            prompt_logprobs=body.prompt_logprobs,
+            adapter=None,
+            prompt_topk=body.topk_prompt_logprobs,
+            prompt_targets=body.target_prompt_logprobs,
         )
         return request, directory
 
@@ -250,8 +260,9 @@ class SamplingOps:
         path = loadable(CheckpointPath.parse(model_path, "model_path"), "model_path")
         directory = checkpoint_dir(self.storage, path)
         meta = read_meta(directory)
-        if meta is None or (tenant_id is not None and meta.tenant_id != tenant_id
-                            and not meta.public):
+        if meta is None or (
+            tenant_id is not None and meta.tenant_id != tenant_id and not meta.public
+        ):
             raise UserInputError(
                 f"model_path: no checkpoint {model_path} (unknown, expired or deleted)"
             )

@@ -30,8 +30,9 @@ def needs_sort(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Te
     return ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
 
 
-def sample_unfiltered(logits: torch.Tensor, temperature: torch.Tensor,
-                      uniforms: torch.Tensor) -> torch.Tensor:
+def sample_unfiltered(
+    logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
     """One token per row from softmax(logits / temperature), by inverse CDF in vocabulary
     order: no sort needed when nothing is cut away."""
     cdf = torch.softmax(logits.float() / temperature[:, None], dim=-1).cumsum(dim=-1)

@@ -66,17 +66,22 @@ def shared_pass(
     rows = rows_for(data, device, plan, groups=[count for _, count in blocks])
     # The row blocks stay in place through backward: checkpointed layers and logit chunks
     # recompute their forward there, through the same LoRA layers.
-    with pool.shared(adapters.values(), trainable), \
-            grads_kept_on_error([adapters[name] for name in trainable]), \
-            row_blocks(pool.lora_layers(),
-                       [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)]):
+    with (
+        pool.shared(adapters.values(), trainable),
+        grads_kept_on_error([adapters[name] for name in trainable]),
+        row_blocks(
+            pool.lora_layers(),
+            [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)],
+        ),
+    ):
         with torch.set_grad_enabled(bool(trainable)):
             logprobs = target_logprobs(pool.model, data, rows, plan)
         return _losses_and_backward(ops, logprobs, device)
 
 
-def _losses_and_backward(ops: Sequence[PassOp], logprobs: Sequence[torch.Tensor],
-                         device: torch.device) -> list[ForwardBackwardOutput | Exception]:
+def _losses_and_backward(
+    ops: Sequence[PassOp], logprobs: Sequence[torch.Tensor], device: torch.device
+) -> list[ForwardBackwardOutput | Exception]:
     """Each op's loss on its own rows, then one backward of the backward ops' sum."""
     outcomes: list[ForwardBackwardOutput | Exception] = []
     losses: list[torch.Tensor] = []
@@ -112,8 +117,7 @@ def _blocks(ops: Sequence[PassOp]) -> list[tuple[str, int]]:
 
 
 @contextmanager
-def row_blocks(layers: Sequence[LoraLinear], blocks: Sequence[tuple[str, int]]
-               ) -> Iterator[None]:
+def row_blocks(layers: Sequence[LoraLinear], blocks: Sequence[tuple[str, int]]) -> Iterator[None]:
     """Meanwhile each LoRA layer computes its base layer plus, for each block of consecutive
     rows (dim 0), that block's adapter's update, as PEFT adds the active adapter's:
     lora_B(lora_A(dropout(x))) * scaling, in the adapter's dtype, summed in the wider dtype and
@@ -131,8 +135,7 @@ def row_blocks(layers: Sequence[LoraLinear], blocks: Sequence[tuple[str, int]]
             if name in layer.lora_A:
                 lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
                 rows = rows.to(lora_a.weight.dtype)
-                updates.append(lora_b(lora_a(layer.lora_dropout[name](rows)))
-                               * layer.scaling[name])
+                updates.append(lora_b(lora_a(layer.lora_dropout[name](rows))) * layer.scaling[name])
             else:  # not every adapter adapts every layer (cat promotes the dtype)
                 updates.append(result.new_zeros((*rows.shape[:-1], result.shape[-1])))
         # In place: the base layer's backward does not need its output.

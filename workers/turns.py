@@ -36,15 +36,18 @@ class SteppedTurns:
     _compute: ThreadPoolExecutor
 
     if TYPE_CHECKING:  # the Worker's own, used here
+
         async def _gather(self) -> None: ...
 
-        async def _start_batch(self, batch: list[tuple[OwnedModel, Op]]
-                               ) -> list[tuple[OwnedModel, Op]]: ...
+        async def _start_batch(
+            self, batch: list[tuple[OwnedModel, Op]]
+        ) -> list[tuple[OwnedModel, Op]]: ...
 
         def _outcome(self, op: Op, result: OpResult | Exception) -> Outcome: ...
 
-        async def _publish_batch(self, batch: list[tuple[OwnedModel, Op]],
-                                 outcomes: list[Outcome], *, started: bool) -> None: ...
+        async def _publish_batch(
+            self, batch: list[tuple[OwnedModel, Op]], outcomes: list[Outcome], *, started: bool
+        ) -> None: ...
 
     def _stepping(self) -> bool:
         return any(owned.stepping() for owned in self.owned.values())
@@ -79,7 +82,8 @@ class SteppedTurns:
             owned.inflight[op.seq] = (op, None)
         if runnable:
             await asyncio.get_running_loop().run_in_executor(
-                self._compute, self.engine.join, [op for _, op in runnable])
+                self._compute, self.engine.join, [op for _, op in runnable]
+            )
 
     async def _run_quantum(self, budget_s: float) -> None:
         """One quantum of the engine's stepped ops. The engine hands back control whenever an
@@ -88,22 +92,24 @@ class SteppedTurns:
         deadline = time.perf_counter() + budget_s
         while True:
             await self._engine_step(deadline - time.perf_counter())
-            if self.stopping.is_set() or not self._stepping() \
-                    or time.perf_counter() >= deadline:
+            if self.stopping.is_set() or not self._stepping() or time.perf_counter() >= deadline:
                 return
             await self._join_stepped()
 
     async def _engine_step(self, budget_s: float) -> None:
         """engine.step on the compute thread; publish the ops whose turn it is."""
-        waiting = [op for o in self.owned.values() for op, out in o.inflight.values()
-                   if out is None]
+        waiting = [
+            op for o in self.owned.values() for op, out in o.inflight.values() if out is None
+        ]
         self.current = waiting[0] if waiting else None
         try:
             finished, stepping = await asyncio.get_running_loop().run_in_executor(
-                self._compute, self._quantum, budget_s)
+                self._compute, self._quantum, budget_s
+            )
             if not finished and not stepping:
-                raise RuntimeError("the engine has no stepped op in progress, but "
-                                   f"{len(waiting)} are unfinished")
+                raise RuntimeError(
+                    f"the engine has no stepped op in progress, but {len(waiting)} are unfinished"
+                )
         except Exception as exc:  # the engine's own bug: fail what is in flight, keep going
             finished = [(op, exc) for op in waiting]
         finally:

@@ -144,8 +144,7 @@ class Worker(SteppedTurns):
             await self._shutdown()
             await self.reconnect.close()
 
-    async def _redis(self, fn: Callable[P, Awaitable[T]], *args: P.args,
-                     **kwargs: P.kwargs) -> T:
+    async def _redis(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """A Redis call that rides out an outage: repeated once Redis answers again."""
         return await self.reconnect.call(fn, *args, **kwargs)
 
@@ -202,8 +201,10 @@ class Worker(SteppedTurns):
                     return owned
         chosen: OwnedModel | None = None
         for owned in self.owned.values():
-            if owned.runnable(now) and (chosen is None or self._tenant_turn.get(owned.tenant, 0)
-                                        < self._tenant_turn.get(chosen.tenant, 0)):
+            if owned.runnable(now) and (
+                chosen is None
+                or self._tenant_turn.get(owned.tenant, 0) < self._tenant_turn.get(chosen.tenant, 0)
+            ):
                 chosen = owned
         if chosen is None:
             return None
@@ -245,8 +246,13 @@ class Worker(SteppedTurns):
                 await self._redis(self.on_records, records)
             # Computed once; only the publish is repeated after an outage (the script is
             # fenced, and finds a job it already published terminal).
-            await self._redis(self.dispatch.publish, lease, op, outcome,
-                              trim_upto=self.engine.durable_seq(op.model_id))
+            await self._redis(
+                self.dispatch.publish,
+                lease,
+                op,
+                outcome,
+                trim_upto=self.engine.durable_seq(op.model_id),
+            )
             self._ops_done += 1
         except LeaseLostError:
             # Not a model claimed again meanwhile (after an outage, the heartbeat may have
@@ -262,8 +268,9 @@ class Worker(SteppedTurns):
         snapshot; the result was delivered then and is not published again."""
         outcome, _ = await self._compute_outcome(op, inline=False)
         if outcome.status is JobStatus.FAILED and outcome.error_category != "user":
-            log.warning("%s: replay of %s (seq %d) failed: %s", self.id, op.model_id, op.seq,
-                        outcome.error)
+            log.warning(
+                "%s: replay of %s (seq %d) failed: %s", self.id, op.model_id, op.seq, outcome.error
+            )
         owned.idle_since = time.monotonic()
 
     def _take_inline_batch(self) -> list[tuple[OwnedModel, Op]]:
@@ -289,16 +296,18 @@ class Worker(SteppedTurns):
         for owned, _ in batch:
             owned.idle_since = time.monotonic()
 
-    async def _publish_batch(self, batch: list[tuple[OwnedModel, Op]], outcomes: list[Outcome],
-                             *, started: bool) -> None:
+    async def _publish_batch(
+        self, batch: list[tuple[OwnedModel, Op]], outcomes: list[Outcome], *, started: bool
+    ) -> None:
         """Publish ops that ran as a batch in one round trip; drop the models whose lease was
         lost meanwhile."""
-        publishes = [(owned.lease, op, outcome, self.engine.durable_seq(op.model_id))
-                     for (owned, op), outcome in zip(batch, outcomes, strict=True)]
+        publishes = [
+            (owned.lease, op, outcome, self.engine.durable_seq(op.model_id))
+            for (owned, op), outcome in zip(batch, outcomes, strict=True)
+        ]
         published = await self._redis(self.dispatch.publish_batch, publishes, started=started)
         self._ops_done += sum(published)
-        self._drop_lost([owned for (owned, _), ok in zip(batch, published, strict=True)
-                         if not ok])
+        self._drop_lost([owned for (owned, _), ok in zip(batch, published, strict=True) if not ok])
 
     def _drop_lost(self, lost: list[OwnedModel]) -> None:
         for owned in lost:  # a model listed twice is dropped once
@@ -350,13 +359,11 @@ class Worker(SteppedTurns):
             batch += [(owned, owned.backlog.popleft()) for _ in range(take)]
         return batch
 
-    async def _start_batch(self, batch: list[tuple[OwnedModel, Op]]
-                           ) -> list[tuple[OwnedModel, Op]]:
+    async def _start_batch(self, batch: list[tuple[OwnedModel, Op]]) -> list[tuple[OwnedModel, Op]]:
         """Mark the ops running (one round trip); the ones to run. Models whose lease was lost
         are dropped; ops over their tenant's limit go back to their backlog; ops already
         finished (cancelled) are skipped."""
-        started = await self._redis(self.dispatch.start_batch,
-                                    [(o.lease, op) for o, op in batch])
+        started = await self._redis(self.dispatch.start_batch, [(o.lease, op) for o, op in batch])
         self._drop_lost([o for (o, _), ok in zip(batch, started, strict=True) if ok is None])
         held: dict[str, tuple[OwnedModel, list[Op], Start]] = {}
         for (owned, op), start in zip(batch, started, strict=True):
@@ -364,8 +371,11 @@ class Worker(SteppedTurns):
                 held.setdefault(owned.lease.model_id, (owned, [], start))[1].append(op)
         for owned, ops, start in held.values():
             self._hold_back(owned, ops, start)
-        return [(o, op) for (o, op), ok in zip(batch, started, strict=True)
-                if ok is not None and ok.run and self.owned.get(o.lease.model_id) is o]
+        return [
+            (o, op)
+            for (o, op), ok in zip(batch, started, strict=True)
+            if ok is not None and ok.run and self.owned.get(o.lease.model_id) is o
+        ]
 
     async def _run_engine_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
         runnable = await self._start_batch(batch)
@@ -398,17 +408,28 @@ class Worker(SteppedTurns):
 
     def _outcome(self, op: Op, result: OpResult | Exception) -> Outcome:
         if isinstance(result, OpResult):
-            return Outcome(status=JobStatus.DONE, result=result.result, metrics=result.metrics,
-                           tokens=result.tokens)
+            return Outcome(
+                status=JobStatus.DONE,
+                result=result.result,
+                metrics=result.metrics,
+                tokens=result.tokens,
+            )
         detail = "".join(traceback.format_exception(result))
         if isinstance(result, QueueTinkerError):
             user = result.category is ErrorCategory.USER
-            return Outcome(status=JobStatus.FAILED, error=result.message,
-                           error_category=result.category.value,
-                           error_detail="" if user else detail)
+            return Outcome(
+                status=JobStatus.FAILED,
+                error=result.message,
+                error_category=result.category.value,
+                error_detail="" if user else detail,
+            )
         log.error("%s: op %s (%s) failed\n%s", self.id, op.job_id, op.kind, detail)
-        return Outcome(status=JobStatus.FAILED, error=f"{type(result).__name__}: {result}",
-                       error_category=ErrorCategory.SERVER.value, error_detail=detail)
+        return Outcome(
+            status=JobStatus.FAILED,
+            error=f"{type(result).__name__}: {result}",
+            error_category=ErrorCategory.SERVER.value,
+            error_detail=detail,
+        )
 
     # --- owning models ---------------------------------------------------------------------
     async def _claim_loop(self) -> None:
@@ -426,13 +447,15 @@ class Worker(SteppedTurns):
             )
             if model_id is None:
                 if not busy:
-                    cursor = await self._redis(self.dispatch.wait_for_offer, cursor,
-                                               IDLE_OFFER_WAIT_MS)
+                    cursor = await self._redis(
+                        self.dispatch.wait_for_offer, cursor, IDLE_OFFER_WAIT_MS
+                    )
                     continue
                 # Busy: look again when the offers there come due, or soon after a new one
                 # (idle workers, woken by the same bell, get a head start).
-                new = await self._redis(self.dispatch.wait_for_offer, cursor,
-                                        CLAIM_WHEN_BUSY_AFTER_MS)
+                new = await self._redis(
+                    self.dispatch.wait_for_offer, cursor, CLAIM_WHEN_BUSY_AFTER_MS
+                )
                 if new != cursor:
                     await self._pause(CLAIM_UNSERVED_WHEN_BUSY_AFTER_MS / 1000)
                 cursor = new
@@ -453,10 +476,16 @@ class Worker(SteppedTurns):
         owned = OwnedModel(lease=lease, read_seq=lease.done_seq)
         restored = await self._on_compute(self.engine.restore_point, lease.model_id)
         if restored is not None and restored < lease.done_seq:
-            replay = await self._redis(self.dispatch.read_range, lease.model_id, restored,
-                                       lease.done_seq)
-            log.info("%s: %s resumes from seq %d; replaying %d ops", self.id, lease.model_id,
-                     restored, len(replay))
+            replay = await self._redis(
+                self.dispatch.read_range, lease.model_id, restored, lease.done_seq
+            )
+            log.info(
+                "%s: %s resumes from seq %d; replaying %d ops",
+                self.id,
+                lease.model_id,
+                restored,
+                len(replay),
+            )
             owned.backlog.extend(replay)
             owned.replay_upto = lease.done_seq
         return owned
@@ -465,18 +494,21 @@ class Worker(SteppedTurns):
         linger_s = self.config.linger_ms / 1000
         now = time.monotonic()
         soonest = min(linger_s, PARKED_RELEASE_AFTER_S)
-        idle = [(m, o) for m, o in self.owned.items()
-                if not o.backlog and not o.inflight and now - o.idle_since >= soonest]
+        idle = [
+            (m, o)
+            for m, o in self.owned.items()
+            if not o.backlog and not o.inflight and now - o.idle_since >= soonest
+        ]
         if not idle:
             return
         waiting = set()
         if any(now - o.idle_since < linger_s for _, o in idle):
-            waiting = await self._redis(self.dispatch.parked_tenants,
-                                        {o.tenant for _, o in idle})
+            waiting = await self._redis(self.dispatch.parked_tenants, {o.tenant for _, o in idle})
         for model_id, owned in idle:
             idle_for = now - owned.idle_since
-            if idle_for < linger_s and not (owned.tenant in waiting
-                                            and idle_for >= PARKED_RELEASE_AFTER_S):
+            if idle_for < linger_s and not (
+                owned.tenant in waiting and idle_for >= PARKED_RELEASE_AFTER_S
+            ):
                 continue
             if self.owned.get(model_id) is not owned:
                 continue  # dropped while we asked
@@ -508,8 +540,7 @@ class Worker(SteppedTurns):
                 self.dispatch.read, cursors, self._control_cursor, READ_BLOCK_MS
             )
             if "drain" in commands:
-                log.info("%s: draining: finishing the op in progress, handing models back",
-                         self.id)
+                log.info("%s: draining: finishing the op in progress, handing models back", self.id)
                 self.stop()
             for op in ops:
                 owned = self.owned.get(op.model_id)
@@ -572,9 +603,14 @@ class Worker(SteppedTurns):
     def _record(self, *, stopped: bool = False) -> WorkerRecord:
         now = time.time()
         return WorkerRecord(
-            id=self.id, base_model=self.config.base_model, device=self.config.device,
-            host=socket.gethostname(), pid=os.getpid(), started_at=self._started_at,
-            last_heartbeat_at=now, stopped_at=now if stopped else None,
+            id=self.id,
+            base_model=self.config.base_model,
+            device=self.config.device,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self._started_at,
+            last_heartbeat_at=now,
+            stopped_at=now if stopped else None,
         )
 
     async def _shutdown(self) -> None:

@@ -21,8 +21,16 @@ depends_on: str | Sequence[str] | None = None
 
 OLD_OP_KINDS = ("create_model", "ping")
 OP_KINDS = (
-    "create_model", "ping", "forward", "forward_backward", "optim_step", "save_state",
-    "save_weights_for_sampler", "load_state", "unload_model", "sample",
+    "create_model",
+    "ping",
+    "forward",
+    "forward_backward",
+    "optim_step",
+    "save_state",
+    "save_weights_for_sampler",
+    "load_state",
+    "unload_model",
+    "sample",
 )
 
 
@@ -40,6 +48,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index(op.f("ix_checkpoints_expires_at"), table_name="checkpoints")
     op.drop_column("checkpoints", "deleted_at")
-    op.execute(sa.text("DELETE FROM requests WHERE kind NOT IN :kinds").bindparams(
-        sa.bindparam("kinds", OLD_OP_KINDS, expanding=True)))
+    op.execute(
+        sa.text("DELETE FROM requests WHERE kind NOT IN :kinds").bindparams(
+            sa.bindparam("kinds", OLD_OP_KINDS, expanding=True)
+        )
+    )
     _replace_kind_check(OLD_OP_KINDS)

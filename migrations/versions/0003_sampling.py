@@ -20,8 +20,16 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 OLD_OP_KINDS = (
-    "create_model", "ping", "forward", "forward_backward", "optim_step", "save_state",
-    "save_weights_for_sampler", "load_state", "unload_model", "sample",
+    "create_model",
+    "ping",
+    "forward",
+    "forward_backward",
+    "optim_step",
+    "save_state",
+    "save_weights_for_sampler",
+    "load_state",
+    "unload_model",
+    "sample",
 )
 OP_KINDS = (*OLD_OP_KINDS, "create_sampling_session")
 
@@ -40,8 +48,9 @@ def upgrade() -> None:
         sa.Column("session_id", sa.Text(), nullable=True),  # no FK: records arrive out of order
         sa.Column("base_model", sa.Text(), nullable=False),
         sa.Column("model_path", sa.Text(), nullable=True),  # NULL: the base model
-        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now(),
-                  nullable=False),
+        sa.Column(
+            "created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
+        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_sampling_sessions")),
         sa.ForeignKeyConstraint(
             ["tenant_id"], ["tenants.id"], name=op.f("fk_sampling_sessions_tenant_id_tenants")
@@ -51,6 +60,9 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("sampling_sessions")
-    op.execute(sa.text("DELETE FROM requests WHERE kind NOT IN :kinds").bindparams(
-        sa.bindparam("kinds", OLD_OP_KINDS, expanding=True)))
+    op.execute(
+        sa.text("DELETE FROM requests WHERE kind NOT IN :kinds").bindparams(
+            sa.bindparam("kinds", OLD_OP_KINDS, expanding=True)
+        )
+    )
     _replace_kind_check(OLD_OP_KINDS)

@@ -20,8 +20,9 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     # Existing keys stay tenant keys: nobody becomes an admin by upgrading.
-    op.add_column("api_keys", sa.Column("admin", sa.Boolean(), nullable=False,
-                                        server_default=sa.false()))
+    op.add_column(
+        "api_keys", sa.Column("admin", sa.Boolean(), nullable=False, server_default=sa.false())
+    )
 
 
 def downgrade() -> None:

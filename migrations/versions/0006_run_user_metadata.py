@@ -22,8 +22,10 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.add_column("training_runs",
-                  sa.Column("user_metadata", postgresql.JSONB(none_as_null=True), nullable=True))
+    op.add_column(
+        "training_runs",
+        sa.Column("user_metadata", postgresql.JSONB(none_as_null=True), nullable=True),
+    )
 
 
 def downgrade() -> None:

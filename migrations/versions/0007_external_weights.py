@@ -20,8 +20,17 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 OLD_OP_KINDS = (
-    "create_model", "ping", "forward", "forward_backward", "optim_step", "save_state",
-    "save_weights_for_sampler", "load_state", "unload_model", "sample", "create_sampling_session",
+    "create_model",
+    "ping",
+    "forward",
+    "forward_backward",
+    "optim_step",
+    "save_state",
+    "save_weights_for_sampler",
+    "load_state",
+    "unload_model",
+    "sample",
+    "create_sampling_session",
 )
 OP_KINDS = (*OLD_OP_KINDS, "save_weights_external")
 OLD_CHECKPOINT_KINDS = ("state", "sampler")
@@ -30,11 +39,13 @@ CHECKPOINT_KINDS = (*OLD_CHECKPOINT_KINDS, "external")
 
 def _replace_checks(op_kinds: tuple[str, ...], checkpoint_kinds: tuple[str, ...]) -> None:
     op.drop_constraint(op.f("ck_requests_kind"), "requests", type_="check")
-    op.create_check_constraint(op.f("ck_requests_kind"), "requests",
-                               in_values_sql("kind", op_kinds))
+    op.create_check_constraint(
+        op.f("ck_requests_kind"), "requests", in_values_sql("kind", op_kinds)
+    )
     op.drop_constraint(op.f("ck_checkpoints_kind"), "checkpoints", type_="check")
-    op.create_check_constraint(op.f("ck_checkpoints_kind"), "checkpoints",
-                               in_values_sql("kind", checkpoint_kinds))
+    op.create_check_constraint(
+        op.f("ck_checkpoints_kind"), "checkpoints", in_values_sql("kind", checkpoint_kinds)
+    )
 
 
 def upgrade() -> None:

@@ -20,8 +20,9 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    op.add_column("checkpoints", sa.Column("public", sa.Boolean(), server_default=sa.false(),
-                                           nullable=False))
+    op.add_column(
+        "checkpoints", sa.Column("public", sa.Boolean(), server_default=sa.false(), nullable=False)
+    )
 
 
 def downgrade() -> None:

@@ -7,5 +7,11 @@ from queue_tinker.client.sampling import SamplingClient
 from queue_tinker.client.service import ServiceClient
 from queue_tinker.client.training import TrainingClient
 
-__all__ = ["APIFuture", "QueueStateChange", "QueueStateObserver", "SamplingClient",
-           "ServiceClient", "TrainingClient"]
+__all__ = [
+    "APIFuture",
+    "QueueStateChange",
+    "QueueStateObserver",
+    "SamplingClient",
+    "ServiceClient",
+    "TrainingClient",
+]

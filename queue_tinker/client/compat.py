@@ -14,11 +14,13 @@ def adamw_only(optimizer: Any) -> None:
     """`optimizer=`: None or an AdamW config; this service trains with AdamW only."""
     if optimizer is None:
         return
-    kind = optimizer.get("type") if isinstance(optimizer, dict) else getattr(optimizer, "type",
-                                                                              None)
+    kind = (
+        optimizer.get("type") if isinstance(optimizer, dict) else getattr(optimizer, "type", None)
+    )
     if str(kind).lower() not in _ADAM:
-        raise UserInputError(f"optimizer: {kind!r} is not supported; this service trains with "
-                             "AdamW (pass None)")
+        raise UserInputError(
+            f"optimizer: {kind!r} is not supported; this service trains with AdamW (pass None)"
+        )
 
 
 def unused(name: str, value: Any, default: Any, why: str) -> None:
@@ -27,10 +29,19 @@ def unused(name: str, value: Any, default: Any, why: str) -> None:
 
 
 def no_weights_token(token: str | None) -> None:
-    unused("weights_access_token", token, None,
-           "not used here (a tenant loads its own checkpoints, and no one else's)")
+    unused(
+        "weights_access_token",
+        token,
+        None,
+        "not used here (a tenant loads its own checkpoints, and no one else's)",
+    )
 
 
 def no_checkpoint_metadata(user_metadata: dict[str, str] | None) -> None:
-    unused("user_metadata", user_metadata, None, "checkpoints keep no user_metadata here "
-           "(training runs do: create_lora_training_client(user_metadata=...))")
+    unused(
+        "user_metadata",
+        user_metadata,
+        None,
+        "checkpoints keep no user_metadata here "
+        "(training runs do: create_lora_training_client(user_metadata=...))",
+    )

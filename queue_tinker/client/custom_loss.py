@@ -35,8 +35,9 @@ def forward_data(data: Sequence[Datum]) -> list[Datum]:
                 "the logprobs of these tokens"
             )
         targets = datum.loss_fn_inputs["target_tokens"]
-        stripped.append(Datum(model_input=datum.model_input,
-                              loss_fn_inputs={"target_tokens": targets}))
+        stripped.append(
+            Datum(model_input=datum.model_input, loss_fn_inputs={"target_tokens": targets})
+        )
     return stripped
 
 
@@ -46,8 +47,10 @@ def run_custom_loss(
     """Run the user's loss; return the linear pass's data, the loss and its metrics."""
     import torch
 
-    logprobs = [torch.tensor(out["logprobs"].to_numpy(), dtype=torch.float32,
-                             requires_grad=True) for out in forward.loss_fn_outputs]
+    logprobs = [
+        torch.tensor(out["logprobs"].to_numpy(), dtype=torch.float32, requires_grad=True)
+        for out in forward.loss_fn_outputs
+    ]
     result = loss_fn(list(data), logprobs)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise UserInputError("loss_fn: must return (loss tensor, metrics dict)")
@@ -62,8 +65,12 @@ def run_custom_loss(
         grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
         weights = TensorData.from_numpy((-grad).numpy().astype(np.float32))
         targets = datum.loss_fn_inputs["target_tokens"]  # present: forward_data checked it
-        linear.append(Datum(model_input=datum.model_input,
-                            loss_fn_inputs={"target_tokens": targets, "weights": weights}))
+        linear.append(
+            Datum(
+                model_input=datum.model_input,
+                loss_fn_inputs={"target_tokens": targets, "weights": weights},
+            )
+        )
     return linear, float(loss.item()), {k: _number(k, v) for k, v in dict(metrics).items()}
 
 

@@ -55,11 +55,13 @@ class ClientHolder:
         self.keys = Keys(settings.key_prefix)
         self.redis = connect(settings.redis_url)
         self.jobs = JobQueue(self.redis, self.keys, result_ttl_s=settings.result_ttl_s)
-        self.results = ResultListener(self.redis, self.keys, self.jobs,
-                                      outage_limit_s=ENQUEUE_RETRY_S)
+        self.results = ResultListener(
+            self.redis, self.keys, self.jobs, outage_limit_s=ENQUEUE_RETRY_S
+        )
         self.registry = WorkerRegistry(self.redis, self.keys)
-        self.queue_state = QueueStateWatch(self.redis, self.keys, self.registry,
-                                           settings.lease_ttl_ms * 3)
+        self.queue_state = QueueStateWatch(
+            self.redis, self.keys, self.registry, settings.lease_ttl_ms * 3
+        )
         self.tenant_id = settings.tenant
         self.session_id = f"s-{new_id()}"
 
@@ -81,12 +83,15 @@ class ClientHolder:
         deadline = time.monotonic() + ENQUEUE_RETRY_S
         await self._retrying(
             lambda: self.results.watch(model_id, timeout_s=max(deadline - time.monotonic(), 0.1)),
-            deadline, f"subscribing to the results of {model_id}")
+            deadline,
+            f"subscribing to the results of {model_id}",
+        )
         job_id = new_id()
         future = self.results.expect(job_id)
         try:
-            enqueued = await self.enqueue(model_id, kind, payload, idempotency_key, job_id=job_id,
-                                          deadline=deadline)
+            enqueued = await self.enqueue(
+                model_id, kind, payload, idempotency_key, job_id=job_id, deadline=deadline
+            )
         except BaseException:
             future.cancel()
             raise
@@ -112,9 +117,12 @@ class ClientHolder:
         """Submit once; on a dropped connection, resubmit the same job id (runs once: the
         script finds the job the lost reply was about)."""
         return await self._retrying(
-            lambda: self.jobs.enqueue(model_id, kind, payload, job_id=job_id,
-                                      idempotency_key=idempotency_key),
-            deadline or time.monotonic() + ENQUEUE_RETRY_S, f"submitting {kind} to {model_id}")
+            lambda: self.jobs.enqueue(
+                model_id, kind, payload, job_id=job_id, idempotency_key=idempotency_key
+            ),
+            deadline or time.monotonic() + ENQUEUE_RETRY_S,
+            f"submitting {kind} to {model_id}",
+        )
 
     async def _retrying(self, call: Callable[[], Awaitable[T]], deadline: float, what: str) -> T:
         """call(), again with backoff while Redis is unreachable, until `deadline`
@@ -130,10 +138,12 @@ class ClientHolder:
                         f"{what}: Redis unreachable for {ENQUEUE_RETRY_S:.0f} s "
                         f"({describe(exc)}); not submitted, unless an attempt whose reply was "
                         f"lost got through: resubmit with an idempotency_key to run it at most "
-                        f"once") from exc
+                        f"once"
+                    ) from exc
                 delay = min(delay, left)
-                log.warning("%s: Redis unreachable (%s); retrying in %.2fs", what,
-                            describe(exc), delay)
+                log.warning(
+                    "%s: Redis unreachable (%s); retrying in %.2fs", what, describe(exc), delay
+                )
                 await asyncio.sleep(delay)  # backoff, not a wait for an event
                 delay = min(delay * 2, MAX_RETRY_DELAY_S)
 

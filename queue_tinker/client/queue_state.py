@@ -44,8 +44,9 @@ QueueStateObserver = Callable[[QueueStateChange], None]
 class QueueStateLogger:
     """The default observer: a warning when a model is paused, once per interval per model."""
 
-    def __init__(self, interval_s: float = WARNING_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, interval_s: float = WARNING_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.interval_s = interval_s
         self.clock = clock
         self._last_warned: dict[str, float] = {}
@@ -59,15 +60,25 @@ class QueueStateLogger:
             return
         self._last_warned[change.model_id] = now
         what = "Sampling" if change.kind == "sampling" else "Training"
-        log.warning("%s is paused for %s. Reason: %s", what, change.model_id,
-                    change.reason or change.state.value)
+        log.warning(
+            "%s is paused for %s. Reason: %s",
+            what,
+            change.model_id,
+            change.reason or change.state.value,
+        )
 
 
 class QueueStateWatch:
     """Watches the models that have requests in flight; runs on the client's loop."""
 
-    def __init__(self, redis: Redis, keys: Keys, registry: WorkerRegistry, max_age_ms: int,
-                 poll_s: float = QUEUE_STATE_POLL_S) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        registry: WorkerRegistry,
+        max_age_ms: int,
+        poll_s: float = QUEUE_STATE_POLL_S,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.registry = registry
@@ -115,9 +126,12 @@ class QueueStateWatch:
             if self._last.get(model_id, QueueState.ACTIVE) is state:
                 continue
             self._last[model_id] = state
-            change = QueueStateChange(model_id=model_id,
-                                      kind=meta.get(b"kind", b"training").decode(),
-                                      state=state, reason=reason)
+            change = QueueStateChange(
+                model_id=model_id,
+                kind=meta.get(b"kind", b"training").decode(),
+                state=state,
+                reason=reason,
+            )
             for observer in list(self.observers):
                 try:
                     observer(change)

@@ -47,8 +47,10 @@ class RestClient:
 
     def __init__(self, loop: BackgroundLoop, holder: ClientHolder, settings: Settings) -> None:
         if not settings.database_url:
-            raise UserInputError("QT_DATABASE_URL: the RestClient reads the Postgres record; "
-                                 "set it (queue-tinker up prints it)")
+            raise UserInputError(
+                "QT_DATABASE_URL: the RestClient reads the Postgres record; "
+                "set it (queue-tinker up prints it)"
+            )
         self._loop = loop
         self._holder = holder
         self._settings = settings
@@ -67,9 +69,12 @@ class RestClient:
     def _future(self, make: Callable[[], Coroutine[Any, Any, M | None]]) -> APIFuture[M]:
         return APIFuture(self._loop.submit(make()), request_id="rest")
 
-    async def _read(self, model: type[M], what: str,
-                    read: Callable[[async_sessionmaker[AsyncSession]],
-                                   Awaitable[dict[str, Any] | None]]) -> M:
+    async def _read(
+        self,
+        model: type[M],
+        what: str,
+        read: Callable[[async_sessionmaker[AsyncSession]], Awaitable[dict[str, Any] | None]],
+    ) -> M:
         found = await read(await self._db())
         if found is None:
             raise NotFoundError(f"{what}: not found")
@@ -80,45 +85,72 @@ class RestClient:
         return self._holder.tenant_id
 
     # --- training runs ---------------------------------------------------------------------
-    def get_training_run(self, training_run_id: str,
-                         access_scope: AccessScope = "owned") -> APIFuture[TrainingRun]:
-        return self._future(lambda: self._read(
-            TrainingRun, f"training run {training_run_id!r}",
-            lambda db: rest_views.training_run(db, self._tenant, training_run_id)))
+    def get_training_run(
+        self, training_run_id: str, access_scope: AccessScope = "owned"
+    ) -> APIFuture[TrainingRun]:
+        return self._future(
+            lambda: self._read(
+                TrainingRun,
+                f"training run {training_run_id!r}",
+                lambda db: rest_views.training_run(db, self._tenant, training_run_id),
+            )
+        )
 
-    def get_training_run_by_tinker_path(self, tinker_path: str,
-                                        access_scope: AccessScope = "owned"
-                                        ) -> APIFuture[TrainingRun]:
+    def get_training_run_by_tinker_path(
+        self, tinker_path: str, access_scope: AccessScope = "owned"
+    ) -> APIFuture[TrainingRun]:
         return self.get_training_run(CheckpointPath.parse(tinker_path, "tinker_path").run_id)
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0,
-                           access_scope: AccessScope = "owned",
-                           project_id: str | None = None) -> APIFuture[TrainingRunsResponse]:
-        return self._future(lambda: self._read(
-            TrainingRunsResponse, "training runs",
-            lambda db: rest_views.training_runs(db, self._tenant, limit, offset)))
+    def list_training_runs(
+        self,
+        limit: int = 20,
+        offset: int = 0,
+        access_scope: AccessScope = "owned",
+        project_id: str | None = None,
+    ) -> APIFuture[TrainingRunsResponse]:
+        return self._future(
+            lambda: self._read(
+                TrainingRunsResponse,
+                "training runs",
+                lambda db: rest_views.training_runs(db, self._tenant, limit, offset),
+            )
+        )
 
     # --- checkpoints -----------------------------------------------------------------------
     def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
-        return self._future(lambda: self._read(
-            CheckpointsListResponse, f"training run {training_run_id!r}",
-            lambda db: rest_views.run_checkpoints(db, self._tenant, training_run_id)))
+        return self._future(
+            lambda: self._read(
+                CheckpointsListResponse,
+                f"training run {training_run_id!r}",
+                lambda db: rest_views.run_checkpoints(db, self._tenant, training_run_id),
+            )
+        )
 
-    def list_user_checkpoints(self, limit: int = 100,
-                              offset: int = 0) -> APIFuture[CheckpointsListResponse]:
-        return self._future(lambda: self._read(
-            CheckpointsListResponse, "checkpoints",
-            lambda db: rest_views.user_checkpoints(db, self._tenant, limit, offset)))
+    def list_user_checkpoints(
+        self, limit: int = 100, offset: int = 0
+    ) -> APIFuture[CheckpointsListResponse]:
+        return self._future(
+            lambda: self._read(
+                CheckpointsListResponse,
+                "checkpoints",
+                lambda db: rest_views.user_checkpoints(db, self._tenant, limit, offset),
+            )
+        )
 
     def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
         path = CheckpointPath.parse(tinker_path, "tinker_path")
-        return self._future(lambda: self._read(
-            WeightsInfoResponse, f"checkpoint {tinker_path!r}",
-            lambda db: rest_views.weights_info(db, self._tenant, str(path), path.run_id)))
+        return self._future(
+            lambda: self._read(
+                WeightsInfoResponse,
+                f"checkpoint {tinker_path!r}",
+                lambda db: rest_views.weights_info(db, self._tenant, str(path), path.run_id),
+            )
+        )
 
     def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
         return self.delete_checkpoint_from_tinker_path(
-            f"tinker://{training_run_id}/{checkpoint_id}")
+            f"tinker://{training_run_id}/{checkpoint_id}"
+        )
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         """Remove the files and mark the checkpoint deleted (needs QT_STORAGE's directory)."""
@@ -127,26 +159,33 @@ class RestClient:
         async def delete() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._engine is not None
-            await housekeeping.delete_checkpoint(self._engine, row.id, Path(row.path),
-                                                 self._settings.storage_dir)
+            await housekeeping.delete_checkpoint(
+                self._engine, row.id, Path(row.path), self._settings.storage_dir
+            )
 
         return APIFuture(self._loop.submit(delete()), request_id="rest")
 
-    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str,
-                                            ttl_seconds: int | None) -> APIFuture[None]:
+    def set_checkpoint_ttl_from_tinker_path(
+        self, tinker_path: str, ttl_seconds: int | None
+    ) -> APIFuture[None]:
         """Expire the checkpoint `ttl_seconds` from now, or never (None)."""
         CheckpointPath.parse(tinker_path, "tinker_path")
-        if ttl_seconds is not None and (isinstance(ttl_seconds, bool)
-                                        or not isinstance(ttl_seconds, int)
-                                        or not 0 < ttl_seconds <= MAX_TTL_SECONDS):
-            raise UserInputError(f"ttl_seconds: must be a whole number of seconds from 1 to "
-                                 f"{MAX_TTL_SECONDS}, or None; got {ttl_seconds!r}")
+        if ttl_seconds is not None and (
+            isinstance(ttl_seconds, bool)
+            or not isinstance(ttl_seconds, int)
+            or not 0 < ttl_seconds <= MAX_TTL_SECONDS
+        ):
+            raise UserInputError(
+                f"ttl_seconds: must be a whole number of seconds from 1 to "
+                f"{MAX_TTL_SECONDS}, or None; got {ttl_seconds!r}"
+            )
 
         async def change() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._sessions is not None
-            if not await housekeeping.change_checkpoint_ttl(self._sessions, self._settings,
-                                                            self._tenant, row, ttl_seconds):
+            if not await housekeeping.change_checkpoint_ttl(
+                self._sessions, self._settings, self._tenant, row, ttl_seconds
+            ):
                 raise NotFoundError(f"checkpoint {tinker_path!r}: not found")
 
         return APIFuture(self._loop.submit(change()), request_id="rest")
@@ -158,18 +197,22 @@ class RestClient:
         return row
 
     # --- sessions, samplers, the service -----------------------------------------------------
-    def get_session(self, session_id: str,
-                    access_scope: AccessScope = "owned") -> APIFuture[GetSessionResponse]:
+    def get_session(
+        self, session_id: str, access_scope: AccessScope = "owned"
+    ) -> APIFuture[GetSessionResponse]:
         async def read(db: async_sessionmaker[AsyncSession]) -> dict[str, Any] | None:
             members = await queries.session_members(db, self._tenant, session_id)
-            return None if members is None else {"training_run_ids": members[0],
-                                                 "sampler_ids": members[1]}
+            return (
+                None
+                if members is None
+                else {"training_run_ids": members[0], "sampler_ids": members[1]}
+            )
 
-        return self._future(lambda: self._read(GetSessionResponse,
-                                               f"session {session_id!r}", read))
+        return self._future(lambda: self._read(GetSessionResponse, f"session {session_id!r}", read))
 
-    def list_sessions(self, limit: int = 20, offset: int = 0,
-                      access_scope: AccessScope = "owned") -> APIFuture[ListSessionsResponse]:
+    def list_sessions(
+        self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
+    ) -> APIFuture[ListSessionsResponse]:
         async def read(db: async_sessionmaker[AsyncSession]) -> dict[str, Any]:
             ids = await queries.list_session_ids(db, self._tenant, limit=limit, offset=offset)
             return {"sessions": ids}
@@ -180,27 +223,39 @@ class RestClient:
         async def read(db: async_sessionmaker[AsyncSession]) -> dict[str, Any] | None:
             info = await self._holder.jobs.tenant_model(sampler_id, self._tenant, kind="sampling")
             if info is not None:  # Redis first: the row is written behind
-                return {"sampler_id": sampler_id, "base_model": info["base_model"],
-                        "model_path": info["model_path"]}
+                return {
+                    "sampler_id": sampler_id,
+                    "base_model": info["base_model"],
+                    "model_path": info["model_path"],
+                }
             row = await queries.get_sampling_session(db, self._tenant, sampler_id)
-            return None if row is None else {"sampler_id": row.id, "base_model": row.base_model,
-                                             "model_path": row.model_path}
+            return (
+                None
+                if row is None
+                else {
+                    "sampler_id": row.id,
+                    "base_model": row.base_model,
+                    "model_path": row.model_path,
+                }
+            )
 
-        return self._future(lambda: self._read(GetSamplerResponse,
-                                               f"sampler {sampler_id!r}", read))
+        return self._future(lambda: self._read(GetSamplerResponse, f"sampler {sampler_id!r}", read))
 
     def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
-        return APIFuture(self._loop.submit(server_capabilities(self._holder, self._settings)),
-                         request_id="rest")
+        return APIFuture(
+            self._loop.submit(server_capabilities(self._holder, self._settings)), request_id="rest"
+        )
 
     def close(self) -> None:
         if self._engine is not None:
             self._loop.run(self._engine.dispose())
 
 
-async def server_capabilities(holder: ClientHolder,
-                              settings: Settings) -> GetServerCapabilitiesResponse:
+async def server_capabilities(
+    holder: ClientHolder, settings: Settings
+) -> GetServerCapabilitiesResponse:
     """Base models served by live workers right now."""
     models = await holder.registry.base_models(settings.lease_ttl_ms * 3)
     return GetServerCapabilitiesResponse(
-        supported_models=[SupportedModel(model_name=name) for name in models])
+        supported_models=[SupportedModel(model_name=name) for name in models]
+    )

@@ -28,14 +28,18 @@ from queue_tinker.types.tensors import ModelInput
 def last_n_only(response: SampleResponse, last_n: int) -> SampleResponse:
     """The prompt logprobs (plain and top-k) of the last `last_n` positions only, as the SDK
     returns them with prompt_logprobs_last_n: None before."""
+
     def keep(values: list[Any] | None) -> list[Any] | None:
         if values is None:
             return None
         return [None] * max(0, len(values) - last_n) + values[-last_n:]
 
-    return response.model_copy(update={
-        "prompt_logprobs": keep(response.prompt_logprobs),
-        "topk_prompt_logprobs": keep(response.topk_prompt_logprobs)})
+    return response.model_copy(
+        update={
+            "prompt_logprobs": keep(response.prompt_logprobs),
+            "topk_prompt_logprobs": keep(response.topk_prompt_logprobs),
+        }
+    )
 
 
 class SamplingClient:
@@ -76,11 +80,18 @@ class SamplingClient:
         prompt_logprobs_last_n keeps only the last N positions of both."""
         unused("topk_sample_logprobs", topk_sample_logprobs, 0, "not computed by this service")
         unused("prompt_alt_tokens_k", prompt_alt_tokens_k, 0, "not computed by this service")
-        pending = await self._submit(sample_input(
-            prompt, num_samples, sampling_params,
-            include_prompt_logprobs or prompt_logprobs_last_n is not None, self.model_path,
-            limits=self._limits, topk_prompt_logprobs=topk_prompt_logprobs,
-            target_prompt_logprobs=target_prompt_logprobs))
+        pending = await self._submit(
+            sample_input(
+                prompt,
+                num_samples,
+                sampling_params,
+                include_prompt_logprobs or prompt_logprobs_last_n is not None,
+                self.model_path,
+                limits=self._limits,
+                topk_prompt_logprobs=topk_prompt_logprobs,
+                target_prompt_logprobs=target_prompt_logprobs,
+            )
+        )
         if prompt_logprobs_last_n is None:
             return pending
         return pending.then(lambda response: last_n_only(response, prompt_logprobs_last_n))
@@ -97,18 +108,32 @@ class SamplingClient:
         prompt_alt_tokens_k: int = 0,
         prompt_logprobs_last_n: int | None = None,
     ) -> APIFuture[SampleResponse]:
-        return self._loop.run(self.sample_async(
-            prompt, num_samples, sampling_params, include_prompt_logprobs,
-            topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
-            prompt_alt_tokens_k, prompt_logprobs_last_n))
+        return self._loop.run(
+            self.sample_async(
+                prompt,
+                num_samples,
+                sampling_params,
+                include_prompt_logprobs,
+                topk_prompt_logprobs,
+                topk_sample_logprobs,
+                target_prompt_logprobs,
+                prompt_alt_tokens_k,
+                prompt_logprobs_last_n,
+            )
+        )
 
     async def compute_logprobs_async(
         self, prompt: ModelInput, prompt_logprobs_last_n: int | None = None
     ) -> APIFuture[list[float | None]]:
         """The logprob of each prompt token given the ones before it (None for the first, and
         before the last N with prompt_logprobs_last_n)."""
-        pending = await self.sample_async(prompt, 1, SamplingParams(max_tokens=1), True,
-                                          prompt_logprobs_last_n=prompt_logprobs_last_n)
+        pending = await self.sample_async(
+            prompt,
+            1,
+            SamplingParams(max_tokens=1),
+            True,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+        )
         return pending.then(lambda response: list(response.prompt_logprobs or []))
 
     def compute_logprobs(
@@ -117,9 +142,13 @@ class SamplingClient:
         return self._loop.run(self.compute_logprobs_async(prompt, prompt_logprobs_last_n))
 
     async def _submit(self, body: SampleInput) -> APIFuture[SampleResponse]:
-        return await self._holder.submit_future(self._loop, self.sampler_id, OpKind.SAMPLE,
-                                                encode_request(body.model_dump(), self._limits),
-                                                decoder(SampleResponse))
+        return await self._holder.submit_future(
+            self._loop,
+            self.sampler_id,
+            OpKind.SAMPLE,
+            encode_request(body.model_dump(), self._limits),
+            decoder(SampleResponse),
+        )
 
     # --- the model -------------------------------------------------------------------------
     def get_base_model(self) -> str:
@@ -146,11 +175,16 @@ async def open_sampling_session(
     sampler_id = f"smp-{new_id()}"
 
     async def create() -> str:
-        base = await runs.sampling_base_model(holder.jobs, holder.tenant_id, model_path,
-                                              base_model)
+        base = await runs.sampling_base_model(holder.jobs, holder.tenant_id, model_path, base_model)
         _, outcome = await runs.open_sampling_session(
-            holder.jobs, holder.submit, sampler_id, base_model=base,
-            tenant_id=holder.tenant_id, session_id=holder.session_id, model_path=model_path)
+            holder.jobs,
+            holder.submit,
+            sampler_id,
+            base_model=base,
+            tenant_id=holder.tenant_id,
+            session_id=holder.session_id,
+            model_path=model_path,
+        )
         decode_outcome(await outcome, codec.decode)
         return base
 

@@ -30,9 +30,17 @@ def lora_config(
         raise UserInputError(
             "train_attn, train_mlp, train_unembed: at least one must be True, or nothing trains"
         )
-    return validated(LoraConfig, "", {"rank": rank, "seed": seed, "train_attn": bool(train_attn),
-                                      "train_mlp": bool(train_mlp),
-                                      "train_unembed": bool(train_unembed)})
+    return validated(
+        LoraConfig,
+        "",
+        {
+            "rank": rank,
+            "seed": seed,
+            "train_attn": bool(train_attn),
+            "train_mlp": bool(train_mlp),
+            "train_unembed": bool(train_unembed),
+        },
+    )
 
 
 class ServiceClient:
@@ -70,16 +78,24 @@ class ServiceClient:
 
         async def create() -> None:
             await holder.registry.check_served(
-                base_model, allow_unserved=self.settings.queue_unserved_base_models)
+                base_model, allow_unserved=self.settings.queue_unserved_base_models
+            )
             _, outcome = await runs.open_training_run(
-                holder.jobs, holder.submit, model_id, base_model=base_model,
-                tenant_id=holder.tenant_id, session_id=holder.session_id, config=config,
-                user_metadata=user_metadata)
+                holder.jobs,
+                holder.submit,
+                model_id,
+                base_model=base_model,
+                tenant_id=holder.tenant_id,
+                session_id=holder.session_id,
+                config=config,
+                user_metadata=user_metadata,
+            )
             decode_outcome(await outcome, codec.decode)
 
         await self._loop.call(create())
-        return TrainingClient(self._loop, holder, model_id, base_model, self.settings,
-                              lora_rank=config.rank)
+        return TrainingClient(
+            self._loop, holder, model_id, base_model, self.settings, lora_rank=config.rank
+        )
 
     def create_lora_training_client(
         self,
@@ -92,14 +108,28 @@ class ServiceClient:
         user_metadata: dict[str, str] | None = None,
         optimizer: Any = None,
     ) -> TrainingClient:
-        return self._loop.run(self.create_lora_training_client_async(
-            base_model, rank, seed, train_mlp, train_attn, train_unembed, user_metadata,
-            optimizer))
+        return self._loop.run(
+            self.create_lora_training_client_async(
+                base_model,
+                rank,
+                seed,
+                train_mlp,
+                train_attn,
+                train_unembed,
+                user_metadata,
+                optimizer,
+            )
+        )
 
     async def create_training_client_from_state_async(
-        self, path: str, base_model: str | None = None,
-        user_metadata: dict[str, str] | None = None, weights_access_token: str | None = None,
-        optimizer: Any = None, *, with_optimizer: bool = False,
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
+        optimizer: Any = None,
+        *,
+        with_optimizer: bool = False,
     ) -> TrainingClient:
         """A new run that starts from a saved state (tinker://<run>/weights/<name>): the
         checkpoint's base model, LoRA config and weights; with_optimizer=True its optimizer
@@ -111,63 +141,105 @@ class ServiceClient:
 
         async def create() -> dict[str, Any]:
             _, outcome = await runs.open_training_run_from_state(
-                holder.jobs, holder.submit, model_id, path, tenant_id=holder.tenant_id,
-                session_id=holder.session_id, optimizer=with_optimizer, base_model=base_model,
-                user_metadata=user_metadata)
+                holder.jobs,
+                holder.submit,
+                model_id,
+                path,
+                tenant_id=holder.tenant_id,
+                session_id=holder.session_id,
+                optimizer=with_optimizer,
+                base_model=base_model,
+                user_metadata=user_metadata,
+            )
             decode_outcome(await outcome, codec.decode)
             return await holder.jobs.model_info(model_id)
 
         info = await self._loop.call(create())
-        return TrainingClient(self._loop, holder, model_id, info["base_model"], self.settings,
-                              lora_rank=info["lora_config"].get("rank"))
+        return TrainingClient(
+            self._loop,
+            holder,
+            model_id,
+            info["base_model"],
+            self.settings,
+            lora_rank=info["lora_config"].get("rank"),
+        )
 
     def create_training_client_from_state(
-        self, path: str, base_model: str | None = None,
-        user_metadata: dict[str, str] | None = None, weights_access_token: str | None = None,
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
         optimizer: Any = None,
     ) -> TrainingClient:
         """Weights from the checkpoint; the optimizer starts afresh."""
-        return self._loop.run(self.create_training_client_from_state_async(
-            path, base_model, user_metadata, weights_access_token, optimizer))
+        return self._loop.run(
+            self.create_training_client_from_state_async(
+                path, base_model, user_metadata, weights_access_token, optimizer
+            )
+        )
 
     async def create_training_client_from_state_with_optimizer_async(
-        self, path: str, base_model: str | None = None,
-        user_metadata: dict[str, str] | None = None, weights_access_token: str | None = None,
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
     ) -> TrainingClient:
         return await self.create_training_client_from_state_async(
-            path, base_model, user_metadata, weights_access_token, with_optimizer=True)
+            path, base_model, user_metadata, weights_access_token, with_optimizer=True
+        )
 
     def create_training_client_from_state_with_optimizer(
-        self, path: str, base_model: str | None = None,
-        user_metadata: dict[str, str] | None = None, weights_access_token: str | None = None,
+        self,
+        path: str,
+        base_model: str | None = None,
+        user_metadata: dict[str, str] | None = None,
+        weights_access_token: str | None = None,
     ) -> TrainingClient:
         """Weights and optimizer state from the checkpoint."""
-        return self._loop.run(self.create_training_client_from_state_with_optimizer_async(
-            path, base_model, user_metadata, weights_access_token))
+        return self._loop.run(
+            self.create_training_client_from_state_with_optimizer_async(
+                path, base_model, user_metadata, weights_access_token
+            )
+        )
 
     def training_client(self, model_id: str) -> TrainingClient:
         """A client for an existing model (another process may have created it)."""
         info = self._loop.run(self._holder.jobs.model_info(model_id))
         if info["kind"] != "training":
             raise UserInputError(f"model_id: {model_id!r} is a sampling session, not a run")
-        return TrainingClient(self._loop, self._holder, model_id, info["base_model"],
-                              self.settings, lora_rank=info["lora_config"].get("rank"))
+        return TrainingClient(
+            self._loop,
+            self._holder,
+            model_id,
+            info["base_model"],
+            self.settings,
+            lora_rank=info["lora_config"].get("rank"),
+        )
 
     # --- sampling clients ------------------------------------------------------------------
     async def create_sampling_client_async(
-        self, model_path: str | None = None, base_model: str | None = None,
-        retry_config: Any = None, record_stability_info: bool = False,
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
     ) -> SamplingClient:
         """Sample from a checkpoint (tinker://<run>/sampler_weights/<name> or
         .../weights/<name>) or, with base_model only, from the base model itself.
         retry_config and record_stability_info are accepted and not needed: a lost connection
         is resubmitted under the same job id, and sampler and trainer share their numerics."""
-        return await open_sampling_session(self._loop, self._holder, self.settings, model_path,
-                                           base_model)
+        return await open_sampling_session(
+            self._loop, self._holder, self.settings, model_path, base_model
+        )
 
     def create_sampling_client(
-        self, model_path: str | None = None, base_model: str | None = None,
-        retry_config: Any = None, record_stability_info: bool = False,
+        self,
+        model_path: str | None = None,
+        base_model: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
     ) -> SamplingClient:
         return self._loop.run(self.create_sampling_client_async(model_path, base_model))
 

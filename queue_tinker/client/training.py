@@ -62,13 +62,20 @@ def datums(data: Any, limits: RequestLimits | None = None) -> list[Datum]:
     return [validated(Datum, f"data[{i}]", d) for i, d in enumerate(data)]
 
 
-def make_batch(data: Sequence[Any], loss_fn: Any, loss_fn_config: Any,
-               limits: RequestLimits | None = None) -> ForwardBackwardInput:
+def make_batch(
+    data: Sequence[Any], loss_fn: Any, loss_fn_config: Any, limits: RequestLimits | None = None
+) -> ForwardBackwardInput:
     """The op body of forward / forward_backward, checked as far as the client can."""
     limits = limits or RequestLimits.defaults()
-    batch = validated(ForwardBackwardInput, "", {
-        "data": datums(data, limits), "loss_fn": parse_loss_fn(loss_fn),
-        "loss_fn_config": loss_fn_config})
+    batch = validated(
+        ForwardBackwardInput,
+        "",
+        {
+            "data": datums(data, limits),
+            "loss_fn": parse_loss_fn(loss_fn),
+            "loss_fn_config": loss_fn_config,
+        },
+    )
     check_batch_size(batch, limits)
     check_batch(batch)
     return batch
@@ -78,8 +85,9 @@ def _ttl(ttl_seconds: Any) -> int | None:
     if ttl_seconds is None:
         return None
     if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds <= 0:
-        raise UserInputError(f"ttl_seconds: must be a positive integer or None, got "
-                             f"{ttl_seconds!r}")
+        raise UserInputError(
+            f"ttl_seconds: must be a positive integer or None, got {ttl_seconds!r}"
+        )
     return ttl_seconds
 
 
@@ -102,13 +110,17 @@ class TrainingClient:
         self._limits = RequestLimits.of(settings)
 
     async def _submit(
-        self, kind: OpKind, body: Any, decode: Callable[[bytes], T],
+        self,
+        kind: OpKind,
+        body: Any,
+        decode: Callable[[bytes], T],
         idempotency_key: str | None = None,
     ) -> APIFuture[T]:
         """Enqueue (returns once the op holds its place in the model's order), then wait."""
         payload = encode_request(body, self._limits)
-        return await self._holder.submit_future(self._loop, self.model_id, kind, payload,
-                                                decode, idempotency_key)
+        return await self._holder.submit_future(
+            self._loop, self.model_id, kind, payload, decode, idempotency_key
+        )
 
     # --- forward / backward ----------------------------------------------------------------
     async def forward_async(
@@ -116,8 +128,9 @@ class TrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         """Loss and per-datum target logprobs, without gradients."""
         batch = make_batch(data, loss_fn, loss_fn_config, self._limits)
-        return await self._submit(OpKind.FORWARD, batch.model_dump(),
-                                  decoder(ForwardBackwardOutput))
+        return await self._submit(
+            OpKind.FORWARD, batch.model_dump(), decoder(ForwardBackwardOutput)
+        )
 
     def forward(
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
@@ -130,8 +143,9 @@ class TrainingClient:
         """Loss, logprobs, and gradients added to the adapter's (accumulating until
         optim_step)."""
         batch = make_batch(data, loss_fn, loss_fn_config, self._limits)
-        return await self._submit(OpKind.FORWARD_BACKWARD, batch.model_dump(),
-                                  decoder(ForwardBackwardOutput))
+        return await self._submit(
+            OpKind.FORWARD_BACKWARD, batch.model_dump(), decoder(ForwardBackwardOutput)
+        )
 
     def forward_backward(
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
@@ -139,14 +153,21 @@ class TrainingClient:
         return self._loop.run(self.forward_backward_async(data, loss_fn, loss_fn_config))
 
     async def forward_backward_custom_async(
-        self, data: Sequence[Datum], loss_fn: CustomLossFn, *,
+        self,
+        data: Sequence[Datum],
+        loss_fn: CustomLossFn,
+        *,
         loss_type_input: str | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         """Any differentiable loss of the logprobs: a forward pass, `loss_fn(data, logprobs)`
         here with torch autograd, then a backward pass weighted by its gradient. Returns once
         the backward pass holds its place, so later calls queue behind it."""
-        unused("loss_type_input", loss_type_input or "logprobs", "logprobs",
-               "the loss receives logprobs, the only input there is")
+        unused(
+            "loss_type_input",
+            loss_type_input or "logprobs",
+            "logprobs",
+            "the loss receives logprobs, the only input there is",
+        )
         given = datums(data, self._limits)
         forward = await (await self.forward_async(forward_data(given), "cross_entropy"))
         linear, loss, metrics = run_custom_loss(given, forward, loss_fn)
@@ -154,11 +175,18 @@ class TrainingClient:
         return pending.then(lambda _: custom_output(forward, loss, metrics))
 
     def forward_backward_custom(
-        self, data: Sequence[Datum], loss_fn: CustomLossFn, *,
+        self,
+        data: Sequence[Datum],
+        loss_fn: CustomLossFn,
+        *,
         loss_type_input: str | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        unused("loss_type_input", loss_type_input or "logprobs", "logprobs",
-               "the loss receives logprobs, the only input there is")
+        unused(
+            "loss_type_input",
+            loss_type_input or "logprobs",
+            "logprobs",
+            "the loss receives logprobs, the only input there is",
+        )
         # The user's loss runs on this thread, not on the client's event loop.
         given = datums(data, self._limits)
         forward = self.forward(forward_data(given), "cross_entropy").result()
@@ -176,8 +204,9 @@ class TrainingClient:
         if given is None:
             raise UserInputError("adam_params: required (types.AdamParams(learning_rate=...))")
         params = validated(AdamParams, "adam_params", given)
-        return await self._submit(OpKind.OPTIM_STEP, params.model_dump(),
-                                  decoder(OptimStepResponse))
+        return await self._submit(
+            OpKind.OPTIM_STEP, params.model_dump(), decoder(OptimStepResponse)
+        )
 
     def optim_step(
         self, optim_params: AdamParams | None = None, *, adam_params: AdamParams | None = None
@@ -186,56 +215,74 @@ class TrainingClient:
 
     # --- checkpoints -----------------------------------------------------------------------
     async def save_state_async(
-        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
         """Weights + optimizer state at tinker://<model id>/weights/<name>."""
-        unused("overwrite", overwrite, False, "checkpoints are never overwritten; pick a new "
-               "name")
+        unused("overwrite", overwrite, False, "checkpoints are never overwritten; pick a new name")
         no_checkpoint_metadata(user_metadata)
         body = {"name": check_name(name), "ttl_seconds": _ttl(ttl_seconds)}
         return await self._submit(OpKind.SAVE_STATE, body, decoder(SaveWeightsResponse))
 
     def save_state(
-        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        overwrite: bool = False,
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsResponse]:
         return self._loop.run(self.save_state_async(name, ttl_seconds, overwrite, user_metadata))
 
     async def save_weights_for_sampler_async(
-        self, name: str, ttl_seconds: int | None = None,
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Weights only, at tinker://<model id>/sampler_weights/<name> (PEFT format)."""
         no_checkpoint_metadata(user_metadata)
         body = {"name": check_name(name), "ttl_seconds": _ttl(ttl_seconds)}
-        return await self._submit(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, body,
-                                  decoder(SaveWeightsForSamplerResponse))
+        return await self._submit(
+            OpKind.SAVE_WEIGHTS_FOR_SAMPLER, body, decoder(SaveWeightsForSamplerResponse)
+        )
 
     def save_weights_for_sampler(
-        self, name: str, ttl_seconds: int | None = None,
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
         user_metadata: dict[str, str] | None = None,
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        return self._loop.run(self.save_weights_for_sampler_async(name, ttl_seconds,
-                                                                  user_metadata))
+        return self._loop.run(self.save_weights_for_sampler_async(name, ttl_seconds, user_metadata))
 
     async def save_weights_external_async(
-        self, name: str, ttl_seconds: int | None = None,
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
         age_encryption_recipients: list[str] | None = None,
     ) -> APIFuture[SaveWeightsExternalResponse]:
         """The PEFT files for download at tinker://<model id>/external_weights/<name>, each
         encrypted to the age recipients (age1... or SSH public keys) when given."""
-        body = {"name": check_name(name), "ttl_seconds": _ttl(ttl_seconds),
-                "age_encryption_recipients": check_recipients(age_encryption_recipients)}
-        return await self._submit(OpKind.SAVE_WEIGHTS_EXTERNAL, body,
-                                  decoder(SaveWeightsExternalResponse))
+        body = {
+            "name": check_name(name),
+            "ttl_seconds": _ttl(ttl_seconds),
+            "age_encryption_recipients": check_recipients(age_encryption_recipients),
+        }
+        return await self._submit(
+            OpKind.SAVE_WEIGHTS_EXTERNAL, body, decoder(SaveWeightsExternalResponse)
+        )
 
     def save_weights_external(
-        self, name: str, ttl_seconds: int | None = None,
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
         age_encryption_recipients: list[str] | None = None,
     ) -> APIFuture[SaveWeightsExternalResponse]:
-        return self._loop.run(self.save_weights_external_async(
-            name, ttl_seconds, age_encryption_recipients))
+        return self._loop.run(
+            self.save_weights_external_async(name, ttl_seconds, age_encryption_recipients)
+        )
 
     async def load_state_async(
         self, path: str, weights_access_token: str | None = None
@@ -243,8 +290,9 @@ class TrainingClient:
         """Weights from a checkpoint; the optimizer starts afresh (moments and step at 0)."""
         no_weights_token(weights_access_token)
         CheckpointPath.parse(path)
-        return await self._submit(OpKind.LOAD_STATE, {"path": path, "optimizer": False},
-                                  decoder(LoadWeightsResponse))
+        return await self._submit(
+            OpKind.LOAD_STATE, {"path": path, "optimizer": False}, decoder(LoadWeightsResponse)
+        )
 
     def load_state(
         self, path: str, weights_access_token: str | None = None
@@ -257,8 +305,9 @@ class TrainingClient:
         """Weights and optimizer state, to continue exactly where the checkpoint left off."""
         no_weights_token(weights_access_token)
         CheckpointPath.parse(path)
-        return await self._submit(OpKind.LOAD_STATE, {"path": path, "optimizer": True},
-                                  decoder(LoadWeightsResponse))
+        return await self._submit(
+            OpKind.LOAD_STATE, {"path": path, "optimizer": True}, decoder(LoadWeightsResponse)
+        )
 
     def load_state_with_optimizer(
         self, path: str, weights_access_token: str | None = None
@@ -272,8 +321,9 @@ class TrainingClient:
         """A sampling client on a checkpoint (this run's or another of the tenant's);
         retry_config and record_stability_info are accepted and not needed (as on
         ServiceClient.create_sampling_client)."""
-        return await open_sampling_session(self._loop, self._holder, self._settings,
-                                           model_path, None)
+        return await open_sampling_session(
+            self._loop, self._holder, self._settings, model_path, None
+        )
 
     def create_sampling_client(
         self, model_path: str, retry_config: Any = None, record_stability_info: bool = False
@@ -281,8 +331,11 @@ class TrainingClient:
         return self._loop.run(self.create_sampling_client_async(model_path))
 
     async def save_weights_and_get_sampling_client_async(
-        self, name: str | None = None, retry_config: Any = None,
-        record_stability_info: bool = False, kind: str = "snapshot",
+        self,
+        name: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+        kind: str = "snapshot",
     ) -> SamplingClient:
         """Save the weights as they are after every op sent so far, and sample from them.
         Without a name the checkpoint is ephemeral: kept QT_EPHEMERAL_SAMPLER_TTL_S."""
@@ -294,20 +347,25 @@ class TrainingClient:
         return await self.create_sampling_client_async((await saved).path)
 
     def save_weights_and_get_sampling_client(
-        self, name: str | None = None, retry_config: Any = None,
-        record_stability_info: bool = False, kind: str = "snapshot",
+        self,
+        name: str | None = None,
+        retry_config: Any = None,
+        record_stability_info: bool = False,
+        kind: str = "snapshot",
     ) -> SamplingClient:
-        return self._loop.run(self.save_weights_and_get_sampling_client_async(
-            name, kind=kind))
+        return self._loop.run(self.save_weights_and_get_sampling_client_async(name, kind=kind))
 
     # --- the model -------------------------------------------------------------------------
     async def get_info_async(self) -> GetInfoResponse:
         info = await self._loop.call(self._holder.jobs.model_info(self.model_id))
         return GetInfoResponse(
-            model_id=self.model_id, lora_rank=info["lora_config"].get("rank"),
-            model_name=info["base_model"], user_metadata=info["user_metadata"],
-            model_data=ModelData(arch="causal_lm", model_name=info["base_model"],
-                                 tokenizer_id=info["base_model"]),
+            model_id=self.model_id,
+            lora_rank=info["lora_config"].get("rank"),
+            model_name=info["base_model"],
+            user_metadata=info["user_metadata"],
+            model_data=ModelData(
+                arch="causal_lm", model_name=info["base_model"], tokenizer_id=info["base_model"]
+            ),
         )
 
     def get_info(self) -> GetInfoResponse:
@@ -342,8 +400,9 @@ class TrainingClient:
     def ping(
         self, data: Any = None, *, delay_ms: int = 0, idempotency_key: str | None = None
     ) -> APIFuture[dict[str, Any]]:
-        return self._loop.run(self.ping_async(data, delay_ms=delay_ms,
-                                              idempotency_key=idempotency_key))
+        return self._loop.run(
+            self.ping_async(data, delay_ms=delay_ms, idempotency_key=idempotency_key)
+        )
 
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r}, base_model={self.base_model!r})"

@@ -65,8 +65,12 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.gateway_queue = GatewayQueue(app.state.redis, keys, settings)
         app.state.key_cache = KeyCache(settings.api_key_cache_s, settings.api_key_outage_s)
         # The gateway also writes the record behind, so Postgres keeps up with no worker alive.
-        recorder = RecorderThread(settings.redis_url or "", settings.database_url or "", keys,
-                                  consumer=f"gateway-{uuid.uuid4().hex[:8]}")
+        recorder = RecorderThread(
+            settings.redis_url or "",
+            settings.database_url or "",
+            keys,
+            consumer=f"gateway-{uuid.uuid4().hex[:8]}",
+        )
         recorder.start()
         try:
             yield
@@ -77,8 +81,9 @@ def create_app(settings: Settings) -> FastAPI:
             await app.state.db.dispose()
 
     # Every JSON answer writes NaN / infinity as strings (a diverging step's metrics).
-    app = FastAPI(title="queue_tinker", lifespan=lifespan,
-                  default_response_class=GatewayJSONResponse)
+    app = FastAPI(
+        title="queue_tinker", lifespan=lifespan, default_response_class=GatewayJSONResponse
+    )
     app.state.settings = settings
     app.add_middleware(BodyLimit, settings=settings)  # QT_MAX_REQUEST_BYTES: 413 before parsing
     app.add_middleware(RequestChecks)  # runs first: 404/422/415 on a request's envelope
@@ -91,8 +96,15 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(download_router(keys, record_caught_up(keys)))
     app.include_router(dashboard_router(settings, keys))
     app.include_router(metrics_router(settings, keys))
-    for module in (tinker_training, tinker_sampling, tinker_futures, tinker_sample_futures,
-                   tinker_account, tinker_custom_loss, openai_compat):
+    for module in (
+        tinker_training,
+        tinker_sampling,
+        tinker_futures,
+        tinker_sample_futures,
+        tinker_account,
+        tinker_custom_loss,
+        openai_compat,
+    ):
         app.include_router(module.router)
 
     add_error_handlers(app)
@@ -121,6 +133,7 @@ def create_app(settings: Settings) -> FastAPI:
 def add_error_handlers(app: FastAPI) -> None:
     """Every error a route can raise, answered with its status and a detail naming the field
     (HTTP status codes live here, not in the layers below)."""
+
     @app.exception_handler(UserInputError)
     async def user_input_error(request: Request, exc: UserInputError) -> JSONResponse:
         """Bad input is the caller's to fix: 400 (404 for an unknown model) with the message
@@ -137,15 +150,19 @@ def add_error_handlers(app: FastAPI) -> None:
             detail = f"path: {request.url.path!r} is not a route of this gateway"
         elif exc.status_code == 405 and detail == "Method Not Allowed":
             detail = f"method: {request.method} is not allowed on {request.url.path!r}"
-        return await http_exception_handler(request, StarletteHTTPException(
-            exc.status_code, detail, headers=exc.headers))
+        return await http_exception_handler(
+            request, StarletteHTTPException(exc.status_code, detail, headers=exc.headers)
+        )
 
     @app.exception_handler(HeldOpsFullError)
     async def held_full(request: Request, exc: HeldOpsFullError) -> JSONResponse:
         """Too many calls sent ahead of a missing seq_id: 429, which the SDK retries after
         Retry-After; by then the missing call has usually arrived and let them run."""
-        return GatewayJSONResponse({"detail": exc.message}, status_code=429,
-                                   headers={"Retry-After": str(HELD_FULL_RETRY_AFTER_S)})
+        return GatewayJSONResponse(
+            {"detail": exc.message},
+            status_code=429,
+            headers={"Retry-After": str(HELD_FULL_RETRY_AFTER_S)},
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -158,8 +175,10 @@ def add_error_handlers(app: FastAPI) -> None:
         """A value Postgres cannot hold or compare (a number past bigint, text it cannot
         encode) that no check before it caught: the caller's to fix, not a 500."""
         reason = str(exc.orig).splitlines()[0] if exc.orig is not None else type(exc).__name__
-        return GatewayJSONResponse({"detail": f"request: a value is out of range or not "
-                                              f"storable ({reason})"}, status_code=400)
+        return GatewayJSONResponse(
+            {"detail": f"request: a value is out of range or not storable ({reason})"},
+            status_code=400,
+        )
 
     async def store_outage(request: Request, exc: Exception) -> JSONResponse:
         """Redis or Postgres away (a restart, a failover) is a 503 with Retry-After, which
@@ -168,9 +187,11 @@ def add_error_handlers(app: FastAPI) -> None:
         store = outage_of(exc)
         if store is None:
             raise exc
-        return JSONResponse({"detail": f"{store} is unreachable; retry shortly"},
-                            status_code=503,
-                            headers={"Retry-After": str(OUTAGE_RETRY_AFTER_S)})
+        return JSONResponse(
+            {"detail": f"{store} is unreachable; retry shortly"},
+            status_code=503,
+            headers={"Retry-After": str(OUTAGE_RETRY_AFTER_S)},
+        )
 
     for outage in (*REDIS_DOWN, DBAPIError, ConnectionError, TimeoutError):
         app.add_exception_handler(outage, store_outage)

@@ -84,8 +84,10 @@ async def caller_of(request: Request) -> Caller:
     """The caller of a dashboard route; 401 without a valid, unrevoked key."""
     key = request.headers.get("X-API-Key")
     if not key:
-        raise HTTPException(401, "missing X-API-Key header: send a tml-... key "
-                                 "(queue-tinker keys create --tenant NAME)")
+        raise HTTPException(
+            401,
+            "missing X-API-Key header: send a tml-... key (queue-tinker keys create --tenant NAME)",
+        )
     return await caller_of_key(request, key)
 
 

@@ -78,30 +78,40 @@ class BodyLimit:
         media = _header(scope, b"content-type").split(";", 1)[0].strip().lower()
         plain = _header(scope, b"content-encoding").strip().lower() in ("", "identity")
         # A compressed body's prefix is not protobuf: the route inflates it, then checks.
-        return (plain and media == PROTOBUF_MEDIA_TYPE
-                and scope.get("path") == FORWARD_BACKWARD_PATH)
+        return plain and media == PROTOBUF_MEDIA_TYPE and scope.get("path") == FORWARD_BACKWARD_PATH
 
     def _cap(self, scope: Scope) -> tuple[int, Callable[[int | None], str]]:
         """The most bytes this request's body may hold, and the message of a bigger one."""
         media = _header(scope, b"content-type").split(";", 1)[0].strip().lower()
         if media == PROTOBUF_MEDIA_TYPE or self.limits.request_bytes <= JSON_BODY_BYTES:
-            return self.limits.request_bytes, lambda size: too_many_bytes(
-                self.limits, "the HTTP body", size).message
+            return (
+                self.limits.request_bytes,
+                lambda size: too_many_bytes(self.limits, "the HTTP body", size).message,
+            )
 
         def message(size: int | None) -> str:
             amount = f"is {size_text(size)}, more than" if size is not None else "is more than"
-            return (f"request: the HTTP body {amount} the {size_text(JSON_BODY_BYTES)} a "
-                    "non-protobuf body may be; send forward_backward as protobuf (the tinker "
-                    "SDK does) or split the request")
+            return (
+                f"request: the HTTP body {amount} the {size_text(JSON_BODY_BYTES)} a "
+                "non-protobuf body may be; send forward_backward as protobuf (the tinker "
+                "SDK does) or split the request"
+            )
 
         return JSON_BODY_BYTES, message
 
 
 async def _too_large(send: Send, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -22,8 +22,10 @@ async def request_body(request: Request, limits: RequestLimits) -> bytes:
     if encoding in ("", "identity"):
         return body
     if encoding != "zstd":
-        raise UserInputError(f"Content-Encoding: {encoding!r} is not supported; send the body "
-                             "as it is, or zstd-compressed")
+        raise UserInputError(
+            f"Content-Encoding: {encoding!r} is not supported; send the body "
+            "as it is, or zstd-compressed"
+        )
     return inflate(body, limits)
 
 

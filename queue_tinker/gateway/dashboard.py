@@ -43,8 +43,10 @@ MAX_ROWS = 500
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 # The page loads nothing from elsewhere and runs no inline script: a key typed into it can
 # only go to this gateway.
-_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+)
 _NO_STORE = {"Cache-Control": "no-store"}
 
 CallerDep = Annotated[Caller, Depends(caller_of)]
@@ -64,8 +66,9 @@ def _redis(request: Request) -> Redis:
     return redis
 
 
-async def hide_other_tenants(redis: Redis, keys: Keys, workers: list[dict[str, Any]],
-                             tenant: str) -> None:
+async def hide_other_tenants(
+    redis: Redis, keys: Keys, workers: list[dict[str, Any]], tenant: str
+) -> None:
     """Leave out of each worker's entry the models and the op of tenants other than `tenant`
     (a model's tenant is in its meta hash, a job's in its job hash)."""
     async with redis.pipeline(transaction=False) as pipe:
@@ -102,16 +105,19 @@ async def _actionable_job(request: Request, keys: Keys, caller: Caller, job_id: 
         return
     if _hidden(caller, await dq.request_tenant(_db(request), job_id)):
         raise not_found(f"request {job_id!r}")
-    raise UserInputError(f"request_id: {job_id} is older than QT_RESULT_TTL_S and no longer "
-                         "kept in the queue, so it cannot be retried or cancelled")
+    raise UserInputError(
+        f"request_id: {job_id} is older than QT_RESULT_TTL_S and no longer "
+        "kept in the queue, so it cannot be retried or cancelled"
+    )
 
 
 def _page_routes(router: APIRouter) -> None:
     @router.get("/dashboard", include_in_schema=False)
     async def page() -> HTMLResponse:
         """The page; it asks for the key, so it loads without one."""
-        return HTMLResponse(_static("index.html"),
-                            headers={**_NO_STORE, "Content-Security-Policy": _CSP})
+        return HTMLResponse(
+            _static("index.html"), headers={**_NO_STORE, "Content-Security-Policy": _CSP}
+        )
 
     @router.get("/dashboard/{name}", include_in_schema=False)
     async def asset(name: str) -> Response:
@@ -132,23 +138,31 @@ def _read_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
                 worker.update(resident_hidden=0, current_op_hidden=False)
         # Records Postgres refused (nothing accepted should be there): shown when any are.
         dead = await RecordLog(_redis(request), keys).dead(caller.scope)
-        return {**body, "dead_letters": dead,
-                "caller": {"tenant_id": caller.tenant_id, "admin": caller.admin}}
+        return {
+            **body,
+            "dead_letters": dead,
+            "caller": {"tenant_id": caller.tenant_id, "admin": caller.admin},
+        }
 
     @router.get(f"{API}/requests")
     async def requests(
-        request: Request, caller: CallerDep, limit: int = Query(50, ge=1, le=MAX_ROWS),
-        status: JobStatus | None = None, kind: OpKind | None = None,
+        request: Request,
+        caller: CallerDep,
+        limit: int = Query(50, ge=1, le=MAX_ROWS),
+        status: JobStatus | None = None,
+        kind: OpKind | None = None,
         model: str | None = Query(None, max_length=256),
     ) -> dict[str, Any]:
         """The newest requests with their latency and error (no traceback: see /requests/id)."""
-        rows = await dq.recent_requests(_db(request), caller.scope, limit=limit,
-                                        status=status, model_id=model, kind=kind)
+        rows = await dq.recent_requests(
+            _db(request), caller.scope, limit=limit, status=status, model_id=model, kind=kind
+        )
         return {"requests": rows}
 
     @router.get(f"{API}/requests/{{request_id}}")
-    async def request_detail(request_id: str, request: Request,
-                             caller: CallerDep) -> dict[str, Any]:
+    async def request_detail(
+        request_id: str, request: Request, caller: CallerDep
+    ) -> dict[str, Any]:
         """One request with its traceback (`error_detail`) and metrics."""
         row = await dq.request_detail(_db(request), caller.scope, request_id)
         if row is None:
@@ -156,31 +170,41 @@ def _read_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
         return row
 
     @router.get(f"{API}/runs")
-    async def runs(request: Request, caller: CallerDep,
-                   limit: int = Query(50, ge=1, le=MAX_ROWS)) -> dict[str, Any]:
+    async def runs(
+        request: Request, caller: CallerDep, limit: int = Query(50, ge=1, le=MAX_ROWS)
+    ) -> dict[str, Any]:
         """Training runs, most recently active first, with step count and last loss (a
         diverged one as "NaN" / "Infinity": FastAPI's own encoding would make it null)."""
-        return finite_json({"runs": await dq.training_runs(_db(request), caller.scope,
-                                                           limit=limit)})
+        return finite_json(
+            {"runs": await dq.training_runs(_db(request), caller.scope, limit=limit)}
+        )
 
     @router.get(f"{API}/runs/{{run_id}}/loss")
     async def loss(run_id: str, request: Request, caller: CallerDep) -> dict[str, Any]:
         """The run's loss curve: `loss:sum` of each finished forward_backward, in seq order."""
         if not await dq.run_visible(_db(request), caller.scope, run_id):
             raise not_found(f"training run {run_id!r}")
-        return finite_json({"run_id": run_id, "metric": dq.LOSS_METRIC,
-                            "points": await dq.loss_curve(_db(request), run_id)})
+        return finite_json(
+            {
+                "run_id": run_id,
+                "metric": dq.LOSS_METRIC,
+                "points": await dq.loss_curve(_db(request), run_id),
+            }
+        )
 
     @router.get(f"{API}/checkpoints")
     async def checkpoints(
-        request: Request, caller: CallerDep, limit: int = Query(100, ge=1, le=MAX_ROWS),
+        request: Request,
+        caller: CallerDep,
+        limit: int = Query(100, ge=1, le=MAX_ROWS),
         run: str | None = Query(None, max_length=256),
     ) -> dict[str, Any]:
         """Live checkpoints, newest first (of one run with ?run=)."""
         if run and not await dq.run_visible(_db(request), caller.scope, run):
             raise not_found(f"training run {run!r}")
-        return {"checkpoints": await dq.checkpoints(_db(request), caller.scope, limit=limit,
-                                                    run_id=run)}
+        return {
+            "checkpoints": await dq.checkpoints(_db(request), caller.scope, limit=limit, run_id=run)
+        }
 
 
 def _action_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
@@ -188,8 +212,9 @@ def _action_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
     async def retry(request_id: str, request: Request, caller: CallerDep) -> dict[str, Any]:
         """Queue a failed request's op again at the end of its model's queue."""
         await _actionable_job(request, keys, caller, request_id)
-        new_id = await actions.retry_job(_redis(request), keys, request_id, caller.scope,
-                                         result_ttl_s=settings.result_ttl_s)
+        new_id = await actions.retry_job(
+            _redis(request), keys, request_id, caller.scope, result_ttl_s=settings.result_ttl_s
+        )
         return {"request_id": request_id, "retry_request_id": new_id}
 
     @router.post(f"{API}/requests/{{request_id}}/cancel")
@@ -203,8 +228,11 @@ def _action_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
     async def drain(worker_id: str, request: Request, caller: CallerDep) -> dict[str, Any]:
         """The worker finishes its current op, hands its models to others and exits."""
         if not caller.admin:
-            raise HTTPException(403, "X-API-Key: draining a worker needs an admin key "
-                                     "(queue-tinker keys create --admin --tenant NAME)")
+            raise HTTPException(
+                403,
+                "X-API-Key: draining a worker needs an admin key "
+                "(queue-tinker keys create --admin --tenant NAME)",
+            )
         await actions.drain_worker(_redis(request), keys, worker_id)
         return {"worker_id": worker_id, "draining": True}
 

@@ -67,23 +67,37 @@ def _db(request: Request) -> async_sessionmaker[AsyncSession]:
     return sessions
 
 
-async def _signed_url(request: Request, keys: Keys, tenant: str, checkpoint: str, file: str,
-                      expires: int) -> str:
+async def _signed_url(
+    request: Request, keys: Keys, tenant: str, checkpoint: str, file: str, expires: int
+) -> str:
     secret = await signing_secret(request.app.state.redis, keys)
-    query = {"tenant": tenant, "checkpoint": checkpoint, "file": file, "expires": expires,
-             "signature": signature(secret, tenant, checkpoint, file, expires)}
+    query = {
+        "tenant": tenant,
+        "checkpoint": checkpoint,
+        "file": file,
+        "expires": expires,
+        "signature": signature(secret, tenant, checkpoint, file, expires),
+    }
     return f"{str(request.base_url).rstrip('/')}/api/v1/downloads?{urlencode(query)}"
 
 
-async def _checkpoint(request: Request, tenant: str, run_id: str, checkpoint_id: str,
-                      kinds: tuple[CheckpointKind, ...]) -> Checkpoint:
+async def _checkpoint(
+    request: Request,
+    tenant: str,
+    run_id: str,
+    checkpoint_id: str,
+    kinds: tuple[CheckpointKind, ...],
+) -> Checkpoint:
     """The tenant's live checkpoint <run>/<checkpoint_id> of one of `kinds`; 404 otherwise."""
     path = f"tinker://{run_id}/{checkpoint_id}"
     parsed = CheckpointPath.parse(path, "checkpoint_id")  # UserInputError: 400
     if parsed.kind not in kinds:
         allowed = " or ".join(f"{k.path_segment}/<name>" for k in kinds)
-        raise HTTPException(400, f"checkpoint_id: {checkpoint_id!r} is not a checkpoint this "
-                                 f"call serves; expected {allowed}")
+        raise HTTPException(
+            400,
+            f"checkpoint_id: {checkpoint_id!r} is not a checkpoint this "
+            f"call serves; expected {allowed}",
+        )
     row = await queries.get_live_checkpoint(_db(request), tenant, path)
     if row is None:
         raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
@@ -105,37 +119,50 @@ def download_router(keys: Keys, *dependencies: Any) -> APIRouter:
     router = APIRouter(prefix="/api/v1")
     authenticated = [Depends(d) for d in dependencies]
 
-    @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls",
-                dependencies=authenticated)
-    async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request,
-                                    tenant: str = Depends(tenant_of)) -> dict[str, Any]:
-        row = await _checkpoint(request, tenant, run_id, checkpoint_id,
-                                (CheckpointKind.EXTERNAL,))
+    @router.get(
+        "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls",
+        dependencies=authenticated,
+    )
+    async def external_weights_urls(
+        run_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
+        row = await _checkpoint(request, tenant, run_id, checkpoint_id, (CheckpointKind.EXTERNAL,))
         expires = int(time.time()) + URL_TTL_S
         files = await asyncio.to_thread(checkpoint_files, Path(row.path))
-        urls = {file: await _signed_url(request, keys, tenant, row.id, file, expires)
-                for file in files}
+        urls = {
+            file: await _signed_url(request, keys, tenant, row.id, file, expires) for file in files
+        }
         return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
-    @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive",
-                dependencies=authenticated)
-    async def checkpoint_archive(run_id: str, checkpoint_id: str, request: Request,
-                                 tenant: str = Depends(tenant_of)) -> RedirectResponse:
-        row = await _checkpoint(request, tenant, run_id, checkpoint_id,
-                                (CheckpointKind.STATE, CheckpointKind.SAMPLER))
+    @router.get(
+        "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive",
+        dependencies=authenticated,
+    )
+    async def checkpoint_archive(
+        run_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> RedirectResponse:
+        row = await _checkpoint(
+            request, tenant, run_id, checkpoint_id, (CheckpointKind.STATE, CheckpointKind.SAMPLER)
+        )
         expires = int(time.time()) + URL_TTL_S
         url = await _signed_url(request, keys, tenant, row.id, ARCHIVE, expires)
         http_date = format_datetime(datetime.fromtimestamp(expires, UTC), usegmt=True)
         return RedirectResponse(url, status_code=302, headers={"Expires": http_date})
 
     @router.get("/downloads")
-    async def download(request: Request, tenant: str = Query(), checkpoint: str = Query(),
-                       file: str = Query(""), expires: int = Query(),
-                       signature_: str = Query(alias="signature")) -> FileResponse:
+    async def download(
+        request: Request,
+        tenant: str = Query(),
+        checkpoint: str = Query(),
+        file: str = Query(""),
+        expires: int = Query(),
+        signature_: str = Query(alias="signature"),
+    ) -> FileResponse:
         """A signed URL's file (no API key: the signature is the permission)."""
         secret = await signing_secret(request.app.state.redis, keys)
-        if not hmac.compare_digest(signature(secret, tenant, checkpoint, file, expires),
-                                   signature_):
+        if not hmac.compare_digest(
+            signature(secret, tenant, checkpoint, file, expires), signature_
+        ):
             raise HTTPException(403, "signature: does not match this URL")
         if expires < time.time():
             raise HTTPException(403, "expires: this download URL has expired; ask for a new one")
@@ -146,8 +173,12 @@ def download_router(keys: Keys, *dependencies: Any) -> APIRouter:
         if file == ARCHIVE:
             archive = await asyncio.to_thread(_archive, directory)
             name = f"{CheckpointPath.parse(checkpoint).name}.tar.gz"
-            return FileResponse(archive, media_type="application/gzip", filename=name,
-                                background=BackgroundTask(archive.unlink, missing_ok=True))
+            return FileResponse(
+                archive,
+                media_type="application/gzip",
+                filename=name,
+                background=BackgroundTask(archive.unlink, missing_ok=True),
+            )
         if file not in await asyncio.to_thread(checkpoint_files, directory):
             raise not_found(f"file {file!r} of checkpoint {checkpoint!r}")
         return FileResponse(directory / file, media_type="application/octet-stream")

@@ -58,20 +58,26 @@ def queue_families(queues: list[dict[str, Any]], served: set[str]) -> Iterator[M
         if q["oldest_wait_s"] is not None:
             oldest[q["base_model"]] = max(oldest.get(q["base_model"], 0.0), q["oldest_wait_s"])
     depth_family = GaugeMetricFamily(
-        "qt_queue_depth", "Ops queued or running and not yet finished, summed over the models "
+        "qt_queue_depth",
+        "Ops queued or running and not yet finished, summed over the models "
         "of a base model, by why they wait (active, paused_capacity: no live worker serves "
         "the base model, paused_rate_limit: the tenant is over its limits).",
-        labels=["base_model", "state"])
+        labels=["base_model", "state"],
+    )
     models_family = GaugeMetricFamily(
-        "qt_queue_models", "Models with unfinished ops, by base model and by why they wait.",
-        labels=["base_model", "state"])
+        "qt_queue_models",
+        "Models with unfinished ops, by base model and by why they wait.",
+        labels=["base_model", "state"],
+    )
     for labels in sorted(depth):
         depth_family.add_metric(labels, depth[labels])
         models_family.add_metric(labels, models[labels])
     oldest_family = GaugeMetricFamily(
-        "qt_queue_oldest_wait_seconds", "Age of the oldest unfinished op of any model of the "
+        "qt_queue_oldest_wait_seconds",
+        "Age of the oldest unfinished op of any model of the "
         "base model (time since it was queued; 0 when none waits); grows while ops are stuck.",
-        labels=["base_model"])
+        labels=["base_model"],
+    )
     for base in sorted(oldest):
         oldest_family.add_metric([base], oldest[base])
     yield from (depth_family, models_family, oldest_family)
@@ -84,27 +90,39 @@ def worker_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
         live[(w["base_model"], w["device"])] += 1
         busy[w["base_model"]] += 1 if w["current_op"] else 0
     live_family = GaugeMetricFamily(
-        "qt_workers", "Live workers (heartbeat within 3 lease lifetimes), by base model and "
-        "device.", labels=["base_model", "device"])
+        "qt_workers",
+        "Live workers (heartbeat within 3 lease lifetimes), by base model and device.",
+        labels=["base_model", "device"],
+    )
     for labels in sorted(live):
         live_family.add_metric(labels, live[labels])
     busy_family = GaugeMetricFamily(
-        "qt_workers_busy", "Live workers running an op right now, by base model.",
-        labels=["base_model"])
+        "qt_workers_busy",
+        "Live workers running an op right now, by base model.",
+        labels=["base_model"],
+    )
     for base in sorted(busy):
         busy_family.add_metric([base], busy[base])
     owned = GaugeMetricFamily(
-        "qt_worker_owned_models", "Models a worker holds the lease of (it runs their ops).",
-        labels=["worker", "base_model"])
+        "qt_worker_owned_models",
+        "Models a worker holds the lease of (it runs their ops).",
+        labels=["worker", "base_model"],
+    )
     resident = GaugeMetricFamily(
-        "qt_worker_resident_models", "Models whose adapter a worker keeps in memory "
-        "(owned ones and idle ones it lingers on).", labels=["worker", "base_model"])
+        "qt_worker_resident_models",
+        "Models whose adapter a worker keeps in memory (owned ones and idle ones it lingers on).",
+        labels=["worker", "base_model"],
+    )
     memory = GaugeMetricFamily(
-        "qt_worker_memory_bytes", "Resident memory of a worker process (host RAM), as of "
-        "its last heartbeat.", labels=["worker", "base_model", "device"])
+        "qt_worker_memory_bytes",
+        "Resident memory of a worker process (host RAM), as of its last heartbeat.",
+        labels=["worker", "base_model", "device"],
+    )
     device_memory = GaugeMetricFamily(
-        "qt_worker_device_memory_bytes", "Accelerator (GPU) memory a worker has in use, as of "
-        "its last heartbeat; 0 on the CPU.", labels=["worker", "base_model", "device"])
+        "qt_worker_device_memory_bytes",
+        "Accelerator (GPU) memory a worker has in use, as of its last heartbeat; 0 on the CPU.",
+        labels=["worker", "base_model", "device"],
+    )
     for w in sorted(workers, key=lambda w: w["id"]):
         owned.add_metric([w["id"], w["base_model"]], w["owned"])
         resident.add_metric([w["id"], w["base_model"]], len(w["resident"]))
@@ -116,24 +134,35 @@ def worker_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
 
 def op_families(snapshot: MetricsSnapshot) -> Iterator[Metric]:
     ops = CounterMetricFamily(
-        "qt_ops", "Ops finished since the deployment began, by kind and outcome (done, failed).",
-        labels=["kind", "status"])
+        "qt_ops",
+        "Ops finished since the deployment began, by kind and outcome (done, failed).",
+        labels=["kind", "status"],
+    )
     for op in sorted(snapshot.ops, key=lambda o: (o.kind, o.status)):
         ops.add_metric([op.kind, op.status], op.count)
     latency = HistogramMetricFamily(
-        "qt_op_latency_seconds", "Time from queued to finished of each finished op (queue "
-        "wait plus run time), by kind.", labels=["kind"])
+        "qt_op_latency_seconds",
+        "Time from queued to finished of each finished op (queue wait plus run time), by kind.",
+        labels=["kind"],
+    )
     for hist in sorted(snapshot.latency, key=lambda h: h.kind):
-        latency.add_metric([hist.kind], [(floatToGoString(le), n) for le, n in hist.buckets],
-                           hist.sum_s)
+        latency.add_metric(
+            [hist.kind], [(floatToGoString(le), n) for le, n in hist.buckets], hist.sum_s
+        )
     tokens = CounterMetricFamily(
-        "qt_tokens", "Tokens processed by finished ops, by kind; tokens per second is "
-        "rate(qt_tokens_total[1m]).", labels=["kind"])
+        "qt_tokens",
+        "Tokens processed by finished ops, by kind; tokens per second is "
+        "rate(qt_tokens_total[1m]).",
+        labels=["kind"],
+    )
     for kind in sorted(snapshot.tokens):
         tokens.add_metric([kind], snapshot.tokens[kind])
     tenant_tokens = CounterMetricFamily(
-        "qt_tenant_tokens", "Tokens processed by finished ops, by tenant; "
-        "rate(qt_tenant_tokens_total[1m]) is a tenant's tokens per second.", labels=["tenant"])
+        "qt_tenant_tokens",
+        "Tokens processed by finished ops, by tenant; "
+        "rate(qt_tenant_tokens_total[1m]) is a tenant's tokens per second.",
+        labels=["tenant"],
+    )
     for tenant in sorted(snapshot.tenant_tokens):
         tenant_tokens.add_metric([tenant], snapshot.tenant_tokens[tenant])
     yield from (ops, latency, tokens, tenant_tokens)
@@ -147,10 +176,16 @@ def _check_token(request: Request, token: str | None) -> None:
     scheme, _, value = given.partition(" ")
     # compare_digest: the time taken says nothing about how much of the token matched. An
     # empty token (the settings refuse one; model_copy does not check) never lets anyone in.
-    if scheme.lower() != "bearer" or not token or not secrets.compare_digest(
-            value.strip().encode(), token.encode()):
-        raise HTTPException(401, "GET /metrics needs Authorization: Bearer <QT_METRICS_TOKEN>",
-                            headers={"WWW-Authenticate": "Bearer"})
+    if (
+        scheme.lower() != "bearer"
+        or not token
+        or not secrets.compare_digest(value.strip().encode(), token.encode())
+    ):
+        raise HTTPException(
+            401,
+            "GET /metrics needs Authorization: Bearer <QT_METRICS_TOKEN>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def metrics_router(settings: Settings, keys: Keys) -> APIRouter:

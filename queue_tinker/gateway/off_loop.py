@@ -38,9 +38,16 @@ class OffLoopRoute(APIRoute):
                     # Starlette's Request.json() returns this attribute when it is set.
                     request._json = await off_loop(lambda: json.loads(body), len(body))
                 except (ValueError, RecursionError) as exc:  # also bad UTF-8, deep nesting
-                    raise RequestValidationError([{
-                        "type": "json_invalid", "loc": ("body",), "input": None,
-                        "msg": f"body: not valid JSON ({type(exc).__name__})"}]) from None
+                    raise RequestValidationError(
+                        [
+                            {
+                                "type": "json_invalid",
+                                "loc": ("body",),
+                                "input": None,
+                                "msg": f"body: not valid JSON ({type(exc).__name__})",
+                            }
+                        ]
+                    ) from None
             return await handler(request)
 
         return parse_off_loop

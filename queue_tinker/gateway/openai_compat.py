@@ -79,9 +79,17 @@ class ChatRequest(_Body):
 
 def openai_error(exc: UserInputError) -> JSONResponse:
     """Bad input in OpenAI's error shape, so the openai client shows the message."""
-    return JSONResponse({"error": {"message": exc.message, "type": "invalid_request_error",
-                                   "param": exc.message.split(":", 1)[0], "code": None}},
-                        status_code=400)
+    return JSONResponse(
+        {
+            "error": {
+                "message": exc.message,
+                "type": "invalid_request_error",
+                "param": exc.message.split(":", 1)[0],
+                "code": None,
+            }
+        },
+        status_code=400,
+    )
 
 
 @router.post("/completions")
@@ -100,52 +108,81 @@ async def chat_completions(body: ChatRequest, gq: Queue, tenant: Tenant) -> Any:
         return openai_error(exc)
 
 
-async def _completions(body: CompletionRequest, gq: GatewayQueue,
-                       tenant: str) -> dict[str, Any]:
+async def _completions(body: CompletionRequest, gq: GatewayQueue, tenant: str) -> dict[str, Any]:
     base, path = await _target(gq, tenant, body.model)
     tokenizer = await _tokenizer(gq, base)
-    prompt = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(
-        body.prompt, add_special_tokens=False)
+    prompt = (
+        body.prompt
+        if isinstance(body.prompt, list)
+        else tokenizer.encode(body.prompt, add_special_tokens=False)
+    )
     response = await _sample(gq, tenant, body, base, path, prompt)
-    choices = [{"index": i, "text": tokenizer.decode(s.tokens, skip_special_tokens=True),
-                "finish_reason": s.stop_reason, "logprobs": None}
-               for i, s in enumerate(response.sequences)]
+    choices = [
+        {
+            "index": i,
+            "text": tokenizer.decode(s.tokens, skip_special_tokens=True),
+            "finish_reason": s.stop_reason,
+            "logprobs": None,
+        }
+        for i, s in enumerate(response.sequences)
+    ]
     return _answer("text_completion", body.model, choices, len(prompt), response)
 
 
-async def _chat_completions(body: ChatRequest, gq: GatewayQueue,
-                            tenant: str) -> dict[str, Any]:
+async def _chat_completions(body: ChatRequest, gq: GatewayQueue, tenant: str) -> dict[str, Any]:
     base, path = await _target(gq, tenant, body.model)
     tokenizer = await _tokenizer(gq, base)
     if not getattr(tokenizer, "chat_template", None):
-        raise UserInputError(f"model: {base}'s tokenizer has no chat template; use "
-                             "/completions with a prompt")
-    text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
-                                         add_generation_prompt=True, tokenize=False)
+        raise UserInputError(
+            f"model: {base}'s tokenizer has no chat template; use /completions with a prompt"
+        )
+    text = tokenizer.apply_chat_template(
+        [m.model_dump() for m in body.messages], add_generation_prompt=True, tokenize=False
+    )
     prompt = tokenizer.encode(text, add_special_tokens=False)
     response = await _sample(gq, tenant, body, base, path, prompt)
-    choices = [{"index": i, "finish_reason": s.stop_reason, "logprobs": None,
-                "message": {"role": "assistant",
-                            "content": tokenizer.decode(s.tokens, skip_special_tokens=True)}}
-               for i, s in enumerate(response.sequences)]
+    choices = [
+        {
+            "index": i,
+            "finish_reason": s.stop_reason,
+            "logprobs": None,
+            "message": {
+                "role": "assistant",
+                "content": tokenizer.decode(s.tokens, skip_special_tokens=True),
+            },
+        }
+        for i, s in enumerate(response.sequences)
+    ]
     return _answer("chat.completion", body.model, choices, len(prompt), response)
 
 
-def _answer(kind: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-            response: SampleResponse) -> dict[str, Any]:
+def _answer(
+    kind: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    prompt_tokens: int,
+    response: SampleResponse,
+) -> dict[str, Any]:
     completion_tokens = sum(len(s.tokens) for s in response.sequences)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-            "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
 async def _target(gq: GatewayQueue, tenant: str, model: str) -> tuple[str, str | None]:
     """(base model, checkpoint path or None) of a request's `model`."""
     path = model if model.startswith(SCHEME) else None
     try:
-        base = await runs.sampling_base_model(gq.jobs, tenant, path,
-                                              None if path else model)
+        base = await runs.sampling_base_model(gq.jobs, tenant, path, None if path else model)
     except UserInputError as exc:
         raise UserInputError("model: " + exc.message.split(": ", 1)[-1]) from None
     return base, path
@@ -155,23 +192,39 @@ async def _tokenizer(gq: GatewayQueue, base: str) -> Any:
     return await asyncio.to_thread(load_tokenizer, base, gq.settings.models_dir)
 
 
-async def _sample(gq: GatewayQueue, tenant: str, body: _Body, base: str, path: str | None,
-                  prompt: list[int]) -> SampleResponse:
+async def _sample(
+    gq: GatewayQueue, tenant: str, body: _Body, base: str, path: str | None, prompt: list[int]
+) -> SampleResponse:
     """One sample op on the tenant's sampling session for this model; its result."""
     if body.stream:
         raise UserInputError("stream: not supported; send stream: false")
     sampler_id = await _sampler(gq, tenant, base, path)
-    params = {"max_tokens": body.max_tokens or DEFAULT_MAX_TOKENS, "seed": body.seed,
-              "temperature": body.temperature, "top_p": body.top_p, "stop": body.stop}
-    sample = sample_input({"chunks": [{"type": "encoded_text", "tokens": prompt}]}, body.n,
-                          params, False, path, limits=gq.limits)
-    job_id = await gq.submit(sampler_id, OpKind.SAMPLE,
-                             encode_request(sample.model_dump(), gq.limits), None)
+    params = {
+        "max_tokens": body.max_tokens or DEFAULT_MAX_TOKENS,
+        "seed": body.seed,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stop": body.stop,
+    }
+    sample = sample_input(
+        {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+        body.n,
+        params,
+        False,
+        path,
+        limits=gq.limits,
+    )
+    job_id = await gq.submit(
+        sampler_id, OpKind.SAMPLE, encode_request(sample.model_dump(), gq.limits), None
+    )
     try:
         outcome = await asyncio.wait_for(gq.results.wait(job_id, sampler_id), RESULT_WAIT_S)
     except TimeoutError:
-        raise HTTPException(504, f"request {job_id}: no result within {RESULT_WAIT_S:.0f} s "
-                                 "(is a worker serving this base model?)") from None
+        raise HTTPException(
+            504,
+            f"request {job_id}: no result within {RESULT_WAIT_S:.0f} s "
+            "(is a worker serving this base model?)",
+        ) from None
     if outcome.status is JobStatus.FAILED:
         raise UserInputError(f"model: sampling failed: {outcome.error}")
     return SampleResponse.model_validate(codec.decode(outcome.result))
@@ -183,6 +236,13 @@ async def _sampler(gq: GatewayQueue, tenant: str, base: str, path: str | None) -
     digest = hashlib.sha256(f"{tenant}\0{base}\0{path or ''}".encode()).hexdigest()[:24]
     sampler_id = f"oai-{digest}:sample:0"
     if await gq.jobs.tenant_model(sampler_id, tenant, "sampling") is None:
-        await runs.open_sampling_session(gq.jobs, gq.submit, sampler_id, base_model=base,
-                                         tenant_id=tenant, session_id=None, model_path=path)
+        await runs.open_sampling_session(
+            gq.jobs,
+            gq.submit,
+            sampler_id,
+            base_model=base,
+            tenant_id=tenant,
+            session_id=None,
+            model_path=path,
+        )
     return sampler_id

@@ -68,8 +68,9 @@ class ParsedForwardBackward:
             return None
         return value.text if value.WhichOneof("value") == "text" else None
 
-    def batch(self, limits: RequestLimits | None = None,
-              custom_loss: CustomLoss | None = None) -> ForwardBackwardInput:
+    def batch(
+        self, limits: RequestLimits | None = None, custom_loss: CustomLoss | None = None
+    ) -> ForwardBackwardInput:
         """The request's data, loss function and config as ours; UserInputError if bad. The
         datum count is checked before any datum is converted, and a sparse tensor's dense size
         before it is allocated (a few bytes of CSR can describe gigabytes). A "custom" loss
@@ -79,17 +80,21 @@ class ParsedForwardBackward:
         request, limits = self._request, limits or RequestLimits.defaults()
         loss_fn = parse_loss_fn(request.loss_fn)
         if loss_fn is LossFn.CUSTOM and custom_loss is None:
-            raise UserInputError("loss_fn_config.loss_id: loss_fn 'custom' runs a loss "
-                                 "uploaded with create_custom_loss; name it by its loss_id")
+            raise UserInputError(
+                "loss_fn_config.loss_id: loss_fn 'custom' runs a loss "
+                "uploaded with create_custom_loss; name it by its loss_id"
+            )
         config = _loss_fn_config(request) if loss_fn is not LossFn.CUSTOM else None
         check_datum_count(len(request.data), limits)
         data = [_datum(f"data[{i}]", datum, limits) for i, datum in enumerate(request.data)]
-        return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config,
-                                    custom_loss=custom_loss)
+        return ForwardBackwardInput(
+            data=data, loss_fn=loss_fn, loss_fn_config=config, custom_loss=custom_loss
+        )
 
 
-def parse_forward_backward(raw: bytes,
-                           limits: RequestLimits | None = None) -> ParsedForwardBackward:
+def parse_forward_backward(
+    raw: bytes, limits: RequestLimits | None = None
+) -> ParsedForwardBackward:
     """Decode a (decompressed) /forward_backward body; only the envelope is checked here.
 
     The body's datum count and each datum's tokens are first read off the wire from field
@@ -107,8 +112,12 @@ def parse_forward_backward(raw: bytes,
         raise UserInputError(
             f"body: not a tinker_public.ForwardBackwardRequest protobuf ({exc})"
         ) from None
-    return ParsedForwardBackward(model_id=request.model_id, seq_id=request.seq_id,
-                                 forward_only=request.forward_only, _request=request)
+    return ParsedForwardBackward(
+        model_id=request.model_id,
+        seq_id=request.seq_id,
+        forward_only=request.forward_only,
+        _request=request,
+    )
 
 
 def _loss_fn_config(request: pb.ForwardBackwardRequest) -> dict[str, float] | None:
@@ -138,10 +147,13 @@ def _datum(where: str, datum: pb.Datum, limits: RequestLimits) -> Datum:
         if tensor.WhichOneof("encoding") == "dense" and tensor.dtype in _READ_DTYPES:
             values = len(tensor.dense) // _READ_DTYPES[tensor.dtype][0].itemsize
             check_tokens(f"{where}.loss_fn_inputs[{key!r}]", values, limits, what="values")
-    chunks = [_chunk(f"{where}.model_input[{j}]", chunk)
-              for j, chunk in enumerate(datum.model_input)]
-    inputs = {key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor, limits)
-              for key, tensor in datum.loss_fn_inputs.items()}
+    chunks = [
+        _chunk(f"{where}.model_input[{j}]", chunk) for j, chunk in enumerate(datum.model_input)
+    ]
+    inputs = {
+        key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor, limits)
+        for key, tensor in datum.loss_fn_inputs.items()
+    }
     return Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs)
 
 
@@ -175,8 +187,9 @@ def _tensor(where: str, tensor: pb.Tensor, limits: RequestLimits) -> TensorData:
     wire, dtype = _READ_DTYPES[tensor.dtype]
     shape = list(tensor.shape)
     if len(shape) > MAX_TENSOR_DIMS:  # numpy itself stops at 64, with a ValueError
-        raise UserInputError(f"{where}: shape has {len(shape)} dimensions; at most "
-                             f"{MAX_TENSOR_DIMS}")
+        raise UserInputError(
+            f"{where}: shape has {len(shape)} dimensions; at most {MAX_TENSOR_DIMS}"
+        )
     if any(dim < 0 for dim in shape):
         raise UserInputError(f"{where}: shape {shape} has a negative dimension")
     if tensor.WhichOneof("encoding") == "sparse_csr":
@@ -194,8 +207,9 @@ def _tensor(where: str, tensor: pb.Tensor, limits: RequestLimits) -> TensorData:
     return TensorData(data=array.astype(dtype, copy=False), dtype=dtype, shape=list(array.shape))
 
 
-def _dense_from_csr(where: str, csr: pb.SparseCsr, wire: np.dtype, shape: list[int],
-                    limits: RequestLimits) -> np.ndarray:
+def _dense_from_csr(
+    where: str, csr: pb.SparseCsr, wire: np.dtype, shape: list[int], limits: RequestLimits
+) -> np.ndarray:
     """Densify a 2-D CSR tensor; absent cells are 0 (the pad value of loss_fn_inputs)."""
     where = f"{where}: sparse_csr"
     if len(shape) != 2:
@@ -243,25 +257,29 @@ def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
         assert len({t.dtype for t in tensors}) == 1, f"{name}: datums' dtypes differ"
         wire, dtype = _WRITE_DTYPES[tensors[0].dtype]
         # Each datum's array as [leading, *trailing]; a scalar becomes [1].
-        arrays = [np.ascontiguousarray(t.data, dtype=wire).reshape(-1, *t.data.shape[1:])
-                  for t in tensors]
+        arrays = [
+            np.ascontiguousarray(t.data, dtype=wire).reshape(-1, *t.data.shape[1:]) for t in tensors
+        ]
         trailing = arrays[0].shape[1:]
         assert all(a.shape[1:] == trailing for a in arrays), f"{name}: trailing shapes differ"
         offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64)
-        record.fields[name].CopyFrom(pb.BatchedTensor(
-            data=b"".join(a.tobytes() for a in arrays),
-            offsets=offsets.astype("<i8").tobytes(),
-            dtype=dtype,
-            trailing_shape=list(trailing),
-        ))
+        record.fields[name].CopyFrom(
+            pb.BatchedTensor(
+                data=b"".join(a.tobytes() for a in arrays),
+                offsets=offsets.astype("<i8").tobytes(),
+                dtype=dtype,
+                trailing_shape=list(trailing),
+            )
+        )
     return msg.SerializeToString()
 
 
 TOPK_SENTINEL = -99999.0  # tinker.types.topk_logprobs.MASK_LOGPROB: "not computed"
 
 
-def encode_sample_response(response: SampleResponse, *,
-                           prompt_logprobs_last_n: int | None = None) -> bytes:
+def encode_sample_response(
+    response: SampleResponse, *, prompt_logprobs_last_n: int | None = None
+) -> bytes:
     """The sampling result as the SDK reads it (doc section 9.2): prompt logprobs are NaN where
     not computed, including before the last N positions when the request asked for only N
     (the SDK raises if any of those is a number)."""
@@ -273,25 +291,29 @@ def encode_sample_response(response: SampleResponse, *,
             logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
         )
     if response.prompt_logprobs is not None:
-        values = np.array([math.nan if v is None else v for v in response.prompt_logprobs],
-                          dtype="<f4")
+        values = np.array(
+            [math.nan if v is None else v for v in response.prompt_logprobs], dtype="<f4"
+        )
         if prompt_logprobs_last_n is not None:
             values[: max(len(values) - prompt_logprobs_last_n, 0)] = math.nan
         msg.prompt_logprobs = values.tobytes()
     if response.topk_prompt_logprobs is not None:
         msg.topk_prompt_logprobs.CopyFrom(
-            _topk_message(response.topk_prompt_logprobs, prompt_logprobs_last_n))
+            _topk_message(response.topk_prompt_logprobs, prompt_logprobs_last_n)
+        )
     if response.target_prompt_logprobs is not None:
         targets = np.asarray(response.target_prompt_logprobs, dtype="<f4")
         rows = len(response.target_prompt_logprobs)
         targets = targets.reshape(rows, targets.size // rows if rows else 0)
-        msg.target_prompt_logprobs.CopyFrom(pb.Tensor(
-            dense=targets.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=list(targets.shape)))
+        msg.target_prompt_logprobs.CopyFrom(
+            pb.Tensor(dense=targets.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=list(targets.shape))
+        )
     return msg.SerializeToString()
 
 
-def _topk_message(topk: list[list[tuple[int, float]] | None],
-                  last_n: int | None) -> pb.TopkLogprobs:
+def _topk_message(
+    topk: list[list[tuple[int, float]] | None], last_n: int | None
+) -> pb.TopkLogprobs:
     """(length, k) matrices; a position not computed (the first; those before the last N when
     only N were asked for) holds the SDK's sentinel: token 0, logprob -99999."""
     k = max((len(row) for row in topk if row), default=0)
@@ -302,5 +324,6 @@ def _topk_message(topk: list[list[tuple[int, float]] | None],
         if row and i >= first:
             ids[i, : len(row)] = [token for token, _ in row]
             values[i, : len(row)] = [value for _, value in row]
-    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k,
-                           length=len(topk))
+    return pb.TopkLogprobs(
+        token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k, length=len(topk)
+    )

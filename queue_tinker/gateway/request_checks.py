@@ -54,26 +54,36 @@ def refusal_of(scope: Scope) -> tuple[int, str] | None:
         if CONTROL.search(name) or CONTROL.search(value):
             label = name if name.isidentifier() else f"query[{name!r}]"
             return 422, f"{label}: the query parameter holds a control character: {value!r}"
-    headers = {name.decode("latin-1").lower(): value.decode("latin-1")
-               for name, value in scope.get("headers", [])}
+    headers = {
+        name.decode("latin-1").lower(): value.decode("latin-1")
+        for name, value in scope.get("headers", [])
+    }
     encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity", *COMPRESSED_ROUTES.get(path, ())):
-        return 415, (f"Content-Encoding: {encoding!r} is not supported here; send the body "
-                     "uncompressed" + (" or zstd-compressed" if path in COMPRESSED_ROUTES
-                                       else ""))
+        return 415, (
+            f"Content-Encoding: {encoding!r} is not supported here; send the body "
+            "uncompressed" + (" or zstd-compressed" if path in COMPRESSED_ROUTES else "")
+        )
     media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media and scope.get("method") in ("POST", "PUT", "PATCH"):
-        wanted = ["application/json", *([PROTOBUF_ROUTES[path]] if path in PROTOBUF_ROUTES
-                                        else [])]
+        wanted = ["application/json", *([PROTOBUF_ROUTES[path]] if path in PROTOBUF_ROUTES else [])]
         if media not in (*wanted, *LENIENT):
-            return 415, (f"Content-Type: {media!r} is not supported here; send "
-                         f"{' or '.join(wanted)}")
+            return 415, (
+                f"Content-Type: {media!r} is not supported here; send {' or '.join(wanted)}"
+            )
     return None
 
 
 async def _answer(send: Send, status: int, detail: str) -> None:
     body = json.dumps({"detail": detail}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

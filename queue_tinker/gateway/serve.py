@@ -12,6 +12,11 @@ def serve(settings: Settings, *, host: str | None = None, port: int | None = Non
     app = create_app(settings)
     # uvicorn picks its C parser, httptools (a dependency), when it is installed: big bodies
     # cost the loop less than with h11 (bench/big_bodies.py). "auto" still serves without it.
-    uvicorn.run(app, host=host or settings.gateway_host, port=port or settings.gateway_port,
-                log_level="info", http="auto")
+    uvicorn.run(
+        app,
+        host=host or settings.gateway_host,
+        port=port or settings.gateway_port,
+        log_level="info",
+        http="auto",
+    )
     return 0

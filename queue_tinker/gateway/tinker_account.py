@@ -36,9 +36,12 @@ async def my_key(request: Request, tenant: Tenant) -> dict[str, Any]:
     info = await api_keys.key_info(_db(request), request.headers.get("X-API-Key", ""))
     if info is None:  # revoked since the key cache last checked it
         raise HTTPException(401, "invalid or revoked API key")
-    return {"key_id": int(info.id.removeprefix("key-"), 16), "name": info.name or info.prefix,
-            "note": f"tenant {tenant}" + (" (admin)" if info.admin else ""),
-            "details": {"org_details": {"name": tenant}, "user_details": {"email": ""}}}
+    return {
+        "key_id": int(info.id.removeprefix("key-"), 16),
+        "name": info.name or info.prefix,
+        "note": f"tenant {tenant}" + (" (admin)" if info.admin else ""),
+        "details": {"org_details": {"name": tenant}, "user_details": {"email": ""}},
+    }
 
 
 @router.delete("/auth/apikey/me")
@@ -53,33 +56,56 @@ async def revoke_my_key(request: Request, _: Tenant) -> dict[str, Any]:
 
 # --- usage and audit -------------------------------------------------------------------------
 @router.get("/billing/usage/checkpoints/current")
-async def checkpoint_storage(request: Request, tenant: Tenant,
-                             project_id: str | None = None) -> dict[str, Any]:
+async def checkpoint_storage(
+    request: Request, tenant: Tenant, project_id: str | None = None
+) -> dict[str, Any]:
     """The tenant's live checkpoints in this deployment's storage (no price: self-hosted)."""
     if project_id:
         raise UserInputError(f"project_id: {project_id!r}: this service has no projects")
     count, size = await protocol_queries.checkpoint_storage(_db(request), tenant)
-    return {"effective_rate_usd_per_gigabyte_month": None,
-            "data": [{"project_id": None, "org_user_urn": tenant, "checkpoint_count": count,
-                      "size_bytes": size, "size_gigabytes": size / BYTES_PER_GB}]}
+    return {
+        "effective_rate_usd_per_gigabyte_month": None,
+        "data": [
+            {
+                "project_id": None,
+                "org_user_urn": tenant,
+                "checkpoint_count": count,
+                "size_bytes": size,
+                "size_gigabytes": size / BYTES_PER_GB,
+            }
+        ],
+    }
 
 
 @router.get("/audit")
-async def audit_log(request: Request, tenant: Tenant,
-                    event_type: Literal["all", "checkpoints", "projects", "teams",
-                                        "organizations"] = "all",
-                    day: date | None = None) -> dict[str, Any]:
+async def audit_log(
+    request: Request,
+    tenant: Tenant,
+    event_type: Literal["all", "checkpoints", "projects", "teams", "organizations"] = "all",
+    day: date | None = None,
+) -> dict[str, Any]:
     """The tenant's checkpoint saves and deletions (of one UTC day, if given). Projects,
     teams and organizations do not exist here, so they have no events."""
     if event_type not in ("all", "checkpoints"):
         return {"entries": []}
     events = await protocol_queries.checkpoint_events(_db(request), tenant, day)
-    return {"entries": [
-        {"timestamp": moment.isoformat(), "event": event, "model_id": row.model_id,
-         "tinker_path": row.id,
-         "event_details": {"tenant": tenant, "model_id": row.model_id, "tinker_path": row.id,
-                           "size_bytes": row.size_bytes}}
-        for moment, event, row in events]}
+    return {
+        "entries": [
+            {
+                "timestamp": moment.isoformat(),
+                "event": event,
+                "model_id": row.model_id,
+                "tinker_path": row.id,
+                "event_details": {
+                    "tenant": tenant,
+                    "model_id": row.model_id,
+                    "tinker_path": row.id,
+                    "size_bytes": row.size_bytes,
+                },
+            }
+            for moment, event, row in events
+        ]
+    }
 
 
 # --- sessions --------------------------------------------------------------------------------
@@ -108,29 +134,43 @@ def check_search(body: SessionSearch) -> None:
     if body.project_ids:
         raise UserInputError(f"project_ids: {body.project_ids!r}: this service has no projects")
     if body.owner.get("type") == "user":
-        raise UserInputError("owner: 'user' is not supported; a tenant searches its own "
-                             "sessions ('own' or 'accessible')")
+        raise UserInputError(
+            "owner: 'user' is not supported; a tenant searches its own "
+            "sessions ('own' or 'accessible')"
+        )
     for field in ("user_metadata", "display_name", "statuses"):
         if getattr(body, field):
-            raise UserInputError(f"{field}: sessions are not searchable by {field} here; "
-                                 "search by session_id, or list them all")
+            raise UserInputError(
+                f"{field}: sessions are not searchable by {field} here; "
+                "search by session_id, or list them all"
+            )
 
 
 @router.post("/sessions/search")
-async def search_sessions(body: SessionSearch, request: Request,
-                          tenant: Tenant) -> dict[str, Any]:
+async def search_sessions(body: SessionSearch, request: Request, tenant: Tenant) -> dict[str, Any]:
     """The tenant's sessions, newest first, a page at a time."""
     check_search(body)
     after = (body.cursor.last_created_at, body.cursor.last_session_id) if body.cursor else None
     found = await protocol_queries.search_sessions(
-        _db(request), tenant, session_id=body.session_id, after=after, limit=body.limit)
+        _db(request), tenant, session_id=body.session_id, after=after, limit=body.limit
+    )
     last = found[-1] if len(found) == body.limit else None
-    return {"sessions": [{"session_id": s.id, "created_at": s.created_at.isoformat(),
-                          "owner": s.tenant_id, "project_id": PROJECT,
-                          "checkpoints_count": s.checkpoints,
-                          "checkpoint_storage_bytes": s.checkpoint_bytes} for s in found],
-            "next_cursor": {"last_created_at": last.created_at.isoformat(),
-                            "last_session_id": last.id} if last else None}
+    return {
+        "sessions": [
+            {
+                "session_id": s.id,
+                "created_at": s.created_at.isoformat(),
+                "owner": s.tenant_id,
+                "project_id": PROJECT,
+                "checkpoints_count": s.checkpoints,
+                "checkpoint_storage_bytes": s.checkpoint_bytes,
+            }
+            for s in found
+        ],
+        "next_cursor": {"last_created_at": last.created_at.isoformat(), "last_session_id": last.id}
+        if last
+        else None,
+    }
 
 
 @router.get("/sessions/{session_id}/trace_export")
@@ -143,31 +183,56 @@ async def trace_export(session_id: str, request: Request, tenant: Tenant) -> dic
 
 
 @router.get("/sessions/{session_id}/trace", name="session_trace")
-async def session_trace(session_id: str, request: Request, tenant: Tenant,
-                        limit: int = Query(100_000, ge=1)) -> dict[str, Any]:
+async def session_trace(
+    session_id: str, request: Request, tenant: Tenant, limit: int = Query(100_000, ge=1)
+) -> dict[str, Any]:
     """The session's requests as Chrome trace events (open in ui.perfetto.dev): one track
     per model, a span per request from start to finish, its wait in the queue before it."""
     rows = await protocol_queries.session_requests(_db(request), tenant, session_id)
     if rows is None:
         raise not_found(f"session {session_id!r}")
-    return {"traceEvents": [e for row in rows[:limit] for e in trace_events(row)],
-            "displayTimeUnit": "ms"}
+    return {
+        "traceEvents": [e for row in rows[:limit] for e in trace_events(row)],
+        "displayTimeUnit": "ms",
+    }
 
 
 def trace_events(row: RequestRow) -> list[dict[str, Any]]:
     def us(moment: datetime) -> int:
         return int(moment.timestamp() * 1e6)
 
-    args = {"request_id": row.id, "seq": row.seq, "status": row.status,
-            **({"error": row.error} if row.error else {})}
+    args = {
+        "request_id": row.id,
+        "seq": row.seq,
+        "status": row.status,
+        **({"error": row.error} if row.error else {}),
+    }
     start = row.started_at or row.finished_at
     events = []
     if start is not None:
-        events.append({"name": f"queued {row.kind}", "cat": "queue", "ph": "X",
-                       "ts": us(row.queued_at), "dur": us(start) - us(row.queued_at),
-                       "pid": row.model_id, "tid": "queue", "args": args})
+        events.append(
+            {
+                "name": f"queued {row.kind}",
+                "cat": "queue",
+                "ph": "X",
+                "ts": us(row.queued_at),
+                "dur": us(start) - us(row.queued_at),
+                "pid": row.model_id,
+                "tid": "queue",
+                "args": args,
+            }
+        )
     if row.started_at is not None and row.finished_at is not None:
-        events.append({"name": row.kind, "cat": "run", "ph": "X", "ts": us(row.started_at),
-                       "dur": us(row.finished_at) - us(row.started_at), "pid": row.model_id,
-                       "tid": "run", "args": args})
+        events.append(
+            {
+                "name": row.kind,
+                "cat": "run",
+                "ph": "X",
+                "ts": us(row.started_at),
+                "dur": us(row.finished_at) - us(row.started_at),
+                "pid": row.model_id,
+                "tid": "run",
+                "args": args,
+            }
+        )
     return events

@@ -41,52 +41,82 @@ class CreateCustomLossRequest(BaseModel):
 
 
 @router.post("/create_custom_loss")
-async def create_custom_loss(body: CreateCustomLossRequest, request: Request, gq: Queue,
-                             tenant: Tenant) -> dict[str, Any]:
+async def create_custom_loss(
+    body: CreateCustomLossRequest, request: Request, gq: Queue, tenant: Tenant
+) -> dict[str, Any]:
     """Check the loss, store it, and answer a future that is already done: {"loss_id"}."""
     session_id = await gq.session_of(body.session_id, tenant)
-    loss = validated(CustomLoss, "", {
-        "loss_id": f"{session_id}:loss:{body.custom_loss_seq_id}", "name": body.name,
-        "inputs": body.inputs, "graph": body.graph})
+    loss = validated(
+        CustomLoss,
+        "",
+        {
+            "loss_id": f"{session_id}:loss:{body.custom_loss_seq_id}",
+            "name": body.name,
+            "inputs": body.inputs,
+            "graph": body.graph,
+        },
+    )
     check_loss(loss)
-    stored = await custom_losses.save(request.app.state.sessions, loss, tenant_id=tenant,
-                                      session_id=session_id)
+    stored = await custom_losses.save(
+        request.app.state.sessions, loss, tenant_id=tenant, session_id=session_id
+    )
     if stored != loss:
-        raise UserInputError(f"custom_loss_seq_id: {body.custom_loss_seq_id} of session "
-                             f"{session_id} already names another loss")
+        raise UserInputError(
+            f"custom_loss_seq_id: {body.custom_loss_seq_id} of session "
+            f"{session_id} already names another loss"
+        )
     request_id = new_request_id()
-    await answered_job(gq, request_id, tenant, loss.loss_id,
-                       {"loss_id": loss.loss_id, "type": "create_custom_loss"})
+    await answered_job(
+        gq,
+        request_id,
+        tenant,
+        loss.loss_id,
+        {"loss_id": loss.loss_id, "type": "create_custom_loss"},
+    )
     return {"request_id": request_id}
 
 
-async def answered_job(gq: GatewayQueue, request_id: str, tenant: str, model_id: str,
-                       answer: dict[str, Any]) -> None:
+async def answered_job(
+    gq: GatewayQueue, request_id: str, tenant: str, model_id: str, answer: dict[str, Any]
+) -> None:
     """A finished job whose answer the gateway gives itself (retrieve_future reads it)."""
     now = f"{time.time():.6f}"
     key = gq.keys.job(request_id)
     async with gq.redis.pipeline(transaction=True) as pipe:
-        pipe.hset(key, mapping={"id": request_id, "tenant_id": tenant, "model_id": model_id,
-                                "kind": GATEWAY_ANSWERED, "status": JobStatus.DONE.value,
-                                "queued_at": now, "finished_at": now,
-                                "result": codec.encode(answer)})
+        pipe.hset(
+            key,
+            mapping={
+                "id": request_id,
+                "tenant_id": tenant,
+                "model_id": model_id,
+                "kind": GATEWAY_ANSWERED,
+                "status": JobStatus.DONE.value,
+                "queued_at": now,
+                "finished_at": now,
+                "result": codec.encode(answer),
+            },
+        )
         pipe.expire(key, gq.settings.result_ttl_s)
         await pipe.execute()
 
 
-async def custom_loss_for(request: Request, tenant: str, model_id: str,
-                          loss_id: str | None) -> CustomLoss | None:
+async def custom_loss_for(
+    request: Request, tenant: str, model_id: str, loss_id: str | None
+) -> CustomLoss | None:
     """The uploaded loss a forward_backward names, if it is the tenant's and of the model's
     session; UserInputError naming loss_id otherwise."""
     if loss_id is None:
         return None
     cache = _cache(request)
     found = cache.get((tenant, loss_id)) or await custom_losses.load(
-        request.app.state.sessions, tenant, loss_id)
+        request.app.state.sessions, tenant, loss_id
+    )
     session_id = model_id.split(":train:")[0]
     if found is None or found[1] != session_id:
-        raise UserInputError(f"loss_fn_config.loss_id: no custom loss {loss_id!r} in session "
-                             f"{session_id} (create it with create_custom_loss)")
+        raise UserInputError(
+            f"loss_fn_config.loss_id: no custom loss {loss_id!r} in session "
+            f"{session_id} (create it with create_custom_loss)"
+        )
     if len(cache) >= MAX_CACHED:
         cache.clear()
     cache[(tenant, loss_id)] = found  # a stored loss never changes: no Postgres read per step
@@ -100,4 +130,3 @@ def _cache(request: Request) -> dict[tuple[str, str], tuple[CustomLoss, str]]:
         state.custom_losses = {}
     found: dict[tuple[str, str], tuple[CustomLoss, str]] = state.custom_losses
     return found
-

@@ -35,10 +35,13 @@ from queue_tinker.types.training import ForwardBackwardOutput
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT_MARGIN_S = 5.0  # answer this long before the client's own read timeout
-RESULT_TYPES = {OpKind.CREATE_MODEL: "create_model", OpKind.SAVE_STATE: "save_weights",
-                OpKind.SAVE_WEIGHTS_FOR_SAMPLER: "save_weights_for_sampler",
-                OpKind.SAVE_WEIGHTS_EXTERNAL: "save_weights_external",
-                OpKind.LOAD_STATE: "load_weights"}
+RESULT_TYPES = {
+    OpKind.CREATE_MODEL: "create_model",
+    OpKind.SAVE_STATE: "save_weights",
+    OpKind.SAVE_WEIGHTS_FOR_SAMPLER: "save_weights_for_sampler",
+    OpKind.SAVE_WEIGHTS_EXTERNAL: "save_weights_external",
+    OpKind.LOAD_STATE: "load_weights",
+}
 
 
 router = APIRouter(prefix="/api/v1", route_class=OffLoopRoute)
@@ -55,8 +58,9 @@ def poll_budget(request: Request, settings: Settings) -> float:
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(body: RetrieveFutureRequest, request: Request, gq: Queue,
-                          tenant: Tenant) -> Response:
+async def retrieve_future(
+    body: RetrieveFutureRequest, request: Request, gq: Queue, tenant: Tenant
+) -> Response:
     job, outcome = await gq.jobs.job(body.request_id)
     if not job or job.get("tenant_id") != tenant:
         raise not_found(f"request_id {body.request_id!r}")
@@ -75,25 +79,37 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, gq: Que
     return await answer(gq, job, outcome, protobuf=protobuf)
 
 
-async def still_waiting(gq: GatewayQueue, request_id: str, model_id: str,
-                        held_since: float | None) -> JSONResponse:
+async def still_waiting(
+    gq: GatewayQueue, request_id: str, model_id: str, held_since: float | None
+) -> JSONResponse:
     settings = gq.settings
-    state, reason = await queue_state(gq.redis, gq.keys, gq.registry, model_id,
-                                      settings.lease_ttl_ms * 3)
+    state, reason = await queue_state(
+        gq.redis, gq.keys, gq.registry, model_id, settings.lease_ttl_ms * 3
+    )
     if held_since is not None and state is QueueState.ACTIVE:
-        waiting_for = int(await gq.redis.hget(gq.keys.model_meta(model_id), "next_seq_id")
-                          or 1)
+        waiting_for = int(await gq.redis.hget(gq.keys.model_meta(model_id), "next_seq_id") or 1)
         reason = f"waiting for seq_id {waiting_for} of model {model_id}, sent after it"
         if time.time() - held_since >= settings.seq_gap_timeout_s:
             skipped = await gq.jobs.skip_seq_gap(model_id)
-            log.warning("model %s: seq_ids from %s never arrived in %.0fs; resumed at %s",
-                        model_id, *(skipped or ("?", "?")), settings.seq_gap_timeout_s)
-    return JSONResponse({"type": "try_again", "request_id": request_id,
-                         "queue_state": state.value, "queue_state_reason": reason})
+            log.warning(
+                "model %s: seq_ids from %s never arrived in %.0fs; resumed at %s",
+                model_id,
+                *(skipped or ("?", "?")),
+                settings.seq_gap_timeout_s,
+            )
+    return JSONResponse(
+        {
+            "type": "try_again",
+            "request_id": request_id,
+            "queue_state": state.value,
+            "queue_state_reason": reason,
+        }
+    )
 
 
-async def answer(gq: GatewayQueue, job: dict[str, str], outcome: JobOutcome, *,
-                 protobuf: bool) -> Response:
+async def answer(
+    gq: GatewayQueue, job: dict[str, str], outcome: JobOutcome, *, protobuf: bool
+) -> Response:
     """The result as the protocol has it: forward/backward and sample results in protobuf
     when the client accepts it (SDK 0.38 does), JSON otherwise (older clients)."""
     if outcome.status is JobStatus.FAILED:
@@ -109,19 +125,21 @@ async def answer(gq: GatewayQueue, job: dict[str, str], outcome: JobOutcome, *,
         output = ForwardBackwardOutput.model_validate(codec.decode(outcome.result))
         if not protobuf:
             return JSONResponse(output.model_dump(mode="json"))
-        return Response(encode_forward_backward_output(output),
-                        media_type=PROTOBUF_MEDIA_TYPE)
+        return Response(encode_forward_backward_output(output), media_type=PROTOBUF_MEDIA_TYPE)
     if kind is OpKind.SAMPLE:
         response = SampleResponse.model_validate(codec.decode(outcome.result))
         last_n = reply.get("prompt_logprobs_last_n")
         if not protobuf:
             return JSONResponse(json_sample_response(response, last_n))
-        return Response(encode_sample_response(response, prompt_logprobs_last_n=last_n),
-                        media_type=PROTOBUF_MEDIA_TYPE)
+        return Response(
+            encode_sample_response(response, prompt_logprobs_last_n=last_n),
+            media_type=PROTOBUF_MEDIA_TYPE,
+        )
     result: dict[str, Any] = codec.decode(outcome.result) or {}
     if "sampling_session_id" in reply:  # an ephemeral save: sample from it next
-        return JSONResponse(await open_ephemeral_sampler(gq, job, result["path"],
-                                                         reply["sampling_session_id"]))
+        return JSONResponse(
+            await open_ephemeral_sampler(gq, job, result["path"], reply["sampling_session_id"])
+        )
     if kind in RESULT_TYPES:
         result = {**result, "type": RESULT_TYPES[kind], "model_id": job["model_id"]}
     return JSONResponse(result)
@@ -136,11 +154,17 @@ def json_sample_response(response: SampleResponse, last_n: int | None) -> dict[s
     return body
 
 
-async def open_ephemeral_sampler(gq: GatewayQueue, job: dict[str, str], path: str,
-                                 sampler_id: str) -> dict[str, Any]:
+async def open_ephemeral_sampler(
+    gq: GatewayQueue, job: dict[str, str], path: str, sampler_id: str
+) -> dict[str, Any]:
     info = await gq.jobs.model_info(job["model_id"])
     await runs.open_sampling_session(
-        gq.jobs, gq.submit, sampler_id, base_model=info["base_model"],
-        tenant_id=job["tenant_id"], session_id=None, model_path=path)
+        gq.jobs,
+        gq.submit,
+        sampler_id,
+        base_model=info["base_model"],
+        tenant_id=job["tenant_id"],
+        session_id=None,
+        model_path=path,
+    )
     return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
-

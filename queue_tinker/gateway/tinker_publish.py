@@ -30,8 +30,9 @@ PUBLISH = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish"
 
 
 @router.post(PUBLISH)
-async def publish(run_id: str, checkpoint_id: str, request: Request,
-                  tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+async def publish(
+    run_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tenant_of)
+) -> dict[str, Any]:
     row = await _owned(request, tenant, run_id, checkpoint_id)
     await _set_meta(request, row, True)
     await request.app.state.redis.set(_key(request, row), run_id)
@@ -40,8 +41,9 @@ async def publish(run_id: str, checkpoint_id: str, request: Request,
 
 
 @router.delete(PUBLISH)
-async def unpublish(run_id: str, checkpoint_id: str, request: Request,
-                    tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+async def unpublish(
+    run_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tenant_of)
+) -> dict[str, Any]:
     row = await _owned(request, tenant, run_id, checkpoint_id)
     await _set_row(request, tenant, row, False)
     await request.app.state.redis.delete(_key(request, row))
@@ -63,12 +65,14 @@ def _key(request: Request, row: Checkpoint) -> str:
 
 async def _set_meta(request: Request, row: Checkpoint, public: bool) -> None:
     storage_dir = request.app.state.settings.storage_dir
-    if not await asyncio.to_thread(housekeeping.set_meta_public, row.id, Path(row.path), public,
-                                   storage_dir):
+    if not await asyncio.to_thread(
+        housekeeping.set_meta_public, row.id, Path(row.path), public, storage_dir
+    ):
         raise not_found(f"checkpoint {row.id!r}")
 
 
 async def _set_row(request: Request, tenant: str, row: Checkpoint, public: bool) -> None:
-    if not await protocol_queries.set_checkpoint_public(request.app.state.sessions, tenant,
-                                                        row.id, public):
+    if not await protocol_queries.set_checkpoint_public(
+        request.app.state.sessions, tenant, row.id, public
+    ):
         raise not_found(f"checkpoint {row.id!r}")

@@ -36,8 +36,9 @@ class GatewayQueue:
         self.keys = keys
         self.settings = settings
         self.limits = RequestLimits.of(settings)  # QT_MAX_*: what one request may hold
-        self.jobs = JobQueue(redis, keys, result_ttl_s=settings.result_ttl_s,
-                             held=HeldLimits.of(settings))
+        self.jobs = JobQueue(
+            redis, keys, result_ttl_s=settings.result_ttl_s, held=HeldLimits.of(settings)
+        )
         self.results = ResultListener(redis, keys, self.jobs)
         self.registry = WorkerRegistry(redis, keys)
 
@@ -45,19 +46,23 @@ class GatewayQueue:
         await self.results.close()
 
     # --- submitting ----------------------------------------------------------------------
-    async def submit(self, model_id: str, kind: OpKind, payload: bytes,
-                     idempotency_key: str | None) -> str:
+    async def submit(
+        self, model_id: str, kind: OpKind, payload: bytes, idempotency_key: str | None
+    ) -> str:
         """Enqueue at the end of the model's log; the request id (the first one's, on a
         repeat under the same idempotency key)."""
-        enqueued = await self.jobs.enqueue(model_id, kind, payload, job_id=new_request_id(),
-                                           idempotency_key=idempotency_key)
+        enqueued = await self.jobs.enqueue(
+            model_id, kind, payload, job_id=new_request_id(), idempotency_key=idempotency_key
+        )
         return enqueued.job_id
 
-    async def submit_in_order(self, model_id: str, seq_id: int, kind: OpKind,
-                              payload: bytes) -> str:
+    async def submit_in_order(
+        self, model_id: str, seq_id: int, kind: OpKind, payload: bytes
+    ) -> str:
         """Enqueue in the order of the client's seq_id; a repeated seq_id gets the first id."""
-        ordered = await self.jobs.enqueue_in_order(model_id, seq_id, kind, payload,
-                                                   job_id=new_request_id())
+        ordered = await self.jobs.enqueue_in_order(
+            model_id, seq_id, kind, payload, job_id=new_request_id()
+        )
         return ordered.job_id
 
     async def refuse_in_order(self, model_id: str, seq_id: int) -> None:
@@ -66,8 +71,9 @@ class GatewayQueue:
 
     async def set_reply(self, job_id: str, reply: dict[str, Any]) -> None:
         """How to answer for the job once it is done, beyond what its kind says."""
-        await self.redis.set(self.keys.job_reply(job_id), json.dumps(reply),
-                             ex=self.settings.result_ttl_s)
+        await self.redis.set(
+            self.keys.job_reply(job_id), json.dumps(reply), ex=self.settings.result_ttl_s
+        )
 
     async def reply(self, job_id: str) -> dict[str, Any]:
         raw = await self.redis.get(self.keys.job_reply(job_id))

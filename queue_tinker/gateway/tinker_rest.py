@@ -45,8 +45,11 @@ def checkpoint_tinker_path(run_id: str, checkpoint_id: str) -> str:
     sampler_weights/<name>; 400 naming the field otherwise."""
     segment, _, name = checkpoint_id.partition("/")
     if segment not in _SEGMENTS or not name or "/" in name:
-        raise HTTPException(400, f"checkpoint_id: {checkpoint_id!r} is not a checkpoint id; "
-                                 "expected weights/<name> or sampler_weights/<name>")
+        raise HTTPException(
+            400,
+            f"checkpoint_id: {checkpoint_id!r} is not a checkpoint id; "
+            "expected weights/<name> or sampler_weights/<name>",
+        )
     return f"{SCHEME}{run_id}/{checkpoint_id}"
 
 
@@ -54,12 +57,21 @@ def run_of_tinker_path(path: object) -> str:
     """The run id of a tinker://<run>/weights|sampler_weights/<name> path; 400 otherwise.
     Run ids may hold ':' (the SDK's <session>:train:<n>), never '/'."""
     parts = path.removeprefix(SCHEME).split("/") if isinstance(path, str) else []
-    if (not isinstance(path, str) or not path.startswith(SCHEME) or len(parts) != 3
-            or not path.isprintable()
-            or parts[1] not in _SEGMENTS or not parts[0] or not parts[2]):
-        raise HTTPException(400, f"tinker_path: {path!r} is not a checkpoint path; expected "
-                                 f"{SCHEME}<run id>/weights/<name> or "
-                                 f"{SCHEME}<run id>/sampler_weights/<name>")
+    if (
+        not isinstance(path, str)
+        or not path.startswith(SCHEME)
+        or len(parts) != 3
+        or not path.isprintable()
+        or parts[1] not in _SEGMENTS
+        or not parts[0]
+        or not parts[2]
+    ):
+        raise HTTPException(
+            400,
+            f"tinker_path: {path!r} is not a checkpoint path; expected "
+            f"{SCHEME}<run id>/weights/<name> or "
+            f"{SCHEME}<run id>/sampler_weights/<name>",
+        )
     return parts[0]
 
 
@@ -69,8 +81,11 @@ def ttl_seconds(body: dict[str, Any]) -> int | None:
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 < ttl <= MAX_TTL_SECONDS:
-        raise HTTPException(422, f"ttl_seconds: must be a whole number of seconds from 1 to "
-                                 f"{MAX_TTL_SECONDS}, or null to remove the TTL; got {ttl!r}")
+        raise HTTPException(
+            422,
+            f"ttl_seconds: must be a whole number of seconds from 1 to "
+            f"{MAX_TTL_SECONDS}, or null to remove the TTL; got {ttl!r}",
+        )
     return ttl
 
 
@@ -111,8 +126,9 @@ def record_caught_up(keys: Keys) -> Callable[..., Awaitable[None]]:
 
 
 def rest_router(settings: Settings, keys: Keys) -> APIRouter:
-    router = APIRouter(prefix="/api/v1", route_class=OffLoopRoute,
-                       dependencies=[Depends(record_caught_up(keys))])
+    router = APIRouter(
+        prefix="/api/v1", route_class=OffLoopRoute, dependencies=[Depends(record_caught_up(keys))]
+    )
     _add_run_routes(router)
     _add_checkpoint_routes(router, settings)
     _add_session_routes(router, settings, keys)
@@ -137,24 +153,28 @@ async def _owned_checkpoint(
 def _add_run_routes(router: APIRouter) -> None:
     @router.get("/training_runs")
     async def list_training_runs(
-        request: Request, tenant: str = Depends(tenant_of),
-        limit: int = Query(20, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0, le=MAX_OFFSET),
+        request: Request,
+        tenant: str = Depends(tenant_of),
+        limit: int = Query(20, ge=1, le=MAX_PAGE),
+        offset: int = Query(0, ge=0, le=MAX_OFFSET),
     ) -> dict[str, Any]:
         """The tenant's runs, newest first (access_scope and project_id are not used: every
         run a tenant can see is its own)."""
         return await rest_views.training_runs(_db(request), tenant, limit, offset)
 
     @router.get("/training_runs/{run_id}")
-    async def get_training_run(run_id: str, request: Request,
-                               tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def get_training_run(
+        run_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
         run = await rest_views.training_run(_db(request), tenant, run_id)
         if run is None:
             raise not_found(f"training run {run_id!r}")
         return run
 
     @router.get("/training_runs/{run_id}/checkpoints")
-    async def list_run_checkpoints(run_id: str, request: Request,
-                                   tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def list_run_checkpoints(
+        run_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
         listed = await rest_views.run_checkpoints(_db(request), tenant, run_id)
         if listed is None:
             raise not_found(f"training run {run_id!r}")
@@ -162,14 +182,15 @@ def _add_run_routes(router: APIRouter) -> None:
 
     @router.get("/checkpoints")
     async def list_user_checkpoints(
-        request: Request, tenant: str = Depends(tenant_of),
-        limit: int = Query(100, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0, le=MAX_OFFSET),
+        request: Request,
+        tenant: str = Depends(tenant_of),
+        limit: int = Query(100, ge=1, le=MAX_PAGE),
+        offset: int = Query(0, ge=0, le=MAX_OFFSET),
     ) -> dict[str, Any]:
         return await rest_views.user_checkpoints(_db(request), tenant, limit, offset)
 
     @router.post("/weights_info")
-    async def weights_info(request: Request,
-                           tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def weights_info(request: Request, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         path = (await _json_object(request)).get("tinker_path")
         run_id = run_of_tinker_path(path)
         info = await rest_views.weights_info(_db(request), tenant, str(path), run_id)
@@ -183,8 +204,9 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
 
     # The ttl route first: both take a path-type checkpoint id (it holds a '/').
     @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
-    async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request,
-                                 tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def set_checkpoint_ttl(
+        run_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
         """Set (from now) or remove a checkpoint's TTL. The meta file first: it is what expiry
         obeys; then the row (listings); then the expiry job. A removed TTL leaves any job in
         place: it finds no expiry in the meta and does nothing."""
@@ -192,34 +214,40 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
         with _storage_errors():
             changed = await housekeeping.change_checkpoint_ttl(
-                _db(request), settings, tenant, row, ttl)
+                _db(request), settings, tenant, row, ttl
+            )
         if not changed:
             raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
         return {}
 
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request,
-                                tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def delete_checkpoint(
+        run_id: str, checkpoint_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
         """Remove the files and mark the row deleted, through the housekeeper's own path."""
         row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
         with _storage_errors():
-            await housekeeping.delete_checkpoint(request.app.state.db, row.id, Path(row.path),
-                                                 storage_dir)
+            await housekeeping.delete_checkpoint(
+                request.app.state.db, row.id, Path(row.path), storage_dir
+            )
         return {}
 
 
 def _add_session_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
     @router.get("/sessions")
     async def list_sessions(
-        request: Request, tenant: str = Depends(tenant_of),
-        limit: int = Query(20, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0, le=MAX_OFFSET),
+        request: Request,
+        tenant: str = Depends(tenant_of),
+        limit: int = Query(20, ge=1, le=MAX_PAGE),
+        offset: int = Query(0, ge=0, le=MAX_OFFSET),
     ) -> dict[str, Any]:
         ids = await queries.list_session_ids(_db(request), tenant, limit=limit, offset=offset)
         return {"sessions": ids}
 
     @router.get("/sessions/{session_id}")
-    async def get_session(session_id: str, request: Request,
-                          tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def get_session(
+        session_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
         members = await queries.session_members(_db(request), tenant, session_id)
         if members is None:
             raise not_found(f"session {session_id!r}")
@@ -227,16 +255,19 @@ def _add_session_routes(router: APIRouter, settings: Settings, keys: Keys) -> No
         return {"training_run_ids": runs, "sampler_ids": samplers}
 
     @router.get("/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str, request: Request,
-                          tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def get_sampler(
+        sampler_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
         """Redis first: the SDK asks right after creating the session, before its row exists."""
         jobs = request.app.state.gateway_queue.jobs
         info = await jobs.tenant_model(sampler_id, tenant, kind="sampling")
         if info is not None:
-            return {"sampler_id": sampler_id, "base_model": info["base_model"],
-                    "model_path": info["model_path"]}
+            return {
+                "sampler_id": sampler_id,
+                "base_model": info["base_model"],
+                "model_path": info["model_path"],
+            }
         row = await queries.get_sampling_session(_db(request), tenant, sampler_id)
         if row is None:
             raise not_found(f"sampler {sampler_id!r}")
-        return {"sampler_id": row.id, "base_model": row.base_model,
-                "model_path": row.model_path}
+        return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}

@@ -28,8 +28,11 @@ from queue_tinker.types import JobStatus
 # through another gateway process cannot wake it (one submitted here wakes it at once).
 RECHECK_S = 1.0
 CANCELLED = "cancelled by the client (cancel_future) before it ran"
-DYNAMIC_CONFIG = {"refresh_interval_sec": 300, "sample_cancel_enabled": True,
-                  "sample_cancel_max_batch_size": 64}
+DYNAMIC_CONFIG = {
+    "refresh_interval_sec": 300,
+    "sample_cancel_enabled": True,
+    "sample_cancel_max_batch_size": 64,
+}
 
 router = APIRouter(prefix="/api/v1")
 Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
@@ -94,24 +97,29 @@ def sample_wakeups(request: Request) -> Wakeups:
     return found
 
 
-async def note_sample(gq: GatewayQueue, wakeups: Wakeups, sampler_id: str, seq_id: int,
-                      request_id: str) -> None:
+async def note_sample(
+    gq: GatewayQueue, wakeups: Wakeups, sampler_id: str, seq_id: int, request_id: str
+) -> None:
     """asample's part: the sample is pending for its client, whose open poll wakes."""
     await sample_futures(gq).add(sampler_id, seq_id, request_id)
     wakeups.ring(sampler_id, seq_id // CLIENT_BLOCK)
 
 
 @router.post("/retrieve_futures")
-async def retrieve_futures(body: RetrieveFuturesRequest, request: Request, gq: Queue,
-                           tenant: Tenant,
-                           wakeups: Annotated[Wakeups, Depends(sample_wakeups)],
-                           ) -> dict[str, Any]:
+async def retrieve_futures(
+    body: RetrieveFuturesRequest,
+    request: Request,
+    gq: Queue,
+    tenant: Tenant,
+    wakeups: Annotated[Wakeups, Depends(sample_wakeups)],
+) -> dict[str, Any]:
     """The client's samples finished since `prev_cursor`; held open until one finishes or
     the poll's time is up (at once with timeout 0)."""
     target = body.target
     if target.type != "sampling_session":
-        raise UserInputError(f"target.type: {target.type!r} is not supported; "
-                             "only 'sampling_session'")
+        raise UserInputError(
+            f"target.type: {target.type!r} is not supported; only 'sampling_session'"
+        )
     sampler, client = target.sampling_session_id, target.cloned_sampler_id
     await gq.model_of(sampler, tenant, kind="sampling")
     budget = poll_budget(request, gq.settings)
@@ -121,19 +129,26 @@ async def retrieve_futures(body: RetrieveFuturesRequest, request: Request, gq: Q
     event = wakeups.open(sampler, client)
     try:
         while True:
-            completions = await _poll_once(gq, sampler, client, body.prev_cursor, event,
-                                           deadline)
+            completions = await _poll_once(gq, sampler, client, body.prev_cursor, event, deadline)
             if completions is not None:
                 break
     finally:
         wakeups.close(sampler, client, event)
     cursor = max([body.prev_cursor, *(c["cursor"] for c in completions)])
-    return {"completions": [{"state": c["state"], "request_id": c["request_id"]}
-                            for c in completions], "cursor": cursor}
+    return {
+        "completions": [{"state": c["state"], "request_id": c["request_id"]} for c in completions],
+        "cursor": cursor,
+    }
 
 
-async def _poll_once(gq: GatewayQueue, sampler: str, client: int, prev_cursor: int,
-                     event: asyncio.Event, deadline: float) -> list[dict[str, Any]] | None:
+async def _poll_once(
+    gq: GatewayQueue,
+    sampler: str,
+    client: int,
+    prev_cursor: int,
+    event: asyncio.Event,
+    deadline: float,
+) -> list[dict[str, Any]] | None:
     """One look: the completions after prev_cursor, or [] when the time is up; None after a
     wait that something ended early (look again)."""
     futures = sample_futures(gq)
@@ -149,8 +164,9 @@ async def _poll_once(gq: GatewayQueue, sampler: str, client: int, prev_cursor: i
         found = await futures.after(sampler, client, prev_cursor)
         left = deadline - time.monotonic()
         if found or left <= 0:
-            return [{"state": c.state, "request_id": c.request_id, "cursor": c.cursor}
-                    for c in found]
+            return [
+                {"state": c.state, "request_id": c.request_id, "cursor": c.cursor} for c in found
+            ]
         await _first_of(waiters, event, min(left, RECHECK_S))
         return None
     finally:
@@ -158,19 +174,20 @@ async def _poll_once(gq: GatewayQueue, sampler: str, client: int, prev_cursor: i
             waiter.cancel()
 
 
-async def _first_of(waiters: Iterable[asyncio.Future[Any]], event: asyncio.Event,
-                    timeout: float) -> None:
+async def _first_of(
+    waiters: Iterable[asyncio.Future[Any]], event: asyncio.Event, timeout: float
+) -> None:
     ring = asyncio.ensure_future(event.wait())
     try:
-        await asyncio.wait([*waiters, ring], timeout=timeout,
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([*waiters, ring], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         ring.cancel()
 
 
 @router.post("/join_sampling_session")
-async def join_sampling_session(body: SamplingSessionRequest, gq: Queue,
-                                tenant: Tenant) -> dict[str, Any]:
+async def join_sampling_session(
+    body: SamplingSessionRequest, gq: Queue, tenant: Tenant
+) -> dict[str, Any]:
     """A client id for a new client (a clone) of the session: 1, 2, ... (the original is 0)."""
     await gq.model_of(body.sampling_session_id, tenant, kind="sampling")
     counter = await sample_futures(gq).join(body.sampling_session_id)

@@ -34,14 +34,21 @@ Tenant = Annotated[str, Depends(tenant_of)]
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(body: CreateSamplingSessionRequest, gq: Queue,
-                                  tenant: Tenant) -> dict[str, Any]:
+async def create_sampling_session(
+    body: CreateSamplingSessionRequest, gq: Queue, tenant: Tenant
+) -> dict[str, Any]:
     session_id = await gq.session_of(body.session_id, tenant)
     sampler_id = f"{session_id}:sample:{body.sampling_session_seq_id}"
     base = await runs.sampling_base_model(gq.jobs, tenant, body.model_path, body.base_model)
     job_id = await runs.open_sampling_session(
-        gq.jobs, gq.submit, sampler_id, base_model=base, tenant_id=tenant,
-        session_id=session_id, model_path=body.model_path)
+        gq.jobs,
+        gq.submit,
+        sampler_id,
+        base_model=base,
+        tenant_id=tenant,
+        session_id=session_id,
+        model_path=body.model_path,
+    )
     with contextlib.suppress(TimeoutError):
         outcome = await asyncio.wait_for(gq.results.wait(job_id, sampler_id), CREATE_CHECK_S)
         if outcome.status is JobStatus.FAILED:
@@ -56,8 +63,11 @@ def target_ids(raw: dict[str, Any], limits: RequestLimits) -> list[list[int]]:
     shape, data = raw.get("shape"), raw.get("data")
     if raw.get("dtype") != "int64" or not isinstance(data, list):
         raise UserInputError(f"{field}: must be an int64 tensor of token ids")
-    if (not isinstance(shape, list) or len(shape) != 2
-            or not all(isinstance(d, int) and d >= 0 for d in shape)):
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 2
+        or not all(isinstance(d, int) and d >= 0 for d in shape)
+    ):
         raise UserInputError(f"{field}: shape must be [len(prompt) - 1, K], got {shape!r}")
     rows, cols = shape
     check_tokens(f"{field}: shape {shape} has too many rows", rows, limits, what="positions")
@@ -76,8 +86,12 @@ def target_ids(raw: dict[str, Any], limits: RequestLimits) -> list[list[int]]:
 
 
 @router.post("/asample")
-async def asample(body: SampleRequest, gq: Queue, tenant: Tenant,
-                  wakeups: Annotated[Wakeups, Depends(sample_wakeups)]) -> dict[str, Any]:
+async def asample(
+    body: SampleRequest,
+    gq: Queue,
+    tenant: Tenant,
+    wakeups: Annotated[Wakeups, Depends(sample_wakeups)],
+) -> dict[str, Any]:
     info = await gq.model_of(body.sampling_session_id, tenant, kind="sampling")
     for field in UNSUPPORTED:
         if getattr(body, field):
@@ -85,21 +99,34 @@ async def asample(body: SampleRequest, gq: Queue, tenant: Tenant,
     limits = gq.limits
 
     def payload() -> bytes:
-        targets = (target_ids(body.target_prompt_logprobs, limits)
-                   if body.target_prompt_logprobs is not None else None)
-        sample = sample_input(body.prompt, body.num_samples, body.sampling_params,
-                              body.prompt_logprobs or body.prompt_logprobs_last_n is not None,
-                              info["model_path"], limits=limits,
-                              topk_prompt_logprobs=body.topk_prompt_logprobs,
-                              target_prompt_logprobs=targets)
+        targets = (
+            target_ids(body.target_prompt_logprobs, limits)
+            if body.target_prompt_logprobs is not None
+            else None
+        )
+        sample = sample_input(
+            body.prompt,
+            body.num_samples,
+            body.sampling_params,
+            body.prompt_logprobs or body.prompt_logprobs_last_n is not None,
+            info["model_path"],
+            limits=limits,
+            topk_prompt_logprobs=body.topk_prompt_logprobs,
+            target_prompt_logprobs=targets,
+        )
         return encode_request(sample.model_dump(), limits)
 
     # A prompt of millions of tokens takes seconds to check and encode: not on the loop.
-    job_id = await gq.submit(body.sampling_session_id, OpKind.SAMPLE,
-                             await asyncio.to_thread(payload), f"seq:{body.seq_id}")
+    job_id = await gq.submit(
+        body.sampling_session_id,
+        OpKind.SAMPLE,
+        await asyncio.to_thread(payload),
+        f"seq:{body.seq_id}",
+    )
     if body.prompt_logprobs_last_n is not None:
         await gq.set_reply(job_id, {"prompt_logprobs_last_n": body.prompt_logprobs_last_n})
     await note_sample(gq, wakeups, body.sampling_session_id, body.seq_id, job_id)
-    return {"request_id": job_id,
-            "sample_sequence_ids": [f"{job_id}:{i}" for i in range(body.num_samples)]}
-
+    return {
+        "request_id": job_id,
+        "sample_sequence_ids": [f"{job_id}:{i}" for i in range(body.num_samples)],
+    }

@@ -47,42 +47,47 @@ def session_router(settings: Settings, keys: Keys) -> APIRouter:
         # The SDK splits a big forward_backward into chunks of these sizes: keep them within
         # what this deployment accepts in one request, so lowered limits still fit (the SDK's
         # byte count is its own estimate, so leave it half the body cap as margin).
-        return {**CLIENT_CONFIG,
-                "fwdbwd_max_chunk_len": min(SDK_CHUNK_LEN, settings.max_datums_per_request),
-                "fwdbwd_max_chunk_bytes_count": min(SDK_CHUNK_BYTES,
-                                                    settings.max_request_bytes // 2)}
+        return {
+            **CLIENT_CONFIG,
+            "fwdbwd_max_chunk_len": min(SDK_CHUNK_LEN, settings.max_datums_per_request),
+            "fwdbwd_max_chunk_bytes_count": min(SDK_CHUNK_BYTES, settings.max_request_bytes // 2),
+        }
 
     @router.post("/create_session")
-    async def create_session(request: Request,
-                             tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def create_session(request: Request, tenant: str = Depends(tenant_of)) -> dict[str, Any]:
         session_id = f"sess-{uuid.uuid4().hex}"
         await request.app.state.gateway_queue.open_session(session_id, tenant)
-        await records(request).append(SessionRecord(id=session_id, tenant_id=tenant,
-                                           created_at=time.time()))
+        await records(request).append(
+            SessionRecord(id=session_id, tenant_id=tenant, created_at=time.time())
+        )
         return {"session_id": session_id, "type": "create_session"}
 
     @router.post("/session_heartbeat")
-    async def session_heartbeat(body: HeartbeatRequest, request: Request,
-                                tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def session_heartbeat(
+        body: HeartbeatRequest, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
         """Keeps the session's record alive (only the owner's heartbeat counts)."""
         await request.app.state.gateway_queue.session_of(body.session_id, tenant)
         return {"type": "session_heartbeat"}
 
     @router.post("/sessions/{session_id}/finish")
-    async def finish_session(session_id: str, request: Request,
-                             tenant: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def finish_session(
+        session_id: str, request: Request, tenant: str = Depends(tenant_of)
+    ) -> dict[str, Any]:
         """Nothing to close (a session's record stays); another tenant's session is 404."""
         await request.app.state.gateway_queue.session_of(session_id, tenant)
         return {}
 
     @router.get("/get_server_capabilities")
-    async def server_capabilities(request: Request,
-                                  _: str = Depends(tenant_of)) -> dict[str, Any]:
+    async def server_capabilities(request: Request, _: str = Depends(tenant_of)) -> dict[str, Any]:
         """Base models served by live workers right now."""
         registry = WorkerRegistry(request.app.state.redis, keys)
         names = await registry.base_models(settings.lease_ttl_ms * 3)
-        return {"supported_models": [{"model_name": n, "trainable": True, "sampleable": True}
-                                     for n in names]}
+        return {
+            "supported_models": [
+                {"model_name": n, "trainable": True, "sampleable": True} for n in names
+            ]
+        }
 
     @router.post("/telemetry")
     async def telemetry(_: str = Depends(tenant_of)) -> dict[str, Any]:

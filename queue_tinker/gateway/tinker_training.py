@@ -52,8 +52,10 @@ Tenant = Annotated[str, Depends(tenant_of)]
 # come back from Redis's Lua as "1e+17", which no longer reads as an integer.
 MAX_SEQ_ID = 2**31 - 1
 # get_info's optimizer_config, as the SDK's AdamOptimizerConfig / DimuonOptimizerConfig.
-OPTIMIZER_CONFIGS = {Optimizer.ADAMW: {"type": "adamw"},
-                     Optimizer.DIMUON: {"type": "dimuon", "version": 1}}
+OPTIMIZER_CONFIGS = {
+    Optimizer.ADAMW: {"type": "adamw"},
+    Optimizer.DIMUON: {"type": "dimuon", "version": 1},
+}
 
 
 def model_id_of(session_id: str, model_seq_id: int) -> str:
@@ -61,8 +63,14 @@ def model_id_of(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
 
 
-async def ordered(gq: GatewayQueue, tenant: str, model_id: str, seq_id: int, kind: OpKind,
-                  payload: Callable[[], bytes]) -> dict[str, Any]:
+async def ordered(
+    gq: GatewayQueue,
+    tenant: str,
+    model_id: str,
+    seq_id: int,
+    kind: OpKind,
+    payload: Callable[[], bytes],
+) -> dict[str, Any]:
     """Enqueue a training call in seq_id order. A body refused here (400) still uses its
     seq_id, or every later call of the model would wait for it."""
     if seq_id > MAX_SEQ_ID:
@@ -83,16 +91,25 @@ async def create_model(body: CreateModelRequest, gq: Queue, tenant: Tenant) -> d
     session_id = await gq.session_of(body.session_id, tenant)
     optimizer = (body.optimizer_config or {}).get("type", Optimizer.ADAMW.value)
     if optimizer not in set(Optimizer):
-        raise UserInputError(f"optimizer_config.type: {optimizer!r} is not supported; "
-                             f"choose one of {[o.value for o in Optimizer]}")
+        raise UserInputError(
+            f"optimizer_config.type: {optimizer!r} is not supported; "
+            f"choose one of {[o.value for o in Optimizer]}"
+        )
     check_base_model(body.base_model)  # before it reaches Redis, the registry or a record
-    await gq.registry.check_served(body.base_model,
-                                   allow_unserved=gq.settings.queue_unserved_base_models)
+    await gq.registry.check_served(
+        body.base_model, allow_unserved=gq.settings.queue_unserved_base_models
+    )
     model_id = model_id_of(session_id, body.model_seq_id)
     job_id = await runs.open_training_run(
-        gq.jobs, gq.submit, model_id, base_model=body.base_model, tenant_id=tenant,
-        session_id=session_id, user_metadata=body.user_metadata,
-        config=body.lora_config.model_copy(update={"optimizer": Optimizer(optimizer)}))
+        gq.jobs,
+        gq.submit,
+        model_id,
+        base_model=body.base_model,
+        tenant_id=tenant,
+        session_id=session_id,
+        user_metadata=body.user_metadata,
+        config=body.lora_config.model_copy(update={"optimizer": Optimizer(optimizer)}),
+    )
     return {"request_id": job_id, "model_id": model_id}
 
 
@@ -105,12 +122,18 @@ async def get_info(body: ModelRequest, gq: Queue, tenant: Tenant) -> dict[str, A
         # Built-in models exist only where the service runs: point the SDK's
         # AutoTokenizer at the local files (works where client and service share a disk).
         tokenizer = str(await asyncio.to_thread(ensure_tokenizer, base, gq.settings.models_dir))
-    return {"model_id": body.model_id, "is_lora": True, "model_name": base,
-            "lora_rank": info["lora_config"].get("rank"), "type": "get_info",
-            "user_metadata": info["user_metadata"],
-            "optimizer_config": OPTIMIZER_CONFIGS[Optimizer(
-                info["lora_config"].get("optimizer", Optimizer.ADAMW))],
-            "model_data": {"arch": "causal_lm", "model_name": base, "tokenizer_id": tokenizer}}
+    return {
+        "model_id": body.model_id,
+        "is_lora": True,
+        "model_name": base,
+        "lora_rank": info["lora_config"].get("rank"),
+        "type": "get_info",
+        "user_metadata": info["user_metadata"],
+        "optimizer_config": OPTIMIZER_CONFIGS[
+            Optimizer(info["lora_config"].get("optimizer", Optimizer.ADAMW))
+        ],
+        "model_data": {"arch": "causal_lm", "model_name": base, "tokenizer_id": tokenizer},
+    }
 
 
 @router.post("/forward_backward")
@@ -137,8 +160,9 @@ async def forward_backward(request: Request, gq: Queue, tenant: Tenant) -> dict[
             raise refused
         return parsed.batch(limits, custom)
 
-    return await ordered(gq, tenant, parsed.model_id, parsed.seq_id, kind,
-                         lambda: batch_payload(batch, limits))
+    return await ordered(
+        gq, tenant, parsed.model_id, parsed.seq_id, kind, lambda: batch_payload(batch, limits)
+    )
 
 
 @router.post("/forward")
@@ -161,8 +185,16 @@ async def json_forward_backward(raw: Any, gq: GatewayQueue, tenant: str) -> dict
     field = "forward_input" if body.forward_input is not None else "forward_backward_input"
     kind = OpKind.FORWARD if body.forward_input is not None else OpKind.FORWARD_BACKWARD
     limits = gq.limits
-    return await ordered(gq, tenant, body.model_id, body.seq_id, kind, lambda: batch_payload(
-        lambda: validated(ForwardBackwardInput, field, getattr(body, field)), limits))
+    return await ordered(
+        gq,
+        tenant,
+        body.model_id,
+        body.seq_id,
+        kind,
+        lambda: batch_payload(
+            lambda: validated(ForwardBackwardInput, field, getattr(body, field)), limits
+        ),
+    )
 
 
 def batch_payload(batch: Callable[[], ForwardBackwardInput], limits: RequestLimits) -> bytes:
@@ -184,21 +216,22 @@ async def optim_step(body: OptimStepRequest, gq: Queue, tenant: Tenant) -> dict[
             params = validated(DimuonParams, "optimizer_params", body.optimizer_params)
         else:
             kind = (body.optimizer_params or {}).get("type")
-            raise UserInputError(f"optimizer_params: {kind!r} is not supported; send "
-                                 "adam_params, or optimizer_params of type 'dimuon'")
+            raise UserInputError(
+                f"optimizer_params: {kind!r} is not supported; send "
+                "adam_params, or optimizer_params of type 'dimuon'"
+            )
         return encode_request(params.model_dump(mode="json"), gq.limits)
 
-    return await ordered(gq, tenant, body.model_id, body.seq_id,
-                         OpKind.OPTIM_STEP, payload)
+    return await ordered(gq, tenant, body.model_id, body.seq_id, OpKind.OPTIM_STEP, payload)
 
 
 def save_payload(body: SaveWeightsRequest, name: str, ttl: int | None) -> Callable[[], bytes]:
     def payload() -> bytes:
         if body.overwrite:
-            raise UserInputError("overwrite: not supported; checkpoints are never "
-                                 "overwritten, save under a new name")
-        save = validated(SaveInput, "", {"name": check_name(name, "path"),
-                                         "ttl_seconds": ttl})
+            raise UserInputError(
+                "overwrite: not supported; checkpoints are never overwritten, save under a new name"
+            )
+        save = validated(SaveInput, "", {"name": check_name(name, "path"), "ttl_seconds": ttl})
         return codec.encode(save.model_dump())
 
     return payload
@@ -207,43 +240,67 @@ def save_payload(body: SaveWeightsRequest, name: str, ttl: int | None) -> Callab
 @router.post("/save_weights")
 async def save_weights(body: SaveWeightsRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
     """save_state: weights and optimizer state at tinker://<model>/weights/<path>."""
-    return await ordered(gq, tenant, body.model_id, body.seq_id,
-                         OpKind.SAVE_STATE,
-                         save_payload(body, body.path or "", body.ttl_seconds))
+    return await ordered(
+        gq,
+        tenant,
+        body.model_id,
+        body.seq_id,
+        OpKind.SAVE_STATE,
+        save_payload(body, body.path or "", body.ttl_seconds),
+    )
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(body: SaveWeightsRequest, gq: Queue,
-                                   tenant: Tenant) -> dict[str, Any]:
+async def save_weights_for_sampler(
+    body: SaveWeightsRequest, gq: Queue, tenant: Tenant
+) -> dict[str, Any]:
     """Named: weights at tinker://<model>/sampler_weights/<path>. Without a path: an
     ephemeral checkpoint that becomes a sampling session when it is done."""
     if body.path is not None:
-        return await ordered(gq, tenant, body.model_id, body.seq_id,
-                             OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
-                             save_payload(body, body.path, body.ttl_seconds))
+        return await ordered(
+            gq,
+            tenant,
+            body.model_id,
+            body.seq_id,
+            OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
+            save_payload(body, body.path, body.ttl_seconds),
+        )
     name = f"ephemeral-s{body.seq_id}"
-    submitted = await ordered(gq, tenant, body.model_id, body.seq_id,
-                              OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
-                              save_payload(body, name, gq.settings.ephemeral_sampler_ttl_s))
+    submitted = await ordered(
+        gq,
+        tenant,
+        body.model_id,
+        body.seq_id,
+        OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
+        save_payload(body, name, gq.settings.ephemeral_sampler_ttl_s),
+    )
     sampler_id = f"{body.model_id}:sample:s{body.seq_id}"
     await gq.set_reply(submitted["request_id"], {"sampling_session_id": sampler_id})
     return submitted
 
 
 @router.post("/save_weights_external")
-async def save_weights_external(body: SaveWeightsExternalRequest, gq: Queue,
-                                tenant: Tenant) -> dict[str, Any]:
+async def save_weights_external(
+    body: SaveWeightsExternalRequest, gq: Queue, tenant: Tenant
+) -> dict[str, Any]:
     """The PEFT files at tinker://<model>/external_weights/<path>, age-encrypted to the
     recipients when given; downloaded through get_external_weights_urls (downloads.py)."""
 
     def payload() -> bytes:
-        save = validated(SaveInput, "", {
-            "name": check_name(body.path, "path"), "ttl_seconds": body.ttl_seconds,
-            "age_encryption_recipients": check_recipients(body.age_encryption_recipients)})
+        save = validated(
+            SaveInput,
+            "",
+            {
+                "name": check_name(body.path, "path"),
+                "ttl_seconds": body.ttl_seconds,
+                "age_encryption_recipients": check_recipients(body.age_encryption_recipients),
+            },
+        )
         return codec.encode(save.model_dump())
 
-    return await ordered(gq, tenant, body.model_id, body.seq_id,
-                         OpKind.SAVE_WEIGHTS_EXTERNAL, payload)
+    return await ordered(
+        gq, tenant, body.model_id, body.seq_id, OpKind.SAVE_WEIGHTS_EXTERNAL, payload
+    )
 
 
 @router.post("/load_weights")
@@ -254,18 +311,25 @@ async def load_weights(body: LoadWeightsRequest, gq: Queue, tenant: Tenant) -> d
 
         def payload() -> bytes:
             CheckpointPath.parse(body.path)
-            return codec.encode(LoadInput(path=body.path,
-                                          optimizer=body.optimizer).model_dump())
+            return codec.encode(LoadInput(path=body.path, optimizer=body.optimizer).model_dump())
 
-        return await ordered(gq, tenant, body.model_id, body.seq_id, OpKind.LOAD_STATE,
-                             payload)
+        return await ordered(gq, tenant, body.model_id, body.seq_id, OpKind.LOAD_STATE, payload)
     if body.session_id is None or body.model_seq_id is None:
-        raise UserInputError("model_id, session_id: send model_id + seq_id to load into a "
-                             "model, or session_id + model_seq_id to create one from path")
+        raise UserInputError(
+            "model_id, session_id: send model_id + seq_id to load into a "
+            "model, or session_id + model_seq_id to create one from path"
+        )
     session_id = await gq.session_of(body.session_id, tenant)
     model_id = model_id_of(session_id, body.model_seq_id)
     job_id = await runs.open_training_run_from_state(
-        gq.jobs, gq.submit, model_id, body.path, tenant_id=tenant, session_id=session_id,
-        optimizer=body.optimizer, base_model=body.base_model, user_metadata=body.user_metadata)
+        gq.jobs,
+        gq.submit,
+        model_id,
+        body.path,
+        tenant_id=tenant,
+        session_id=session_id,
+        optimizer=body.optimizer,
+        base_model=body.base_model,
+        user_metadata=body.user_metadata,
+    )
     return {"request_id": job_id, "model_id": model_id}
-

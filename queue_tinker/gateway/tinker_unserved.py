@@ -33,31 +33,49 @@ class Unserved:
 
 
 UNSERVED = (
-    Unserved("POST", "/api/v1/auth/token", "JWT exchange (pjwt_auth_enabled)",
-             "send the tml- API key itself as X-API-Key"),
-    Unserved("POST", "/api/v1/copy_weights", "copy_weights (projects, cross-account tokens)",
-             "start a run from the checkpoint with create_training_client_from_state, or "
-             "publish it so every tenant can read it"),
-    Unserved("PUT", "/api/v1/sessions/{session_id}/project", "projects",
-             "a tenant's sessions, runs and checkpoints are its own; there are no projects"),
-    Unserved("GET", "/api/v1/billing/usage/events", "billing usage events",
-             "tokens per tenant are on /metrics (qt_tenant_tokens_total); storage is at "
-             "/api/v1/billing/usage/checkpoints/current"),
+    Unserved(
+        "POST",
+        "/api/v1/auth/token",
+        "JWT exchange (pjwt_auth_enabled)",
+        "send the tml- API key itself as X-API-Key",
+    ),
+    Unserved(
+        "POST",
+        "/api/v1/copy_weights",
+        "copy_weights (projects, cross-account tokens)",
+        "start a run from the checkpoint with create_training_client_from_state, or "
+        "publish it so every tenant can read it",
+    ),
+    Unserved(
+        "PUT",
+        "/api/v1/sessions/{session_id}/project",
+        "projects",
+        "a tenant's sessions, runs and checkpoints are its own; there are no projects",
+    ),
+    Unserved(
+        "GET",
+        "/api/v1/billing/usage/events",
+        "billing usage events",
+        "tokens per tenant are on /metrics (qt_tenant_tokens_total); storage is at "
+        "/api/v1/billing/usage/checkpoints/current",
+    ),
 )
 
 
 def unserved_router() -> APIRouter:
     router = APIRouter()
     for entry in UNSERVED:
-        router.add_api_route(entry.path, _answer(entry), methods=[entry.method],
-                             include_in_schema=False)
+        router.add_api_route(
+            entry.path, _answer(entry), methods=[entry.method], include_in_schema=False
+        )
     return router
 
 
 def _answer(entry: Unserved) -> Any:
     async def not_offered(_: str = Depends(tenant_of)) -> JSONResponse:
-        return JSONResponse({"detail": entry.detail}, status_code=501,
-                            headers={"x-should-retry": "false"})
+        return JSONResponse(
+            {"detail": entry.detail}, status_code=501, headers={"x-should-retry": "false"}
+        )
 
     not_offered.__name__ = f"not_offered_{entry.method.lower()}_{entry.path}"
     return not_offered

@@ -19,41 +19,52 @@ from queue_tinker.types import OpKind
 CANCELLED = "cancelled from the dashboard before it ran"
 
 
-async def retry_job(redis: Redis, keys: Keys, job_id: str, tenant: str | None, *,
-                    result_ttl_s: int = 3_600) -> str:
+async def retry_job(
+    redis: Redis, keys: Keys, job_id: str, tenant: str | None, *, result_ttl_s: int = 3_600
+) -> str:
     """Submit a failed op again, as a new request at the end of its model's queue; the new
     request id. The op's payload is kept with a failed job for as long as its record."""
-    fields = await redis.hmget(keys.job(job_id), "tenant_id", "status", "model_id", "kind",
-                               "payload")
+    fields = await redis.hmget(
+        keys.job(job_id), "tenant_id", "status", "model_id", "kind", "payload"
+    )
     owner, status, model_id, kind, payload = fields
     if owner is None or (tenant is not None and owner.decode() != tenant):
         raise UserInputError(f"request_id: no request {job_id!r}")
     if status != b"failed":
-        raise UserInputError(f"request_id: {job_id} is {status.decode() if status else '?'}; "
-                             "only a failed request can be retried")
+        raise UserInputError(
+            f"request_id: {job_id} is {status.decode() if status else '?'}; "
+            "only a failed request can be retried"
+        )
     if payload is None:
-        raise UserInputError(f"request_id: {job_id} can no longer be retried (what it asked "
-                             "for is not kept: it failed before this version, or was cancelled)")
+        raise UserInputError(
+            f"request_id: {job_id} can no longer be retried (what it asked "
+            "for is not kept: it failed before this version, or was cancelled)"
+        )
     jobs = JobQueue(redis, keys, result_ttl_s=result_ttl_s)
-    enqueued = await jobs.enqueue(model_id.decode(), OpKind(kind.decode()), payload,
-                                  job_id=uuid.uuid4().hex)
+    enqueued = await jobs.enqueue(
+        model_id.decode(), OpKind(kind.decode()), payload, job_id=uuid.uuid4().hex
+    )
     return enqueued.job_id
 
 
-async def cancel_job(redis: Redis, keys: Keys, job_id: str, tenant: str | None, *,
-                     reason: str = CANCELLED) -> None:
+async def cancel_job(
+    redis: Redis, keys: Keys, job_id: str, tenant: str | None, *, reason: str = CANCELLED
+) -> None:
     """Cancel an op still waiting in its model's queue: it fails as cancelled (its future
     resolves with `reason`) and the model's worker skips it."""
     try:
-        await Scripts.load(redis).cancel(keys=[keys.job(job_id), keys.records()],
-                                         args=[tenant or "", reason, keys.prefix])
+        await Scripts.load(redis).cancel(
+            keys=[keys.job(job_id), keys.records()], args=[tenant or "", reason, keys.prefix]
+        )
     except ResponseError as exc:
         if "UNKNOWN_JOB" in str(exc):
             raise UserInputError(f"request_id: no request {job_id!r}") from None
         if "NOT_QUEUED" in str(exc):
             status = str(exc).split("NOT_QUEUED:", 1)[1]
-            raise UserInputError(f"request_id: {job_id} is {status}; only a request still "
-                                 "waiting in its queue can be cancelled") from None
+            raise UserInputError(
+                f"request_id: {job_id} is {status}; only a request still "
+                "waiting in its queue can be cancelled"
+            ) from None
         raise
 
 

@@ -73,8 +73,7 @@ class Reconnector:
     RedisUnavailableError instead (a stopping worker: its leases lapse anyway).
     """
 
-    def __init__(self, redis: Redis, who: str, *,
-                 max_delay_s: float = MAX_RETRY_DELAY_S) -> None:
+    def __init__(self, redis: Redis, who: str, *, max_delay_s: float = MAX_RETRY_DELAY_S) -> None:
         self.redis = redis
         self.who = who
         self.max_delay_s = max_delay_s
@@ -114,8 +113,9 @@ class Reconnector:
             self._up.clear()
             self.down_since = time.monotonic()
             self.outages += 1
-            self._probe = asyncio.create_task(self._probe_until_up(exc),
-                                              name=f"qt-redis-probe-{self.who}")
+            self._probe = asyncio.create_task(
+                self._probe_until_up(exc), name=f"qt-redis-probe-{self.who}"
+            )
         await self._up.wait()
         if self.error is not None:
             raise self.error
@@ -141,26 +141,38 @@ class Reconnector:
                 if self._patience_s is not None and now - started >= self._patience_s:
                     self.error = RedisUnavailableError(
                         f"Redis unreachable for {now - started:.0f} s ({describe(error)}); "
-                        f"{self.who} gave up waiting for it")
+                        f"{self.who} gave up waiting for it"
+                    )
                     log.error("%s", self.error)
                     return
                 delay = min(max(delay * 2, 0.1), self.max_delay_s)
                 if failures == 1:
-                    log.warning("%s: Redis unreachable (%s); retrying in %.1fs",
-                                self.who, describe(error), delay)
+                    log.warning(
+                        "%s: Redis unreachable (%s); retrying in %.1fs",
+                        self.who,
+                        describe(error),
+                        delay,
+                    )
                 elif now - last_said >= STILL_DOWN_LOG_S:
                     last_said = now
-                    log.warning("%s: Redis still unreachable after %.0f s (%s); retrying "
-                                "every %.1fs", self.who, now - started, describe(error), delay)
+                    log.warning(
+                        "%s: Redis still unreachable after %.0f s (%s); retrying every %.1fs",
+                        self.who,
+                        now - started,
+                        describe(error),
+                        delay,
+                    )
                 self._nudge.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._nudge.wait(), delay)
             if failures:
-                log.warning("%s: reconnected to Redis after %.1fs", self.who,
-                            time.monotonic() - started)
+                log.warning(
+                    "%s: reconnected to Redis after %.1fs", self.who, time.monotonic() - started
+                )
             else:  # one dropped connection (e.g. a pooled one from before a restart)
-                log.info("%s: a Redis connection dropped (%s); reconnected", self.who,
-                         describe(first))
+                log.info(
+                    "%s: a Redis connection dropped (%s); reconnected", self.who, describe(first)
+                )
         finally:
             self.down_since = None
             self._up.set()

@@ -120,8 +120,9 @@ class Dispatcher:
     async def wait_for_offer(self, cursor: bytes, block_ms: int) -> bytes:
         """Block until a model of this base is offered after `cursor` (or the time passes);
         the new cursor. Every waiting worker wakes: each then asks take_offer()."""
-        reply = await self.redis.xread({self.keys.offer_bell(self.base_model): cursor},
-                                       count=100, block=block_ms)
+        reply = await self.redis.xread(
+            {self.keys.offer_bell(self.base_model): cursor}, count=100, block=block_ms
+        )
         return reply[0][1][-1][0] if reply else cursor
 
     async def take_offer(self, *, min_age_ms: int = 0, unserved_min_age_ms: int = 0) -> str | None:
@@ -145,8 +146,12 @@ class Dispatcher:
         )
         if reply is None or not reply[0]:  # held by another worker, or its tenant is at its limit
             return None
-        return Lease(model_id=model_id, token=reply[0].decode(), done_seq=int(reply[1]),
-                     tenant_id=reply[2].decode())
+        return Lease(
+            model_id=model_id,
+            token=reply[0].decode(),
+            done_seq=int(reply[1]),
+            tenant_id=reply[2].decode(),
+        )
 
     async def renew(self, leases: list[Lease]) -> list[bool]:
         """Renew all leases in one round trip; False where the lease is no longer ours."""
@@ -183,14 +188,20 @@ class Dispatcher:
             for model_id in pending:
                 pipe.exists(self.keys.model_lease(model_id))
             owned = await pipe.execute()
-        orphans = {m: time.time() * 1000 for m, has_owner in zip(pending, owned, strict=True)
-                   if not has_owner}
+        orphans = {
+            m: time.time() * 1000
+            for m, has_owner in zip(pending, owned, strict=True)
+            if not has_owner
+        }
         # Ring the bell only for models not on offer already (as offer() in common.lua does):
         # every reaper runs this every few seconds, and each ring wakes every idle worker.
-        if orphans and await self.redis.zadd(self.keys.offers(self.base_model), orphans,
-                                             nx=True):
-            await self.redis.xadd(self.keys.offer_bell(self.base_model), {"m": "orphans"},
-                                  maxlen=100, approximate=True)
+        if orphans and await self.redis.zadd(self.keys.offers(self.base_model), orphans, nx=True):
+            await self.redis.xadd(
+                self.keys.offer_bell(self.base_model),
+                {"m": "orphans"},
+                maxlen=100,
+                approximate=True,
+            )
         return len(orphans)
 
     async def parked_tenants(self, tenants: set[str]) -> set[str]:
@@ -269,8 +280,10 @@ class Dispatcher:
             for lease, op in batch:
                 await self.scripts.start(**self._start_call(lease, op), client=pipe)
             replies = await pipe.execute(raise_on_error=False)
-        return [None if _is_lease_lost(reply) else _start(_raise_other(reply))  # type: ignore[arg-type]
-                for reply in replies]
+        return [
+            None if _is_lease_lost(reply) else _start(_raise_other(reply))  # type: ignore[arg-type]
+            for reply in replies
+        ]
 
     async def publish_batch(
         self, batch: list[tuple[Lease, Op, Outcome, int | None]], *, started: bool
@@ -289,9 +302,16 @@ class Dispatcher:
 
     def _start_call(self, lease: Lease, op: Op) -> dict[str, list[str | int]]:
         keys = self.keys
-        return {"keys": [keys.model_lease(lease.model_id), keys.job(op.job_id), keys.records(),
-                         keys.model_meta(op.model_id), keys.pending(self.base_model)],
-                "args": [lease.token, self.worker_id, keys.prefix, op.seq, op.model_id]}
+        return {
+            "keys": [
+                keys.model_lease(lease.model_id),
+                keys.job(op.job_id),
+                keys.records(),
+                keys.model_meta(op.model_id),
+                keys.pending(self.base_model),
+            ],
+            "args": [lease.token, self.worker_id, keys.prefix, op.seq, op.model_id],
+        }
 
     def _publish_call(
         self, lease: Lease, op: Op, outcome: Outcome, trim_upto: int | None, started: bool
@@ -333,5 +353,9 @@ class Dispatcher:
 async def command_worker(redis: Redis, keys: Keys, worker_id: str, command: str) -> None:
     """Send a command to a worker's op reader ("wake": look at the owned models again;
     "drain": finish the op in progress, hand every model back and exit)."""
-    await redis.xadd(keys.worker_control(worker_id), {"command": command},
-                     maxlen=CONTROL_STREAM_LEN, approximate=True)
+    await redis.xadd(
+        keys.worker_control(worker_id),
+        {"command": command},
+        maxlen=CONTROL_STREAM_LEN,
+        approximate=True,
+    )

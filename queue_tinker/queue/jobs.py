@@ -52,8 +52,11 @@ class HeldLimits:
 
     @classmethod
     def of(cls, settings: Settings) -> HeldLimits:
-        return cls(window=settings.held_ops_window, count=settings.held_ops_max,
-                   bytes=settings.held_ops_max_bytes)
+        return cls(
+            window=settings.held_ops_window,
+            count=settings.held_ops_max,
+            bytes=settings.held_ops_max_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,9 @@ def check_idempotency_key(key: str | None) -> str:
 class JobQueue:
     """Submit ops to per-model queues and read their outcomes. No worker logic here."""
 
-    def __init__(self, redis: Redis, keys: Keys, *, result_ttl_s: int,
-                 held: HeldLimits | None = None) -> None:
+    def __init__(
+        self, redis: Redis, keys: Keys, *, result_ttl_s: int, held: HeldLimits | None = None
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.result_ttl_s = result_ttl_s
@@ -121,9 +125,15 @@ class JobQueue:
         user_metadata: dict[str, str] | None = None,
     ) -> bool:
         """Create a training run's queue; False if it already existed (a retried create)."""
-        return await self._register(model_id, base_model, tenant_id, session_id,
-                                    kind="training", lora_config=lora_config,
-                                    user_metadata=user_metadata)
+        return await self._register(
+            model_id,
+            base_model,
+            tenant_id,
+            session_id,
+            kind="training",
+            lora_config=lora_config,
+            user_metadata=user_metadata,
+        )
 
     async def register_sampling_session(
         self,
@@ -135,19 +145,34 @@ class JobQueue:
         model_path: str | None,
     ) -> bool:
         """Create a sampling session's queue (its samples run in the order they were sent)."""
-        return await self._register(sampler_id, base_model, tenant_id, session_id,
-                                    kind="sampling", model_path=model_path)
+        return await self._register(
+            sampler_id, base_model, tenant_id, session_id, kind="sampling", model_path=model_path
+        )
 
     async def _register(
-        self, model_id: str, base_model: str, tenant_id: str, session_id: str | None, *,
-        kind: str, lora_config: dict[str, Any] | None = None, model_path: str | None = None,
+        self,
+        model_id: str,
+        base_model: str,
+        tenant_id: str,
+        session_id: str | None,
+        *,
+        kind: str,
+        lora_config: dict[str, Any] | None = None,
+        model_path: str | None = None,
         user_metadata: dict[str, str] | None = None,
     ) -> bool:
         created = await self.scripts.register_model(
             keys=[self.keys.model_meta(model_id), self.keys.records(), self.keys.base_models()],
-            args=[model_id, base_model, tenant_id, session_id or "",
-                  json.dumps(lora_config or {}), kind, model_path or "",
-                  json.dumps(user_metadata) if user_metadata else ""],
+            args=[
+                model_id,
+                base_model,
+                tenant_id,
+                session_id or "",
+                json.dumps(lora_config or {}),
+                kind,
+                model_path or "",
+                json.dumps(user_metadata) if user_metadata else "",
+            ],
         )
         return bool(created)
 
@@ -197,19 +222,33 @@ class JobQueue:
         try:
             reply = await self.scripts.enqueue_in_order(
                 keys=[
-                    keys.model_meta(model_id), keys.model_ops(model_id),
-                    keys.idempotency(model_id, idem), keys.job(job_id),
-                    keys.model_lease(model_id), keys.offers(base_model),
-                    keys.pending(base_model), keys.records(), keys.model_held(model_id),
+                    keys.model_meta(model_id),
+                    keys.model_ops(model_id),
+                    keys.idempotency(model_id, idem),
+                    keys.job(job_id),
+                    keys.model_lease(model_id),
+                    keys.offers(base_model),
+                    keys.pending(base_model),
+                    keys.records(),
+                    keys.model_held(model_id),
                 ],
-                args=["" if kind is None else job_id, kind.value if kind else "", payload,
-                      self.result_ttl_s, idem, model_id, seq_id, keys.prefix,
-                      self.held.window, self.held.count, self.held.bytes],
+                args=[
+                    "" if kind is None else job_id,
+                    kind.value if kind else "",
+                    payload,
+                    self.result_ttl_s,
+                    idem,
+                    model_id,
+                    seq_id,
+                    keys.prefix,
+                    self.held.window,
+                    self.held.count,
+                    self.held.bytes,
+                ],
             )
         except ResponseError as exc:
             raise self._order_error(str(exc), model_id, seq_id) from None
-        return Ordered(job_id=reply[0].decode(), created=bool(reply[1]),
-                       waiting_for=int(reply[2]))
+        return Ordered(job_id=reply[0].decode(), created=bool(reply[1]), waiting_for=int(reply[2]))
 
     def _order_error(self, error: str, model_id: str, seq_id: int) -> Exception:
         """enqueue_in_order.lua's refusal as the error the caller sees."""
@@ -221,14 +260,17 @@ class JobQueue:
             waiting = error.rsplit(" ", 1)[-1]
             return UserInputError(
                 f"seq_id: {seq_id} is more than {self.held.window} past {waiting}, the seq_id "
-                f"model {model_id} waits for (QT_HELD_OPS_WINDOW); send the calls before it")
+                f"model {model_id} waits for (QT_HELD_OPS_WINDOW); send the calls before it"
+            )
         if "HELD_FULL" in error:
-            what = ("ops" if error.endswith("count") else "bytes")
+            what = "ops" if error.endswith("count") else "bytes"
             limit = self.held.count if what == "ops" else self.held.bytes
             return HeldOpsFullError(
                 f"seq_id: model {model_id} already holds {limit} {what} sent ahead of the "
-                "seq_id it waits for (QT_HELD_OPS_MAX" + ("" if what == "ops" else "_BYTES")
-                + "); retry once the earlier calls are in")
+                "seq_id it waits for (QT_HELD_OPS_MAX"
+                + ("" if what == "ops" else "_BYTES")
+                + "); retry once the earlier calls are in"
+            )
         return ResponseError(error)
 
     async def skip_seq_gap(self, model_id: str) -> tuple[int, int] | None:
@@ -237,9 +279,15 @@ class JobQueue:
         base_model = await self.base_model(model_id)
         keys = self.keys
         reply = await self.scripts.skip_seq_gap(
-            keys=[keys.model_meta(model_id), keys.model_ops(model_id),
-                  keys.model_lease(model_id), keys.offers(base_model), keys.pending(base_model),
-                  keys.records(), keys.model_held(model_id)],
+            keys=[
+                keys.model_meta(model_id),
+                keys.model_ops(model_id),
+                keys.model_lease(model_id),
+                keys.offers(base_model),
+                keys.pending(base_model),
+                keys.records(),
+                keys.model_held(model_id),
+            ],
             args=[self.result_ttl_s, model_id, keys.prefix],
         )
         return (int(reply[0]), int(reply[1])) if reply else None
@@ -264,14 +312,18 @@ class JobQueue:
         )
         if fields[0] is None:
             raise UnknownModelError(f"model_id: no model {model_id!r}")
-        return {"base_model": fields[0].decode(), "tenant_id": fields[1].decode(),
-                "kind": (fields[2] or b"training").decode(),
-                "lora_config": json.loads(fields[3] or b"{}"),
-                "model_path": (fields[4] or b"").decode() or None,
-                "user_metadata": json.loads(fields[5]) if fields[5] else None}
+        return {
+            "base_model": fields[0].decode(),
+            "tenant_id": fields[1].decode(),
+            "kind": (fields[2] or b"training").decode(),
+            "lora_config": json.loads(fields[3] or b"{}"),
+            "model_path": (fields[4] or b"").decode() or None,
+            "user_metadata": json.loads(fields[5]) if fields[5] else None,
+        }
 
-    async def tenant_model(self, model_id: str, tenant_id: str,
-                           kind: str = "training") -> dict[str, Any] | None:
+    async def tenant_model(
+        self, model_id: str, tenant_id: str, kind: str = "training"
+    ) -> dict[str, Any] | None:
         """model_info, if the model is the tenant's and of this kind ('training' / 'sampling');
         None otherwise, so another tenant's model reads exactly like a missing one."""
         try:
@@ -295,8 +347,9 @@ class JobQueue:
         and payload bytes, and the outcome if the job has finished; ({}, None) for an unknown
         job."""
         fields = await self.redis.hgetall(self.keys.job(job_id))
-        text = {k.decode(): v.decode() for k, v in fields.items()
-                if k not in (b"result", b"payload")}
+        text = {
+            k.decode(): v.decode() for k, v in fields.items() if k not in (b"result", b"payload")
+        }
         return text, outcome_from_fields(job_id, fields) if fields else None
 
     async def job_fields(self, job_id: str) -> dict[str, str]:

@@ -46,12 +46,20 @@ async def read_limits(redis: Redis, keys: Keys, tenant: str) -> Limits:
 
 
 async def set_limits(
-    redis: Redis, keys: Keys, tenant: str, *, training_runs: int | None = None,
-    inflight_ops: int | None = None, tokens_per_s: float | None = None,
+    redis: Redis,
+    keys: Keys,
+    tenant: str,
+    *,
+    training_runs: int | None = None,
+    inflight_ops: int | None = None,
+    tokens_per_s: float | None = None,
 ) -> Limits:
     """Set some of a tenant's limits (tenant `*`: the default); None leaves one unchanged."""
-    given = {"training_runs": training_runs, "inflight_ops": inflight_ops,
-             "tokens_per_s": tokens_per_s}
+    given = {
+        "training_runs": training_runs,
+        "inflight_ops": inflight_ops,
+        "tokens_per_s": tokens_per_s,
+    }
     for name, value in given.items():
         if value is not None and (isinstance(value, bool) or not value >= 0):
             raise UserInputError(f"{name}: must be 0 (unlimited) or more, got {value!r}")
@@ -78,8 +86,9 @@ async def clear_limits(redis: Redis, keys: Keys, tenant: str) -> None:
 
 async def list_limits(redis: Redis, keys: Keys) -> dict[str, Limits]:
     """Every tenant with limits of its own, and `*` (the default), by tenant."""
-    tenants = sorted({t.decode() for t in await redis.smembers(keys.limited_tenants())}
-                     | {DEFAULT_TENANT_KEY})
+    tenants = sorted(
+        {t.decode() for t in await redis.smembers(keys.limited_tenants())} | {DEFAULT_TENANT_KEY}
+    )
     async with redis.pipeline(transaction=False) as pipe:
         for tenant in tenants:
             pipe.hgetall(keys.limits(tenant))

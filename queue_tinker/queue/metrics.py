@@ -16,7 +16,20 @@ from queue_tinker.types import OpKind
 
 # Upper bounds of the latency histogram's buckets, in seconds; also the Lua scripts' (scripts.py).
 LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
 )
 
 
@@ -71,5 +84,9 @@ def _histogram(kind: str, raw: dict[bytes, bytes]) -> LatencyHistogram:
     for i, bound in enumerate(bounds, start=1):  # Lua numbers the buckets from 1
         cumulative += int(raw.get(f"b{i}".encode(), 0))
         buckets.append((bound, cumulative))
-    return LatencyHistogram(kind=kind, buckets=buckets, count=int(raw.get(b"count", 0)),
-                            sum_s=float(raw.get(b"sum_s", 0.0)))
+    return LatencyHistogram(
+        kind=kind,
+        buckets=buckets,
+        count=int(raw.get(b"count", 0)),
+        sum_s=float(raw.get(b"sum_s", 0.0)),
+    )

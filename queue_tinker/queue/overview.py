@@ -16,8 +16,9 @@ from queue_tinker.queue.state import model_state
 from queue_tinker.settings import Settings
 
 
-async def queue_overview(redis: Redis, keys: Keys, settings: Settings,
-                         tenant: str | None = None, *, tenants: bool = True) -> dict[str, Any]:
+async def queue_overview(
+    redis: Redis, keys: Keys, settings: Settings, tenant: str | None = None, *, tenants: bool = True
+) -> dict[str, Any]:
     """Workers, the queues of models with ops not yet published, and (`tenants`) tenants' limit
     state; `tenant` narrows queues and tenants to one tenant (None: everyone's)."""
     registry = WorkerRegistry(redis, keys)
@@ -30,9 +31,13 @@ async def queue_overview(redis: Redis, keys: Keys, settings: Settings,
     if tenant is not None:
         names = [tenant]
     else:  # everyone with queued work, or with limits of their own
-        names = sorted({q["tenant_id"] for q in queues}
-                       | ({t.decode() for t in await redis.smembers(keys.limited_tenants())}
-                          - {DEFAULT_TENANT_KEY}))
+        names = sorted(
+            {q["tenant_id"] for q in queues}
+            | (
+                {t.decode() for t in await redis.smembers(keys.limited_tenants())}
+                - {DEFAULT_TENANT_KEY}
+            )
+        )
     overview["tenants"] = [await _tenant(redis, keys, t, queues) for t in names]
     return overview
 
@@ -56,8 +61,9 @@ def _worker(fields: dict[str, str]) -> dict[str, Any]:
     }
 
 
-async def _queues(redis: Redis, keys: Keys, served: list[str],
-                  tenant: str | None) -> list[dict[str, Any]]:
+async def _queues(
+    redis: Redis, keys: Keys, served: list[str], tenant: str | None
+) -> list[dict[str, Any]]:
     # Every base model in use, served or not: an unserved one is the paused_capacity case the
     # overview must show.
     bases = {b.decode() for b in await redis.smembers(keys.base_models())} | set(served)
@@ -74,25 +80,31 @@ async def _queues(redis: Redis, keys: Keys, served: list[str],
                 continue
             last, done = int(meta.get(b"last_seq", 0)), int(meta.get(b"done_seq", 0))
             oldest = await redis.xrange(keys.model_ops(model_id), f"{done + 1}-0", "+", count=1)
-            queued_at = (await redis.hget(keys.job(oldest[0][1][b"job"].decode()), "queued_at")
-                         if oldest else None)
+            queued_at = (
+                await redis.hget(keys.job(oldest[0][1][b"job"].decode()), "queued_at")
+                if oldest
+                else None
+            )
             state, reason = model_state(meta, served)
-            queues.append({
-                "model_id": model_id,
-                "tenant_id": owner_tenant,
-                "kind": meta.get(b"kind", b"training").decode(),
-                "base_model": base,
-                "depth": last - done,
-                "owner": lease.decode().split("|")[0] if lease else None,
-                "oldest_wait_s": round(now - float(queued_at), 3) if queued_at else None,
-                "state": state.value,
-                "reason": reason,
-            })
+            queues.append(
+                {
+                    "model_id": model_id,
+                    "tenant_id": owner_tenant,
+                    "kind": meta.get(b"kind", b"training").decode(),
+                    "base_model": base,
+                    "depth": last - done,
+                    "owner": lease.decode().split("|")[0] if lease else None,
+                    "oldest_wait_s": round(now - float(queued_at), 3) if queued_at else None,
+                    "state": state.value,
+                    "reason": reason,
+                }
+            )
     return queues
 
 
-async def _tenant(redis: Redis, keys: Keys, tenant: str,
-                  queues: list[dict[str, Any]]) -> dict[str, Any]:
+async def _tenant(
+    redis: Redis, keys: Keys, tenant: str, queues: list[dict[str, Any]]
+) -> dict[str, Any]:
     limits = await read_limits(redis, keys, tenant)
     async with redis.pipeline(transaction=False) as pipe:
         pipe.smembers(keys.tenant_leased(tenant))
@@ -104,19 +116,29 @@ async def _tenant(redis: Redis, keys: Keys, tenant: str,
             pipe.hget(keys.model_meta(model_id.decode()), "kind")
             pipe.exists(keys.model_lease(model_id.decode()))
         flags = await pipe.execute()
-    runs = sum(1 for kind, held in zip(flags[::2], flags[1::2], strict=True)
-               if held and kind == b"training")
+    runs = sum(
+        1
+        for kind, held in zip(flags[::2], flags[1::2], strict=True)
+        if held and kind == b"training"
+    )
     level = None
     if limits.tokens_per_s and bucket:
         elapsed = time.time() * 1000 - float(bucket[b"at_ms"])
-        level = round(min(limits.tokens_per_s, float(bucket[b"level"])
-                          + limits.tokens_per_s * elapsed / 1000), 1)
+        level = round(
+            min(
+                limits.tokens_per_s, float(bucket[b"level"]) + limits.tokens_per_s * elapsed / 1000
+            ),
+            1,
+        )
     return {
         "tenant_id": tenant,
         "limits": limits_dict(limits),
         "training_runs": runs,
         "inflight_ops": int(running),
         "tokens_level": level,
-        "paused_models": [q["model_id"] for q in queues
-                          if q["tenant_id"] == tenant and q["state"] == "paused_rate_limit"],
+        "paused_models": [
+            q["model_id"]
+            for q in queues
+            if q["tenant_id"] == tenant and q["state"] == "paused_rate_limit"
+        ],
     }

@@ -63,28 +63,35 @@ class RecordLog:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def read(self, consumer: str, *, count: int, block_ms: int | None,
-                   pending: bool = False) -> list[Entry]:
+    async def read(
+        self, consumer: str, *, count: int, block_ms: int | None, pending: bool = False
+    ) -> list[Entry]:
         """New entries for this consumer, or (pending=True) the ones it read but never acked."""
-        reply = await self._in_group(lambda: self.redis.xreadgroup(
-            GROUP, consumer, {self.stream: "0" if pending else ">"}, count=count, block=block_ms
-        ))
+        reply = await self._in_group(
+            lambda: self.redis.xreadgroup(
+                GROUP, consumer, {self.stream: "0" if pending else ">"}, count=count, block=block_ms
+            )
+        )
         return self._parse(reply[0][1] if reply else [])
 
     async def claim_stale(self, consumer: str, *, min_idle_ms: int, count: int) -> list[Entry]:
         """Take over entries another (dead) recorder read but never acknowledged."""
-        reply = await self._in_group(lambda: self.redis.xautoclaim(
-            self.stream, GROUP, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
-        ))
+        reply = await self._in_group(
+            lambda: self.redis.xautoclaim(
+                self.stream, GROUP, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
+            )
+        )
         return self._parse(reply[1])
 
     async def forget_gone(self, consumer: str, *, min_idle_ms: int) -> list[str]:
         """Drop the group's consumers (other than `consumer`) idle this long with nothing
         pending: recorders of processes that are gone. Each worker is a consumer of its own
         name, so without this the group's consumer list grows with every worker ever started."""
-        gone = [c["name"] for c in await self.redis.xinfo_consumers(self.stream, GROUP)
-                if c["pending"] == 0 and c["idle"] >= min_idle_ms
-                and _text(c["name"]) != consumer]
+        gone = [
+            c["name"]
+            for c in await self.redis.xinfo_consumers(self.stream, GROUP)
+            if c["pending"] == 0 and c["idle"] >= min_idle_ms and _text(c["name"]) != consumer
+        ]
         for name in gone:
             await self.redis.xgroup_delconsumer(self.stream, GROUP, name)
         return [_text(name) for name in gone]
@@ -98,8 +105,10 @@ class RecordLog:
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            log.warning("records: consumer group %r missing (Redis lost its data?); "
-                        "creating it again", GROUP)
+            log.warning(
+                "records: consumer group %r missing (Redis lost its data?); creating it again",
+                GROUP,
+            )
             await self.ensure_group()
             return await call()
 
@@ -119,8 +128,7 @@ class RecordLog:
         (an entry leaves the stream when its write is acknowledged)."""
         return self._parse(await self.redis.xrange(self.stream, count=count))
 
-    async def dead(self, tenant: str | None, *, scan: int = 200,
-                   show: int = 20) -> dict[str, Any]:
+    async def dead(self, tenant: str | None, *, scan: int = 200, show: int = 20) -> dict[str, Any]:
         """The dead-letter stream as the dashboard shows it: how many records Postgres refused
         and the newest `show` (of the newest `scan`, for one tenant's view), each with the
         record's type, id, tenant and the reason."""
@@ -129,9 +137,15 @@ class RecordLog:
         for entry_id, fields in entries:
             row = {_text(k): _text(v) for k, v in (fields or {}).items()}
             if tenant is None or row.get("tenant_id") == tenant:
-                rows.append({"entry": _text(entry_id or b""), "type": row.get("type", "?"),
-                             "id": row.get("id", "?"), "tenant_id": row.get("tenant_id"),
-                             "reason": row.get("reason", "")})
+                rows.append(
+                    {
+                        "entry": _text(entry_id or b""),
+                        "type": row.get("type", "?"),
+                        "id": row.get("id", "?"),
+                        "tenant_id": row.get("tenant_id"),
+                        "reason": row.get("reason", ""),
+                    }
+                )
         total = int(await self.redis.xlen(self.dead_stream)) if tenant is None else len(rows)
         return {"count": total, "recent": rows[:show]}
 

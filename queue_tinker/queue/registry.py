@@ -36,15 +36,17 @@ class WorkerRegistry:
         """Workers that beat within max_age_ms, with their registry fields and beat_ms (the
         last heartbeat, ms since the epoch)."""
         since = time.time() * 1000 - max_age_ms
-        beats = await self.redis.zrangebyscore(self.keys.workers(), since, "+inf",
-                                               withscores=True)
+        beats = await self.redis.zrangebyscore(self.keys.workers(), since, "+inf", withscores=True)
         async with self.redis.pipeline(transaction=False) as pipe:
             for worker_id, _ in beats:
                 pipe.hgetall(self.keys.worker(worker_id.decode()))
             rows = await pipe.execute()
         return [
-            {"id": wid.decode(), "beat_ms": str(beat_ms),
-             **{k.decode(): v.decode() for k, v in row.items()}}
+            {
+                "id": wid.decode(),
+                "beat_ms": str(beat_ms),
+                **{k.decode(): v.decode() for k, v in row.items()},
+            }
             for (wid, beat_ms), row in zip(beats, rows, strict=True)
             if row
         ]
@@ -65,7 +67,8 @@ class WorkerRegistry:
             raise UserInputError(
                 f"base_model: {base_model!r} is not served by this deployment; served base "
                 f"models: {', '.join(served)} (a deployment that starts workers on demand sets "
-                "QT_QUEUE_UNSERVED_BASE_MODELS=true to queue it instead)")
+                "QT_QUEUE_UNSERVED_BASE_MODELS=true to queue it instead)"
+            )
 
     async def base_models(self, max_age_ms: int) -> list[str]:
         """The base models live workers serve, sorted."""

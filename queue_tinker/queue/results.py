@@ -47,8 +47,9 @@ class _PubSub(PubSub):
     listener's own reconnect (two sockets opened for one connection). Here a failure only
     disconnects; ResultListener reconnects, under its lock, and then catches up."""
 
-    async def _reconnect(self, conn: Any, error: BaseException | None = None,
-                         *args: Any, **kwargs: Any) -> None:
+    async def _reconnect(
+        self, conn: Any, error: BaseException | None = None, *args: Any, **kwargs: Any
+    ) -> None:
         await conn.disconnect(error=error)
 
 
@@ -56,7 +57,11 @@ class ResultListener:
     """Resolves local futures from the per-model events channels."""
 
     def __init__(
-        self, redis: Redis, keys: Keys, jobs: JobQueue, *,
+        self,
+        redis: Redis,
+        keys: Keys,
+        jobs: JobQueue,
+        *,
         sweep_interval_s: float = SWEEP_INTERVAL_S,
         outage_limit_s: float = OUTAGE_LIMIT_S,
     ) -> None:
@@ -102,7 +107,8 @@ class ResultListener:
             except TimeoutError:
                 raise RedisUnavailableError(
                     f"Redis did not confirm the subscription to {model_id}'s results within "
-                    f"{timeout_s:.0f} s") from None
+                    f"{timeout_s:.0f} s"
+                ) from None
             if self._subscribed.get(channel) is event:
                 return
 
@@ -194,8 +200,9 @@ class ResultListener:
             down_s = time.monotonic() - since
             if down_s >= self.outage_limit_s:
                 self._fail_outage(down_s, exc)
-            log.debug("results: Redis still unreachable (%s); retrying in %.2fs",
-                      describe(exc), delay)
+            log.debug(
+                "results: Redis still unreachable (%s); retrying in %.2fs", describe(exc), delay
+            )
             await asyncio.sleep(delay)  # backoff between connection attempts
             delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
@@ -206,8 +213,11 @@ class ResultListener:
             self._resync = False
             self.reconnects += 1
             if self.down_since is not None:
-                log.warning("results: reconnected to Redis after %.1fs; re-reading %d waiting "
-                            "requests", time.monotonic() - self.down_since, len(self._confirmed))
+                log.warning(
+                    "results: reconnected to Redis after %.1fs; re-reading %d waiting requests",
+                    time.monotonic() - self.down_since,
+                    len(self._confirmed),
+                )
             self.down_since = None
             task = asyncio.create_task(self._catch_up(), name="qt-results-catch-up")
             self._catching_up.add(task)
@@ -259,14 +269,22 @@ class ResultListener:
     def _fail_outage(self, down_s: float, exc: BaseException) -> None:
         """Redis has been away too long: fail every submitted request's future."""
         if self._confirmed:
-            log.warning("results: Redis unreachable for %.0f s; failing the %d requests "
-                        "waiting for results", down_s, len(self._confirmed))
+            log.warning(
+                "results: Redis unreachable for %.0f s; failing the %d requests "
+                "waiting for results",
+                down_s,
+                len(self._confirmed),
+            )
         for job_id in list(self._confirmed):
-            self._fail(job_id, RedisUnavailableError(
-                f"request {job_id}: Redis unreachable for {down_s:.0f} s ({describe(exc)}); "
-                f"stopped waiting for its result. The request is kept in Redis (with "
-                f"persistence on) and runs when Redis is back; resubmit it with the same "
-                f"idempotency_key to get that result without running it twice"))
+            self._fail(
+                job_id,
+                RedisUnavailableError(
+                    f"request {job_id}: Redis unreachable for {down_s:.0f} s ({describe(exc)}); "
+                    f"stopped waiting for its result. The request is kept in Redis (with "
+                    f"persistence on) and runs when Redis is back; resubmit it with the same "
+                    f"idempotency_key to get that result without running it twice"
+                ),
+            )
 
     async def _reread(self, job_ids: list[str]) -> None:
         """Resolve the given jobs from their hashes, in one round trip."""
@@ -279,10 +297,14 @@ class ResultListener:
         for job_id, fields in zip(job_ids, replies, strict=True):
             if not fields:
                 if job_id in self._confirmed:  # not resolved meanwhile
-                    self._fail(job_id, ResultExpiredError(
-                        f"request {job_id}: no longer in Redis (its result outlived "
-                        f"QT_RESULT_TTL_S={self.jobs.result_ttl_s}, or Redis restarted "
-                        f"without persistence and lost it)"))
+                    self._fail(
+                        job_id,
+                        ResultExpiredError(
+                            f"request {job_id}: no longer in Redis (its result outlived "
+                            f"QT_RESULT_TTL_S={self.jobs.result_ttl_s}, or Redis restarted "
+                            f"without persistence and lost it)"
+                        ),
+                    )
                 continue
             outcome = outcome_from_fields(job_id, fields)
             if outcome is not None:

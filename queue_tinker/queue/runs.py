@@ -35,23 +35,35 @@ LOAD_STATE_KEY = "create-load-state"
 
 
 async def open_training_run(
-    jobs: JobQueue, submit: Submit[T], model_id: str, *, base_model: str, tenant_id: str,
-    session_id: str | None, config: LoraConfig, user_metadata: object = None,
+    jobs: JobQueue,
+    submit: Submit[T],
+    model_id: str,
+    *,
+    base_model: str,
+    tenant_id: str,
+    session_id: str | None,
+    config: LoraConfig,
+    user_metadata: object = None,
 ) -> T:
     """A new LoRA run: its queue, then its create op (the worker builds the adapter).
     user_metadata (string to string) is kept with the run for the REST answers."""
     check_base_model(base_model)
     metadata = check_user_metadata(user_metadata)
-    await jobs.register_model(model_id, base_model=base_model, tenant_id=tenant_id,
-                              session_id=session_id, lora_config=config.model_dump(),
-                              user_metadata=metadata)
+    await jobs.register_model(
+        model_id,
+        base_model=base_model,
+        tenant_id=tenant_id,
+        session_id=session_id,
+        lora_config=config.model_dump(),
+        user_metadata=metadata,
+    )
     body = CreateModelInput(lora_config=config, tenant_id=tenant_id, base_model=base_model)
-    return await submit(model_id, OpKind.CREATE_MODEL, codec.encode(body.model_dump()),
-                        CREATE_KEY)
+    return await submit(model_id, OpKind.CREATE_MODEL, codec.encode(body.model_dump()), CREATE_KEY)
 
 
-async def checkpoint_run(jobs: JobQueue, path: CheckpointPath, tenant_id: str,
-                         field: str) -> dict[str, Any]:
+async def checkpoint_run(
+    jobs: JobQueue, path: CheckpointPath, tenant_id: str, field: str
+) -> dict[str, Any]:
     """The meta of the training run that saved a checkpoint. Another tenant's run reads exactly
     like a missing one, unless the checkpoint is published (readable by every tenant)."""
     info = await jobs.tenant_model(path.run_id, tenant_id)
@@ -63,8 +75,15 @@ async def checkpoint_run(jobs: JobQueue, path: CheckpointPath, tenant_id: str,
 
 
 async def open_training_run_from_state(
-    jobs: JobQueue, submit: Submit[T], model_id: str, path: str, *, tenant_id: str,
-    session_id: str | None, optimizer: bool, base_model: str | None = None,
+    jobs: JobQueue,
+    submit: Submit[T],
+    model_id: str,
+    path: str,
+    *,
+    tenant_id: str,
+    session_id: str | None,
+    optimizer: bool,
+    base_model: str | None = None,
     user_metadata: object = None,
 ) -> T:
     """A new run that starts from a checkpoint: the checkpoint's base model and LoRA config,
@@ -72,41 +91,69 @@ async def open_training_run_from_state(
     parsed = loadable(CheckpointPath.parse(path))
     source = await checkpoint_run(jobs, parsed, tenant_id, "path")
     if base_model is not None and base_model != source["base_model"]:
-        raise UserInputError(f"base_model: {base_model!r} does not match path, which was "
-                             f"trained on {source['base_model']!r}")
+        raise UserInputError(
+            f"base_model: {base_model!r} does not match path, which was "
+            f"trained on {source['base_model']!r}"
+        )
     config = LoraConfig.model_validate(source["lora_config"])
-    await open_training_run(jobs, submit, model_id, base_model=source["base_model"],
-                            tenant_id=tenant_id, session_id=session_id, config=config,
-                            user_metadata=user_metadata)
+    await open_training_run(
+        jobs,
+        submit,
+        model_id,
+        base_model=source["base_model"],
+        tenant_id=tenant_id,
+        session_id=session_id,
+        config=config,
+        user_metadata=user_metadata,
+    )
     body = LoadInput(path=path, optimizer=optimizer)
-    return await submit(model_id, OpKind.LOAD_STATE, codec.encode(body.model_dump()),
-                        LOAD_STATE_KEY)
+    return await submit(
+        model_id, OpKind.LOAD_STATE, codec.encode(body.model_dump()), LOAD_STATE_KEY
+    )
 
 
-async def sampling_base_model(jobs: JobQueue, tenant_id: str, model_path: str | None,
-                              base_model: str | None) -> str:
+async def sampling_base_model(
+    jobs: JobQueue, tenant_id: str, model_path: str | None, base_model: str | None
+) -> str:
     """The base model a sampling session runs on: the checkpoint's run's, or the one asked."""
     if model_path is None and base_model is None:
-        raise UserInputError("model_path, base_model: pass one (a tinker:// checkpoint path, or "
-                             "a base model to sample from without an adapter)")
+        raise UserInputError(
+            "model_path, base_model: pass one (a tinker:// checkpoint path, or "
+            "a base model to sample from without an adapter)"
+        )
     if model_path is not None:
         path = loadable(CheckpointPath.parse(model_path, "model_path"), "model_path")
         trained_on = str((await checkpoint_run(jobs, path, tenant_id, "model_path"))["base_model"])
         if base_model is not None and base_model != trained_on:
-            raise UserInputError(f"base_model: {base_model!r} does not match model_path, which "
-                                 f"was trained on {trained_on!r}")
+            raise UserInputError(
+                f"base_model: {base_model!r} does not match model_path, which "
+                f"was trained on {trained_on!r}"
+            )
         return trained_on
     return check_base_model(base_model)
 
 
 async def open_sampling_session(
-    jobs: JobQueue, submit: Submit[T], sampler_id: str, *, base_model: str, tenant_id: str,
-    session_id: str | None, model_path: str | None,
+    jobs: JobQueue,
+    submit: Submit[T],
+    sampler_id: str,
+    *,
+    base_model: str,
+    tenant_id: str,
+    session_id: str | None,
+    model_path: str | None,
 ) -> T:
     """A sampling session's queue, then its create op (a worker checks the weights)."""
-    await jobs.register_sampling_session(sampler_id, base_model=base_model, tenant_id=tenant_id,
-                                         session_id=session_id, model_path=model_path)
-    body = CreateSamplingSessionInput(tenant_id=tenant_id, base_model=base_model,
-                                      model_path=model_path)
-    return await submit(sampler_id, OpKind.CREATE_SAMPLING_SESSION,
-                        codec.encode(body.model_dump()), CREATE_KEY)
+    await jobs.register_sampling_session(
+        sampler_id,
+        base_model=base_model,
+        tenant_id=tenant_id,
+        session_id=session_id,
+        model_path=model_path,
+    )
+    body = CreateSamplingSessionInput(
+        tenant_id=tenant_id, base_model=base_model, model_path=model_path
+    )
+    return await submit(
+        sampler_id, OpKind.CREATE_SAMPLING_SESSION, codec.encode(body.model_dump()), CREATE_KEY
+    )

@@ -80,8 +80,10 @@ class SampleFutures:
         last = int(await self.redis.incrby(cursor_key, len(done)))
         completions = self.keys.sample_completions(sampler_id, client)
         pending = self.keys.sample_pending(sampler_id, client)
-        members = {f"{state}:{request_id}": last - len(done) + 1 + i
-                   for i, (request_id, state) in enumerate(sorted(done.items()))}
+        members = {
+            f"{state}:{request_id}": last - len(done) + 1 + i
+            for i, (request_id, state) in enumerate(sorted(done.items()))
+        }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zadd(completions, members, nx=True)
             pipe.srem(pending, *done)
@@ -100,6 +102,5 @@ class SampleFutures:
         completions = []
         for member, score in rows:
             state, _, request_id = member.decode().partition(":")
-            completions.append(Completion(request_id=request_id, state=state,
-                                          cursor=int(score)))
+            completions.append(Completion(request_id=request_id, state=state, cursor=int(score)))
         return completions

@@ -23,8 +23,9 @@ def model_state(meta: dict[bytes, bytes], served: list[str]) -> tuple[QueueState
     return QueueState.ACTIVE, None
 
 
-async def queue_state(redis: Redis, keys: Keys, registry: WorkerRegistry, model_id: str,
-                      max_age_ms: int) -> tuple[QueueState, str | None]:
+async def queue_state(
+    redis: Redis, keys: Keys, registry: WorkerRegistry, model_id: str, max_age_ms: int
+) -> tuple[QueueState, str | None]:
     """The state of one model's queue now (model_state, read from Redis)."""
     meta = await redis.hgetall(keys.model_meta(model_id))
     return model_state(meta, await registry.base_models(max_age_ms))

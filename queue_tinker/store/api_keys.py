@@ -52,8 +52,12 @@ def hash_key(key: str) -> str:
 
 
 def check_tenant_id(tenant_id: str) -> str:
-    if (not isinstance(tenant_id, str) or not tenant_id or len(tenant_id) > MAX_TENANT_ID
-            or not all(c.isalnum() or c in "-_." for c in tenant_id)):
+    if (
+        not isinstance(tenant_id, str)
+        or not tenant_id
+        or len(tenant_id) > MAX_TENANT_ID
+        or not all(c.isalnum() or c in "-_." for c in tenant_id)
+    ):
         raise UserInputError(
             f"tenant: must be 1 to {MAX_TENANT_ID} letters, digits, '-', '_' or '.', "
             f"got {tenant_id!r}"
@@ -62,12 +66,21 @@ def check_tenant_id(tenant_id: str) -> str:
 
 
 def _info(row: ApiKey) -> KeyInfo:
-    return KeyInfo(id=row.id, tenant_id=row.tenant_id, prefix=row.prefix, name=row.name,
-                   created_at=row.created_at, revoked_at=row.revoked_at, admin=row.admin)
+    return KeyInfo(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        prefix=row.prefix,
+        name=row.name,
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+        admin=row.admin,
+    )
 
 
 async def create_key(
-    sessions: async_sessionmaker[AsyncSession], tenant_id: str, name: str | None = None,
+    sessions: async_sessionmaker[AsyncSession],
+    tenant_id: str,
+    name: str | None = None,
     admin: bool = False,
 ) -> tuple[KeyInfo, str]:
     """A new key for `tenant_id` (the tenant is created on its first key): (its info, the key,
@@ -79,9 +92,14 @@ async def create_key(
         await session.execute(
             insert(Tenant).values(id=tenant_id, name=tenant_id).on_conflict_do_nothing()
         )
-        row = ApiKey(id=f"key-{uuid.uuid4().hex[:16]}", tenant_id=tenant_id,
-                     key_hash=hash_key(key), prefix=key[:SHOWN_PREFIX], name=name,
-                     admin=bool(admin))
+        row = ApiKey(
+            id=f"key-{uuid.uuid4().hex[:16]}",
+            tenant_id=tenant_id,
+            key_hash=hash_key(key),
+            prefix=key[:SHOWN_PREFIX],
+            name=name,
+            admin=bool(admin),
+        )
         session.add(row)
         await session.flush()
         await session.refresh(row)
@@ -103,7 +121,8 @@ async def revoke_key(sessions: async_sessionmaker[AsyncSession], key_id: str) ->
     """Revoke a key by its id; False if there is no such key or it was already revoked."""
     async with sessions() as session, session.begin():
         result = await session.execute(
-            update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+            update(ApiKey)
+            .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
             .values(revoked_at=func.now())
         )
         return bool(result.rowcount)  # type: ignore[attr-defined]
@@ -112,8 +131,9 @@ async def revoke_key(sessions: async_sessionmaker[AsyncSession], key_id: str) ->
 async def key_info(sessions: async_sessionmaker[AsyncSession], key: str) -> KeyInfo | None:
     """The listing of a valid (unrevoked) key, looked up by the key itself; None otherwise."""
     async with sessions() as session:
-        row = await session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key),
-                                                        ApiKey.revoked_at.is_(None)))
+        row = await session.scalar(
+            select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
+        )
     return _info(row) if row is not None else None
 
 
@@ -129,10 +149,13 @@ async def owner_of_key(sessions: async_sessionmaker[AsyncSession], key: str) -> 
     if not isinstance(key, str) or not key.startswith(KEY_PREFIX):
         return None
     async with sessions() as session:
-        row = (await session.execute(
-            select(ApiKey.tenant_id, ApiKey.admin).where(ApiKey.key_hash == hash_key(key),
-                                                         ApiKey.revoked_at.is_(None))
-        )).first()
+        row = (
+            await session.execute(
+                select(ApiKey.tenant_id, ApiKey.admin).where(
+                    ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)
+                )
+            )
+        ).first()
     return KeyOwner(tenant_id=row.tenant_id, admin=bool(row.admin)) if row else None
 
 

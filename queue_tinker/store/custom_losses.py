@@ -11,29 +11,43 @@ from queue_tinker.store.models import CustomLossGraph
 from queue_tinker.types.custom_loss import CustomLoss
 
 
-async def save(sessions: async_sessionmaker[AsyncSession], loss: CustomLoss, *, tenant_id: str,
-               session_id: str) -> CustomLoss:
+async def save(
+    sessions: async_sessionmaker[AsyncSession], loss: CustomLoss, *, tenant_id: str, session_id: str
+) -> CustomLoss:
     """Store the loss under its id; the one stored first under that id (a retried upload
     finds its own)."""
     async with sessions() as session, session.begin():
-        await session.execute(insert(CustomLossGraph).values(
-            id=loss.loss_id, tenant_id=tenant_id, session_id=session_id, name=loss.name,
-            inputs=[i.model_dump() for i in loss.inputs],
-            graph=loss.graph.model_dump(mode="json")).on_conflict_do_nothing())
+        await session.execute(
+            insert(CustomLossGraph)
+            .values(
+                id=loss.loss_id,
+                tenant_id=tenant_id,
+                session_id=session_id,
+                name=loss.name,
+                inputs=[i.model_dump() for i in loss.inputs],
+                graph=loss.graph.model_dump(mode="json"),
+            )
+            .on_conflict_do_nothing()
+        )
         row = await session.get(CustomLossGraph, loss.loss_id)
     assert row is not None
     return _loss(row)
 
 
-async def load(sessions: async_sessionmaker[AsyncSession], tenant_id: str,
-               loss_id: str) -> tuple[CustomLoss, str] | None:
+async def load(
+    sessions: async_sessionmaker[AsyncSession], tenant_id: str, loss_id: str
+) -> tuple[CustomLoss, str] | None:
     """(the tenant's loss with this id, its session id), or None."""
     async with sessions() as session:
-        row = await session.scalar(select(CustomLossGraph).where(
-            CustomLossGraph.id == loss_id, CustomLossGraph.tenant_id == tenant_id))
+        row = await session.scalar(
+            select(CustomLossGraph).where(
+                CustomLossGraph.id == loss_id, CustomLossGraph.tenant_id == tenant_id
+            )
+        )
     return (_loss(row), row.session_id) if row is not None else None
 
 
 def _loss(row: CustomLossGraph) -> CustomLoss:
-    return CustomLoss.model_validate({"loss_id": row.id, "name": row.name,
-                                      "inputs": row.inputs, "graph": row.graph})
+    return CustomLoss.model_validate(
+        {"loss_id": row.id, "name": row.name, "inputs": row.inputs, "graph": row.graph}
+    )

@@ -27,8 +27,9 @@ def epoch(moment: datetime | None) -> float | None:
     return round(moment.timestamp(), 3) if moment else None
 
 
-def _scoped(query: Select[Any], column: InstrumentedAttribute[str],
-            tenant: str | None) -> Select[Any]:
+def _scoped(
+    query: Select[Any], column: InstrumentedAttribute[str], tenant: str | None
+) -> Select[Any]:
     return query if tenant is None else query.where(column == tenant)
 
 
@@ -39,14 +40,21 @@ def _seconds(end: datetime | None, start: datetime | None) -> float | None:
 def request_row(row: Request, *, detail: bool = False) -> dict[str, Any]:
     """A request as the dashboard shows it; the traceback and metrics only with `detail`."""
     out: dict[str, Any] = {
-        "id": row.id, "model_id": row.model_id, "tenant_id": row.tenant_id, "seq": row.seq,
-        "kind": row.kind, "status": row.status, "worker_id": row.worker_id,
+        "id": row.id,
+        "model_id": row.model_id,
+        "tenant_id": row.tenant_id,
+        "seq": row.seq,
+        "kind": row.kind,
+        "status": row.status,
+        "worker_id": row.worker_id,
         "attempts": row.attempts,
-        "queued_at": epoch(row.queued_at), "started_at": epoch(row.started_at),
+        "queued_at": epoch(row.queued_at),
+        "started_at": epoch(row.started_at),
         "finished_at": epoch(row.finished_at),
         "latency_s": _seconds(row.finished_at, row.queued_at),  # what the client waited
         "run_s": _seconds(row.finished_at, row.started_at),  # what the worker spent
-        "error": row.error, "error_category": row.error_category,
+        "error": row.error,
+        "error_category": row.error_category,
         "has_detail": bool(row.error_detail),
     }
     if detail:
@@ -56,8 +64,13 @@ def request_row(row: Request, *, detail: bool = False) -> dict[str, Any]:
 
 
 async def recent_requests(
-    sessions: async_sessionmaker[AsyncSession], tenant: str | None, *, limit: int,
-    status: str | None = None, model_id: str | None = None, kind: str | None = None,
+    sessions: async_sessionmaker[AsyncSession],
+    tenant: str | None,
+    *,
+    limit: int,
+    status: str | None = None,
+    model_id: str | None = None,
+    kind: str | None = None,
 ) -> list[dict[str, Any]]:
     """The newest requests (by queued_at), optionally of one status, model and kind."""
     query = _scoped(select(Request), Request.tenant_id, tenant)
@@ -100,33 +113,57 @@ async def training_runs(
         func.count().filter(and_(Request.kind == OpKind.OPTIM_STEP.value, done)),
         func.count().filter(and_(Request.kind == OpKind.FORWARD_BACKWARD.value, done)),
         func.count().filter(Request.status == JobStatus.FAILED.value),
-        func.count().filter(Request.status.in_((JobStatus.QUEUED.value,
-                                                JobStatus.RUNNING.value))),
+        func.count().filter(Request.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value))),
     ).group_by(Request.model_id)
     # The newest recorded loss of each run: DISTINCT ON picks one row per model, highest seq.
     last_loss_query = (
         select(Request.model_id, _loss_value())
-        .where(Request.kind == OpKind.FORWARD_BACKWARD.value, done,
-               Request.metrics.has_key(LOSS_METRIC))
-        .distinct(Request.model_id).order_by(Request.model_id, Request.seq.desc())
+        .where(
+            Request.kind == OpKind.FORWARD_BACKWARD.value,
+            done,
+            Request.metrics.has_key(LOSS_METRIC),
+        )
+        .distinct(Request.model_id)
+        .order_by(Request.model_id, Request.seq.desc())
     )
     async with sessions() as session:
         runs = list(await session.scalars(runs_query))
         ids = [run.id for run in runs]
-        counts = {row[0]: row[1:] for row in await session.execute(
-            counts_query.where(Request.model_id.in_(ids)))} if ids else {}
-        losses: dict[str, float] = dict((await session.execute(
-            last_loss_query.where(Request.model_id.in_(ids)))).tuples().all()) if ids else {}
+        counts = (
+            {
+                row[0]: row[1:]
+                for row in await session.execute(counts_query.where(Request.model_id.in_(ids)))
+            }
+            if ids
+            else {}
+        )
+        losses: dict[str, float] = (
+            dict(
+                (await session.execute(last_loss_query.where(Request.model_id.in_(ids))))
+                .tuples()
+                .all()
+            )
+            if ids
+            else {}
+        )
     out = []
     for run in runs:
         steps, fwd_bwd, failed, pending = counts.get(run.id, (0, 0, 0, 0))
-        out.append({
-            "id": run.id, "tenant_id": run.tenant_id, "base_model": run.base_model,
-            "rank": (run.lora_config or {}).get("rank"), "created_at": epoch(run.created_at),
-            "last_request_at": epoch(run.last_request_at), "steps": steps,
-            "forward_backward": fwd_bwd, "failed": failed, "pending": pending,
-            "last_loss": losses.get(run.id),
-        })
+        out.append(
+            {
+                "id": run.id,
+                "tenant_id": run.tenant_id,
+                "base_model": run.base_model,
+                "rank": (run.lora_config or {}).get("rank"),
+                "created_at": epoch(run.created_at),
+                "last_request_at": epoch(run.last_request_at),
+                "steps": steps,
+                "forward_backward": fwd_bwd,
+                "failed": failed,
+                "pending": pending,
+                "last_loss": losses.get(run.id),
+            }
+        )
     return out
 
 
@@ -134,8 +171,9 @@ async def run_visible(
     sessions: async_sessionmaker[AsyncSession], tenant: str | None, run_id: str
 ) -> bool:
     """Whether the run exists (and is the tenant's)."""
-    query = _scoped(select(TrainingRun.id).where(TrainingRun.id == run_id),
-                    TrainingRun.tenant_id, tenant)
+    query = _scoped(
+        select(TrainingRun.id).where(TrainingRun.id == run_id), TrainingRun.tenant_id, tenant
+    )
     async with sessions() as session:
         return await session.scalar(query) is not None
 
@@ -147,10 +185,17 @@ async def loss_curve(
     `step`, the optimizer steps done before it (the x axis of a training loop)."""
     query = (
         select(Request.seq, Request.kind, _loss_value())
-        .where(Request.model_id == run_id, Request.status == JobStatus.DONE.value,
-               or_(Request.kind == OpKind.OPTIM_STEP.value,
-                   and_(Request.kind == OpKind.FORWARD_BACKWARD.value,
-                        Request.metrics.has_key(LOSS_METRIC))))
+        .where(
+            Request.model_id == run_id,
+            Request.status == JobStatus.DONE.value,
+            or_(
+                Request.kind == OpKind.OPTIM_STEP.value,
+                and_(
+                    Request.kind == OpKind.FORWARD_BACKWARD.value,
+                    Request.metrics.has_key(LOSS_METRIC),
+                ),
+            ),
+        )
         .order_by(Request.seq)
     )
     points: list[dict[str, Any]] = []
@@ -165,7 +210,10 @@ async def loss_curve(
 
 
 async def checkpoints(
-    sessions: async_sessionmaker[AsyncSession], tenant: str | None, *, limit: int,
+    sessions: async_sessionmaker[AsyncSession],
+    tenant: str | None,
+    *,
+    limit: int,
     run_id: str | None = None,
 ) -> list[dict[str, Any]]:
     """The newest live checkpoints (of one run, if given)."""
@@ -175,18 +223,23 @@ async def checkpoints(
     query = query.order_by(Checkpoint.created_at.desc(), Checkpoint.id).limit(limit)
     async with sessions() as session:
         rows = list(await session.scalars(query))
-    return [{
-        "tinker_path": row.id,  # a checkpoint's id is its tinker:// path
-        "checkpoint_id": f"{CheckpointKind(row.kind).path_segment}/{row.name}",
-        "run_id": row.model_id, "tenant_id": row.tenant_id, "name": row.name, "kind": row.kind,
-        "size_bytes": row.size_bytes, "created_at": epoch(row.created_at),
-        "expires_at": epoch(row.expires_at),
-    } for row in rows]
+    return [
+        {
+            "tinker_path": row.id,  # a checkpoint's id is its tinker:// path
+            "checkpoint_id": f"{CheckpointKind(row.kind).path_segment}/{row.name}",
+            "run_id": row.model_id,
+            "tenant_id": row.tenant_id,
+            "name": row.name,
+            "kind": row.kind,
+            "size_bytes": row.size_bytes,
+            "created_at": epoch(row.created_at),
+            "expires_at": epoch(row.expires_at),
+        }
+        for row in rows
+    ]
 
 
-async def request_tenant(
-    sessions: async_sessionmaker[AsyncSession], request_id: str
-) -> str | None:
+async def request_tenant(sessions: async_sessionmaker[AsyncSession], request_id: str) -> str | None:
     """The tenant of a recorded request, or None if there is no such request."""
     async with sessions() as session:
         return await session.scalar(select(Request.tenant_id).where(Request.id == request_id))

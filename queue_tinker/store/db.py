@@ -53,7 +53,8 @@ COMMAND_TIMEOUT_S = 60.0
 def make_engine(url: str) -> AsyncEngine:
     """An asyncpg engine; pre-ping so a restarted Postgres costs one retry, not an error."""
     return create_async_engine(
-        _async_url(url), pool_pre_ping=True,
+        _async_url(url),
+        pool_pre_ping=True,
         connect_args={"timeout": CONNECT_TIMEOUT_S, "command_timeout": COMMAND_TIMEOUT_S},
     )
 
@@ -101,8 +102,11 @@ def unreachable(exc: BaseException) -> bool:
     if isinstance(exc, DBAPIError):
         # A cut connection, or Postgres saying it cannot serve (SQLSTATE 08 connection
         # exception, 53 insufficient resources, 57 operator intervention: shutting down).
-        return (exc.connection_invalidated or isinstance(exc, InterfaceError)
-                or _sqlstate(exc)[:2] in ("08", "53", "57"))
+        return (
+            exc.connection_invalidated
+            or isinstance(exc, InterfaceError)
+            or _sqlstate(exc)[:2] in ("08", "53", "57")
+        )
     return isinstance(exc, ConnectionError | TimeoutError)
 
 

@@ -56,8 +56,10 @@ async def get_training_run(
 def live_checkpoint() -> ColumnElement[bool]:
     """A checkpoint the user can still use: files not removed and its TTL not run out (the
     housekeeper may not have got to it yet)."""
-    return and_(Checkpoint.deleted_at.is_(None),
-                or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > func.now()))
+    return and_(
+        Checkpoint.deleted_at.is_(None),
+        or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > func.now()),
+    )
 
 
 async def list_training_runs(
@@ -68,8 +70,11 @@ async def list_training_runs(
     async with sessions() as session:
         total = await session.scalar(select(func.count()).select_from(TrainingRun).where(owned))
         rows = await session.scalars(
-            select(TrainingRun).where(owned)
-            .order_by(TrainingRun.created_at.desc(), TrainingRun.id).limit(limit).offset(offset)
+            select(TrainingRun)
+            .where(owned)
+            .order_by(TrainingRun.created_at.desc(), TrainingRun.id)
+            .limit(limit)
+            .offset(offset)
         )
         return list(rows), int(total or 0)
 
@@ -80,8 +85,7 @@ async def get_tenant_training_run(
     """The tenant's training run with this id, or None (also when another tenant owns it)."""
     async with sessions() as session:
         return await session.scalar(
-            select(TrainingRun).where(TrainingRun.id == run_id,
-                                      TrainingRun.tenant_id == tenant_id)
+            select(TrainingRun).where(TrainingRun.id == run_id, TrainingRun.tenant_id == tenant_id)
         )
 
 
@@ -93,11 +97,19 @@ async def newest_checkpoints(
         return {}
     # The first row of each (run, kind) by recency; a window rather than DISTINCT ON, whose
     # SQLAlchemy spelling changed in 2.1 (the old one warns).
-    rank = func.row_number().over(
-        partition_by=(Checkpoint.model_id, Checkpoint.kind),
-        order_by=(Checkpoint.created_at.desc(), Checkpoint.id.desc())).label("rank")
-    ranked = (select(Checkpoint.id, rank)
-              .where(Checkpoint.model_id.in_(run_ids), live_checkpoint()).subquery())
+    rank = (
+        func.row_number()
+        .over(
+            partition_by=(Checkpoint.model_id, Checkpoint.kind),
+            order_by=(Checkpoint.created_at.desc(), Checkpoint.id.desc()),
+        )
+        .label("rank")
+    )
+    ranked = (
+        select(Checkpoint.id, rank)
+        .where(Checkpoint.model_id.in_(run_ids), live_checkpoint())
+        .subquery()
+    )
     async with sessions() as session:
         rows = await session.scalars(
             select(Checkpoint).join(ranked, ranked.c.id == Checkpoint.id).where(ranked.c.rank == 1)
@@ -112,8 +124,9 @@ async def run_checkpoints(
     async with sessions() as session:
         rows = await session.scalars(
             select(Checkpoint)
-            .where(Checkpoint.model_id == run_id, Checkpoint.tenant_id == tenant_id,
-                   live_checkpoint())
+            .where(
+                Checkpoint.model_id == run_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
+            )
             .order_by(Checkpoint.created_at.desc(), Checkpoint.id)
         )
         return list(rows)
@@ -127,8 +140,11 @@ async def tenant_checkpoints(
     async with sessions() as session:
         total = await session.scalar(select(func.count()).select_from(Checkpoint).where(*where))
         rows = await session.scalars(
-            select(Checkpoint).where(*where)
-            .order_by(Checkpoint.created_at.desc(), Checkpoint.id).limit(limit).offset(offset)
+            select(Checkpoint)
+            .where(*where)
+            .order_by(Checkpoint.created_at.desc(), Checkpoint.id)
+            .limit(limit)
+            .offset(offset)
         )
         return list(rows), int(total or 0)
 
@@ -139,21 +155,25 @@ async def get_live_checkpoint(
     """The tenant's live checkpoint with this tinker:// id, or None."""
     async with sessions() as session:
         return await session.scalar(
-            select(Checkpoint).where(Checkpoint.id == checkpoint_id,
-                                     Checkpoint.tenant_id == tenant_id, live_checkpoint())
+            select(Checkpoint).where(
+                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
+            )
         )
 
 
 async def set_checkpoint_expiry(
-    sessions: async_sessionmaker[AsyncSession], tenant_id: str, checkpoint_id: str,
+    sessions: async_sessionmaker[AsyncSession],
+    tenant_id: str,
+    checkpoint_id: str,
     expires_at: datetime | None,
 ) -> bool:
     """Set (or with None clear) a live checkpoint's expires_at; False if there is none."""
     async with sessions() as session, session.begin():
         updated = await session.execute(
             update(Checkpoint)
-            .where(Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id,
-                   live_checkpoint())
+            .where(
+                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
+            )
             .values(expires_at=expires_at)
             .returning(Checkpoint.id)
         )
@@ -166,8 +186,11 @@ async def list_session_ids(
     """A page of the tenant's session ids, newest first."""
     async with sessions() as session:
         rows = await session.scalars(
-            select(Session.id).where(Session.tenant_id == tenant_id)
-            .order_by(Session.created_at.desc(), Session.id).limit(limit).offset(offset)
+            select(Session.id)
+            .where(Session.tenant_id == tenant_id)
+            .order_by(Session.created_at.desc(), Session.id)
+            .limit(limit)
+            .offset(offset)
         )
         return list(rows)
 
@@ -190,8 +213,7 @@ async def session_members(
         )
         samplers = await session.scalars(
             select(SamplingSession.id)
-            .where(SamplingSession.session_id == session_id,
-                   SamplingSession.tenant_id == tenant_id)
+            .where(SamplingSession.session_id == session_id, SamplingSession.tenant_id == tenant_id)
             .order_by(SamplingSession.created_at, SamplingSession.id)
         )
         return list(runs), list(samplers)
@@ -203,6 +225,7 @@ async def get_sampling_session(
     """The tenant's sampling session with this id, or None."""
     async with sessions() as session:
         return await session.scalar(
-            select(SamplingSession).where(SamplingSession.id == sampler_id,
-                                          SamplingSession.tenant_id == tenant_id)
+            select(SamplingSession).where(
+                SamplingSession.id == sampler_id, SamplingSession.tenant_id == tenant_id
+            )
         )

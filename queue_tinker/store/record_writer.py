@@ -131,8 +131,15 @@ def _upsert_requests() -> Any:
             else_=func.coalesce(old[name], new[name]),
         )
 
-    result_fields = ("started_at", "finished_at", "worker_id", "metrics", "error",
-                     "error_category", "error_detail")
+    result_fields = (
+        "started_at",
+        "finished_at",
+        "worker_id",
+        "metrics",
+        "error",
+        "error_category",
+        "error_detail",
+    )
     return stmt.on_conflict_do_update(
         index_elements=[old.id],
         set_={
@@ -277,8 +284,9 @@ async def apply_records(
     async with sessions() as session, session.begin():
         conn = await session.connection()
         if tenants:
-            await conn.execute(insert(_TENANTS).on_conflict_do_nothing(),
-                               [{"id": t, "name": t} for t in tenants])
+            await conn.execute(
+                insert(_TENANTS).on_conflict_do_nothing(), [{"id": t, "name": t} for t in tenants]
+            )
         # Sessions and runs before requests: _touch_runs must see the runs of this batch.
         for stmt, batch in (
             (_SESSION_UPSERT, session_rows),

@@ -24,8 +24,10 @@ def loadable(path: CheckpointPath, field: str = "path") -> CheckpointPath:
     """A checkpoint a run or a sampler can start from: not external weights (exported for
     download, perhaps encrypted)."""
     if path.kind is CheckpointKind.EXTERNAL:
-        raise UserInputError(f"{field}: {path} holds external weights, which are for download; "
-                             "load a weights/ or sampler_weights/ checkpoint")
+        raise UserInputError(
+            f"{field}: {path} holds external weights, which are for download; "
+            "load a weights/ or sampler_weights/ checkpoint"
+        )
     return path
 
 

@@ -89,5 +89,8 @@ class CheckpointKind(StrEnum):
         return _PATH_SEGMENTS[self]
 
 
-_PATH_SEGMENTS = {CheckpointKind.STATE: "weights", CheckpointKind.SAMPLER: "sampler_weights",
-                  CheckpointKind.EXTERNAL: "external_weights"}
+_PATH_SEGMENTS = {
+    CheckpointKind.STATE: "weights",
+    CheckpointKind.SAMPLER: "sampler_weights",
+    CheckpointKind.EXTERNAL: "external_weights",
+}

@@ -83,8 +83,10 @@ def resolve_loss_config(loss_fn: LossFn, config: Mapping[str, object] | None) ->
         value = given.get(key, default)
         if value is None:
             raise UserInputError(f"loss_fn_config.{key}: required by {loss_fn.value}")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-            value
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
         ):
             raise UserInputError(f"loss_fn_config.{key}: must be a finite number, got {value!r}")
         resolved[key] = float(value)
@@ -116,8 +118,10 @@ def check_batch(batch: ForwardBackwardInput, limits: ModelLimits = ModelLimits()
         check_datum(index, datum, batch.loss_fn, limits)
         for name in batch.custom_loss.input_names if batch.custom_loss else ():
             if name not in datum.loss_fn_inputs:
-                raise UserInputError(f"data[{index}].loss_fn_inputs: missing {name!r}, which "
-                                     f"the custom loss {batch.custom_loss.name!r} reads")
+                raise UserInputError(
+                    f"data[{index}].loss_fn_inputs: missing {name!r}, which "
+                    f"the custom loss {batch.custom_loss.name!r} reads"
+                )
 
 
 def check_datum(index: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) -> None:
@@ -173,8 +177,7 @@ def _check_loss_inputs(
             f"of {n_input} tokens; position i predicts token i+1, so give 1 to {n_input}"
         )
     if limits.vocab_size is not None:
-        check_token_ids(f"{where}.loss_fn_inputs['target_tokens']", targets.data,
-                         limits.vocab_size)
+        check_token_ids(f"{where}.loss_fn_inputs['target_tokens']", targets.data, limits.vocab_size)
 
 
 def _check_input_names(where: str, names: set[str], loss_fn: LossFn) -> None:

@@ -101,7 +101,11 @@ class CheckpointRecord(_Record):
 
 
 Record = Annotated[
-    SessionRecord | ModelRecord | SamplingSessionRecord | RequestRecord | WorkerRecord
+    SessionRecord
+    | ModelRecord
+    | SamplingSessionRecord
+    | RequestRecord
+    | WorkerRecord
     | CheckpointRecord,
     Field(discriminator="type"),
 ]

@@ -36,19 +36,23 @@ class RequestLimits:
 
     @classmethod
     def of(cls, settings: Settings) -> RequestLimits:
-        return cls(tokens_per_datum=settings.max_tokens_per_datum,
-                   datums_per_request=settings.max_datums_per_request,
-                   samples_per_request=settings.max_samples_per_request,
-                   request_bytes=settings.max_request_bytes)
+        return cls(
+            tokens_per_datum=settings.max_tokens_per_datum,
+            datums_per_request=settings.max_datums_per_request,
+            samples_per_request=settings.max_samples_per_request,
+            request_bytes=settings.max_request_bytes,
+        )
 
     @classmethod
     def defaults(cls) -> RequestLimits:
         """The settings' defaults, whatever the environment says."""
         fields = Settings.model_fields
-        return cls(tokens_per_datum=fields["max_tokens_per_datum"].default,
-                   datums_per_request=fields["max_datums_per_request"].default,
-                   samples_per_request=fields["max_samples_per_request"].default,
-                   request_bytes=fields["max_request_bytes"].default)
+        return cls(
+            tokens_per_datum=fields["max_tokens_per_datum"].default,
+            datums_per_request=fields["max_datums_per_request"].default,
+            samples_per_request=fields["max_samples_per_request"].default,
+            request_bytes=fields["max_request_bytes"].default,
+        )
 
 
 def size_text(size: int) -> str:
@@ -102,8 +106,9 @@ def check_batch_size(batch: ForwardBackwardInput, limits: RequestLimits) -> None
         where = f"data[{index}]"
         check_tokens(f"{where}.model_input", datum.model_input.length, limits)
         for key, tensor in datum.loss_fn_inputs.items():
-            check_tokens(f"{where}.loss_fn_inputs[{key!r}]", int(tensor.data.size), limits,
-                         what="values")
+            check_tokens(
+                f"{where}.loss_fn_inputs[{key!r}]", int(tensor.data.size), limits, what="values"
+            )
 
 
 def check_sample_size(body: SampleInput, limits: RequestLimits) -> None:

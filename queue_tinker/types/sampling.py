@@ -147,26 +147,40 @@ def raw_token_count(prompt: object) -> int:
     chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
     if not isinstance(chunks, list):
         return 0
-    return sum(len(c["tokens"]) for c in chunks
-               if isinstance(c, dict) and isinstance(c.get("tokens"), list | tuple))
+    return sum(
+        len(c["tokens"])
+        for c in chunks
+        if isinstance(c, dict) and isinstance(c.get("tokens"), list | tuple)
+    )
 
 
-def sample_input(prompt: object, num_samples: object, sampling_params: object,
-                 prompt_logprobs: bool, model_path: str | None, *,
-                 limits: RequestLimits, topk_prompt_logprobs: object = 0,
-                 target_prompt_logprobs: object = None) -> SampleInput:
+def sample_input(
+    prompt: object,
+    num_samples: object,
+    sampling_params: object,
+    prompt_logprobs: bool,
+    model_path: str | None,
+    *,
+    limits: RequestLimits,
+    topk_prompt_logprobs: object = 0,
+    target_prompt_logprobs: object = None,
+) -> SampleInput:
     """A sample op's body from what a caller sent, checked as far as the caller's side can
     (the Python client and the gateway both build it here); errors name the field."""
     check_tokens("prompt", raw_token_count(prompt), limits)  # before millions become ints
-    body = validated(SampleInput, "", {
-        "prompt": validated(ModelInput, "prompt", prompt),
-        "num_samples": num_samples,
-        "sampling_params": validated(SamplingParams, "sampling_params", sampling_params),
-        "prompt_logprobs": prompt_logprobs,
-        "topk_prompt_logprobs": topk_prompt_logprobs,
-        "target_prompt_logprobs": target_prompt_logprobs,
-        "model_path": model_path,
-    })
+    body = validated(
+        SampleInput,
+        "",
+        {
+            "prompt": validated(ModelInput, "prompt", prompt),
+            "num_samples": num_samples,
+            "sampling_params": validated(SamplingParams, "sampling_params", sampling_params),
+            "prompt_logprobs": prompt_logprobs,
+            "topk_prompt_logprobs": topk_prompt_logprobs,
+            "target_prompt_logprobs": target_prompt_logprobs,
+            "model_path": model_path,
+        },
+    )
     check_sample_size(body, limits)
     check_sample(body)
     return body
@@ -176,13 +190,17 @@ def _check_targets(targets: list[list[int]], prompt_length: int, vocab: int | No
     """target_prompt_logprobs: [len(prompt) - 1][K] token ids, or NO_TARGET."""
     field = "target_prompt_logprobs"
     if len(targets) != prompt_length - 1:
-        raise UserInputError(f"{field}: has {len(targets)} rows for a prompt of "
-                             f"{prompt_length} tokens; it needs len(prompt) - 1 rows "
-                             "(row i is scored at prompt position i + 1)")
+        raise UserInputError(
+            f"{field}: has {len(targets)} rows for a prompt of "
+            f"{prompt_length} tokens; it needs len(prompt) - 1 rows "
+            "(row i is scored at prompt position i + 1)"
+        )
     widths = {len(row) for row in targets}
     if len(widths) > 1 or widths - set(range(1, MAX_PROMPT_TOPK + 1)):
-        raise UserInputError(f"{field}: rows must all have the same number of ids, from 1 to "
-                             f"{MAX_PROMPT_TOPK}; got {sorted(widths)}")
+        raise UserInputError(
+            f"{field}: rows must all have the same number of ids, from 1 to "
+            f"{MAX_PROMPT_TOPK}; got {sorted(widths)}"
+        )
     ids = np.asarray(targets, dtype=np.int64).ravel()
     asked = ids[ids != NO_TARGET]
     if vocab is not None:
@@ -198,8 +216,11 @@ def check_sample(body: SampleInput, limits: ModelLimits | None = None) -> None:
     n = body.prompt.length
     if limits.vocab_size is not None:
         check_token_ids("prompt", np.asarray(body.prompt.to_ints()), limits.vocab_size)
-        check_token_ids("sampling_params.stop", np.asarray(body.sampling_params.stop_token_ids,
-                                                          dtype=np.int64), limits.vocab_size)
+        check_token_ids(
+            "sampling_params.stop",
+            np.asarray(body.sampling_params.stop_token_ids, dtype=np.int64),
+            limits.vocab_size,
+        )
     if body.target_prompt_logprobs is not None:
         _check_targets(body.target_prompt_logprobs, n, limits.vocab_size)
     if limits.context_length is None:

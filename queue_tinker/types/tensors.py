@@ -74,8 +74,11 @@ class TensorData(BaseModel):
 
     @classmethod
     def from_torch(cls, tensor: torch.Tensor) -> TensorData:
-        return cls.from_numpy(tensor.detach().cpu().float().numpy()
-                              if tensor.is_floating_point() else tensor.detach().cpu().numpy())
+        return cls.from_numpy(
+            tensor.detach().cpu().float().numpy()
+            if tensor.is_floating_point()
+            else tensor.detach().cpu().numpy()
+        )
 
     def to_numpy(self) -> np.ndarray:
         return self.data
@@ -91,8 +94,11 @@ class TensorData(BaseModel):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorData):
             return NotImplemented
-        return (self.dtype == other.dtype and self.data.shape == other.data.shape
-                and bool(np.array_equal(self.data, other.data)))
+        return (
+            self.dtype == other.dtype
+            and self.data.shape == other.data.shape
+            and bool(np.array_equal(self.data, other.data))
+        )
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -32,12 +32,14 @@ def check_user_metadata(value: object, field: str = "user_metadata") -> dict[str
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise UserInputError(f"{field}: must be a mapping of strings to strings, got "
-                             f"{type(value).__name__}")
+        raise UserInputError(
+            f"{field}: must be a mapping of strings to strings, got {type(value).__name__}"
+        )
     for key, item in value.items():
         if not isinstance(key, str) or not isinstance(item, str):
-            raise UserInputError(f"{field}[{key!r}]: keys and values must be strings, got "
-                                 f"{type(item).__name__}")
+            raise UserInputError(
+                f"{field}[{key!r}]: keys and values must be strings, got {type(item).__name__}"
+            )
     if len(json.dumps(value)) > MAX_USER_METADATA_BYTES:
         raise UserInputError(f"{field}: larger than {MAX_USER_METADATA_BYTES} bytes as JSON")
     return dict(value) or None
@@ -88,8 +90,9 @@ class DimuonParams(_Wire):
     damping: float = Field(1e-4, gt=0)  # smooths the row and column preconditioner
     rank_lr_correction_exponent: float = 0.175  # lr * (32 / rank) ** this; 0: none
 
-    _finite = field_validator("learning_rate", "grad_clip_norm", "beta1", "damping",
-                              "rank_lr_correction_exponent")(_check_finite)
+    _finite = field_validator(
+        "learning_rate", "grad_clip_norm", "beta1", "damping", "rank_lr_correction_exponent"
+    )(_check_finite)
 
 
 OptimParams = AdamParams | DimuonParams
@@ -104,11 +107,17 @@ def check_base_model(value: object, field: str = "base_model") -> str:
     queue-tinker/... name. Printable text without quotes or angle brackets, at most
     MAX_BASE_MODEL characters: a NUL made the run's record unstorable (dead-lettered) and
     markup would reach the dashboard."""
-    if (not isinstance(value, str) or not value.strip() or len(value) > MAX_BASE_MODEL
-            or not value.isprintable() or any(c in value for c in "<>\"'`")):
+    if (
+        not isinstance(value, str)
+        or not value.strip()
+        or len(value) > MAX_BASE_MODEL
+        or not value.isprintable()
+        or any(c in value for c in "<>\"'`")
+    ):
         raise UserInputError(
             f"{field}: must be a Hub id, a local directory or a queue-tinker/... name (1 to "
-            f"{MAX_BASE_MODEL} printable characters, no quotes or < >), got {value!r:.200}")
+            f"{MAX_BASE_MODEL} printable characters, no quotes or < >), got {value!r:.200}"
+        )
     return value
 
 
@@ -153,8 +162,10 @@ class ForwardBackwardInput(_Wire):
     @model_validator(mode="after")
     def _custom_loss_with_custom(self) -> ForwardBackwardInput:
         if (self.loss_fn is LossFn.CUSTOM) != (self.custom_loss is not None):
-            raise ValueError("loss_fn 'custom' runs an uploaded loss: send it with its "
-                             "custom_loss (create_custom_loss), and custom_loss only with it")
+            raise ValueError(
+                "loss_fn 'custom' runs an uploaded loss: send it with its "
+                "custom_loss (create_custom_loss), and custom_loss only with it"
+            )
         return self
 
 

@@ -19,8 +19,7 @@ def validated(model: type[R], field: str, value: Any) -> R:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = field_path(field, first["loc"])
-        raise UserInputError(f"{where}: {first['msg']} (got {shown(first.get('input'))})"
-                             ) from None
+        raise UserInputError(f"{where}: {first['msg']} (got {shown(first.get('input'))})") from None
 
 
 def shown(value: Any, limit: int = 200) -> str:

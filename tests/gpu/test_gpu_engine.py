@@ -29,8 +29,10 @@ from workers.lora_engine import LoraEngine
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA device (torch.cuda.is_available() is False)",
+    ),
 ]
 
 BASE = "queue-tinker/llama-100m"
@@ -41,8 +43,13 @@ GRAD_RTOL = 0.1
 
 def data(rows: int, tokens: int, seed: int) -> list[Datum]:
     ids = np.random.default_rng(seed).integers(0, 256, (rows, tokens + 1))
-    return [Datum(model_input=ModelInput.from_ints(row[:-1].tolist()),
-                  loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)}) for row in ids]
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(row[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)},
+        )
+        for row in ids
+    ]
 
 
 class Run:
@@ -50,13 +57,24 @@ class Run:
 
     def __init__(self, engine: LoraEngine, model_id: str, seed: int = 1) -> None:
         self.engine, self.model_id, self.seq = engine, model_id, 0
-        self.op(OpKind.CREATE_MODEL, {"lora_config": LoraConfig(rank=32, seed=seed).model_dump(),
-                                      "tenant_id": "t", "base_model": BASE})
+        self.op(
+            OpKind.CREATE_MODEL,
+            {
+                "lora_config": LoraConfig(rank=32, seed=seed).model_dump(),
+                "tenant_id": "t",
+                "base_model": BASE,
+            },
+        )
 
     def make(self, kind: OpKind, body: Any) -> Op:
         self.seq += 1
-        return Op(job_id=f"{self.model_id}:{self.seq}", model_id=self.model_id, seq=self.seq,
-                  kind=kind, payload=codec.encode(body))
+        return Op(
+            job_id=f"{self.model_id}:{self.seq}",
+            model_id=self.model_id,
+            seq=self.seq,
+            kind=kind,
+            payload=codec.encode(body),
+        )
 
     def op(self, kind: OpKind, body: Any) -> Any:
         return codec.decode(self.engine.execute(self.make(kind, body)).result)
@@ -107,13 +125,16 @@ def test_cuda_runs_bf16_base_with_fp32_adapters(cuda: LoraEngine) -> None:
     run.forward_backward(data(2, 64, 0))
     run.op(OpKind.OPTIM_STEP, ADAM.model_dump())
     assert {p.dtype for n, p in cuda.pool.base.named_parameters() if "lora_" not in n} == {
-        torch.bfloat16}
+        torch.bfloat16
+    }
     assert {(p.dtype, p.device.type) for p in run.adapter.params.values()} == {
-        (torch.float32, "cuda")}
+        (torch.float32, "cuda")
+    }
 
 
-def test_forward_backward_on_cuda_matches_the_fp32_cpu_reference(cuda: LoraEngine,
-                                                                   cpu: LoraEngine) -> None:
+def test_forward_backward_on_cuda_matches_the_fp32_cpu_reference(
+    cuda: LoraEngine, cpu: LoraEngine
+) -> None:
     """Same adapter weights, same data: bf16 on CUDA is within 2% in loss and 10% in every
     LoRA gradient's norm of fp32 on the CPU."""
     batch = data(4, 128, 1)
@@ -140,11 +161,17 @@ def test_optim_step_on_cuda_equals_torch_adamw(cuda: LoraEngine) -> None:
     params = {k: torch.nn.Parameter(v.clone()) for k, v in before.items()}
     for key, param in params.items():
         param.grad = grads[key]
-    torch.optim.AdamW(params.values(), lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2),
-                      eps=ADAM.eps, weight_decay=ADAM.weight_decay).step()
+    torch.optim.AdamW(
+        params.values(),
+        lr=ADAM.learning_rate,
+        betas=(ADAM.beta1, ADAM.beta2),
+        eps=ADAM.eps,
+        weight_decay=ADAM.weight_decay,
+    ).step()
     for key, param in params.items():
-        torch.testing.assert_close(run.adapter.params[key].detach(), param.detach(),
-                                   rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            run.adapter.params[key].detach(), param.detach(), rtol=1e-6, atol=1e-7
+        )
 
 
 def test_a_checkpoint_saved_on_cuda_loads_on_the_cpu(cuda: LoraEngine, cpu: LoraEngine) -> None:
@@ -166,9 +193,11 @@ def test_sampling_on_cuda_is_seeded_and_finite(cuda: LoraEngine) -> None:
     session = Run.__new__(Run)
     session.engine, session.model_id, session.seq = cuda, "smp-gpu", 0
     session.op(OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "t", "base_model": BASE})
-    body = {"prompt": ModelInput.from_ints(list(b"Q: capital of France?\nA:")).model_dump(),
-            "num_samples": 4,
-            "sampling_params": SamplingParams(max_tokens=32, temperature=1.0, seed=7).model_dump()}
+    body = {
+        "prompt": ModelInput.from_ints(list(b"Q: capital of France?\nA:")).model_dump(),
+        "num_samples": 4,
+        "sampling_params": SamplingParams(max_tokens=32, temperature=1.0, seed=7).model_dump(),
+    }
     first, second = (session.op(OpKind.SAMPLE, body) for _ in range(2))
     assert first["sequences"] == second["sequences"]
     for sequence in first["sequences"]:
@@ -206,8 +235,9 @@ def test_out_of_memory_on_cuda_splits_the_pass(cuda: LoraEngine) -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, (base + 1.4 * one_op) / total))
     try:
-        pair = cuda.execute_batch([a.fb_op(data(rows, tokens, 21)),
-                                   b.fb_op(data(rows, tokens, 22))])
+        pair = cuda.execute_batch(
+            [a.fb_op(data(rows, tokens, 21)), b.fb_op(data(rows, tokens, 22))]
+        )
         too_big = cuda.execute_batch([c.fb_op(data(4 * rows, tokens, 23))])[0]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

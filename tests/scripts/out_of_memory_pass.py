@@ -34,18 +34,29 @@ TOKENS = 2_048
 
 
 def build_model(directory: Path) -> None:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=4 * TOKENS, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=4 * TOKENS,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(directory))
 
 
 def data(rows: int, seed: int) -> list[Datum]:
     tokens = np.random.default_rng(seed).integers(0, VOCAB, (rows, TOKENS + 1))
-    return [Datum(model_input=ModelInput.from_ints(row[:-1].tolist()),
-                  loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)})
-            for row in tokens]
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(row[:-1].tolist()),
+            loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)},
+        )
+        for row in tokens
+    ]
 
 
 class Ops:
@@ -55,8 +66,13 @@ class Ops:
     def op(self, model_id: str, kind: OpKind, body: Any) -> Op:
         self.seqs[model_id] = self.seqs.get(model_id, 0) + 1
         seq = self.seqs[model_id]
-        return Op(job_id=f"{model_id}:{seq}", model_id=model_id, seq=seq, kind=kind,
-                  payload=codec.encode(body))
+        return Op(
+            job_id=f"{model_id}:{seq}",
+            model_id=model_id,
+            seq=seq,
+            kind=kind,
+            payload=codec.encode(body),
+        )
 
     def fb(self, model_id: str, rows: int, seed: int) -> Op:
         body = ForwardBackwardInput(data=data(rows, seed), loss_fn="cross_entropy")
@@ -86,13 +102,21 @@ def main() -> None:
     torch.set_num_threads(1)  # no thread arenas appearing once the cap is set
     scratch = Path(sys.argv[1])
     build_model(scratch / "model")
-    engine = LoraEngine(str(scratch / "model"), "cpu", scratch / "storage", scratch / "models",
-                        plan=PassPlan(activation_checkpointing="off", logit_chunk_elements=1 << 40),
-                        train_batch_tokens=1 << 20)
+    engine = LoraEngine(
+        str(scratch / "model"),
+        "cpu",
+        scratch / "storage",
+        scratch / "models",
+        plan=PassPlan(activation_checkpointing="off", logit_chunk_elements=1 << 40),
+        train_batch_tokens=1 << 20,
+    )
     ops = Ops()
     for model_id in ("a", "b", "c"):
-        create = {"lora_config": LoraConfig(rank=4, seed=1).model_dump(), "tenant_id": "t",
-                  "base_model": engine.base_model}
+        create = {
+            "lora_config": LoraConfig(rank=4, seed=1).model_dump(),
+            "tenant_id": "t",
+            "base_model": engine.base_model,
+        }
         engine.execute(ops.op(model_id, OpKind.CREATE_MODEL, create))
         engine.execute(ops.fb(model_id, 1, seed=99))  # warm up: every allocation path once
     before = address_space()
@@ -107,18 +131,23 @@ def main() -> None:
     # One op of four rows does not fit even alone.
     too_big = engine.execute_batch([ops.fb("c", 4, seed=3)])
     # The worker goes on: the same data as a's and b's ops, forward only, one at a time.
-    again = [engine.execute(ops.forward(model_id, 1, seed))
-             for model_id, seed in (("a", 1), ("b", 2))]
+    again = [
+        engine.execute(ops.forward(model_id, 1, seed)) for model_id, seed in (("a", 1), ("b", 2))
+    ]
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
-    print(json.dumps({
-        "pair": [loss(o) for o in pair],
-        "budget_after_split": budget_after_split,
-        "too_big": loss(too_big[0]),
-        "too_big_is_memory_error": isinstance(too_big[0], DeviceMemoryError),
-        "again": [loss(o) for o in again],
-        "largest_pass": engine.largest_pass,
-        "one_row_bytes": one_row,
-    }))
+    print(
+        json.dumps(
+            {
+                "pair": [loss(o) for o in pair],
+                "budget_after_split": budget_after_split,
+                "too_big": loss(too_big[0]),
+                "too_big_is_memory_error": isinstance(too_big[0], DeviceMemoryError),
+                "again": [loss(o) for o in again],
+                "largest_pass": engine.largest_pass,
+                "one_row_bytes": one_row,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,16 @@ def main() -> None:
                 futures.append((client.model_id, client.ping([tag, i])))
         for model_id, future in futures:
             result = future.result(timeout=120)
-            print(json.dumps({"model": model_id, "request_id": future.request_id,
-                              "data": result["data"], "seq": result["seq"]}))
+            print(
+                json.dumps(
+                    {
+                        "model": model_id,
+                        "request_id": future.request_id,
+                        "data": result["data"],
+                        "seq": result["seq"],
+                    }
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, memoryview | int, int]]:
             value, pos = _varint(buf, pos)
         elif wire == LENGTH_DELIMITED:
             length, pos = _varint(buf, pos)
-            value, pos = buf[pos:pos + length], pos + length
+            value, pos = buf[pos : pos + length], pos + length
         elif wire in _SKIP:
             pos += _SKIP[wire]
         else:
@@ -70,8 +70,12 @@ def _views(buf: memoryview, number: int) -> Iterator[tuple[memoryview, int]]:
 
 def _tokens(datum: memoryview) -> int:
     """Tokens the datum's chunks declare (a token is 4 bytes)."""
-    return sum(length // 4 for chunk, _ in _views(datum, 1) for text, _ in _views(chunk, 1)
-               for _, length in _views(text, 1))
+    return sum(
+        length // 4
+        for chunk, _ in _views(datum, 1)
+        for text, _ in _views(chunk, 1)
+        for _, length in _views(text, 1)
+    )
 
 
 def oversize(body: memoryview, limits: RequestLimits) -> UserInputError | None:
