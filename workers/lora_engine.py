@@ -67,7 +67,14 @@ from queue_tinker.workers.checkpoints import (
 )
 from queue_tinker.workers.custom_loss_graph import GraphLoss
 from queue_tinker.workers.dimuon import parse_optim_params
-from queue_tinker.workers.engine import BatchShare, OpResult, is_inline_ping, parse_body, run_ping
+from queue_tinker.workers.engine import (
+    PASS_KINDS,
+    BatchShare,
+    OpResult,
+    TrainingOpRules,
+    parse_body,
+    run_ping,
+)
 from queue_tinker.workers.forward import forward_backward, grads_kept_on_error, optim_steps
 from queue_tinker.workers.memory import device_budgets, is_out_of_memory, release_cached_memory
 from queue_tinker.workers.model_pass import PassPlan
@@ -80,11 +87,6 @@ UNLOADED = "_unloaded"  # marker file: the model was unloaded; its ops fail from
 # Adapter.extra key: seq -> kept outcome (JSON) of the ops the snapshot the adapter came from
 # holds but whose results may never have been published (see _already_applied).
 SNAPSHOT_RESULTS = "snapshot_results"
-# Ops whose data one shared model pass runs, many adapters' at once (cross-adapter batching):
-# they only add to .grad, so a model's consecutive ones are independent of each other.
-PASS_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
-# What cross-adapter batching takes from a model's queue: its passes, and the step after them.
-TRAIN_BATCH_KINDS = PASS_KINDS | {OpKind.OPTIM_STEP}
 Outcome = OpResult | Exception
 T = TypeVar("T")
 DEFAULT_TRAIN_BATCH_TOKENS = 32_768  # QT_TRAIN_BATCH_TOKENS unset, off CUDA
@@ -114,7 +116,7 @@ class LoraEngine:
         plan: PassPlan | None = None,
     ) -> None:
         self.base_model = base_model
-        self.cross_adapter_batch = cross_adapter_batch
+        self.rules = TrainingOpRules(cross_adapter_batch)  # what runs inline, batched, stepped
         self.plan = plan or PassPlan()
         # The same QT_MAX_* limits the client and gateway enforce, again here: an op may come
         # from a client configured otherwise, or straight from Redis. None: this process's
@@ -202,10 +204,10 @@ class LoraEngine:
         return result
 
     def batchable(self, op: Op) -> bool:
-        return self.cross_adapter_batch and op.kind in TRAIN_BATCH_KINDS
+        return self.rules.batchable(op)
 
     def stepped(self, op: Op) -> bool:
-        return op.kind is OpKind.SAMPLE
+        return self.rules.stepped(op)
 
     def join(self, ops: Sequence[Op]) -> None:
         self.sampling.join(ops)
@@ -217,17 +219,7 @@ class LoraEngine:
         return self.sampling.stepping()
 
     def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
-        """One training step: the leading forward / forward_backward ops and the optim_step
-        after them (complete once that is there); a client that pipelines many steps then hears
-        of each as it finishes, not of all of them once the last is done."""
-        taken = 0
-        for op in backlog:
-            if not self.batchable(op):
-                return BatchShare(taken, complete=True)
-            taken += 1
-            if op.kind is OpKind.OPTIM_STEP:
-                return BatchShare(taken, complete=True)
-        return BatchShare(taken, complete=False)
+        return self.rules.batch_share(backlog)
 
     def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
         """Training ops in rounds (_run_training); sample ops, if any, through the decode loop
@@ -247,7 +239,7 @@ class LoraEngine:
         return done
 
     def runs_inline(self, op: Op) -> bool:
-        return is_inline_ping(op)
+        return self.rules.runs_inline(op)
 
     def durable_seq(self, model_id: str) -> int | None:
         if self.sampling.owns(model_id):
