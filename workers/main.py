@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from queue_tinker.queue.connection import Reconnector, RedisUnavailableError, connect
+from queue_tinker.errors import RedisUnavailableError
+from queue_tinker.queue.connection import Reconnector, connect
 from queue_tinker.queue.dispatch import Dispatcher
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog

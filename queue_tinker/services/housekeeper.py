@@ -44,6 +44,7 @@ from rq.job import Job
 from sqlalchemy import Table, func, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
+from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
 from queue_tinker.local.processes import _die_with_parent
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings, load_settings
@@ -76,14 +77,6 @@ class Outcome(StrEnum):
     EXPIRED = "expired"  # the files are gone and the row says so (now or before)
     KEPT = "kept"  # not expired by the checkpoint's own meta (or not ours): nothing touched
     ROW_MISSING = "row-missing"  # files gone, row not recorded yet (a retry is scheduled)
-
-
-class CheckpointPathError(ValueError):
-    """A directory the housekeeper must not delete (outside checkpoint storage)."""
-
-
-class StorageUnavailableError(RuntimeError):
-    """Checkpoint storage is not there: not mounted, or not shared with the workers."""
 
 
 class _Disk(Enum):
