@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from queue_tinker.errors import ErrorCategory, LeaseLostError, QueueTinkerError
-from queue_tinker.queue.connection import Reconnector
+from queue_tinker.queue.connection import Reconnector, describe
 from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome, Start
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
@@ -431,11 +431,27 @@ class Worker(SteppedTurns):
                 continue
             if self.owned.get(model_id) is not owned:
                 continue  # dropped while we asked
-            # The next owner starts from what is in storage, so write it before letting go.
-            await self._on_compute(self.engine.persist, model_id)
+            await self._persist(model_id)
             released = await self._redis(self.dispatch.release, owned.lease)
             if released != 0:  # 0: ops arrived meanwhile, keep it
                 self._drop(model_id)
+
+    async def _persist(self, model_id: str) -> None:
+        """Write the model's state to storage before letting it go: the next owner starts
+        from there. A failure is logged and the lease is released all the same: nothing the
+        user was told is lost, because the model's log is trimmed only up to the last
+        snapshot written (engine.durable_seq), so the next owner replays every op after it,
+        published ones included (docs/operations.md). Keeping the lease instead would hold
+        the model on a worker that cannot write its state."""
+        try:
+            await self._on_compute(self.engine.persist, model_id)
+        except Exception:
+            log.exception(
+                "%s: persisting %s failed; releasing it anyway: its next owner replays the "
+                "ops after its last snapshot",
+                self.id,
+                model_id,
+            )
 
     def _linger_check_s(self) -> float:
         return max(0.05, min(1.0, self.config.linger_ms / 1000))
@@ -535,13 +551,23 @@ class Worker(SteppedTurns):
     async def _shutdown(self) -> None:
         """Hand every model back (offering those with pending ops) and deregister."""
         for owned in list(self.owned.values()):
-            with contextlib.suppress(Exception):
-                await self._on_compute(self.engine.persist, owned.lease.model_id)
+            await self._persist(owned.lease.model_id)
+            try:
                 await self.dispatch.release(owned.lease, force=True)
+            except Exception as exc:  # Redis away: the lease lapses by itself within its TTL
+                log.warning(
+                    "%s: could not release %s (%s); its lease lapses in %d ms",
+                    self.id,
+                    owned.lease.model_id,
+                    describe(exc),
+                    self.config.lease_ttl_ms,
+                )
         self.owned.clear()
-        with contextlib.suppress(Exception):
+        try:  # the registry entry expires by itself; the record is the dashboard's history
             await self.records.append(self._record(stopped=True))
             await self.registry.remove(self.id)
+        except Exception as exc:
+            log.warning("%s: could not deregister (%s)", self.id, describe(exc))
         self._compute.shutdown(wait=True)
 
 
