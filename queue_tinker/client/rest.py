@@ -19,10 +19,9 @@ from queue_tinker.client.holder import ClientHolder
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.errors import NotFoundError, UserInputError
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.services import housekeeper
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
-from queue_tinker.store import queries, rest_views
+from queue_tinker.store import checkpoints, queries, rest_views
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.types.checkpoints import CheckpointPath
 from queue_tinker.types.rest import (
@@ -159,7 +158,7 @@ class RestClient:
         async def delete() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._engine is not None
-            await housekeeper.delete_checkpoint(
+            await checkpoints.delete_checkpoint(
                 self._engine, row.id, Path(row.path), self._settings.storage_dir
             )
 
@@ -183,7 +182,7 @@ class RestClient:
         async def change() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._sessions is not None
-            if not await housekeeper.change_checkpoint_ttl(
+            if not await checkpoints.change_checkpoint_ttl(
                 self._sessions, self._settings, self._tenant, row, ttl_seconds
             ):
                 raise NotFoundError(f"checkpoint {tinker_path!r}: not found")
