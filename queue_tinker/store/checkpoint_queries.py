@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
 
 from sqlalchemy import Row, Table, func, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -47,7 +46,7 @@ async def mark_checkpoint_deleted(
 
 async def due_checkpoints(
     conn: AsyncConnection, after: tuple[datetime, str] | None, batch: int
-) -> Sequence[Row[Any]]:
+) -> Sequence[Row[str, str, datetime | None]]:
     """Up to `batch` live checkpoints past their expires_at (id, path, expires_at), in
     (expires_at, id) order after `after`."""
     table = CHECKPOINTS
