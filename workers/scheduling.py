@@ -86,8 +86,8 @@ class Scheduler:
     # most one training op, and training behind at most one batch.
     batch_due: bool = True
     # Round robin across tenants: the turn each tenant last had (a counter, not a time).
-    _turns: int = 0
-    _tenant_turn: dict[str, int] = field(default_factory=dict)
+    _turns: int = field(default=0, init=False)
+    _tenant_turn: dict[str, int] = field(default_factory=dict, init=False)
 
     # --- the next turn -----------------------------------------------------------------------
     def next_turn(self, now: float) -> Turn | None:
