@@ -28,12 +28,12 @@ from bench.report import DOCS, write_docs
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import LoraConfig
-from workers.adapters import AdapterPool
-from workers.base_model import load_base_model
-from workers.forward import rows_for
-from workers.model_pass import PassPlan
-from workers.packing import padding_fraction
-from workers.train_batch import PassOp, shared_pass
+from queue_tinker.workers.adapters import AdapterPool
+from queue_tinker.workers.base_model import load_base_model
+from queue_tinker.workers.forward import rows_for
+from queue_tinker.workers.model_pass import PassPlan
+from queue_tinker.workers.packing import padding_fraction
+from queue_tinker.workers.train_batch import PassOp, shared_pass
 
 SECTION = "## Padding and packing in cross-adapter passes"
 COMMAND = ".venv/bin/python -m bench.packing"

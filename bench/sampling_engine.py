@@ -55,7 +55,7 @@ from bench.report import DOCS, write_docs
 from queue_tinker.builtin_models import PAD_ID
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient
 from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams
-from workers.base_model import ensure_builtin_model, load_base_model
+from queue_tinker.workers.base_model import ensure_builtin_model, load_base_model
 
 SECTION = "## Sampling engine: continuous batching, shared prompts, fair turns"
 COMMAND = ".venv/bin/python -m bench.sampling_engine"

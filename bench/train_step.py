@@ -95,9 +95,9 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     LoraConfig,
 )
-from workers.adapters import linear_names, peft_config
-from workers.base_model import ensure_builtin_model, load_base_model
-from workers.forward import forward_backward
+from queue_tinker.workers.adapters import linear_names, peft_config
+from queue_tinker.workers.base_model import ensure_builtin_model, load_base_model
+from queue_tinker.workers.forward import forward_backward
 
 ADAM = AdamParams(learning_rate=1e-4)  # beta1 0.9, beta2 0.95, eps 1e-12, no weight decay
 RESULT_TIMEOUT_S = 600.0

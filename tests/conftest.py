@@ -56,7 +56,7 @@ def redis_url(services_dir: Path) -> Iterator[str]:
     if _answers("127.0.0.1", 6379):
         yield LOCAL_REDIS
         return
-    from queue_tinker.embedded import EmbeddedRedis
+    from queue_tinker.local.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(services_dir / "redis")
     yield server.start()
@@ -72,7 +72,7 @@ def postgres_admin_url(services_dir: Path) -> Iterator[str]:
     if _answers("127.0.0.1", 5432):
         yield LOCAL_POSTGRES
         return
-    from queue_tinker.embedded import EmbeddedPostgres
+    from queue_tinker.local.embedded import EmbeddedPostgres
 
     server = EmbeddedPostgres(services_dir / "postgres")
     yield server.start()

@@ -21,8 +21,8 @@ import redis
 from procs import WorkerProcess, gateway_process, make_key, wait_for_workers
 
 import queue_tinker
+from queue_tinker.cli.keys import run_keys
 from queue_tinker.errors import RequestFailedError
-from queue_tinker.keys_cli import run_keys
 from queue_tinker.queue import codec
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys

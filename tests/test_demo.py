@@ -18,10 +18,10 @@ import pytest
 import redis
 from procs import REPO, WorkerProcess, child_env, wait_for_workers
 
-from queue_tinker import demo_task
 from queue_tinker.builtin_models import EOS_ID
+from queue_tinker.cli import demo_task
+from queue_tinker.cli.demo import run_demo
 from queue_tinker.client import ServiceClient
-from queue_tinker.demo import run_demo
 from queue_tinker.settings import Settings
 from queue_tinker.types import CheckpointPath
 

@@ -24,7 +24,7 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind
 from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.training import AdamParams, DimuonParams, LoraConfig
-from workers import dimuon
+from queue_tinker.workers import dimuon
 
 RANK = 4
 PARAMS = DimuonParams(learning_rate=0.02, beta1=0.8, damping=1e-3)

@@ -11,8 +11,13 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from queue_tinker.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError, free_port
-from queue_tinker.processes import pid_alive
+from queue_tinker.local.embedded import (
+    EmbeddedPostgres,
+    EmbeddedRedis,
+    EmbeddedServerError,
+    free_port,
+)
+from queue_tinker.local.processes import pid_alive
 from queue_tinker.store.db import make_engine
 
 

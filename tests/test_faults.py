@@ -32,13 +32,13 @@ from sqlalchemy import text
 from test_training_service import ADAM, BATCHES, TINY, adapter_weights
 
 import queue_tinker as tinker
-from queue_tinker import recorder as recorder_module
 from queue_tinker.client.future import APIFuture
 from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.recorder import Recorder
+from queue_tinker.services import recorder as recorder_module
+from queue_tinker.services.recorder import Recorder
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.queries import get_training_run
@@ -49,8 +49,8 @@ from queue_tinker.types.training import (
     LoraConfig,
     OptimStepResponse,
 )
-from workers.checkpoints import read_meta, snapshot_dir
-from workers.lora_engine import LoraEngine
+from queue_tinker.workers.checkpoints import read_meta, snapshot_dir
+from queue_tinker.workers.lora_engine import LoraEngine
 
 SEED = 11
 RANK = 4

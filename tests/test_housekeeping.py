@@ -29,7 +29,7 @@ from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 from sqlalchemy import select
 
-from queue_tinker.housekeeping import (
+from queue_tinker.services.housekeeper import (
     Outcome,
     configure,
     expire_checkpoint,

@@ -38,10 +38,10 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     LoraConfig,
 )
-from workers.adapters import linear_names, peft_config
-from workers.base_model import load_base_model
-from workers.checkpoints import META_FILE, snapshot_dir
-from workers.lora_engine import LoraEngine, default_seed
+from queue_tinker.workers.adapters import linear_names, peft_config
+from queue_tinker.workers.base_model import load_base_model
+from queue_tinker.workers.checkpoints import META_FILE, snapshot_dir
+from queue_tinker.workers.lora_engine import LoraEngine, default_seed
 
 BASE = "queue-tinker/tiny-llama"
 RANK = 4
@@ -727,7 +727,7 @@ def test_a_step_with_non_finite_gradients_is_skipped(
         main.train(model_id, 2)
     before = (main.weights(diverged), main.moments(diverged), main.adapter(diverged).step)
     main.fb(diverged, diverging(TEXTS[:2], logprob, advantage), "importance_sampling")
-    with caplog.at_level(logging.WARNING, logger="workers.forward"):
+    with caplog.at_level(logging.WARNING, logger="queue_tinker.workers.forward"):
         metrics = main.step(diverged)["metrics"]
     assert f"model {diverged}: optim_step skipped" in caplog.text
     assert metrics["skipped_nonfinite:sum"] == 1.0

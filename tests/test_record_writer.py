@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.recorder import catch_up
+from queue_tinker.services.recorder import catch_up
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.models import Request, Session, Tenant, Worker
 from queue_tinker.store.queries import (

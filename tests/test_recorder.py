@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.recorder import Recorder
+from queue_tinker.services.recorder import Recorder
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.queries import get_training_run
 from queue_tinker.types import ModelRecord, SessionRecord

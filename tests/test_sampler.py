@@ -24,10 +24,10 @@ from peft import PeftModel, get_peft_model
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
 from queue_tinker.types.training import LoraConfig
-from workers import sampler
-from workers.adapters import linear_names, peft_config
-from workers.base_model import load_base_model
-from workers.sampler import GenerationRequest, generate
+from queue_tinker.workers import sampler
+from queue_tinker.workers.adapters import linear_names, peft_config
+from queue_tinker.workers.base_model import load_base_model
+from queue_tinker.workers.sampler import GenerationRequest, generate
 
 BASE = "queue-tinker/tiny-llama"
 VOCAB = 259

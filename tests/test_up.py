@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from queue_tinker.embedded import free_port
-from queue_tinker.processes import ProcessGroup, pid_alive
-from queue_tinker.up import crashed_child
+from queue_tinker.local.embedded import free_port
+from queue_tinker.local.processes import ProcessGroup, pid_alive
+from queue_tinker.local.up import crashed_child
 
 HEALTHY_WITHIN_S = 90.0  # embedded Postgres initdb + migrations + gateway import, on 2 slow cores
 STOPPED_WITHIN_S = 30.0

@@ -18,13 +18,13 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     OptimParams,
 )
-from workers import model_pass
-from workers.adapters import Adapter
-from workers.custom_loss_graph import GraphLoss
-from workers.dimuon import dimuon_step
-from workers.losses import batch_loss
-from workers.model_pass import PassPlan
-from workers.packing import RowBatch, row_batch
+from queue_tinker.workers import model_pass
+from queue_tinker.workers.adapters import Adapter
+from queue_tinker.workers.custom_loss_graph import GraphLoss
+from queue_tinker.workers.dimuon import dimuon_step
+from queue_tinker.workers.losses import batch_loss
+from queue_tinker.workers.model_pass import PassPlan
+from queue_tinker.workers.packing import RowBatch, row_batch
 
 log = logging.getLogger(__name__)
 

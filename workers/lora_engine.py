@@ -55,9 +55,9 @@ from queue_tinker.types.training import (
     SaveWeightsResponse,
     UnloadModelResponse,
 )
-from workers import base_model as base_models
-from workers.adapters import Adapter, AdapterPool
-from workers.checkpoints import (
+from queue_tinker.workers import base_model as base_models
+from queue_tinker.workers.adapters import Adapter, AdapterPool
+from queue_tinker.workers.checkpoints import (
     CheckpointMeta,
     checkpoint_dir,
     read_meta,
@@ -65,14 +65,14 @@ from workers.checkpoints import (
     snapshot_dir,
     write_state,
 )
-from workers.custom_loss_graph import GraphLoss
-from workers.dimuon import parse_optim_params
-from workers.engine import BatchShare, OpResult, is_inline_ping, parse_body, run_ping
-from workers.forward import forward_backward, grads_kept_on_error, optim_steps
-from workers.memory import device_budgets, is_out_of_memory, release_cached_memory
-from workers.model_pass import PassPlan
-from workers.sampling import SamplingOps
-from workers.train_batch import PassOp, padded_tokens, shared_pass
+from queue_tinker.workers.custom_loss_graph import GraphLoss
+from queue_tinker.workers.dimuon import parse_optim_params
+from queue_tinker.workers.engine import BatchShare, OpResult, is_inline_ping, parse_body, run_ping
+from queue_tinker.workers.forward import forward_backward, grads_kept_on_error, optim_steps
+from queue_tinker.workers.memory import device_budgets, is_out_of_memory, release_cached_memory
+from queue_tinker.workers.model_pass import PassPlan
+from queue_tinker.workers.sampling import SamplingOps
+from queue_tinker.workers.train_batch import PassOp, padded_tokens, shared_pass
 
 log = logging.getLogger(__name__)
 

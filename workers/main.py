@@ -14,12 +14,12 @@ from queue_tinker.queue.dispatch import Dispatcher
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
-from queue_tinker.recorder import RecorderThread
+from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
 from queue_tinker.types import CheckpointRecord
 from queue_tinker.types.records import Record
-from workers.engine import Engine, QueueOnlyEngine
-from workers.worker import Worker, WorkerConfig
+from queue_tinker.workers.engine import Engine, QueueOnlyEngine
+from queue_tinker.workers.worker import Worker, WorkerConfig
 
 log = logging.getLogger("queue_tinker.worker")
 
@@ -41,8 +41,8 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
     if engine == "queue-only":
         return QueueOnlyEngine()
     from queue_tinker.types.request_limits import RequestLimits
-    from workers.lora_engine import LoraEngine  # torch and friends load only here
-    from workers.model_pass import PassPlan
+    from queue_tinker.workers.lora_engine import LoraEngine  # torch and friends load only here
+    from queue_tinker.workers.model_pass import PassPlan
 
     return LoraEngine(
         base_model,
@@ -65,7 +65,7 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
 
 def expiry_scheduler(settings: Settings) -> Callable[[list[Record]], Awaitable[None]]:
     """Hands each new checkpoint with a TTL to the housekeeper (rq), which deletes it then."""
-    from queue_tinker.housekeeping import schedule_checkpoint_expiry
+    from queue_tinker.services.housekeeper import schedule_checkpoint_expiry
 
     sync_redis = redis.Redis.from_url(settings.redis_url or "")
 

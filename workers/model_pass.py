@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
 
-from workers.packing import RowBatch, padding_fraction
+from queue_tinker.workers.packing import RowBatch, padding_fraction
 
 Checkpointing = Literal["auto", "on", "off"]
 CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("auto", "on", "off")

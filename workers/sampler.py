@@ -34,8 +34,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.sampling import SampledSequence, SampleResponse, SamplingParams, StopReason
-from workers.prompt_scores import prompt_scores, wants_prompt_scores
-from workers.token_choice import (
+from queue_tinker.workers.prompt_scores import prompt_scores, wants_prompt_scores
+from queue_tinker.workers.token_choice import (
     is_greedy,
     needs_sort,
     request_seed,

@@ -39,10 +39,10 @@ from queue_tinker.types.sampling import (
     check_sample,
     max_new_tokens,
 )
-from workers.adapters import AdapterPool
-from workers.checkpoints import checkpoint_dir, read_meta
-from workers.engine import OpResult, parse_body
-from workers.sampler import DecodeLoop, GenerationRequest
+from queue_tinker.workers.adapters import AdapterPool
+from queue_tinker.workers.checkpoints import checkpoint_dir, read_meta
+from queue_tinker.workers.engine import OpResult, parse_body
+from queue_tinker.workers.sampler import DecodeLoop, GenerationRequest
 
 log = logging.getLogger(__name__)
 Outcome = OpResult | Exception

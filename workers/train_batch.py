@@ -22,10 +22,10 @@ from peft.tuners.lora import Linear as LoraLinear
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardOutput
-from workers.adapters import Adapter, AdapterPool
-from workers.custom_loss_graph import GraphLoss
-from workers.forward import grads_kept_on_error, op_loss, rows_for, target_logprobs
-from workers.model_pass import PassPlan
+from queue_tinker.workers.adapters import Adapter, AdapterPool
+from queue_tinker.workers.custom_loss_graph import GraphLoss
+from queue_tinker.workers.forward import grads_kept_on_error, op_loss, rows_for, target_logprobs
+from queue_tinker.workers.model_pass import PassPlan
 
 
 @dataclass(frozen=True)

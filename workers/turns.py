@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from queue_tinker.queue.dispatch import Op, Outcome
-from workers.engine import Engine, OpResult
-from workers.owned import OwnedModel
+from queue_tinker.workers.engine import Engine, OpResult
+from queue_tinker.workers.owned import OwnedModel
 
 # The scheduling quantum of stepped ops (sampling's decode loop): steps until one finishes or
 # this long has passed, or as long as the unit of other work that ran before it took, whichever

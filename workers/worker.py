@@ -36,9 +36,9 @@ from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types import JobStatus, WorkerRecord
 from queue_tinker.types.records import Record
-from workers.engine import Engine, OpResult
-from workers.owned import OwnedModel
-from workers.turns import QUANTUM_S, SteppedTurns
+from queue_tinker.workers.engine import Engine, OpResult
+from queue_tinker.workers.owned import OwnedModel
+from queue_tinker.workers.turns import QUANTUM_S, SteppedTurns
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

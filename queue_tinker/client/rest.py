@@ -14,13 +14,13 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from queue_tinker import housekeeping
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.errors import NotFoundError, UserInputError
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.recorder import catch_up
+from queue_tinker.services import housekeeper
+from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.store import queries, rest_views
 from queue_tinker.store.db import make_engine, session_factory
@@ -159,7 +159,7 @@ class RestClient:
         async def delete() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._engine is not None
-            await housekeeping.delete_checkpoint(
+            await housekeeper.delete_checkpoint(
                 self._engine, row.id, Path(row.path), self._settings.storage_dir
             )
 
@@ -183,7 +183,7 @@ class RestClient:
         async def change() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._sessions is not None
-            if not await housekeeping.change_checkpoint_ttl(
+            if not await housekeeper.change_checkpoint_ttl(
                 self._sessions, self._settings, self._tenant, row, ttl_seconds
             ):
                 raise NotFoundError(f"checkpoint {tinker_path!r}: not found")

@@ -44,7 +44,7 @@ from queue_tinker.gateway.tinker_session import session_router
 from queue_tinker.gateway.tinker_unserved import unserved_router
 from queue_tinker.queue.connection import REDIS_DOWN, connect
 from queue_tinker.queue.keys import Keys
-from queue_tinker.recorder import RecorderThread
+from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory, unreachable
 

@@ -27,13 +27,13 @@ from fastapi import APIRouter, Depends, Header, Request
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queue_tinker import housekeeping
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue, not_found
 from queue_tinker.gateway.tinker_rest import ttl_seconds
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.recorder import catch_up
+from queue_tinker.services import housekeeper
+from queue_tinker.services.recorder import catch_up
 from queue_tinker.store import queries
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
@@ -136,7 +136,7 @@ async def _copy_files(
     destination = _directory(gq, copy)
     try:
         return await asyncio.to_thread(
-            housekeeping.copy_checkpoint_files,
+            housekeeper.copy_checkpoint_files,
             Path(row.path),
             destination,
             storage,
@@ -183,7 +183,7 @@ async def _record(
 
         def schedule() -> None:
             with redis.Redis.from_url(settings.redis_url or "") as client:
-                housekeeping.schedule_checkpoint_expiry(
+                housekeeper.schedule_checkpoint_expiry(
                     client, settings.key_prefix, str(copy), str(directory), expires_at
                 )
 

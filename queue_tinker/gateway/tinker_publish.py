@@ -18,10 +18,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from queue_tinker import housekeeping
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.tinker_queue import not_found
 from queue_tinker.gateway.tinker_rest import checkpoint_tinker_path
+from queue_tinker.services import housekeeper
 from queue_tinker.store import protocol_queries, queries
 from queue_tinker.store.models import Checkpoint
 
@@ -66,7 +66,7 @@ def _key(request: Request, row: Checkpoint) -> str:
 async def _set_meta(request: Request, row: Checkpoint, public: bool) -> None:
     storage_dir = request.app.state.settings.storage_dir
     if not await asyncio.to_thread(
-        housekeeping.set_meta_public, row.id, Path(row.path), public, storage_dir
+        housekeeper.set_meta_public, row.id, Path(row.path), public, storage_dir
     ):
         raise not_found(f"checkpoint {row.id!r}")
 

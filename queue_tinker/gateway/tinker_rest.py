@@ -18,13 +18,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queue_tinker import housekeeping
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.tinker_queue import not_found
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.recorder import catch_up
+from queue_tinker.services import housekeeper
+from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.store import queries, rest_views
 from queue_tinker.store.models import Checkpoint
@@ -104,9 +104,9 @@ def _storage_errors() -> Iterator[None]:
     """Checkpoint storage trouble as an error that says what is wrong with the deployment."""
     try:
         yield
-    except housekeeping.StorageUnavailableError as err:
+    except housekeeper.StorageUnavailableError as err:
         raise HTTPException(503, f"checkpoint storage: {err}") from err
-    except housekeeping.CheckpointPathError as err:
+    except housekeeper.CheckpointPathError as err:
         raise HTTPException(500, f"checkpoint storage: {err}") from err
 
 
@@ -213,7 +213,7 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         ttl = ttl_seconds(await _json_object(request))
         row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
         with _storage_errors():
-            changed = await housekeeping.change_checkpoint_ttl(
+            changed = await housekeeper.change_checkpoint_ttl(
                 _db(request), settings, tenant, row, ttl
             )
         if not changed:
@@ -227,7 +227,7 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         """Remove the files and mark the row deleted, through the housekeeper's own path."""
         row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
         with _storage_errors():
-            await housekeeping.delete_checkpoint(
+            await housekeeper.delete_checkpoint(
                 request.app.state.db, row.id, Path(row.path), storage_dir
             )
         return {}

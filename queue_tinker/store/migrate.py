@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-import migrations
+from queue_tinker import migrations
 from queue_tinker.store.db import to_async_url
 
 T = TypeVar("T")

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from types import FrameType
 
-from queue_tinker.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError
-from queue_tinker.processes import Child, ProcessGroup
+from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError
+from queue_tinker.local.processes import Child, ProcessGroup
 from queue_tinker.settings import Settings, settings_env
 
 CHILD_STOP_TIMEOUT_S = 15.0  # a worker finishes its current op, publishes, releases its leases

@@ -2,7 +2,7 @@
 
 Starts the embedded Redis and Postgres (or uses QT_REDIS_URL / QT_DATABASE_URL) and one LoRA
 worker serving the built-in tiny model on the CPU, then trains it on the demo task
-(queue_tinker.demo_task) with the ordinary client: 100 steps of forward_backward + optim_step,
+(queue_tinker.cli.demo_task) with the ordinary client: 100 steps of forward_backward + optim_step,
 a state checkpoint and sampler weights. It prints the loss as it falls, asks the trained
 weights (and, for contrast, the base model) the training questions, reads the Postgres record
 back, and stops everything. Exit code 1 if the loss did not fall by 90%, an answer is wrong,
@@ -21,14 +21,14 @@ from pathlib import Path
 
 from sqlalchemy import func, select
 
-from queue_tinker import demo_task
+from queue_tinker.cli import demo_task
 from queue_tinker.client import ServiceClient, TrainingClient
-from queue_tinker.processes import Child, ProcessGroup, spawn
+from queue_tinker.local.processes import Child, ProcessGroup, spawn
+from queue_tinker.local.up import child_env, start_backends, stop_children
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.models import Checkpoint, Request
 from queue_tinker.store.queries import count_requests_by_status
-from queue_tinker.up import child_env, start_backends, stop_children
 
 DEMO_BASE_MODEL = demo_task.DEMO_BASE_MODEL
 REQUIRED_DROP = 0.9  # the promise: the loss falls by at least 90% within 100 steps

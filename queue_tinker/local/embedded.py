@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from queue_tinker.errors import QueueTinkerError
-from queue_tinker.processes import spawn, stop_process
+from queue_tinker.local.processes import spawn, stop_process
 
 REDIS_START_TIMEOUT_S = 15.0
 REDIS_STOP_TIMEOUT_S = 15.0

@@ -42,7 +42,7 @@ def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
-    from workers.main import run_worker
+    from queue_tinker.workers.main import run_worker
 
     return run_worker(settings, base_model=args.base_model, device=args.device, engine=args.engine)
 
@@ -54,13 +54,13 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_housekeeper(args: argparse.Namespace, settings: Settings) -> int:
-    from queue_tinker.housekeeping import run_housekeeper
+    from queue_tinker.services.housekeeper import run_housekeeper
 
     return run_housekeeper(settings, sweep_interval_s=args.sweep_interval)
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    from queue_tinker.up import run_up
+    from queue_tinker.local.up import run_up
 
     return run_up(settings, base_model=args.base_model, device=args.device, workers=args.workers)
 
@@ -68,7 +68,7 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
     import asyncio
 
-    from queue_tinker.keys_cli import run_keys
+    from queue_tinker.cli.keys import run_keys
 
     if not settings.database_url:
         print(
@@ -91,8 +91,8 @@ def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
     if not _redis_url(settings):
         return 2
+    from queue_tinker.cli.status import run_status
     from queue_tinker.queue.connection import REDIS_DOWN
-    from queue_tinker.status_cli import run_status
 
     try:
         return asyncio.run(run_status(settings, as_json=args.json, watch_s=args.watch))
@@ -109,7 +109,7 @@ def _cmd_limits(args: argparse.Namespace, settings: Settings) -> int:
     redis_url = _redis_url(settings)
     if not redis_url:
         return 2
-    from queue_tinker.limits_cli import run_limits
+    from queue_tinker.cli.limits import run_limits
     from queue_tinker.queue.keys import Keys
 
     return asyncio.run(run_limits(redis_url, Keys(settings.key_prefix), args))
@@ -165,7 +165,7 @@ def _add_limits_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
-    from queue_tinker.demo import run_demo
+    from queue_tinker.cli.demo import run_demo
 
     return run_demo(settings, steps=args.steps, seed=args.seed)
 

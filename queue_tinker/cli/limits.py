@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from queue_tinker.cli.status import table
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
@@ -16,7 +17,6 @@ from queue_tinker.queue.limits import (
     list_limits,
     set_limits,
 )
-from queue_tinker.status_cli import table
 
 
 def _limit(value: float) -> str:

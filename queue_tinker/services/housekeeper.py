@@ -44,7 +44,7 @@ from rq.job import Job
 from sqlalchemy import Table, func, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
-from queue_tinker.processes import _die_with_parent
+from queue_tinker.local.processes import _die_with_parent
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings, load_settings
 from queue_tinker.store import queries
@@ -52,7 +52,7 @@ from queue_tinker.store.db import make_engine
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.types.checkpoints import META_FILE
 
-log = logging.getLogger("queue_tinker.housekeeping")
+log = logging.getLogger("queue_tinker.services.housekeeper")
 
 ROW_RETRY_DELAY_S = 3.0  # the recorder lags ~1 s; a few tries cover a short Postgres hiccup too
 ROW_RETRIES = 10

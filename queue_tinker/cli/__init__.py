@@ -1,0 +1,1 @@
+"""The `queue-tinker` command line (main.py) and its subcommands: status, keys, limits, demo."""

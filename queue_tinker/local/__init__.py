@@ -1,0 +1,1 @@
+"""The embedded stack on one machine: embedded Redis and Postgres, child processes, `up`."""
