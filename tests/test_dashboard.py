@@ -461,7 +461,9 @@ def test_cancel_fails_a_queued_request_and_the_queue_goes_on(dep: Deployment) ->
     assert after.result(timeout=20)["data"] == "after"
 
     again = dep.post(dep.key_a, f"{API}/requests/{waiting.request_id}/cancel")
-    assert again.status_code == 400 and "only a request still waiting" in again.json()["detail"]
+    assert (
+        again.status_code == 400 and "only a request waiting in its queue" in again.json()["detail"]
+    )
     assert dep.post(dep.key_a, f"{API}/requests/{after.request_id}/cancel").status_code == 400
     row = recorded(dep, dep.key_a, waiting.request_id, "failed")
     assert "cancelled" in row["error"] and row["worker_id"] is None

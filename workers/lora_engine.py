@@ -13,7 +13,7 @@ import logging
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -215,6 +215,9 @@ class LoraEngine:
 
     def stepping(self) -> bool:
         return self.sampling.stepping()
+
+    def stop(self, reasons: Mapping[str, str]) -> None:
+        self.sampling.stop(reasons)
 
     def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
         """One training step: the leading forward / forward_backward ops and the optim_step
