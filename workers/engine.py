@@ -20,8 +20,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.records import Record
 from queue_tinker.types.validation import field_path

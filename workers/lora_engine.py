@@ -28,9 +28,8 @@ from queue_tinker.errors import (
     QueueTinkerError,
     UserInputError,
 )
-from queue_tinker.queue import codec
 from queue_tinker.settings import load_settings
-from queue_tinker.types import CheckpointKind, CheckpointRecord, LossFn, OpKind
+from queue_tinker.types import CheckpointKind, CheckpointRecord, LossFn, OpKind, codec
 from queue_tinker.types.checkpoints import PEFT_FILES, CheckpointPath, check_name, loadable
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
 from queue_tinker.types.ops import Op

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from queue_tinker.errors import OpCancelledError, UserInputError
-from queue_tinker.queue import codec
+from queue_tinker.types import codec
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.loss_inputs import ModelLimits
 from queue_tinker.types.ops import Op
