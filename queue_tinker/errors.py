@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-
 
 class ErrorCategory(StrEnum):
     USER = "user"  # bad input: retrying the same request fails the same way
@@ -32,6 +30,13 @@ class QueueTinkerError(Exception):
 
 class UserInputError(QueueTinkerError):
     """The request is malformed; the message names the field and what is wrong with it."""
+
+    category = ErrorCategory.USER
+
+
+class OpCancelledError(QueueTinkerError):
+    """The op was cancelled (cancel_future, the dashboard) while it waited or ran; the message
+    says by whom and when."""
 
     category = ErrorCategory.USER
 
@@ -87,9 +92,10 @@ class MalformedProtobufError(UserInputError):
     leaves it to the real parser, which says what is wrong."""
 
 
-class RedisUnavailableError(QueueTinkerError, RedisConnectionError):
-    """Redis did not answer within the time the caller was willing to wait. Also a redis-py
-    ConnectionError, so code that already catches those keeps working."""
+class RedisUnavailableError(QueueTinkerError, ConnectionError):
+    """Redis did not answer within the time the caller was willing to wait. Also Python's
+    ConnectionError (not redis-py's: errors.py imports nothing, so the types that use it
+    stay free of redis)."""
 
 
 class EmbeddedServerError(QueueTinkerError):

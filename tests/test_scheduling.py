@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from itertools import pairwise
 
-from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Lease
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.workers.engine import TrainingOpRules
 from queue_tinker.workers.owned import OwnedModel

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -22,8 +22,7 @@ from transformers.utils import logging as transformers_logging
 
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import QueueTinkerError, UserInputError
-from queue_tinker.queue import codec
-from queue_tinker.types import LossFn, OpKind
+from queue_tinker.types import LossFn, OpKind, codec
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
 from queue_tinker.types.ops import Op
 from queue_tinker.types.request_limits import (
@@ -213,6 +212,9 @@ class LoraEngine:
 
     def stepping(self) -> bool:
         return self.sampling.stepping()
+
+    def stop(self, reasons: Mapping[str, str]) -> None:
+        self.sampling.stop(reasons)
 
     def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
         return self.rules.batch_share(backlog)

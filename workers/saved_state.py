@@ -16,8 +16,7 @@ from typing import Any
 
 from queue_tinker.age import check_recipients, encrypt_in_place
 from queue_tinker.errors import ErrorCategory, QueueTinkerError, UserInputError
-from queue_tinker.queue import codec
-from queue_tinker.types import CheckpointKind, CheckpointRecord
+from queue_tinker.types import CheckpointKind, CheckpointRecord, codec
 from queue_tinker.types.checkpoints import PEFT_FILES, CheckpointPath, check_name, loadable
 from queue_tinker.types.ops import Op
 from queue_tinker.types.training import (

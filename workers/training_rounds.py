@@ -18,8 +18,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from queue_tinker.errors import DeviceMemoryError
-from queue_tinker.queue import codec
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardOutput, OptimParams

@@ -30,6 +30,7 @@ from queue_tinker.errors import (
 from queue_tinker.gateway import (
     openai_compat,
     tinker_account,
+    tinker_copy,
     tinker_custom_loss,
     tinker_futures,
     tinker_publish,
@@ -112,6 +113,7 @@ def create_app(settings: Settings) -> FastAPI:
         tinker_sample_futures,
         tinker_account,
         tinker_custom_loss,
+        tinker_copy,
         openai_compat,
     ):
         app.include_router(module.router)
@@ -233,6 +235,6 @@ def validation_errors(exc: RequestValidationError) -> list[Any]:
 
 def outage_of(exc: BaseException) -> str | None:
     """'Redis' or 'Postgres' when `exc` says that store is not answering, else None."""
-    if isinstance(exc, REDIS_DOWN):
+    if isinstance(exc, (*REDIS_DOWN, RedisUnavailableError)):
         return "Redis"
     return "Postgres" if unreachable(exc) else None

@@ -11,6 +11,7 @@ stream (recorder.catch_up), so a result the client holds is never a 404 here.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.tinker_queue import not_found
+from queue_tinker.queue.expiry_jobs import schedule_expiry
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.services.recorder import catch_up
@@ -212,12 +214,17 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         place: it finds no expiry in the meta and does nothing."""
         ttl = ttl_seconds(await _json_object(request))
         row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
+        expires_at = time.time() + ttl if ttl is not None else None
         with _storage_errors():
-            changed = await checkpoints.change_checkpoint_ttl(
-                _db(request), settings, tenant, row, ttl
+            changed = await checkpoints.set_checkpoint_ttl(
+                _db(request), settings.storage_dir, tenant, row, expires_at
             )
         if not changed:
             raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
+        if expires_at is not None:
+            await schedule_expiry(
+                settings.redis_url or "", settings.key_prefix, row.id, row.path, expires_at
+            )
         return {}
 
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")

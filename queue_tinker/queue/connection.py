@@ -95,9 +95,7 @@ class Reconnector:
         while True:
             try:
                 return await fn(*args, **kwargs)
-            except REDIS_DOWN as exc:
-                if isinstance(exc, RedisUnavailableError):
-                    raise
+            except REDIS_DOWN as exc:  # a RedisUnavailableError (given up) is not one: raised
                 await self.wait(exc)
 
     async def wait(self, exc: BaseException) -> None:

@@ -8,6 +8,7 @@ the job is named by its import path, as rq stores it anyway.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import re
@@ -87,3 +88,16 @@ def schedule_job(queue: Queue, job_id: str, at: float, kwargs: dict[str, Any]) -
             **JOB_OPTIONS,
         )
         pipe.execute()
+
+
+async def schedule_expiry(
+    redis_url: str, prefix: str, checkpoint_id: str, directory: str, expires_at: float
+) -> None:
+    """schedule_checkpoint_expiry from async code (a TTL set through the gateway or the REST
+    client): rq speaks sync Redis, and a TTL change is rare enough for a connection of its own."""
+
+    def schedule() -> None:
+        with redis.Redis.from_url(redis_url) as client:
+            schedule_checkpoint_expiry(client, prefix, checkpoint_id, directory, expires_at)
+
+    await asyncio.to_thread(schedule)

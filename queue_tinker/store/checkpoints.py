@@ -1,7 +1,8 @@
 """Checkpoints as stored: their files in checkpoint storage (the `qt_meta.json` each holds is
 the source of truth) and their rows. Expiry, a user's delete and a TTL change all go through
 here, so the storage checks and the meta-first rule hold for each of them; the housekeeper's
-jobs (services/housekeeper.py), the gateway and the REST client call these.
+jobs (services/housekeeper.py), the gateway and the REST client call these. No Redis here:
+whoever sets a TTL schedules its expiry job through queue/expiry_jobs.py.
 """
 
 from __future__ import annotations
@@ -19,12 +20,9 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
-import redis
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
-from queue_tinker.queue.expiry_jobs import schedule_checkpoint_expiry
-from queue_tinker.settings import Settings
 from queue_tinker.store import queries
 from queue_tinker.store.checkpoint_queries import RowMark, mark_checkpoint_deleted
 from queue_tinker.store.models import Checkpoint
@@ -169,6 +167,42 @@ def update_meta(
     return True
 
 
+def copy_checkpoint_files(
+    source: Path, destination: Path, storage_dir: Path | None, **meta_changes: object
+) -> int:
+    """Copy a checkpoint directory (copy_weights): every file hard-linked where storage allows
+    (named checkpoints are never rewritten in place, so the copy shares the bytes and outlives
+    the source's removal), copied where it does not; its meta rewritten with `meta_changes`
+    (the new run, tenant, id). Appears in one rename; a repeat replaces it. Returns bytes."""
+    check_inside(source, storage_dir)
+    check_inside(destination, storage_dir)
+    meta = read_meta(source)
+    if meta is None:
+        raise FileNotFoundError(source / META_FILE)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    tmp = destination.with_name(f".{destination.name}-copy-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        for item in source.iterdir():
+            if item.name != META_FILE and item.is_file():
+                _link_or_copy(item, tmp / item.name)
+        (tmp / META_FILE).write_text(json.dumps({**meta, **meta_changes}, indent=2))
+        size = sum(f.stat().st_size for f in tmp.iterdir())
+        if destination.exists():  # a retried copy: the same files again
+            shutil.rmtree(destination)
+        tmp.rename(destination)
+        return size
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another device, or a file system without hard links
+        shutil.copy2(source, target)
+
+
 # --- files, then the row ------------------------------------------------------------------
 
 
@@ -210,35 +244,22 @@ async def expire(
     return ExpiryResult(OUTCOMES[mark], removed, None)
 
 
-async def change_checkpoint_ttl(
+async def set_checkpoint_ttl(
     sessions: async_sessionmaker[AsyncSession],
-    settings: Settings,
+    storage_dir: Path | None,
     tenant_id: str,
     row: Checkpoint,
-    ttl_seconds: int | None,
+    expires_at: float | None,
 ) -> bool:
-    """Set (from now) or remove (None) a checkpoint's TTL: the meta file first, since it is
-    what expiry obeys; then the row (listings); then the expiry job. A removed TTL leaves any
-    job in place: it finds no expiry in the meta and does nothing. False if the checkpoint is
-    gone meanwhile."""
-    expires_at = time.time() + ttl_seconds if ttl_seconds is not None else None
+    """Set (unix seconds) or remove (None) a checkpoint's expiry: the meta file first, since it
+    is what expiry obeys; then the row (listings). The caller then schedules the expiry job
+    (queue/expiry_jobs.py schedule_expiry); a removed TTL leaves any job in place: it finds no
+    expiry in the meta and does nothing. False if the checkpoint is gone meanwhile."""
     written = await asyncio.to_thread(
-        set_meta_expiry, row.id, Path(row.path), expires_at, settings.storage_dir
+        set_meta_expiry, row.id, Path(row.path), expires_at, storage_dir
     )
     when = datetime.fromtimestamp(expires_at, tz=UTC) if expires_at is not None else None
-    if not written or not await queries.set_checkpoint_expiry(sessions, tenant_id, row.id, when):
-        return False
-    if expires_at is not None:
-
-        def schedule() -> None:
-            # rq speaks sync Redis; a TTL change is rare enough for a connection of its own.
-            with redis.Redis.from_url(settings.redis_url or "") as client:
-                schedule_checkpoint_expiry(
-                    client, settings.key_prefix, row.id, row.path, expires_at
-                )
-
-        await asyncio.to_thread(schedule)
-    return True
+    return written and await queries.set_checkpoint_expiry(sessions, tenant_id, row.id, when)
 
 
 async def delete_checkpoint(
