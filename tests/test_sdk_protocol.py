@@ -396,10 +396,15 @@ def test_storage_usage_audit_search_and_trace_through_the_sdk(
     found = search.result()
     assert [s.session_id for s in found.sessions] == [session_id]
     assert found.sessions[0].checkpoints_count == 1
-    url = rest.export_session_trace(session_id).result()
-    trace = httpx.get(url, headers=headers).json()
-    names = {e["name"] for e in trace["traceEvents"] if e["pid"] == trainer.model_id}
-    assert {"create_model", "save_state"} <= names
+
+    def traced() -> list[str]:
+        """The trainer's requests in the trace, once the record holds both (written behind)."""
+        url = rest.export_session_trace(session_id).result()
+        events = httpx.get(url, headers=headers).json()["traceEvents"]
+        names = {e["name"] for e in events if e["pid"] == trainer.model_id}
+        return sorted(names) if {"create_model", "save_state"} <= names else []
+
+    assert {"create_model", "save_state"} <= set(wait_for(traced))
 
 
 def wait_for(probe: Callable[[], list[Any]], timeout: float = 30) -> list[Any]:
