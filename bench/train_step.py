@@ -84,8 +84,8 @@ from bench.train_step_report import (
 from queue_tinker.builtin_models import BUILTIN_MODELS, VOCAB_SIZE
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.client.training import make_batch
-from queue_tinker.queue import codec
 from queue_tinker.queue.keys import Keys
+from queue_tinker.types import codec
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
 from queue_tinker.types.tensors import Datum, ModelInput, TensorData

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from queue_tinker.extras import missing_extra
+
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
@@ -116,8 +118,11 @@ CHAT_TEMPLATE = (
 
 def write_tokenizer(path: Path) -> None:
     """Write the byte-level tokenizer (tokenizer.json + tokenizer_config.json) into `path`."""
-    from tokenizers import Tokenizer, decoders, models
-    from tokenizers.pre_tokenizers import ByteLevel
+    try:  # lazily: the light client installs no tokenizers
+        from tokenizers import Tokenizer, decoders, models
+        from tokenizers.pre_tokenizers import ByteLevel
+    except ModuleNotFoundError as exc:
+        raise missing_extra(exc, "the built-in model's tokenizer") from exc
 
     # A BPE with the 256 byte symbols and no merges: every byte is one token whose id is the
     # byte value. ByteLevel maps bytes to printable symbols and its decoder maps them back.
@@ -199,7 +204,10 @@ def ensure_tokenizer(name: str, models_dir: Path) -> Path:
 @functools.lru_cache(maxsize=16)
 def load_tokenizer(base_model: str, models_dir: Path) -> Any:
     """The tokenizer for `base_model`: a built-in name, a Hub id or a local path (cached)."""
-    from transformers import AutoTokenizer
+    try:  # lazily: transformers is ~1 s to import and the light client installs none
+        from transformers import AutoTokenizer
+    except ModuleNotFoundError as exc:
+        raise missing_extra(exc, "get_tokenizer()") from exc
 
     if is_builtin(base_model):
         return AutoTokenizer.from_pretrained(str(ensure_tokenizer(base_model, models_dir)))

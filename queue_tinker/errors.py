@@ -28,6 +28,13 @@ class UserInputError(QueueTinkerError):
     category = ErrorCategory.USER
 
 
+class OpCancelledError(QueueTinkerError):
+    """The op was cancelled (cancel_future, the dashboard) while it waited or ran; the message
+    says by whom and when."""
+
+    category = ErrorCategory.USER
+
+
 class UnknownModelError(UserInputError):
     """The model id does not exist (or belongs to another tenant)."""
 

@@ -11,6 +11,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from queue_tinker.types.request_limits import DEFAULT_LIMITS
+
 # QT_* variables that are not settings, so the settings model leaves them alone: the test
 # suite's (QT_TEST_REDIS_URL, ...) and the benchmarks' (QT_BENCH_...) own variables, which they
 # pass to child processes too; docker-compose.yml's and scripts/setup's knobs, read by those
@@ -135,7 +137,7 @@ class Settings(BaseSettings):
         "halves and retried.",
     )
     max_tokens_per_datum: int = Field(
-        default=32_768,
+        default=DEFAULT_LIMITS.tokens_per_datum,
         ge=1,
         description="Most tokens in one sequence of a request: a training datum's model_input "
         "(and each of its loss_fn_inputs), a sample's prompt, a sample's max_tokens. 32K is the "
@@ -143,20 +145,20 @@ class Settings(BaseSettings):
         "applies on the worker.",
     )
     max_datums_per_request: int = Field(
-        default=1_024,
+        default=DEFAULT_LIMITS.datums_per_request,
         ge=1,
         description="Most datums in one forward / forward_backward request. The tinker SDK "
         "splits a bigger call into chunks of 1,024, so its calls of any size pass; the Python "
         "client refuses a bigger batch (split it into several calls).",
     )
     max_samples_per_request: int = Field(
-        default=1_024,
+        default=DEFAULT_LIMITS.samples_per_request,
         ge=1,
         description="Most samples (num_samples) one sample request may ask for; a worker "
         "generates them sample_batch_sequences at a time.",
     )
     max_request_bytes: int = Field(
-        default=64 * 1024 * 1024,
+        default=DEFAULT_LIMITS.request_bytes,
         ge=1024,
         description="Most bytes of one request: the gateway refuses a bigger HTTP body (413, "
         "counted as it streams in, before it is parsed), and client, gateway and worker refuse "

@@ -9,7 +9,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from test_compose import _compose_command
+import pytest
+from test_compose import INSTALL_HINT, _compose_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,8 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def _config(*files: str, **env: str) -> dict[str, Any]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("QT_")}
     args = [arg for name in files for arg in ("-f", str(ROOT / name))]
+    command = _compose_command()
+    if command is None:
+        pytest.skip(INSTALL_HINT)
     result = subprocess.run(
-        [*_compose_command(), *args, "config", "--format", "json"],
+        [*command, *args, "config", "--format", "json"],
         capture_output=True,
         text=True,
         cwd=ROOT,

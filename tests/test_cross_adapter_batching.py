@@ -26,11 +26,10 @@ from sqlalchemy import text
 import queue_tinker as tinker
 from queue_tinker import types
 from queue_tinker.errors import QueueTinkerError, UserInputError
-from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.sampling import SampleInput, SamplingParams
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import (

@@ -23,7 +23,6 @@ from procs import WorkerProcess, gateway_process, make_key, wait_for_workers
 import queue_tinker
 from queue_tinker.cli.keys import run_keys
 from queue_tinker.errors import RequestFailedError
-from queue_tinker.queue import codec
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
@@ -31,7 +30,7 @@ from queue_tinker.settings import Settings
 from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.record_writer import apply_records
-from queue_tinker.types import CheckpointRecord, JobStatus, OpKind, RequestRecord
+from queue_tinker.types import CheckpointRecord, JobStatus, OpKind, RequestRecord, codec
 
 BASE = "tiny"
 API = "/api/v1/dashboard"
@@ -461,7 +460,9 @@ def test_cancel_fails_a_queued_request_and_the_queue_goes_on(dep: Deployment) ->
     assert after.result(timeout=20)["data"] == "after"
 
     again = dep.post(dep.key_a, f"{API}/requests/{waiting.request_id}/cancel")
-    assert again.status_code == 400 and "only a request still waiting" in again.json()["detail"]
+    assert (
+        again.status_code == 400 and "only a request waiting in its queue" in again.json()["detail"]
+    )
     assert dep.post(dep.key_a, f"{API}/requests/{after.request_id}/cancel").status_code == 400
     row = recorded(dep, dep.key_a, waiting.request_id, "failed")
     assert "cancelled" in row["error"] and row["worker_id"] is None

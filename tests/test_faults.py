@@ -33,7 +33,6 @@ from test_training_service import ADAM, BATCHES, TINY, adapter_weights
 
 import queue_tinker as tinker
 from queue_tinker.client.future import APIFuture
-from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Op
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
@@ -42,7 +41,7 @@ from queue_tinker.services.recorder import Recorder
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.queries import get_training_run
-from queue_tinker.types import ModelRecord, OpKind
+from queue_tinker.types import ModelRecord, OpKind, codec
 from queue_tinker.types.training import (
     ForwardBackwardInput,
     ForwardBackwardOutput,

@@ -18,7 +18,6 @@ from redis.asyncio import Redis
 from queue_tinker.client import ServiceClient
 from queue_tinker.client.queue_state import QueueStateChange, QueueStateLogger
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
 from queue_tinker.queue.dispatch import Dispatcher, Outcome
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
@@ -27,7 +26,7 @@ from queue_tinker.queue.overview import queue_overview
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.queue.state import queue_state
 from queue_tinker.settings import Settings
-from queue_tinker.types import JobStatus, OpKind, QueueState
+from queue_tinker.types import JobStatus, OpKind, QueueState, codec
 
 BASE = "tiny"
 

@@ -27,10 +27,9 @@ from peft import PeftModel, get_peft_model
 from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.client.custom_loss import forward_data, run_custom_loss
-from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
+from queue_tinker.errors import OpCancelledError, UserInputError
 from queue_tinker.queue.dispatch import Op
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import (
     AdamParams,
@@ -740,3 +739,53 @@ def test_a_step_with_non_finite_gradients_is_skipped(
         main.train(model_id, 2)
     assert_tensors(main.weights(diverged), main.weights(clean), **EXACT)
     assert main.step(clean)["metrics"]["skipped_nonfinite:sum"] == 0.0
+
+
+# --- stopping a running sample ------------------------------------------------------------------
+def sample_op(job_id: str, session: str, seq: int, n: int, max_tokens: int, seed: int) -> Op:
+    body = {
+        "prompt": ModelInput.from_ints(list(b"stop me")).model_dump(),
+        "num_samples": n,
+        "sampling_params": {"max_tokens": max_tokens, "seed": seed, "stop": []},
+    }
+    return Op(
+        job_id=job_id, model_id=session, seq=seq, kind=OpKind.SAMPLE, payload=codec.encode(body)
+    )
+
+
+def test_a_stopped_sample_leaves_the_loop_and_the_others_sample_as_alone(main: Driver) -> None:
+    """Two samples share the decode loop; one is stopped after a few steps: it comes out of the
+    next step failed with the reason given, the other goes on to exactly the tokens and
+    logprobs it gets alone, and the loop then serves a new sample."""
+    engine = main.engine
+    for session in ("stop-a", "stop-b"):
+        main.op(
+            session, OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "default", "base_model": BASE}
+        )
+    kept, doomed = (
+        sample_op("kept", "stop-a", 2, 2, 40, 7),
+        sample_op("doomed", "stop-b", 2, 8, 200, 8),
+    )
+    (alone,) = engine.sampling.run([sample_op("kept-alone", "stop-a", 3, 2, 40, 7)])
+    engine.join([kept, doomed])
+    finished: dict[str, Any] = {}
+    for _ in range(3):
+        finished.update((op.job_id, r) for op, r in engine.step(budget_s=0.0))
+    assert not finished and engine.sampling._loop is not None
+    assert engine.sampling._loop.rows == 10  # both are in the loop, mid-way
+    engine.stop({"doomed": "cancelled by the test while it ran", "unknown": "ignored"})
+    out = engine.step(budget_s=0.0)
+    assert [op.job_id for op, _ in out] == ["doomed"]
+    error = out[0][1]
+    assert isinstance(error, OpCancelledError) and error.category.value == "user"
+    assert error.message == "cancelled by the test while it ran"
+    assert engine.sampling._loop.rows == 2
+    while engine.stepping():
+        finished.update((op.job_id, r) for op, r in engine.step(budget_s=float("inf")))
+    assert list(finished) == ["kept"]
+    got, want = codec.decode(finished["kept"].result), codec.decode(alone.result)
+    for one, other in zip(got["sequences"], want["sequences"], strict=True):
+        assert one["tokens"] == other["tokens"]  # batched rows sum in another order: logprobs
+        np.testing.assert_allclose(one["logprobs"], other["logprobs"], rtol=1e-5, atol=1e-6)
+    (after,) = engine.sampling.run([sample_op("after", "stop-b", 3, 1, 4, 9)])
+    assert len(codec.decode(after.result)["sequences"][0]["tokens"]) == 4

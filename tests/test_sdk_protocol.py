@@ -299,7 +299,7 @@ def test_cancel_future_removes_a_queued_sample(
         timeout=30,
         json={"request_id": request_id},
     ).json()
-    assert answer == {"error": CANCELLED, "category": "user"}
+    assert answer == {"error": f"{CANCELLED} before it ran", "category": "user"}
 
 
 def key_tenant(deployment: Settings, key: str) -> str:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
+from queue_tinker.types import codec
 from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.training import AdamParams, DimuonParams, OptimParams
 from queue_tinker.workers.engine import parse_body

@@ -13,15 +13,14 @@ sampling), so the worker can run other ops between the steps.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.records import Record
 from queue_tinker.types.validation import field_path
@@ -96,6 +95,12 @@ class Engine(Protocol):
 
     def stepping(self) -> bool:
         """True while joined ops are unfinished (or finished and not handed back yet)."""
+        ...
+
+    def stop(self, reasons: Mapping[str, str]) -> None:
+        """Stop joined ops (job id -> why) before the next step: each leaves the loop and
+        comes out of that step failed with OpCancelledError(why); the others go on as if it
+        had never joined. Ids of ops not joined here (finished meanwhile) are ignored."""
         ...
 
     def runs_inline(self, op: Op) -> bool:
@@ -206,6 +211,9 @@ class QueueOnlyEngine:
 
     def stepping(self) -> bool:
         return bool(self.joined)
+
+    def stop(self, reasons: Mapping[str, str]) -> None:
+        """Nothing runs a step at a time here: an op is never half-way when asked."""
 
     def runs_inline(self, op: Op) -> bool:
         return is_inline_ping(op)

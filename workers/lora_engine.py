@@ -13,7 +13,7 @@ import logging
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,9 +28,8 @@ from queue_tinker.errors import (
     QueueTinkerError,
     UserInputError,
 )
-from queue_tinker.queue import codec
 from queue_tinker.settings import load_settings
-from queue_tinker.types import CheckpointKind, CheckpointRecord, LossFn, OpKind
+from queue_tinker.types import CheckpointKind, CheckpointRecord, LossFn, OpKind, codec
 from queue_tinker.types.checkpoints import PEFT_FILES, CheckpointPath, check_name, loadable
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
 from queue_tinker.types.ops import Op
@@ -215,6 +214,9 @@ class LoraEngine:
 
     def stepping(self) -> bool:
         return self.sampling.stepping()
+
+    def stop(self, reasons: Mapping[str, str]) -> None:
+        self.sampling.stop(reasons)
 
     def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
         """One training step: the leading forward / forward_backward ops and the optim_step

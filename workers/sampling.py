@@ -15,15 +15,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
+from queue_tinker.errors import OpCancelledError, UserInputError
+from queue_tinker.types import codec
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.loss_inputs import ModelLimits
 from queue_tinker.types.ops import Op
@@ -145,6 +145,22 @@ class SamplingOps:
                 break
         finished, self._finished = self._finished, []
         return finished
+
+    def stop(self, reasons: Mapping[str, str]) -> None:
+        """Stop joined ops (job id -> why): their rows leave the decode loop now, between two
+        steps, and each comes out of the next step failed with OpCancelledError(why). The
+        other rows keep their cache and their random streams, so they go on exactly as if
+        the stopped ones had never been there."""
+        keys = {key for key in self._joined if key in reasons}
+        if keys:
+            self._loop_of().cancel(keys)
+        for key in keys:
+            joined = self._joined.pop(key)
+            self._release(joined.directory)
+            self._finished.append((joined.op, OpCancelledError(reasons[key])))
+        waiting = [w for w in self._waiting if w[0].job_id in reasons]
+        self._waiting = deque(w for w in self._waiting if w[0].job_id not in reasons)
+        self._finished += [(op, OpCancelledError(reasons[op.job_id])) for op, _, _ in waiting]
 
     def cancel(self, model_id: str) -> None:
         """Forget a model's joined ops (its lease is gone: their results could not be

@@ -34,6 +34,9 @@ class SteppedTurns:
     stopping: asyncio.Event
     current: Op | None
     _compute: ThreadPoolExecutor
+    # Running stepped ops to stop (job id -> why), as the op reader got them from the
+    # worker's control stream; handed to the engine before its next step.
+    _stops: dict[str, str]
 
     if TYPE_CHECKING:  # the Worker's own, used here
 
@@ -102,9 +105,10 @@ class SteppedTurns:
             op for o in self.owned.values() for op, out in o.inflight.values() if out is None
         ]
         self.current = waiting[0] if waiting else None
+        stops, self._stops = self._stops, {}
         try:
             finished, stepping = await asyncio.get_running_loop().run_in_executor(
-                self._compute, self._quantum, budget_s
+                self._compute, self._quantum, budget_s, stops
             )
             if not finished and not stepping:
                 raise RuntimeError(
@@ -138,6 +142,12 @@ class SteppedTurns:
         if ready:
             await self._publish_batch(ready, outcomes, started=True)
 
-    def _quantum(self, budget_s: float) -> tuple[list[tuple[Op, OpResult | Exception]], bool]:
-        """On the compute thread: one engine step, and whether stepped ops remain."""
+    def _quantum(
+        self, budget_s: float, stops: dict[str, str]
+    ) -> tuple[list[tuple[Op, OpResult | Exception]], bool]:
+        """On the compute thread: the stops, one engine step, and whether stepped ops remain.
+        A stopped op comes out of this step, so it is published at once (in its model's
+        order) and its rows free up for the others."""
+        if stops:
+            self.engine.stop(stops)
         return self.engine.step(budget_s), self.engine.stepping()

@@ -104,6 +104,7 @@ class Worker(SteppedTurns):
         self._idle = asyncio.Event()
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qt-compute")
         self._control_cursor = b"$"
+        self._stops: dict[str, str] = {}
         # After a single op, batchable ops waiting anywhere go next: sampling waits behind at
         # most one training op, and training behind at most one batch.
         self._batch_due = True
@@ -536,10 +537,12 @@ class Worker(SteppedTurns):
     async def _read_loop(self) -> None:
         while not self.stopping.is_set():
             cursors = {m: o.read_seq for m, o in self.owned.items()}
-            ops, self._control_cursor, commands = await self._redis(
+            ops, self._control_cursor, control = await self._redis(
                 self.dispatch.read, cursors, self._control_cursor, READ_BLOCK_MS
             )
-            if "drain" in commands:
+            # Seen by the execute loop between two decode quanta (turns.py _engine_step).
+            self._stops.update(control.stops)
+            if "drain" in control.commands:
                 log.info("%s: draining: finishing the op in progress, handing models back", self.id)
                 self.stop()
             for op in ops:

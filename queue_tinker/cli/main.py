@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from queue_tinker.extras import extra_for
 from queue_tinker.settings import Settings, load_settings
 
 
@@ -261,7 +262,19 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     fn: Callable[[argparse.Namespace, Settings], int] = args.fn
-    return fn(args, load_settings())
+    try:
+        return fn(args, load_settings())
+    except ModuleNotFoundError as exc:
+        # Each command imports its part lazily, so a light install fails here, not at --help.
+        extra = extra_for(exc.name)
+        if extra is None:
+            raise
+        print(
+            f"queue-tinker {args.command}: needs `{exc.name}`, which this install lacks: "
+            f"pip install 'queue-tinker[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

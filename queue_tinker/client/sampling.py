@@ -17,9 +17,9 @@ from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.wire import decoder
-from queue_tinker.queue import codec, runs
+from queue_tinker.queue import runs
 from queue_tinker.settings import Settings
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.request_limits import RequestLimits, encode_request
 from queue_tinker.types.sampling import SampleInput, SampleResponse, SamplingParams, sample_input
 from queue_tinker.types.tensors import ModelInput

@@ -26,9 +26,8 @@ from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.sampling import SamplingClient, open_sampling_session
 from queue_tinker.client.wire import decoder, validated
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
 from queue_tinker.settings import Settings
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, check_name
 from queue_tinker.types.loss_inputs import check_batch, parse_loss_fn
 from queue_tinker.types.request_limits import (

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from queue_tinker.queue import codec
+from queue_tinker.types import codec
 from queue_tinker.types.validation import validated
 
 __all__ = ["decoder", "validated"]

@@ -23,6 +23,7 @@ from queue_tinker.errors import HeldOpsFullError, UnknownModelError, UserInputEr
 from queue_tinker.gateway import (
     openai_compat,
     tinker_account,
+    tinker_copy,
     tinker_custom_loss,
     tinker_futures,
     tinker_publish,
@@ -103,6 +104,7 @@ def create_app(settings: Settings) -> FastAPI:
         tinker_sample_futures,
         tinker_account,
         tinker_custom_loss,
+        tinker_copy,
         openai_compat,
     ):
         app.include_router(module.router)

@@ -219,10 +219,11 @@ def _action_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
 
     @router.post(f"{API}/requests/{{request_id}}/cancel")
     async def cancel(request_id: str, request: Request, caller: CallerDep) -> dict[str, Any]:
-        """Cancel a request that has not started: it fails with "cancelled"."""
+        """Cancel a request that has not started, or a sample while it runs (its worker stops
+        it at the next decode step): it fails with "cancelled"."""
         await _actionable_job(request, keys, caller, request_id)
-        await actions.cancel_job(_redis(request), keys, request_id, caller.scope)
-        return {"request_id": request_id, "cancelled": True}
+        was = await actions.cancel_job(_redis(request), keys, request_id, caller.scope)
+        return {"request_id": request_id, "cancelled": True, "was": was}
 
     @router.post(f"{API}/workers/{{worker_id}}/drain")
     async def drain(worker_id: str, request: Request, caller: CallerDep) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import caller_of_key
 from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
-from queue_tinker.queue import codec, runs
-from queue_tinker.types import JobStatus, OpKind
+from queue_tinker.queue import runs
+from queue_tinker.types import JobStatus, OpKind, codec
 from queue_tinker.types.checkpoints import SCHEME
 from queue_tinker.types.request_limits import encode_request
 from queue_tinker.types.sampling import SampleResponse, sample_input

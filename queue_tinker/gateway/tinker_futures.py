@@ -24,11 +24,11 @@ from queue_tinker.gateway.responses import GatewayJSONResponse as JSONResponse
 from queue_tinker.gateway.tinker_custom_loss import GATEWAY_ANSWERED
 from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue, not_found
 from queue_tinker.gateway.tinker_types import RetrieveFutureRequest
-from queue_tinker.queue import codec, runs
+from queue_tinker.queue import runs
 from queue_tinker.queue.jobs import JobOutcome
 from queue_tinker.queue.state import queue_state
 from queue_tinker.settings import Settings
-from queue_tinker.types import JobStatus, OpKind, QueueState
+from queue_tinker.types import JobStatus, OpKind, QueueState, codec
 from queue_tinker.types.sampling import SampleResponse
 from queue_tinker.types.training import ForwardBackwardOutput
 

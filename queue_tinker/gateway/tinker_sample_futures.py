@@ -27,7 +27,9 @@ from queue_tinker.types import JobStatus
 # A poll re-reads its client's pending samples at least this often: a sample submitted
 # through another gateway process cannot wake it (one submitted here wakes it at once).
 RECHECK_S = 1.0
-CANCELLED = "cancelled by the client (cancel_future) before it ran"
+# The queued op fails with "<CANCELLED> before it ran", a running sample "... while it ran".
+CANCELLED = "cancelled by the client (cancel_future)"
+CANCELLABLE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 DYNAMIC_CONFIG = {
     "refresh_interval_sec": 300,
     "sample_cancel_enabled": True,
@@ -196,13 +198,15 @@ async def join_sampling_session(
 
 @router.post("/cancel_future")
 async def cancel_future(body: CancelFutureRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
-    """A request still waiting in its queue is removed (its future fails as cancelled); one
-    already running or finished is left to finish: the answer is the same."""
+    """A request still waiting in its queue is removed, a running sample stops at its worker's
+    next decode step; either way its future fails as cancelled. One that is finished, or
+    running and not a sample, is left as it is: the answer is the same (the SDK sends this
+    for every abandoned sample and expects no more than a 200)."""
     job, _ = await gq.jobs.job(body.request_id)
     if not job or job.get("tenant_id") != tenant:
         raise not_found(f"request_id {body.request_id!r}")
-    if job.get("status") == JobStatus.QUEUED.value and "seq" in job:
-        with contextlib.suppress(UserInputError):  # started (or finished) meanwhile
+    if job.get("status") in CANCELLABLE and "seq" in job:
+        with contextlib.suppress(UserInputError):  # finished meanwhile, or not a sample
             await cancel_job(gq.redis, gq.keys, body.request_id, tenant, reason=CANCELLED)
     return {}
 

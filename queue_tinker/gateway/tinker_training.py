@@ -29,8 +29,8 @@ from queue_tinker.gateway.tinker_types import (
     SaveWeightsExternalRequest,
     SaveWeightsRequest,
 )
-from queue_tinker.queue import codec, runs
-from queue_tinker.types import OpKind
+from queue_tinker.queue import runs
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, check_name
 from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.loss_inputs import check_batch

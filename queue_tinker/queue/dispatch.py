@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from redis.asyncio import Redis
@@ -66,6 +66,22 @@ class Outcome:
     error_detail: str = ""
     metrics: dict[str, float] | None = None
     tokens: int = 0  # charged to the tenant's tokens-per-second limit, counted in /metrics
+
+
+@dataclass
+class Control:
+    """What came on a worker's control stream: plain commands ("wake", "drain") and the
+    running ops to stop (job id -> the error they fail with; queue/actions.py)."""
+
+    commands: set[str] = field(default_factory=set)
+    stops: dict[str, str] = field(default_factory=dict)
+
+    def add(self, fields: dict[bytes, bytes]) -> None:
+        command = fields.get(b"command", b"").decode()
+        if command == "cancel" and b"job" in fields:
+            self.stops[fields[b"job"].decode()] = fields.get(b"reason", b"cancelled").decode()
+        elif command:
+            self.commands.add(command)
 
 
 def _op(model_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Op:
@@ -223,9 +239,9 @@ class Dispatcher:
     # --- reading ops ------------------------------------------------------------------------
     async def read(
         self, cursors: dict[str, int], control_cursor: bytes, block_ms: int
-    ) -> tuple[list[Op], bytes, set[str]]:
-        """New ops of the owned models after their cursors (seq), the control cursor, and the
-        commands that came on the control stream (e.g. "drain").
+    ) -> tuple[list[Op], bytes, Control]:
+        """New ops of the owned models after their cursors (seq), the control cursor, and what
+        came on the control stream (commands such as "drain", ops to stop).
 
         Blocks on all the streams at once; a wake-up on the control stream returns early.
         """
@@ -238,15 +254,16 @@ class Dispatcher:
         reply = await redis_bytes.xread(self.redis, streams, count=512, block=block_ms)
         ops: list[Op] = []
         control_key = self.keys.worker_control(self.worker_id).encode()
-        commands: set[str] = set()
+        control = Control()
         for stream, entries in reply:
             if stream == control_key:
                 control_cursor = entries[-1][0]
-                commands.update(f[b"command"].decode() for _, f in entries if b"command" in f)
+                for _, fields in entries:
+                    control.add(fields)
                 continue
             model_id = model_of_stream[stream]
             ops.extend(_op(model_id, entry_id, fields) for entry_id, fields in entries)
-        return ops, control_cursor, commands
+        return ops, control_cursor, control
 
     async def read_range(self, model_id: str, after_seq: int, upto_seq: int) -> list[Op]:
         """The logged ops with after_seq < seq <= upto_seq: what a new owner replays on top of

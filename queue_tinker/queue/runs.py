@@ -13,9 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
 from queue_tinker.queue.jobs import JobQueue
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.sampling import CreateSamplingSessionInput
 from queue_tinker.types.training import (

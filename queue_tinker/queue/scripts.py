@@ -42,6 +42,7 @@ class Scripts:
     start: AsyncScript
     publish: AsyncScript
     cancel: AsyncScript
+    stop_running: AsyncScript
 
     @classmethod
     def load(cls, redis: Redis) -> Scripts:

@@ -297,6 +297,42 @@ def _update_meta(
     return True
 
 
+def copy_checkpoint_files(
+    source: Path, destination: Path, storage_dir: Path | None, **meta_changes: object
+) -> int:
+    """Copy a checkpoint directory (copy_weights): every file hard-linked where storage allows
+    (named checkpoints are never rewritten in place, so the copy shares the bytes and outlives
+    the source's removal), copied where it does not; its meta rewritten with `meta_changes`
+    (the new run, tenant, id). Appears in one rename; a repeat replaces it. Returns bytes."""
+    _check_inside(source, storage_dir)
+    _check_inside(destination, storage_dir)
+    meta = _read_meta(source)
+    if meta is None:
+        raise FileNotFoundError(source / META_FILE)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    tmp = destination.with_name(f".{destination.name}-copy-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        for item in source.iterdir():
+            if item.name != META_FILE and item.is_file():
+                _link_or_copy(item, tmp / item.name)
+        (tmp / META_FILE).write_text(json.dumps({**meta, **meta_changes}, indent=2))
+        size = sum(f.stat().st_size for f in tmp.iterdir())
+        if destination.exists():  # a retried copy: the same files again
+            shutil.rmtree(destination)
+        tmp.rename(destination)
+        return size
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another device, or a file system without hard links
+        shutil.copy2(source, target)
+
+
 # --- the row -------------------------------------------------------------------------------
 
 

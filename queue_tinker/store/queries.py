@@ -161,6 +161,21 @@ async def get_live_checkpoint(
         )
 
 
+async def get_readable_checkpoint(
+    sessions: async_sessionmaker[AsyncSession], tenant_id: str, checkpoint_id: str
+) -> Checkpoint | None:
+    """A live checkpoint the tenant may read: its own, or one published (readable by every
+    tenant); None otherwise, so another tenant's private one reads like a missing one."""
+    async with sessions() as session:
+        return await session.scalar(
+            select(Checkpoint).where(
+                Checkpoint.id == checkpoint_id,
+                or_(Checkpoint.tenant_id == tenant_id, Checkpoint.public.is_(True)),
+                live_checkpoint(),
+            )
+        )
+
+
 async def set_checkpoint_expiry(
     sessions: async_sessionmaker[AsyncSession],
     tenant_id: str,

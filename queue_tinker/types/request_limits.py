@@ -11,11 +11,10 @@ worker by loss_inputs.check_batch and sampling.check_sample.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import codec
-from queue_tinker.settings import Settings
+from queue_tinker.types import codec
 
 if TYPE_CHECKING:
     from queue_tinker.types.sampling import SampleInput
@@ -25,17 +24,31 @@ if TYPE_CHECKING:
 _INT_RANGE = (-(2**63), 2**64)
 
 
+class LimitSettings(Protocol):
+    """The QT_MAX_* fields of the settings (a Protocol, so types need not import settings)."""
+
+    @property
+    def max_tokens_per_datum(self) -> int: ...
+    @property
+    def max_datums_per_request(self) -> int: ...
+    @property
+    def max_samples_per_request(self) -> int: ...
+    @property
+    def max_request_bytes(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class RequestLimits:
-    """The QT_MAX_* settings, as the checks take them."""
+    """The QT_MAX_* settings, as the checks take them. The defaults here are the settings'
+    defaults too (settings.py reads them from DEFAULT_LIMITS), so they are written once."""
 
-    tokens_per_datum: int
-    datums_per_request: int
-    samples_per_request: int
-    request_bytes: int
+    tokens_per_datum: int = 32_768
+    datums_per_request: int = 1_024
+    samples_per_request: int = 1_024
+    request_bytes: int = 64 * 1024 * 1024
 
     @classmethod
-    def of(cls, settings: Settings) -> RequestLimits:
+    def of(cls, settings: LimitSettings) -> RequestLimits:
         return cls(
             tokens_per_datum=settings.max_tokens_per_datum,
             datums_per_request=settings.max_datums_per_request,
@@ -46,13 +59,10 @@ class RequestLimits:
     @classmethod
     def defaults(cls) -> RequestLimits:
         """The settings' defaults, whatever the environment says."""
-        fields = Settings.model_fields
-        return cls(
-            tokens_per_datum=fields["max_tokens_per_datum"].default,
-            datums_per_request=fields["max_datums_per_request"].default,
-            samples_per_request=fields["max_samples_per_request"].default,
-            request_bytes=fields["max_request_bytes"].default,
-        )
+        return DEFAULT_LIMITS
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 def size_text(size: int) -> str:

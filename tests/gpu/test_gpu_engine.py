@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from queue_tinker.errors import DeviceMemoryError
-from queue_tinker.queue import codec
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.sampling import SamplingParams
 from queue_tinker.types.tensors import Datum, ModelInput

@@ -21,8 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from queue_tinker.errors import DeviceMemoryError
-from queue_tinker.queue import codec
-from queue_tinker.types import OpKind
+from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import ForwardBackwardInput, LoraConfig

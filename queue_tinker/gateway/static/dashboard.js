@@ -240,7 +240,8 @@ function requestActions(r) {
   if (r.status === "failed") {
     cell.append(el("button", { class: "act", text: "Retry", onclick: () => retryRequest(r.id) }));
   }
-  if (r.status === "queued") {
+  // A running sample stops at its worker's next decode step; other running ops cannot stop.
+  if (r.status === "queued" || (r.status === "running" && r.kind === "sample")) {
     cell.append(el("button", { class: "act danger", text: "Cancel", onclick: () => cancelRequest(r.id) }));
   }
   return cell;

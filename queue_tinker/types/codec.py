@@ -1,4 +1,8 @@
-"""Compact binary payloads: msgpack, with numpy arrays carried as raw bytes."""
+"""Compact binary payloads: msgpack, with numpy arrays carried as raw bytes.
+
+The one wire encoding of op bodies and results: the client and the gateway encode, the queue
+carries the bytes, the worker decodes. It lives with the types because every layer speaks it
+and it needs nothing of ours (the engines decode bodies without knowing Redis)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,191 @@
+"""copy_weights (docs/tinker-http-protocol.md, section 12): a checkpoint the caller can read
+(its own, or a published one) copied into the caller's tenant, as a new checkpoint of a new
+training run that holds only it (no adapter is ever made for that run, so nothing trains on
+it; it loads and samples like any checkpoint).
+
+There are no projects here: a tenant's checkpoints are its own. The destination is the
+caller's tenant, named by its id (what the SDK sends as destination_project_id, from
+TINKER_PROJECT_ID or ServiceClient(project_id=...)); another project, a session's run slot or
+a cross-account access token are refused naming the field.
+
+The copy is written as a worker writes a checkpoint: files (hard links, so no bytes are
+duplicated and the copy outlives the source), then the run's and the checkpoint's records,
+written to Postgres before the answer, so listings show it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import redis
+from fastapi import APIRouter, Depends, Header, Request
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from queue_tinker.errors import UserInputError
+from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue, not_found
+from queue_tinker.gateway.tinker_rest import ttl_seconds
+from queue_tinker.queue.records import RecordLog
+from queue_tinker.services import housekeeper
+from queue_tinker.services.recorder import catch_up
+from queue_tinker.store import queries
+from queue_tinker.store.models import Checkpoint
+from queue_tinker.types.checkpoints import CheckpointPath, loadable
+from queue_tinker.types.enums import CheckpointKind
+from queue_tinker.types.records import CheckpointRecord
+
+router = APIRouter(prefix="/api/v1")
+Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
+Tenant = Annotated[str, Depends(tenant_of)]
+
+
+class CopyWeightsRequest(BaseModel):
+    """The SDK's CopyWeightsRequest (its weights_access_token travels as a header)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    source_path: str
+    destination_project_id: str | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    ttl_seconds: int | None = None
+
+
+@router.post("/copy_weights")
+async def copy_weights(
+    body: CopyWeightsRequest,
+    request: Request,
+    gq: Queue,
+    tenant: Tenant,
+    access_token: Annotated[str | None, Header(alias="X-Tinker-Weights-Access-Token")] = None,
+    idempotency_key: Annotated[str | None, Header(alias="X-Idempotency-Key")] = None,
+) -> dict[str, Any]:
+    """Copy `source_path` into the caller's tenant; {"tinker_path": the copy's path}. The SDK
+    sends one idempotency key across its retries: a retry makes the same copy again."""
+    _check_destination(body, tenant, access_token)
+    ttl = ttl_seconds({"ttl_seconds": body.ttl_seconds})
+    source = loadable(CheckpointPath.parse(body.source_path, "source_path"), "source_path")
+    sessions = request.app.state.sessions
+    await catch_up(RecordLog(gq.redis, gq.keys), sessions)  # a checkpoint saved just now
+    row = await queries.get_readable_checkpoint(sessions, tenant, str(source))
+    if row is None:
+        raise not_found(
+            f"source_path: checkpoint {str(source)!r} (unknown, expired, deleted, or another "
+            "tenant's and not published)"
+        )
+    run = await queries.get_training_run(sessions, source.run_id)
+    if run is None:  # a checkpoint row is written after its run's: not expected
+        raise not_found(f"source_path: the training run of {str(source)!r}")
+    copy = CheckpointPath(_copy_run_id(tenant, idempotency_key), source.kind, source.name)
+    expires_at = time.time() + ttl if ttl is not None else None
+    size = await _copy_files(gq, row, copy, tenant, expires_at)
+    await gq.jobs.register_model(
+        copy.run_id,
+        base_model=run.base_model,
+        tenant_id=tenant,
+        session_id=None,
+        lora_config=run.lora_config,
+        user_metadata={"copied_from": str(source)},
+    )
+    await _record(gq, sessions, row, copy, tenant, size, expires_at)
+    return {"tinker_path": str(copy)}
+
+
+def _check_destination(body: CopyWeightsRequest, tenant: str, access_token: str | None) -> None:
+    """What a self-hosted deployment does not offer, refused before anything is read."""
+    if access_token is not None:
+        raise UserInputError(
+            "X-Tinker-Weights-Access-Token: cross-account access tokens are not offered here; "
+            "ask the checkpoint's owner to publish it, then copy it with your own key"
+        )
+    if body.session_id is not None or body.model_seq_id is not None:
+        raise UserInputError(
+            "session_id, model_seq_id: a copy into a session's run slot is not offered here; "
+            f"pass destination_project_id {tenant!r} (your tenant) instead"
+        )
+    if body.destination_project_id not in (None, tenant):
+        raise UserInputError(
+            f"destination_project_id: {body.destination_project_id!r} is not yours; this "
+            f"service has no projects, a copy goes to your tenant {tenant!r} (pass that, or "
+            "nothing)"
+        )
+
+
+def _copy_run_id(tenant: str, idempotency_key: str | None) -> str:
+    """The run holding the copy: derived from the idempotency key, so a retried request writes
+    the same copy instead of a second one."""
+    if idempotency_key is None:
+        return f"copy-{uuid.uuid4().hex}"
+    return "copy-" + hashlib.sha256(f"{tenant}\0{idempotency_key}".encode()).hexdigest()[:32]
+
+
+def _directory(gq: GatewayQueue, path: CheckpointPath) -> Path:
+    """Where a worker would keep it (workers/checkpoints.py checkpoint_dir)."""
+    return gq.settings.storage_dir / path.run_id / path.kind.path_segment / path.name
+
+
+async def _copy_files(
+    gq: GatewayQueue, row: Checkpoint, copy: CheckpointPath, tenant: str, expires_at: float | None
+) -> int:
+    storage = gq.settings.storage_dir
+    destination = _directory(gq, copy)
+    try:
+        return await asyncio.to_thread(
+            housekeeper.copy_checkpoint_files,
+            Path(row.path),
+            destination,
+            storage,
+            model_id=copy.run_id,
+            tenant_id=tenant,
+            id=str(copy),
+            public=False,
+            created_at=time.time(),
+            expires_at=expires_at,
+        )
+    except FileNotFoundError:  # removed since its row was read
+        raise not_found(f"source_path: checkpoint {row.id!r}") from None
+
+
+async def _record(
+    gq: GatewayQueue,
+    sessions: async_sessionmaker[AsyncSession],
+    row: Checkpoint,
+    copy: CheckpointPath,
+    tenant: str,
+    size: int,
+    expires_at: float | None,
+) -> None:
+    """The copy's row (and its run's, which register_model logged), in Postgres before the
+    answer; its expiry scheduled as a worker's save schedules one."""
+    directory = _directory(gq, copy)
+    records = RecordLog(gq.redis, gq.keys)
+    await records.append(
+        CheckpointRecord(
+            id=str(copy),
+            model_id=copy.run_id,
+            tenant_id=tenant,
+            name=copy.name,
+            kind=CheckpointKind(row.kind),  # the column is text, checked against the enum
+            path=str(directory),
+            size_bytes=size,
+            created_at=time.time(),
+            expires_at=expires_at,
+        )
+    )
+    await catch_up(records, sessions)
+    if expires_at is not None:
+        settings = gq.settings
+
+        def schedule() -> None:
+            with redis.Redis.from_url(settings.redis_url or "") as client:
+                housekeeper.schedule_checkpoint_expiry(
+                    client, settings.key_prefix, str(copy), str(directory), expires_at
+                )
+
+        await asyncio.to_thread(schedule)
