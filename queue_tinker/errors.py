@@ -1,4 +1,10 @@
-"""One error hierarchy. Each error says whose fault it is: the user's input or the service."""
+"""One error hierarchy. Each error says whose fault it is: the user's input or the service.
+
+Every exception class of queue_tinker is defined here, under QueueTinkerError, with a
+category (tests/test_errors.py checks it). The gateway answers a user error with a 4xx and a
+server error with a 5xx (gateway/app.py add_error_handlers); a worker publishes the category
+with a failed op, and the client raises it as RequestFailedError.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ class ErrorCategory(StrEnum):
 
 
 class QueueTinkerError(Exception):
-    """Base of every error queue_tinker raises."""
+    """Base of every error queue_tinker raises; a server error unless a subclass says so."""
 
     category: ErrorCategory = ErrorCategory.SERVER
 
@@ -75,3 +81,30 @@ class LeaseLostError(QueueTinkerError):
 class HeldOpsFullError(QueueTinkerError):
     """A model already holds as many early ops (sent ahead of a seq_id that has not arrived)
     as it may; the same request succeeds once the missing one arrives. Retry shortly."""
+
+
+class SeqIdUsedError(UserInputError):
+    """A seq_id below the model's next one arrived, and its first job is no longer known."""
+
+
+class MalformedProtobufError(UserInputError):
+    """Not well-formed protobuf (gateway/proto/wire.py's quick look at a body): the gateway
+    leaves it to the real parser, which says what is wrong."""
+
+
+class RedisUnavailableError(QueueTinkerError, ConnectionError):
+    """Redis did not answer within the time the caller was willing to wait. Also Python's
+    ConnectionError (not redis-py's: errors.py imports nothing, so the types that use it
+    stay free of redis)."""
+
+
+class EmbeddedServerError(QueueTinkerError):
+    """An embedded Redis or Postgres could not be started."""
+
+
+class StorageUnavailableError(QueueTinkerError):
+    """Checkpoint storage is not there: not mounted, or not shared with the workers."""
+
+
+class CheckpointPathError(QueueTinkerError):
+    """A directory the housekeeper must not delete (outside checkpoint storage)."""

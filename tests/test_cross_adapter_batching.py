@@ -39,7 +39,7 @@ from queue_tinker.types.training import (
     LoraConfig,
 )
 from queue_tinker.workers.checkpoints import AdapterState, read_state, snapshot_dir
-from queue_tinker.workers.engine import OpResult
+from queue_tinker.workers.engine import OpResult, TrainingOpRules
 from queue_tinker.workers.lora_engine import LoraEngine
 
 BASE = "queue-tinker/tiny-llama"
@@ -351,7 +351,7 @@ def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
     # (ops taken, complete: no op arriving later could join)
     assert off.batch_share(backlog) == (0, True)
     assert off.batch_share(samples) == (0, True)
-    off.cross_adapter_batch = True
+    off.rules = TrainingOpRules(cross_adapter_batch=True)
     assert (off.batch_share(backlog), off.batch_share(samples)) == ((3, True), (0, True))
     assert off.stepped(samples[0]) and not off.batchable(samples[0])
     assert off.batch_share(backlog[:2]) == (2, False)  # its optim_step may be on its way

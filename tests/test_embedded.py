@@ -11,12 +11,8 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from queue_tinker.local.embedded import (
-    EmbeddedPostgres,
-    EmbeddedRedis,
-    EmbeddedServerError,
-    free_port,
-)
+from queue_tinker.errors import EmbeddedServerError
+from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
 from queue_tinker.local.processes import pid_alive
 from queue_tinker.store.db import make_engine
 

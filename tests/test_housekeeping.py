@@ -29,17 +29,19 @@ from rq.job import Job
 from rq.registry import ScheduledJobRegistry
 from sqlalchemy import select
 
-from queue_tinker.services.housekeeper import (
-    Outcome,
-    configure,
-    expire_checkpoint,
+from queue_tinker.queue.expiry_jobs import (
     expiry_job_id,
     housekeeping_queue,
-    reset_configuration,
     schedule_checkpoint_expiry,
+)
+from queue_tinker.services.housekeeper import (
+    configure,
+    expire_checkpoint,
+    reset_configuration,
     sweep_expired_checkpoints,
 )
 from queue_tinker.settings import Settings
+from queue_tinker.store.checkpoints import Outcome
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.store.record_writer import apply_records

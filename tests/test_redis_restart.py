@@ -22,7 +22,7 @@ from test_training_service import ADAM, BATCHES, TINY, adapter_weights, train
 
 import queue_tinker as tinker
 from queue_tinker.client import holder
-from queue_tinker.queue.connection import RedisUnavailableError
+from queue_tinker.errors import RedisUnavailableError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine

@@ -9,8 +9,8 @@ import random
 import pytest
 from redis.asyncio import Redis
 
-from queue_tinker.errors import HeldOpsFullError, UserInputError
-from queue_tinker.queue.jobs import HeldLimits, JobQueue, SeqIdUsedError
+from queue_tinker.errors import HeldOpsFullError, SeqIdUsedError, UserInputError
+from queue_tinker.queue.jobs import HeldLimits, JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import OpKind
 

@@ -26,6 +26,11 @@ from queue_tinker.types.records import Record
 from queue_tinker.types.validation import field_path
 
 MAX_PING_DELAY_MS = 60_000
+# Ops whose data one shared model pass runs, many adapters' at once (cross-adapter batching):
+# they only add to .grad, so a model's consecutive ones are independent of each other.
+PASS_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
+# What cross-adapter batching takes from a model's queue: its passes, and the step after them.
+TRAIN_BATCH_KINDS = PASS_KINDS | {OpKind.OPTIM_STEP}
 B = TypeVar("B", bound=BaseModel)
 
 
@@ -237,3 +242,34 @@ class QueueOnlyEngine:
 
     def device_memory_bytes(self) -> int:
         return 0
+
+
+@dataclass(frozen=True)
+class TrainingOpRules:
+    """How the LoRA engine runs each op (workers/lora_engine.py delegates to this): pings
+    inline, samples stepped, training steps batched across models (unless turned off), the
+    rest alone. No torch here, so the worker's scheduling is tested with the real rules."""
+
+    cross_adapter_batch: bool = True
+
+    def runs_inline(self, op: Op) -> bool:
+        return is_inline_ping(op)
+
+    def batchable(self, op: Op) -> bool:
+        return self.cross_adapter_batch and op.kind in TRAIN_BATCH_KINDS
+
+    def stepped(self, op: Op) -> bool:
+        return op.kind is OpKind.SAMPLE
+
+    def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
+        """One training step: the leading forward / forward_backward ops and the optim_step
+        after them (complete once that is there); a client that pipelines many steps then hears
+        of each as it finishes, not of all of them once the last is done."""
+        taken = 0
+        for op in backlog:
+            if not self.batchable(op):
+                return BatchShare(taken, complete=True)
+            taken += 1
+            if op.kind is OpKind.OPTIM_STEP:
+                return BatchShare(taken, complete=True)
+        return BatchShare(taken, complete=False)

@@ -2,35 +2,27 @@
 
 Runs on the worker's compute thread, one op or one batch of ops at a time; knows no Redis and
 no SQL. State that must outlive this process (checkpoints, snapshots) goes to `storage`, a
-directory every worker of the deployment shares.
+directory every worker of the deployment shares (workers/saved_state.py writes and reads it).
+Training ops of many models run together through workers/training_rounds.py; which ops run
+inline, batched or stepped is TrainingOpRules' (workers/engine.py). Settings come in through
+the constructor (workers/main.py passes the deployment's); the engine reads no environment.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import logging
-import shutil
-import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import cast
 
 import torch
+from transformers import PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from queue_tinker.age import check_recipients, encrypt_in_place
 from queue_tinker.builtin_models import load_tokenizer
-from queue_tinker.errors import (
-    DeviceMemoryError,
-    ErrorCategory,
-    QueueTinkerError,
-    UserInputError,
-)
-from queue_tinker.settings import load_settings
-from queue_tinker.types import CheckpointKind, CheckpointRecord, LossFn, OpKind, codec
-from queue_tinker.types.checkpoints import PEFT_FILES, CheckpointPath, check_name, loadable
+from queue_tinker.errors import QueueTinkerError, UserInputError
+from queue_tinker.types import LossFn, OpKind, codec
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
 from queue_tinker.types.ops import Op
 from queue_tinker.types.request_limits import (
@@ -38,54 +30,42 @@ from queue_tinker.types.request_limits import (
     check_batch_size,
     check_request_bytes,
 )
-from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import (
     CreateModelInput,
     ForwardBackwardInput,
-    ForwardBackwardOutput,
-    LoadInput,
-    LoadWeightsResponse,
     LoraConfig,
     OptimParams,
     OptimStepResponse,
-    SaveInput,
-    SaveWeightsExternalResponse,
-    SaveWeightsForSamplerResponse,
-    SaveWeightsResponse,
-    UnloadModelResponse,
 )
 from queue_tinker.workers import base_model as base_models
 from queue_tinker.workers.adapters import Adapter, AdapterPool
-from queue_tinker.workers.checkpoints import (
-    CheckpointMeta,
-    checkpoint_dir,
-    read_meta,
-    read_state,
-    snapshot_dir,
-    write_state,
-)
+from queue_tinker.workers.checkpoints import read_meta, read_state, snapshot_dir
 from queue_tinker.workers.custom_loss_graph import GraphLoss
 from queue_tinker.workers.dimuon import parse_optim_params
-from queue_tinker.workers.engine import BatchShare, OpResult, is_inline_ping, parse_body, run_ping
+from queue_tinker.workers.engine import (
+    PASS_KINDS,
+    BatchShare,
+    OpResult,
+    TrainingOpRules,
+    parse_body,
+    run_ping,
+)
 from queue_tinker.workers.forward import forward_backward, grads_kept_on_error, optim_steps
-from queue_tinker.workers.memory import device_budgets, is_out_of_memory, release_cached_memory
+from queue_tinker.workers.memory import device_budgets
 from queue_tinker.workers.model_pass import PassPlan
 from queue_tinker.workers.sampling import SamplingOps
-from queue_tinker.workers.train_batch import PassOp, padded_tokens, shared_pass
+from queue_tinker.workers.saved_state import (
+    SNAPSHOT_RESULTS,
+    UNLOADED,
+    SavedState,
+    outcome_from_json,
+)
+from queue_tinker.workers.train_batch import PassOp
+from queue_tinker.workers.training_rounds import MemoryGuard, TrainingRounds, pass_result
 
 log = logging.getLogger(__name__)
 
-UNLOADED = "_unloaded"  # marker file: the model was unloaded; its ops fail from then on
-# Adapter.extra key: seq -> kept outcome (JSON) of the ops the snapshot the adapter came from
-# holds but whose results may never have been published (see _already_applied).
-SNAPSHOT_RESULTS = "snapshot_results"
-# Ops whose data one shared model pass runs, many adapters' at once (cross-adapter batching):
-# they only add to .grad, so a model's consecutive ones are independent of each other.
-PASS_KINDS = frozenset({OpKind.FORWARD, OpKind.FORWARD_BACKWARD})
-# What cross-adapter batching takes from a model's queue: its passes, and the step after them.
-TRAIN_BATCH_KINDS = PASS_KINDS | {OpKind.OPTIM_STEP}
 Outcome = OpResult | Exception
-T = TypeVar("T")
 DEFAULT_TRAIN_BATCH_TOKENS = 32_768  # QT_TRAIN_BATCH_TOKENS unset, off CUDA
 DEFAULT_SAMPLE_BATCH_SEQUENCES = 64  # QT_SAMPLE_BATCH_SEQUENCES unset, off CUDA
 
@@ -93,6 +73,16 @@ DEFAULT_SAMPLE_BATCH_SEQUENCES = 64  # QT_SAMPLE_BATCH_SEQUENCES unset, off CUDA
 def default_seed(model_id: str) -> int:
     """A model created without a seed still initialises the same way every time (replay)."""
     return int.from_bytes(hashlib.sha256(model_id.encode()).digest()[:4], "big")
+
+
+def load_frozen_base(base_model: str, device: str, models_dir: Path, dtype: str) -> PreTrainedModel:
+    transformers_logging.disable_progress_bar()  # per-shard bars are noise in worker logs
+    # A transformers model (from_pretrained), typed as a Module by the loader.
+    base = cast(PreTrainedModel, base_models.load_base_model(base_model, device, models_dir, dtype))
+    base.eval()  # no dropout anywhere: a step is a pure function of its inputs
+    # What adapter_config.json names as the base: the name users know, not a local path.
+    base.name_or_path = base_model
+    return base
 
 
 class LoraEngine:
@@ -113,20 +103,16 @@ class LoraEngine:
         plan: PassPlan | None = None,
     ) -> None:
         self.base_model = base_model
-        self.cross_adapter_batch = cross_adapter_batch
+        self.rules = TrainingOpRules(cross_adapter_batch)  # what runs inline, batched, stepped
         self.plan = plan or PassPlan()
         # The same QT_MAX_* limits the client and gateway enforce, again here: an op may come
-        # from a client configured otherwise, or straight from Redis. None: this process's
-        # settings (a worker is started with the deployment's QT_* environment).
-        self.request_limits = request_limits or RequestLimits.of(load_settings())
+        # from a client configured otherwise, or straight from Redis. The worker passes its
+        # settings' (workers/main.py); None: the settings' defaults, whatever the environment.
+        self.request_limits = request_limits or RequestLimits.defaults()
         self.device = torch.device(device)
         self.storage = storage
         self.snapshot_every = snapshot_every
-        transformers_logging.disable_progress_bar()  # per-shard bars are noise in worker logs
-        base = base_models.load_base_model(base_model, device, models_dir, dtype)
-        base.eval()  # no dropout anywhere: a step is a pure function of its inputs
-        # What adapter_config.json names as the base: the name users know, not a local path.
-        base.name_or_path = base_model
+        base = load_frozen_base(base_model, device, models_dir, dtype)
         self.limits = ModelLimits(
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
         )
@@ -140,13 +126,16 @@ class LoraEngine:
         )
         if budgets is not None:
             log.info("device budgets from free memory: %s", budgets)
-        self.train_batch_tokens = train_batch_tokens or (
-            budgets.train_batch_tokens if budgets else DEFAULT_TRAIN_BATCH_TOKENS
+        self.guard = MemoryGuard(
+            self.device,
+            train_batch_tokens
+            or (budgets.train_batch_tokens if budgets else DEFAULT_TRAIN_BATCH_TOKENS),
         )
+        self.rounds = TrainingRounds(self, self.guard, self.plan)
+        self.saved = SavedState(self.pool, storage, base_model, self.rounds.unpublished)
         max_batch_sequences = max_batch_sequences or (
             budgets.sample_batch_sequences if budgets else DEFAULT_SAMPLE_BATCH_SEQUENCES
         )
-        self.largest_pass = 0  # padded tokens of the biggest pass that ran: what fits
         self.sampling = SamplingOps(
             self.pool,
             storage,
@@ -157,20 +146,29 @@ class LoraEngine:
             max_batch_sequences=max_batch_sequences,
             request_limits=self.request_limits,
         )
-        self._handlers: dict[OpKind, Callable[[Adapter, Op], OpResult]] = {
+        self._handlers = self._op_handlers()
+
+    def _op_handlers(self) -> dict[OpKind, Callable[[Adapter, Op], OpResult]]:
+        """What execute runs for each op kind on a model's adapter."""
+        return {
             OpKind.FORWARD: self._forward,
             OpKind.FORWARD_BACKWARD: self._forward_backward,
             OpKind.OPTIM_STEP: self._optim_step,
-            OpKind.SAVE_STATE: self._save_state,
-            OpKind.SAVE_WEIGHTS_FOR_SAMPLER: self._save_for_sampler,
-            OpKind.SAVE_WEIGHTS_EXTERNAL: self._save_external,
-            OpKind.LOAD_STATE: self._load_state,
-            OpKind.UNLOAD_MODEL: self._unload,
+            OpKind.SAVE_STATE: self.saved.save_state,
+            OpKind.SAVE_WEIGHTS_FOR_SAMPLER: self.saved.save_for_sampler,
+            OpKind.SAVE_WEIGHTS_EXTERNAL: self.saved.save_external,
+            OpKind.LOAD_STATE: self.saved.load_state,
+            OpKind.UNLOAD_MODEL: self.saved.unload,
         }
-        # Outcomes of the ops run so far in the current execute_batch, per model: the worker
-        # publishes them only when the whole batch is done, so a snapshot written meanwhile
-        # keeps them (_snapshot, _already_applied).
-        self._unpublished: dict[str, dict[int, Outcome]] = {}
+
+    @property
+    def train_batch_tokens(self) -> int:
+        """Padded tokens one shared pass may hold (lowered after an out-of-memory pass)."""
+        return self.guard.train_batch_tokens
+
+    @property
+    def largest_pass(self) -> int:
+        return self.guard.largest_pass
 
     # --- the Engine interface --------------------------------------------------------------
     def execute(self, op: Op) -> OpResult:
@@ -201,10 +199,10 @@ class LoraEngine:
         return result
 
     def batchable(self, op: Op) -> bool:
-        return self.cross_adapter_batch and op.kind in TRAIN_BATCH_KINDS
+        return self.rules.batchable(op)
 
     def stepped(self, op: Op) -> bool:
-        return op.kind is OpKind.SAMPLE
+        return self.rules.stepped(op)
 
     def join(self, ops: Sequence[Op]) -> None:
         self.sampling.join(ops)
@@ -219,17 +217,7 @@ class LoraEngine:
         self.sampling.stop(reasons)
 
     def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
-        """One training step: the leading forward / forward_backward ops and the optim_step
-        after them (complete once that is there); a client that pipelines many steps then hears
-        of each as it finishes, not of all of them once the last is done."""
-        taken = 0
-        for op in backlog:
-            if not self.batchable(op):
-                return BatchShare(taken, complete=True)
-            taken += 1
-            if op.kind is OpKind.OPTIM_STEP:
-                return BatchShare(taken, complete=True)
-        return BatchShare(taken, complete=False)
+        return self.rules.batch_share(backlog)
 
     def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
         """Training ops in rounds (_run_training); sample ops, if any, through the decode loop
@@ -241,15 +229,15 @@ class LoraEngine:
             outcomes[i] = outcome
         training = [(i, op) for i, op in enumerate(ops) if op.kind is not OpKind.SAMPLE]
         try:
-            self._run_training(training, outcomes)
+            self.rounds.run(training, outcomes)
         finally:
-            self._unpublished.clear()
+            self.rounds.unpublished.clear()
         done = [o for o in outcomes if o is not None]  # every op got a result or its error
         assert len(done) == len(ops)
         return done
 
     def runs_inline(self, op: Op) -> bool:
-        return is_inline_ping(op)
+        return self.rules.runs_inline(op)
 
     def durable_seq(self, model_id: str) -> int | None:
         if self.sampling.owns(model_id):
@@ -268,7 +256,7 @@ class LoraEngine:
     def persist(self, model_id: str) -> None:
         adapter = self.pool.adapters.get(model_id)
         if adapter is not None and adapter.last_seq > adapter.snapshot_seq:
-            self._snapshot(adapter)
+            self.saved.snapshot(adapter)
 
     def drop(self, model_id: str) -> None:
         self.pool.remove(model_id)
@@ -336,7 +324,7 @@ class LoraEngine:
                 op.model_id,
                 op.seq,
             )
-            return _outcome_from(kept[op.seq])
+            return outcome_from_json(kept[op.seq])
         raise RuntimeError(f"model {op.model_id}: op seq {op.seq} after {adapter.last_seq}")
 
     def _add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
@@ -346,116 +334,16 @@ class LoraEngine:
             self.pool.remove(victim.model_id)
         return self.pool.add(model_id, tenant_id, config, seed)
 
-    def _snapshot(self, adapter: Adapter, result: OpResult | None = None) -> None:
-        """Write the adapter's state as the model's snapshot. `result`: the outcome of the op
-        being run (adapter.last_seq), which the snapshot already contains; it is kept with it,
-        because the op's publish may never happen (the worker dies first) and the next owner,
-        starting from this snapshot, must publish that result instead of running the op again.
-        The same holds for the model's ops run earlier in the batch being run: their outcomes
-        are kept too.
-        """
-        directory = snapshot_dir(self.storage, adapter.model_id)
-        stored = read_meta(directory)
-        if stored is not None and stored.seq > adapter.last_seq:
-            # Another worker owns the model now and has gone further (this one stalled past
-            # its lease and has not heard yet). Going back would lose the steps in between:
-            # the log is trimmed up to the newer snapshot.
-            log.warning(
-                "model %s: not overwriting the snapshot at seq %d with older state (seq %d)",
-                adapter.model_id,
-                stored.seq,
-                adapter.last_seq,
-            )
-            return
-        # Only ops the snapshot's state covers: an op after it (one that failed, leaving
-        # last_seq behind it) is run again by the next owner, not taken from here.
-        earlier = {
-            seq: outcome
-            for seq, outcome in self._unpublished.get(adapter.model_id, {}).items()
-            if seq <= adapter.last_seq
-        }
-        meta = self._meta(
-            adapter,
-            kind="snapshot",
-            op_result=_result_to(result) if result is not None else None,
-            batch_results={str(seq): _outcome_to(outcome) for seq, outcome in earlier.items()},
-        )
-        write_state(
-            directory,
-            self.pool.export(adapter, meta),
-            self.pool.peft_adapter_config(adapter),
-            optimizer=True,
-            grads=True,
-        )
-        adapter.snapshot_seq = adapter.last_seq
-
-    def _meta(self, adapter: Adapter, kind: str, **extra: Any) -> CheckpointMeta:
-        return CheckpointMeta(
-            model_id=adapter.model_id,
-            tenant_id=adapter.tenant_id,
-            base_model=self.base_model,
-            lora_config=adapter.config.model_dump(),
-            seq=adapter.last_seq,
-            step=adapter.step,
-            created_at=time.time(),
-            kind=kind,
-            **extra,
-        )
-
-    # --- training ops of many models, batched ------------------------------------------------
-    def _run_training(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
-        """Each model's ops in order, in rounds: every model's leading run of forward /
-        forward_backward ops goes into one shared pass with all the others' (weights change
-        only at optim_step, so a run's ops do not depend on each other); then every model's next
-        op (its optim_step), the optim_steps together; and again, until every op has run."""
-        queues: dict[str, deque[tuple[int, Op]]] = {}
-        for index, op in ops:
-            queues.setdefault(op.model_id, deque()).append((index, op))
-        while queues:
-            passes: list[tuple[int, Op]] = []
-            for queue in queues.values():
-                while queue and queue[0][1].kind in PASS_KINDS:
-                    passes.append(queue.popleft())
-            self._run_passes(passes, outcomes)
-            self._run_steps([queue.popleft() for queue in queues.values() if queue], outcomes)
-            queues = {model: queue for model, queue in queues.items() if queue}
-
-    def _run_passes(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
-        """The ops in as few shared passes as fit: each pass under train_batch_tokens padded
-        tokens (one op always fits) and max_resident models, so that making one model resident
-        never evicts another of the same pass."""
-        chunk: list[tuple[int, Op, PassOp]] = []
-        for index, op in ops:
-            models = {o.model_id for _, o, _ in chunk}
-            if op.model_id not in models and len(models) >= self.pool.max_resident:
-                self._run_pass(chunk, outcomes)
-                chunk = []
-            try:
-                prepared = self._pass_op(op)
-            except Exception as exc:  # this op's failure, as execute would raise it
-                self._record(outcomes, index, op, exc)
-                continue
-            if isinstance(prepared, OpResult):  # already applied: its kept result
-                self._record(outcomes, index, op, prepared)
-                continue
-            if (
-                chunk
-                and padded_tokens([*(p for _, _, p in chunk), prepared]) > self.train_batch_tokens
-            ):
-                self._run_pass(chunk, outcomes)
-                chunk = []
-            chunk.append((index, op, prepared))
-        self._run_pass(chunk, outcomes)
-
-    def _admit_batched(self, op: Op) -> Adapter | OpResult:
+    # --- what TrainingRounds asks of the engine ---------------------------------------------
+    def admit_batched(self, op: Op) -> Adapter | OpResult:
         """execute's checks of a training op, in its order: its size, then its model (or, for
         an op the state already holds, its kept result)."""
         check_request_bytes(len(op.payload), self.request_limits)
         return self._admit(op)
 
-    def _pass_op(self, op: Op) -> PassOp | OpResult:
+    def pass_op(self, op: Op) -> PassOp | OpResult:
         """execute's checks, in its order, and the op ready for a shared pass."""
-        adapter = self._admit_batched(op)
+        adapter = self.admit_batched(op)
         if isinstance(adapter, OpResult):
             return adapter
         batch, config = self._checked_batch(op)
@@ -466,136 +354,6 @@ class LoraEngine:
             config=config,
             backward=op.kind is OpKind.FORWARD_BACKWARD,
         )
-
-    def _run_pass(
-        self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: list[Outcome | None]
-    ) -> None:
-        if not chunk:
-            return
-        prepared_ops = [p for _, _, p in chunk]
-        outs = self._try_pass(prepared_ops)
-        if outs is None:  # out of memory, with nothing of the failed pass still referenced
-            if len(chunk) > 1:
-                self._split_pass(chunk, outcomes)
-                return
-            outs = [self._memory_error([d for p in prepared_ops for d in p.data])]
-        models = float(len({op.model_id for _, op, _ in chunk}))
-        for (index, op, prepared), out in zip(chunk, outs, strict=True):
-            if isinstance(out, Exception):
-                self._record(outcomes, index, op, out)
-                continue
-            prepared.adapter.last_seq = op.seq
-            # batch_models: how many models shared the pass (the job record's metrics only;
-            # the result is what the op returns alone).
-            self._record(
-                outcomes, index, op, _pass_result(out, prepared.data, {"batch_models:max": models})
-            )
-
-    def _try_pass(self, ops: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception] | None:
-        """The shared pass's outcomes, or every op's failure; None if it ran out of memory."""
-
-        def run() -> list[ForwardBackwardOutput | Exception]:
-            try:
-                return shared_pass(self.pool, ops, self.device, self.plan)
-            except Exception as exc:  # the pass itself failed: so does every op in it
-                if is_out_of_memory(exc):
-                    raise
-                log.exception("a shared pass of %d ops failed", len(ops))
-                return [exc] * len(ops)
-
-        return self._unless_out_of_memory(
-            f"a shared pass of {len(ops)} ops", run, padded_tokens(ops)
-        )
-
-    def _unless_out_of_memory(self, what: str, run: Callable[[], T], tokens: int) -> T | None:
-        """run(), or None if it ran out of memory (logged, the device's cache released); a
-        run that fits raises largest_pass to its `tokens`. None is answered outside: an
-        exception being handled keeps the failed pass's tensors alive through its traceback,
-        and a retry inside the handler would need room for both."""
-        try:
-            result = run()
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                raise
-            log.warning("%s ran out of memory: %s", what, exc)
-            result = None
-        if result is None:
-            release_cached_memory(self.device)
-            return None
-        self.largest_pass = max(self.largest_pass, tokens)
-        return result
-
-    def _split_pass(
-        self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: list[Outcome | None]
-    ) -> None:
-        """A pass ran out of device memory (its gradients are back as they were): run its
-        halves, and keep later passes under what failed."""
-        tokens = padded_tokens([p for _, _, p in chunk])
-        self.train_batch_tokens = max(1, min(self.train_batch_tokens, tokens // 2))
-        log.warning(
-            "a shared pass of %d ops (%d padded tokens) ran out of memory: splitting "
-            "it; passes now hold at most %d tokens",
-            len(chunk),
-            tokens,
-            self.train_batch_tokens,
-        )
-        half = len(chunk) // 2
-        self._run_pass(chunk[:half], outcomes)
-        self._run_pass(chunk[half:], outcomes)
-
-    def _memory_error(self, data: Sequence[Datum]) -> DeviceMemoryError:
-        """An op that does not fit even alone: say what it tried and what fits."""
-        rows = len(data)
-        width = max(d.model_input.length for d in data)
-        fits = (
-            f"the largest pass this worker has run held {self.largest_pass} padded tokens"
-            if self.largest_pass
-            else "no pass has run on this worker yet"
-        )
-        return DeviceMemoryError(
-            f"data: {rows} rows x {width} tokens ({rows * width} padded tokens) do not fit in "
-            f"{self.device.type} memory; {fits}: split the batch "
-            "into smaller forward_backward calls"
-        )
-
-    def _run_steps(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
-        """Optim_steps of different models (what follows a round's passes: batch_share takes
-        nothing else), in one optimizer call (_step)."""
-        steps: list[tuple[int, Op, Adapter, OptimParams]] = []
-        for index, op in ops:
-            assert op.kind is OpKind.OPTIM_STEP, op.kind
-            if len(steps) >= self.pool.max_resident:
-                # Making one more model resident could evict one of these: step them first.
-                self._run_step_call(steps, outcomes)
-                steps = []
-            try:
-                adapter = self._admit_batched(op)
-                if isinstance(adapter, OpResult):  # already applied: its kept result
-                    self._record(outcomes, index, op, adapter)
-                    continue
-                steps.append(
-                    (index, op, adapter, parse_optim_params(adapter.config.optimizer, op.payload))
-                )
-            except Exception as exc:
-                self._record(outcomes, index, op, exc)
-        self._run_step_call(steps, outcomes)
-
-    def _run_step_call(
-        self, steps: Sequence[tuple[int, Op, Adapter, OptimParams]], outcomes: list[Outcome | None]
-    ) -> None:
-        if not steps:
-            return
-        try:
-            results: list[Outcome] = list(self._step([(a, op, p) for _, op, a, p in steps]))
-        except Exception as exc:  # the engine's own failure: every step in it fails
-            log.exception("an optimizer step of %d models failed", len(steps))
-            results = [exc] * len(steps)
-        for (index, op, _, _), result in zip(steps, results, strict=True):
-            self._record(outcomes, index, op, result)
-
-    def _record(self, outcomes: list[Outcome | None], index: int, op: Op, outcome: Outcome) -> None:
-        outcomes[index] = outcome
-        self._unpublished.setdefault(op.model_id, {})[op.seq] = outcome
 
     # --- ops -----------------------------------------------------------------------------------
     def _create(self, op: Op) -> OpResult:
@@ -612,7 +370,7 @@ class LoraEngine:
                 seed = config.seed if config.seed is not None else default_seed(op.model_id)
                 adapter = self._add(op.model_id, body.tenant_id, config, seed)
                 adapter.last_seq = op.seq
-                self._snapshot(adapter)  # from here on the model survives its worker
+                self.saved.snapshot(adapter)  # from here on the model survives its worker
         return OpResult(result=codec.encode({"model_id": op.model_id}))
 
     def _forward(self, adapter: Adapter, op: Op) -> OpResult:
@@ -624,7 +382,7 @@ class LoraEngine:
 
     def _run_batch(self, op: Op, *, backward: bool) -> OpResult:
         batch, config = self._checked_batch(op)
-        out = self._unless_out_of_memory(
+        out = self.guard.unless_out_of_memory(
             f"model {op.model_id}: op {op.seq}",
             lambda: forward_backward(
                 self.pool.model,
@@ -638,8 +396,8 @@ class LoraEngine:
             len(batch.data) * max(d.model_input.length for d in batch.data),
         )
         if out is None:
-            raise self._memory_error(batch.data)
-        return _pass_result(out, batch.data)
+            raise self.guard.memory_error(batch.data)
+        return pass_result(out, batch.data)
 
     def _loss(self, batch: ForwardBackwardInput) -> LossFn | GraphLoss:
         """The batch's loss: built in, or the uploaded loss it carries (rebuilt from the
@@ -657,9 +415,9 @@ class LoraEngine:
 
     def _optim_step(self, adapter: Adapter, op: Op) -> OpResult:
         params = parse_optim_params(adapter.config.optimizer, op.payload)
-        return self._step([(adapter, op, params)])[0]
+        return self.optimizer_step([(adapter, op, params)])[0]
 
-    def _step(self, steps: Sequence[tuple[Adapter, Op, OptimParams]]) -> list[OpResult]:
+    def optimizer_step(self, steps: Sequence[tuple[Adapter, Op, OptimParams]]) -> list[OpResult]:
         """optim_step ops of different models, in one optimizer call (alone or batched: the
         same code, so the same numbers); each model snapshots every snapshot_every steps."""
         all_metrics = optim_steps([(adapter, params) for adapter, _, params in steps])
@@ -671,162 +429,6 @@ class LoraEngine:
                 metrics=metrics,
             )
             if adapter.step % self.snapshot_every == 0:
-                self._snapshot(adapter, result)
+                self.saved.snapshot(adapter, result)
             results.append(result)
         return results
-
-    def _save_state(self, adapter: Adapter, op: Op) -> OpResult:
-        path, record = self._save(adapter, op, CheckpointKind.STATE)
-        response = SaveWeightsResponse(path=str(path))
-        return OpResult(result=codec.encode(response.model_dump()), records=[record])
-
-    def _save_for_sampler(self, adapter: Adapter, op: Op) -> OpResult:
-        path, record = self._save(adapter, op, CheckpointKind.SAMPLER)
-        response = SaveWeightsForSamplerResponse(path=str(path))
-        return OpResult(result=codec.encode(response.model_dump()), records=[record])
-
-    def _save_external(self, adapter: Adapter, op: Op) -> OpResult:
-        """The PEFT files (adapter_config.json, adapter_model.safetensors) for download,
-        each encrypted to the age recipients when there are any."""
-        path, record = self._save(adapter, op, CheckpointKind.EXTERNAL)
-        response = SaveWeightsExternalResponse(path=str(path), size_bytes=record.size_bytes)
-        return OpResult(result=codec.encode(response.model_dump()), records=[record])
-
-    def _save(
-        self, adapter: Adapter, op: Op, kind: CheckpointKind
-    ) -> tuple[CheckpointPath, CheckpointRecord]:
-        body = parse_body(SaveInput, op.payload)
-        if body.age_encryption_recipients and kind is not CheckpointKind.EXTERNAL:
-            raise UserInputError(
-                "age_encryption_recipients: only external weights are "
-                "encrypted (save_weights_external)"
-            )
-        recipients = check_recipients(body.age_encryption_recipients)
-        path = CheckpointPath(adapter.model_id, kind, check_name(body.name))
-        directory = checkpoint_dir(self.storage, path)
-        existing = read_meta(directory)
-        now = time.time()
-        expires_at = now + body.ttl_seconds if body.ttl_seconds else None
-        if existing is not None and existing.seq != op.seq:
-            raise UserInputError(
-                f"name: {body.name!r} is already a {kind.value} checkpoint of this model "
-                f"({path}); checkpoints are never overwritten, pick a new name"
-            )
-        adapter.last_seq = op.seq
-        meta = self._meta(adapter, kind=kind.value, id=str(path), expires_at=expires_at)
-        if existing is None:
-            write_state(
-                directory,
-                self.pool.export(adapter, meta),
-                self.pool.peft_adapter_config(adapter),
-                optimizer=kind is CheckpointKind.STATE,
-            )
-        if recipients:  # also on a replay: a crash may have come before the encryption
-            encrypt_in_place(directory, PEFT_FILES, recipients)
-        size = sum(f.stat().st_size for f in directory.iterdir())
-        record = CheckpointRecord(
-            id=str(path),
-            model_id=adapter.model_id,
-            tenant_id=adapter.tenant_id,
-            name=body.name,
-            kind=kind,
-            path=str(directory),
-            size_bytes=size,
-            created_at=now,
-            expires_at=expires_at,
-        )
-        return path, record
-
-    def _load_state(self, adapter: Adapter, op: Op) -> OpResult:
-        body = parse_body(LoadInput, op.payload)
-        path = loadable(CheckpointPath.parse(body.path))
-        if body.optimizer and path.kind is not CheckpointKind.STATE:
-            raise UserInputError(
-                f"path: {body.path} holds weights only (sampler weights); optimizer state "
-                "comes from a tinker://<run>/weights/<name> checkpoint"
-            )
-        directory = checkpoint_dir(self.storage, path)
-        meta = read_meta(directory)
-        # Another tenant's checkpoint is reported exactly like a missing one, unless published.
-        if meta is None or (meta.tenant_id != adapter.tenant_id and not meta.public):
-            raise UserInputError(f"path: no checkpoint at {body.path}")
-        self._check_compatible(adapter, meta, body.path)
-        state = read_state(directory, optimizer=body.optimizer)
-        self.pool.load_weights(adapter, state.weights)
-        # load_state resets the optimizer (moments and step count); with_optimizer restores them.
-        self.pool.load_optimizer(adapter, state)
-        self.pool.load_grads(adapter, {})
-        adapter.step = state.meta.step if body.optimizer else 0
-        adapter.last_seq = op.seq
-        result = OpResult(result=codec.encode(LoadWeightsResponse(path=body.path).model_dump()))
-        self._snapshot(adapter, result)
-        return result
-
-    def _check_compatible(self, adapter: Adapter, meta: CheckpointMeta, path: str) -> None:
-        if meta.base_model != self.base_model:
-            raise UserInputError(
-                f"path: {path} was trained on {meta.base_model}, this model is on {self.base_model}"
-            )
-        theirs = LoraConfig.model_validate(meta.lora_config).model_dump(exclude={"seed"})
-        ours = adapter.config.model_dump(exclude={"seed"})
-        if theirs != ours:
-            raise UserInputError(
-                f"path: {path} has LoRA config {theirs}, this model has {ours}; they must match"
-            )
-
-    def _unload(self, adapter: Adapter, op: Op) -> OpResult:
-        self.pool.remove(adapter.model_id)
-        model_dir = self.storage / adapter.model_id
-        shutil.rmtree(snapshot_dir(self.storage, adapter.model_id), ignore_errors=True)
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / UNLOADED).touch()
-        return OpResult(
-            result=codec.encode(UnloadModelResponse(model_id=adapter.model_id).model_dump())
-        )
-
-
-def _pass_result(
-    out: ForwardBackwardOutput, data: Sequence[Datum], extra_metrics: dict[str, float] | None = None
-) -> OpResult:
-    return OpResult(
-        result=codec.encode(out.model_dump()),
-        metrics={**out.metrics, **(extra_metrics or {})},
-        tokens=sum(datum.model_input.length for datum in data),
-    )
-
-
-def _outcome_to(outcome: Outcome) -> dict[str, Any]:
-    """An op's result, or its error as the worker would publish it, as JSON for a snapshot."""
-    if isinstance(outcome, OpResult):
-        return _result_to(outcome)
-    if isinstance(outcome, QueueTinkerError):
-        return {"error": outcome.message, "category": outcome.category.value}
-    return {"error": f"{type(outcome).__name__}: {outcome}", "category": ErrorCategory.SERVER.value}
-
-
-def _outcome_from(kept: dict[str, Any]) -> OpResult:
-    """A kept outcome: the result, or its error raised again."""
-    if "error" in kept:
-        category = ErrorCategory(kept["category"])
-        if category is ErrorCategory.USER:
-            raise UserInputError(kept["error"])
-        raise QueueTinkerError(kept["error"], category=category)
-    return _result_from(kept)
-
-
-def _result_to(result: OpResult) -> dict[str, Any]:
-    """An op's outcome as JSON for a snapshot's meta (its records are not kept: the ops that
-    snapshot write none)."""
-    return {
-        "result": base64.b64encode(result.result).decode(),
-        "metrics": result.metrics,
-        "tokens": result.tokens,
-    }
-
-
-def _result_from(kept: dict[str, Any]) -> OpResult:
-    return OpResult(
-        result=base64.b64decode(kept["result"]),
-        metrics=kept.get("metrics"),
-        tokens=int(kept.get("tokens", 0)),
-    )

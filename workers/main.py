@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from queue_tinker.queue.connection import Reconnector, RedisUnavailableError, connect
+from queue_tinker.errors import RedisUnavailableError
+from queue_tinker.queue.connection import Reconnector, connect
 from queue_tinker.queue.dispatch import Dispatcher
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
@@ -65,7 +66,7 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
 
 def expiry_scheduler(settings: Settings) -> Callable[[list[Record]], Awaitable[None]]:
     """Hands each new checkpoint with a TTL to the housekeeper (rq), which deletes it then."""
-    from queue_tinker.services.housekeeper import schedule_checkpoint_expiry
+    from queue_tinker.queue.expiry_jobs import schedule_checkpoint_expiry
 
     sync_redis = redis.Redis.from_url(settings.redis_url or "")
 

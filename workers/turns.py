@@ -15,21 +15,14 @@ from typing import TYPE_CHECKING
 from queue_tinker.queue.dispatch import Op, Outcome
 from queue_tinker.workers.engine import Engine, OpResult
 from queue_tinker.workers.owned import OwnedModel
-
-# The scheduling quantum of stepped ops (sampling's decode loop): steps until one finishes or
-# this long has passed, or as long as the unit of other work that ran before it took, whichever
-# is longer. Under contention, sampling and the other ops then share the worker's time about
-# equally; an op waits behind sampling for at most one quantum. A few steps per quantum keep
-# the per-quantum cost (a thread hop, the scheduling, ~0.2 ms) small beside them.
-QUANTUM_S = 0.02
-# Stepped ops join the engine at most this many at a time.
-JOIN_BATCH = 256
+from queue_tinker.workers.scheduling import Scheduler
 
 
 class SteppedTurns:
     """Joining, quanta and in-order publication of stepped ops, for the Worker."""
 
     owned: dict[str, OwnedModel]
+    schedule: Scheduler
     engine: Engine
     stopping: asyncio.Event
     current: Op | None
@@ -53,31 +46,17 @@ class SteppedTurns:
         ) -> None: ...
 
     def _stepping(self) -> bool:
-        return any(owned.stepping() for owned in self.owned.values())
-
-    def _stepped_head(self, owned: OwnedModel, now: float) -> bool:
-        head = owned.backlog[0] if owned.backlog and owned.blocked_until <= now else None
-        return head is not None and head.seq > owned.replay_upto and self.engine.stepped(head)
-
-    def _take_stepped(self) -> list[tuple[OwnedModel, Op]]:
-        """The stepped ops at the head of every owned model's backlog, each model's in order."""
-        batch: list[tuple[OwnedModel, Op]] = []
-        now = time.monotonic()
-        for owned in self.owned.values():
-            while len(batch) < JOIN_BATCH and self._stepped_head(owned, now):
-                batch.append((owned, owned.backlog.popleft()))
-        return batch
+        return self.schedule.stepping()
 
     async def _join_stepped(self) -> None:
         """Start every owned model's leading stepped ops (samples) and hand them to the engine:
         they join its loop at the next quantum. Nothing is computed here, so it happens at
         every turn, whoever's turn it is."""
-        now = time.monotonic()
-        if not any(self._stepped_head(owned, now) for owned in self.owned.values()):
+        if not self.schedule.any_stepped_head(time.monotonic()):
             return
         if not self._stepping():
             await self._gather()  # a burst sent together starts the loop together
-        batch = self._take_stepped()
+        batch = self.schedule.take_stepped(time.monotonic())
         if not batch:
             return
         runnable = await self._start_batch(batch)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from queue_tinker.errors import ErrorCategory, LeaseLostError, QueueTinkerError
-from queue_tinker.queue.connection import Reconnector
+from queue_tinker.queue.connection import Reconnector, describe
 from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome, Start
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
@@ -38,18 +38,13 @@ from queue_tinker.types import JobStatus, WorkerRecord
 from queue_tinker.types.records import Record
 from queue_tinker.workers.engine import Engine, OpResult
 from queue_tinker.workers.owned import OwnedModel
-from queue_tinker.workers.turns import QUANTUM_S, SteppedTurns
+from queue_tinker.workers.scheduling import QUANTUM_S, Scheduler, Turn, TurnKind, quantum_after
+from queue_tinker.workers.turns import SteppedTurns
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 P = ParamSpec("P")
 
-# Inline ops (cheap, stateless) run back to back and are published in one pipeline, up to
-# this many per round trip.
-INLINE_BATCH = 64
-# Batchable ops (training steps with cross-adapter batching) of all owned models run together
-# in one engine call, up to this many.
-ENGINE_BATCH = 256
 # Requests sent together reach the worker one enqueue round trip apart. Before a batch starts,
 # wait while they keep arriving (each gap under GATHER_QUIET_S, GATHER_MAX_S in all), so they
 # share one generation loop (or training pass) instead of the first one running alone and the
@@ -97,7 +92,9 @@ class Worker(SteppedTurns):
         self.dispatch = dispatcher
         self.registry = registry
         self.records = records
-        self.owned: dict[str, OwnedModel] = {}
+        # What runs next (fairness, order, batches): decided there, run here.
+        self.schedule = Scheduler(engine)
+        self.owned: dict[str, OwnedModel] = self.schedule.owned  # one dict, shared
         self.current: Op | None = None
         self.stopping = asyncio.Event()
         self._work = asyncio.Event()  # set when a backlog gained ops
@@ -105,14 +102,8 @@ class Worker(SteppedTurns):
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qt-compute")
         self._control_cursor = b"$"
         self._stops: dict[str, str] = {}
-        # After a single op, batchable ops waiting anywhere go next: sampling waits behind at
-        # most one training op, and training behind at most one batch.
-        self._batch_due = True
         self._started_at = time.time()
         self._ops_done = 0
-        # Round robin across tenants: the turn each tenant last had (a counter, not a time).
-        self._turns = 0
-        self._tenant_turn: dict[str, int] = {}
 
     @property
     def id(self) -> str:
@@ -155,80 +146,50 @@ class Worker(SteppedTurns):
         of the stepped ops in flight (decode steps for as long as that unit took, QUANTUM_S at
         least), and so on; stepped ops join at every turn. So an op waits behind a long sample
         for at most one quantum, and a sample behind a long queue of ops for at most one op
-        per quantum."""
+        per quantum. What each turn runs is the Scheduler's decision (workers/scheduling.py)."""
         while not self.stopping.is_set():
             await self._join_stepped()
-            owned = self._next_runnable()
-            if owned is None:
-                if self._stepping():
-                    self._idle.clear()
-                    await self._run_quantum(QUANTUM_S)
-                    continue
-                self._idle.set()
-                self._work.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._work.wait(), timeout=self._idle_wait_s())
-                await self._release_lingering()
+            turn = self.schedule.next_turn(time.monotonic())
+            if turn is None:
+                await self._between_turns()
                 continue
             self._idle.clear()
-            began = time.perf_counter()
-            if owned.backlog[0].seq <= owned.replay_upto:
-                await self._replay(owned, owned.backlog.popleft())
-            elif self.engine.stepped(owned.backlog[0]):
+            if turn.kind is TurnKind.JOIN:
                 continue  # arrived just now: it joins at the top of the next turn
-            elif self.engine.runs_inline(owned.backlog[0]):
-                await self._run_inline_batch(self._take_inline_batch())
-            elif self.engine.batchable(owned.backlog[0]):
-                self._batch_due = False
-                await self._gather()
-                await self._run_engine_batch(self._take_engine_batch())
-            else:
-                self._batch_due = True
-                await self._run_op(owned, owned.backlog.popleft())
+            began = time.perf_counter()
+            await self._run_turn(turn)
             if self._stepping():
-                await self._run_quantum(max(QUANTUM_S, time.perf_counter() - began))
+                await self._run_quantum(quantum_after(time.perf_counter() - began))
         while self._stepping():  # stopping: what was started finishes and is published
             await self._run_quantum(QUANTUM_S)
 
-    def _next_runnable(self) -> OwnedModel | None:
-        """Round robin across tenants, then across each tenant's models: the tenant whose
-        last turn is oldest goes next, with its model that waited longest for a turn, so a
-        tenant with many busy models gets no more turns than one with a single op. When a
-        batch is due, any model with a batchable op goes first (the batch serves everyone)."""
-        now = time.monotonic()
-        if self._batch_due:
-            for owned in self.owned.values():
-                if self._batchable_head(owned, now):
-                    return owned
-        chosen: OwnedModel | None = None
-        for owned in self.owned.values():
-            if owned.runnable(now) and (
-                chosen is None
-                or self._tenant_turn.get(owned.tenant, 0) < self._tenant_turn.get(chosen.tenant, 0)
-            ):
-                chosen = owned
-        if chosen is None:
-            return None
-        model_id = chosen.lease.model_id
-        self.owned[model_id] = self.owned.pop(model_id)  # to the back of its tenant's models
-        self._turns += 1
-        self._tenant_turn[chosen.tenant] = self._turns
-        return chosen
+    async def _between_turns(self) -> None:
+        """Nothing runnable: a quantum of the stepped ops, or wait for work (and hand back
+        models idle long enough)."""
+        if self._stepping():
+            self._idle.clear()
+            await self._run_quantum(QUANTUM_S)
+            return
+        self._idle.set()
+        self._work.clear()
+        wait_s = self.schedule.idle_wait_s(time.monotonic(), self._linger_check_s())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._work.wait(), timeout=wait_s)
+        await self._release_lingering()
 
-    def _idle_wait_s(self) -> float:
-        """How long to wait for new ops: until the first model over a limit may try again."""
-        wait = self._linger_check_s()
-        now = time.monotonic()
-        for owned in self.owned.values():
-            if owned.backlog and owned.blocked_until > now:
-                wait = min(wait, owned.blocked_until - now)
-        return max(wait, 0.001)
+    async def _run_turn(self, turn: Turn) -> None:
+        if turn.kind is TurnKind.REPLAY and turn.op is not None:
+            await self._replay(turn.owned, turn.op)
+        elif turn.kind is TurnKind.INLINE:
+            await self._run_inline_batch(self.schedule.take_inline_batch(time.monotonic()))
+        elif turn.kind is TurnKind.BATCH:
+            await self._gather()
+            await self._run_engine_batch(self.schedule.take_engine_batch(time.monotonic()))
+        elif turn.kind is TurnKind.ALONE and turn.op is not None:
+            await self._run_op(turn.owned, turn.op)
 
     def _hold_back(self, owned: OwnedModel, ops: list[Op], start: Start) -> None:
-        """Ops refused for their tenant's limit go back to the front of their model's backlog,
-        in order; the model sits out until the limit may let them through."""
-        owned.backlog.extendleft(reversed(ops))
-        owned.blocked_until = time.monotonic() + start.retry_ms / 1000
+        self.schedule.hold_back(owned, ops, start.retry_ms, time.monotonic())
 
     async def _run_op(self, owned: OwnedModel, op: Op) -> None:
         lease = owned.lease
@@ -274,23 +235,6 @@ class Worker(SteppedTurns):
             )
         owned.idle_since = time.monotonic()
 
-    def _take_inline_batch(self) -> list[tuple[OwnedModel, Op]]:
-        """Inline ops from the heads of the owned models' backlogs, round robin; each model's
-        ops stay in order and the batch stops at its first op that is not inline."""
-        batch: list[tuple[OwnedModel, Op]] = []
-        progress = True
-        while progress and len(batch) < INLINE_BATCH:
-            progress = False
-            now = time.monotonic()
-            for owned in self.owned.values():
-                head = owned.backlog[0] if owned.runnable(now) else None
-                if head and head.seq > owned.replay_upto and self.engine.runs_inline(head):
-                    batch.append((owned, owned.backlog.popleft()))
-                    progress = True
-                    if len(batch) == INLINE_BATCH:
-                        break
-        return batch
-
     async def _run_inline_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
         outcomes = [(await self._compute_outcome(op, inline=True))[0] for _, op in batch]
         await self._publish_batch(batch, outcomes, started=False)
@@ -317,17 +261,13 @@ class Worker(SteppedTurns):
                 log.warning("%s: lost the lease on %s; dropping it", self.id, model_id)
                 self._drop(model_id)
 
-    def _batchable_head(self, owned: OwnedModel, now: float) -> bool:
-        head = owned.backlog[0] if owned.runnable(now) else None
-        return head is not None and head.seq > owned.replay_upto and self.engine.batchable(head)
-
     async def _gather(self) -> None:
         """Give ops that are on their way a few milliseconds to join the batch; no longer than
         until every owned model's share of it is complete (a lone training run's step has
         arrived whole: nothing else could join)."""
         deadline = time.monotonic() + GATHER_MAX_S
         while not self.stopping.is_set() and time.monotonic() < deadline:
-            if all(self._share_complete(owned) for owned in self.owned.values()):
+            if self.schedule.batch_complete(time.monotonic()):
                 return
             self._work.clear()
             try:
@@ -335,47 +275,26 @@ class Worker(SteppedTurns):
             except TimeoutError:
                 return  # nothing new within the quiet gap: the burst is over
 
-    def _share_complete(self, owned: OwnedModel) -> bool:
-        """No op of this model arriving now could join the next batch."""
-        if owned.blocked_until > time.monotonic():
-            return True
-        if not owned.backlog:
-            return False  # an idle run's next step may be on its way
-        if owned.backlog[0].seq <= owned.replay_upto:
-            return True
-        if self.engine.stepped(owned.backlog[0]):
-            return False  # more samples of a burst may be on their way
-        return self.engine.batch_share(owned.backlog).complete
-
-    def _take_engine_batch(self) -> list[tuple[OwnedModel, Op]]:
-        """The batchable ops at the head of every owned model's backlog, each model's in order:
-        as many as the engine takes in one go (all its samples, one training step), so a
-        model that queued many steps does not hold every other model's results back."""
-        batch: list[tuple[OwnedModel, Op]] = []
-        now = time.monotonic()
-        for owned in self.owned.values():
-            if not self._batchable_head(owned, now):
-                continue  # blocked, idle, replaying, or its next op runs alone
-            take = min(self.engine.batch_share(owned.backlog).take, ENGINE_BATCH - len(batch))
-            batch += [(owned, owned.backlog.popleft()) for _ in range(take)]
-        return batch
-
     async def _start_batch(self, batch: list[tuple[OwnedModel, Op]]) -> list[tuple[OwnedModel, Op]]:
         """Mark the ops running (one round trip); the ones to run. Models whose lease was lost
         are dropped; ops over their tenant's limit go back to their backlog; ops already
         finished (cancelled) are skipped."""
-        started = await self._redis(self.dispatch.start_batch, [(o.lease, op) for o, op in batch])
-        self._drop_lost([o for (o, _), ok in zip(batch, started, strict=True) if ok is None])
+        # One decision per op: a Start, or None where the model's lease was lost.
+        starts: list[Start | None] = await self._redis(
+            self.dispatch.start_batch, [(o.lease, op) for o, op in batch]
+        )
+        decided = list(zip(batch, starts, strict=True))
+        self._drop_lost([owned for (owned, _), start in decided if start is None])
         held: dict[str, tuple[OwnedModel, list[Op], Start]] = {}
-        for (owned, op), start in zip(batch, started, strict=True):
+        for (owned, op), start in decided:
             if start is not None and start.limited:
                 held.setdefault(owned.lease.model_id, (owned, [], start))[1].append(op)
         for owned, ops, start in held.values():
             self._hold_back(owned, ops, start)
         return [
-            (o, op)
-            for (o, op), ok in zip(batch, started, strict=True)
-            if ok is not None and ok.run and self.owned.get(o.lease.model_id) is o
+            (owned, op)
+            for (owned, op), start in decided
+            if start is not None and start.run and self.owned.get(owned.lease.model_id) is owned
         ]
 
     async def _run_engine_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
@@ -513,19 +432,35 @@ class Worker(SteppedTurns):
                 continue
             if self.owned.get(model_id) is not owned:
                 continue  # dropped while we asked
-            # The next owner starts from what is in storage, so write it before letting go.
-            await self._on_compute(self.engine.persist, model_id)
+            await self._persist(model_id)
             released = await self._redis(self.dispatch.release, owned.lease)
             if released != 0:  # 0: ops arrived meanwhile, keep it
                 self._drop(model_id)
+
+    async def _persist(self, model_id: str) -> None:
+        """Write the model's state to storage before letting it go: the next owner starts
+        from there. A failure is logged and the lease is released all the same: nothing the
+        user was told is lost, because the model's log is trimmed only up to the last
+        snapshot written (engine.durable_seq), so the next owner replays every op after it,
+        published ones included (docs/operations.md). Keeping the lease instead would hold
+        the model on a worker that cannot write its state."""
+        try:
+            await self._on_compute(self.engine.persist, model_id)
+        except Exception:
+            log.exception(
+                "%s: persisting %s failed; releasing it anyway: its next owner replays the "
+                "ops after its last snapshot",
+                self.id,
+                model_id,
+            )
 
     def _linger_check_s(self) -> float:
         return max(0.05, min(1.0, self.config.linger_ms / 1000))
 
     def _drop(self, model_id: str) -> None:
         owned = self.owned.pop(model_id, None)
-        if owned is not None and all(o.tenant != owned.tenant for o in self.owned.values()):
-            self._tenant_turn.pop(owned.tenant, None)
+        if owned is not None:
+            self.schedule.forget(owned)
         # On the compute thread, queued behind the op in progress: an engine's state is only
         # ever touched from that one thread.
         self._compute.submit(self.engine.drop, model_id)
@@ -619,13 +554,23 @@ class Worker(SteppedTurns):
     async def _shutdown(self) -> None:
         """Hand every model back (offering those with pending ops) and deregister."""
         for owned in list(self.owned.values()):
-            with contextlib.suppress(Exception):
-                await self._on_compute(self.engine.persist, owned.lease.model_id)
+            await self._persist(owned.lease.model_id)
+            try:
                 await self.dispatch.release(owned.lease, force=True)
+            except Exception as exc:  # Redis away: the lease lapses by itself within its TTL
+                log.warning(
+                    "%s: could not release %s (%s); its lease lapses in %d ms",
+                    self.id,
+                    owned.lease.model_id,
+                    describe(exc),
+                    self.config.lease_ttl_ms,
+                )
         self.owned.clear()
-        with contextlib.suppress(Exception):
+        try:  # the registry entry expires by itself; the record is the dashboard's history
             await self.records.append(self._record(stopped=True))
             await self.registry.remove(self.id)
+        except Exception as exc:
+            log.warning("%s: could not deregister (%s)", self.id, describe(exc))
         self._compute.shutdown(wait=True)
 
 

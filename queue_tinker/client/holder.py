@@ -16,11 +16,10 @@ from typing import TypeVar
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.queue_state import QueueStateWatch
-from queue_tinker.errors import ErrorCategory, RequestFailedError
+from queue_tinker.errors import ErrorCategory, RedisUnavailableError, RequestFailedError
 from queue_tinker.queue.connection import (
     MAX_RETRY_DELAY_S,
     REDIS_DOWN,
-    RedisUnavailableError,
     connect,
     describe,
 )

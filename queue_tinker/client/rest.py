@@ -7,6 +7,7 @@ Postgres (recorder.catch_up), so a checkpoint just saved is found at once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -18,11 +19,11 @@ from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.errors import NotFoundError, UserInputError
+from queue_tinker.queue.expiry_jobs import schedule_expiry
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.services import housekeeper
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
-from queue_tinker.store import queries, rest_views
+from queue_tinker.store import checkpoints, queries, rest_views
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.types.checkpoints import CheckpointPath
 from queue_tinker.types.rest import (
@@ -159,7 +160,7 @@ class RestClient:
         async def delete() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._engine is not None
-            await housekeeper.delete_checkpoint(
+            await checkpoints.delete_checkpoint(
                 self._engine, row.id, Path(row.path), self._settings.storage_dir
             )
 
@@ -183,10 +184,16 @@ class RestClient:
         async def change() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._sessions is not None
-            if not await housekeeper.change_checkpoint_ttl(
-                self._sessions, self._settings, self._tenant, row, ttl_seconds
+            settings = self._settings
+            expires_at = time.time() + ttl_seconds if ttl_seconds is not None else None
+            if not await checkpoints.set_checkpoint_ttl(
+                self._sessions, settings.storage_dir, self._tenant, row, expires_at
             ):
                 raise NotFoundError(f"checkpoint {tinker_path!r}: not found")
+            if expires_at is not None:
+                await schedule_expiry(
+                    settings.redis_url or "", settings.key_prefix, row.id, row.path, expires_at
+                )
 
         return APIFuture(self._loop.submit(change()), request_id="rest")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,7 +20,13 @@ from sqlalchemy import text
 from sqlalchemy.exc import DataError, DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from queue_tinker.errors import HeldOpsFullError, UnknownModelError, UserInputError
+from queue_tinker.errors import (
+    ErrorCategory,
+    HeldOpsFullError,
+    QueueTinkerError,
+    RedisUnavailableError,
+    UnknownModelError,
+)
 from queue_tinker.gateway import (
     openai_compat,
     tinker_account,
@@ -51,6 +58,8 @@ from queue_tinker.store.db import make_engine, session_factory, unreachable
 # How long a client told "503: a store is away" should wait before it tries again.
 OUTAGE_RETRY_AFTER_S = 2
 HELD_FULL_RETRY_AFTER_S = 1
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -136,11 +145,18 @@ def add_error_handlers(app: FastAPI) -> None:
     """Every error a route can raise, answered with its status and a detail naming the field
     (HTTP status codes live here, not in the layers below)."""
 
-    @app.exception_handler(UserInputError)
-    async def user_input_error(request: Request, exc: UserInputError) -> JSONResponse:
-        """Bad input is the caller's to fix: 400 (404 for an unknown model) with the message
-        that names the field; never a body-less 400, which the SDK retries as a proxy glitch."""
-        status = 404 if isinstance(exc, UnknownModelError) else 400
+    @app.exception_handler(QueueTinkerError)
+    async def queue_tinker_error(request: Request, exc: QueueTinkerError) -> JSONResponse:
+        """Our own errors, by their category (errors.py). A user error is the caller's to fix:
+        400 (404 for an unknown model) with the message that names the field; never a
+        body-less 400, which the SDK retries as a proxy glitch. A server error is ours: 500,
+        logged with its traceback. Errors with handlers of their own (HeldOpsFullError,
+        RedisUnavailableError) are answered there."""
+        if exc.category is ErrorCategory.USER:
+            status = 404 if isinstance(exc, UnknownModelError) else 400
+        else:
+            log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+            status = 500
         return JSONResponse({"detail": exc.message}, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -195,7 +211,8 @@ def add_error_handlers(app: FastAPI) -> None:
             headers={"Retry-After": str(OUTAGE_RETRY_AFTER_S)},
         )
 
-    for outage in (*REDIS_DOWN, DBAPIError, ConnectionError, TimeoutError):
+    # RedisUnavailableError too: it is a QueueTinkerError first, which would make it a 500.
+    for outage in (*REDIS_DOWN, RedisUnavailableError, DBAPIError, ConnectionError, TimeoutError):
         app.add_exception_handler(outage, store_outage)
 
 
@@ -218,6 +235,6 @@ def validation_errors(exc: RequestValidationError) -> list[Any]:
 
 def outage_of(exc: BaseException) -> str | None:
     """'Redis' or 'Postgres' when `exc` says that store is not answering, else None."""
-    if isinstance(exc, REDIS_DOWN):
+    if isinstance(exc, (*REDIS_DOWN, RedisUnavailableError)):
         return "Redis"
     return "Postgres" if unreachable(exc) else None

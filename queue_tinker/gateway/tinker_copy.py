@@ -31,10 +31,10 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue, not_found
 from queue_tinker.gateway.tinker_rest import ttl_seconds
+from queue_tinker.queue.expiry_jobs import schedule_checkpoint_expiry
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.services import housekeeper
 from queue_tinker.services.recorder import catch_up
-from queue_tinker.store import queries
+from queue_tinker.store import checkpoints, queries
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.enums import CheckpointKind
@@ -137,7 +137,7 @@ async def _copy_files(
     destination = _directory(gq, copy)
     try:
         return await asyncio.to_thread(
-            housekeeper.copy_checkpoint_files,
+            checkpoints.copy_checkpoint_files,
             Path(row.path),
             destination,
             storage,
@@ -184,7 +184,7 @@ async def _record(
 
         def schedule() -> None:
             with redis.Redis.from_url(settings.redis_url or "") as client:
-                housekeeper.schedule_checkpoint_expiry(
+                schedule_checkpoint_expiry(
                     client, settings.key_prefix, str(copy), str(directory), expires_at
                 )
 

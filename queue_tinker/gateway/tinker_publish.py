@@ -21,8 +21,7 @@ from fastapi import APIRouter, Depends, Request
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.tinker_queue import not_found
 from queue_tinker.gateway.tinker_rest import checkpoint_tinker_path
-from queue_tinker.services import housekeeper
-from queue_tinker.store import protocol_queries, queries
+from queue_tinker.store import checkpoints, protocol_queries, queries
 from queue_tinker.store.models import Checkpoint
 
 router = APIRouter(prefix="/api/v1")
@@ -66,7 +65,7 @@ def _key(request: Request, row: Checkpoint) -> str:
 async def _set_meta(request: Request, row: Checkpoint, public: bool) -> None:
     storage_dir = request.app.state.settings.storage_dir
     if not await asyncio.to_thread(
-        housekeeper.set_meta_public, row.id, Path(row.path), public, storage_dir
+        checkpoints.set_meta_public, row.id, Path(row.path), public, storage_dir
     ):
         raise not_found(f"checkpoint {row.id!r}")
 

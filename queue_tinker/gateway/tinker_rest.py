@@ -11,6 +11,7 @@ stream (recorder.catch_up), so a result the client holds is never a 404 here.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,16 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.tinker_queue import not_found
+from queue_tinker.queue.expiry_jobs import schedule_expiry
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
-from queue_tinker.services import housekeeper
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
-from queue_tinker.store import queries, rest_views
+from queue_tinker.store import checkpoints, queries, rest_views
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.types.checkpoints import SCHEME
 from queue_tinker.types.enums import CheckpointKind
@@ -104,9 +106,9 @@ def _storage_errors() -> Iterator[None]:
     """Checkpoint storage trouble as an error that says what is wrong with the deployment."""
     try:
         yield
-    except housekeeper.StorageUnavailableError as err:
+    except StorageUnavailableError as err:
         raise HTTPException(503, f"checkpoint storage: {err}") from err
-    except housekeeper.CheckpointPathError as err:
+    except CheckpointPathError as err:
         raise HTTPException(500, f"checkpoint storage: {err}") from err
 
 
@@ -212,12 +214,17 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         place: it finds no expiry in the meta and does nothing."""
         ttl = ttl_seconds(await _json_object(request))
         row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
+        expires_at = time.time() + ttl if ttl is not None else None
         with _storage_errors():
-            changed = await housekeeper.change_checkpoint_ttl(
-                _db(request), settings, tenant, row, ttl
+            changed = await checkpoints.set_checkpoint_ttl(
+                _db(request), settings.storage_dir, tenant, row, expires_at
             )
         if not changed:
             raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
+        if expires_at is not None:
+            await schedule_expiry(
+                settings.redis_url or "", settings.key_prefix, row.id, row.path, expires_at
+            )
         return {}
 
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
@@ -227,7 +234,7 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         """Remove the files and mark the row deleted, through the housekeeper's own path."""
         row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
         with _storage_errors():
-            await housekeeper.delete_checkpoint(
+            await checkpoints.delete_checkpoint(
                 request.app.state.db, row.id, Path(row.path), storage_dir
             )
         return {}

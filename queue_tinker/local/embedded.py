@@ -19,16 +19,12 @@ from typing import Any
 
 import redis
 
-from queue_tinker.errors import QueueTinkerError
+from queue_tinker.errors import EmbeddedServerError
 from queue_tinker.extras import missing_extra
 from queue_tinker.local.processes import spawn, stop_process
 
 REDIS_START_TIMEOUT_S = 15.0
 REDIS_STOP_TIMEOUT_S = 15.0
-
-
-class EmbeddedServerError(QueueTinkerError):
-    """An embedded Redis or Postgres could not be started."""
 
 
 def redis_server_binary() -> Path:

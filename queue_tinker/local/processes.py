@@ -22,7 +22,7 @@ from typing import IO
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A preexec hook asking Linux to SIGTERM the child when we die, so a `kill -9` of the
     supervisor leaves no orphans. PDEATHSIG fires when the *thread* that forked exits, so it is
     only safe from the main thread, which lives as long as the process."""
@@ -55,7 +55,7 @@ def spawn(
         stdout=stdout,
         stderr=stderr,
         start_new_session=True,
-        preexec_fn=_die_with_parent(),  # runs only prctl in the child: fork-safe
+        preexec_fn=die_with_parent(),  # runs only prctl in the child: fork-safe
     )
 
 

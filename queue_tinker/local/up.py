@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from types import FrameType
 
-from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, EmbeddedServerError
+from queue_tinker.errors import EmbeddedServerError
+from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis
 from queue_tinker.local.processes import Child, ProcessGroup
 from queue_tinker.settings import Settings, settings_env
 

@@ -14,7 +14,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from queue_tinker.errors import QueueTinkerError
+from queue_tinker.errors import RedisUnavailableError
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -35,11 +35,6 @@ REDIS_DOWN: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutErr
 MAX_RETRY_DELAY_S = 2.0
 # While Redis stays away, say so again this often.
 STILL_DOWN_LOG_S = 30.0
-
-
-class RedisUnavailableError(QueueTinkerError, RedisConnectionError):
-    """Redis did not answer within the time the caller was willing to wait. Also a redis-py
-    ConnectionError, so code that already catches those keeps working."""
 
 
 def connect(url: str, *, max_connections: int = MAX_CONNECTIONS) -> Redis:
@@ -100,9 +95,7 @@ class Reconnector:
         while True:
             try:
                 return await fn(*args, **kwargs)
-            except REDIS_DOWN as exc:
-                if isinstance(exc, RedisUnavailableError):
-                    raise
+            except REDIS_DOWN as exc:  # a RedisUnavailableError (given up) is not one: raised
                 await self.wait(exc)
 
     async def wait(self, exc: BaseException) -> None:

@@ -12,6 +12,7 @@ from redis.exceptions import ResponseError
 from queue_tinker.errors import (
     HeldOpsFullError,
     ResultExpiredError,
+    SeqIdUsedError,
     UnknownModelError,
     UserInputError,
 )
@@ -37,10 +38,6 @@ class Ordered:
     job_id: str
     created: bool  # False: this seq_id was sent before; job_id is the first submit's
     waiting_for: int  # the lowest seq_id the model still waits for (0: not known, a retry)
-
-
-class SeqIdUsedError(UserInputError):
-    """A seq_id below the model's next one arrived, and its first job is no longer known."""
 
 
 @dataclass(frozen=True)

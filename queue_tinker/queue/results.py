@@ -21,11 +21,10 @@ import msgpack
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
-from queue_tinker.errors import ResultExpiredError
+from queue_tinker.errors import RedisUnavailableError, ResultExpiredError
 from queue_tinker.queue.connection import (
     MAX_RETRY_DELAY_S,
     REDIS_DOWN,
-    RedisUnavailableError,
     describe,
 )
 from queue_tinker.queue.jobs import JobOutcome, JobQueue, outcome_from_fields

@@ -17,15 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from queue_tinker.errors import UserInputError
+from queue_tinker.errors import MalformedProtobufError, UserInputError
 from queue_tinker.types.request_limits import RequestLimits, check_datum_count, check_tokens
 
 LENGTH_DELIMITED, VARINT = 2, 0
 _SKIP = {1: 8, 5: 4}  # fixed64, fixed32
-
-
-class Malformed(Exception):
-    """Not well-formed protobuf: left to the real parser, which says what is wrong."""
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -37,7 +33,7 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
         if byte < 0x80:
             return result, pos
         shift += 7
-    raise Malformed
+    raise MalformedProtobufError("body: not well-formed protobuf")
 
 
 def fields(buf: memoryview) -> Iterator[tuple[int, int, memoryview | int, int]]:
@@ -58,7 +54,7 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, memoryview | int, int]]:
         elif wire in _SKIP:
             pos += _SKIP[wire]
         else:
-            raise Malformed
+            raise MalformedProtobufError("body: not well-formed protobuf")
         yield number, wire, value, length
 
 
@@ -85,10 +81,10 @@ def oversize(body: memoryview, limits: RequestLimits) -> UserInputError | None:
         check_datum_count(len(data), limits)
         for index, datum in enumerate(data):
             check_tokens(f"data[{index}].model_input", _tokens(datum), limits)
+    except MalformedProtobufError:  # before its base: not an oversize body
+        return None
     except UserInputError as exc:
         return exc
-    except Malformed:
-        return None
     return None
 
 
@@ -105,6 +101,6 @@ def envelope_of(body: memoryview) -> tuple[str, int, bool] | None:
                 seq_id = value - (1 << 64) if value >= 1 << 63 else value  # int32, sign-extended
             elif number == 6 and isinstance(value, int):
                 forward_only = bool(value)
-    except (Malformed, UnicodeDecodeError):
+    except (MalformedProtobufError, UnicodeDecodeError):
         return None
     return model_id, seq_id, forward_only

@@ -1,0 +1,103 @@
+"""The housekeeper's rq jobs as Redis holds them: queue and job names, and scheduling a
+checkpoint's expiry (services/housekeeper.py runs the jobs).
+
+Apart from the housekeeper so that whoever schedules an expiry (a worker that wrote a
+checkpoint, the gateway or client changing a TTL) needs only Redis and rq, not the jobs' code:
+the job is named by its import path, as rq stores it anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from rq import Queue, Retry
+from rq.job import Job
+
+from queue_tinker.queue.keys import Keys
+
+# rq imports this in the housekeeper process when the job runs.
+EXPIRE_JOB = "queue_tinker.services.housekeeper.expire_checkpoint"
+# Failures (Postgres down, storage not mounted) are retried by rq itself; the sweep is the
+# backstop after that.
+ON_ERROR = Retry(max=3, interval=[10, 60, 300])
+JOB_OPTIONS: dict[str, Any] = {
+    "job_timeout": 600,
+    "result_ttl": 3_600,  # an hour of outcomes to inspect with `rq info` / dashboards
+    "failure_ttl": 7 * 86_400,
+}
+UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")  # rq job ids allow only [A-Za-z0-9_-]
+
+
+def housekeeping_queue(prefix: str) -> str:
+    """The rq queue of this deployment's housekeeping jobs."""
+    return Keys(prefix).housekeeping_queue()
+
+
+def id_token(queue_name: str) -> str:
+    return UNSAFE_ID_CHARS.sub("_", queue_name)
+
+
+def expiry_job_id(queue_name: str, checkpoint_id: str, suffix: str = "") -> str:
+    """Deterministic per (deployment, checkpoint): scheduling twice replaces, never doubles.
+    Starts with the queue name so every rq key of a deployment can be found by it."""
+    digest = hashlib.sha256(checkpoint_id.encode()).hexdigest()[:32]
+    return f"{id_token(queue_name)}--expire-{digest}{suffix}"
+
+
+def sweep_job_id(queue_name: str) -> str:
+    return f"{id_token(queue_name)}--sweep"
+
+
+# --- scheduling ----------------------------------------------------------------------------
+
+
+def schedule_checkpoint_expiry(
+    redis: redis.Redis, prefix: str, checkpoint_id: str, directory: str, expires_at: float
+) -> None:
+    """Have the housekeeper expire `checkpoint_id` (files in `directory`) at `expires_at`
+    (unix seconds). Scheduling the same checkpoint again moves its one job to the new time."""
+    queue = Queue(housekeeping_queue(prefix), connection=redis)
+    job_id = expiry_job_id(queue.name, checkpoint_id)
+    schedule_job(
+        queue, job_id, expires_at, {"checkpoint_id": checkpoint_id, "directory": directory}
+    )
+
+
+def schedule_job(queue: Queue, job_id: str, at: float, kwargs: dict[str, Any]) -> None:
+    """Run the expiry job with `kwargs` at `at` (unix seconds), under `job_id`."""
+    # rq's scheduled registry keeps whole seconds and fires a job once floor(now) reaches its
+    # score: rounding up keeps it from firing up to a second before the checkpoint expires.
+    when = datetime.fromtimestamp(math.ceil(at), tz=UTC)
+    with queue.connection.pipeline() as pipe:
+        # A finished run under the same id leaves its hash with a result TTL, which HSET keeps:
+        # drop it, or the new schedule could vanish before it fires.
+        pipe.delete(Job.key_for(job_id))
+        queue.enqueue_at(
+            when,
+            EXPIRE_JOB,
+            kwargs=kwargs,
+            job_id=job_id,
+            pipeline=pipe,
+            retry=ON_ERROR,
+            **JOB_OPTIONS,
+        )
+        pipe.execute()
+
+
+async def schedule_expiry(
+    redis_url: str, prefix: str, checkpoint_id: str, directory: str, expires_at: float
+) -> None:
+    """schedule_checkpoint_expiry from async code (a TTL set through the gateway or the REST
+    client): rq speaks sync Redis, and a TTL change is rare enough for a connection of its own."""
+
+    def schedule() -> None:
+        with redis.Redis.from_url(redis_url) as client:
+            schedule_checkpoint_expiry(client, prefix, checkpoint_id, directory, expires_at)
+
+    await asyncio.to_thread(schedule)
