@@ -169,7 +169,8 @@ def graph_batch_loss(
     """The sum of the datums' losses and the metrics, as the SDK's client-side run of the same
     loss reports them: each custom metric summed over the datums (':mean' ones divided by their
     count) and loss:sum."""
-    losses, sums = [], {}
+    losses: list[torch.Tensor] = []
+    sums: dict[str, float] = {}
     for lp, datum_inputs in zip(logprobs, inputs, strict=True):
         value, metrics = loss(lp, [datum_inputs[name] for name in loss.loss.input_names])
         if not isinstance(value, torch.Tensor) or value.ndim != 0:

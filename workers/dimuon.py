@@ -111,4 +111,6 @@ def parse_optim_params(optimizer: Optimizer, payload: bytes) -> OptimParams:
             f"optimizer_params: this run was created with the {optimizer} "
             f"optimizer; send {wanted}, not {sent} hyperparameters"
         )
-    return parse_body(DimuonParams if sent is Optimizer.DIMUON else AdamParams, payload)
+    if sent is Optimizer.DIMUON:
+        return parse_body(DimuonParams, payload)
+    return parse_body(AdamParams, payload)

@@ -24,12 +24,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 from queue_tinker.workers.packing import RowBatch, padding_fraction
 
@@ -68,9 +69,12 @@ class PassPlan:
         return max(1, self.logit_chunk_elements // max(1, rows * vocab))
 
 
-def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+def causal_lm(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers causal LM under a PeftModel (its LoRA layers injected), or the model."""
-    return model.get_base_model() if isinstance(model, PeftModel) else model
+    lm = model.get_base_model() if isinstance(model, PeftModel) else model
+    # Every model a worker runs is loaded by base_model.load_base_model (from_pretrained);
+    # peft and torch type what they hold as a plain Module.
+    return cast(PreTrainedModel, lm)
 
 
 def decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
@@ -113,7 +117,7 @@ def target_logprobs(
 
 
 def _chunked_logprobs(
-    lm: torch.nn.Module,
+    lm: PreTrainedModel,
     hidden: torch.Tensor,
     targets: torch.Tensor,
     plan: PassPlan,

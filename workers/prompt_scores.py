@@ -20,10 +20,15 @@ CHUNK_ELEMENTS = 1 << 25  # fp32 log-softmax values per chunk (128 MiB)
 
 
 class PromptRequest(Protocol):
-    prompt: list[int]
-    prompt_logprobs: bool
-    prompt_topk: int
-    prompt_targets: list[list[int]] | None
+    # Read-only (properties), so a frozen dataclass such as sampler.GenerationRequest is one.
+    @property
+    def prompt(self) -> list[int]: ...
+    @property
+    def prompt_logprobs(self) -> bool: ...
+    @property
+    def prompt_topk(self) -> int: ...
+    @property
+    def prompt_targets(self) -> list[list[int]] | None: ...
 
 
 def wants_prompt_scores(request: PromptRequest) -> bool:

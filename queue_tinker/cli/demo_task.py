@@ -58,7 +58,7 @@ def _encoder(tokenizer_or_encode: Any) -> Encode:
     encode = getattr(tokenizer_or_encode, "encode", tokenizer_or_encode)
     if not callable(encode):
         raise TypeError(f"expected a tokenizer or an encode function, got {tokenizer_or_encode!r}")
-    return encode  # type: ignore[no-any-return]
+    return encode
 
 
 def make_datum(prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> Datum:

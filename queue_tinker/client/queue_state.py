@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from redis.asyncio import Redis
 
@@ -25,6 +26,7 @@ from queue_tinker.queue.state import model_state
 from queue_tinker.types import QueueState
 
 log = logging.getLogger("queue_tinker.queue_state")
+T = TypeVar("T")
 
 QUEUE_STATE_POLL_S = 1.0
 WARNING_INTERVAL_S = 60.0
@@ -89,7 +91,7 @@ class QueueStateWatch:
         self._last: dict[str, QueueState] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def track(self, model_id: str, future: asyncio.Future[object]) -> None:
+    def track(self, model_id: str, future: asyncio.Future[T]) -> None:
         """Watch `model_id` until `future` (one of its requests) is done."""
         self._in_flight[model_id] += 1
         future.add_done_callback(lambda _: self._untrack(model_id))

@@ -67,7 +67,7 @@ class RestClient:
         await catch_up(RecordLog(self._holder.redis, self._holder.keys), self._sessions)
         return self._sessions
 
-    def _future(self, make: Callable[[], Coroutine[Any, Any, M | None]]) -> APIFuture[M]:
+    def _future(self, make: Callable[[], Coroutine[Any, Any, M]]) -> APIFuture[M]:
         return APIFuture(self._loop.submit(make()), request_id="rest")
 
     async def _read(

@@ -28,7 +28,7 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import Caller, caller_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.tinker_queue import not_found
-from queue_tinker.queue import actions
+from queue_tinker.queue import actions, redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.overview import queue_overview
 from queue_tinker.queue.records import RecordLog
@@ -98,7 +98,7 @@ def _hidden(caller: Caller, tenant: str | None) -> bool:
 async def _actionable_job(request: Request, keys: Keys, caller: Caller, job_id: str) -> None:
     """404 unless the job exists and is the caller's to act on (another tenant's: 404 too);
     400 for a job only the record still knows (Redis keeps jobs for QT_RESULT_TTL_S)."""
-    tenant = await _redis(request).hget(keys.job(job_id), "tenant_id")
+    tenant = await redis_bytes.hget(_redis(request), keys.job(job_id), "tenant_id")
     if tenant is not None:
         if _hidden(caller, tenant.decode()):
             raise not_found(f"request {job_id!r}")

@@ -36,6 +36,7 @@ from starlette.background import BackgroundTask
 
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.tinker_queue import not_found
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.store import queries
 from queue_tinker.store.models import Checkpoint
@@ -49,7 +50,7 @@ ARCHIVE = ""  # the `file` of an archive URL: the whole checkpoint as .tar.gz
 async def signing_secret(redis: Redis, keys: Keys) -> bytes:
     """The deployment's URL-signing secret: made once by whichever gateway needs it first."""
     await redis.set(keys.download_signing_secret(), secrets.token_hex(32), nx=True)
-    return bytes(await redis.get(keys.download_signing_secret()) or b"")
+    return await redis_bytes.get(redis, keys.download_signing_secret()) or b""
 
 
 def signature(secret: bytes, tenant: str, checkpoint: str, file: str, expires: int) -> str:

@@ -126,9 +126,9 @@ def worker_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
     for w in sorted(workers, key=lambda w: w["id"]):
         owned.add_metric([w["id"], w["base_model"]], w["owned"])
         resident.add_metric([w["id"], w["base_model"]], len(w["resident"]))
-        labels = [w["id"], w["base_model"], w["device"]]
-        memory.add_metric(labels, w["memory_bytes"])
-        device_memory.add_metric(labels, w.get("device_memory_bytes", 0))
+        worker_labels = [w["id"], w["base_model"], w["device"]]
+        memory.add_metric(worker_labels, w["memory_bytes"])
+        device_memory.add_metric(worker_labels, w.get("device_memory_bytes", 0))
     yield from (live_family, busy_family, owned, resident, memory, device_memory)
 
 

@@ -37,6 +37,7 @@ from queue_tinker.services.recorder import catch_up
 from queue_tinker.store import checkpoints, queries
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
+from queue_tinker.types.enums import CheckpointKind
 from queue_tinker.types.records import CheckpointRecord
 
 router = APIRouter(prefix="/api/v1")
@@ -170,7 +171,7 @@ async def _record(
             model_id=copy.run_id,
             tenant_id=tenant,
             name=copy.name,
-            kind=row.kind,
+            kind=CheckpointKind(row.kind),  # the column is text, checked against the enum
             path=str(directory),
             size_bytes=size,
             created_at=time.time(),

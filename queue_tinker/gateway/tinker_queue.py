@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import HTTPException, Request
 from redis.asyncio import Redis
 
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.jobs import HeldLimits, JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.registry import WorkerRegistry
@@ -86,7 +87,7 @@ class GatewayQueue:
     async def session_of(self, session_id: str, tenant: str) -> str:
         """The session id, if it is the tenant's (404 otherwise); renews its TTL."""
         key = self.keys.session(session_id)
-        if (await self.redis.get(key) or b"").decode() != tenant:
+        if (await redis_bytes.get(self.redis, key) or b"").decode() != tenant:
             raise not_found(f"session_id {session_id!r}")
         await self.redis.expire(key, SESSION_TTL_S)
         return session_id
@@ -102,8 +103,8 @@ class GatewayQueue:
 
 def gateway_queue(request: Request) -> GatewayQueue:
     """FastAPI dependency: the app's GatewayQueue."""
-    return request.app.state.gateway_queue  # type: ignore[no-any-return]
+    return request.app.state.gateway_queue
 
 
 def gateway_settings(request: Request) -> Settings:
-    return request.app.state.settings  # type: ignore[no-any-return]
+    return request.app.state.settings

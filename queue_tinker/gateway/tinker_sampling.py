@@ -78,7 +78,10 @@ def target_ids(raw: dict[str, Any], limits: RequestLimits) -> list[list[int]]:
         if crow is None:
             return np.asarray(data, dtype=np.int64).reshape(rows, cols).tolist()
         dense = np.full((rows, cols), NO_TARGET, dtype=np.int64)
-        row_of = np.repeat(np.arange(rows), np.diff(np.asarray(crow, dtype=np.int64)))
+        # The offsets apart: given asarray() inline, numpy's stubs pick diff's timedelta64
+        # overload, which repeat() refuses.
+        offsets = np.asarray(crow, dtype=np.int64)
+        row_of = np.repeat(np.arange(rows), np.diff(offsets))
         dense[row_of, np.asarray(col, dtype=np.int64)] = np.asarray(data, dtype=np.int64)
         return dense.tolist()
     except (ValueError, IndexError, TypeError) as err:

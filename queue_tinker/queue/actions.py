@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from queue_tinker.errors import UserInputError
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.dispatch import CONTROL_STREAM_LEN, command_worker
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
@@ -32,10 +33,9 @@ async def retry_job(
 ) -> str:
     """Submit a failed op again, as a new request at the end of its model's queue; the new
     request id. The op's payload is kept with a failed job for as long as its record."""
-    fields = await redis.hmget(
-        keys.job(job_id), "tenant_id", "status", "model_id", "kind", "payload"
+    owner, status, model_id, kind, payload = await redis_bytes.hmget(
+        redis, keys.job(job_id), "tenant_id", "status", "model_id", "kind", "payload"
     )
-    owner, status, model_id, kind, payload = fields
     if owner is None or (tenant is not None and owner.decode() != tenant):
         raise UserInputError(f"request_id: no request {job_id!r}")
     if status != b"failed":
@@ -43,7 +43,7 @@ async def retry_job(
             f"request_id: {job_id} is {status.decode() if status else '?'}; "
             "only a failed request can be retried"
         )
-    if payload is None:
+    if payload is None or model_id is None or kind is None:
         raise UserInputError(
             f"request_id: {job_id} can no longer be retried (what it asked "
             "for is not kept: it failed before this version, or was cancelled)"
@@ -87,7 +87,7 @@ async def stop_running_job(
     with `reason` (the worker publishes it, so the model's order and fencing hold)."""
     scripts = Scripts.load(redis)
     for _ in range(STOP_TRIES):
-        worker = await redis.hget(keys.job(job_id), "worker_id")
+        worker = await redis_bytes.hget(redis, keys.job(job_id), "worker_id")
         worker_id = worker.decode() if worker else ""
         try:
             await scripts.stop_running(

@@ -9,15 +9,19 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from queue_tinker.errors import LeaseLostError
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.scripts import Scripts
 from queue_tinker.types import JobStatus, OpKind
-from queue_tinker.types.ops import Op
+from queue_tinker.types.ops import Op as Op  # re-exported: the worker takes Op from here
+
+T = TypeVar("T")
 
 CONTROL_STREAM_LEN = 100
 
@@ -43,10 +47,11 @@ class Start:
         return self.retry_ms > 0
 
 
-def _start(reply: list[object]) -> Start:
-    code = int(reply[0])  # type: ignore[call-overload]
+def _start(reply: list[int]) -> Start:
+    """start.lua's reply: {1} run, {0} already finished, {2, retry_ms} over a limit."""
+    code = int(reply[0])
     if code == 2:
-        return Start(run=False, retry_ms=max(1, int(reply[1])))  # type: ignore[call-overload]
+        return Start(run=False, retry_ms=max(1, int(reply[1])))
     return Start(run=code == 1)
 
 
@@ -93,7 +98,7 @@ def _is_lease_lost(reply: object) -> bool:
     return isinstance(reply, ResponseError) and "LEASE_LOST" in str(reply)
 
 
-def _raise_other(reply: object) -> object:
+def _raise_other(reply: T) -> T:
     """A pipeline reply, raised if it is an error other than a lost lease."""
     if isinstance(reply, Exception) and not _is_lease_lost(reply):
         raise reply
@@ -130,14 +135,16 @@ class Dispatcher:
     # --- offers and leases -----------------------------------------------------------------
     async def offer_bell_cursor(self) -> bytes:
         """Where to start listening for offers (the newest bell entry now)."""
-        newest = await self.redis.xrevrange(self.keys.offer_bell(self.base_model), count=1)
+        newest = await redis_bytes.xrevrange(
+            self.redis, self.keys.offer_bell(self.base_model), count=1
+        )
         return newest[0][0] if newest else b"0-0"
 
     async def wait_for_offer(self, cursor: bytes, block_ms: int) -> bytes:
         """Block until a model of this base is offered after `cursor` (or the time passes);
         the new cursor. Every waiting worker wakes: each then asks take_offer()."""
-        reply = await self.redis.xread(
-            {self.keys.offer_bell(self.base_model): cursor}, count=100, block=block_ms
+        reply = await redis_bytes.xread(
+            self.redis, {self.keys.offer_bell(self.base_model): cursor}, count=100, block=block_ms
         )
         return reply[0][1][-1][0] if reply else cursor
 
@@ -196,7 +203,7 @@ class Dispatcher:
 
     async def offer_orphans(self) -> int:
         """Offer every model that has pending ops but no owner (its worker died)."""
-        members = await self.redis.smembers(self.keys.pending(self.base_model))
+        members = await redis_bytes.smembers(self.redis, self.keys.pending(self.base_model))
         pending = [m.decode() for m in members]
         if not pending:
             return 0
@@ -244,11 +251,11 @@ class Dispatcher:
             stream_key = self.keys.model_ops(model_id)
             streams[stream_key] = f"{seq}-0"
             model_of_stream[stream_key.encode()] = model_id
-        reply = await self.redis.xread(streams, count=512, block=block_ms)
+        reply = await redis_bytes.xread(self.redis, streams, count=512, block=block_ms)
         ops: list[Op] = []
         control_key = self.keys.worker_control(self.worker_id).encode()
         control = Control()
-        for stream, entries in reply or []:
+        for stream, entries in reply:
             if stream == control_key:
                 control_cursor = entries[-1][0]
                 for _, fields in entries:
@@ -261,8 +268,8 @@ class Dispatcher:
     async def read_range(self, model_id: str, after_seq: int, upto_seq: int) -> list[Op]:
         """The logged ops with after_seq < seq <= upto_seq: what a new owner replays on top of
         the model's snapshot (the log is only trimmed up to a snapshot, so they are there)."""
-        entries = await self.redis.xrange(
-            self.keys.model_ops(model_id), min=f"({after_seq}-0", max=f"{upto_seq}-0"
+        entries = await redis_bytes.xrange(
+            self.redis, self.keys.model_ops(model_id), min=f"({after_seq}-0", max=f"{upto_seq}-0"
         )
         return [_op(model_id, entry_id, fields) for entry_id, fields in entries]
 
@@ -274,7 +281,8 @@ class Dispatcher:
     async def start(self, lease: Lease, op: Op) -> Start:
         """Mark the op running, unless it already finished or its tenant is over a limit."""
         try:
-            reply = await self.scripts.start(**self._start_call(lease, op))
+            keys, args = self._start_call(lease, op)
+            reply = await self.scripts.start(keys=keys, args=args)
         except ResponseError as exc:
             raise _lease_lost(exc, lease.model_id) from exc
         return _start(reply)
@@ -295,12 +303,10 @@ class Dispatcher:
         scripts run in order and nothing frees in between."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for lease, op in batch:
-                await self.scripts.start(**self._start_call(lease, op), client=pipe)
+                keys, args = self._start_call(lease, op)
+                await self.scripts.start(keys=keys, args=args, client=pipe)
             replies = await pipe.execute(raise_on_error=False)
-        return [
-            None if _is_lease_lost(reply) else _start(_raise_other(reply))  # type: ignore[arg-type]
-            for reply in replies
-        ]
+        return [None if _is_lease_lost(reply) else _start(_raise_other(reply)) for reply in replies]
 
     async def publish_batch(
         self, batch: list[tuple[Lease, Op, Outcome, int | None]], *, started: bool
@@ -317,18 +323,18 @@ class Dispatcher:
             replies = await pipe.execute(raise_on_error=False)
         return [not _is_lease_lost(_raise_other(reply)) for reply in replies]
 
-    def _start_call(self, lease: Lease, op: Op) -> dict[str, list[str | int]]:
+    def _start_call(self, lease: Lease, op: Op) -> tuple[list[str], list[str | int]]:
         keys = self.keys
-        return {
-            "keys": [
+        return (
+            [
                 keys.model_lease(lease.model_id),
                 keys.job(op.job_id),
                 keys.records(),
                 keys.model_meta(op.model_id),
                 keys.pending(self.base_model),
             ],
-            "args": [lease.token, self.worker_id, keys.prefix, op.seq, op.model_id],
-        }
+            [lease.token, self.worker_id, keys.prefix, op.seq, op.model_id],
+        )
 
     def _publish_call(
         self, lease: Lease, op: Op, outcome: Outcome, trim_upto: int | None, started: bool

@@ -16,6 +16,7 @@ from queue_tinker.errors import (
     UnknownModelError,
     UserInputError,
 )
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.scripts import Scripts
 from queue_tinker.settings import Settings
@@ -294,7 +295,7 @@ class JobQueue:
         cached = self._base_models.get(model_id)
         if cached is not None:
             return cached
-        raw = await self.redis.hget(self.keys.model_meta(model_id), "base_model")
+        raw = await redis_bytes.hget(self.redis, self.keys.model_meta(model_id), "base_model")
         if raw is None:
             raise UnknownModelError(f"model_id: no model {model_id!r}")
         self._base_models[model_id] = raw.decode()
@@ -303,19 +304,26 @@ class JobQueue:
     async def model_info(self, model_id: str) -> dict[str, Any]:
         """base_model, tenant_id, kind ('training' / 'sampling'), lora_config, model_path and
         user_metadata (None when the run has none)."""
-        fields = await self.redis.hmget(
+        base, tenant, kind, lora_config, model_path, user_metadata = await redis_bytes.hmget(
+            self.redis,
             self.keys.model_meta(model_id),
-            ["base_model", "tenant_id", "kind", "lora_config", "model_path", "user_metadata"],
+            "base_model",
+            "tenant_id",
+            "kind",
+            "lora_config",
+            "model_path",
+            "user_metadata",
         )
-        if fields[0] is None:
+        # register_model.lua sets base_model and tenant_id in one HSET: both or neither.
+        if base is None or tenant is None:
             raise UnknownModelError(f"model_id: no model {model_id!r}")
         return {
-            "base_model": fields[0].decode(),
-            "tenant_id": fields[1].decode(),
-            "kind": (fields[2] or b"training").decode(),
-            "lora_config": json.loads(fields[3] or b"{}"),
-            "model_path": (fields[4] or b"").decode() or None,
-            "user_metadata": json.loads(fields[5]) if fields[5] else None,
+            "base_model": base.decode(),
+            "tenant_id": tenant.decode(),
+            "kind": (kind or b"training").decode(),
+            "lora_config": json.loads(lora_config or b"{}"),
+            "model_path": (model_path or b"").decode() or None,
+            "user_metadata": json.loads(user_metadata) if user_metadata else None,
         }
 
     async def tenant_model(
@@ -331,7 +339,7 @@ class JobQueue:
 
     async def outcome(self, job_id: str) -> JobOutcome | None:
         """The job's outcome if finished, None if still pending; raises if Redis forgot it."""
-        fields = await self.redis.hgetall(self.keys.job(job_id))
+        fields = await redis_bytes.hgetall(self.redis, self.keys.job(job_id))
         if not fields:
             raise ResultExpiredError(
                 f"request {job_id}: no such job in Redis (unknown, or its result outlived "
@@ -343,7 +351,7 @@ class JobQueue:
         """In one read: the job hash as text (status, timings, worker...) without the result
         and payload bytes, and the outcome if the job has finished; ({}, None) for an unknown
         job."""
-        fields = await self.redis.hgetall(self.keys.job(job_id))
+        fields = await redis_bytes.hgetall(self.redis, self.keys.job(job_id))
         text = {
             k.decode(): v.decode() for k, v in fields.items() if k not in (b"result", b"payload")
         }

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from redis.asyncio import Redis
+from redis.typing import EncodableT, FieldT
 
 from queue_tinker.errors import UserInputError
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 
 DEFAULT_TENANT_KEY = "*"  # the limits of every tenant that has none of its own
@@ -67,13 +69,15 @@ async def set_limits(
         value = given[name]
         if value is not None and value != int(value):
             raise UserInputError(f"{name}: must be a whole number, got {value!r}")
-    updates = {name: str(value) for name, value in given.items() if value is not None}
+    updates: dict[FieldT, EncodableT] = {
+        name: str(value) for name, value in given.items() if value is not None
+    }
     if updates:
         async with redis.pipeline(transaction=True) as pipe:
             pipe.hset(keys.limits(tenant), mapping=updates)
             pipe.sadd(keys.limited_tenants(), tenant)
             await pipe.execute()
-    return _parse(await redis.hgetall(keys.limits(tenant)))
+    return _parse(await redis_bytes.hgetall(redis, keys.limits(tenant)))
 
 
 async def clear_limits(redis: Redis, keys: Keys, tenant: str) -> None:
@@ -87,7 +91,8 @@ async def clear_limits(redis: Redis, keys: Keys, tenant: str) -> None:
 async def list_limits(redis: Redis, keys: Keys) -> dict[str, Limits]:
     """Every tenant with limits of its own, and `*` (the default), by tenant."""
     tenants = sorted(
-        {t.decode() for t in await redis.smembers(keys.limited_tenants())} | {DEFAULT_TENANT_KEY}
+        {t.decode() for t in await redis_bytes.smembers(redis, keys.limited_tenants())}
+        | {DEFAULT_TENANT_KEY}
     )
     async with redis.pipeline(transaction=False) as pipe:
         for tenant in tenants:

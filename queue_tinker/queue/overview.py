@@ -9,6 +9,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.limits import DEFAULT_TENANT_KEY, limits_dict, read_limits
 from queue_tinker.queue.registry import WorkerRegistry
@@ -34,7 +35,7 @@ async def queue_overview(
         names = sorted(
             {q["tenant_id"] for q in queues}
             | (
-                {t.decode() for t in await redis.smembers(keys.limited_tenants())}
+                {t.decode() for t in await redis_bytes.smembers(redis, keys.limited_tenants())}
                 - {DEFAULT_TENANT_KEY}
             )
         )
@@ -66,11 +67,13 @@ async def _queues(
 ) -> list[dict[str, Any]]:
     # Every base model in use, served or not: an unserved one is the paused_capacity case the
     # overview must show.
-    bases = {b.decode() for b in await redis.smembers(keys.base_models())} | set(served)
+    bases = {b.decode() for b in await redis_bytes.smembers(redis, keys.base_models())}
+    bases |= set(served)
     now = time.time()
     queues = []
     for base in sorted(bases):
-        for model_id in sorted(m.decode() for m in await redis.smembers(keys.pending(base))):
+        pending = await redis_bytes.smembers(redis, keys.pending(base))
+        for model_id in sorted(m.decode() for m in pending):
             async with redis.pipeline(transaction=False) as pipe:
                 pipe.hgetall(keys.model_meta(model_id))
                 pipe.get(keys.model_lease(model_id))
@@ -79,9 +82,11 @@ async def _queues(
             if tenant is not None and owner_tenant != tenant:
                 continue
             last, done = int(meta.get(b"last_seq", 0)), int(meta.get(b"done_seq", 0))
-            oldest = await redis.xrange(keys.model_ops(model_id), f"{done + 1}-0", "+", count=1)
+            oldest = await redis_bytes.xrange(
+                redis, keys.model_ops(model_id), f"{done + 1}-0", "+", count=1
+            )
             queued_at = (
-                await redis.hget(keys.job(oldest[0][1][b"job"].decode()), "queued_at")
+                await redis_bytes.hget(redis, keys.job(oldest[0][1][b"job"].decode()), "queued_at")
                 if oldest
                 else None
             )

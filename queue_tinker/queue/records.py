@@ -15,7 +15,9 @@ from typing import Any
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+from redis.typing import EncodableT, FieldT
 
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import RECORD_ADAPTER, Record
 
@@ -38,8 +40,9 @@ def parse_record(fields: dict[bytes, bytes]) -> Record:
     return RECORD_ADAPTER.validate_python(data)
 
 
-def flatten_record(record: Record) -> dict[str, str]:
-    flat: dict[str, str] = {}
+def flatten_record(record: Record) -> dict[FieldT, EncodableT]:
+    """A record as a flat stream entry: str names, str values (typed as XADD takes them)."""
+    flat: dict[FieldT, EncodableT] = {}
     for key, value in record.model_dump(mode="json").items():
         if value is None:
             continue
@@ -54,7 +57,7 @@ class RecordLog:
         self.dead_stream = keys.dead_records()
 
     async def append(self, record: Record) -> None:
-        await self.redis.xadd(self.stream, flatten_record(record))  # type: ignore[arg-type]
+        await self.redis.xadd(self.stream, flatten_record(record))
 
     async def ensure_group(self) -> None:
         try:
@@ -126,14 +129,14 @@ class RecordLog:
     async def waiting(self, count: int) -> list[Entry]:
         """The oldest `count` entries not yet written to Postgres, read or not by a recorder
         (an entry leaves the stream when its write is acknowledged)."""
-        return self._parse(await self.redis.xrange(self.stream, count=count))
+        return self._parse(await redis_bytes.xrange(self.redis, self.stream, count=count))
 
     async def dead(self, tenant: str | None, *, scan: int = 200, show: int = 20) -> dict[str, Any]:
         """The dead-letter stream as the dashboard shows it: how many records Postgres refused
         and the newest `show` (of the newest `scan`, for one tenant's view), each with the
         record's type, id, tenant and the reason."""
         rows = []
-        entries = await self.redis.xrevrange(self.dead_stream, count=scan) or []
+        entries = await redis_bytes.xrevrange(self.redis, self.dead_stream, count=scan)
         for entry_id, fields in entries:
             row = {_text(k): _text(v) for k, v in (fields or {}).items()}
             if tenant is None or row.get("tenant_id") == tenant:

@@ -8,6 +8,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from queue_tinker.errors import UserInputError
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 
 
@@ -36,7 +37,9 @@ class WorkerRegistry:
         """Workers that beat within max_age_ms, with their registry fields and beat_ms (the
         last heartbeat, ms since the epoch)."""
         since = time.time() * 1000 - max_age_ms
-        beats = await self.redis.zrangebyscore(self.keys.workers(), since, "+inf", withscores=True)
+        beats = await redis_bytes.zrangebyscore_withscores(
+            self.redis, self.keys.workers(), since, "+inf"
+        )
         async with self.redis.pipeline(transaction=False) as pipe:
             for worker_id, _ in beats:
                 pipe.hgetall(self.keys.worker(worker_id.decode()))
@@ -53,7 +56,8 @@ class WorkerRegistry:
 
     async def served_ever(self) -> list[str]:
         """Every base model a worker has served, sorted (live or not)."""
-        return sorted(b.decode() for b in await self.redis.smembers(self.keys.served_base_models()))
+        served = await redis_bytes.smembers(self.redis, self.keys.served_base_models())
+        return sorted(b.decode() for b in served)
 
     async def check_served(self, base_model: str, *, allow_unserved: bool) -> None:
         """Refuse a new run on a base model no worker has ever served, naming those served, so

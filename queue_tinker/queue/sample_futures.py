@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import JobStatus
 
@@ -55,7 +56,9 @@ class SampleFutures:
             await pipe.execute()
 
     async def pending(self, sampler_id: str, client: int) -> list[str]:
-        members = await self.redis.smembers(self.keys.sample_pending(sampler_id, client))
+        members = await redis_bytes.smembers(
+            self.redis, self.keys.sample_pending(sampler_id, client)
+        )
         return sorted(m.decode() for m in members)
 
     async def finished(self, request_ids: list[str]) -> dict[str, str]:

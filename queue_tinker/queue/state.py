@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
+from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types import QueueState
@@ -27,5 +28,5 @@ async def queue_state(
     redis: Redis, keys: Keys, registry: WorkerRegistry, model_id: str, max_age_ms: int
 ) -> tuple[QueueState, str | None]:
     """The state of one model's queue now (model_state, read from Redis)."""
-    meta = await redis.hgetall(keys.model_meta(model_id))
+    meta = await redis_bytes.hgetall(redis, keys.model_meta(model_id))
     return model_state(meta, await registry.base_models(max_age_ms))

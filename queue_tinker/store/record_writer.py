@@ -69,7 +69,7 @@ _CHECKPOINT_REDUCERS: Mapping[str, Reducer] = {"created_at": min}
 def _to_row(record: Record) -> Row:
     """The record as column values: enums as text, unix seconds as aware UTC datetimes."""
     # JSONB refuses NaN and infinity (a diverging step's metrics): their strings instead.
-    row = finite_json(record.model_dump(mode="json", exclude={"type"}))
+    row: Row = finite_json(record.model_dump(mode="json", exclude={"type"}))
     for key, value in row.items():
         if key.endswith("_at") and value is not None:
             row[key] = datetime.fromtimestamp(value, tz=UTC)

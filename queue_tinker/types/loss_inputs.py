@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from queue_tinker.errors import UserInputError
+from queue_tinker.types.custom_loss import CustomLoss
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardInput
@@ -58,14 +59,17 @@ FLOAT_INPUTS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
 
 
 def parse_loss_fn(loss_fn: object) -> LossFn:
-    try:
-        return LossFn(loss_fn)
-    except ValueError:
-        names = ", ".join(f.value for f in LossFn)
-        raise UserInputError(
-            f"loss_fn: {loss_fn!r} is not a built-in loss function; choose one of {names} "
-            "(or use forward_backward_custom)"
-        ) from None
+    # Every LossFn value is a str, so anything else is refused like an unknown name.
+    if isinstance(loss_fn, str):
+        try:
+            return LossFn(loss_fn)
+        except ValueError:
+            pass
+    names = ", ".join(f.value for f in LossFn)
+    raise UserInputError(
+        f"loss_fn: {loss_fn!r} is not a built-in loss function; choose one of {names} "
+        "(or use forward_backward_custom)"
+    )
 
 
 def resolve_loss_config(loss_fn: LossFn, config: Mapping[str, object] | None) -> dict[str, float]:
@@ -114,14 +118,20 @@ def check_batch(batch: ForwardBackwardInput, limits: ModelLimits = ModelLimits()
     if not batch.data:
         raise UserInputError("data: the batch is empty; pass at least one Datum")
     resolve_loss_config(batch.loss_fn, batch.loss_fn_config)
+    custom = batch.custom_loss
     for index, datum in enumerate(batch.data):
         check_datum(index, datum, batch.loss_fn, limits)
-        for name in batch.custom_loss.input_names if batch.custom_loss else ():
-            if name not in datum.loss_fn_inputs:
-                raise UserInputError(
-                    f"data[{index}].loss_fn_inputs: missing {name!r}, which "
-                    f"the custom loss {batch.custom_loss.name!r} reads"
-                )
+        if custom is not None:
+            check_custom_inputs(index, datum, custom)
+
+
+def check_custom_inputs(index: int, datum: Datum, custom: CustomLoss) -> None:
+    for name in custom.input_names:
+        if name not in datum.loss_fn_inputs:
+            raise UserInputError(
+                f"data[{index}].loss_fn_inputs: missing {name!r}, which "
+                f"the custom loss {custom.name!r} reads"
+            )
 
 
 def check_datum(index: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) -> None:

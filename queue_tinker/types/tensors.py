@@ -65,7 +65,7 @@ class TensorData(BaseModel):
 
     @field_serializer("data", when_used="json")
     def _data_as_list(self, data: np.ndarray) -> list[Any]:
-        return data.ravel().tolist()  # type: ignore[no-any-return]
+        return data.ravel().tolist()
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> TensorData:
