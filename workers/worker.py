@@ -411,24 +411,16 @@ class Worker(SteppedTurns):
         return owned
 
     async def _release_lingering(self) -> None:
+        """Hand back the models idle for the linger time, or for PARKED_RELEASE_AFTER_S when
+        another run of their tenant waits for a slot of the tenant's limit."""
         linger_s = self.config.linger_ms / 1000
         now = time.monotonic()
-        soonest = min(linger_s, PARKED_RELEASE_AFTER_S)
-        idle = [
-            (m, o)
-            for m, o in self.owned.items()
-            if not o.backlog and not o.inflight and now - o.idle_since >= soonest
-        ]
+        idle = self._idle_models(now, min(linger_s, PARKED_RELEASE_AFTER_S))
         if not idle:
             return
-        waiting = set()
-        if any(now - o.idle_since < linger_s for _, o in idle):
-            waiting = await self._redis(self.dispatch.parked_tenants, {o.tenant for _, o in idle})
+        waiting = await self._parked_tenants(idle, now, linger_s)
         for model_id, owned in idle:
-            idle_for = now - owned.idle_since
-            if idle_for < linger_s and not (
-                owned.tenant in waiting and idle_for >= PARKED_RELEASE_AFTER_S
-            ):
+            if not _should_release(now - owned.idle_since, linger_s, owned.tenant in waiting):
                 continue
             if self.owned.get(model_id) is not owned:
                 continue  # dropped while we asked
@@ -436,6 +428,23 @@ class Worker(SteppedTurns):
             released = await self._redis(self.dispatch.release, owned.lease)
             if released != 0:  # 0: ops arrived meanwhile, keep it
                 self._drop(model_id)
+
+    def _idle_models(self, now: float, idle_s: float) -> list[tuple[str, OwnedModel]]:
+        """The owned models with nothing queued or running for at least `idle_s`."""
+        return [
+            (m, o)
+            for m, o in self.owned.items()
+            if not o.backlog and not o.inflight and now - o.idle_since >= idle_s
+        ]
+
+    async def _parked_tenants(
+        self, idle: list[tuple[str, OwnedModel]], now: float, linger_s: float
+    ) -> set[str]:
+        """The tenants of `idle` with runs parked for a slot; Redis is asked only while some
+        of them are still within the linger time (past it they go whatever the answer)."""
+        if not any(now - o.idle_since < linger_s for _, o in idle):
+            return set()
+        return await self._redis(self.dispatch.parked_tenants, {o.tenant for _, o in idle})
 
     async def _persist(self, model_id: str) -> None:
         """Write the model's state to storage before letting it go: the next owner starts
@@ -572,6 +581,11 @@ class Worker(SteppedTurns):
         except Exception as exc:
             log.warning("%s: could not deregister (%s)", self.id, describe(exc))
         self._compute.shutdown(wait=True)
+
+
+def _should_release(idle_for: float, linger_s: float, parked: bool) -> bool:
+    """An idle model goes after the linger time, or sooner when its tenant has a run parked."""
+    return idle_for >= linger_s or (parked and idle_for >= PARKED_RELEASE_AFTER_S)
 
 
 def process_memory_bytes() -> int:
