@@ -82,18 +82,25 @@ def resolve_loss_config(loss_fn: LossFn, config: Mapping[str, object] | None) ->
         raise UserInputError(
             f"loss_fn_config: {unknown} not used by {loss_fn.value} (it takes: {allowed})"
         )
-    resolved: dict[str, float] = {}
-    for key, default in spec.config.items():
-        value = given.get(key, default)
-        if value is None:
-            raise UserInputError(f"loss_fn_config.{key}: required by {loss_fn.value}")
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise UserInputError(f"loss_fn_config.{key}: must be a finite number, got {value!r}")
-        resolved[key] = float(value)
+    resolved = {
+        key: _config_number(loss_fn, key, given.get(key, default))
+        for key, default in spec.config.items()
+    }
+    _check_config_ranges(resolved)
+    return resolved
+
+
+def _config_number(loss_fn: LossFn, key: str, value: object) -> float:
+    """One config value (given, or its default) as a float: present and a finite number."""
+    if value is None:
+        raise UserInputError(f"loss_fn_config.{key}: required by {loss_fn.value}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UserInputError(f"loss_fn_config.{key}: must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_config_ranges(resolved: Mapping[str, float]) -> None:
+    """The clip thresholds around 1 and beta not negative, where the loss takes them."""
     low, high = resolved.get("clip_low_threshold"), resolved.get("clip_high_threshold")
     if low is not None and high is not None and not 0 <= low <= 1 <= high:
         raise UserInputError(
@@ -102,7 +109,6 @@ def resolve_loss_config(loss_fn: LossFn, config: Mapping[str, object] | None) ->
         )
     if resolved.get("beta", 0.0) < 0:
         raise UserInputError(f"loss_fn_config.beta: must be >= 0, got {resolved['beta']}")
-    return resolved
 
 
 @dataclass(frozen=True)
