@@ -285,17 +285,14 @@ class Worker(SteppedTurns):
         )
         decided = list(zip(batch, starts, strict=True))
         self._drop_lost([owned for (owned, _), start in decided if start is None])
-        held: dict[str, tuple[OwnedModel, list[Op], Start]] = {}
-        for (owned, op), start in decided:
-            if start is not None and start.limited:
-                held.setdefault(owned.lease.model_id, (owned, [], start))[1].append(op)
-        for owned, ops, start in held.values():
+        for owned, ops, start in _limited_by_model(decided):
             self._hold_back(owned, ops, start)
-        return [
-            (owned, op)
-            for (owned, op), start in decided
-            if start is not None and start.run and self.owned.get(owned.lease.model_id) is owned
-        ]
+        return [(owned, op) for (owned, op), start in decided if self._runs_now(owned, start)]
+
+    def _runs_now(self, owned: OwnedModel, start: Start | None) -> bool:
+        """Whether an op start_batch decided on runs now: told to run, and its model still
+        this worker's (not dropped for a lost lease)."""
+        return start is not None and start.run and self.owned.get(owned.lease.model_id) is owned
 
     async def _run_engine_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
         runnable = await self._start_batch(batch)
@@ -581,6 +578,18 @@ class Worker(SteppedTurns):
         except Exception as exc:
             log.warning("%s: could not deregister (%s)", self.id, describe(exc))
         self._compute.shutdown(wait=True)
+
+
+def _limited_by_model(
+    decided: list[tuple[tuple[OwnedModel, Op], Start | None]],
+) -> list[tuple[OwnedModel, list[Op], Start]]:
+    """The ops held back for their tenant's limit, gathered per model in the batch's order,
+    with the first of their model's Starts."""
+    held: dict[str, tuple[OwnedModel, list[Op], Start]] = {}
+    for (owned, op), start in decided:
+        if start is not None and start.limited:
+            held.setdefault(owned.lease.model_id, (owned, [], start))[1].append(op)
+    return list(held.values())
 
 
 def _should_release(idle_for: float, linger_s: float, parked: bool) -> bool:
