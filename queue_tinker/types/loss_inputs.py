@@ -16,7 +16,7 @@ import numpy as np
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.custom_loss import CustomLoss
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.tensors import Datum
+from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.types.training import ForwardBackwardInput
 
 
@@ -164,21 +164,7 @@ def _check_loss_inputs(
     targets = inputs["target_tokens"]
     length = targets.data.size
     for key, tensor in inputs.items():
-        name = f"{where}.loss_fn_inputs[{key!r}]"
-        if tensor.data.ndim != 1:
-            raise UserInputError(f"{name}: must be 1-D, got shape {list(tensor.data.shape)}")
-        if tensor.data.size != length:
-            raise UserInputError(
-                f"{where}.loss_fn_inputs: {key} has {tensor.data.size} values but "
-                f"target_tokens has {length}; they must be the same length"
-            )
-        if key in FLOAT_INPUTS:
-            bad = np.flatnonzero(~np.isfinite(tensor.data))
-            if bad.size:
-                raise UserInputError(
-                    f"{name}: value at position {int(bad[0])} is {tensor.data[bad[0]]}; "
-                    "must be finite"
-                )
+        _check_loss_input(where, key, tensor, length)
     mask = inputs.get("sequence_ratio_mask")
     if mask is not None and not np.any(mask.data != 0):
         raise UserInputError(
@@ -194,6 +180,24 @@ def _check_loss_inputs(
         )
     if limits.vocab_size is not None:
         check_token_ids(f"{where}.loss_fn_inputs['target_tokens']", targets.data, limits.vocab_size)
+
+
+def _check_loss_input(where: str, key: str, tensor: TensorData, length: int) -> None:
+    """One loss_fn_inputs tensor: 1-D, as long as target_tokens, finite where it is a float."""
+    name = f"{where}.loss_fn_inputs[{key!r}]"
+    if tensor.data.ndim != 1:
+        raise UserInputError(f"{name}: must be 1-D, got shape {list(tensor.data.shape)}")
+    if tensor.data.size != length:
+        raise UserInputError(
+            f"{where}.loss_fn_inputs: {key} has {tensor.data.size} values but "
+            f"target_tokens has {length}; they must be the same length"
+        )
+    if key in FLOAT_INPUTS:
+        bad = np.flatnonzero(~np.isfinite(tensor.data))
+        if bad.size:
+            raise UserInputError(
+                f"{name}: value at position {int(bad[0])} is {tensor.data[bad[0]]}; must be finite"
+            )
 
 
 def _check_input_names(where: str, names: set[str], loss_fn: LossFn) -> None:
