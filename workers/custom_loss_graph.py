@@ -143,24 +143,23 @@ class GraphLoss:
         if not isinstance(arg, dict):
             return arg
         ((kind, value),) = arg.items()
-        decoded: Any
-        if kind == "ref":
-            decoded = env[value]
-        elif kind == "tuple":
-            decoded = tuple(self._value(a, env) for a in value)
-        elif kind == "dict":
-            decoded = {k: self._value(v, env) for k, v in value.items()}
-        elif kind == "slice":
-            decoded = slice(*(self._value(a, env) for a in value))
-        elif kind == "float":
-            decoded = float(value)
-        elif kind == "dtype":
-            decoded = DTYPES[value]
-        elif kind == "device":
-            decoded = self.device  # the worker's: a loss runs where its logprobs are
-        else:  # ellipsis; a layout or memory format: torch's defaults
-            decoded = ... if kind == "ellipsis" else None
-        return decoded
+        decode = _DECODERS.get(kind)
+        return None if decode is None else decode(self, value, env)
+
+
+# How each kind of encoded argument decodes. Any other kind (a layout or a memory format)
+# decodes to None: torch's defaults.
+_DECODERS: dict[str, Callable[[GraphLoss, Any, Mapping[str, Any]], Any]] = {
+    "ref": lambda loss, value, env: env[value],
+    "tuple": lambda loss, value, env: tuple(loss._value(a, env) for a in value),
+    "dict": lambda loss, value, env: {k: loss._value(v, env) for k, v in value.items()},
+    "slice": lambda loss, value, env: slice(*(loss._value(a, env) for a in value)),
+    "float": lambda loss, value, env: float(value),
+    "dtype": lambda loss, value, env: DTYPES[value],
+    # The worker's device: a loss runs where its logprobs are.
+    "device": lambda loss, value, env: loss.device,
+    "ellipsis": lambda loss, value, env: ...,
+}
 
 
 def graph_batch_loss(

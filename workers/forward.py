@@ -193,16 +193,25 @@ def _adamw(adapters: Sequence[Adapter], params: AdamParams) -> None:
     in each adapter's own optimizer state (what snapshots and checkpoints save); a combined
     optimizer borrows them for the step and hands new ones back."""
     if len(adapters) == 1:  # its own optimizer: nothing to borrow
-        optimizer = adapters[0].optimizer
-        for group in optimizer.param_groups:
-            group.update(
-                lr=params.learning_rate,
-                betas=(params.beta1, params.beta2),
-                eps=params.eps,
-                weight_decay=params.weight_decay,
-            )
-        optimizer.step()
-        return
+        _own_step(adapters[0].optimizer, params)
+    else:
+        _combined_step(adapters, params)
+
+
+def _own_step(optimizer: torch.optim.Optimizer, params: AdamParams) -> None:
+    for group in optimizer.param_groups:
+        group.update(
+            lr=params.learning_rate,
+            betas=(params.beta1, params.beta2),
+            eps=params.eps,
+            weight_decay=params.weight_decay,
+        )
+    optimizer.step()
+
+
+def _combined_step(adapters: Sequence[Adapter], params: AdamParams) -> None:
+    """One foreach AdamW over several adapters' tensors, with each adapter's moments lent to
+    it and the new ones handed back."""
     tensors = [p for adapter in adapters for p in adapter.params.values()]
     combined = torch.optim.AdamW(
         tensors,

@@ -65,6 +65,25 @@ def row_batch(
     """The data (`groups`: how many consecutive datums each group holds) one datum a row, or
     packed within each group when `pack`."""
     width = max((len(t) for t in tokens), default=0)
+    layout, group_rows = _layout(tokens, groups, width, pack=pack)
+    ids, mask, positions, places = _fill(tokens, layout, width)
+
+    def on_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
+    return RowBatch(
+        ids=on_device(ids),
+        mask=None if pack else on_device(mask),
+        position_ids=on_device(positions) if pack else None,
+        places=places,
+        group_rows=group_rows,
+    )
+
+
+def _layout(
+    tokens: Sequence[Sequence[int]], groups: Sequence[int], width: int, *, pack: bool
+) -> tuple[list[list[int]], list[int]]:
+    """Datum indices per row, group after group, and how many rows each group has."""
     layout: list[list[int]] = []
     group_rows: list[int] = []
     start = 0
@@ -78,6 +97,14 @@ def row_batch(
         layout.extend([[start + i for i in row] for row in rows])
         group_rows.append(len(rows))
         start += count
+    return layout, group_rows
+
+
+def _fill(
+    tokens: Sequence[Sequence[int]], layout: list[list[int]], width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """(ids, padding mask, position ids, each datum's (row, first position)) of the datums
+    laid out in rows `layout`, each row `width` wide."""
     ids = np.zeros((len(layout), width), dtype=np.int64)
     mask = np.zeros((len(layout), width), dtype=np.int64)
     positions = np.zeros((len(layout), width), dtype=np.int64)
@@ -92,14 +119,4 @@ def row_batch(
             places[index] = (r, offset)
             offset += len(seq)
         positions[r, offset:] = np.arange(width - offset)  # the tail: a sequence of its own
-
-    def on_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device)
-
-    return RowBatch(
-        ids=on_device(ids),
-        mask=None if pack else on_device(mask),
-        position_ids=on_device(positions) if pack else None,
-        places=places,
-        group_rows=group_rows,
-    )
+    return ids, mask, positions, places

@@ -440,13 +440,7 @@ class DecodeLoop:
         source = [
             unique.setdefault((tuple(r.spec.prompt), r.adapter), len(unique)) for r, _ in taken
         ]
-        width = max(len(prompt) for prompt, _ in unique)
-        ids = torch.zeros((len(unique), width), dtype=torch.long)
-        mask = torch.zeros((len(unique), width), dtype=torch.long)
-        for row, (prompt, _) in enumerate(unique):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = _padded_prompts([prompt for prompt, _ in unique], self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0, as alone
         # What a request asks about its prompt comes with its first part.
         wanted = [wants_prompt_scores(r.spec) and samples.start == 0 for r, samples in taken]
@@ -460,16 +454,14 @@ class DecodeLoop:
             [adapter for _, adapter in unique],
             last_only=not any(wanted),
         )
-        for (request, _), row, want in zip(taken, source, wanted, strict=True):
-            if want:
-                request.prompt_scores = prompt_scores(logits[row], request.spec)
-        rows = [row for (_, samples), row in zip(taken, source, strict=True) for _ in samples]
+        _record_prompt_scores(taken, source, wanted, logits)
+        requests, samples, rows = _per_sample(taken, source)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         if rows != list(range(len(unique))):  # expand to samples
             cache.batch_select_indices(index)
         incoming = _Rows.build(
-            requests=[r for r, samples in taken for _ in samples],
-            samples=[s for _, samples in taken for s in samples],
+            requests=requests,
+            samples=samples,
             cache=cache,
             mask=mask[index],
             next_pos=(positions[:, -1] + 1)[index],
@@ -566,6 +558,46 @@ class DecodeLoop:
                         logits[rows_now], rows.temperature[rows_now], u[part]
                     )
                 tokens[rows_now] = chosen
+
+
+def _padded_prompts(
+    prompts: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of the prompts, one row each, left-padded to the longest, on `device`."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _record_prompt_scores(
+    taken: list[tuple[_Request, range]],
+    source: list[int],
+    wanted: list[bool],
+    logits: torch.Tensor,
+) -> None:
+    """Each request that wants its prompt scored gets them from its prompt's row of `logits`."""
+    for (request, _), row, want in zip(taken, source, wanted, strict=True):
+        if want:
+            request.prompt_scores = prompt_scores(logits[row], request.spec)
+
+
+def _per_sample(
+    taken: list[tuple[_Request, range]], source: list[int]
+) -> tuple[list[_Request], list[int], list[int]]:
+    """One entry per sample taken, in order: its request, its sample number, and the prefill
+    row of its prompt."""
+    requests: list[_Request] = []
+    samples: list[int] = []
+    rows: list[int] = []
+    for (request, taken_samples), row in zip(taken, source, strict=True):
+        requests.extend([request] * len(taken_samples))
+        samples.extend(taken_samples)
+        rows.extend([row] * len(taken_samples))
+    return requests, samples, rows
 
 
 def _kept(rows: _Rows, keep: list[int]) -> _Rows | None:

@@ -80,9 +80,7 @@ class SteppedTurns:
 
     async def _engine_step(self, budget_s: float) -> None:
         """engine.step on the compute thread; publish the ops whose turn it is."""
-        waiting = [
-            op for o in self.owned.values() for op, out in o.inflight.values() if out is None
-        ]
+        waiting = self._unfinished_stepped()
         self.current = waiting[0] if waiting else None
         stops, self._stops = self._stops, {}
         try:
@@ -97,11 +95,19 @@ class SteppedTurns:
             finished = [(op, exc) for op in waiting]
         finally:
             self.current = None
+        self._note_finished(finished)
+        await self._publish_in_order()
+
+    def _unfinished_stepped(self) -> list[Op]:
+        """The stepped ops in flight without an outcome yet, model by model."""
+        return [op for o in self.owned.values() for op, out in o.inflight.values() if out is None]
+
+    def _note_finished(self, finished: list[tuple[Op, OpResult | Exception]]) -> None:
+        """Each finished op's outcome, kept with it in flight until its turn to be published."""
         for op, result in finished:
             owned = self.owned.get(op.model_id)
             if owned is not None and op.seq in owned.inflight:  # else dropped meanwhile
                 owned.inflight[op.seq] = (op, self._outcome(op, result))
-        await self._publish_in_order()
 
     async def _publish_in_order(self) -> None:
         """Publish every model's finished stepped ops up to its first unfinished one: a

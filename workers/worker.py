@@ -285,17 +285,14 @@ class Worker(SteppedTurns):
         )
         decided = list(zip(batch, starts, strict=True))
         self._drop_lost([owned for (owned, _), start in decided if start is None])
-        held: dict[str, tuple[OwnedModel, list[Op], Start]] = {}
-        for (owned, op), start in decided:
-            if start is not None and start.limited:
-                held.setdefault(owned.lease.model_id, (owned, [], start))[1].append(op)
-        for owned, ops, start in held.values():
+        for owned, ops, start in _limited_by_model(decided):
             self._hold_back(owned, ops, start)
-        return [
-            (owned, op)
-            for (owned, op), start in decided
-            if start is not None and start.run and self.owned.get(owned.lease.model_id) is owned
-        ]
+        return [(owned, op) for (owned, op), start in decided if self._runs_now(owned, start)]
+
+    def _runs_now(self, owned: OwnedModel, start: Start | None) -> bool:
+        """Whether an op start_batch decided on runs now: told to run, and its model still
+        this worker's (not dropped for a lost lease)."""
+        return start is not None and start.run and self.owned.get(owned.lease.model_id) is owned
 
     async def _run_engine_batch(self, batch: list[tuple[OwnedModel, Op]]) -> None:
         runnable = await self._start_batch(batch)
@@ -411,24 +408,16 @@ class Worker(SteppedTurns):
         return owned
 
     async def _release_lingering(self) -> None:
+        """Hand back the models idle for the linger time, or for PARKED_RELEASE_AFTER_S when
+        another run of their tenant waits for a slot of the tenant's limit."""
         linger_s = self.config.linger_ms / 1000
         now = time.monotonic()
-        soonest = min(linger_s, PARKED_RELEASE_AFTER_S)
-        idle = [
-            (m, o)
-            for m, o in self.owned.items()
-            if not o.backlog and not o.inflight and now - o.idle_since >= soonest
-        ]
+        idle = self._idle_models(now, min(linger_s, PARKED_RELEASE_AFTER_S))
         if not idle:
             return
-        waiting = set()
-        if any(now - o.idle_since < linger_s for _, o in idle):
-            waiting = await self._redis(self.dispatch.parked_tenants, {o.tenant for _, o in idle})
+        waiting = await self._parked_tenants(idle, now, linger_s)
         for model_id, owned in idle:
-            idle_for = now - owned.idle_since
-            if idle_for < linger_s and not (
-                owned.tenant in waiting and idle_for >= PARKED_RELEASE_AFTER_S
-            ):
+            if not _should_release(now - owned.idle_since, linger_s, owned.tenant in waiting):
                 continue
             if self.owned.get(model_id) is not owned:
                 continue  # dropped while we asked
@@ -436,6 +425,23 @@ class Worker(SteppedTurns):
             released = await self._redis(self.dispatch.release, owned.lease)
             if released != 0:  # 0: ops arrived meanwhile, keep it
                 self._drop(model_id)
+
+    def _idle_models(self, now: float, idle_s: float) -> list[tuple[str, OwnedModel]]:
+        """The owned models with nothing queued or running for at least `idle_s`."""
+        return [
+            (m, o)
+            for m, o in self.owned.items()
+            if not o.backlog and not o.inflight and now - o.idle_since >= idle_s
+        ]
+
+    async def _parked_tenants(
+        self, idle: list[tuple[str, OwnedModel]], now: float, linger_s: float
+    ) -> set[str]:
+        """The tenants of `idle` with runs parked for a slot; Redis is asked only while some
+        of them are still within the linger time (past it they go whatever the answer)."""
+        if not any(now - o.idle_since < linger_s for _, o in idle):
+            return set()
+        return await self._redis(self.dispatch.parked_tenants, {o.tenant for _, o in idle})
 
     async def _persist(self, model_id: str) -> None:
         """Write the model's state to storage before letting it go: the next owner starts
@@ -572,6 +578,23 @@ class Worker(SteppedTurns):
         except Exception as exc:
             log.warning("%s: could not deregister (%s)", self.id, describe(exc))
         self._compute.shutdown(wait=True)
+
+
+def _limited_by_model(
+    decided: list[tuple[tuple[OwnedModel, Op], Start | None]],
+) -> list[tuple[OwnedModel, list[Op], Start]]:
+    """The ops held back for their tenant's limit, gathered per model in the batch's order,
+    with the first of their model's Starts."""
+    held: dict[str, tuple[OwnedModel, list[Op], Start]] = {}
+    for (owned, op), start in decided:
+        if start is not None and start.limited:
+            held.setdefault(owned.lease.model_id, (owned, [], start))[1].append(op)
+    return list(held.values())
+
+
+def _should_release(idle_for: float, linger_s: float, parked: bool) -> bool:
+    """An idle model goes after the linger time, or sooner when its tenant has a run parked."""
+    return idle_for >= linger_s or (parked and idle_for >= PARKED_RELEASE_AFTER_S)
 
 
 def process_memory_bytes() -> int:

@@ -203,30 +203,43 @@ def render_ops(metrics: dict[str, Any]) -> list[str]:
     lines = [f"OPS (since the deployment began; {total_tokens} tokens)"]
     if not kinds:
         return [*lines, "  (no op finished yet)"]
-    statuses = sorted(
-        {s for c in counts.values() for s in c},
-        key=lambda s: (s not in ("done", "failed"), s != "done", s),
-    )
-    rows = []
-    for kind in kinds:
-        hist = latency.get(kind, {"buckets": [], "count": 0, "sum_s": 0.0})
-        n = hist["count"]
-        rows.append(
-            [
-                kind,
-                *(str(counts.get(kind, {}).get(s, 0)) for s in statuses),
-                seconds_text(hist["sum_s"] / n) if n else "-",
-                quantile_bound(hist["buckets"], n, 0.5),
-                quantile_bound(hist["buckets"], n, 0.95),
-                str(tokens.get(kind, 0)),
-            ]
+    statuses = _status_columns(counts)
+    rows = [
+        _op_row(
+            kind,
+            [counts.get(kind, {}).get(s, 0) for s in statuses],
+            latency.get(kind, {"buckets": [], "count": 0, "sum_s": 0.0}),
+            tokens.get(kind, 0),
         )
+        for kind in kinds
+    ]
     headers = ["kind", *statuses, "mean latency", "p50", "p95", "tokens"]
     lines += ["  " + line for line in table(headers, rows)]
     if metrics["tenant_tokens"]:
         per_tenant = ", ".join(f"{t} {n}" for t, n in sorted(metrics["tenant_tokens"].items()))
         lines.append(f"  tokens by tenant: {per_tenant}")
     return lines
+
+
+def _status_columns(counts: dict[str, dict[str, int]]) -> list[str]:
+    """Every status any kind has, done and failed first, the rest by name."""
+    return sorted(
+        {s for c in counts.values() for s in c},
+        key=lambda s: (s not in ("done", "failed"), s != "done", s),
+    )
+
+
+def _op_row(kind: str, counts: list[int], hist: dict[str, Any], tokens: int) -> list[str]:
+    """One kind's line: its count in each status, its latency and its tokens."""
+    n = hist["count"]
+    return [
+        kind,
+        *(str(count) for count in counts),
+        seconds_text(hist["sum_s"] / n) if n else "-",
+        quantile_bound(hist["buckets"], n, 0.5),
+        quantile_bound(hist["buckets"], n, 0.95),
+        str(tokens),
+    ]
 
 
 def render(status: dict[str, Any]) -> str:

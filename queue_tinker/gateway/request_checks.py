@@ -49,29 +49,46 @@ def refusal_of(scope: Scope) -> tuple[int, str] | None:
     path = scope.get("path", "")
     if CONTROL.search(path):
         return 404, f"path: {path!r} holds a control character; no resource has such an id"
-    query = scope.get("query_string", b"").decode("latin-1")
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if CONTROL.search(name) or CONTROL.search(value):
-            label = name if name.isidentifier() else f"query[{name!r}]"
-            return 422, f"{label}: the query parameter holds a control character: {value!r}"
+    refusal = _query_refusal(scope.get("query_string", b"").decode("latin-1"))
+    if refusal is not None:
+        return refusal
     headers = {
         name.decode("latin-1").lower(): value.decode("latin-1")
         for name, value in scope.get("headers", [])
     }
-    encoding = headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity", *COMPRESSED_ROUTES.get(path, ())):
-        return 415, (
-            f"Content-Encoding: {encoding!r} is not supported here; send the body "
-            "uncompressed" + (" or zstd-compressed" if path in COMPRESSED_ROUTES else "")
-        )
-    media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media and scope.get("method") in ("POST", "PUT", "PATCH"):
-        wanted = ["application/json", *([PROTOBUF_ROUTES[path]] if path in PROTOBUF_ROUTES else [])]
-        if media not in (*wanted, *LENIENT):
-            return 415, (
-                f"Content-Type: {media!r} is not supported here; send {' or '.join(wanted)}"
-            )
+    return _encoding_refusal(path, headers) or _media_refusal(path, scope.get("method"), headers)
+
+
+def _query_refusal(query: str) -> tuple[int, str] | None:
+    """422 for the first query parameter with a control character in its name or value."""
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if CONTROL.search(name) or CONTROL.search(value):
+            label = name if name.isidentifier() else f"query[{name!r}]"
+            return 422, f"{label}: the query parameter holds a control character: {value!r}"
     return None
+
+
+def _encoding_refusal(path: str, headers: dict[str, str]) -> tuple[int, str] | None:
+    """415 for a body compressed in a way this route does not read."""
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity", *COMPRESSED_ROUTES.get(path, ())):
+        return None
+    return 415, (
+        f"Content-Encoding: {encoding!r} is not supported here; send the body "
+        "uncompressed" + (" or zstd-compressed" if path in COMPRESSED_ROUTES else "")
+    )
+
+
+def _media_refusal(path: str, method: object, headers: dict[str, str]) -> tuple[int, str] | None:
+    """415 for a body, in a method that carries one, of a content type this route does not
+    read (form posts and plain text excepted: see LENIENT)."""
+    media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if not media or method not in ("POST", "PUT", "PATCH"):
+        return None
+    wanted = ["application/json", *([PROTOBUF_ROUTES[path]] if path in PROTOBUF_ROUTES else [])]
+    if media in (*wanted, *LENIENT):
+        return None
+    return 415, f"Content-Type: {media!r} is not supported here; send {' or '.join(wanted)}"
 
 
 async def _answer(send: Send, status: int, detail: str) -> None:

@@ -118,23 +118,39 @@ async def answer(
     if job["kind"] == GATEWAY_ANSWERED:  # create_custom_loss: answered as it was stored
         return JSONResponse(codec.decode(outcome.result))
     kind = OpKind(job["kind"])
+    if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
+        return _forward_backward_answer(outcome, protobuf=protobuf)
     # Only these kinds are answered beyond what their kind says (gq.set_reply).
     replied = kind in (OpKind.SAMPLE, OpKind.SAVE_WEIGHTS_FOR_SAMPLER)
     reply = await gq.reply(outcome.job_id) if replied else {}
-    if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
-        output = ForwardBackwardOutput.model_validate(codec.decode(outcome.result))
-        if not protobuf:
-            return JSONResponse(output.model_dump(mode="json"))
-        return Response(encode_forward_backward_output(output), media_type=PROTOBUF_MEDIA_TYPE)
     if kind is OpKind.SAMPLE:
-        response = SampleResponse.model_validate(codec.decode(outcome.result))
         last_n = reply.get("prompt_logprobs_last_n")
-        if not protobuf:
-            return JSONResponse(json_sample_response(response, last_n))
-        return Response(
-            encode_sample_response(response, prompt_logprobs_last_n=last_n),
-            media_type=PROTOBUF_MEDIA_TYPE,
-        )
+        return _sample_answer(outcome, last_n, protobuf=protobuf)
+    return await _result_answer(gq, job, kind, outcome, reply)
+
+
+def _forward_backward_answer(outcome: JobOutcome, *, protobuf: bool) -> Response:
+    output = ForwardBackwardOutput.model_validate(codec.decode(outcome.result))
+    if not protobuf:
+        return JSONResponse(output.model_dump(mode="json"))
+    return Response(encode_forward_backward_output(output), media_type=PROTOBUF_MEDIA_TYPE)
+
+
+def _sample_answer(outcome: JobOutcome, last_n: int | None, *, protobuf: bool) -> Response:
+    response = SampleResponse.model_validate(codec.decode(outcome.result))
+    if not protobuf:
+        return JSONResponse(json_sample_response(response, last_n))
+    return Response(
+        encode_sample_response(response, prompt_logprobs_last_n=last_n),
+        media_type=PROTOBUF_MEDIA_TYPE,
+    )
+
+
+async def _result_answer(
+    gq: GatewayQueue, job: dict[str, str], kind: OpKind, outcome: JobOutcome, reply: dict[str, Any]
+) -> Response:
+    """Any other kind's result, as JSON with its type and model; an ephemeral save opens the
+    sampler it was saved for."""
     result: dict[str, Any] = codec.decode(outcome.result) or {}
     if "sampling_session_id" in reply:  # an ephemeral save: sample from it next
         return JSONResponse(

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 from sqlalchemy.exc import DBAPIError
@@ -73,12 +74,42 @@ async def catch_up(records: RecordLog, sessions: async_sessionmaker) -> int:
     return len(entries)
 
 
+@dataclass
+class _Outage:
+    """The run loop's failures: since when it has been failing (None: it is not), on which
+    side, and how long it waits before its next try."""
+
+    since: float | None = None
+    side: str = "Postgres"
+    backoff: float = 0.0
+
+    def failed(self, exc: Exception, now: float) -> float:
+        """Note a failed round and say so; the seconds to wait before the next."""
+        if self.since is None:
+            self.since = now
+        self.backoff = min(MAX_BACKOFF_S, max(0.25, self.backoff * 2))
+        # Either side may be away: say which, so an operator looks at the right one.
+        self.side = "Redis" if isinstance(exc, RedisError) else "Postgres"
+        action = "read" if self.side == "Redis" else "write"
+        log.warning(
+            "recorder: %s %s failed (%s); retrying in %.2fs",
+            self.side,
+            action,
+            describe(exc),
+            self.backoff,
+        )
+        return self.backoff
+
+
 class Recorder:
     def __init__(self, log_: RecordLog, sessions: async_sessionmaker, consumer: str) -> None:
         self.log = log_
         self.sessions = sessions
         self.consumer = consumer
         self._stopping = asyncio.Event()
+        # When the next take-over and forget are due, on the loop's clock (set by run()).
+        self._take_over_at = 0.0
+        self._forget_at = 0.0
 
     def stop(self) -> None:
         """Finish the batch in hand and return from run() (within one read block)."""
@@ -88,54 +119,55 @@ class Recorder:
         # Stopped by a flag, not by cancellation: a CancelledError raised inside a database
         # call can be absorbed by the driver, which would leave this loop running forever.
         grouped = False  # the consumer group is made inside the loop: Redis may be away too
-        backoff = 0.0
-        failing_since: float | None = None
-        failing_side = "Postgres"
+        outage = _Outage()
         loop = asyncio.get_running_loop()
-        take_over_at = loop.time() + TAKE_OVER_EVERY_S
-        forget_at = loop.time() + FORGET_EVERY_S
+        self._take_over_at = loop.time() + TAKE_OVER_EVERY_S
+        self._forget_at = loop.time() + FORGET_EVERY_S
         while not self._stopping.is_set():
             try:
                 if not grouped:
                     await self.log.ensure_group()
                     grouped = True
-                wrote = await self.step(block_ms=1000)
-                if not wrote or loop.time() >= take_over_at:
-                    take_over_at = loop.time() + TAKE_OVER_EVERY_S
-                    wrote += await self._take_over_stale()
-                if loop.time() >= forget_at:  # listing the group costs: once a minute
-                    forget_at = loop.time() + FORGET_EVERY_S
-                    await self.log.forget_gone(self.consumer, min_idle_ms=GONE_MS)
-                backoff = 0.0
-                if failing_since is not None and wrote:  # a write went through, not a no-op
-                    log.info(
-                        "recorder: %s is back after %.0fs; %d events still to write",
-                        failing_side,
-                        loop.time() - failing_since,
-                        await self.log.backlog(),
-                    )
-                    failing_since = None
+                wrote = await self._round(loop)
+                await self._succeeded(outage, wrote, loop)
                 if wrote and wrote < BATCH:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stopping.wait(), WRITE_INTERVAL_S)
+                    await self._wait_unless_stopped(WRITE_INTERVAL_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if failing_since is None:
-                    failing_since = loop.time()
-                backoff = min(MAX_BACKOFF_S, max(0.25, backoff * 2))
-                # Either side may be away: say which, so an operator looks at the right one.
-                failing_side = "Redis" if isinstance(exc, RedisError) else "Postgres"
-                action = "read" if failing_side == "Redis" else "write"
-                log.warning(
-                    "recorder: %s %s failed (%s); retrying in %.2fs",
-                    failing_side,
-                    action,
-                    describe(exc),
-                    backoff,
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), backoff)
+                await self._wait_unless_stopped(outage.failed(exc, loop.time()))
+
+    async def _round(self, loop: asyncio.AbstractEventLoop) -> int:
+        """One batch, then a dead recorder's entries when this one is idle or the take-over
+        is due, and gone consumers forgotten when that is due. How many entries were written."""
+        wrote = await self.step(block_ms=1000)
+        if not wrote or loop.time() >= self._take_over_at:
+            self._take_over_at = loop.time() + TAKE_OVER_EVERY_S
+            wrote += await self._take_over_stale()
+        if loop.time() >= self._forget_at:  # listing the group costs: once a minute
+            self._forget_at = loop.time() + FORGET_EVERY_S
+            await self.log.forget_gone(self.consumer, min_idle_ms=GONE_MS)
+        return wrote
+
+    async def _succeeded(
+        self, outage: _Outage, wrote: int, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """After a round that went through: no more backoff, and an outage over once a write
+        went through (not a no-op)."""
+        outage.backoff = 0.0
+        if outage.since is None or not wrote:
+            return
+        log.info(
+            "recorder: %s is back after %.0fs; %d events still to write",
+            outage.side,
+            loop.time() - outage.since,
+            await self.log.backlog(),
+        )
+        outage.since = None
+
+    async def _wait_unless_stopped(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def step(self, *, block_ms: int | None) -> int:
         """Write one batch: this consumer's unacknowledged entries first, then new ones."""

@@ -270,6 +270,12 @@ def _check_arg(where: str, arg: Any, seen: set[str]) -> None:
         return
     if not (isinstance(arg, dict) and len(arg) == 1):
         raise UserInputError(f"{where}: argument {arg!r} is not an encoded value")
+    _check_encoded(where, arg, seen)
+
+
+def _check_encoded(where: str, arg: dict[str, Any], seen: set[str]) -> None:
+    """One of the SDK's one-key objects: a reference to an earlier node, a tuple, slice or
+    dict of further arguments, or an allowed constant."""
     ((kind, value),) = arg.items()
     if kind == "ref":
         if value not in seen:

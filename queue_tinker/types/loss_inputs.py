@@ -16,7 +16,7 @@ import numpy as np
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.custom_loss import CustomLoss
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.tensors import Datum
+from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.types.training import ForwardBackwardInput
 
 
@@ -82,18 +82,25 @@ def resolve_loss_config(loss_fn: LossFn, config: Mapping[str, object] | None) ->
         raise UserInputError(
             f"loss_fn_config: {unknown} not used by {loss_fn.value} (it takes: {allowed})"
         )
-    resolved: dict[str, float] = {}
-    for key, default in spec.config.items():
-        value = given.get(key, default)
-        if value is None:
-            raise UserInputError(f"loss_fn_config.{key}: required by {loss_fn.value}")
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise UserInputError(f"loss_fn_config.{key}: must be a finite number, got {value!r}")
-        resolved[key] = float(value)
+    resolved = {
+        key: _config_number(loss_fn, key, given.get(key, default))
+        for key, default in spec.config.items()
+    }
+    _check_config_ranges(resolved)
+    return resolved
+
+
+def _config_number(loss_fn: LossFn, key: str, value: object) -> float:
+    """One config value (given, or its default) as a float: present and a finite number."""
+    if value is None:
+        raise UserInputError(f"loss_fn_config.{key}: required by {loss_fn.value}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UserInputError(f"loss_fn_config.{key}: must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_config_ranges(resolved: Mapping[str, float]) -> None:
+    """The clip thresholds around 1 and beta not negative, where the loss takes them."""
     low, high = resolved.get("clip_low_threshold"), resolved.get("clip_high_threshold")
     if low is not None and high is not None and not 0 <= low <= 1 <= high:
         raise UserInputError(
@@ -102,7 +109,6 @@ def resolve_loss_config(loss_fn: LossFn, config: Mapping[str, object] | None) ->
         )
     if resolved.get("beta", 0.0) < 0:
         raise UserInputError(f"loss_fn_config.beta: must be >= 0, got {resolved['beta']}")
-    return resolved
 
 
 @dataclass(frozen=True)
@@ -158,21 +164,7 @@ def _check_loss_inputs(
     targets = inputs["target_tokens"]
     length = targets.data.size
     for key, tensor in inputs.items():
-        name = f"{where}.loss_fn_inputs[{key!r}]"
-        if tensor.data.ndim != 1:
-            raise UserInputError(f"{name}: must be 1-D, got shape {list(tensor.data.shape)}")
-        if tensor.data.size != length:
-            raise UserInputError(
-                f"{where}.loss_fn_inputs: {key} has {tensor.data.size} values but "
-                f"target_tokens has {length}; they must be the same length"
-            )
-        if key in FLOAT_INPUTS:
-            bad = np.flatnonzero(~np.isfinite(tensor.data))
-            if bad.size:
-                raise UserInputError(
-                    f"{name}: value at position {int(bad[0])} is {tensor.data[bad[0]]}; "
-                    "must be finite"
-                )
+        _check_loss_input(where, key, tensor, length)
     mask = inputs.get("sequence_ratio_mask")
     if mask is not None and not np.any(mask.data != 0):
         raise UserInputError(
@@ -188,6 +180,24 @@ def _check_loss_inputs(
         )
     if limits.vocab_size is not None:
         check_token_ids(f"{where}.loss_fn_inputs['target_tokens']", targets.data, limits.vocab_size)
+
+
+def _check_loss_input(where: str, key: str, tensor: TensorData, length: int) -> None:
+    """One loss_fn_inputs tensor: 1-D, as long as target_tokens, finite where it is a float."""
+    name = f"{where}.loss_fn_inputs[{key!r}]"
+    if tensor.data.ndim != 1:
+        raise UserInputError(f"{name}: must be 1-D, got shape {list(tensor.data.shape)}")
+    if tensor.data.size != length:
+        raise UserInputError(
+            f"{where}.loss_fn_inputs: {key} has {tensor.data.size} values but "
+            f"target_tokens has {length}; they must be the same length"
+        )
+    if key in FLOAT_INPUTS:
+        bad = np.flatnonzero(~np.isfinite(tensor.data))
+        if bad.size:
+            raise UserInputError(
+                f"{name}: value at position {int(bad[0])} is {tensor.data[bad[0]]}; must be finite"
+            )
 
 
 def _check_input_names(where: str, names: set[str], loss_fn: LossFn) -> None:

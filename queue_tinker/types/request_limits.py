@@ -10,6 +10,7 @@ worker by loss_inputs.check_batch and sampling.check_sample.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -153,24 +154,32 @@ def encode_request(body: Any, limits: RequestLimits) -> bytes:
 def unencodable(value: Any, path: str) -> str | None:
     """The path of the first value in `value` the queue's codec cannot carry (only walked
     after an encode failed)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return None if _INT_RANGE[0] <= value < _INT_RANGE[1] else path or "request"
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return path or "request"
-        return None
-    if isinstance(value, dict):
-        items: Any = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
-    elif isinstance(value, list | tuple):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    else:
-        return None
-    for where, item in items:
+    if not isinstance(value, dict | list | tuple):
+        return None if _leaf_encodes(value) else path or "request"
+    for where, item in _items(value, path):
         found = unencodable(item, where)
         if found is not None:
             return found
     return None
+
+
+def _leaf_encodes(value: Any) -> bool:
+    """Whether a value that holds no others can travel: an integer within msgpack's range (a
+    bool is one), a string that is valid Unicode. Any other leaf is left to the codec."""
+    if isinstance(value, int):
+        return _INT_RANGE[0] <= value < _INT_RANGE[1]
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+    return True
+
+
+def _items(
+    value: dict[Any, Any] | list[Any] | tuple[Any, ...], path: str
+) -> Iterator[tuple[str, Any]]:
+    """The values a dict, list or tuple holds, each with its path."""
+    if isinstance(value, dict):
+        return ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    return ((f"{path}[{i}]", v) for i, v in enumerate(value))
