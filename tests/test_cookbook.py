@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import pytest
@@ -260,7 +261,9 @@ def teacher_checkpoint(prompt: bytes, answer: bytes) -> str:
 
 def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Path) -> None:
     """distillation.train_on_policy with a teacher checkpoint: the student's reverse KL to the
-    teacher, measured on its own samples, falls."""
+    teacher, measured on its own samples, falls. One step's KL is an estimate from 16 samples of
+    8 tokens (unseeded), and single steps spike: the medians of the first and last five of 16
+    steps are compared, not single steps."""
     import chz
     from tinker_cookbook import renderers
     from tinker_cookbook.distillation import train_on_policy
@@ -280,7 +283,7 @@ def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Pa
             tokenizer = tokenizer_utils.get_tokenizer(TINY)
             renderer = renderers.get_renderer(RENDERER, tokenizer)
             return PromptOnlyDataset(
-                [prompt] * 16, batch_size=2, group_size=8, renderer=renderer, tokenizer=tokenizer
+                [prompt] * 32, batch_size=2, group_size=8, renderer=renderer, tokenizer=tokenizer
             ), None
 
     config = train_on_policy.Config(
@@ -304,7 +307,7 @@ def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Pa
     )
     asyncio.run(train_on_policy.main(config))
     kls = [m["teacher_kl"] for m in metrics(tmp_path / "distill") if "teacher_kl" in m]
-    assert len(kls) == 8 and sum(kls[-3:]) < 0.7 * sum(kls[:3]), kls
+    assert len(kls) == 16 and median(kls[-5:]) < 0.5 * median(kls[:5]), kls
 
 
 # --- weights download -----------------------------------------------------------------------
