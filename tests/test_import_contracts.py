@@ -15,7 +15,7 @@ ENGINES_CONTRACT = "the engines know no Redis, no SQL and no settings"
 # The worker's I/O loop: leases, reading the streams, heartbeats, publishing, and what it runs
 # next (scheduling.py, pure, but over leases the loop holds). Every other
 # module of workers/ is an engine and goes in the engines contract's source_modules.
-IO_LOOP = {"main", "worker", "turns", "owned", "scheduling"}
+IO_LOOP = {"main", "worker", "turns", "owned", "scheduling", "presence"}
 
 
 def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:

@@ -22,43 +22,39 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Sequence, Set
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from queue_tinker.types.sampling import SampledSequence, SampleResponse, SamplingParams, StopReason
+from queue_tinker.types.sampling import SampleResponse, SamplingParams
+from queue_tinker.workers.decode_rows import (
+    UNIFORM_BLOCK,
+    Key,
+    LiveRequest,
+    Rows,
+    kept,
+    per_sample,
+)
 from queue_tinker.workers.prompt_scores import prompt_scores, wants_prompt_scores
 from queue_tinker.workers.token_choice import (
-    is_greedy,
     needs_sort,
-    request_seed,
     sample_tokens,
     sample_unfiltered,
 )
 
-BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
 # Rows x vocab per softmax / sort pass: bounds their float and index copies (~0.4 GB) however
 # many samples a batch holds.
 CHUNK_ELEMENTS = 1 << 25
-# Uniforms are drawn this many steps ahead, one generator call per sample per block.
-UNIFORM_BLOCK = 64
-# Sample j of a request seeds its generator with seed + j * stride (a 64-bit odd constant, the
-# golden ratio's: the samples' seeds are far apart whatever the request's seed).
-SAMPLE_SEED_STRIDE = 0x9E37_79B9_7F4A_7C15
-SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 # Padded prompt tokens (prefill rows x longest prompt) one step prefills at most; a request
 # bigger than that goes alone. It keeps a step short however many requests arrive at once: a
 # step is the worker's scheduling quantum, what other models' ops wait for at most.
 PREFILL_TOKENS = 4096
 
-Key = Hashable
 Finished = list[tuple[Key, SampleResponse]]
 
 
@@ -113,183 +109,6 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = True
 
 
-# --- requests and rows --------------------------------------------------------------------------
-@dataclass(eq=False)  # compared and hashed by identity
-class _Request:
-    """A request in the loop: its draws, and what each of its samples produced so far."""
-
-    key: Key
-    spec: GenerationRequest
-    stop_ids: list[int]
-    greedy: bool
-    generators: list[torch.Generator]  # one per sample (none for a greedy request)
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    reasons: list[StopReason]
-    live: int  # samples still generating
-    admitted: int = 0  # samples that joined the loop so far (rows beyond max_rows wait)
-    # What it asked about its prompt (prompt_scores.py): SampleResponse fields.
-    prompt_scores: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def make(cls, key: Key, spec: GenerationRequest, eos_token_ids: Sequence[int]) -> _Request:
-        greedy = is_greedy(spec.params)
-        n = spec.num_samples
-        seed = request_seed(spec.params)
-        # Sample j draws from its own stream, so its draws do not depend on when it joins (a
-        # request with more samples than max_rows joins in parts) nor on anything else.
-        generators = (
-            []
-            if greedy
-            else [
-                torch.Generator().manual_seed((seed + j * SAMPLE_SEED_STRIDE) & SEED_MASK)
-                for j in range(n)
-            ]
-        )
-        return cls(
-            key=key,
-            spec=spec,
-            stop_ids=spec.params.ending_token_ids(eos_token_ids),
-            greedy=greedy,
-            generators=generators,
-            tokens=[[] for _ in range(n)],
-            logprobs=[[] for _ in range(n)],
-            reasons=["length"] * n,
-            live=n,
-        )
-
-    @property
-    def adapter(self) -> str:
-        return self.spec.adapter or BASE_ADAPTER
-
-    def response(self) -> SampleResponse:
-        return SampleResponse(
-            sequences=[
-                SampledSequence(stop_reason=reason, tokens=tokens, logprobs=logprobs)
-                for tokens, logprobs, reason in zip(
-                    self.tokens, self.logprobs, self.reasons, strict=True
-                )
-            ],
-            **self.prompt_scores,
-        )
-
-
-@dataclass
-class _Rows:
-    """A batch of rows (samples), aligned with its KV cache; a request's rows are adjacent."""
-
-    requests: list[_Request]
-    samples: list[int]  # which sample of its request each row is
-    cache: DynamicCache
-    mask: torch.Tensor  # (rows, cached positions): 1 at a row's real tokens, 0 at its padding
-    next_pos: torch.Tensor  # (rows,): the position of the token each row is fed next
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    stop_ids: torch.Tensor  # (rows, most stop ids of a row), padded with -1 (no token)
-    uniforms: torch.Tensor  # (rows, UNIFORM_BLOCK): each sampled row's draws for its block
-    tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-
-    @classmethod
-    def build(
-        cls,
-        requests: list[_Request],
-        samples: list[int],
-        cache: DynamicCache,
-        mask: torch.Tensor,
-        next_pos: torch.Tensor,
-    ) -> _Rows:
-        device = mask.device
-        params = [r.spec.params for r in requests]
-        # Greedy rows never divide by their temperature; 1 keeps the arithmetic finite.
-        temperature = [1.0 if r.greedy else r.spec.params.temperature for r in requests]
-        width = max(1, *(len(r.stop_ids) for r in requests))
-        stops = [r.stop_ids + [-1] * (width - len(r.stop_ids)) for r in requests]
-        return cls(
-            requests=requests,
-            samples=samples,
-            cache=cache,
-            mask=mask,
-            next_pos=next_pos,
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            stop_ids=torch.tensor(stops, dtype=torch.long, device=device),
-            uniforms=torch.zeros((len(requests), UNIFORM_BLOCK)),
-        )
-
-    @property
-    def size(self) -> int:
-        return len(self.requests)
-
-    @property
-    def adapters(self) -> list[str]:
-        return [r.adapter for r in self.requests]
-
-    def mergeable(self) -> bool:
-        """Whether other rows can join this cache: plain per-layer key / value tensors (a
-        sliding-window or quantised cache keeps its own bookkeeping)."""
-        return _plain_layers(self.cache) is not None
-
-    def select(self, keep: list[int]) -> None:
-        """Keep these rows only, in order; then cut the columns no remaining row uses."""
-        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        self.cache.batch_select_indices(index)
-        self.requests = [self.requests[i] for i in keep]
-        self.samples = [self.samples[i] for i in keep]
-        for name in ("mask", "next_pos", "temperature", "top_k", "top_p", "stop_ids", "tokens"):
-            setattr(self, name, getattr(self, name)[index])
-        self.uniforms = self.uniforms[index.cpu()]
-        layers = _plain_layers(self.cache)
-        start = int(self.mask.any(dim=0).int().argmax())  # the first column anyone uses
-        if start > 0 and layers is not None:
-            self.mask = self.mask[:, start:]
-            for layer, (keys, values) in layers:
-                layer.keys, layer.values = keys[:, :, start:], values[:, :, start:]
-
-    def merge(self, other: _Rows) -> None:
-        """Append `other`'s rows (and cache) after these; the narrower side is left-padded."""
-        width = max(self.mask.shape[1], other.mask.shape[1])
-        ours, theirs = _plain_layers(self.cache), _plain_layers(other.cache)
-        assert ours is not None and theirs is not None, "merge() needs mergeable() caches"
-        for (layer, (keys, values)), (_, (new_keys, new_values)) in zip(ours, theirs, strict=True):
-            layer.keys = torch.cat([_pad_left(keys, width), _pad_left(new_keys, width)])
-            layer.values = torch.cat([_pad_left(values, width), _pad_left(new_values, width)])
-        self.mask = torch.cat(
-            [
-                F.pad(self.mask, (width - self.mask.shape[1], 0)),
-                F.pad(other.mask, (width - other.mask.shape[1], 0)),
-            ]
-        )
-        stops = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
-        self.stop_ids = torch.cat(
-            [F.pad(s, (0, stops - s.shape[1]), value=-1) for s in (self.stop_ids, other.stop_ids)]
-        )
-        for name in ("next_pos", "temperature", "top_k", "top_p", "tokens", "uniforms"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        self.requests += other.requests
-        self.samples += other.samples
-
-
-def _plain_layers(
-    cache: DynamicCache,
-) -> list[tuple[DynamicLayer, tuple[torch.Tensor, torch.Tensor]]] | None:
-    """The cache's layers with their (keys, values), if every layer is a plain DynamicLayer
-    holding tensors; else None."""
-    layers = []
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer or layer.keys is None or layer.values is None:
-            return None
-        layers.append((layer, (layer.keys, layer.values)))
-    return layers
-
-
-def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
-    """(batch, heads, positions, dim) key / value states, zero-padded to `width` positions on
-    the left (the attention mask hides them)."""
-    return F.pad(states, (0, 0, width - states.shape[-2], 0))
-
-
 # --- the loop -----------------------------------------------------------------------------------
 class DecodeLoop:
     """Requests wait (`add`), join the running batch at a step, and leave it when done.
@@ -311,8 +130,8 @@ class DecodeLoop:
         self.decode = decode
         self.max_rows = max_rows  # rows in the batch at once (KV-cache memory); None: no cap
         self.prefill_tokens = prefill_tokens
-        self.waiting: deque[_Request] = deque()
-        self.running: _Rows | None = None
+        self.waiting: deque[LiveRequest] = deque()
+        self.running: Rows | None = None
 
     @property
     def busy(self) -> bool:
@@ -324,14 +143,14 @@ class DecodeLoop:
 
     def add(self, key: Key, request: GenerationRequest) -> None:
         """Queue a request; it joins at the next step with room for it (FIFO)."""
-        self.waiting.append(_Request.make(key, request, self.eos_token_ids))
+        self.waiting.append(LiveRequest.make(key, request, self.eos_token_ids))
 
     def cancel(self, keys: Set[Key]) -> None:
         """Forget these requests, waiting or running (their results would go nowhere)."""
         self.waiting = deque(r for r in self.waiting if r.key not in keys)
         if self.running is not None:
             keep = [i for i, r in enumerate(self.running.requests) if r.key not in keys]
-            self.running = _kept(self.running, keep)
+            self.running = kept(self.running, keep)
 
     def clear(self) -> list[Key]:
         """Forget everything (after a failed step: the cache may be half-updated); the keys of
@@ -385,14 +204,14 @@ class DecodeLoop:
             model, rows.tokens[:, None], mask, rows.next_pos[:, None], rows.cache, rows.adapters
         )[:, -1]
         rows.mask, rows.next_pos = mask, rows.next_pos + 1
-        self.running = _kept(rows, self._advance(rows, logits, finished))
+        self.running = kept(rows, self._advance(rows, logits, finished))
 
     def _admit(self, model: torch.nn.Module, finished: Finished) -> None:
         taken = self._take()
         if not taken:
             return  # the first in line waits for rows to free
         incoming, logits = self._prefill(model, taken)
-        joining = _kept(incoming, self._advance(incoming, logits, finished))
+        joining = kept(incoming, self._advance(incoming, logits, finished))
         if joining is None:
             return
         if self.running is None:
@@ -400,12 +219,12 @@ class DecodeLoop:
         else:
             self.running.merge(joining)
 
-    def _take(self) -> list[tuple[_Request, range]]:
+    def _take(self) -> list[tuple[LiveRequest, range]]:
         """Waiting requests (and which of their samples), first come first served, while the
         batch has rows for them and this step's prefill stays within its budget. A request
         with more samples than there are free rows takes what is free (all of max_rows when the
         loop is empty) and waits for rows for the rest."""
-        taken: list[tuple[_Request, range]] = []
+        taken: list[tuple[LiveRequest, range]] = []
         rows = self.rows
         prompts: set[tuple[tuple[int, ...], str]] = set()
         width = 0
@@ -432,8 +251,8 @@ class DecodeLoop:
         return taken
 
     def _prefill(
-        self, model: torch.nn.Module, taken: list[tuple[_Request, range]]
-    ) -> tuple[_Rows, torch.Tensor]:
+        self, model: torch.nn.Module, taken: list[tuple[LiveRequest, range]]
+    ) -> tuple[Rows, torch.Tensor]:
         """Each distinct (prompt, adapter) once, left-padded; the cache expanded to one row per
         sample. The new rows, and the logits each row chooses its first token from."""
         unique: dict[tuple[tuple[int, ...], str], int] = {}
@@ -455,11 +274,11 @@ class DecodeLoop:
             last_only=not any(wanted),
         )
         _record_prompt_scores(taken, source, wanted, logits)
-        requests, samples, rows = _per_sample(taken, source)
+        requests, samples, rows = per_sample(taken, source)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         if rows != list(range(len(unique))):  # expand to samples
             cache.batch_select_indices(index)
-        incoming = _Rows.build(
+        incoming = Rows.build(
             requests=requests,
             samples=samples,
             cache=cache,
@@ -469,7 +288,7 @@ class DecodeLoop:
         return incoming, logits[:, -1][index]
 
     # --- choosing and stopping ---
-    def _advance(self, rows: _Rows, logits: torch.Tensor, finished: Finished) -> list[int]:
+    def _advance(self, rows: Rows, logits: torch.Tensor, finished: Finished) -> list[int]:
         """Choose every row's next token, record it, and end the rows it ends (a request ends
         with its last row); the rows that go on."""
         tokens, logprobs = self._choose(rows, logits)
@@ -493,14 +312,14 @@ class DecodeLoop:
                 keep.append(i)
         return keep
 
-    def _hits_stop_string(self, request: _Request, sequence: list[int]) -> bool:
+    def _hits_stop_string(self, request: LiveRequest, sequence: list[int]) -> bool:
         strings = request.spec.params.stop_strings
         if not strings:
             return False
         decoded = self.decode(sequence)
         return any(s in decoded for s in strings)
 
-    def _choose(self, rows: _Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(self, rows: Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, raw logprobs of them): argmax for greedy rows; the others draw with this
         step's uniform of their sample (logprobs are the model's, not the tempered ones)."""
         tokens = logits.argmax(dim=-1)
@@ -529,7 +348,7 @@ class DecodeLoop:
 
     def _draw(
         self,
-        rows: _Rows,
+        rows: Rows,
         logits: torch.Tensor,
         tokens: torch.Tensor,
         at: torch.Tensor,
@@ -574,7 +393,7 @@ def _padded_prompts(
 
 
 def _record_prompt_scores(
-    taken: list[tuple[_Request, range]],
+    taken: list[tuple[LiveRequest, range]],
     source: list[int],
     wanted: list[bool],
     logits: torch.Tensor,
@@ -583,30 +402,6 @@ def _record_prompt_scores(
     for (request, _), row, want in zip(taken, source, wanted, strict=True):
         if want:
             request.prompt_scores = prompt_scores(logits[row], request.spec)
-
-
-def _per_sample(
-    taken: list[tuple[_Request, range]], source: list[int]
-) -> tuple[list[_Request], list[int], list[int]]:
-    """One entry per sample taken, in order: its request, its sample number, and the prefill
-    row of its prompt."""
-    requests: list[_Request] = []
-    samples: list[int] = []
-    rows: list[int] = []
-    for (request, taken_samples), row in zip(taken, source, strict=True):
-        requests.extend([request] * len(taken_samples))
-        samples.extend(taken_samples)
-        rows.extend([row] * len(taken_samples))
-    return requests, samples, rows
-
-
-def _kept(rows: _Rows, keep: list[int]) -> _Rows | None:
-    """The rows after keeping `keep`; None when none is left."""
-    if not keep:
-        return None
-    if len(keep) < rows.size:
-        rows.select(keep)
-    return rows
 
 
 def _chunks(rows: int, vocab: int) -> list[slice]:

@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 import random
-import socket
 import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from queue_tinker.errors import ErrorCategory, LeaseLostError, QueueTinkerError
@@ -34,10 +30,11 @@ from queue_tinker.queue.connection import Reconnector, describe
 from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome, Start
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
-from queue_tinker.types import JobStatus, WorkerRecord
+from queue_tinker.types import JobStatus
 from queue_tinker.types.records import Record
 from queue_tinker.workers.engine import Engine, OpResult
 from queue_tinker.workers.owned import OwnedModel
+from queue_tinker.workers.presence import Identity, registry_fields, worker_record
 from queue_tinker.workers.scheduling import QUANTUM_S, Scheduler, Turn, TurnKind, quantum_after
 from queue_tinker.workers.turns import SteppedTurns
 
@@ -102,7 +99,9 @@ class Worker(SteppedTurns):
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qt-compute")
         self._control_cursor = b"$"
         self._stops: dict[str, str] = {}
-        self._started_at = time.time()
+        self.identity = Identity(
+            config.worker_id, config.base_model, config.device, started_at=time.time()
+        )
         self._ops_done = 0
 
     @property
@@ -118,7 +117,7 @@ class Worker(SteppedTurns):
 
     async def run(self) -> None:
         await self._redis(self._beat)
-        await self._redis(self.records.append, self._record())
+        await self._redis(self.records.append, worker_record(self.identity))
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -510,7 +509,7 @@ class Worker(SteppedTurns):
             await self._redis(self._beat)
             beats += 1
             if beats % 10 == 0:
-                await self._redis(self.records.append, self._record())
+                await self._redis(self.records.append, worker_record(self.identity))
 
     async def _reaper_loop(self) -> None:
         period = self.config.lease_ttl_ms / 2000
@@ -524,38 +523,16 @@ class Worker(SteppedTurns):
         return self.stopping.is_set()
 
     async def _beat(self) -> None:
-        current = self.current
-        await self.registry.beat(
-            self.id,
-            {
-                "base_model": self.config.base_model,
-                "device": self.config.device,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "started_at": self._started_at,
-                "owned": len(self.owned),
-                "ops_done": self._ops_done,
-                "current_op": f"{current.kind}:{current.job_id}" if current else "",
-                "stopping": int(self.stopping.is_set()),
-                "memory_bytes": process_memory_bytes(),
-                "device_memory_bytes": self.engine.device_memory_bytes(),
-                "resident": json.dumps(self.engine.resident()),
-            },
-            ttl_ms=self.config.lease_ttl_ms * 3,
+        fields = registry_fields(
+            self.identity,
+            owned=len(self.owned),
+            ops_done=self._ops_done,
+            current=self.current,
+            stopping=self.stopping.is_set(),
+            device_memory_bytes=self.engine.device_memory_bytes(),
+            resident=self.engine.resident(),
         )
-
-    def _record(self, *, stopped: bool = False) -> WorkerRecord:
-        now = time.time()
-        return WorkerRecord(
-            id=self.id,
-            base_model=self.config.base_model,
-            device=self.config.device,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            started_at=self._started_at,
-            last_heartbeat_at=now,
-            stopped_at=now if stopped else None,
-        )
+        await self.registry.beat(self.id, fields, ttl_ms=self.config.lease_ttl_ms * 3)
 
     async def _shutdown(self) -> None:
         """Hand every model back (offering those with pending ops) and deregister."""
@@ -573,7 +550,7 @@ class Worker(SteppedTurns):
                 )
         self.owned.clear()
         try:  # the registry entry expires by itself; the record is the dashboard's history
-            await self.records.append(self._record(stopped=True))
+            await self.records.append(worker_record(self.identity, stopped=True))
             await self.registry.remove(self.id)
         except Exception as exc:
             log.warning("%s: could not deregister (%s)", self.id, describe(exc))
@@ -595,14 +572,3 @@ def _limited_by_model(
 def _should_release(idle_for: float, linger_s: float, parked: bool) -> bool:
     """An idle model goes after the linger time, or sooner when its tenant has a run parked."""
     return idle_for >= linger_s or (parked and idle_for >= PARKED_RELEASE_AFTER_S)
-
-
-def process_memory_bytes() -> int:
-    """This process's resident memory (Linux: /proc; elsewhere its peak, from getrusage)."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

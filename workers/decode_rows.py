@@ -1,0 +1,230 @@
+"""The decode loop's live state: each request's draws and outputs so far (`LiveRequest`), and
+a batch of rows aligned with its KV cache (`Rows`) that rows leave (`select`) and join
+(`merge`, the narrower cache left-padded) between steps."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from queue_tinker.types.sampling import SampledSequence, SampleResponse, StopReason
+from queue_tinker.workers.token_choice import is_greedy, request_seed
+
+if TYPE_CHECKING:
+    from queue_tinker.workers.sampler import GenerationRequest
+
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
+# Uniforms are drawn this many steps ahead, one generator call per sample per block.
+UNIFORM_BLOCK = 64
+# Sample j of a request seeds its generator with seed + j * stride (a 64-bit odd constant, the
+# golden ratio's: the samples' seeds are far apart whatever the request's seed).
+SAMPLE_SEED_STRIDE = 0x9E37_79B9_7F4A_7C15
+SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+Key = Hashable
+
+
+@dataclass(eq=False)  # compared and hashed by identity
+class LiveRequest:
+    """A request in the loop: its draws, and what each of its samples produced so far."""
+
+    key: Key
+    spec: GenerationRequest
+    stop_ids: list[int]
+    greedy: bool
+    generators: list[torch.Generator]  # one per sample (none for a greedy request)
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    reasons: list[StopReason]
+    live: int  # samples still generating
+    admitted: int = 0  # samples that joined the loop so far (rows beyond max_rows wait)
+    # What it asked about its prompt (prompt_scores.py): SampleResponse fields.
+    prompt_scores: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, key: Key, spec: GenerationRequest, eos_token_ids: Sequence[int]) -> LiveRequest:
+        greedy = is_greedy(spec.params)
+        n = spec.num_samples
+        seed = request_seed(spec.params)
+        # Sample j draws from its own stream, so its draws do not depend on when it joins (a
+        # request with more samples than max_rows joins in parts) nor on anything else.
+        generators = (
+            []
+            if greedy
+            else [
+                torch.Generator().manual_seed((seed + j * SAMPLE_SEED_STRIDE) & SEED_MASK)
+                for j in range(n)
+            ]
+        )
+        return cls(
+            key=key,
+            spec=spec,
+            stop_ids=spec.params.ending_token_ids(eos_token_ids),
+            greedy=greedy,
+            generators=generators,
+            tokens=[[] for _ in range(n)],
+            logprobs=[[] for _ in range(n)],
+            reasons=["length"] * n,
+            live=n,
+        )
+
+    @property
+    def adapter(self) -> str:
+        return self.spec.adapter or BASE_ADAPTER
+
+    def response(self) -> SampleResponse:
+        return SampleResponse(
+            sequences=[
+                SampledSequence(stop_reason=reason, tokens=tokens, logprobs=logprobs)
+                for tokens, logprobs, reason in zip(
+                    self.tokens, self.logprobs, self.reasons, strict=True
+                )
+            ],
+            **self.prompt_scores,
+        )
+
+
+@dataclass
+class Rows:
+    """A batch of rows (samples), aligned with its KV cache; a request's rows are adjacent."""
+
+    requests: list[LiveRequest]
+    samples: list[int]  # which sample of its request each row is
+    cache: DynamicCache
+    mask: torch.Tensor  # (rows, cached positions): 1 at a row's real tokens, 0 at its padding
+    next_pos: torch.Tensor  # (rows,): the position of the token each row is fed next
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    stop_ids: torch.Tensor  # (rows, most stop ids of a row), padded with -1 (no token)
+    uniforms: torch.Tensor  # (rows, UNIFORM_BLOCK): each sampled row's draws for its block
+    tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    @classmethod
+    def build(
+        cls,
+        requests: list[LiveRequest],
+        samples: list[int],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        next_pos: torch.Tensor,
+    ) -> Rows:
+        device = mask.device
+        params = [r.spec.params for r in requests]
+        # Greedy rows never divide by their temperature; 1 keeps the arithmetic finite.
+        temperature = [1.0 if r.greedy else r.spec.params.temperature for r in requests]
+        width = max(1, *(len(r.stop_ids) for r in requests))
+        stops = [r.stop_ids + [-1] * (width - len(r.stop_ids)) for r in requests]
+        return cls(
+            requests=requests,
+            samples=samples,
+            cache=cache,
+            mask=mask,
+            next_pos=next_pos,
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            stop_ids=torch.tensor(stops, dtype=torch.long, device=device),
+            uniforms=torch.zeros((len(requests), UNIFORM_BLOCK)),
+        )
+
+    @property
+    def size(self) -> int:
+        return len(self.requests)
+
+    @property
+    def adapters(self) -> list[str]:
+        return [r.adapter for r in self.requests]
+
+    def mergeable(self) -> bool:
+        """Whether other rows can join this cache: plain per-layer key / value tensors (a
+        sliding-window or quantised cache keeps its own bookkeeping)."""
+        return plain_layers(self.cache) is not None
+
+    def select(self, keep: list[int]) -> None:
+        """Keep these rows only, in order; then cut the columns no remaining row uses."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.requests = [self.requests[i] for i in keep]
+        self.samples = [self.samples[i] for i in keep]
+        for name in ("mask", "next_pos", "temperature", "top_k", "top_p", "stop_ids", "tokens"):
+            setattr(self, name, getattr(self, name)[index])
+        self.uniforms = self.uniforms[index.cpu()]
+        layers = plain_layers(self.cache)
+        start = int(self.mask.any(dim=0).int().argmax())  # the first column anyone uses
+        if start > 0 and layers is not None:
+            self.mask = self.mask[:, start:]
+            for layer, (keys, values) in layers:
+                layer.keys, layer.values = keys[:, :, start:], values[:, :, start:]
+
+    def merge(self, other: Rows) -> None:
+        """Append `other`'s rows (and cache) after these; the narrower side is left-padded."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        ours, theirs = plain_layers(self.cache), plain_layers(other.cache)
+        assert ours is not None and theirs is not None, "merge() needs mergeable() caches"
+        for (layer, (keys, values)), (_, (new_keys, new_values)) in zip(ours, theirs, strict=True):
+            layer.keys = torch.cat([pad_left(keys, width), pad_left(new_keys, width)])
+            layer.values = torch.cat([pad_left(values, width), pad_left(new_values, width)])
+        self.mask = torch.cat(
+            [
+                F.pad(self.mask, (width - self.mask.shape[1], 0)),
+                F.pad(other.mask, (width - other.mask.shape[1], 0)),
+            ]
+        )
+        stops = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
+        self.stop_ids = torch.cat(
+            [F.pad(s, (0, stops - s.shape[1]), value=-1) for s in (self.stop_ids, other.stop_ids)]
+        )
+        for name in ("next_pos", "temperature", "top_k", "top_p", "tokens", "uniforms"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.requests += other.requests
+        self.samples += other.samples
+
+
+def plain_layers(
+    cache: DynamicCache,
+) -> list[tuple[DynamicLayer, tuple[torch.Tensor, torch.Tensor]]] | None:
+    """The cache's layers with their (keys, values), if every layer is a plain DynamicLayer
+    holding tensors; else None."""
+    layers = []
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer or layer.keys is None or layer.values is None:
+            return None
+        layers.append((layer, (layer.keys, layer.values)))
+    return layers
+
+
+def pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, heads, positions, dim) key / value states, zero-padded to `width` positions on
+    the left (the attention mask hides them)."""
+    return F.pad(states, (0, 0, width - states.shape[-2], 0))
+
+
+def per_sample(
+    taken: list[tuple[LiveRequest, range]], source: list[int]
+) -> tuple[list[LiveRequest], list[int], list[int]]:
+    """One entry per sample taken, in order: its request, its sample number, and the prefill
+    row of its prompt."""
+    requests: list[LiveRequest] = []
+    samples: list[int] = []
+    rows: list[int] = []
+    for (request, taken_samples), row in zip(taken, source, strict=True):
+        requests.extend([request] * len(taken_samples))
+        samples.extend(taken_samples)
+        rows.extend([row] * len(taken_samples))
+    return requests, samples, rows
+
+
+def kept(rows: Rows, keep: list[int]) -> Rows | None:
+    """The rows after keeping `keep`; None when none is left."""
+    if not keep:
+        return None
+    if len(keep) < rows.size:
+        rows.select(keep)
+    return rows
