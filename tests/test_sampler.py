@@ -731,3 +731,112 @@ def test_a_request_bigger_than_the_loop_joins_in_parts_with_the_same_samples(set
         JOINED_VS_ALONE,
     )
     assert_near(done["other"], expected[1])
+
+
+# --- prompts in flight, shared across steps -----------------------------------------------------
+def in_flight(loop: sampler.DecodeLoop) -> set[tuple[tuple[int, ...], str]]:
+    running = loop.running.requests if loop.running is not None else []
+    return {(tuple(r.spec.prompt), r.adapter) for r in [*loop.waiting, *running]}
+
+
+def test_a_request_joining_an_identical_running_prompt_is_not_prefilled_again(
+    setup: Setup,
+) -> None:
+    """Requests whose (prompt, adapter) is already in the loop join from its kept prefill: no
+    prompt token of theirs runs through the model, they merge with the rows prefilled in the
+    same step, and each samples what it samples alone with the same seed."""
+    first = request(PROMPTS[1], "a1", max_tokens=12, seed=31, stop=[])
+    short = request(PROMPTS[2], None, max_tokens=12, seed=32, stop=[])
+    later = request(PROMPTS[1], "a1", n=2, max_tokens=8, seed=33, stop=[], top_p=0.9)
+    again = request(PROMPTS[2], None, max_tokens=8, temperature=0, stop=[])
+    other = request(PROMPTS[0], "a1", max_tokens=6, seed=34, stop=[])  # prefilled meanwhile
+    loop = new_loop(setup)
+    loop.add("first", first)
+    loop.add("short", short)
+    for _ in range(3):
+        assert not loop.step(setup.model)
+    assert loop.prefilled_tokens == len(PROMPTS[1]) + len(PROMPTS[2])
+    for key, req in (("later", later), ("again", again), ("other", other)):
+        loop.add(key, req)
+    assert not loop.step(setup.model)
+    assert loop.rows == 2 + 2 + 1 + 1
+    assert loop.prefilled_tokens == len(PROMPTS[1]) + len(PROMPTS[2]) + len(PROMPTS[0])
+    done = drain(loop, setup.model)
+    requests = {"first": first, "short": short, "later": later, "again": again, "other": other}
+    for key, req in requests.items():
+        assert_near(done[key], run(setup, [req])[0])
+    assert not loop.prompts.entries and not loop.prompts.users
+
+
+def test_a_kept_prompt_leaves_with_the_last_request_on_it(setup: Setup) -> None:
+    """Kept prompts are only those of requests in the loop (waiting or running): finishing,
+    cancel and clear drop them, so a stream of requests does not grow them. A prompt that
+    stays in flight is prefilled once, however many requests come for it."""
+    loop = new_loop(setup)
+    for i in range(8):
+        loop.add(("same", i), request(PROMPTS[1], "a2", max_tokens=3, seed=i, stop=[]))
+        loop.add(("own", i), request([*PROMPTS[0], 40 + i], "a2", max_tokens=2, seed=i, stop=[]))
+        loop.step(setup.model)
+        assert set(loop.prompts.entries) <= in_flight(loop)
+        assert len(loop.prompts.entries) <= 3
+    drain(loop, setup.model)
+    assert not loop.prompts.entries and not loop.prompts.users
+    assert loop.prefilled_tokens == len(PROMPTS[1]) + 8 * (len(PROMPTS[0]) + 1)
+
+    loop.add("x", request(PROMPTS[3], None, max_tokens=10, seed=1, stop=[]))
+    loop.step(setup.model)
+    loop.add("y", request(PROMPTS[3], None, max_tokens=10, seed=2, stop=[]))
+    loop.cancel({"x"})
+    assert len(loop.prompts.entries) == 1  # y still waits on it
+    before = loop.prefilled_tokens
+    loop.step(setup.model)
+    assert loop.rows == 1 and loop.prefilled_tokens == before
+    loop.cancel({"y"})
+    assert not loop.busy and not loop.prompts.entries and not loop.prompts.users
+    loop.add("z", request(PROMPTS[3], None, max_tokens=10, seed=3, stop=[]))
+    loop.step(setup.model)
+    assert loop.prompts.entries
+    assert loop.clear() == ["z"]
+    assert not loop.prompts.entries and not loop.prompts.users
+
+
+def test_a_request_for_prompt_scores_prefills_its_prompt_even_in_flight(setup: Setup) -> None:
+    """Prompt logprobs need the logits at every prompt position: such a request prefills its
+    prompt though an identical one runs, and gets the scores it gets alone."""
+    first = request(PROMPTS[1], "a1", max_tokens=10, seed=41, stop=[])
+    scored = request(PROMPTS[1], "a1", max_tokens=5, seed=42, stop=[], prompt_logprobs=True)
+    loop = new_loop(setup)
+    loop.add("first", first)
+    loop.step(setup.model)
+    loop.add("scored", scored)
+    loop.step(setup.model)
+    assert loop.prefilled_tokens == 2 * len(PROMPTS[1])
+    done = drain(loop, setup.model)
+    alone = run(setup, [scored])[0]
+    assert_near(done["scored"], alone)
+    assert done["scored"].prompt_logprobs is not None and alone.prompt_logprobs is not None
+    assert_close(
+        done["scored"].prompt_logprobs[1:], torch.tensor(alone.prompt_logprobs[1:]), JOINED_VS_ALONE
+    )
+    assert_near(done["first"], run(setup, [first])[0])
+
+
+def test_the_same_prompt_on_another_adapter_is_not_shared(setup: Setup) -> None:
+    """A prompt's states depend on its adapter: the same tokens on other adapters (or the base
+    model) are prefilled for each, and each samples what it samples alone."""
+    requests = {
+        "a1": request(PROMPTS[0], "a1", max_tokens=10, seed=51, stop=[]),
+        "a2": request(PROMPTS[0], "a2", max_tokens=8, seed=52, stop=[]),
+        "base": request(PROMPTS[0], None, max_tokens=8, seed=53, stop=[]),
+    }
+    loop = new_loop(setup)
+    loop.add("a1", requests["a1"])
+    loop.step(setup.model)
+    loop.add("a2", requests["a2"])
+    loop.add("base", requests["base"])
+    loop.step(setup.model)
+    assert loop.prefilled_tokens == 3 * len(PROMPTS[0])
+    assert len(loop.prompts.entries) == 3
+    done = drain(loop, setup.model)
+    for key, req in requests.items():
+        assert_near(done[key], run(setup, [req])[0])

@@ -6,9 +6,12 @@ next. A step first feeds every live row its last chosen token (one decode step),
 waiting requests: their prompts are prefilled (left-padded, one prefill row per distinct prompt
 and adapter, so a request's `num_samples` rows, and identical prompts admitted together, share
 it; the cache is then expanded to one row per sample), their first tokens are chosen, and their
-rows are appended to the running batch (the shorter cache left-padded to the longer). A row that
-finishes leaves at once, and columns no remaining row uses are cut off; a request is done when
-its last row is.
+rows are appended to the running batch (the shorter cache left-padded to the longer). Prompts in
+flight are shared too: a prefilled prompt's own key / value states and last logits are kept
+while any request on it (same adapter) is in the loop, and an identical request admitted at a
+later step joins from them instead of prefilling (workers/shared_prompts.py), unless it wants
+its prompt scored. A row that finishes leaves at once, and columns no remaining row uses are cut
+off; a request is done when its last row is.
 
 Each row keeps its own adapter (PEFT's mixed-adapter batches: `adapter_names` per row), its
 sampling settings, stop rules and position ids; left padding under the attention mask and
@@ -41,6 +44,7 @@ from queue_tinker.workers.decode_rows import (
     per_sample,
 )
 from queue_tinker.workers.prompt_scores import prompt_scores, wants_prompt_scores
+from queue_tinker.workers.shared_prompts import PromptKey, SharedPrompts, prompt_key
 from queue_tinker.workers.token_choice import (
     needs_sort,
     sample_tokens,
@@ -132,6 +136,8 @@ class DecodeLoop:
         self.prefill_tokens = prefill_tokens
         self.waiting: deque[LiveRequest] = deque()
         self.running: Rows | None = None
+        self.prompts = SharedPrompts()  # prompts in flight, for identical requests joining later
+        self.prefilled_tokens = 0  # prompt tokens run through the model so far (a statistic)
 
     @property
     def busy(self) -> bool:
@@ -143,10 +149,16 @@ class DecodeLoop:
 
     def add(self, key: Key, request: GenerationRequest) -> None:
         """Queue a request; it joins at the next step with room for it (FIFO)."""
-        self.waiting.append(LiveRequest.make(key, request, self.eos_token_ids))
+        live = LiveRequest.make(key, request, self.eos_token_ids)
+        self.prompts.enter(live)
+        self.waiting.append(live)
 
     def cancel(self, keys: Set[Key]) -> None:
         """Forget these requests, waiting or running (their results would go nowhere)."""
+        running = self.running.requests if self.running is not None else []
+        # A request joining in parts is both waiting and running: it leaves once.
+        for request in {id(r): r for r in [*self.waiting, *running] if r.key in keys}.values():
+            self.prompts.leave(request)
         self.waiting = deque(r for r in self.waiting if r.key not in keys)
         if self.running is not None:
             keep = [i for i, r in enumerate(self.running.requests) if r.key not in keys]
@@ -158,6 +170,7 @@ class DecodeLoop:
         requests = list(self.waiting) + (self.running.requests if self.running else [])
         self.waiting.clear()
         self.running = None
+        self.prompts.clear()
         return list(dict.fromkeys(r.key for r in requests))
 
     def step(self, model: torch.nn.Module) -> Finished:
@@ -210,14 +223,25 @@ class DecodeLoop:
         taken = self._take()
         if not taken:
             return  # the first in line waits for rows to free
-        incoming, logits = self._prefill(model, taken)
-        joining = kept(incoming, self._advance(incoming, logits, finished))
-        if joining is None:
-            return
-        if self.running is None:
-            self.running = joining
-        else:
-            self.running.merge(joining)
+        shared = [t for t in taken if self._reuses_prompt(*t)]
+        fresh = [t for t in taken if not self._reuses_prompt(*t)]
+        parts = [self._prefill(model, fresh)] if fresh else []
+        if shared:
+            parts.append(self.prompts.rows(shared))
+        for incoming, logits in parts:
+            joining = kept(incoming, self._advance(incoming, logits, finished))
+            if joining is None:
+                continue
+            if self.running is None:
+                self.running = joining
+            else:
+                self.running.merge(joining)
+
+    def _reuses_prompt(self, request: LiveRequest, samples: range) -> bool:
+        """Whether these samples join from their prompt's kept prefill; prompt scores need
+        the whole prompt's logits, so the part that reports them is prefilled."""
+        wants_scores = wants_prompt_scores(request.spec) and samples.start == 0
+        return not wants_scores and self.prompts.get(request) is not None
 
     def _take(self) -> list[tuple[LiveRequest, range]]:
         """Waiting requests (and which of their samples), first come first served, while the
@@ -255,10 +279,8 @@ class DecodeLoop:
     ) -> tuple[Rows, torch.Tensor]:
         """Each distinct (prompt, adapter) once, left-padded; the cache expanded to one row per
         sample. The new rows, and the logits each row chooses its first token from."""
-        unique: dict[tuple[tuple[int, ...], str], int] = {}
-        source = [
-            unique.setdefault((tuple(r.spec.prompt), r.adapter), len(unique)) for r, _ in taken
-        ]
+        unique: dict[PromptKey, int] = {}
+        source = [unique.setdefault(prompt_key(r), len(unique)) for r, _ in taken]
         ids, mask = _padded_prompts([prompt for prompt, _ in unique], self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0, as alone
         # What a request asks about its prompt comes with its first part.
@@ -273,6 +295,8 @@ class DecodeLoop:
             [adapter for _, adapter in unique],
             last_only=not any(wanted),
         )
+        self.prefilled_tokens += sum(len(prompt) for prompt, _ in unique)
+        self.prompts.keep(list(unique), cache, logits[:, -1])
         _record_prompt_scores(taken, source, wanted, logits)
         requests, samples, rows = per_sample(taken, source)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -308,6 +332,7 @@ class DecodeLoop:
                 request.live -= 1
                 if request.live == 0:
                     finished.append((request.key, request.response()))
+                    self.prompts.leave(request)
             else:
                 keep.append(i)
         return keep
