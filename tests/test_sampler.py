@@ -800,6 +800,34 @@ def test_a_kept_prompt_leaves_with_the_last_request_on_it(setup: Setup) -> None:
     assert not loop.prompts.entries and not loop.prompts.users
 
 
+def test_a_prompt_over_the_kept_bytes_is_prefilled_again_with_the_same_samples(
+    setup: Setup,
+) -> None:
+    """Kept prompts are a second copy of their KV states: past the loop's byte budget a
+    prompt is not kept, and an identical request arriving later prefills it again and samples
+    what it samples alone."""
+    first = request(PROMPTS[1], "a1", max_tokens=10, seed=41, stop=[])
+    later = request(PROMPTS[1], "a1", max_tokens=6, seed=42, stop=[])
+    loop = new_loop(setup)
+    loop.prompts.max_bytes = 1  # nothing fits
+    loop.add("first", first)
+    assert not loop.step(setup.model)
+    assert not loop.prompts.entries and loop.prompts.nbytes == 0
+    loop.add("later", later)
+    done = drain(loop, setup.model)
+    assert loop.prefilled_tokens == 2 * len(PROMPTS[1])
+    for key, req in (("first", first), ("later", later)):
+        assert_near(done[key], run(setup, [req])[0])
+
+    kept = new_loop(setup)  # the default budget keeps it, and counts what it holds
+    kept.add("first", first)
+    kept.step(setup.model)
+    [entry] = kept.prompts.entries.values()
+    assert kept.prompts.nbytes == entry.nbytes > 0
+    drain(kept, setup.model)
+    assert kept.prompts.nbytes == 0
+
+
 def test_a_request_for_prompt_scores_prefills_its_prompt_even_in_flight(setup: Setup) -> None:
     """Prompt logprobs need the logits at every prompt position: such a request prefills its
     prompt though an identical one runs, and gets the scores it gets alone."""

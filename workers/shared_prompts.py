@@ -19,6 +19,11 @@ from transformers import DynamicCache
 from queue_tinker.workers.decode_rows import LiveRequest, Rows, pad_left, per_sample, plain_layers
 
 PromptKey = tuple[tuple[int, ...], str]
+# The kept states are a second copy of their prompts' KV cache: past this many bytes a prompt is
+# not kept (an identical request then prefills it), so long prompts on a big model cannot double
+# the loop's cache memory. 256 MiB keeps a few 4k-token prompts of an 8B model, or thousands of
+# short RL prompts.
+KEPT_BYTES = 1 << 28
 
 
 def prompt_key(request: LiveRequest) -> PromptKey:
@@ -37,11 +42,18 @@ class SharedPrompt:
     def length(self) -> int:
         return self.layers[0][0].shape[-2]
 
+    @property
+    def nbytes(self) -> int:
+        states = sum(k.nbytes + v.nbytes for k, v in self.layers)
+        return states + self.logits.nbytes
+
 
 class SharedPrompts:
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = KEPT_BYTES) -> None:
         self.entries: dict[PromptKey, SharedPrompt] = {}
         self.users: Counter[PromptKey] = Counter()  # requests in the loop per prompt
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # what the entries hold
 
     def enter(self, request: LiveRequest) -> None:
         self.users[prompt_key(request)] += 1
@@ -53,11 +65,14 @@ class SharedPrompts:
         self.users[key] -= 1
         if self.users[key] <= 0:
             del self.users[key]
-            self.entries.pop(key, None)
+            entry = self.entries.pop(key, None)
+            if entry is not None:
+                self.nbytes -= entry.nbytes
 
     def clear(self) -> None:
         self.entries.clear()
         self.users.clear()
+        self.nbytes = 0
 
     def get(self, request: LiveRequest) -> SharedPrompt | None:
         return self.entries.get(prompt_key(request))
@@ -73,13 +88,18 @@ class SharedPrompts:
             if key in self.entries or key not in self.users:
                 continue
             start = width - len(key[0])  # left padding: the prompt ends the row
-            self.entries[key] = SharedPrompt(
+            per_position = sum(k[row, :, 0].nbytes + v[row, :, 0].nbytes for _, (k, v) in layers)
+            if self.nbytes + per_position * (width - start) > self.max_bytes:
+                continue  # over the budget: an identical request prefills it again
+            entry = SharedPrompt(
                 layers=[
                     (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone())
                     for _, (k, v) in layers
                 ],
                 logits=last_logits[row].clone(),
             )
+            self.entries[key] = entry
+            self.nbytes += entry.nbytes
 
     def rows(self, taken: list[tuple[LiveRequest, range]]) -> tuple[Rows, torch.Tensor]:
         """Rows for requests whose prompts are kept, as `_prefill` would make them: the kept
