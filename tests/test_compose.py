@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,24 +80,37 @@ def _spec_config(env: dict[str, str]) -> dict[str, Any]:
     return config
 
 
-def _config(reader: str = "docker compose", **env: str) -> dict[str, Any]:
+def compose_env(**env: str) -> dict[str, str]:
+    """This process's environment without its QT_* variables, plus `env`: what the compose
+    file is read under."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("QT_")}
-    if reader == "compose-spec":
-        return _spec_config({**clean, **env})
+    return {**clean, **env}
+
+
+def docker_compose_config(files: Sequence[Path], env: dict[str, str]) -> dict[str, Any]:
+    """`docker compose config` of `files` layered in order, as JSON; skipped, saying how to
+    install it, where docker compose is missing."""
     command = _compose_command()
     if command is None:
         pytest.skip(INSTALL_HINT)
+    layers = [arg for path in files for arg in ("-f", str(path))]
     result = subprocess.run(
-        [*command, "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+        [*command, *layers, "config", "--format", "json"],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**clean, **env},
+        env=env,
         timeout=60,
     )
     assert result.returncode == 0, f"docker compose config failed:\n{result.stderr}"
     config: dict[str, Any] = json.loads(result.stdout)
     return config
+
+
+def _config(reader: str = "docker compose", **env: str) -> dict[str, Any]:
+    if reader == "compose-spec":
+        return _spec_config(compose_env(**env))
+    return docker_compose_config([COMPOSE_FILE], compose_env(**env))
 
 
 @pytest.mark.parametrize("reader", READERS)

@@ -3,35 +3,16 @@ run on CUDA; the rest of the service is unchanged."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
-from test_compose import INSTALL_HINT, _compose_command
+from test_compose import compose_env, docker_compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _config(*files: str, **env: str) -> dict[str, Any]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("QT_")}
-    args = [arg for name in files for arg in ("-f", str(ROOT / name))]
-    command = _compose_command()
-    if command is None:
-        pytest.skip(INSTALL_HINT)
-    result = subprocess.run(
-        [*command, *args, "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**clean, **env},
-        timeout=60,
-    )
-    assert result.returncode == 0, f"docker compose config failed:\n{result.stderr}"
-    config: dict[str, Any] = json.loads(result.stdout)
-    return config
+    return docker_compose_config([ROOT / name for name in files], compose_env(**env))
 
 
 def test_gpu_override_reserves_a_gpu_per_worker_and_runs_on_cuda() -> None:
