@@ -223,8 +223,10 @@ class DecodeLoop:
         taken = self._take()
         if not taken:
             return  # the first in line waits for rows to free
-        shared = [t for t in taken if self._reuses_prompt(*t)]
-        fresh = [t for t in taken if not self._reuses_prompt(*t)]
+        shared: list[tuple[LiveRequest, range]] = []
+        fresh: list[tuple[LiveRequest, range]] = []
+        for part in taken:
+            (shared if self._reuses_prompt(*part) else fresh).append(part)
         parts = [self._prefill(model, fresh)] if fresh else []
         if shared:
             parts.append(self.prompts.rows(shared))
