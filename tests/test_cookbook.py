@@ -263,7 +263,7 @@ def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Pa
     """distillation.train_on_policy with a teacher checkpoint: the student's reverse KL to the
     teacher, measured on its own samples, falls. One step's KL is an estimate from 16 samples of
     8 tokens (unseeded), and single steps spike: the medians of the first and last five of 16
-    steps are compared, not single steps."""
+    steps are compared, not single steps (the fall measured 2x to 6x)."""
     import chz
     from tinker_cookbook import renderers
     from tinker_cookbook.distillation import train_on_policy
@@ -307,7 +307,7 @@ def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Pa
     )
     asyncio.run(train_on_policy.main(config))
     kls = [m["teacher_kl"] for m in metrics(tmp_path / "distill") if "teacher_kl" in m]
-    assert len(kls) == 16 and median(kls[-5:]) < 0.5 * median(kls[:5]), kls
+    assert len(kls) == 16 and median(kls[-5:]) < 0.6 * median(kls[:5]), kls
 
 
 # --- weights download -----------------------------------------------------------------------
