@@ -198,6 +198,38 @@ def test_checkpointing_inside_a_cross_adapter_pass(pool: AdapterPool) -> None:
         assert_same(got[name], expected[name])
 
 
+def test_a_pass_that_fails_inside_a_checkpointed_layer_leaves_nothing_behind(
+    pool: AdapterPool,
+) -> None:
+    """Out of memory inside a checkpointed layer (raised where a CUDA allocation would fail)
+    while the exception is still held, as the worker's memory guard holds it: the next pass,
+    on other rows and adapters, gets the gradients of a pass on a fresh start. torch's
+    checkpoint leaves its saved-tensor hooks installed when the function raises; the next
+    pass's tensors then went to the failed pass's recomputation (on the GPU: "split_with_sizes
+    expects split_sizes to sum exactly to 16 ... got [8]")."""
+    data = {name: [datum(t) for t in TEXTS[i:] + TEXTS[:i]] for i, name in enumerate(pool.adapters)}
+    expected = shared_pass_grads(pool, data, CHECKPOINTED)
+
+    layer = pool.model.get_base_model().model.layers[-1]
+    calls = {"n": 0}
+
+    def fail_once(*_: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = layer.mlp.register_forward_pre_hook(fail_once)
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as failed:
+            shared_pass_grads(pool, {"m0": data["m0"] * 2, "m1": data["m1"]}, CHECKPOINTED)
+        got = shared_pass_grads(pool, data, CHECKPOINTED)
+    finally:
+        handle.remove()
+    assert failed.value is not None  # held until here, as a handler holds it
+    for name in pool.adapters:
+        assert_same(got[name], expected[name])
+
+
 def test_checkpointing_keeps_only_layer_inputs_for_backward(pool: AdapterPool) -> None:
     """With checkpointing on, the tensors a step keeps for backward shrink to a fraction of
     what a pass without it keeps (the layers' intermediates are recomputed instead); a

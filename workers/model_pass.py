@@ -20,11 +20,12 @@ recomputes through it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from queue_tinker.workers.packing import RowBatch, padding_fraction
+
+T = TypeVar("T")
 
 Checkpointing = Literal["auto", "on", "off"]
 CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("auto", "on", "off")
@@ -135,7 +138,7 @@ def _chunked_logprobs(
     for start in range(0, hidden.shape[1], step):
         chunk = (hidden[:, start : start + step], targets[:, start : start + step])
         if recompute:
-            pieces.append(checkpoint(_logprobs_of, head, softcap, *chunk, use_reentrant=False))
+            pieces.append(checkpointed_call(_logprobs_of, head, softcap, *chunk))
         else:
             pieces.append(_logprobs_of(head, softcap, *chunk))
     if not pieces:
@@ -171,4 +174,19 @@ def checkpointed(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
 
 
 def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpointed_call(forward, *args, **kwargs)
+
+
+def checkpointed_call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """function(*args, **kwargs) under torch's non-reentrant checkpoint, whose saved-tensor
+    hooks do not outlive a call that raises. Before torch 2.13 they did: checkpoint() left its
+    generator suspended inside them, kept alive by the exception's traceback, so while a
+    handler held an out-of-memory error, the next pass's tensors were saved for the failed
+    pass's recomputation (on a GPU, the retried halves of a split pass then failed)."""
+    try:
+        return cast(T, checkpoint(function, *args, use_reentrant=False, **kwargs))
+    except BaseException as exc:
+        # Dropping the finished frames' locals frees that generator now, which pops its hooks
+        # (and the failed call's tensors with them).
+        traceback.clear_frames(exc.__traceback__)
+        raise

@@ -11,6 +11,7 @@ thread, like the engine.
 from __future__ import annotations
 
 import logging
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -64,7 +65,10 @@ class MemoryGuard:
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
-            log.warning("%s ran out of memory: %s", what, exc)
+            log.warning("%s ran out of memory: %s", what, str(exc))
+            # Its frames hold the failed pass's tensors, and whoever keeps the exception (a log
+            # handler that keeps records, a debugger) would keep them from the retry: drop them.
+            traceback.clear_frames(exc.__traceback__)
             result = None
         if result is None:
             release_cached_memory(self.device)
