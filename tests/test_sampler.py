@@ -27,6 +27,7 @@ from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers import sampler
 from queue_tinker.workers.adapters import linear_names, peft_config
 from queue_tinker.workers.base_model import load_base_model
+from queue_tinker.workers.row_blocks import blocks_of
 from queue_tinker.workers.sampler import GenerationRequest, generate
 
 BASE = "queue-tinker/tiny-llama"
@@ -867,4 +868,29 @@ def test_the_same_prompt_on_another_adapter_is_not_shared(setup: Setup) -> None:
     assert len(loop.prompts.entries) == 3
     done = drain(loop, setup.model)
     for key, req in requests.items():
+        assert_near(done[key], run(setup, [req])[0])
+
+
+def test_rows_in_flight_are_kept_in_one_block_per_adapter(setup: Setup) -> None:
+    """Requests on interleaved adapters, admitted together and later, run as one block of rows
+    per adapter (one LoRA update per adapter and layer, not one per run of rows), and each
+    samples what it samples alone."""
+    adapters = ["a1", None, "a2", "a1", None, "a2"]
+    requests = [
+        request(PROMPTS[i % len(PROMPTS)], adapter, n=2, max_tokens=9, seed=20 + i, stop=[])
+        for i, adapter in enumerate(adapters)
+    ]
+    loop = new_loop(setup)
+    for key in range(3):
+        loop.add(key, requests[key])
+    done = dict(loop.step(setup.model))
+    for key in range(3, 6):  # join the running loop
+        loop.add(key, requests[key])
+    done.update(loop.step(setup.model))
+    assert loop.running is not None
+    names = loop.running.adapters
+    assert len(names) == 12
+    assert blocks_of(names) == [("a1", 4), ("__base__", 4), ("a2", 4)], names
+    done.update(drain(loop, setup.model))
+    for key, req in enumerate(requests):
         assert_near(done[key], run(setup, [req])[0])

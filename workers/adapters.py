@@ -26,6 +26,7 @@ from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.types.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
 from queue_tinker.workers.checkpoints import AdapterState, CheckpointMeta
+from queue_tinker.workers.row_blocks import lora_linear_layers
 
 # Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,
 # Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2 names).
@@ -184,9 +185,7 @@ class AdapterPool:
         on the tiny model: kept until an adapter comes or goes)."""
         if self._lora_layers is None:
             assert self.peft is not None
-            self._lora_layers = [
-                module for module in self.peft.modules() if isinstance(module, LoraLinear)
-            ]
+            self._lora_layers = lora_linear_layers(self.peft)
         return self._lora_layers
 
     @contextmanager

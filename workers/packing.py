@@ -8,7 +8,7 @@ packed datum computes what it computes alone. Padding at a row's end is never at
 real token (causal), and never scored.
 
 Rows never mix groups: in a cross-adapter pass a group is one adapter's data, and each row
-block is one adapter's (train_batch.row_blocks).
+block is one adapter's (row_blocks.py).
 """
 
 from __future__ import annotations

@@ -13,12 +13,13 @@ later step joins from them instead of prefilling (workers/shared_prompts.py), un
 its prompt scored. A row that finishes leaves at once, and columns no remaining row uses are cut
 off; a request is done when its last row is.
 
-Each row keeps its own adapter (PEFT's mixed-adapter batches: `adapter_names` per row), its
-sampling settings, stop rules and position ids; left padding under the attention mask and
-explicit positions make a row compute what it would alone, up to float rounding. Each sample
-draws its uniforms from its own generator (seeded from its request's seed and its index), a
-block of steps at a time, counted in its own steps, so its tokens do not depend on what else is
-in the loop or when it joined. A request with more samples than the loop's rows joins in parts.
+Each row keeps its own adapter (the rows of one adapter kept together, and each block of them
+gets its adapter's update in every LoRA layer: row_blocks.py), its sampling settings, stop rules
+and position ids; left padding under the attention mask and explicit positions make a row
+compute what it would alone, up to float rounding. Each sample draws its uniforms from its own
+generator (seeded from its request's seed and its index), a block of steps at a time, counted in
+its own steps, so its tokens do not depend on what else is in the loop or when it joined. A
+request with more samples than the loop's rows joins in parts.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
+from peft.tuners.lora import Linear as LoraLinear
 from transformers import DynamicCache
 
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
@@ -44,7 +46,13 @@ from queue_tinker.workers.decode_rows import (
     per_sample,
 )
 from queue_tinker.workers.prompt_scores import prompt_scores, wants_prompt_scores
-from queue_tinker.workers.shared_prompts import PromptKey, SharedPrompts, prompt_key
+from queue_tinker.workers.row_blocks import (
+    blocks_of,
+    grouped_order,
+    lora_linear_layers,
+    row_blocks,
+)
+from queue_tinker.workers.shared_prompts import SharedPrompts, prompt_key
 from queue_tinker.workers.token_choice import (
     needs_sort,
     sample_tokens,
@@ -92,16 +100,17 @@ def generate(
     loop = DecodeLoop(device, eos_token_ids, decode, max_rows=None, prefill_tokens=None)
     for index, request in enumerate(requests):
         loop.add(index, request)
+    layers = lora_linear_layers(model)
     responses: dict[Key, SampleResponse] = {}
     while loop.busy:
-        responses.update(loop.step(model))
+        responses.update(loop.step(model, layers))
     return [responses[index] for index in range(len(requests))]
 
 
 @contextmanager
 def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode meanwhile: PEFT refuses adapter_names in training mode (and get_peft_model /
-    add_adapter hand back modules in training mode); each module's own flag is restored. Only
+    """Eval mode meanwhile: LoRA's dropout is for training (and get_peft_model / add_adapter
+    hand back modules in training mode); each module's own flag is restored. Only
     modules in training mode are touched (model.eval() on every step cost ~0.5 ms)."""
     training = [module for module in model.modules() if module.training]
     for module in training:
@@ -138,6 +147,7 @@ class DecodeLoop:
         self.running: Rows | None = None
         self.prompts = SharedPrompts()  # prompts in flight, for identical requests joining later
         self.prefilled_tokens = 0  # prompt tokens run through the model so far (a statistic)
+        self._layers: Sequence[LoraLinear] = ()  # the model's LoRA layers, for this step
 
     @property
     def busy(self) -> bool:
@@ -173,11 +183,16 @@ class DecodeLoop:
         self.prompts.clear()
         return list(dict.fromkeys(r.key for r in requests))
 
-    def step(self, model: torch.nn.Module) -> Finished:
+    def step(
+        self, model: torch.nn.Module, lora_layers: Sequence[LoraLinear] | None = None
+    ) -> Finished:
         """One decode step of the running rows, then the admission of waiting requests; the
         requests that finished in it, with their responses. `model` may be a different wrapper
-        each call (a PeftModel made meanwhile around the same base): the cache is the loop's."""
+        each call (a PeftModel made meanwhile around the same base): the cache is the loop's.
+        `lora_layers`: every LoRA layer of the model, if the caller keeps the list
+        (row_blocks.lora_linear_layers); None walks the model's modules for it."""
         finished: Finished = []
+        self._layers = lora_linear_layers(model) if lora_layers is None else lora_layers
         with torch.inference_mode(), _eval_mode(model):
             if self.running is not None:
                 self._decode(model, finished)
@@ -203,11 +218,14 @@ class DecodeLoop:
             "past_key_values": cache,
             "use_cache": True,
         }
-        if isinstance(model, PeftModel):
-            kwargs["adapter_names"] = adapters
         if last_only and _takes_logits_to_keep(model):
             kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
-        return model(**kwargs).logits
+        if not isinstance(model, PeftModel):
+            return model(**kwargs).logits
+        # PeftModel.forward uses its active adapter: row_blocks replaces every LoRA layer's
+        # forward meanwhile, so each row gets its own adapter's update (the base's: none).
+        with row_blocks(self._layers, blocks_of(adapters)):
+            return model(**kwargs).logits
 
     def _decode(self, model: torch.nn.Module, finished: Finished) -> None:
         rows = self.running
@@ -238,6 +256,10 @@ class DecodeLoop:
                 self.running = joining
             else:
                 self.running.merge(joining)
+        if self.running is not None:  # one block of rows per adapter (row_blocks.py)
+            order = grouped_order(self.running.adapters)
+            if order != list(range(self.running.size)):
+                self.running.select(order)
 
     def _reuses_prompt(self, request: LiveRequest, samples: range) -> bool:
         """Whether these samples join from their prompt's kept prefill; prompt scores need
@@ -281,8 +303,10 @@ class DecodeLoop:
     ) -> tuple[Rows, torch.Tensor]:
         """Each distinct (prompt, adapter) once, left-padded; the cache expanded to one row per
         sample. The new rows, and the logits each row chooses its first token from."""
-        unique: dict[PromptKey, int] = {}
-        source = [unique.setdefault(prompt_key(r), len(unique)) for r, _ in taken]
+        keys = list(dict.fromkeys(prompt_key(r) for r, _ in taken))
+        keys = [keys[i] for i in grouped_order([adapter for _, adapter in keys])]
+        unique = {key: row for row, key in enumerate(keys)}
+        source = [unique[prompt_key(r)] for r, _ in taken]
         ids, mask = _padded_prompts([prompt for prompt, _ in unique], self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0, as alone
         # What a request asks about its prompt comes with its first part.

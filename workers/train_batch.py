@@ -1,23 +1,19 @@
 """Forward / forward_backward ops of many adapters in one model pass (cross-adapter batching).
 
 Every op's data goes into one right-padded batch, each op's rows together (a model's ops side by
-side), and every LoRA layer adds to each block of rows its own adapter's update (row_blocks), so
-all ops share the base model's matmuls. Each op's loss comes from its own rows alone, with its
-own loss function; the backward ops' losses are summed and differentiated once. An adapter's
+side), and every LoRA layer adds to each block of rows its own adapter's update (row_blocks.py),
+so all ops share the base model's matmuls. Each op's loss comes from its own rows alone, with
+its own loss function; the backward ops' losses are summed and differentiated once. An adapter's
 parameters touch only its own ops' rows, so the gradient each adapter receives is the sum of its
 own ops' gradients: what running them one at a time accumulates in .grad.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
 
 import torch
-from peft.tuners.lora import Linear as LoraLinear
 
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
@@ -26,6 +22,7 @@ from queue_tinker.workers.adapters import Adapter, AdapterPool
 from queue_tinker.workers.custom_loss_graph import GraphLoss
 from queue_tinker.workers.forward import grads_kept_on_error, op_loss, rows_for, target_logprobs
 from queue_tinker.workers.model_pass import PassPlan
+from queue_tinker.workers.row_blocks import row_blocks
 
 
 @dataclass(frozen=True)
@@ -114,37 +111,3 @@ def _blocks(ops: Sequence[PassOp]) -> list[tuple[str, int]]:
         else:
             blocks.append((op.adapter.name, len(op.data)))
     return blocks
-
-
-@contextmanager
-def row_blocks(layers: Sequence[LoraLinear], blocks: Sequence[tuple[str, int]]) -> Iterator[None]:
-    """Meanwhile each LoRA layer computes its base layer plus, for each block of consecutive
-    rows (dim 0), that block's adapter's update, as PEFT adds the active adapter's:
-    lora_B(lora_A(dropout(x))) * scaling, in the adapter's dtype, summed in the wider dtype and
-    rounded once. PEFT's own mixed-adapter batch (adapter_names=) gathers and scatters rows by
-    index per adapter and layer, and their backward made a shared pass of 8 ops up to 2x slower
-    than the 8 ops one at a time (tiny model, CPU); its hooks also walk every module twice a
-    pass. Contiguous blocks need one split and one cat per layer."""
-    names = [name for name, _ in blocks]
-    sizes = [rows for _, rows in blocks]
-
-    def forward(layer: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        result = layer.base_layer(x, *args, **kwargs)
-        updates = []
-        for name, rows in zip(names, x.split(sizes), strict=True):
-            if name in layer.lora_A:
-                lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-                rows = rows.to(lora_a.weight.dtype)
-                updates.append(lora_b(lora_a(layer.lora_dropout[name](rows))) * layer.scaling[name])
-            else:  # not every adapter adapts every layer (cat promotes the dtype)
-                updates.append(result.new_zeros((*rows.shape[:-1], result.shape[-1])))
-        # In place: the base layer's backward does not need its output.
-        return result.add_(torch.cat(updates))
-
-    for layer in layers:  # an instance attribute: nn.Module calls self.forward
-        layer.forward = partial(forward, layer)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.forward
