@@ -52,11 +52,15 @@ def worker_threads(settings: Settings) -> dict[str, int]:
 
 @contextmanager
 def lora_worker(
-    settings: Settings, model: str, log_path: Path, env: Mapping[str, str] | None = None
+    settings: Settings,
+    model: str,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    device: str = "cpu",
 ) -> Iterator[Proc]:
-    """One LoRA worker serving `model` on the CPU, registered (model loaded) before the body;
+    """One LoRA worker serving `model` on `device`, registered (model loaded) before the body;
     `env` is added to the environment the settings give it."""
-    with lora_workers([settings], model, [log_path], env) as procs:
+    with lora_workers([settings], model, [log_path], env, device) as procs:
         yield procs[0]
 
 
@@ -66,6 +70,7 @@ def lora_workers(
     model: str,
     log_paths: Sequence[Path],
     env: Mapping[str, str] | None = None,
+    device: str = "cpu",
 ) -> Iterator[list[Proc]]:
     """One LoRA worker per settings (one deployment each, when their key prefixes differ),
     all started before any is waited for, so they load their models side by side."""
@@ -82,7 +87,7 @@ def lora_workers(
                         "--base-model",
                         model,
                         "--device",
-                        "cpu",
+                        device,
                         "--engine",
                         "lora",
                     ],

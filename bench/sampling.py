@@ -93,9 +93,12 @@ def params(i: int, tokens: int) -> SamplingParams:
 class Local:
     """The base model (and a PeftModel holding the checkpoints) in this process."""
 
-    def __init__(self, model: str, models_dir: Path, prompts: list[list[int]]) -> None:
+    def __init__(
+        self, model: str, models_dir: Path, prompts: list[list[int]], device: str = "cpu"
+    ) -> None:
         self.name, self.models_dir, self.prompts = model, models_dir, prompts
-        self.base = load_base_model(model, "cpu", models_dir).eval()
+        self.device = torch.device(device)
+        self.base = load_base_model(model, device, models_dir).eval()
         self.peft: PeftModel | None = None
         self.width = max(len(p) for p in prompts)
         self.ids = torch.full((len(prompts), self.width), PAD_ID, dtype=torch.long)
@@ -103,10 +106,16 @@ class Local:
         for r, p in enumerate(prompts):  # left padding, as generate() wants for decoder-only
             self.ids[r, self.width - len(p) :] = torch.tensor(p)
             self.mask[r, self.width - len(p) :] = 1
+        self.ids, self.mask = self.ids.to(self.device), self.mask.to(self.device)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work, so a host clock reads finished work."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def attach(self, directories: list[Path]) -> list[str]:
         """A second copy of the base with the checkpoints loaded; their adapter names."""
-        base = load_base_model(self.name, "cpu", self.models_dir).eval()
+        base = load_base_model(self.name, str(self.device), self.models_dir).eval()
         names = [f"a{i}" for i in range(len(directories))]
         self.peft = PeftModel.from_pretrained(
             base, str(directories[0]), adapter_name=names[0], is_trainable=False
@@ -163,7 +172,7 @@ class Local:
             for i, p in enumerate(self.prompts)
         ]
         return generate(
-            model, requests, device=torch.device("cpu"), eos_token_ids=[EOS_ID], decode=lambda _: ""
+            model, requests, device=self.device, eos_token_ids=[EOS_ID], decode=lambda _: ""
         )
 
 
@@ -284,9 +293,11 @@ def run_case(
                 seconds = call.seconds
             elif side == "generate":
                 local.generate(size.tokens, adapters)
+                local.synchronize()
                 seconds = time.perf_counter() - t0
             else:
                 loop_out = local.loop(size.tokens, adapters)
+                local.synchronize()
                 seconds = time.perf_counter() - t0
             out.foreign[side].append(meter.foreign_since(mark))
             out.times[side].append(seconds)
@@ -315,12 +326,13 @@ def run_case(
 
 def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path) -> SizeResult:
     ensure_builtin_model(size.model, data_dir / "models")
-    local = Local(size.model, data_dir / "models", make_prompts())
+    local = Local(size.model, data_dir / "models", make_prompts(), args.device)
     result = SizeResult(size, sum(p.numel() for p in local.base.parameters()))
     with fresh_prefix(args.redis_url, "sampling") as prefix:
         settings = make_settings(args.redis_url, database_url, prefix, data_dir)
         keys = Keys(prefix)
-        with lora_worker(settings, size.model, data_dir / f"worker-{prefix}.log") as proc:
+        log = data_dir / f"worker-{prefix}.log"
+        with lora_worker(settings, size.model, log, device=args.device) as proc:
             service = ServiceClient(settings)
             try:
                 meter = CpuMeter([os.getpid(), proc.pid])
@@ -362,6 +374,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch threads on every side (OMP_NUM_THREADS for the worker)",
     )
     parser.add_argument("--big-tokens", type=int, default=None, help="max_tokens at 100M")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="the worker's and this process's device (cuda: bf16, its own docs section)",
+    )
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
     parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
@@ -411,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {total_s:.0f} s")
     if not args.no_docs:
         section = render(info, results, threads, args.threads, total_s)
-        write_docs(args.docs, section, heading=SECTION)
+        if args.device != "cpu":  # a GPU run keeps the CPU section and writes its own
+            section = section.replace(SECTION, f"{SECTION} on a GPU", 1)
+        write_docs(args.docs, section, heading=section.splitlines()[0])
         print(f"wrote {args.docs}")
     return 0
 

@@ -3,6 +3,9 @@ runs here: they take minutes; `python -m bench --quick` is their smoke run)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -126,3 +129,30 @@ def test_sampling_engine_ratios_are_service_over_same_run_baseline() -> None:
     p90_under = float(np.percentile([0.02] * 9 + [0.2], 90))
     assert ratios == [2.0, 0.5, 1.2, 1.5, round(p90_under / 0.01, 3), 1.5]
     assert len(sampling_engine.table([result])) == 2 + 6 + 1
+    # A GPU run writes a section of its own and leaves the CPU section's text alone.
+    cpu = sampling_engine.render({"CPU": "x"}, [result], 1.0, 2, "cpu")
+    gpu = sampling_engine.render({"GPU": "y"}, [result], 1.0, 2, "cuda")
+    assert cpu.splitlines()[0] == sampling_engine.SECTION
+    assert gpu.splitlines()[0] == sampling_engine.GPU_SECTION
+    assert "--device cuda" in gpu and sampling_engine.READING not in gpu
+
+
+def test_with_services_hands_the_command_urls_and_its_exit_code(redis_url: str) -> None:
+    """bench.with_services: the URLs the caller set pass through unchanged (otherwise the
+    default ones that answer, or embedded servers), and the command's exit code is its own."""
+    code = (
+        "import os, sys; print(os.environ['QT_BENCH_REDIS_URL'], "
+        "os.environ['QT_BENCH_DATABASE_URL']); sys.exit(3)"
+    )
+    env = {**os.environ, "QT_BENCH_REDIS_URL": redis_url, "QT_BENCH_DATABASE_URL": "postgresql://x"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.with_services", "--", sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines()[-1] == f"{redis_url} postgresql://x"
