@@ -57,7 +57,6 @@ from bench.report import DOCS, write_docs
 from bench.sampling_report import (
     ADAPTERS,
     REQUESTS,
-    SECTION,
     SIDES,
     Size,
     SizeResult,
@@ -427,9 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + "\n".join(table(results) + split_lines(results) + findings(results)))
     print(f"total {total_s:.0f} s")
     if not args.no_docs:
-        section = render(info, results, threads, args.threads, total_s)
-        if args.device != "cpu":  # a GPU run keeps the CPU section and writes its own
-            section = section.replace(SECTION, f"{SECTION} on a GPU", 1)
+        section = render(info, results, threads, args.threads, total_s, args.device)
         write_docs(args.docs, section, heading=section.splitlines()[0])
         print(f"wrote {args.docs}")
     return 0

@@ -137,8 +137,8 @@ def split_lines(results: list[SizeResult]) -> list[str]:
 INTRO = (
     "Generated tokens per second for {n} concurrent sample requests through the service, "
     "against transformers' batched `generate()` on the same model in the same run. Service: a "
-    "real LoRA worker process (`python -m queue_tinker.cli worker --engine lora --device cpu`, "
-    "production defaults: up to 64 sequences per generation batch), the local Redis and a "
+    "real LoRA worker process (`python -m queue_tinker.cli worker --engine lora --device "
+    "{device}`, production defaults: up to 64 sequences per generation batch), a Redis and a "
     "scratch Postgres database; {n} `sample_async` calls (prompts of 8–48 random byte tokens, "
     "`num_samples=1`, temperature 1, `stop=[]` so every request generates exactly `max_tokens`, "
     "a seed each) are sent at once and timed from the first submit to the last result in hand, "
@@ -198,11 +198,19 @@ HOW_TO_READ = (
     "The loop itself is the loop / generate() column: it prefills each prompt once, "
     "samples without sorting the vocabulary when no top-k / top-p applies, and draws each "
     "request's uniforms in blocks from the request's own seeded generator, which keeps a "
-    "request's samples independent of its batch. With adapters, "
-    "`PeftModel.forward(adapter_names=...)` registers and removes PEFT's forward hooks on "
-    "every LoRA module at every step ({hooks}) where generate() does it once per call.{linger} "
-    "These are CPU numbers from a shared 2-core machine: compare figures from the same run "
-    "only."
+    "request's samples independent of its batch. With adapters, PEFT's "
+    "`generate(adapter_names=...)` registers and removes forward hooks on every LoRA module at "
+    "every step ({hooks}) and gathers and scatters each adapter's rows by index in every LoRA "
+    "layer; the worker's loop keeps each adapter's rows together and adds each block's update "
+    "in place (`workers/row_blocks.py`).{linger} {machine}"
+)
+CPU_MACHINE = (
+    "These are CPU numbers from a shared 2-core machine: compare figures from the same run only."
+)
+GPU_MACHINE = (
+    "These are GPU numbers: the model runs on the GPU, while the client, the worker's Python, "
+    "Redis and Postgres share the machine's CPU cores; a decode step of these small models is "
+    "bound by the host (Python and kernel launches), not by the GPU."
 )
 LINGER = (
     " Calls with more than two batches found some sampling sessions released: a session idle "
@@ -218,9 +226,11 @@ def render(
     threads: dict[str, int],
     omp: int,
     total_s: float,
+    device: str = "cpu",
 ) -> str:
-    """The whole `## Sampling` section, in Markdown."""
-    intro = INTRO.format(n=REQUESTS, a=ADAPTERS, per=REQUESTS // ADAPTERS)
+    """The whole `## Sampling` section (`## Sampling on a GPU` for a CUDA run), in Markdown."""
+    intro = INTRO.format(n=REQUESTS, a=ADAPTERS, per=REQUESTS // ADAPTERS, device=device)
+    gpu = device != "cpu"
     verdicts = "; ".join(
         f"`{r.size.model}` {r.cases['base'].ratio():.2f}× "
         f"(**{'met' if r.cases['base'].ratio() >= TARGET else 'not met'}**)"
@@ -232,7 +242,7 @@ def render(
     linger = any(len(x.batches) > 2 for r in results for c in r.cases.values() for x in c.split)
     return "\n".join(
         [
-            SECTION,
+            f"{SECTION} on a GPU" if gpu else SECTION,
             "",
             intro,
             "",
@@ -240,7 +250,7 @@ def render(
             "the models, `--big-tokens` the 100M model's `max_tokens`):",
             "",
             "```",
-            COMMAND,
+            COMMAND + (f" --device {device}" if gpu else ""),
             "```",
             "",
             "Machine: "
@@ -256,7 +266,11 @@ def render(
             *table(results),
             *split_lines(results),
             *findings(results),
-            HOW_TO_READ.format(hooks=hooks, linger=LINGER if linger else ""),
+            HOW_TO_READ.format(
+                hooks=hooks,
+                linger=LINGER if linger else "",
+                machine=GPU_MACHINE if gpu else CPU_MACHINE,
+            ),
             "",
         ]
     )

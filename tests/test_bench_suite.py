@@ -120,6 +120,8 @@ def test_sampling_engine_ratios_are_service_over_same_run_baseline() -> None:
         generate_simultaneous_tok_s=[50, 50, 50],
         shared_tok_s=[30, 30, 30],
         separate_tok_s=[20, 20, 20],
+        long_shared_tok_s=[40, 40, 40],
+        long_distinct_tok_s=[10, 10, 10],
         step_alone_s=[0.01] * 10,
         step_under_s=[0.02] * 9 + [0.2],
         sample_alone_s=2.0,
@@ -127,8 +129,8 @@ def test_sampling_engine_ratios_are_service_over_same_run_baseline() -> None:
     )
     ratios = [round(ratio, 3) for *_, ratio, _ in sampling_engine.rows(result)]
     p90_under = float(np.percentile([0.02] * 9 + [0.2], 90))
-    assert ratios == [2.0, 0.5, 1.2, 1.5, round(p90_under / 0.01, 3), 1.5]
-    assert len(sampling_engine.table([result])) == 2 + 6 + 1
+    assert ratios == [2.0, 0.5, 1.2, 1.5, 4.0, round(p90_under / 0.01, 3), 1.5]
+    assert len(sampling_engine.table([result])) == 2 + 7 + 1
     # A GPU run writes a section of its own and leaves the CPU section's text alone.
     cpu = sampling_engine.render({"CPU": "x"}, [result], 1.0, 2, "cpu")
     gpu = sampling_engine.render({"GPU": "y"}, [result], 1.0, 2, "cuda")
