@@ -890,7 +890,7 @@ def test_rows_in_flight_are_kept_in_one_block_per_adapter(setup: Setup) -> None:
     assert loop.running is not None
     names = loop.running.adapters
     assert len(names) == 12
-    assert blocks_of(names) == [("a1", 4), ("__base__", 4), ("a2", 4)], names
+    assert blocks_of((name, 1) for name in names) == [("a1", 4), ("__base__", 4), ("a2", 4)], names
     done.update(drain(loop, setup.model))
     for key, req in enumerate(requests):
         assert_near(done[key], run(setup, [req])[0])

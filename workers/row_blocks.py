@@ -12,7 +12,7 @@ Contiguous blocks need a slice and an in-place add per block and layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -27,14 +27,15 @@ def lora_linear_layers(model: torch.nn.Module) -> list[LoraLinear]:
     return [module for module in model.modules() if isinstance(module, LoraLinear)]
 
 
-def blocks_of(names: Sequence[str]) -> list[tuple[str, int]]:
-    """(adapter name, rows) of each run of consecutive rows on one adapter."""
+def blocks_of(parts: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """(adapter name, rows) of each run of consecutive parts on one adapter, from (adapter
+    name, rows) parts in row order: a row each (the decode loop), an op's data each (a pass)."""
     blocks: list[tuple[str, int]] = []
-    for name in names:
+    for name, rows in parts:
         if blocks and blocks[-1][0] == name:
-            blocks[-1] = (name, blocks[-1][1] + 1)
+            blocks[-1] = (name, blocks[-1][1] + rows)
         else:
-            blocks.append((name, 1))
+            blocks.append((name, rows))
     return blocks
 
 

@@ -224,7 +224,7 @@ class DecodeLoop:
             return model(**kwargs).logits
         # PeftModel.forward uses its active adapter: row_blocks replaces every LoRA layer's
         # forward meanwhile, so each row gets its own adapter's update (the base's: none).
-        with row_blocks(self._layers, blocks_of(adapters)):
+        with row_blocks(self._layers, blocks_of((name, 1) for name in adapters)):
             return model(**kwargs).logits
 
     def _decode(self, model: torch.nn.Module, finished: Finished) -> None:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft.tuners.lora import Linear as LoraLinear
 
 from queue_tinker.errors import OpCancelledError, UserInputError
 from queue_tinker.types import codec
@@ -130,7 +129,7 @@ class SamplingOps:
         while self._joined and not self._finished:
             loop = self._loop_of()
             try:
-                done = loop.step(self.pool.model, self._lora_layers())
+                done = loop.step(self.pool.model, self.pool.lora_layers())
             except Exception as exc:  # the step itself failed: so does every op in the loop
                 log.exception("a decode step of %d rows failed", loop.rows)
                 for key in loop.clear():
@@ -238,10 +237,6 @@ class SamplingOps:
             self._in_use[directory] -= 1
             if self._in_use[directory] <= 0:
                 del self._in_use[directory]
-
-    def _lora_layers(self) -> list[LoraLinear]:
-        """The model's LoRA layers (the pool keeps the list until an adapter comes or goes)."""
-        return self.pool.lora_layers() if self.pool.peft is not None else []
 
     def _loop_of(self) -> DecodeLoop:
         """The decode loop, made on first use (the tokenizer it needs is loaded then)."""

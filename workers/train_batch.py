@@ -22,7 +22,7 @@ from queue_tinker.workers.adapters import Adapter, AdapterPool
 from queue_tinker.workers.custom_loss_graph import GraphLoss
 from queue_tinker.workers.forward import grads_kept_on_error, op_loss, rows_for, target_logprobs
 from queue_tinker.workers.model_pass import PassPlan
-from queue_tinker.workers.row_blocks import row_blocks
+from queue_tinker.workers.row_blocks import blocks_of, row_blocks
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def shared_pass(
     trainable = {op.adapter.name for op in ops if op.backward}
     data = [datum for op in ops for datum in op.data]
     plan = plan or PassPlan()
-    blocks = _blocks(ops)  # (adapter, datums) of consecutive ops on one adapter
+    blocks = blocks_of((op.adapter.name, len(op.data)) for op in ops)  # (adapter, datums)
     rows = rows_for(data, device, plan, groups=[count for _, count in blocks])
     # The row blocks stay in place through backward: checkpointed layers and logit chunks
     # recompute their forward there, through the same LoRA layers.
@@ -100,14 +100,3 @@ def _losses_and_backward(
         # other ops' rows never touch its parameters.
         torch.stack(losses).sum().backward()
     return outcomes
-
-
-def _blocks(ops: Sequence[PassOp]) -> list[tuple[str, int]]:
-    """(adapter name, datums) of each run of consecutive ops on one adapter."""
-    blocks: list[tuple[str, int]] = []
-    for op in ops:
-        if blocks and blocks[-1][0] == op.adapter.name:
-            blocks[-1] = (op.adapter.name, blocks[-1][1] + len(op.data))
-        else:
-            blocks.append((op.adapter.name, len(op.data)))
-    return blocks
