@@ -23,12 +23,16 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
 from queue_tinker.client import ServiceClient
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings, settings_env
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -39,6 +43,14 @@ DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a child process see `settings`."""
     return {**settings_env(settings, os.environ), "PYTHONUNBUFFERED": "1"}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a host clock reads finished work."""
+    if device.type == "cuda":
+        import torch  # not at the top: the queue benchmarks run without it
+
+        torch.cuda.synchronize(device)
 
 
 def make_settings(redis_url: str, database_url: str, prefix: str, data_dir: Path) -> Settings:

@@ -50,6 +50,7 @@ from bench.harness import (
     machine,
     make_settings,
     scratch_database,
+    synchronize,
 )
 from bench.lora_service import job_times, lora_worker, use_torch_threads, worker_threads
 from bench.meters import CpuMeter
@@ -106,11 +107,6 @@ class Local:
             self.ids[r, self.width - len(p) :] = torch.tensor(p)
             self.mask[r, self.width - len(p) :] = 1
         self.ids, self.mask = self.ids.to(self.device), self.mask.to(self.device)
-
-    def synchronize(self) -> None:
-        """Wait for the device's queued work, so a host clock reads finished work."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def attach(self, directories: list[Path]) -> list[str]:
         """A second copy of the base with the checkpoints loaded; their adapter names."""
@@ -292,11 +288,11 @@ def run_case(
                 seconds = call.seconds
             elif side == "generate":
                 local.generate(size.tokens, adapters)
-                local.synchronize()
+                synchronize(local.device)
                 seconds = time.perf_counter() - t0
             else:
                 loop_out = local.loop(size.tokens, adapters)
-                local.synchronize()
+                synchronize(local.device)
                 seconds = time.perf_counter() - t0
             out.foreign[side].append(meter.foreign_since(mark))
             out.times[side].append(seconds)

@@ -49,6 +49,7 @@ from bench.harness import (
     machine,
     make_settings,
     scratch_database,
+    synchronize,
 )
 from bench.lora_service import lora_worker, use_torch_threads
 from bench.report import DOCS, write_docs
@@ -121,12 +122,6 @@ def p90(values: list[float]) -> float:
 
 
 # --- generate() in this process -----------------------------------------------------------------
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so a host clock reads finished work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def generate_tok_s(model: Any, batch: list[list[int]], tokens: int) -> float:
     """transformers' generate() on the prompts at once, left-padded: generated tokens/s."""
     device = next(model.parameters()).device
