@@ -11,7 +11,6 @@ reads; its exit code is this one's.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,15 +21,7 @@ if __package__ in (None, ""):  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import DEFAULT_POSTGRES, DEFAULT_REDIS
-from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis
-
-
-def answers(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
 
 
 def main(argv: list[str]) -> int:

@@ -10,7 +10,6 @@ import asyncio
 import gc
 import os
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -19,23 +18,17 @@ from pathlib import Path
 
 import pytest
 import redis
-from procs import assert_nothing_dead_lettered, gateway_process
+import tinker
+from procs import assert_nothing_dead_lettered, gateway_process, lora_deployment, make_key
 from redis.asyncio import Redis as AsyncRedis
 
 from queue_tinker.client import ServiceClient
+from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
 from queue_tinker.queue.connection import connect
 from queue_tinker.settings import Settings
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
-
-
-def _answers(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="session")
@@ -53,11 +46,9 @@ def redis_url(services_dir: Path) -> Iterator[str]:
     if url:
         yield url
         return
-    if _answers("127.0.0.1", 6379):
+    if answers("127.0.0.1", 6379):
         yield LOCAL_REDIS
         return
-    from queue_tinker.local.embedded import EmbeddedRedis
-
     server = EmbeddedRedis(services_dir / "redis")
     yield server.start()
     server.stop()
@@ -69,11 +60,9 @@ def postgres_admin_url(services_dir: Path) -> Iterator[str]:
     if url:
         yield url
         return
-    if _answers("127.0.0.1", 5432):
+    if answers("127.0.0.1", 5432):
         yield LOCAL_POSTGRES
         return
-    from queue_tinker.local.embedded import EmbeddedPostgres
-
     server = EmbeddedPostgres(services_dir / "postgres")
     yield server.start()
     server.stop()
@@ -147,6 +136,27 @@ def service(settings: Settings) -> Iterator[ServiceClient]:
     client = ServiceClient(settings)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
+    """The module's deployment: one LoRA worker on the tiny model (a module that needs other
+    settings defines its own `deployment`)."""
+    with lora_deployment(redis_url, database_url, "queue-tinker/tiny-llama") as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
+def key(deployment: Settings) -> str:
+    """An API key of a new tenant of the module's deployment."""
+    return make_key(deployment, f"sdk-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def sdk_service(gateway: str, key: str) -> Iterator[tinker.ServiceClient]:
+    """The official tinker SDK's ServiceClient on the module's gateway, as that key's tenant."""
+    with tinker.ServiceClient(base_url=gateway, api_key=key) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

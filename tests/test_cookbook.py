@@ -18,7 +18,7 @@ import pytest
 
 cookbook = pytest.importorskip("tinker_cookbook")
 
-from procs import SDK_CLIENT_MARKS, lora_deployment, make_key  # noqa: E402
+from procs import SDK_CLIENT_MARKS, make_key  # noqa: E402
 from tinker_cookbook import tokenizer_utils  # noqa: E402
 
 from queue_tinker.builtin_models import load_tokenizer  # noqa: E402
@@ -27,12 +27,6 @@ from queue_tinker.settings import Settings  # noqa: E402
 TINY = "queue-tinker/tiny-llama"
 RENDERER = "role_colon"
 pytestmark = SDK_CLIENT_MARKS
-
-
-@pytest.fixture(scope="module")
-def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
-    with lora_deployment(redis_url, database_url, TINY) as settings:
-        yield settings
 
 
 @pytest.fixture(scope="module")

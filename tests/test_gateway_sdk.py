@@ -66,17 +66,6 @@ def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
         yield settings
 
 
-@pytest.fixture(scope="module")
-def key(deployment: Settings) -> str:
-    return make_key(deployment, f"sdk-{uuid.uuid4().hex[:8]}")
-
-
-@pytest.fixture
-def service(gateway: str, key: str) -> Iterator[tinker.ServiceClient]:
-    with tinker.ServiceClient(base_url=gateway, api_key=key) as client:
-        yield client
-
-
 def text_datum(tokenizer: Any, prompt: str, completion: str) -> types.Datum:
     prompt_tokens = tokenizer.encode(prompt)
     tokens = prompt_tokens + tokenizer.encode(completion)
@@ -139,11 +128,11 @@ def test_the_manual_training_loop_runs_unchanged_on_the_official_sdk(
 
 # --- an RL-style loop ----------------------------------------------------------------------
 def test_an_rl_loop_with_importance_sampling_and_a_custom_loss(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
 ) -> None:
     """Sample with logprobs, train on them with importance_sampling, then with a custom loss:
     the losses match their formulas computed from the SDK's own results."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=3).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=3).result()
     tokenizer = trainer.get_tokenizer()
     prompt = tokenizer.encode("Question: What is 2+2?\nAnswer:")
     adam = types.AdamParams(learning_rate=1e-3)
@@ -204,12 +193,12 @@ def test_an_rl_loop_with_importance_sampling_and_a_custom_loss(
 
 
 def test_every_built_in_loss_runs_from_the_sdk_without_config(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
 ) -> None:
     """Each loss the SDK lists (gspo with a sequence_ratio_mask, stable_reinforce with the
     provenance the cookbook sends) runs with no loss_fn_config, and its loss equals the formula
     on the logprobs it returned, with the documented defaults."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=4).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=4).result()
     prompt = trainer.get_tokenizer().encode("Question: What is 2+2?\nAnswer:")
     sampler = trainer.save_weights_and_get_sampling_client(record_stability_info=True).result()
     result = sampler.sample(
@@ -287,7 +276,7 @@ def rest_run(rest: Any, run_id: str, timeout: float = 20) -> Any:
 
 
 def test_user_metadata_round_trips_through_create_rest_and_resume(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
     gateway: str,
     key: str,
 ) -> None:
@@ -295,7 +284,7 @@ def test_user_metadata_round_trips_through_create_rest_and_resume(
     run (also by tinker path, as the cookbook reads its renderer name); a run made from the
     state keeps the metadata it was given; a non-string value is refused naming the key."""
     meta = {"renderer_name": "role_colon", "note": "first"}
-    trainer = service.create_lora_training_client(
+    trainer = sdk_service.create_lora_training_client(
         base_model=TINY, rank=4, user_metadata=meta
     ).result()
     path = trainer.save_state("meta").result(timeout=120).path
@@ -305,9 +294,9 @@ def test_user_metadata_round_trips_through_create_rest_and_resume(
     assert by_path.user_metadata == meta
 
     resumed_meta = {"renderer_name": "role_colon", "resumed_from": path}
-    resumed = service.create_training_client_from_state(path, user_metadata=resumed_meta)
+    resumed = sdk_service.create_training_client_from_state(path, user_metadata=resumed_meta)
     assert rest_run(rest, resumed.result().model_id).user_metadata == resumed_meta
-    plain = service.create_lora_training_client(base_model=TINY, rank=4).result()
+    plain = sdk_service.create_lora_training_client(base_model=TINY, rank=4).result()
     assert rest_run(rest, plain.model_id).user_metadata is None
 
     with pytest.raises(
@@ -315,20 +304,20 @@ def test_user_metadata_round_trips_through_create_rest_and_resume(
         match=r"user_metadata\['step'\]: keys and "
         r"values must be strings",
     ):
-        service.create_lora_training_client(
+        sdk_service.create_lora_training_client(
             base_model=TINY, rank=4, user_metadata={"step": 3}
         ).result()
 
 
 def test_a_saved_checkpoint_is_visible_on_every_route_at_once(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
     gateway: str,
     key: str,
 ) -> None:
     """Read-your-writes, 100 of 100: right after save_state / save_weights_for_sampler return,
     weights_info, the run's checkpoint list, the TTL route and DELETE all find the checkpoint
     (the record of it may still be on its way to Postgres)."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=8).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=8).result()
     rest = tinker.RestClient(base_url=gateway, api_key=key)
     for i in range(100):
         save = trainer.save_state if i % 2 else trainer.save_weights_for_sampler
@@ -364,7 +353,7 @@ def fetch_all(urls: dict[str, str]) -> dict[str, bytes]:
 
 
 def test_external_weights_download_through_signed_urls(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
     gateway: str,
     key: str,
     deployment: Settings,
@@ -379,7 +368,7 @@ def test_external_weights_download_through_signed_urls(
 
     from queue_tinker.workers.base_model import load_base_model
 
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=9).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=9).result()
     batch = [text_datum(trainer.get_tokenizer(), "Question: What is 2+2?\nAnswer:", " 4\n")]
     trainer.forward_backward(batch, "cross_entropy")
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
@@ -445,7 +434,7 @@ def test_external_weights_download_through_signed_urls(
 
 @pytest.mark.parametrize("save", ["save_state", "save_weights_for_sampler"])
 def test_a_checkpoint_archive_url_serves_its_files(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
     gateway: str,
     key: str,
     deployment: Settings,
@@ -453,7 +442,7 @@ def test_a_checkpoint_archive_url_serves_its_files(
 ) -> None:
     """GET .../archive answers 302 to a signed URL (Expires set) of a .tar.gz holding the
     checkpoint's files bit for bit."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=10).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=10).result()
     path = getattr(trainer, save)("archived").result(timeout=60).path
     checkpoint_id = path.removeprefix(f"tinker://{trainer.model_id}/")
     redirect = httpx.get(
@@ -472,7 +461,7 @@ def test_a_checkpoint_archive_url_serves_its_files(
 
 
 def test_topk_and_target_prompt_logprobs_equal_a_full_logits_reference(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
     deployment: Settings,
 ) -> None:
     """asample with topk_prompt_logprobs and a (sparse) target_prompt_logprobs: the SDK reads
@@ -481,7 +470,7 @@ def test_topk_and_target_prompt_logprobs_equal_a_full_logits_reference(
     from queue_tinker.workers.base_model import load_base_model
 
     prompt = list(b"Question: What is 2+2?")
-    sampler = service.create_sampling_client(base_model=TINY).result()
+    sampler = sdk_service.create_sampling_client(base_model=TINY).result()
     targets = torch.full((len(prompt) - 1, 8), -1, dtype=torch.int64)
     for i in range(len(prompt) - 1):  # one id per position: the SDK sends it as sparse CSR
         targets[i, i % 8] = 65 + i
@@ -525,9 +514,9 @@ def test_topk_and_target_prompt_logprobs_equal_a_full_logits_reference(
 
 
 def test_a_training_client_from_a_saved_state_continues_like_the_original(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
 ) -> None:
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=5).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=5).result()
     tokenizer = trainer.get_tokenizer()
     batch = [text_datum(tokenizer, "Question: What is 2+2?\nAnswer:", " 4\n")]
     adam = types.AdamParams(learning_rate=1e-2)
@@ -539,25 +528,25 @@ def test_a_training_client_from_a_saved_state_continues_like_the_original(
     trainer.optim_step(adam)
     expected = trainer.forward(batch, "cross_entropy").result(timeout=120).metrics["loss:sum"]
 
-    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    resumed = sdk_service.create_training_client_from_state_with_optimizer(path).result()
     assert resumed.get_info().model_data.model_name == TINY
     resumed.forward_backward(batch, "cross_entropy")
     resumed.optim_step(adam)
     got = resumed.forward(batch, "cross_entropy").result(timeout=120).metrics["loss:sum"]
     assert got == pytest.approx(expected, rel=1e-5)
 
-    sampler = service.create_sampling_client(model_path=path).result()
+    sampler = sdk_service.create_sampling_client(model_path=path).result()
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result(120)
     assert logprobs[0] is None and all(np.isfinite(logprobs[1:]))
 
 
 def test_a_batch_the_sdk_sends_in_chunks_runs_as_one(
-    service: tinker.ServiceClient, deployment: Settings
+    sdk_service: tinker.ServiceClient, deployment: Settings
 ) -> None:
     """Over 1,024 datums the SDK splits a call into chunks, each with its own seq_id, posted
     concurrently with the first one last: each chunk runs once, and the merged result is the
     whole batch's."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
     batch = [
         types.Datum(
             model_input=types.ModelInput.from_ints([3 + i % 50, 4, 5 + i % 7]),
@@ -658,9 +647,9 @@ def test_a_request_the_sdk_retries_runs_once(
 ) -> None:
     with (
         FlakyProxy(gateway, path) as proxied,
-        tinker.ServiceClient(base_url=proxied, api_key=key) as service,
+        tinker.ServiceClient(base_url=proxied, api_key=key) as sdk_service,
     ):
-        trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
+        trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
         tokenizer = trainer.get_tokenizer()
         batch = [text_datum(tokenizer, "Question: What is 2+2?\nAnswer:", " 4\n")]
         first = trainer.forward_backward(batch, "cross_entropy").result(timeout=120)
@@ -816,13 +805,13 @@ def test_a_seq_id_that_never_comes_is_given_up_after_the_gap_timeout(
 
 
 def test_a_base_model_no_worker_ever_served_is_refused_at_once(
-    service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient,
 ) -> None:
     """create_model on a base model no worker has served answers 400 in under a second,
     naming the base models that are served."""
     started = time.monotonic()
     with pytest.raises(tinker.BadRequestError) as raised:
-        service.create_lora_training_client(base_model="no-such-org/typo-model").result()
+        sdk_service.create_lora_training_client(base_model="no-such-org/typo-model").result()
     assert time.monotonic() - started < 1.0
     assert re.search(
         r"base_model: 'no-such-org/typo-model' is not served by this deployment; "
@@ -956,9 +945,9 @@ def test_the_sdk_gets_401_without_a_valid_key(gateway: str) -> None:
         assert response.status_code == 401, path
     with (
         pytest.raises(tinker.AuthenticationError),
-        tinker.ServiceClient(base_url=gateway, api_key="tml-nope") as service,
+        tinker.ServiceClient(base_url=gateway, api_key="tml-nope") as sdk_service,
     ):
-        service.create_lora_training_client(base_model=TINY, rank=4).result()
+        sdk_service.create_lora_training_client(base_model=TINY, rank=4).result()
 
 
 def test_tinker_paths_parse_with_sdk_made_run_ids(tmp_path: Path) -> None:
@@ -997,12 +986,12 @@ def recorded_metrics(settings: Settings, model_id: str) -> Any:
 
 
 def test_a_diverging_step_is_collected_recorded_and_skipped(
-    service: tinker.ServiceClient, deployment: Settings
+    sdk_service: tinker.ServiceClient, deployment: Settings
 ) -> None:
     """importance_sampling with sampler logprobs of -1e4 (loss -inf): its optim_step resolves
     through the SDK with NaN metrics and says it was skipped, its record reaches Postgres
     (nothing dead-lettered), and the run trains on."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=9).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=9).result()
     tokens = list(range(10, 22))
     n = len(tokens) - 1
 

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import redis
-from procs import lora_deployment
 from sqlalchemy import text
 
 import queue_tinker as tinker
@@ -37,12 +36,6 @@ ADAM = types.AdamParams(learning_rate=3e-3, eps=1e-8)
 # Logprobs of memorised tokens are ~-1e-3; the sampler's KV-cached steps and a full forward pass
 # sum in different orders, so they agree to float32 rounding (~1e-7 absolute), not to rtol alone.
 LOGPROB_ATOL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
-    with lora_deployment(redis_url, database_url, TINY) as settings:
-        yield settings
 
 
 @pytest.fixture(scope="module")

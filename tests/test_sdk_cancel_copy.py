@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 import tinker
-from procs import SDK_CLIENT_MARKS, lora_deployment, make_key
+from procs import SDK_CLIENT_MARKS, make_key
 from test_sdk_protocol import key_tenant, text_batch
 from tinker import types
 
@@ -26,23 +26,6 @@ TINY = "queue-tinker/tiny-llama"
 PROMPT = types.ModelInput.from_ints(list(b"cancel"))
 
 pytestmark = SDK_CLIENT_MARKS
-
-
-@pytest.fixture(scope="module")
-def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
-    with lora_deployment(redis_url, database_url, TINY) as settings:
-        yield settings
-
-
-@pytest.fixture(scope="module")
-def key(deployment: Settings) -> str:
-    return make_key(deployment, f"cancel-{uuid.uuid4().hex[:8]}")
-
-
-@pytest.fixture
-def service(gateway: str, key: str) -> Iterator[tinker.ServiceClient]:
-    with tinker.ServiceClient(base_url=gateway, api_key=key) as client:
-        yield client
 
 
 @pytest.fixture
@@ -95,7 +78,7 @@ def cancel_future(gateway: str, key: str, request_id: str) -> httpx.Response:
 
 # --- cancel_future of a running sample -------------------------------------------------------
 def test_cancel_future_stops_a_running_sample_and_its_loop_mates_go_on(
-    service: tinker.ServiceClient, gateway: str, key: str, deployment: Settings, jobs: JobHashes
+    sdk_service: tinker.ServiceClient, gateway: str, key: str, deployment: Settings, jobs: JobHashes
 ) -> None:
     """A sample of 1,024 x 240 tokens (16 batches of the CPU loop's 64 rows) is cancelled once
     it runs: it fails as cancelled within a few quanta, long before its first batch could
@@ -103,8 +86,8 @@ def test_cancel_future_stops_a_running_sample_and_its_loop_mates_go_on(
     alone; another tenant's cancel is refused, a cancel of a finished op is a no-op, and the
     worker serves the next sample."""
     kept_params = types.SamplingParams(max_tokens=240, seed=11, stop=[])
-    sampler = service.create_sampling_client(base_model=TINY).result()
-    other = service.create_sampling_client(base_model=TINY).result()
+    sampler = sdk_service.create_sampling_client(base_model=TINY).result()
+    other = sdk_service.create_sampling_client(base_model=TINY).result()
     alone = sampler.sample(PROMPT, 2, kept_params).result(timeout=120)  # also makes the loop
 
     kept = sampler.sample(PROMPT, 2, kept_params)
@@ -149,14 +132,14 @@ def greedy(sampler: Any) -> list[int]:
 
 
 def test_copy_weights_makes_a_copy_that_loads_samples_and_outlives_its_source(
-    service: tinker.ServiceClient, gateway: str, key: str, deployment: Settings
+    sdk_service: tinker.ServiceClient, gateway: str, key: str, deployment: Settings
 ) -> None:
     """A copy of a sampler checkpoint samples what the source samples, a copy of a state
     checkpoint starts a run, both are listed as the caller's (with the TTL asked for), a
     retry under the same idempotency key makes the same copy, and the copies still work
     after the sources are deleted."""
     tenant = key_tenant(deployment, key)
-    trainer = service.create_lora_training_client(base_model=TINY, rank=2, seed=3).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=3).result()
     trainer.forward_backward(text_batch(2), "cross_entropy").result(timeout=120)
     trainer.optim_step(types.AdamParams(learning_rate=0.05)).result(timeout=120)
     weights = trainer.save_weights_for_sampler("src").result(timeout=120).path
@@ -167,8 +150,8 @@ def test_copy_weights_makes_a_copy_that_loads_samples_and_outlives_its_source(
     copied_state = rest.copy_weights(state, tenant).result()
     assert copied.startswith("tinker://copy-") and copied.endswith("/sampler_weights/src")
     assert copied_state.endswith("/weights/src-state")
-    expected = greedy(service.create_sampling_client(model_path=weights).result())
-    assert greedy(service.create_sampling_client(model_path=copied).result()) == expected
+    expected = greedy(sdk_service.create_sampling_client(model_path=weights).result())
+    assert greedy(sdk_service.create_sampling_client(model_path=copied).result()) == expected
     listed = {c.tinker_path: c for c in rest.list_user_checkpoints().result().checkpoints}
     assert listed[copied].expires_at is not None and listed[copied_state].expires_at is None
     copied_run = rest.get_training_run_by_tinker_path(copied).result()
@@ -189,20 +172,20 @@ def test_copy_weights_makes_a_copy_that_loads_samples_and_outlives_its_source(
     for source in (weights, state):
         rest.delete_checkpoint_from_tinker_path(source).result()
     with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
-        service.create_sampling_client(model_path=weights).result()
-    assert greedy(service.create_sampling_client(model_path=copied).result()) == expected
-    from_copy = service.create_training_client_from_state(copied_state).result()
+        sdk_service.create_sampling_client(model_path=weights).result()
+    assert greedy(sdk_service.create_sampling_client(model_path=copied).result()) == expected
+    from_copy = sdk_service.create_training_client_from_state(copied_state).result()
     assert from_copy.forward(text_batch(1), "cross_entropy").result(timeout=120).metrics
 
 
 def test_copy_weights_reads_only_what_the_caller_may_and_refuses_what_is_not_offered(
-    service: tinker.ServiceClient, gateway: str, key: str, deployment: Settings
+    sdk_service: tinker.ServiceClient, gateway: str, key: str, deployment: Settings
 ) -> None:
     """Another tenant's private checkpoint is a 404 naming source_path until its owner
     publishes it; then that tenant copies it into its own tenant. A foreign project, a run
     slot in a session and a cross-account token are refused naming the field."""
     tenant = key_tenant(deployment, key)
-    trainer = service.create_lora_training_client(base_model=TINY, rank=2, seed=4).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=4).result()
     weights = trainer.save_weights_for_sampler("shared").result(timeout=120).path
     owner = tinker.RestClient(base_url=gateway, api_key=key)
     other_key = make_key(deployment, f"copier-{uuid.uuid4().hex[:6]}")

@@ -11,7 +11,7 @@ import pickle
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import pytest
 import redis
 import tinker
 import zstandard
-from procs import REPO, SDK_CLIENT_MARKS, lora_deployment, make_key
+from procs import REPO, SDK_CLIENT_MARKS, make_key
 from test_custom_loss_graph import LOSSES
 from test_gateway_sdk import ops_of as recorded_ops
 from tinker import types
@@ -47,23 +47,6 @@ PROTOCOL_DOC = REPO / "docs" / "tinker-http-protocol.md"
 BARE = [(404, {"detail": "Not Found"}), (405, {"detail": "Method Not Allowed"})]
 
 pytestmark = SDK_CLIENT_MARKS
-
-
-@pytest.fixture(scope="module")
-def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
-    with lora_deployment(redis_url, database_url, TINY) as settings:
-        yield settings
-
-
-@pytest.fixture(scope="module")
-def key(deployment: Settings) -> str:
-    return make_key(deployment, f"proto-{uuid.uuid4().hex[:8]}")
-
-
-@pytest.fixture
-def service(gateway: str, key: str) -> Iterator[tinker.ServiceClient]:
-    with tinker.ServiceClient(base_url=gateway, api_key=key) as client:
-        yield client
 
 
 # --- the path table ------------------------------------------------------------------------
@@ -149,10 +132,10 @@ def test_every_sdk_path_is_served_or_answers_its_documented_501(
             assert not documented[(method, path)].startswith("501"), (method, path, body)
 
 
-def test_client_config_turns_on_the_served_features(service: tinker.ServiceClient) -> None:
+def test_client_config_turns_on_the_served_features(sdk_service: tinker.ServiceClient) -> None:
     """The SDK reads batched polling, client ids, zstd bodies, server-side custom losses and
     cancel as on; the JWT exchange as off."""
-    holder = service.holder  # it fetched both configs at start
+    holder = sdk_service.holder  # it fetched both configs at start
     config = holder.get_client_config()
     assert config.sample_use_retrieve_futures and config.sample_join_sampling_session
     assert config.custom_loss_server_side and config.proto_compress_fwdbwd
@@ -162,11 +145,11 @@ def test_client_config_turns_on_the_served_features(service: tinker.ServiceClien
 
 # --- batched polling and client ids --------------------------------------------------------
 def test_samples_resolve_through_retrieve_futures(
-    service: tinker.ServiceClient, deployment: Settings
+    sdk_service: tinker.ServiceClient, deployment: Settings
 ) -> None:
     """Many samples in flight resolve through one client's batched polls: each got a
     completion on the client's cursor, and each result is the sample's own."""
-    sampler = service.create_sampling_client(base_model=TINY).result()
+    sampler = sdk_service.create_sampling_client(base_model=TINY).result()
     prompts = [[3 + i, 4, 5] for i in range(6)]
     futures = [
         sampler.sample(types.ModelInput.from_ints(p), 2, types.SamplingParams(max_tokens=3, seed=i))
@@ -183,11 +166,11 @@ def test_samples_resolve_through_retrieve_futures(
 
 
 def test_retrieve_futures_answers_each_completion_once_past_the_cursor(
-    gateway: str, key: str, service: tinker.ServiceClient
+    gateway: str, key: str, sdk_service: tinker.ServiceClient
 ) -> None:
     """On the wire: a poll returns the finished samples after prev_cursor; a poll with the
     returned cursor and timeout 0 finds nothing new."""
-    sampler = service.create_sampling_client(base_model=TINY).result()
+    sampler = sdk_service.create_sampling_client(base_model=TINY).result()
     sampler_id = sampler._sampling_session_id
     headers = {"X-API-Key": key}
     ids = []
@@ -231,11 +214,11 @@ def test_retrieve_futures_answers_each_completion_once_past_the_cursor(
 
 
 def test_pickled_sampling_clients_join_with_distinct_client_ids(
-    service: tinker.ServiceClient, deployment: Settings
+    sdk_service: tinker.ServiceClient, deployment: Settings
 ) -> None:
     """Two unpickled copies of a SamplingClient each join the session (client ids 1 and 2),
     sample in their own seq_id blocks, and are polled on their own cursors."""
-    sampler = service.create_sampling_client(base_model=TINY).result()
+    sampler = sdk_service.create_sampling_client(base_model=TINY).result()
     sampler.sample(
         types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2)
     ).result(timeout=120)
@@ -365,11 +348,11 @@ def test_apikey_me_names_the_key_and_delete_revokes_only_it(
 
 
 def test_storage_usage_audit_search_and_trace_through_the_sdk(
-    gateway: str, service: tinker.ServiceClient, key: str
+    gateway: str, sdk_service: tinker.ServiceClient, key: str
 ) -> None:
     """A saved checkpoint shows in the tenant's storage usage, its audit log and its session's
     search summary; the session's trace export is a Perfetto file with its requests."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
     path = trainer.save_state("audited").result(timeout=120).path
     rest = tinker.RestClient(base_url=gateway, api_key=key)
     admin = tinker.AdminClient(base_url=gateway, api_key=key)
@@ -442,12 +425,12 @@ def proto_body(model_id: str, seq_id: int, data: list[types.Datum]) -> bytes:
 
 
 def test_compressed_forward_bodies_compute_what_plain_ones_do(
-    gateway: str, key: str, service: tinker.ServiceClient
+    gateway: str, key: str, sdk_service: tinker.ServiceClient
 ) -> None:
     """The SDK compresses its forward bodies (proto_compress_fwdbwd on); its result equals that
     of the same request sent uncompressed, and of one compressed by hand."""
-    assert service.holder.get_client_config().proto_compress_fwdbwd
-    trainer = service.create_lora_training_client(base_model=TINY, rank=2, seed=4).result()
+    assert sdk_service.holder.get_client_config().proto_compress_fwdbwd
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=4).result()
     batch = text_batch(3)
     by_sdk = trainer.forward(batch, "cross_entropy").result(timeout=120).metrics["loss:sum"]
     headers = {"X-API-Key": key, "Content-Type": "application/x-protobuf"}
@@ -511,11 +494,11 @@ def test_bad_compressed_bodies_are_refused_naming_what_is_wrong(
 
 
 # --- Dimuon ----------------------------------------------------------------------------------
-def test_a_dimuon_run_trains_through_the_sdk(service: tinker.ServiceClient) -> None:
+def test_a_dimuon_run_trains_through_the_sdk(sdk_service: tinker.ServiceClient) -> None:
     """create_lora_training_client(optimizer=DimuonOptimizerConfig()) makes a Dimuon run
     (get_info says so); DimuonParams steps lower the loss; AdamParams fail naming
     optimizer_params."""
-    trainer = service.create_lora_training_client(
+    trainer = sdk_service.create_lora_training_client(
         base_model=TINY, rank=4, seed=9, optimizer=types.DimuonOptimizerConfig()
     ).result()
     assert trainer.get_info().optimizer_config.type == "dimuon"
@@ -536,13 +519,13 @@ def test_a_dimuon_run_trains_through_the_sdk(service: tinker.ServiceClient) -> N
 # --- server-side custom losses ---------------------------------------------------------------
 @pytest.mark.parametrize("name", ["dpo", "clipped_policy", "weighted_nll"])
 def test_server_side_custom_losses_match_the_client_side_path(
-    service: tinker.ServiceClient, deployment: Settings, name: str
+    sdk_service: tinker.ServiceClient, deployment: Settings, name: str
 ) -> None:
     """create_custom_loss uploads the loss; forward_backward_custom then runs it on the worker
     in one forward_backward op, with the loss and metrics of the same handle run client-side
     (a forward and a second pass) on an identical model."""
     fn, names = LOSSES[name]
-    handle = service.create_custom_loss(fn, {"logprobs": 1, **dict.fromkeys(names, 1)}).result(
+    handle = sdk_service.create_custom_loss(fn, {"logprobs": 1, **dict.fromkeys(names, 1)}).result(
         timeout=60
     )
     assert handle.loss_id is not None and handle.loss_id.endswith(
@@ -551,7 +534,7 @@ def test_server_side_custom_losses_match_the_client_side_path(
     client_side = dataclasses.replace(handle, loss_id=None)
     data = sdk_loss_data(names)
     runs = [
-        service.create_lora_training_client(base_model=TINY, rank=4, seed=12).result()
+        sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=12).result()
         for _ in range(2)
     ]
     server_out = runs[0].forward_backward_custom(data, handle).result(timeout=120)
@@ -593,11 +576,11 @@ def sdk_loss_data(names: list[str]) -> list[types.Datum]:
 
 
 def test_a_disallowed_graph_is_refused_at_upload_naming_the_node(
-    gateway: str, key: str, service: tinker.ServiceClient
+    gateway: str, key: str, sdk_service: tinker.ServiceClient
 ) -> None:
     """An upload calling os.system (which the SDK itself would not trace) is refused with 400
     naming the node; nothing is stored under its id."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
     session_id = trainer.model_id.split(":train:")[0]
     nodes = [
         {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
@@ -643,16 +626,16 @@ def greedy_text(sampler: Any, tokenizer: Any, prompt: list[int], max_tokens: int
 
 
 def test_openai_completions_and_chat_sample_like_the_sdk(
-    gateway: str, key: str, service: tinker.ServiceClient
+    gateway: str, key: str, sdk_service: tinker.ServiceClient
 ) -> None:
     """The openai client against /oai/api/v1 (API key as bearer): a greedy completion and a
     chat completion (through the tokenizer's chat template) of the base model, and a
     completion of a trained checkpoint's sampler weights, each the text the SDK samples."""
     client = openai.OpenAI(base_url=f"{gateway}/oai/api/v1", api_key=key, max_retries=0)
-    trainer = service.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
     tokenizer = trainer.get_tokenizer()
     prompt = "Question: What is 2+2?\nAnswer:"
-    base = service.create_sampling_client(base_model=TINY).result()
+    base = sdk_service.create_sampling_client(base_model=TINY).result()
 
     completion = client.completions.create(model=TINY, prompt=prompt, max_tokens=6, temperature=0)
     assert completion.choices[0].text == greedy_text(base, tokenizer, tokenizer.encode(prompt), 6)
@@ -679,7 +662,7 @@ def test_openai_completions_and_chat_sample_like_the_sdk(
         trainer.optim_step(types.AdamParams(learning_rate=5e-2))
     path = trainer.save_weights_for_sampler("oai").result(timeout=120).path
     tuned = client.completions.create(model=path, prompt=prompt, max_tokens=6, temperature=0)
-    sampler = service.create_sampling_client(model_path=path).result()
+    sampler = sdk_service.create_sampling_client(model_path=path).result()
     assert tuned.choices[0].text == greedy_text(sampler, tokenizer, tokenizer.encode(prompt), 6)
 
 
@@ -717,12 +700,12 @@ def test_openai_routes_refuse_a_bad_key_and_another_tenants_checkpoint(
 
 # --- published checkpoints -------------------------------------------------------------------
 def test_a_published_checkpoint_is_readable_by_every_tenant(
-    gateway: str, key: str, deployment: Settings, service: tinker.ServiceClient
+    gateway: str, key: str, deployment: Settings, sdk_service: tinker.ServiceClient
 ) -> None:
     """Another tenant cannot sample from or load a checkpoint until its owner publishes it;
     then it can (listings say public), nobody but the owner can publish it, and after
     unpublishing it is refused again."""
-    trainer = service.create_lora_training_client(base_model=TINY, rank=2, seed=6).result()
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=6).result()
     state = trainer.save_state("pub").result(timeout=120).path
     weights = trainer.save_weights_for_sampler("pub").result(timeout=120).path
     owner = tinker.RestClient(base_url=gateway, api_key=key)

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
-from procs import lora_deployment
 from safetensors.torch import load_file
 from sqlalchemy import text
 
@@ -29,13 +28,6 @@ from queue_tinker.workers.base_model import load_base_model
 TINY = "queue-tinker/tiny-llama"
 RANK = 8
 SEED = 3
-
-
-@pytest.fixture(scope="module")
-def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
-    """Settings of a deployment with one LoRA worker on the tiny model."""
-    with lora_deployment(redis_url, database_url, TINY) as settings:
-        yield settings
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,15 @@ def redis_server_binary() -> Path:
     return binary
 
 
+def answers(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections there now (a local Redis or Postgres)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the kernel's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
