@@ -27,6 +27,7 @@ from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers import sampler
 from queue_tinker.workers.adapters import linear_names, peft_config
 from queue_tinker.workers.base_model import load_base_model
+from queue_tinker.workers.kv_cache import GrowingLayer
 from queue_tinker.workers.row_blocks import blocks_of
 from queue_tinker.workers.sampler import GenerationRequest, generate
 
@@ -894,3 +895,51 @@ def test_rows_in_flight_are_kept_in_one_block_per_adapter(setup: Setup) -> None:
     done.update(drain(loop, setup.model))
     for key, req in enumerate(requests):
         assert_near(done[key], run(setup, [req])[0])
+
+
+def test_decode_steps_write_the_cache_in_place(setup: Setup) -> None:
+    """Once rows are built, a decode step writes its column into the layers' buffers (no copy
+    of the cache per step) and no buffer holds more than the rows' max_tokens can fill."""
+    loop = new_loop(setup)
+    loop.add("short", request(PROMPTS[0], "a1", max_tokens=5, seed=1, stop=[]))
+    loop.add("long", request(PROMPTS[1], "a2", n=2, max_tokens=9, seed=2, stop=[]))
+    loop.step(setup.model)
+    assert loop.running is not None
+    layers = loop.running.cache.layers
+    assert all(isinstance(layer, GrowingLayer) for layer in layers)
+    places = [layer.keys.untyped_storage().data_ptr() for layer in layers]
+    width = loop.running.mask.shape[1]
+    for _ in range(3):
+        loop.step(setup.model)
+    assert [layer.keys.untyped_storage().data_ptr() for layer in layers] == places
+    assert all(layer.capacity <= width + 9 for layer in layers)
+
+
+def test_prompts_prefilled_in_length_groups_sample_what_one_batch_samples(setup: Setup) -> None:
+    """With a free model call (call_tokens=0) each prompt length is prefilled alone; the rows
+    join one batch and every request samples (and scores its prompt) as in one prefill."""
+    calls: list[torch.Tensor] = []
+
+    def record(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        calls.append(kwargs["input_ids"])
+
+    requests = mixed_requests()
+    expected = run(setup, requests)
+    loop = new_loop(setup, call_tokens=0)
+    for index, req in enumerate(requests):
+        loop.add(index, req)
+    handle = decoder_of(setup.model).register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        loop.step(setup.model)
+    finally:
+        handle.remove()
+    lengths = sorted({len(p) for p in PROMPTS})
+    assert [ids.shape[1] for ids in calls] == lengths  # one call per length, none padded
+    assert loop.rows == sum(req.num_samples for req in requests)
+    done = drain(loop, setup.model)
+    for index, response in enumerate(expected):
+        assert_near(done[index], response)
+        if requests[index].prompt_logprobs:
+            got, want = done[index].prompt_logprobs, response.prompt_logprobs
+            assert got is not None and want is not None and got[0] is None
+            assert_close(got[1:], torch.tensor(want[1:]), JOINED_VS_ALONE)

@@ -1,6 +1,7 @@
 """The decode loop's live state: each request's draws and outputs so far (`LiveRequest`), and
 a batch of rows aligned with its KV cache (`Rows`) that rows leave (`select`) and join
-(`merge`, the narrower cache left-padded) between steps."""
+(`merge`, the narrower cache left-padded) between steps. A plain cache's layers become
+`GrowingLayer`s (kv_cache.py) when its rows are built, so decode steps write in place."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.sampling import SampledSequence, SampleResponse, StopReason
+from queue_tinker.workers.kv_cache import GrowingLayer
 from queue_tinker.workers.token_choice import is_greedy, request_seed
 
 if TYPE_CHECKING:
@@ -121,6 +123,7 @@ class Rows:
         temperature = [1.0 if r.greedy else r.spec.params.temperature for r in requests]
         width = max(1, *(len(r.stop_ids) for r in requests))
         stops = [r.stop_ids + [-1] * (width - len(r.stop_ids)) for r in requests]
+        _grow_in_place(cache, room=max(r.spec.max_tokens for r in requests))
         return cls(
             requests=requests,
             samples=samples,
@@ -145,7 +148,7 @@ class Rows:
     def mergeable(self) -> bool:
         """Whether other rows can join this cache: plain per-layer key / value tensors (a
         sliding-window or quantised cache keeps its own bookkeeping)."""
-        return plain_layers(self.cache) is not None
+        return growing_layers(self.cache) is not None
 
     def select(self, keep: list[int]) -> None:
         """Keep these rows only, in order; then cut the columns no remaining row uses."""
@@ -156,21 +159,20 @@ class Rows:
         for name in ("mask", "next_pos", "temperature", "top_k", "top_p", "stop_ids", "tokens"):
             setattr(self, name, getattr(self, name)[index])
         self.uniforms = self.uniforms[index.cpu()]
-        layers = plain_layers(self.cache)
+        layers = growing_layers(self.cache)
         start = int(self.mask.any(dim=0).int().argmax())  # the first column anyone uses
         if start > 0 and layers is not None:
             self.mask = self.mask[:, start:]
-            for layer, (keys, values) in layers:
-                layer.keys, layer.values = keys[:, :, start:], values[:, :, start:]
+            for layer in layers:
+                layer.drop_left(start)
 
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (and cache) after these; the narrower side is left-padded."""
         width = max(self.mask.shape[1], other.mask.shape[1])
-        ours, theirs = plain_layers(self.cache), plain_layers(other.cache)
+        ours, theirs = growing_layers(self.cache), growing_layers(other.cache)
         assert ours is not None and theirs is not None, "merge() needs mergeable() caches"
-        for (layer, (keys, values)), (_, (new_keys, new_values)) in zip(ours, theirs, strict=True):
-            layer.keys = torch.cat([pad_left(keys, width), pad_left(new_keys, width)])
-            layer.values = torch.cat([pad_left(values, width), pad_left(new_values, width)])
+        for index, (layer, new_layer) in enumerate(zip(ours, theirs, strict=True)):
+            self.cache.layers[index] = GrowingLayer.joined(layer, new_layer, width)
         self.mask = torch.cat(
             [
                 F.pad(self.mask, (width - self.mask.shape[1], 0)),
@@ -191,13 +193,31 @@ def plain_layers(
     cache: DynamicCache,
 ) -> list[tuple[DynamicLayer, tuple[torch.Tensor, torch.Tensor]]] | None:
     """The cache's layers with their (keys, values), if every layer is a plain DynamicLayer
-    holding tensors; else None."""
-    layers = []
+    (or a GrowingLayer) holding tensors; else None."""
+    layers: list[tuple[DynamicLayer, tuple[torch.Tensor, torch.Tensor]]] = []
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer or layer.keys is None or layer.values is None:
+        if not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, GrowingLayer):
+            return None
+        if layer.keys is None or layer.values is None:
             return None
         layers.append((layer, (layer.keys, layer.values)))
     return layers
+
+
+def growing_layers(cache: DynamicCache) -> list[GrowingLayer] | None:
+    """The cache's layers if every one is a GrowingLayer; else None."""
+    layers = [layer for layer in cache.layers if isinstance(layer, GrowingLayer)]
+    return layers if layers and len(layers) == len(cache.layers) else None
+
+
+def _grow_in_place(cache: DynamicCache, room: int) -> None:
+    """Make a plain cache's layers GrowingLayers with `room` more columns at most (others stay
+    as they are: a sliding-window or quantised cache keeps its own bookkeeping)."""
+    layers = plain_layers(cache)
+    if layers is None:
+        return
+    for index, (_, (keys, values)) in enumerate(layers):
+        cache.layers[index] = GrowingLayer.holding(keys, values, room)
 
 
 def pad_left(states: torch.Tensor, width: int) -> torch.Tensor:

@@ -3,15 +3,16 @@ join and leave between steps (continuous batching).
 
 A `DecodeLoop` keeps its KV cache and its live rows (one per sample) from one `step` to the
 next. A step first feeds every live row its last chosen token (one decode step), then admits
-waiting requests: their prompts are prefilled (left-padded, one prefill row per distinct prompt
-and adapter, so a request's `num_samples` rows, and identical prompts admitted together, share
-it; the cache is then expanded to one row per sample), their first tokens are chosen, and their
-rows are appended to the running batch (the shorter cache left-padded to the longer). Prompts in
-flight are shared too: a prefilled prompt's own key / value states and last logits are kept
-while any request on it (same adapter) is in the loop, and an identical request admitted at a
-later step joins from them instead of prefilling (workers/shared_prompts.py), unless it wants
-its prompt scored. A row that finishes leaves at once, and columns no remaining row uses are cut
-off; a request is done when its last row is.
+waiting requests: their prompts are prefilled (left-padded, in groups of similar length:
+prefill_groups.py; one prefill row per distinct prompt and adapter, so a request's `num_samples`
+rows, and identical prompts admitted together, share it; the cache is then expanded to one row
+per sample, in layers a decode step writes in place: kv_cache.py), their first tokens are
+chosen, and their rows are appended to the running batch (the shorter cache left-padded to the
+longer). Prompts in flight are shared too: a prefilled prompt's own key / value states and last
+logits are kept while any request on it (same adapter) is in the loop, and an identical request
+admitted at a later step joins from them instead of prefilling (workers/shared_prompts.py),
+unless it wants its prompt scored. A row that finishes leaves at once, and columns no remaining
+row uses are cut off; a request is done when its last row is.
 
 Each row keeps its own adapter (the rows of one adapter kept together, and each block of them
 gets its adapter's update in every LoRA layer: row_blocks.py), its sampling settings, stop rules
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.decode_rows import (
@@ -45,6 +47,7 @@ from queue_tinker.workers.decode_rows import (
     kept,
     per_sample,
 )
+from queue_tinker.workers.prefill_groups import length_groups, prefill_call_tokens
 from queue_tinker.workers.prompt_scores import prompt_scores, wants_prompt_scores
 from queue_tinker.workers.row_blocks import (
     blocks_of,
@@ -137,12 +140,15 @@ class DecodeLoop:
         *,
         max_rows: int | None,
         prefill_tokens: int | None = PREFILL_TOKENS,
+        call_tokens: int | None = None,
     ) -> None:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.decode = decode
         self.max_rows = max_rows  # rows in the batch at once (KV-cache memory); None: no cap
         self.prefill_tokens = prefill_tokens
+        # What a prefill call costs in padded tokens' worth (prefill_groups.py).
+        self.call_tokens = prefill_call_tokens(device) if call_tokens is None else call_tokens
         self.waiting: deque[LiveRequest] = deque()
         self.running: Rows | None = None
         self.prompts = SharedPrompts()  # prompts in flight, for identical requests joining later
@@ -245,7 +251,7 @@ class DecodeLoop:
         fresh: list[tuple[LiveRequest, range]] = []
         for part in taken:
             (shared if self._reuses_prompt(*part) else fresh).append(part)
-        parts = [self._prefill(model, fresh)] if fresh else []
+        parts = self._prefill(model, fresh) if fresh else []
         if shared:
             parts.append(self.prompts.rows(shared))
         for incoming, logits in parts:
@@ -299,6 +305,24 @@ class DecodeLoop:
         return taken
 
     def _prefill(
+        self, model: torch.nn.Module, taken: list[tuple[LiveRequest, range]]
+    ) -> list[tuple[Rows, torch.Tensor]]:
+        """The taken requests' prompts prefilled in groups of similar length
+        (prefill_groups.py), each group's rows and the logits they choose their first tokens
+        from. A cache that rows cannot be merged into (mergeable()) takes one group."""
+        keys = list(dict.fromkeys(prompt_key(r) for r, _ in taken))
+        cache = DynamicCache(config=getattr(model, "config", None))
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return [self._prefill_group(model, taken)]
+        groups = length_groups([len(prompt) for prompt, _ in keys], self.call_tokens)
+        parts = []
+        for group in groups:
+            chosen = {keys[i] for i in group}
+            part = [(r, samples) for r, samples in taken if prompt_key(r) in chosen]
+            parts.append(self._prefill_group(model, part))
+        return parts
+
+    def _prefill_group(
         self, model: torch.nn.Module, taken: list[tuple[LiveRequest, range]]
     ) -> tuple[Rows, torch.Tensor]:
         """Each distinct (prompt, adapter) once, left-padded; the cache expanded to one row per
