@@ -8,6 +8,9 @@ every request has a seed, temperature 1 and `stop=[]`, so it generates exactly `
   1.5 s: their median latency (submit to result) against one such request alone (median of a
   few), and the stream's tokens/s against transformers' `generate()` on the same 48 at once;
 - simultaneous: 32 requests sent at once against `generate()` on the same 32 (tokens/s);
+- long samples: the first `long_rows` of them with `long_tokens` new tokens each, against
+  `generate()` on the same (tokens/s): what a cache written in place saves as samples grow
+  (at most the context left after the 48-token prompts: 192 on the tiny model's 256);
 - shared prompt: one request with `num_samples=16` against 16 requests of that prompt sent at
   once (tokens/s);
 - fair turns: one tenant's training step (forward_backward + optim_step, one datum) latency,
@@ -55,7 +58,7 @@ from bench.lora_service import lora_worker, use_torch_threads
 from bench.report import DOCS, write_docs
 from queue_tinker.builtin_models import PAD_ID
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient
-from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams
+from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 from queue_tinker.workers.base_model import ensure_builtin_model, load_base_model
 
 SECTION = "## Sampling engine: continuous batching, shared prompts, fair turns"
@@ -72,14 +75,20 @@ class Size:
     fair_tokens: int
     rounds: int  # of each timed call (median taken)
     long_prompt: int = 192  # tokens of the long-prompt case (within the model's context)
+    long_rows: int = 32  # requests of the long-samples case
+    long_tokens: int = 512  # their max_tokens (+ 48 prompt tokens within the model's context)
     staggered: int = 48
     simultaneous: int = 32
     shared: int = 16
 
 
 SIZES = {
-    "queue-tinker/tiny-llama": Size("queue-tinker/tiny-llama", 64, 512, 128, 3, long_prompt=160),
-    "queue-tinker/llama-100m": Size("queue-tinker/llama-100m", 32, 64, 32, 2, long_prompt=960),
+    "queue-tinker/tiny-llama": Size(
+        "queue-tinker/tiny-llama", 64, 512, 128, 3, long_prompt=160, long_tokens=192
+    ),
+    "queue-tinker/llama-100m": Size(
+        "queue-tinker/llama-100m", 32, 64, 32, 2, long_prompt=960, long_rows=16, long_tokens=384
+    ),
 }
 
 
@@ -98,6 +107,8 @@ class Result:
     separate_tok_s: list[float] = field(default_factory=list)
     long_shared_tok_s: list[float] = field(default_factory=list)  # num_samples of a long prompt
     long_distinct_tok_s: list[float] = field(default_factory=list)  # as many long prompts
+    long_samples_tok_s: list[float] = field(default_factory=list)
+    generate_long_samples_tok_s: list[float] = field(default_factory=list)
     step_alone_s: list[float] = field(default_factory=list)
     step_under_s: list[float] = field(default_factory=list)
     sample_alone_s: float = 0.0
@@ -235,7 +246,7 @@ def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size, resul
     batch = [
         Datum(
             model_input=ModelInput.from_ints(row[:-1].tolist()),
-            loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)},
+            loss_fn_inputs={"target_tokens": TensorData.from_numpy(row[1:].astype(np.int64))},
         )
     ]
     train_steps(tc, batch, 3)  # warm-up: created, resident, kernels loaded
@@ -304,6 +315,9 @@ def run_round(
     result.generate_staggered_tok_s.append(generate_tok_s(local, stream, size.tokens))
     result.simultaneous_tok_s.append(at_once(sampler, together, 1, size.tokens, 2000))
     result.generate_simultaneous_tok_s.append(generate_tok_s(local, together, size.tokens))
+    long_batch = together[: size.long_rows]
+    result.long_samples_tok_s.append(at_once(sampler, long_batch, 1, size.long_tokens, 5000))
+    result.generate_long_samples_tok_s.append(generate_tok_s(local, long_batch, size.long_tokens))
     result.shared_tok_s.append(at_once(sampler, [shared_prompt], size.shared, size.tokens, 3000))
     result.separate_tok_s.append(
         at_once(sampler, [shared_prompt] * size.shared, 1, size.tokens, 3000)
@@ -317,7 +331,9 @@ def run_round(
         f"{result.staggered_median_s[-1] * 1000:,.0f} ms ({tok_s:,.0f} tok/s vs generate "
         f"{result.generate_staggered_tok_s[-1]:,.0f}); 32 at once "
         f"{result.simultaneous_tok_s[-1]:,.0f} vs generate "
-        f"{result.generate_simultaneous_tok_s[-1]:,.0f} tok/s; num_samples=16 "
+        f"{result.generate_simultaneous_tok_s[-1]:,.0f} tok/s; long samples "
+        f"{result.long_samples_tok_s[-1]:,.0f} vs generate "
+        f"{result.generate_long_samples_tok_s[-1]:,.0f} tok/s; num_samples=16 "
         f"{result.shared_tok_s[-1]:,.0f} vs 16 requests {result.separate_tok_s[-1]:,.0f}",
         flush=True,
     )
@@ -350,6 +366,14 @@ def rows(r: Result) -> list[tuple[str, str, str, float, str]]:
             f"{median(r.generate_simultaneous_tok_s):,.0f} tok/s",
             median(r.simultaneous_tok_s) / median(r.generate_simultaneous_tok_s),
             "≥ 1.2×",
+        ),
+        (
+            f"{s.long_rows} requests at once, {s.long_tokens} tokens each (long samples), vs "
+            "generate()",
+            f"{median(r.long_samples_tok_s):,.0f} tok/s",
+            f"{median(r.generate_long_samples_tok_s):,.0f} tok/s",
+            median(r.long_samples_tok_s) / median(r.generate_long_samples_tok_s),
+            "stated",
         ),
         (
             f"num_samples={s.shared} of one prompt vs {s.shared} requests of it",
@@ -429,7 +453,11 @@ READING = (
     "loop also prefills once when they arrive together, so what differs is the queue's "
     "per-request cost; a prompt of 8–48 tokens is a small part of 64 generated tokens. The "
     "long-prompt row shows what the sharing saves: one long prompt's samples against as many "
-    "distinct prompts of that length, each prefilled. The fair-turns rows are the scheduling: "
+    "distinct prompts of that length, each prefilled. The long-samples row is where the cache "
+    "written in place shows: generate()'s cache (and the loop's before it) copies every "
+    "layer's keys and values at every step, a cost that grows with the square of the length, "
+    "while the loop writes one column (workers/kv_cache.py); on the tiny model the cache is "
+    "too small for that to matter. The fair-turns rows are the scheduling: "
     "the trainer's steps run between quanta of the long sample instead of after it. The tiny "
     "model's rows are per-request overhead, not compute: generate() makes the 32 requests' "
     "2,048 tokens in about a tenth of a second, so the queue's fixed cost per request "
@@ -512,7 +540,8 @@ def sizes(args: argparse.Namespace) -> list[Size]:
     chosen = [SIZES[m] for m in args.models]
     if args.quick:
         chosen = [
-            Size(s.model, 8, 32, 16, 1, 32, staggered=8, simultaneous=8, shared=4) for s in chosen
+            Size(s.model, 8, 32, 16, 1, 32, 4, 32, staggered=8, simultaneous=8, shared=4)
+            for s in chosen
         ]
     return chosen
 

@@ -118,6 +118,8 @@ def test_sampling_engine_ratios_are_service_over_same_run_baseline() -> None:
         generate_staggered_tok_s=[40, 40, 40],
         simultaneous_tok_s=[60, 60, 60],
         generate_simultaneous_tok_s=[50, 50, 50],
+        long_samples_tok_s=[70, 90, 80],
+        generate_long_samples_tok_s=[40, 40, 40],
         shared_tok_s=[30, 30, 30],
         separate_tok_s=[20, 20, 20],
         long_shared_tok_s=[40, 40, 40],
@@ -129,8 +131,8 @@ def test_sampling_engine_ratios_are_service_over_same_run_baseline() -> None:
     )
     ratios = [round(ratio, 3) for *_, ratio, _ in sampling_engine.rows(result)]
     p90_under = float(np.percentile([0.02] * 9 + [0.2], 90))
-    assert ratios == [2.0, 0.5, 1.2, 1.5, 4.0, round(p90_under / 0.01, 3), 1.5]
-    assert len(sampling_engine.table([result])) == 2 + 7 + 1
+    assert ratios == [2.0, 0.5, 1.2, 2.0, 1.5, 4.0, round(p90_under / 0.01, 3), 1.5]
+    assert len(sampling_engine.table([result])) == 2 + 8 + 1
     # A GPU run writes a section of its own and leaves the CPU section's text alone.
     cpu = sampling_engine.render({"CPU": "x"}, [result], 1.0, 2, "cpu")
     gpu = sampling_engine.render({"GPU": "y"}, [result], 1.0, 2, "cuda")
