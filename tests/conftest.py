@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import hypothesis
 import pytest
 import redis
 import tinker
@@ -26,6 +27,13 @@ from queue_tinker.client import ServiceClient
 from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
 from queue_tinker.queue.connection import connect
 from queue_tinker.settings import Settings
+
+# The fuzz tests (test_fuzz.py, test_hostile_routes.py) draw the same examples on every run, so
+# a red gate means a change broke something rather than a new draw finding an old case; set
+# QT_TEST_FUZZ_EXPLORE=1 to draw new ones (how the scalar-target case in test_fuzz.py was found).
+hypothesis.settings.register_profile("gate", derandomize=True)
+hypothesis.settings.register_profile("explore", derandomize=False)
+hypothesis.settings.load_profile("explore" if os.environ.get("QT_TEST_FUZZ_EXPLORE") else "gate")
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 LOCAL_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"

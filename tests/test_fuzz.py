@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 import pytest
 import redis
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from procs import lora_deployment, make_key
 from tinker.proto import tinker_public_pb2 as pb
@@ -729,6 +729,8 @@ def proto_batch(model_id: str, seq_id: int, case: BadBatch, forward_only: bool) 
                     "float32": ("<f4", pb.DTYPE_FLOAT32),
                 }[tensor["dtype"]]
                 array = np.array(tensor["data"], dtype=wire_dtype)
+                if array.ndim == 0:  # no shape on the wire means 1-D: a scalar is [scalar]
+                    return None
                 out = item.loss_fn_inputs[key]
                 out.dense, out.dtype = array.tobytes(), dtype
                 out.shape[:] = list(array.shape)
@@ -743,8 +745,24 @@ ENVELOPE = r"(?:forward_input|forward_backward_input)\."
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
 
+# Found by the fuzzer: a scalar target (a 0-d tensor) is JSON only; protobuf would carry it
+# as the valid [0].
+SCALAR_TARGET = BadBatch(
+    data=[
+        {
+            "model_input": {"chunks": [{"tokens": [0, 0]}]},
+            "loss_fn_inputs": {"target_tokens": {"data": 0, "dtype": "int64"}},
+        }
+    ],
+    loss_fn="cross_entropy",
+    config=None,
+    field=r"data\[0\]",
+)
+
+
 @FUZZ
 @given(case=bad_batches(), forward_only=st.booleans(), as_proto=st.booleans())
+@example(case=SCALAR_TARGET, forward_only=False, as_proto=True)
 def test_the_gateway_answers_malformed_training_batches_with_user_errors(
     target: Target, control: Control, case: BadBatch, forward_only: bool, as_proto: bool
 ) -> None:
