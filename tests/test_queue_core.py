@@ -8,7 +8,8 @@ import pytest
 from redis.asyncio import Redis
 
 from queue_tinker.errors import LeaseLostError, UnknownModelError, UserInputError
-from queue_tinker.queue.dispatch import Dispatcher, Outcome
+from queue_tinker.queue.actions import cancel_job
+from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import JobStatus, OpKind
@@ -157,23 +158,50 @@ async def test_reaper_offers_models_of_dead_workers(
     assert await redis.zrange(keys.offers(BASE), 0, -1) == [b"dead"]
 
 
-async def test_publish_advances_the_model_and_trims_its_log(
-    jobs: JobQueue, redis: Redis, keys: Keys
-) -> None:
-    """Publishing seq k marks k done, trims the log through k, and clears pending at the end."""
+async def owned_pings(
+    jobs: JobQueue, redis: Redis, keys: Keys, count: int
+) -> tuple[str, Dispatcher, Lease, list[Op]]:
+    """A new model with `count` pings, claimed by worker wA, its ops read: (model, worker,
+    lease, ops)."""
     model = await new_model(jobs)
-    for i in range(3):
+    for i in range(count):
         await jobs.enqueue(model, OpKind.PING, b"", job_id=f"j{i}")
     worker = dispatcher(redis, keys, "wA")
     lease = await worker.claim(model)
     assert lease is not None
     ops, _, _ = await worker.read({model: 0}, b"0-0", block_ms=100)
+    return model, worker, lease, ops
+
+
+async def test_publish_advances_the_model_and_trims_its_log(
+    jobs: JobQueue, redis: Redis, keys: Keys
+) -> None:
+    """Publishing seq k marks k done, trims the log through k, and clears pending at the end."""
+    model, worker, lease, ops = await owned_pings(jobs, redis, keys, 3)
     assert [op.seq for op in ops] == [1, 2, 3]
     for op in ops:
         await worker.start(lease, op)
         await worker.publish(lease, op, Outcome(JobStatus.DONE), trim_upto=op.seq)
         remaining = await redis.xrange(keys.model_ops(model))
         assert [int(e[0].split(b"-")[0]) for e in remaining] == list(range(op.seq + 1, 4))
+    assert await redis.hget(keys.model_meta(model), "done_seq") == b"3"
+    assert not await redis.sismember(keys.pending(BASE), model)
+
+
+async def test_an_op_cancelled_behind_a_running_one_is_settled_by_its_publish(
+    jobs: JobQueue, redis: Redis, keys: Keys
+) -> None:
+    """Ops 2 and 3 are cancelled while op 1 runs (samples start together): their starts find
+    them finished but leave done_seq behind op 1, which a new owner must still read; op 1's
+    publish then settles all three, and the model leaves the pending set."""
+    model, worker, lease, ops = await owned_pings(jobs, redis, keys, 3)
+    assert (await worker.start(lease, ops[0])).run
+    for job_id in ("j1", "j2"):
+        assert await cancel_job(redis, keys, job_id, None) == "queued"
+    assert [s.run for s in await worker.start_batch([(lease, op) for op in ops[1:]])] == [False] * 2
+    assert await redis.hget(keys.model_meta(model), "done_seq") == b"0"
+    assert await redis.sismember(keys.pending(BASE), model)
+    await worker.publish(lease, ops[0], Outcome(JobStatus.DONE), trim_upto=None)
     assert await redis.hget(keys.model_meta(model), "done_seq") == b"3"
     assert not await redis.sismember(keys.pending(BASE), model)
 

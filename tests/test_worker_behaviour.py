@@ -30,7 +30,9 @@ def job_fields(settings: Settings, job_id: str) -> dict[str, str]:
     client = redis.Redis.from_url(settings.redis_url or "")
     try:
         fields = client.hgetall(Keys(settings.key_prefix).job(job_id))
-        return {k.decode(): v.decode() for k, v in fields.items() if k != b"result"}
+        return {
+            k.decode(): v.decode() for k, v in fields.items() if k not in (b"result", b"payload")
+        }
     finally:
         client.close()
 

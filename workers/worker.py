@@ -286,6 +286,16 @@ class Worker(SteppedTurns):
         self._drop_lost([owned for (owned, _), start in decided if start is None])
         for owned, ops, start in _limited_by_model(decided):
             self._hold_back(owned, ops, start)
+        # A sample asked to stop while a dead owner ran it fails as asked: it leaves the
+        # engine before its first step (turns.py _engine_step), as a stop from the control
+        # stream would have made it leave on the first owner.
+        self._stops.update(
+            {
+                op.job_id: start.stop_reason
+                for (_, op), start in decided
+                if start and start.stop_reason
+            }
+        )
         return [(owned, op) for (owned, op), start in decided if self._runs_now(owned, start)]
 
     def _runs_now(self, owned: OwnedModel, start: Start | None) -> bool:

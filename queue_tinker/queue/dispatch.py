@@ -41,17 +41,26 @@ class Start:
     run: bool  # mark it running and run it now
     retry_ms: int = 0  # > 0: its tenant is over a limit; it stays queued, try again after this
     # run False and retry_ms 0: it already finished (an earlier owner, or it was cancelled)
+    # Set: a stop was asked while an earlier owner ran it, and that owner died before it could
+    # stop it; the op is marked running, but fails with this reason instead of running again.
+    stop_reason: str = ""
 
     @property
     def limited(self) -> bool:
         return self.retry_ms > 0
 
 
-def _start(reply: list[int]) -> Start:
-    """start.lua's reply: {1} run, {0} already finished, {2, retry_ms} over a limit."""
+def _start(reply: list[int | bytes]) -> Start:
+    """start.lua's reply: {1} run, {0} already finished, {2, retry_ms} over a limit,
+    {3, reason} stopped before this owner ran it."""
     code = int(reply[0])
     if code == 2:
         return Start(run=False, retry_ms=max(1, int(reply[1])))
+    if code == 3:
+        reason = reply[1]
+        return Start(
+            run=True, stop_reason=reason.decode() if isinstance(reason, bytes) else str(reason)
+        )
     return Start(run=code == 1)
 
 

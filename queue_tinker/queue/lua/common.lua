@@ -33,12 +33,13 @@ local function offer(offers, model_id)
   end
 end
 
--- Copy the job hash (minus its result and payload bytes) onto the records stream, for Postgres.
+-- Copy the job hash (minus its result and payload bytes, and a running op's stop request:
+-- the failure it leads to is recorded) onto the records stream, for Postgres.
 local function record_job(job_key, records_key)
   local flat = redis.call('HGETALL', job_key)
   local event = {'type', 'request'}
   for i = 1, #flat, 2 do
-    if flat[i] ~= 'result' and flat[i] ~= 'payload' then
+    if flat[i] ~= 'result' and flat[i] ~= 'payload' and flat[i] ~= 'stop_reason' then
       event[#event + 1] = flat[i]
       event[#event + 1] = flat[i + 1]
     end
@@ -114,6 +115,27 @@ local function advance_done(meta, pending, model_id, seq)
   end
   if tonumber(redis.call('HGET', meta, 'last_seq') or '0') <= seq then
     redis.call('SREM', pending, model_id)
+  end
+end
+
+-- done_seq moves on over the ops right after it that finished before their turn came
+-- (cancelled while they waited): start.lua leaves those to the publish of the op before them,
+-- which calls this. k = {meta, pending, ops}
+local function settle_finished_after(k, prefix, model_id)
+  while true do
+    local next_seq = tonumber(redis.call('HGET', k[1], 'done_seq') or '0') + 1
+    local entry = redis.call('XRANGE', k[3], next_seq .. '-0', next_seq .. '-0')[1]
+    if not entry then
+      return
+    end
+    local job_id
+    for i = 1, #entry[2], 2 do
+      if entry[2][i] == 'job' then job_id = entry[2][i + 1] end
+    end
+    if not job_id or not is_terminal(job_key(prefix, job_id)) then
+      return
+    end
+    advance_done(k[1], k[2], model_id, next_seq)
   end
 end
 

@@ -13,8 +13,10 @@ if not holds_lease(KEYS[1], ARGV[1]) then
   return redis.error_reply('LEASE_LOST')
 end
 local seq = tonumber(ARGV[7])
+local prefix, settled = ARGV[14], {KEYS[3], KEYS[5], KEYS[4]}
 if is_terminal(KEYS[2]) then
   advance_done(KEYS[3], KEYS[5], ARGV[9], seq)  -- cancelled while it ran inline
+  settle_finished_after(settled, prefix, ARGV[9])
   return 0
 end
 local finished = now_text()
@@ -41,10 +43,11 @@ if ARGV[6] ~= '' then
 end
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[8]))
 advance_done(KEYS[3], KEYS[5], ARGV[9], seq)
+settle_finished_after(settled, prefix, ARGV[9])
 if ARGV[10] ~= '' then
   redis.call('XTRIM', KEYS[4], 'MINID', (tonumber(ARGV[10]) + 1) .. '-0')
 end
-local prefix, tokens = ARGV[14], tonumber(ARGV[13])
+local tokens = tonumber(ARGV[13])
 local job = redis.call('HMGET', KEYS[2], 'id', 'tenant_id')
 redis.call('SREM', tenant_key(prefix, job[2], 'running'), job[1])
 charge_tokens(prefix, job[2], tokens)

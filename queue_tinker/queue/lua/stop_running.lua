@@ -1,6 +1,8 @@
 -- Ask the worker running an op to stop it at its next step (a sample in the decode loop): one
 -- entry on that worker's control stream. The worker fails the op with the reason given and
--- publishes it as usual (fenced by its lease); the job is not touched here.
+-- publishes it as usual (fenced by its lease). The reason is kept on the job too: if that
+-- worker dies before it reads the stop, the next owner fails the op instead of re-running it
+-- (start.lua).
 -- KEYS[1] job hash   KEYS[2] control stream of the worker the caller read in the job hash
 -- ARGV[1] tenant id ('' = any: an admin)   ARGV[2] the error message   ARGV[3] that worker's id
 -- ARGV[4] control stream length (approximate MAXLEN)   ARGV[5..] the kinds that can be stopped
@@ -23,6 +25,7 @@ end
 if job[5] ~= ARGV[3] then
   return redis.error_reply('MOVED')
 end
+redis.call('HSET', KEYS[1], 'stop_reason', ARGV[2])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'command', 'cancel', 'job', job[1],
   'reason', ARGV[2])
 return 1
