@@ -218,3 +218,6 @@ def test_copy_weights_reads_only_what_the_caller_may_and_refuses_what_is_not_off
         answer = refused(body, headers)
         assert answer.status_code in (400, 404, 422), (body, answer.text)
         assert field in answer.json()["detail"], (body, answer.text)
+    # What to pass instead, where the SDK takes it (it sends no copy without a project id).
+    elsewhere = refused({"destination_project_id": "proj-elsewhere"}).json()["detail"]
+    assert f"TINKER_PROJECT_ID={tenant}" in elsewhere, elsewhere

@@ -112,8 +112,8 @@ def _check_destination(body: CopyWeightsRequest, tenant: str, access_token: str 
     if body.destination_project_id not in (None, tenant):
         raise UserInputError(
             f"destination_project_id: {body.destination_project_id!r} is not yours; this "
-            f"service has no projects, a copy goes to your tenant {tenant!r} (pass that, or "
-            "nothing)"
+            f"service has no projects, a copy goes to your tenant {tenant!r}: pass that (the "
+            f"SDK: copy_weights(path, {tenant!r}), or TINKER_PROJECT_ID={tenant})"
         )
 
 
