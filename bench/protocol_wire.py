@@ -413,7 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         scratch_database(args.postgres_url) as database_url,
         fresh_prefix(args.redis_url, "wire") as prefix,
     ):
-        settings = make_settings(args.redis_url, database_url, prefix, Path(tmp))
+        # The wire runs create models on a base no worker serves, so their ops only queue.
+        settings = make_settings(args.redis_url, database_url, prefix, Path(tmp)).model_copy(
+            update={"queue_unserved_base_models": True}
+        )
         key = make_key(settings, f"bench-{uuid.uuid4().hex[:6]}")
         log_path = Path(tmp) / "gateway.log"
         with (
