@@ -219,8 +219,8 @@ def sdk_door(service: tinker.ServiceClient, model: str, rows: np.ndarray) -> Doo
         sdk_types.Datum(
             model_input=sdk_types.ModelInput.from_ints(row[:-1].tolist()),
             loss_fn_inputs={
-                "target_tokens": row[1:].astype(np.int64),
-                "weights": np.ones(len(row) - 1, dtype=np.float32),
+                "target_tokens": sdk_types.TensorData.from_numpy(row[1:].astype(np.int64)),
+                "weights": sdk_types.TensorData.from_numpy(np.ones(len(row) - 1, np.float32)),
             },
         )
         for row in rows

@@ -197,8 +197,12 @@ def render(results: Sequence[Measurement], info: dict[str, str]) -> str:
     for (rows, seq), found in by_case.items():
         cells = []
         for key in (("whole", False), ("chunked", True), ("chunked", False)):
-            m = found.get(key)
-            cells.append(f"{m.peak_rss_gib:.2f} GiB, {m.step_s:.1f} s" if m else "not run")
+            measured = found.get(key)
+            cells.append(
+                f"{measured.peak_rss_gib:.2f} GiB, {measured.step_s:.1f} s"
+                if measured
+                else "not run"
+            )
         lines.append(f"| {rows} x {seq:,} | {' | '.join(cells)} |")
     lines += [
         "",

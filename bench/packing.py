@@ -26,11 +26,11 @@ import torch
 from bench.memory import cpu_model
 from bench.report import DOCS, write_docs
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.tensors import Datum, ModelInput
+from queue_tinker.types.tensors import Datum, ModelInput, TensorData
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.adapters import AdapterPool
-from queue_tinker.workers.base_model import load_base_model
 from queue_tinker.workers.forward import rows_for
+from queue_tinker.workers.lora_engine import load_frozen_base
 from queue_tinker.workers.model_pass import PassPlan
 from queue_tinker.workers.packing import padding_fraction
 from queue_tinker.workers.train_batch import PassOp, shared_pass
@@ -49,7 +49,7 @@ def datum(length: int, rng: np.random.Generator) -> Datum:
     ids = rng.integers(0, 256, length + 1)
     return Datum(
         model_input=ModelInput.from_ints(ids[:-1].tolist()),
-        loss_fn_inputs={"target_tokens": ids[1:].astype(np.int64)},
+        loss_fn_inputs={"target_tokens": TensorData.from_numpy(ids[1:].astype(np.int64))},
     )
 
 
@@ -77,9 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = "queue-tinker/tiny-llama" if args.quick else args.model
     with tempfile.TemporaryDirectory() as scratch:
-        base = load_base_model(model, "cpu", Path(scratch))
-        base.eval()
-        base.name_or_path = model
+        base = load_frozen_base(model, "cpu", Path(scratch), "auto")  # as a worker loads it
         context = int(base.config.max_position_embeddings)
         pool = AdapterPool(base, model, max_resident=args.adapters)
         rng = np.random.default_rng(0)

@@ -36,7 +36,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +74,7 @@ class Shape:
     label: str
     datums: int
     tokens: int
-    loss_fn: str
+    loss_fn: types.LossFnType
 
 
 SHAPES = (
@@ -197,7 +196,7 @@ def poll_run(url: str, key: str, log_path: Path, samples: int, batched: bool) ->
         sampler.sample(types.ModelInput.from_ints([3, 4, 5]), 1, params).result(timeout=300)
         before = requests_by_endpoint(log_path.read_text())
         began = time.perf_counter()
-        futures: list[Future[Any]] = [
+        futures = [
             sampler.sample(types.ModelInput.from_ints([3 + i % 50, 4, 5]), 1, params)
             for i in range(samples)
         ]
@@ -244,9 +243,13 @@ def custom_loss_run(
             types.Datum(
                 model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
                 loss_fn_inputs={
-                    "target_tokens": ids[1:].astype(np.int64),
-                    "old_logprobs": -rng.uniform(4, 7, tokens).astype(np.float32),
-                    "advantages": rng.normal(size=tokens).astype(np.float32),
+                    "target_tokens": types.TensorData.from_numpy(ids[1:].astype(np.int64)),
+                    "old_logprobs": types.TensorData.from_numpy(
+                        -rng.uniform(4, 7, tokens).astype(np.float32)
+                    ),
+                    "advantages": types.TensorData.from_numpy(
+                        rng.normal(size=tokens).astype(np.float32)
+                    ),
                 },
             )
         )

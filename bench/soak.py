@@ -246,8 +246,8 @@ def lora_batch(texts: Sequence[str]) -> list[types.Datum]:
             types.Datum(
                 model_input=types.ModelInput.from_ints(ids[:-1]),
                 loss_fn_inputs={
-                    "target_tokens": np.array(ids[1:], dtype=np.int64),
-                    "weights": np.ones(len(ids) - 1, dtype=np.float32),
+                    "target_tokens": types.TensorData.from_numpy(np.array(ids[1:], np.int64)),
+                    "weights": types.TensorData.from_numpy(np.ones(len(ids) - 1, np.float32)),
                 },
             )
         )
@@ -344,7 +344,7 @@ def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
             not_once += sum(
                 1 for status, attempts in pipe.execute() if status != b"done" or attempts != b"1"
             )
-        published = int(client.hget(keys.metrics_ops(), "ping|done") or 0)  # type: ignore[arg-type]
+        published = int(client.hget(keys.metrics_ops(), "ping|done") or 0)
     finally:
         client.close()
     gaps = sum(1 for seqs in tally.seqs.values() if sorted(seqs) != list(range(2, len(seqs) + 2)))
