@@ -213,7 +213,7 @@ def test_train_dpo_lowers_the_dpo_loss(sdk_env: str, tmp_path: Path) -> None:
             common_config=common,
         ),
         renderer_name=RENDERER,
-        learning_rate=2e-2,
+        learning_rate=1e-2,
         num_epochs=6,
         lora_rank=4,
         base_url=sdk_env,
@@ -223,7 +223,9 @@ def test_train_dpo_lowers_the_dpo_loss(sdk_env: str, tmp_path: Path) -> None:
     train_dpo.main(config)
     losses = [m["dpo_loss"] for m in metrics(tmp_path / "dpo") if "dpo_loss" in m]
     assert len(losses) == 6 and losses[0] == pytest.approx(0.6931, abs=0.01), losses
-    assert losses[-1] < 0.5, losses
+    # Steps are noisy (at lr 2e-2 one step in a run could jump to 1.2): judged on the better of
+    # the last two, which fell to 0.02-0.08 in runs at this rate.
+    assert min(losses[-2:]) < 0.3, losses
 
 
 # --- on-policy distillation -----------------------------------------------------------------
@@ -256,8 +258,10 @@ def teacher_checkpoint(prompt: bytes, answer: bytes) -> str:
 def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Path) -> None:
     """distillation.train_on_policy with a teacher checkpoint: the student's reverse KL to the
     teacher, measured on its own samples, falls. One step's KL is an estimate from 16 samples of
-    8 tokens (unseeded), and single steps spike: the medians of the first and last five of 16
-    steps are compared, not single steps (the fall measured 2x to 6x)."""
+    8 tokens (unseeded): single steps spike (to 2.2), and an untrained student measured 0.24 to
+    1.15 at step 1. So the median of the last 8 of 32 steps is judged, against the first 3
+    steps' (it measured 0.06 to 0.59 of it over 16 runs) and against 0.2 (measured 0.03 to
+    0.15; a student that learns nothing stays near its start)."""
     import chz
     from tinker_cookbook import renderers
     from tinker_cookbook.distillation import train_on_policy
@@ -277,7 +281,7 @@ def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Pa
             tokenizer = tokenizer_utils.get_tokenizer(TINY)
             renderer = renderers.get_renderer(RENDERER, tokenizer)
             return PromptOnlyDataset(
-                [prompt] * 32, batch_size=2, group_size=8, renderer=renderer, tokenizer=tokenizer
+                [prompt] * 64, batch_size=2, group_size=8, renderer=renderer, tokenizer=tokenizer
             ), None
 
     config = train_on_policy.Config(
@@ -301,7 +305,8 @@ def test_on_policy_distillation_lowers_the_teacher_kl(sdk_env: str, tmp_path: Pa
     )
     asyncio.run(train_on_policy.main(config))
     kls = [m["teacher_kl"] for m in metrics(tmp_path / "distill") if "teacher_kl" in m]
-    assert len(kls) == 16 and median(kls[-5:]) < 0.6 * median(kls[:5]), kls
+    assert len(kls) == 32, kls
+    assert median(kls[-8:]) < min(0.75 * median(kls[:3]), 0.2), kls
 
 
 # --- weights download -----------------------------------------------------------------------
