@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,6 +44,37 @@ def child_env(settings: Settings) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # a hung worker killed with SIGABRT dumps its stacks
     return env
+
+
+def run_script(
+    args: list[str], env: dict[str, str], timeout: float, logs: Sequence[Path] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run a Python script to its end. One still running after `timeout` (kept under the
+    test's own limit) is sent SIGABRT, so faulthandler prints where each of its threads
+    waits, and the test fails with that, its output so far and the tails of `logs`."""
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        env={**env, "PYTHONFAULTHANDLER": "1"},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate()
+        tails = "".join(
+            f"\n--- {log} ---\n{log.read_text(errors='replace')[-6000:]}"
+            for log in logs
+            if log.exists()
+        )
+        pytest.fail(
+            f"{args[0]} ran past {timeout} s\n--- stdout ---\n{out[-4000:]}\n"
+            f"--- stderr ---\n{err[-12000:]}{tails}"
+        )
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 class WorkerProcess:

@@ -8,8 +8,6 @@ import dataclasses
 import io
 import os
 import re
-import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -36,6 +34,7 @@ from procs import (
     gateway_process,
     lora_deployment,
     make_key,
+    run_script,
 )
 from sqlalchemy import text
 from tinker import types
@@ -80,6 +79,7 @@ def text_datum(tokenizer: Any, prompt: str, completion: str) -> types.Datum:
 
 
 # --- the seed's training loop --------------------------------------------------------------
+@pytest.mark.timeout(300)  # setup (a worker and a gateway start) + the script's 180 s
 def test_the_manual_training_loop_runs_unchanged_on_the_official_sdk(
     gateway: str, key: str, deployment: Settings
 ) -> None:
@@ -93,9 +93,8 @@ def test_the_manual_training_loop_runs_unchanged_on_the_official_sdk(
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",
     )
-    proc = subprocess.run(
+    proc = run_script(
         [
-            sys.executable,
             str(EXAMPLE),
             "--num-steps",
             "12",
@@ -106,11 +105,9 @@ def test_the_manual_training_loop_runs_unchanged_on_the_official_sdk(
             "--log-path",
             str(deployment.data_dir / "example"),
         ],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        env,
+        timeout=180,  # ~6 s here, ~30 s beside two busy cores; a hang shows where it waits
+        logs=[deployment.data_dir / "gateway.log", deployment.data_dir / "worker.log"],
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
     losses = [float(x) for x in re.findall(r"^Step \d+, Loss: (\S+)$", proc.stdout, re.M)]
