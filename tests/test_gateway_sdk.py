@@ -41,6 +41,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from queue_tinker.gateway.downloads import signature
+from queue_tinker.gateway.tinker_sample_futures import CANCELLED
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.limits import set_limits
@@ -754,6 +755,32 @@ def test_a_refused_request_still_takes_its_turn(wire: Wire, deployment: Settings
     assert refused.json()["detail"].startswith("adam_params.learning_rate")
     assert "metrics" in wire.result(after)
     assert ops_of(deployment, model, 2) == ["create_model", "optim_step"]
+
+
+def test_a_call_cancelled_while_held_never_runs(wire: Wire, deployment: Settings) -> None:
+    """cancel_future of a call held for an earlier seq_id (the SDK cancels the futures a loop
+    abandons): it fails as cancelled at once, and when its turn comes it is passed over, so
+    the calls around it run in order without it."""
+    model = wire.new_model()
+    held = wire.forward_backward(model, 2, [3, 4, 5]).json()["request_id"]
+    assert wire.post("/cancel_future", request_id=held).status_code == 200
+    cancelled = {"error": f"{CANCELLED} before it ran", "category": "user"}
+    assert wire.result(held, protobuf=False) == cancelled
+    steps = [
+        wire.post(
+            "/optim_step", model_id=model, seq_id=seq_id, adam_params={"learning_rate": 0.01}
+        ).json()["request_id"]
+        for seq_id in (3, 1)
+    ]
+    assert all("metrics" in wire.result(step) for step in steps)
+    assert appended(deployment, model) == 3  # create_model and the two steps
+    client = redis.Redis.from_url(deployment.redis_url or "")
+    try:
+        job = client.hmget(Keys(deployment.key_prefix).job(held), ["status", "attempts", "seq"])
+    finally:
+        client.close()
+    assert job == [b"failed", b"0", None]
+    assert wire.result(held, protobuf=False) == cancelled
 
 
 def test_the_older_json_forms_of_forward_and_forward_backward(wire: Wire) -> None:

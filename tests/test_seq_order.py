@@ -10,9 +10,10 @@ import pytest
 from redis.asyncio import Redis
 
 from queue_tinker.errors import HeldOpsFullError, SeqIdUsedError, UserInputError
+from queue_tinker.queue.actions import CANCELLED, cancel_job
 from queue_tinker.queue.jobs import HeldLimits, JobQueue
 from queue_tinker.queue.keys import Keys
-from queue_tinker.types import OpKind
+from queue_tinker.types import JobStatus, OpKind
 
 
 @pytest.fixture
@@ -98,6 +99,29 @@ async def test_skipping_a_gap_resumes_at_the_lowest_held_op(jobs: JobQueue, keys
     assert [op[1] for op in await log_of(jobs, keys)] == ["j3", "j4", "j5", "j6"]
     with pytest.raises(SeqIdUsedError):
         await jobs.enqueue_in_order("m", 2, OpKind.PING, b"", job_id="too-late")
+
+
+async def test_an_op_cancelled_while_held_takes_its_turn_without_entering_the_log(
+    jobs: JobQueue, keys: Keys
+) -> None:
+    """Ops 2 and 4 are cancelled while they wait for seq_ids 1 and 3: each fails as cancelled
+    at once, and when its turn comes (the gap filled, or given up) it is consumed without an
+    op, so it never runs and is not queued again."""
+    for seq_id in (2, 4, 5):
+        await jobs.enqueue_in_order("m", seq_id, OpKind.PING, b"", job_id=f"j{seq_id}")
+    for job_id in ("j2", "j4"):
+        assert await cancel_job(jobs.redis, keys, job_id, "t") == "queued"
+        job, outcome = await jobs.job(job_id)
+        assert outcome and outcome.status is JobStatus.FAILED, job
+        assert outcome.error == f"{CANCELLED} before it ran"
+    await jobs.enqueue_in_order("m", 1, OpKind.PING, b"", job_id="j1")
+    assert await log_of(jobs, keys) == [(1, "j1", b"")]
+    assert await jobs.skip_seq_gap("m") == (3, 4)
+    assert [op[:2] for op in await log_of(jobs, keys)] == [(1, "j1"), (2, "j5")]
+    for job_id in ("j2", "j4"):
+        assert (await jobs.job(job_id))[0]["status"] == "failed"
+    retried = await jobs.enqueue_in_order("m", 2, OpKind.PING, b"", job_id="retry-2")
+    assert (retried.job_id, retried.created) == ("j2", False)  # the SDK's retry: the same job
 
 
 async def test_concurrent_shuffled_arrivals_keep_seq_id_order(jobs: JobQueue, keys: Keys) -> None:

@@ -205,7 +205,7 @@ async def cancel_future(body: CancelFutureRequest, gq: Queue, tenant: Tenant) ->
     job, _ = await gq.jobs.job(body.request_id)
     if not job or job.get("tenant_id") != tenant:
         raise not_found(f"request_id {body.request_id!r}")
-    if job.get("status") in CANCELLABLE and "seq" in job:
+    if job.get("status") in CANCELLABLE:
         with contextlib.suppress(UserInputError):  # finished meanwhile, or not a sample
             await cancel_job(gq.redis, gq.keys, body.request_id, tenant, reason=CANCELLED)
     return {}

@@ -82,12 +82,14 @@ local function append_op(k, job_id, kind, payload, ttl, model_id)
 end
 
 -- Append an op that took its turn in a client's seq_id order; an empty job id is a seq_id
--- consumed without an op (a request refused at the door). The job key is built from the key
--- prefix because ops held earlier are only known here.
+-- consumed without an op (a request refused at the door), and so is an op cancelled while it
+-- was held (cancel.lua: appending it would make it queued again). The job key is built from
+-- the key prefix because ops held earlier are only known here.
 -- log = {meta, ops, lease, offers, pending, records}
 local function admit_op(log, prefix, job_id, kind, payload, ttl, model_id)
-  if job_id ~= '' then
-    append_op({log[1], log[2], prefix .. ':job:' .. job_id, log[3], log[4], log[5], log[6]},
+  local key = job_key(prefix, job_id)
+  if job_id ~= '' and not is_terminal(key) then
+    append_op({log[1], log[2], key, log[3], log[4], log[5], log[6]},
       job_id, kind, payload, ttl, model_id)
   end
 end
