@@ -120,6 +120,15 @@ class Settings(BaseSettings):
         "requests beyond it run in the next batch. Bounds KV-cache memory. Unset: 64 on the "
         "CPU; on CUDA, what the device's free memory holds at start-up (4K-token sequences).",
     )
+    sample_cache_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most KV-cache tokens (sequences x positions) a worker's sampling batch may "
+        "come to hold: a sample joins the batch only if, with every sequence in it running to "
+        "its max_tokens, the cache stays within this; the rest wait for sequences to finish "
+        "(one sample that alone needs more runs alone). Unset: no cap on the CPU; on CUDA, "
+        "what the device's free memory holds at start-up.",
+    )
     cross_adapter_batch: bool = Field(
         default=True,
         description="Whether a worker runs the forward / forward_backward ops of different "

@@ -43,8 +43,9 @@ def test_out_of_memory_splits_the_pass_and_names_what_fits(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_budgets_scale_with_free_memory(checkpointing: bool) -> None:
-    """Twice the free memory gives twice the training tokens and sampling sequences; a
-    checkpointed pass needs less per token, so more tokens fit."""
+    """Twice the free memory gives twice the training tokens and sampling sequences; the
+    sampler's cache gets its share in tokens; a checkpointed pass needs less per token, so
+    more tokens fit."""
     config = LlamaConfig(
         hidden_size=4096,
         intermediate_size=14336,
@@ -58,6 +59,10 @@ def test_budgets_scale_with_free_memory(checkpointing: bool) -> None:
     large = budgets_for(config, 40 * gib, 2, checkpointing=checkpointing)
     assert large.train_batch_tokens == pytest.approx(2 * small.train_batch_tokens, abs=1)
     assert large.sample_batch_sequences == pytest.approx(2 * small.sample_batch_sequences, abs=1)
+    # The sampler's cache: 30% of the usable 80%, at 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+    # a token (Llama-3.1-8B in bf16: 128 KiB), and a row cap of that at 4K tokens a sequence.
+    assert small.sample_cache_tokens == int(20 * gib * 0.8 * 0.3 // (128 << 10)) == 39321
+    assert small.sample_batch_sequences == 39321 // 4096
     plain = budgets_for(config, 20 * gib, 2, checkpointing=False)
     assert small.train_batch_tokens >= plain.train_batch_tokens
     assert budgets_for(config, 0, 2, checkpointing=checkpointing).train_batch_tokens == 1

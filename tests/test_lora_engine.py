@@ -789,3 +789,22 @@ def test_a_stopped_sample_leaves_the_loop_and_the_others_sample_as_alone(main: D
         np.testing.assert_allclose(one["logprobs"], other["logprobs"], rtol=1e-5, atol=1e-6)
     (after,) = engine.sampling.run([sample_op("after", "stop-b", 3, 1, 4, 9)])
     assert len(codec.decode(after.result)["sequences"][0]["tokens"]) == 4
+
+
+def test_the_sample_cache_budget_reaches_the_decode_loop(
+    main: Driver, scratch: Path, models_dir: Path
+) -> None:
+    """An engine given sample_cache_tokens (QT_SAMPLE_CACHE_TOKENS) runs three samples of 37
+    cache tokens each (7 prompt + 30 new) one at a time under a budget of 40, where an engine
+    without one runs them together; the samples are the same."""
+    capped = _driver(scratch, models_dir, "storage-capped", max_resident=4, sample_cache_tokens=40)
+    results = []
+    for driver in (capped, main):
+        driver.op(
+            "budget", OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "default", "base_model": BASE}
+        )
+        (result,) = driver.engine.sampling.run([sample_op("budgeted", "budget", 2, 3, 30, 5)])
+        results.append(result)
+    assert [r.metrics["batch_sequences:max"] for r in results] == [1.0, 3.0]
+    got, want = (codec.decode(r.result)["sequences"] for r in results)
+    assert [s["tokens"] for s in got] == [s["tokens"] for s in want]

@@ -735,6 +735,63 @@ def test_a_request_bigger_than_the_loop_joins_in_parts_with_the_same_samples(set
     assert_near(done["other"], expected[1])
 
 
+def cache_tokens(loop: sampler.DecodeLoop) -> int:
+    """Rows x columns of the loop's KV cache now (its first layer's keys)."""
+    if loop.running is None:
+        return 0
+    keys = loop.running.cache.layers[0].keys
+    assert keys is not None
+    return int(keys.shape[0] * keys.shape[2])
+
+
+def test_the_cache_stays_within_its_budget_and_samples_are_unchanged(setup: Setup) -> None:
+    """With max_cache_tokens, requests join only while the cache their rows may grow to fits:
+    measured after every step, the cache never holds more than the budget (without one the
+    same requests reach well past it), and every sample is what it is in one batch."""
+    requests = [
+        request(PROMPTS[1], "a1", n=3, max_tokens=40, seed=31, stop=[]),
+        request(PROMPTS[0], "a2", n=4, max_tokens=12, seed=32, stop=[], temperature=0.8),
+        request(
+            list(b"a rather long prompt that pads the rest"), None, n=2, max_tokens=24, seed=33
+        ),
+        request(PROMPTS[2], "a1", n=5, max_tokens=60, seed=34, stop=[], top_p=0.9),
+    ]
+    expected = run(setup, requests)
+    budget = 200  # each sample alone needs at most 63 (39 prompt + 24 new tokens)
+    peaks = {}
+    for cap in (None, budget):
+        loop = new_loop(setup, max_cache_tokens=cap)
+        for index, req in enumerate(requests):
+            loop.add(index, req)
+        done: dict[Any, SampleResponse] = {}
+        sizes = []
+        while loop.busy:
+            done.update(loop.step(setup.model))
+            sizes.append(cache_tokens(loop))
+        peaks[cap] = max(sizes)
+        for index, response in enumerate(expected):
+            assert_near(done[index], response)
+    assert peaks[None] > 2 * budget
+    assert budget / 2 < peaks[budget] <= budget
+
+
+def test_a_sample_longer_than_the_budget_runs_alone(setup: Setup) -> None:
+    """A sample that alone needs more cache than the budget still runs, alone, when the loop
+    is empty; the requests behind it wait their turn."""
+    big = request(PROMPTS[1], "a1", n=2, max_tokens=30, seed=41, stop=[])  # 19 + 30 a sample
+    other = request(PROMPTS[0], None, max_tokens=5, seed=42, stop=[])
+    expected = run(setup, [big, other])
+    loop = new_loop(setup, max_cache_tokens=40)
+    loop.add("big", big)
+    loop.add("other", other)
+    done: dict[Any, SampleResponse] = {}
+    while loop.busy:
+        done.update(loop.step(setup.model))
+        assert loop.rows <= 1
+    assert_near(done["big"], expected[0])
+    assert_near(done["other"], expected[1])
+
+
 # --- prompts in flight, shared across steps -----------------------------------------------------
 def in_flight(loop: sampler.DecodeLoop) -> set[tuple[tuple[int, ...], str]]:
     running = loop.running.requests if loop.running is not None else []

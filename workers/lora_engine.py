@@ -96,6 +96,7 @@ class LoraEngine:
         max_resident: int = 32,
         snapshot_every: int = 20,
         max_batch_sequences: int | None = None,
+        sample_cache_tokens: int | None = None,
         request_limits: RequestLimits | None = None,
         cross_adapter_batch: bool = True,
         train_batch_tokens: int | None = None,
@@ -145,6 +146,8 @@ class LoraEngine:
             tokenizer=lambda: load_tokenizer(base_model, models_dir),
             max_batch_sequences=max_batch_sequences,
             request_limits=self.request_limits,
+            max_cache_tokens=sample_cache_tokens
+            or (budgets.sample_cache_tokens if budgets else None),
         )
         self._handlers = self._op_handlers()
 

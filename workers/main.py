@@ -53,6 +53,7 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
         max_resident=settings.max_resident_adapters,
         snapshot_every=settings.snapshot_every_steps,
         max_batch_sequences=settings.sample_batch_sequences,
+        sample_cache_tokens=settings.sample_cache_tokens,
         request_limits=RequestLimits.of(settings),
         cross_adapter_batch=settings.cross_adapter_batch,
         train_batch_tokens=settings.train_batch_tokens,

@@ -1,10 +1,10 @@
 """Device memory: what a worker's passes may hold, and telling an out-of-memory failure apart.
 
-On CUDA, the tokens of one shared training pass and the sequences of one sampling batch are
-derived from the device memory free once the base model is loaded (unless the deployment set
-them); on the CPU the settings' defaults stand. The estimates are deliberately rough: a pass
-that does not fit anyway is split and retried (LoraEngine._run_pass), so a budget only has to
-be right often, not always.
+On CUDA, the tokens of one shared training pass and the sequences and KV-cache tokens of one
+sampling batch are derived from the device memory free once the base model is loaded (unless
+the deployment set them); on the CPU the settings' defaults stand. The estimates are
+deliberately rough: a pass that does not fit anyway is split and retried
+(LoraEngine._run_pass), so a budget only has to be right often, not always.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ HEADROOM = 0.2
 # cache may live across quanta while training ops run between them.
 TRAIN_SHARE = 0.6
 SAMPLE_SHARE = 0.3
-# The sequence length a sampling budget is sized for (prompt + completion).
+# The sequence length the sampler's row cap is sized for (prompt + completion); longer samples
+# are held to the cache budget by admission (cache_budget.py), so fewer of them run at once.
 SAMPLE_CONTEXT = 4_096
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 
@@ -43,6 +44,7 @@ def release_cached_memory(device: torch.device) -> None:
 class Budgets:
     train_batch_tokens: int
     sample_batch_sequences: int
+    sample_cache_tokens: int  # KV-cache tokens (rows x columns) of the sampler's batch
 
 
 def train_bytes_per_token(config: PretrainedConfig, dtype_bytes: int, checkpointing: bool) -> int:
@@ -74,9 +76,12 @@ def budgets_for(
     """Budgets for a device with `free_bytes` free after the base model is loaded."""
     usable = free_bytes * (1 - HEADROOM)
     train = int(usable * TRAIN_SHARE // train_bytes_per_token(config, dtype_bytes, checkpointing))
-    per_sequence = kv_bytes_per_token(config, dtype_bytes) * SAMPLE_CONTEXT
-    sample = int(usable * SAMPLE_SHARE // per_sequence)
-    return Budgets(train_batch_tokens=max(1, train), sample_batch_sequences=max(1, sample))
+    cache_tokens = int(usable * SAMPLE_SHARE // kv_bytes_per_token(config, dtype_bytes))
+    return Budgets(
+        train_batch_tokens=max(1, train),
+        sample_batch_sequences=max(1, cache_tokens // SAMPLE_CONTEXT),
+        sample_cache_tokens=max(1, cache_tokens),
+    )
 
 
 def device_budgets(

@@ -20,7 +20,8 @@ and position ids; left padding under the attention mask and explicit positions m
 compute what it would alone, up to float rounding. Each sample draws its uniforms from its own
 generator (seeded from its request's seed and its index), a block of steps at a time, counted in
 its own steps, so its tokens do not depend on what else is in the loop or when it joined. A
-request with more samples than the loop's rows joins in parts.
+request with more samples than the loop has rows for, or than its KV-cache budget holds
+(cache_budget.py), joins in parts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
+from queue_tinker.workers.cache_budget import CacheRow, rows_that_fit
 from queue_tinker.workers.decode_rows import (
     UNIFORM_BLOCK,
     Key,
@@ -141,11 +143,15 @@ class DecodeLoop:
         max_rows: int | None,
         prefill_tokens: int | None = PREFILL_TOKENS,
         call_tokens: int | None = None,
+        max_cache_tokens: int | None = None,
     ) -> None:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.decode = decode
-        self.max_rows = max_rows  # rows in the batch at once (KV-cache memory); None: no cap
+        self.max_rows = max_rows  # rows in the batch at once; None: no cap
+        # KV-cache tokens (rows x columns) the rows admitted may come to hold at their peak
+        # (cache_budget.py); None: no cap. A sample that alone needs more runs alone.
+        self.max_cache_tokens = max_cache_tokens
         self.prefill_tokens = prefill_tokens
         # What a prefill call costs in padded tokens' worth (prefill_groups.py).
         self.call_tokens = prefill_call_tokens(device) if call_tokens is None else call_tokens
@@ -153,6 +159,7 @@ class DecodeLoop:
         self.running: Rows | None = None
         self.prompts = SharedPrompts()  # prompts in flight, for identical requests joining later
         self.prefilled_tokens = 0  # prompt tokens run through the model so far (a statistic)
+        self.step_rows = 0  # the most rows the last step ran at once (a statistic)
         self._layers: Sequence[LoraLinear] = ()  # the model's LoRA layers, for this step
 
     @property
@@ -199,6 +206,7 @@ class DecodeLoop:
         (row_blocks.lora_linear_layers); None walks the model's modules for it."""
         finished: Finished = []
         self._layers = lora_linear_layers(model) if lora_layers is None else lora_layers
+        self.step_rows = self.rows
         with torch.inference_mode(), _eval_mode(model):
             if self.running is not None:
                 self._decode(model, finished)
@@ -254,6 +262,7 @@ class DecodeLoop:
         parts = self._prefill(model, fresh) if fresh else []
         if shared:
             parts.append(self.prompts.rows(shared))
+        self.step_rows = max(self.step_rows, self.rows + sum(rows.size for rows, _ in parts))
         for incoming, logits in parts:
             joining = kept(incoming, self._advance(incoming, logits, finished))
             if joining is None:
@@ -275,11 +284,13 @@ class DecodeLoop:
 
     def _take(self) -> list[tuple[LiveRequest, range]]:
         """Waiting requests (and which of their samples), first come first served, while the
-        batch has rows for them and this step's prefill stays within its budget. A request
-        with more samples than there are free rows takes what is free (all of max_rows when the
-        loop is empty) and waits for rows for the rest."""
+        batch has rows for them, the cache they may grow to stays within its budget, and this
+        step's prefill within its own. A request with more samples than there is room for takes
+        what there is (at least one sample when the loop is empty) and waits for room for the
+        rest."""
         taken: list[tuple[LiveRequest, range]] = []
         rows = self.rows
+        committed = self._cache_rows() if self.max_cache_tokens is not None else []
         prompts: set[tuple[tuple[int, ...], str]] = set()
         width = 0
         while self.waiting:
@@ -294,6 +305,11 @@ class DecodeLoop:
                 break
             left = request.spec.num_samples - request.admitted
             free = left if self.max_rows is None else min(left, self.max_rows - rows)
+            if free > 0 and self.max_cache_tokens is not None:
+                row = (len(request.spec.prompt), request.spec.max_tokens)
+                fits = rows_that_fit(committed, row, free, self.max_cache_tokens)
+                free = fits if fits or rows else 1
+                committed += [row] * free
             if free <= 0:
                 break
             taken.append((request, range(request.admitted, request.admitted + free)))
@@ -303,6 +319,16 @@ class DecodeLoop:
                 break  # the rest of it waits for rows, and so does everyone behind it
             self.waiting.popleft()
         return taken
+
+    def _cache_rows(self) -> list[CacheRow]:
+        """Each running row's (tokens now, steps it may still take), for cache_budget.py."""
+        if self.running is None:
+            return []
+        rows = []
+        for request, sample in zip(self.running.requests, self.running.samples, strict=True):
+            generated = len(request.tokens[sample])
+            rows.append((len(request.spec.prompt) + generated, request.spec.max_tokens - generated))
+        return rows
 
     def _prefill(
         self, model: torch.nn.Module, taken: list[tuple[LiveRequest, range]]

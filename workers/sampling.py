@@ -69,6 +69,7 @@ class SamplingOps:
         tokenizer: Callable[[], Any],
         max_batch_sequences: int,
         request_limits: RequestLimits | None = None,
+        max_cache_tokens: int | None = None,
     ) -> None:
         self.pool = pool
         self.storage = storage
@@ -77,6 +78,7 @@ class SamplingOps:
         self.device = device
         self._tokenizer = tokenizer  # loaded on the first sample: training needs none
         self.max_batch_sequences = max_batch_sequences
+        self.max_cache_tokens = max_cache_tokens  # the decode loop's KV-cache budget
         self.request_limits = request_limits or RequestLimits.defaults()
         self.sessions: dict[str, int] = {}  # sampling session -> last seq run here
         self._loop: DecodeLoop | None = None
@@ -137,9 +139,8 @@ class SamplingOps:
                     self._release(joined.directory)
                     self._finished.append((joined.op, exc))
                 break
-            rows = loop.rows + sum(len(response.sequences) for _, response in done)
             for joined in self._joined.values():
-                joined.peak_rows = max(joined.peak_rows, rows)
+                joined.peak_rows = max(joined.peak_rows, loop.step_rows)
             self._finished += [self._result(str(key), response) for key, response in done]
             if time.perf_counter() - began >= budget_s:
                 break
@@ -247,6 +248,7 @@ class SamplingOps:
                 eos_token_ids(self.pool.base, tokenizer),
                 lambda tokens: str(tokenizer.decode(tokens)),
                 max_rows=self.max_batch_sequences,
+                max_cache_tokens=self.max_cache_tokens,
             )
         return self._loop
 
