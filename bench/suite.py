@@ -90,6 +90,14 @@ BENCHES: tuple[Bench, ...] = (
         "sampling engine: staggered arrivals, num_samples sharing, fair turns with training",
     ),
     Bench(
+        "sample_cache",
+        "bench.sample_cache",
+        (),
+        ("--quick",),
+        150,
+        "long samples under a KV-cache budget: peak cache, RSS and time against none",
+    ),
+    Bench(
         "gateway",
         "bench.gateway_round_trip",
         ("--data-dir", DATA_DIR),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import sampling_engine, suite
+from bench import sample_cache, sampling_engine, suite
 from bench.mfu import (
     BASE_NAME,
     SHAPES,
@@ -38,6 +38,7 @@ def test_default_set_leaves_out_soak_and_only_picks_in_order() -> None:
         "train_throughput",
         "sampling",
         "sampling_engine",
+        "sample_cache",
         "gateway",
         "big_bodies",
         "mfu",
@@ -160,3 +161,16 @@ def test_with_services_hands_the_command_urls_and_its_exit_code(redis_url: str) 
     )
     assert done.returncode == 3, done.stderr
     assert done.stdout.splitlines()[-1] == f"{redis_url} postgresql://x"
+
+
+def test_sample_cache_rows_compare_each_case_with_the_unbudgeted_one() -> None:
+    """The table gives each budget's measured cache in tokens and MiB, and how many of its
+    samples equal the case without a budget."""
+    cases = [
+        sample_cache.Case(4, 128, None, 5.0, 641.2, 632, 4, 32768, ["a", "b", "c", "d"]),
+        sample_cache.Case(4, 128, 320, 2.8, 627.0, 316, 2, 32768, ["a", "b", "x", "d"]),
+    ]
+    text = sample_cache.render(cases, {"torch": "t", "transformers": "x", "date": "d"})
+    assert text.startswith(sample_cache.SECTION + "\n")
+    assert "| none | 632 tokens (20 MiB) | 4 | 641 MiB | 5.0 s | 4 of 4 |" in text
+    assert "| 320 | 316 tokens (10 MiB) | 2 | 627 MiB | 2.8 s | 3 of 4 |" in text
