@@ -194,6 +194,14 @@ class Settings(BaseSettings):
         "arrived (a request the client numbered but failed to send) before it gives up on it "
         "and runs the ops after it.",
     )
+    session_heartbeat_timeout_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="A gateway session that sent session_heartbeats (the tinker SDK sends one "
+        "every 10 s) and then none for this long is taken for a client that went away: its "
+        "queued samples are cancelled and its running ones stopped, so they do not hold the "
+        "workers. Training ops are left alone. 0: never.",
+    )
     api_key_cache_s: float = Field(
         default=5.0,
         ge=0,

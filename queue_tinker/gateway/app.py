@@ -49,6 +49,7 @@ from queue_tinker.gateway.tinker_queue import GatewayQueue
 from queue_tinker.gateway.tinker_rest import record_caught_up, rest_router
 from queue_tinker.gateway.tinker_session import session_router
 from queue_tinker.gateway.tinker_unserved import unserved_router
+from queue_tinker.queue import silent_sessions
 from queue_tinker.queue.connection import REDIS_DOWN, connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.services.recorder import RecorderThread
@@ -82,9 +83,19 @@ def create_app(settings: Settings) -> FastAPI:
             consumer=f"gateway-{uuid.uuid4().hex[:8]}",
         )
         recorder.start()
+        timeout_s = settings.session_heartbeat_timeout_s
+        watcher = (
+            asyncio.create_task(silent_sessions.watch(app.state.redis, keys, timeout_s))
+            if timeout_s > 0
+            else None
+        )
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             await asyncio.to_thread(recorder.stop)
             await app.state.gateway_queue.close()
             await app.state.redis.aclose()

@@ -13,10 +13,10 @@ from fastapi import APIRouter, Depends
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
-from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
+from queue_tinker.gateway.tinker_queue import SESSION_TTL_S, GatewayQueue, gateway_queue
 from queue_tinker.gateway.tinker_sample_futures import Wakeups, note_sample, sample_wakeups
 from queue_tinker.gateway.tinker_types import CreateSamplingSessionRequest, SampleRequest
-from queue_tinker.queue import runs
+from queue_tinker.queue import runs, silent_sessions
 from queue_tinker.types import JobStatus, OpKind
 from queue_tinker.types.request_limits import RequestLimits, check_tokens, encode_request
 from queue_tinker.types.sampling import MAX_PROMPT_TOPK, NO_TARGET, sample_input
@@ -49,6 +49,7 @@ async def create_sampling_session(
         session_id=session_id,
         model_path=body.model_path,
     )
+    await silent_sessions.note_sampler(gq.redis, gq.keys, session_id, sampler_id, SESSION_TTL_S)
     with contextlib.suppress(TimeoutError):
         outcome = await asyncio.wait_for(gq.results.wait(job_id, sampler_id), CREATE_CHECK_S)
         if outcome.status is JobStatus.FAILED:

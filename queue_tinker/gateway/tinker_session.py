@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
+from queue_tinker.queue import silent_sessions
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
@@ -66,16 +67,20 @@ def session_router(settings: Settings, keys: Keys) -> APIRouter:
     async def session_heartbeat(
         body: HeartbeatRequest, request: Request, tenant: str = Depends(tenant_of)
     ) -> dict[str, Any]:
-        """Keeps the session's record alive (only the owner's heartbeat counts)."""
+        """Keeps the session alive (only the owner's heartbeat counts): its samples stay while
+        heartbeats come (silent_sessions.py)."""
         await request.app.state.gateway_queue.session_of(body.session_id, tenant)
+        await silent_sessions.heard_from(request.app.state.redis, keys, body.session_id)
         return {"type": "session_heartbeat"}
 
     @router.post("/sessions/{session_id}/finish")
     async def finish_session(
         session_id: str, request: Request, tenant: str = Depends(tenant_of)
     ) -> dict[str, Any]:
-        """Nothing to close (a session's record stays); another tenant's session is 404."""
+        """The session's record stays, and its silence from now on cancels nothing; another
+        tenant's session is 404."""
         await request.app.state.gateway_queue.session_of(session_id, tenant)
+        await silent_sessions.forget(request.app.state.redis, keys, session_id)
         return {}
 
     @router.get("/get_server_capabilities")

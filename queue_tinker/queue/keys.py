@@ -77,8 +77,17 @@ class Keys:
 
     # --- per client session ----------------------------------------------------------------
     def session(self, session_id: str) -> str:
-        """Hash: tenant_id of a gateway session (model ids are derived from session ids)."""
+        """String: tenant_id of a gateway session (model ids are derived from session ids)."""
         return f"{self.prefix}:session:{session_id}"
+
+    def session_samplers(self, session_id: str) -> str:
+        """Set: the sampling sessions a gateway session opened (queue/silent_sessions.py)."""
+        return f"{self.prefix}:session:{session_id}:samplers"
+
+    def session_heartbeats(self) -> str:
+        """Sorted set: gateway sessions that sent a session_heartbeat, scored by the last one
+        (ms); a session silent past QT_SESSION_HEARTBEAT_TIMEOUT_S has its samples cancelled."""
+        return f"{self.prefix}:session_heartbeats"
 
     # --- per base model --------------------------------------------------------------------
     def offers(self, base_model: str) -> str:
