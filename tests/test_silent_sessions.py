@@ -15,6 +15,7 @@ import httpx
 import pytest
 from procs import lora_deployment
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from test_queue_core import BASE, dispatcher
 
 from queue_tinker.queue import silent_sessions
@@ -34,11 +35,11 @@ def keys(key_prefix: str) -> Keys:
 
 
 async def sampler_with_samples(
-    jobs: JobQueue, keys: Keys, session_id: str, count: int
+    jobs: JobQueue, keys: Keys, session_id: str, count: int, number: int = 0
 ) -> tuple[str, list[str]]:
-    """A sampling session of `session_id` (noted as the gateway notes it) with `count` samples
-    queued: (its id, the samples' request ids)."""
-    sampler_id = f"{session_id}:sample:0"
+    """Sampling session `number` of `session_id` (noted as the gateway notes it) with `count`
+    samples queued: (its id, the samples' request ids)."""
+    sampler_id = f"{session_id}:sample:{number}"
     await jobs.register_sampling_session(
         sampler_id, base_model=BASE, tenant_id="t", session_id=session_id, model_path=None
     )
@@ -98,6 +99,27 @@ async def test_a_finished_session_is_not_taken_for_gone(aredis: Redis, keys: Key
     await asyncio.sleep(TIMEOUT_S + 0.1)
     assert await silent_sessions.silence_lapsed(aredis, keys, TIMEOUT_S) == []
     assert await statuses(jobs, job_ids) == ["queued", "queued"]
+
+
+async def test_a_look_that_fails_midway_hands_the_session_back(aredis: Redis, keys: Keys) -> None:
+    """Redis refuses a read while a silent session's samples are being cancelled (here: a
+    sampler's meta key of the wrong type): the look fails, the session goes back to the
+    heartbeat set with its last heartbeat, and the next look cancels its samples."""
+    jobs = JobQueue(aredis, keys, result_ttl_s=60)
+    _, job_ids = await sampler_with_samples(jobs, keys, "sess-retry", 2, number=5)
+    broken = "sess-retry:sample:1"  # looked at first
+    await silent_sessions.note_sampler(aredis, keys, "sess-retry", broken, ttl_s=60)
+    await aredis.set(keys.model_meta(broken), "not a hash")
+    await silent_sessions.heard_from(aredis, keys, "sess-retry")
+    heard = await aredis.zscore(keys.session_heartbeats(), "sess-retry")
+    await asyncio.sleep(TIMEOUT_S + 0.1)
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await silent_sessions.silence_lapsed(aredis, keys, TIMEOUT_S)
+    assert await aredis.zscore(keys.session_heartbeats(), "sess-retry") == heard
+    await aredis.delete(keys.model_meta(broken))
+    (silenced,) = await silent_sessions.silence_lapsed(aredis, keys, TIMEOUT_S)
+    assert silenced.cancelled == dict.fromkeys(job_ids, "queued")
+    assert await statuses(jobs, job_ids) == ["failed", "failed"]
 
 
 # --- through the gateway: a client stops heartbeating mid-way ------------------------------

@@ -65,7 +65,7 @@ async def silence_lapsed(redis: Redis, keys: Keys, timeout_s: float) -> list[Sil
         redis, keys.session_heartbeats(), "-inf", deadline_ms
     )
     silenced = []
-    for raw, _ in lapsed:
+    for raw, heard_ms in lapsed:
         session_id = raw.decode()
         if not await redis.zrem(keys.session_heartbeats(), session_id):
             continue  # another gateway took it, or it was heard from meanwhile
@@ -73,7 +73,11 @@ async def silence_lapsed(redis: Redis, keys: Keys, timeout_s: float) -> list[Sil
             f"the client of session {session_id} went silent (no session_heartbeat for "
             f"{timeout_s:g} s): cancelled"
         )
-        cancelled = await _cancel_samples(redis, keys, session_id, reason)
+        try:
+            cancelled = await _cancel_samples(redis, keys, session_id, reason)
+        except Exception:  # handed back, so the next look finishes the job
+            await redis.zadd(keys.session_heartbeats(), {session_id: heard_ms}, nx=True)
+            raise
         log.warning(
             "session %s: no heartbeat for %g s; its client is taken for gone: %d queued and "
             "%d running samples cancelled",
@@ -110,5 +114,5 @@ async def watch(redis: Redis, keys: Keys, timeout_s: float) -> None:
         await asyncio.sleep(every_s)
         try:
             await silence_lapsed(redis, keys, timeout_s)
-        except Exception:  # Redis away, say: the next look catches up
-            log.exception("looking for silent sessions failed")
+        except Exception as exc:  # Redis away, say: the next look catches up
+            log.warning("looking for silent sessions failed (%s); trying again", exc)
