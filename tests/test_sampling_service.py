@@ -333,6 +333,27 @@ BAD_PARAMS = [
 ]
 
 
+def test_a_future_the_client_cancels_fails_as_cancelled(service: tinker.ServiceClient) -> None:
+    """future.cancel() / cancel_async(): of twenty samples of 64 x 100 tokens sent at once (the
+    worker runs 64 rows at a time), the last two are cancelled and their results raise
+    RequestFailedError (category user) naming the client's cancel; the first finishes, and its
+    cancel() is then False."""
+    sampler = service.create_sampling_client(base_model=TINY)
+    long = types.SamplingParams(max_tokens=100, stop=[], seed=3)
+    futures = [sampler.sample(PROMPT, 64, long) for _ in range(20)]
+    assert futures[-1].cancel()
+    assert asyncio.run(futures[-2].cancel_async())
+    for future in futures[-2:]:
+        with pytest.raises(RequestFailedError) as failed:
+            future.result(timeout=120)
+        assert failed.value.category is ErrorCategory.USER
+        assert "cancelled by the client (future.cancel())" in str(failed.value)
+    assert len(futures[0].result(timeout=120).sequences) == 64
+    assert not futures[0].cancel()
+    for future in futures[1:-2]:  # no need to wait for them
+        future.cancel()
+
+
 @pytest.mark.parametrize(("params", "message"), BAD_PARAMS, ids=[str(p) for p, _ in BAD_PARAMS])
 def test_bad_sampling_params_are_refused_at_the_client(
     service: tinker.ServiceClient, params: dict[str, object], message: str

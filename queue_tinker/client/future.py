@@ -3,20 +3,49 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
 from concurrent.futures import Future
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from queue_tinker.client.loop import BackgroundLoop
 
 T = TypeVar("T")
 U = TypeVar("U")
+# How the service is asked to cancel a request: True if it took the request back.
+Canceller = Callable[[], Coroutine[Any, Any, bool]]
+CANCEL_TIMEOUT_S = 60.0
 
 
 class APIFuture(Generic[T]):
     """A request in flight. Resolves to the typed result or raises RequestFailedError."""
 
-    def __init__(self, future: Future[T], request_id: str) -> None:
+    def __init__(
+        self,
+        future: Future[T],
+        request_id: str,
+        canceller: tuple[BackgroundLoop, Canceller] | None = None,
+    ) -> None:
         self._future = future
         self.request_id = request_id
+        self._canceller = canceller
+
+    def cancel(self) -> bool:
+        """Ask the service to cancel the request: one still waiting in its queue fails at
+        once, a running sample stops at its worker's next decode step, and `result()` then
+        raises RequestFailedError (category user, "cancelled by the client"). False when it
+        had finished, or runs and is not a sample (a training op runs to its end)."""
+        if self._canceller is None or self.done():
+            return False
+        loop, cancel = self._canceller
+        return loop.run(cancel(), timeout=CANCEL_TIMEOUT_S)
+
+    async def cancel_async(self) -> bool:
+        """cancel(), awaited."""
+        if self._canceller is None or self.done():
+            return False
+        loop, cancel = self._canceller
+        return await loop.call(cancel())
 
     def result(self, timeout: float | None = None) -> T:
         """Block until the request finishes (TimeoutError after `timeout` seconds)."""
@@ -42,7 +71,7 @@ class APIFuture(Generic[T]):
                 mapped.set_exception(exc)
 
         self._future.add_done_callback(settle)
-        return APIFuture(mapped, self.request_id)
+        return APIFuture(mapped, self.request_id, self._canceller)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

@@ -16,7 +16,13 @@ from typing import TypeVar
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.queue_state import QueueStateWatch
-from queue_tinker.errors import ErrorCategory, RedisUnavailableError, RequestFailedError
+from queue_tinker.errors import (
+    ErrorCategory,
+    RedisUnavailableError,
+    RequestFailedError,
+    UserInputError,
+)
+from queue_tinker.queue.actions import cancel_job
 from queue_tinker.queue.connection import (
     MAX_RETRY_DELAY_S,
     REDIS_DOWN,
@@ -37,6 +43,7 @@ T = TypeVar("T")
 # Keep retrying a submit this long while Redis is unreachable (a restart takes seconds); the
 # futures of submitted requests wait as long for Redis to come back (ResultListener).
 ENQUEUE_RETRY_S = 30.0
+CANCELLED = "cancelled by the client (future.cancel())"
 
 
 def new_id() -> str:
@@ -185,7 +192,16 @@ class ClientHolder:
         job_id, result = await loop.call(
             self.submit_for_thread(model_id, kind, payload, idempotency_key, decode)
         )
-        return APIFuture(result, job_id)
+        return APIFuture(result, job_id, (loop, lambda: self.cancel(job_id)))
+
+    async def cancel(self, job_id: str) -> bool:
+        """Cancel a request of this client's tenant (APIFuture.cancel): True if the service
+        took it back, False if it had finished or is a running op that cannot stop."""
+        try:
+            await cancel_job(self.redis, self.keys, job_id, self.tenant_id, reason=CANCELLED)
+        except UserInputError:
+            return False
+        return True
 
     async def close(self) -> None:
         await self.queue_state.close()
