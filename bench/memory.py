@@ -7,7 +7,7 @@ ru_maxrss, so the model and torch's own pages count as they do in a worker):
 - `whole`: the engine's former path: the model's whole logits (rows, positions, vocab), the
   scored rows copied to fp32, cross-entropy, backward through all of it, every layer's
   activations kept.
-- `chunked`: the engine's path (`queue_tinker.workers.forward.forward_backward` with a
+- `chunked`: the engine's path (`queue_tinker.workers.training.optimizers.forward_backward` with a
   `PassPlan`): logprobs through the unembedding a chunk of positions at a time, recomputed in
   backward, and decoder layers checkpointed (`--checkpointing off` measures the chunked logprobs
   alone: the price of checkpointing is the step time between the two).
@@ -46,9 +46,9 @@ from bench.report import DOCS, write_docs
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.adapters import AdapterPool
-from queue_tinker.workers.forward import forward_backward, op_loss, rows_for
-from queue_tinker.workers.model_pass import PassPlan
+from queue_tinker.workers.model.adapters import AdapterPool
+from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.optimizers import forward_backward, op_loss, rows_for
 
 SECTION = "## Memory at long context: one forward_backward, whole logits vs chunked"
 PRICE_SECTION = "## Activation checkpointing: its price in step time"

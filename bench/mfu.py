@@ -3,13 +3,13 @@ forward_backward on a Llama-3.1-8B-shaped model with random weights (no download
 
 The model is `LlamaConfig` (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab
 128256) built with `AutoModelForCausalLM.from_config` in bf16 straight on the device. LoRA goes
-on through the worker's own code: `queue_tinker.workers.adapters.AdapterPool.add` (rank 32 by
+on through the worker's own code: `queue_tinker.workers.model.adapters.AdapterPool.add` (rank 32 by
 default, the service's default targets: every attention, MLP and unembedding linear), and a
-step is `queue_tinker.workers.forward.forward_backward` (cross-entropy, padded batch, per-datum
-logprobs, as a forward_backward op runs on a worker) followed by
-`queue_tinker.workers.forward.optim_step` (AdamW on the adapter). Timing brackets each call
-with `torch.cuda.synchronize()`; peak memory is `torch.cuda.max_memory_allocated()`. A batch that
-does not fit is halved until it does.
+step is `queue_tinker.workers.training.optimizers.forward_backward` (cross-entropy, padded
+batch, per-datum logprobs, as a forward_backward op runs on a worker) followed by
+`queue_tinker.workers.training.optimizers.optim_step` (AdamW on the adapter). Timing
+brackets each call with `torch.cuda.synchronize()`; peak memory is
+`torch.cuda.max_memory_allocated()`. A batch that does not fit is halved until it does.
 
 FLOPs per trained token, T = sequence length, L = layers, d = heads × head_dim:
 
@@ -25,7 +25,7 @@ FLOPs per trained token, T = sequence length, L = layers, d = heads × head_dim:
 MFU = achieved FLOPs/s ÷ the GPU's dense bf16 peak (H100 SXM and H200 989 TFLOPS, H100 PCIe 756,
 A100 312); another GPU gets achieved TFLOPS only. With `--adapters K` (K > 1) it also times K
 adapters' forward_backward ops in one cross-adapter pass
-(`queue_tinker.workers.train_batch.shared_pass`) against the same ops one at a time, on the
+(`queue_tinker.workers.training.shared_pass.shared_pass`) against the same ops one at a time, on the
 same tokens.
 
     .venv/bin/python -m bench.mfu --device cuda                  # writes its docs section
@@ -58,9 +58,9 @@ from queue_tinker.types.enums import LossFn
 from queue_tinker.types.loss_inputs import resolve_loss_config
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, LoraConfig
-from queue_tinker.workers.adapters import Adapter, AdapterPool
-from queue_tinker.workers.forward import forward_backward, optim_step
-from queue_tinker.workers.train_batch import PassOp, shared_pass
+from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.training.optimizers import forward_backward, optim_step
+from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
 COMMAND = ".venv/bin/python -m bench.mfu --device cuda"
@@ -419,8 +419,9 @@ def render(result: Result, info: dict[str, str], args: argparse.Namespace) -> st
             SECTION,
             "",
             f"Training tokens/s and model FLOPs utilisation of the engine's own LoRA "
-            f"forward_backward (`queue_tinker.workers.forward.forward_backward` on an adapter "
-            f"added by `queue_tinker.workers.adapters.AdapterPool`, as a worker runs the op) "
+            f"forward_backward (`queue_tinker.workers.training.optimizers.forward_backward` "
+            f"on an adapter "
+            f"added by `queue_tinker.workers.model.adapters.AdapterPool`, as a worker runs the op) "
             f"on a {args.shape}-shaped "
             f"Llama with random weights in bf16 (built from `LlamaConfig`, no download), rank-"
             f"{result.rank} LoRA on every attention, MLP and unembedding linear, cross-entropy "

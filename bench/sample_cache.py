@@ -4,7 +4,7 @@ no budget and with budgets of a half and a quarter of what the samples need at o
 Sixteen samples of 1,024 new tokens each (RL rollouts, scaled to this CPU) on a Llama decoder
 of random weights whose KV cache is the large part of what sampling holds (8 layers, 8 KV heads
 of 64: 32 KiB a token in fp32). Each case runs in a fresh process (peak RSS is the process's
-ru_maxrss) through the worker's decode loop (`workers/sampler.py` DecodeLoop, its
+ru_maxrss) through the worker's decode loop (`workers/sampling/decode_loop.py` DecodeLoop, its
 `max_cache_tokens` as QT_SAMPLE_CACHE_TOKENS sets it); the cache is measured after every step.
 Samples are greedy, so each case's tokens can be compared with the case without a budget
 (batched in other groups, a row's float rounding differs; a near-tie may then flip a token).
@@ -37,10 +37,10 @@ from bench.memory import cpu_model
 from bench.mfu import Shape, build_model, machine_info
 from bench.report import DOCS, write_docs
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
-from queue_tinker.workers.cache_budget import peak_cache_tokens
-from queue_tinker.workers.kv_cache import GrowingLayer
-from queue_tinker.workers.memory import kv_bytes_per_token
-from queue_tinker.workers.sampler import DecodeLoop, GenerationRequest
+from queue_tinker.workers.model.memory import kv_bytes_per_token
+from queue_tinker.workers.sampling.cache_budget import peak_cache_tokens
+from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
+from queue_tinker.workers.sampling.kv_cache import GrowingLayer
 
 SECTION = "## Sampling under a KV-cache budget: long samples"
 COMMAND = ".venv/bin/python -m bench.sample_cache"

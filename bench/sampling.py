@@ -9,8 +9,9 @@ other jobs hits them alike; only one computes at a time, the worker idles betwee
   submit to the last result in hand;
 - generate: the same 32 prompts left-padded into one `model.generate(do_sample=True,
   min_new_tokens=max_new_tokens, ...)` call on the same model loaded in this process;
-- loop: the worker's own generation function (`queue_tinker.workers.sampler.generate`) on the
-  same batch in this process: the service minus the queue, to split the service's cost in two.
+- loop: the worker's own generation function
+  (`queue_tinker.workers.sampling.decode_loop.generate`) on the same batch in this process: the
+  service minus the queue, to split the service's cost in two.
 
 Two cases: the base model (one sampling session), then mixed adapters (4 sampler checkpoints
 made by a few training steps through the service; 8 requests on each, one session each) against
@@ -72,9 +73,9 @@ from queue_tinker.client import SamplingClient, ServiceClient
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import AdamParams, Datum, ModelInput, SampleResponse, SamplingParams
 from queue_tinker.types.checkpoints import CheckpointPath
-from queue_tinker.workers.base_model import ensure_builtin_model, load_base_model
-from queue_tinker.workers.checkpoints import checkpoint_dir
-from queue_tinker.workers.sampler import GenerationRequest, generate
+from queue_tinker.workers.model.base_model import ensure_builtin_model, load_base_model
+from queue_tinker.workers.model.checkpoints import checkpoint_dir
+from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
 
 SEED = 1000  # request i samples with seed SEED + i
 TIMEOUT_S = 600.0

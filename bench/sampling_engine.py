@@ -59,7 +59,7 @@ from bench.report import DOCS, write_docs
 from queue_tinker.builtin_models import PAD_ID
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient
 from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
-from queue_tinker.workers.base_model import ensure_builtin_model, load_base_model
+from queue_tinker.workers.model.base_model import ensure_builtin_model, load_base_model
 
 SECTION = "## Sampling engine: continuous batching, shared prompts, fair turns"
 GPU_SECTION = "## Sampling engine on a GPU"
@@ -456,7 +456,8 @@ READING = (
     "distinct prompts of that length, each prefilled. The long-samples row is where the cache "
     "written in place shows: generate()'s cache (and the loop's before it) copies every "
     "layer's keys and values at every step, a cost that grows with the square of the length, "
-    "while the loop writes one column (workers/kv_cache.py); on the tiny model the cache is "
+    "while the loop writes one column (workers/sampling/kv_cache.py); on the tiny model the "
+    "cache is "
     "too small for that to matter. The fair-turns rows are the scheduling: "
     "the trainer's steps run between quanta of the long sample instead of after it. The tiny "
     "model's rows are per-request overhead, not compute: generate() makes the 32 requests' "

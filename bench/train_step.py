@@ -95,9 +95,9 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     LoraConfig,
 )
-from queue_tinker.workers.adapters import linear_names, peft_config
-from queue_tinker.workers.base_model import ensure_builtin_model, load_base_model
-from queue_tinker.workers.forward import forward_backward
+from queue_tinker.workers.model.adapters import linear_names, peft_config
+from queue_tinker.workers.model.base_model import ensure_builtin_model, load_base_model
+from queue_tinker.workers.training.optimizers import forward_backward
 
 ADAM = AdamParams(learning_rate=1e-4)  # beta1 0.9, beta2 0.95, eps 1e-12, no weight decay
 RESULT_TIMEOUT_S = 600.0
@@ -270,10 +270,10 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
 
 
 def engine_function_ms(bare: BareLoop, data: list[Datum], reps: int) -> dict[str, float]:
-    """The engine's own forward_backward function (workers/forward.py: padded batch, per-datum
-    target logprobs and losses, outputs) against the bare forward + backward, alternating, on
-    the bare loop's model in this process; median ms of each. Gradients are cleared after
-    each call, so the bare loop's state is left as it was."""
+    """The engine's own forward_backward function (workers/training/optimizers.py: padded
+    batch, per-datum target logprobs and losses, outputs) against the bare forward + backward,
+    alternating, on the bare loop's model in this process; median ms of each. Gradients are
+    cleared after each call, so the bare loop's state is left as it was."""
     times: dict[str, list[float]] = {"engine forward_backward()": [], "bare forward+backward": []}
     config = resolve_loss_config(LossFn.CROSS_ENTROPY, None)
     cpu = torch.device("cpu")

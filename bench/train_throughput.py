@@ -74,7 +74,7 @@ from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import Datum
-from queue_tinker.workers.base_model import ensure_builtin_model
+from queue_tinker.workers.model.base_model import ensure_builtin_model
 
 BATCH_ENV = "QT_CROSS_ADAPTER_BATCH"  # read by `queue-tinker worker` (Settings.cross_adapter_batch)
 CORES = os.cpu_count() or 1

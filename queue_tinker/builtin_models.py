@@ -3,7 +3,8 @@
 Each built-in model lives under `models_dir` as an ordinary Hugging Face directory, so everything
 downstream (tests, demo, benchmarks, workers) loads it through the real `from_pretrained(path)`
 path. This module holds the catalogue and the tokenizer; it must not import torch (the gateway
-and client use it). The weights are made by `queue_tinker.workers.base_model.ensure_builtin_model`.
+and client use it). The weights are made by
+`queue_tinker.workers.model.base_model.ensure_builtin_model`.
 
 The tokenizer: ids 0..255 are the raw byte values, then `<|bos|>`=256, `<|eos|>`=257,
 `<|pad|>`=258. `encode(text)` adds NO special tokens, so it gives exactly `text.encode("utf-8")`

@@ -25,7 +25,7 @@ from bench.mfu import (
     total_params,
 )
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.adapters import AdapterPool, target_modules
+from queue_tinker.workers.model.adapters import AdapterPool, target_modules
 
 TINY = Shape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=300)
 

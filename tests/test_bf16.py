@@ -24,7 +24,7 @@ from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoraConfig
-from queue_tinker.workers.lora_engine import LoraEngine
+from queue_tinker.workers.executor.lora import LoraEngine
 
 BASE = "queue-tinker/tiny-llama"
 LOSS_RTOL = 2e-2

@@ -28,7 +28,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
-from queue_tinker.workers.base_model import (  # noqa: E402
+from queue_tinker.workers.model.base_model import (  # noqa: E402
     builtin_config,
     context_length,
     ensure_builtin_model,

@@ -1,6 +1,6 @@
-"""The decode loop's KV-cache projection (workers/cache_budget.py) against a step-by-step count
-of the same rectangle: rows right-aligned, one column a step, finished rows leaving and the
-leading columns no remaining row uses cut."""
+"""The decode loop's KV-cache projection (workers/sampling/cache_budget.py) against a
+step-by-step count of the same rectangle: rows right-aligned, one column a step, finished rows
+leaving and the leading columns no remaining row uses cut."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from queue_tinker.workers.cache_budget import CacheRow, peak_cache_tokens, rows_that_fit
+from queue_tinker.workers.sampling.cache_budget import CacheRow, peak_cache_tokens, rows_that_fit
 
 
 def counted_peak(rows: list[CacheRow]) -> int:

@@ -38,9 +38,9 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     LoraConfig,
 )
-from queue_tinker.workers.checkpoints import AdapterState, read_state, snapshot_dir
-from queue_tinker.workers.engine import OpResult, TrainingOpRules
-from queue_tinker.workers.lora_engine import LoraEngine
+from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.interface import OpResult, TrainingOpRules
+from queue_tinker.workers.model.checkpoints import AdapterState, read_state, snapshot_dir
 
 BASE = "queue-tinker/tiny-llama"
 VOCAB = 259
@@ -465,8 +465,8 @@ def test_optimizer_steps_of_many_adapters_equal_torch_adamw_one_at_a_time() -> N
     hyperparameters) equals torch.optim.AdamW stepping each adapter alone: adapters at
     different step counts, two hyperparameter sets, clipping per adapter, a tensor without a
     gradient left alone."""
-    from queue_tinker.workers.adapters import Adapter, new_optimizer
-    from queue_tinker.workers.forward import optim_steps
+    from queue_tinker.workers.model.adapters import Adapter, new_optimizer
+    from queue_tinker.workers.training.optimizers import optim_steps
 
     torch.manual_seed(0)
     hyper = [

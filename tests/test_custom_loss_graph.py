@@ -38,8 +38,8 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     LoraConfig,
 )
-from queue_tinker.workers.custom_loss_graph import FUNCTION_TABLE
-from queue_tinker.workers.engine import OpResult
+from queue_tinker.workers.interface import OpResult
+from queue_tinker.workers.training.custom_loss_graph import FUNCTION_TABLE
 
 RTOL = {"rtol": 1e-5, "atol": 1e-7}
 

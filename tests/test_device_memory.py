@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from queue_tinker.workers.memory import budgets_for
+from queue_tinker.workers.model.memory import budgets_for
 
 REPO = Path(__file__).resolve().parent.parent
 

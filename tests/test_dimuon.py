@@ -1,6 +1,6 @@
-"""Dimuon (workers/dimuon.py) against a plain float64 torch reference of its documented update,
-and through the LoRA engine: a run created with Dimuon steps with DimuonParams, refuses
-AdamParams, and saves and resumes its momentum as AdamW's moments are."""
+"""Dimuon (workers/training/dimuon.py) against a plain float64 torch reference of its
+documented update, and through the LoRA engine: a run created with Dimuon steps with
+DimuonParams, refuses AdamParams, and saves and resumes its momentum as AdamW's moments are."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind
 from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.training import AdamParams, DimuonParams, LoraConfig
-from queue_tinker.workers import dimuon
+from queue_tinker.workers.training import dimuon
 
 RANK = 4
 PARAMS = DimuonParams(learning_rate=0.02, beta1=0.8, damping=1e-3)

@@ -27,7 +27,9 @@ def test_every_exception_class_lives_in_errors_under_the_base_with_a_category() 
     """Imports every module of the package (workers included) and looks at the exception
     classes each defines: all of them are errors.py's, and each has a category."""
     modules = package_modules()
-    assert "queue_tinker.workers.worker" in modules and "queue_tinker.gateway.app" in modules
+    assert (
+        "queue_tinker.workers.runtime.worker" in modules and "queue_tinker.gateway.app" in modules
+    )
     defined: dict[str, type[BaseException]] = {}
     for name in modules:
         module = importlib.import_module(name)

@@ -1,6 +1,6 @@
 """Fair scheduling across tenants: a tenant that floods the queue does not starve another.
 
-A worker takes turns by tenant, then by each tenant's models (workers/worker.py
+A worker takes turns by tenant, then by each tenant's models (workers/runtime/worker.py
 _next_runnable); offers go first to the tenant holding the fewest models (lua/take_offer.lua).
 """
 

@@ -48,8 +48,8 @@ from queue_tinker.types.training import (
     LoraConfig,
     OptimStepResponse,
 )
-from queue_tinker.workers.checkpoints import read_meta, snapshot_dir
-from queue_tinker.workers.lora_engine import LoraEngine
+from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.model.checkpoints import read_meta, snapshot_dir
 
 SEED = 11
 RANK = 4

@@ -49,7 +49,7 @@ from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine
 from queue_tinker.types.enums import BUILT_IN_LOSSES
 from queue_tinker.types.loss_inputs import LOSS_SPECS, resolve_loss_config
-from queue_tinker.workers.losses import batch_loss
+from queue_tinker.workers.training.losses import batch_loss
 
 TINY = "queue-tinker/tiny-llama"
 EXAMPLE = REPO / "examples" / "tinker_sdk_training_loop.py"
@@ -364,7 +364,7 @@ def test_external_weights_download_through_signed_urls(
     no archive (400)."""
     from peft import PeftModel
 
-    from queue_tinker.workers.base_model import load_base_model
+    from queue_tinker.workers.model.base_model import load_base_model
 
     trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=9).result()
     batch = [text_datum(trainer.get_tokenizer(), "Question: What is 2+2?\nAnswer:", " 4\n")]
@@ -465,7 +465,7 @@ def test_topk_and_target_prompt_logprobs_equal_a_full_logits_reference(
     """asample with topk_prompt_logprobs and a (sparse) target_prompt_logprobs: the SDK reads
     top-k pairs, most likely first, and target logprobs (0.0 where nothing was asked) equal to
     log_softmax of the base model's own logits; prompt_logprobs_last_n masks top-k too."""
-    from queue_tinker.workers.base_model import load_base_model
+    from queue_tinker.workers.model.base_model import load_base_model
 
     prompt = list(b"Question: What is 2+2?")
     sampler = sdk_service.create_sampling_client(base_model=TINY).result()

@@ -15,7 +15,14 @@ ENGINES_CONTRACT = "the engines know no Redis, no SQL and no settings"
 # The worker's I/O loop: leases, reading the streams, heartbeats, publishing, and what it runs
 # next (scheduling.py, pure, but over leases the loop holds). Every other
 # module of workers/ is an engine and goes in the engines contract's source_modules.
-IO_LOOP = {"main", "worker", "turns", "owned", "scheduling", "presence"}
+IO_LOOP = {
+    "main",
+    "runtime.worker",
+    "runtime.turns",
+    "runtime.owned",
+    "runtime.scheduling",
+    "runtime.presence",
+}
 
 
 def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
@@ -67,6 +74,10 @@ def test_every_worker_module_is_an_engine_or_the_io_loop() -> None:
     source = engines["source_modules"]
     assert isinstance(source, list)
     engine_modules = {name.removeprefix(prefix) for name in source}
-    on_disk = {p.stem for p in (REPO / "workers").glob("*.py")} - {"__init__"}
+    on_disk = {
+        ".".join(p.relative_to(REPO / "workers").with_suffix("").parts)
+        for p in (REPO / "workers").rglob("*.py")
+        if p.name != "__init__.py"
+    }
     assert engine_modules.isdisjoint(IO_LOOP)
     assert on_disk == engine_modules | IO_LOOP

@@ -1,12 +1,12 @@
-"""The decode loop's cache layers (workers/kv_cache.py): what a GrowingLayer holds equals what
-transformers' DynamicLayer holds after the same updates, while a step writes in place."""
+"""The decode loop's cache layers (workers/sampling/kv_cache.py): what a GrowingLayer holds equals
+what transformers' DynamicLayer holds after the same updates, while a step writes in place."""
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from queue_tinker.workers.kv_cache import MIN_SPARE, GrowingLayer
+from queue_tinker.workers.sampling.kv_cache import MIN_SPARE, GrowingLayer
 
 ROWS, HEADS, DIM = 3, 2, 4
 

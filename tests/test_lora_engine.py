@@ -37,10 +37,10 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     LoraConfig,
 )
-from queue_tinker.workers.adapters import linear_names, peft_config
-from queue_tinker.workers.base_model import load_base_model
-from queue_tinker.workers.checkpoints import META_FILE, snapshot_dir
-from queue_tinker.workers.lora_engine import LoraEngine, default_seed
+from queue_tinker.workers.executor.lora import LoraEngine, default_seed
+from queue_tinker.workers.model.adapters import linear_names, peft_config
+from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.model.checkpoints import META_FILE, snapshot_dir
 
 BASE = "queue-tinker/tiny-llama"
 RANK = 4
@@ -726,7 +726,7 @@ def test_a_step_with_non_finite_gradients_is_skipped(
         main.train(model_id, 2)
     before = (main.weights(diverged), main.moments(diverged), main.adapter(diverged).step)
     main.fb(diverged, diverging(TEXTS[:2], logprob, advantage), "importance_sampling")
-    with caplog.at_level(logging.WARNING, logger="queue_tinker.workers.forward"):
+    with caplog.at_level(logging.WARNING, logger="queue_tinker.workers.training.optimizers"):
         metrics = main.step(diverged)["metrics"]
     assert f"model {diverged}: optim_step skipped" in caplog.text
     assert metrics["skipped_nonfinite:sum"] == 1.0

@@ -14,7 +14,12 @@ import torch
 
 from queue_tinker.types.enums import BUILT_IN_LOSSES, LossFn
 from queue_tinker.types.loss_inputs import LOSS_SPECS
-from queue_tinker.workers.losses import LOSSES, STABLE_REINFORCE_TRUNCATION, batch_loss, datum_loss
+from queue_tinker.workers.training.losses import (
+    LOSSES,
+    STABLE_REINFORCE_TRUNCATION,
+    batch_loss,
+    datum_loss,
+)
 
 LOSS_NAMES = [f.value for f in BUILT_IN_LOSSES]
 TOKEN_LOSSES = [name for name in LOSS_NAMES if name != "gspo"]  # one ratio per token

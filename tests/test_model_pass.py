@@ -17,12 +17,12 @@ import torch
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.adapters import Adapter, AdapterPool
-from queue_tinker.workers.base_model import load_base_model
-from queue_tinker.workers.forward import forward_backward, rows_for
-from queue_tinker.workers.model_pass import PassPlan
-from queue_tinker.workers.packing import pack_rows, padding_fraction
-from queue_tinker.workers.train_batch import PassOp, shared_pass
+from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.optimizers import forward_backward, rows_for
+from queue_tinker.workers.training.packing import pack_rows, padding_fraction
+from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
 
 BASE = "queue-tinker/tiny-llama"
 CPU = torch.device("cpu")

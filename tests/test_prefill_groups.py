@@ -1,5 +1,5 @@
-"""Grouping prompts by length for prefill (workers/prefill_groups.py): the least padded tokens
-plus a price per call, checked against every partition of small cases."""
+"""Grouping prompts by length for prefill (workers/sampling/prefill_groups.py): the least
+padded tokens plus a price per call, checked against every partition of small cases."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from queue_tinker.workers.prefill_groups import (
+from queue_tinker.workers.sampling.prefill_groups import (
     CALL_TOKENS_CPU,
     CALL_TOKENS_GPU,
     length_groups,

@@ -18,10 +18,10 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.settings import Settings
 from queue_tinker.types.request_limits import RequestLimits
 from queue_tinker.types.sampling import NO_TARGET, SamplingParams, sample_input
-from queue_tinker.workers import prompt_scores as module
-from queue_tinker.workers.base_model import load_base_model
-from queue_tinker.workers.prompt_scores import prompt_scores
-from queue_tinker.workers.sampler import GenerationRequest, generate
+from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.sampling import prompt_scores as module
+from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
+from queue_tinker.workers.sampling.prompt_scores import prompt_scores
 
 BASE = "queue-tinker/tiny-llama"
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -24,12 +24,12 @@ from peft import PeftModel, get_peft_model
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers import sampler
-from queue_tinker.workers.adapters import linear_names, peft_config
-from queue_tinker.workers.base_model import load_base_model
-from queue_tinker.workers.kv_cache import GrowingLayer
-from queue_tinker.workers.row_blocks import blocks_of
-from queue_tinker.workers.sampler import GenerationRequest, generate
+from queue_tinker.workers.model.adapters import linear_names, peft_config
+from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.model.row_blocks import blocks_of
+from queue_tinker.workers.sampling import decode_loop as sampler
+from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
+from queue_tinker.workers.sampling.kv_cache import GrowingLayer
 
 BASE = "queue-tinker/tiny-llama"
 VOCAB = 259

@@ -1,4 +1,4 @@
-"""The worker's scheduling rules, alone (workers/scheduling.py): strict per-model order,
+"""The worker's scheduling rules, alone (workers/runtime/scheduling.py): strict per-model order,
 turns fair between tenants, training batches, the stepped ops' quantum, empty queues.
 
 No Redis, no torch: the Scheduler is pure bookkeeping, driven here with the LoRA engine's
@@ -12,9 +12,9 @@ from itertools import pairwise
 from queue_tinker.queue.dispatch import Lease
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
-from queue_tinker.workers.engine import TrainingOpRules
-from queue_tinker.workers.owned import OwnedModel
-from queue_tinker.workers.scheduling import (
+from queue_tinker.workers.interface import TrainingOpRules
+from queue_tinker.workers.runtime.owned import OwnedModel
+from queue_tinker.workers.runtime.scheduling import (
     ENGINE_BATCH,
     INLINE_BATCH,
     QUANTUM_S,

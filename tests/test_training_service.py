@@ -23,7 +23,7 @@ from queue_tinker import types
 from queue_tinker.errors import ErrorCategory, NotFoundError, RequestFailedError, UserInputError
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine
-from queue_tinker.workers.base_model import load_base_model
+from queue_tinker.workers.model.base_model import load_base_model
 
 TINY = "queue-tinker/tiny-llama"
 RANK = 8

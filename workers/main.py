@@ -19,8 +19,8 @@ from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
 from queue_tinker.types import CheckpointRecord
 from queue_tinker.types.records import Record
-from queue_tinker.workers.engine import Engine, QueueOnlyEngine
-from queue_tinker.workers.worker import Worker, WorkerConfig
+from queue_tinker.workers.interface import Engine, QueueOnlyEngine
+from queue_tinker.workers.runtime.worker import Worker, WorkerConfig
 
 log = logging.getLogger("queue_tinker.worker")
 
@@ -42,8 +42,8 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
     if engine == "queue-only":
         return QueueOnlyEngine()
     from queue_tinker.types.request_limits import RequestLimits
-    from queue_tinker.workers.lora_engine import LoraEngine  # torch and friends load only here
-    from queue_tinker.workers.model_pass import PassPlan
+    from queue_tinker.workers.executor.lora import LoraEngine  # torch and friends load only here
+    from queue_tinker.workers.training.model_pass import PassPlan
 
     return LoraEngine(
         base_model,

@@ -126,7 +126,7 @@ def _copy_run_id(tenant: str, idempotency_key: str | None) -> str:
 
 
 def _directory(gq: GatewayQueue, path: CheckpointPath) -> Path:
-    """Where a worker would keep it (workers/checkpoints.py checkpoint_dir)."""
+    """Where a worker would keep it (workers/model/checkpoints.py checkpoint_dir)."""
     return gq.settings.storage_dir / path.run_id / path.kind.path_segment / path.name
 
 

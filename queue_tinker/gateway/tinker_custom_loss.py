@@ -2,7 +2,7 @@
 section 12): create_custom_loss checks an uploaded loss against the allow-list
 (types/custom_loss.py), refusing it naming the node, and stores it with its session; a
 forward_backward with loss_fn "custom" names it by loss_id, and its op carries the loss to the
-worker, which runs it inside the pass (workers/custom_loss_graph.py)."""
+worker, which runs it inside the pass (workers/training/custom_loss_graph.py)."""
 
 from __future__ import annotations
 

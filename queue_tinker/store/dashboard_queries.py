@@ -19,7 +19,7 @@ from queue_tinker.store.models import Checkpoint, Request, TrainingRun
 from queue_tinker.store.queries import live_checkpoint
 from queue_tinker.types.enums import CheckpointKind, JobStatus, OpKind
 
-LOSS_METRIC = "loss:sum"  # what the worker's losses always report (workers/losses.py)
+LOSS_METRIC = "loss:sum"  # what the worker's losses always report (workers/training/losses.py)
 MAX_CURVE_POINTS = 5_000  # the newest ones; an SVG path of more says nothing more
 
 

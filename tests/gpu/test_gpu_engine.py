@@ -24,7 +24,7 @@ from queue_tinker.types.ops import Op
 from queue_tinker.types.sampling import SamplingParams
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoraConfig
-from queue_tinker.workers.lora_engine import LoraEngine
+from queue_tinker.workers.executor.lora import LoraEngine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -249,7 +249,7 @@ def test_out_of_memory_on_cuda_splits_the_pass(cuda: LoraEngine) -> None:
 def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     """Unset budgets come from free memory, and a pass of 16K tokens uses no more activation
     memory than the estimate the budget was made from."""
-    from queue_tinker.workers.memory import train_bytes_per_token
+    from queue_tinker.workers.model.memory import train_bytes_per_token
 
     engine = LoraEngine(BASE, "cuda", scratch / "storage-budget", scratch / "models")
     assert engine.train_batch_tokens > 0

@@ -25,8 +25,8 @@ from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import ForwardBackwardInput, LoraConfig
-from queue_tinker.workers.lora_engine import LoraEngine
-from queue_tinker.workers.model_pass import PassPlan
+from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.training.model_pass import PassPlan
 
 VOCAB = 32_768
 TOKENS = 2_048

@@ -18,13 +18,13 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     OptimParams,
 )
-from queue_tinker.workers import model_pass
-from queue_tinker.workers.adapters import Adapter
-from queue_tinker.workers.custom_loss_graph import GraphLoss
-from queue_tinker.workers.dimuon import dimuon_step
-from queue_tinker.workers.losses import batch_loss
-from queue_tinker.workers.model_pass import PassPlan
-from queue_tinker.workers.packing import RowBatch, row_batch
+from queue_tinker.workers.model.adapters import Adapter
+from queue_tinker.workers.training import model_pass
+from queue_tinker.workers.training.custom_loss_graph import GraphLoss
+from queue_tinker.workers.training.dimuon import dimuon_step
+from queue_tinker.workers.training.losses import batch_loss
+from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.packing import RowBatch, row_batch
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,9 @@ def optim_steps(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[dict[str, 
                 norm,
             )
             continue
-        if isinstance(params, DimuonParams):  # a run created with Dimuon: workers/dimuon.py
+        if isinstance(
+            params, DimuonParams
+        ):  # a run created with Dimuon: workers/training/dimuon.py
             dimuon_step(
                 list(adapter.params.values()), adapter.optimizer.state, params, adapter.config.rank
             )

@@ -25,8 +25,8 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.types.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
-from queue_tinker.workers.checkpoints import AdapterState, CheckpointMeta
-from queue_tinker.workers.row_blocks import lora_linear_layers
+from queue_tinker.workers.model.checkpoints import AdapterState, CheckpointMeta
+from queue_tinker.workers.model.row_blocks import lora_linear_layers
 
 # Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,
 # Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2 names).

@@ -32,7 +32,7 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.types import codec
 from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.training import AdamParams, DimuonParams, OptimParams
-from queue_tinker.workers.engine import parse_body
+from queue_tinker.workers.interface import parse_body
 
 NEWTON_SCHULZ_STEPS = 5
 NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Muon's quintic iteration

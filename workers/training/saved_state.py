@@ -29,8 +29,9 @@ from queue_tinker.types.training import (
     SaveWeightsResponse,
     UnloadModelResponse,
 )
-from queue_tinker.workers.adapters import Adapter, AdapterPool
-from queue_tinker.workers.checkpoints import (
+from queue_tinker.workers.interface import OpResult, parse_body
+from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.model.checkpoints import (
     CheckpointMeta,
     checkpoint_dir,
     read_meta,
@@ -38,7 +39,6 @@ from queue_tinker.workers.checkpoints import (
     snapshot_dir,
     write_state,
 )
-from queue_tinker.workers.engine import OpResult, parse_body
 
 log = logging.getLogger(__name__)
 

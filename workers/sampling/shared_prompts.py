@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from queue_tinker.workers.decode_rows import LiveRequest, Rows, pad_left, per_sample, plain_layers
+from queue_tinker.workers.sampling.decode_rows import (
+    LiveRequest,
+    Rows,
+    pad_left,
+    per_sample,
+    plain_layers,
+)
 
 PromptKey = tuple[tuple[int, ...], str]
 # The kept states are a second copy of their prompts' KV cache: past this many bytes a prompt is

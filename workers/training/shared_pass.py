@@ -18,11 +18,16 @@ import torch
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardOutput
-from queue_tinker.workers.adapters import Adapter, AdapterPool
-from queue_tinker.workers.custom_loss_graph import GraphLoss
-from queue_tinker.workers.forward import grads_kept_on_error, op_loss, rows_for, target_logprobs
-from queue_tinker.workers.model_pass import PassPlan
-from queue_tinker.workers.row_blocks import blocks_of, row_blocks
+from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks
+from queue_tinker.workers.training.custom_loss_graph import GraphLoss
+from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.optimizers import (
+    grads_kept_on_error,
+    op_loss,
+    rows_for,
+    target_logprobs,
+)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 Runs on the worker's compute thread, one op or one batch of ops at a time; knows no Redis and
 no SQL. State that must outlive this process (checkpoints, snapshots) goes to `storage`, a
-directory every worker of the deployment shares (workers/saved_state.py writes and reads it).
-Training ops of many models run together through workers/training_rounds.py; which ops run
-inline, batched or stepped is TrainingOpRules' (workers/engine.py). Settings come in through
+directory every worker of the deployment shares (workers/training/saved_state.py writes and
+reads it).
+Training ops of many models run together through workers/training/rounds.py; which ops run
+inline, batched or stepped is TrainingOpRules' (workers/interface.py). Settings come in through
 the constructor (workers/main.py passes the deployment's); the engine reads no environment.
 """
 
@@ -37,12 +38,7 @@ from queue_tinker.types.training import (
     OptimParams,
     OptimStepResponse,
 )
-from queue_tinker.workers import base_model as base_models
-from queue_tinker.workers.adapters import Adapter, AdapterPool
-from queue_tinker.workers.checkpoints import read_meta, read_state, snapshot_dir
-from queue_tinker.workers.custom_loss_graph import GraphLoss
-from queue_tinker.workers.dimuon import parse_optim_params
-from queue_tinker.workers.engine import (
+from queue_tinker.workers.interface import (
     PASS_KINDS,
     BatchShare,
     OpResult,
@@ -50,18 +46,27 @@ from queue_tinker.workers.engine import (
     parse_body,
     run_ping,
 )
-from queue_tinker.workers.forward import forward_backward, grads_kept_on_error, optim_steps
-from queue_tinker.workers.memory import device_budgets
-from queue_tinker.workers.model_pass import PassPlan
-from queue_tinker.workers.sampling import SamplingOps
-from queue_tinker.workers.saved_state import (
+from queue_tinker.workers.model import base_model as base_models
+from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.model.checkpoints import read_meta, read_state, snapshot_dir
+from queue_tinker.workers.model.memory import device_budgets
+from queue_tinker.workers.sampling.sessions import SamplingOps
+from queue_tinker.workers.training.custom_loss_graph import GraphLoss
+from queue_tinker.workers.training.dimuon import parse_optim_params
+from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.optimizers import (
+    forward_backward,
+    grads_kept_on_error,
+    optim_steps,
+)
+from queue_tinker.workers.training.rounds import MemoryGuard, TrainingRounds, pass_result
+from queue_tinker.workers.training.saved_state import (
     SNAPSHOT_RESULTS,
     UNLOADED,
     SavedState,
     outcome_from_json,
 )
-from queue_tinker.workers.train_batch import PassOp
-from queue_tinker.workers.training_rounds import MemoryGuard, TrainingRounds, pass_result
+from queue_tinker.workers.training.shared_pass import PassOp
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +409,7 @@ class LoraEngine:
 
     def _loss(self, batch: ForwardBackwardInput) -> LossFn | GraphLoss:
         """The batch's loss: built in, or the uploaded loss it carries (rebuilt from the
-        allow-list, workers/custom_loss_graph.py)."""
+        allow-list, workers/training/custom_loss_graph.py)."""
         if batch.custom_loss is not None:
             return GraphLoss(batch.custom_loss, self.device)
         return batch.loss_fn

@@ -2,7 +2,7 @@
 
 Pure bookkeeping over the models a worker owns (their backlogs, what is in flight, which are
 held back by a tenant limit): no Redis, no asyncio, no torch, so its rules are tested alone
-(tests/test_scheduling.py). workers/worker.py does the I/O and asks it.
+(tests/test_scheduling.py). workers/runtime/worker.py does the I/O and asks it.
 
 The rules:
 - A model's ops run strictly in seq order: only the head of its backlog is ever taken, and
@@ -23,8 +23,8 @@ from enum import Enum
 from typing import Protocol
 
 from queue_tinker.types.ops import Op
-from queue_tinker.workers.engine import BatchShare
-from queue_tinker.workers.owned import OwnedModel
+from queue_tinker.workers.interface import BatchShare
+from queue_tinker.workers.runtime.owned import OwnedModel
 
 # The scheduling quantum of stepped ops (sampling's decode loop): steps until one finishes or
 # this long has passed, or as long as the unit of other work that ran before it took, whichever
@@ -43,7 +43,7 @@ JOIN_BATCH = 256
 
 
 class OpRules(Protocol):
-    """How an engine runs each op: the part of workers/engine.py's Engine scheduling reads."""
+    """How an engine runs each op: the part of workers/interface.py's Engine scheduling reads."""
 
     def runs_inline(self, op: Op) -> bool: ...
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from queue_tinker.workers.custom_loss_graph import GraphLoss, graph_batch_loss
+from queue_tinker.workers.training.custom_loss_graph import GraphLoss, graph_batch_loss
 
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
 

@@ -32,11 +32,17 @@ from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types import JobStatus
 from queue_tinker.types.records import Record
-from queue_tinker.workers.engine import Engine, OpResult
-from queue_tinker.workers.owned import OwnedModel
-from queue_tinker.workers.presence import Identity, registry_fields, worker_record
-from queue_tinker.workers.scheduling import QUANTUM_S, Scheduler, Turn, TurnKind, quantum_after
-from queue_tinker.workers.turns import SteppedTurns
+from queue_tinker.workers.interface import Engine, OpResult
+from queue_tinker.workers.runtime.owned import OwnedModel
+from queue_tinker.workers.runtime.presence import Identity, registry_fields, worker_record
+from queue_tinker.workers.runtime.scheduling import (
+    QUANTUM_S,
+    Scheduler,
+    Turn,
+    TurnKind,
+    quantum_after,
+)
+from queue_tinker.workers.runtime.turns import SteppedTurns
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,7 +151,8 @@ class Worker(SteppedTurns):
         of the stepped ops in flight (decode steps for as long as that unit took, QUANTUM_S at
         least), and so on; stepped ops join at every turn. So an op waits behind a long sample
         for at most one quantum, and a sample behind a long queue of ops for at most one op
-        per quantum. What each turn runs is the Scheduler's decision (workers/scheduling.py)."""
+        per quantum. What each turn runs is the Scheduler's decision
+        (workers/runtime/scheduling.py)."""
         while not self.stopping.is_set():
             await self._join_stepped()
             turn = self.schedule.next_turn(time.monotonic())

@@ -23,12 +23,12 @@ from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardOutput, OptimParams
-from queue_tinker.workers.adapters import Adapter, AdapterPool
-from queue_tinker.workers.dimuon import parse_optim_params
-from queue_tinker.workers.engine import PASS_KINDS, OpResult
-from queue_tinker.workers.memory import is_out_of_memory, release_cached_memory
-from queue_tinker.workers.model_pass import PassPlan
-from queue_tinker.workers.train_batch import PassOp, padded_tokens, shared_pass
+from queue_tinker.workers.interface import PASS_KINDS, OpResult
+from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.model.memory import is_out_of_memory, release_cached_memory
+from queue_tinker.workers.training.dimuon import parse_optim_params
+from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.shared_pass import PassOp, padded_tokens, shared_pass
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.sampling import SampledSequence, SampleResponse, StopReason
-from queue_tinker.workers.kv_cache import GrowingLayer
-from queue_tinker.workers.token_choice import is_greedy, request_seed
+from queue_tinker.workers.sampling.kv_cache import GrowingLayer
+from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed
 
 if TYPE_CHECKING:
-    from queue_tinker.workers.sampler import GenerationRequest
+    from queue_tinker.workers.sampling.decode_loop import GenerationRequest
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
 # Uniforms are drawn this many steps ahead, one generator call per sample per block.

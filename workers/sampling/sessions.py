@@ -6,8 +6,8 @@ checkpoint (tinker://<run>/sampler_weights/<name>, or .../weights/<name>). Sampl
 state to recover, so a session's ops are durable as soon as they ran and are never replayed.
 
 Sample ops are not run one call each: the worker hands them over (`join`) and then calls `step`,
-one scheduling quantum of the decode loop (workers/sampler.py) at a time, which hands back the
-ops that finished in it. Between quanta the worker runs other models' ops.
+one scheduling quantum of the decode loop (workers/sampling/decode_loop.py) at a time, which
+hands back the ops that finished in it. Between quanta the worker runs other models' ops.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from queue_tinker.types.sampling import (
     check_sample,
     max_new_tokens,
 )
-from queue_tinker.workers.adapters import AdapterPool
-from queue_tinker.workers.checkpoints import checkpoint_dir, read_meta
-from queue_tinker.workers.engine import OpResult, parse_body
-from queue_tinker.workers.sampler import DecodeLoop, GenerationRequest
+from queue_tinker.workers.interface import OpResult, parse_body
+from queue_tinker.workers.model.adapters import AdapterPool
+from queue_tinker.workers.model.checkpoints import checkpoint_dir, read_meta
+from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
 
 log = logging.getLogger(__name__)
 Outcome = OpResult | Exception

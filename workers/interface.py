@@ -2,7 +2,7 @@
 
 Two engines implement the interface: `QueueOnlyEngine` (create_model bookkeeping and ping, no
 torch: runs the queue end to end for tests and queue benchmarks) and the LoRA training engine
-in workers/lora_engine.py.
+in workers/executor/lora.py.
 
 An op runs one of four ways: inline on the event loop (`runs_inline`: a ping), alone
 (`execute`), with other models' ops in one call (`batchable`, `execute_batch`: training steps),
@@ -246,7 +246,7 @@ class QueueOnlyEngine:
 
 @dataclass(frozen=True)
 class TrainingOpRules:
-    """How the LoRA engine runs each op (workers/lora_engine.py delegates to this): pings
+    """How the LoRA engine runs each op (workers/executor/lora.py delegates to this): pings
     inline, samples stepped, training steps batched across models (unless turned off), the
     rest alone. No torch here, so the worker's scheduling is tested with the real rules."""
 

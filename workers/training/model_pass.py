@@ -33,7 +33,7 @@ from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from queue_tinker.workers.packing import RowBatch, padding_fraction
+from queue_tinker.workers.training.packing import RowBatch, padding_fraction
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """The worker's turns with stepped ops (sampling's decode loop): join them, run quanta of
 decode steps between other work, publish them in each model's seq order.
 
-A mixin of workers/worker.py's Worker, split out to keep that file readable: it uses the
+A mixin of workers/runtime/worker.py's Worker, split out to keep that file readable: it uses the
 worker's owned models, engine, compute thread, gather, start and publish.
 """
 
@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from queue_tinker.queue.dispatch import Op, Outcome
-from queue_tinker.workers.engine import Engine, OpResult
-from queue_tinker.workers.owned import OwnedModel
-from queue_tinker.workers.scheduling import Scheduler
+from queue_tinker.workers.interface import Engine, OpResult
+from queue_tinker.workers.runtime.owned import OwnedModel
+from queue_tinker.workers.runtime.scheduling import Scheduler
 
 
 class SteppedTurns:
