@@ -25,7 +25,7 @@ from tinker.proto.response_conv import deserialize_proto_response
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.proto import tinker_public_pb2 as pb
-from queue_tinker.gateway.proto_wire import (
+from queue_tinker.gateway.proto.convert import (
     PROTOBUF_MEDIA_TYPE,
     encode_forward_backward_output,
     encode_sample_response,

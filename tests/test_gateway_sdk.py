@@ -41,7 +41,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from queue_tinker.gateway.downloads import signature
-from queue_tinker.gateway.tinker_sample_futures import CANCELLED
+from queue_tinker.gateway.tinker.sample_futures import CANCELLED
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.limits import set_limits

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.gateway.app import create_app
-from queue_tinker.gateway.tinker_unserved import UNSERVED
+from queue_tinker.gateway.tinker.unserved import UNSERVED
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 from queue_tinker.types import AdamParams, Datum, ModelInput

@@ -18,7 +18,7 @@ from procs import SDK_CLIENT_MARKS, make_key
 from test_sdk_protocol import key_tenant, text_batch
 from tinker import types
 
-from queue_tinker.gateway.tinker_sample_futures import CANCELLED
+from queue_tinker.gateway.tinker.sample_futures import CANCELLED
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 

@@ -30,8 +30,8 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
-from queue_tinker.gateway.tinker_sample_futures import CANCELLED
-from queue_tinker.gateway.tinker_unserved import UNSERVED
+from queue_tinker.gateway.tinker.sample_futures import CANCELLED
+from queue_tinker.gateway.tinker.unserved import UNSERVED
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys

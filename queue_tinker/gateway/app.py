@@ -27,28 +27,28 @@ from queue_tinker.errors import (
     RedisUnavailableError,
     UnknownModelError,
 )
-from queue_tinker.gateway import (
-    openai_compat,
-    tinker_account,
-    tinker_copy,
-    tinker_custom_loss,
-    tinker_futures,
-    tinker_publish,
-    tinker_sample_futures,
-    tinker_sampling,
-    tinker_training,
-)
+from queue_tinker.gateway import openai_compat
 from queue_tinker.gateway.auth import KeyCache
-from queue_tinker.gateway.body_limit import BodyLimit
 from queue_tinker.gateway.dashboard import dashboard_router
 from queue_tinker.gateway.downloads import download_router
+from queue_tinker.gateway.envelope.body_limit import BodyLimit
+from queue_tinker.gateway.envelope.request_checks import RequestChecks
 from queue_tinker.gateway.metrics import metrics_router
-from queue_tinker.gateway.request_checks import RequestChecks
+from queue_tinker.gateway.queue_access import GatewayQueue
 from queue_tinker.gateway.responses import GatewayJSONResponse
-from queue_tinker.gateway.tinker_queue import GatewayQueue
-from queue_tinker.gateway.tinker_rest import record_caught_up, rest_router
-from queue_tinker.gateway.tinker_session import session_router
-from queue_tinker.gateway.tinker_unserved import unserved_router
+from queue_tinker.gateway.tinker import (
+    account,
+    copy_weights,
+    custom_loss,
+    futures,
+    publish,
+    sample_futures,
+    sampling,
+    training,
+)
+from queue_tinker.gateway.tinker.rest import record_caught_up, rest_router
+from queue_tinker.gateway.tinker.session import session_router
+from queue_tinker.gateway.tinker.unserved import unserved_router
 from queue_tinker.queue import silent_sessions
 from queue_tinker.queue.connection import REDIS_DOWN, connect
 from queue_tinker.queue.keys import Keys
@@ -111,20 +111,20 @@ def create_app(settings: Settings) -> FastAPI:
     # First: the SDK paths not offered answer 501 (a catch-all {checkpoint_id:path} route
     # below would take .../publish); serving one means taking it out of UNSERVED.
     app.include_router(unserved_router())
-    app.include_router(tinker_publish.router)  # before DELETE .../{checkpoint_id:path}
+    app.include_router(publish.router)  # before DELETE .../{checkpoint_id:path}
     app.include_router(session_router(settings, keys))
     app.include_router(rest_router(settings, keys))
     app.include_router(download_router(keys, record_caught_up(keys)))
     app.include_router(dashboard_router(settings, keys))
     app.include_router(metrics_router(settings, keys))
     for module in (
-        tinker_training,
-        tinker_sampling,
-        tinker_futures,
-        tinker_sample_futures,
-        tinker_account,
-        tinker_custom_loss,
-        tinker_copy,
+        training,
+        sampling,
+        futures,
+        sample_futures,
+        account,
+        custom_loss,
+        copy_weights,
         openai_compat,
     ):
         app.include_router(module.router)

@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import Caller, caller_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
-from queue_tinker.gateway.tinker_queue import not_found
+from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.queue import actions, redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.overview import queue_overview

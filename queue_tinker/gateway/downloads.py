@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.background import BackgroundTask
 
 from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.tinker_queue import not_found
+from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.store import queries

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import caller_of_key
-from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
+from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue
 from queue_tinker.queue import runs
 from queue_tinker.types import JobStatus, OpKind, codec
 from queue_tinker.types.checkpoints import SCHEME

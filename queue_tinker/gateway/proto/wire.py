@@ -6,7 +6,7 @@ datum count or a datum's tokens pass a limit is refused from these lengths alone
 It works on a prefix of the body too: a field's declared length counts even where its bytes
 have not arrived, and a message cut short is read as far as it goes. The protobuf encoder
 writes fields in number order, so the envelope and the first datum's headers come first: the
-gateway's body reader (body_limit.py) stops reading a protobuf as soon as its first bytes
+gateway's body reader (envelope/body_limit.py) stops reading a protobuf as soon as its first bytes
 prove it over a limit, and hands the route just those.
 
 Field numbers (tinker_public.proto): ForwardBackwardRequest model_id 1, seq_id 2, data 3,

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qsl
 
-from queue_tinker.gateway.proto_wire import PROTOBUF_MEDIA_TYPE
+from queue_tinker.gateway.proto.convert import PROTOBUF_MEDIA_TYPE
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -24,7 +24,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # The one route whose body is protobuf (the SDK's forward_backward, forward_only for forward).
 PROTOBUF_ROUTES = {"/api/v1/forward_backward": PROTOBUF_MEDIA_TYPE}
-# Bodies the SDK compresses (client/config's proto_compress_fwdbwd): gateway/compressed.py.
+# Bodies the SDK compresses (client/config's proto_compress_fwdbwd): gateway/envelope/compressed.py.
 COMPRESSED_ROUTES = {"/api/v1/forward_backward": ("zstd",)}
 # What a browser's form posts send; read as JSON they failed with 400s, so they are let through
 # to the routes' own "body: not valid JSON" answer instead of a 415 the fuzz suites pinned.

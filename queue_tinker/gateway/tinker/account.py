@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.tinker_queue import not_found
+from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.store import api_keys, protocol_queries
 from queue_tinker.store.models import Request as RequestRow
 

@@ -15,12 +15,11 @@ from queue_tinker.age import check_recipients
 from queue_tinker.builtin_models import ensure_tokenizer, is_builtin
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.compressed import request_body
+from queue_tinker.gateway.envelope.compressed import request_body
 from queue_tinker.gateway.off_loop import OffLoopRoute, off_loop
-from queue_tinker.gateway.proto_wire import parse_forward_backward
-from queue_tinker.gateway.tinker_custom_loss import custom_loss_for
-from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue
-from queue_tinker.gateway.tinker_types import (
+from queue_tinker.gateway.proto.convert import parse_forward_backward
+from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue
+from queue_tinker.gateway.tinker.bodies import (
     CreateModelRequest,
     JsonForwardBackwardRequest,
     LoadWeightsRequest,
@@ -29,6 +28,7 @@ from queue_tinker.gateway.tinker_types import (
     SaveWeightsExternalRequest,
     SaveWeightsRequest,
 )
+from queue_tinker.gateway.tinker.custom_loss import custom_loss_for
 from queue_tinker.queue import runs
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, check_name

@@ -13,9 +13,9 @@ from fastapi import APIRouter, Depends
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
-from queue_tinker.gateway.tinker_queue import SESSION_TTL_S, GatewayQueue, gateway_queue
-from queue_tinker.gateway.tinker_sample_futures import Wakeups, note_sample, sample_wakeups
-from queue_tinker.gateway.tinker_types import CreateSamplingSessionRequest, SampleRequest
+from queue_tinker.gateway.queue_access import SESSION_TTL_S, GatewayQueue, gateway_queue
+from queue_tinker.gateway.tinker.bodies import CreateSamplingSessionRequest, SampleRequest
+from queue_tinker.gateway.tinker.sample_futures import Wakeups, note_sample, sample_wakeups
 from queue_tinker.queue import runs, silent_sessions
 from queue_tinker.types import JobStatus, OpKind
 from queue_tinker.types.request_limits import RequestLimits, check_tokens, encode_request

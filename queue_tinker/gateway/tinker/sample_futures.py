@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.tinker_futures import poll_budget
-from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue, not_found
+from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_found
+from queue_tinker.gateway.tinker.futures import poll_budget
 from queue_tinker.queue.actions import cancel_job
 from queue_tinker.queue.sample_futures import CLIENT_BLOCK, SampleFutures
 from queue_tinker.types import JobStatus

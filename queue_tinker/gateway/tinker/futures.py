@@ -15,15 +15,15 @@ from fastapi import APIRouter, Depends, Request, Response
 from queue_tinker.errors import ErrorCategory
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
-from queue_tinker.gateway.proto_wire import (
+from queue_tinker.gateway.proto.convert import (
     PROTOBUF_MEDIA_TYPE,
     encode_forward_backward_output,
     encode_sample_response,
 )
+from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_found
 from queue_tinker.gateway.responses import GatewayJSONResponse as JSONResponse
-from queue_tinker.gateway.tinker_custom_loss import GATEWAY_ANSWERED
-from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue, not_found
-from queue_tinker.gateway.tinker_types import RetrieveFutureRequest
+from queue_tinker.gateway.tinker.bodies import RetrieveFutureRequest
+from queue_tinker.gateway.tinker.custom_loss import GATEWAY_ANSWERED
 from queue_tinker.queue import runs
 from queue_tinker.queue.jobs import JobOutcome
 from queue_tinker.queue.state import queue_state

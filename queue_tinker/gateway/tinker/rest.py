@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
-from queue_tinker.gateway.tinker_queue import not_found
+from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.queue.expiry_jobs import schedule_expiry
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog

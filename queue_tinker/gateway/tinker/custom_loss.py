@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.tinker_queue import GatewayQueue, gateway_queue, new_request_id
+from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, new_request_id
 from queue_tinker.store import custom_losses
 from queue_tinker.types import JobStatus, codec
 from queue_tinker.types.custom_loss import CustomLoss, check_loss

@@ -20,16 +20,16 @@ from queue_tinker.settings import Settings
 from queue_tinker.types import SessionRecord
 
 # The SDK's protocol features, on where this gateway serves their endpoints (the JWT exchange
-# is not offered: tinker_unserved.py).
+# is not offered: tinker/unserved.py).
 # The SDK's own chunking defaults (tinker.types.ClientConfigResponse).
 SDK_CHUNK_LEN = 1024
 SDK_CHUNK_BYTES = 5_000_000
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
-    "proto_compress_fwdbwd": True,  # compressed.py
-    "sample_use_retrieve_futures": True,  # tinker_sample_futures.py
-    "custom_loss_server_side": True,  # tinker_custom_loss.py
-    "sample_join_sampling_session": True,  # tinker_sample_futures.py
+    "proto_compress_fwdbwd": True,  # envelope/compressed.py
+    "sample_use_retrieve_futures": True,  # tinker/sample_futures.py
+    "custom_loss_server_side": True,  # tinker/custom_loss.py
+    "sample_join_sampling_session": True,  # tinker/sample_futures.py
 }
 
 

@@ -2,7 +2,7 @@
 6), as the tinker SDK sends them. Unknown fields are ignored (newer SDKs add some); what the
 service cannot honour is refused by the endpoint with a message naming the field.
 
-forward_backward is protobuf in SDK 0.38 (proto_wire.py); its older JSON form is here too.
+forward_backward is protobuf in SDK 0.38 (proto/convert.py); its older JSON form is here too.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class SampleRequest(_Request):
     prompt_logprobs: bool = False
     prompt_logprobs_last_n: int | None = Field(None, ge=1)
     topk_prompt_logprobs: int = 0
-    target_prompt_logprobs: dict[str, Any] | None = None  # TensorData JSON: tinker_sampling
+    target_prompt_logprobs: dict[str, Any] | None = None  # TensorData JSON: tinker/sampling.py
     # Outputs this service does not compute; a request for them is refused.
     topk_sample_logprobs: int = 0
     prompt_alt_tokens_k: int = 0

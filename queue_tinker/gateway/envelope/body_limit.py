@@ -20,8 +20,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from queue_tinker.gateway.proto.convert import PROTOBUF_MEDIA_TYPE
 from queue_tinker.gateway.proto.wire import oversize
-from queue_tinker.gateway.proto_wire import PROTOBUF_MEDIA_TYPE
 from queue_tinker.settings import Settings
 from queue_tinker.types.request_limits import RequestLimits, size_text, too_many_bytes
 

@@ -19,8 +19,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.tinker_queue import not_found
-from queue_tinker.gateway.tinker_rest import checkpoint_tinker_path
+from queue_tinker.gateway.queue_access import not_found
+from queue_tinker.gateway.tinker.rest import checkpoint_tinker_path
 from queue_tinker.store import checkpoints, protocol_queries, queries
 from queue_tinker.store.models import Checkpoint
 
