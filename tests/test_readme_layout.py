@@ -1,6 +1,8 @@
 """The README's layout table lists exactly the repository's folders: every top-level folder and
 every folder below that holds Python files (data folders such as queue/lua are described in
-their package's row)."""
+their package's row). tests/ mirrors the source: its folders named after a source folder
+(tests/queue for queue_tinker/queue, tests/workers/runtime for workers/runtime) are the tests/
+row's; any other folder there needs a row of its own."""
 
 from __future__ import annotations
 
@@ -52,9 +54,27 @@ def disk_folders() -> set[str]:
     return {str(p.relative_to(REPO)) for p in found}
 
 
+def source_folder(tests_folder: str) -> str | None:
+    """The source folder a folder of tests/ mirrors, if there is one."""
+    rest = tests_folder.removeprefix("tests/")
+    for candidate in (rest, f"queue_tinker/{rest}"):
+        if (REPO / candidate / "__init__.py").is_file():
+            return candidate
+    return None
+
+
+def mirrors() -> set[str]:
+    """The folders of tests/ that mirror a source folder."""
+    return {
+        folder
+        for folder in disk_folders()
+        if folder.startswith("tests/") and source_folder(folder) is not None
+    }
+
+
 def test_layout_table_matches_the_folders_on_disk() -> None:
     """A folder added without a row, or a row for a folder that is gone, fails here."""
-    on_disk, in_table = disk_folders(), table_folders()
+    on_disk, in_table = disk_folders() - mirrors(), table_folders()
     assert on_disk - in_table == set(), "folders missing from README's layout table"
     assert in_table - on_disk == set(), "README's layout table names folders that are gone"
 
@@ -69,3 +89,11 @@ def test_layout_table_names_every_subpackage() -> None:
     }
     assert subpackages <= table_folders()
     assert {"workers", "migrations", "queue_tinker"} <= table_folders()
+
+
+def test_the_folders_of_tests_mirror_the_source() -> None:
+    """tests/ holds the source's shape: tests/queue, tests/gateway, tests/workers/sampling ...
+    (a folder of tests/ that mirrors nothing needs a row of the layout table, as any folder)."""
+    assert {"tests/queue", "tests/gateway", "tests/workers/sampling"} <= mirrors()
+    assert source_folder("tests/workers/runtime") == "workers/runtime"
+    assert source_folder("tests/scripts") is None  # its own row: programs the tests run

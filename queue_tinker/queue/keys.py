@@ -1,4 +1,4 @@
-"""Every Redis key name queue_tinker uses, in one place (tests/test_keys.py pins them)."""
+"""Every Redis key name queue_tinker uses, in one place (tests/queue/test_keys.py pins them)."""
 
 from __future__ import annotations
 

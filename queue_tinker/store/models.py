@@ -1,6 +1,6 @@
 """ORM rows: the durable record. The schema itself is made only by migrations/ (alembic).
 
-tests/test_migrations.py checks these classes match what the migrations build.
+tests/store/test_migrations.py checks these classes match what the migrations build.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Pure bookkeeping over the models a worker owns (their backlogs, what is in flight, which are
 held back by a tenant limit): no Redis, no asyncio, no torch, so its rules are tested alone
-(tests/test_scheduling.py). workers/runtime/worker.py does the I/O and asks it.
+(tests/workers/runtime/test_scheduling.py). workers/runtime/worker.py does the I/O and asks it.
 
 The rules:
 - A model's ops run strictly in seq order: only the head of its backlog is ever taken, and

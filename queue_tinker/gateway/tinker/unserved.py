@@ -4,8 +4,8 @@ reaches one learns why (docs/tinker-http-protocol.md, section 12 lists every SDK
 
 This router is included first (before routes such as DELETE .../{checkpoint_id:path}, which
 would take .../publish), so UNSERVED is the closed list of what is not offered: serving a path
-means taking it out of the list (tests/test_sdk_protocol.py fails while both exist). 501 is a
-5xx, which the SDK's HTTP layer would retry ten times; `x-should-retry: false` stops
+means taking it out of the list (tests/gateway/test_sdk_protocol.py fails while both exist).
+501 is a 5xx, which the SDK's HTTP layer would retry ten times; `x-should-retry: false` stops
 that (its outer retry loop still retries 5xx for up to 300 s where a call is wrapped in it).
 """
 

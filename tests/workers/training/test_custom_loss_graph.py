@@ -12,18 +12,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from test_cross_adapter_batching import GRAD_ATOL, assert_same_outcome, root  # noqa: F401
-from test_cross_adapter_batching import Driver as BatchDriver
-from test_cross_adapter_batching import assert_tensors as assert_batch_tensors
-from test_lora_engine import (
+from custom_losses import LOSSES
+from engine_driver import (
+    GRAD_ATOL,
     TEXTS,
+    BatchDriver,
     Driver,
-    _driver,
+    assert_same_outcome,
     datum,
-    models_dir,  # noqa: F401  (fixtures the driver needs)
-    scratch,  # noqa: F401
+    make_driver,
 )
+from engine_driver import assert_batched_tensors as assert_batch_tensors
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 from torch.fx.node import _get_qualified_name
 
@@ -42,38 +41,6 @@ from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.training.custom_loss_graph import FUNCTION_TABLE
 
 RTOL = {"rtol": 1e-5, "atol": 1e-7}
-
-
-# --- three losses, as users write them -------------------------------------------------------
-def dpo(logprobs: Any, ref_logprobs: Any, chosen: Any, rejected: Any) -> Any:
-    """DPO-style: -log sigmoid(beta * (chosen margin - rejected margin)) over one datum that
-    holds both completions, masked."""
-    beta = 0.1
-    diff = logprobs - ref_logprobs
-    margin = (diff * chosen).sum() - (diff * rejected).sum()
-    return -F.logsigmoid(beta * margin), {"custom/margin:mean": margin.detach()}
-
-
-def clipped_policy(logprobs: Any, old_logprobs: Any, advantages: Any) -> Any:
-    """PPO's clipped surrogate, with its clip fraction as a metric."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    clipped = torch.clamp(ratio, 0.8, 1.2)
-    loss = -torch.minimum(ratio * advantages, clipped * advantages).sum()
-    fraction = ((ratio < 0.8) | (ratio > 1.2)).float().mean()
-    return loss, {"custom/clip_fraction:mean": fraction}
-
-
-def weighted_nll(logprobs: Any, weights: Any) -> Any:
-    """Per-token weighted NLL, normalised by the datum's length (read from its shape)."""
-    loss = -(weights * logprobs).sum() / logprobs.shape[0]
-    return loss, {"custom/weight:sum": weights.sum()}
-
-
-LOSSES: dict[str, tuple[Callable[..., Any], list[str]]] = {
-    "dpo": (dpo, ["ref_logprobs", "chosen", "rejected"]),
-    "clipped_policy": (clipped_policy, ["old_logprobs", "advantages"]),
-    "weighted_nll": (weighted_nll, ["weights"]),
-}
 
 
 def loss_data(names: list[str]) -> list[Datum]:
@@ -124,8 +91,8 @@ def client_side_fn(handle: Any, names: list[str]) -> Callable[..., Any]:
 
 
 @pytest.fixture(scope="module")
-def engine(scratch: Any, models_dir: Any) -> Driver:  # noqa: F811
-    return _driver(scratch, models_dir, "storage-custom", max_resident=64, snapshot_every=1000)
+def engine(scratch: Any, models_dir: Any) -> Driver:
+    return make_driver(scratch, models_dir, "storage-custom", max_resident=64, snapshot_every=1000)
 
 
 def twin_models(engine: Driver, prefix: str) -> tuple[str, str]:
@@ -235,7 +202,7 @@ def test_inputs_other_than_per_token_are_refused() -> None:
 
 
 # --- in a cross-adapter pass -----------------------------------------------------------------
-def test_custom_losses_run_in_a_shared_cross_adapter_pass(root: Any) -> None:  # noqa: F811
+def test_custom_losses_run_in_a_shared_cross_adapter_pass(root: Any) -> None:
     """Ops of three models (two uploaded losses, one built-in) in one execute_batch give the
     results and gradients of the same ops run one at a time."""
     batch, alone = (

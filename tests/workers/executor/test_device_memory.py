@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import REPO
 from transformers import LlamaConfig
 
 from queue_tinker.workers.model.memory import budgets_for
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_out_of_memory_splits_the_pass_and_names_what_fits(tmp_path: Path) -> None:

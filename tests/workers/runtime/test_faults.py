@@ -29,7 +29,7 @@ from faults import Fleet, Publications, postgres_proxy, wait_until
 from procs import WorkerProcess, gateway_process, make_key, wait_for_workers
 from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy import text
-from test_training_service import ADAM, BATCHES, TINY, adapter_weights
+from training_runs import ADAM, BATCHES, TINY, adapter_weights
 
 import queue_tinker as tinker
 from queue_tinker.client.future import APIFuture

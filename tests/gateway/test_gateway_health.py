@@ -1,5 +1,5 @@
 """The gateway's health endpoint against real Redis and Postgres (the overview is behind the
-dashboard's auth now: tests/test_dashboard.py)."""
+dashboard's auth now: tests/gateway/test_dashboard.py)."""
 
 from __future__ import annotations
 

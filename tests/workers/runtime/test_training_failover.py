@@ -16,8 +16,8 @@ import pytest
 import redis
 import torch
 from procs import WorkerProcess, wait_for_workers
-from test_training_service import ADAM, BATCHES, TINY, adapter_weights, train
 from test_worker_behaviour import job_fields, lease_holder, wait_until
+from training_runs import ADAM, BATCHES, TINY, adapter_weights, train
 
 import queue_tinker as tinker
 from queue_tinker import types

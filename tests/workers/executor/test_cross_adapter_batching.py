@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from engine_driver import (
+    GRAD_ATOL,
+    RTOL,
+    WEIGHT_ATOL,
+    BatchDriver,
+    assert_batched_tensors,
+    assert_same_outcome,
+    make_op,
+)
 from procs import lora_deployment
 from sqlalchemy import text
 
@@ -35,27 +41,14 @@ from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import (
     AdamParams,
     ForwardBackwardInput,
-    ForwardBackwardOutput,
     LoraConfig,
 )
 from queue_tinker.workers.executor.lora import LoraEngine
 from queue_tinker.workers.interface import OpResult, TrainingOpRules
-from queue_tinker.workers.model.checkpoints import AdapterState, read_state, snapshot_dir
 
 BASE = "queue-tinker/tiny-llama"
 VOCAB = 259
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
-# float32 on one CPU thread. A shared pass pads rows to a wider batch and runs each LoRA layer on
-# a gathered sub-batch, so sums run in other orders than alone: agreement is to float32 rounding.
-# Results agree to RTOL. So do gradients, but for entries that cancel to ~0: they carry the
-# rounding of the large terms they sum, so each tensor is also allowed GRAD_ATOL times its largest
-# entry (seen: 4e-7 of it). AdamW divides each entry's step by its own gradient's size, so after
-# a step such an entry's rounding reaches the weights (seen: 5e-8 on a weight of 5e-3 on an AMD
-# EPYC; 2.6e-7 on a weight of 1.6e-2 on a Xeon with AVX-512 / AMX, whose matmul kernels round
-# otherwise): WEIGHT_ATOL is lr x 1e-4, far under the lr-sized steps a wrong gradient makes.
-RTOL = 1e-5
-GRAD_ATOL = 1e-6
-WEIGHT_ATOL = 1e-6
 
 Tensors = dict[str, torch.Tensor]
 
@@ -151,125 +144,6 @@ STEP_OPS: list[tuple[str, OpKind, Any, str | None]] = [
 ]
 
 
-# --- engines -------------------------------------------------------------------------------------
-def make_op(model_id: str, seq: int, kind: OpKind, body: Any) -> Op:
-    return Op(
-        job_id=f"{model_id}:{seq}",
-        model_id=model_id,
-        seq=seq,
-        kind=kind,
-        payload=codec.encode(body),
-    )
-
-
-class Driver:
-    """One engine plus each model's next seq, so ops are numbered as a model's queue numbers
-    them."""
-
-    def __init__(self, root: Path, name: str, **kwargs: Any) -> None:
-        self.storage = root / name
-        self.engine = LoraEngine(BASE, "cpu", self.storage, root / "models", **kwargs)
-        self.seqs: dict[str, int] = {}
-
-    def make(self, model_id: str, kind: OpKind, body: Any) -> Op:
-        seq = self.seqs[model_id] = self.seqs.get(model_id, 0) + 1
-        return make_op(model_id, seq, kind, body)
-
-    def create(self, model_id: str, config: LoraConfig) -> None:
-        """A new model, stepped once alone: B starts at zero (and with it every gradient of
-        A); one step makes every LoRA matrix's gradient non-trivial."""
-        self.engine.execute(
-            self.make(
-                model_id,
-                OpKind.CREATE_MODEL,
-                {"lora_config": config.model_dump(), "tenant_id": "default", "base_model": BASE},
-            )
-        )
-        self.engine.execute(
-            self.make(
-                model_id, OpKind.FORWARD_BACKWARD, fb([datum("one step first"), datum("to move B")])
-            )
-        )
-        self.engine.execute(self.make(model_id, OpKind.OPTIM_STEP, ADAM.model_dump()))
-
-    def batched(self, ops: list[Op]) -> list[OpResult | Exception]:
-        return self.engine.execute_batch(ops)
-
-    def one_by_one(self, ops: list[Op]) -> list[OpResult | Exception]:
-        out: list[OpResult | Exception] = []
-        for op in ops:
-            try:
-                out.append(self.engine.execute(op))
-            except Exception as exc:
-                out.append(exc)
-        return out
-
-    def state(self, model_id: str) -> AdapterState:
-        """The model's weights and pending gradients, resident or evicted: its snapshot,
-        written now if the model moved on since."""
-        self.engine.persist(model_id)
-        return read_state(snapshot_dir(self.storage, model_id), optimizer=False, grads=True)
-
-    def weights(self, model_id: str) -> Tensors:
-        return self.state(model_id).weights
-
-    def grads(self, model_id: str) -> Tensors:
-        return self.state(model_id).grads
-
-
-@pytest.fixture(scope="module")
-def root() -> Iterator[Path]:
-    """A scratch directory; one intra-op thread meanwhile (tiny model: thread hand-offs cost
-    more than the math on a busy 2-core machine)."""
-    path = Path(tempfile.mkdtemp(prefix="qt-cross-batch-"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield path
-    torch.set_num_threads(threads)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def assert_tensors(
-    actual: Tensors, expected: Tensors, atol: float = 0.0, atol_of_max: float = 0.0
-) -> None:
-    """allclose to RTOL, plus `atol`, plus `atol_of_max` times the tensor's largest entry."""
-    assert actual.keys() == expected.keys() and expected
-    for key, want in expected.items():
-        tol = atol + atol_of_max * float(want.abs().max())
-        torch.testing.assert_close(
-            actual[key], want, rtol=RTOL, atol=tol, msg=lambda m, k=key: f"{k}: {m}"
-        )
-
-
-def assert_same_outcome(
-    batched: OpResult | Exception, alone: OpResult | Exception, kind: OpKind
-) -> None:
-    if isinstance(alone, Exception):
-        assert type(batched) is type(alone) and str(batched) == str(alone)
-        return
-    assert isinstance(batched, OpResult), batched
-    assert batched.tokens == alone.tokens
-    ours, theirs = codec.decode(batched.result), codec.decode(alone.result)
-    if kind is OpKind.OPTIM_STEP:
-        assert ours.keys() == theirs.keys()
-        np.testing.assert_allclose(
-            [ours["metrics"][k] for k in sorted(theirs["metrics"])],
-            [theirs["metrics"][k] for k in sorted(theirs["metrics"])],
-            rtol=RTOL,
-        )
-        return
-    got = ForwardBackwardOutput.model_validate(ours)
-    want = ForwardBackwardOutput.model_validate(theirs)
-    assert got.metrics.keys() == want.metrics.keys()
-    for key, value in want.metrics.items():
-        assert got.metrics[key] == pytest.approx(value, rel=RTOL), key
-    assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
-    for ours_out, theirs_out in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
-        np.testing.assert_allclose(
-            ours_out["logprobs"].to_numpy(), theirs_out["logprobs"].to_numpy(), rtol=RTOL
-        )
-
-
 # One pass for everything; and passes cut by a small token cap with only two adapters resident,
 # so the ops spread over several passes and adapters are evicted and restored between them.
 LAYOUTS = {
@@ -283,8 +157,8 @@ def test_batched_step_equals_ops_one_at_a_time(root: Path, layout: str) -> None:
     """Five models' forward_backward / forward / optim_step ops in one execute_batch give the
     results, metrics, logprobs, gradients and (after optim_step) weights of the same ops run
     one at a time; a bad op fails alone with execute's error."""
-    batch = Driver(root, f"batch-{layout}", **LAYOUTS[layout])
-    alone = Driver(
+    batch = BatchDriver(root, f"batch-{layout}", **LAYOUTS[layout])
+    alone = BatchDriver(
         root,
         f"alone-{layout}",
         max_resident=64,
@@ -318,8 +192,8 @@ def test_batched_step_equals_ops_one_at_a_time(root: Path, layout: str) -> None:
         ours_grads, theirs_grads = batch.grads(model_id), alone.grads(model_id)
         assert ours_grads.keys() == theirs_grads.keys()
         if ours_grads:
-            assert_tensors(ours_grads, theirs_grads, atol_of_max=GRAD_ATOL)
-        assert_tensors(batch.weights(model_id), alone.weights(model_id), atol=WEIGHT_ATOL)
+            assert_batched_tensors(ours_grads, theirs_grads, atol_of_max=GRAD_ATOL)
+        assert_batched_tensors(batch.weights(model_id), alone.weights(model_id), atol=WEIGHT_ATOL)
     assert not batch.grads("m-fwd") and not batch.grads("m-ce")  # none from forward / stepped
     assert batch.grads("m-is") and batch.grads("m-bad")
 
@@ -330,7 +204,7 @@ def test_batched_step_equals_ops_one_at_a_time(root: Path, layout: str) -> None:
     for ours, theirs in zip(got, want, strict=True):
         assert_same_outcome(ours, theirs, OpKind.OPTIM_STEP)
     for model_id in MODELS:
-        assert_tensors(batch.weights(model_id), alone.weights(model_id), atol=WEIGHT_ATOL)
+        assert_batched_tensors(batch.weights(model_id), alone.weights(model_id), atol=WEIGHT_ATOL)
 
 
 def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
@@ -365,7 +239,7 @@ def test_outcomes_of_a_batch_survive_in_its_snapshot(root: Path) -> None:
     """An optim_step that snapshots inside a batch keeps the outcomes of its model's earlier
     ops of that batch (results and errors): an owner that died before publishing the batch
     leaves them to the next owner, which publishes them instead of failing or rerunning."""
-    first = Driver(root, "kept", snapshot_every=1)
+    first = BatchDriver(root, "kept", snapshot_every=1)
     first.create("m-kept", MODELS["m-ce"])
     ops = [
         first.make("m-kept", kind, body)
@@ -531,7 +405,7 @@ def test_a_pass_that_fails_in_backward_leaves_every_models_gradients_as_they_wer
     running out of memory) fails its ops and puts back every model's gradients: pending ones
     from an earlier op, and none where there were none; later ops then run as if it never
     happened."""
-    driver = Driver(root, "failing-pass")
+    driver = BatchDriver(root, "failing-pass")
     for model_id in ("m-held", "m-fresh"):
         driver.create(model_id, LoraConfig(rank=4, seed=7))
     driver.engine.execute(
@@ -566,7 +440,9 @@ def test_a_pass_that_fails_in_backward_leaves_every_models_gradients_as_they_wer
     assert not fresh.has_grads()
 
 
-def sample_op(driver: Driver, session: str, path: str | None, seed: int, prompt: list[int]) -> Op:
+def sample_op(
+    driver: BatchDriver, session: str, path: str | None, seed: int, prompt: list[int]
+) -> Op:
     body = SampleInput(
         prompt=ModelInput.from_ints(prompt),
         num_samples=2,
@@ -581,7 +457,7 @@ def test_stepped_samples_keep_their_checkpoints_and_leave_with_their_session(roo
     one waits until an op on a checkpoint in use is done (no adapter is evicted under a
     running row), and each returns what it returns alone; a bad op fails at the next step;
     dropping a session forgets its ops."""
-    driver = Driver(root, "stepped", max_resident=2)
+    driver = BatchDriver(root, "stepped", max_resident=2)
     paths = []
     for i in range(3):
         driver.create(f"r{i}", LoraConfig(rank=4, seed=i))

@@ -11,11 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
-import tempfile
 import warnings
-from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +19,22 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from engine_driver import (
+    ADAM,
+    BASE,
+    EXACT,
+    RANK,
+    TEXTS,
+    TIGHT,
+    Driver,
+    Tensors,
+    assert_tensors,
+    batch,
+    datum,
+    fb_body,
+    make_driver,
+    max_diff,
+)
 from peft import PeftModel, get_peft_model
 from peft.utils import set_peft_model_state_dict
 
@@ -32,174 +44,28 @@ from queue_tinker.queue.dispatch import Op
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import (
-    AdamParams,
-    ForwardBackwardInput,
-    ForwardBackwardOutput,
     LoraConfig,
 )
-from queue_tinker.workers.executor.lora import LoraEngine, default_seed
+from queue_tinker.workers.executor.lora import default_seed
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.checkpoints import META_FILE, snapshot_dir
 
-BASE = "queue-tinker/tiny-llama"
-RANK = 4
 VOCAB = 259
 CONTEXT = 256
-EXACT = {"rtol": 0.0, "atol": 0.0}
-TIGHT = {"rtol": 1e-6, "atol": 1e-7}
-TEXTS = ["hello lora world", "the quick brown fox", "queue tinker!", "adapters all the way"]
-ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
-
-Tensors = dict[str, torch.Tensor]
 
 
-# --- data and the op driver -----------------------------------------------------------------
-def datum(text: str, **extra: Any) -> Datum:
-    """Byte tokens of `text`: input tokens[:-1], targets tokens[1:] (plus any extra inputs)."""
-    ids = list(text.encode())
-    inputs = {"target_tokens": np.array(ids[1:], dtype=np.int64), **extra}
-    return Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
-
-
-def batch(texts: list[str] = TEXTS) -> list[Datum]:
-    return [datum(t) for t in texts]
-
-
-def fb_body(
-    data: list[Datum], loss_fn: str = "cross_entropy", config: dict[str, float] | None = None
-) -> dict[str, Any]:
-    return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config).model_dump()
-
-
-@dataclass
-class Driver:
-    """One engine plus each model's next seq, so tests issue ops as a model's queue would."""
-
-    engine: LoraEngine
-    storage: Path
-
-    def __post_init__(self) -> None:
-        self.seqs: dict[str, int] = defaultdict(int)
-
-    def op(self, model_id: str, kind: OpKind, body: Any) -> Any:
-        self.seqs[model_id] += 1
-        seq = self.seqs[model_id]
-        op = Op(
-            job_id=f"{model_id}:{seq}",
-            model_id=model_id,
-            seq=seq,
-            kind=kind,
-            payload=codec.encode(body),
-        )
-        return codec.decode(self.engine.execute(op).result)
-
-    def create(self, model_id: str, seed: int | None = 0, rank: int = RANK) -> None:
-        lora = LoraConfig(rank=rank, seed=seed).model_dump()
-        self.op(
-            model_id,
-            OpKind.CREATE_MODEL,
-            {"lora_config": lora, "tenant_id": "default", "base_model": BASE},
-        )
-
-    def forward(self, model_id: str, data: list[Datum]) -> ForwardBackwardOutput:
-        out = self.op(model_id, OpKind.FORWARD, fb_body(data))
-        return ForwardBackwardOutput.model_validate(out)
-
-    def fb(
-        self,
-        model_id: str,
-        data: list[Datum],
-        loss_fn: str = "cross_entropy",
-        config: dict[str, float] | None = None,
-    ) -> ForwardBackwardOutput:
-        out = self.op(model_id, OpKind.FORWARD_BACKWARD, fb_body(data, loss_fn, config))
-        return ForwardBackwardOutput.model_validate(out)
-
-    def step(self, model_id: str, params: AdamParams = ADAM) -> dict[str, Any]:
-        return self.op(model_id, OpKind.OPTIM_STEP, params.model_dump())
-
-    def train(self, model_id: str, steps: int, data: list[Datum] | None = None) -> None:
-        for _ in range(steps):
-            self.fb(model_id, data or batch())
-            self.step(model_id)
-
-    def save(self, model_id: str, name: str, kind: OpKind = OpKind.SAVE_STATE) -> str:
-        return self.op(model_id, kind, {"name": name, "ttl_seconds": None})["path"]
-
-    def load(self, model_id: str, path: str, optimizer: bool) -> None:
-        self.op(model_id, OpKind.LOAD_STATE, {"path": path, "optimizer": optimizer})
-
-    # --- reading state (the model must be resident) ---
-    def adapter(self, model_id: str) -> Any:
-        return self.engine.pool.adapters[model_id]
-
-    def weights(self, model_id: str) -> Tensors:
-        return {k: p.detach().clone() for k, p in self.adapter(model_id).params.items()}
-
-    def grads(self, model_id: str) -> Tensors:
-        return {
-            k: p.grad.clone()
-            for k, p in self.adapter(model_id).params.items()
-            if p.grad is not None
-        }
-
-    def moments(self, model_id: str) -> Tensors:
-        adapter = self.adapter(model_id)
-        out: Tensors = {}
-        for key, p in adapter.params.items():
-            for name, value in adapter.optimizer.state.get(p, {}).items():
-                out[f"{key}.{name}"] = value.clone()
-        return out
-
-
-def assert_tensors(actual: Tensors, expected: Tensors, **tol: float) -> None:
-    assert actual.keys() == expected.keys()
-    assert actual, "no tensors to compare"
-    for key in expected:
-        torch.testing.assert_close(
-            actual[key], expected[key], msg=lambda m, k=key: f"{k}: {m}", **tol
-        )
-
-
-def max_diff(a: Tensors, b: Tensors) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
-# --- fixtures ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def scratch() -> Iterator[Path]:
-    """A scratch directory; one intra-op thread meanwhile: on a tiny model, thread hand-offs
-    cost more than the math (and on a busy 2-core box, a hundred times more)."""
-    path = Path(tempfile.mkdtemp(prefix="qt-lora-engine-"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield path
-    torch.set_num_threads(threads)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def models_dir(scratch: Path) -> Path:
-    return scratch / "models"
-
-
-def _driver(scratch: Path, models_dir: Path, name: str, **kwargs: int) -> Driver:
-    storage = scratch / name
-    storage.mkdir()
-    return Driver(LoraEngine(BASE, "cpu", storage, models_dir, **kwargs), storage)
-
-
+# --- drivers ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def main(scratch: Path, models_dir: Path) -> Driver:
     """Everything stays resident; a periodic snapshot every 2 optimizer steps."""
-    return _driver(scratch, models_dir, "storage-main", max_resident=64, snapshot_every=2)
+    return make_driver(scratch, models_dir, "storage-main", max_resident=64, snapshot_every=2)
 
 
 @pytest.fixture(scope="module")
 def small(scratch: Path, models_dir: Path) -> Driver:
     """One resident adapter: every switch of model evicts the other to storage."""
-    return _driver(scratch, models_dir, "storage-small", max_resident=1, snapshot_every=1000)
+    return make_driver(scratch, models_dir, "storage-small", max_resident=1, snapshot_every=1000)
 
 
 def reference_model(models_dir: Path, seed: int, rank: int = RANK) -> torch.nn.Module:
@@ -685,12 +551,12 @@ def test_base_model_samples_after_the_last_adapter_is_released(
             },
         )
 
-    released = _driver(scratch, models_dir, "storage-released", max_resident=4)
+    released = make_driver(scratch, models_dir, "storage-released", max_resident=4)
     released.create("only-run", seed=5)
     released.train("only-run", 1)
     released.engine.persist("only-run")
     released.engine.drop("only-run")  # what the worker does once the run lingered out
-    fresh = _driver(scratch, models_dir, "storage-fresh", max_resident=4)
+    fresh = make_driver(scratch, models_dir, "storage-fresh", max_resident=4)
     assert sample(released, "base-sampler") == sample(fresh, "base-sampler")
     released.create("next-run", seed=5)
     released.train("next-run", 1)
@@ -797,7 +663,9 @@ def test_the_sample_cache_budget_reaches_the_decode_loop(
     """An engine given sample_cache_tokens (QT_SAMPLE_CACHE_TOKENS) runs three samples of 37
     cache tokens each (7 prompt + 30 new) one at a time under a budget of 40, where an engine
     without one runs them together; the samples are the same."""
-    capped = _driver(scratch, models_dir, "storage-capped", max_resident=4, sample_cache_tokens=40)
+    capped = make_driver(
+        scratch, models_dir, "storage-capped", max_resident=4, sample_cache_tokens=40
+    )
     results = []
     for driver in (capped, main):
         driver.op(

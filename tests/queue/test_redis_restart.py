@@ -18,7 +18,7 @@ import redis
 import torch
 from procs import RedisServer, WorkerProcess, redis_server, running_workers, wait_for_workers
 from sqlalchemy import text
-from test_training_service import ADAM, BATCHES, TINY, adapter_weights, train
+from training_runs import ADAM, BATCHES, TINY, adapter_weights, train
 
 import queue_tinker as tinker
 from queue_tinker.client import holder

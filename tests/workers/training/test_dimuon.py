@@ -8,17 +8,7 @@ import math
 
 import pytest
 import torch
-from test_lora_engine import (
-    BASE,
-    TEXTS,
-    TIGHT,
-    Driver,
-    _driver,
-    assert_tensors,
-    batch,
-    models_dir,  # noqa: F401  (fixtures the driver needs)
-    scratch,  # noqa: F401
-)
+from engine_driver import BASE, TEXTS, TIGHT, Driver, assert_tensors, batch, make_driver
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind
@@ -104,8 +94,8 @@ def test_rank_correction_is_relative_to_rank_32() -> None:
 
 # --- through the engine ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def engine(scratch: torch.Tensor, models_dir: torch.Tensor) -> Driver:  # noqa: F811
-    return _driver(scratch, models_dir, "storage-dimuon", max_resident=64, snapshot_every=2)
+def engine(scratch: torch.Tensor, models_dir: torch.Tensor) -> Driver:
+    return make_driver(scratch, models_dir, "storage-dimuon", max_resident=64, snapshot_every=2)
 
 
 def create_dimuon(driver: Driver, model_id: str, seed: int) -> None:

@@ -23,8 +23,8 @@ import pytest
 import redis
 import tinker
 import zstandard
+from custom_losses import LOSSES
 from procs import REPO, SDK_CLIENT_MARKS, make_key
-from test_custom_loss_graph import LOSSES
 from test_gateway_sdk import ops_of as recorded_ops
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto

@@ -1,0 +1,275 @@
+"""The LoRA engine driven in-process, as a worker drives it: ops built the way the client builds
+them, numbered per model, and what the tests read back (weights, gradients, moments).
+Shared by the engine tests under tests/workers/."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from queue_tinker.queue.dispatch import Op
+from queue_tinker.types import OpKind, codec
+from queue_tinker.types.tensors import Datum, ModelInput
+from queue_tinker.types.training import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoraConfig,
+)
+from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.interface import OpResult
+from queue_tinker.workers.model.checkpoints import AdapterState, read_state, snapshot_dir
+
+BASE = "queue-tinker/tiny-llama"
+RANK = 4
+EXACT = {"rtol": 0.0, "atol": 0.0}
+TIGHT = {"rtol": 1e-6, "atol": 1e-7}
+TEXTS = ["hello lora world", "the quick brown fox", "queue tinker!", "adapters all the way"]
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
+Tensors = dict[str, torch.Tensor]
+
+
+# --- data and the op driver -----------------------------------------------------------------
+def datum(text: str, **extra: Any) -> Datum:
+    """Byte tokens of `text`: input tokens[:-1], targets tokens[1:] (plus any extra inputs)."""
+    ids = list(text.encode())
+    inputs = {"target_tokens": np.array(ids[1:], dtype=np.int64), **extra}
+    return Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
+
+
+def batch(texts: list[str] = TEXTS) -> list[Datum]:
+    return [datum(t) for t in texts]
+
+
+def fb_body(
+    data: list[Datum], loss_fn: str = "cross_entropy", config: dict[str, float] | None = None
+) -> dict[str, Any]:
+    return ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config).model_dump()
+
+
+@dataclass
+class Driver:
+    """One engine plus each model's next seq, so tests issue ops as a model's queue would."""
+
+    engine: LoraEngine
+    storage: Path
+
+    def __post_init__(self) -> None:
+        self.seqs: dict[str, int] = defaultdict(int)
+
+    def op(self, model_id: str, kind: OpKind, body: Any) -> Any:
+        self.seqs[model_id] += 1
+        seq = self.seqs[model_id]
+        op = Op(
+            job_id=f"{model_id}:{seq}",
+            model_id=model_id,
+            seq=seq,
+            kind=kind,
+            payload=codec.encode(body),
+        )
+        return codec.decode(self.engine.execute(op).result)
+
+    def create(self, model_id: str, seed: int | None = 0, rank: int = RANK) -> None:
+        lora = LoraConfig(rank=rank, seed=seed).model_dump()
+        self.op(
+            model_id,
+            OpKind.CREATE_MODEL,
+            {"lora_config": lora, "tenant_id": "default", "base_model": BASE},
+        )
+
+    def forward(self, model_id: str, data: list[Datum]) -> ForwardBackwardOutput:
+        out = self.op(model_id, OpKind.FORWARD, fb_body(data))
+        return ForwardBackwardOutput.model_validate(out)
+
+    def fb(
+        self,
+        model_id: str,
+        data: list[Datum],
+        loss_fn: str = "cross_entropy",
+        config: dict[str, float] | None = None,
+    ) -> ForwardBackwardOutput:
+        out = self.op(model_id, OpKind.FORWARD_BACKWARD, fb_body(data, loss_fn, config))
+        return ForwardBackwardOutput.model_validate(out)
+
+    def step(self, model_id: str, params: AdamParams = ADAM) -> dict[str, Any]:
+        return self.op(model_id, OpKind.OPTIM_STEP, params.model_dump())
+
+    def train(self, model_id: str, steps: int, data: list[Datum] | None = None) -> None:
+        for _ in range(steps):
+            self.fb(model_id, data or batch())
+            self.step(model_id)
+
+    def save(self, model_id: str, name: str, kind: OpKind = OpKind.SAVE_STATE) -> str:
+        return self.op(model_id, kind, {"name": name, "ttl_seconds": None})["path"]
+
+    def load(self, model_id: str, path: str, optimizer: bool) -> None:
+        self.op(model_id, OpKind.LOAD_STATE, {"path": path, "optimizer": optimizer})
+
+    # --- reading state (the model must be resident) ---
+    def adapter(self, model_id: str) -> Any:
+        return self.engine.pool.adapters[model_id]
+
+    def weights(self, model_id: str) -> Tensors:
+        return {k: p.detach().clone() for k, p in self.adapter(model_id).params.items()}
+
+    def grads(self, model_id: str) -> Tensors:
+        return {
+            k: p.grad.clone()
+            for k, p in self.adapter(model_id).params.items()
+            if p.grad is not None
+        }
+
+    def moments(self, model_id: str) -> Tensors:
+        adapter = self.adapter(model_id)
+        out: Tensors = {}
+        for key, p in adapter.params.items():
+            for name, value in adapter.optimizer.state.get(p, {}).items():
+                out[f"{key}.{name}"] = value.clone()
+        return out
+
+
+def assert_tensors(actual: Tensors, expected: Tensors, **tol: float) -> None:
+    assert actual.keys() == expected.keys()
+    assert actual, "no tensors to compare"
+    for key in expected:
+        torch.testing.assert_close(
+            actual[key], expected[key], msg=lambda m, k=key: f"{k}: {m}", **tol
+        )
+
+
+def max_diff(a: Tensors, b: Tensors) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def make_driver(scratch: Path, models_dir: Path, name: str, **kwargs: int) -> Driver:
+    storage = scratch / name
+    storage.mkdir()
+    return Driver(LoraEngine(BASE, "cpu", storage, models_dir, **kwargs), storage)
+
+
+# Batched against alone (BatchDriver), float32 on one CPU thread. A shared pass pads rows to a
+# wider batch and runs each LoRA layer on a gathered sub-batch, so sums run in other orders than
+# alone: agreement is to float32 rounding. Results agree to RTOL. So do gradients, but for
+# entries that cancel to ~0: they carry the rounding of the large terms they sum, so each tensor
+# is also allowed GRAD_ATOL times its largest entry (seen: 4e-7 of it). AdamW divides each entry's
+# step by its own gradient's size, so after a step such an entry's rounding reaches the weights
+# (seen: 5e-8 on a weight of 5e-3 on an AMD EPYC; 2.6e-7 on a weight of 1.6e-2 on a Xeon with
+# AVX-512 / AMX, whose matmul kernels round otherwise): WEIGHT_ATOL is lr x 1e-4, far under the
+# lr-sized steps a wrong gradient makes.
+RTOL = 1e-5
+GRAD_ATOL = 1e-6
+WEIGHT_ATOL = 1e-6
+
+
+def make_op(model_id: str, seq: int, kind: OpKind, body: Any) -> Op:
+    return Op(
+        job_id=f"{model_id}:{seq}",
+        model_id=model_id,
+        seq=seq,
+        kind=kind,
+        payload=codec.encode(body),
+    )
+
+
+class BatchDriver:
+    """One engine plus each model's next seq, so ops are numbered as a model's queue numbers
+    them."""
+
+    def __init__(self, root: Path, name: str, **kwargs: Any) -> None:
+        self.storage = root / name
+        self.engine = LoraEngine(BASE, "cpu", self.storage, root / "models", **kwargs)
+        self.seqs: dict[str, int] = {}
+
+    def make(self, model_id: str, kind: OpKind, body: Any) -> Op:
+        seq = self.seqs[model_id] = self.seqs.get(model_id, 0) + 1
+        return make_op(model_id, seq, kind, body)
+
+    def create(self, model_id: str, config: LoraConfig) -> None:
+        """A new model, stepped once alone: B starts at zero (and with it every gradient of
+        A); one step makes every LoRA matrix's gradient non-trivial."""
+        self.engine.execute(
+            self.make(
+                model_id,
+                OpKind.CREATE_MODEL,
+                {"lora_config": config.model_dump(), "tenant_id": "default", "base_model": BASE},
+            )
+        )
+        self.engine.execute(
+            self.make(
+                model_id,
+                OpKind.FORWARD_BACKWARD,
+                fb_body([datum("one step first"), datum("to move B")]),
+            )
+        )
+        self.engine.execute(self.make(model_id, OpKind.OPTIM_STEP, ADAM.model_dump()))
+
+    def batched(self, ops: list[Op]) -> list[OpResult | Exception]:
+        return self.engine.execute_batch(ops)
+
+    def one_by_one(self, ops: list[Op]) -> list[OpResult | Exception]:
+        out: list[OpResult | Exception] = []
+        for op in ops:
+            try:
+                out.append(self.engine.execute(op))
+            except Exception as exc:
+                out.append(exc)
+        return out
+
+    def state(self, model_id: str) -> AdapterState:
+        """The model's weights and pending gradients, resident or evicted: its snapshot,
+        written now if the model moved on since."""
+        self.engine.persist(model_id)
+        return read_state(snapshot_dir(self.storage, model_id), optimizer=False, grads=True)
+
+    def weights(self, model_id: str) -> Tensors:
+        return self.state(model_id).weights
+
+    def grads(self, model_id: str) -> Tensors:
+        return self.state(model_id).grads
+
+
+def assert_batched_tensors(
+    actual: Tensors, expected: Tensors, atol: float = 0.0, atol_of_max: float = 0.0
+) -> None:
+    """allclose to RTOL, plus `atol`, plus `atol_of_max` times the tensor's largest entry."""
+    assert actual.keys() == expected.keys() and expected
+    for key, want in expected.items():
+        tol = atol + atol_of_max * float(want.abs().max())
+        torch.testing.assert_close(
+            actual[key], want, rtol=RTOL, atol=tol, msg=lambda m, k=key: f"{k}: {m}"
+        )
+
+
+def assert_same_outcome(
+    batched: OpResult | Exception, alone: OpResult | Exception, kind: OpKind
+) -> None:
+    if isinstance(alone, Exception):
+        assert type(batched) is type(alone) and str(batched) == str(alone)
+        return
+    assert isinstance(batched, OpResult), batched
+    assert batched.tokens == alone.tokens
+    ours, theirs = codec.decode(batched.result), codec.decode(alone.result)
+    if kind is OpKind.OPTIM_STEP:
+        assert ours.keys() == theirs.keys()
+        np.testing.assert_allclose(
+            [ours["metrics"][k] for k in sorted(theirs["metrics"])],
+            [theirs["metrics"][k] for k in sorted(theirs["metrics"])],
+            rtol=RTOL,
+        )
+        return
+    got = ForwardBackwardOutput.model_validate(ours)
+    want = ForwardBackwardOutput.model_validate(theirs)
+    assert got.metrics.keys() == want.metrics.keys()
+    for key, value in want.metrics.items():
+        assert got.metrics[key] == pytest.approx(value, rel=RTOL), key
+    assert len(got.loss_fn_outputs) == len(want.loss_fn_outputs)
+    for ours_out, theirs_out in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(
+            ours_out["logprobs"].to_numpy(), theirs_out["logprobs"].to_numpy(), rtol=RTOL
+        )
