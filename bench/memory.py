@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.engine_pass import forward_backward
 from bench.mfu import BASE_NAME, Shape, build_model, machine_info, random_data
 from bench.report import DOCS, write_docs
 from queue_tinker.types.enums import LossFn
@@ -48,7 +49,7 @@ from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.optimizers import forward_backward, op_loss, rows_for
+from queue_tinker.workers.training.shared_pass import op_loss, rows_for
 
 SECTION = "## Memory at long context: one forward_backward, whole logits vs chunked"
 PRICE_SECTION = "## Activation checkpointing: its price in step time"

@@ -52,6 +52,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as transformers_logging
 
+from bench.engine_pass import forward_backward
 from bench.report import DOCS, write_docs
 from bench.train_step import make_data
 from queue_tinker.types.enums import LossFn
@@ -59,7 +60,7 @@ from queue_tinker.types.loss_inputs import resolve_loss_config
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.training.optimizers import forward_backward, optim_step
+from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
@@ -248,7 +249,7 @@ def measure(
     adam = AdamParams(learning_rate=1e-5)
     for i in range(args.warmup + args.steps):
         fb_s = timed(fb, device)
-        optim_s = timed(lambda: optim_step(adapter, adam), device)
+        optim_s = timed(lambda: optim_steps([(adapter, adam)]), device)
         if i >= args.warmup:
             result.fb_s.append(fb_s)
             result.optim_s.append(optim_s)

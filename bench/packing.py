@@ -28,12 +28,11 @@ from bench.report import DOCS, write_docs
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum, ModelInput, TensorData
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.executor.lora import load_frozen_base
 from queue_tinker.workers.model.adapters import AdapterPool
+from queue_tinker.workers.model.base_model import load_frozen_base
 from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.optimizers import rows_for
 from queue_tinker.workers.training.packing import padding_fraction
-from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
+from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass
 
 SECTION = "## Padding and packing in cross-adapter passes"
 COMMAND = ".venv/bin/python -m bench.packing"

@@ -53,6 +53,7 @@ from peft import get_peft_model
 from sqlalchemy.engine import make_url
 from transformers.utils import logging as transformers_logging
 
+from bench.engine_pass import forward_backward
 from bench.harness import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
@@ -97,7 +98,6 @@ from queue_tinker.types.training import (
 )
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import ensure_builtin_model, load_base_model
-from queue_tinker.workers.training.optimizers import forward_backward
 
 ADAM = AdamParams(learning_rate=1e-4)  # beta1 0.9, beta2 0.95, eps 1e-12, no weight decay
 RESULT_TIMEOUT_S = 600.0

@@ -22,7 +22,7 @@ from queue_tinker.types.training import (
     ForwardBackwardOutput,
     LoraConfig,
 )
-from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.checkpoints import AdapterState, read_state, snapshot_dir
 
@@ -57,7 +57,7 @@ def fb_body(
 class Driver:
     """One engine plus each model's next seq, so tests issue ops as a model's queue would."""
 
-    engine: LoraEngine
+    engine: LoraExecutor
     storage: Path
 
     def __post_init__(self) -> None:
@@ -73,7 +73,7 @@ class Driver:
             kind=kind,
             payload=codec.encode(body),
         )
-        return codec.decode(self.engine.execute(op).result)
+        return codec.decode(run_op(self.engine, op).result)
 
     def create(self, model_id: str, seed: int | None = 0, rank: int = RANK) -> None:
         lora = LoraConfig(rank=rank, seed=seed).model_dump()
@@ -147,10 +147,32 @@ def max_diff(a: Tensors, b: Tensors) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def run_op(engine: LoraExecutor, op: Op) -> OpResult:
+    """One op as the worker runs it alone: a sample joined to the decode loop and stepped to
+    its end (its error raised), any other op through execute."""
+    if not engine.rules.stepped(op):
+        return engine.execute(op)
+    (result,) = run_stepped(engine, [op])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def run_stepped(engine: LoraExecutor, ops: list[Op]) -> list[OpResult | Exception]:
+    """Sample ops joined to the decode loop together and stepped until all are done; their
+    outcomes in order (the loop must hold nothing else)."""
+    engine.sampling.join(ops)
+    finished: dict[str, OpResult | Exception] = {}
+    while engine.sampling.stepping():
+        finished.update((op.job_id, out) for op, out in engine.sampling.step(float("inf")))
+    assert finished.keys() == {op.job_id for op in ops}, "other ops were in the loop"
+    return [finished[op.job_id] for op in ops]
+
+
 def make_driver(scratch: Path, models_dir: Path, name: str, **kwargs: int) -> Driver:
     storage = scratch / name
     storage.mkdir()
-    return Driver(LoraEngine(BASE, "cpu", storage, models_dir, **kwargs), storage)
+    return Driver(LoraExecutor(BASE, "cpu", storage, models_dir, **kwargs), storage)
 
 
 # Batched against alone (BatchDriver), float32 on one CPU thread. A shared pass pads rows to a
@@ -183,7 +205,7 @@ class BatchDriver:
 
     def __init__(self, root: Path, name: str, **kwargs: Any) -> None:
         self.storage = root / name
-        self.engine = LoraEngine(BASE, "cpu", self.storage, root / "models", **kwargs)
+        self.engine = LoraExecutor(BASE, "cpu", self.storage, root / "models", **kwargs)
         self.seqs: dict[str, int] = {}
 
     def make(self, model_id: str, kind: OpKind, body: Any) -> Op:
@@ -193,12 +215,13 @@ class BatchDriver:
     def create(self, model_id: str, config: LoraConfig) -> None:
         """A new model, stepped once alone: B starts at zero (and with it every gradient of
         A); one step makes every LoRA matrix's gradient non-trivial."""
-        self.engine.execute(
+        run_op(
+            self.engine,
             self.make(
                 model_id,
                 OpKind.CREATE_MODEL,
                 {"lora_config": config.model_dump(), "tenant_id": "default", "base_model": BASE},
-            )
+            ),
         )
         self.engine.execute(
             self.make(
@@ -207,16 +230,16 @@ class BatchDriver:
                 fb_body([datum("one step first"), datum("to move B")]),
             )
         )
-        self.engine.execute(self.make(model_id, OpKind.OPTIM_STEP, ADAM.model_dump()))
+        run_op(self.engine, self.make(model_id, OpKind.OPTIM_STEP, ADAM.model_dump()))
 
     def batched(self, ops: list[Op]) -> list[OpResult | Exception]:
-        return self.engine.execute_batch(ops)
+        return self.engine.engine().batches.execute_batch(ops)
 
     def one_by_one(self, ops: list[Op]) -> list[OpResult | Exception]:
         out: list[OpResult | Exception] = []
         for op in ops:
             try:
-                out.append(self.engine.execute(op))
+                out.append(run_op(self.engine, op))
             except Exception as exc:
                 out.append(exc)
         return out
@@ -224,7 +247,7 @@ class BatchDriver:
     def state(self, model_id: str) -> AdapterState:
         """The model's weights and pending gradients, resident or evicted: its snapshot,
         written now if the model moved on since."""
-        self.engine.persist(model_id)
+        self.engine.durability.persist(model_id)
         return read_state(snapshot_dir(self.storage, model_id), optimizer=False, grads=True)
 
     def weights(self, model_id: str) -> Tensors:

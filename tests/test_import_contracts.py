@@ -17,11 +17,16 @@ ENGINES_CONTRACT = "the engines know no Redis, no SQL and no settings"
 # module of workers/ is an engine and goes in the engines contract's source_modules.
 IO_LOOP = {
     "main",
-    "runtime.worker",
-    "runtime.turns",
+    "runtime.arrivals",
+    "runtime.compute",
+    "runtime.fenced",
     "runtime.owned",
-    "runtime.scheduling",
+    "runtime.ownership",
     "runtime.presence",
+    "runtime.scheduling",
+    "runtime.stepped",
+    "runtime.turns",
+    "runtime.worker",
 }
 
 

@@ -1,13 +1,18 @@
-"""What a worker runs: an engine turns one op into one result. Engines know no Redis and no SQL.
+"""What the worker's runtime asks of whatever runs ops, split by concern. Engines know no Redis
+and no SQL: ops in, results out.
 
-Two engines implement the interface: `QueueOnlyEngine` (create_model bookkeeping and ping, no
-torch: runs the queue end to end for tests and queue benchmarks) and the LoRA training engine
-in workers/executor/lora.py.
+- `OpRules`: how each op runs. Inline on the event loop (a ping), alone, in a batch of many
+  models' ops in one call (training steps: cross-adapter batching), or stepped among others
+  that join and leave between steps (samples: the decode loop), so the worker runs other
+  models' ops between the steps. The scheduler reads them (runtime/scheduling.py).
+- `OpCompute`: running an op alone.
+- `BatchCompute`: running the batchable ops of many models in one call.
+- `SteppedCompute`: stepped ops: join, a quantum of steps, stop.
+- `Durability`: what of a model's state is safe outside the process, where a new owner starts
+  from, writing it there, forgetting it.
+- `Footprint`: what the worker reports about itself.
 
-An op runs one of four ways: inline on the event loop (`runs_inline`: a ping), alone
-(`execute`), with other models' ops in one call (`batchable`, `execute_batch`: training steps),
-or a step at a time among others that join and leave between steps (`stepped`, `join`, `step`:
-sampling), so the worker can run other ops between the steps.
+`Engine` holds one of each; executor/ builds them (executor/lora.py, executor/queue_only.py).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -61,15 +66,18 @@ class OpResult:
     records: list[Record] = field(default_factory=list)
 
 
-class Engine(Protocol):
-    def execute(self, op: Op) -> OpResult:
-        """Run one op; raise UserInputError for bad input (fails only that op)."""
+# What running an op gave: its result, or the exception that failed it (that op alone).
+ResultOrError = OpResult | Exception
+
+
+class OpRules(Protocol):
+    def runs_inline(self, op: Op) -> bool:
+        """True for ops so cheap (well under a millisecond, no model state) that they run on
+        the worker's event loop: no thread hop, no separate 'running' mark."""
         ...
 
     def batchable(self, op: Op) -> bool:
-        """True for ops the engine runs together, several models' at once, in one pass
-        (sampling; training steps with cross-adapter batching): the worker hands them over in
-        one execute_batch call."""
+        """True for ops run together, several models' at once, in one execute_batch call."""
         ...
 
     def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
@@ -77,22 +85,30 @@ class Engine(Protocol):
         the next batch: batchable ones only, as many as make one unit of work."""
         ...
 
-    def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
+    def stepped(self, op: Op) -> bool:
+        """True for ops that run a step at a time among others (SteppedCompute)."""
+        ...
+
+
+class OpCompute(Protocol):
+    def execute(self, op: Op) -> OpResult:
+        """Run one op; raise UserInputError for bad input (fails only that op)."""
+        ...
+
+
+class BatchCompute(Protocol):
+    def execute_batch(self, ops: Sequence[Op]) -> list[ResultOrError]:
         """Run batchable ops together; one result or error per op, in order (each model's
         ops run in their order)."""
         ...
 
-    def stepped(self, op: Op) -> bool:
-        """True for ops that run a step at a time, many at once, joining and leaving between
-        steps (sampling: the decode loop). The worker hands them over with join() and drives
-        them with step(), running other models' ops between steps."""
-        ...
 
+class SteppedCompute(Protocol):
     def join(self, ops: Sequence[Op]) -> None:
         """Take stepped ops (started, each model's in order); they join at the next step."""
         ...
 
-    def step(self, budget_s: float) -> list[tuple[Op, OpResult | Exception]]:
+    def step(self, budget_s: float) -> list[tuple[Op, ResultOrError]]:
         """One scheduling quantum of the joined ops: steps until one finishes or `budget_s`
         has passed (at least one step); the ops that finished in it, with their result or
         error, in any order (the worker publishes each model's in seq order)."""
@@ -103,16 +119,13 @@ class Engine(Protocol):
         ...
 
     def stop(self, reasons: Mapping[str, str]) -> None:
-        """Stop joined ops (job id -> why) before the next step: each leaves the loop and
-        comes out of that step failed with OpCancelledError(why); the others go on as if it
-        had never joined. Ids of ops not joined here (finished meanwhile) are ignored."""
+        """Stop joined ops (job id -> why) before the next step: each leaves and comes out of
+        that step failed with OpCancelledError(why); the others go on as if it had never
+        joined. Ids of ops not joined here (finished meanwhile) are ignored."""
         ...
 
-    def runs_inline(self, op: Op) -> bool:
-        """True for ops so cheap (well under a millisecond, no model state) that they run on the
-        worker's event loop: no thread hop, no separate 'running' mark."""
-        ...
 
+class Durability(Protocol):
     def durable_seq(self, model_id: str) -> int | None:
         """The last seq whose effects are safe outside this process (log may be trimmed to it)."""
         ...
@@ -130,6 +143,8 @@ class Engine(Protocol):
         """Forget a model's in-memory state (its lease is gone, or it was persisted)."""
         ...
 
+
+class Footprint(Protocol):
     def resident(self) -> list[str]:
         """The models whose state is in memory now (the dashboard's resident adapters)."""
         ...
@@ -137,6 +152,18 @@ class Engine(Protocol):
     def device_memory_bytes(self) -> int:
         """Accelerator memory in use (0 on the CPU)."""
         ...
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What a worker runs, by concern (each may be the same object)."""
+
+    rules: OpRules
+    ops: OpCompute
+    batches: BatchCompute
+    stepped: SteppedCompute
+    durability: Durability
+    footprint: Footprint
 
 
 def run_ping(op: Op) -> OpResult:
@@ -159,117 +186,3 @@ def is_inline_ping(op: Op) -> bool:
     except Exception:
         return False  # not inline: executing it fails the op with the decode error, not the loop
     return isinstance(body, dict) and body.get("delay_ms", 0) == 0
-
-
-@dataclass
-class QueueOnlyEngine:
-    """Ops with no model state: enough to run the queue end to end without torch."""
-
-    models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    executed: dict[str, int] = field(default_factory=dict)  # model -> last seq executed
-    joined: list[Op] = field(default_factory=list)
-
-    def execute(self, op: Op) -> OpResult:
-        last = self.executed.get(op.model_id)
-        # Within one owner a model's ops must arrive in order and once: check it, loudly.
-        if last is not None and op.seq <= last:
-            raise RuntimeError(f"model {op.model_id}: op seq {op.seq} after {last}")
-        if op.kind is OpKind.CREATE_MODEL:
-            self.models[op.model_id] = codec.decode(op.payload) if op.payload else {}
-            result = OpResult(result=codec.encode({"model_id": op.model_id}))
-        elif op.kind is OpKind.PING:
-            result = run_ping(op)
-        else:
-            raise UserInputError(
-                f"kind: {op.kind.value!r} needs a training worker; this one runs the queue-only "
-                "engine (start workers with --engine lora)"
-            )
-        self.executed[op.model_id] = op.seq
-        return result
-
-    def batchable(self, op: Op) -> bool:
-        return False
-
-    def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
-        return BatchShare(take=0, complete=True)
-
-    def execute_batch(self, ops: Sequence[Op]) -> list[OpResult | Exception]:
-        return [self.execute(op) for op in ops]
-
-    def stepped(self, op: Op) -> bool:
-        return False
-
-    def join(self, ops: Sequence[Op]) -> None:
-        self.joined.extend(ops)
-
-    def step(self, budget_s: float) -> list[tuple[Op, OpResult | Exception]]:
-        """Nothing is stepped here (stepped() is False): whatever is joined anyway fails as
-        execute would fail it."""
-        finished: list[tuple[Op, OpResult | Exception]] = []
-        for op in self.joined:
-            try:
-                finished.append((op, self.execute(op)))
-            except Exception as exc:
-                finished.append((op, exc))
-        self.joined.clear()
-        return finished
-
-    def stepping(self) -> bool:
-        return bool(self.joined)
-
-    def stop(self, reasons: Mapping[str, str]) -> None:
-        """Nothing runs a step at a time here: an op is never half-way when asked."""
-
-    def runs_inline(self, op: Op) -> bool:
-        return is_inline_ping(op)
-
-    def durable_seq(self, model_id: str) -> int | None:
-        # Nothing here needs replay after a takeover, so everything executed is durable.
-        return self.executed.get(model_id)
-
-    def restore_point(self, model_id: str) -> int | None:
-        return None  # no state, nothing to replay
-
-    def persist(self, model_id: str) -> None:
-        pass  # nothing worth keeping
-
-    def drop(self, model_id: str) -> None:
-        self.executed.pop(model_id, None)
-        self.models.pop(model_id, None)
-
-    def resident(self) -> list[str]:
-        return list(self.models)
-
-    def device_memory_bytes(self) -> int:
-        return 0
-
-
-@dataclass(frozen=True)
-class TrainingOpRules:
-    """How the LoRA engine runs each op (workers/executor/lora.py delegates to this): pings
-    inline, samples stepped, training steps batched across models (unless turned off), the
-    rest alone. No torch here, so the worker's scheduling is tested with the real rules."""
-
-    cross_adapter_batch: bool = True
-
-    def runs_inline(self, op: Op) -> bool:
-        return is_inline_ping(op)
-
-    def batchable(self, op: Op) -> bool:
-        return self.cross_adapter_batch and op.kind in TRAIN_BATCH_KINDS
-
-    def stepped(self, op: Op) -> bool:
-        return op.kind is OpKind.SAMPLE
-
-    def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
-        """One training step: the leading forward / forward_backward ops and the optim_step
-        after them (complete once that is there); a client that pipelines many steps then hears
-        of each as it finishes, not of all of them once the last is done."""
-        taken = 0
-        for op in backlog:
-            if not self.batchable(op):
-                return BatchShare(taken, complete=True)
-            taken += 1
-            if op.kind is OpKind.OPTIM_STEP:
-                return BatchShare(taken, complete=True)
-        return BatchShare(taken, complete=False)

@@ -19,7 +19,8 @@ from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
 from queue_tinker.types import CheckpointRecord
 from queue_tinker.types.records import Record
-from queue_tinker.workers.interface import Engine, QueueOnlyEngine
+from queue_tinker.workers.executor.queue_only import QueueOnlyEngine
+from queue_tinker.workers.interface import Engine
 from queue_tinker.workers.runtime.worker import Worker, WorkerConfig
 
 log = logging.getLogger("queue_tinker.worker")
@@ -40,12 +41,12 @@ ENGINES = ("lora", "queue-only")
 
 def build_engine(settings: Settings, engine: str, base_model: str, device: str) -> Engine:
     if engine == "queue-only":
-        return QueueOnlyEngine()
+        return QueueOnlyEngine().engine()
     from queue_tinker.types.request_limits import RequestLimits
-    from queue_tinker.workers.executor.lora import LoraEngine  # torch and friends load only here
+    from queue_tinker.workers.executor.lora import LoraExecutor  # torch and friends load only here
     from queue_tinker.workers.training.model_pass import PassPlan
 
-    return LoraEngine(
+    return LoraExecutor(
         base_model,
         device,
         settings.storage_dir,
@@ -62,7 +63,7 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
             activation_checkpointing=settings.activation_checkpointing,
             checkpoint_min_tokens=settings.activation_checkpointing_tokens,
         ),
-    )
+    ).engine()
 
 
 def expiry_scheduler(settings: Settings) -> Callable[[list[Record]], Awaitable[None]]:

@@ -24,7 +24,8 @@ from queue_tinker.types.ops import Op
 from queue_tinker.types.sampling import SamplingParams
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoraConfig
-from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.executor.lora import LoraExecutor
+from queue_tinker.workers.interface import OpResult
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,7 +55,7 @@ def data(rows: int, tokens: int, seed: int) -> list[Datum]:
 class Run:
     """One model on one engine, driven op by op as its queue would."""
 
-    def __init__(self, engine: LoraEngine, model_id: str, seed: int = 1) -> None:
+    def __init__(self, engine: LoraExecutor, model_id: str, seed: int = 1) -> None:
         self.engine, self.model_id, self.seq = engine, model_id, 0
         self.op(
             OpKind.CREATE_MODEL,
@@ -76,7 +77,13 @@ class Run:
         )
 
     def op(self, kind: OpKind, body: Any) -> Any:
-        return codec.decode(self.engine.execute(self.make(kind, body)).result)
+        op = self.make(kind, body)
+        if not self.engine.rules.stepped(op):
+            return codec.decode(self.engine.execute(op).result)
+        self.engine.sampling.join([op])  # a sample, as the worker runs it: stepped to its end
+        (finished,) = self.engine.sampling.step(float("inf"))
+        assert isinstance(finished[1], OpResult), finished[1]
+        return codec.decode(finished[1].result)
 
     def fb_op(self, batch: list[Datum]) -> Op:
         body = ForwardBackwardInput(data=batch, loss_fn="cross_entropy").model_dump()
@@ -102,14 +109,14 @@ def scratch() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def cuda(scratch: Path) -> LoraEngine:
-    return LoraEngine(BASE, "cuda", scratch / "storage", scratch / "models")
+def cuda(scratch: Path) -> LoraExecutor:
+    return LoraExecutor(BASE, "cuda", scratch / "storage", scratch / "models")
 
 
 @pytest.fixture(scope="module")
-def cpu(scratch: Path) -> LoraEngine:
+def cpu(scratch: Path) -> LoraExecutor:
     """The fp32 reference, on the same storage (checkpoints move between them)."""
-    return LoraEngine(BASE, "cpu", scratch / "storage", scratch / "models", dtype="fp32")
+    return LoraExecutor(BASE, "cpu", scratch / "storage", scratch / "models", dtype="fp32")
 
 
 def same_weights(into: Run, source: Run) -> None:
@@ -118,7 +125,7 @@ def same_weights(into: Run, source: Run) -> None:
             param.copy_(source.adapter.params[key])
 
 
-def test_cuda_runs_bf16_base_with_fp32_adapters(cuda: LoraEngine) -> None:
+def test_cuda_runs_bf16_base_with_fp32_adapters(cuda: LoraExecutor) -> None:
     """auto on CUDA: the base in bf16, the adapter's weights and moments fp32, on the GPU."""
     run = Run(cuda, "dtypes")
     run.forward_backward(data(2, 64, 0))
@@ -132,7 +139,7 @@ def test_cuda_runs_bf16_base_with_fp32_adapters(cuda: LoraEngine) -> None:
 
 
 def test_forward_backward_on_cuda_matches_the_fp32_cpu_reference(
-    cuda: LoraEngine, cpu: LoraEngine
+    cuda: LoraExecutor, cpu: LoraExecutor
 ) -> None:
     """Same adapter weights, same data: bf16 on CUDA is within 2% in loss and 10% in every
     LoRA gradient's norm of fp32 on the CPU."""
@@ -149,7 +156,7 @@ def test_forward_backward_on_cuda_matches_the_fp32_cpu_reference(
         assert error < GRAD_RTOL, (key, error)
 
 
-def test_optim_step_on_cuda_equals_torch_adamw(cuda: LoraEngine) -> None:
+def test_optim_step_on_cuda_equals_torch_adamw(cuda: LoraExecutor) -> None:
     """The engine's AdamW step on CUDA gives what torch.optim.AdamW gives on the same fp32
     tensors and gradients."""
     run = Run(cuda, "adamw")
@@ -173,7 +180,7 @@ def test_optim_step_on_cuda_equals_torch_adamw(cuda: LoraEngine) -> None:
         )
 
 
-def test_a_checkpoint_saved_on_cuda_loads_on_the_cpu(cuda: LoraEngine, cpu: LoraEngine) -> None:
+def test_a_checkpoint_saved_on_cuda_loads_on_the_cpu(cuda: LoraExecutor, cpu: LoraExecutor) -> None:
     """save_state on the CUDA worker; load_state with the optimizer on a CPU worker gives the
     same fp32 weights, bit for bit."""
     gpu = Run(cuda, "moves")
@@ -186,7 +193,7 @@ def test_a_checkpoint_saved_on_cuda_loads_on_the_cpu(cuda: LoraEngine, cpu: Lora
         assert torch.equal(host.adapter.params[key], param.detach().cpu()), key
 
 
-def test_sampling_on_cuda_is_seeded_and_finite(cuda: LoraEngine) -> None:
+def test_sampling_on_cuda_is_seeded_and_finite(cuda: LoraExecutor) -> None:
     """A base-model sample on CUDA: the same seed gives the same tokens, logprobs are finite
     and the tokens are the model's."""
     session = Run.__new__(Run)
@@ -204,13 +211,15 @@ def test_sampling_on_cuda_is_seeded_and_finite(cuda: LoraEngine) -> None:
         assert all(0 <= t < cuda.limits.vocab_size for t in sequence["tokens"])
 
 
-def test_cross_adapter_pass_on_cuda_equals_one_at_a_time(cuda: LoraEngine) -> None:
+def test_cross_adapter_pass_on_cuda_equals_one_at_a_time(cuda: LoraExecutor) -> None:
     """Four models' forward_backward ops in one shared pass give each adapter the gradients it
     gets alone (bf16: 5% in norm, the batch shapes round differently)."""
     batched = [Run(cuda, f"batched-{i}", seed=i) for i in range(4)]
     alone = [Run(cuda, f"alone-{i}", seed=i) for i in range(4)]
     batches = [data(2, 32 + 16 * i, 10 + i) for i in range(4)]
-    outcomes = cuda.execute_batch([run.fb_op(b) for run, b in zip(batched, batches, strict=True)])
+    outcomes = cuda.training.rounds.execute_batch(
+        [run.fb_op(b) for run, b in zip(batched, batches, strict=True)]
+    )
     assert not [o for o in outcomes if isinstance(o, Exception)]
     for run, single, batch in zip(batched, alone, batches, strict=True):
         single.forward_backward(batch)
@@ -220,7 +229,7 @@ def test_cross_adapter_pass_on_cuda_equals_one_at_a_time(cuda: LoraEngine) -> No
             assert error <= 0.05 * float(expected[key].norm()) + 1e-8, (run.model_id, key)
 
 
-def test_out_of_memory_on_cuda_splits_the_pass(cuda: LoraEngine) -> None:
+def test_out_of_memory_on_cuda_splits_the_pass(cuda: LoraExecutor) -> None:
     """With the process capped a little above what one op needs, a two-op pass that does not
     fit runs as two passes; an op four times as big fails alone with DeviceMemoryError; the
     engine goes on."""
@@ -234,10 +243,10 @@ def test_out_of_memory_on_cuda_splits_the_pass(cuda: LoraEngine) -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, (base + 1.4 * one_op) / total))
     try:
-        pair = cuda.execute_batch(
+        pair = cuda.training.rounds.execute_batch(
             [a.fb_op(data(rows, tokens, 21)), b.fb_op(data(rows, tokens, 22))]
         )
-        too_big = cuda.execute_batch([c.fb_op(data(4 * rows, tokens, 23))])[0]
+        too_big = cuda.training.rounds.execute_batch([c.fb_op(data(4 * rows, tokens, 23))])[0]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert not [o for o in pair if isinstance(o, Exception)], pair
@@ -251,8 +260,8 @@ def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     memory than the estimate the budget was made from."""
     from queue_tinker.workers.model.memory import train_bytes_per_token
 
-    engine = LoraEngine(BASE, "cuda", scratch / "storage-budget", scratch / "models")
-    assert engine.train_batch_tokens > 0
+    engine = LoraExecutor(BASE, "cuda", scratch / "storage-budget", scratch / "models")
+    assert engine.training.rounds.guard.train_batch_tokens > 0
     run = Run(engine, "budget")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

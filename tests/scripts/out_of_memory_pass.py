@@ -4,7 +4,7 @@ Usage: out_of_memory_pass.py SCRATCH_DIR
 Builds a one-layer Llama with a 32k vocabulary (a pass's memory is then its logits: a few
 copies of rows x tokens x vocab fp32, ~1 GiB per 2,048-token row), measures what a one-row
 pass adds to the address space, caps the process's address space (RLIMIT_AS) at 1.4 times
-that, and runs LoraEngine batches that do not fit. Prints one JSON object with what happened.
+that, and runs LoraExecutor batches that do not fit. Prints one JSON object with what happened.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import ForwardBackwardInput, LoraConfig
-from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.training.model_pass import PassPlan
 
 VOCAB = 32_768
@@ -101,7 +101,7 @@ def main() -> None:
     torch.set_num_threads(1)  # no thread arenas appearing once the cap is set
     scratch = Path(sys.argv[1])
     build_model(scratch / "model")
-    engine = LoraEngine(
+    engine = LoraExecutor(
         str(scratch / "model"),
         "cpu",
         scratch / "storage",
@@ -125,10 +125,10 @@ def main() -> None:
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))  # the soft limit: lifted again below
     # Two one-row ops: one pass of both does not fit, each alone does.
-    pair = engine.execute_batch([ops.fb("a", 1, seed=1), ops.fb("b", 1, seed=2)])
-    budget_after_split = engine.train_batch_tokens
+    pair = engine.training.rounds.execute_batch([ops.fb("a", 1, seed=1), ops.fb("b", 1, seed=2)])
+    budget_after_split = engine.training.rounds.guard.train_batch_tokens
     # One op of four rows does not fit even alone.
-    too_big = engine.execute_batch([ops.fb("c", 4, seed=3)])
+    too_big = engine.training.rounds.execute_batch([ops.fb("c", 4, seed=3)])
     # The worker goes on: the same data as a's and b's ops, forward only, one at a time.
     again = [
         engine.execute(ops.forward(model_id, 1, seed)) for model_id, seed in (("a", 1), ("b", 2))
@@ -142,7 +142,7 @@ def main() -> None:
                 "too_big": loss(too_big[0]),
                 "too_big_is_memory_error": isinstance(too_big[0], DeviceMemoryError),
                 "again": [loss(o) for o in again],
-                "largest_pass": engine.largest_pass,
+                "largest_pass": engine.training.rounds.guard.largest_pass,
                 "one_row_bytes": one_row,
             }
         )

@@ -20,6 +20,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+from transformers.utils import logging as transformers_logging
 
 from queue_tinker.builtin_models import (
     BOS_ID,
@@ -132,3 +133,15 @@ def vocab_size(model: torch.nn.Module) -> int:
     if isinstance(head, torch.nn.Module) and isinstance(head.weight, torch.Tensor):
         return int(head.weight.shape[0])
     return int(_config(model).vocab_size)
+
+
+def load_frozen_base(base_model: str, device: str, models_dir: Path, dtype: str) -> PreTrainedModel:
+    """The base model as a worker serves it: eval mode (no dropout anywhere, so a step is a
+    pure function of its inputs), named as users name it (adapter_config.json records that,
+    not a local path)."""
+    transformers_logging.disable_progress_bar()  # per-shard bars are noise in worker logs
+    # A transformers model (from_pretrained), typed as a Module by the loader.
+    base = cast(PreTrainedModel, load_base_model(base_model, device, models_dir, dtype))
+    base.eval()
+    base.name_or_path = base_model
+    return base

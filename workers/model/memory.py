@@ -4,7 +4,7 @@ On CUDA, the tokens of one shared training pass and the sequences and KV-cache t
 sampling batch are derived from the device memory free once the base model is loaded (unless
 the deployment set them); on the CPU the settings' defaults stand. The estimates are
 deliberately rough: a pass that does not fit anyway is split and retried
-(LoraEngine._run_pass), so a budget only has to be right often, not always.
+(training/rounds.py), so a budget only has to be right often, not always.
 """
 
 from __future__ import annotations

@@ -16,6 +16,15 @@ from queue_tinker.types import WorkerRecord
 from queue_tinker.types.ops import Op
 
 
+@dataclass
+class Activity:
+    """What the worker is doing: the op it runs now (the dashboard's "current op") and how
+    many ops it published."""
+
+    current: Op | None = None
+    ops_done: int = 0
+
+
 @dataclass(frozen=True)
 class Identity:
     """Who a worker is: fixed for its life."""
@@ -28,10 +37,9 @@ class Identity:
 
 def registry_fields(
     who: Identity,
+    activity: Activity,
     *,
     owned: int,
-    ops_done: int,
-    current: Op | None,
     stopping: bool,
     device_memory_bytes: int,
     resident: Any,
@@ -44,8 +52,8 @@ def registry_fields(
         "pid": os.getpid(),
         "started_at": who.started_at,
         "owned": owned,
-        "ops_done": ops_done,
-        "current_op": f"{current.kind}:{current.job_id}" if current else "",
+        "ops_done": activity.ops_done,
+        "current_op": f"{current.kind}:{current.job_id}" if (current := activity.current) else "",
         "stopping": int(stopping),
         "memory_bytes": process_memory_bytes(),
         "device_memory_bytes": device_memory_bytes,

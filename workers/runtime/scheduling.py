@@ -17,13 +17,11 @@ The rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
 
 from queue_tinker.types.ops import Op
-from queue_tinker.workers.interface import BatchShare
+from queue_tinker.workers.interface import OpRules
 from queue_tinker.workers.runtime.owned import OwnedModel
 
 # The scheduling quantum of stepped ops (sampling's decode loop): steps until one finishes or
@@ -40,18 +38,6 @@ INLINE_BATCH = 64
 ENGINE_BATCH = 256
 # Stepped ops join the engine at most this many at a time.
 JOIN_BATCH = 256
-
-
-class OpRules(Protocol):
-    """How an engine runs each op: the part of workers/interface.py's Engine scheduling reads."""
-
-    def runs_inline(self, op: Op) -> bool: ...
-
-    def batchable(self, op: Op) -> bool: ...
-
-    def batch_share(self, backlog: Iterable[Op]) -> BatchShare: ...
-
-    def stepped(self, op: Op) -> bool: ...
 
 
 class TurnKind(Enum):

@@ -4,7 +4,8 @@ prompt token, the top-k tokens at each position, and the logprobs of requested t
 The sampling loop (sampler.py) runs each prompt once and hands this module one request's row
 of logits; everything here is a function of that row and the request, so it can be checked
 against full-vocabulary logits alone (tests/workers/sampling/test_prompt_scores.py). Work is
-done over row chunks so a long prompt on a large vocabulary never holds (prompt x vocab) fp32 at once.
+done over row chunks so a long prompt on a large vocabulary never holds (prompt x vocab) fp32 at
+once.
 """
 
 from __future__ import annotations

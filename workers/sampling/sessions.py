@@ -39,13 +39,12 @@ from queue_tinker.types.sampling import (
     check_sample,
     max_new_tokens,
 )
-from queue_tinker.workers.interface import OpResult, parse_body
+from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.checkpoints import checkpoint_dir, read_meta
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
 
 log = logging.getLogger(__name__)
-Outcome = OpResult | Exception
 
 
 @dataclass
@@ -58,7 +57,7 @@ class _Joined:
     peak_rows: int = 0  # the most rows the loop held while it ran
 
 
-class SamplingOps:
+class SamplingSessions:
     def __init__(
         self,
         pool: AdapterPool,
@@ -86,11 +85,20 @@ class SamplingOps:
         # loop (by job id), and outcomes the next step hands back.
         self._waiting: deque[tuple[Op, GenerationRequest, Path | None]] = deque()
         self._joined: dict[str, _Joined] = {}
-        self._finished: list[tuple[Op, Outcome]] = []
+        self._finished: list[tuple[Op, ResultOrError]] = []
         self._in_use: Counter[Path] = Counter()  # checkpoint -> ops in the loop on it
 
     def owns(self, model_id: str) -> bool:
         return model_id in self.sessions
+
+    def durable_seq(self, model_id: str) -> int | None:
+        """All a session ran is durable: it has no state to replay."""
+        return self.sessions.get(model_id)
+
+    def drop(self, model_id: str) -> None:
+        """Forget a session: its ops in the loop, and the session itself."""
+        self.cancel(model_id)
+        self.sessions.pop(model_id, None)
 
     def create_session(self, op: Op) -> OpResult:
         """Check the session's weights now, so a bad path fails the create, not every sample."""
@@ -123,7 +131,7 @@ class SamplingOps:
         """Whether joined ops are unfinished, or finished and not handed back yet."""
         return bool(self._waiting or self._joined or self._finished)
 
-    def step(self, budget_s: float) -> list[tuple[Op, Outcome]]:
+    def step(self, budget_s: float) -> list[tuple[Op, ResultOrError]]:
         """One quantum: decode steps until a request finishes or `budget_s` has passed (at
         least one step); the ops that finished, with their results or errors."""
         self._enter_loop()
@@ -173,22 +181,6 @@ class SamplingOps:
             self._release(self._joined.pop(key).directory)
         self._waiting = deque(w for w in self._waiting if w[0].model_id != model_id)
         self._finished = [f for f in self._finished if f[0].model_id != model_id]
-
-    def run(self, ops: Sequence[Op]) -> list[Outcome]:
-        """The ops through the decode loop to their end, their outcomes in order (other ops
-        that finish meanwhile come out of the next step, as usual)."""
-        self.join(ops)
-        mine = {op.job_id: index for index, op in enumerate(ops)}
-        outcomes: list[Outcome | None] = [None] * len(ops)
-        others: list[tuple[Op, Outcome]] = []
-        while any(o is None for o in outcomes):
-            for op, outcome in self.step(budget_s=float("inf")):
-                if op.job_id in mine:
-                    outcomes[mine[op.job_id]] = outcome
-                else:
-                    others.append((op, outcome))
-        self._finished = others + self._finished
-        return [o for o in outcomes if o is not None]
 
     def _enter_loop(self) -> None:
         """Waiting ops join the loop, first come first served, while the checkpoints they

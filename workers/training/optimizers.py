@@ -1,127 +1,23 @@
-"""The math of forward / forward_backward / optim_step on the active adapter."""
+"""optim_step: each adapter's gradients clipped to its own norm, then AdamW (torch's, one
+multi-tensor call for all adapters that share hyperparameters) or Dimuon (dimuon.py)."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from queue_tinker.types.enums import LossFn
-from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.types.training import (
     AdamParams,
     DimuonParams,
-    ForwardBackwardOutput,
     OptimParams,
 )
 from queue_tinker.workers.model.adapters import Adapter
-from queue_tinker.workers.training import model_pass
-from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.dimuon import dimuon_step
-from queue_tinker.workers.training.losses import batch_loss
-from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.packing import RowBatch, row_batch
 
 log = logging.getLogger(__name__)
-
-
-def rows_for(
-    data: Sequence[Datum], device: torch.device, plan: PassPlan, groups: Sequence[int] | None = None
-) -> RowBatch:
-    """The data laid out in rows for one pass: a datum a row, or packed (plan.packs) within
-    each group of consecutive datums (`groups`; default: all of them)."""
-    tokens = [d.model_input.to_ints() for d in data]
-    return row_batch(
-        tokens, groups or [len(tokens)], device, pack=plan.packs([len(t) for t in tokens])
-    )
-
-
-def target_logprobs(
-    model: torch.nn.Module, data: Sequence[Datum], rows: RowBatch, plan: PassPlan
-) -> list[torch.Tensor]:
-    """log p(target_i | tokens <= i) for every datum, as float32 tensors (T_i,)."""
-    device = rows.ids.device
-    targets = [
-        torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True)).to(device)
-        for d in data
-    ]
-    return model_pass.target_logprobs(model, rows, targets, plan)
-
-
-def loss_inputs(datum: Datum, device: torch.device) -> dict[str, torch.Tensor]:
-    return {
-        k: torch.from_numpy(np.array(v.data, copy=True)).to(device)
-        for k, v in datum.loss_fn_inputs.items()
-    }
-
-
-def op_loss(
-    logprobs: Sequence[torch.Tensor],
-    data: Sequence[Datum],
-    loss_fn: LossFn | GraphLoss,
-    config: dict[str, float],
-    device: torch.device,
-) -> tuple[torch.Tensor, ForwardBackwardOutput]:
-    """One op's loss (the sum of its data's losses) and its output: per-datum logprobs and
-    the loss metrics."""
-    inputs = [loss_inputs(d, device) for d in data]
-    loss, metrics = batch_loss(
-        loss_fn if isinstance(loss_fn, GraphLoss) else loss_fn.value, logprobs, inputs, config
-    )
-    outputs = [
-        {"logprobs": TensorData.from_numpy(lp.detach().float().cpu().numpy())} for lp in logprobs
-    ]
-    return loss, ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
-
-
-@contextmanager
-def grads_kept_on_error(adapters: Sequence[Adapter]) -> Iterator[None]:
-    """A backward that fails half-way (out of memory) has added to some tensors' .grad and not
-    to others: put every adapter's gradients back as they were, so a failed op leaves its
-    model (and, in a shared pass, every other model of the pass) as it found it. Only
-    gradients pending from earlier ops are copied, and most steps have none."""
-    kept = [
-        (p, p.grad.clone() if p.grad is not None else None)
-        for adapter in adapters
-        for p in adapter.params.values()
-    ]
-    try:
-        yield
-    except BaseException:
-        for p, grad in kept:
-            p.grad = grad
-        raise
-
-
-def forward_backward(
-    model: torch.nn.Module,
-    data: Sequence[Datum],
-    loss_fn: LossFn | GraphLoss,
-    config: dict[str, float],
-    device: torch.device,
-    *,
-    backward: bool,
-    plan: PassPlan | None = None,
-) -> ForwardBackwardOutput:
-    """Loss and per-datum logprobs; with `backward`, gradients are added to the adapter's
-    .grad (accumulating until optim_step, as in torch)."""
-    plan = plan or PassPlan()
-    with torch.set_grad_enabled(backward):
-        logprobs = target_logprobs(model, data, rows_for(data, device, plan), plan)
-        loss, out = op_loss(logprobs, data, loss_fn, config, device)
-        if backward:
-            loss.backward()
-    return out
-
-
-def optim_step(adapter: Adapter, params: OptimParams) -> dict[str, float]:
-    """One optimizer step with this call's hyperparameters (torch.optim.AdamW's, or Dimuon's
-    for DimuonParams), then clear the grads."""
-    return optim_steps([(adapter, params)])[0]
 
 
 def optim_steps(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[dict[str, float]]:

@@ -1,11 +1,12 @@
-"""Training ops of many models in one engine call (cross-adapter batching), for LoraEngine.
+"""forward / forward_backward / optim_step ops, of one model or many, in rounds: every model's
+leading forward / forward_backward ops share one model pass with the other models'
+(cross-adapter batching; weights change only at optim_step, so a model's consecutive pass ops
+do not depend on each other), then the optim_steps that follow go in one optimizer call; and
+again until every op has run. One op alone runs the same code.
 
-In rounds: every model's leading forward / forward_backward ops share one model pass with the
-other models' (TrainingRounds), then the optim_steps that follow go in one optimizer call. A
-pass that runs out of device memory is split in halves and retried, and later passes stay
-under what failed (MemoryGuard, which the engine's lone ops use too); an op that does not fit
-even alone fails with a DeviceMemoryError that says what fits. Runs on the worker's compute
-thread, like the engine.
+A pass that runs out of device memory is split in halves and retried, and later passes stay
+under what failed (MemoryGuard); an op that does not fit even alone fails with a
+DeviceMemoryError that says what fits. Runs on the worker's compute thread.
 """
 
 from __future__ import annotations
@@ -14,26 +15,30 @@ import logging
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
 from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
+from queue_tinker.types.loss_inputs import ModelLimits
 from queue_tinker.types.ops import Op
+from queue_tinker.types.request_limits import RequestLimits, check_request_bytes
 from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import ForwardBackwardOutput, OptimParams
-from queue_tinker.workers.interface import PASS_KINDS, OpResult
+from queue_tinker.types.training import ForwardBackwardOutput, OptimParams, OptimStepResponse
+from queue_tinker.workers.interface import PASS_KINDS, OpResult, ResultOrError
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.memory import is_out_of_memory, release_cached_memory
 from queue_tinker.workers.training.dimuon import parse_optim_params
 from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.shared_pass import PassOp, padded_tokens, shared_pass
+from queue_tinker.workers.training.optimizers import optim_steps
+from queue_tinker.workers.training.residency import Residency
+from queue_tinker.workers.training.saved_state import SavedState
+from queue_tinker.workers.training.shared_pass import PassOp, padded_tokens, pass_op, shared_pass
 
 log = logging.getLogger(__name__)
-
-Outcome = OpResult | Exception
 T = TypeVar("T")
+Outcomes = list[ResultOrError | None]
 
 
 def pass_result(
@@ -92,66 +97,84 @@ class MemoryGuard:
         )
 
 
-class TrainingHost(Protocol):
-    """What the rounds need of the engine: its adapters, an op's checks (as execute makes
-    them), and its optimizer step."""
-
-    pool: AdapterPool
-
-    def admit_batched(self, op: Op) -> Adapter | OpResult: ...
-
-    def pass_op(self, op: Op) -> PassOp | OpResult: ...
-
-    def optimizer_step(
-        self, steps: Sequence[tuple[Adapter, Op, OptimParams]]
-    ) -> list[OpResult]: ...
-
-
 class TrainingRounds:
-    """execute_batch's training ops: each model's in order, as few passes as fit."""
-
-    def __init__(self, host: TrainingHost, guard: MemoryGuard, plan: PassPlan) -> None:
-        self.host = host
+    def __init__(
+        self,
+        pool: AdapterPool,
+        residency: Residency,
+        saved: SavedState,
+        guard: MemoryGuard,
+        plan: PassPlan,
+        limits: ModelLimits,
+        request_limits: RequestLimits,
+        snapshot_every: int,
+    ) -> None:
+        self.pool = pool
+        self.residency = residency
+        self.saved = saved
         self.guard = guard
         self.plan = plan
-        # Outcomes of the ops run so far in the current batch, per model: the worker publishes
-        # them only when the whole batch is done, so a snapshot written meanwhile keeps them
-        # (LoraEngine._snapshot, _already_applied). Cleared by the engine after each batch.
-        self.unpublished: dict[str, dict[int, Outcome]] = {}
+        self.limits = limits
+        self.request_limits = request_limits
+        self.snapshot_every = snapshot_every
 
-    def run(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
-        """Each model's ops in order, in rounds: every model's leading run of forward /
-        forward_backward ops goes into one shared pass with all the others' (weights change
-        only at optim_step, so a run's ops do not depend on each other); then every model's next
-        op (its optim_step), the optim_steps together; and again, until every op has run."""
+    def execute_batch(self, ops: Sequence[Op]) -> list[ResultOrError]:
+        """Many models' steps, as the worker batches them (cross-adapter batching); each op's
+        job record says how many models shared its pass (`batch_models:max`)."""
+        return self.run(ops, batched=True)
+
+    def run(self, ops: Sequence[Op], *, batched: bool = False) -> list[ResultOrError]:
+        """One outcome per op, in order; an op with bad input fails alone. Each model's ops run
+        in order, in rounds: every model's leading run of forward / forward_backward ops goes
+        into one shared pass with all the others'; then every model's next op (its
+        optim_step), the optim_steps together; and again, until every op has run."""
+        outcomes: Outcomes = [None] * len(ops)
         queues: dict[str, deque[tuple[int, Op]]] = {}
-        for index, op in ops:
+        for index, op in enumerate(ops):
             queues.setdefault(op.model_id, deque()).append((index, op))
-        while queues:
-            passes: list[tuple[int, Op]] = []
-            for queue in queues.values():
-                while queue and queue[0][1].kind in PASS_KINDS:
-                    passes.append(queue.popleft())
-            self._run_passes(passes, outcomes)
-            self._run_steps([queue.popleft() for queue in queues.values() if queue], outcomes)
-            queues = {model: queue for model, queue in queues.items() if queue}
+        try:
+            while queues:
+                passes: list[tuple[int, Op]] = []
+                for queue in queues.values():
+                    while queue and queue[0][1].kind in PASS_KINDS:
+                        passes.append(queue.popleft())
+                self._run_passes(passes, outcomes, batched)
+                self._run_steps([queue.popleft() for queue in queues.values() if queue], outcomes)
+                queues = {model: queue for model, queue in queues.items() if queue}
+        finally:
+            # Published together once the batch ends: a snapshot written inside it kept them.
+            self.saved.unpublished.clear()
+        done = [o for o in outcomes if o is not None]  # every op got a result or its error
+        assert len(done) == len(ops)
+        return done
 
-    def _run_passes(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
+    def _admit(self, op: Op) -> Adapter | OpResult:
+        """execute's checks of a training op, in its order: its size, then its model (or, for
+        an op the state already holds, its kept result)."""
+        check_request_bytes(len(op.payload), self.request_limits)
+        return self.residency.admit(op)
+
+    def _run_passes(self, ops: Sequence[tuple[int, Op]], outcomes: Outcomes, batched: bool) -> None:
         """The ops in as few shared passes as fit: each pass under train_batch_tokens padded
         tokens (one op always fits) and max_resident models, so that making one model resident
         never evicts another of the same pass."""
         chunk: list[tuple[int, Op, PassOp]] = []
         for index, op in ops:
             models = {o.model_id for _, o, _ in chunk}
-            if op.model_id not in models and len(models) >= self.host.pool.max_resident:
-                self._run_pass(chunk, outcomes)
+            if op.model_id not in models and len(models) >= self.pool.max_resident:
+                self._run_pass(chunk, outcomes, batched)
                 chunk = []
             try:
-                prepared = self.host.pass_op(op)
+                adapter = self._admit(op)
+                prepared = (
+                    adapter
+                    if isinstance(adapter, OpResult)  # already applied: its kept result
+                    else pass_op(op, adapter, self.limits, self.request_limits, self.guard.device)
+                )
             except Exception as exc:  # this op's failure, as execute would raise it
                 self._record(outcomes, index, op, exc)
                 continue
-            if isinstance(prepared, OpResult):  # already applied: its kept result
+            if isinstance(prepared, OpResult):
                 self._record(outcomes, index, op, prepared)
                 continue
             if (
@@ -159,13 +182,13 @@ class TrainingRounds:
                 and padded_tokens([*(p for _, _, p in chunk), prepared])
                 > self.guard.train_batch_tokens
             ):
-                self._run_pass(chunk, outcomes)
+                self._run_pass(chunk, outcomes, batched)
                 chunk = []
             chunk.append((index, op, prepared))
-        self._run_pass(chunk, outcomes)
+        self._run_pass(chunk, outcomes, batched)
 
     def _run_pass(
-        self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: list[Outcome | None]
+        self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: Outcomes, batched: bool
     ) -> None:
         if not chunk:
             return
@@ -173,27 +196,26 @@ class TrainingRounds:
         outs = self._try_pass(prepared_ops)
         if outs is None:  # out of memory, with nothing of the failed pass still referenced
             if len(chunk) > 1:
-                self._split_pass(chunk, outcomes)
+                self._split_pass(chunk, outcomes, batched)
                 return
             outs = [self.guard.memory_error([d for p in prepared_ops for d in p.data])]
-        models = float(len({op.model_id for _, op, _ in chunk}))
+        # batch_models: how many models shared the pass (the job record's metrics only; the
+        # result is what the op returns alone).
+        shared = {"batch_models:max": float(len({op.model_id for _, op, _ in chunk}))}
         for (index, op, prepared), out in zip(chunk, outs, strict=True):
             if isinstance(out, Exception):
                 self._record(outcomes, index, op, out)
                 continue
             prepared.adapter.last_seq = op.seq
-            # batch_models: how many models shared the pass (the job record's metrics only;
-            # the result is what the op returns alone).
-            self._record(
-                outcomes, index, op, pass_result(out, prepared.data, {"batch_models:max": models})
-            )
+            result = pass_result(out, prepared.data, shared if batched else None)
+            self._record(outcomes, index, op, result)
 
     def _try_pass(self, ops: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception] | None:
         """The shared pass's outcomes, or every op's failure; None if it ran out of memory."""
 
         def run() -> list[ForwardBackwardOutput | Exception]:
             try:
-                return shared_pass(self.host.pool, ops, self.guard.device, self.plan)
+                return shared_pass(self.pool, ops, self.guard.device, self.plan)
             except Exception as exc:  # the pass itself failed: so does every op in it
                 if is_out_of_memory(exc):
                     raise
@@ -205,7 +227,7 @@ class TrainingRounds:
         )
 
     def _split_pass(
-        self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: list[Outcome | None]
+        self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: Outcomes, batched: bool
     ) -> None:
         """A pass ran out of device memory (its gradients are back as they were): run its
         halves, and keep later passes under what failed."""
@@ -219,21 +241,21 @@ class TrainingRounds:
             self.guard.train_batch_tokens,
         )
         half = len(chunk) // 2
-        self._run_pass(chunk[:half], outcomes)
-        self._run_pass(chunk[half:], outcomes)
+        self._run_pass(chunk[:half], outcomes, batched)
+        self._run_pass(chunk[half:], outcomes, batched)
 
-    def _run_steps(self, ops: Sequence[tuple[int, Op]], outcomes: list[Outcome | None]) -> None:
-        """Optim_steps of different models (what follows a round's passes: batch_share takes
-        nothing else), in one optimizer call (_step)."""
+    def _run_steps(self, ops: Sequence[tuple[int, Op]], outcomes: Outcomes) -> None:
+        """Optim_steps of different models (what follows a round's passes), in one optimizer
+        call."""
         steps: list[tuple[int, Op, Adapter, OptimParams]] = []
         for index, op in ops:
             assert op.kind is OpKind.OPTIM_STEP, op.kind
-            if len(steps) >= self.host.pool.max_resident:
+            if len(steps) >= self.pool.max_resident:
                 # Making one more model resident could evict one of these: step them first.
                 self._run_step_call(steps, outcomes)
                 steps = []
             try:
-                adapter = self.host.admit_batched(op)
+                adapter = self._admit(op)
                 if isinstance(adapter, OpResult):  # already applied: its kept result
                     self._record(outcomes, index, op, adapter)
                     continue
@@ -245,13 +267,13 @@ class TrainingRounds:
         self._run_step_call(steps, outcomes)
 
     def _run_step_call(
-        self, steps: Sequence[tuple[int, Op, Adapter, OptimParams]], outcomes: list[Outcome | None]
+        self, steps: Sequence[tuple[int, Op, Adapter, OptimParams]], outcomes: Outcomes
     ) -> None:
         if not steps:
             return
         try:
-            results: list[Outcome] = list(
-                self.host.optimizer_step([(a, op, p) for _, op, a, p in steps])
+            results: list[ResultOrError] = list(
+                self._optimizer_step([(a, op, p) for _, op, a, p in steps])
             )
         except Exception as exc:  # the engine's own failure: every step in it fails
             log.exception("an optimizer step of %d models failed", len(steps))
@@ -259,6 +281,22 @@ class TrainingRounds:
         for (index, op, _, _), result in zip(steps, results, strict=True):
             self._record(outcomes, index, op, result)
 
-    def _record(self, outcomes: list[Outcome | None], index: int, op: Op, outcome: Outcome) -> None:
+    def _optimizer_step(self, steps: Sequence[tuple[Adapter, Op, OptimParams]]) -> list[OpResult]:
+        """optim_step ops of different models in one optimizer call; each model snapshots
+        every snapshot_every steps."""
+        all_metrics = optim_steps([(adapter, params) for adapter, _, params in steps])
+        results = []
+        for (adapter, op, _), metrics in zip(steps, all_metrics, strict=True):
+            adapter.last_seq = op.seq
+            result = OpResult(
+                result=codec.encode(OptimStepResponse(metrics=metrics).model_dump()),
+                metrics=metrics,
+            )
+            if adapter.step % self.snapshot_every == 0:
+                self.saved.snapshot(adapter, result)
+            results.append(result)
+        return results
+
+    def _record(self, outcomes: Outcomes, index: int, op: Op, outcome: ResultOrError) -> None:
         outcomes[index] = outcome
-        self.unpublished.setdefault(op.model_id, {})[op.seq] = outcome
+        self.saved.unpublished.setdefault(op.model_id, {})[op.seq] = outcome

@@ -1,4 +1,4 @@
-"""A model's state in checkpoint storage, for LoraEngine: its snapshot (what the next owner
+"""A training run's state in checkpoint storage: its snapshot (what the next owner
 restores, with the outcomes of the ops it covers whose results may not have been published)
 and the named checkpoints its user saves and loads.
 
@@ -29,7 +29,7 @@ from queue_tinker.types.training import (
     SaveWeightsResponse,
     UnloadModelResponse,
 )
-from queue_tinker.workers.interface import OpResult, parse_body
+from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.checkpoints import (
     CheckpointMeta,
@@ -44,27 +44,21 @@ log = logging.getLogger(__name__)
 
 UNLOADED = "_unloaded"  # marker file: the model was unloaded; its ops fail from then on
 # Adapter.extra key: seq -> kept outcome (JSON) of the ops the snapshot the adapter came from
-# holds but whose results may never have been published (LoraEngine._already_applied).
+# holds but whose results may never have been published (residency.py).
 SNAPSHOT_RESULTS = "snapshot_results"
-Outcome = OpResult | Exception
 
 
 class SavedState:
     """Snapshots and named checkpoints of the adapters in `pool`, under `storage`."""
 
-    def __init__(
-        self,
-        pool: AdapterPool,
-        storage: Path,
-        base_model: str,
-        unpublished: dict[str, dict[int, Outcome]],
-    ) -> None:
+    def __init__(self, pool: AdapterPool, storage: Path, base_model: str) -> None:
         self.pool = pool
         self.storage = storage
         self.base_model = base_model
-        # The outcomes of the ops run so far in the current batch (TrainingRounds.unpublished,
-        # the same dict): a snapshot written meanwhile keeps them.
-        self.unpublished = unpublished
+        # The outcomes of the ops run so far in the batch being run, per model (rounds.py
+        # records them; the worker publishes them when the whole batch is done): a snapshot
+        # written meanwhile keeps them (residency.py's kept results).
+        self.unpublished: dict[str, dict[int, ResultOrError]] = {}
 
     def snapshot(self, adapter: Adapter, result: OpResult | None = None) -> None:
         """Write the adapter's state as the model's snapshot. `result`: the outcome of the op
@@ -232,7 +226,7 @@ class SavedState:
         )
 
 
-def outcome_to_json(outcome: Outcome) -> dict[str, Any]:
+def outcome_to_json(outcome: ResultOrError) -> dict[str, Any]:
     """An op's result, or its error as the worker would publish it, as JSON for a snapshot."""
     if isinstance(outcome, OpResult):
         return result_to_json(outcome)

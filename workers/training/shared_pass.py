@@ -1,33 +1,38 @@
-"""Forward / forward_backward ops of many adapters in one model pass (cross-adapter batching).
+"""forward / forward_backward ops, of one adapter or many, in one model pass.
 
-Every op's data goes into one right-padded batch, each op's rows together (a model's ops side by
-side), and every LoRA layer adds to each block of rows its own adapter's update (row_blocks.py),
-so all ops share the base model's matmuls. Each op's loss comes from its own rows alone, with
-its own loss function; the backward ops' losses are summed and differentiated once. An adapter's
-parameters touch only its own ops' rows, so the gradient each adapter receives is the sum of its
-own ops' gradients: what running them one at a time accumulates in .grad.
+Every op's data goes into one right-padded batch (or packed rows: packing.py), each op's rows
+together (a model's ops side by side), and every LoRA layer adds to each block of rows its own
+adapter's update (model/row_blocks.py), so all ops share the base model's matmuls. Each op's
+loss comes from its own rows alone, with its own loss function; the backward ops' losses are
+summed and differentiated once. An adapter's parameters touch only its own ops' rows, so the
+gradient each adapter receives is the sum of its own ops' gradients: what running them one at
+a time accumulates in .grad. A single op runs the same code: it is a pass of one block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from queue_tinker.types import OpKind
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import ForwardBackwardOutput
+from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
+from queue_tinker.types.ops import Op
+from queue_tinker.types.request_limits import RequestLimits, check_batch_size
+from queue_tinker.types.tensors import Datum, TensorData
+from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
+from queue_tinker.workers.interface import parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks
+from queue_tinker.workers.training import model_pass
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
+from queue_tinker.workers.training.losses import batch_loss
 from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.optimizers import (
-    grads_kept_on_error,
-    op_loss,
-    rows_for,
-    target_logprobs,
-)
+from queue_tinker.workers.training.packing import RowBatch, row_batch
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,31 @@ class PassOp:
     @property
     def width(self) -> int:
         return max(d.model_input.length for d in self.data)
+
+
+def pass_op(
+    op: Op,
+    adapter: Adapter,
+    limits: ModelLimits,
+    request_limits: RequestLimits,
+    device: torch.device,
+) -> PassOp:
+    """A forward / forward_backward op's body, checked (its size, then what only the model
+    knows), with its loss: built in, or the uploaded loss it carries (rebuilt from the
+    allow-list, custom_loss_graph.py)."""
+    batch = parse_body(ForwardBackwardInput, op.payload)
+    check_batch_size(batch, request_limits)
+    check_batch(batch, limits)
+    loss_fn: LossFn | GraphLoss = (
+        GraphLoss(batch.custom_loss, device) if batch.custom_loss is not None else batch.loss_fn
+    )
+    return PassOp(
+        adapter=adapter,
+        data=batch.data,
+        loss_fn=loss_fn,
+        config=resolve_loss_config(batch.loss_fn, batch.loss_fn_config),
+        backward=op.kind is OpKind.FORWARD_BACKWARD,
+    )
 
 
 def padded_tokens(ops: Sequence[PassOp]) -> int:
@@ -105,3 +135,72 @@ def _losses_and_backward(
         # other ops' rows never touch its parameters.
         torch.stack(losses).sum().backward()
     return outcomes
+
+
+# --- the pieces of a pass ------------------------------------------------------------------
+def rows_for(
+    data: Sequence[Datum], device: torch.device, plan: PassPlan, groups: Sequence[int] | None = None
+) -> RowBatch:
+    """The data laid out in rows for one pass: a datum a row, or packed (plan.packs) within
+    each group of consecutive datums (`groups`; default: all of them)."""
+    tokens = [d.model_input.to_ints() for d in data]
+    return row_batch(
+        tokens, groups or [len(tokens)], device, pack=plan.packs([len(t) for t in tokens])
+    )
+
+
+def target_logprobs(
+    model: torch.nn.Module, data: Sequence[Datum], rows: RowBatch, plan: PassPlan
+) -> list[torch.Tensor]:
+    """log p(target_i | tokens <= i) for every datum, as float32 tensors (T_i,)."""
+    device = rows.ids.device
+    targets = [
+        torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True)).to(device)
+        for d in data
+    ]
+    return model_pass.target_logprobs(model, rows, targets, plan)
+
+
+def loss_inputs(datum: Datum, device: torch.device) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.from_numpy(np.array(v.data, copy=True)).to(device)
+        for k, v in datum.loss_fn_inputs.items()
+    }
+
+
+def op_loss(
+    logprobs: Sequence[torch.Tensor],
+    data: Sequence[Datum],
+    loss_fn: LossFn | GraphLoss,
+    config: dict[str, float],
+    device: torch.device,
+) -> tuple[torch.Tensor, ForwardBackwardOutput]:
+    """One op's loss (the sum of its data's losses) and its output: per-datum logprobs and
+    the loss metrics."""
+    inputs = [loss_inputs(d, device) for d in data]
+    loss, metrics = batch_loss(
+        loss_fn if isinstance(loss_fn, GraphLoss) else loss_fn.value, logprobs, inputs, config
+    )
+    outputs = [
+        {"logprobs": TensorData.from_numpy(lp.detach().float().cpu().numpy())} for lp in logprobs
+    ]
+    return loss, ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
+
+
+@contextmanager
+def grads_kept_on_error(adapters: Sequence[Adapter]) -> Iterator[None]:
+    """A backward that fails half-way (out of memory) has added to some tensors' .grad and not
+    to others: put every adapter's gradients back as they were, so a failed op leaves its
+    model (and every other model of the pass) as it found it. Only gradients pending from
+    earlier ops are copied, and most steps have none."""
+    kept = [
+        (p, p.grad.clone() if p.grad is not None else None)
+        for adapter in adapters
+        for p in adapter.params.values()
+    ]
+    try:
+        yield
+    except BaseException:
+        for p, grad in kept:
+            p.grad = grad
+        raise

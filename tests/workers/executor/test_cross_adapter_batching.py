@@ -25,6 +25,7 @@ from engine_driver import (
     assert_batched_tensors,
     assert_same_outcome,
     make_op,
+    run_op,
 )
 from procs import lora_deployment
 from sqlalchemy import text
@@ -43,8 +44,9 @@ from queue_tinker.types.training import (
     ForwardBackwardInput,
     LoraConfig,
 )
-from queue_tinker.workers.executor.lora import LoraEngine
-from queue_tinker.workers.interface import OpResult, TrainingOpRules
+from queue_tinker.workers.executor.lora import LoraExecutor
+from queue_tinker.workers.executor.rules import LoraOpRules
+from queue_tinker.workers.interface import OpResult
 
 BASE = "queue-tinker/tiny-llama"
 VOCAB = 259
@@ -211,7 +213,7 @@ def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
     """With cross_adapter_batch off nothing is batchable; with it on, a model's share of a
     batch is one step: its forward_backward run and the optim_step after it. Samples are never
     batched: they are stepped (the decode loop), either way."""
-    off = LoraEngine(BASE, "cpu", root / "off", root / "models", cross_adapter_batch=False)
+    off = LoraExecutor(BASE, "cpu", root / "off", root / "models", cross_adapter_batch=False)
     kinds = [
         OpKind.FORWARD_BACKWARD,
         OpKind.FORWARD,
@@ -221,18 +223,21 @@ def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
     ]
     backlog = [make_op("m", seq, kind, {}) for seq, kind in enumerate(kinds, start=1)]
     samples = [make_op("s", seq, OpKind.SAMPLE, {}) for seq in range(1, 4)]
-    assert not any(off.batchable(op) for op in backlog + samples)
-    assert off.stepped(samples[0]) and not any(off.stepped(op) for op in backlog)
+    assert not any(off.rules.batchable(op) for op in backlog + samples)
+    assert off.rules.stepped(samples[0]) and not any(off.rules.stepped(op) for op in backlog)
     # (ops taken, complete: no op arriving later could join)
-    assert off.batch_share(backlog) == (0, True)
-    assert off.batch_share(samples) == (0, True)
-    off.rules = TrainingOpRules(cross_adapter_batch=True)
-    assert (off.batch_share(backlog), off.batch_share(samples)) == ((3, True), (0, True))
-    assert off.stepped(samples[0]) and not off.batchable(samples[0])
-    assert off.batch_share(backlog[:2]) == (2, False)  # its optim_step may be on its way
-    assert off.batch_share(backlog[2:]) == (1, True)  # an optim_step at the head: that step
+    assert off.rules.batch_share(backlog) == (0, True)
+    assert off.rules.batch_share(samples) == (0, True)
+    off.rules = LoraOpRules(cross_adapter_batch=True)
+    assert (off.rules.batch_share(backlog), off.rules.batch_share(samples)) == (
+        (3, True),
+        (0, True),
+    )
+    assert off.rules.stepped(samples[0]) and not off.rules.batchable(samples[0])
+    assert off.rules.batch_share(backlog[:2]) == (2, False)  # its optim_step may be on its way
+    assert off.rules.batch_share(backlog[2:]) == (1, True)  # an optim_step at the head: that step
     save = make_op("m", 6, OpKind.SAVE_STATE, {})
-    assert off.batch_share([backlog[0], save, *backlog[1:]]) == (1, True)
+    assert off.rules.batch_share([backlog[0], save, *backlog[1:]]) == (1, True)
 
 
 def test_outcomes_of_a_batch_survive_in_its_snapshot(root: Path) -> None:
@@ -249,8 +254,8 @@ def test_outcomes_of_a_batch_survive_in_its_snapshot(root: Path) -> None:
     assert isinstance(fb_result, OpResult) and isinstance(step_result, OpResult)
     assert isinstance(error, UserInputError)
 
-    nxt = LoraEngine(BASE, "cpu", first.storage, root / "models")  # same storage
-    assert nxt.restore_point("m-kept") == ops[-1].seq
+    nxt = LoraExecutor(BASE, "cpu", first.storage, root / "models")  # same storage
+    assert nxt.durability.restore_point("m-kept") == ops[-1].seq
     kept = nxt.execute(ops[0])
     assert (kept.result, kept.metrics) == (fb_result.result, fb_result.metrics)
     with pytest.raises(QueueTinkerError, match=r"target_tokens.*300") as info:
@@ -471,21 +476,21 @@ def test_stepped_samples_keep_their_checkpoints_and_leave_with_their_session(roo
     bad = driver.make("s0", OpKind.SAMPLE, {"prompt": ModelInput.from_ints([]).model_dump()})
     gone = sample_op(driver, "gone", None, 9, [8, 9])
     engine = driver.engine
-    assert all(engine.stepped(op) for op in [*ops, bad, gone])
-    engine.join([*ops, bad, gone])
-    first = engine.step(budget_s=0.0)
+    assert all(engine.rules.stepped(op) for op in [*ops, bad, gone])
+    engine.sampling.join([*ops, bad, gone])
+    first = engine.sampling.step(budget_s=0.0)
     assert [(op.job_id, type(out)) for op, out in first] == [(bad.job_id, UserInputError)]
     # Two checkpoints fit: the third one's op waits for room, and the op behind it too.
     assert len(engine.sampling._joined) == 2
-    engine.drop("gone")
+    engine.durability.drop("gone")
     outcomes: dict[str, OpResult | Exception] = {}
-    while engine.stepping():
-        outcomes.update((op.job_id, out) for op, out in engine.step(budget_s=0.0))
+    while engine.sampling.stepping():
+        outcomes.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
     assert set(outcomes) == {op.job_id for op in ops}  # "gone" never comes back
     for op in ops:
         result = outcomes[op.job_id]
         assert isinstance(result, OpResult)
-        alone = engine.execute(driver.make(op.model_id, OpKind.SAMPLE, codec.decode(op.payload)))
+        alone = run_op(engine, driver.make(op.model_id, OpKind.SAMPLE, codec.decode(op.payload)))
         got, want = codec.decode(result.result), codec.decode(alone.result)
         for a, b in zip(got["sequences"], want["sequences"], strict=True):
             assert a["tokens"] == b["tokens"]

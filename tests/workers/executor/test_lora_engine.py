@@ -1,7 +1,7 @@
 """The LoRA engine driven in-process, op by op, as a worker would (no Redis, no SQL).
 
 Every op is built the way the client builds it (a msgpack payload of the request type's
-model_dump()) and run through `LoraEngine.execute`. The expected values come from outside the
+model_dump()) and run through `LoraExecutor.execute`. The expected values come from outside the
 engine wherever they can: plain PEFT models driven with autograd, a torch AdamW built here,
 PeftModel.from_pretrained on the saved directory, or the same op sequence on a second engine.
 """
@@ -34,6 +34,7 @@ from engine_driver import (
     fb_body,
     make_driver,
     max_diff,
+    run_stepped,
 )
 from peft import PeftModel, get_peft_model
 from peft.utils import set_peft_model_state_dict
@@ -46,10 +47,10 @@ from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import (
     LoraConfig,
 )
-from queue_tinker.workers.executor.lora import default_seed
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.checkpoints import META_FILE, snapshot_dir
+from queue_tinker.workers.training.engine import default_seed
 
 VOCAB = 259
 CONTEXT = 256
@@ -476,22 +477,24 @@ def test_periodic_snapshot_and_persist_drop_restore(main: Driver) -> None:
     """Every 2nd step is snapshotted; persist + drop + next op restores the state exactly."""
     model_id = "snap"
     main.create(model_id, seed=61)
-    assert main.engine.durable_seq(model_id) == 1  # created: the model survives its worker
+    assert (
+        main.engine.durability.durable_seq(model_id) == 1
+    )  # created: the model survives its worker
     main.train(model_id, 1)
-    assert main.engine.durable_seq(model_id) == 1
+    assert main.engine.durability.durable_seq(model_id) == 1
     main.train(model_id, 1)
     step_seq = main.seqs[model_id]
-    assert main.engine.durable_seq(model_id) == step_seq
+    assert main.engine.durability.durable_seq(model_id) == step_seq
     meta = json.loads((snapshot_dir(main.storage, model_id) / META_FILE).read_text())
     assert (meta["seq"], meta["step"]) == (step_seq, 2)
 
     main.fb(model_id, batch())
     before = (main.weights(model_id), main.moments(model_id), main.grads(model_id))
-    main.engine.persist(model_id)
-    assert main.engine.durable_seq(model_id) == main.seqs[model_id]
-    main.engine.drop(model_id)
+    main.engine.durability.persist(model_id)
+    assert main.engine.durability.durable_seq(model_id) == main.seqs[model_id]
+    main.engine.durability.drop(model_id)
     assert model_id not in main.engine.pool.adapters
-    assert main.engine.durable_seq(model_id) is None
+    assert main.engine.durability.durable_seq(model_id) is None
 
     main.forward(model_id, batch()[:1])
     assert main.adapter(model_id).step == 2
@@ -506,8 +509,8 @@ def test_snapshot_restore_then_step_matches_uninterrupted(main: Driver) -> None:
         main.create(model_id, seed=71)
         main.train(model_id, 3)
         main.fb(model_id, batch()[1:])
-    main.engine.persist("resume-dropped")
-    main.engine.drop("resume-dropped")
+    main.engine.durability.persist("resume-dropped")
+    main.engine.durability.drop("resume-dropped")
     for model_id in ("resume-kept", "resume-dropped"):
         main.step(model_id)
         main.train(model_id, 1)
@@ -554,8 +557,8 @@ def test_base_model_samples_after_the_last_adapter_is_released(
     released = make_driver(scratch, models_dir, "storage-released", max_resident=4)
     released.create("only-run", seed=5)
     released.train("only-run", 1)
-    released.engine.persist("only-run")
-    released.engine.drop("only-run")  # what the worker does once the run lingered out
+    released.engine.durability.persist("only-run")
+    released.engine.durability.drop("only-run")  # what the worker does once the run lingered out
     fresh = make_driver(scratch, models_dir, "storage-fresh", max_resident=4)
     assert sample(released, "base-sampler") == sample(fresh, "base-sampler")
     released.create("next-run", seed=5)
@@ -632,28 +635,28 @@ def test_a_stopped_sample_leaves_the_loop_and_the_others_sample_as_alone(main: D
         sample_op("kept", "stop-a", 2, 2, 40, 7),
         sample_op("doomed", "stop-b", 2, 8, 200, 8),
     )
-    (alone,) = engine.sampling.run([sample_op("kept-alone", "stop-a", 3, 2, 40, 7)])
-    engine.join([kept, doomed])
+    (alone,) = run_stepped(engine, [sample_op("kept-alone", "stop-a", 3, 2, 40, 7)])
+    engine.sampling.join([kept, doomed])
     finished: dict[str, Any] = {}
     for _ in range(3):
-        finished.update((op.job_id, r) for op, r in engine.step(budget_s=0.0))
+        finished.update((op.job_id, r) for op, r in engine.sampling.step(budget_s=0.0))
     assert not finished and engine.sampling._loop is not None
     assert engine.sampling._loop.rows == 10  # both are in the loop, mid-way
-    engine.stop({"doomed": "cancelled by the test while it ran", "unknown": "ignored"})
-    out = engine.step(budget_s=0.0)
+    engine.sampling.stop({"doomed": "cancelled by the test while it ran", "unknown": "ignored"})
+    out = engine.sampling.step(budget_s=0.0)
     assert [op.job_id for op, _ in out] == ["doomed"]
     error = out[0][1]
     assert isinstance(error, OpCancelledError) and error.category.value == "user"
     assert error.message == "cancelled by the test while it ran"
     assert engine.sampling._loop.rows == 2
-    while engine.stepping():
-        finished.update((op.job_id, r) for op, r in engine.step(budget_s=float("inf")))
+    while engine.sampling.stepping():
+        finished.update((op.job_id, r) for op, r in engine.sampling.step(budget_s=float("inf")))
     assert list(finished) == ["kept"]
     got, want = codec.decode(finished["kept"].result), codec.decode(alone.result)
     for one, other in zip(got["sequences"], want["sequences"], strict=True):
         assert one["tokens"] == other["tokens"]  # batched rows sum in another order: logprobs
         np.testing.assert_allclose(one["logprobs"], other["logprobs"], rtol=1e-5, atol=1e-6)
-    (after,) = engine.sampling.run([sample_op("after", "stop-b", 3, 1, 4, 9)])
+    (after,) = run_stepped(engine, [sample_op("after", "stop-b", 3, 1, 4, 9)])
     assert len(codec.decode(after.result)["sequences"][0]["tokens"]) == 4
 
 
@@ -671,7 +674,7 @@ def test_the_sample_cache_budget_reaches_the_decode_loop(
         driver.op(
             "budget", OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "default", "base_model": BASE}
         )
-        (result,) = driver.engine.sampling.run([sample_op("budgeted", "budget", 2, 3, 30, 5)])
+        (result,) = run_stepped(driver.engine, [sample_op("budgeted", "budget", 2, 3, 30, 5)])
         results.append(result)
     assert [r.metrics["batch_sequences:max"] for r in results] == [1.0, 3.0]
     got, want = (codec.decode(r.result)["sequences"] for r in results)

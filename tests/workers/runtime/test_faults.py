@@ -48,7 +48,7 @@ from queue_tinker.types.training import (
     LoraConfig,
     OptimStepResponse,
 )
-from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.model.checkpoints import read_meta, snapshot_dir
 
 SEED = 11
@@ -334,14 +334,14 @@ def test_two_hundred_steps_survive_five_kill_9s(
 # A kill at a random moment lands in these only now and then; here each is reproduced exactly,
 # with two real engines (two workers' worth) on one storage directory.
 @pytest.fixture(scope="module")
-def owners(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoraEngine, LoraEngine]]:
+def owners(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoraExecutor, LoraExecutor]]:
     """Two engines sharing checkpoint storage: a model's owner, and the one after it."""
     root = tmp_path_factory.mktemp("owners")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: thread hand-offs cost more than the math
     try:
         yield tuple(
-            LoraEngine(TINY, "cpu", root / "storage", root / "models", snapshot_every=2)
+            LoraExecutor(TINY, "cpu", root / "storage", root / "models", snapshot_every=2)
             for _ in range(2)
         )  # type: ignore[misc]
     finally:
@@ -379,7 +379,7 @@ def training_log(model_id: str, steps: int) -> list[Op]:
     ]
 
 
-def weights_of(engine: LoraEngine, model_id: str) -> dict[str, torch.Tensor]:
+def weights_of(engine: LoraExecutor, model_id: str) -> dict[str, torch.Tensor]:
     return {k: p.detach().clone() for k, p in engine.pool.adapters[model_id].params.items()}
 
 
@@ -390,7 +390,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def test_an_op_in_the_snapshot_but_never_published_is_not_applied_twice(
-    owners: tuple[LoraEngine, LoraEngine],
+    owners: tuple[LoraExecutor, LoraExecutor],
 ) -> None:
     """The owner wrote the periodic snapshot inside optim_step, then died before publishing
     it. The next owner starts from that snapshot (it is newer than the last published op) and
@@ -398,7 +398,7 @@ def test_an_op_in_the_snapshot_but_never_published_is_not_applied_twice(
     first, second = owners
     model, log = "kept-result", training_log("kept-result", 2)  # step 2 (seq 5) snapshots
     results = [first.execute(op) for op in log]
-    assert second.restore_point(model) == 5  # claimed with done_seq 4: nothing to replay
+    assert second.durability.restore_point(model) == 5  # claimed with done_seq 4: nothing to replay
 
     again = second.execute(log[-1])  # the unpublished op, run by its new owner
     assert (again.result, again.metrics) == (results[-1].result, results[-1].metrics)
@@ -408,7 +408,7 @@ def test_an_op_in_the_snapshot_but_never_published_is_not_applied_twice(
 
 
 def test_a_snapshot_swap_cut_short_by_a_kill_is_recovered(
-    owners: tuple[LoraEngine, LoraEngine],
+    owners: tuple[LoraExecutor, LoraExecutor],
 ) -> None:
     """A worker killed between the two renames that replace a snapshot leaves no `_snapshot`,
     only the previous one moved aside, whole. The next owner restores that one and replays the
@@ -426,7 +426,7 @@ def test_a_snapshot_swap_cut_short_by_a_kill_is_recovered(
     abandoned = directory.with_name(f".{directory.name}-x1y2z3")
     abandoned.mkdir()
     os.utime(abandoned, (time.time() - 7200, time.time() - 7200))
-    assert read_meta(directory) is not None and second.restore_point(model) == 5
+    assert read_meta(directory) is not None and second.durability.restore_point(model) == 5
 
     for op in log[5:]:  # replay 6-7 (published before the kill), then run 8-9
         second.execute(op)
@@ -437,7 +437,9 @@ def test_a_snapshot_swap_cut_short_by_a_kill_is_recovered(
     assert [p.name for p in directory.parent.iterdir()] == [directory.name]
 
 
-def test_a_stale_owner_cannot_move_the_snapshot_back(owners: tuple[LoraEngine, LoraEngine]) -> None:
+def test_a_stale_owner_cannot_move_the_snapshot_back(
+    owners: tuple[LoraExecutor, LoraExecutor],
+) -> None:
     """An owner that stalled past its lease, and has not heard, writes its state on the way
     out (hand-over, eviction): a newer owner's later snapshot stays, since the log before it
     may already be trimmed."""
@@ -447,7 +449,7 @@ def test_a_stale_owner_cannot_move_the_snapshot_back(owners: tuple[LoraEngine, L
         first.execute(op)  # snapshot at seq 5; first holds 6
     for op in log[5:]:
         second.execute(op)  # takes over from seq 5: runs 6-9, snapshot at 9
-    first.persist(model)
+    first.durability.persist(model)
     assert read_meta(snapshot_dir(first.storage, model)).seq == 9  # type: ignore[union-attr]
 
 

@@ -2,7 +2,7 @@
 turns fair between tenants, training batches, the stepped ops' quantum, empty queues.
 
 No Redis, no torch: the Scheduler is pure bookkeeping, driven here with the LoRA engine's
-real op rules (TrainingOpRules)."""
+real op rules (LoraOpRules)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from itertools import pairwise
 from queue_tinker.queue.dispatch import Lease
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
-from queue_tinker.workers.interface import TrainingOpRules
+from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.runtime.owned import OwnedModel
 from queue_tinker.workers.runtime.scheduling import (
     ENGINE_BATCH,
@@ -41,7 +41,7 @@ def ping(model_id: str, seq: int, delay_ms: int = 0) -> Op:
 
 
 def scheduler(*, batching: bool = True) -> Scheduler:
-    return Scheduler(TrainingOpRules(cross_adapter_batch=batching))
+    return Scheduler(LoraOpRules(cross_adapter_batch=batching))
 
 
 def own(schedule: Scheduler, model_id: str, tenant: str, kinds: list[OpKind]) -> OwnedModel:

@@ -24,7 +24,7 @@ from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoraConfig
-from queue_tinker.workers.executor.lora import LoraEngine
+from queue_tinker.workers.executor.lora import LoraExecutor
 
 BASE = "queue-tinker/tiny-llama"
 LOSS_RTOL = 2e-2
@@ -36,7 +36,7 @@ ADAM = AdamParams(learning_rate=DEMO_LEARNING_RATE, beta1=0.9, beta2=0.95, eps=1
 class Run:
     """One model on one engine, driven op by op as its queue would."""
 
-    def __init__(self, engine: LoraEngine, model_id: str) -> None:
+    def __init__(self, engine: LoraExecutor, model_id: str) -> None:
         self.engine, self.model_id, self.seq = engine, model_id, 0
         self.op(
             OpKind.CREATE_MODEL,
@@ -71,14 +71,14 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[dict[str, LoraEngine]]:
+def engines() -> Iterator[dict[str, LoraExecutor]]:
     """An fp32 and a bf16 engine on the same built-in model (same files, same weights)."""
     scratch = Path(tempfile.mkdtemp(prefix="qt-bf16-"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield {
-            dtype: LoraEngine(BASE, "cpu", scratch / dtype, scratch / "models", dtype=dtype)
+            dtype: LoraExecutor(BASE, "cpu", scratch / dtype, scratch / "models", dtype=dtype)
             for dtype in ("fp32", "bf16")
         }
     finally:
@@ -96,7 +96,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def test_bf16_keeps_what_is_trained_and_stored_in_fp32(
-    engines: dict[str, LoraEngine], batch: list[Datum]
+    engines: dict[str, LoraExecutor], batch: list[Datum]
 ) -> None:
     """Base weights bf16; LoRA weights, gradients, AdamW moments and the saved checkpoint
     fp32."""
@@ -117,7 +117,7 @@ def test_bf16_keeps_what_is_trained_and_stored_in_fp32(
 
 
 def test_bf16_loss_and_gradients_within_tolerance_of_fp32(
-    engines: dict[str, LoraEngine], batch: list[Datum]
+    engines: dict[str, LoraExecutor], batch: list[Datum]
 ) -> None:
     """Same adapter, same data: the bf16 loss within 2% of fp32's, every LoRA gradient within
     10% in norm, and pointing the same way."""
@@ -143,7 +143,7 @@ def test_bf16_loss_and_gradients_within_tolerance_of_fp32(
 
 
 def test_fifty_bf16_steps_converge_like_fp32(
-    engines: dict[str, LoraEngine], batch: list[Datum]
+    engines: dict[str, LoraExecutor], batch: list[Datum]
 ) -> None:
     """The demo task for 50 steps: bf16's losses fall as fp32's do (both by over 80%) and end
     within 10% of each other."""

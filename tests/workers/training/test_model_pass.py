@@ -16,13 +16,12 @@ import torch
 
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum, ModelInput
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.training import ForwardBackwardOutput, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.optimizers import forward_backward, rows_for
 from queue_tinker.workers.training.packing import pack_rows, padding_fraction
-from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
+from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass
 
 BASE = "queue-tinker/tiny-llama"
 CPU = torch.device("cpu")
@@ -37,6 +36,16 @@ CHECKPOINTED = PassPlan(activation_checkpointing="on", logit_chunk_elements=3 * 
 WHOLE = PassPlan(activation_checkpointing="off", logit_chunk_elements=1 << 40)
 PACKED = PassPlan(activation_checkpointing="off", pack_above_padding=0.0)
 UNPACKED = PassPlan(activation_checkpointing="off", pack_above_padding=None)
+
+
+def one_op_pass(pool: AdapterPool, data: list[Datum], plan: PassPlan) -> ForwardBackwardOutput:
+    """The engine's pass of one forward_backward op on the pool's active adapter."""
+    assert pool.active is not None
+    adapter = next(a for a in pool.adapters.values() if a.name == pool.active)
+    op = PassOp(adapter, data, LossFn.CROSS_ENTROPY, {}, backward=True)
+    (out,) = shared_pass(pool, [op], CPU, plan)
+    assert isinstance(out, ForwardBackwardOutput), out
+    return out
 
 
 def datum(text: str, weights: bool = True) -> Datum:
@@ -153,9 +162,7 @@ def test_chunked_logprobs_and_gradients_equal_whole_logits(pool: AdapterPool) ->
     chunked: dict[str, object] = {}
 
     def engine() -> None:
-        chunked["out"] = forward_backward(
-            pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True, plan=SMALL_CHUNKS
-        )
+        chunked["out"] = one_op_pass(pool, data, SMALL_CHUNKS)
 
     assert_same(grads_after(adapter, engine), expected)
     with torch.no_grad():
@@ -175,9 +182,7 @@ def test_checkpointing_equals_no_checkpointing(pool: AdapterPool) -> None:
 
     def run(plan: PassPlan) -> object:
         def step() -> None:
-            out = forward_backward(
-                pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True, plan=plan
-            )
+            out = one_op_pass(pool, data, plan)
             losses.append(out.metrics["loss:sum"])
 
         return step
@@ -246,9 +251,7 @@ def test_checkpointing_keeps_only_layer_inputs_for_backward(pool: AdapterPool) -
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward_backward(
-                pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True, plan=plan
-            )
+            one_op_pass(pool, data, plan)
         return total
 
     on, off = kept_bytes(CHECKPOINTED), kept_bytes(WHOLE)
@@ -296,9 +299,7 @@ def test_packed_rows_equal_one_datum_a_row(pool: AdapterPool) -> None:
 
     def run(label: str, plan: PassPlan) -> object:
         def step() -> None:
-            outs[label] = forward_backward(
-                pool.model, data, LossFn.CROSS_ENTROPY, {}, CPU, backward=True, plan=plan
-            )
+            outs[label] = one_op_pass(pool, data, plan)
 
         return step
 

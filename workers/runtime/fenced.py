@@ -1,0 +1,137 @@
+"""An op's writes to Redis, each fenced by its model's lease: marking it running (or leaving it
+queued while its tenant is over a limit), and publishing its outcome with the records it
+produced. A write the lease refuses drops the model: another worker owns it now."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple, ParamSpec, TypeVar
+
+from queue_tinker.queue.connection import Reconnector
+from queue_tinker.queue.dispatch import Dispatcher, Op, Outcome, Start
+from queue_tinker.queue.records import RecordLog
+from queue_tinker.types.records import Record
+from queue_tinker.workers.interface import Durability
+from queue_tinker.workers.runtime.owned import OwnedModel
+from queue_tinker.workers.runtime.ownership import Ownership
+from queue_tinker.workers.runtime.presence import Activity
+from queue_tinker.workers.runtime.scheduling import Scheduler
+
+T = TypeVar("T")
+P = ParamSpec("P")
+Batch = list[tuple[OwnedModel, Op]]
+
+
+class Started(NamedTuple):
+    runnable: Batch  # the ops to run now
+    stops: dict[str, str]  # job id -> why: samples asked to stop while a dead owner ran them
+
+
+class FencedWrites:
+    def __init__(
+        self,
+        dispatch: Dispatcher,
+        reconnect: Reconnector,
+        records: RecordLog,
+        on_records: Callable[[list[Record]], Awaitable[None]] | None,
+        ownership: Ownership,
+        schedule: Scheduler,
+        durability: Durability,
+        activity: Activity,
+    ) -> None:
+        self.dispatch = dispatch
+        self.reconnect = reconnect
+        self.records = records
+        self.on_records = on_records  # e.g. schedule checkpoint expiry
+        self.ownership = ownership
+        self.schedule = schedule
+        self.durability = durability
+        self.activity = activity
+
+    async def _redis(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """A Redis call that rides out an outage: repeated once Redis answers again (every
+        write here is fenced, and a publish finds a job it already published terminal)."""
+        return await self.reconnect.call(fn, *args, **kwargs)
+
+    async def start(self, owned: OwnedModel, op: Op) -> bool:
+        """Mark one op running; whether it runs now (not over its tenant's limit, which puts it
+        back in its backlog; not finished already, by an earlier owner or cancelled). A lost
+        lease raises LeaseLostError."""
+        start = await self._redis(self.dispatch.start, owned.lease, op)
+        if start.limited:
+            self.schedule.hold_back(owned, [op], start.retry_ms, time.monotonic())
+            return False
+        return start.run
+
+    async def start_batch(self, batch: Batch) -> Started:
+        """Mark the ops running (one round trip). Models whose lease was lost are dropped; ops
+        over their tenant's limit go back to their backlog; ops already finished (cancelled)
+        are skipped."""
+        # One decision per op: a Start, or None where the model's lease was lost.
+        starts: list[Start | None] = await self._redis(
+            self.dispatch.start_batch, [(o.lease, op) for o, op in batch]
+        )
+        decided = list(zip(batch, starts, strict=True))
+        self.ownership.drop_lost([owned for (owned, _), start in decided if start is None])
+        for owned, ops, start in _limited_by_model(decided):
+            self.schedule.hold_back(owned, ops, start.retry_ms, time.monotonic())
+        stops = {
+            op.job_id: start.stop_reason
+            for (_, op), start in decided
+            if start and start.stop_reason
+        }
+        runnable = [(owned, op) for (owned, op), start in decided if self._runs_now(owned, start)]
+        return Started(runnable, stops)
+
+    async def publish(
+        self, owned: OwnedModel, op: Op, outcome: Outcome, records: list[Record]
+    ) -> None:
+        """An op's records (durable before the user hears of it), then its outcome, trimming
+        the model's log to what is durable. A lost lease raises LeaseLostError."""
+        for record in records:
+            await self._redis(self.records.append, record)
+        if records and self.on_records is not None:
+            await self._redis(self.on_records, records)
+        await self._redis(
+            self.dispatch.publish,
+            owned.lease,
+            op,
+            outcome,
+            trim_upto=self.durability.durable_seq(op.model_id),
+        )
+        self.activity.ops_done += 1
+
+    async def publish_batch(self, batch: Batch, outcomes: list[Outcome], *, started: bool) -> None:
+        """Publish ops that ran as a batch in one round trip; drop the models whose lease was
+        lost meanwhile."""
+        publishes = [
+            (owned.lease, op, outcome, self.durability.durable_seq(op.model_id))
+            for (owned, op), outcome in zip(batch, outcomes, strict=True)
+        ]
+        published = await self._redis(self.dispatch.publish_batch, publishes, started=started)
+        self.activity.ops_done += sum(published)
+        self.ownership.drop_lost(
+            [owned for (owned, _), ok in zip(batch, published, strict=True) if not ok]
+        )
+
+    def _runs_now(self, owned: OwnedModel, start: Start | None) -> bool:
+        """Whether an op start_batch decided on runs now: told to run, and its model still
+        this worker's (not dropped for a lost lease)."""
+        return (
+            start is not None
+            and start.run
+            and self.ownership.owned.get(owned.lease.model_id) is owned
+        )
+
+
+def _limited_by_model(
+    decided: list[tuple[tuple[OwnedModel, Op], Start | None]],
+) -> list[tuple[OwnedModel, list[Op], Start]]:
+    """The ops held back for their tenant's limit, gathered per model in the batch's order,
+    with the first of their model's Starts."""
+    held: dict[str, tuple[OwnedModel, list[Op], Start]] = {}
+    for (owned, op), start in decided:
+        if start is not None and start.limited:
+            held.setdefault(owned.lease.model_id, (owned, [], start))[1].append(op)
+    return list(held.values())
