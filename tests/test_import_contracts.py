@@ -1,8 +1,9 @@
-"""The layers' import contracts (pyproject's [tool.importlinter]) hold, and every module of
-workers/ is classed as an engine or as part of the worker's I/O loop."""
+"""The layers' import contracts (pyproject's [tool.importlinter]) hold, and workers/ is in
+layers that name every part of it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -11,23 +12,9 @@ from pathlib import Path
 from procs import REPO
 
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
-ENGINES_CONTRACT = "the engines know no Redis, no SQL and no settings"
-# The worker's I/O loop: leases, reading the streams, heartbeats, publishing, and what it runs
-# next (scheduling.py, pure, but over leases the loop holds). Every other
-# module of workers/ is an engine and goes in the engines contract's source_modules.
-IO_LOOP = {
-    "main",
-    "runtime.arrivals",
-    "runtime.compute",
-    "runtime.fenced",
-    "runtime.owned",
-    "runtime.ownership",
-    "runtime.presence",
-    "runtime.scheduling",
-    "runtime.stepped",
-    "runtime.turns",
-    "runtime.worker",
-}
+LAYERS_CONTRACT = (
+    "workers in layers: main, runtime | executor, training | sampling, model, interface"
+)
 
 
 def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
@@ -71,18 +58,39 @@ def test_a_broken_contract_fails(tmp_path: Path) -> None:
     assert "queue_tinker.client.holder -> queue_tinker.queue" in result.stdout
 
 
-def test_every_worker_module_is_an_engine_or_the_io_loop() -> None:
-    """A new module of workers/ must be placed: in the engines contract (knows no Redis) or in
-    IO_LOOP here, so the engines' contract cannot silently miss it."""
-    (engines,) = [c for c in contracts() if c["name"] == ENGINES_CONTRACT]
-    prefix = "queue_tinker.workers."
-    source = engines["source_modules"]
-    assert isinstance(source, list)
-    engine_modules = {name.removeprefix(prefix) for name in source}
-    on_disk = {
-        ".".join(p.relative_to(REPO / "workers").with_suffix("").parts)
-        for p in (REPO / "workers").rglob("*.py")
-        if p.name != "__init__.py"
-    }
-    assert engine_modules.isdisjoint(IO_LOOP)
-    assert on_disk == engine_modules | IO_LOOP
+def workers_layers() -> dict[str, object]:
+    (layers,) = [c for c in contracts() if c["name"] == LAYERS_CONTRACT]
+    return layers
+
+
+def test_the_workers_layers_name_every_part_of_workers() -> None:
+    """Every module and folder at the top of workers/ is in a layer, and the contract is
+    exhaustive, so lint-imports fails on one added without its place."""
+    layers = workers_layers()
+    assert layers["exhaustive"] is True
+    named = {part.strip() for layer in layers["layers"] for part in str(layer).split("|")}
+    workers = REPO / "workers"
+    on_disk = {p.stem for p in workers.glob("*.py") if p.name != "__init__.py"}
+    on_disk |= {p.name for p in workers.iterdir() if (p / "__init__.py").is_file()}
+    assert named == on_disk
+
+
+def test_a_part_of_workers_outside_the_layers_breaks_them(tmp_path: Path) -> None:
+    """With a folder of workers/ left out of the layers (sampling), the exhaustive contract
+    reports it and fails the run."""
+    config = tmp_path / "layers.toml"
+    layers = [str(layer).replace(" | sampling", "") for layer in workers_layers()["layers"]]
+    config.write_text(
+        "[tool.importlinter]\n"
+        'root_packages = ["queue_tinker"]\n'
+        "[[tool.importlinter.contracts]]\n"
+        'name = "workers layers"\n'
+        'type = "layers"\n'
+        'containers = ["queue_tinker.workers"]\n'
+        f"layers = {json.dumps(layers)}\n"
+        "exhaustive = true\n"
+    )
+    result = lint_imports(config)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "workers layers BROKEN" in result.stdout
+    assert "queue_tinker.workers.sampling" in result.stdout
