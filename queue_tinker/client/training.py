@@ -29,10 +29,9 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, check_name
-from queue_tinker.types.loss_inputs import check_batch, parse_loss_fn
+from queue_tinker.types.loss_inputs import check_batch, check_batch_size, parse_loss_fn
 from queue_tinker.types.request_limits import (
     RequestLimits,
-    check_batch_size,
     check_datum_count,
     encode_request,
 )

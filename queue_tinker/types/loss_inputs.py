@@ -16,6 +16,7 @@ import numpy as np
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.custom_loss import CustomLoss
 from queue_tinker.types.enums import LossFn
+from queue_tinker.types.request_limits import RequestLimits, check_datum_count, check_tokens
 from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.types.training import ForwardBackwardInput
 
@@ -117,6 +118,19 @@ class ModelLimits:
 
     vocab_size: int | None = None
     context_length: int | None = None
+
+
+def check_batch_size(batch: ForwardBackwardInput, limits: RequestLimits) -> None:
+    """A forward / forward_backward batch: datums per request, tokens per datum (its
+    model_input and each loss_fn_input)."""
+    check_datum_count(len(batch.data), limits)
+    for index, datum in enumerate(batch.data):
+        where = f"data[{index}]"
+        check_tokens(f"{where}.model_input", datum.model_input.length, limits)
+        for key, tensor in datum.loss_fn_inputs.items():
+            check_tokens(
+                f"{where}.loss_fn_inputs[{key!r}]", int(tensor.data.size), limits, what="values"
+            )
 
 
 def check_batch(batch: ForwardBackwardInput, limits: ModelLimits = ModelLimits()) -> None:

@@ -4,22 +4,20 @@ The client (before it enqueues), the gateway (on the decoded request) and the wo
 runs an op, for bodies that came some other way) call these same functions, so a limit means the
 same thing at every door and the messages read the same. The limits are settings (QT_MAX_*);
 the messages name the field, the number and the setting, so a user knows what to change and an
-operator what to raise. What only the model knows (vocabulary, context length) is checked on the
-worker by loss_inputs.check_batch and sampling.check_sample.
+operator what to raise. A whole request's size is checked beside its other checks, with these
+(loss_inputs.check_batch_size, sampling.check_sample_size); what only the model knows
+(vocabulary, context length) is checked on the worker (loss_inputs.check_batch,
+sampling.check_sample).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import codec
-
-if TYPE_CHECKING:
-    from queue_tinker.types.sampling import SampleInput
-    from queue_tinker.types.training import ForwardBackwardInput
 
 # msgpack carries integers from -2**63 to 2**64 - 1; anything beyond cannot travel.
 _INT_RANGE = (-(2**63), 2**64)
@@ -106,36 +104,6 @@ def too_many_bytes(limits: RequestLimits, what: str, size: int | None) -> UserIn
         f"request: {what} {amount} QT_MAX_REQUEST_BYTES={limits.request_bytes} "
         f"({size_text(limits.request_bytes)}) allows; split it into smaller requests"
     )
-
-
-# --- whole requests ------------------------------------------------------------------------
-def check_batch_size(batch: ForwardBackwardInput, limits: RequestLimits) -> None:
-    """A forward / forward_backward batch: datums per request, tokens per datum (its
-    model_input and each loss_fn_input)."""
-    check_datum_count(len(batch.data), limits)
-    for index, datum in enumerate(batch.data):
-        where = f"data[{index}]"
-        check_tokens(f"{where}.model_input", datum.model_input.length, limits)
-        for key, tensor in datum.loss_fn_inputs.items():
-            check_tokens(
-                f"{where}.loss_fn_inputs[{key!r}]", int(tensor.data.size), limits, what="values"
-            )
-
-
-def check_sample_size(body: SampleInput, limits: RequestLimits) -> None:
-    """A sample request: samples per request, tokens in its prompt and in max_tokens."""
-    num_samples, max_tokens = body.num_samples, body.sampling_params.max_tokens
-    if num_samples > limits.samples_per_request:
-        raise UserInputError(
-            f"num_samples: {num_samples} is more than QT_MAX_SAMPLES_PER_REQUEST="
-            f"{limits.samples_per_request} allows in one request; send several requests"
-        )
-    check_tokens("prompt", body.prompt.length, limits)
-    if max_tokens is not None and max_tokens > limits.tokens_per_datum:
-        raise UserInputError(
-            f"sampling_params.max_tokens: {max_tokens} is more than QT_MAX_TOKENS_PER_DATUM="
-            f"{limits.tokens_per_datum} allows in one sequence"
-        )
 
 
 def encode_request(body: Any, limits: RequestLimits) -> bytes:

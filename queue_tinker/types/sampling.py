@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.loss_inputs import ModelLimits, check_token_ids
-from queue_tinker.types.request_limits import RequestLimits, check_sample_size, check_tokens
+from queue_tinker.types.request_limits import RequestLimits, check_tokens
 from queue_tinker.types.tensors import ModelInput
 from queue_tinker.types.training import Seed
 from queue_tinker.types.validation import validated
@@ -152,6 +152,22 @@ def raw_token_count(prompt: object) -> int:
         for c in chunks
         if isinstance(c, dict) and isinstance(c.get("tokens"), list | tuple)
     )
+
+
+def check_sample_size(body: SampleInput, limits: RequestLimits) -> None:
+    """A sample request: samples per request, tokens in its prompt and in max_tokens."""
+    num_samples, max_tokens = body.num_samples, body.sampling_params.max_tokens
+    if num_samples > limits.samples_per_request:
+        raise UserInputError(
+            f"num_samples: {num_samples} is more than QT_MAX_SAMPLES_PER_REQUEST="
+            f"{limits.samples_per_request} allows in one request; send several requests"
+        )
+    check_tokens("prompt", body.prompt.length, limits)
+    if max_tokens is not None and max_tokens > limits.tokens_per_datum:
+        raise UserInputError(
+            f"sampling_params.max_tokens: {max_tokens} is more than QT_MAX_TOKENS_PER_DATUM="
+            f"{limits.tokens_per_datum} allows in one sequence"
+        )
 
 
 def sample_input(

@@ -30,13 +30,13 @@ from queue_tinker.types.ops import Op
 from queue_tinker.types.request_limits import (
     RequestLimits,
     check_request_bytes,
-    check_sample_size,
 )
 from queue_tinker.types.sampling import (
     CreateSamplingSessionInput,
     SampleInput,
     SampleResponse,
     check_sample,
+    check_sample_size,
     max_new_tokens,
 )
 from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body

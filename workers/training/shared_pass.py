@@ -20,9 +20,14 @@ import torch
 
 from queue_tinker.types import OpKind
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
+from queue_tinker.types.loss_inputs import (
+    ModelLimits,
+    check_batch,
+    check_batch_size,
+    resolve_loss_config,
+)
 from queue_tinker.types.ops import Op
-from queue_tinker.types.request_limits import RequestLimits, check_batch_size
+from queue_tinker.types.request_limits import RequestLimits
 from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
 from queue_tinker.workers.interface import parse_body

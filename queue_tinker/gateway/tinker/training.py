@@ -33,8 +33,8 @@ from queue_tinker.queue import runs
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, check_name
 from queue_tinker.types.enums import Optimizer
-from queue_tinker.types.loss_inputs import check_batch
-from queue_tinker.types.request_limits import RequestLimits, check_batch_size, encode_request
+from queue_tinker.types.loss_inputs import check_batch, check_batch_size
+from queue_tinker.types.request_limits import RequestLimits, encode_request
 from queue_tinker.types.training import (
     AdamParams,
     DimuonParams,
