@@ -40,8 +40,8 @@ if __package__ in (None, ""):  # run as a file: `python bench/big_bodies.py`
 import httpx
 import numpy as np
 
-from bench.gateway import gateway_proc, make_key
-from bench.harness import (
+from bench.harness.gateway import gateway_proc, make_key
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     fresh_prefix,
@@ -49,8 +49,8 @@ from bench.harness import (
     make_settings,
     scratch_database,
 )
-from bench.report import DOCS, write_docs
-from bench.stats import Latency
+from bench.harness.stats import Latency
+from bench.queue_overhead_report import DOCS, write_docs
 
 SECTION = "## Gateway under big bodies"
 COMMAND = ".venv/bin/python -m bench.big_bodies"

@@ -63,9 +63,11 @@ import tinker
 from sqlalchemy.engine import make_url
 from tinker import types as sdk_types
 
-from bench.gateway import gateway_proc, make_key, process_cpu_s, requests_by_endpoint
 from bench.gateway_report import SECTION, Gap, render
-from bench.harness import (
+from bench.harness.gateway import gateway_proc, make_key, process_cpu_s, requests_by_endpoint
+from bench.harness.lora_workers import lora_worker
+from bench.harness.meters import CpuMeter, find_pids
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     close_client,
@@ -74,10 +76,8 @@ from bench.harness import (
     make_settings,
     scratch_database,
 )
-from bench.lora_service import lora_worker
-from bench.meters import CpuMeter, find_pids
-from bench.report import DOCS, write_docs
-from bench.stats import Latency
+from bench.harness.stats import Latency
+from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker import types as qt_types
 from queue_tinker.client import ServiceClient
 from queue_tinker.queue.keys import Keys

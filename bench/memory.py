@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.mfu import BASE_NAME, Shape, build_model, machine_info, random_data
-from bench.report import DOCS, write_docs
+from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import LoraConfig

@@ -52,7 +52,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.utils import logging as transformers_logging
 
-from bench.report import DOCS, write_docs
+from bench.queue_overhead_report import DOCS, write_docs
 from bench.train_step import make_data
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.loss_inputs import resolve_loss_config

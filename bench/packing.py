@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from bench.memory import cpu_model
-from bench.report import DOCS, write_docs
+from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum, ModelInput, TensorData
 from queue_tinker.types.training import LoraConfig

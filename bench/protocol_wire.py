@@ -51,8 +51,9 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
-from bench.gateway import gateway_proc, make_key, requests_by_endpoint
-from bench.harness import (
+from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
+from bench.harness.lora_workers import lora_worker
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     fresh_prefix,
@@ -60,8 +61,7 @@ from bench.harness import (
     make_settings,
     scratch_database,
 )
-from bench.lora_service import lora_worker
-from bench.report import DOCS, write_docs
+from bench.queue_overhead_report import DOCS, write_docs
 
 SECTION = "## Protocol features: zstd bodies, batched sample polling, server-side custom losses"
 COMMAND = ".venv/bin/python -m bench.protocol_wire"

@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a file: `python bench/queue_overhead.py`
 
 import redis
 
-from bench.harness import (
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     close_client,
@@ -48,9 +48,9 @@ from bench.harness import (
     running_workers,
     scratch_database,
 )
-from bench.report import DOCS, print_table, render, results_json, write_docs
+from bench.harness.stats import Latency, LatencyResult, Sample, Stages, Throughput
+from bench.queue_overhead_report import DOCS, print_table, render, results_json, write_docs
 from bench.rq_baseline import run_rq
-from bench.stats import Latency, LatencyResult, Sample, Stages, Throughput
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys

@@ -35,7 +35,7 @@ from transformers import PretrainedConfig
 
 from bench.memory import cpu_model
 from bench.mfu import Shape, build_model, machine_info
-from bench.report import DOCS, write_docs
+from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.memory import kv_bytes_per_token
 from queue_tinker.workers.sampling.cache_budget import peak_cache_tokens

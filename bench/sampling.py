@@ -43,7 +43,9 @@ import numpy as np
 import torch
 from peft import PeftModel
 
-from bench.harness import (
+from bench.harness.lora_workers import job_times, lora_worker, use_torch_threads, worker_threads
+from bench.harness.meters import CpuMeter
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     close_client,
@@ -53,9 +55,7 @@ from bench.harness import (
     scratch_database,
     synchronize,
 )
-from bench.lora_service import job_times, lora_worker, use_torch_threads, worker_threads
-from bench.meters import CpuMeter
-from bench.report import DOCS, write_docs
+from bench.queue_overhead_report import DOCS, write_docs
 from bench.sampling_report import (
     ADAPTERS,
     REQUESTS,

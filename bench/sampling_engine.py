@@ -44,7 +44,8 @@ if __package__ in (None, ""):  # run as a file
 import numpy as np
 import torch
 
-from bench.harness import (
+from bench.harness.lora_workers import lora_worker, use_torch_threads
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     close_client,
@@ -54,8 +55,7 @@ from bench.harness import (
     scratch_database,
     synchronize,
 )
-from bench.lora_service import lora_worker, use_torch_threads
-from bench.report import DOCS, write_docs
+from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker.builtin_models import PAD_ID
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient
 from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData

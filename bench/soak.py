@@ -58,7 +58,8 @@ if __package__ in (None, ""):  # run as a file: `python bench/soak.py`
 import numpy as np
 import redis
 
-from bench.harness import (
+from bench.harness.lora_workers import lora_worker
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     close_client,
@@ -69,10 +70,9 @@ from bench.harness import (
     wait_for_workers,
     worker_proc,
 )
-from bench.harness import scratch_database as scratch_db
-from bench.lora_service import lora_worker
-from bench.report import DOCS, write_docs
-from bench.stats import Latency
+from bench.harness.services import scratch_database as scratch_db
+from bench.harness.stats import Latency
+from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker import types
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import DEFAULT_POSTGRES, DEFAULT_REDIS, REPO, machine
-from bench.report import DOCS
+from bench.harness.services import DEFAULT_POSTGRES, DEFAULT_REDIS, REPO, machine
+from bench.queue_overhead_report import DOCS
 
 COMMAND = ".venv/bin/python -m bench"
 DATA_DIR = "{data_dir}"  # stands for the shared data directory in a benchmark's arguments
@@ -229,7 +229,7 @@ def write_header(path: Path, head: str) -> None:
 def mfu_not_measured(path: Path) -> None:
     """Without a GPU, the MFU section says so, unless it holds numbers from a GPU run."""
     from bench.mfu import NOT_MEASURED, SECTION, not_measured_section
-    from bench.report import write_docs
+    from bench.queue_overhead_report import write_docs
 
     text = path.read_text() if path.exists() else ""
     start = text.find(SECTION + "\n")

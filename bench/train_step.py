@@ -53,7 +53,9 @@ from peft import get_peft_model
 from sqlalchemy.engine import make_url
 from transformers.utils import logging as transformers_logging
 
-from bench.harness import (
+from bench.harness.lora_workers import job_times, lora_worker, worker_threads
+from bench.harness.meters import CpuMeter, SideCpu, load1, median_ms
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     close_client,
@@ -62,10 +64,8 @@ from bench.harness import (
     make_settings,
     scratch_database,
 )
-from bench.lora_service import job_times, lora_worker, worker_threads
-from bench.meters import CpuMeter, SideCpu, load1, median_ms
-from bench.report import DOCS, write_docs
-from bench.stats import Stages
+from bench.harness.stats import Stages
+from bench.queue_overhead_report import DOCS, write_docs
 from bench.train_step_report import (
     RANK,
     SECTION,

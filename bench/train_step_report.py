@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from bench.stats import Latency, Stages
+from bench.harness.stats import Latency, Stages
 
 SECTION = "## Training step: service vs bare PEFT"
 COMMAND = ".venv/bin/python -m bench.train_step"

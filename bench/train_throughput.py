@@ -43,7 +43,9 @@ if __package__ in (None, ""):  # run as a file: `python bench/train_throughput.p
 import torch
 from transformers.utils import logging as transformers_logging
 
-from bench.harness import (
+from bench.harness.lora_workers import job_times, lora_workers, worker_threads
+from bench.harness.meters import CpuMeter
+from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
     close_client,
@@ -52,9 +54,7 @@ from bench.harness import (
     make_settings,
     scratch_database,
 )
-from bench.lora_service import job_times, lora_workers, worker_threads
-from bench.meters import CpuMeter
-from bench.report import DOCS, write_docs
+from bench.queue_overhead_report import DOCS, write_docs
 from bench.train_step import ADAM, BareLoop, make_data, token_rows
 from bench.train_step_report import RANK
 from bench.train_step_report import Size as StepSize

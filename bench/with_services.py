@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import DEFAULT_POSTGRES, DEFAULT_REDIS
+from bench.harness.services import DEFAULT_POSTGRES, DEFAULT_REDIS
 from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import Proc, child_env
+from bench.harness.services import Proc, child_env
 from queue_tinker.settings import Settings
 
 HEALTH_PATH = "/api/v1/healthz"

@@ -34,7 +34,7 @@ from queue_tinker.settings import Settings, settings_env
 if TYPE_CHECKING:
     import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-from bench.harness import Proc, child_env, wait_for_workers
+from bench.harness.services import Proc, child_env, wait_for_workers
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 

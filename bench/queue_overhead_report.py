@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.harness import REPO
+from bench.harness.services import REPO
+from bench.harness.stats import STAGE_NAMES, Latency, LatencyResult, Throughput
 from bench.rq_baseline import RqResult
-from bench.stats import STAGE_NAMES, Latency, LatencyResult, Throughput
 
 DOCS = REPO / "docs" / "benchmarks.md"
 SECTION = "## Queue overhead"
