@@ -65,7 +65,6 @@ from tinker import types as sdk_types
 
 from bench.gateway_report import SECTION, Gap, render
 from bench.harness.gateway import gateway_proc, make_key, process_cpu_s, requests_by_endpoint
-from bench.harness.lora_workers import lora_worker
 from bench.harness.meters import CpuMeter, find_pids
 from bench.harness.services import (
     DEFAULT_POSTGRES,
@@ -77,6 +76,7 @@ from bench.harness.services import (
     scratch_database,
 )
 from bench.harness.stats import Latency
+from bench.harness.workers import lora_worker
 from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker import types as qt_types
 from queue_tinker.client import ServiceClient

@@ -52,7 +52,6 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
-from bench.harness.lora_workers import lora_worker
 from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
@@ -61,6 +60,7 @@ from bench.harness.services import (
     make_settings,
     scratch_database,
 )
+from bench.harness.workers import lora_worker
 from bench.queue_overhead_report import DOCS, write_docs
 
 SECTION = "## Protocol features: zstd bodies, batched sample polling, server-side custom losses"

@@ -43,7 +43,6 @@ import numpy as np
 import torch
 from peft import PeftModel
 
-from bench.harness.lora_workers import job_times, lora_worker, use_torch_threads, worker_threads
 from bench.harness.meters import CpuMeter
 from bench.harness.services import (
     DEFAULT_POSTGRES,
@@ -55,6 +54,7 @@ from bench.harness.services import (
     scratch_database,
     synchronize,
 )
+from bench.harness.workers import job_times, lora_worker, use_torch_threads, worker_threads
 from bench.queue_overhead_report import DOCS, write_docs
 from bench.sampling_report import (
     ADAPTERS,

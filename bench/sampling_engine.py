@@ -44,7 +44,6 @@ if __package__ in (None, ""):  # run as a file
 import numpy as np
 import torch
 
-from bench.harness.lora_workers import lora_worker, use_torch_threads
 from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
@@ -55,6 +54,7 @@ from bench.harness.services import (
     scratch_database,
     synchronize,
 )
+from bench.harness.workers import lora_worker, use_torch_threads
 from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker.builtin_models import PAD_ID
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient

@@ -58,7 +58,6 @@ if __package__ in (None, ""):  # run as a file: `python bench/soak.py`
 import numpy as np
 import redis
 
-from bench.harness.lora_workers import lora_worker
 from bench.harness.services import (
     DEFAULT_POSTGRES,
     DEFAULT_REDIS,
@@ -72,6 +71,7 @@ from bench.harness.services import (
 )
 from bench.harness.services import scratch_database as scratch_db
 from bench.harness.stats import Latency
+from bench.harness.workers import lora_worker
 from bench.queue_overhead_report import DOCS, write_docs
 from queue_tinker import types
 from queue_tinker.client import ServiceClient, TrainingClient

@@ -53,7 +53,6 @@ from peft import get_peft_model
 from sqlalchemy.engine import make_url
 from transformers.utils import logging as transformers_logging
 
-from bench.harness.lora_workers import job_times, lora_worker, worker_threads
 from bench.harness.meters import CpuMeter, SideCpu, load1, median_ms
 from bench.harness.services import (
     DEFAULT_POSTGRES,
@@ -65,6 +64,7 @@ from bench.harness.services import (
     scratch_database,
 )
 from bench.harness.stats import Stages
+from bench.harness.workers import job_times, lora_worker, worker_threads
 from bench.queue_overhead_report import DOCS, write_docs
 from bench.train_step_report import (
     RANK,

@@ -43,7 +43,6 @@ if __package__ in (None, ""):  # run as a file: `python bench/train_throughput.p
 import torch
 from transformers.utils import logging as transformers_logging
 
-from bench.harness.lora_workers import job_times, lora_workers, worker_threads
 from bench.harness.meters import CpuMeter
 from bench.harness.services import (
     DEFAULT_POSTGRES,
@@ -54,6 +53,7 @@ from bench.harness.services import (
     make_settings,
     scratch_database,
 )
+from bench.harness.workers import job_times, lora_workers, worker_threads
 from bench.queue_overhead_report import DOCS, write_docs
 from bench.train_step import ADAM, BareLoop, make_data, token_rows
 from bench.train_step_report import RANK
