@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bench.harness.report import machine_line, reproduce
+
 SECTION = "## Gateway: the official SDK against the Python client"
 COMMAND = ".venv/bin/python -m bench.gateway_round_trip"
 
@@ -65,12 +67,9 @@ def render(
             "Reproduce (`--quick` is a smoke run that leaves this file alone; `--out` writes every "
             "round trip as JSON):",
             "",
-            "```",
-            COMMAND,
-            "```",
+            *reproduce(COMMAND),
             "",
-            "Machine: "
-            + ", ".join(f"{k} {v}" for k, v in info.items())
+            machine_line(info)
             + f". The run took {total_s:.0f} s. The SDK or client, the gateway, the worker, Redis "
             "and Postgres share this machine's cores.",
             "",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -32,21 +31,19 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: `python bench/memory.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.mfu import BASE_NAME, Shape, build_model, machine_info, random_data
-from bench.queue_overhead_report import DOCS, write_docs
+from bench.harness import cli
+from bench.harness.data import datums, token_rows
+from bench.harness.machine import engine_machine
+from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
+from bench.harness.report import measured_on, publish
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.optimizers import forward_backward, op_loss, rows_for
 
@@ -89,8 +86,8 @@ def whole_logits_step(model: torch.nn.Module, data: Sequence[Datum]) -> float:
     ]
     width = logits.shape[1]
     index = torch.cat([torch.arange(t.numel()) + row * width for row, t in enumerate(targets)])
-    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
-    logprobs = -F.cross_entropy(rows, torch.cat(targets), reduction="none")
+    scored = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
+    logprobs = -F.cross_entropy(scored, torch.cat(targets), reduction="none")
     split = list(torch.split(logprobs, [t.numel() for t in targets]))
     loss, _ = op_loss(split, data, LossFn.CROSS_ENTROPY, {}, torch.device("cpu"))
     loss.backward()
@@ -100,10 +97,10 @@ def whole_logits_step(model: torch.nn.Module, data: Sequence[Datum]) -> float:
 def measure(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement:
     """One case, in this process: model, a rank-32 adapter on every linear, one step."""
     model = build_model(SHAPE, "cpu", torch.float32)
-    pool = AdapterPool(model, BASE_NAME, max_resident=1)
-    adapter = pool.add("m", "bench", LoraConfig(rank=RANK, train_unembed=True), seed=0)
+    pool = lora_pool(model, BASE_NAME, adapters=1)
+    [adapter] = add_adapters(pool, LoraConfig(rank=RANK, train_unembed=True), seeds=[0])
+    data = datums(token_rows(rows, seq, vocab=SHAPE.vocab))
     pool.activate(adapter)
-    data = random_data(SHAPE, rows, seq)
     plan = PassPlan(activation_checkpointing="on" if checkpointing else "off")
     start = time.perf_counter()
     if path == "whole":
@@ -165,13 +162,6 @@ def run_all(cases: Sequence[tuple[int, int]]) -> list[Measurement]:
     return results
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def render(results: Sequence[Measurement], info: dict[str, str]) -> str:
     by_case: dict[tuple[int, int], dict[tuple[str, bool], Measurement]] = {}
     for m in results:
@@ -179,8 +169,8 @@ def render(results: Sequence[Measurement], info: dict[str, str]) -> str:
     lines = [
         SECTION,
         "",
-        f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
-        f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
+        measured_on(info)
+        + f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
         "A Llama decoder with Llama-3.1's vocabulary "
         f"({SHAPE.vocab:,}; hidden {SHAPE.hidden}, {SHAPE.layers} layers, MLP "
         f"{SHAPE.intermediate}), random weights, a rank-{RANK} LoRA on every linear layer "
@@ -235,8 +225,8 @@ def render_price(
     lines = [
         PRICE_SECTION,
         "",
-        f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
-        f"{info['date']}; `{COMMAND} --price`. The model and adapter of the section above; one "
+        measured_on(info)
+        + f"{info['date']}; `{COMMAND} --price`. The model and adapter of the section above; one "
         "forward_backward per fresh process, checkpointing on and off alternately, "
         f"{PRICE_ROUNDS} of each, medians. Target: at most 1.4x.",
         "",
@@ -252,7 +242,7 @@ def render_price(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two small cases, docs untouched")
+    cli.add_quick(parser, "two small cases")
     parser.add_argument("--case", help="ROWSxTOKENS: measure one case in this process")
     parser.add_argument("--path", choices=("whole", "chunked"), default="chunked")
     parser.add_argument("--checkpointing", choices=("on", "off"), default="on")
@@ -261,8 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="checkpointing's step-time price only (its own docs section)",
     )
-    parser.add_argument("--no-docs", action="store_true")
-    args = parser.parse_args(argv)
+    cli.add_report(parser, json=False)
+    args = cli.parse(parser, argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.case:
         rows, seq = (int(x) for x in args.case.split("x"))
@@ -270,14 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.price:
         times = run_price(PRICE_CASES, PRICE_ROUNDS)
-        text = render_price(times, machine_info("cpu"))
+        text = render_price(times, engine_machine("cpu"))
         print(text)
-        if not args.no_docs:
-            write_docs(DOCS, text, PRICE_SECTION)
+        publish(args.docs, args.no_docs, text)
         return 0 if times else 1
     results = run_all(QUICK_CASES if args.quick else CASES)
-    if not args.quick and not args.no_docs:
-        write_docs(DOCS, render(results, machine_info("cpu")), SECTION)
+    publish(args.docs, args.no_docs, render(results, engine_machine("cpu")))
     return 0 if results else 1
 
 

@@ -18,24 +18,20 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import resource
 import subprocess
 import sys
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: `python bench/sample_cache.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from transformers import PretrainedConfig
 
-from bench.memory import cpu_model
-from bench.mfu import Shape, build_model, machine_info
-from bench.queue_overhead_report import DOCS, write_docs
+from bench.harness import cli
+from bench.harness.machine import engine_machine
+from bench.harness.models import Shape, build_model
+from bench.harness.report import measured_on, publish
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.memory import kv_bytes_per_token
 from queue_tinker.workers.sampling.cache_budget import peak_cache_tokens
@@ -148,8 +144,8 @@ def render(cases: Sequence[Case], info: dict[str, str]) -> str:
     lines = [
         SECTION,
         "",
-        f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
-        f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
+        measured_on(info)
+        + f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
         f"{first.samples} samples of {PROMPT_TOKENS} prompt + {first.new_tokens:,} new tokens "
         f"(no stop: each runs to its max_tokens) on a Llama decoder of random weights "
         f"({SHAPE.layers} layers, hidden {SHAPE.hidden}, {SHAPE.kv_heads} KV heads: "
@@ -181,17 +177,17 @@ def render(cases: Sequence[Case], info: dict[str, str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small case, docs untouched")
+    cli.add_quick(parser, "a small case")
     parser.add_argument("--case", help="SAMPLESxTOKENS: measure one case in this process")
     parser.add_argument("--budget", type=int, default=None)
-    args = parser.parse_args(argv)
+    cli.add_report(parser, json=False)
+    args = cli.parse(parser, argv)
     if args.case:
         samples, new_tokens = (int(part) for part in args.case.split("x"))
         print(json.dumps(asdict(measure(samples, new_tokens, args.budget))))
         return 0
     cases = run_all(*(QUICK if args.quick else FULL))
-    if not args.quick:
-        write_docs(DOCS, render(cases, machine_info("cpu")), heading=SECTION)
+    publish(args.docs, args.no_docs, render(cases, engine_machine("cpu")))
     return 0
 
 

@@ -29,37 +29,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
 
-from bench.harness.services import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
-    fresh_prefix,
-    machine,
-    make_settings,
-    scratch_database,
-    synchronize,
-)
+from bench.harness import cli
+from bench.harness.baselines import generate, left_padded
+from bench.harness.data import datums, random_prompts, sampling_params
+from bench.harness.meters import synchronize
+from bench.harness.models import ensure_model, frozen_base
+from bench.harness.report import machine_line, publish, reproduce
+from bench.harness.run import TORCH, service_run
+from bench.harness.services import deployment, service_client
 from bench.harness.workers import lora_worker, use_torch_threads
-from bench.queue_overhead_report import DOCS, write_docs
-from queue_tinker.builtin_models import PAD_ID
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient
-from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
-from queue_tinker.workers.model.base_model import ensure_builtin_model, load_base_model
+from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams
 
 SECTION = "## Sampling engine: continuous batching, shared prompts, fair turns"
 GPU_SECTION = "## Sampling engine on a GPU"
@@ -115,15 +105,6 @@ class Result:
     sample_shared_s: float = 0.0
 
 
-def prompts(count: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(8, 49, count)]
-
-
-def params(seed: int, tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, stop=[])
-
-
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -136,31 +117,12 @@ def p90(values: list[float]) -> float:
 def generate_tok_s(model: Any, batch: list[list[int]], tokens: int) -> float:
     """transformers' generate() on the prompts at once, left-padded: generated tokens/s."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in batch)
-    ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = left_padded(batch, device)
     synchronize(device)
     began = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            pad_token_id=PAD_ID,
-        )
+    generate(model, ids, mask, tokens)
     synchronize(device)
-    seconds = time.perf_counter() - began
-    assert out.shape[1] - width == tokens
-    return len(batch) * tokens / seconds
+    return len(batch) * tokens / (time.perf_counter() - began)
 
 
 # --- the service ---------------------------------------------------------------------------------
@@ -193,7 +155,9 @@ def staggered(
         latencies = await asyncio.wait_for(
             asyncio.gather(
                 *(
-                    timed_sample(sampler, p, 1, params(seed + i, tokens), float(arrivals[i]))
+                    timed_sample(
+                        sampler, p, 1, sampling_params(seed + i, tokens), float(arrivals[i])
+                    )
                     for i, p in enumerate(batch)
                 )
             ),
@@ -214,7 +178,7 @@ def at_once(
         await asyncio.wait_for(
             asyncio.gather(
                 *(
-                    timed_sample(sampler, p, n, params(seed + i, tokens))
+                    timed_sample(sampler, p, n, sampling_params(seed + i, tokens))
                     for i, p in enumerate(batch)
                 )
             ),
@@ -242,18 +206,12 @@ def train_steps(tc: TrainingClient, batch: list[Datum], count: int) -> list[floa
 def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size, result: Result) -> None:
     """The trainer's steps alone, the long sample alone, then both at once."""
     tc = trainer.create_lora_training_client(size.model, rank=8, seed=0)
-    row = np.random.default_rng(7).integers(0, 256, 65)
-    batch = [
-        Datum(
-            model_input=ModelInput.from_ints(row[:-1].tolist()),
-            loss_fn_inputs={"target_tokens": TensorData.from_numpy(row[1:].astype(np.int64))},
-        )
-    ]
+    batch = datums([np.random.default_rng(7).integers(0, 256, 65)], weights=False)
     train_steps(tc, batch, 3)  # warm-up: created, resident, kernels loaded
     result.step_alone_s = train_steps(tc, batch, 15)
     sampler = service.create_sampling_client(base_model=size.model)
-    prompt = prompts(1, 9)[0][:16]
-    long = params(5, size.fair_tokens)
+    prompt = random_prompts(1, 9)[0][:16]
+    long = sampling_params(5, size.fair_tokens)
     result.sample_alone_s = asyncio.run(timed_sample(sampler, prompt, size.fair_rows, long))
     began = time.perf_counter()
     future = sampler.sample(ModelInput.from_ints(prompt), size.fair_rows, long)
@@ -266,31 +224,27 @@ def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size, resul
 
 
 def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path) -> Result:
-    models_dir = data_dir / "models"
-    ensure_builtin_model(size.model, models_dir)
-    local = load_base_model(size.model, args.device, models_dir).eval()
+    ensure_model(size.model, data_dir)
+    local = frozen_base(size.model, args.device, data_dir)
     result = Result(size, sum(p.numel() for p in local.parameters()))
-    stream, together = prompts(size.staggered, 1), prompts(size.simultaneous, 2)
-    shared_prompt = prompts(1, 3)[0]
-    with fresh_prefix(args.redis_url, "sampling-engine") as prefix:
-        settings = make_settings(args.redis_url, database_url, prefix, data_dir)
-        log = data_dir / f"worker-{prefix}.log"
-        with lora_worker(settings, size.model, log, device=args.device):
-            service = ServiceClient(settings.model_copy(update={"tenant": "sampler"}))
-            trainer = ServiceClient(settings.model_copy(update={"tenant": "trainer"}))
-            try:
-                sampler = service.create_sampling_client(base_model=size.model)
-                at_once(sampler, together[:4], 1, 4, 0)  # warm-up: the worker's loop is made
-                generate_tok_s(local, together[:4], 4)
-                if args.device != "cpu":  # a GPU warms up per shape (kernels, allocator)
-                    warm = Result(size)
-                    run_round(sampler, local, size, warm, stream, together, shared_prompt, 0)
-                for r in range(size.rounds):
-                    run_round(sampler, local, size, result, stream, together, shared_prompt, r)
-                fair_turns(service, trainer, size, result)
-            finally:
-                close_client(service)
-                close_client(trainer)
+    stream, together = random_prompts(size.staggered, 1), random_prompts(size.simultaneous, 2)
+    shared_prompt = random_prompts(1, 3)[0]
+    with deployment(args.redis_url, database_url, "sampling-engine", data_dir) as settings:
+        log = data_dir / f"worker-{settings.key_prefix}.log"
+        with (
+            lora_worker(settings, size.model, log, device=args.device),
+            service_client(settings.model_copy(update={"tenant": "trainer"})) as trainer,
+            service_client(settings.model_copy(update={"tenant": "sampler"})) as service,
+        ):
+            sampler = service.create_sampling_client(base_model=size.model)
+            at_once(sampler, together[:4], 1, 4, 0)  # warm-up: the worker's loop is made
+            generate_tok_s(local, together[:4], 4)
+            if args.device != "cpu":  # a GPU warms up per shape (kernels, allocator)
+                warm = Result(size)
+                run_round(sampler, local, size, warm, stream, together, shared_prompt, 0)
+            for r in range(size.rounds):
+                run_round(sampler, local, size, result, stream, together, shared_prompt, r)
+            fair_turns(service, trainer, size, result)
     return result
 
 
@@ -306,7 +260,7 @@ def run_round(
 ) -> None:
     median_prompt = sorted(stream, key=len)[len(stream) // 2]
     result.alone_s.append(
-        asyncio.run(timed_sample(sampler, median_prompt, 1, params(100 + r, size.tokens)))
+        asyncio.run(timed_sample(sampler, median_prompt, 1, sampling_params(100 + r, size.tokens)))
     )
     latencies, tok_s = staggered(sampler, stream, size.tokens, 1000 * (r + 1))
     result.staggered_latency_s = latencies
@@ -489,13 +443,12 @@ def render(
             "",
             "Reproduce:",
             "",
-            "```",
-            f"{COMMAND} --threads {threads} --device {device} --models "
-            + " ".join(r.size.model for r in results),
-            "```",
+            *reproduce(
+                f"{COMMAND} --threads {threads} --device {device} --models "
+                + " ".join(r.size.model for r in results)
+            ),
             "",
-            "Machine: "
-            + ", ".join(f"{k} {v}" for k, v in info.items())
+            machine_line(info)
             + f"; torch threads {threads} in every process (OMP_NUM_THREADS={threads} for the "
             f"worker). The run took {total_s:.0f} s.",
             "",
@@ -506,35 +459,15 @@ def render(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.sampling_engine",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
-    )
+    parser = cli.parser("bench.sampling_engine", __doc__)
+    cli.add_services(parser)
     parser.add_argument(
         "--models", nargs="+", default=["queue-tinker/tiny-llama"], choices=list(SIZES)
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="torch threads on every side (OMP_NUM_THREADS for the worker)",
-    )
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        help="the worker's and generate()'s device (cuda: bf16, its own docs section)",
-    )
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
-    args = parser.parse_args(argv)
-    args.no_docs = args.no_docs or args.quick
-    return args
+    cli.add_torch(parser)
+    cli.add_report(parser, json=False)
+    cli.add_quick(parser)
+    return cli.parse(parser, argv)
 
 
 def sizes(args: argparse.Namespace) -> list[Size]:
@@ -549,24 +482,15 @@ def sizes(args: argparse.Namespace) -> list[Size]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    began = time.perf_counter()
     use_torch_threads(args.threads)
-    info = machine(args.redis_url, args.postgres_url, packages=("torch", "transformers", "peft"))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     results = []
-    with (
-        tempfile.TemporaryDirectory(prefix="qt-bench-sampling-engine-") as tmp,
-        scratch_database(args.postgres_url) as database_url,
-    ):
+    with service_run(args, TORCH, "qt-bench-sampling-engine-") as run:
         for size in sizes(args):
             print(f"{size.model}:", flush=True)
-            results.append(measure(args, size, database_url, Path(tmp)))
-    total_s = time.perf_counter() - began
+            results.append(measure(args, size, run.database_url, run.data_dir))
     print("\n" + "\n".join(table(results)))
-    if not args.no_docs:
-        section = render(info, results, total_s, args.threads, args.device)
-        write_docs(args.docs, section, heading=section.splitlines()[0])
-        print(f"wrote {args.docs}")
+    section = render(run.info, results, run.total_s, args.threads, args.device)
+    publish(args.docs, args.no_docs, section)
     return 0
 
 

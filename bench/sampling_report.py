@@ -6,6 +6,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from bench.harness.report import machine_line, reproduce
+
 SECTION = "## Sampling"
 COMMAND = ".venv/bin/python -m bench.sampling"
 TARGET = 1.0  # service tokens/s over generate() tokens/s, base model
@@ -253,12 +255,9 @@ def render(
             "Reproduce (`--quick` is a smoke run that leaves this file alone; `--models` picks "
             "the models, `--big-tokens` the 100M model's `max_tokens`):",
             "",
-            "```",
-            COMMAND + (f" --device {device}" if gpu else ""),
-            "```",
+            *reproduce(COMMAND + (f" --device {device}" if gpu else "")),
             "",
-            "Machine: "
-            + ", ".join(f"{k} {v}" for k, v in info.items())
+            machine_line(info)
             + f"; torch threads, set explicitly (OMP_NUM_THREADS={omp} in the worker's "
             f"environment, `torch.set_num_threads({omp})` here): {thread_text}. The run took "
             f"{total_s:.0f} s; the 100M model runs fewer rounds and shorter requests to keep it "

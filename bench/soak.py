@@ -44,7 +44,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -52,27 +51,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: `python bench/soak.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import redis
 
+from bench.harness import cli
+from bench.harness.data import datums
+from bench.harness.meters import status_kib
+from bench.harness.report import machine_line, publish, reproduce, save
+from bench.harness.run import service_run
 from bench.harness.services import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
     delete_matching,
-    fresh_prefix,
-    machine,
-    make_settings,
-    wait_for_workers,
-    worker_proc,
+    service_client,
 )
-from bench.harness.services import scratch_database as scratch_db
 from bench.harness.stats import Latency
-from bench.harness.workers import lora_worker
-from bench.queue_overhead_report import DOCS, write_docs
+from bench.harness.workers import lora_worker, wait_for_workers, worker_proc
 from queue_tinker import types
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError
@@ -155,13 +147,8 @@ class MemorySampler:
 
 def process_rss(pid: int) -> int | None:
     """VmRSS of a process in bytes, None once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    rss = status_kib(pid, "VmRSS")
+    return None if rss is None else rss * 1024
 
 
 @dataclass
@@ -239,19 +226,7 @@ async def ping_client(
 
 def lora_batch(texts: Sequence[str]) -> list[types.Datum]:
     """Byte tokens (the tiny model's tokenizer), next-token targets, all weights 1."""
-    batch = []
-    for text in texts:
-        ids = list(text.encode())
-        batch.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(ids[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": types.TensorData.from_numpy(np.array(ids[1:], np.int64)),
-                    "weights": types.TensorData.from_numpy(np.ones(len(ids) - 1, np.float32)),
-                },
-            )
-        )
-    return batch
+    return datums(np.frombuffer(text.encode(), np.uint8).astype(np.int64) for text in texts)
 
 
 LORA_BATCHES = [
@@ -463,11 +438,9 @@ def render(
             "",
             "Reproduce (`--help` lists the knobs; `--no-docs` leaves this file alone):",
             "",
-            "```",
-            COMMAND,
-            "```",
+            *reproduce(COMMAND),
             "",
-            "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+            machine_line(info) + ".",
             f"The load ran {seconds:.0f} s. Clients, workers, Redis and Postgres share this "
             "machine's cores.",
             "",
@@ -549,55 +522,28 @@ def results_json(
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = cli.parser("bench.soak", __doc__)
+    cli.add_services(parser)
+    cli.add_knobs(
+        parser,
+        {
+            "--minutes": (5.0, "how long the load runs"),
+            "--clients": (20, "ServiceClients in this process"),
+            "--models": (50, "training runs the pings go to"),
+            "--rate": (5.0, "pings per second per client"),
+            "--window": (16, "at most this many pings in flight per client"),
+            "--workers": (2, "queue-only workers"),
+            "--lora-clients": (2, "training runs on the LoRA worker (0: no LoRA worker)"),
+            "--sample-every": (10, "LoRA steps between save-and-sample rounds"),
+            "--max-resident": (8, "QT_MAX_RESIDENT_ADAPTERS of the workers"),
+            "--sample-s": (5.0, "memory sampling period"),
+            "--stuck-after": (60.0, "a future unresolved this long counts as stuck"),
+            "--max-slope": (1.0, "MiB/min of worker memory growth still called flat"),
+            "--seed": (7, "seed of the arrival times and delays"),
+        },
     )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
-        help="admin URL; a scratch database is created beside it",
-    )
-    parser.add_argument("--minutes", type=float, default=5.0)
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--models", type=int, default=50)
-    parser.add_argument("--rate", type=float, default=5.0, help="pings per second per client")
-    parser.add_argument(
-        "--window", type=int, default=16, help="at most this many pings in flight per client"
-    )
-    parser.add_argument("--workers", type=int, default=2, help="queue-only workers")
-    parser.add_argument(
-        "--lora-clients",
-        type=int,
-        default=2,
-        help="training runs on the LoRA worker (0: no LoRA worker)",
-    )
-    parser.add_argument(
-        "--sample-every", type=int, default=10, help="LoRA steps between save-and-sample rounds"
-    )
-    parser.add_argument(
-        "--max-resident", type=int, default=8, help="QT_MAX_RESIDENT_ADAPTERS of the workers"
-    )
-    parser.add_argument("--sample-s", type=float, default=5.0, help="memory sampling period")
-    parser.add_argument(
-        "--stuck-after",
-        type=float,
-        default=60.0,
-        help="a future unresolved this long counts as stuck",
-    )
-    parser.add_argument(
-        "--max-slope",
-        type=float,
-        default=1.0,
-        help="MiB/min of worker memory growth still called flat",
-    )
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument(
-        "--json", type=Path, default=None, help="also write every number and memory sample here"
-    )
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    return parser.parse_args(argv)
+    cli.add_report(parser)
+    return cli.parse(parser, argv)
 
 
 def start_workers(
@@ -623,14 +569,10 @@ def run(
     """Start the workers and the clients, run the load while sampling memory."""
     with contextlib.ExitStack() as stack:
         pids = start_workers(stack, args, settings, log_dir)
-        services = [ServiceClient(settings) for _ in range(args.clients)]
-        lora_service = ServiceClient(settings) if args.lora_clients else None
-        try:
-            with MemorySampler(pids, settings.redis_url or "", args.sample_s) as memory:
-                seconds = asyncio.run(drive(args, services, lora_service, tally))
-        finally:
-            for service in [*services, *([lora_service] if lora_service else [])]:
-                close_client(service)
+        services = [stack.enter_context(service_client(settings)) for _ in range(args.clients)]
+        lora_service = stack.enter_context(service_client(settings)) if args.lora_clients else None
+        with MemorySampler(pids, settings.redis_url or "", args.sample_s) as memory:
+            seconds = asyncio.run(drive(args, services, lora_service, tally))
     return seconds, memory.series()
 
 
@@ -639,36 +581,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One torch thread in the LoRA worker (it inherits this): it takes one core, not all of
     # them, and the ping load keeps the rest.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    info = machine(args.redis_url, args.postgres_url, packages=("torch",))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    print(
-        f"soak: {args.clients} clients, {args.models} models, {args.workers} queue-only "
-        f"workers, {args.lora_clients} LoRA runs, {args.minutes:g} min ...",
-        flush=True,
-    )
     tally = Tally()
-    with (
-        tempfile.TemporaryDirectory(prefix="qt-soak-") as tmp,
-        scratch_db(args.postgres_url) as database_url,
-        fresh_prefix(args.redis_url, "soak") as prefix,
-    ):
-        try:
-            settings = make_settings(args.redis_url, database_url, prefix, Path(tmp) / "data")
-            settings = settings.model_copy(update={"max_resident_adapters": args.max_resident})
-            seconds, series = run(args, settings, Path(tmp), tally)
-            once = exactly_once(args.redis_url, Keys(prefix), tally)
-        finally:
-            delete_matching(args.redis_url, f"rq:*{prefix}-housekeeping*")
+    with service_run(args, ("torch",), "qt-soak-") as soak:
+        print(
+            f"soak: {args.clients} clients, {args.models} models, {args.workers} queue-only "
+            f"workers, {args.lora_clients} LoRA runs, {args.minutes:g} min ...",
+            flush=True,
+        )
+        data = soak.data_dir / "data"
+        with soak.deployment("soak", data, max_resident_adapters=args.max_resident) as settings:
+            try:
+                seconds, series = run(args, settings, soak.data_dir, tally)
+                once = exactly_once(args.redis_url, Keys(settings.key_prefix), tally)
+            finally:
+                delete_matching(args.redis_url, f"rq:*{settings.key_prefix}-housekeeping*")
+    info = soak.info
     trends = {name: trend(points) for name, points in series.items()}
     checks = verdicts(args, tally, once, trends)
     print_summary(tally, seconds, once, trends, checks)
-    if args.json is not None:
-        args.json.write_text(results_json(info, tally, seconds, once, trends, checks, series))
-    if not args.no_docs:
-        write_docs(
-            args.docs, render(args, info, tally, seconds, once, trends, checks), heading=SECTION
-        )
-        print(f"wrote {args.docs}")
+    save(args.json, results_json(info, tally, seconds, once, trends, checks, series))
+    publish(args.docs, args.no_docs, render(args, info, tally, seconds, once, trends, checks))
     return 0 if all(checks.values()) else 1
 
 

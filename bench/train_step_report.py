@@ -9,12 +9,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from bench.harness.data import RANK
+from bench.harness.report import machine_line, reproduce
 from bench.harness.stats import Latency, Stages
 
 SECTION = "## Training step: service vs bare PEFT"
 COMMAND = ".venv/bin/python -m bench.train_step"
 TARGET_RATIO = 1.10
-RANK = 32  # the service's default LoRA rank (Tinker's)
 # A round is quiet when other processes took less than this many cores' worth of CPU during
 # each of its two blocks.
 QUIET_CORES = 0.25
@@ -341,12 +342,9 @@ def render(
         "",
         "Reproduce (`--quick` is a smoke run that leaves this file alone):",
         "",
-        "```",
-        COMMAND,
-        "```",
+        *reproduce(COMMAND),
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + f"; torch threads: "
-        f"{threads}. The run took {total_s:.0f} s.",
+        machine_line(info) + f"; torch threads: {threads}. The run took {total_s:.0f} s.",
         "",
         NOISE.format(quiet=QUIET_CORES),
         "",

@@ -7,6 +7,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from bench.harness.report import machine_line, reproduce
 from bench.train_step_report import QUIET_CORES
 
 SECTION = "## Training throughput: many models on one worker"
@@ -246,13 +247,9 @@ def render(
         "Reproduce (`--quick` is a smoke run that leaves this file alone; `--models` picks "
         "the sizes, `--counts` the model counts):",
         "",
-        "```",
-        COMMAND,
-        "```",
+        *reproduce(COMMAND),
         "",
-        "Machine: "
-        + ", ".join(f"{k} {v}" for k, v in info.items())
-        + f". The run took {total_s:.0f} s. {batching}",
+        machine_line(info) + f". The run took {total_s:.0f} s. {batching}",
         "",
         f"Target: with {TARGET_MODELS} models, batched ≥ {TARGET_CPU:g}× one at a time on "
         "the same CPU worker: " + "; ".join(verdict(r) for r in results) + f". The GPU "

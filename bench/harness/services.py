@@ -1,6 +1,7 @@
-"""What every benchmark needs around its measurement: worker processes, a scratch Postgres
-database, fresh Redis key prefixes, settings passed to children, bounded client close, and a
-description of the machine.
+"""The Redis and Postgres a benchmark runs against, and its own space in them: the URLs (the
+local servers, or embedded ones where none answers), a scratch database per run, a fresh key
+prefix per part, the settings its processes see, its clients and the job timestamps the queue
+writes.
 
 This mirrors parts of tests/procs.py on purpose: tests must not import bench, and bench does
 not import tests.
@@ -10,20 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
-import importlib
 import os
-import platform
-import re
-import signal
-import subprocess
 import sys
+import tempfile
 import threading
-import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import redis
 
@@ -31,26 +26,49 @@ from queue_tinker.client import ServiceClient
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings, settings_env
 
-if TYPE_CHECKING:
-    import torch
-
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+# Every service benchmark reads its URLs from these (bench.with_services and the suite set them).
+REDIS_ENV, POSTGRES_ENV = "QT_BENCH_REDIS_URL", "QT_BENCH_DATABASE_URL"
+
+
+def redis_url() -> str:
+    return os.environ.get(REDIS_ENV, DEFAULT_REDIS)
+
+
+def postgres_url() -> str:
+    return os.environ.get(POSTGRES_ENV, DEFAULT_POSTGRES)
+
+
+@contextlib.contextmanager
+def local_services(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """`env` with both URLs set: those it has, else the default servers when they answer, else
+    embedded ones, started here and stopped afterwards."""
+    from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
+
+    env = dict(env)
+    with contextlib.ExitStack() as stack:
+        # Not under pytest's or a user's tmp: as root, pgserver runs Postgres as its own user.
+        data = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="qt-services-")))
+        data.chmod(0o755)
+        if REDIS_ENV not in env:
+            url = DEFAULT_REDIS
+            if not answers("127.0.0.1", 6379):
+                url = stack.enter_context(EmbeddedRedis(data / "redis"))
+            env[REDIS_ENV] = url
+        if POSTGRES_ENV not in env:
+            url = DEFAULT_POSTGRES
+            if not answers("127.0.0.1", 5432):
+                url = stack.enter_context(EmbeddedPostgres(data / "postgres"))
+            env[POSTGRES_ENV] = url
+        yield env
 
 
 # --- settings ----------------------------------------------------------------------------------
 def child_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a child process see `settings`."""
     return {**settings_env(settings, os.environ), "PYTHONUNBUFFERED": "1"}
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so a host clock reads finished work."""
-    if device.type == "cuda":
-        import torch  # not at the top: the queue benchmarks run without it
-
-        torch.cuda.synchronize(device)
 
 
 def make_settings(redis_url: str, database_url: str, prefix: str, data_dir: Path) -> Settings:
@@ -61,97 +79,26 @@ def make_settings(redis_url: str, database_url: str, prefix: str, data_dir: Path
     )
 
 
-# --- processes ---------------------------------------------------------------------------------
-class Proc:
-    """A child process logging to a file, stopped with SIGTERM."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            args, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self, timeout: float = 20) -> int:
-        """SIGTERM, then SIGKILL after `timeout` seconds; the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-    def wait(self, timeout: float) -> int:
-        """Wait for the process to exit by itself; the exit code."""
-        code = self.proc.wait(timeout)
-        self._log.close()
-        return code
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop_and_report(self, what: str) -> int:
-        """Stop it; print its log's tail to stderr when it exited with an error."""
-        code = self.stop()
-        if code != 0:
-            print(f"warning: {what} exited with {code}:\n{self.log()[-2000:]}", file=sys.stderr)
-        return code
-
-
-def worker_proc(settings: Settings, log_path: Path) -> Proc:
-    """One queue-only worker (ping and create_model: the queue's own cost) seeing `settings`."""
-    return Proc(
-        [
-            sys.executable,
-            "-m",
-            "queue_tinker.cli",
-            "worker",
-            "--base-model",
-            "tiny",
-            "--device",
-            "cpu",
-            "--engine",
-            "queue-only",
-        ],
-        child_env(settings),
-        log_path,
-    )
-
-
 @contextlib.contextmanager
-def running_workers(
-    settings: Settings, count: int, log_dir: Path, tag: str
-) -> Iterator[list[Proc]]:
-    """`count` workers, registered before the body runs, stopped after it."""
-    procs = [worker_proc(settings, log_dir / f"{tag}-worker-{i}.log") for i in range(count)]
-    try:
-        wait_for_workers(settings, count)
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop_and_report(f"worker {proc.pid}")
+def deployment(
+    redis_url: str, database_url: str, part: str, data_dir: Path, **changes: Any
+) -> Iterator[Settings]:
+    """Settings for one part of a run on a fresh key prefix (its keys deleted afterwards),
+    with `changes` made to the defaults."""
+    with fresh_prefix(redis_url, part) as prefix:
+        settings = make_settings(redis_url, database_url, prefix, data_dir)
+        yield settings.model_copy(update=changes) if changes else settings
 
 
-def wait_for_workers(settings: Settings, count: int, timeout: float = 60) -> None:
-    """Block until `count` workers are registered under the settings' key prefix."""
-    client = redis.Redis.from_url(settings.redis_url or "")
-    keys = Keys(settings.key_prefix)
-    deadline = time.monotonic() + timeout
+# --- clients -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def service_client(settings: Settings) -> Iterator[ServiceClient]:
+    """A ServiceClient on `settings`, closed afterwards without hanging the run (close_client)."""
+    service = ServiceClient(settings)
     try:
-        while time.monotonic() < deadline:
-            if client.zcard(keys.workers()) >= count:
-                return
-            time.sleep(0.02)
+        yield service
     finally:
-        client.close()
-    raise TimeoutError(f"fewer than {count} workers registered within {timeout}s")
+        close_client(service)
 
 
 def close_client(service: ServiceClient, timeout: float = 15) -> None:
@@ -166,6 +113,20 @@ def close_client(service: ServiceClient, timeout: float = 15) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def job_times(redis_url: str, keys: Keys, job_ids: list[str]) -> list[tuple[float, ...] | None]:
+    """(queued_at, started_at, finished_at) of each job, from its hash (Redis clock); None for
+    a job without all three."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(keys.job(job_id), ["queued_at", "started_at", "finished_at"])
+        replies = pipe.execute()
+    finally:
+        client.close()
+    return [None if None in r else tuple(float(v) for v in r) for r in replies]
 
 
 # --- Redis and Postgres scratch space ----------------------------------------------------------
@@ -207,51 +168,6 @@ def scratch_database(admin_url: str) -> Iterator[str]:
         asyncio.run(drop_database(admin_url, name))
 
 
-# --- the machine -------------------------------------------------------------------------------
-def machine(redis_url: str, postgres_url: str, packages: Sequence[str] = ()) -> dict[str, str]:
-    """Hardware and software versions, in the order the docs print them; `packages` are
-    Python packages whose `__version__` to add after Postgres."""
-    cpu = _proc_field("/proc/cpuinfo", r"^model name\s*:\s*(.+)$")
-    ram_kb = _proc_field("/proc/meminfo", r"^MemTotal:\s*(\d+) kB")
-    ram = f"{int(ram_kb) / 1024 / 1024:.1f} GiB" if ram_kb != "unknown" else ram_kb
-    client = redis.Redis.from_url(redis_url)
-    try:
-        redis_version = str(client.info("server")["redis_version"])
-    finally:
-        client.close()
-    commit = "unknown"
-    with contextlib.suppress(Exception):
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    return {
-        "CPU": cpu,
-        "cores": str(os.cpu_count()),
-        "RAM": ram,
-        "OS": f"{platform.system()} {platform.release()}",
-        "Python": platform.python_version(),
-        "Redis": redis_version,
-        "Postgres": postgres_version(postgres_url),
-        **{name: str(importlib.import_module(name).__version__) for name in packages},
-        "redis-py": redis.__version__,
-        "commit": commit,
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
-def _proc_field(path: str, pattern: str) -> str:
-    """The first group of `pattern` in a /proc file, or "unknown"."""
-    with contextlib.suppress(OSError):
-        match = re.search(pattern, Path(path).read_text(), re.M)
-        if match:
-            return match.group(1).strip()
-    return "unknown"
-
-
 def postgres_version(url: str) -> str:
     """`SHOW server_version`, or "unknown (<error>)"."""
     from sqlalchemy import text
@@ -270,3 +186,11 @@ def postgres_version(url: str) -> str:
         return asyncio.run(ask())
     except Exception as exc:
         return f"unknown ({type(exc).__name__})"
+
+
+def redis_version(url: str) -> str:
+    client = redis.Redis.from_url(url)
+    try:
+        return str(client.info("server")["redis_version"])
+    finally:
+        client.close()
