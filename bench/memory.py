@@ -7,10 +7,10 @@ ru_maxrss, so the model and torch's own pages count as they do in a worker):
 - `whole`: the engine's former path: the model's whole logits (rows, positions, vocab), the
   scored rows copied to fp32, cross-entropy, backward through all of it, every layer's
   activations kept.
-- `chunked`: the engine's path (`queue_tinker.workers.training.optimizers.forward_backward` with a
-  `PassPlan`): logprobs through the unembedding a chunk of positions at a time, recomputed in
-  backward, and decoder layers checkpointed (`--checkpointing off` measures the chunked logprobs
-  alone: the price of checkpointing is the step time between the two).
+- `chunked`: the engine's path (a forward_backward op's shared pass with a `PassPlan`, through
+  bench/harness/engine.py): logprobs through the unembedding a chunk of positions at a time,
+  recomputed in backward, and decoder layers checkpointed (`--checkpointing off` measures the
+  chunked logprobs alone: the price of checkpointing is the step time between the two).
 
     .venv/bin/python -m bench.memory                 # every case; writes its docs section
     .venv/bin/python -m bench.memory --price         # checkpointing's step-time price only
@@ -32,20 +32,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from bench.harness import cli
+from bench.harness import cli, engine
 from bench.harness.data import datums, token_rows
 from bench.harness.machine import engine_machine
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import measured_on, publish
-from queue_tinker.types.enums import LossFn
-from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.optimizers import forward_backward, op_loss, rows_for
 
 SECTION = "## Memory at long context: one forward_backward, whole logits vs chunked"
 PRICE_SECTION = "## Activation checkpointing: its price in step time"
@@ -76,45 +70,18 @@ class Measurement:
     loss: float
 
 
-def whole_logits_step(model: torch.nn.Module, data: Sequence[Datum]) -> float:
-    """The former engine path: whole logits, scored rows to fp32, cross-entropy, backward."""
-    rows = rows_for(data, torch.device("cpu"), PassPlan(pack_above_padding=None))
-    ids, mask = rows.ids, rows.mask
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    targets = [
-        torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True)) for d in data
-    ]
-    width = logits.shape[1]
-    index = torch.cat([torch.arange(t.numel()) + row * width for row, t in enumerate(targets)])
-    scored = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
-    logprobs = -F.cross_entropy(scored, torch.cat(targets), reduction="none")
-    split = list(torch.split(logprobs, [t.numel() for t in targets]))
-    loss, _ = op_loss(split, data, LossFn.CROSS_ENTROPY, {}, torch.device("cpu"))
-    loss.backward()
-    return float(loss.detach())
-
-
 def measure(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement:
     """One case, in this process: model, a rank-32 adapter on every linear, one step."""
     model = build_model(SHAPE, "cpu", torch.float32)
     pool = lora_pool(model, BASE_NAME, adapters=1)
     [adapter] = add_adapters(pool, LoraConfig(rank=RANK, train_unembed=True), seeds=[0])
     data = datums(token_rows(rows, seq, vocab=SHAPE.vocab))
-    pool.activate(adapter)
-    plan = PassPlan(activation_checkpointing="on" if checkpointing else "off")
+    plan = engine.PassPlan(activation_checkpointing="on" if checkpointing else "off")
     start = time.perf_counter()
     if path == "whole":
-        loss = whole_logits_step(pool.model, data)
+        loss = engine.whole_logits_forward_backward(pool, adapter, data)
     else:
-        out = forward_backward(
-            pool.model,
-            data,
-            LossFn.CROSS_ENTROPY,
-            {},
-            torch.device("cpu"),
-            backward=True,
-            plan=plan,
-        )
+        [out] = engine.forward_backward(pool, [(adapter, data)], engine.CPU, plan)
         loss = out.metrics["loss:sum"]
     step_s = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux

@@ -5,10 +5,12 @@ The model is `LlamaConfig` (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14
 128256) built with `AutoModelForCausalLM.from_config` in bf16 straight on the device. LoRA goes
 on through the worker's own code: `queue_tinker.workers.model.adapters.AdapterPool.add` (rank 32 by
 default, the service's default targets: every attention, MLP and unembedding linear), and a
-step is `queue_tinker.workers.training.optimizers.forward_backward` (cross-entropy, padded
-batch, per-datum logprobs, as a forward_backward op runs on a worker) followed by
-`queue_tinker.workers.training.optimizers.optim_step` (AdamW on the adapter). Timing
-brackets each call with `torch.cuda.synchronize()`; peak memory is
+step is the engine's forward_backward as a worker runs the op
+(`queue_tinker.workers.training.shared_pass.shared_pass` of the one op: cross-entropy, padded
+batch, per-datum logprobs) followed by its optimizer step
+(`queue_tinker.workers.training.optimizers.optim_steps`: AdamW on the adapter), both called
+through bench/harness/engine.py. Timing brackets each call with `torch.cuda.synchronize()`;
+peak memory is
 `torch.cuda.max_memory_allocated()`. A batch that does not fit is halved until it does.
 
 FLOPs per trained token, T = sequence length, L = layers, d = heads × head_dim:
@@ -24,9 +26,8 @@ FLOPs per trained token, T = sequence length, L = layers, d = heads × head_dim:
 
 MFU = achieved FLOPs/s ÷ the GPU's dense bf16 peak (H100 SXM and H200 989 TFLOPS, H100 PCIe 756,
 A100 312); another GPU gets achieved TFLOPS only. With `--adapters K` (K > 1) it also times K
-adapters' forward_backward ops in one cross-adapter pass
-(`queue_tinker.workers.training.shared_pass.shared_pass`) against the same ops one at a time, on the
-same tokens.
+adapters' forward_backward ops in one cross-adapter pass against the same ops one at a time (a
+pass each), on the same tokens.
 
     .venv/bin/python -m bench.mfu --device cuda                  # writes its docs section
     .venv/bin/python -m bench.mfu --device cpu --quick           # scaled-down smoke run
@@ -45,19 +46,16 @@ from typing import Any
 
 import torch
 
-from bench.harness import cli
+from bench.harness import cli, engine
 from bench.harness.data import datums, token_rows
 from bench.harness.machine import announce, device_name, engine_machine
 from bench.harness.meters import timed
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import machine_line, publish, reproduce
 from bench.harness.workers import quiet_transformers
-from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.training.optimizers import forward_backward, optim_step
-from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
 COMMAND = ".venv/bin/python -m bench.mfu --device cuda"
@@ -148,11 +146,7 @@ class Result:
 def engine_step(
     pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torch.device
 ) -> Callable[[], object]:
-    def step() -> object:
-        pool.activate(adapter)
-        return forward_backward(pool.model, data, LossFn.CROSS_ENTROPY, {}, device, backward=True)
-
-    return step
+    return lambda: engine.forward_backward(pool, [(adapter, data)], device)
 
 
 def measure(
@@ -168,7 +162,7 @@ def measure(
     adam = AdamParams(learning_rate=1e-5)
     for i in range(args.warmup + args.steps):
         fb_s = timed(fb, device)
-        optim_s = timed(lambda: optim_step(adapter, adam), device)
+        optim_s = timed(lambda: engine.optim_step(adapter, adam), device)
         if i >= args.warmup:
             result.fb_s.append(fb_s)
             result.optim_s.append(optim_s)
@@ -187,14 +181,14 @@ def fit_batch(
         data = random_data(shape, batch, args.seq)
         try:
             engine_step(pool, adapter, data, device)()
-            adapter.optimizer.zero_grad(set_to_none=True)
+            engine.clear_grads([adapter])
             return batch, data
         except torch.OutOfMemoryError:
             if batch == 1:
                 raise
         # Out of the except block: its traceback no longer holds the failed pass's tensors.
         print(f"  {batch} × {args.seq} does not fit; halving", flush=True)
-        adapter.optimizer.zero_grad(set_to_none=True)
+        engine.clear_grads([adapter])
         batch //= 2
         gc.collect()
         if device.type == "cuda":
@@ -213,26 +207,20 @@ def measure_adapters(
     k = min(args.adapters, len(data))  # one datum each at least
     adapters = [first, *add_adapters(pool, LoraConfig(rank=args.rank), seeds=range(1, k))]
     parts = [data[i::k] for i in range(k)]
-    ops = [
-        PassOp(a, part, LossFn.CROSS_ENTROPY, {}, True)
-        for a, part in zip(adapters, parts, strict=True)
-        if part
-    ]
+    batches = [(a, part) for a, part in zip(adapters, parts, strict=True) if part]
 
     def together() -> None:
-        shared_pass(pool, ops, device)
+        engine.forward_backward(pool, batches, device)
 
     def apart() -> None:
-        for op in ops:
-            pool.activate(op.adapter)
-            forward_backward(pool.model, op.data, LossFn.CROSS_ENTROPY, {}, device, backward=True)
+        for batch in batches:
+            engine.forward_backward(pool, [batch], device)
 
     times: dict[str, list[float]] = {"one pass": [], "one at a time": []}
     for i in range(args.warmup + args.steps):
         for name, fn in (("one pass", together), ("one at a time", apart)):
             seconds = timed(fn, device)
-            for op in ops:
-                op.adapter.optimizer.zero_grad(set_to_none=True)
+            engine.clear_grads(adapters)
             if i >= args.warmup:
                 times[name].append(seconds)
     return {name: statistics.median(ts) for name, ts in times.items()}
@@ -327,7 +315,7 @@ def render(result: Result, info: dict[str, str], args: argparse.Namespace) -> st
             SECTION,
             "",
             f"Training tokens/s and model FLOPs utilisation of the engine's own LoRA "
-            f"forward_backward (`queue_tinker.workers.training.optimizers.forward_backward` "
+            f"forward_backward (`queue_tinker.workers.training.shared_pass.shared_pass` "
             f"on an adapter "
             f"added by `queue_tinker.workers.model.adapters.AdapterPool`, as a worker runs the op) "
             f"on a {args.shape}-shaped "

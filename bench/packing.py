@@ -19,25 +19,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import cli
+from bench.harness import cli, engine
 from bench.harness.data import datums
 from bench.harness.machine import cpu_model
 from bench.harness.models import add_adapters, frozen_base, lora_pool
 from bench.harness.report import publish, table
-from queue_tinker.types.enums import LossFn
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model.adapters import AdapterPool
-from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.optimizers import rows_for
-from queue_tinker.workers.training.packing import padding_fraction
-from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
 
 SECTION = "## Padding and packing in cross-adapter passes"
 COMMAND = ".venv/bin/python -m bench.packing"
-CPU = torch.device("cpu")
 PLANS = {
-    "padded": PassPlan(pack_above_padding=None),
-    "packed": PassPlan(pack_above_padding=0.0),
+    "padded": engine.PassPlan(pack_above_padding=None),
+    "packed": engine.PassPlan(pack_above_padding=0.0),
 }
 
 
@@ -48,20 +42,17 @@ def sft_lengths(count: int, longest: int, rng: np.random.Generator) -> list[int]
 
 def timed_pass(
     pool: AdapterPool,
-    ops: Sequence[PassOp],
-    plan: PassPlan,
+    batches: Sequence[engine.Batch],
+    plan: engine.PassPlan,
     repeats: int,
 ) -> float:
     """Median seconds of the shared forward_backward pass."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        outs = shared_pass(pool, ops, CPU, plan)
+        engine.forward_backward(pool, batches, engine.CPU, plan)
         times.append(time.perf_counter() - start)
-        assert not any(isinstance(out, Exception) for out in outs)
-        for op in ops:
-            for p in op.adapter.params.values():
-                p.grad = None
+        engine.clear_grads(adapter for adapter, _ in batches)
     return statistics.median(times)
 
 
@@ -82,7 +73,7 @@ def render(
         f"adapters × {args.data} datums of log-normal lengths (median ~150, 16 to {context - 1} "
         f"tokens; {tokens:,} real tokens) in one shared forward_backward pass of `{model}`, "
         f"median of {args.repeats}. One datum a row, the pass is "
-        f"{padding_fraction(lengths):.0%} padding; the engine packs once that passes 50% "
+        f"{engine.padding_share(lengths):.0%} padding; the engine packs once that passes 50% "
         "(`PassPlan.pack_above_padding`).",
         "",
         *table(
@@ -125,27 +116,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = lora_pool(base, model, adapters=args.adapters)
         adapters = add_adapters(pool, LoraConfig(rank=16), seeds=range(args.adapters))
         rng = np.random.default_rng(0)
-        ops = [
-            PassOp(
-                adapter=adapter,
-                data=datums(
+        batches = [
+            (
+                adapter,
+                datums(
                     (rng.integers(0, 256, n + 1) for n in sft_lengths(args.data, context - 1, rng)),
                     weights=False,
                 ),
-                loss_fn=LossFn.CROSS_ENTROPY,
-                config={},
-                backward=True,
             )
             for adapter in adapters
         ]
-        lengths = [d.model_input.length for op in ops for d in op.data]
-        data = [d for op in ops for d in op.data]
-        groups = [len(op.data) for op in ops]
-        shapes = {}
-        for name, plan in PLANS.items():
-            rows, width = rows_for(data, CPU, plan, groups=groups).ids.shape
-            shapes[name] = (int(rows), int(width))
-        seconds = {name: timed_pass(pool, ops, p, args.repeats) for name, p in PLANS.items()}
+        lengths = [d.model_input.length for _, data in batches for d in data]
+        shapes = {name: engine.batch_shape(batches, plan) for name, plan in PLANS.items()}
+        seconds = {
+            name: timed_pass(pool, batches, plan, args.repeats) for name, plan in PLANS.items()
+        }
     text = render(args, model, context, lengths, shapes, seconds)
     print(text, end="")
     publish(args.docs, args.no_docs, text)

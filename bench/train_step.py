@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from sqlalchemy.engine import make_url
 
-from bench.harness import cli
+from bench.harness import cli, engine
 from bench.harness.baselines import ADAM, BareLoop
 from bench.harness.data import RANK, datums, token_rows
 from bench.harness.meters import CpuMeter, SideCpu, load1, median_ms
@@ -77,11 +77,9 @@ from queue_tinker.client import TrainingClient
 from queue_tinker.client.training import make_batch
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import codec
-from queue_tinker.types.enums import LossFn
 from queue_tinker.types.loss_inputs import ModelLimits, check_batch
 from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
-from queue_tinker.workers.training.optimizers import forward_backward
 
 RESULT_TIMEOUT_S = 600.0
 
@@ -176,8 +174,8 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
 
 
 def engine_function_ms(bare: BareLoop, data: list[Datum], reps: int) -> dict[str, float]:
-    """The engine's own forward_backward function (workers/training/optimizers.py: padded
-    batch, per-datum target logprobs and losses, outputs) against the bare forward + backward,
+    """The engine's forward_backward as a worker runs the op (a shared pass: padded batch,
+    per-datum target logprobs and losses, outputs) against the bare forward + backward,
     alternating, on the bare loop's model in this process; median ms of each. Gradients are
     cleared after each call, so the bare loop's state is left as it was."""
     times: dict[str, list[float]] = {"engine forward_backward()": [], "bare forward+backward": []}
@@ -186,7 +184,7 @@ def engine_function_ms(bare: BareLoop, data: list[Datum], reps: int) -> dict[str
         for name in times:
             t0 = time.perf_counter()
             if name.startswith("engine"):
-                forward_backward(bare.model, data, LossFn.CROSS_ENTROPY, {}, cpu, backward=True)
+                engine.forward_backward(bare.pool, [(bare.adapter, data)], cpu)
             else:
                 bare.forward_backward()
             times[name].append(time.perf_counter() - t0)
