@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import sys
@@ -48,7 +47,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -57,49 +55,30 @@ import redis
 from bench.harness import cli
 from bench.harness.data import datums
 from bench.harness.meters import status_kib
-from bench.harness.report import machine_line, publish, reproduce, save
+from bench.harness.report import publish, save
 from bench.harness.run import service_run
 from bench.harness.services import (
     delete_matching,
     service_client,
 )
-from bench.harness.stats import Latency
 from bench.harness.workers import lora_worker, wait_for_workers, worker_proc
+from bench.soak_report import (
+    DELAYS_MS,
+    LORA_MODEL,
+    Outcome,
+    Tally,
+    print_summary,
+    render,
+    results_json,
+)
 from queue_tinker import types
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
-SECTION = "## Soak"
-COMMAND = ".venv/bin/python -m bench.soak --minutes 5 --clients 20 --models 50"
-LORA_MODEL = "queue-tinker/tiny-llama"
-DELAYS_MS = (0, 0, 1, 5, 20)  # drawn uniformly: 40% inline, the rest on the compute thread
-MIB = 1024 * 1024
-
 
 # --- what the run saw --------------------------------------------------------------------------
-@dataclass
-class Tally:
-    """Everything the clients observed, shared by their coroutines (one event loop)."""
-
-    ping_s: list[float] = field(default_factory=list)
-    overhead_s: list[float] = field(default_factory=list)  # round trip minus the ping's delay
-    step_s: list[float] = field(default_factory=list)
-    samples: int = 0
-    job_ids: list[str] = field(default_factory=list)
-    seqs: defaultdict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
-    stuck: list[str] = field(default_factory=list)
-    failed: dict[str, int] = field(default_factory=dict)
-    wrong: list[str] = field(default_factory=list)
-
-    def fail(self, exc: BaseException) -> None:
-        name = type(exc).__name__
-        if name not in self.failed:
-            print(f"warning: op failed: {name}: {exc}", file=sys.stderr, flush=True)
-        self.failed[name] = self.failed.get(name, 0) + 1
-
-
 class MemorySampler:
     """Resident memory of named processes, this one and Redis', every `interval` seconds."""
 
@@ -149,31 +128,6 @@ def process_rss(pid: int) -> int | None:
     """VmRSS of a process in bytes, None once it is gone."""
     rss = status_kib(pid, "VmRSS")
     return None if rss is None else rss * 1024
-
-
-@dataclass
-class Trend:
-    """One process's memory over the run."""
-
-    first_min_mib: float
-    last_min_mib: float
-    slope_mib_per_min: float  # least squares, after the first minute (or over all, if shorter)
-    samples: int
-
-    @property
-    def growth_mib(self) -> float:
-        return self.last_min_mib - self.first_min_mib
-
-
-def trend(series: list[tuple[float, int]]) -> Trend:
-    t = np.array([s for s, _ in series])
-    mib = np.array([v for _, v in series]) / MIB
-    window = min(60.0, t[-1] / 2) if len(t) > 1 else 0.0
-    first = mib[t <= t[0] + window] if window else mib
-    last = mib[t >= t[-1] - window] if window else mib
-    settled = t >= 60.0 if t[-1] >= 120.0 else np.ones_like(t, dtype=bool)
-    slope = float(np.polyfit(t[settled] / 60, mib[settled], 1)[0]) if settled.sum() > 2 else 0.0
-    return Trend(float(first.mean()), float(last.mean()), slope, len(t))
 
 
 # --- the load ----------------------------------------------------------------------------------
@@ -330,196 +284,6 @@ def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
     }
 
 
-def verdicts(
-    args: argparse.Namespace, tally: Tally, once: dict[str, int], trends: dict[str, Trend]
-) -> dict[str, bool]:
-    workers = {n: t for n, t in trends.items() if n.startswith("worker")}
-    return {
-        "no stuck futures": not tally.stuck,
-        "no failed or wrong op": not tally.failed and not tally.wrong,
-        "every op done exactly once": not any(once.values()),
-        f"worker memory flat (slope ≤ {args.max_slope:g} MiB/min)": all(
-            t.slope_mib_per_min <= args.max_slope for t in workers.values()
-        ),
-    }
-
-
-# --- output ------------------------------------------------------------------------------------
-def result_lines(
-    args: argparse.Namespace,
-    tally: Tally,
-    seconds: float,
-    once: dict[str, int],
-    checks: dict[str, bool],
-) -> list[str]:
-    pings = Latency(tally.ping_s or [0.0])
-    overhead = Latency(tally.overhead_s or [0.0])
-    lines = [
-        "| what | value |",
-        "| --- | --- |",
-        f"| pings done | {len(tally.ping_s):,} in {seconds:.0f} s "
-        f"({len(tally.ping_s) / seconds:,.0f}/s) over {args.models} models, "
-        f"{args.clients} clients |",
-        f"| ping round trip (submit → result) | p50 {pings.p50:.1f} ms, "
-        f"p99 {pings.p99:.1f} ms, max {pings.max:.0f} ms |",
-        f"| the same minus each ping's `delay_ms` | p50 {overhead.p50:.1f} ms, "
-        f"p99 {overhead.p99:.1f} ms |",
-    ]
-    if tally.step_s:
-        steps = Latency(tally.step_s)
-        lines.append(
-            f"| LoRA steps (forward_backward + optim_step) | {len(tally.step_s):,} over "
-            f"{args.lora_clients} runs; p50 {steps.p50:.0f} ms, p99 {steps.p99:.0f} "
-            f"ms; {tally.samples} save-and-sample rounds |"
-        )
-    failed = ", ".join(f"{n} × {k}" for k, n in tally.failed.items()) or "none"
-    lines += [
-        f"| stuck futures (unresolved after {args.stuck_after:g} s) | {len(tally.stuck)} |",
-        f"| failed ops / wrong results | {failed} / {len(tally.wrong)} |",
-        f"| pings not done with attempts 1 | {once['not_done_once']} |",
-        f"| models whose results skip or repeat a seq | {once['models_with_gaps']} |",
-        f"| ping publishes minus pings done | {once['published_minus_done']} |",
-    ]
-    lines += ["", "| check | verdict |", "| --- | --- |"]
-    lines += [f"| {name} | {'**met**' if ok else '**not met**'} |" for name, ok in checks.items()]
-    return lines
-
-
-def memory_lines(trends: dict[str, Trend]) -> list[str]:
-    lines = [
-        "| process | first minute, mean MiB | last minute, mean MiB | growth MiB | "
-        "slope after the first minute, MiB/min | samples |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, t in trends.items():
-        lines.append(
-            f"| {name} | {t.first_min_mib:.1f} | {t.last_min_mib:.1f} | "
-            f"{t.growth_mib:+.1f} | {t.slope_mib_per_min:+.2f} | {t.samples} |"
-        )
-    return lines
-
-
-def render(
-    args: argparse.Namespace,
-    info: dict[str, str],
-    tally: Tally,
-    seconds: float,
-    once: dict[str, int],
-    trends: dict[str, Trend],
-    checks: dict[str, bool],
-) -> str:
-    load = (
-        f"{args.clients} clients (each a `ServiceClient` with its own loop and "
-        f"connections, in one process) send pings at random times, {args.rate:g} per "
-        f"second each on average (at most {args.window} in flight), over {args.models} "
-        f"training runs served by {args.workers} queue-only workers; each ping's "
-        f"`delay_ms` is drawn from {', '.join(map(str, DELAYS_MS))} (0 runs inline, the "
-        f"others on the worker's compute thread)."
-    )
-    if args.lora_clients:
-        load += (
-            f" Beside them, {args.lora_clients} training runs on `{LORA_MODEL}` train "
-            f"without a pause on one LoRA worker (forward_backward + optim_step; every "
-            f"{args.sample_every} steps `save_weights_and_get_sampling_client` and one "
-            f"8-token sample). Workers keep at most {args.max_resident} adapters "
-            f"(`QT_MAX_RESIDENT_ADAPTERS`), so the sampler cache is full within the first "
-            f"minute and every later round evicts one; it computes with one torch thread "
-            f"(`OMP_NUM_THREADS=1`). One LoRA worker with two runs is what fits beside the "
-            f"ping load on this machine's two cores; the point is its memory over time, "
-            f"not its speed."
-        )
-    return "\n".join(
-        [
-            SECTION,
-            "",
-            "Many clients over many models for minutes, against the real Redis and Postgres and "
-            "real worker processes, with production settings: no future may get stuck, every op "
-            "must be done exactly once, worker memory must stay flat. " + load,
-            "",
-            "Reproduce (`--help` lists the knobs; `--no-docs` leaves this file alone):",
-            "",
-            *reproduce(COMMAND),
-            "",
-            machine_line(info) + ".",
-            f"The load ran {seconds:.0f} s. Clients, workers, Redis and Postgres share this "
-            "machine's cores.",
-            "",
-            *result_lines(args, tally, seconds, once, checks),
-            "",
-            f"Resident memory, sampled every {args.sample_s:g} s (VmRSS from /proc; Redis: "
-            "`used_memory`). The first minute includes start-up (the model, the first "
-            "allocations), so the slope, fitted after it, is the measure of a leak. The client "
-            "process keeps every round trip and request id for the checks (a few hundred bytes "
-            "per op), and Redis keeps each job's hash for `QT_RESULT_TTL_S` (an hour by "
-            "default): both grow with the ops done, as they should.",
-            "",
-            *memory_lines(trends),
-            "",
-        ]
-    )
-
-
-def print_summary(
-    tally: Tally,
-    seconds: float,
-    once: dict[str, int],
-    trends: dict[str, Trend],
-    checks: dict[str, bool],
-) -> None:
-    pings = Latency(tally.ping_s or [0.0])
-    overhead = Latency(tally.overhead_s or [0.0])
-    print(
-        f"\npings {len(tally.ping_s):,} in {seconds:.0f} s ({len(tally.ping_s) / seconds:,.0f}"
-        f"/s): p50 {pings.p50:.1f} ms p99 {pings.p99:.1f} ms max {pings.max:.0f} ms; minus "
-        f"delay_ms: p50 {overhead.p50:.1f} ms p99 {overhead.p99:.1f} ms"
-    )
-    if tally.step_s:
-        steps = Latency(tally.step_s)
-        print(
-            f"lora steps {len(tally.step_s)}: p50 {steps.p50:.0f} ms p99 {steps.p99:.0f} ms; "
-            f"samples {tally.samples}"
-        )
-    print(
-        f"stuck {len(tally.stuck)} {tally.stuck[:5]}; failed {tally.failed}; "
-        f"wrong {len(tally.wrong)}; exactly once {once}"
-    )
-    for name, t in trends.items():
-        print(
-            f"{name:<28} first {t.first_min_mib:8.1f} MiB  last {t.last_min_mib:8.1f} MiB  "
-            f"growth {t.growth_mib:+7.1f} MiB  slope {t.slope_mib_per_min:+6.2f} MiB/min"
-        )
-    for name, ok in checks.items():
-        print(f"{'ok ' if ok else 'FAIL'} {name}")
-
-
-def results_json(
-    info: dict[str, str],
-    tally: Tally,
-    seconds: float,
-    once: dict[str, int],
-    trends: dict[str, Trend],
-    checks: dict[str, bool],
-    series: dict[str, list[tuple[float, int]]],
-) -> str:
-    return json.dumps(
-        {
-            "machine": info,
-            "seconds": seconds,
-            "pings": Latency(tally.ping_s or [0.0]).summary(),
-            "ping_overhead": Latency(tally.overhead_s or [0.0]).summary(),
-            "lora_steps": Latency(tally.step_s).summary() if tally.step_s else None,
-            "samples": tally.samples,
-            "stuck": tally.stuck,
-            "failed": tally.failed,
-            "wrong": tally.wrong,
-            "exactly_once": once,
-            "checks": checks,
-            "memory": {name: {**vars(t), "series": series[name]} for name, t in trends.items()},
-        },
-        indent=1,
-    )
-
-
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.soak", __doc__)
@@ -595,13 +359,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 once = exactly_once(args.redis_url, Keys(settings.key_prefix), tally)
             finally:
                 delete_matching(args.redis_url, f"rq:*{settings.key_prefix}-housekeeping*")
-    info = soak.info
-    trends = {name: trend(points) for name, points in series.items()}
-    checks = verdicts(args, tally, once, trends)
-    print_summary(tally, seconds, once, trends, checks)
-    save(args.json, results_json(info, tally, seconds, once, trends, checks, series))
-    publish(args.docs, args.no_docs, render(args, info, tally, seconds, once, trends, checks))
-    return 0 if all(checks.values()) else 1
+    outcome = Outcome(tally, seconds, once, series, args.max_slope)
+    print_summary(outcome)
+    save(args.json, results_json(soak.info, outcome))
+    publish(args.docs, args.no_docs, render(args, soak.info, outcome))
+    return 0 if all(outcome.checks.values()) else 1
 
 
 if __name__ == "__main__":
