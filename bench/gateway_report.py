@@ -5,14 +5,13 @@ the raw JSON."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from bench.harness.report import machine_line, reproduce
+from bench.harness.report import json_document, machine_line, reproduce
 from bench.harness.stats import Latency
 
 SECTION = "## Gateway: the official SDK against the Python client"
@@ -249,37 +248,32 @@ def note_lines(results: list[ShapeResult]) -> list[str]:
 def results_json(
     info: dict[str, str], args: argparse.Namespace, results: list[ShapeResult], total_s: float
 ) -> str:
-    return json.dumps(
-        {
-            "machine": info,
-            "model": args.model,
-            "rounds": args.rounds,
-            "warmup": args.warmup,
-            "total_s": total_s,
-            "stages": [long for _, long in STAGES],
-            "shapes": [
-                {
-                    "shape": asdict(r.shape),
-                    "ratio_p50": r.ratio(),
-                    "overhead_ms": r.overhead_ms(),
-                    "http_requests_per_sdk_trip": r.requests_per_trip(),
-                    "other_processes_cores": r.foreign_cores,
-                    "doors": {
-                        name: {
-                            "model_id": d.model_id,
-                            "first_loss": d.first_loss,
-                            "latency": d.latency.summary(),
-                            "cpu_ms_per_trip": d.cpu_ms(),
-                            "stages_p50_ms": [
-                                None if np.isnan(v) else v for v in d.stage_medians_ms()
-                            ],
-                            "trips": [asdict(t) for t in d.trips],
-                        }
-                        for name, d in r.doors.items()
-                    },
-                }
-                for r in results
-            ],
-        },
-        indent=2,
+    return json_document(
+        info,
+        model=args.model,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        total_s=total_s,
+        stages=[long for _, long in STAGES],
+        shapes=[
+            {
+                "shape": asdict(r.shape),
+                "ratio_p50": r.ratio(),
+                "overhead_ms": r.overhead_ms(),
+                "http_requests_per_sdk_trip": r.requests_per_trip(),
+                "other_processes_cores": r.foreign_cores,
+                "doors": {
+                    name: {
+                        "model_id": d.model_id,
+                        "first_loss": d.first_loss,
+                        "latency": d.latency.summary(),
+                        "cpu_ms_per_trip": d.cpu_ms(),
+                        "stages_p50_ms": [None if np.isnan(v) else v for v in d.stage_medians_ms()],
+                        "trips": [asdict(t) for t in d.trips],
+                    }
+                    for name, d in r.doors.items()
+                },
+            }
+            for r in results
+        ],
     )

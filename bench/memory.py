@@ -23,20 +23,18 @@ price is its own run (`--price`): on and off alternately, each three times, medi
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from bench.harness import cli, engine
 from bench.harness.data import datums, token_rows
+from bench.harness.isolated import print_result, run_isolated
 from bench.harness.machine import engine_machine
+from bench.harness.meters import peak_rss_bytes
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import measured_on, publish
 from queue_tinker.types.training import LoraConfig
@@ -84,28 +82,19 @@ def measure(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement:
         [out] = engine.forward_backward(pool, [(adapter, data)], engine.CPU, plan)
         loss = out.metrics["loss:sum"]
     step_s = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
+    peak = peak_rss_bytes() / GIB
     return Measurement(rows, seq, path, checkpointing, step_s, peak, loss)
 
 
 def run_case(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement | None:
     """The case in a fresh process; None if it failed (out of memory)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.memory",
-        "--case",
-        f"{rows}x{seq}",
-        "--path",
-        path,
-        "--checkpointing",
-        "on" if checkpointing else "off",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        print(done.stderr[-2000:], file=sys.stderr)
+    args = ["--case", f"{rows}x{seq}", "--path", path]
+    found = run_isolated(
+        "bench.memory", [*args, "--checkpointing", "on" if checkpointing else "off"]
+    )
+    if found is None:
         return None
-    result = Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+    result = Measurement(**found)
     print(
         f"{rows} x {seq:>5} {path:>7} checkpointing={checkpointing!s:5} "
         f"{result.step_s:7.1f} s  peak RSS {result.peak_rss_gib:5.2f} GiB",
@@ -223,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.case:
         rows, seq = (int(x) for x in args.case.split("x"))
-        print(json.dumps(asdict(measure(rows, seq, args.path, args.checkpointing == "on"))))
+        print_result(measure(rows, seq, args.path, args.checkpointing == "on"))
         return 0
     if args.price:
         times = run_price(PRICE_CASES, PRICE_ROUNDS)

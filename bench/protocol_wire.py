@@ -48,7 +48,7 @@ from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from bench.harness import cli
 from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
-from bench.harness.report import machine_line, publish, reproduce
+from bench.harness.report import machine_line, publish, reproduce, table
 from bench.harness.run import service_run
 from bench.harness.workers import lora_worker
 
@@ -265,32 +265,39 @@ def custom_loss_run(
 
 
 def custom_loss_lines(results: list[CustomLossResult]) -> list[str]:
-    lines = [
-        "| model | batch | server-side steps/s | client-side steps/s | ratio |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    columns = ("model", "batch", "server-side steps/s", "client-side steps/s", "ratio")
+    rows = []
     for r in results:
         server, client = r.steps_per_s(r.server_s), r.steps_per_s(r.client_s)
-        lines.append(
-            f"| `{r.model}` | {r.shape} | {server:.2f} | {client:.2f} | {server / client:.2f}x |"
+        rows.append(
+            (f"`{r.model}`", r.shape, f"{server:.2f}", f"{client:.2f}", f"{server / client:.2f}x")
         )
-    return lines
+    return table(columns, rows)
 
 
 def wire_lines(results: list[WireResult]) -> list[str]:
-    lines = [
-        "| shape | bytes, plain | bytes, zstd | ratio | round trip p50 ms, plain | "
-        "round trip p50 ms, zstd (of which compress) | break-even link, Mbit/s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        plain, packed = statistics.median(r.plain_ms), statistics.median(r.zstd_ms)
-        lines.append(
-            f"| {r.shape.label} | {r.plain_bytes:,} | {r.zstd_bytes:,} | "
-            f"{r.plain_bytes / r.zstd_bytes:.1f}x | {plain:.1f} | {packed:.1f} "
-            f"({statistics.median(r.compress_ms):.1f}) | {break_even_mbit_s(r):,.0f} |"
+    columns = (
+        "shape",
+        "bytes, plain",
+        "bytes, zstd",
+        "ratio",
+        "round trip p50 ms, plain",
+        "round trip p50 ms, zstd (of which compress)",
+        "break-even link, Mbit/s",
+    )
+    rows = (
+        (
+            r.shape.label,
+            f"{r.plain_bytes:,}",
+            f"{r.zstd_bytes:,}",
+            f"{r.plain_bytes / r.zstd_bytes:.1f}x",
+            f"{statistics.median(r.plain_ms):.1f}",
+            f"{statistics.median(r.zstd_ms):.1f} ({statistics.median(r.compress_ms):.1f})",
+            f"{break_even_mbit_s(r):,.0f}",
         )
-    return lines
+        for r in results
+    )
+    return table(columns, rows)
 
 
 def break_even_mbit_s(r: WireResult) -> float:
@@ -301,18 +308,24 @@ def break_even_mbit_s(r: WireResult) -> float:
 
 
 def poll_lines(results: list[PollResult]) -> list[str]:
-    lines = [
-        "| polling | samples in flight | HTTP requests by endpoint | requests per sample | "
-        "wall s |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        by_endpoint = ", ".join(f"`{k}` {v}" for k, v in sorted(r.requests.items()))
-        lines.append(
-            f"| {r.mode} | {r.samples} | {by_endpoint} | "
-            f"{sum(r.requests.values()) / r.samples:.2f} | {r.wall_s:.1f} |"
+    columns = (
+        "polling",
+        "samples in flight",
+        "HTTP requests by endpoint",
+        "requests per sample",
+        "wall s",
+    )
+    rows = (
+        (
+            r.mode,
+            r.samples,
+            ", ".join(f"`{k}` {v}" for k, v in sorted(r.requests.items())),
+            f"{sum(r.requests.values()) / r.samples:.2f}",
+            f"{r.wall_s:.1f}",
         )
-    return lines
+        for r in results
+    )
+    return table(columns, rows)
 
 
 def render(

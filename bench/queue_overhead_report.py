@@ -3,10 +3,7 @@ docs/benchmarks.md, the table on stdout, and the raw JSON."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-from bench.harness.report import machine_line, reproduce, table
+from bench.harness.report import json_document, machine_line, reproduce, table
 from bench.harness.stats import STAGE_NAMES, Latency, LatencyResult, Throughput
 from bench.rq_baseline import RqResult
 
@@ -266,9 +263,9 @@ def results_json(
     rq_result: RqResult | None,
 ) -> str:
     """Every number of the run, for `--json`."""
-    doc: dict[str, Any] = {
-        "machine": info,
-        "latency": {
+    return json_document(
+        info,
+        latency={
             k: {
                 "round_trip": v.latency.summary(),
                 "enqueue": v.enqueue.summary(),
@@ -277,16 +274,15 @@ def results_json(
             }
             for k, v in lat.items()
         },
-        "throughput": {
+        throughput={
             str(k): {"ops": t.ops, "seconds": t.seconds, "ops_per_s": t.per_s, **t.extra}
             for k, t in tput.items()
         },
-        "rq": None
+        rq=None
         if rq_result is None
         else {
             "round_trip": rq_result.latency.summary(),
             "throughput_ops_per_s": rq_result.throughput.per_s,
             "enqueue_many_s": rq_result.enqueue_s,
         },
-    }
-    return json.dumps(doc, indent=2)
+    )

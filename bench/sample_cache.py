@@ -18,18 +18,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import resource
-import subprocess
 import sys
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
 from bench.harness import cli
+from bench.harness.isolated import print_result, run_isolated
 from bench.harness.machine import engine_machine
+from bench.harness.meters import peak_rss_bytes
 from bench.harness.models import Shape, build_model
 from bench.harness.report import measured_on, publish
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
@@ -101,7 +101,7 @@ def measure(samples: int, new_tokens: int, budget: int | None) -> Case:
         new_tokens=new_tokens,
         budget=budget,
         seconds=seconds,
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MIB,
+        peak_rss_mib=peak_rss_bytes() / MIB,
         peak_cache_tokens=most_cache,
         most_rows=most_rows,
         kv_bytes=kv_bytes_per_token(config, 4),
@@ -111,11 +111,13 @@ def measure(samples: int, new_tokens: int, budget: int | None) -> Case:
 
 def run_case(samples: int, new_tokens: int, budget: int | None) -> Case:
     """The case in a fresh process."""
-    command = [sys.executable, "-m", "bench.sample_cache", "--case", f"{samples}x{new_tokens}"]
-    if budget is not None:
-        command += ["--budget", str(budget)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    case = Case(**json.loads(done.stdout.strip().splitlines()[-1]))
+    args = ["--case", f"{samples}x{new_tokens}"]
+    found = run_isolated(
+        "bench.sample_cache", args + ([] if budget is None else ["--budget", str(budget)])
+    )
+    if found is None:
+        raise RuntimeError(f"the case {samples} x {new_tokens}, budget {budget}, failed")
+    case = Case(**found)
     print(
         f"budget {budget or 'none':>6}: {case.seconds:6.1f} s, peak RSS {case.peak_rss_mib:6.0f}"
         f" MiB, cache {case.peak_cache_tokens:,} tokens, {case.most_rows} rows at most",
@@ -184,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = cli.parse(parser, argv)
     if args.case:
         samples, new_tokens = (int(part) for part in args.case.split("x"))
-        print(json.dumps(asdict(measure(samples, new_tokens, args.budget))))
+        print_result(measure(samples, new_tokens, args.budget))
         return 0
     cases = run_all(*(QUICK if args.quick else FULL))
     publish(args.docs, args.no_docs, render(cases, engine_machine("cpu")))

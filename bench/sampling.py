@@ -317,7 +317,7 @@ SIZES = {
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.sampling", __doc__)
     cli.add_services(parser)
-    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    cli.add_models(parser, SIZES, default=SIZES)
     cli.add_torch(parser)
     parser.add_argument("--big-tokens", type=int, default=None, help="max_tokens at 100M")
     cli.add_report(parser, json=False)

@@ -244,9 +244,7 @@ def run_round(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.sampling_engine", __doc__)
     cli.add_services(parser)
-    parser.add_argument(
-        "--models", nargs="+", default=["queue-tinker/tiny-llama"], choices=list(SIZES)
-    )
+    cli.add_models(parser, SIZES, default=["queue-tinker/tiny-llama"])
     cli.add_torch(parser)
     cli.add_report(parser, json=False)
     cli.add_quick(parser)

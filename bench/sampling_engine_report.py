@@ -61,7 +61,16 @@ def p90(values: list[float]) -> float:
     return float(np.percentile(values, 90)) if values else float("nan")
 
 
-def rows(r: Result) -> list[tuple[str, str, str, float, str]]:
+Row = tuple[str, str, str, float, str]  # what, service, baseline, ratio, target
+
+
+def tokens_row(what: str, service: list[float], baseline: list[float], target: str) -> Row:
+    """Two tokens/s figures of the same run, medians over rounds, and their ratio."""
+    ours, theirs = median(service), median(baseline)
+    return (what, f"{ours:,.0f} tok/s", f"{theirs:,.0f} tok/s", ours / theirs, target)
+
+
+def rows(r: Result) -> list[Row]:
     """(what, service, baseline, ratio, target) per measurement."""
     s = r.size
     alone, stag = median(r.alone_s), median(r.staggered_median_s)
@@ -74,41 +83,36 @@ def rows(r: Result) -> list[tuple[str, str, str, float, str]]:
             stag / alone,
             "≤ 2×",
         ),
-        (
+        tokens_row(
             "staggered: the stream's tokens/s vs generate() on the same requests at once",
-            f"{median(r.staggered_tok_s):,.0f} tok/s",
-            f"{median(r.generate_staggered_tok_s):,.0f} tok/s",
-            median(r.staggered_tok_s) / median(r.generate_staggered_tok_s),
+            r.staggered_tok_s,
+            r.generate_staggered_tok_s,
             "stated",
         ),
-        (
+        tokens_row(
             f"{s.simultaneous} requests at once, {s.tokens} tokens each, vs generate()",
-            f"{median(r.simultaneous_tok_s):,.0f} tok/s",
-            f"{median(r.generate_simultaneous_tok_s):,.0f} tok/s",
-            median(r.simultaneous_tok_s) / median(r.generate_simultaneous_tok_s),
+            r.simultaneous_tok_s,
+            r.generate_simultaneous_tok_s,
             "≥ 1.2×",
         ),
-        (
+        tokens_row(
             f"{s.long_rows} requests at once, {s.long_tokens} tokens each (long samples), vs "
             "generate()",
-            f"{median(r.long_samples_tok_s):,.0f} tok/s",
-            f"{median(r.generate_long_samples_tok_s):,.0f} tok/s",
-            median(r.long_samples_tok_s) / median(r.generate_long_samples_tok_s),
+            r.long_samples_tok_s,
+            r.generate_long_samples_tok_s,
             "stated",
         ),
-        (
+        tokens_row(
             f"num_samples={s.shared} of one prompt vs {s.shared} requests of it",
-            f"{median(r.shared_tok_s):,.0f} tok/s",
-            f"{median(r.separate_tok_s):,.0f} tok/s",
-            median(r.shared_tok_s) / median(r.separate_tok_s),
+            r.shared_tok_s,
+            r.separate_tok_s,
             "≥ 1.5×",
         ),
-        (
+        tokens_row(
             f"num_samples={s.shared} of one {s.long_prompt}-token prompt vs {s.shared} requests "
             f"of distinct {s.long_prompt}-token prompts (what sharing the prefill saves)",
-            f"{median(r.long_shared_tok_s):,.0f} tok/s",
-            f"{median(r.long_distinct_tok_s):,.0f} tok/s",
-            median(r.long_shared_tok_s) / median(r.long_distinct_tok_s),
+            r.long_shared_tok_s,
+            r.long_distinct_tok_s,
             "stated",
         ),
         (

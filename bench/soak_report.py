@@ -4,14 +4,13 @@ docs/benchmarks.md, the summary on stdout and the raw JSON."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.harness.report import machine_line, reproduce, table
+from bench.harness.report import json_document, machine_line, reproduce, table
 from bench.harness.stats import Latency
 
 SECTION = "## Soak"
@@ -250,23 +249,20 @@ def print_summary(outcome: Outcome) -> None:
 
 def results_json(info: dict[str, str], outcome: Outcome) -> str:
     tally = outcome.tally
-    return json.dumps(
-        {
-            "machine": info,
-            "seconds": outcome.seconds,
-            "pings": tally.pings.summary(),
-            "ping_overhead": tally.overheads.summary(),
-            "lora_steps": Latency(tally.step_s).summary() if tally.step_s else None,
-            "samples": tally.samples,
-            "stuck": tally.stuck,
-            "failed": tally.failed,
-            "wrong": tally.wrong,
-            "exactly_once": outcome.once,
-            "checks": outcome.checks,
-            "memory": {
-                name: {**vars(t), "series": outcome.series[name]}
-                for name, t in outcome.trends.items()
-            },
-        },
+    return json_document(
+        info,
         indent=1,
+        seconds=outcome.seconds,
+        pings=tally.pings.summary(),
+        ping_overhead=tally.overheads.summary(),
+        lora_steps=Latency(tally.step_s).summary() if tally.step_s else None,
+        samples=tally.samples,
+        stuck=tally.stuck,
+        failed=tally.failed,
+        wrong=tally.wrong,
+        exactly_once=outcome.once,
+        checks=outcome.checks,
+        memory={
+            name: {**vars(t), "series": outcome.series[name]} for name, t in outcome.trends.items()
+        },
     )

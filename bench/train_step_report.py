@@ -4,13 +4,13 @@ vs bare PEFT` section of docs/benchmarks.md and the tables on stdout."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from bench.harness.data import RANK
-from bench.harness.report import machine_line, reproduce
+from bench.harness.report import json_document, machine_line, reproduce
 from bench.harness.stats import Latency, Stages
 
 SECTION = "## Training step: service vs bare PEFT"
@@ -365,30 +365,26 @@ def render(
 
 
 def results_json(info: dict[str, str], results: list[SizeResult]) -> str:
-    return json.dumps(
-        {
-            "machine": info,
-            "sizes": [
-                {
-                    "size": asdict(r.size),
-                    "params": r.params,
-                    "lora_params": r.lora_params,
-                    "threads": r.threads,
-                    "ratio": r.ratio,
-                    "ratio_quiet": r.ratio_quiet(),
-                    "rounds": [asdict(x) for x in r.rounds],
-                    "bare_s": r.bare,
-                    "service_s": r.service,
-                    "first_loss": r.first_loss,
-                    "stages_p50_ms": r.stages.medians_ms(),
-                    "snapshots": r.snapshots,
-                    "load": r.load,
-                    "codec_ms": r.codec_ms,
-                    "engine_ms": r.engine_ms,
-                    "side_cpu_ms": r.side_ms,
-                }
-                for r in results
-            ],
-        },
-        indent=2,
-    )
+    return json_document(info, sizes=[size_json(r) for r in results])
+
+
+def size_json(r: SizeResult) -> dict[str, Any]:
+    """Every number measured for one size."""
+    return {
+        "size": asdict(r.size),
+        "params": r.params,
+        "lora_params": r.lora_params,
+        "threads": r.threads,
+        "ratio": r.ratio,
+        "ratio_quiet": r.ratio_quiet(),
+        "rounds": [asdict(x) for x in r.rounds],
+        "bare_s": r.bare,
+        "service_s": r.service,
+        "first_loss": r.first_loss,
+        "stages_p50_ms": r.stages.medians_ms(),
+        "snapshots": r.snapshots,
+        "load": r.load,
+        "codec_ms": r.codec_ms,
+        "engine_ms": r.engine_ms,
+        "side_cpu_ms": r.side_ms,
+    }

@@ -336,7 +336,7 @@ def sizes(args: argparse.Namespace) -> list[Size]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.train_throughput", __doc__)
     cli.add_services(parser)
-    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    cli.add_models(parser, SIZES, default=SIZES)
     parser.add_argument(
         "--counts", type=int, nargs="+", default=[1, 4, 8, 16], help="how many models train at once"
     )

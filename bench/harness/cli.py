@@ -8,7 +8,7 @@ import argparse
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,13 @@ def add_batch(parser: argparse.ArgumentParser, flag: str, default: tuple[int, in
     parser.add_argument(
         flag, type=int, nargs=2, default=list(default), metavar=("DATUMS", "TOKENS")
     )
+
+
+def add_models(
+    parser: argparse.ArgumentParser, models: Iterable[str], default: Iterable[str]
+) -> None:
+    """--models: which of the benchmark's models to run."""
+    parser.add_argument("--models", nargs="+", default=list(default), choices=list(models))
 
 
 def add_torch(parser: argparse.ArgumentParser) -> None:

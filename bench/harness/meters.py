@@ -1,14 +1,16 @@
 """What a benchmark measures beside its own timings. From /proc: how much CPU the rest of the
 machine takes (`CpuMeter`), the CPU time each part of the service uses (`SideCpu`: a worker's
 threads, the client, Redis, Postgres), a process's CPU time and memory (`process_cpu_s`,
-`status_kib`) and the 1-minute load average (`load1`). In-process: the median time of a call
-(`median_ms`), and a call's time with the device's queued work drained (`timed`).
+`status_kib`, this one's `peak_rss_bytes`) and the 1-minute load average (`load1`).
+In-process: the median time of a call (`median_ms`), and a call's time with the device's
+queued work drained (`timed`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -121,6 +123,11 @@ def status_kib(pid: int, field: str) -> int | None:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (ru_maxrss, in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def load1() -> float:

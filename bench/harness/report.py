@@ -4,9 +4,11 @@ the machine line, Markdown tables), and the raw results as JSON."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.harness.machine import cpu_model, described
 from bench.harness.services import REPO
@@ -34,6 +36,11 @@ def publish(docs: Path, no_docs: bool, section: str) -> None:
         return
     write_docs(docs, section, heading=section.splitlines()[0])
     print(f"wrote {docs}")
+
+
+def json_document(info: dict[str, str], indent: int = 2, **results: Any) -> str:
+    """The raw results for --json: the machine first, then `results`."""
+    return json.dumps({"machine": info, **results}, indent=indent)
 
 
 def save(path: Path | None, text: str) -> None:
