@@ -23,34 +23,24 @@ own interpreter lock is measured.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: `python bench/big_bodies.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import httpx
 import numpy as np
 
-from bench.gateway import gateway_proc, make_key
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    fresh_prefix,
-    machine,
-    make_settings,
-    scratch_database,
-)
-from bench.report import DOCS, write_docs
-from bench.stats import Latency
+from bench.harness import cli
+from bench.harness.gateway import gateway_proc, make_key
+from bench.harness.meters import status_kib
+from bench.harness.report import publish, save
+from bench.harness.run import service_run
+from bench.harness.stats import Latency
 
 SECTION = "## Gateway under big bodies"
 COMMAND = ".venv/bin/python -m bench.big_bodies"
@@ -172,10 +162,8 @@ def victim(url: str, key: str, seconds: float, stop: Any, out: Any) -> None:
 
 
 def gateway_peak_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    peak = status_kib(pid, "VmHWM")
+    return float("nan") if peak is None else peak / 1024
 
 
 def tenant(url: str, key: str) -> str:
@@ -337,30 +325,29 @@ def render(result: dict[str, Any], host: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--redis-url", default=DEFAULT_REDIS)
-    parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
-    parser.add_argument("--bodies", type=int, default=10)
-    parser.add_argument("--baseline-s", type=float, default=5.0)
-    parser.add_argument("--quick", action="store_true", help="2 bodies; docs left alone")
+    parser = cli.parser("bench.big_bodies", (__doc__ or "").split("\n\n")[0])
+    cli.add_services(parser)
+    cli.add_knobs(
+        parser,
+        {
+            "--bodies": (10, "big bodies the attackers send between them"),
+            "--baseline-s": (5.0, "seconds of the victim's requests alone"),
+        },
+    )
+    cli.add_quick(parser, "2 bodies")
     parser.add_argument("--out", type=Path, help="also write the raw results here (JSON)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.bodies, args.baseline_s = 2, 1.0
+    cli.add_report(parser, json=False)
+    args = cli.parse(parser, argv, quick={"bodies": 2, "baseline_s": 1.0})
     with (
-        scratch_database(args.postgres_url) as db,
-        fresh_prefix(args.redis_url, "big") as pfx,
-        tempfile.TemporaryDirectory(prefix="qt-bench-big-") as tmp,
+        service_run(args, (), "qt-bench-big-") as run,
+        run.deployment("big") as settings,
+        gateway_proc(settings, run.data_dir / "gateway.log") as (proc, url),
     ):
-        settings = make_settings(args.redis_url, db, pfx, Path(tmp))
-        with gateway_proc(settings, Path(tmp) / "gateway.log") as (proc, url):
-            result = measure(settings, proc.pid, url, args.bodies, args.baseline_s)
-    text = render(result, machine(args.redis_url, args.postgres_url))
+        result = measure(settings, proc.pid, url, args.bodies, args.baseline_s)
+    text = render(result, run.info)
     print(text)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
-    if not args.quick:
-        write_docs(DOCS, text, SECTION)
+    save(args.out, json.dumps(result, indent=1))
+    publish(args.docs, args.no_docs, text)
     return 0 if result["attack_p99_ms"] < TARGET_P99_MS else 1
 
 

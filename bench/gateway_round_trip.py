@@ -41,21 +41,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a file: `python bench/gateway_round_trip.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import redis
@@ -63,123 +56,36 @@ import tinker
 from sqlalchemy.engine import make_url
 from tinker import types as sdk_types
 
-from bench.gateway import gateway_proc, make_key, process_cpu_s, requests_by_endpoint
-from bench.gateway_report import SECTION, Gap, render
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
-    fresh_prefix,
-    machine,
-    make_settings,
-    scratch_database,
+from bench.gateway_report import (
+    CLIENT,
+    NO_OP,
+    SDK,
+    DoorResult,
+    Shape,
+    ShapeResult,
+    Trip,
+    markdown,
+    render,
+    results_json,
 )
-from bench.lora_service import lora_worker
-from bench.meters import CpuMeter, find_pids
-from bench.report import DOCS, write_docs
-from bench.stats import Latency
+from bench.harness import cli
+from bench.harness.data import RANK, token_rows
+from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
+from bench.harness.meters import CpuMeter, find_pids, process_cpu_s
+from bench.harness.report import publish, save
+from bench.harness.run import service_run
+from bench.harness.services import deployment, service_client
+from bench.harness.workers import lora_worker
 from queue_tinker import types as qt_types
 from queue_tinker.client import ServiceClient
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
 DEFAULT_MODEL = "queue-tinker/tiny-llama"
-RANK = 32  # as bench.train_step
 SEED = 0
 LEARNING_RATE = 1e-4
 RESULT_TIMEOUT_S = 120.0
-CLIENT, SDK = "client", "SDK"
-# Where a round trip goes, in order (they add up to it); a forward has no second op.
-STAGES = (
-    ("in", "submit -> first op queued: the door's way in"),
-    ("pick-up", "queued -> the worker starts it"),
-    ("op 1", "first op on the worker"),
-    ("op 1 -> op 2", "between the ops (a second submit that comes late shows here)"),
-    ("op 2", "second op on the worker"),
-    ("out", "last op finished -> every result in hand: the door's way out"),
-)
-NO_OP = float("nan")  # a stage a round trip does not have
 OpTimes = tuple[float, ...]  # an op's (queued_at, started_at, finished_at), Redis clock
-
-
-# --- what is measured --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shape:
-    """One kind of round trip: `op` "forward" (one op) or "step" (forward_backward +
-    optim_step), on `batch` datums of `seq` tokens."""
-
-    label: str
-    op: str
-    batch: int
-    seq: int
-
-    @property
-    def ops(self) -> int:
-        return 1 if self.op == "forward" else 2
-
-    @property
-    def calls(self) -> str:
-        return "`forward`" if self.op == "forward" else "`forward_backward` + `optim_step`"
-
-
-@dataclass
-class Trip:
-    """One round trip as this process saw it, and the CPU the parts spent meanwhile."""
-
-    wall: float  # time.time() before the first submit (lines up with Redis TIME)
-    total_s: float  # first submit -> every result in hand
-    cpu_s: dict[str, float]  # CPU seconds each part spent meanwhile (see Parts)
-
-
-@dataclass
-class DoorResult:
-    """One door's round trips of one shape."""
-
-    model_id: str
-    first_loss: float
-    trips: list[Trip] = field(default_factory=list)
-    stages: list[tuple[float, ...]] = field(default_factory=list)  # seconds, STAGES
-
-    @property
-    def latency(self) -> Latency:
-        return Latency([t.total_s for t in self.trips])
-
-    def cpu_ms(self) -> dict[str, float]:
-        """Mean CPU ms per round trip, by part."""
-        n = max(1, len(self.trips))
-        labels = self.trips[0].cpu_s if self.trips else {}
-        return {label: sum(t.cpu_s[label] for t in self.trips) * 1000 / n for label in labels}
-
-    def stage_medians_ms(self) -> list[float]:
-        """Median of each stage in ms (NaN for a stage these round trips do not have)."""
-        if not self.stages:
-            return []
-        return [float(v) for v in np.median(np.asarray(self.stages), axis=0) * 1000]
-
-
-@dataclass
-class ShapeResult:
-    shape: Shape
-    doors: dict[str, DoorResult]
-    requests: Counter[str]  # gateway access log during the measured rounds
-    foreign_cores: float  # CPU other processes used during the measured rounds
-
-    def ratio(self) -> float:
-        return self.doors[SDK].latency.p50 / self.doors[CLIENT].latency.p50
-
-    def overhead_ms(self) -> dict[str, float]:
-        """SDK minus client per round trip: p50s, means, median of paired differences."""
-        sdk, client = self.doors[SDK], self.doors[CLIENT]
-        paired = [s.total_s - c.total_s for s, c in zip(sdk.trips, client.trips, strict=True)]
-        return {
-            "p50": sdk.latency.p50 - client.latency.p50,
-            "mean": sdk.latency.mean - client.latency.mean,
-            "paired_p50": statistics.median(paired) * 1000,
-        }
-
-    def requests_per_trip(self) -> dict[str, float]:
-        n = max(1, len(self.doors[SDK].trips))
-        return {name: count / n for name, count in sorted(self.requests.items())}
 
 
 # --- the two doors -----------------------------------------------------------------------------
@@ -194,39 +100,30 @@ class Door:
     adam: Any
 
 
-def token_rows(shape: Shape, seed: int = 0) -> np.ndarray:
-    """(batch, seq + 1) byte tokens: row i's inputs are [:-1], its targets [1:]."""
-    return np.random.default_rng(seed).integers(0, 256, (shape.batch, shape.seq + 1))
-
-
-def client_door(service: ServiceClient, model: str, rows: np.ndarray) -> Door:
-    data = [
-        qt_types.Datum(
-            model_input=qt_types.ModelInput.from_ints(row[:-1].tolist()),
+def door_data(types: Any, rows: np.ndarray) -> list[Any]:
+    """The batch in one API's own types (queue_tinker's or the SDK's: the same names)."""
+    return [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(row[:-1].tolist()),
             loss_fn_inputs={
-                "target_tokens": qt_types.TensorData.from_numpy(row[1:].astype(np.int64)),
-                "weights": qt_types.TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32)),
+                "target_tokens": types.TensorData.from_numpy(row[1:].astype(np.int64)),
+                "weights": types.TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32)),
             },
         )
         for row in rows
     ]
+
+
+def client_door(service: ServiceClient, model: str, rows: np.ndarray) -> Door:
     trainer = service.create_lora_training_client(model, rank=RANK, seed=SEED)
+    data = door_data(qt_types, rows)
     return Door(CLIENT, trainer, data, qt_types.AdamParams(learning_rate=LEARNING_RATE))
 
 
 def sdk_door(service: tinker.ServiceClient, model: str, rows: np.ndarray) -> Door:
-    data = [
-        sdk_types.Datum(
-            model_input=sdk_types.ModelInput.from_ints(row[:-1].tolist()),
-            loss_fn_inputs={
-                "target_tokens": sdk_types.TensorData.from_numpy(row[1:].astype(np.int64)),
-                "weights": sdk_types.TensorData.from_numpy(np.ones(len(row) - 1, np.float32)),
-            },
-        )
-        for row in rows
-    ]
     # SDK 0.38: create_lora_training_client returns a future.
     trainer = service.create_lora_training_client(base_model=model, rank=RANK, seed=SEED).result()
+    data = door_data(sdk_types, rows)
     return Door(SDK, trainer, data, sdk_types.AdamParams(learning_rate=LEARNING_RATE))
 
 
@@ -390,14 +287,10 @@ def shapes(args: argparse.Namespace) -> list[Shape]:
     ]
 
 
-def run(args: argparse.Namespace, data_dir: Path) -> list[ShapeResult]:
-    """One worker and one gateway on a fresh key prefix and a scratch database; every shape."""
+def measure(args: argparse.Namespace, database_url: str, data_dir: Path) -> list[ShapeResult]:
+    """One worker and one gateway on a fresh key prefix; every shape."""
     results = []
-    with (
-        scratch_database(args.postgres_url) as database_url,
-        fresh_prefix(args.redis_url, "gateway") as prefix,
-    ):
-        settings = make_settings(args.redis_url, database_url, prefix, data_dir)
+    with deployment(args.redis_url, database_url, "gateway", data_dir) as settings:
         began = time.perf_counter()
         with (
             lora_worker(settings, args.model, data_dir / "worker.log") as worker,
@@ -409,15 +302,14 @@ def run(args: argparse.Namespace, data_dir: Path) -> list[ShapeResult]:
             )
             parts = Parts(gateway.pid, worker.pid, make_url(database_url).database or "")
             key = make_key(settings, f"bench-{uuid.uuid4().hex[:8]}")
-            service = ServiceClient(settings)
-            try:
-                with tinker.ServiceClient(base_url=url, api_key=key) as sdk:
-                    for shape in shapes(args):
-                        results.append(
-                            run_shape(args, settings, shape, service, sdk, parts, gateway.log)
-                        )
-            finally:
-                close_client(service)
+            with (
+                service_client(settings) as service,
+                tinker.ServiceClient(base_url=url, api_key=key) as sdk,
+            ):
+                for shape in shapes(args):
+                    results.append(
+                        run_shape(args, settings, shape, service, sdk, parts, gateway.log)
+                    )
     return results
 
 
@@ -435,174 +327,32 @@ def run_shape(
         f"{args.warmup} warm-up + {args.rounds} rounds per door ...",
         flush=True,
     )
-    rows = token_rows(shape)
+    rows = token_rows(shape.batch, shape.seq)
     doors = [client_door(service, args.model, rows), sdk_door(sdk, args.model, rows)]
     result = measure_shape(shape, doors, parts, args.warmup, args.rounds, gateway_log)
     add_stages(args.redis_url, Keys(settings.key_prefix), result, args.warmup)
     return result
 
 
-# --- the report --------------------------------------------------------------------------------
-def markdown(results: list[ShapeResult], model: str) -> str:
-    """The tables printed at the end of a run."""
-    return "\n".join(
-        [*latency_lines(results, model), "", *stage_lines(results), "", *note_lines(results)]
-    )
-
-
-def latency_lines(results: list[ShapeResult], model: str) -> list[str]:
-    """Per shape and door: round-trip percentiles; on the SDK row, the ratio and overhead."""
-    lines = [
-        f"Round trip per door, `{model}`, ms (SDK − client: of the p50s / of the means / "
-        "median of the per-round paired differences):",
-        "",
-        "| shape | calls | datums × tokens | rounds | door | p50 | p90 | p99 | mean | "
-        "SDK / client (p50) | SDK − client ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        s = r.shape
-        for name, door in r.doors.items():
-            lat, o = door.latency, r.overhead_ms()
-            gap = (
-                (
-                    f"**{r.ratio():.2f}×** | {o['p50']:+.1f} / {o['mean']:+.1f} / "
-                    f"{o['paired_p50']:+.1f}"
-                )
-                if name == SDK
-                else " | "
-            )
-            lines.append(
-                f"| {s.label} | {s.calls} | {s.batch} × {s.seq} | {len(door.trips)} | "
-                f"{name} | {lat.p50:.1f} | {lat.p90:.1f} | {lat.p99:.1f} | "
-                f"{lat.mean:.1f} | {gap} |"
-            )
-    return lines
-
-
-def stage_lines(results: list[ShapeResult]) -> list[str]:
-    """Where a round trip goes (medians) and the CPU each process spent on it (means)."""
-    legend = "; ".join(f"{short} = {long}" for short, long in STAGES)
-    cpu_labels = list(results[0].doors[CLIENT].cpu_ms()) if results else []
-    columns = [short for short, _ in STAGES] + [f"CPU: {label}" for label in cpu_labels]
-    lines = [
-        f"Where a round trip goes, median ms ({legend}; Redis clock and this process's "
-        "clock, same host) and the CPU each part spent per round trip, mean ms:",
-        "",
-        "| shape | door | " + " | ".join(columns) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in columns) + " |",
-    ]
-    for r in results:
-        for name, door in r.doors.items():
-            medians = door.stage_medians_ms() or [NO_OP] * len(STAGES)
-            stages = " | ".join("–" if np.isnan(v) else f"{v:.1f}" for v in medians)
-            cpu = " | ".join(f"{v:.1f}" for v in door.cpu_ms().values())
-            lines.append(f"| {r.shape.label} | {name} | {stages} | {cpu} |")
-    return lines
-
-
-def note_lines(results: list[ShapeResult]) -> list[str]:
-    """HTTP requests per SDK round trip, first losses (equal: same data, zero-init LoRA B) and
-    the machine's other load, per shape."""
-    lines = []
-    for r in results:
-        per_trip = ", ".join(f"`{name}` {n:.2f}" for name, n in r.requests_per_trip().items())
-        lines.append(
-            f"- {r.shape.label}: HTTP requests per SDK round trip: {per_trip or 'none'}; "
-            f"first loss client {r.doors[CLIENT].first_loss:.4f} / SDK "
-            f"{r.doors[SDK].first_loss:.4f}; other processes used "
-            f"{r.foreign_cores:.2f} cores meanwhile"
-        )
-    return lines
-
-
-def results_json(
-    info: dict[str, str], args: argparse.Namespace, results: list[ShapeResult], total_s: float
-) -> str:
-    return json.dumps(
-        {
-            "machine": info,
-            "model": args.model,
-            "rounds": args.rounds,
-            "warmup": args.warmup,
-            "total_s": total_s,
-            "stages": [long for _, long in STAGES],
-            "shapes": [
-                {
-                    "shape": asdict(r.shape),
-                    "ratio_p50": r.ratio(),
-                    "overhead_ms": r.overhead_ms(),
-                    "http_requests_per_sdk_trip": r.requests_per_trip(),
-                    "other_processes_cores": r.foreign_cores,
-                    "doors": {
-                        name: {
-                            "model_id": d.model_id,
-                            "first_loss": d.first_loss,
-                            "latency": d.latency.summary(),
-                            "cpu_ms_per_trip": d.cpu_ms(),
-                            "stages_p50_ms": [
-                                None if np.isnan(v) else v for v in d.stage_medians_ms()
-                            ],
-                            "trips": [asdict(t) for t in d.trips],
-                        }
-                        for name, d in r.doors.items()
-                    },
-                }
-                for r in results
-            ],
-        },
-        indent=2,
-    )
-
-
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.gateway_round_trip",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
-        help="admin URL; a scratch database is created beside it",
-    )
+    parser = cli.parser("bench.gateway_round_trip", __doc__)
+    cli.add_services(parser)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="base model the worker serves")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=400,
-        help="measured rounds per shape (one round trip per door each)",
+    cli.add_knobs(
+        parser,
+        {
+            "--rounds": (400, "measured rounds per shape (one round trip per door each)"),
+            "--warmup": (20, "warm-up round trips per door and shape, not measured"),
+        },
     )
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=20,
-        help="warm-up round trips per door and shape, not measured",
-    )
-    parser.add_argument(
-        "--small-batch", type=int, nargs=2, default=[4, 32], metavar=("DATUMS", "TOKENS")
-    )
-    parser.add_argument(
-        "--large-batch", type=int, nargs=2, default=[8, 128], metavar=("DATUMS", "TOKENS")
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where the model is built and checkpoints and logs go (default: a "
-        "temp dir, removed afterwards)",
-    )
+    cli.add_batch(parser, "--small-batch", (4, 32))
+    cli.add_batch(parser, "--large-batch", (8, 128))
+    cli.add_data_dir(parser)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run (10 rounds, 3 warm-up), docs left alone"
-    )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.warmup, args.no_docs = 10, 3, True
+    cli.add_report(parser, json=False)
+    cli.add_quick(parser, "smoke run (10 rounds, 3 warm-up)")
+    args = cli.parse(parser, argv, quick={"rounds": 10, "warmup": 3})
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1")
     return args
@@ -610,43 +360,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    began = time.perf_counter()
-    info = machine(
-        args.redis_url,
-        args.postgres_url,
-        packages=("torch", "tinker", "fastapi", "uvicorn", "httpx"),
-    )
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    if args.data_dir is not None:
-        args.data_dir.mkdir(parents=True, exist_ok=True)
-        results = run(args, args.data_dir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="qt-bench-gateway-") as tmp:
-            results = run(args, Path(tmp))
-    total_s = time.perf_counter() - began
+    packages = ("torch", "tinker", "fastapi", "uvicorn", "httpx")
+    with service_run(args, packages, "qt-bench-gateway-") as run:
+        results = measure(args, run.database_url, run.data_dir)
+    total_s, info = run.total_s, run.info
     print("\n" + markdown(results, args.model) + f"\n\ntotal {total_s:.0f} s")
-    if args.out is not None:
-        args.out.write_text(results_json(info, args, results, total_s))
-        print(f"wrote {args.out}")
-    if not args.no_docs:
-        gaps = [
-            Gap(r.shape.label, r.shape.calls, r.ratio(), r.overhead_ms()["paired_p50"])
-            for r in results
-        ]
-        write_docs(
-            args.docs,
-            render(
-                info,
-                args.model,
-                args.rounds,
-                args.warmup,
-                markdown(results, args.model),
-                gaps,
-                total_s,
-            ),
-            heading=SECTION,
-        )
-        print(f"wrote {args.docs}")
+    save(args.out, results_json(info, args, results, total_s))
+    section = render(info, args.model, args.rounds, args.warmup, results, total_s)
+    publish(args.docs, args.no_docs, section)
     return 0
 
 

@@ -7,10 +7,10 @@ ru_maxrss, so the model and torch's own pages count as they do in a worker):
 - `whole`: the engine's former path: the model's whole logits (rows, positions, vocab), the
   scored rows copied to fp32, cross-entropy, backward through all of it, every layer's
   activations kept.
-- `chunked`: the engine's path (`queue_tinker.workers.training.optimizers.forward_backward` with a
-  `PassPlan`): logprobs through the unembedding a chunk of positions at a time, recomputed in
-  backward, and decoder layers checkpointed (`--checkpointing off` measures the chunked logprobs
-  alone: the price of checkpointing is the step time between the two).
+- `chunked`: the engine's path (a forward_backward op's shared pass with a `PassPlan`, through
+  bench/harness/engine.py): logprobs through the unembedding a chunk of positions at a time,
+  recomputed in backward, and decoder layers checkpointed (`--checkpointing off` measures the
+  chunked logprobs alone: the price of checkpointing is the step time between the two).
 
     .venv/bin/python -m bench.memory                 # every case; writes its docs section
     .venv/bin/python -m bench.memory --price         # checkpointing's step-time price only
@@ -23,33 +23,21 @@ price is its own run (`--price`): on and off alternately, each three times, medi
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
-if __package__ in (None, ""):  # run as a file: `python bench/memory.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from bench.engine_pass import forward_backward
-from bench.mfu import BASE_NAME, Shape, build_model, machine_info, random_data
-from bench.report import DOCS, write_docs
-from queue_tinker.types.enums import LossFn
-from queue_tinker.types.tensors import Datum
+from bench.harness import cli, engine
+from bench.harness.data import datums, token_rows
+from bench.harness.isolated import print_result, run_isolated
+from bench.harness.machine import engine_machine
+from bench.harness.meters import peak_rss_bytes
+from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
+from bench.harness.report import measured_on, publish
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.model.adapters import AdapterPool
-from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.shared_pass import op_loss, rows_for
 
 SECTION = "## Memory at long context: one forward_backward, whole logits vs chunked"
 PRICE_SECTION = "## Activation checkpointing: its price in step time"
@@ -80,69 +68,33 @@ class Measurement:
     loss: float
 
 
-def whole_logits_step(model: torch.nn.Module, data: Sequence[Datum]) -> float:
-    """The former engine path: whole logits, scored rows to fp32, cross-entropy, backward."""
-    rows = rows_for(data, torch.device("cpu"), PassPlan(pack_above_padding=None))
-    ids, mask = rows.ids, rows.mask
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    targets = [
-        torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True)) for d in data
-    ]
-    width = logits.shape[1]
-    index = torch.cat([torch.arange(t.numel()) + row * width for row, t in enumerate(targets)])
-    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
-    logprobs = -F.cross_entropy(rows, torch.cat(targets), reduction="none")
-    split = list(torch.split(logprobs, [t.numel() for t in targets]))
-    loss, _ = op_loss(split, data, LossFn.CROSS_ENTROPY, {}, torch.device("cpu"))
-    loss.backward()
-    return float(loss.detach())
-
-
 def measure(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement:
     """One case, in this process: model, a rank-32 adapter on every linear, one step."""
     model = build_model(SHAPE, "cpu", torch.float32)
-    pool = AdapterPool(model, BASE_NAME, max_resident=1)
-    adapter = pool.add("m", "bench", LoraConfig(rank=RANK, train_unembed=True), seed=0)
-    pool.activate(adapter)
-    data = random_data(SHAPE, rows, seq)
-    plan = PassPlan(activation_checkpointing="on" if checkpointing else "off")
+    pool = lora_pool(model, BASE_NAME, adapters=1)
+    [adapter] = add_adapters(pool, LoraConfig(rank=RANK, train_unembed=True), seeds=[0])
+    data = datums(token_rows(rows, seq, vocab=SHAPE.vocab))
+    plan = engine.PassPlan(activation_checkpointing="on" if checkpointing else "off")
     start = time.perf_counter()
     if path == "whole":
-        loss = whole_logits_step(pool.model, data)
+        loss = engine.whole_logits_forward_backward(pool, adapter, data)
     else:
-        out = forward_backward(
-            pool.model,
-            data,
-            LossFn.CROSS_ENTROPY,
-            {},
-            torch.device("cpu"),
-            backward=True,
-            plan=plan,
-        )
+        [out] = engine.forward_backward(pool, [(adapter, data)], engine.CPU, plan)
         loss = out.metrics["loss:sum"]
     step_s = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
+    peak = peak_rss_bytes() / GIB
     return Measurement(rows, seq, path, checkpointing, step_s, peak, loss)
 
 
 def run_case(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement | None:
     """The case in a fresh process; None if it failed (out of memory)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.memory",
-        "--case",
-        f"{rows}x{seq}",
-        "--path",
-        path,
-        "--checkpointing",
-        "on" if checkpointing else "off",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        print(done.stderr[-2000:], file=sys.stderr)
+    args = ["--case", f"{rows}x{seq}", "--path", path]
+    found = run_isolated(
+        "bench.memory", [*args, "--checkpointing", "on" if checkpointing else "off"]
+    )
+    if found is None:
         return None
-    result = Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
+    result = Measurement(**found)
     print(
         f"{rows} x {seq:>5} {path:>7} checkpointing={checkpointing!s:5} "
         f"{result.step_s:7.1f} s  peak RSS {result.peak_rss_gib:5.2f} GiB",
@@ -166,13 +118,6 @@ def run_all(cases: Sequence[tuple[int, int]]) -> list[Measurement]:
     return results
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def render(results: Sequence[Measurement], info: dict[str, str]) -> str:
     by_case: dict[tuple[int, int], dict[tuple[str, bool], Measurement]] = {}
     for m in results:
@@ -180,8 +125,8 @@ def render(results: Sequence[Measurement], info: dict[str, str]) -> str:
     lines = [
         SECTION,
         "",
-        f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
-        f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
+        measured_on(info)
+        + f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
         "A Llama decoder with Llama-3.1's vocabulary "
         f"({SHAPE.vocab:,}; hidden {SHAPE.hidden}, {SHAPE.layers} layers, MLP "
         f"{SHAPE.intermediate}), random weights, a rank-{RANK} LoRA on every linear layer "
@@ -236,8 +181,8 @@ def render_price(
     lines = [
         PRICE_SECTION,
         "",
-        f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
-        f"{info['date']}; `{COMMAND} --price`. The model and adapter of the section above; one "
+        measured_on(info)
+        + f"{info['date']}; `{COMMAND} --price`. The model and adapter of the section above; one "
         "forward_backward per fresh process, checkpointing on and off alternately, "
         f"{PRICE_ROUNDS} of each, medians. Target: at most 1.4x.",
         "",
@@ -253,7 +198,7 @@ def render_price(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two small cases, docs untouched")
+    cli.add_quick(parser, "two small cases")
     parser.add_argument("--case", help="ROWSxTOKENS: measure one case in this process")
     parser.add_argument("--path", choices=("whole", "chunked"), default="chunked")
     parser.add_argument("--checkpointing", choices=("on", "off"), default="on")
@@ -262,23 +207,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="checkpointing's step-time price only (its own docs section)",
     )
-    parser.add_argument("--no-docs", action="store_true")
-    args = parser.parse_args(argv)
+    cli.add_report(parser, json=False)
+    args = cli.parse(parser, argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.case:
         rows, seq = (int(x) for x in args.case.split("x"))
-        print(json.dumps(asdict(measure(rows, seq, args.path, args.checkpointing == "on"))))
+        print_result(measure(rows, seq, args.path, args.checkpointing == "on"))
         return 0
     if args.price:
         times = run_price(PRICE_CASES, PRICE_ROUNDS)
-        text = render_price(times, machine_info("cpu"))
+        text = render_price(times, engine_machine("cpu"))
         print(text)
-        if not args.no_docs:
-            write_docs(DOCS, text, PRICE_SECTION)
+        publish(args.docs, args.no_docs, text)
         return 0 if times else 1
     results = run_all(QUICK_CASES if args.quick else CASES)
-    if not args.quick and not args.no_docs:
-        write_docs(DOCS, render(results, machine_info("cpu")), SECTION)
+    publish(args.docs, args.no_docs, render(results, engine_machine("cpu")))
     return 0 if results else 1
 
 

@@ -5,10 +5,12 @@ The model is `LlamaConfig` (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14
 128256) built with `AutoModelForCausalLM.from_config` in bf16 straight on the device. LoRA goes
 on through the worker's own code: `queue_tinker.workers.model.adapters.AdapterPool.add` (rank 32 by
 default, the service's default targets: every attention, MLP and unembedding linear), and a
-step is `queue_tinker.workers.training.optimizers.forward_backward` (cross-entropy, padded
-batch, per-datum logprobs, as a forward_backward op runs on a worker) followed by
-`queue_tinker.workers.training.optimizers.optim_step` (AdamW on the adapter). Timing
-brackets each call with `torch.cuda.synchronize()`; peak memory is
+step is the engine's forward_backward as a worker runs the op
+(`queue_tinker.workers.training.shared_pass.shared_pass` of the one op: cross-entropy, padded
+batch, per-datum logprobs) followed by its optimizer step
+(`queue_tinker.workers.training.optimizers.optim_steps`: AdamW on the adapter), both called
+through bench/harness/engine.py. Timing brackets each call with `torch.cuda.synchronize()`;
+peak memory is
 `torch.cuda.max_memory_allocated()`. A batch that does not fit is halved until it does.
 
 FLOPs per trained token, T = sequence length, L = layers, d = heads × head_dim:
@@ -24,9 +26,8 @@ FLOPs per trained token, T = sequence length, L = layers, d = heads × head_dim:
 
 MFU = achieved FLOPs/s ÷ the GPU's dense bf16 peak (H100 SXM and H200 989 TFLOPS, H100 PCIe 756,
 A100 312); another GPU gets achieved TFLOPS only. With `--adapters K` (K > 1) it also times K
-adapters' forward_backward ops in one cross-adapter pass
-(`queue_tinker.workers.training.shared_pass.shared_pass`) against the same ops one at a time, on the
-same tokens.
+adapters' forward_backward ops in one cross-adapter pass against the same ops one at a time (a
+pass each), on the same tokens.
 
     .venv/bin/python -m bench.mfu --device cuda                  # writes its docs section
     .venv/bin/python -m bench.mfu --device cpu --quick           # scaled-down smoke run
@@ -41,32 +42,24 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: `python bench/mfu.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-from transformers.utils import logging as transformers_logging
 
-from bench.engine_pass import forward_backward
-from bench.report import DOCS, write_docs
-from bench.train_step import make_data
-from queue_tinker.types.enums import LossFn
-from queue_tinker.types.loss_inputs import resolve_loss_config
+from bench.harness import cli, engine
+from bench.harness.data import datums, token_rows
+from bench.harness.machine import announce, device_name, engine_machine
+from bench.harness.meters import timed
+from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
+from bench.harness.report import machine_line, publish, reproduce
+from bench.harness.workers import quiet_transformers
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.training.optimizers import optim_steps
-from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
 COMMAND = ".venv/bin/python -m bench.mfu --device cuda"
 NOT_MEASURED = "Not measured here"
-BASE_NAME = "bench/llama-3.1-8b-shaped"  # what adapter configs name as their base
 # Dense bf16 peaks (no sparsity), TFLOPS; the first name found in the device's name wins.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0),
@@ -74,38 +67,6 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H200", 989.0),
     ("A100", 312.0),
 )
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A Llama decoder's sizes."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear of one layer, and of lm_head."""
-        d, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {
-            "q_proj": (self.hidden, d),
-            "k_proj": (self.hidden, kv),
-            "v_proj": (self.hidden, kv),
-            "o_proj": (d, self.hidden),
-            "gate_proj": (self.hidden, self.intermediate),
-            "up_proj": (self.hidden, self.intermediate),
-            "down_proj": (self.intermediate, self.hidden),
-            "lm_head": (self.hidden, self.vocab),
-        }
-
-
 SHAPES = {
     "llama-3.1-8b": Shape(
         layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256
@@ -150,51 +111,11 @@ def peak_tflops(device_name: str) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS if key in device_name), None)
 
 
-# --- the model ---------------------------------------------------------------------------------
-def build_model(shape: Shape, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """Random weights straight on the device (no CPU copy of 16 GB first); frozen, eval mode."""
-    config = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-    )  # RoPE's settings change no FLOP
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model: torch.nn.Module = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="sdpa"
-        )
-    model.requires_grad_(False)
-    model.eval()  # as the engine does
-    model.name_or_path = BASE_NAME  # type: ignore[assignment]
-    return model
-
-
-def random_data(shape: Shape, batch: int, seq: int, seed: int = 0) -> list[Datum]:
-    rows = np.random.default_rng(seed).integers(0, shape.vocab, (batch, seq + 1))
-    return make_data(rows)
+def random_data(shape: Shape, batch: int, seq: int) -> list[Datum]:
+    return datums(token_rows(batch, seq, vocab=shape.vocab))
 
 
 # --- timing ------------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one call, the device drained before and after."""
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
-
-
 @dataclass
 class Result:
     device: str
@@ -225,15 +146,7 @@ class Result:
 def engine_step(
     pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torch.device
 ) -> Callable[[], object]:
-    config = resolve_loss_config(LossFn.CROSS_ENTROPY, None)
-
-    def step() -> object:
-        pool.activate(adapter)
-        return forward_backward(
-            pool.model, data, LossFn.CROSS_ENTROPY, config, device, backward=True
-        )
-
-    return step
+    return lambda: engine.forward_backward(pool, [(adapter, data)], device)
 
 
 def measure(
@@ -249,7 +162,7 @@ def measure(
     adam = AdamParams(learning_rate=1e-5)
     for i in range(args.warmup + args.steps):
         fb_s = timed(fb, device)
-        optim_s = timed(lambda: optim_steps([(adapter, adam)]), device)
+        optim_s = timed(lambda: engine.optim_step(adapter, adam), device)
         if i >= args.warmup:
             result.fb_s.append(fb_s)
             result.optim_s.append(optim_s)
@@ -268,14 +181,14 @@ def fit_batch(
         data = random_data(shape, batch, args.seq)
         try:
             engine_step(pool, adapter, data, device)()
-            adapter.optimizer.zero_grad(set_to_none=True)
+            engine.clear_grads([adapter])
             return batch, data
         except torch.OutOfMemoryError:
             if batch == 1:
                 raise
         # Out of the except block: its traceback no longer holds the failed pass's tensors.
         print(f"  {batch} × {args.seq} does not fit; halving", flush=True)
-        adapter.optimizer.zero_grad(set_to_none=True)
+        engine.clear_grads([adapter])
         batch //= 2
         gc.collect()
         if device.type == "cuda":
@@ -292,34 +205,22 @@ def measure_adapters(
     """K adapters, the batch split between them: one cross-adapter pass against K passes one
     at a time; median seconds of each."""
     k = min(args.adapters, len(data))  # one datum each at least
-    adapters = [
-        first,
-        *(pool.add(f"mfu-{i}", "bench", LoraConfig(rank=args.rank), seed=i) for i in range(1, k)),
-    ]
-    config = resolve_loss_config(LossFn.CROSS_ENTROPY, None)
+    adapters = [first, *add_adapters(pool, LoraConfig(rank=args.rank), seeds=range(1, k))]
     parts = [data[i::k] for i in range(k)]
-    ops = [
-        PassOp(a, part, LossFn.CROSS_ENTROPY, config, True)
-        for a, part in zip(adapters, parts, strict=True)
-        if part
-    ]
+    batches = [(a, part) for a, part in zip(adapters, parts, strict=True) if part]
 
     def together() -> None:
-        shared_pass(pool, ops, device)
+        engine.forward_backward(pool, batches, device)
 
     def apart() -> None:
-        for op in ops:
-            pool.activate(op.adapter)
-            forward_backward(
-                pool.model, op.data, LossFn.CROSS_ENTROPY, config, device, backward=True
-            )
+        for batch in batches:
+            engine.forward_backward(pool, [batch], device)
 
     times: dict[str, list[float]] = {"one pass": [], "one at a time": []}
     for i in range(args.warmup + args.steps):
         for name, fn in (("one pass", together), ("one at a time", apart)):
             seconds = timed(fn, device)
-            for op in ops:
-                op.adapter.optimizer.zero_grad(set_to_none=True)
+            engine.clear_grads(adapters)
             if i >= args.warmup:
                 times[name].append(seconds)
     return {name: statistics.median(ts) for name, ts in times.items()}
@@ -331,8 +232,8 @@ def run(args: argparse.Namespace) -> Result:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as load_base_model
     began = time.perf_counter()
     base = build_model(shape, args.device, dtype)
-    pool = AdapterPool(base, BASE_NAME, max_resident=max(2, args.adapters + 1))
-    adapter = pool.add("mfu-0", "bench", LoraConfig(rank=args.rank), seed=0)
+    pool = lora_pool(base, BASE_NAME, adapters=max(2, args.adapters + 1))
+    [adapter] = add_adapters(pool, LoraConfig(rank=args.rank), seeds=[0])
     print(f"model built and adapter added in {time.perf_counter() - began:.0f} s", flush=True)
     batch, data = fit_batch(pool, adapter, shape, args, device)
     if device.type == "cuda":  # after the fitting, whose failed tries would set the peak
@@ -406,12 +307,6 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
     return lines
 
 
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    return "CPU"
-
-
 def render(result: Result, info: dict[str, str], args: argparse.Namespace) -> str:
     shape = SHAPES[result.shape]
     per_token = flops_per_token(shape, result.seq, result.lora_params)
@@ -420,7 +315,7 @@ def render(result: Result, info: dict[str, str], args: argparse.Namespace) -> st
             SECTION,
             "",
             f"Training tokens/s and model FLOPs utilisation of the engine's own LoRA "
-            f"forward_backward (`queue_tinker.workers.training.optimizers.forward_backward` "
+            f"forward_backward (`queue_tinker.workers.training.shared_pass.shared_pass` "
             f"on an adapter "
             f"added by `queue_tinker.workers.model.adapters.AdapterPool`, as a worker runs the op) "
             f"on a {args.shape}-shaped "
@@ -434,11 +329,9 @@ def render(result: Result, info: dict[str, str], args: argparse.Namespace) -> st
             f"convention 6·N_total = {per_token['6N'] / 1e9:,.2f} GFLOP (what full fine-tuning "
             f"would pay; no attention term). Peak: dense bf16 from the GPU's data sheet.",
             "",
-            "```",
-            COMMAND,
-            "```",
+            *reproduce(COMMAND),
             "",
-            "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+            machine_line(info) + ".",
             "",
             *summary_lines(result, device_name(args.device)),
             "",
@@ -460,37 +353,14 @@ def not_measured_section(reason: str) -> str:
             "base weights need no weight gradient) and, for comparison, by the 6N convention; and "
             "8 adapters' ops in one cross-adapter pass against one at a time. Run it there with:",
             "",
-            "```",
-            COMMAND,
-            "```",
+            *reproduce(COMMAND),
             "",
         ]
     )
 
 
-def machine_info(device: str) -> dict[str, str]:
-    import platform
-
-    import peft
-    import transformers
-
-    info = {
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "Python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-    if device.startswith("cuda"):
-        info["CUDA"] = str(torch.version.cuda)
-    return info
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.mfu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser("bench.mfu", __doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--shape",
@@ -505,26 +375,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="datums (default 8, halved while it does not fit; CPU 8)",
     )
     parser.add_argument("--seq", type=int, default=None, help="tokens each (default 2048; CPU 64)")
-    parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument(
-        "--adapters",
-        type=int,
-        default=8,
-        help="K adapters for the one-pass vs one-at-a-time case, the batch "
-        "split between them (1: skip it)",
+    cli.add_knobs(
+        parser,
+        {
+            "--rank": (32, "LoRA rank"),
+            "--warmup": (2, "steps before the timed ones"),
+            "--steps": (5, "timed steps"),
+            "--adapters": (
+                8,
+                "K adapters for the one-pass vs one-at-a-time case, the batch split between "
+                "them (1: skip it)",
+            ),
+        },
     )
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--quick", action="store_true", help="few steps, docs left alone")
-    args = parser.parse_args(argv)
+    cli.add_report(parser, json=False)
+    cli.add_quick(parser, "few steps")
+    args = cli.parse(parser, argv, quick={"warmup": 1, "steps": 2})
     cuda = args.device.startswith("cuda")
     args.shape = args.shape or ("llama-3.1-8b" if cuda else "small")
     args.batch = args.batch or 8
     args.seq = args.seq or (2048 if cuda else 64)
-    if args.quick:
-        args.warmup, args.steps, args.no_docs = 1, 2, True
     # Only GPU numbers belong in the docs: a CPU run is a smoke test of the code path.
     args.no_docs = args.no_docs or not cuda
     return args
@@ -532,19 +402,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    transformers_logging.disable_progress_bar()
-    transformers_logging.set_verbosity_error()
-    info = machine_info(args.device)
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    quiet_transformers()
+    info = announce(engine_machine(args.device))
     result = run(args)
     print("\n".join(summary_lines(result, device_name(args.device))))
     print(
         f"FLOPs per token: {flops_per_token(SHAPES[args.shape], args.seq, result.lora_params)}; "
         f"{figures(result, device_name(args.device))}"
     )
-    if not args.no_docs:
-        write_docs(args.docs, render(result, info, args), heading=SECTION)
-        print(f"wrote {args.docs}")
+    publish(args.docs, args.no_docs, render(result, info, args))
     return 0
 
 

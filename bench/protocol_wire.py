@@ -29,19 +29,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 import numpy as np
@@ -51,17 +46,11 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
-from bench.gateway import gateway_proc, make_key, requests_by_endpoint
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    fresh_prefix,
-    machine,
-    make_settings,
-    scratch_database,
-)
-from bench.lora_service import lora_worker
-from bench.report import DOCS, write_docs
+from bench.harness import cli
+from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
+from bench.harness.report import machine_line, publish, reproduce, table
+from bench.harness.run import service_run
+from bench.harness.workers import lora_worker
 
 SECTION = "## Protocol features: zstd bodies, batched sample polling, server-side custom losses"
 COMMAND = ".venv/bin/python -m bench.protocol_wire"
@@ -276,32 +265,39 @@ def custom_loss_run(
 
 
 def custom_loss_lines(results: list[CustomLossResult]) -> list[str]:
-    lines = [
-        "| model | batch | server-side steps/s | client-side steps/s | ratio |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+    columns = ("model", "batch", "server-side steps/s", "client-side steps/s", "ratio")
+    rows = []
     for r in results:
         server, client = r.steps_per_s(r.server_s), r.steps_per_s(r.client_s)
-        lines.append(
-            f"| `{r.model}` | {r.shape} | {server:.2f} | {client:.2f} | {server / client:.2f}x |"
+        rows.append(
+            (f"`{r.model}`", r.shape, f"{server:.2f}", f"{client:.2f}", f"{server / client:.2f}x")
         )
-    return lines
+    return table(columns, rows)
 
 
 def wire_lines(results: list[WireResult]) -> list[str]:
-    lines = [
-        "| shape | bytes, plain | bytes, zstd | ratio | round trip p50 ms, plain | "
-        "round trip p50 ms, zstd (of which compress) | break-even link, Mbit/s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        plain, packed = statistics.median(r.plain_ms), statistics.median(r.zstd_ms)
-        lines.append(
-            f"| {r.shape.label} | {r.plain_bytes:,} | {r.zstd_bytes:,} | "
-            f"{r.plain_bytes / r.zstd_bytes:.1f}x | {plain:.1f} | {packed:.1f} "
-            f"({statistics.median(r.compress_ms):.1f}) | {break_even_mbit_s(r):,.0f} |"
+    columns = (
+        "shape",
+        "bytes, plain",
+        "bytes, zstd",
+        "ratio",
+        "round trip p50 ms, plain",
+        "round trip p50 ms, zstd (of which compress)",
+        "break-even link, Mbit/s",
+    )
+    rows = (
+        (
+            r.shape.label,
+            f"{r.plain_bytes:,}",
+            f"{r.zstd_bytes:,}",
+            f"{r.plain_bytes / r.zstd_bytes:.1f}x",
+            f"{statistics.median(r.plain_ms):.1f}",
+            f"{statistics.median(r.zstd_ms):.1f} ({statistics.median(r.compress_ms):.1f})",
+            f"{break_even_mbit_s(r):,.0f}",
         )
-    return lines
+        for r in results
+    )
+    return table(columns, rows)
 
 
 def break_even_mbit_s(r: WireResult) -> float:
@@ -312,18 +308,24 @@ def break_even_mbit_s(r: WireResult) -> float:
 
 
 def poll_lines(results: list[PollResult]) -> list[str]:
-    lines = [
-        "| polling | samples in flight | HTTP requests by endpoint | requests per sample | "
-        "wall s |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        by_endpoint = ", ".join(f"`{k}` {v}" for k, v in sorted(r.requests.items()))
-        lines.append(
-            f"| {r.mode} | {r.samples} | {by_endpoint} | "
-            f"{sum(r.requests.values()) / r.samples:.2f} | {r.wall_s:.1f} |"
+    columns = (
+        "polling",
+        "samples in flight",
+        "HTTP requests by endpoint",
+        "requests per sample",
+        "wall s",
+    )
+    rows = (
+        (
+            r.mode,
+            r.samples,
+            ", ".join(f"`{k}` {v}" for k, v in sorted(r.requests.items())),
+            f"{sum(r.requests.values()) / r.samples:.2f}",
+            f"{r.wall_s:.1f}",
         )
-    return lines
+        for r in results
+    )
+    return table(columns, rows)
 
 
 def render(
@@ -340,11 +342,9 @@ def render(
             "",
             (__doc__ or "").split("\n\n    .venv")[0].strip(),
             "",
-            "```",
-            COMMAND,
-            "```",
+            *reproduce(COMMAND),
             "",
-            "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+            machine_line(info) + ".",
             f"The run took {total_s:.0f} s; gateway, worker, Redis and Postgres share the cores.",
             "",
             f"### zstd forward_backward bodies ({args.rounds} posts per mode and shape, "
@@ -384,46 +384,34 @@ def render(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.protocol_wire",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = cli.parser("bench.protocol_wire", __doc__)
+    cli.add_services(parser)
+    cli.add_knobs(
+        parser,
+        {
+            "--rounds": (20, "posts per mode and shape"),
+            "--samples": (64, "samples in flight"),
+            "--steps": (8, "custom-loss steps per mode"),
+        },
     )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
-    )
-    parser.add_argument("--rounds", type=int, default=20, help="posts per mode and shape")
-    parser.add_argument("--samples", type=int, default=64, help="samples in flight")
-    parser.add_argument("--steps", type=int, default=8, help="custom-loss steps per mode")
     parser.add_argument("--big-model", default="queue-tinker/llama-100m")
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.samples, args.steps, args.no_docs = 2, 4, 1, True
-        args.big_model = None
-    return args
+    cli.add_report(parser, json=False)
+    cli.add_quick(parser)
+    quick = {"rounds": 2, "samples": 4, "steps": 1, "big_model": None}
+    return cli.parse(parser, argv, quick=quick)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    began = time.perf_counter()
-    info = machine(args.redis_url, args.postgres_url, packages=("tinker", "zstandard"))
     with (
-        tempfile.TemporaryDirectory(prefix="qt-bench-wire-") as tmp,
-        scratch_database(args.postgres_url) as database_url,
-        fresh_prefix(args.redis_url, "wire") as prefix,
-    ):
+        service_run(args, ("tinker", "zstandard"), "qt-bench-wire-") as run,
         # The wire runs create models on a base no worker serves, so their ops only queue.
-        settings = make_settings(args.redis_url, database_url, prefix, Path(tmp)).model_copy(
-            update={"queue_unserved_base_models": True}
-        )
+        run.deployment("wire", queue_unserved_base_models=True) as settings,
+    ):
         key = make_key(settings, f"bench-{uuid.uuid4().hex[:6]}")
-        log_path = Path(tmp) / "gateway.log"
+        log_path = run.data_dir / "gateway.log"
         with (
-            lora_worker(settings, MODEL, Path(tmp) / "worker.log"),
+            lora_worker(settings, MODEL, run.data_dir / "worker.log"),
             gateway_proc(settings, log_path) as (_, url),
         ):
             wire = [wire_run(url, key, shape, args.rounds) for shape in SHAPES]
@@ -434,13 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(poll_lines(polls)), flush=True)
             custom = [custom_loss_run(url, key, MODEL, 8, 64, args.steps)]
             if args.big_model:
-                with lora_worker(settings, args.big_model, Path(tmp) / "worker-big.log"):
+                with lora_worker(settings, args.big_model, run.data_dir / "worker-big.log"):
                     custom.append(custom_loss_run(url, key, args.big_model, 4, 128, args.steps))
             print("\n".join(custom_loss_lines(custom)), flush=True)
-    total_s = time.perf_counter() - began
-    if not args.no_docs:
-        write_docs(args.docs, render(info, args, wire, polls, custom, total_s), heading=SECTION)
-        print(f"wrote {args.docs}")
+    publish(args.docs, args.no_docs, render(run.info, args, wire, polls, custom, run.total_s))
     return 0
 
 

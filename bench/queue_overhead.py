@@ -26,32 +26,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: `python bench/queue_overhead.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import redis
 
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
-    fresh_prefix,
-    machine,
-    make_settings,
-    running_workers,
-    scratch_database,
-)
-from bench.report import DOCS, print_table, render, results_json, write_docs
+from bench.harness import cli
+from bench.harness.report import publish, save
+from bench.harness.run import service_run
+from bench.harness.services import deployment, job_times, service_client
+from bench.harness.stats import Latency, LatencyResult, Sample, Stages, Throughput
+from bench.harness.workers import running_workers
+from bench.queue_overhead_report import print_table, render, results_json
 from bench.rq_baseline import run_rq
-from bench.stats import Latency, LatencyResult, Sample, Stages, Throughput
-from queue_tinker.client import ServiceClient, TrainingClient
+from queue_tinker.client import TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
 
@@ -67,8 +57,7 @@ def sync_latency(client: TrainingClient, warmup: int, ops: int) -> list[Sample]:
         t1 = time.perf_counter()
         result = future.result(timeout=30)
         t2 = time.perf_counter()
-        if result["data"] != i:
-            raise AssertionError(f"ping {i} returned {result!r}")
+        check_ping(i, result)
         if i >= warmup:
             samples.append(Sample(future.request_id, wall, t1 - t0, t2 - t0))
     return samples
@@ -84,29 +73,26 @@ async def async_latency(client: TrainingClient, warmup: int, ops: int) -> list[S
         t1 = time.perf_counter()
         result = await future
         t2 = time.perf_counter()
-        if result["data"] != i:
-            raise AssertionError(f"ping {i} returned {result!r}")
+        check_ping(i, result)
         if i >= warmup:
             samples.append(Sample(future.request_id, wall, t1 - t0, t2 - t0))
     return samples
 
 
+def check_ping(i: int, result: dict[str, object]) -> None:
+    if result["data"] != i:
+        raise AssertionError(f"ping {i} returned {result!r}")
+
+
 def stage_breakdown(redis_url: str, keys: Keys, samples: list[Sample]) -> Stages:
     """Split each round trip at the Redis-clock timestamps the scripts wrote into the job hash
     (client and Redis share this host's clock)."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        pipe = client.pipeline(transaction=False)
-        for sample in samples:
-            pipe.hmget(keys.job(sample.job_id), ["queued_at", "started_at", "finished_at"])
-        replies = pipe.execute()
-    finally:
-        client.close()
+    times = job_times(redis_url, keys, [s.job_id for s in samples])
     stages = Stages()
-    for sample, reply in zip(samples, replies, strict=True):
-        if None in reply:
+    for sample, reply in zip(samples, times, strict=True):
+        if reply is None:
             continue
-        queued, started, finished = (float(v) for v in reply)
+        queued, started, finished = reply
         seen = sample.submitted + sample.total_s
         stages.rows.append(
             (
@@ -134,20 +120,18 @@ def run_latency(
 ) -> dict[str, LatencyResult]:
     """Part 1: sync then async round trips against one worker, on a fresh prefix."""
     results: dict[str, LatencyResult] = {}
-    with fresh_prefix(args.redis_url, "latency") as prefix:
-        settings = make_settings(args.redis_url, database_url, prefix, log_dir / "data")
-        with running_workers(settings, 1, log_dir, "latency"):
-            service = ServiceClient(settings)
-            try:
-                keys = Keys(prefix)
-                sync_client = service.create_lora_training_client("tiny")
-                samples = sync_latency(sync_client, args.warmup, args.ops)
-                results["sync"] = summarise(args.redis_url, keys, samples)
-                async_client = service.create_lora_training_client("tiny")
-                samples = asyncio.run(async_latency(async_client, args.warmup, args.ops))
-                results["async"] = summarise(args.redis_url, keys, samples)
-            finally:
-                close_client(service)
+    with (
+        deployment(args.redis_url, database_url, "latency", log_dir / "data") as settings,
+        running_workers(settings, 1, log_dir, "latency"),
+        service_client(settings) as service,
+    ):
+        keys = Keys(settings.key_prefix)
+        sync_client = service.create_lora_training_client("tiny")
+        samples = sync_latency(sync_client, args.warmup, args.ops)
+        results["sync"] = summarise(args.redis_url, keys, samples)
+        async_client = service.create_lora_training_client("tiny")
+        samples = asyncio.run(async_latency(async_client, args.warmup, args.ops))
+        results["async"] = summarise(args.redis_url, keys, samples)
     return results
 
 
@@ -168,9 +152,7 @@ async def pump(
     async def one(client: TrainingClient, i: int) -> None:
         try:
             future = await client.ping_async(i)
-            result = await future
-            if result["data"] != i:
-                raise AssertionError(f"ping {i} returned {result!r}")
+            check_ping(i, await future)
         except QueueTinkerError as exc:
             name = type(exc).__name__
             if name not in errors:
@@ -226,51 +208,47 @@ def run_throughput(
     args: argparse.Namespace, database_url: str, log_dir: Path, workers: int
 ) -> Throughput:
     """Part 2: pings in flight over `args.models` models against `workers` workers."""
-    with fresh_prefix(args.redis_url, f"tput{workers}") as prefix:
-        settings = make_settings(args.redis_url, database_url, prefix, log_dir / "data")
-        with running_workers(settings, workers, log_dir, f"tput{workers}"):
-            service = ServiceClient(settings)
-            try:
-                keys = Keys(prefix)
-                clients = [service.create_lora_training_client("tiny") for _ in range(args.models)]
-                warm = min(args.tput_ops // 10, 1_000)
-                asyncio.run(pump(clients, warm, args.window))
-                seconds, errors = asyncio.run(pump(clients, args.tput_ops, args.window))
-                backlog = record_backlog(args.redis_url, keys)
-                return Throughput(
-                    args.tput_ops,
-                    seconds,
-                    {
-                        "models": args.models,
-                        "window": args.window,
-                        "models_per_worker": sorted(owners(args.redis_url, keys, clients).values()),
-                        "record_backlog_at_end": backlog,
-                        "errors": errors,
-                    },
-                )
-            finally:
-                close_client(service)
+    with (
+        deployment(args.redis_url, database_url, f"tput{workers}", log_dir / "data") as settings,
+        running_workers(settings, workers, log_dir, f"tput{workers}"),
+        service_client(settings) as service,
+    ):
+        keys = Keys(settings.key_prefix)
+        clients = [service.create_lora_training_client("tiny") for _ in range(args.models)]
+        warm = min(args.tput_ops // 10, 1_000)
+        asyncio.run(pump(clients, warm, args.window))
+        seconds, errors = asyncio.run(pump(clients, args.tput_ops, args.window))
+        backlog = record_backlog(args.redis_url, keys)
+        return Throughput(
+            args.tput_ops,
+            seconds,
+            {
+                "models": args.models,
+                "window": args.window,
+                "models_per_worker": sorted(owners(args.redis_url, keys, clients).values()),
+                "record_backlog_at_end": backlog,
+                "errors": errors,
+            },
+        )
 
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line; `--quick` shrinks every count and leaves the docs alone."""
-    parser = argparse.ArgumentParser(
-        prog="bench.queue_overhead",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = cli.parser("bench.queue_overhead", __doc__)
+    cli.add_services(parser)
+    cli.add_knobs(
+        parser,
+        {
+            "--ops": (5_000, "sequential ops per latency run"),
+            "--warmup": (200, "ops before measuring latency"),
+            "--tput-ops": (20_000, "ops per throughput run"),
+            "--models": (8, "models the throughput ops use"),
+            "--window": (2_000, "throughput: ops in flight"),
+            "--rq-ops": (2_000, "rq sequential jobs"),
+            "--rq-tput-ops": (10_000, "rq throughput jobs"),
+        },
     )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
-        help="admin URL; a scratch database is created beside it",
-    )
-    parser.add_argument("--ops", type=int, default=5_000, help="sequential ops per latency run")
-    parser.add_argument("--warmup", type=int, default=200, help="ops before measuring latency")
-    parser.add_argument("--tput-ops", type=int, default=20_000, help="ops per throughput run")
-    parser.add_argument("--models", type=int, default=8, help="models the throughput ops use")
-    parser.add_argument("--window", type=int, default=2_000, help="throughput: ops in flight")
     parser.add_argument(
         "--workers",
         type=int,
@@ -278,45 +256,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[1, 2],
         help="worker counts to measure throughput with",
     )
-    parser.add_argument("--rq-ops", type=int, default=2_000, help="rq sequential jobs")
-    parser.add_argument("--rq-tput-ops", type=int, default=10_000, help="rq throughput jobs")
     parser.add_argument("--no-rq", action="store_true", help="skip the rq baseline")
-    parser.add_argument("--docs", type=Path, default=DOCS, help="where to write the results")
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: few ops everywhere, docs left alone"
-    )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.ops, args.warmup, args.tput_ops, args.window = 300, 50, 2_000, 500
-        args.rq_ops, args.rq_tput_ops, args.no_docs = 200, 500, True
-    return args
+    cli.add_report(parser)
+    cli.add_quick(parser, "smoke run: few ops everywhere")
+    quick = {"ops": 300, "warmup": 50, "tput_ops": 2_000, "window": 500}
+    return cli.parse(parser, argv, quick={**quick, "rq_ops": 200, "rq_tput_ops": 500})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the three parts, print the tables, write the docs section (and JSON if asked)."""
     args = parse_args(argv)
-    began = time.perf_counter()
-    info = machine(args.redis_url, args.postgres_url, packages=("rq",))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    with tempfile.TemporaryDirectory(prefix="qt-bench-") as tmp:
-        log_dir = Path(tmp)
-        with scratch_database(args.postgres_url) as database_url:
+    with service_run(args, ("rq",), "qt-bench-") as run:
+        print(f"[1] round trip, 1 worker: {args.ops} sync + {args.ops} async pings ...", flush=True)
+        lat = run_latency(args, run.database_url, run.data_dir)
+        tput: dict[int, Throughput] = {}
+        for workers in args.workers:
             print(
-                f"[1] round trip, 1 worker: {args.ops} sync + {args.ops} async pings ...",
+                f"[2] throughput, {workers} worker(s): {args.tput_ops} pings, "
+                f"{args.models} models, {args.window} in flight ...",
                 flush=True,
             )
-            lat = run_latency(args, database_url, log_dir)
-            tput: dict[int, Throughput] = {}
-            for workers in args.workers:
-                print(
-                    f"[2] throughput, {workers} worker(s): {args.tput_ops} pings, "
-                    f"{args.models} models, {args.window} in flight ...",
-                    flush=True,
-                )
-                tput[workers] = run_throughput(args, database_url, log_dir, workers)
-                print(f"    {tput[workers].per_s:,.0f} ops/s", flush=True)
+            tput[workers] = run_throughput(args, run.database_url, run.data_dir, workers)
+            print(f"    {tput[workers].per_s:,.0f} ops/s", flush=True)
         rq_result = None
         if not args.no_rq:
             print(
@@ -325,19 +286,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             rq_result = run_rq(
                 args.redis_url,
-                log_dir,
+                run.data_dir,
                 warmup=args.warmup,
                 ops=args.rq_ops,
                 tput_ops=args.rq_tput_ops,
             )
-    total_s = time.perf_counter() - began
+    total_s = run.total_s
     print_table(lat, tput, rq_result)
     print(f"\ntotal {total_s:.0f} s")
-    if args.json is not None:
-        args.json.write_text(results_json(info, lat, tput, rq_result))
-    if not args.no_docs:
-        write_docs(args.docs, render(args.ops, args.warmup, info, lat, tput, rq_result, total_s))
-        print(f"wrote {args.docs}")
+    save(args.json, results_json(run.info, lat, tput, rq_result))
+    section = render(args.ops, args.warmup, run.info, lat, tput, rq_result, total_s)
+    publish(args.docs, args.no_docs, section)
     return 0
 
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import redis
 
-from bench.harness import REPO, Proc, delete_matching
-from bench.stats import Latency, Throughput
+from bench.harness.services import REPO, delete_matching
+from bench.harness.stats import Latency, Throughput
+from bench.harness.workers import Proc
 
 
 @dataclass

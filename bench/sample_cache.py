@@ -18,24 +18,20 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import resource
-import subprocess
 import sys
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: `python bench/sample_cache.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
-from bench.memory import cpu_model
-from bench.mfu import Shape, build_model, machine_info
-from bench.report import DOCS, write_docs
+from bench.harness import cli
+from bench.harness.isolated import print_result, run_isolated
+from bench.harness.machine import engine_machine
+from bench.harness.meters import peak_rss_bytes
+from bench.harness.models import Shape, build_model
+from bench.harness.report import measured_on, publish
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.memory import kv_bytes_per_token
 from queue_tinker.workers.sampling.cache_budget import peak_cache_tokens
@@ -105,7 +101,7 @@ def measure(samples: int, new_tokens: int, budget: int | None) -> Case:
         new_tokens=new_tokens,
         budget=budget,
         seconds=seconds,
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MIB,
+        peak_rss_mib=peak_rss_bytes() / MIB,
         peak_cache_tokens=most_cache,
         most_rows=most_rows,
         kv_bytes=kv_bytes_per_token(config, 4),
@@ -115,11 +111,13 @@ def measure(samples: int, new_tokens: int, budget: int | None) -> Case:
 
 def run_case(samples: int, new_tokens: int, budget: int | None) -> Case:
     """The case in a fresh process."""
-    command = [sys.executable, "-m", "bench.sample_cache", "--case", f"{samples}x{new_tokens}"]
-    if budget is not None:
-        command += ["--budget", str(budget)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    case = Case(**json.loads(done.stdout.strip().splitlines()[-1]))
+    args = ["--case", f"{samples}x{new_tokens}"]
+    found = run_isolated(
+        "bench.sample_cache", args + ([] if budget is None else ["--budget", str(budget)])
+    )
+    if found is None:
+        raise RuntimeError(f"the case {samples} x {new_tokens}, budget {budget}, failed")
+    case = Case(**found)
     print(
         f"budget {budget or 'none':>6}: {case.seconds:6.1f} s, peak RSS {case.peak_rss_mib:6.0f}"
         f" MiB, cache {case.peak_cache_tokens:,} tokens, {case.most_rows} rows at most",
@@ -148,8 +146,8 @@ def render(cases: Sequence[Case], info: dict[str, str]) -> str:
     lines = [
         SECTION,
         "",
-        f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
-        f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
+        measured_on(info)
+        + f"transformers {info['transformers']}, {info['date']}, fp32; `{COMMAND}`. "
         f"{first.samples} samples of {PROMPT_TOKENS} prompt + {first.new_tokens:,} new tokens "
         f"(no stop: each runs to its max_tokens) on a Llama decoder of random weights "
         f"({SHAPE.layers} layers, hidden {SHAPE.hidden}, {SHAPE.kv_heads} KV heads: "
@@ -181,17 +179,17 @@ def render(cases: Sequence[Case], info: dict[str, str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small case, docs untouched")
+    cli.add_quick(parser, "a small case")
     parser.add_argument("--case", help="SAMPLESxTOKENS: measure one case in this process")
     parser.add_argument("--budget", type=int, default=None)
-    args = parser.parse_args(argv)
+    cli.add_report(parser, json=False)
+    args = cli.parse(parser, argv)
     if args.case:
         samples, new_tokens = (int(part) for part in args.case.split("x"))
-        print(json.dumps(asdict(measure(samples, new_tokens, args.budget))))
+        print_result(measure(samples, new_tokens, args.budget))
         return 0
     cases = run_all(*(QUICK if args.quick else FULL))
-    if not args.quick:
-        write_docs(DOCS, render(cases, machine_info("cpu")), heading=SECTION)
+    publish(args.docs, args.no_docs, render(cases, engine_machine("cpu")))
     return 0
 
 

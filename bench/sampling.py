@@ -30,32 +30,29 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: `python bench/sampling.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
 from peft import PeftModel
 
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
-    fresh_prefix,
-    machine,
-    make_settings,
-    scratch_database,
-    synchronize,
+from bench.harness import cli
+from bench.harness.baselines import generate as batched_generate
+from bench.harness.baselines import left_padded
+from bench.harness.data import datums, random_prompts, sampling_params
+from bench.harness.meters import CpuMeter, synchronize
+from bench.harness.models import ensure_model, frozen_base
+from bench.harness.report import publish
+from bench.harness.run import TORCH, service_run
+from bench.harness.services import (
+    deployment,
+    job_times,
+    service_client,
 )
-from bench.lora_service import job_times, lora_worker, use_torch_threads, worker_threads
-from bench.meters import CpuMeter
-from bench.report import DOCS, write_docs
+from bench.harness.workers import lora_worker, use_torch_threads
 from bench.sampling_report import (
     ADAPTERS,
     REQUESTS,
@@ -68,12 +65,11 @@ from bench.sampling_report import (
     split_lines,
     table,
 )
-from queue_tinker.builtin_models import EOS_ID, PAD_ID
+from queue_tinker.builtin_models import EOS_ID
 from queue_tinker.client import SamplingClient, ServiceClient
 from queue_tinker.queue.keys import Keys
-from queue_tinker.types import AdamParams, Datum, ModelInput, SampleResponse, SamplingParams
+from queue_tinker.types import AdamParams, ModelInput, SampleResponse, SamplingParams
 from queue_tinker.types.checkpoints import CheckpointPath
-from queue_tinker.workers.model.base_model import ensure_builtin_model, load_base_model
 from queue_tinker.workers.model.checkpoints import checkpoint_dir
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
 
@@ -81,13 +77,8 @@ SEED = 1000  # request i samples with seed SEED + i
 TIMEOUT_S = 600.0
 
 
-def make_prompts(seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(8, 49, REQUESTS)]
-
-
 def params(i: int, tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=tokens, temperature=1.0, seed=SEED + i, stop=[])
+    return sampling_params(SEED + i, tokens)
 
 
 # --- this process: generate() and the worker's loop on the same model -------------------------
@@ -95,23 +86,17 @@ class Local:
     """The base model (and a PeftModel holding the checkpoints) in this process."""
 
     def __init__(
-        self, model: str, models_dir: Path, prompts: list[list[int]], device: str = "cpu"
+        self, model: str, data_dir: Path, prompts: list[list[int]], device: str = "cpu"
     ) -> None:
-        self.name, self.models_dir, self.prompts = model, models_dir, prompts
+        self.name, self.data_dir, self.prompts = model, data_dir, prompts
         self.device = torch.device(device)
-        self.base = load_base_model(model, device, models_dir).eval()
+        self.base = frozen_base(model, device, data_dir)
         self.peft: PeftModel | None = None
-        self.width = max(len(p) for p in prompts)
-        self.ids = torch.full((len(prompts), self.width), PAD_ID, dtype=torch.long)
-        self.mask = torch.zeros((len(prompts), self.width), dtype=torch.long)
-        for r, p in enumerate(prompts):  # left padding, as generate() wants for decoder-only
-            self.ids[r, self.width - len(p) :] = torch.tensor(p)
-            self.mask[r, self.width - len(p) :] = 1
-        self.ids, self.mask = self.ids.to(self.device), self.mask.to(self.device)
+        self.ids, self.mask = left_padded(prompts, self.device)
 
     def attach(self, directories: list[Path]) -> list[str]:
         """A second copy of the base with the checkpoints loaded; their adapter names."""
-        base = load_base_model(self.name, str(self.device), self.models_dir).eval()
+        base = frozen_base(self.name, str(self.device), self.data_dir)
         names = [f"a{i}" for i in range(len(directories))]
         self.peft = PeftModel.from_pretrained(
             base, str(directories[0]), adapter_name=names[0], is_trainable=False
@@ -133,25 +118,11 @@ class Local:
             times.append(time.perf_counter() - t0)
         return sorted(times)[reps // 2] * 1000
 
-    def generate(self, tokens: int, adapters: list[str] | None) -> int:
-        """One batched HF generate() call; the tokens it generated."""
+    def generate(self, tokens: int, adapters: list[str] | None) -> None:
+        """One batched HF generate() call."""
         model: Any = self.base if adapters is None else self.peft
         extra = {} if adapters is None else {"adapter_names": adapters}
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=self.ids,
-                attention_mask=self.mask,
-                max_new_tokens=tokens,
-                min_new_tokens=tokens,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                pad_token_id=PAD_ID,
-                **extra,
-            )
-        assert out.shape[1] - self.width == tokens, out.shape
-        return (out.shape[1] - self.width) * len(self.prompts)
+        batched_generate(model, self.ids, self.mask, tokens, **extra)
 
     def loop(self, tokens: int, adapters: list[str] | None) -> list[SampleResponse]:
         """The worker's generation function on the same requests."""
@@ -240,14 +211,7 @@ def make_checkpoints(
 ) -> tuple[list[str], list[Path]]:
     """4 sampler checkpoints of one LoRA run, 2 training steps apart (so all differ)."""
     tc = service.create_lora_training_client(model, rank=32, seed=0)
-    rng = np.random.default_rng(1)
-    batch = [
-        Datum(
-            model_input=ModelInput.from_ints(row[:-1].tolist()),
-            loss_fn_inputs={"target_tokens": row[1:].astype(np.int64)},
-        )
-        for row in rng.integers(0, 256, (4, 33))
-    ]
+    batch = datums(np.random.default_rng(1).integers(0, 256, (4, 33)), weights=False)
     paths = []
     for i in range(ADAPTERS):
         for _ in range(2):
@@ -321,27 +285,25 @@ def run_case(
 
 
 def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path) -> SizeResult:
-    ensure_builtin_model(size.model, data_dir / "models")
-    local = Local(size.model, data_dir / "models", make_prompts(), args.device)
+    ensure_model(size.model, data_dir)
+    local = Local(size.model, data_dir, random_prompts(REQUESTS, 0), args.device)
     result = SizeResult(size, sum(p.numel() for p in local.base.parameters()))
-    with fresh_prefix(args.redis_url, "sampling") as prefix:
-        settings = make_settings(args.redis_url, database_url, prefix, data_dir)
-        keys = Keys(prefix)
-        log = data_dir / f"worker-{prefix}.log"
-        with lora_worker(settings, size.model, log, device=args.device) as proc:
-            service = ServiceClient(settings)
-            try:
-                meter = CpuMeter([os.getpid(), proc.pid])
-                base = service.create_sampling_client(base_model=size.model)
-                run_case("base", result, local, [base], None, meter, args.redis_url, keys)
-                paths, directories = make_checkpoints(service, size.model, settings.storage_dir)
-                names = local.attach(directories)
-                result.hook_ms = local.hook_ms([names[i % ADAPTERS] for i in range(REQUESTS)])
-                samplers = [service.create_sampling_client(model_path=p) for p in paths]
-                adapters = [names[i % ADAPTERS] for i in range(REQUESTS)]
-                run_case("mixed", result, local, samplers, adapters, meter, args.redis_url, keys)
-            finally:
-                close_client(service)
+    with deployment(args.redis_url, database_url, "sampling", data_dir) as settings:
+        keys = Keys(settings.key_prefix)
+        log = data_dir / f"worker-{settings.key_prefix}.log"
+        with (
+            lora_worker(settings, size.model, log, device=args.device) as proc,
+            service_client(settings) as service,
+        ):
+            meter = CpuMeter([os.getpid(), proc.pid])
+            base = service.create_sampling_client(base_model=size.model)
+            run_case("base", result, local, [base], None, meter, args.redis_url, keys)
+            paths, directories = make_checkpoints(service, size.model, settings.storage_dir)
+            names = local.attach(directories)
+            result.hook_ms = local.hook_ms([names[i % ADAPTERS] for i in range(REQUESTS)])
+            samplers = [service.create_sampling_client(model_path=p) for p in paths]
+            adapters = [names[i % ADAPTERS] for i in range(REQUESTS)]
+            run_case("mixed", result, local, samplers, adapters, meter, args.redis_url, keys)
     return result
 
 
@@ -353,34 +315,14 @@ SIZES = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.sampling",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
-    )
-    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="torch threads on every side (OMP_NUM_THREADS for the worker)",
-    )
+    parser = cli.parser("bench.sampling", __doc__)
+    cli.add_services(parser)
+    cli.add_models(parser, SIZES, default=SIZES)
+    cli.add_torch(parser)
     parser.add_argument("--big-tokens", type=int, default=None, help="max_tokens at 100M")
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        help="the worker's and this process's device (cuda: bf16, its own docs section)",
-    )
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
-    args = parser.parse_args(argv)
-    args.no_docs = args.no_docs or args.quick
-    return args
+    cli.add_report(parser, json=False)
+    cli.add_quick(parser)
+    return cli.parse(parser, argv)
 
 
 def sizes(args: argparse.Namespace) -> list[Size]:
@@ -397,35 +339,22 @@ def sizes(args: argparse.Namespace) -> list[Size]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    began = time.perf_counter()
     use_torch_threads(args.threads)
-    info = machine(args.redis_url, args.postgres_url, packages=("torch", "transformers", "peft"))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     results = []
-    with (
-        tempfile.TemporaryDirectory(prefix="qt-bench-sampling-") as tmp,
-        scratch_database(args.postgres_url) as database_url,
-    ):
-        threads = {
-            "benchmark process": torch.get_num_threads(),
-            **worker_threads(
-                make_settings(args.redis_url, database_url, "qt-bench-probe", Path(tmp))
-            ),
-        }
+    with service_run(args, TORCH, "qt-bench-sampling-") as run:
+        threads = {"benchmark process": torch.get_num_threads(), **run.worker_threads()}
         for size in sizes(args):
             print(
                 f"{size.model}: {REQUESTS} requests × {size.tokens} tokens, up to "
                 f"{size.rounds} rounds, torch threads {threads}",
                 flush=True,
             )
-            results.append(measure(args, size, database_url, Path(tmp)))
-    total_s = time.perf_counter() - began
+            results.append(measure(args, size, run.database_url, run.data_dir))
+    total_s = run.total_s
     print("\n" + "\n".join(table(results) + split_lines(results) + findings(results)))
     print(f"total {total_s:.0f} s")
-    if not args.no_docs:
-        section = render(info, results, threads, args.threads, total_s, args.device)
-        write_docs(args.docs, section, heading=section.splitlines()[0])
-        print(f"wrote {args.docs}")
+    section = render(run.info, results, threads, args.threads, total_s, args.device)
+    publish(args.docs, args.no_docs, section)
     return 0
 
 

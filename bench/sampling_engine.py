@@ -29,59 +29,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a file
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import torch
 
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
-    fresh_prefix,
-    machine,
-    make_settings,
-    scratch_database,
-    synchronize,
-)
-from bench.lora_service import lora_worker, use_torch_threads
-from bench.report import DOCS, write_docs
-from queue_tinker.builtin_models import PAD_ID
+from bench.harness import cli
+from bench.harness.baselines import generate, left_padded
+from bench.harness.data import datums, random_prompts, sampling_params
+from bench.harness.meters import synchronize
+from bench.harness.models import ensure_model, frozen_base
+from bench.harness.report import publish
+from bench.harness.run import TORCH, service_run
+from bench.harness.services import deployment, service_client
+from bench.harness.workers import lora_worker, use_torch_threads
+from bench.sampling_engine_report import Result, Size, median, render, table
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient
-from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
-from queue_tinker.workers.model.base_model import ensure_builtin_model, load_base_model
+from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams
 
-SECTION = "## Sampling engine: continuous batching, shared prompts, fair turns"
-GPU_SECTION = "## Sampling engine on a GPU"
-COMMAND = ".venv/bin/python -m bench.sampling_engine"
 TIMEOUT_S = 900.0
-
-
-@dataclass(frozen=True)
-class Size:
-    model: str
-    tokens: int  # max_tokens of the staggered, simultaneous and shared-prompt requests
-    fair_rows: int  # num_samples of the long sample in the fair-turns case
-    fair_tokens: int
-    rounds: int  # of each timed call (median taken)
-    long_prompt: int = 192  # tokens of the long-prompt case (within the model's context)
-    long_rows: int = 32  # requests of the long-samples case
-    long_tokens: int = 512  # their max_tokens (+ 48 prompt tokens within the model's context)
-    staggered: int = 48
-    simultaneous: int = 32
-    shared: int = 16
-
-
 SIZES = {
     "queue-tinker/tiny-llama": Size(
         "queue-tinker/tiny-llama", 64, 512, 128, 3, long_prompt=160, long_tokens=192
@@ -92,78 +61,19 @@ SIZES = {
 }
 
 
-@dataclass
-class Result:
-    size: Size
-    params: int = 0
-    alone_s: list[float] = field(default_factory=list)  # one staggered-size request alone
-    staggered_latency_s: list[float] = field(default_factory=list)  # per request, last round
-    staggered_median_s: list[float] = field(default_factory=list)  # per round
-    staggered_tok_s: list[float] = field(default_factory=list)
-    generate_staggered_tok_s: list[float] = field(default_factory=list)
-    simultaneous_tok_s: list[float] = field(default_factory=list)
-    generate_simultaneous_tok_s: list[float] = field(default_factory=list)
-    shared_tok_s: list[float] = field(default_factory=list)
-    separate_tok_s: list[float] = field(default_factory=list)
-    long_shared_tok_s: list[float] = field(default_factory=list)  # num_samples of a long prompt
-    long_distinct_tok_s: list[float] = field(default_factory=list)  # as many long prompts
-    long_samples_tok_s: list[float] = field(default_factory=list)
-    generate_long_samples_tok_s: list[float] = field(default_factory=list)
-    step_alone_s: list[float] = field(default_factory=list)
-    step_under_s: list[float] = field(default_factory=list)
-    sample_alone_s: float = 0.0
-    sample_shared_s: float = 0.0
-
-
-def prompts(count: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(8, 49, count)]
-
-
-def params(seed: int, tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, stop=[])
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def p90(values: list[float]) -> float:
-    return float(np.percentile(values, 90)) if values else float("nan")
-
-
 # --- generate() in this process -----------------------------------------------------------------
 def generate_tok_s(model: Any, batch: list[list[int]], tokens: int) -> float:
     """transformers' generate() on the prompts at once, left-padded: generated tokens/s."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in batch)
-    ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = left_padded(batch, device)
     synchronize(device)
     began = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            pad_token_id=PAD_ID,
-        )
+    generate(model, ids, mask, tokens)
     synchronize(device)
-    seconds = time.perf_counter() - began
-    assert out.shape[1] - width == tokens
-    return len(batch) * tokens / seconds
+    return len(batch) * tokens / (time.perf_counter() - began)
 
 
-# --- the service ---------------------------------------------------------------------------------
+# --- the service -------------------------------------------------------------------------------
 async def timed_sample(
     sampler: SamplingClient,
     prompt: list[int],
@@ -193,7 +103,9 @@ def staggered(
         latencies = await asyncio.wait_for(
             asyncio.gather(
                 *(
-                    timed_sample(sampler, p, 1, params(seed + i, tokens), float(arrivals[i]))
+                    timed_sample(
+                        sampler, p, 1, sampling_params(seed + i, tokens), float(arrivals[i])
+                    )
                     for i, p in enumerate(batch)
                 )
             ),
@@ -214,7 +126,7 @@ def at_once(
         await asyncio.wait_for(
             asyncio.gather(
                 *(
-                    timed_sample(sampler, p, n, params(seed + i, tokens))
+                    timed_sample(sampler, p, n, sampling_params(seed + i, tokens))
                     for i, p in enumerate(batch)
                 )
             ),
@@ -242,18 +154,12 @@ def train_steps(tc: TrainingClient, batch: list[Datum], count: int) -> list[floa
 def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size, result: Result) -> None:
     """The trainer's steps alone, the long sample alone, then both at once."""
     tc = trainer.create_lora_training_client(size.model, rank=8, seed=0)
-    row = np.random.default_rng(7).integers(0, 256, 65)
-    batch = [
-        Datum(
-            model_input=ModelInput.from_ints(row[:-1].tolist()),
-            loss_fn_inputs={"target_tokens": TensorData.from_numpy(row[1:].astype(np.int64))},
-        )
-    ]
+    batch = datums([np.random.default_rng(7).integers(0, 256, 65)], weights=False)
     train_steps(tc, batch, 3)  # warm-up: created, resident, kernels loaded
     result.step_alone_s = train_steps(tc, batch, 15)
     sampler = service.create_sampling_client(base_model=size.model)
-    prompt = prompts(1, 9)[0][:16]
-    long = params(5, size.fair_tokens)
+    prompt = random_prompts(1, 9)[0][:16]
+    long = sampling_params(5, size.fair_tokens)
     result.sample_alone_s = asyncio.run(timed_sample(sampler, prompt, size.fair_rows, long))
     began = time.perf_counter()
     future = sampler.sample(ModelInput.from_ints(prompt), size.fair_rows, long)
@@ -266,31 +172,27 @@ def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size, resul
 
 
 def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path) -> Result:
-    models_dir = data_dir / "models"
-    ensure_builtin_model(size.model, models_dir)
-    local = load_base_model(size.model, args.device, models_dir).eval()
+    ensure_model(size.model, data_dir)
+    local = frozen_base(size.model, args.device, data_dir)
     result = Result(size, sum(p.numel() for p in local.parameters()))
-    stream, together = prompts(size.staggered, 1), prompts(size.simultaneous, 2)
-    shared_prompt = prompts(1, 3)[0]
-    with fresh_prefix(args.redis_url, "sampling-engine") as prefix:
-        settings = make_settings(args.redis_url, database_url, prefix, data_dir)
-        log = data_dir / f"worker-{prefix}.log"
-        with lora_worker(settings, size.model, log, device=args.device):
-            service = ServiceClient(settings.model_copy(update={"tenant": "sampler"}))
-            trainer = ServiceClient(settings.model_copy(update={"tenant": "trainer"}))
-            try:
-                sampler = service.create_sampling_client(base_model=size.model)
-                at_once(sampler, together[:4], 1, 4, 0)  # warm-up: the worker's loop is made
-                generate_tok_s(local, together[:4], 4)
-                if args.device != "cpu":  # a GPU warms up per shape (kernels, allocator)
-                    warm = Result(size)
-                    run_round(sampler, local, size, warm, stream, together, shared_prompt, 0)
-                for r in range(size.rounds):
-                    run_round(sampler, local, size, result, stream, together, shared_prompt, r)
-                fair_turns(service, trainer, size, result)
-            finally:
-                close_client(service)
-                close_client(trainer)
+    stream, together = random_prompts(size.staggered, 1), random_prompts(size.simultaneous, 2)
+    shared_prompt = random_prompts(1, 3)[0]
+    with deployment(args.redis_url, database_url, "sampling-engine", data_dir) as settings:
+        log = data_dir / f"worker-{settings.key_prefix}.log"
+        with (
+            lora_worker(settings, size.model, log, device=args.device),
+            service_client(settings.model_copy(update={"tenant": "trainer"})) as trainer,
+            service_client(settings.model_copy(update={"tenant": "sampler"})) as service,
+        ):
+            sampler = service.create_sampling_client(base_model=size.model)
+            at_once(sampler, together[:4], 1, 4, 0)  # warm-up: the worker's loop is made
+            generate_tok_s(local, together[:4], 4)
+            if args.device != "cpu":  # a GPU warms up per shape (kernels, allocator)
+                warm = Result(size)
+                run_round(sampler, local, size, warm, stream, together, shared_prompt, 0)
+            for r in range(size.rounds):
+                run_round(sampler, local, size, result, stream, together, shared_prompt, r)
+            fair_turns(service, trainer, size, result)
     return result
 
 
@@ -306,7 +208,7 @@ def run_round(
 ) -> None:
     median_prompt = sorted(stream, key=len)[len(stream) // 2]
     result.alone_s.append(
-        asyncio.run(timed_sample(sampler, median_prompt, 1, params(100 + r, size.tokens)))
+        asyncio.run(timed_sample(sampler, median_prompt, 1, sampling_params(100 + r, size.tokens)))
     )
     latencies, tok_s = staggered(sampler, stream, size.tokens, 1000 * (r + 1))
     result.staggered_latency_s = latencies
@@ -339,202 +241,14 @@ def run_round(
     )
 
 
-# --- the report ----------------------------------------------------------------------------------
-def rows(r: Result) -> list[tuple[str, str, str, float, str]]:
-    """(what, service, baseline, ratio, target) per measurement."""
-    s = r.size
-    alone, stag = median(r.alone_s), median(r.staggered_median_s)
-    return [
-        (
-            f"staggered: {s.staggered} requests, Poisson over 1.5 s, {s.tokens} tokens each — "
-            "median latency (lower is better)",
-            f"{stag * 1000:,.0f} ms",
-            f"one alone: {alone * 1000:,.0f} ms",
-            stag / alone,
-            "≤ 2×",
-        ),
-        (
-            "staggered: the stream's tokens/s vs generate() on the same requests at once",
-            f"{median(r.staggered_tok_s):,.0f} tok/s",
-            f"{median(r.generate_staggered_tok_s):,.0f} tok/s",
-            median(r.staggered_tok_s) / median(r.generate_staggered_tok_s),
-            "stated",
-        ),
-        (
-            f"{s.simultaneous} requests at once, {s.tokens} tokens each, vs generate()",
-            f"{median(r.simultaneous_tok_s):,.0f} tok/s",
-            f"{median(r.generate_simultaneous_tok_s):,.0f} tok/s",
-            median(r.simultaneous_tok_s) / median(r.generate_simultaneous_tok_s),
-            "≥ 1.2×",
-        ),
-        (
-            f"{s.long_rows} requests at once, {s.long_tokens} tokens each (long samples), vs "
-            "generate()",
-            f"{median(r.long_samples_tok_s):,.0f} tok/s",
-            f"{median(r.generate_long_samples_tok_s):,.0f} tok/s",
-            median(r.long_samples_tok_s) / median(r.generate_long_samples_tok_s),
-            "stated",
-        ),
-        (
-            f"num_samples={s.shared} of one prompt vs {s.shared} requests of it",
-            f"{median(r.shared_tok_s):,.0f} tok/s",
-            f"{median(r.separate_tok_s):,.0f} tok/s",
-            median(r.shared_tok_s) / median(r.separate_tok_s),
-            "≥ 1.5×",
-        ),
-        (
-            f"num_samples={s.shared} of one {s.long_prompt}-token prompt vs {s.shared} requests "
-            f"of distinct {s.long_prompt}-token prompts (what sharing the prefill saves)",
-            f"{median(r.long_shared_tok_s):,.0f} tok/s",
-            f"{median(r.long_distinct_tok_s):,.0f} tok/s",
-            median(r.long_shared_tok_s) / median(r.long_distinct_tok_s),
-            "stated",
-        ),
-        (
-            f"training step p90 while another tenant samples {s.fair_rows} × {s.fair_tokens} "
-            "(lower is better)",
-            f"{p90(r.step_under_s) * 1000:,.0f} ms "
-            f"(p50 {median(r.step_under_s) * 1000:,.0f}, {len(r.step_under_s)} steps)",
-            f"alone: {p90(r.step_alone_s) * 1000:,.0f} ms (p50 "
-            f"{median(r.step_alone_s) * 1000:,.0f})",
-            p90(r.step_under_s) / p90(r.step_alone_s),
-            "≤ 3×",
-        ),
-        (
-            f"that {s.fair_rows} × {s.fair_tokens} sample's time, sharing the worker with the "
-            "trainer (lower is better)",
-            f"{r.sample_shared_s:,.1f} s",
-            f"alone: {r.sample_alone_s:,.1f} s",
-            r.sample_shared_s / r.sample_alone_s,
-            "stated",
-        ),
-    ]
-
-
-def table(results: list[Result]) -> list[str]:
-    lines = [
-        "| model (params) | measurement | service | same-run baseline | ratio | target |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in results:
-        for what, service, baseline, ratio, target in rows(r):
-            lines.append(
-                f"| `{r.size.model}` ({r.params / 1e6:,.1f}M) | {what} | {service} "
-                f"| {baseline} | **{ratio:.2f}×** | {target} |"
-            )
-    return [*lines, ""]
-
-
-INTRO = (
-    "The worker's decode loop (continuous batching: requests join and leave between steps; a "
-    "prompt prefilled once for its `num_samples` rows; training ops of other models run "
-    "between quanta of decode steps) measured through the service. One real LoRA worker "
-    "process (`queue-tinker worker --engine lora --device cpu`, production defaults), the "
-    "local Redis and a scratch Postgres; requests have a seed, temperature 1 and `stop=[]` "
-    "(every request generates exactly `max_tokens`). Staggered: the requests arrive as a "
-    "Poisson stream over 1.5 s (prompts of 8–48 random byte tokens), latency from submit to "
-    "result; one alone is a request with the stream's median prompt length. generate(): "
-    "transformers' `model.generate(do_sample=True, min_new_tokens=max_new_tokens)` on the same "
-    "prompts at once, left-padded, in the benchmark process. Fair turns: one tenant runs "
-    "training steps (forward_backward + optim_step on one 64-token datum, rank 8, sent "
-    "together, timed from submit to the optim_step's result) one after another, first alone, "
-    "then while another tenant's single request samples the long batch. Ratios compare "
-    "figures of the same run (medians over rounds). CPU numbers from a shared 2-core "
-    "machine: other processes compete for the cores, so compare within a run only."
-)
-
-
-READING = (
-    "How to read it. Every figure is a CPU figure, where a decode step's cost grows with its "
-    "rows (at 100M nearly in proportion, so 48 requests sharing the 2 cores take about 48 "
-    "times one request's compute, and their median latency cannot come near one alone's; the "
-    "≤ 2× latency target assumes a device on which a step of 48 rows costs about what a step "
-    "of one does). The shared-prompt baseline sends 16 requests of the same prompt, which the "
-    "loop also prefills once when they arrive together, so what differs is the queue's "
-    "per-request cost; a prompt of 8–48 tokens is a small part of 64 generated tokens. The "
-    "long-prompt row shows what the sharing saves: one long prompt's samples against as many "
-    "distinct prompts of that length, each prefilled. The long-samples row is where the cache "
-    "written in place shows: generate()'s cache (and the loop's before it) copies every "
-    "layer's keys and values at every step, a cost that grows with the square of the length, "
-    "while the loop writes one column (workers/sampling/kv_cache.py); on the tiny model the "
-    "cache is "
-    "too small for that to matter. The fair-turns rows are the scheduling: "
-    "the trainer's steps run between quanta of the long sample instead of after it. The tiny "
-    "model's rows are per-request overhead, not compute: generate() makes the 32 requests' "
-    "2,048 tokens in about a tenth of a second, so the queue's fixed cost per request "
-    "(enqueue script, pick-up, publish, the result's way back) is a large share of the "
-    "service's time. Two torch threads per process oversubscribe the cores when other jobs "
-    "run, so the runs use one thread per process."
-)
-
-
-GPU_INTRO = (
-    "The same benchmark as the section above, with the worker and generate() on one CUDA GPU "
-    "(`--device cuda`: the base model in bf16, adapters in fp32), the embedded Redis and "
-    "Postgres on the same machine, after one untimed round (a GPU warms up per shape: kernels, "
-    "allocator). On a GPU a decode step of 48 rows costs about what one of a single row does, "
-    "which is the device the latency target assumes."
-)
-
-
-def render(
-    info: dict[str, str], results: list[Result], total_s: float, threads: int, device: str
-) -> str:
-    gpu = device != "cpu"
-    return "\n".join(
-        [
-            GPU_SECTION if gpu else SECTION,
-            "",
-            GPU_INTRO if gpu else INTRO,
-            "",
-            "Reproduce:",
-            "",
-            "```",
-            f"{COMMAND} --threads {threads} --device {device} --models "
-            + " ".join(r.size.model for r in results),
-            "```",
-            "",
-            "Machine: "
-            + ", ".join(f"{k} {v}" for k, v in info.items())
-            + f"; torch threads {threads} in every process (OMP_NUM_THREADS={threads} for the "
-            f"worker). The run took {total_s:.0f} s.",
-            "",
-            *table(results),
-            *([] if gpu else [READING, ""]),
-        ]
-    )
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.sampling_engine",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
-    )
-    parser.add_argument(
-        "--models", nargs="+", default=["queue-tinker/tiny-llama"], choices=list(SIZES)
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="torch threads on every side (OMP_NUM_THREADS for the worker)",
-    )
-    parser.add_argument(
-        "--device",
-        default="cpu",
-        help="the worker's and generate()'s device (cuda: bf16, its own docs section)",
-    )
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
-    args = parser.parse_args(argv)
-    args.no_docs = args.no_docs or args.quick
-    return args
+    parser = cli.parser("bench.sampling_engine", __doc__)
+    cli.add_services(parser)
+    cli.add_models(parser, SIZES, default=["queue-tinker/tiny-llama"])
+    cli.add_torch(parser)
+    cli.add_report(parser, json=False)
+    cli.add_quick(parser)
+    return cli.parse(parser, argv)
 
 
 def sizes(args: argparse.Namespace) -> list[Size]:
@@ -549,24 +263,15 @@ def sizes(args: argparse.Namespace) -> list[Size]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    began = time.perf_counter()
     use_torch_threads(args.threads)
-    info = machine(args.redis_url, args.postgres_url, packages=("torch", "transformers", "peft"))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     results = []
-    with (
-        tempfile.TemporaryDirectory(prefix="qt-bench-sampling-engine-") as tmp,
-        scratch_database(args.postgres_url) as database_url,
-    ):
+    with service_run(args, TORCH, "qt-bench-sampling-engine-") as run:
         for size in sizes(args):
             print(f"{size.model}:", flush=True)
-            results.append(measure(args, size, database_url, Path(tmp)))
-    total_s = time.perf_counter() - began
+            results.append(measure(args, size, run.database_url, run.data_dir))
     print("\n" + "\n".join(table(results)))
-    if not args.no_docs:
-        section = render(info, results, total_s, args.threads, args.device)
-        write_docs(args.docs, section, heading=section.splitlines()[0])
-        print(f"wrote {args.docs}")
+    section = render(run.info, results, run.total_s, args.threads, args.device)
+    publish(args.docs, args.no_docs, section)
     return 0
 
 

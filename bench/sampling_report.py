@@ -6,6 +6,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from bench.harness.report import machine_line, reproduce
+from bench.harness.report import table as markdown_table
+
 SECTION = "## Sampling"
 COMMAND = ".venv/bin/python -m bench.sampling"
 TARGET = 1.0  # service tokens/s over generate() tokens/s, base model
@@ -88,49 +91,79 @@ def batch_text(splits: list[Split]) -> str:
     )
 
 
+TABLE = (
+    "model (params)",
+    "case",
+    "requests × max_tokens",
+    "rounds",
+    "generate() tok/s",
+    "service tok/s",
+    "service / generate()",
+    "worker loop in-process tok/s",
+    "loop / generate()",
+    "other processes, cores (service / generate / loop)",
+)
+SPLIT = (
+    "model",
+    "case",
+    "service total",
+    "submit → first op started",
+    "on the worker (first started → last finished)",
+    "last finished → last result in hand",
+    "worker loop in-process",
+    "generate()",
+    "worker batches: requests, time each",
+    "service sequences equal to the in-process loop's",
+)
+
+
 def table(results: list[SizeResult]) -> list[str]:
-    lines = [
-        "| model (params) | case | requests × max_tokens | rounds | generate() tok/s "
-        "| service tok/s | service / generate() | worker loop in-process tok/s "
-        "| loop / generate() | other processes, cores (service / generate / loop) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    rows = []
     for res in results:
         t = res.size.tokens
         for case, c in res.cases.items():
-            label = "base model" if case == "base" else f"{ADAPTERS} adapters, mixed batch"
-            load = " / ".join(f"{statistics.mean(c.foreign[s]):.2f}" for s in SIDES)
-            lines.append(
-                f"| `{res.size.model}` ({res.params / 1e6:,.1f}M) | {label} | {REQUESTS} × {t} "
-                f"| {len(c.times['service'])} | {c.tok_s('generate', t):,.0f} "
-                f"| {c.tok_s('service', t):,.0f} | **{c.ratio():.2f}×** "
-                f"| {c.tok_s('loop', t):,.0f} | {c.ratio('loop'):.2f}× | {load} |"
+            rows.append(
+                (
+                    f"`{res.size.model}` ({res.params / 1e6:,.1f}M)",
+                    "base model" if case == "base" else f"{ADAPTERS} adapters, mixed batch",
+                    f"{REQUESTS} × {t}",
+                    len(c.times["service"]),
+                    f"{c.tok_s('generate', t):,.0f}",
+                    f"{c.tok_s('service', t):,.0f}",
+                    f"**{c.ratio():.2f}×**",
+                    f"{c.tok_s('loop', t):,.0f}",
+                    f"{c.ratio('loop'):.2f}×",
+                    " / ".join(f"{statistics.mean(c.foreign[s]):.2f}" for s in SIDES),
+                )
             )
-    return [*lines, ""]
+    return [*markdown_table(TABLE, rows), ""]
 
 
 def split_lines(results: list[SizeResult]) -> list[str]:
-    lines = [
+    rows = [
+        (
+            f"`{res.size.model}`",
+            case,
+            ms(c.times["service"]),
+            ms([x.queue_in for x in c.split]),
+            ms([x.worker for x in c.split]),
+            ms([x.queue_out for x in c.split]),
+            ms(c.times["loop"]),
+            ms(c.times["generate"]),
+            batch_text(c.split),
+            f"{sum(c.same_as_loop)} of {REQUESTS * len(c.same_as_loop)}",
+        )
+        for res in results
+        for case, c in res.cases.items()
+    ]
+    return [
         "Where the service's time goes (medians over rounds, ms per call of 32 requests; "
         "the split uses the Redis-clock `started_at` / `finished_at` of the sample jobs "
         "and the client's clock):",
         "",
-        "| model | case | service total | submit → first op started | on the worker "
-        "(first started → last finished) | last finished → last result in hand "
-        "| worker loop in-process | generate() | worker batches: requests, time each "
-        "| service sequences equal to the in-process loop's |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *markdown_table(SPLIT, rows),
+        "",
     ]
-    for res in results:
-        for case, c in res.cases.items():
-            lines.append(
-                f"| `{res.size.model}` | {case} | {ms(c.times['service'])} "
-                f"| {ms([x.queue_in for x in c.split])} | {ms([x.worker for x in c.split])} "
-                f"| {ms([x.queue_out for x in c.split])} | {ms(c.times['loop'])} "
-                f"| {ms(c.times['generate'])} | {batch_text(c.split)} "
-                f"| {sum(c.same_as_loop)} of {REQUESTS * len(c.same_as_loop)} |"
-            )
-    return [*lines, ""]
 
 
 # --- docs --------------------------------------------------------------------------------------
@@ -253,12 +286,9 @@ def render(
             "Reproduce (`--quick` is a smoke run that leaves this file alone; `--models` picks "
             "the models, `--big-tokens` the 100M model's `max_tokens`):",
             "",
-            "```",
-            COMMAND + (f" --device {device}" if gpu else ""),
-            "```",
+            *reproduce(COMMAND + (f" --device {device}" if gpu else "")),
             "",
-            "Machine: "
-            + ", ".join(f"{k} {v}" for k, v in info.items())
+            machine_line(info)
             + f"; torch threads, set explicitly (OMP_NUM_THREADS={omp} in the worker's "
             f"environment, `torch.set_num_threads({omp})` here): {thread_text}. The run took "
             f"{total_s:.0f} s; the 100M model runs fewer rounds and shorter requests to keep it "

@@ -40,74 +40,45 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: `python bench/soak.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 import redis
 
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
+from bench.harness import cli
+from bench.harness.data import datums
+from bench.harness.meters import status_kib
+from bench.harness.report import publish, save
+from bench.harness.run import service_run
+from bench.harness.services import (
     delete_matching,
-    fresh_prefix,
-    machine,
-    make_settings,
-    wait_for_workers,
-    worker_proc,
+    service_client,
 )
-from bench.harness import scratch_database as scratch_db
-from bench.lora_service import lora_worker
-from bench.report import DOCS, write_docs
-from bench.stats import Latency
+from bench.harness.workers import lora_worker, wait_for_workers, worker_proc
+from bench.soak_report import (
+    DELAYS_MS,
+    LORA_MODEL,
+    Outcome,
+    Tally,
+    print_summary,
+    render,
+    results_json,
+)
 from queue_tinker import types
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
-SECTION = "## Soak"
-COMMAND = ".venv/bin/python -m bench.soak --minutes 5 --clients 20 --models 50"
-LORA_MODEL = "queue-tinker/tiny-llama"
-DELAYS_MS = (0, 0, 1, 5, 20)  # drawn uniformly: 40% inline, the rest on the compute thread
-MIB = 1024 * 1024
-
 
 # --- what the run saw --------------------------------------------------------------------------
-@dataclass
-class Tally:
-    """Everything the clients observed, shared by their coroutines (one event loop)."""
-
-    ping_s: list[float] = field(default_factory=list)
-    overhead_s: list[float] = field(default_factory=list)  # round trip minus the ping's delay
-    step_s: list[float] = field(default_factory=list)
-    samples: int = 0
-    job_ids: list[str] = field(default_factory=list)
-    seqs: defaultdict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
-    stuck: list[str] = field(default_factory=list)
-    failed: dict[str, int] = field(default_factory=dict)
-    wrong: list[str] = field(default_factory=list)
-
-    def fail(self, exc: BaseException) -> None:
-        name = type(exc).__name__
-        if name not in self.failed:
-            print(f"warning: op failed: {name}: {exc}", file=sys.stderr, flush=True)
-        self.failed[name] = self.failed.get(name, 0) + 1
-
-
 class MemorySampler:
     """Resident memory of named processes, this one and Redis', every `interval` seconds."""
 
@@ -155,38 +126,8 @@ class MemorySampler:
 
 def process_rss(pid: int) -> int | None:
     """VmRSS of a process in bytes, None once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-@dataclass
-class Trend:
-    """One process's memory over the run."""
-
-    first_min_mib: float
-    last_min_mib: float
-    slope_mib_per_min: float  # least squares, after the first minute (or over all, if shorter)
-    samples: int
-
-    @property
-    def growth_mib(self) -> float:
-        return self.last_min_mib - self.first_min_mib
-
-
-def trend(series: list[tuple[float, int]]) -> Trend:
-    t = np.array([s for s, _ in series])
-    mib = np.array([v for _, v in series]) / MIB
-    window = min(60.0, t[-1] / 2) if len(t) > 1 else 0.0
-    first = mib[t <= t[0] + window] if window else mib
-    last = mib[t >= t[-1] - window] if window else mib
-    settled = t >= 60.0 if t[-1] >= 120.0 else np.ones_like(t, dtype=bool)
-    slope = float(np.polyfit(t[settled] / 60, mib[settled], 1)[0]) if settled.sum() > 2 else 0.0
-    return Trend(float(first.mean()), float(last.mean()), slope, len(t))
+    rss = status_kib(pid, "VmRSS")
+    return None if rss is None else rss * 1024
 
 
 # --- the load ----------------------------------------------------------------------------------
@@ -239,19 +180,7 @@ async def ping_client(
 
 def lora_batch(texts: Sequence[str]) -> list[types.Datum]:
     """Byte tokens (the tiny model's tokenizer), next-token targets, all weights 1."""
-    batch = []
-    for text in texts:
-        ids = list(text.encode())
-        batch.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(ids[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": types.TensorData.from_numpy(np.array(ids[1:], np.int64)),
-                    "weights": types.TensorData.from_numpy(np.ones(len(ids) - 1, np.float32)),
-                },
-            )
-        )
-    return batch
+    return datums(np.frombuffer(text.encode(), np.uint8).astype(np.int64) for text in texts)
 
 
 LORA_BATCHES = [
@@ -355,249 +284,30 @@ def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
     }
 
 
-def verdicts(
-    args: argparse.Namespace, tally: Tally, once: dict[str, int], trends: dict[str, Trend]
-) -> dict[str, bool]:
-    workers = {n: t for n, t in trends.items() if n.startswith("worker")}
-    return {
-        "no stuck futures": not tally.stuck,
-        "no failed or wrong op": not tally.failed and not tally.wrong,
-        "every op done exactly once": not any(once.values()),
-        f"worker memory flat (slope ≤ {args.max_slope:g} MiB/min)": all(
-            t.slope_mib_per_min <= args.max_slope for t in workers.values()
-        ),
-    }
-
-
-# --- output ------------------------------------------------------------------------------------
-def result_lines(
-    args: argparse.Namespace,
-    tally: Tally,
-    seconds: float,
-    once: dict[str, int],
-    checks: dict[str, bool],
-) -> list[str]:
-    pings = Latency(tally.ping_s or [0.0])
-    overhead = Latency(tally.overhead_s or [0.0])
-    lines = [
-        "| what | value |",
-        "| --- | --- |",
-        f"| pings done | {len(tally.ping_s):,} in {seconds:.0f} s "
-        f"({len(tally.ping_s) / seconds:,.0f}/s) over {args.models} models, "
-        f"{args.clients} clients |",
-        f"| ping round trip (submit → result) | p50 {pings.p50:.1f} ms, "
-        f"p99 {pings.p99:.1f} ms, max {pings.max:.0f} ms |",
-        f"| the same minus each ping's `delay_ms` | p50 {overhead.p50:.1f} ms, "
-        f"p99 {overhead.p99:.1f} ms |",
-    ]
-    if tally.step_s:
-        steps = Latency(tally.step_s)
-        lines.append(
-            f"| LoRA steps (forward_backward + optim_step) | {len(tally.step_s):,} over "
-            f"{args.lora_clients} runs; p50 {steps.p50:.0f} ms, p99 {steps.p99:.0f} "
-            f"ms; {tally.samples} save-and-sample rounds |"
-        )
-    failed = ", ".join(f"{n} × {k}" for k, n in tally.failed.items()) or "none"
-    lines += [
-        f"| stuck futures (unresolved after {args.stuck_after:g} s) | {len(tally.stuck)} |",
-        f"| failed ops / wrong results | {failed} / {len(tally.wrong)} |",
-        f"| pings not done with attempts 1 | {once['not_done_once']} |",
-        f"| models whose results skip or repeat a seq | {once['models_with_gaps']} |",
-        f"| ping publishes minus pings done | {once['published_minus_done']} |",
-    ]
-    lines += ["", "| check | verdict |", "| --- | --- |"]
-    lines += [f"| {name} | {'**met**' if ok else '**not met**'} |" for name, ok in checks.items()]
-    return lines
-
-
-def memory_lines(trends: dict[str, Trend]) -> list[str]:
-    lines = [
-        "| process | first minute, mean MiB | last minute, mean MiB | growth MiB | "
-        "slope after the first minute, MiB/min | samples |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, t in trends.items():
-        lines.append(
-            f"| {name} | {t.first_min_mib:.1f} | {t.last_min_mib:.1f} | "
-            f"{t.growth_mib:+.1f} | {t.slope_mib_per_min:+.2f} | {t.samples} |"
-        )
-    return lines
-
-
-def render(
-    args: argparse.Namespace,
-    info: dict[str, str],
-    tally: Tally,
-    seconds: float,
-    once: dict[str, int],
-    trends: dict[str, Trend],
-    checks: dict[str, bool],
-) -> str:
-    load = (
-        f"{args.clients} clients (each a `ServiceClient` with its own loop and "
-        f"connections, in one process) send pings at random times, {args.rate:g} per "
-        f"second each on average (at most {args.window} in flight), over {args.models} "
-        f"training runs served by {args.workers} queue-only workers; each ping's "
-        f"`delay_ms` is drawn from {', '.join(map(str, DELAYS_MS))} (0 runs inline, the "
-        f"others on the worker's compute thread)."
-    )
-    if args.lora_clients:
-        load += (
-            f" Beside them, {args.lora_clients} training runs on `{LORA_MODEL}` train "
-            f"without a pause on one LoRA worker (forward_backward + optim_step; every "
-            f"{args.sample_every} steps `save_weights_and_get_sampling_client` and one "
-            f"8-token sample). Workers keep at most {args.max_resident} adapters "
-            f"(`QT_MAX_RESIDENT_ADAPTERS`), so the sampler cache is full within the first "
-            f"minute and every later round evicts one; it computes with one torch thread "
-            f"(`OMP_NUM_THREADS=1`). One LoRA worker with two runs is what fits beside the "
-            f"ping load on this machine's two cores; the point is its memory over time, "
-            f"not its speed."
-        )
-    return "\n".join(
-        [
-            SECTION,
-            "",
-            "Many clients over many models for minutes, against the real Redis and Postgres and "
-            "real worker processes, with production settings: no future may get stuck, every op "
-            "must be done exactly once, worker memory must stay flat. " + load,
-            "",
-            "Reproduce (`--help` lists the knobs; `--no-docs` leaves this file alone):",
-            "",
-            "```",
-            COMMAND,
-            "```",
-            "",
-            "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
-            f"The load ran {seconds:.0f} s. Clients, workers, Redis and Postgres share this "
-            "machine's cores.",
-            "",
-            *result_lines(args, tally, seconds, once, checks),
-            "",
-            f"Resident memory, sampled every {args.sample_s:g} s (VmRSS from /proc; Redis: "
-            "`used_memory`). The first minute includes start-up (the model, the first "
-            "allocations), so the slope, fitted after it, is the measure of a leak. The client "
-            "process keeps every round trip and request id for the checks (a few hundred bytes "
-            "per op), and Redis keeps each job's hash for `QT_RESULT_TTL_S` (an hour by "
-            "default): both grow with the ops done, as they should.",
-            "",
-            *memory_lines(trends),
-            "",
-        ]
-    )
-
-
-def print_summary(
-    tally: Tally,
-    seconds: float,
-    once: dict[str, int],
-    trends: dict[str, Trend],
-    checks: dict[str, bool],
-) -> None:
-    pings = Latency(tally.ping_s or [0.0])
-    overhead = Latency(tally.overhead_s or [0.0])
-    print(
-        f"\npings {len(tally.ping_s):,} in {seconds:.0f} s ({len(tally.ping_s) / seconds:,.0f}"
-        f"/s): p50 {pings.p50:.1f} ms p99 {pings.p99:.1f} ms max {pings.max:.0f} ms; minus "
-        f"delay_ms: p50 {overhead.p50:.1f} ms p99 {overhead.p99:.1f} ms"
-    )
-    if tally.step_s:
-        steps = Latency(tally.step_s)
-        print(
-            f"lora steps {len(tally.step_s)}: p50 {steps.p50:.0f} ms p99 {steps.p99:.0f} ms; "
-            f"samples {tally.samples}"
-        )
-    print(
-        f"stuck {len(tally.stuck)} {tally.stuck[:5]}; failed {tally.failed}; "
-        f"wrong {len(tally.wrong)}; exactly once {once}"
-    )
-    for name, t in trends.items():
-        print(
-            f"{name:<28} first {t.first_min_mib:8.1f} MiB  last {t.last_min_mib:8.1f} MiB  "
-            f"growth {t.growth_mib:+7.1f} MiB  slope {t.slope_mib_per_min:+6.2f} MiB/min"
-        )
-    for name, ok in checks.items():
-        print(f"{'ok ' if ok else 'FAIL'} {name}")
-
-
-def results_json(
-    info: dict[str, str],
-    tally: Tally,
-    seconds: float,
-    once: dict[str, int],
-    trends: dict[str, Trend],
-    checks: dict[str, bool],
-    series: dict[str, list[tuple[float, int]]],
-) -> str:
-    return json.dumps(
-        {
-            "machine": info,
-            "seconds": seconds,
-            "pings": Latency(tally.ping_s or [0.0]).summary(),
-            "ping_overhead": Latency(tally.overhead_s or [0.0]).summary(),
-            "lora_steps": Latency(tally.step_s).summary() if tally.step_s else None,
-            "samples": tally.samples,
-            "stuck": tally.stuck,
-            "failed": tally.failed,
-            "wrong": tally.wrong,
-            "exactly_once": once,
-            "checks": checks,
-            "memory": {name: {**vars(t), "series": series[name]} for name, t in trends.items()},
-        },
-        indent=1,
-    )
-
-
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = cli.parser("bench.soak", __doc__)
+    cli.add_services(parser)
+    cli.add_knobs(
+        parser,
+        {
+            "--minutes": (5.0, "how long the load runs"),
+            "--clients": (20, "ServiceClients in this process"),
+            "--models": (50, "training runs the pings go to"),
+            "--rate": (5.0, "pings per second per client"),
+            "--window": (16, "at most this many pings in flight per client"),
+            "--workers": (2, "queue-only workers"),
+            "--lora-clients": (2, "training runs on the LoRA worker (0: no LoRA worker)"),
+            "--sample-every": (10, "LoRA steps between save-and-sample rounds"),
+            "--max-resident": (8, "QT_MAX_RESIDENT_ADAPTERS of the workers"),
+            "--sample-s": (5.0, "memory sampling period"),
+            "--stuck-after": (60.0, "a future unresolved this long counts as stuck"),
+            "--max-slope": (1.0, "MiB/min of worker memory growth still called flat"),
+            "--seed": (7, "seed of the arrival times and delays"),
+        },
     )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
-        help="admin URL; a scratch database is created beside it",
-    )
-    parser.add_argument("--minutes", type=float, default=5.0)
-    parser.add_argument("--clients", type=int, default=20)
-    parser.add_argument("--models", type=int, default=50)
-    parser.add_argument("--rate", type=float, default=5.0, help="pings per second per client")
-    parser.add_argument(
-        "--window", type=int, default=16, help="at most this many pings in flight per client"
-    )
-    parser.add_argument("--workers", type=int, default=2, help="queue-only workers")
-    parser.add_argument(
-        "--lora-clients",
-        type=int,
-        default=2,
-        help="training runs on the LoRA worker (0: no LoRA worker)",
-    )
-    parser.add_argument(
-        "--sample-every", type=int, default=10, help="LoRA steps between save-and-sample rounds"
-    )
-    parser.add_argument(
-        "--max-resident", type=int, default=8, help="QT_MAX_RESIDENT_ADAPTERS of the workers"
-    )
-    parser.add_argument("--sample-s", type=float, default=5.0, help="memory sampling period")
-    parser.add_argument(
-        "--stuck-after",
-        type=float,
-        default=60.0,
-        help="a future unresolved this long counts as stuck",
-    )
-    parser.add_argument(
-        "--max-slope",
-        type=float,
-        default=1.0,
-        help="MiB/min of worker memory growth still called flat",
-    )
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument(
-        "--json", type=Path, default=None, help="also write every number and memory sample here"
-    )
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    return parser.parse_args(argv)
+    cli.add_report(parser)
+    return cli.parse(parser, argv)
 
 
 def start_workers(
@@ -623,14 +333,10 @@ def run(
     """Start the workers and the clients, run the load while sampling memory."""
     with contextlib.ExitStack() as stack:
         pids = start_workers(stack, args, settings, log_dir)
-        services = [ServiceClient(settings) for _ in range(args.clients)]
-        lora_service = ServiceClient(settings) if args.lora_clients else None
-        try:
-            with MemorySampler(pids, settings.redis_url or "", args.sample_s) as memory:
-                seconds = asyncio.run(drive(args, services, lora_service, tally))
-        finally:
-            for service in [*services, *([lora_service] if lora_service else [])]:
-                close_client(service)
+        services = [stack.enter_context(service_client(settings)) for _ in range(args.clients)]
+        lora_service = stack.enter_context(service_client(settings)) if args.lora_clients else None
+        with MemorySampler(pids, settings.redis_url or "", args.sample_s) as memory:
+            seconds = asyncio.run(drive(args, services, lora_service, tally))
     return seconds, memory.series()
 
 
@@ -639,37 +345,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One torch thread in the LoRA worker (it inherits this): it takes one core, not all of
     # them, and the ping load keeps the rest.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    info = machine(args.redis_url, args.postgres_url, packages=("torch",))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    print(
-        f"soak: {args.clients} clients, {args.models} models, {args.workers} queue-only "
-        f"workers, {args.lora_clients} LoRA runs, {args.minutes:g} min ...",
-        flush=True,
-    )
     tally = Tally()
-    with (
-        tempfile.TemporaryDirectory(prefix="qt-soak-") as tmp,
-        scratch_db(args.postgres_url) as database_url,
-        fresh_prefix(args.redis_url, "soak") as prefix,
-    ):
-        try:
-            settings = make_settings(args.redis_url, database_url, prefix, Path(tmp) / "data")
-            settings = settings.model_copy(update={"max_resident_adapters": args.max_resident})
-            seconds, series = run(args, settings, Path(tmp), tally)
-            once = exactly_once(args.redis_url, Keys(prefix), tally)
-        finally:
-            delete_matching(args.redis_url, f"rq:*{prefix}-housekeeping*")
-    trends = {name: trend(points) for name, points in series.items()}
-    checks = verdicts(args, tally, once, trends)
-    print_summary(tally, seconds, once, trends, checks)
-    if args.json is not None:
-        args.json.write_text(results_json(info, tally, seconds, once, trends, checks, series))
-    if not args.no_docs:
-        write_docs(
-            args.docs, render(args, info, tally, seconds, once, trends, checks), heading=SECTION
+    with service_run(args, ("torch",), "qt-soak-") as soak:
+        print(
+            f"soak: {args.clients} clients, {args.models} models, {args.workers} queue-only "
+            f"workers, {args.lora_clients} LoRA runs, {args.minutes:g} min ...",
+            flush=True,
         )
-        print(f"wrote {args.docs}")
-    return 0 if all(checks.values()) else 1
+        data = soak.data_dir / "data"
+        with soak.deployment("soak", data, max_resident_adapters=args.max_resident) as settings:
+            try:
+                seconds, series = run(args, settings, soak.data_dir, tally)
+                once = exactly_once(args.redis_url, Keys(settings.key_prefix), tally)
+            finally:
+                delete_matching(args.redis_url, f"rq:*{settings.key_prefix}-housekeeping*")
+    outcome = Outcome(tally, seconds, once, series, args.max_slope)
+    print_summary(outcome)
+    save(args.json, results_json(soak.info, outcome))
+    publish(args.docs, args.no_docs, render(args, soak.info, outcome))
+    return 0 if all(outcome.checks.values()) else 1
 
 
 if __name__ == "__main__":

@@ -15,19 +15,18 @@ are built once, in a data directory the benchmarks share.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as dt
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import DEFAULT_POSTGRES, DEFAULT_REDIS, REPO, machine
-from bench.report import DOCS
+from bench.harness import cli
+from bench.harness.machine import gpu_name, machine, now
+from bench.harness.report import DOCS, write_docs
+from bench.harness.services import POSTGRES_ENV, REDIS_ENV, REPO
 
 COMMAND = ".venv/bin/python -m bench"
 DATA_DIR = "{data_dir}"  # stands for the shared data directory in a benchmark's arguments
@@ -174,14 +173,6 @@ def command(bench: Bench, quick: bool, data_dir: Path, cuda: bool) -> list[str] 
 
 
 # --- the page's head ---------------------------------------------------------------------------
-def gpu_name() -> str:
-    if not cuda_available():
-        return "none"
-    import torch
-
-    return ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-
-
 def header(info: dict[str, str], took: dict[str, float], failed: list[str], total_s: float) -> str:
     """The top of docs/benchmarks.md: the command, the machine, what ran and for how long."""
     ran = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in took.items())
@@ -229,7 +220,6 @@ def write_header(path: Path, head: str) -> None:
 def mfu_not_measured(path: Path) -> None:
     """Without a GPU, the MFU section says so, unless it holds numbers from a GPU run."""
     from bench.mfu import NOT_MEASURED, SECTION, not_measured_section
-    from bench.report import write_docs
 
     text = path.read_text() if path.exists() else ""
     start = text.find(SECTION + "\n")
@@ -244,9 +234,7 @@ def mfu_not_measured(path: Path) -> None:
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.parser("bench", __doc__)
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -259,17 +247,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="NAME",
         help=f"run just these ({', '.join(NAMES)})",
     )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url", default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES)
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where the benchmarks build models (default: a temp dir); reuse "
-        "one to skip building the 100M model again",
-    )
+    cli.add_services(parser)
+    cli.add_data_dir(parser)
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     return parser.parse_args(argv)
 
@@ -296,17 +275,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cuda = cuda_available()
     env = {
         **os.environ,
-        "QT_BENCH_REDIS_URL": args.redis_url,
-        "QT_BENCH_DATABASE_URL": args.postgres_url,
+        REDIS_ENV: args.redis_url,
+        POSTGRES_ENV: args.postgres_url,
         "PYTHONUNBUFFERED": "1",
     }
     took: dict[str, float] = {}
     failed: list[str] = []
-    with contextlib.ExitStack() as stack:
-        data_dir = args.data_dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="qt-bench-suite-"))
-        )
-        data_dir.mkdir(parents=True, exist_ok=True)
+    with cli.data_dir(args.data_dir, "qt-bench-suite-") as data_dir:
         for bench in chosen(args):
             argv_ = command(bench, args.quick, data_dir, cuda)
             if argv_ is None:
@@ -323,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         info = {
             **{k: v for k, v in info.items() if k != "date"},
             "GPU": gpu_name(),
-            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": now(),
         }
         write_header(DOCS, header(info, took, failed, total_s))
     print(

@@ -36,40 +36,30 @@ import gc
 import os
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: `python bench/train_step.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import numpy as np
 import torch
-import torch.nn.functional as F
-from peft import get_peft_model
 from sqlalchemy.engine import make_url
-from transformers.utils import logging as transformers_logging
 
-from bench.engine_pass import forward_backward
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
-    fresh_prefix,
-    machine,
-    make_settings,
-    scratch_database,
+from bench.harness import cli, engine
+from bench.harness.baselines import ADAM, BareLoop
+from bench.harness.data import RANK, datums, token_rows
+from bench.harness.meters import CpuMeter, SideCpu, load1, median_ms
+from bench.harness.models import ensure_model
+from bench.harness.report import publish, save
+from bench.harness.run import TORCH, Run, service_run
+from bench.harness.services import (
+    deployment,
+    job_times,
+    service_client,
 )
-from bench.lora_service import job_times, lora_worker, worker_threads
-from bench.meters import CpuMeter, SideCpu, load1, median_ms
-from bench.report import DOCS, write_docs
-from bench.stats import Stages
+from bench.harness.stats import Stages
+from bench.harness.workers import lora_worker, quiet_transformers, worker_threads
 from bench.train_step_report import (
-    RANK,
-    SECTION,
     STAGE_NAMES,
     TARGET_RATIO,
     Block,
@@ -83,23 +73,14 @@ from bench.train_step_report import (
     shape,
 )
 from queue_tinker.builtin_models import BUILTIN_MODELS, VOCAB_SIZE
-from queue_tinker.client import ServiceClient, TrainingClient
+from queue_tinker.client import TrainingClient
 from queue_tinker.client.training import make_batch
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import codec
-from queue_tinker.types.enums import LossFn
-from queue_tinker.types.loss_inputs import ModelLimits, check_batch, resolve_loss_config
-from queue_tinker.types.tensors import Datum, ModelInput, TensorData
-from queue_tinker.types.training import (
-    AdamParams,
-    ForwardBackwardInput,
-    ForwardBackwardOutput,
-    LoraConfig,
-)
-from queue_tinker.workers.model.adapters import linear_names, peft_config
-from queue_tinker.workers.model.base_model import ensure_builtin_model, load_base_model
+from queue_tinker.types.loss_inputs import ModelLimits, check_batch
+from queue_tinker.types.tensors import Datum, TensorData
+from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
 
-ADAM = AdamParams(learning_rate=1e-4)  # beta1 0.9, beta2 0.95, eps 1e-12, no weight decay
 RESULT_TIMEOUT_S = 600.0
 
 
@@ -115,83 +96,6 @@ class ServiceSample:
     loss: float
     step: int  # the adapter's optimizer step after this one
     quiet: bool = False  # taken in a quiet round (set once the round is over)
-
-
-# --- the data ----------------------------------------------------------------------------------
-def token_rows(size: Size, seed: int = 0) -> np.ndarray:
-    """(batch, seq + 1) byte tokens: row i's inputs are [:-1], its targets [1:]."""
-    return np.random.default_rng(seed).integers(0, 256, (size.batch, size.seq + 1))
-
-
-def make_data(rows: np.ndarray) -> list[Datum]:
-    """The batch as Tinker datums (equal lengths: the worker's padded batch has no padding)."""
-    return [
-        Datum(
-            model_input=ModelInput.from_ints(row[:-1]),
-            loss_fn_inputs={
-                "target_tokens": TensorData.from_numpy(row[1:].astype(np.int64)),
-                "weights": TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32)),
-            },
-        )
-        for row in rows
-    ]
-
-
-# --- the bare loop -----------------------------------------------------------------------------
-class BareLoop:
-    """The worker's model and LoRA config, trained by hand in this process."""
-
-    def __init__(self, model: str, models_dir: Path, rows: np.ndarray) -> None:
-        base = load_base_model(model, "cpu", models_dir)
-        base.eval()  # as the engine does (dropout is 0 anyway)
-        # As the engine does: keeps PEFT from renaming the base in its config.
-        base.name_or_path = model  # type: ignore[assignment]
-        config = peft_config(linear_names(base), LoraConfig(rank=RANK), model)
-        torch.manual_seed(0)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            self.model = get_peft_model(base, config)
-        self.params = sum(p.numel() for p in base.parameters() if not p.requires_grad)
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.lora_params = sum(p.numel() for p in trainable)
-        self.optimizer = torch.optim.AdamW(
-            trainable,
-            lr=ADAM.learning_rate,
-            betas=(ADAM.beta1, ADAM.beta2),
-            eps=ADAM.eps,
-            weight_decay=ADAM.weight_decay,
-        )
-        tokens = torch.from_numpy(rows)
-        self.ids = tokens[:, :-1].contiguous()
-        self.mask = torch.ones_like(self.ids)
-        self.targets = tokens[:, 1:].reshape(-1)
-        self.weights = torch.ones(self.targets.numel())
-
-    def forward_backward(self) -> float:
-        """Forward, target logprobs, loss = -sum(w * logp), backward; the loss."""
-        logits = self.model(input_ids=self.ids, attention_mask=self.mask, use_cache=False).logits
-        logp = -F.cross_entropy(logits.flatten(0, 1).float(), self.targets, reduction="none")
-        loss = -(self.weights * logp).sum()
-        loss.backward()
-        return float(loss.detach())
-
-    def step(self) -> tuple[float, float]:
-        """One training step; (loss, seconds into the step when backward had returned)."""
-        t0 = time.perf_counter()
-        loss = self.forward_backward()
-        backward_done = time.perf_counter() - t0
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss, backward_done
-
-    def timed(self, steps: int) -> list[tuple[float, float]]:
-        """(step seconds, forward+backward seconds) of each of `steps` steps."""
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            _, backward_done = self.step()
-            times.append((time.perf_counter() - t0, backward_done))
-        return times
 
 
 # --- the service -------------------------------------------------------------------------------
@@ -270,18 +174,17 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
 
 
 def engine_function_ms(bare: BareLoop, data: list[Datum], reps: int) -> dict[str, float]:
-    """The engine's own forward_backward function (workers/training/optimizers.py: padded
-    batch, per-datum target logprobs and losses, outputs) against the bare forward + backward,
+    """The engine's forward_backward as a worker runs the op (a shared pass: padded batch,
+    per-datum target logprobs and losses, outputs) against the bare forward + backward,
     alternating, on the bare loop's model in this process; median ms of each. Gradients are
     cleared after each call, so the bare loop's state is left as it was."""
     times: dict[str, list[float]] = {"engine forward_backward()": [], "bare forward+backward": []}
-    config = resolve_loss_config(LossFn.CROSS_ENTROPY, None)
     cpu = torch.device("cpu")
     for _ in range(reps):
         for name in times:
             t0 = time.perf_counter()
             if name.startswith("engine"):
-                forward_backward(bare.model, data, LossFn.CROSS_ENTROPY, config, cpu, backward=True)
+                engine.forward_backward(bare.pool, [(bare.adapter, data)], cpu)
             else:
                 bare.forward_backward()
             times[name].append(time.perf_counter() - t0)
@@ -356,11 +259,10 @@ def measure_size(
     args: argparse.Namespace, size: Size, database_url: str, data_dir: Path, threads: int
 ) -> SizeResult:
     """Warm up both, then alternate blocks; the service on a fresh key prefix."""
-    rows = token_rows(size)
-    data = make_data(rows)
-    bare = BareLoop(size.model, data_dir / "models", rows)
-    with fresh_prefix(args.redis_url, f"train-{size.label}") as prefix:
-        settings = make_settings(args.redis_url, database_url, prefix, data_dir)
+    rows = token_rows(size.batch, size.seq)
+    data = datums(rows)
+    bare = BareLoop(size.model, data_dir, rows)
+    with deployment(args.redis_url, database_url, f"train-{size.label}", data_dir) as settings:
         result = SizeResult(
             size,
             bare.params,
@@ -379,8 +281,7 @@ def measure_size(
             {"QT_CROSS_ADAPTER_BATCH": "0"},
         ) as proc:
             print(f"    worker ready in {time.perf_counter() - began:.0f} s", flush=True)
-            service = ServiceClient(settings)
-            try:
+            with service_client(settings) as service:
                 tc = service.create_lora_training_client(size.model, rank=RANK, seed=0)
                 warm = service_block(tc, data, args.warmup)
                 result.first_loss = (warm[0].loss, bare.step()[0])
@@ -390,17 +291,16 @@ def measure_size(
                     SideCpu(proc.pid, make_url(database_url).database or "", threads),
                 )
                 samples = run_rounds(result, meters, bare, tc, data, args.rounds)
+                keys = Keys(settings.key_prefix)
                 result.side_ms = meters.side.per_step_ms()
-                result.stages = stages_of(args.redis_url, Keys(prefix), samples)
+                result.stages = stages_of(args.redis_url, keys, samples)
                 result.quiet_stages = stages_of(
-                    args.redis_url, Keys(prefix), [s for s in samples if s.quiet]
+                    args.redis_url, keys, [s for s in samples if s.quiet]
                 )
                 result.snapshots = sum(s.step % settings.snapshot_every_steps == 0 for s in samples)
                 result.codec_ms = serialisation_ms(size.model, data)
                 reps = min(20, max(3, round(2 / statistics.median(result.bare))))
                 result.engine_ms = engine_function_ms(bare, data, reps)
-            finally:
-                close_client(service)
     result.load.append(load1())
     del bare
     gc.collect()
@@ -432,102 +332,59 @@ def sizes(args: argparse.Namespace) -> list[Size]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.train_step",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = cli.parser("bench.train_step", __doc__)
+    cli.add_services(parser)
+    cli.add_knobs(
+        parser,
+        {
+            "--rounds": (40, "most service/bare block pairs per size"),
+            "--warmup": (3, "steps of each before measuring"),
+            "--tiny-steps": (5, "steps per block, tiny"),
+            "--big-steps": (1, "steps per block, 100M"),
+            "--tiny-budget": (45.0, "seconds of tiny rounds after which no new round starts"),
+            "--big-budget": (200.0, "seconds of 100M rounds after which no new round starts"),
+        },
     )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
-        help="admin URL; a scratch database is created beside it",
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=40, help="most service/bare block pairs per size"
-    )
-    parser.add_argument("--warmup", type=int, default=3, help="steps of each before measuring")
-    parser.add_argument("--tiny-steps", type=int, default=5, help="steps per block, tiny")
-    parser.add_argument("--big-steps", type=int, default=1, help="steps per block, 100M")
-    parser.add_argument(
-        "--tiny-budget",
-        type=float,
-        default=45,
-        help="seconds of tiny rounds after which no new round starts",
-    )
-    parser.add_argument(
-        "--big-budget",
-        type=float,
-        default=200,
-        help="seconds of 100M rounds after which no new round starts",
-    )
-    parser.add_argument(
-        "--tiny-batch", type=int, nargs=2, default=[8, 128], metavar=("DATUMS", "TOKENS")
-    )
-    parser.add_argument(
-        "--big-batch", type=int, nargs=2, default=[2, 64], metavar=("DATUMS", "TOKENS")
-    )
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where the models are built and checkpoints go (default: a temp "
-        "dir); reuse one to skip building the 100M model",
-    )
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
-    parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.warmup, args.tiny_steps, args.big_steps = 6, 2, 5, 1
-        args.tiny_budget, args.big_budget, args.no_docs = 8, 15, True
-    return args
+    cli.add_batch(parser, "--tiny-batch", (8, 128))
+    cli.add_batch(parser, "--big-batch", (2, 64))
+    cli.add_data_dir(parser)
+    cli.add_report(parser)
+    cli.add_quick(parser)
+    quick = {"rounds": 6, "warmup": 2, "tiny_steps": 5, "big_steps": 1}
+    return cli.parse(parser, argv, quick={**quick, "tiny_budget": 8, "big_budget": 15})
 
 
-def run(args: argparse.Namespace, data_dir: Path) -> list[SizeResult]:
-    with scratch_database(args.postgres_url) as database_url:
-        probe = make_settings(args.redis_url, database_url, "qt-bench-probe", data_dir)
-        threads = worker_threads(probe)["worker compute thread"]
-        torch.set_num_threads(threads)  # what the worker's compute thread uses
-        results = []
-        for size in sizes(args):
-            began = time.perf_counter()
-            ensure_builtin_model(size.model, data_dir / "models")
-            print(
-                f"[{size.label}] {size.model}: {shape(size)} tokens, {args.rounds} rounds × "
-                f"{size.steps} steps each way, {threads} torch threads "
-                f"(model ready in {time.perf_counter() - began:.0f} s) ...",
-                flush=True,
-            )
-            results.append(measure_size(args, size, database_url, data_dir, threads))
+def measure_sizes(args: argparse.Namespace, run: Run) -> list[SizeResult]:
+    threads = run.worker_threads()["worker compute thread"]
+    torch.set_num_threads(threads)  # what the worker's compute thread uses
+    results = []
+    for size in sizes(args):
+        began = time.perf_counter()
+        ensure_model(size.model, run.data_dir)
+        print(
+            f"[{size.label}] {size.model}: {shape(size)} tokens, {args.rounds} rounds × "
+            f"{size.steps} steps each way, {threads} torch threads "
+            f"(model ready in {time.perf_counter() - began:.0f} s) ...",
+            flush=True,
+        )
+        results.append(measure_size(args, size, run.database_url, run.data_dir, threads))
     return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    began = time.perf_counter()
-    transformers_logging.disable_progress_bar()
-    info = machine(args.redis_url, args.postgres_url, packages=("torch", "transformers", "peft"))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    if args.data_dir is not None:
-        args.data_dir.mkdir(parents=True, exist_ok=True)
-        results = run(args, args.data_dir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="qt-bench-train-") as tmp:
-            results = run(args, Path(tmp))
-    total_s = time.perf_counter() - began
+    quiet_transformers()
+    with service_run(args, TORCH, "qt-bench-train-") as run:
+        results = measure_sizes(args, run)
+    total_s = run.total_s
     print_table(results)
     print(
         f"\ntarget service/bare <= {TARGET_RATIO:.2f} at {results[-1].size.model}: "
         f"{results[-1].ratio:.3f} (quiet rounds: {quiet_text(results[-1])})\n"
         f"total {total_s:.0f} s"
     )
-    if args.json is not None:
-        args.json.write_text(results_json(info, results))
-    if not args.no_docs:
-        write_docs(args.docs, render(args, info, results, total_s), heading=SECTION)
-        print(f"wrote {args.docs}")
+    save(args.json, results_json(run.info, results))
+    publish(args.docs, args.no_docs, render(args, run.info, results, total_s))
     return 0
 
 

@@ -4,17 +4,18 @@ vs bare PEFT` section of docs/benchmarks.md and the tables on stdout."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from bench.stats import Latency, Stages
+from bench.harness.data import RANK
+from bench.harness.report import json_document, machine_line, reproduce
+from bench.harness.stats import Latency, Stages
 
 SECTION = "## Training step: service vs bare PEFT"
 COMMAND = ".venv/bin/python -m bench.train_step"
 TARGET_RATIO = 1.10
-RANK = 32  # the service's default LoRA rank (Tinker's)
 # A round is quiet when other processes took less than this many cores' worth of CPU during
 # each of its two blocks.
 QUIET_CORES = 0.25
@@ -341,12 +342,9 @@ def render(
         "",
         "Reproduce (`--quick` is a smoke run that leaves this file alone):",
         "",
-        "```",
-        COMMAND,
-        "```",
+        *reproduce(COMMAND),
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + f"; torch threads: "
-        f"{threads}. The run took {total_s:.0f} s.",
+        machine_line(info) + f"; torch threads: {threads}. The run took {total_s:.0f} s.",
         "",
         NOISE.format(quiet=QUIET_CORES),
         "",
@@ -367,30 +365,26 @@ def render(
 
 
 def results_json(info: dict[str, str], results: list[SizeResult]) -> str:
-    return json.dumps(
-        {
-            "machine": info,
-            "sizes": [
-                {
-                    "size": asdict(r.size),
-                    "params": r.params,
-                    "lora_params": r.lora_params,
-                    "threads": r.threads,
-                    "ratio": r.ratio,
-                    "ratio_quiet": r.ratio_quiet(),
-                    "rounds": [asdict(x) for x in r.rounds],
-                    "bare_s": r.bare,
-                    "service_s": r.service,
-                    "first_loss": r.first_loss,
-                    "stages_p50_ms": r.stages.medians_ms(),
-                    "snapshots": r.snapshots,
-                    "load": r.load,
-                    "codec_ms": r.codec_ms,
-                    "engine_ms": r.engine_ms,
-                    "side_cpu_ms": r.side_ms,
-                }
-                for r in results
-            ],
-        },
-        indent=2,
-    )
+    return json_document(info, sizes=[size_json(r) for r in results])
+
+
+def size_json(r: SizeResult) -> dict[str, Any]:
+    """Every number measured for one size."""
+    return {
+        "size": asdict(r.size),
+        "params": r.params,
+        "lora_params": r.lora_params,
+        "threads": r.threads,
+        "ratio": r.ratio,
+        "ratio_quiet": r.ratio_quiet(),
+        "rounds": [asdict(x) for x in r.rounds],
+        "bare_s": r.bare,
+        "service_s": r.service,
+        "first_loss": r.first_loss,
+        "stages_p50_ms": r.stages.medians_ms(),
+        "snapshots": r.snapshots,
+        "load": r.load,
+        "codec_ms": r.codec_ms,
+        "engine_ms": r.engine_ms,
+        "side_cpu_ms": r.side_ms,
+    }

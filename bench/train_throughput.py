@@ -31,38 +31,30 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: `python bench/train_throughput.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
-from transformers.utils import logging as transformers_logging
 
-from bench.harness import (
-    DEFAULT_POSTGRES,
-    DEFAULT_REDIS,
-    close_client,
-    fresh_prefix,
-    machine,
-    make_settings,
-    scratch_database,
+from bench.harness import cli
+from bench.harness.baselines import ADAM, BareLoop
+from bench.harness.data import RANK, datums, token_rows
+from bench.harness.meters import CpuMeter
+from bench.harness.models import ensure_model
+from bench.harness.report import publish, save
+from bench.harness.run import TORCH, service_run
+from bench.harness.services import (
+    deployment,
+    job_times,
+    service_client,
 )
-from bench.lora_service import job_times, lora_workers, worker_threads
-from bench.meters import CpuMeter
-from bench.report import DOCS, write_docs
-from bench.train_step import ADAM, BareLoop, make_data, token_rows
-from bench.train_step_report import RANK
-from bench.train_step_report import Size as StepSize
+from bench.harness.workers import lora_workers, quiet_transformers
 from bench.train_throughput_report import (
     BATCHED,
     MODES,
     PROCESSES,
-    SECTION,
     Cell,
     Size,
     SizeResult,
@@ -70,11 +62,10 @@ from bench.train_throughput_report import (
     render,
     results_json,
 )
-from queue_tinker.client import ServiceClient, TrainingClient
+from queue_tinker.client import TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import Datum
-from queue_tinker.workers.model.base_model import ensure_builtin_model
 
 BATCH_ENV = "QT_CROSS_ADAPTER_BATCH"  # read by `queue-tinker worker` (Settings.cross_adapter_batch)
 CORES = os.cpu_count() or 1
@@ -219,16 +210,15 @@ def run_cell(
     threads: int,
 ) -> Cell:
     """Fresh workers and N fresh models; drive them; the cell."""
-    data = make_data(token_rows(StepSize(size.label, size.model, size.batch, size.seq, 1, 0)))
+    data = datums(token_rows(size.batch, size.seq))
     env = cell_env(mode, models)
     deployments = models if mode == PROCESSES else 1
     tag = f"{size.label}-{mode.replace(' ', '-')}-{models}"
     with contextlib.ExitStack() as stack:
-        prefixes = [
-            stack.enter_context(fresh_prefix(args.redis_url, f"tput-{tag}"))
+        settings = [
+            stack.enter_context(deployment(args.redis_url, database_url, f"tput-{tag}", data_dir))
             for _ in range(deployments)
         ]
-        settings = [make_settings(args.redis_url, database_url, p, data_dir) for p in prefixes]
         logs = [data_dir / f"worker-{tag}-{i}.log" for i in range(deployments)]
         began = time.perf_counter()
         procs = stack.enter_context(lora_workers(settings, size.model, logs, env))
@@ -237,9 +227,7 @@ def run_cell(
             f"{time.perf_counter() - began:.0f} s",
             flush=True,
         )
-        services = [ServiceClient(s) for s in settings]
-        for service in services:
-            stack.callback(close_client, service)
+        services = [stack.enter_context(service_client(s)) for s in settings]
         clients = [
             services[i % deployments].create_lora_training_client(size.model, rank=RANK, seed=i)
             for i in range(models)
@@ -249,7 +237,7 @@ def run_cell(
         passes = (
             None
             if mode == PROCESSES
-            else ops_per_pass(args.redis_url, Keys(prefixes[0]), step_logs, win)
+            else ops_per_pass(args.redis_url, Keys(settings[0].key_prefix), step_logs, win)
         )
     cell = Cell(
         mode,
@@ -272,11 +260,10 @@ def run_cell(
     return cell
 
 
-def bare_tokens_per_s(size: Size, models_dir: Path, steps: int) -> tuple[float, int, int]:
+def bare_tokens_per_s(size: Size, data_dir: Path, steps: int) -> tuple[float, int, int]:
     """The bare PEFT loop on one model in this process: tokens/s of its median step, and the
     base model's and the LoRA's parameter counts."""
-    rows = token_rows(StepSize(size.label, size.model, size.batch, size.seq, 1, 0))
-    bare = BareLoop(size.model, models_dir, rows)
+    bare = BareLoop(size.model, data_dir, token_rows(size.batch, size.seq))
     bare.timed(2)  # warm-up
     median = statistics.median(t for t, _ in bare.timed(steps))
     return size.tokens / median, bare.params, bare.lora_params
@@ -285,8 +272,8 @@ def bare_tokens_per_s(size: Size, models_dir: Path, steps: int) -> tuple[float, 
 def measure_size(
     args: argparse.Namespace, size: Size, database_url: str, data_dir: Path, threads: int
 ) -> SizeResult:
-    ensure_builtin_model(size.model, data_dir / "models")  # once, not by every worker at once
-    bare, params, lora = bare_tokens_per_s(size, data_dir / "models", args.bare_steps)
+    ensure_model(size.model, data_dir)  # once, not by every worker at once
+    bare, params, lora = bare_tokens_per_s(size, data_dir, args.bare_steps)
     result = SizeResult(size, params, lora, bare)
     print(f"[{size.label}] {size.model}: bare PEFT loop {bare:,.0f} tokens/s", flush=True)
     for models in size.counts:
@@ -347,18 +334,9 @@ def sizes(args: argparse.Namespace) -> list[Size]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="bench.train_throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--redis-url", default=os.environ.get("QT_BENCH_REDIS_URL", DEFAULT_REDIS))
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get("QT_BENCH_DATABASE_URL", DEFAULT_POSTGRES),
-        help="admin URL; a scratch database is created beside it",
-    )
-    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser = cli.parser("bench.train_throughput", __doc__)
+    cli.add_services(parser)
+    cli.add_models(parser, SIZES, default=SIZES)
     parser.add_argument(
         "--counts", type=int, nargs="+", default=[1, 4, 8, 16], help="how many models train at once"
     )
@@ -371,41 +349,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the step shapes to measure on every model (default: 1x32 and "
         "4x64 on the tiny model, 4x64 on the 100M)",
     )
-    parser.add_argument(
-        "--warmup", type=int, default=3, help="steps per model before the window, tiny model"
+    cli.add_knobs(
+        parser,
+        {
+            "--warmup": (3, "steps per model before the window, tiny model"),
+            "--big-warmup": (1, "the same, 100M"),
+            "--min-steps": (3, "steps every model finishes in the window (2 at least)"),
+            "--seconds": (10.0, "least window, tiny model"),
+            "--big-seconds": (15.0, "least window, 100M"),
+            "--max-cell-s": (
+                300.0,
+                "close a cell's window after this long (reported as cut short)",
+            ),
+            "--bare-steps": (10, "bare PEFT loop steps"),
+        },
     )
-    parser.add_argument("--big-warmup", type=int, default=1, help="the same, 100M")
-    parser.add_argument(
-        "--min-steps",
-        type=int,
-        default=3,
-        help="steps every model finishes in the window (2 at least)",
-    )
-    parser.add_argument("--seconds", type=float, default=10, help="least window, tiny model")
-    parser.add_argument("--big-seconds", type=float, default=15, help="least window, 100M")
-    parser.add_argument(
-        "--max-cell-s",
-        type=float,
-        default=300,
-        help="close a cell's window after this long (reported as cut short)",
-    )
-    parser.add_argument("--bare-steps", type=int, default=10, help="bare PEFT loop steps")
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where models are built and checkpoints and logs go (default: a "
-        "temp dir); reuse one to skip building the 100M model",
-    )
-    parser.add_argument("--docs", type=Path, default=DOCS)
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
-    parser.add_argument("--quick", action="store_true", help="smoke run, docs left alone")
-    args = parser.parse_args(argv)
+    cli.add_data_dir(parser)
+    cli.add_report(parser)
+    cli.add_quick(parser)
+    quick = {"models": ["tiny"], "counts": [1, 2], "warmup": 2, "min_steps": 2}
+    args = cli.parse(parser, argv, quick={**quick, "seconds": 2, "bare_steps": 3})
     if args.quick:
-        args.models, args.counts, args.warmup, args.min_steps = ["tiny"], [1, 2], 2, 2
         args.shapes = args.shapes or [(1, 32)]
-        args.seconds, args.bare_steps, args.no_docs = 2, 3, True
     if args.min_steps < 2:
         parser.error("--min-steps must be at least 2 (a rate needs two steps)")
     return args
@@ -415,50 +380,33 @@ def batching_note() -> str:
     return f"Cross-adapter batching switched by `{BATCH_ENV}` in the workers' environment."
 
 
-def run(args: argparse.Namespace, data_dir: Path) -> tuple[list[SizeResult], int]:
-    with scratch_database(args.postgres_url) as database_url:
-        probe = make_settings(args.redis_url, database_url, "qt-bench-probe", data_dir)
-        threads = worker_threads(probe)["worker compute thread"]
-        torch.set_num_threads(threads)  # the bare loop computes like the worker
-        results = [
-            measure_size(args, size, database_url, data_dir, threads) for size in sizes(args)
-        ]
-    return results, threads
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    began = time.perf_counter()
-    transformers_logging.disable_progress_bar()
-    info = machine(args.redis_url, args.postgres_url, packages=("torch", "transformers", "peft"))
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    print(batching_note(), flush=True)
-    with contextlib.ExitStack() as stack:
-        data_dir = args.data_dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="qt-bench-tput-"))
-        )
-        data_dir.mkdir(parents=True, exist_ok=True)
-        results, threads = run(args, data_dir)
-    total_s = time.perf_counter() - began
+    quiet_transformers()
+    with service_run(args, TORCH, "qt-bench-tput-") as run:
+        print(batching_note(), flush=True)
+        threads = run.worker_threads()["worker compute thread"]
+        torch.set_num_threads(threads)  # the bare loop computes like the worker
+        results = [
+            measure_size(args, size, run.database_url, run.data_dir, threads)
+            for size in sizes(args)
+        ]
+    total_s = run.total_s
     print_table(results)
     print(f"total {total_s:.0f} s")
-    if args.json is not None:
-        args.json.write_text(results_json(info, results))
-    if not args.no_docs:
-        method = {
-            "rank": str(RANK),
-            "warmup": f"{args.warmup} (tiny) / {args.big_warmup} (100M)",
-            "min_steps": str(args.min_steps),
-            "seconds": f"{args.seconds:g} s (tiny) / {args.big_seconds:g} s (100M)",
-        }
-        info = {
-            **info,
-            "torch threads per worker": f"{threads} (process per model: max(1, {CORES} ÷ N))",
-        }
-        write_docs(
-            args.docs, render(info, results, method, batching_note(), total_s), heading=SECTION
-        )
-        print(f"wrote {args.docs}")
+    info = run.info
+    save(args.json, results_json(info, results))
+    method = {
+        "rank": str(RANK),
+        "warmup": f"{args.warmup} (tiny) / {args.big_warmup} (100M)",
+        "min_steps": str(args.min_steps),
+        "seconds": f"{args.seconds:g} s (tiny) / {args.big_seconds:g} s (100M)",
+    }
+    info = {
+        **info,
+        "torch threads per worker": f"{threads} (process per model: max(1, {CORES} ÷ N))",
+    }
+    publish(args.docs, args.no_docs, render(info, results, method, batching_note(), total_s))
     return 1 if any(r.failures for r in results) else 0
 
 

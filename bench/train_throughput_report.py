@@ -3,10 +3,10 @@ throughput: many models on one worker` section of docs/benchmarks.md and the tab
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from bench.harness.report import json_document, machine_line, reproduce
 from bench.train_step_report import QUIET_CORES
 
 SECTION = "## Training throughput: many models on one worker"
@@ -246,13 +246,9 @@ def render(
         "Reproduce (`--quick` is a smoke run that leaves this file alone; `--models` picks "
         "the sizes, `--counts` the model counts):",
         "",
-        "```",
-        COMMAND,
-        "```",
+        *reproduce(COMMAND),
         "",
-        "Machine: "
-        + ", ".join(f"{k} {v}" for k, v in info.items())
-        + f". The run took {total_s:.0f} s. {batching}",
+        machine_line(info) + f". The run took {total_s:.0f} s. {batching}",
         "",
         f"Target: with {TARGET_MODELS} models, batched ≥ {TARGET_CPU:g}× one at a time on "
         "the same CPU worker: " + "; ".join(verdict(r) for r in results) + f". The GPU "
@@ -280,27 +276,24 @@ def render(
 
 
 def results_json(info: dict[str, str], results: list[SizeResult]) -> str:
-    return json.dumps(
-        {
-            "machine": info,
-            "sizes": [
-                {
-                    "size": asdict(r.size),
-                    "params": r.params,
-                    "lora_params": r.lora_params,
-                    "bare_tokens_per_s": r.bare_tokens_s,
-                    "failures": r.failures,
-                    "cells": [
-                        {
-                            **asdict(c),
-                            "tokens_per_s": c.tokens_per_s,
-                            "median_step_rate": statistics.median(c.step_rates),
-                        }
-                        for c in r.cells
-                    ],
-                }
-                for r in results
-            ],
-        },
-        indent=2,
+    return json_document(
+        info,
+        sizes=[
+            {
+                "size": asdict(r.size),
+                "params": r.params,
+                "lora_params": r.lora_params,
+                "bare_tokens_per_s": r.bare_tokens_s,
+                "failures": r.failures,
+                "cells": [
+                    {
+                        **asdict(c),
+                        "tokens_per_s": c.tokens_per_s,
+                        "median_step_rate": statistics.median(c.step_rates),
+                    }
+                    for c in r.cells
+                ],
+            }
+            for r in results
+        ],
     )

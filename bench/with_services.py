@@ -13,15 +13,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
-from contextlib import ExitStack
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.harness import DEFAULT_POSTGRES, DEFAULT_REDIS
-from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
+from bench.harness.services import POSTGRES_ENV, REDIS_ENV, local_services
 
 
 def main(argv: list[str]) -> int:
@@ -29,25 +22,8 @@ def main(argv: list[str]) -> int:
     if not command:
         print(__doc__, file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    with ExitStack() as stack:
-        # Not under pytest's or a user's tmp: as root, pgserver runs Postgres as its own user.
-        data = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="qt-services-")))
-        data.chmod(0o755)
-        if "QT_BENCH_REDIS_URL" not in env:
-            redis_url = DEFAULT_REDIS
-            if not answers("127.0.0.1", 6379):
-                redis_url = stack.enter_context(EmbeddedRedis(data / "redis"))
-            env["QT_BENCH_REDIS_URL"] = redis_url
-        if "QT_BENCH_DATABASE_URL" not in env:
-            postgres_url = DEFAULT_POSTGRES
-            if not answers("127.0.0.1", 5432):
-                postgres_url = stack.enter_context(EmbeddedPostgres(data / "postgres"))
-            env["QT_BENCH_DATABASE_URL"] = postgres_url
-        print(
-            f"services: redis {env['QT_BENCH_REDIS_URL']}, postgres {env['QT_BENCH_DATABASE_URL']}",
-            flush=True,
-        )
+    with local_services(dict(os.environ)) as env:
+        print(f"services: redis {env[REDIS_ENV]}, postgres {env[POSTGRES_ENV]}", flush=True)
         return subprocess.run(command, env=env, check=False).returncode
 
 

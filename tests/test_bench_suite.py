@@ -12,18 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from bench import sample_cache, sampling_engine, suite
-from bench.mfu import (
-    BASE_NAME,
-    SHAPES,
-    Shape,
-    build_model,
-    flops_per_token,
-    lora_params,
-    matmul_params,
-    peak_tflops,
-    total_params,
-)
+from bench import sample_cache, suite
+from bench import sampling_engine_report as sampling_engine
+from bench.harness.models import BASE_NAME, Shape, build_model
+from bench.mfu import SHAPES, flops_per_token, lora_params, matmul_params, peak_tflops, total_params
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model.adapters import AdapterPool, target_modules
 

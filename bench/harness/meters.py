@@ -1,17 +1,24 @@
 """What a benchmark measures beside its own timings. From /proc: how much CPU the rest of the
 machine takes (`CpuMeter`), the CPU time each part of the service uses (`SideCpu`: a worker's
-threads, the client, Redis, Postgres) and the 1-minute load average (`load1`). In-process: the
-median time of a call (`median_ms`).
+threads, the client, Redis, Postgres), a process's CPU time and memory (`process_cpu_s`,
+`status_kib`, this one's `peak_rss_bytes`) and the 1-minute load average (`load1`).
+In-process: the median time of a call (`median_ms`), and a call's time with the device's
+queued work drained (`timed`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _ticks(stat: Path) -> int:
@@ -104,6 +111,25 @@ class SideCpu:
         }
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (/proc, 10 ms ticks)."""
+    return _ticks(Path(f"/proc/{pid}/stat")) / os.sysconf("SC_CLK_TCK")
+
+
+def status_kib(pid: int, field: str) -> int | None:
+    """A KiB field of /proc/<pid>/status (VmRSS, VmHWM), None once the process is gone."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (ru_maxrss, in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def load1() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
@@ -115,3 +141,20 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1000
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a host clock reads finished work."""
+    if device.type == "cuda":
+        import torch  # not at the top: the queue benchmarks run without it
+
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call, the device drained before and after."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0

@@ -3,15 +3,10 @@ docs/benchmarks.md, the table on stdout, and the raw JSON."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
-from bench.harness import REPO
+from bench.harness.report import json_document, machine_line, reproduce, table
+from bench.harness.stats import STAGE_NAMES, Latency, LatencyResult, Throughput
 from bench.rq_baseline import RqResult
-from bench.stats import STAGE_NAMES, Latency, LatencyResult, Throughput
 
-DOCS = REPO / "docs" / "benchmarks.md"
 SECTION = "## Queue overhead"
 COMMAND = ".venv/bin/python -m bench.queue_overhead"
 
@@ -78,11 +73,9 @@ def intro_lines(info: dict[str, str], total_s: float) -> list[str]:
         "",
         REPRODUCE,
         "",
-        "```",
-        COMMAND,
-        "```",
+        *reproduce(COMMAND),
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + ".",
+        machine_line(info) + ".",
         f"The run took {total_s:.0f} s. Client, worker(s), Redis and Postgres all share "
         "this machine's cores.",
         "",
@@ -121,74 +114,75 @@ def round_trip_lines(
     rq_result: RqResult | None,
 ) -> list[str]:
     """The round-trip table, queue_tinker's two APIs beside rq."""
-    lines = [
-        f"### Round trip, one worker ({ops:,} sequential ops after {warmup} warm-up)",
-        "",
-        "| system | API / wait | p50 ms | p90 ms | p99 ms | max ms | mean ms |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+    rows: list[tuple[str, str, Latency]] = [
+        ("queue_tinker", "`client.ping(i).result()`", lat["sync"].latency),
+        ("queue_tinker", "`await (await client.ping_async(i))`", lat["async"].latency),
     ]
-    for label, key in (
-        ("`client.ping(i).result()`", "sync"),
-        ("`await (await client.ping_async(i))`", "async"),
-    ):
-        s = lat[key].latency
-        lines.append(
-            f"| queue_tinker | {label} | {s.p50:.2f} | {s.p90:.2f} | {s.p99:.2f} | "
-            f"{s.max:.2f} | {s.mean:.2f} |"
-        )
     if rq_result is not None:
         s = rq_result.latency
-        lines.append(
-            f"| rq {info['rq']} `SimpleWorker` | `q.enqueue(echo, i)` + "
-            f"`job.latest_result(timeout=30)` ({len(s.samples):,} ops) | {s.p50:.2f} | "
-            f"{s.p90:.2f} | {s.p99:.2f} | {s.max:.2f} | {s.mean:.2f} |"
+        rows.append(
+            (
+                f"rq {info['rq']} `SimpleWorker`",
+                f"`q.enqueue(echo, i)` + `job.latest_result(timeout=30)` ({len(s.samples):,} ops)",
+                s,
+            )
         )
-    return [*lines, "", RQ_WAIT, ""]
+    return [
+        f"### Round trip, one worker ({ops:,} sequential ops after {warmup} warm-up)",
+        "",
+        *table(
+            ("system", "API / wait", "p50 ms", "p90 ms", "p99 ms", "max ms", "mean ms"),
+            (
+                (system, api, *(f"{v:.2f}" for v in (s.p50, s.p90, s.p99, s.max, s.mean)))
+                for system, api, s in rows
+            ),
+        ),
+        "",
+        RQ_WAIT,
+        "",
+    ]
 
 
 def stage_lines(lat: dict[str, LatencyResult]) -> list[str]:
     """Where one round trip goes, stage by stage."""
-    lines = [
-        STAGES,
-        "",
-        "| stage | sync p50 | sync p99 | async p50 | async p99 |",
-        "| --- | --- | --- | --- | --- |",
-    ]
     sm, sp = lat["sync"].stages.medians_ms(), lat["sync"].stages.p99s_ms()
     am, ap = lat["async"].stages.medians_ms(), lat["async"].stages.p99s_ms()
-    for name in STAGE_NAMES:
-        lines.append(
-            f"| {name} | {sm.get(name, 0):.3f} | {sp.get(name, 0):.3f} | "
-            f"{am.get(name, 0):.3f} | {ap.get(name, 0):.3f} |"
-        )
-    return [*lines, ""]
+    rows = ((name, *(f"{m.get(name, 0):.3f}" for m in (sm, sp, am, ap))) for name in STAGE_NAMES)
+    columns = ("stage", "sync p50", "sync p99", "async p50", "async p99")
+    return [STAGES, "", *table(columns, rows), ""]
 
 
 def throughput_lines(
     info: dict[str, str], tput: dict[int, Throughput], rq_result: RqResult | None
 ) -> list[str]:
     """The throughput table, one row per worker count, then rq."""
-    lines = [
-        "### Throughput",
-        "",
-        "| system | workers | ops | in flight | ops/s | notes |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for workers, t in sorted(tput.items()):
-        lines.append(
-            f"| queue_tinker (async API) | {workers} | {t.ops:,} over {t.extra['models']} models "
-            f"| {t.extra['window']:,} | {t.per_s:,.0f} | models per worker "
-            f"{t.extra['models_per_worker']}; records not yet in Postgres at the end: "
-            f"{t.extra['record_backlog_at_end']:,}; {errors_text(t.extra['errors'])} |"
+    rows = [
+        (
+            "queue_tinker (async API)",
+            workers,
+            f"{t.ops:,} over {t.extra['models']} models",
+            f"{t.extra['window']:,}",
+            f"{t.per_s:,.0f}",
+            f"models per worker {t.extra['models_per_worker']}; records not yet in Postgres at "
+            f"the end: {t.extra['record_backlog_at_end']:,}; {errors_text(t.extra['errors'])}",
         )
+        for workers, t in sorted(tput.items())
+    ]
     if rq_result is not None:
         t = rq_result.throughput
-        lines.append(
-            f"| rq {info['rq']} `SimpleWorker` | 1 | {t.ops:,} | all queued up front | "
-            f"{t.per_s:,.0f} | `work(burst=True)` timed inside the worker process; enqueueing "
-            f"them (`enqueue_many`, pipelined) took {rq_result.enqueue_s:.2f} s, not counted |"
+        rows.append(
+            (
+                f"rq {info['rq']} `SimpleWorker`",
+                1,
+                f"{t.ops:,}",
+                "all queued up front",
+                f"{t.per_s:,.0f}",
+                "`work(burst=True)` timed inside the worker process; enqueueing them "
+                f"(`enqueue_many`, pipelined) took {rq_result.enqueue_s:.2f} s, not counted",
+            )
         )
-    return [*lines, "", THROUGHPUT, ""]
+    columns = ("system", "workers", "ops", "in flight", "ops/s", "notes")
+    return ["### Throughput", "", *table(columns, rows), "", THROUGHPUT, ""]
 
 
 def render(
@@ -210,20 +204,6 @@ def render(
             *throughput_lines(info, tput, rq_result),
         ]
     )
-
-
-def write_docs(path: Path, section: str, heading: str = SECTION) -> None:
-    """Replace the section titled `heading` (default `## Queue overhead`) with `section`, or
-    append it, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = text.find(heading + "\n")
-    if start < 0:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(heading))
-        new = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new.rstrip("\n") + "\n")
 
 
 # --- stdout ------------------------------------------------------------------------------------
@@ -283,9 +263,9 @@ def results_json(
     rq_result: RqResult | None,
 ) -> str:
     """Every number of the run, for `--json`."""
-    doc: dict[str, Any] = {
-        "machine": info,
-        "latency": {
+    return json_document(
+        info,
+        latency={
             k: {
                 "round_trip": v.latency.summary(),
                 "enqueue": v.enqueue.summary(),
@@ -294,16 +274,15 @@ def results_json(
             }
             for k, v in lat.items()
         },
-        "throughput": {
+        throughput={
             str(k): {"ops": t.ops, "seconds": t.seconds, "ops_per_s": t.per_s, **t.extra}
             for k, t in tput.items()
         },
-        "rq": None
+        rq=None
         if rq_result is None
         else {
             "round_trip": rq_result.latency.summary(),
             "throughput_ops_per_s": rq_result.throughput.per_s,
             "enqueue_many_s": rq_result.enqueue_s,
         },
-    }
-    return json.dumps(doc, indent=2)
+    )

@@ -1,6 +1,6 @@
 """The HTTP gateway for a benchmark: a `queue-tinker serve` process on a run's settings
-(`gateway_proc`), an API key for the official `tinker` SDK (`make_key`), the gateway's access
-log counted by endpoint (`requests_by_endpoint`) and a process's CPU time (`process_cpu_s`).
+(`gateway_proc`), an API key for the official `tinker` SDK (`make_key`) and the gateway's access
+log counted by endpoint (`requests_by_endpoint`).
 
 This mirrors parts of tests/procs.py on purpose: bench does not import tests.
 """
@@ -8,10 +8,8 @@ This mirrors parts of tests/procs.py on purpose: bench does not import tests.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import socket
 import sys
 import time
 from collections import Counter
@@ -21,19 +19,14 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import Proc, child_env
+from bench.harness.services import child_env
+from bench.harness.workers import Proc
+from queue_tinker.local.embedded import free_port
 from queue_tinker.settings import Settings
 
 HEALTH_PATH = "/api/v1/healthz"
 # uvicorn's access log line: `INFO:     127.0.0.1:50312 - "POST /api/v1/optim_step HTTP/1.1" 200`
 ACCESS_LINE = re.compile(r'"(GET|POST|PUT|DELETE) (/\S*) HTTP/[\d.]+" (\d+)')
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -101,9 +94,3 @@ def make_key(settings: Settings, tenant: str) -> str:
 def requests_by_endpoint(log_text: str) -> Counter[str]:
     """How many requests the gateway answered, by `METHOD /path status`, from its log."""
     return Counter(f"{m[1]} {m[2]} {m[3]}" for m in ACCESS_LINE.finditer(log_text))
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (/proc, 10 ms ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

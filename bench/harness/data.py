@@ -1,0 +1,42 @@
+"""The data of a benchmark's requests: datums of token rows, prompts and sampling parameters.
+numpy and queue_tinker's types only, so a benchmark without torch can use it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from queue_tinker.types import Datum, ModelInput, SamplingParams, TensorData
+
+RANK = 32  # the service's default LoRA rank (Tinker's)
+
+
+def token_rows(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> np.ndarray:
+    """(batch, seq + 1) random tokens: row i's inputs are [:-1], its targets [1:]."""
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1))
+
+
+def datums(rows: Iterable[np.ndarray], weights: bool = True) -> list[Datum]:
+    """A datum per row of tokens: inputs [:-1], next-token targets [1:], and (`weights`) a
+    weight of 1 on each."""
+    data = []
+    for row in rows:
+        inputs = {"target_tokens": TensorData.from_numpy(row[1:].astype(np.int64))}
+        if weights:
+            inputs["weights"] = TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32))
+        data.append(
+            Datum(model_input=ModelInput.from_ints(row[:-1].tolist()), loss_fn_inputs=inputs)
+        )
+    return data
+
+
+def random_prompts(count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of 8-48 random byte tokens."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(8, 49, count)]
+
+
+def sampling_params(seed: int, tokens: int) -> SamplingParams:
+    """Exactly `tokens` new tokens (no stop), temperature 1, reproducible from `seed`."""
+    return SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, stop=[])

@@ -1,0 +1,90 @@
+"""The engine's training calls, made as a worker makes them. The only module of bench/ that
+reaches workers/training: a change of the engine's API is a change of this file alone.
+
+A worker runs every forward_backward op through a shared pass (one op alone, or several
+adapters' ops together) and its optim_steps through one optimizer call; so do these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from queue_tinker.types.enums import LossFn
+from queue_tinker.types.tensors import Datum
+from queue_tinker.types.training import ForwardBackwardOutput, OptimParams
+from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.optimizers import optim_steps
+from queue_tinker.workers.training.packing import padding_fraction
+from queue_tinker.workers.training.shared_pass import PassOp, op_loss, rows_for, shared_pass
+
+Batch = tuple[Adapter, Sequence[Datum]]  # one forward_backward op: its adapter and its data
+CPU = torch.device("cpu")
+
+
+def forward_backward(
+    pool: AdapterPool, batches: Sequence[Batch], device: torch.device, plan: PassPlan | None = None
+) -> list[ForwardBackwardOutput]:
+    """A cross-entropy forward_backward op per batch, all in one pass of the pool's model;
+    each adapter's gradients add up in its .grad until its optim_step. An op's error is raised."""
+    ops = [
+        PassOp(adapter=adapter, data=data, loss_fn=LossFn.CROSS_ENTROPY, config={}, backward=True)
+        for adapter, data in batches
+    ]
+    outputs = []
+    for out in shared_pass(pool, ops, device, plan):
+        if isinstance(out, Exception):
+            raise out
+        outputs.append(out)
+    return outputs
+
+
+def optim_step(adapter: Adapter, params: OptimParams) -> dict[str, float]:
+    """One optimizer step of the adapter (AdamW with `params`), its gradients cleared; the
+    step's metrics."""
+    return optim_steps([(adapter, params)])[0]
+
+
+def clear_grads(adapters: Iterable[Adapter]) -> None:
+    """Drop the adapters' gradients, as if no forward_backward had run since their step."""
+    for adapter in adapters:
+        for param in adapter.params.values():
+            param.grad = None
+
+
+def batch_shape(batches: Sequence[Batch], plan: PassPlan) -> tuple[int, int]:
+    """(rows, width) of the batch one pass of these ops lays out under `plan`."""
+    data = [datum for _, part in batches for datum in part]
+    rows = rows_for(data, CPU, plan, groups=[len(part) for _, part in batches])
+    return int(rows.ids.shape[0]), int(rows.ids.shape[1])
+
+
+def padding_share(lengths: Sequence[int]) -> float:
+    """How much of a batch of these lengths, a datum a row, is padding (0 to 1)."""
+    return padding_fraction(lengths)
+
+
+def whole_logits_forward_backward(
+    pool: AdapterPool, adapter: Adapter, data: Sequence[Datum]
+) -> float:
+    """The engine's former path, on the CPU: the adapter's whole logits (rows, positions,
+    vocabulary), the scored rows copied to fp32, cross-entropy, backward through all of it,
+    every layer's activations kept; the loss."""
+    pool.activate(adapter)
+    rows = rows_for(data, CPU, PassPlan(pack_above_padding=None))
+    logits = pool.model(input_ids=rows.ids, attention_mask=rows.mask, use_cache=False).logits
+    targets = [
+        torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True)) for d in data
+    ]
+    width = logits.shape[1]
+    index = torch.cat([torch.arange(t.numel()) + row * width for row, t in enumerate(targets)])
+    scored = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
+    logprobs = -F.cross_entropy(scored, torch.cat(targets), reduction="none")
+    split = list(torch.split(logprobs, [t.numel() for t in targets]))
+    loss, _ = op_loss(split, data, LossFn.CROSS_ENTROPY, {}, CPU)
+    loss.backward()
+    return float(loss.detach())
