@@ -1,12 +1,14 @@
 """An op's writes to Redis, each fenced by its model's lease: marking it running (or leaving it
 queued while its tenant is over a limit), and publishing its outcome with the records it
-produced. A write the lease refuses drops the model: another worker owns it now."""
+produced. A write the lease refuses drops the model: another worker owns it now. Each write
+rides out a Redis outage (the Reconnector repeats it once Redis answers): every write here is
+fenced, and a publish repeated finds its job already terminal."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple, ParamSpec, TypeVar
+from typing import NamedTuple
 
 from queue_tinker.queue.connection import Reconnector
 from queue_tinker.queue.dispatch import Dispatcher, Op, Outcome, Start
@@ -18,8 +20,6 @@ from queue_tinker.workers.runtime.ownership import Ownership
 from queue_tinker.workers.runtime.presence import Activity
 from queue_tinker.workers.runtime.scheduling import Scheduler
 
-T = TypeVar("T")
-P = ParamSpec("P")
 Batch = list[tuple[OwnedModel, Op]]
 
 
@@ -49,16 +49,11 @@ class FencedWrites:
         self.durability = durability
         self.activity = activity
 
-    async def _redis(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
-        """A Redis call that rides out an outage: repeated once Redis answers again (every
-        write here is fenced, and a publish finds a job it already published terminal)."""
-        return await self.reconnect.call(fn, *args, **kwargs)
-
     async def start(self, owned: OwnedModel, op: Op) -> bool:
         """Mark one op running; whether it runs now (not over its tenant's limit, which puts it
         back in its backlog; not finished already, by an earlier owner or cancelled). A lost
         lease raises LeaseLostError."""
-        start = await self._redis(self.dispatch.start, owned.lease, op)
+        start = await self.reconnect.call(self.dispatch.start, owned.lease, op)
         if start.limited:
             self.schedule.hold_back(owned, [op], start.retry_ms, time.monotonic())
             return False
@@ -69,7 +64,7 @@ class FencedWrites:
         over their tenant's limit go back to their backlog; ops already finished (cancelled)
         are skipped."""
         # One decision per op: a Start, or None where the model's lease was lost.
-        starts: list[Start | None] = await self._redis(
+        starts: list[Start | None] = await self.reconnect.call(
             self.dispatch.start_batch, [(o.lease, op) for o, op in batch]
         )
         decided = list(zip(batch, starts, strict=True))
@@ -90,10 +85,10 @@ class FencedWrites:
         """An op's records (durable before the user hears of it), then its outcome, trimming
         the model's log to what is durable. A lost lease raises LeaseLostError."""
         for record in records:
-            await self._redis(self.records.append, record)
+            await self.reconnect.call(self.records.append, record)
         if records and self.on_records is not None:
-            await self._redis(self.on_records, records)
-        await self._redis(
+            await self.reconnect.call(self.on_records, records)
+        await self.reconnect.call(
             self.dispatch.publish,
             owned.lease,
             op,
@@ -109,7 +104,9 @@ class FencedWrites:
             (owned.lease, op, outcome, self.durability.durable_seq(op.model_id))
             for (owned, op), outcome in zip(batch, outcomes, strict=True)
         ]
-        published = await self._redis(self.dispatch.publish_batch, publishes, started=started)
+        published = await self.reconnect.call(
+            self.dispatch.publish_batch, publishes, started=started
+        )
         self.activity.ops_done += sum(published)
         self.ownership.drop_lost(
             [owned for (owned, _), ok in zip(batch, published, strict=True) if not ok]

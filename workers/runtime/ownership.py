@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import ParamSpec, TypeVar
 
 from queue_tinker.queue.connection import Reconnector, describe
 from queue_tinker.queue.dispatch import Dispatcher, Lease
@@ -16,8 +14,6 @@ from queue_tinker.workers.runtime.owned import OwnedModel
 from queue_tinker.workers.runtime.scheduling import Scheduler
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-P = ParamSpec("P")
 
 # An idle training run is handed back this soon (not after the whole linger time) when another
 # run of its tenant waits for a slot of the tenant's training-runs limit.
@@ -46,16 +42,13 @@ class Ownership:
         self.compute = compute
         self.durability = durability
 
-    async def _redis(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self.reconnect.call(fn, *args, **kwargs)
-
     async def adopt(self, lease: Lease) -> None:
         """A newly claimed model, with the logged ops between its saved state and the last
         published one queued for replay (an earlier owner died after its last snapshot)."""
         owned = OwnedModel(lease=lease, read_seq=lease.done_seq)
         restored = await self.compute.run(self.durability.restore_point, lease.model_id)
         if restored is not None and restored < lease.done_seq:
-            replay = await self._redis(
+            replay = await self.reconnect.call(
                 self.dispatch.read_range, lease.model_id, restored, lease.done_seq
             )
             log.info(
@@ -128,7 +121,7 @@ class Ownership:
             if self.owned.get(model_id) is not owned:
                 continue  # dropped while we asked
             await self.persist(model_id)
-            released = await self._redis(self.dispatch.release, owned.lease)
+            released = await self.reconnect.call(self.dispatch.release, owned.lease)
             if released != 0:  # 0: ops arrived meanwhile, keep it
                 self.drop(model_id)
 
@@ -161,7 +154,7 @@ class Ownership:
         of them are still within the linger time (past it they go whatever the answer)."""
         if not any(now - o.idle_since < self.linger_s for _, o in idle):
             return set()
-        return await self._redis(self.dispatch.parked_tenants, {o.tenant for _, o in idle})
+        return await self.reconnect.call(self.dispatch.parked_tenants, {o.tenant for _, o in idle})
 
 
 def _should_release(idle_for: float, linger_s: float, parked: bool) -> bool:

@@ -21,20 +21,32 @@ import torch
 
 from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.loss_inputs import ModelLimits
+from queue_tinker.types.enums import LossFn
+from queue_tinker.types.loss_inputs import (
+    ModelLimits,
+    check_batch,
+    check_batch_size,
+    resolve_loss_config,
+)
 from queue_tinker.types.ops import Op
 from queue_tinker.types.request_limits import RequestLimits, check_request_bytes
 from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import ForwardBackwardOutput, OptimParams, OptimStepResponse
-from queue_tinker.workers.interface import PASS_KINDS, OpResult, ResultOrError
+from queue_tinker.types.training import (
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    OptimParams,
+    OptimStepResponse,
+)
+from queue_tinker.workers.interface import PASS_KINDS, OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.memory import is_out_of_memory, release_cached_memory
+from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.dimuon import parse_optim_params
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.residency import Residency
 from queue_tinker.workers.training.saved_state import SavedState
-from queue_tinker.workers.training.shared_pass import PassOp, padded_tokens, pass_op, shared_pass
+from queue_tinker.workers.training.shared_pass import PassOp, padded_tokens, shared_pass
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,6 +109,31 @@ class MemoryGuard:
         )
 
 
+def prepare_pass(
+    op: Op,
+    adapter: Adapter,
+    limits: ModelLimits,
+    request_limits: RequestLimits,
+    device: torch.device,
+) -> PassOp:
+    """A forward / forward_backward op's body, checked (its size, then what only the model
+    knows), with its loss: built in, or the uploaded loss it carries (rebuilt from the
+    allow-list, custom_loss_graph.py)."""
+    batch = parse_body(ForwardBackwardInput, op.payload)
+    check_batch_size(batch, request_limits)
+    check_batch(batch, limits)
+    loss_fn: LossFn | GraphLoss = (
+        GraphLoss(batch.custom_loss, device) if batch.custom_loss is not None else batch.loss_fn
+    )
+    return PassOp(
+        adapter=adapter,
+        data=batch.data,
+        loss_fn=loss_fn,
+        config=resolve_loss_config(batch.loss_fn, batch.loss_fn_config),
+        backward=op.kind is OpKind.FORWARD_BACKWARD,
+    )
+
+
 class TrainingRounds:
     def __init__(
         self,
@@ -154,6 +191,14 @@ class TrainingRounds:
         check_request_bytes(len(op.payload), self.request_limits)
         return self.residency.admit(op)
 
+    def _prepare(self, op: Op) -> PassOp | OpResult:
+        """execute's checks, in its order, and the op ready for a shared pass; or, for an op
+        the state already holds, its kept result."""
+        adapter = self._admit(op)
+        if isinstance(adapter, OpResult):
+            return adapter
+        return prepare_pass(op, adapter, self.limits, self.request_limits, self.guard.device)
+
     def _run_passes(self, ops: Sequence[tuple[int, Op]], outcomes: Outcomes, batched: bool) -> None:
         """The ops in as few shared passes as fit: each pass under train_batch_tokens padded
         tokens (one op always fits) and max_resident models, so that making one model resident
@@ -165,12 +210,7 @@ class TrainingRounds:
                 self._run_pass(chunk, outcomes, batched)
                 chunk = []
             try:
-                adapter = self._admit(op)
-                prepared = (
-                    adapter
-                    if isinstance(adapter, OpResult)  # already applied: its kept result
-                    else pass_op(op, adapter, self.limits, self.request_limits, self.guard.device)
-                )
+                prepared = self._prepare(op)
             except Exception as exc:  # this op's failure, as execute would raise it
                 self._record(outcomes, index, op, exc)
                 continue

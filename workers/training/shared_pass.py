@@ -18,19 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from queue_tinker.types import OpKind
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.loss_inputs import (
-    ModelLimits,
-    check_batch,
-    check_batch_size,
-    resolve_loss_config,
-)
-from queue_tinker.types.ops import Op
-from queue_tinker.types.request_limits import RequestLimits
 from queue_tinker.types.tensors import Datum, TensorData
-from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
-from queue_tinker.workers.interface import parse_body
+from queue_tinker.types.training import ForwardBackwardOutput
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks
 from queue_tinker.workers.training import model_pass
@@ -53,31 +43,6 @@ class PassOp:
     @property
     def width(self) -> int:
         return max(d.model_input.length for d in self.data)
-
-
-def pass_op(
-    op: Op,
-    adapter: Adapter,
-    limits: ModelLimits,
-    request_limits: RequestLimits,
-    device: torch.device,
-) -> PassOp:
-    """A forward / forward_backward op's body, checked (its size, then what only the model
-    knows), with its loss: built in, or the uploaded loss it carries (rebuilt from the
-    allow-list, custom_loss_graph.py)."""
-    batch = parse_body(ForwardBackwardInput, op.payload)
-    check_batch_size(batch, request_limits)
-    check_batch(batch, limits)
-    loss_fn: LossFn | GraphLoss = (
-        GraphLoss(batch.custom_loss, device) if batch.custom_loss is not None else batch.loss_fn
-    )
-    return PassOp(
-        adapter=adapter,
-        data=batch.data,
-        loss_fn=loss_fn,
-        config=resolve_loss_config(batch.loss_fn, batch.loss_fn_config),
-        backward=op.kind is OpKind.FORWARD_BACKWARD,
-    )
 
 
 def padded_tokens(ops: Sequence[PassOp]) -> int:
