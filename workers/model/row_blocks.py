@@ -61,15 +61,16 @@ def row_blocks(layers: Sequence[LoraLinear], blocks: Sequence[tuple[str, int]]) 
 
     def forward(layer: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = layer.base_layer(x, *args, **kwargs)
+        if len(names) == 1 and names[0] in layer.lora_A:
+            # One block, every row: PEFT's own sum. An in-place add into a view of the output
+            # puts a CopySlices node in the graph, whose backward cost 2 ms a step on the tiny
+            # model (8 x 128 tokens, 15 LoRA layers) for nothing the whole batch needs.
+            return (result + _update(layer, names[0], x)).to(result.dtype)
         for name, start, rows in zip(names, starts, sizes, strict=True):
             if name not in layer.lora_A:
                 continue
-            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-            dtype: torch.dtype = lora_a.weight.dtype  # type: ignore[assignment]
-            part = x.narrow(0, start, rows).to(dtype)
-            update = lora_b(lora_a(layer.lora_dropout[name](part))) * layer.scaling[name]
             # In place: the base layer's backward does not need its output.
-            result.narrow(0, start, rows).add_(update)
+            result.narrow(0, start, rows).add_(_update(layer, name, x.narrow(0, start, rows)))
         return result
 
     for layer in layers:  # an instance attribute: nn.Module calls self.forward
@@ -79,3 +80,10 @@ def row_blocks(layers: Sequence[LoraLinear], blocks: Sequence[tuple[str, int]]) 
     finally:
         for layer in layers:
             del layer.forward
+
+
+def _update(layer: LoraLinear, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The adapter's LoRA update of rows `x`, in the adapter's dtype."""
+    lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+    dtype: torch.dtype = lora_a.weight.dtype  # type: ignore[assignment]
+    return lora_b(lora_a(layer.lora_dropout[name](x.to(dtype)))) * layer.scaling[name]

@@ -134,6 +134,9 @@ def _chunked_logprobs(
     vocab = int(head.weight.shape[0]) if hasattr(head, "weight") else 1
     softcap = getattr(lm.config, "final_logit_softcapping", None)
     step = plan.chunk_positions(hidden.shape[0], vocab)
+    # One chunk's logits may exist at once: when the whole batch is one chunk, keeping its
+    # logits for backward holds no more than that, and recomputing them would only cost time.
+    recompute = recompute and step < hidden.shape[1]
     pieces = []
     for start in range(0, hidden.shape[1], step):
         chunk = (hidden[:, start : start + step], targets[:, start : start + step])

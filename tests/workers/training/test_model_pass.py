@@ -19,7 +19,7 @@ from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import ForwardBackwardOutput, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import load_base_model
-from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.model_pass import PassPlan, causal_lm
 from queue_tinker.workers.training.packing import pack_rows, padding_fraction
 from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass
 
@@ -170,6 +170,34 @@ def test_chunked_logprobs_and_gradients_equal_whole_logits(pool: AdapterPool) ->
     out = chunked["out"]
     for got, want in zip(out.loss_fn_outputs, reference_logprobs, strict=True):  # type: ignore[attr-defined]
         torch.testing.assert_close(torch.from_numpy(got["logprobs"].to_numpy()), want, **CLOSE)
+
+
+def test_logits_are_recomputed_only_when_they_come_in_several_chunks(pool: AdapterPool) -> None:
+    """A pass whose logits fit one chunk keeps them for backward (the unembedding runs once:
+    holding one chunk is the bound anyway); in several chunks each is made again in backward
+    (twice a chunk)."""
+    pool.activate(pool.adapters["m1"])
+    data = [datum(t) for t in TEXTS]
+    head = causal_lm(pool.model).get_output_embeddings()
+    calls = {"n": 0}
+
+    def count(*_: object) -> None:
+        calls["n"] += 1
+
+    handle = head.register_forward_hook(count)
+    try:
+        one_op_pass(pool, data, WHOLE)
+        whole, calls["n"] = calls["n"], 0
+        one_op_pass(pool, data, SMALL_CHUNKS)
+        chunked = calls["n"]
+    finally:
+        handle.remove()
+        for adapter in pool.adapters.values():
+            for param in adapter.params.values():
+                param.grad = None
+    width = max(len(t) for t in TEXTS) - 1
+    chunks = -(-width // SMALL_CHUNKS.chunk_positions(len(data), 259))
+    assert (whole, chunked) == (1, 2 * chunks)
 
 
 def test_checkpointing_equals_no_checkpointing(pool: AdapterPool) -> None:

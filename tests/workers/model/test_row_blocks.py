@@ -1,0 +1,65 @@
+"""Row blocks (workers/model/row_blocks.py) against PEFT's own LoRA layer: one block of every
+row computes what PEFT's forward computes, to the bit and in the base layer's dtype (fp32 and a
+bf16 base under fp32 adapters); several blocks compute what each block's rows compute alone
+under their own adapter; a block whose adapter does not adapt the layer gets the base output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import Linear as LoraLinear
+
+from queue_tinker.workers.model.row_blocks import lora_linear_layers, row_blocks
+
+
+class Two(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 24, bias=False)
+        self.down = torch.nn.Linear(24, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def model(base_dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = get_peft_model(Two(), LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"]))
+    net.add_adapter("b", LoraConfig(r=2, lora_alpha=8, target_modules=["up"]))
+    with torch.no_grad():  # B starts at zero: give both adapters an update that counts
+        for name, param in net.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    for layer in lora_linear_layers(net):
+        layer.base_layer.to(base_dtype)  # the adapters stay fp32, as on a bf16 worker
+    return net
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_block_is_peft_s_own_forward(dtype: torch.dtype) -> None:
+    net = model(dtype)
+    net.set_adapter("default")
+    layer = net.base_model.model.up
+    assert isinstance(layer, LoraLinear)
+    x = torch.randn(6, 16, dtype=dtype)
+    want = layer(x)
+    with row_blocks([layer], [("default", 6)]):
+        got = layer(x)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_several_blocks_compute_each_block_alone() -> None:
+    net = model(torch.float32)
+    layers = lora_linear_layers(net)
+    x = torch.randn(7, 16)
+    with row_blocks(layers, [("default", 3), ("b", 2), ("__base__", 2)]):
+        mixed = net(x)
+    net.set_adapter("default")
+    first = net(x[:3])
+    net.set_adapter("b")
+    second = net(x[3:5])
+    with net.disable_adapter():
+        base = net(x[5:])
+    torch.testing.assert_close(mixed, torch.cat([first, second, base]), rtol=1e-6, atol=1e-6)
