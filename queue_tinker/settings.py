@@ -237,14 +237,15 @@ class Settings(BaseSettings):
         default="auto",
         description="Whether a training pass keeps only each decoder layer's input and "
         "recomputes the layer in backward (less memory, one more forward of time; equal "
-        "results). auto: on for passes of at least activation_checkpointing_tokens padded "
-        "tokens.",
+        "results). auto: on CUDA, the fewest layers that keep each pass's activations within "
+        "the training budget from free memory (none when the pass fits); on the CPU, every "
+        "layer for passes of at least activation_checkpointing_tokens padded tokens.",
     )
     activation_checkpointing_tokens: int = Field(
         default=4_096,
         ge=1,
         description="The padded tokens of a training pass from which auto activation "
-        "checkpointing turns on.",
+        "checkpointing turns on where no memory budget is known (the CPU).",
     )
     queue_unserved_base_models: bool = Field(
         default=False,

@@ -257,17 +257,23 @@ def test_out_of_memory_on_cuda_splits_the_pass(cuda: LoraExecutor) -> None:
 
 def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     """Unset budgets come from free memory, and a pass of 16K tokens uses no more activation
-    memory than the estimate the budget was made from."""
-    from queue_tinker.workers.model.memory import train_bytes_per_token
+    memory than the estimate of the checkpointing plan it ran under (the fewest layers that
+    fit the budget)."""
+    from queue_tinker.workers.model.memory import pass_bytes_per_token
 
     engine = LoraExecutor(BASE, "cuda", scratch / "storage-budget", scratch / "models")
-    assert engine.training.rounds.guard.train_batch_tokens > 0
+    rounds = engine.training.rounds
+    assert rounds.guard.train_batch_tokens > 0
+    plan = rounds.plan
+    assert plan.activation_budget is not None and plan.layer_bytes is not None
     run = Run(engine, "budget")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     run.forward_backward(data(16, 1024, 30))
     used = torch.cuda.max_memory_allocated() - base
-    config = engine.pool.base.config
-    estimate = 16 * 1024 * train_bytes_per_token(config, 2, checkpointing=True)
-    assert used <= 1.5 * estimate + (256 << 20), (used, estimate)  # + one logits chunk
+    layers = int(engine.pool.base.config.num_hidden_layers)
+    planned = plan.checkpointed_layers(16 * 1024, True, layers)
+    estimate = 16 * 1024 * pass_bytes_per_token(layers, planned, plan.layer_bytes)
+    assert estimate <= plan.activation_budget
+    assert used <= 1.5 * estimate + (256 << 20), (used, estimate, planned)  # + a logits chunk

@@ -12,7 +12,7 @@ Redis or SQL.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.interface import Engine, OpResult, run_ping
 from queue_tinker.workers.model import base_model as base_models
 from queue_tinker.workers.model.adapters import AdapterPool
-from queue_tinker.workers.model.memory import Budgets, device_budgets
+from queue_tinker.workers.model.memory import Budgets, device_budgets, layer_bytes
 from queue_tinker.workers.sampling.sessions import SamplingSessions
 from queue_tinker.workers.training import engine as training_engine
 from queue_tinker.workers.training.engine import TrainingEngine
@@ -107,6 +107,13 @@ class LoraExecutor:
         )
         if budgets is not None:
             log.info("device budgets from free memory: %s", budgets)
+            # auto checkpointing becomes a plan: the fewest layers that fit each pass.
+            dtype_bytes = torch.tensor([], dtype=base.dtype).element_size()
+            plan = replace(
+                plan,
+                activation_budget=budgets.train_activation_bytes,
+                layer_bytes=layer_bytes(base.config, dtype_bytes),
+            )
         saved = SavedState(self.pool, storage, base_model)
         residency = Residency(self.pool, saved, storage)
         guard = MemoryGuard(self.device, train_batch_tokens or _train_tokens(budgets))

@@ -45,21 +45,56 @@ class Budgets:
     train_batch_tokens: int
     sample_batch_sequences: int
     sample_cache_tokens: int  # KV-cache tokens (rows x columns) of the sampler's batch
+    # Activation bytes a training pass may keep for backward: what train_batch_tokens is
+    # sized from, and what the checkpointing plan fits each pass into.
+    train_activation_bytes: int
 
 
-def train_bytes_per_token(config: PretrainedConfig, dtype_bytes: int, checkpointing: bool) -> int:
-    """Activation bytes one token of a backward pass keeps. With checkpointing: every layer's
-    input, plus one layer's intermediates while it is recomputed; without: every layer's
-    intermediates. A layer's: attention projections, MLP up/gate/act and norms (~10 hidden +
+@dataclass(frozen=True)
+class LayerBytes:
+    """Activation bytes one token of a backward pass keeps in one decoder layer."""
+
+    kept: int  # the layer run plainly: its intermediates
+    checkpointed: int  # the layer checkpointed: its input alone (made again in backward)
+
+
+def layer_bytes(config: PretrainedConfig, dtype_bytes: int) -> LayerBytes:
+    """A layer's intermediates: attention projections, MLP up/gate/act and norms (~10 hidden +
     4 MLP widths in the base dtype), plus the fp32 copies of its inputs that LoRA keeps for
     its weight gradients (q/k/v/o and gate/up take hidden-wide inputs, down an MLP-wide one)."""
     hidden = int(config.hidden_size)
-    layers = int(config.num_hidden_layers)
     mlp = int(getattr(config, "intermediate_size", 4 * hidden))
-    per_layer = (10 * hidden + 4 * mlp) * dtype_bytes + (6 * hidden + mlp) * 4
-    if checkpointing:
-        return layers * hidden * dtype_bytes + per_layer
-    return layers * per_layer
+    kept = (10 * hidden + 4 * mlp) * dtype_bytes + (6 * hidden + mlp) * 4
+    return LayerBytes(kept=kept, checkpointed=hidden * dtype_bytes)
+
+
+def pass_bytes_per_token(layers: int, checkpointed: int, per_layer: LayerBytes) -> int:
+    """Activation bytes one token of a backward pass keeps at its peak with the first
+    `checkpointed` of its `layers` decoder layers checkpointed: their inputs, plus the larger
+    of the other layers' intermediates (held when backward starts) and one checkpointed
+    layer's intermediates (made again when backward reaches it, the later layers' freed by
+    then)."""
+    plain = (layers - checkpointed) * per_layer.kept
+    recomputed = per_layer.kept if checkpointed else 0
+    return max(plain, recomputed) + checkpointed * per_layer.checkpointed
+
+
+def train_bytes_per_token(config: PretrainedConfig, dtype_bytes: int, checkpointing: bool) -> int:
+    """Activation bytes one token of a backward pass keeps: every layer checkpointed, or
+    none."""
+    layers = int(config.num_hidden_layers)
+    per_layer = layer_bytes(config, dtype_bytes)
+    return pass_bytes_per_token(layers, layers if checkpointing else 0, per_layer)
+
+
+def layers_to_checkpoint(tokens: int, layers: int, per_layer: LayerBytes, budget: int) -> int:
+    """The fewest decoder layers to checkpoint so that a backward pass of `tokens` padded
+    tokens keeps at most `budget` bytes of activations: none when the pass fits as it is, every
+    layer when even that does not fit (the pass is then split if it runs out of memory)."""
+    for checkpointed in range(layers + 1):
+        if tokens * pass_bytes_per_token(layers, checkpointed, per_layer) <= budget:
+            return checkpointed
+    return layers
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
@@ -75,12 +110,14 @@ def budgets_for(
 ) -> Budgets:
     """Budgets for a device with `free_bytes` free after the base model is loaded."""
     usable = free_bytes * (1 - HEADROOM)
-    train = int(usable * TRAIN_SHARE // train_bytes_per_token(config, dtype_bytes, checkpointing))
+    activations = int(usable * TRAIN_SHARE)
+    train = activations // train_bytes_per_token(config, dtype_bytes, checkpointing)
     cache_tokens = int(usable * SAMPLE_SHARE // kv_bytes_per_token(config, dtype_bytes))
     return Budgets(
         train_batch_tokens=max(1, train),
         sample_batch_sequences=max(1, cache_tokens // SAMPLE_CONTEXT),
         sample_cache_tokens=max(1, cache_tokens),
+        train_activation_bytes=activations,
     )
 
 

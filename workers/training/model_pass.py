@@ -33,6 +33,7 @@ from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from queue_tinker.workers.model.memory import LayerBytes, layers_to_checkpoint
 from queue_tinker.workers.training.packing import RowBatch, padding_fraction
 
 T = TypeVar("T")
@@ -45,10 +46,15 @@ CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("auto", "on", "off")
 class PassPlan:
     """How a worker runs its model passes (QT_ACTIVATION_CHECKPOINTING and friends)."""
 
-    # auto: checkpoint decoder layers once a backward pass holds checkpoint_min_tokens padded
-    # tokens; below that the recomputation costs time and saves memory nobody needs.
+    # auto, where the device's memory is known (activation_budget and layer_bytes, from its
+    # free memory at start-up): checkpoint the fewest decoder layers that keep a backward
+    # pass's activations within the budget, none when the pass fits. Elsewhere (the CPU):
+    # every layer once a backward pass holds checkpoint_min_tokens padded tokens; below that
+    # the recomputation costs time and saves memory nobody needs.
     activation_checkpointing: Checkpointing = "auto"
     checkpoint_min_tokens: int = 4_096
+    activation_budget: int | None = None
+    layer_bytes: LayerBytes | None = None
     # (rows x positions x vocab) logits computed at once: 2^26 fp32 elements are 256 MiB,
     # 523 positions of a 128k vocabulary, the whole batch of a small-vocabulary model.
     logit_chunk_elements: int = 1 << 26
@@ -57,10 +63,18 @@ class PassPlan:
     # takes attention off the kernels that need no mask, and it changes the batch's rounding.
     pack_above_padding: float | None = 0.5
 
-    def checkpoints(self, padded_tokens: int, backward: bool) -> bool:
+    def checkpointed_layers(self, padded_tokens: int, backward: bool, layers: int) -> int:
+        """How many of a pass's `layers` decoder layers run checkpointed: the first ones, whose
+        recomputation in backward comes after the later layers' intermediates are freed."""
         if not backward or self.activation_checkpointing == "off":
-            return False
-        return self.activation_checkpointing == "on" or padded_tokens >= self.checkpoint_min_tokens
+            return 0
+        if self.activation_checkpointing == "on":
+            return layers
+        if self.activation_budget is not None and self.layer_bytes is not None:
+            return layers_to_checkpoint(
+                padded_tokens, layers, self.layer_bytes, self.activation_budget
+            )
+        return layers if padded_tokens >= self.checkpoint_min_tokens else 0
 
     def packs(self, lengths: Sequence[int]) -> bool:
         return (
@@ -101,8 +115,9 @@ def target_logprobs(
     while the model's LoRA wrapping is still in place."""
     lm = causal_lm(model)
     backward = torch.is_grad_enabled()
-    layers = decoder_layers(model) if plan.checkpoints(batch.padded_tokens, backward) else ()
-    with checkpointed(layers):
+    layers = decoder_layers(model)
+    planned = plan.checkpointed_layers(batch.padded_tokens, backward, len(layers))
+    with checkpointed(layers[:planned]):
         hidden = lm.get_decoder()(
             input_ids=batch.ids,
             attention_mask=batch.mask,

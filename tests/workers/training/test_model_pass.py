@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import ForwardBackwardOutput, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.model.memory import layer_bytes, pass_bytes_per_token
 from queue_tinker.workers.training.model_pass import PassPlan, causal_lm
 from queue_tinker.workers.training.packing import pack_rows, padding_fraction
 from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass
@@ -263,35 +265,66 @@ def test_a_pass_that_fails_inside_a_checkpointed_layer_leaves_nothing_behind(
         assert_same(got[name], expected[name])
 
 
+def kept_bytes(pool: AdapterPool, data: list[Datum], plan: PassPlan) -> int:
+    """Bytes of the tensors a pass of the pool's active adapter saves for its backward."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        one_op_pass(pool, data, plan)
+    return total
+
+
 def test_checkpointing_keeps_only_layer_inputs_for_backward(pool: AdapterPool) -> None:
     """With checkpointing on, the tensors a step keeps for backward shrink to a fraction of
     what a pass without it keeps (the layers' intermediates are recomputed instead); a
     forward-only op never checkpoints, and auto turns on at its threshold."""
     pool.activate(pool.adapters["m2"])
     data = [datum(t) for t in TEXTS] * 4
-
-    def kept_bytes(plan: PassPlan) -> int:
-        total = 0
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            total += tensor.numel() * tensor.element_size()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            one_op_pass(pool, data, plan)
-        return total
-
-    on, off = kept_bytes(CHECKPOINTED), kept_bytes(WHOLE)
+    on, off = kept_bytes(pool, data, CHECKPOINTED), kept_bytes(pool, data, WHOLE)
     print(f"kept for backward: {on} bytes checkpointed, {off} without")
     assert on < off / 3
     auto = PassPlan(activation_checkpointing="auto", checkpoint_min_tokens=100)
     assert (
-        auto.checkpoints(99, True),
-        auto.checkpoints(100, True),
-        auto.checkpoints(100, False),
-    ) == (False, True, False)
-    assert not CHECKPOINTED.checkpoints(10**9, backward=False)
+        auto.checkpointed_layers(99, True, 2),
+        auto.checkpointed_layers(100, True, 2),
+        auto.checkpointed_layers(100, False, 2),
+    ) == (0, 2, 0)
+    assert CHECKPOINTED.checkpointed_layers(10**9, backward=False, layers=2) == 0
+
+
+def test_a_planned_pass_checkpoints_some_layers_and_equals_none(pool: AdapterPool) -> None:
+    """A budget between a plain pass's activations and a fully checkpointed one's makes the
+    plan checkpoint some of the layers (one of the tiny model's two): the loss and every LoRA
+    gradient equal the pass without checkpointing, and it keeps less for backward."""
+    adapter = pool.adapters["m1"]
+    pool.activate(adapter)
+    data = [datum(t) for t in TEXTS]
+    per_layer = layer_bytes(causal_lm(pool.model).config, 4)
+    tokens = len(data) * max(d.model_input.length for d in data)
+    budget = tokens * pass_bytes_per_token(2, 1, per_layer)
+    planned = PassPlan(
+        activation_budget=budget, layer_bytes=per_layer, logit_chunk_elements=1 << 40
+    )
+    assert planned.checkpointed_layers(tokens, True, 2) == 1
+    losses: list[float] = []
+
+    def run(plan: PassPlan) -> object:
+        def step() -> None:
+            losses.append(one_op_pass(pool, data, plan).metrics["loss:sum"])
+
+        return step
+
+    assert_same(grads_after(adapter, run(planned)), grads_after(adapter, run(WHOLE)))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    unplanned = replace(planned, activation_checkpointing="off")
+    assert kept_bytes(pool, data, planned) < kept_bytes(pool, data, unplanned)
+    for param in adapter.params.values():
+        param.grad = None
 
 
 MIXED = [

@@ -1,0 +1,83 @@
+"""The checkpointing plan (workers/model/memory.py): the fewest decoder layers a backward pass
+checkpoints to keep its activations within the budget, on the configs it will meet."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from queue_tinker.workers.model.memory import (
+    budgets_for,
+    layer_bytes,
+    layers_to_checkpoint,
+    pass_bytes_per_token,
+    train_bytes_per_token,
+)
+
+GIB = 1 << 30
+LLAMA_8B = LlamaConfig(
+    hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32
+)
+TINY = LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+
+
+def test_the_ends_of_the_plan_are_the_two_old_modes() -> None:
+    """No layer checkpointed keeps every layer's intermediates; every layer, every input plus
+    one layer's intermediates (what train_bytes_per_token said of the two modes)."""
+    per_layer = layer_bytes(LLAMA_8B, 2)
+    assert pass_bytes_per_token(32, 0, per_layer) == 32 * per_layer.kept
+    assert pass_bytes_per_token(32, 32, per_layer) == 32 * per_layer.checkpointed + per_layer.kept
+    for checkpointing in (False, True):
+        layers = 32 if checkpointing else 0
+        assert train_bytes_per_token(LLAMA_8B, 2, checkpointing) == pass_bytes_per_token(
+            32, layers, per_layer
+        )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "budget_gib", "expected"),
+    [
+        (1_024, 30, 0),  # an RL-sized pass fits whole: nothing is recomputed
+        (2_048, 30, 0),
+        (8 * 2_048, 30, 28),  # the 8B shape on an 80 GB card: 4 of 32 layers spared
+        (8 * 2_048, 1, 32),  # does not fit even checkpointed: every layer (it is split later)
+        (32_768, 80, 26),  # 1 x 32,768 tokens on a whole card's worth of budget
+    ],
+)
+def test_the_plan_on_the_8b_shape(tokens: int, budget_gib: int, expected: int) -> None:
+    per_layer = layer_bytes(LLAMA_8B, 2)
+    planned = layers_to_checkpoint(tokens, 32, per_layer, budget_gib * GIB)
+    assert planned == expected
+    if 0 < planned < 32:  # the fewest: one layer fewer does not fit
+        assert tokens * pass_bytes_per_token(32, planned, per_layer) <= budget_gib * GIB
+        assert tokens * pass_bytes_per_token(32, planned - 1, per_layer) > budget_gib * GIB
+
+
+def test_more_tokens_never_checkpoint_fewer_layers() -> None:
+    per_layer = layer_bytes(LLAMA_8B, 2)
+    plans = [layers_to_checkpoint(t, 32, per_layer, 20 * GIB) for t in range(512, 40_000, 512)]
+    assert plans == sorted(plans)
+    assert plans[0] == 0 and plans[-1] == 32
+
+
+def test_a_budget_met_exactly_fits() -> None:
+    per_layer = layer_bytes(TINY, 4)
+    exact = 96 * pass_bytes_per_token(2, 0, per_layer)
+    assert layers_to_checkpoint(96, 2, per_layer, exact) == 0
+    assert layers_to_checkpoint(96, 2, per_layer, exact - 1) == 1
+
+
+def test_budgets_carry_the_activation_budget_they_size_passes_from() -> None:
+    """train_batch_tokens is what fits the activation budget with every layer checkpointed,
+    so every pass under it has a plan that fits."""
+    budgets = budgets_for(LLAMA_8B, 62 * GIB, 2, checkpointing=True)
+    per_layer = layer_bytes(LLAMA_8B, 2)
+    assert budgets.train_activation_bytes == int(62 * GIB * 0.8 * 0.6)
+    full = budgets.train_batch_tokens * pass_bytes_per_token(32, 32, per_layer)
+    assert full <= budgets.train_activation_bytes
+    assert (
+        layers_to_checkpoint(
+            budgets.train_batch_tokens, 32, per_layer, budgets.train_activation_bytes
+        )
+        <= 32
+    )
