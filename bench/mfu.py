@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from bench.harness import cli, engine
+from bench.harness.baselines import plain_forward_backward
 from bench.harness.data import datums, token_rows
 from bench.harness.machine import announce, device_name, engine_machine
 from bench.harness.meters import timed
@@ -131,6 +132,10 @@ class Result:
     shrunk_from: int | None = None  # the batch asked for, when it did not fit
     adapters: int = 1  # --adapters
     multi: dict[str, float] = field(default_factory=dict)  # median seconds, both ways
+    # Plain transformers + PEFT on the same model, adapter and data (the limit the engine is
+    # held to), and whether it needed its own checkpointing to fit.
+    bare_fb_s: list[float] = field(default_factory=list)
+    bare_checkpointing: bool | None = None
 
     @property
     def tokens(self) -> int:
@@ -141,6 +146,9 @@ class Result:
         if with_optim:
             step += statistics.median(self.optim_s)
         return self.tokens / step
+
+    def bare_tokens_per_s(self) -> float | None:
+        return self.tokens / statistics.median(self.bare_fb_s) if self.bare_fb_s else None
 
 
 def engine_step(
@@ -193,6 +201,46 @@ def fit_batch(
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def measure_bare(
+    pool: AdapterPool,
+    adapter: Adapter,
+    data: list[Datum],
+    device: torch.device,
+    args: argparse.Namespace,
+    result: Result,
+) -> None:
+    """Plain transformers + PEFT's forward_backward on the same model, adapter and data:
+    without checkpointing when it fits, with transformers' own checkpointing of every layer
+    when it does not (what its users do)."""
+    for checkpointing in (False, True):
+        try:
+            plain_forward_backward(pool, adapter, data, device, checkpointing=checkpointing)
+            break
+        except torch.OutOfMemoryError:
+            if checkpointing:
+                print("  plain transformers + PEFT does not fit even checkpointed", flush=True)
+                engine.clear_grads([adapter])
+                return
+        # Out of the except block: its traceback no longer holds the failed pass's tensors.
+        print("  plain transformers + PEFT needs its checkpointing to fit", flush=True)
+        engine.clear_grads([adapter])
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result.bare_checkpointing = checkpointing
+    engine.clear_grads([adapter])
+    for i in range(args.warmup + args.steps):
+        seconds = timed(
+            lambda: plain_forward_backward(
+                pool, adapter, data, device, checkpointing=checkpointing
+            ),
+            device,
+        )
+        engine.clear_grads([adapter])
+        if i >= args.warmup:
+            result.bare_fb_s.append(seconds)
 
 
 def measure_adapters(
@@ -251,6 +299,7 @@ def run(args: argparse.Namespace) -> Result:
     measure(pool, adapter, data, device, args, result)
     if device.type == "cuda":
         result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    measure_bare(pool, adapter, data, device, args, result)
     if args.adapters > 1:
         result.adapters = min(args.adapters, batch)
         try:
@@ -295,6 +344,20 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
         f"| {result.tokens_per_s(with_optim=True):,.0f} | {f['tflops_lora']:,.1f} "
         f"| **{pct(f['mfu_lora'])}** | {pct(f['mfu_6N'])} | {peak} |",
     ]
+    bare = result.bare_tokens_per_s()
+    if bare is not None:
+        how = (
+            "with its own checkpointing of every layer"
+            if result.bare_checkpointing
+            else ("without checkpointing")
+        )
+        lines += [
+            "",
+            f"Plain transformers + PEFT on the same model, adapter and batch ({how}: SDPA, "
+            f"whole logits): forward_backward {statistics.median(result.bare_fb_s) * 1000:,.1f} "
+            f"ms, {bare:,.0f} tokens/s; the engine ÷ plain: "
+            f"**{result.tokens_per_s() / bare:.2f}×** the tokens/s.",
+        ]
     if result.multi:
         one, apart = result.multi["one pass"], result.multi["one at a time"]
         lines += [

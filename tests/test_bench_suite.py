@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +167,39 @@ def test_sample_cache_rows_compare_each_case_with_the_unbudgeted_one() -> None:
     assert text.startswith(sample_cache.SECTION + "\n")
     assert "| none | 632 tokens (20 MiB) | 4 | 641 MiB | 5.0 s | 4 of 4 |" in text
     assert "| 320 | 316 tokens (10 MiB) | 2 | 627 MiB | 2.8 s | 3 of 4 |" in text
+
+
+def test_mfu_s_plain_baseline_computes_the_engine_s_gradients() -> None:
+    """bench.mfu holds the engine to plain transformers + PEFT on the same model, adapter and
+    data: that baseline, with and without transformers' own checkpointing, gives the adapter
+    the gradients the engine's pass gives (same loss: cross-entropy summed over the targets)."""
+    from bench.harness import engine
+    from bench.harness.baselines import plain_forward_backward
+    from bench.harness.models import add_adapters, lora_pool
+    from bench.mfu import random_data
+
+    shape = SHAPES["small"]
+    pool = lora_pool(build_model(shape, "cpu", torch.float32), BASE_NAME, adapters=2)
+    [adapter] = add_adapters(pool, LoraConfig(rank=8), seeds=[0])
+    with torch.no_grad():  # B starts at zero: give every LoRA matrix a gradient
+        for key, param in adapter.params.items():
+            if "lora_B" in key:
+                param.normal_(std=0.02)
+    data = random_data(shape, 3, 24)
+    cpu = torch.device("cpu")
+
+    def grads(run: Callable[[], object]) -> dict[str, torch.Tensor]:
+        engine.clear_grads([adapter])
+        run()
+        return {k: p.grad.clone() for k, p in adapter.params.items() if p.grad is not None}
+
+    want = grads(lambda: engine.forward_backward(pool, [(adapter, data)], cpu))
+    for checkpointing in (False, True):
+        got = grads(
+            lambda c=checkpointing: plain_forward_backward(
+                pool, adapter, data, cpu, checkpointing=c
+            )
+        )
+        assert got.keys() == want.keys() and want
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6)

@@ -1,21 +1,26 @@
 """What the service is held against, measured in the same run: the bare PEFT training loop
-(`BareLoop`: a step with no queue, in the benchmark's process) and transformers' batched
-`generate()` on the same prompts (`generate`)."""
+(`BareLoop`: a step with no queue, in the benchmark's process), plain transformers + PEFT's
+forward_backward on the engine's own model and data (`plain_forward_backward`, bench.mfu) and
+transformers' batched `generate()` on the same prompts (`generate`)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from peft import PeftModel
+from transformers import PreTrainedModel
 
 from bench.harness.data import RANK
 from bench.harness.models import add_adapters, frozen_base, lora_pool
 from queue_tinker.builtin_models import PAD_ID
+from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, LoraConfig
+from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 
 ADAM = AdamParams(learning_rate=1e-4)  # beta1 0.9, beta2 0.95, eps 1e-12, no weight decay
 
@@ -70,6 +75,55 @@ class BareLoop:
             _, backward_done = self.step()
             times.append((time.perf_counter() - t0, backward_done))
         return times
+
+
+def plain_forward_backward(
+    pool: AdapterPool,
+    adapter: Adapter,
+    data: list[Datum],
+    device: torch.device,
+    *,
+    checkpointing: bool,
+) -> float:
+    """forward_backward as plain transformers + PEFT trains: the adapter active, the datums
+    right-padded into one batch through the model's own forward (its attention, SDPA, and its
+    whole logits), fp32 cross-entropy over the targets, one backward; with `checkpointing`,
+    transformers' own gradient checkpointing of every decoder layer. The loss."""
+    pool.activate(adapter)
+    width = max(d.model_input.length for d in data)
+    ids = torch.full((len(data), width), PAD_ID, dtype=torch.long)
+    targets = torch.full((len(data), width), -100, dtype=torch.long)  # -100: not scored
+    for row, datum in enumerate(data):
+        tokens = datum.model_input.to_ints()
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        target = np.asarray(datum.loss_fn_inputs["target_tokens"].data)
+        targets[row, : len(target)] = torch.from_numpy(target.astype(np.int64))
+    ids, targets = ids.to(device), targets.to(device)
+    model = pool.model
+    lm = cast(PreTrainedModel, model.get_base_model() if isinstance(model, PeftModel) else model)
+    modes = {module: module.training for module in lm.modules()}
+    if checkpointing:  # transformers checkpoints only in training mode (no dropout here)
+        _checkpointing(lm, "enable")({"use_reentrant": False})
+        lm.train()
+    try:
+        mask = (ids != PAD_ID).long()
+        logits = pool.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        loss.backward()
+    finally:
+        if checkpointing:
+            _checkpointing(lm, "disable")()
+            for module, training in modes.items():
+                module.training = training
+    return float(loss.detach())
+
+
+def _checkpointing(lm: PreTrainedModel, verb: str) -> Any:
+    """transformers' switch of its own checkpointing: activation_checkpointing_<verb> where the
+    installed version has it (gradient_checkpointing_<verb> is deprecated there)."""
+    return getattr(lm, f"activation_checkpointing_{verb}", None) or getattr(
+        lm, f"gradient_checkpointing_{verb}"
+    )
 
 
 def left_padded(
