@@ -3,10 +3,10 @@
 base model or a trained checkpoint (docs/tinker-http-protocol.md, section 13).
 
 `model` is a base model name or a `tinker://<run>/sampler_weights/<name>` (or `/weights/`)
-path of the caller's; the API key comes as `Authorization: Bearer tml-...`. A request becomes
-one sample op on a sampling session of the caller's for that model (opened on first use), so
-it runs through the same queue and sampler as the SDK's samples. Chat messages go through the
-tokenizer's chat template. No streaming: each answer is one JSON object.
+path of the caller's; the API key comes as `Authorization: Bearer tml-...` or `X-API-Key`. A
+request becomes one sample op on a sampling session of the caller's for that model (opened on
+first use), so it runs through the same queue and sampler as the SDK's samples. Chat messages go
+through the tokenizer's chat template. No streaming: each answer is one JSON object.
 """
 
 from __future__ import annotations
@@ -38,15 +38,22 @@ router = APIRouter(prefix="/oai/api/v1")
 Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
 
 
-async def bearer_tenant(request: Request) -> str:
-    """The tenant of the `Authorization: Bearer` key (what the openai client sends)."""
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        raise HTTPException(401, "missing Authorization: Bearer tml-... header (the API key)")
-    return (await caller_of_key(request, key.strip())).tenant_id
+async def key_tenant(request: Request) -> str:
+    """The tenant of the API key, sent as a bearer token (what the openai client sends) or as
+    `X-API-Key` (what every other route of the gateway takes)."""
+    scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+    key = bearer.strip() if scheme.lower() == "bearer" else ""
+    key = key or request.headers.get("X-API-Key", "").strip()
+    if not key:
+        raise HTTPException(
+            401,
+            "missing API key: send it as Authorization: Bearer tml-... (the openai client does) "
+            "or as X-API-Key: tml-...",
+        )
+    return (await caller_of_key(request, key)).tenant_id
 
 
-Tenant = Annotated[str, Depends(bearer_tenant)]
+Tenant = Annotated[str, Depends(key_tenant)]
 
 
 class _Body(BaseModel):

@@ -698,6 +698,25 @@ def test_openai_routes_refuse_a_bad_key_and_another_tenants_checkpoint(
         )
 
 
+def test_openai_routes_take_the_key_as_a_bearer_token_or_as_x_api_key(
+    gateway: str, key: str
+) -> None:
+    """The key the other routes take in X-API-Key works here too (a load generator sends it
+    that way), as does the bearer token the openai client sends; with neither, 401 names both."""
+    body = {"model": TINY, "prompt": "hi", "max_tokens": 2, "temperature": 0.0}
+    url = f"{gateway}/oai/api/v1/completions"
+    with httpx.Client(timeout=120) as http:
+        by_header = http.post(url, json=body, headers={"X-API-Key": key})
+        by_bearer = http.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+        neither = http.post(url, json=body)
+        wrong = http.post(url, json=body, headers={"X-API-Key": "tml-nope"})
+    assert by_header.status_code == by_bearer.status_code == 200, by_header.text
+    assert by_header.json()["choices"][0]["text"] == by_bearer.json()["choices"][0]["text"]
+    assert neither.status_code == 401
+    assert "Authorization: Bearer" in neither.text and "X-API-Key" in neither.text
+    assert wrong.status_code == 401
+
+
 # --- published checkpoints -------------------------------------------------------------------
 def test_a_published_checkpoint_is_readable_by_every_tenant(
     gateway: str, key: str, deployment: Settings, sdk_service: tinker.ServiceClient
