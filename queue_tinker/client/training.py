@@ -26,9 +26,10 @@ from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.sampling import SamplingClient, open_sampling_session
 from queue_tinker.client.wire import decoder, validated
 from queue_tinker.errors import UserInputError
+from queue_tinker.queue import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.checkpoints import CheckpointPath, check_name
+from queue_tinker.types.checkpoints import check_name
 from queue_tinker.types.loss_inputs import check_batch, check_batch_size, parse_loss_fn
 from queue_tinker.types.request_limits import (
     RequestLimits,
@@ -287,9 +288,14 @@ class TrainingClient:
     ) -> APIFuture[LoadWeightsResponse]:
         """Weights from a checkpoint; the optimizer starts afresh (moments and step at 0)."""
         no_weights_token(weights_access_token)
-        CheckpointPath.parse(path)
+        return await self._load(path, optimizer=False)
+
+    async def _load(self, path: str, *, optimizer: bool) -> APIFuture[LoadWeightsResponse]:
+        """A load_state op, its path checked before it is queued (runs.checked_load)."""
+        jobs, tenant = self._holder.jobs, self._settings.tenant
+        load = await runs.checked_load(jobs, path, optimizer, into=self.model_id, tenant_id=tenant)
         return await self._submit(
-            OpKind.LOAD_STATE, {"path": path, "optimizer": False}, decoder(LoadWeightsResponse)
+            OpKind.LOAD_STATE, load.model_dump(), decoder(LoadWeightsResponse)
         )
 
     def load_state(
@@ -302,10 +308,7 @@ class TrainingClient:
     ) -> APIFuture[LoadWeightsResponse]:
         """Weights and optimizer state, to continue exactly where the checkpoint left off."""
         no_weights_token(weights_access_token)
-        CheckpointPath.parse(path)
-        return await self._submit(
-            OpKind.LOAD_STATE, {"path": path, "optimizer": True}, decoder(LoadWeightsResponse)
-        )
+        return await self._load(path, optimizer=True)
 
     def load_state_with_optimizer(
         self, path: str, weights_access_token: str | None = None

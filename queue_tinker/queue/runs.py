@@ -16,6 +16,7 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
+from queue_tinker.types.enums import CheckpointKind
 from queue_tinker.types.sampling import CreateSamplingSessionInput
 from queue_tinker.types.training import (
     CreateModelInput,
@@ -71,6 +72,24 @@ async def checkpoint_run(
     if info is None:
         raise UserInputError(f"{field}: no checkpoint {path} (unknown run {path.run_id!r})")
     return info
+
+
+async def checked_load(
+    jobs: JobQueue, path: str, optimizer: bool, *, into: str, tenant_id: str
+) -> LoadInput:
+    """A load_state op's body into the run `into`, checked at the door as a new run from the
+    checkpoint is: a loadable path of a run the tenant may read (its own, or a published
+    checkpoint's), and a state checkpoint when the optimizer comes with it. A path of `into`
+    itself is left to the worker: a save queued before this load may not have run yet."""
+    parsed = loadable(CheckpointPath.parse(path))
+    if optimizer and parsed.kind is not CheckpointKind.STATE:
+        raise UserInputError(
+            f"path: {path} holds weights only (sampler weights); optimizer state comes from a "
+            "tinker://<run>/weights/<name> checkpoint"
+        )
+    if parsed.run_id != into:
+        await checkpoint_run(jobs, parsed, tenant_id, "path")
+    return LoadInput(path=path, optimizer=optimizer)
 
 
 async def open_training_run_from_state(

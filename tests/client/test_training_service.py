@@ -137,7 +137,7 @@ def test_another_tenants_checkpoint_cannot_be_loaded(
     service: tinker.ServiceClient, deployment: Settings
 ) -> None:
     """Neither load_state nor create-from-state reads another tenant's checkpoint; both report
-    it like a missing one."""
+    it like a missing one, at the call (before anything is queued)."""
     owner = service.create_lora_training_client(TINY, rank=RANK, seed=SEED)
     path = owner.save_state("private").result(timeout=60).path
     with tinker.ServiceClient(deployment) as other:
@@ -145,8 +145,13 @@ def test_another_tenants_checkpoint_cannot_be_loaded(
         with pytest.raises(UserInputError, match="path: no checkpoint"):
             other.create_training_client_from_state(path)
         theirs = other.create_lora_training_client(TINY, rank=RANK, seed=SEED)
-        with pytest.raises(RequestFailedError, match="path: no checkpoint"):
-            theirs.load_state(path).result(timeout=60)
+        with pytest.raises(UserInputError, match="path: no checkpoint"):
+            theirs.load_state(path)
+        with pytest.raises(UserInputError, match=r"path: no checkpoint .*unknown run"):
+            theirs.load_state("tinker://never-a-run/weights/x")
+        with pytest.raises(UserInputError, match=r"path: .* holds weights only"):
+            theirs.load_state_with_optimizer(f"tinker://{theirs.model_id}/sampler_weights/x")
+        assert theirs.forward(BATCHES[0], "cross_entropy").result(timeout=60).loss > 0
 
 
 def test_custom_loss_trains_like_the_builtin_loss(service: tinker.ServiceClient) -> None:

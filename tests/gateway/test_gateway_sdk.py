@@ -957,6 +957,32 @@ def test_tenants_never_reach_each_others_runs(
         intruder.http.close()
 
 
+# The SDK deprecates loading into an existing client; it still sends load_weights with model_id.
+@pytest.mark.filterwarnings("ignore:DEPRECATED.*load_state:FutureWarning")
+def test_load_state_into_a_run_refuses_a_missing_checkpoint_at_once(
+    sdk_service: tinker.ServiceClient,
+) -> None:
+    """load_state into an existing run answers 400 for a checkpoint that does not exist (an
+    unknown run, or a name its run never saved), as create-from-path does
+    (test_tenants_never_reach_each_others_runs), and the run's next calls go on (the refused
+    call used its seq_id); a checkpoint saved a moment ago loads."""
+    source = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=1).result()
+    saved = source.save_state("kept").result(timeout=120).path
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=2).result()
+    missing = saved.replace("/weights/kept", "/weights/never-saved")
+    for path in (missing, "tinker://no-such-run:train:0/weights/x"):
+        began = time.monotonic()
+        with pytest.raises(tinker.BadRequestError, match="path: no checkpoint"):
+            trainer.load_state(path).result(timeout=60)
+        assert time.monotonic() - began < 30  # the answer to the call, not a worker's
+    assert trainer.load_state(saved).result(timeout=120).path == saved
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([3, 4, 5]),
+        loss_fn_inputs={"target_tokens": np.array([4, 5, 6])},
+    )
+    assert trainer.forward([datum], "cross_entropy").result(timeout=120).metrics
+
+
 def test_the_sdk_gets_401_without_a_valid_key(gateway: str) -> None:
     for path in (
         "/api/v1/create_model",

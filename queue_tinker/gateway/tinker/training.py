@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -30,8 +30,11 @@ from queue_tinker.gateway.tinker.bodies import (
 )
 from queue_tinker.gateway.tinker.custom_loss import custom_loss_for
 from queue_tinker.queue import runs
+from queue_tinker.queue.records import RecordLog
+from queue_tinker.services.recorder import catch_up
+from queue_tinker.store import queries
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.checkpoints import CheckpointPath, check_name
+from queue_tinker.types.checkpoints import CheckpointPath, check_name, loadable
 from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.loss_inputs import check_batch, check_batch_size
 from queue_tinker.types.request_limits import RequestLimits, encode_request
@@ -70,13 +73,17 @@ async def ordered(
     seq_id: int,
     kind: OpKind,
     payload: Callable[[], bytes],
+    check: Callable[[], Awaitable[object]] | None = None,
 ) -> dict[str, Any]:
-    """Enqueue a training call in seq_id order. A body refused here (400) still uses its
-    seq_id, or every later call of the model would wait for it."""
+    """Enqueue a training call in seq_id order, after `check` (what the body needs looked up).
+    A body refused here (400) still uses its seq_id, or every later call of the model would
+    wait for it."""
     if seq_id > MAX_SEQ_ID:
         raise UserInputError(f"seq_id: must be at most {MAX_SEQ_ID}, got {seq_id}")
     await gq.model_of(model_id, tenant)
     try:
+        if check is not None:
+            await check()
         body = await asyncio.to_thread(payload)  # converting a big batch takes a while
     except Exception:
         # Any refusal, a bug's included: the model's later calls must not wait for this one.
@@ -303,17 +310,36 @@ async def save_weights_external(
     )
 
 
+async def check_checkpoint(request: Request, gq: GatewayQueue, tenant: str, path: str) -> None:
+    """A checkpoint to load must exist (and be the tenant's, or published): refused now (400),
+    not in the op's future. Its record may still be on its way to Postgres: caught up first."""
+    sessions = request.app.state.sessions
+    await catch_up(RecordLog(gq.redis, gq.keys), sessions)  # a checkpoint saved just now
+    parsed = loadable(CheckpointPath.parse(path))
+    if await queries.get_readable_checkpoint(sessions, tenant, str(parsed)) is None:
+        raise UserInputError(f"path: no checkpoint {path} (unknown, expired or deleted)")
+
+
 @router.post("/load_weights")
-async def load_weights(body: LoadWeightsRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+async def load_weights(
+    body: LoadWeightsRequest, request: Request, gq: Queue, tenant: Tenant
+) -> dict[str, Any]:
     if body.model_id is not None:
         if body.seq_id is None:
             raise UserInputError("seq_id: required with model_id")
+        model_id = body.model_id
+
+        async def check() -> None:  # the path, as create-from-path checks it
+            await runs.checked_load(
+                gq.jobs, body.path, body.optimizer, into=model_id, tenant_id=tenant
+            )
+            if CheckpointPath.parse(body.path).run_id != model_id:  # else a save may be queued
+                await check_checkpoint(request, gq, tenant, body.path)
 
         def payload() -> bytes:
-            CheckpointPath.parse(body.path)
             return codec.encode(LoadInput(path=body.path, optimizer=body.optimizer).model_dump())
 
-        return await ordered(gq, tenant, body.model_id, body.seq_id, OpKind.LOAD_STATE, payload)
+        return await ordered(gq, tenant, model_id, body.seq_id, OpKind.LOAD_STATE, payload, check)
     if body.session_id is None or body.model_seq_id is None:
         raise UserInputError(
             "model_id, session_id: send model_id + seq_id to load into a "
@@ -321,6 +347,7 @@ async def load_weights(body: LoadWeightsRequest, gq: Queue, tenant: Tenant) -> d
         )
     session_id = await gq.session_of(body.session_id, tenant)
     model_id = model_id_of(session_id, body.model_seq_id)
+    await check_checkpoint(request, gq, tenant, body.path)
     job_id = await runs.open_training_run_from_state(
         gq.jobs,
         gq.submit,
