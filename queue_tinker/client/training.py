@@ -243,7 +243,12 @@ class TrainingClient:
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Weights only, at tinker://<model id>/sampler_weights/<name> (PEFT format)."""
         no_checkpoint_metadata(user_metadata)
-        body = {"name": check_name(name), "ttl_seconds": _ttl(ttl_seconds)}
+        return await self._save_for_sampler(check_name(name), _ttl(ttl_seconds))
+
+    async def _save_for_sampler(
+        self, name: str, ttl_seconds: int | None, *, ephemeral: bool = False
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        body = {"name": name, "ttl_seconds": ttl_seconds, "ephemeral": ephemeral}
         return await self._submit(
             OpKind.SAVE_WEIGHTS_FOR_SAMPLER, body, decoder(SaveWeightsForSamplerResponse)
         )
@@ -339,12 +344,14 @@ class TrainingClient:
         kind: str = "snapshot",
     ) -> SamplingClient:
         """Save the weights as they are after every op sent so far, and sample from them.
-        Without a name the checkpoint is ephemeral: kept QT_EPHEMERAL_SAMPLER_TTL_S."""
+        Without a name the weights are ephemeral: kept QT_EPHEMERAL_SAMPLER_TTL_S, and not
+        listed among the run's checkpoints."""
         unused("kind", kind, "snapshot", "the sampler always samples a snapshot of the weights")
-        ttl = None if name is not None else self._settings.ephemeral_sampler_ttl_s
-        saved = await self.save_weights_for_sampler_async(
-            name if name is not None else f"ephemeral-{new_id()[:16]}", ttl
-        )
+        if name is not None:
+            saved = await self.save_weights_for_sampler_async(name)
+        else:
+            ttl = self._settings.ephemeral_sampler_ttl_s
+            saved = await self._save_for_sampler(f"ephemeral-{new_id()[:16]}", ttl, ephemeral=True)
         return await self.create_sampling_client_async((await saved).path)
 
     def save_weights_and_get_sampling_client(

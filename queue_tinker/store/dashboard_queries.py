@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import InstrumentedAttribute
 
 from queue_tinker.store.models import Checkpoint, Request, TrainingRun
-from queue_tinker.store.queries import live_checkpoint
+from queue_tinker.store.queries import listed_checkpoint
 from queue_tinker.types.enums import CheckpointKind, JobStatus, OpKind
 
 LOSS_METRIC = "loss:sum"  # what the worker's losses always report (workers/training/losses.py)
@@ -217,7 +217,7 @@ async def checkpoints(
     run_id: str | None = None,
 ) -> list[dict[str, Any]]:
     """The newest live checkpoints (of one run, if given)."""
-    query = _scoped(select(Checkpoint).where(live_checkpoint()), Checkpoint.tenant_id, tenant)
+    query = _scoped(select(Checkpoint).where(listed_checkpoint()), Checkpoint.tenant_id, tenant)
     if run_id:
         query = query.where(Checkpoint.model_id == run_id)
     query = query.order_by(Checkpoint.created_at.desc(), Checkpoint.id).limit(limit)

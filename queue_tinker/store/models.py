@@ -173,6 +173,8 @@ class Checkpoint(Base):
     deleted_at: Mapped[datetime | None] = _ts()  # files removed (TTL expiry); row kept
     # Published: readable by every tenant of the deployment (its meta file says so too).
     public: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    # Saved behind a sampling client with no name of the user's: left out of the listings.
+    ephemeral: Mapped[bool] = mapped_column(Boolean, server_default=false())
 
 
 class CustomLossGraph(Base):

@@ -62,6 +62,11 @@ def live_checkpoint() -> ColumnElement[bool]:
     )
 
 
+def listed_checkpoint() -> ColumnElement[bool]:
+    """A live checkpoint the user saved (not the unnamed weights behind a sampling client)."""
+    return and_(live_checkpoint(), Checkpoint.ephemeral.is_(False))
+
+
 async def list_training_runs(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, *, limit: int, offset: int
 ) -> tuple[list[TrainingRun], int]:
@@ -107,7 +112,7 @@ async def newest_checkpoints(
     )
     ranked = (
         select(Checkpoint.id, rank)
-        .where(Checkpoint.model_id.in_(run_ids), live_checkpoint())
+        .where(Checkpoint.model_id.in_(run_ids), listed_checkpoint())
         .subquery()
     )
     async with sessions() as session:
@@ -125,7 +130,9 @@ async def run_checkpoints(
         rows = await session.scalars(
             select(Checkpoint)
             .where(
-                Checkpoint.model_id == run_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
+                Checkpoint.model_id == run_id,
+                Checkpoint.tenant_id == tenant_id,
+                listed_checkpoint(),
             )
             .order_by(Checkpoint.created_at.desc(), Checkpoint.id)
         )
@@ -136,7 +143,7 @@ async def tenant_checkpoints(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, *, limit: int, offset: int
 ) -> tuple[list[Checkpoint], int]:
     """A page of the tenant's live checkpoints over all its runs, newest first, and the total."""
-    where = (Checkpoint.tenant_id == tenant_id, live_checkpoint())
+    where = (Checkpoint.tenant_id == tenant_id, listed_checkpoint())
     async with sessions() as session:
         total = await session.scalar(select(func.count()).select_from(Checkpoint).where(*where))
         rows = await session.scalars(

@@ -98,6 +98,7 @@ class CheckpointRecord(_Record):
     created_at: float
     expires_at: float | None = None
     deleted_at: float | None = None
+    ephemeral: bool = False  # weights behind a sampling client, not one of the user's checkpoints
 
 
 Record = Annotated[

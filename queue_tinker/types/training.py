@@ -136,6 +136,9 @@ class SaveInput(_Wire):
     name: str
     ttl_seconds: int | None = Field(None, gt=0, le=MAX_TTL_SECONDS)
     age_encryption_recipients: list[str] = Field(default_factory=list)
+    # Sampler weights saved for a sampling client without a name of the user's
+    # (save_weights_and_get_sampling_client): kept for their TTL, not listed as a checkpoint.
+    ephemeral: bool = False
 
 
 class SaveWeightsExternalResponse(_Wire):

@@ -141,6 +141,12 @@ def test_a_sampler_sees_the_weights_after_every_op_before_it(
     state = tc.save_state("state-now").result(timeout=60).path
     from_state = tc.create_sampling_client(state)
     assert completion(from_state) == completion(later)
+    # The unnamed weights behind `trained` are not one of the run's checkpoints; the named
+    # ones are (the housekeeper still expires the unnamed ones after their TTL).
+    rest = service.create_rest_client()
+    listed = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result(60).checkpoints]
+    assert later.model_path in listed and trained.model_path not in listed
+    assert completion(trained) == TEXT[13:]  # and it still samples
 
 
 def test_concurrent_samples_on_several_adapters_match_one_at_a_time(

@@ -124,6 +124,24 @@ def test_the_manual_training_loop_runs_unchanged_on_the_official_sdk(
     assert proc.stdout.rstrip().endswith("Training complete!")
 
 
+def test_unnamed_sampler_weights_are_not_listed_as_checkpoints(
+    sdk_service: tinker.ServiceClient, gateway: str, key: str
+) -> None:
+    """save_weights_and_get_sampling_client() without a name samples from weights the user
+    never named: they are not among the run's or the user's checkpoints; a named save is."""
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=2, seed=4).result()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    named = trainer.save_weights_for_sampler("named").result(timeout=120).path
+    prompt = types.ModelInput.from_ints([3, 4, 5])
+    greedy = types.SamplingParams(max_tokens=2, temperature=0.0)
+    assert len(sampler.sample(prompt, 1, greedy).result(timeout=120).sequences) == 1
+    rest = tinker.RestClient(base_url=gateway, api_key=key)
+    listed = rest.list_checkpoints(trainer.model_id).result().checkpoints
+    assert [c.tinker_path for c in listed] == [named]
+    mine = rest.list_user_checkpoints().result().checkpoints
+    assert not [c for c in mine if "ephemeral" in c.tinker_path]
+
+
 # --- an RL-style loop ----------------------------------------------------------------------
 def test_an_rl_loop_with_importance_sampling_and_a_custom_loss(
     sdk_service: tinker.ServiceClient,

@@ -175,6 +175,7 @@ class SavedState:
             size_bytes=size,
             created_at=now,
             expires_at=expires_at,
+            ephemeral=body.ephemeral,
         )
         return path, record
 

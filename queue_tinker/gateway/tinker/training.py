@@ -232,14 +232,16 @@ async def optim_step(body: OptimStepRequest, gq: Queue, tenant: Tenant) -> dict[
     return await ordered(gq, tenant, body.model_id, body.seq_id, OpKind.OPTIM_STEP, payload)
 
 
-def save_payload(body: SaveWeightsRequest, name: str, ttl: int | None) -> Callable[[], bytes]:
+def save_payload(
+    body: SaveWeightsRequest, name: str, ttl: int | None, *, ephemeral: bool = False
+) -> Callable[[], bytes]:
     def payload() -> bytes:
         if body.overwrite:
             raise UserInputError(
                 "overwrite: not supported; checkpoints are never overwritten, save under a new name"
             )
-        save = validated(SaveInput, "", {"name": check_name(name, "path"), "ttl_seconds": ttl})
-        return codec.encode(save.model_dump())
+        fields = {"name": check_name(name, "path"), "ttl_seconds": ttl, "ephemeral": ephemeral}
+        return codec.encode(validated(SaveInput, "", fields).model_dump())
 
     return payload
 
@@ -279,7 +281,7 @@ async def save_weights_for_sampler(
         body.model_id,
         body.seq_id,
         OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
-        save_payload(body, name, gq.settings.ephemeral_sampler_ttl_s),
+        save_payload(body, name, gq.settings.ephemeral_sampler_ttl_s, ephemeral=True),
     )
     sampler_id = f"{body.model_id}:sample:s{body.seq_id}"
     await gq.set_reply(submitted["request_id"], {"sampling_session_id": sampler_id})
