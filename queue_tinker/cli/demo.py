@@ -17,6 +17,7 @@ import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -28,7 +29,6 @@ from queue_tinker.local.up import child_env, start_backends, stop_children
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.models import Checkpoint, Request
-from queue_tinker.store.queries import count_requests_by_status
 
 DEMO_BASE_MODEL = demo_task.DEMO_BASE_MODEL
 REQUIRED_DROP = 0.9  # the promise: the loss falls by at least 90% within 100 steps
@@ -166,21 +166,36 @@ def _ask(service: ServiceClient, sampler_path: str) -> bool:
 
 @dataclass
 class RecordView:
-    all_by_status: dict[str, int]
+    demo_by_status: dict[str, int]  # every request the demo made (its run and its samplers)
     model_by_kind: list[tuple[str, str, int]]  # (kind, status, count)
     checkpoints: list[Checkpoint]
 
     def complete(self, expected_requests: int, expected_checkpoints: int) -> bool:
+        """The record holds every request the demo made, each finished (the demo has their
+        results: one still queued or running is only the write-behind not there yet)."""
         done = sum(n for _, status, n in self.model_by_kind if status == "done")
-        return done == expected_requests and len(self.checkpoints) == expected_checkpoints
+        unfinished = any(self.demo_by_status.get(s, 0) for s in ("queued", "running"))
+        return (
+            done == expected_requests
+            and len(self.checkpoints) == expected_checkpoints
+            and not unfinished
+        )
 
 
-async def _read_record(database_url: str, model_id: str) -> RecordView:
+async def _read_record(database_url: str, model_id: str, tenant: str, since: float) -> RecordView:
     engine = make_engine(database_url)
     try:
         sessions = session_factory(engine)
-        all_by_status = await count_requests_by_status(sessions)
         async with sessions() as session:
+            by_status = await session.execute(
+                select(Request.status, func.count())
+                .where(
+                    Request.tenant_id == tenant,
+                    Request.queued_at >= datetime.fromtimestamp(since, tz=UTC),
+                )
+                .group_by(Request.status)
+            )
+            demo_by_status = {status: n for status, n in by_status}
             by_kind = await session.execute(
                 select(Request.kind, Request.status, func.count())
                 .where(Request.model_id == model_id)
@@ -192,22 +207,26 @@ async def _read_record(database_url: str, model_id: str) -> RecordView:
                 .where(Checkpoint.model_id == model_id)
                 .order_by(Checkpoint.created_at)
             )
-            return RecordView(all_by_status, [(k, s, n) for k, s, n in by_kind], list(checkpoints))
+            return RecordView(demo_by_status, [(k, s, n) for k, s, n in by_kind], list(checkpoints))
     finally:
         await engine.dispose()
 
 
-def _show_record(database_url: str, model_id: str, requests: int, checkpoints: int) -> bool:
-    """Wait for the write-behind record to hold this run, print it; False if it never did."""
+def _show_record(
+    settings: Settings, model_id: str, since: float, requests: int, checkpoints: int
+) -> bool:
+    """Wait for the write-behind record to hold the demo's requests, each finished, print it;
+    False if it never did. `since`: when the demo started (a second of clock skew spared)."""
     deadline = time.monotonic() + RECORD_TIMEOUT_S
-    view = asyncio.run(_read_record(database_url, model_id))
+    args = (settings.database_url or "", model_id, settings.tenant, since - 1.0)
+    view = asyncio.run(_read_record(*args))
     while not view.complete(requests, checkpoints) and time.monotonic() < deadline:
         time.sleep(0.25)
-        view = asyncio.run(_read_record(database_url, model_id))
+        view = asyncio.run(_read_record(*args))
     _out("Postgres record:")
     _out(
-        "  all requests by status: "
-        + ", ".join(f"{status} {n}" for status, n in view.all_by_status.items())
+        "  the demo's requests by status: "
+        + ", ".join(f"{status} {n}" for status, n in sorted(view.demo_by_status.items()))
     )
     _out(f"  requests of {model_id}:")
     for kind, status, n in view.model_by_kind:
@@ -225,6 +244,7 @@ def _show_record(database_url: str, model_id: str, requests: int, checkpoints: i
 
 
 def _session(settings: Settings, group: ProcessGroup, log_path: Path, steps: int, seed: int) -> int:
+    began = time.time()
     with ServiceClient(settings) as service:
         _err(f"starting a LoRA worker for {DEMO_BASE_MODEL} on cpu (log: {log_path}) ...")
         if not _wait_for_worker(service, group, log_path):
@@ -244,10 +264,7 @@ def _session(settings: Settings, group: ProcessGroup, log_path: Path, steps: int
         answered = _ask(service, sampler.path)
         # create_model, a forward_backward and an optim_step per step, the two saves.
         recorded = _show_record(
-            settings.database_url or "",
-            training.model_id,
-            requests=1 + 2 * steps + 2,
-            checkpoints=2,
+            settings, training.model_id, began, requests=1 + 2 * steps + 2, checkpoints=2
         )
     learned = losses[-1] <= (1 - REQUIRED_DROP) * losses[0]
     if not learned:

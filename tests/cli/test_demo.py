@@ -154,5 +154,9 @@ def test_demo_command_trains_saves_and_shows_the_record(
     assert re.search(r"^ +state +demo-final ", out, re.M), out
     assert re.search(r"^ +sampler +demo-final ", out, re.M), out
     assert re.search(r"^answered 12 of 12 as trained$", out, re.M), out
+    # Every request the demo made has finished, and the record says so: nothing still queued
+    # or running once the write-behind has caught up.
+    statuses = re.search(r"^  the demo's requests by status: (.*)$", out, re.M)
+    assert statuses is not None and re.fullmatch(r"done \d+", statuses.group(1)), out
     assert re.search(r"^ +capital of France\? +' ?Paris' +ok ", out, re.M), out
     assert Path(settings.data_dir / "demo-worker.log").is_file()
