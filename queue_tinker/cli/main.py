@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from queue_tinker.extras import extra_for
 from queue_tinker.settings import Settings, load_settings
@@ -42,10 +45,24 @@ def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _exit_now(code: int) -> NoReturn:
+    """Leave a long-running service process without the interpreter's teardown. By the time its
+    run returns it has handed its work back, flushed its record and closed its connections:
+    nothing is owed to anyone. Tearing down torch, transformers and peft took 1.25 s of a
+    worker's 1.33 s stop on the CPU (SIGTERM to exit) and the housekeeper's imports 0.5 s, so
+    `queue-tinker up` (2 s to stop before) and a fleet's rolling restarts waited for nothing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from queue_tinker.workers.main import run_worker
 
-    return run_worker(settings, base_model=args.base_model, device=args.device, engine=args.engine)
+    _exit_now(
+        run_worker(settings, base_model=args.base_model, device=args.device, engine=args.engine)
+    )
 
 
 def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
@@ -57,7 +74,7 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_housekeeper(args: argparse.Namespace, settings: Settings) -> int:
     from queue_tinker.services.housekeeper import run_housekeeper
 
-    return run_housekeeper(settings, sweep_interval_s=args.sweep_interval)
+    _exit_now(run_housekeeper(settings, sweep_interval_s=args.sweep_interval))
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:

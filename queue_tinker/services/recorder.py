@@ -41,10 +41,16 @@ STALE_MS = 30_000  # a recorder silent this long is presumed dead; its entries a
 # A consumer silent this long with nothing pending is a recorder that is gone: forgotten.
 GONE_MS = 600_000
 FORGET_EVERY_S = 60.0
-# How often a busy recorder looks for such entries (an idle one looks after every empty read).
-# A recorder always has new events under steady load, so without this a dead one's entries
+# How often a busy recorder looks for such entries (an idle one every IDLE_TAKE_OVER_S). A
+# recorder always has new events under steady load, so without this a dead one's entries
 # would wait for the first quiet second, which a busy deployment may never have.
 TAKE_OVER_EVERY_S = 5.0
+IDLE_TAKE_OVER_S = 1.0
+# How long one read waits for new events. It is also how long a stop waits for the read in
+# progress (a process's shutdown waits for its recorder's flush): a blocking read is not
+# cancelled, since a CancelledError inside a Redis or database call can be absorbed by the
+# driver. An idle recorder reads five times a second.
+READ_BLOCK_MS = 200
 MAX_BACKOFF_S = 5.0
 SHUTDOWN_FLUSH_S = 5.0
 
@@ -109,6 +115,7 @@ class Recorder:
         self._stopping = asyncio.Event()
         # When the next take-over and forget are due, on the loop's clock (set by run()).
         self._take_over_at = 0.0
+        self._idle_take_over_at = 0.0
         self._forget_at = 0.0
 
     def stop(self) -> None:
@@ -140,9 +147,11 @@ class Recorder:
     async def _round(self, loop: asyncio.AbstractEventLoop) -> int:
         """One batch, then a dead recorder's entries when this one is idle or the take-over
         is due, and gone consumers forgotten when that is due. How many entries were written."""
-        wrote = await self.step(block_ms=1000)
-        if not wrote or loop.time() >= self._take_over_at:
-            self._take_over_at = loop.time() + TAKE_OVER_EVERY_S
+        wrote = await self.step(block_ms=READ_BLOCK_MS)
+        now = loop.time()
+        if now >= self._take_over_at or (not wrote and now >= self._idle_take_over_at):
+            self._take_over_at = now + TAKE_OVER_EVERY_S
+            self._idle_take_over_at = now + IDLE_TAKE_OVER_S
             wrote += await self._take_over_stale()
         if loop.time() >= self._forget_at:  # listing the group costs: once a minute
             self._forget_at = loop.time() + FORGET_EVERY_S

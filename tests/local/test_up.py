@@ -20,7 +20,9 @@ from queue_tinker.local.processes import ProcessGroup, pid_alive
 from queue_tinker.local.up import crashed_child
 
 HEALTHY_WITHIN_S = 90.0  # embedded Postgres initdb + migrations + gateway import, on 2 slow cores
-STOPPED_WITHIN_S = 30.0
+# SIGTERM to exit: the children hand their work back and leave (no interpreter teardown), then
+# Postgres and Redis stop. Measured 0.9 s here, 1.3 s beside a 2-thread CPU hog.
+STOPPED_WITHIN_S = 2.0
 
 
 @pytest.fixture
@@ -78,9 +80,13 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_up_serves_healthz_and_ctrl_c_stops_everything(scratch_dir: Path) -> None:
-    """With no URLs set, `up` starts embedded Redis+Postgres, gateway and a worker; SIGINT
-    exits 0 within 30 s and leaves no redis-server, postgres, gateway or worker running."""
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_up_serves_healthz_and_a_stop_signal_stops_everything(
+    scratch_dir: Path, stop: signal.Signals
+) -> None:
+    """With no URLs set, `up` starts embedded Redis+Postgres, gateway and a worker; SIGTERM
+    (or Ctrl-C's SIGINT) exits 0 within 2 s and leaves no redis-server, postgres, gateway or
+    worker running."""
     data_dir = scratch_dir / "data"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("QT_")}
@@ -95,8 +101,15 @@ def test_up_serves_healthz_and_ctrl_c_stops_everything(scratch_dir: Path) -> Non
         owned |= {postmaster, *_descendants(postmaster)}
         assert len(owned) >= 4, f"expected redis, postgres, gateway, worker; got {owned}"
 
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=STOPPED_WITHIN_S) == 0, log.read_text()
+        began = time.monotonic()
+        proc.send_signal(stop)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`up` did not stop within 30 s:\n{log.read_text()}")
+        took = time.monotonic() - began
+        assert code == 0, log.read_text()
+        assert took <= STOPPED_WITHIN_S, f"stopped in {took:.2f} s:\n{log.read_text()}"
     finally:
         if proc.poll() is None:
             proc.kill()
