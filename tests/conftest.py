@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import shutil
 import tempfile
@@ -20,7 +21,13 @@ import hypothesis
 import pytest
 import redis
 import tinker
-from procs import assert_nothing_dead_lettered, gateway_process, lora_deployment, make_key
+from procs import (
+    assert_nothing_dead_lettered,
+    close_sdk_clients,
+    gateway_process,
+    lora_deployment,
+    make_key,
+)
 from redis.asyncio import Redis as AsyncRedis
 
 from queue_tinker.client import ServiceClient
@@ -170,9 +177,31 @@ def sdk_service(gateway: str, key: str) -> Iterator[tinker.ServiceClient]:
 @pytest.fixture(scope="module")
 def gateway(deployment: Settings) -> Iterator[str]:
     """A `queue-tinker serve` process for the module's `deployment` fixture (each module that
-    drives a gateway process defines its deployment); its URL."""
+    drives a gateway process defines its deployment); its URL. The tinker SDK clients still
+    open when the module ends are closed before it stops (procs.close_sdk_clients)."""
     with gateway_process(deployment, deployment.data_dir / "gateway.log") as url:
         yield url
+        close_sdk_clients()
+
+
+@pytest.fixture(autouse=True)
+def root_logger_kept() -> Iterator[None]:
+    """Code under test may configure the root logger as a script would (the tinker-cookbook's
+    loops replace its handlers with one on the sys.stderr of the moment, pytest's capture, and
+    set it to INFO): it is put back after each test. Left as it was, later records (an SDK
+    client's background thread, pgserver's exit) went to a capture stream pytest had closed:
+    "--- Logging error ---" at the end of the run."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import shutil
 import signal
@@ -36,6 +37,16 @@ SDK_CLIENT_MARKS = [
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
     pytest.mark.usefixtures("sdk_sockets_collected"),
 ]
+
+
+def close_sdk_clients() -> None:
+    """Close every tinker SDK client still open. The tinker-cookbook's loops make their own
+    and never close them; their background threads would go on heart-beating a gateway that
+    is gone, and after two minutes warn about it into whatever stream the log points at."""
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    for holder in [o for o in gc.get_objects() if issubclass(type(o), InternalClientHolder)]:
+        holder.close()
 
 
 def child_env(settings: Settings) -> dict[str, str]:

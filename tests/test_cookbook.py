@@ -6,7 +6,9 @@ README "With the tinker-cookbook"); the module is skipped where it is not instal
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -27,6 +29,24 @@ from queue_tinker.settings import Settings  # noqa: E402
 TINY = "queue-tinker/tiny-llama"
 RENDERER = "role_colon"
 pytestmark = SDK_CLIENT_MARKS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """After the cookbook's loops, which configure logging for a script and never close their
+    SDK clients: the root logger writes to no closed stream and keeps its level
+    (conftest.root_logger_kept), and no SDK client heart-beats on (procs.close_sdk_clients, at
+    the gateway's end). Else the run ended with "--- Logging error ---"s."""
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    root = logging.getLogger()
+    level = root.level
+    yield
+    closed = [h for h in root.handlers if getattr(getattr(h, "stream", None), "closed", False)]
+    assert not closed and root.level == level, (closed, root.level, level)
+    gc.collect()
+    holders = [o for o in gc.get_objects() if issubclass(type(o), InternalClientHolder)]
+    assert all(getattr(h, "_closed", True) for h in holders), holders
 
 
 @pytest.fixture(scope="module")
