@@ -254,8 +254,10 @@ class RestClient:
         )
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._loop.run(self._engine.dispose())
+        """Close its database connections; a later call opens new ones."""
+        engine, self._engine, self._sessions = self._engine, None, None
+        if engine is not None:
+            self._loop.run(engine.dispose())
 
 
 async def server_capabilities(

@@ -51,6 +51,7 @@ class ServiceClient:
         self.settings = settings or load_settings(**overrides)
         self._loop: BackgroundLoop = background_loop()
         self._holder: ClientHolder = self._loop.run(self._open())
+        self._rest_clients: list[RestClient] = []  # their database connections close with us
 
     async def _open(self) -> ClientHolder:
         holder = ClientHolder(self.settings)
@@ -246,7 +247,9 @@ class ServiceClient:
 
     def create_rest_client(self) -> RestClient:
         """Training runs, checkpoints, sessions and samplers of this client's tenant."""
-        return RestClient(self._loop, self._holder, self.settings)
+        rest = RestClient(self._loop, self._holder, self.settings)
+        self._rest_clients.append(rest)
+        return rest
 
     # --- the service -----------------------------------------------------------------------
     async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
@@ -268,7 +271,11 @@ class ServiceClient:
         self._holder.queue_state.observers.append(observer)
 
     def close(self, status: str = "success", detail: str | None = None) -> None:
-        """End the client's session (status and detail are the SDK's; nothing reads them)."""
+        """End the client's session (status and detail are the SDK's; nothing reads them) and
+        close the database connections of the RestClients it made."""
+        for rest in self._rest_clients:
+            rest.close()
+        self._rest_clients.clear()
         self._loop.run(self._holder.close())
 
     def __enter__(self) -> ServiceClient:

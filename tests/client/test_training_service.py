@@ -6,7 +6,9 @@ One worker serves the module (loading torch costs seconds); each test uses its o
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -482,3 +484,17 @@ def test_unload_ends_the_model(service: tinker.ServiceClient) -> None:
         tc.forward(BATCHES[0], "cross_entropy").result(timeout=60)
     other = service.create_lora_training_client(TINY, rank=4)
     other.load_state(path).result(timeout=60)
+
+
+def test_closing_the_service_client_closes_its_rest_clients(deployment: Settings) -> None:
+    """A RestClient left open by the user has its Postgres connections closed with the
+    ServiceClient that made it: nothing is left for the garbage collector to warn about."""
+    service = tinker.ServiceClient(deployment)
+    rest = service.create_rest_client()
+    assert rest.list_user_checkpoints().result(timeout=30).checkpoints is not None
+    service.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del rest
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
