@@ -897,11 +897,9 @@ def bad_envelopes(draw: st.DrawFn) -> tuple[str, Any, str]:  # noqa: C901 - a ta
         )
     if kind == "load_path":
         return kind, draw(st.text(max_size=12)), "path"
-    return (
-        kind,
-        draw(st.sampled_from(["topk_sample_logprobs", "prompt_alt_tokens_k"])),
-        "topk_sample_logprobs|prompt_alt_tokens_k",
-    )
+    field = draw(st.sampled_from(["topk_sample_logprobs", "prompt_alt_tokens_k"]))
+    value = draw(st.one_of(st.integers(max_value=-1), st.integers(1025, 10**9), WORDS))
+    return kind, (field, value), "topk_sample_logprobs|prompt_alt_tokens_k"
 
 
 def _is_json(raw: bytes) -> bool:
@@ -1008,7 +1006,7 @@ def envelope_request(target: Target, kind: str, arg: Any) -> httpx.Response:  # 
             sampling_session_id=target.sampler,
             seq_id=next(wire.sample_seq),
             prompt=prompt_json([5]),
-            **{arg: 3},
+            **{arg[0]: arg[1]},
         )
     return http.post("/forward_backward", content=request.SerializeToString(), headers=PROTOBUF)
 

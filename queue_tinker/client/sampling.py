@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from queue_tinker.builtin_models import load_tokenizer
-from queue_tinker.client.compat import unused
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop
@@ -77,9 +76,9 @@ class SamplingClient:
         why it stopped; with include_prompt_logprobs, the prompt's logprobs too; with
         topk_prompt_logprobs=k, the k most likely tokens at each prompt position; with
         target_prompt_logprobs ([len(prompt) - 1][K] token ids, -1 for none), their logprobs;
-        prompt_logprobs_last_n keeps only the last N positions of both."""
-        unused("topk_sample_logprobs", topk_sample_logprobs, 0, "not computed by this service")
-        unused("prompt_alt_tokens_k", prompt_alt_tokens_k, 0, "not computed by this service")
+        prompt_logprobs_last_n keeps only the last N positions of both; with
+        topk_sample_logprobs=k, the k most likely tokens at each generated position; with
+        prompt_alt_tokens_k=k, k draws at each prompt position after the first."""
         pending = await self._submit(
             sample_input(
                 prompt,
@@ -90,6 +89,8 @@ class SamplingClient:
                 limits=self._limits,
                 topk_prompt_logprobs=topk_prompt_logprobs,
                 target_prompt_logprobs=target_prompt_logprobs,
+                topk_sample_logprobs=topk_sample_logprobs,
+                prompt_alt_tokens_k=prompt_alt_tokens_k,
             )
         )
         if prompt_logprobs_last_n is None:

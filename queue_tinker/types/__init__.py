@@ -16,6 +16,7 @@ from queue_tinker.types.records import (
     WorkerRecord,
 )
 from queue_tinker.types.sampling import (
+    PromptAltTokens,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -56,6 +57,7 @@ __all__ = [
     "ModelRecord",
     "OpKind",
     "OptimStepResponse",
+    "PromptAltTokens",
     "QueueState",
     "Record",
     "RequestRecord",

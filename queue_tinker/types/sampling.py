@@ -18,6 +18,8 @@ from queue_tinker.types.validation import validated
 
 MAX_STOP_SEQUENCES = 32
 MAX_PROMPT_TOPK = 1024  # most top-k logprobs (and target ids) per prompt position
+MAX_SAMPLE_TOPK = 1024  # most top-k logprobs per generated token
+MAX_PROMPT_ALT_TOKENS = 1024  # most alternative draws per prompt position
 NO_TARGET = -1  # a target_prompt_logprobs cell that asks for nothing
 
 StopReason = Literal["length", "stop"]
@@ -97,6 +99,11 @@ class SampleInput(_Wire):
     # Token ids to score at each prompt position after the first: [len(prompt) - 1][K],
     # NO_TARGET for a cell that asks for nothing.
     target_prompt_logprobs: list[list[int]] | None = None
+    # The k most likely tokens and their logprobs at each generated position.
+    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_SAMPLE_TOPK)
+    # k independent draws at the request's temperature from the model's distribution at each
+    # prompt position after the first (alternatives to the prompt's own tokens).
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_PROMPT_ALT_TOKENS)
     # The weights to sample from: a tinker:// checkpoint path, or None for the base model.
     # Every op carries it, so any worker can run it without the session's history.
     model_path: str | None = None
@@ -122,6 +129,18 @@ class SampledSequence(_Wire):
     stop_reason: StopReason
     tokens: list[int]
     logprobs: list[float]  # of each generated token under the model (no temperature)
+    # When asked for: at each generated position, the k most likely (token id, logprob)
+    # pairs under the model, most likely first.
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class PromptAltTokens(_Wire):
+    """prompt_alt_tokens_k draws at each prompt position after the first: row i holds k token
+    ids drawn (with replacement, at the request's temperature) from the model's distribution
+    over prompt token i + 1, and their logprobs under the model."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
 
 
 class SampleResponse(_Wire):
@@ -132,6 +151,7 @@ class SampleResponse(_Wire):
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     # The logprob of each requested target id (same layout as the request; 0.0 at NO_TARGET).
     target_prompt_logprobs: list[list[float]] | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
     type: Literal["sample"] = "sample"
 
 
@@ -180,6 +200,8 @@ def sample_input(
     limits: RequestLimits,
     topk_prompt_logprobs: object = 0,
     target_prompt_logprobs: object = None,
+    topk_sample_logprobs: object = 0,
+    prompt_alt_tokens_k: object = 0,
 ) -> SampleInput:
     """A sample op's body from what a caller sent, checked as far as the caller's side can
     (the Python client and the gateway both build it here); errors name the field."""
@@ -194,6 +216,8 @@ def sample_input(
             "prompt_logprobs": prompt_logprobs,
             "topk_prompt_logprobs": topk_prompt_logprobs,
             "target_prompt_logprobs": target_prompt_logprobs,
+            "topk_sample_logprobs": topk_sample_logprobs,
+            "prompt_alt_tokens_k": prompt_alt_tokens_k,
             "model_path": model_path,
         },
     )

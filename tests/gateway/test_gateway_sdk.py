@@ -529,6 +529,59 @@ def test_topk_and_target_prompt_logprobs_equal_a_full_logits_reference(
     ] * 3
 
 
+def test_topk_sample_logprobs_and_prompt_alternatives_equal_a_full_logits_reference(
+    sdk_service: tinker.ServiceClient,
+    deployment: Settings,
+) -> None:
+    """asample with topk_sample_logprobs and prompt_alt_tokens_k through the SDK: at each
+    generated position the k most likely tokens with their logprobs, and at each prompt
+    position after the first k drawn tokens with theirs, all equal to log_softmax of the base
+    model's own logits over prompt + tokens (1e-4); a greedy request draws the argmax."""
+    from queue_tinker.workers.model.base_model import load_base_model
+
+    prompt = list(b"Question: What is 2+2?")
+    sampler = sdk_service.create_sampling_client(base_model=TINY).result()
+    response = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        2,
+        types.SamplingParams(max_tokens=5, seed=3, temperature=1.0),
+        topk_sample_logprobs=4,
+        prompt_alt_tokens_k=3,
+    ).result(timeout=120)
+    model = load_base_model(TINY, "cpu", deployment.models_dir).eval()
+
+    def full_logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+        return torch.log_softmax(logits, dim=-1)
+
+    for sequence in response.sequences:
+        full = full_logprobs(prompt + list(sequence.tokens))[len(prompt) - 1 : -1]
+        topk = sequence.topk_logprobs
+        assert topk is not None and len(topk) == len(sequence.tokens)
+        for row, pairs in zip(full, topk, strict=True):
+            values, order = row.topk(4)
+            assert pairs is not None and [t for t, _ in pairs] == order.tolist()
+            np.testing.assert_allclose([v for _, v in pairs], values.numpy(), rtol=1e-4, atol=1e-5)
+    alt = response.prompt_alt_tokens
+    assert alt is not None
+    tokens, logprobs = alt.tokens.to_numpy(), alt.logprobs.to_numpy()
+    assert tokens.shape == logprobs.shape == (len(prompt) - 1, 3)
+    full = full_logprobs(prompt)[:-1]
+    want = full.gather(1, torch.from_numpy(tokens.astype(np.int64)))
+    np.testing.assert_allclose(logprobs, want.numpy(), rtol=1e-4, atol=1e-5)
+
+    greedy = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        1,
+        types.SamplingParams(max_tokens=1, temperature=0.0),
+        prompt_alt_tokens_k=2,
+    ).result(timeout=120)
+    assert greedy.prompt_alt_tokens is not None
+    drawn = greedy.prompt_alt_tokens.tokens.to_numpy()
+    np.testing.assert_array_equal(drawn, full.argmax(dim=-1, keepdim=True).expand(-1, 2).numpy())
+
+
 def test_a_training_client_from_a_saved_state_continues_like_the_original(
     sdk_service: tinker.ServiceClient,
 ) -> None:

@@ -698,6 +698,30 @@ def test_openai_routes_refuse_a_bad_key_and_another_tenants_checkpoint(
         )
 
 
+def served_row(area: str) -> tuple[set[str], set[str]]:
+    """The backticked names of one row of docs/tinker-http-protocol.md section 12.5's table:
+    (served, refused)."""
+    text = (REPO / "docs" / "tinker-http-protocol.md").read_text()
+    section = text.split("### 12.5 ", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith(f"| {area} "))
+    _, served, refused = (cell.strip() for cell in row.strip("|").split("|"))
+    return set(re.findall(r"`([^`]+)`", served)), set(re.findall(r"`([^`]+)`", refused))
+
+
+def test_the_protocol_doc_s_served_table_is_what_the_gateway_serves() -> None:
+    """Section 12.5 says which loss functions and sample options are served: exactly the
+    losses the worker runs and the options the gateway's asample takes (none refused)."""
+    from queue_tinker.gateway.tinker.bodies import SampleRequest
+    from queue_tinker.types.enums import LossFn
+
+    losses, _ = served_row("Loss functions (`loss_fn`)")
+    assert losses == {loss.value for loss in LossFn}
+    options, refused = served_row("Sample options")
+    core = {"sampling_session_id", "seq_id", "num_samples", "prompt", "sampling_params", "type"}
+    assert options == set(SampleRequest.model_fields) - core
+    assert not refused
+
+
 def test_openai_routes_take_the_key_as_a_bearer_token_or_as_x_api_key(
     gateway: str, key: str
 ) -> None:

@@ -87,6 +87,8 @@ class GenerationRequest:
     adapter: str | None  # the PEFT adapter name to sample with; None: the base model
     prompt_topk: int = 0  # prompt_scores.py: top-k logprobs at each prompt position
     prompt_targets: list[list[int]] | None = None  # ids to score at each prompt position
+    prompt_alt_k: int = 0  # prompt_scores.py: draws at each prompt position
+    sample_topk: int = 0  # top-k logprobs at each generated position
 
 
 def generate(
@@ -392,6 +394,7 @@ class DecodeLoop:
         """Choose every row's next token, record it, and end the rows it ends (a request ends
         with its last row); the rows that go on."""
         tokens, logprobs = self._choose(rows, logits)
+        topk = _topk_logprobs(rows, logits)
         rows.tokens = tokens
         stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
         token_list, stop_list = torch.stack([tokens, stop.long()]).tolist()
@@ -401,6 +404,8 @@ class DecodeLoop:
             sequence = request.tokens[sample]
             sequence.append(token_list[i])
             request.logprobs[sample].append(logprob_list[i])
+            if (best := topk[i]) is not None:
+                request.topk[sample].append(best)
             # Decode even a row at its length: "stop" wins when both end it on one token.
             stopped = bool(stop_list[i]) or self._hits_stop_string(request, sequence)
             if stopped or len(sequence) >= request.spec.max_tokens:
@@ -503,6 +508,26 @@ def _record_prompt_scores(
     for (request, _), row, want in zip(taken, source, wanted, strict=True):
         if want:
             request.prompt_scores = prompt_scores(logits[row], request.spec)
+
+
+def _topk_logprobs(rows: Rows, logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
+    """Each row's top_k_sample_logprobs: the k most likely (token, logprob) pairs of this step
+    under the model, for the rows whose request asked (None for the others)."""
+    wanted = [r.spec.sample_topk for r in rows.requests]
+    found: list[list[tuple[int, float]] | None] = [None] * rows.size
+    if not any(wanted):
+        return found
+    vocab = logits.shape[-1]
+    for part in _chunks(rows.size, vocab):
+        k = min(max(wanted[part]), vocab)
+        if not k:
+            continue
+        values, ids = torch.log_softmax(logits[part].float(), dim=-1).topk(k, dim=-1)
+        for row, (i, v) in enumerate(zip(ids.tolist(), values.tolist(), strict=True)):
+            want = wanted[part.start + row]
+            if want:
+                found[part.start + row] = list(zip(i[:want], v[:want], strict=True))
+    return found
 
 
 def _chunks(rows: int, vocab: int) -> list[slice]:

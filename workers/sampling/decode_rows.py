@@ -43,6 +43,7 @@ class LiveRequest:
     generators: list[torch.Generator]  # one per sample (none for a greedy request)
     tokens: list[list[int]]
     logprobs: list[list[float]]
+    topk: list[list[list[tuple[int, float]]]]  # per sample, per token (when asked for)
     reasons: list[StopReason]
     live: int  # samples still generating
     admitted: int = 0  # samples that joined the loop so far (rows beyond max_rows wait)
@@ -72,6 +73,7 @@ class LiveRequest:
             generators=generators,
             tokens=[[] for _ in range(n)],
             logprobs=[[] for _ in range(n)],
+            topk=[[] for _ in range(n)],
             reasons=["length"] * n,
             live=n,
         )
@@ -81,11 +83,17 @@ class LiveRequest:
         return self.spec.adapter or BASE_ADAPTER
 
     def response(self) -> SampleResponse:
+        asked = self.spec.sample_topk > 0
         return SampleResponse(
             sequences=[
-                SampledSequence(stop_reason=reason, tokens=tokens, logprobs=logprobs)
-                for tokens, logprobs, reason in zip(
-                    self.tokens, self.logprobs, self.reasons, strict=True
+                SampledSequence(
+                    stop_reason=reason,
+                    tokens=tokens,
+                    logprobs=logprobs,
+                    topk_logprobs=topk if asked else None,
+                )
+                for tokens, logprobs, topk, reason in zip(
+                    self.tokens, self.logprobs, self.topk, self.reasons, strict=True
                 )
             ],
             **self.prompt_scores,

@@ -1,5 +1,6 @@
 """What a sample response says about its prompt, from the prompt's logits: the logprob of each
-prompt token, the top-k tokens at each position, and the logprobs of requested target ids.
+prompt token, the top-k tokens at each position, the logprobs of requested target ids, and
+alternative tokens drawn at each position.
 
 The sampling loop (sampler.py) runs each prompt once and hands this module one request's row
 of logits; everything here is a function of that row and the request, so it can be checked
@@ -15,9 +16,13 @@ from typing import Any, Protocol
 
 import torch
 
-from queue_tinker.types.sampling import NO_TARGET
+from queue_tinker.types.sampling import NO_TARGET, SamplingParams
+from queue_tinker.workers.sampling.token_choice import request_seed
 
 CHUNK_ELEMENTS = 1 << 25  # fp32 log-softmax values per chunk (128 MiB)
+# The alternatives draw from a stream of their own, seeded from the request's seed and this,
+# so asking for them changes none of the request's samples.
+PROMPT_ALT_SALT = 0x5EED_A17E
 
 
 class PromptRequest(Protocol):
@@ -30,12 +35,19 @@ class PromptRequest(Protocol):
     def prompt_topk(self) -> int: ...
     @property
     def prompt_targets(self) -> list[list[int]] | None: ...
+    @property
+    def prompt_alt_k(self) -> int: ...
+    @property
+    def params(self) -> SamplingParams: ...
 
 
 def wants_prompt_scores(request: PromptRequest) -> bool:
     """Whether the request needs logits at every prompt position (not only the last)."""
     return bool(
-        request.prompt_logprobs or request.prompt_topk or request.prompt_targets is not None
+        request.prompt_logprobs
+        or request.prompt_topk
+        or request.prompt_targets is not None
+        or request.prompt_alt_k
     )
 
 
@@ -65,8 +77,11 @@ def prompt_scores(logits: torch.Tensor, request: PromptRequest) -> dict[str, Any
     logprobs: list[float | None] = [None]
     topk: list[list[tuple[int, float]] | None] = [None]
     target_lps: list[list[float]] = []
+    alternatives = _Alternatives(request) if request.prompt_alt_k else None
     k = min(request.prompt_topk, logits.shape[-1])
     for part, rows in _log_softmax_chunks(scored):
+        if alternatives is not None:
+            alternatives.draw(scored[part], rows)
         if request.prompt_logprobs:
             logprobs.extend(rows.gather(1, targets[part, None]).squeeze(1).tolist())
         if k:
@@ -88,4 +103,36 @@ def prompt_scores(logits: torch.Tensor, request: PromptRequest) -> dict[str, Any
         fields["topk_prompt_logprobs"] = topk
     if wanted is not None:
         fields["target_prompt_logprobs"] = target_lps
+    if alternatives is not None:
+        fields["prompt_alt_tokens"] = {
+            "tokens": alternatives.tokens,
+            "logprobs": alternatives.logprobs,
+        }
     return fields
+
+
+class _Alternatives:
+    """prompt_alt_tokens_k draws at each prompt position after the first: k token ids drawn
+    with replacement from softmax(logits / temperature) (the most likely one k times for a
+    greedy request), by inverse CDF on uniforms from the request's own stream, and their
+    logprobs under the model (no temperature, as every logprob a response carries)."""
+
+    def __init__(self, request: PromptRequest) -> None:
+        self.k = request.prompt_alt_k
+        self.temperature = request.params.temperature
+        seed = (request_seed(request.params) ^ PROMPT_ALT_SALT) & 0xFFFF_FFFF_FFFF_FFFF
+        self.generator = torch.Generator().manual_seed(seed)
+        self.tokens: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+
+    def draw(self, logits: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Draws for a chunk of positions: their logits and their fp32 log-softmax."""
+        uniforms = torch.rand((logits.shape[0], self.k), generator=self.generator)
+        if self.temperature <= 0:
+            ids = logprobs.argmax(dim=-1, keepdim=True).expand(-1, self.k)
+        else:
+            cdf = torch.softmax(logits.float() / self.temperature, dim=-1).cumsum(dim=-1)
+            scaled = uniforms.to(cdf.device) * cdf[:, -1:]
+            ids = torch.searchsorted(cdf, scaled, right=True).clamp(max=cdf.shape[-1] - 1)
+        self.tokens.extend(ids.tolist())
+        self.logprobs.extend(logprobs.gather(1, ids).tolist())

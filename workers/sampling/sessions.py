@@ -261,6 +261,8 @@ class SamplingSessions:
             adapter=None,
             prompt_topk=body.topk_prompt_logprobs,
             prompt_targets=body.target_prompt_logprobs,
+            prompt_alt_k=body.prompt_alt_tokens_k,
+            sample_topk=body.topk_sample_logprobs,
         )
         return request, directory
 

@@ -285,11 +285,14 @@ def encode_sample_response(
     (the SDK raises if any of those is a number)."""
     msg = pb.SampleResponse()
     for seq in response.sequences:
-        msg.sequences.add(
+        sequence = msg.sequences.add(
             stop_reason=_STOP_REASONS[seq.stop_reason],
             tokens=np.asarray(seq.tokens, dtype="<i4").tobytes(),
             logprobs=np.asarray(seq.logprobs, dtype="<f4").tobytes(),
         )
+        if seq.topk_logprobs is not None:
+            per_token: list[list[tuple[int, float]] | None] = list(seq.topk_logprobs)
+            sequence.topk_sampled_logprobs.CopyFrom(_topk_message(per_token, None))
     if response.prompt_logprobs is not None:
         values = np.array(
             [math.nan if v is None else v for v in response.prompt_logprobs], dtype="<f4"
@@ -307,6 +310,19 @@ def encode_sample_response(
         targets = targets.reshape(rows, targets.size // rows if rows else 0)
         msg.target_prompt_logprobs.CopyFrom(
             pb.Tensor(dense=targets.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=list(targets.shape))
+        )
+    if response.prompt_alt_tokens is not None:
+        alt = response.prompt_alt_tokens
+        tokens = np.asarray(alt.tokens, dtype="<i8")
+        tokens = tokens.reshape(
+            len(alt.tokens), tokens.size // len(alt.tokens) if alt.tokens else 0
+        )
+        logprobs = np.asarray(alt.logprobs, dtype="<f4").reshape(tokens.shape)
+        msg.prompt_alt_tokens.tokens.CopyFrom(
+            pb.Tensor(dense=tokens.tobytes(), dtype=pb.DTYPE_INT64, shape=list(tokens.shape))
+        )
+        msg.prompt_alt_tokens.logprobs.CopyFrom(
+            pb.Tensor(dense=logprobs.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=list(tokens.shape))
         )
     return msg.SerializeToString()
 

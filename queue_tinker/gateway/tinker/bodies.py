@@ -98,7 +98,6 @@ class SampleRequest(_Request):
     prompt_logprobs_last_n: int | None = Field(None, ge=1)
     topk_prompt_logprobs: int = 0
     target_prompt_logprobs: dict[str, Any] | None = None  # TensorData JSON: tinker/sampling.py
-    # Outputs this service does not compute; a request for them is refused.
     topk_sample_logprobs: int = 0
     prompt_alt_tokens_k: int = 0
 

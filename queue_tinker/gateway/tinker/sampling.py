@@ -25,8 +25,6 @@ from queue_tinker.types.sampling import MAX_PROMPT_TOPK, NO_TARGET, sample_input
 # weights, so a bad path fails here. With no worker up it answers anyway, and the samples wait.
 CREATE_CHECK_S = 20.0
 
-UNSUPPORTED = ("topk_sample_logprobs", "prompt_alt_tokens_k")
-
 
 router = APIRouter(prefix="/api/v1", route_class=OffLoopRoute)
 Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
@@ -97,9 +95,6 @@ async def asample(
     wakeups: Annotated[Wakeups, Depends(sample_wakeups)],
 ) -> dict[str, Any]:
     info = await gq.model_of(body.sampling_session_id, tenant, kind="sampling")
-    for field in UNSUPPORTED:
-        if getattr(body, field):
-            raise UserInputError(f"{field}: not supported by this service (send 0 / none)")
     limits = gq.limits
 
     def payload() -> bytes:
@@ -117,6 +112,8 @@ async def asample(
             limits=limits,
             topk_prompt_logprobs=body.topk_prompt_logprobs,
             target_prompt_logprobs=targets,
+            topk_sample_logprobs=body.topk_sample_logprobs,
+            prompt_alt_tokens_k=body.prompt_alt_tokens_k,
         )
         return encode_request(sample.model_dump(), limits)
 

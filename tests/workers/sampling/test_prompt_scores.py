@@ -25,6 +25,7 @@ from queue_tinker.workers.sampling.prompt_scores import prompt_scores
 
 BASE = "queue-tinker/tiny-llama"
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+SEEDED = SamplingParams(seed=0)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Ask:
     prompt_logprobs: bool = False
     prompt_topk: int = 0
     prompt_targets: list[list[int]] | None = None
+    prompt_alt_k: int = 0
+    params: SamplingParams = SEEDED
 
 
 def reference(
@@ -98,6 +101,42 @@ def test_one_padded_row_equals_the_full_logits_reference(pad: int) -> None:
     assert set(prompt_scores(padded, Ask(prompt, prompt_topk=2))) == {"topk_prompt_logprobs"}
 
 
+def test_prompt_alternatives_are_draws_at_the_temperature_with_the_model_s_logprobs() -> None:
+    """prompt_alt_tokens_k: k draws per position after the first; their logprobs are the full
+    log-softmax's (rtol 1e-5, whatever the temperature); the same seed draws the same tokens;
+    greedy draws the most likely token k times; at temperature 1 the draws' frequencies follow
+    the model's probabilities, and at temperature 0.25 they crowd onto the likely tokens."""
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, 8, (6,), generator=gen).tolist()
+    logits = torch.randn(len(prompt), 8, generator=gen) * 2
+    padded = torch.cat([torch.randn(3, 8, generator=gen), logits])
+    full = torch.log_softmax(logits[:-1], dim=-1)
+
+    def alternatives(k: int, params: SamplingParams) -> dict[str, list[list[float]]]:
+        scores = prompt_scores(padded, Ask(prompt, prompt_alt_k=k, params=params))
+        assert set(scores) == {"prompt_alt_tokens"}
+        alt: dict[str, list[list[float]]] = scores["prompt_alt_tokens"]
+        assert len(alt["tokens"]) == len(prompt) - 1
+        assert all(len(row) == k for row in alt["tokens"])
+        want = full.gather(1, torch.tensor(alt["tokens"]))
+        torch.testing.assert_close(torch.tensor(alt["logprobs"]), want, **TOL)
+        return alt
+
+    greedy = alternatives(3, SamplingParams(temperature=0.0))
+    assert greedy["tokens"] == full.argmax(dim=-1, keepdim=True).expand(-1, 3).tolist()
+    warm = SamplingParams(temperature=1.0, seed=5)
+    many = alternatives(4096, warm)
+    assert many == alternatives(4096, warm)  # seeded
+    assert many != alternatives(4096, SamplingParams(temperature=1.0, seed=6))
+    counts = torch.stack([torch.bincount(torch.tensor(r), minlength=8) for r in many["tokens"]])
+    torch.testing.assert_close(counts / 4096, full.exp(), rtol=0, atol=0.03)
+    cold = alternatives(4096, SamplingParams(temperature=0.25, seed=5))
+    likely = full.argmax(dim=-1)
+    share = [sum(t == int(likely[i]) for t in row) / 4096 for i, row in enumerate(cold["tokens"])]
+    tempered = torch.softmax(logits[:-1] / 0.25, dim=-1).gather(1, likely[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(share), tempered, rtol=0, atol=0.03)
+
+
 @pytest.fixture(scope="module")
 def tiny() -> Iterator[tuple[torch.nn.Module, object]]:
     path = Path(tempfile.mkdtemp(prefix="qt-prompt-scores-"))
@@ -153,6 +192,50 @@ def test_the_sampling_loop_returns_them_in_a_mixed_batch(tiny: tuple) -> None:
                 **TOL,
             )
         assert response.prompt_logprobs is None
+
+
+def test_sampled_top_k_logprobs_equal_the_full_logits_of_the_sequence(tiny: tuple) -> None:
+    """topk_sample_logprobs=k: at every generated position, the k most likely tokens and
+    their logprobs under the model equal the full log-softmax of a plain forward over prompt +
+    tokens so far (rtol 1e-5), in a batch with a request that asks for none; asking changes no
+    token the request samples."""
+    model, decode = tiny
+
+    def request(prompt: bytes, k: int) -> GenerationRequest:
+        return GenerationRequest(
+            prompt=list(prompt),
+            num_samples=2,
+            params=SamplingParams(seed=4, temperature=1.0),
+            max_tokens=6,
+            prompt_logprobs=False,
+            adapter=None,
+            sample_topk=k,
+        )
+
+    asked, plain = request(b"the quick brown", 5), request(b"hi", 0)
+    got, other = generate(
+        model, [asked, plain], device=torch.device("cpu"), eos_token_ids=[257], decode=decode
+    )
+    (alone,) = generate(
+        model,
+        [request(b"the quick brown", 0)],
+        device=torch.device("cpu"),
+        eos_token_ids=[257],
+        decode=decode,
+    )
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
+    assert all(s.topk_logprobs is None for s in other.sequences)
+    for sequence in got.sequences:
+        assert sequence.topk_logprobs is not None
+        assert len(sequence.topk_logprobs) == len(sequence.tokens)
+        ids = asked.prompt + sequence.tokens
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        full = torch.log_softmax(logits[len(asked.prompt) - 1 : -1].double(), dim=-1)
+        for position, pairs in enumerate(sequence.topk_logprobs):
+            values, order = full[position].topk(5)
+            assert [i for i, _ in pairs] == order.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in pairs]), values.float(), **TOL)
 
 
 @pytest.mark.parametrize(
