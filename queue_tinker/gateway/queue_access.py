@@ -101,10 +101,7 @@ class GatewayQueue:
         return info
 
 
-def gateway_queue(request: Request) -> GatewayQueue:
-    """FastAPI dependency: the app's GatewayQueue."""
+async def gateway_queue(request: Request) -> GatewayQueue:
+    """FastAPI dependency: the app's GatewayQueue (async: FastAPI runs a plain `def`
+    dependency in its thread pool, a thread hand-off on every request)."""
     return request.app.state.gateway_queue
-
-
-def gateway_settings(request: Request) -> Settings:
-    return request.app.state.settings

@@ -12,6 +12,7 @@ answer, and nothing reached the dead-letter stream (procs.lora_deployment checks
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -377,3 +378,24 @@ def test_after_the_attack_the_worker_and_the_other_tenant_are_untouched(
     assert victim.model.optim_step(AdamParams(learning_rate=0.05)).result(TIMEOUT_S)
     info = attacked.http.post("/api/v1/get_info", json={"model_id": attacked.model})
     assert info.status_code == 200, info.text
+
+
+def test_no_route_hands_work_to_the_thread_pool_on_every_request(deployment: Settings) -> None:
+    """FastAPI runs a plain `def` endpoint or dependency in its thread pool: a thread hand-off
+    (and a GIL round) on every request. Every route's endpoint and dependencies are async."""
+
+    def calls(dependant: Any) -> Iterator[Any]:
+        for dependency in dependant.dependencies:
+            yield dependency.call
+            yield from calls(dependency)
+
+    sync = sorted(
+        f"{route.path}: {getattr(call, '__qualname__', call)}"
+        for route in every_route(create_app(deployment).routes)
+        if hasattr(route, "dependant")
+        for call in [route.endpoint, *calls(route.dependant)]
+        if call is not None
+        and not inspect.iscoroutinefunction(call)
+        and not inspect.iscoroutinefunction(getattr(call, "__call__", None))
+    )
+    assert sync == []

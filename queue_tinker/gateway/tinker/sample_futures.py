@@ -90,7 +90,7 @@ def sample_futures(gq: GatewayQueue) -> SampleFutures:
     return SampleFutures(gq.redis, gq.keys, ttl_s=gq.settings.result_ttl_s)
 
 
-def sample_wakeups(request: Request) -> Wakeups:
+async def sample_wakeups(request: Request) -> Wakeups:
     """FastAPI dependency: the app's Wakeups (made on first use)."""
     state = request.app.state
     if not hasattr(state, "sample_wakeups"):
