@@ -1,14 +1,16 @@
 """The fit planner (workers/model/fit.py): each part's bytes against a hand count on a tiny
-config, experts counted whole, tensor-parallel shares, the advice it gives, and the
-refusal."""
+config, experts counted whole, tensor-parallel shares, the advice it gives, the refusal, and
+every row of docs/operations.md's table against a fresh plan."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
+from procs import REPO
 from transformers import LlamaConfig, Qwen3MoeConfig
 
+from bench import fit_table
 from queue_tinker.errors import ErrorCategory, WorkerFitError
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model.fit import (
@@ -162,6 +164,20 @@ def test_mixture_of_experts_counts_every_expert_and_adapts_only_linear_layers() 
     assert plan.adapter_each == 20 * lora
 
 
+@pytest.mark.parametrize(
+    ("model", "parameters"),
+    [
+        ("Llama-3.1-8B", 8_030_261_248),
+        ("Qwen2.5-32B", 32_763_876_352),
+        ("Llama-3.1-70B", 70_553_706_496),
+        ("Qwen3-30B-A3B", 30_532_122_624),  # every expert: 3.3B are active a token
+    ],
+)
+def test_the_docs_configs_have_their_published_sizes(model: str, parameters: int) -> None:
+    plan = fit_table.plan_for(model, 1)
+    assert plan.weights == 2 * parameters
+
+
 def test_a_plan_that_does_not_fit_says_by_how_much_and_what_would() -> None:
     """Each change it advises fits, alone: the most resident adapters that fit (one more does
     not), a shorter pass, a smaller cache, more GPUs."""
@@ -205,3 +221,58 @@ def test_require_fit_refuses_naming_the_numbers() -> None:
         assert part in message
     assert "QT_MAX_RESIDENT_ADAPTERS=" in message
     assert require_fit(TINY, 2, 8 * MIB, TINY_SETTINGS, "tiny").fits
+
+
+# --- docs/operations.md's table ----------------------------------------------------------------
+DOCS_FITS = {
+    ("Llama-3.1-8B", 1): False,
+    ("Llama-3.1-8B", 2): False,
+    ("Llama-3.1-8B", 4): False,
+    ("Llama-3.1-8B", 8): True,
+    ("Qwen2.5-32B", 1): False,
+    ("Qwen2.5-32B", 2): False,
+    ("Qwen2.5-32B", 4): False,
+    ("Qwen2.5-32B", 8): False,
+    ("Llama-3.1-70B", 1): False,
+    ("Llama-3.1-70B", 2): False,
+    ("Llama-3.1-70B", 4): False,
+    ("Llama-3.1-70B", 8): False,
+    ("Qwen3-30B-A3B", 1): False,
+    ("Qwen3-30B-A3B", 2): True,
+    ("Qwen3-30B-A3B", 4): True,
+    ("Qwen3-30B-A3B", 8): True,
+}
+
+
+def docs_rows() -> list[str]:
+    text = (REPO / "docs" / "operations.md").read_text()
+    table = text.split(fit_table.BEGIN, 1)[1].split(fit_table.END, 1)[0]
+    return [line for line in table.strip().splitlines()[2:]]
+
+
+@pytest.mark.parametrize(("model", "gpus"), list(DOCS_FITS), ids=lambda v: str(v))
+def test_docs_row_is_the_plan(model: str, gpus: int) -> None:
+    """The row in the docs is what the planner says now, and it fits (or not) as pinned."""
+    assert fit_table.row(model, gpus) in docs_rows()
+    assert fit_table.plan_for(model, gpus).fits is DOCS_FITS[(model, gpus)]
+
+
+def test_docs_table_has_exactly_these_rows() -> None:
+    assert len(docs_rows()) == len(DOCS_FITS) == len(fit_table.MODELS) * len(fit_table.GPU_COUNTS)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "resident", "datum", "needed_gib"),
+    [(8, 4, 16_384, "69.79"), (4, 4, 8_192, "79.39")],
+)
+def test_the_70b_fits_with_the_changes_the_docs_name(
+    gpus: int, resident: int, datum: int, needed_gib: str
+) -> None:
+    settings = replace(
+        fit_table.default_settings(), max_resident_adapters=resident, max_tokens_per_datum=datum
+    )
+    model = "Llama-3.1-70B"
+    plan = plan_fit(
+        fit_table.MODELS[model](), 2, gpus, fit_table.GPU_BYTES, settings, fit_table.shape_of(model)
+    )
+    assert plan.fits and f"{plan.needed / GIB:.2f}" == needed_gib
