@@ -51,6 +51,12 @@ class DeviceMemoryError(UserInputError):
     way: split it."""
 
 
+class WorkerFitError(QueueTinkerError):
+    """A worker's base model, resident adapters and budgets do not fit its device memory, so it
+    refuses to start (workers/model/fit.py); the message names each part's GiB and the changes
+    that would fit. The deployment's to fix, not a request's: a server error."""
+
+
 class NotFoundError(UserInputError):
     """A training run, checkpoint, session or sampler the tenant does not have (missing and
     another tenant's read the same)."""

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from queue_tinker.errors import RedisUnavailableError
+from queue_tinker.errors import RedisUnavailableError, WorkerFitError
 from queue_tinker.queue.connection import Reconnector, connect
 from queue_tinker.queue.dispatch import Dispatcher
 from queue_tinker.queue.keys import Keys
@@ -107,7 +107,12 @@ async def serve_worker(settings: Settings, base_model: str, device: str, engine:
         result_ttl_s=settings.result_ttl_s,
     )
     log.info("loading %s on %s (%s engine)", base_model, config.device, engine)
-    built = await asyncio.to_thread(build_engine, settings, engine, base_model, config.device)
+    try:
+        built = await asyncio.to_thread(build_engine, settings, engine, base_model, config.device)
+    except WorkerFitError as error:
+        # Nothing is loaded yet: the worker refuses to start, saying what to change.
+        await redis.aclose()
+        raise SystemExit(f"worker refuses to start: {error.message}") from None
     # Redis away (a restart, or not up yet): the worker waits for it and carries on.
     reconnect = Reconnector(redis, config.worker_id)
     worker = Worker(

@@ -27,6 +27,7 @@ from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.interface import Engine, OpResult, run_ping
 from queue_tinker.workers.model import base_model as base_models
 from queue_tinker.workers.model.adapters import AdapterPool
+from queue_tinker.workers.model.fit import FitPlan, FitSettings, require_fit
 from queue_tinker.workers.model.memory import Budgets, device_budgets, layer_bytes
 from queue_tinker.workers.sampling.sessions import SamplingSessions
 from queue_tinker.workers.training import engine as training_engine
@@ -93,6 +94,14 @@ class LoraExecutor:
         # settings' (workers/main.py); None: the settings' defaults, whatever the environment.
         self.request_limits = request_limits or RequestLimits.defaults()
         plan = plan or PassPlan()
+        fit = FitSettings(
+            max_resident_adapters=max_resident,
+            train_batch_tokens=train_batch_tokens,
+            sample_cache_tokens=sample_cache_tokens,
+            max_tokens_per_datum=self.request_limits.tokens_per_datum,
+            activation_checkpointing=plan.activation_checkpointing,
+        )
+        check_fit(base_model, self.device, models_dir, dtype, fit)
         base = base_models.load_frozen_base(base_model, device, models_dir, dtype)
         self.limits = limits = ModelLimits(
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
@@ -167,6 +176,23 @@ class LoraExecutor:
         if self.device.type != "cuda":
             return 0
         return int(torch.cuda.memory_allocated(self.device))
+
+
+def check_fit(
+    base_model: str, device: torch.device, models_dir: Path, dtype: str, settings: FitSettings
+) -> FitPlan | None:
+    """Before any weight is loaded: the fit plan for the CUDA device's total memory, or
+    WorkerFitError naming its numbers when the base model, the resident adapters and the
+    budgets do not fit it. None on the CPU, where no check is made: there is no device memory
+    to plan, and the budgets there are the settings' defaults."""
+    if device.type != "cuda":
+        return None
+    config = base_models.load_config(base_models.resolve_model_path(base_model, models_dir))
+    _free, total = torch.cuda.mem_get_info(device)
+    dtype_bytes = base_models.resolve_dtype(dtype, device.type).itemsize
+    plan = require_fit(config, dtype_bytes, total, settings, f"{base_model} on {device}")
+    log.info("%s on %s: %s", base_model, device, plan.explanation())
+    return plan
 
 
 def _train_tokens(budgets: Budgets | None) -> int:

@@ -101,8 +101,7 @@ def load_base_model(
     so it stays off in either mode.
     """
     path = resolve_model_path(base_model, models_dir)
-    config = AutoConfig.from_pretrained(path)
-    _zero_dropout(config)
+    config = load_config(path)
     # Typed as a plain Module: transformers' wrapped `.to` confuses type checkers.
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=resolve_dtype(dtype, device)
@@ -110,6 +109,14 @@ def load_base_model(
     model.to(device)
     model.requires_grad_(False)
     return model
+
+
+def load_config(path: str) -> PretrainedConfig:
+    """The config of the model at `path` (from resolve_model_path), dropout off: what the fit
+    planner reads before any weight is loaded."""
+    config = AutoConfig.from_pretrained(path)
+    _zero_dropout(config)
+    return config
 
 
 def _zero_dropout(config: PretrainedConfig) -> None:

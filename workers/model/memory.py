@@ -10,6 +10,7 @@ deliberately rough: a pass that does not fit anyway is split and retried
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import PretrainedConfig
@@ -25,6 +26,10 @@ SAMPLE_SHARE = 0.3
 # are held to the cache budget by admission (cache_budget.py), so fewer of them run at once.
 SAMPLE_CONTEXT = 4_096
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+
+# QT_ACTIVATION_CHECKPOINTING: how a backward pass keeps its decoder layers' activations.
+Checkpointing = Literal["auto", "on", "off"]
+CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("auto", "on", "off")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +33,10 @@ from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from queue_tinker.workers.model.memory import LayerBytes, layers_to_checkpoint
+from queue_tinker.workers.model.memory import Checkpointing, LayerBytes, layers_to_checkpoint
 from queue_tinker.workers.training.packing import RowBatch, padding_fraction
 
 T = TypeVar("T")
-
-Checkpointing = Literal["auto", "on", "off"]
-CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """A pass that runs out of memory is split and retried, never fatal to the worker; an op that
 does not fit alone fails with a message naming its tokens and what fits; unset budgets come
-from free device memory."""
+from free device memory; a worker whose model, adapters and budgets cannot fit its device
+refuses to start."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from engine_driver import BASE
 from procs import REPO
 from transformers import LlamaConfig
 
+from queue_tinker.errors import WorkerFitError
+from queue_tinker.workers.executor import lora
+from queue_tinker.workers.executor.lora import LoraExecutor, check_fit
+from queue_tinker.workers.model.fit import FitSettings
 from queue_tinker.workers.model.memory import budgets_for
+
+GIB = 1 << 30
 
 
 def test_out_of_memory_splits_the_pass_and_names_what_fits(tmp_path: Path) -> None:
@@ -65,3 +74,54 @@ def test_budgets_scale_with_free_memory(checkpointing: bool) -> None:
     plain = budgets_for(config, 20 * gib, 2, checkpointing=False)
     assert small.train_batch_tokens >= plain.train_batch_tokens
     assert budgets_for(config, 0, 2, checkpointing=checkpointing).train_batch_tokens == 1
+
+
+def pretend_cuda_memory(monkeypatch: pytest.MonkeyPatch, total: int) -> None:
+    """What torch.cuda.mem_get_info answers on a device of `total` bytes (no GPU here); and
+    loading the base fails the test: the check comes first."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total, total))
+
+    def no_loading(*args: object) -> None:
+        raise AssertionError("the base model was loaded before the fit check")
+
+    monkeypatch.setattr(lora.base_models, "load_frozen_base", no_loading)
+
+
+def test_a_worker_that_cannot_fit_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a (pretend) CUDA device of 1 GiB, 10,000 resident adapters of the tiny model do not
+    fit: the executor refuses before loading any weight, naming the model, the device, each
+    part in GiB and the most adapters that fit."""
+    pretend_cuda_memory(monkeypatch, GIB)
+    with pytest.raises(WorkerFitError) as raised:
+        LoraExecutor(BASE, "cuda", tmp_path / "storage", tmp_path / "models", max_resident=10_000)
+    message = raised.value.message
+    assert message.startswith(f"{BASE} on cuda does not fit: A GPU of 1.00 GiB needs ")
+    assert "adapters " in message and "10000 resident of rank 32" in message
+    assert "It does not fit: " in message and "QT_MAX_RESIDENT_ADAPTERS=" in message
+
+
+def test_the_fit_check_passes_a_worker_that_fits_and_skips_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same tiny model at the default settings fits a (pretend) 80 GiB device; on the CPU
+    no check is made at all, not even a look at device memory."""
+    settings = FitSettings(
+        max_resident_adapters=32,
+        train_batch_tokens=None,
+        sample_cache_tokens=None,
+        max_tokens_per_datum=32_768,
+        activation_checkpointing="auto",
+    )
+    pretend_cuda_memory(monkeypatch, 80 * GIB)
+    plan = check_fit(BASE, torch.device("cuda"), tmp_path / "models", "auto", settings)
+    assert plan is not None and plan.fits and plan.ranks == 1
+    fp32 = check_fit(BASE, torch.device("cuda"), tmp_path / "models", "fp32", settings)
+    assert fp32 is not None and fp32.weights == 2 * plan.weights  # auto is bf16 on CUDA
+
+    def no_memory_query(device: object = None) -> tuple[int, int]:
+        raise AssertionError("the CPU has no device memory to ask about")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_memory_query)
+    assert check_fit(BASE, torch.device("cpu"), tmp_path / "models", "auto", settings) is None

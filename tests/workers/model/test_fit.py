@@ -1,0 +1,278 @@
+"""The fit planner (workers/model/fit.py): each part's bytes against a hand count on a tiny
+config, experts counted whole, tensor-parallel shares, the advice it gives, the refusal, and
+every row of docs/operations.md's table against a fresh plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from procs import REPO
+from transformers import LlamaConfig, Qwen3MoeConfig
+
+from bench import fit_table
+from queue_tinker.errors import ErrorCategory, WorkerFitError
+from queue_tinker.types.training import LoraConfig
+from queue_tinker.workers.model.fit import (
+    FitSettings,
+    model_shape,
+    plan_fit,
+    require_fit,
+)
+
+GIB = 1 << 30
+MIB = 1 << 20
+TINY = LlamaConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # head_dim 16
+    vocab_size=100,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+TINY_SETTINGS = FitSettings(
+    max_resident_adapters=3,
+    train_batch_tokens=100,
+    sample_cache_tokens=None,
+    max_tokens_per_datum=64,
+    activation_checkpointing="on",
+    lora=LoraConfig(rank=8),
+)
+# Per layer: q 64x64, k and v 32x64, o 64x64, gate/up/down 128x64, two norms of 64.
+TINY_LAYER = 4096 + 2 * 2048 + 4096 + 3 * 8192 + 2 * 64
+TINY_PARAMS = 100 * 64 + 100 * 64 + 2 * TINY_LAYER + 64  # embedding, lm_head, layers, norm
+
+
+def test_each_part_of_a_tiny_plan_is_its_hand_count() -> None:
+    """bf16 weights, adapters at 20 bytes a LoRA parameter, a checkpointed pass of the set 100
+    tokens, the KV cache of one sample (64 + 64 tokens), 20% of what the weights leave."""
+    plan = plan_fit(TINY, 2, 1, 8 * MIB, TINY_SETTINGS)
+    assert TINY_PARAMS == 86_848
+    assert plan.weights == 2 * TINY_PARAMS
+    # Rank 8: q 8x(64+64), k and v 8x(64+32), o 8x(64+64), gate/up/down 8x(64+128) a layer;
+    # lm_head 8x(64+100). fp32 weight, gradient, two moments (16) and a sampler copy (4).
+    lora = 2 * (1024 + 2 * 768 + 1024 + 3 * 1536) + 8 * (64 + 100)
+    assert lora == 17_696
+    assert plan.adapter_each == 20 * lora
+    assert plan.adapters == 3 * 20 * lora
+    assert plan.targets == (
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "lm_head",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    )
+    # A layer's intermediates: (10 x 64 + 4 x 128) x 2 bytes + (6 x 64 + 128) x 4 fp32 bytes;
+    # checkpointed, its 64-wide input. Both layers checkpointed: both inputs plus one layer
+    # recomputed in backward.
+    kept, checkpointed = (10 * 64 + 4 * 128) * 2 + (6 * 64 + 128) * 4, 64 * 2
+    assert (kept, checkpointed) == (4352, 128)
+    assert (plan.checkpointed_layers, plan.layers) == (2, 2)
+    assert plan.activations == 100 * (kept + 2 * checkpointed)
+    # Keys and values: 2 x 2 layers x 2 KV heads x 16 x 2 bytes a token.
+    assert plan.demand.kv_tokens == 128
+    assert plan.kv_cache == 128 * (2 * 2 * 2 * 16 * 2)
+    assert plan.headroom == int((8 * MIB - plan.weights) * 0.2)
+    needed = plan.weights + plan.adapters + plan.activations + plan.kv_cache + plan.headroom
+    assert plan.needed == needed and plan.fits
+
+
+def test_checkpointing_off_keeps_every_layer_and_auto_only_what_the_budget_needs() -> None:
+    per_token_off = 2 * ((10 * 64 + 4 * 128) * 2 + (6 * 64 + 128) * 4)
+    off = plan_fit(TINY, 2, 1, 8 * MIB, replace(TINY_SETTINGS, activation_checkpointing="off"))
+    assert (off.checkpointed_layers, off.activations) == (0, 100 * per_token_off)
+    auto = plan_fit(TINY, 2, 1, 8 * MIB, replace(TINY_SETTINGS, activation_checkpointing="auto"))
+    assert auto.checkpointed_layers == 0  # 100 tokens fit the budget whole
+    # On 1.25 MiB the budget is 48% of what the weights leave, 545,771 bytes: one layer
+    # checkpointed keeps its input and the larger of the other's and a recomputed layer's
+    # intermediates, 4,352 + 128 bytes a token.
+    tight = replace(TINY_SETTINGS, activation_checkpointing="auto")
+    plan = plan_fit(TINY, 2, 1, 5 * MIB // 4, tight)
+    assert int((5 * MIB // 4 - plan.weights) * 0.8 * 0.6) == 545_771
+    assert (plan.checkpointed_layers, plan.activations) == (1, 100 * (4352 + 128))
+
+
+def test_budgets_below_one_datum_or_sample_are_planned_at_it() -> None:
+    """A pass never splits below one datum, nor the sampler's cache below one sample: a budget
+    set lower is planned at that floor, one set higher as set."""
+    low = replace(TINY_SETTINGS, train_batch_tokens=10, sample_cache_tokens=10)
+    plan = plan_fit(TINY, 2, 1, 8 * MIB, low)
+    assert (plan.demand.pass_tokens, plan.demand.kv_tokens) == (64, 128)
+    assert (plan.demand.pass_source, plan.demand.kv_source) == (
+        "one datum at QT_MAX_TOKENS_PER_DATUM",
+        "one sample: a prompt and a completion at QT_MAX_TOKENS_PER_DATUM each",
+    )
+    high = replace(TINY_SETTINGS, train_batch_tokens=1000, sample_cache_tokens=1000)
+    plan = plan_fit(TINY, 2, 1, 8 * MIB, high)
+    assert (plan.demand.pass_tokens, plan.demand.kv_tokens) == (1000, 1000)
+    long = replace(TINY_SETTINGS, train_batch_tokens=None, max_tokens_per_datum=4096)
+    plan = plan_fit(TINY, 2, 1, 8 * MIB, long)  # both within the model's 256 positions
+    assert (plan.demand.pass_tokens, plan.demand.kv_tokens) == (256, 256)
+
+
+def test_ranks_split_matrices_keep_vectors_and_copy_kv_heads_below_one_a_rank() -> None:
+    two = plan_fit(TINY, 2, 2, 8 * MIB, TINY_SETTINGS)
+    # Halves of every matrix (k and v: one of the two KV heads each), norms whole.
+    layer = (2048 + 1024 + 1024 + 2048 + 3 * 4096) + 2 * 64
+    assert two.weights == 2 * (2 * 3200 + 2 * layer + 64)
+    # LoRA: q, k, v, gate, up (and lm_head) keep A whole and halve B; o and down halve A.
+    lora = 2 * ((512 + 256) + 2 * (512 + 128) + (256 + 512) + 2 * (512 + 512) + (512 + 512))
+    assert two.adapter_each == 20 * (lora + 512 + 8 * 50)
+    four = plan_fit(TINY, 2, 4, 8 * MIB, TINY_SETTINGS)
+    # Two KV heads on four ranks: each holds one, a copy, in its weights and in its cache.
+    layer = (1024 + 1024 + 1024 + 1024 + 3 * 2048) + 2 * 64
+    assert four.weights == 2 * (2 * 1600 + 2 * layer + 64)
+    assert four.kv_cache == two.kv_cache == 128 * (2 * 2 * 1 * 16 * 2)
+
+
+def test_mixture_of_experts_counts_every_expert_and_adapts_only_linear_layers() -> None:
+    """Qwen3-MoE: each sparse layer's experts are 3-D tensors (all of them count, not the
+    active two), the router a matrix; a dense layer (mlp_only_layers) has a plain MLP. LoRA
+    adapts linear layers only, so the experts get none."""
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # head_dim 16
+        vocab_size=100,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    # q, k, v, o; q and k norms of 16; the layer's two norms.
+    attention = 4096 + 2 * 2048 + 4096 + 2 * 16 + 2 * 64
+    # 4 experts x (gate and up: 2 x 32 x 64, down: 64 x 32), router 4 x 64.
+    experts = 4 * (2 * 32 * 64 + 64 * 32) + 4 * 64
+    dense = 3 * 96 * 64
+    params = 2 * 100 * 64 + 2 * attention + experts + dense + 64
+    plan = plan_fit(config, 2, 1, 8 * MIB, replace(TINY_SETTINGS, lora=LoraConfig(rank=1)))
+    assert plan.weights == 2 * params
+    linears = {name for name, _, _ in model_shape(config).linears}
+    assert "model.layers.1.mlp.gate_proj" in linears
+    assert not any("layers.0.mlp" in name for name in linears)
+    # Rank 1 over both layers' attention, layer 1's MLP and lm_head: (in + out) each.
+    lora = 2 * (128 + 96 + 96 + 128) + 2 * (64 + 96) + (96 + 64) + (64 + 100)
+    assert plan.adapter_each == 20 * lora
+
+
+@pytest.mark.parametrize(
+    ("model", "parameters"),
+    [
+        ("Llama-3.1-8B", 8_030_261_248),
+        ("Qwen2.5-32B", 32_763_876_352),
+        ("Llama-3.1-70B", 70_553_706_496),
+        ("Qwen3-30B-A3B", 30_532_122_624),  # every expert: 3.3B are active a token
+    ],
+)
+def test_the_docs_configs_have_their_published_sizes(model: str, parameters: int) -> None:
+    plan = fit_table.plan_for(model, 1)
+    assert plan.weights == 2 * parameters
+
+
+def test_a_plan_that_does_not_fit_says_by_how_much_and_what_would() -> None:
+    """Each change it advises fits, alone: the most resident adapters that fit (one more does
+    not), a shorter pass, a smaller cache, more GPUs."""
+    crowded = replace(TINY_SETTINGS, max_resident_adapters=24)
+    plan = plan_fit(TINY, 2, 1, 8 * MIB, crowded)
+    assert not plan.fits
+    most = int(next(r for r in plan.remedies if r.startswith("QT_MAX_RESIDENT_ADAPTERS="))[25:])
+    assert plan_fit(TINY, 2, 1, 8 * MIB, replace(crowded, max_resident_adapters=most)).fits
+    assert not plan_fit(TINY, 2, 1, 8 * MIB, replace(crowded, max_resident_adapters=most + 1)).fits
+    assert "2 GPUs of this size as one tensor-parallel group" in plan.remedies
+    assert plan_fit(TINY, 2, 2, 8 * MIB, crowded).fits
+    text = plan.explanation()
+    assert f"needs {plan.needed / GIB:.2f} GiB" in text
+    assert f"{(plan.needed - plan.rank_bytes) / GIB:.2f} GiB over" in text
+    assert "Any one of these fits: " in text and "QT_MAX_RESIDENT_ADAPTERS=" in text
+
+
+def test_passes_and_cache_advised_to_shrink_fit() -> None:
+    """The most tokens a pass, and the most KV-cache tokens, that fit with the rest as set:
+    one more does not."""
+    busy = replace(
+        TINY_SETTINGS, max_resident_adapters=1, train_batch_tokens=1000, sample_cache_tokens=10_000
+    )
+    plan = plan_fit(TINY, 2, 1, 8 * MIB, busy)
+    assert plan.remedies[1:] == ("QT_TRAIN_BATCH_TOKENS=793", "QT_SAMPLE_CACHE_TOKENS=6289")
+    for tokens, fits in ((793, True), (794, False)):
+        assert plan_fit(TINY, 2, 1, 8 * MIB, replace(busy, train_batch_tokens=tokens)).fits is fits
+    for tokens, fits in ((6289, True), (6290, False)):
+        assert plan_fit(TINY, 2, 1, 8 * MIB, replace(busy, sample_cache_tokens=tokens)).fits is fits
+
+
+def test_require_fit_refuses_naming_the_numbers() -> None:
+    """The check a worker makes at start-up, here with a pretend device of 4 MiB: a server
+    error (the deployment's to fix) naming the model, each part and what to change."""
+    with pytest.raises(WorkerFitError) as raised:
+        require_fit(TINY, 2, 4 * MIB, replace(TINY_SETTINGS, max_resident_adapters=64), "tiny")
+    message = raised.value.message
+    assert raised.value.category is ErrorCategory.SERVER
+    assert message.startswith("tiny does not fit: A GPU of 0.00 GiB needs")
+    for part in ("weights", "adapters", "activations", "KV cache", "headroom"):
+        assert part in message
+    assert "QT_MAX_RESIDENT_ADAPTERS=" in message
+    assert require_fit(TINY, 2, 8 * MIB, TINY_SETTINGS, "tiny").fits
+
+
+# --- docs/operations.md's table ----------------------------------------------------------------
+DOCS_FITS = {
+    ("Llama-3.1-8B", 1): False,
+    ("Llama-3.1-8B", 2): False,
+    ("Llama-3.1-8B", 4): False,
+    ("Llama-3.1-8B", 8): True,
+    ("Qwen2.5-32B", 1): False,
+    ("Qwen2.5-32B", 2): False,
+    ("Qwen2.5-32B", 4): False,
+    ("Qwen2.5-32B", 8): False,
+    ("Llama-3.1-70B", 1): False,
+    ("Llama-3.1-70B", 2): False,
+    ("Llama-3.1-70B", 4): False,
+    ("Llama-3.1-70B", 8): False,
+    ("Qwen3-30B-A3B", 1): False,
+    ("Qwen3-30B-A3B", 2): True,
+    ("Qwen3-30B-A3B", 4): True,
+    ("Qwen3-30B-A3B", 8): True,
+}
+
+
+def docs_rows() -> list[str]:
+    text = (REPO / "docs" / "operations.md").read_text()
+    table = text.split(fit_table.BEGIN, 1)[1].split(fit_table.END, 1)[0]
+    return [line for line in table.strip().splitlines()[2:]]
+
+
+@pytest.mark.parametrize(("model", "gpus"), list(DOCS_FITS), ids=lambda v: str(v))
+def test_docs_row_is_the_plan(model: str, gpus: int) -> None:
+    """The row in the docs is what the planner says now, and it fits (or not) as pinned."""
+    assert fit_table.row(model, gpus) in docs_rows()
+    assert fit_table.plan_for(model, gpus).fits is DOCS_FITS[(model, gpus)]
+
+
+def test_docs_table_has_exactly_these_rows() -> None:
+    assert len(docs_rows()) == len(DOCS_FITS) == len(fit_table.MODELS) * len(fit_table.GPU_COUNTS)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "resident", "datum", "needed_gib"),
+    [(8, 4, 16_384, "69.79"), (4, 4, 8_192, "79.39")],
+)
+def test_the_70b_fits_with_the_changes_the_docs_name(
+    gpus: int, resident: int, datum: int, needed_gib: str
+) -> None:
+    settings = replace(
+        fit_table.default_settings(), max_resident_adapters=resident, max_tokens_per_datum=datum
+    )
+    model = "Llama-3.1-70B"
+    plan = plan_fit(
+        fit_table.MODELS[model](), 2, gpus, fit_table.GPU_BYTES, settings, fit_table.shape_of(model)
+    )
+    assert plan.fits and f"{plan.needed / GIB:.2f}" == needed_gib

@@ -1,0 +1,411 @@
+"""The fit planner: before a worker loads its base model, does everything it may hold fit?
+
+Per rank, from the model's config: the base weights; the resident adapters (each trained one's
+fp32 weights, gradients and AdamW moments, plus a frozen copy for sampling, since the sampler
+cache holds as many checkpoints as there are resident adapters); the activations of one
+training pass at the configured tokens under the checkpointing plan the worker would make
+(memory.py's, within the activation budget it derives from what the weights leave); the
+sampler's KV cache; and the headroom the worker keeps (memory.HEADROOM of what the weights
+leave). The estimates are memory.py's; this module only adds them up, per rank.
+
+The model is built on the meta device (no memory, no weights), so its parameters, experts
+included, and the linear layers LoRA adapts (adapters.target_modules, as the worker picks
+them) are the library's own, not a second description of each architecture.
+
+Unset budgets are planned at their floor: a pass is split down to one op, never below, so it
+must hold one datum of QT_MAX_TOKENS_PER_DATUM tokens; the sampler runs a sample that alone
+exceeds its cache budget anyway, so the cache must hold one sample of a prompt and a completion
+that long (both within the model's context). A budget set higher is planned as set.
+
+Ranks are the GPUs a sharded group would use, split as tensor parallelism splits a model:
+every weight matrix evenly (attention by heads, MLPs and experts along their width, embedding
+and unembedding along the vocabulary), norms and biases whole on every rank, and key/value heads
+never below one a rank (fewer KV heads than ranks are copied). Every rank sees every token of a
+pass, so hidden-wide activations stay whole while MLP-wide ones split. A LoRA pair follows its
+layer: a column-parallel layer (q, k, v, gate, up, unembedding) splits B and keeps A whole, a
+row-parallel one (o, down) splits A and keeps B whole. A worker today runs on one rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from queue_tinker.errors import WorkerFitError
+from queue_tinker.types.training import LoraConfig
+from queue_tinker.workers.model.adapters import target_modules
+from queue_tinker.workers.model.memory import (
+    HEADROOM,
+    Checkpointing,
+    budgets_for,
+    kv_bytes_per_token,
+    layer_bytes,
+    layers_to_checkpoint,
+    pass_bytes_per_token,
+)
+
+GIB = 1 << 30
+# A trained adapter's parameter: its fp32 weight, its gradient and AdamW's two moments.
+TRAINED_LORA_BYTES = 16
+# A checkpoint loaded frozen for sampling (AdapterPool.sampler): its fp32 weights.
+SAMPLER_LORA_BYTES = 4
+# Layers whose input, not output, tensor parallelism splits; every other linear layer is split
+# along its output.
+ROW_PARALLEL = frozenset({"o_proj", "down_proj", "dense", "dense_4h_to_h", "c_proj", "fc2"})
+KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
+# The sharded groups one node offers, tried in this order when a plan does not fit.
+RANK_CHOICES = (1, 2, 4, 8)
+# FitSettings fields and their new values: a change the advice proposes (named QT_<FIELD>).
+Changes = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """The worker's settings that decide its memory (the QT_* settings of the same names)."""
+
+    max_resident_adapters: int
+    train_batch_tokens: int | None
+    sample_cache_tokens: int | None
+    max_tokens_per_datum: int
+    activation_checkpointing: Checkpointing
+    # The adapters planned for: a client may ask for another rank or fewer targets, but the
+    # default LoRA config is what a create_model without them makes.
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass(frozen=True)
+class Demand:
+    """FitSettings resolved for one model: the tokens a pass and the KV cache must hold, and
+    where each number comes from (the explanation names it)."""
+
+    settings: FitSettings
+    pass_tokens: int
+    pass_source: str
+    kv_tokens: int
+    kv_source: str
+
+
+# Where a demand's tokens come from when its budget is unset or below one datum or sample.
+ONE_DATUM = "one datum at QT_MAX_TOKENS_PER_DATUM"
+ONE_SAMPLE = "one sample: a prompt and a completion at QT_MAX_TOKENS_PER_DATUM each"
+
+
+def demand_of(settings: FitSettings, context_length: int) -> Demand:
+    pass_tokens, pass_source = _at_least(
+        settings.train_batch_tokens,
+        "QT_TRAIN_BATCH_TOKENS",
+        _floor(settings, 1, context_length),
+        ONE_DATUM,
+    )
+    kv_tokens, kv_source = _at_least(
+        settings.sample_cache_tokens,
+        "QT_SAMPLE_CACHE_TOKENS",
+        _floor(settings, 2, context_length),
+        ONE_SAMPLE,
+    )
+    return Demand(settings, pass_tokens, pass_source, kv_tokens, kv_source)
+
+
+def _floor(settings: FitSettings, sequences: int, context_length: int) -> int:
+    """The tokens of one datum (1) or one sample's prompt and completion (2) at most."""
+    return min(sequences * settings.max_tokens_per_datum, context_length)
+
+
+def _at_least(budget: int | None, setting: str, floor: int, floor_source: str) -> tuple[int, str]:
+    """A budget as set, or the floor one datum or sample sets (within the model's context),
+    whichever is more: neither is ever split below that."""
+    if budget is not None and budget >= floor:
+        return budget, setting
+    return floor, floor_source
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner reads off the model built on the meta device."""
+
+    parameters: tuple[tuple[str, tuple[int, ...]], ...]  # each distinct tensor (tied ones once)
+    linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of what LoRA may adapt
+    layers: int
+    kv_heads: int
+    context_length: int
+
+
+def model_shape(config: PretrainedConfig) -> ModelShape:
+    """The model's tensors and linear layers, built without memory (70B: ~0.3 s)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    heads = int(config.num_attention_heads)
+    return ModelShape(
+        parameters=tuple((name, tuple(p.shape)) for name, p in model.named_parameters()),
+        linears=tuple(
+            (name, module.in_features, module.out_features)
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+        ),
+        layers=int(config.num_hidden_layers),
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        context_length=int(config.max_position_embeddings),
+    )
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """Bytes each rank holds, part by part, and whether they fit its memory."""
+
+    ranks: int
+    rank_bytes: int
+    weights: int
+    adapters: int  # every resident adapter's trained state and sampler copy
+    adapter_each: int
+    activations: int
+    kv_cache: int
+    headroom: int
+    layers: int
+    checkpointed_layers: int
+    targets: tuple[str, ...]  # the linear layers LoRA adapts
+    demand: Demand
+    remedies: tuple[str, ...] = ()  # changes that each alone would fit; none when it fits
+
+    @property
+    def needed(self) -> int:
+        return self.weights + self.adapters + self.activations + self.kv_cache + self.headroom
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.rank_bytes
+
+    def explanation(self) -> str:
+        """One paragraph: each part in GiB, whether they fit, and what would."""
+        memory = f"{gib(self.rank_bytes)} GiB"
+        if self.ranks == 1:
+            head = f"A GPU of {memory} needs {gib(self.needed)} GiB"
+        else:
+            head = f"Each of {self.ranks} GPUs of {memory} needs {gib(self.needed)} GiB"
+        head = f"{head}: {self._parts()}."
+        if self.fits:
+            return f"{head} It fits, {gib(self.rank_bytes - self.needed)} GiB to spare."
+        over = f"{head} It does not fit: {gib(self.needed - self.rank_bytes)} GiB over."
+        if not self.remedies:
+            return (
+                f"{over} No single change tried fits (up to {RANK_CHOICES[-1]} GPUs, every "
+                f"layer checkpointed, fewer resident adapters, shorter passes, a smaller KV "
+                f"cache): combine them, or use devices with more memory."
+            )
+        return f"{over} Any one of these fits: {'; '.join(self.remedies)}."
+
+    def _parts(self) -> str:
+        d, settings = self.demand, self.demand.settings
+        targets = ", ".join(self.targets) or "no layer"
+        return (
+            f"weights {gib(self.weights)}, adapters {gib(self.adapters)} "
+            f"({settings.max_resident_adapters} resident of rank {settings.lora.rank} on "
+            f"{targets}, "
+            f"{gib(self.adapter_each)} each: fp32 weights, gradients, AdamW moments and a "
+            f"sampler copy), activations {gib(self.activations)} (a pass of {d.pass_tokens} "
+            f"tokens from {d.pass_source}, {self.checkpointed_layers} of {self.layers} layers "
+            f"checkpointed), KV cache {gib(self.kv_cache)} ({d.kv_tokens} tokens from "
+            f"{d.kv_source}), headroom {gib(self.headroom)} ({HEADROOM:.0%} of what the "
+            f"weights leave)"
+        )
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def plan_fit(
+    config: PretrainedConfig,
+    dtype_bytes: int,
+    ranks: int,
+    rank_bytes: int,
+    settings: FitSettings,
+    shape: ModelShape | None = None,
+) -> FitPlan:
+    """The plan for `ranks` GPUs of `rank_bytes` each, with what would fit if it does not."""
+    planner = _Planner(config, shape or model_shape(config), dtype_bytes, rank_bytes)
+    plan = planner.plan(ranks, demand_of(settings, planner.shape.context_length))
+    if plan.fits:
+        return plan
+    return replace(plan, remedies=planner.remedies(plan))
+
+
+def require_fit(
+    config: PretrainedConfig, dtype_bytes: int, rank_bytes: int, settings: FitSettings, what: str
+) -> FitPlan:
+    """The plan for one device of `rank_bytes`; WorkerFitError naming `what` (the model and
+    its device) and the plan's numbers if it does not fit."""
+    plan = plan_fit(config, dtype_bytes, 1, rank_bytes, settings)
+    if not plan.fits:
+        raise WorkerFitError(f"{what} does not fit: {plan.explanation()}")
+    return plan
+
+
+@dataclass(frozen=True)
+class _Planner:
+    config: PretrainedConfig
+    shape: ModelShape
+    dtype_bytes: int
+    rank_bytes: int
+
+    def plan(self, ranks: int, demand: Demand) -> FitPlan:
+        shape, dtype_bytes = self.shape, self.dtype_bytes
+        linears = {name.rsplit(".", 1)[-1] for name, _, _ in shape.linears}
+        settings = demand.settings
+        targets = tuple(target_modules(linears, settings.lora))
+        weights = _weight_elements(shape, ranks) * dtype_bytes
+        adapter_each = _lora_params(shape, set(targets), settings.lora.rank, ranks) * (
+            TRAINED_LORA_BYTES + SAMPLER_LORA_BYTES
+        )
+        rank_config = self.rank_config(ranks)
+        left = max(0, self.rank_bytes - weights)  # what the worker's budgets are sized from
+        checkpointed = self.checkpointed_layers(rank_config, left, demand)
+        return FitPlan(
+            ranks=ranks,
+            rank_bytes=self.rank_bytes,
+            weights=weights,
+            adapters=settings.max_resident_adapters * adapter_each,
+            adapter_each=adapter_each,
+            activations=demand.pass_tokens * self.pass_bytes(rank_config, checkpointed),
+            kv_cache=demand.kv_tokens * kv_bytes_per_token(rank_config, dtype_bytes),
+            headroom=int(left * HEADROOM),
+            layers=shape.layers,
+            checkpointed_layers=checkpointed,
+            targets=targets,
+            demand=demand,
+        )
+
+    def rank_config(self, ranks: int) -> PretrainedConfig:
+        """The config as one rank's share looks to memory.py's estimates: the MLP's width and
+        the KV heads split, the hidden width whole."""
+        shard = copy.copy(self.config)
+        if ranks > 1:
+            width = getattr(self.config, "intermediate_size", None)
+            if width:
+                shard.intermediate_size = math.ceil(int(width) / ranks)
+            shard.num_key_value_heads = math.ceil(self.shape.kv_heads / ranks)
+        return shard
+
+    def pass_bytes(self, rank_config: PretrainedConfig, checkpointed: int) -> int:
+        per_layer = layer_bytes(rank_config, self.dtype_bytes)
+        return pass_bytes_per_token(self.shape.layers, checkpointed, per_layer)
+
+    def checkpointed_layers(self, rank_config: PretrainedConfig, left: int, demand: Demand) -> int:
+        """The worker's plan (training/model_pass.PassPlan) for a backward pass of the
+        demand's tokens: under auto, the fewest layers within the activation budget it derives
+        from the memory the weights leave."""
+        layers = self.shape.layers
+        mode = demand.settings.activation_checkpointing
+        if mode == "off":
+            return 0
+        if mode == "on":
+            return layers
+        budget = budgets_for(
+            rank_config, left, self.dtype_bytes, checkpointing=True
+        ).train_activation_bytes
+        per_layer = layer_bytes(rank_config, self.dtype_bytes)
+        return layers_to_checkpoint(demand.pass_tokens, layers, per_layer, budget)
+
+    # --- what would fit instead -----------------------------------------------------------
+    def fits(self, ranks: int, settings: FitSettings) -> bool:
+        return self.plan(ranks, demand_of(settings, self.shape.context_length)).fits
+
+    def remedies(self, plan: FitPlan) -> tuple[str, ...]:
+        """Changes of the settings (or of the GPUs) that each alone make the plan fit."""
+        settings = plan.demand.settings
+        ranks = next((r for r in RANK_CHOICES if r > plan.ranks and self.fits(r, settings)), None)
+        found = (
+            f"{ranks} GPUs of this size as one tensor-parallel group" if ranks else None,
+            self.checked(plan, {"activation_checkpointing": "on"}),
+            self.checked(plan, _fewer_adapters(plan)),
+            self.checked(plan, self.shorter_passes(plan)),
+            self.checked(plan, self.smaller_cache(plan)),
+        )
+        return tuple(change for change in found if change)
+
+    def checked(self, plan: FitPlan, changes: Changes) -> str | None:
+        """The changes as QT_* settings if they make the plan fit, with every layer
+        checkpointed as well if they need that; else None."""
+        settings = plan.demand.settings
+        if not changes or all(getattr(settings, k) == v for k, v in changes.items()):
+            return None
+        text = " and ".join(f"QT_{k.upper()}={v}" for k, v in changes.items())
+        if self.fits(plan.ranks, replace(settings, **changes)):
+            return text
+        every_layer = {**changes, "activation_checkpointing": "on"}
+        if self.fits(plan.ranks, replace(settings, **every_layer)):
+            return f"{text} with QT_ACTIVATION_CHECKPOINTING=on"
+        return None
+
+    def shorter_passes(self, plan: FitPlan) -> Changes:
+        """The most tokens a pass may hold at the least activation memory a token (every layer
+        checkpointed, unless checkpointing is off): the budget, and the datums, cut to it."""
+        fewest = plan.layers if plan.demand.settings.activation_checkpointing != "off" else 0
+        per_token = self.pass_bytes(self.rank_config(plan.ranks), fewest)
+        most = _room(plan, plan.activations) // per_token
+        return self.cut(plan.demand.settings, "train_batch_tokens", most, 1)
+
+    def smaller_cache(self, plan: FitPlan) -> Changes:
+        per_token = plan.kv_cache // max(1, plan.demand.kv_tokens)
+        most = _room(plan, plan.kv_cache) // max(1, per_token)
+        return self.cut(plan.demand.settings, "sample_cache_tokens", most, 2)
+
+    def cut(self, settings: FitSettings, budget: str, most: int, sequences: int) -> Changes:
+        """The changes that hold a budget to `most` tokens: the budget itself where it is set
+        above, and QT_MAX_TOKENS_PER_DATUM where one datum (or a sample's `sequences`) would
+        still exceed it. None possible below one token a sequence."""
+        if most < sequences:
+            return {}
+        changes: Changes = {}
+        set_to = getattr(settings, budget)
+        if set_to is not None and set_to > most:
+            changes[budget] = most
+        if _floor(settings, sequences, self.shape.context_length) > most:
+            changes["max_tokens_per_datum"] = most // sequences
+        return changes
+
+
+def _split(layer: str, size: int, ranks: int, kv_heads: int) -> int:
+    """What one rank holds of `size` elements that a layer splits across ranks."""
+    if layer in KV_PROJECTIONS:
+        return size // kv_heads * math.ceil(kv_heads / ranks)
+    return math.ceil(size / ranks)
+
+
+def _weight_elements(shape: ModelShape, ranks: int) -> int:
+    """Every tensor's elements on one rank: matrices split, vectors (norms, biases) whole."""
+    total = 0
+    for name, dims in shape.parameters:
+        numel = math.prod(dims)
+        layer = name.rsplit(".", 2)[-2]  # model.layers.0.self_attn.k_proj.weight: k_proj
+        total += numel if len(dims) <= 1 else _split(layer, numel, ranks, shape.kv_heads)
+    return total
+
+
+def _lora_params(shape: ModelShape, targets: set[str], rank: int, ranks: int) -> int:
+    """One adapter's parameters on one rank: A (rank x in) and B (out x rank) of each target."""
+    total = 0
+    for name, in_features, out_features in shape.linears:
+        layer = name.rsplit(".", 1)[-1]
+        if layer not in targets:
+            continue
+        if layer in ROW_PARALLEL:
+            total += rank * math.ceil(in_features / ranks) + rank * out_features
+        else:
+            total += rank * in_features + rank * _split(layer, out_features, ranks, shape.kv_heads)
+    return total
+
+
+def _room(plan: FitPlan, part: int) -> int:
+    """What the rank leaves for one part once the others are in."""
+    return plan.rank_bytes - (plan.needed - part)
+
+
+def _fewer_adapters(plan: FitPlan) -> Changes:
+    """The most resident adapters the rank holds beside the other parts, if one fits."""
+    most = _room(plan, plan.adapters) // max(1, plan.adapter_each)
+    return {"max_resident_adapters": most} if most >= 1 else {}
