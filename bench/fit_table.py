@@ -19,7 +19,14 @@ from pathlib import Path
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
 
 from queue_tinker.settings import Settings
-from queue_tinker.workers.model.fit import FitPlan, FitSettings, ModelShape, gib, model_shape
+from queue_tinker.workers.model.fit import (
+    MOST_RESIDENT_ADAPTERS,
+    FitPlan,
+    FitSettings,
+    ModelShape,
+    gib,
+    model_shape,
+)
 from queue_tinker.workers.model.fit import plan_fit as plan_fit_for
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
@@ -91,7 +98,7 @@ def default_settings() -> FitSettings:
     """The settings' own defaults, whatever this process's environment says."""
     fields = Settings.model_fields
     return FitSettings(
-        max_resident_adapters=fields["max_resident_adapters"].default,
+        max_resident_adapters=MOST_RESIDENT_ADAPTERS,
         train_batch_tokens=fields["train_batch_tokens"].default,
         sample_cache_tokens=fields["sample_cache_tokens"].default,
         max_tokens_per_datum=fields["max_tokens_per_datum"].default,

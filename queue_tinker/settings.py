@@ -101,11 +101,13 @@ class Settings(BaseSettings):
         "submission (memory grows with op rate times this); Postgres keeps the request row "
         "for good.",
     )
-    max_resident_adapters: int = Field(
-        default=32,
+    max_resident_adapters: int | None = Field(
+        default=None,
         ge=1,
         description="LoRA adapters a worker keeps in memory; beyond this the least recently "
-        "used one is written to checkpoint storage and restored on its next op.",
+        "used one is written to checkpoint storage and restored on its next op. Unset: as many "
+        "as the GPU holds beside the model and its budgets (the fit planner), at most "
+        "32; 32 on the CPU. Set, a worker whose GPU cannot hold them refuses to start.",
     )
     snapshot_every_steps: int = Field(
         default=20,

@@ -27,7 +27,13 @@ from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.interface import Engine, OpResult, run_ping
 from queue_tinker.workers.model import base_model as base_models
 from queue_tinker.workers.model.adapters import AdapterPool
-from queue_tinker.workers.model.fit import FitPlan, FitSettings, require_fit
+from queue_tinker.workers.model.fit import (
+    MOST_RESIDENT_ADAPTERS,
+    FitPlan,
+    FitSettings,
+    fit_resident_adapters,
+    require_fit,
+)
 from queue_tinker.workers.model.memory import Budgets, device_budgets, layer_bytes
 from queue_tinker.workers.sampling.sessions import SamplingSessions
 from queue_tinker.workers.training import engine as training_engine
@@ -75,7 +81,7 @@ class LoraExecutor:
         storage: Path,
         models_dir: Path,
         *,
-        max_resident: int = 32,
+        max_resident: int | None = None,
         snapshot_every: int = 20,
         max_batch_sequences: int | None = None,
         sample_cache_tokens: int | None = None,
@@ -95,18 +101,21 @@ class LoraExecutor:
         self.request_limits = request_limits or RequestLimits.defaults()
         plan = plan or PassPlan()
         fit = FitSettings(
-            max_resident_adapters=max_resident,
+            max_resident_adapters=max_resident or MOST_RESIDENT_ADAPTERS,
             train_batch_tokens=train_batch_tokens,
             sample_cache_tokens=sample_cache_tokens,
             max_tokens_per_datum=self.request_limits.tokens_per_datum,
             activation_checkpointing=plan.activation_checkpointing,
         )
-        check_fit(base_model, self.device, models_dir, dtype, fit)
+        fitted = check_fit(
+            base_model, self.device, models_dir, dtype, fit, sized=max_resident is None
+        )
+        resident = (fitted.demand.settings if fitted else fit).max_resident_adapters
         base = base_models.load_frozen_base(base_model, device, models_dir, dtype)
         self.limits = limits = ModelLimits(
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
         )
-        self.pool = AdapterPool(base, base_model, max_resident)
+        self.pool = AdapterPool(base, base_model, resident)
         # Unset budgets: the CPU defaults, or what the device's free memory holds now.
         budgets = device_budgets(
             base.config,
@@ -179,19 +188,31 @@ class LoraExecutor:
 
 
 def check_fit(
-    base_model: str, device: torch.device, models_dir: Path, dtype: str, settings: FitSettings
+    base_model: str,
+    device: torch.device,
+    models_dir: Path,
+    dtype: str,
+    settings: FitSettings,
+    *,
+    sized: bool = False,
 ) -> FitPlan | None:
     """Before any weight is loaded: the fit plan for the CUDA device's total memory, or
     WorkerFitError naming its numbers when the base model, the resident adapters and the
-    budgets do not fit it. None on the CPU, where no check is made: there is no device memory
-    to plan, and the budgets there are the settings' defaults."""
+    budgets do not fit it. `sized`: the resident adapters were not set, so the plan keeps as
+    many as fit (at most settings' count) and refuses only when not even one does. None on
+    the CPU, where no check is made: there is no device memory to plan, and the budgets
+    there are the settings' defaults."""
     if device.type != "cuda":
         return None
     config = base_models.load_config(base_models.resolve_model_path(base_model, models_dir))
     _free, total = torch.cuda.mem_get_info(device)
     dtype_bytes = base_models.resolve_dtype(dtype, device.type).itemsize
-    plan = require_fit(config, dtype_bytes, total, settings, f"{base_model} on {device}")
-    log.info("%s on %s: %s", base_model, device, plan.explanation())
+    what = f"{base_model} on {device}"
+    if sized:
+        plan = fit_resident_adapters(config, dtype_bytes, total, settings, what)
+    else:
+        plan = require_fit(config, dtype_bytes, total, settings, what)
+    log.info("%s: %s", what, plan.explanation())
     return plan
 
 

@@ -62,6 +62,9 @@ KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
 RANK_CHOICES = (1, 2, 4, 8)
 # FitSettings fields and their new values: a change the advice proposes (named QT_<FIELD>).
 Changes = dict[str, Any]
+# Resident adapters a worker keeps when QT_MAX_RESIDENT_ADAPTERS is unset: as many as fit, at
+# most this many (and this many on the CPU, where there is no device memory to plan).
+MOST_RESIDENT_ADAPTERS = 32
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,25 @@ def require_fit(
     if not plan.fits:
         raise WorkerFitError(f"{what} does not fit: {plan.explanation()}")
     return plan
+
+
+def fit_resident_adapters(
+    config: PretrainedConfig, dtype_bytes: int, rank_bytes: int, settings: FitSettings, what: str
+) -> FitPlan:
+    """The plan for one device of `rank_bytes` with as many resident adapters as it holds,
+    at most settings.max_resident_adapters; WorkerFitError when not even one fits."""
+    plan = plan_fit(config, dtype_bytes, 1, rank_bytes, settings)
+    if plan.fits:
+        return plan
+    most = _fewer_adapters(plan).get("max_resident_adapters", 0)
+    if most < 1:
+        raise WorkerFitError(f"{what} does not fit: {plan.explanation()}")
+    fewer = plan_fit(
+        config, dtype_bytes, 1, rank_bytes, replace(settings, max_resident_adapters=int(most))
+    )
+    if not fewer.fits:  # the other parts do not depend on the adapters; kept as a guard
+        raise WorkerFitError(f"{what} does not fit: {fewer.explanation()}")
+    return fewer
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,24 @@ def test_the_fit_check_passes_a_worker_that_fits_and_skips_the_cpu(
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", no_memory_query)
     assert check_fit(BASE, torch.device("cpu"), tmp_path / "models", "auto", settings) is None
+
+
+def test_unset_resident_adapters_are_sized_to_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where 10,000 set adapters refuse to start, the same count as an unset cap starts with
+    as many as the (pretend) 1 GiB device holds, and plans them."""
+    settings = FitSettings(
+        max_resident_adapters=10_000,
+        train_batch_tokens=None,
+        sample_cache_tokens=None,
+        max_tokens_per_datum=32_768,
+        activation_checkpointing="auto",
+    )
+    pretend_cuda_memory(monkeypatch, GIB)
+    models = tmp_path / "models"
+    with pytest.raises(WorkerFitError):
+        check_fit(BASE, torch.device("cuda"), models, "auto", settings)
+    plan = check_fit(BASE, torch.device("cuda"), models, "auto", settings, sized=True)
+    assert plan is not None and plan.fits
+    assert 1 <= plan.demand.settings.max_resident_adapters < 10_000

@@ -15,6 +15,7 @@ from queue_tinker.errors import ErrorCategory, WorkerFitError
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model.fit import (
     FitSettings,
+    fit_resident_adapters,
     model_shape,
     plan_fit,
     require_fit,
@@ -221,6 +222,25 @@ def test_require_fit_refuses_naming_the_numbers() -> None:
         assert part in message
     assert "QT_MAX_RESIDENT_ADAPTERS=" in message
     assert require_fit(TINY, 2, 8 * MIB, TINY_SETTINGS, "tiny").fits
+
+
+def test_unset_resident_adapters_are_as_many_as_fit() -> None:
+    """QT_MAX_RESIDENT_ADAPTERS unset: the worker keeps the most adapters that fit beside the
+    rest (one more does not), at most the cap; it refuses only when not even one fits."""
+    crowded = replace(TINY_SETTINGS, max_resident_adapters=24)
+    plan = fit_resident_adapters(TINY, 2, 8 * MIB, crowded, "tiny")
+    most = plan.demand.settings.max_resident_adapters
+    assert plan.fits and 1 <= most < 24
+    assert not plan_fit(TINY, 2, 1, 8 * MIB, replace(crowded, max_resident_adapters=most + 1)).fits
+    roomy = fit_resident_adapters(TINY, 2, 80 * GIB, crowded, "tiny")
+    assert roomy.demand.settings.max_resident_adapters == 24  # the cap, not more
+    one = plan_fit(TINY, 2, 1, 8 * MIB, replace(crowded, max_resident_adapters=1))
+    with pytest.raises(WorkerFitError, match=r"^tiny does not fit: "):
+        fit_resident_adapters(TINY, 2, one.weights, crowded, "tiny")  # weights fill it
+    # Llama-3.1-8B at the defaults on one 80 GiB GPU: the docs' QT_MAX_RESIDENT_ADAPTERS=9.
+    eight_b = fit_table.MODELS["Llama-3.1-8B"]()
+    sized = fit_resident_adapters(eight_b, 2, 80 * GIB, fit_table.default_settings(), "8B")
+    assert sized.demand.settings.max_resident_adapters == 9
 
 
 # --- docs/operations.md's table ----------------------------------------------------------------
