@@ -297,7 +297,7 @@ class TrainingClient:
 
     async def _load(self, path: str, *, optimizer: bool) -> APIFuture[LoadWeightsResponse]:
         """A load_state op, its path checked before it is queued (runs.checked_load)."""
-        jobs, tenant = self._holder.jobs, self._settings.tenant
+        jobs, tenant = self._holder.jobs, self._holder.tenant_id
         load = await runs.checked_load(jobs, path, optimizer, into=self.model_id, tenant_id=tenant)
         return await self._submit(
             OpKind.LOAD_STATE, load.model_dump(), decoder(LoadWeightsResponse)
