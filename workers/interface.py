@@ -7,7 +7,7 @@ and no SQL: ops in, results out.
   models' ops between the steps. The scheduler reads them (runtime/scheduling.py).
 - `OpCompute`: running an op alone.
 - `BatchCompute`: running the batchable ops of many models in one call.
-- `SteppedCompute`: stepped ops: join, a quantum of steps, stop.
+- `SteppedCompute`: stepped ops: join, a quantum of steps, stop, follow inflight weights.
 - `Durability`: what of a model's state is safe outside the process, where a new owner starts
   from, writing it there, forgetting it.
 - `Footprint`: what the worker reports about itself.
@@ -122,6 +122,15 @@ class SteppedCompute(Protocol):
         """Stop joined ops (job id -> why) before the next step: each leaves and comes out of
         that step failed with OpCancelledError(why); the others go on as if it had never
         joined. Ids of ops not joined here (finished meanwhile) are ignored."""
+        ...
+
+    def followed(self) -> set[str]:
+        """The training runs whose inflight weights joined ops follow (queue/inflight.py)."""
+        ...
+
+    def follow(self, newest: Mapping[str, str]) -> None:
+        """The newest inflight weights of followed runs (run -> tinker path), before the next
+        step: joined ops move to them, keeping what they computed so far."""
         ...
 
 

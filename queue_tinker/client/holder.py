@@ -29,6 +29,7 @@ from queue_tinker.queue.connection import (
     connect,
     describe,
 )
+from queue_tinker.queue.inflight import InflightWeights
 from queue_tinker.queue.jobs import Enqueued, JobOutcome, JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
@@ -65,6 +66,9 @@ class ClientHolder:
             self.redis, self.keys, self.jobs, outage_limit_s=ENQUEUE_RETRY_S
         )
         self.registry = WorkerRegistry(self.redis, self.keys)
+        self.inflight = InflightWeights(
+            self.redis, self.keys, self.jobs.scripts, settings.ephemeral_sampler_ttl_s
+        )
         self.queue_state = QueueStateWatch(
             self.redis, self.keys, self.registry, settings.lease_ttl_ms * 3
         )

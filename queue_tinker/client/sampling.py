@@ -50,6 +50,7 @@ class SamplingClient:
         base_model: str,
         model_path: str | None,
         settings: Settings,
+        inflight_of: str | None = None,
     ) -> None:
         self._loop = loop
         self._holder = holder
@@ -57,6 +58,9 @@ class SamplingClient:
         self.sampler_id = sampler_id
         self.base_model = base_model
         self.model_path = model_path  # None: samples come from the base model itself
+        # The training run whose inflight weights this client follows (queue/inflight.py):
+        # model_path is then the save that made it, and samples run on the newest one.
+        self.inflight_of = inflight_of
         self._limits = RequestLimits.of(settings)
 
     # --- sampling --------------------------------------------------------------------------
@@ -85,12 +89,13 @@ class SamplingClient:
                 num_samples,
                 sampling_params,
                 include_prompt_logprobs or prompt_logprobs_last_n is not None,
-                self.model_path,
+                await self._weights(),
                 limits=self._limits,
                 topk_prompt_logprobs=topk_prompt_logprobs,
                 target_prompt_logprobs=target_prompt_logprobs,
                 topk_sample_logprobs=topk_sample_logprobs,
                 prompt_alt_tokens_k=prompt_alt_tokens_k,
+                inflight_of=self.inflight_of,
             )
         )
         if prompt_logprobs_last_n is None:
@@ -142,6 +147,14 @@ class SamplingClient:
     ) -> APIFuture[list[float | None]]:
         return self._loop.run(self.compute_logprobs_async(prompt, prompt_logprobs_last_n))
 
+    async def _weights(self) -> str | None:
+        """The weights the next sample runs on: the newest inflight save of the run this
+        client follows, else its own."""
+        if self.inflight_of is None:
+            return self.model_path
+        newest = await self._loop.call(self._holder.inflight.path(self.inflight_of))
+        return newest or self.model_path
+
     async def _submit(self, body: SampleInput) -> APIFuture[SampleResponse]:
         return await self._holder.submit_future(
             self._loop,
@@ -170,9 +183,11 @@ async def open_sampling_session(
     settings: Settings,
     model_path: str | None,
     base_model: str | None,
+    inflight_of: str | None = None,
 ) -> SamplingClient:
     """Create a sampling session and wait until a worker has checked its weights (so a bad path
-    fails here, not at the first sample)."""
+    fails here, not at the first sample). inflight_of: the run whose inflight weights it
+    follows (model_path is then its newest save)."""
     sampler_id = f"smp-{new_id()}"
 
     async def create() -> str:
@@ -185,9 +200,10 @@ async def open_sampling_session(
             tenant_id=holder.tenant_id,
             session_id=holder.session_id,
             model_path=model_path,
+            inflight_of=inflight_of,
         )
         decode_outcome(await outcome, codec.decode)
         return base
 
     base = await loop.call(create())
-    return SamplingClient(loop, holder, sampler_id, base, model_path, settings)
+    return SamplingClient(loop, holder, sampler_id, base, model_path, settings, inflight_of)

@@ -345,14 +345,30 @@ class TrainingClient:
     ) -> SamplingClient:
         """Save the weights as they are after every op sent so far, and sample from them.
         Without a name the weights are ephemeral: kept QT_EPHEMERAL_SAMPLER_TTL_S, and not
-        listed among the run's checkpoints."""
-        unused("kind", kind, "snapshot", "the sampler always samples a snapshot of the weights")
+        listed among the run's checkpoints. kind="inflight" (without a name): the run's
+        inflight weights move to this save, and every inflight client of the run samples
+        from the newest such save, samples already running included (queue/inflight.py)."""
+        if kind not in ("snapshot", "inflight"):
+            raise UserInputError(f"kind: must be 'snapshot' or 'inflight', got {kind!r}")
         if name is not None:
+            unused("kind", kind, "snapshot", "a named save is a snapshot; drop the name")
             saved = await self.save_weights_for_sampler_async(name)
-        else:
-            ttl = self._settings.ephemeral_sampler_ttl_s
-            saved = await self._save_for_sampler(f"ephemeral-{new_id()[:16]}", ttl, ephemeral=True)
-        return await self.create_sampling_client_async((await saved).path)
+            return await self.create_sampling_client_async((await saved).path)
+        ttl = self._settings.ephemeral_sampler_ttl_s
+        label = f"{kind if kind == 'inflight' else 'ephemeral'}-{new_id()[:16]}"
+        saved = await self._save_for_sampler(label, ttl, ephemeral=True)
+        path = (await saved).path
+        if kind == "snapshot":
+            return await self.create_sampling_client_async(path)
+        return await self._loop.call(self._open_inflight(saved.request_id, path))
+
+    async def _open_inflight(self, save_job: str, path: str) -> SamplingClient:
+        """Move the run's inflight weights to the save (by its seq), then open a client on it."""
+        job, _ = await self._holder.jobs.job(save_job)
+        await self._holder.inflight.publish(self.model_id, int(job["seq"]), path)
+        return await open_sampling_session(
+            self._loop, self._holder, self._settings, path, None, inflight_of=self.model_id
+        )
 
     def save_weights_and_get_sampling_client(
         self,

@@ -11,6 +11,7 @@ from fastapi import HTTPException, Request
 from redis.asyncio import Redis
 
 from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.inflight import InflightWeights
 from queue_tinker.queue.jobs import HeldLimits, JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.registry import WorkerRegistry
@@ -42,6 +43,9 @@ class GatewayQueue:
         )
         self.results = ResultListener(redis, keys, self.jobs)
         self.registry = WorkerRegistry(redis, keys)
+        self.inflight = InflightWeights(
+            redis, keys, self.jobs.scripts, settings.ephemeral_sampler_ttl_s
+        )
 
     async def close(self) -> None:
         await self.results.close()

@@ -141,10 +141,18 @@ class JobQueue:
         tenant_id: str,
         session_id: str | None,
         model_path: str | None,
+        inflight_of: str | None = None,
     ) -> bool:
-        """Create a sampling session's queue (its samples run in the order they were sent)."""
+        """Create a sampling session's queue (its samples run in the order they were sent).
+        inflight_of: the training run whose newest inflight weights it samples from."""
         return await self._register(
-            sampler_id, base_model, tenant_id, session_id, kind="sampling", model_path=model_path
+            sampler_id,
+            base_model,
+            tenant_id,
+            session_id,
+            kind="sampling",
+            model_path=model_path,
+            inflight_of=inflight_of,
         )
 
     async def _register(
@@ -158,6 +166,7 @@ class JobQueue:
         lora_config: dict[str, Any] | None = None,
         model_path: str | None = None,
         user_metadata: dict[str, str] | None = None,
+        inflight_of: str | None = None,
     ) -> bool:
         created = await self.scripts.register_model(
             keys=[self.keys.model_meta(model_id), self.keys.records(), self.keys.base_models()],
@@ -170,6 +179,7 @@ class JobQueue:
                 kind,
                 model_path or "",
                 json.dumps(user_metadata) if user_metadata else "",
+                inflight_of or "",
             ],
         )
         return bool(created)
@@ -302,9 +312,18 @@ class JobQueue:
         return raw.decode()
 
     async def model_info(self, model_id: str) -> dict[str, Any]:
-        """base_model, tenant_id, kind ('training' / 'sampling'), lora_config, model_path and
-        user_metadata (None when the run has none)."""
-        base, tenant, kind, lora_config, model_path, user_metadata = await redis_bytes.hmget(
+        """base_model, tenant_id, kind ('training' / 'sampling'), lora_config, model_path,
+        user_metadata (None when the run has none) and inflight_of (a sampling session that
+        follows a training run's inflight weights; else None)."""
+        (
+            base,
+            tenant,
+            kind,
+            lora_config,
+            model_path,
+            user_metadata,
+            inflight_of,
+        ) = await redis_bytes.hmget(
             self.redis,
             self.keys.model_meta(model_id),
             "base_model",
@@ -313,6 +332,7 @@ class JobQueue:
             "lora_config",
             "model_path",
             "user_metadata",
+            "inflight_of",
         )
         # register_model.lua sets base_model and tenant_id in one HSET: both or neither.
         if base is None or tenant is None:
@@ -324,6 +344,7 @@ class JobQueue:
             "lora_config": json.loads(lora_config or b"{}"),
             "model_path": (model_path or b"").decode() or None,
             "user_metadata": json.loads(user_metadata) if user_metadata else None,
+            "inflight_of": (inflight_of or b"").decode() or None,
         }
 
     async def tenant_model(

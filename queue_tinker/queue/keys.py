@@ -40,6 +40,11 @@ class Keys:
         """Hash: client seq_id -> op that arrived before its turn (Tinker protocol order)."""
         return f"{self.prefix}:model:{model_id}:held"
 
+    def inflight_weights(self, model_id: str) -> str:
+        """Hash: seq, path: the training run's newest inflight sampler weights (the save of
+        that seq), which every inflight sampling session of the run samples from."""
+        return f"{self.prefix}:model:{model_id}:inflight"
+
     # --- per sampling session: its clients and their batched polling (retrieve_futures) ------
     def sampler_clients(self, sampler_id: str) -> str:
         """Counter: the last client id join_sampling_session gave out (the original is 0)."""

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from queue_tinker.errors import UserInputError
+from queue_tinker.queue.inflight import InflightWeights
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
@@ -160,14 +161,18 @@ async def open_sampling_session(
     tenant_id: str,
     session_id: str | None,
     model_path: str | None,
+    inflight_of: str | None = None,
 ) -> T:
-    """A sampling session's queue, then its create op (a worker checks the weights)."""
+    """A sampling session's queue, then its create op (a worker checks the weights).
+    inflight_of: the training run whose inflight weights it follows (model_path is the save
+    that opened it)."""
     await jobs.register_sampling_session(
         sampler_id,
         base_model=base_model,
         tenant_id=tenant_id,
         session_id=session_id,
         model_path=model_path,
+        inflight_of=inflight_of,
     )
     body = CreateSamplingSessionInput(
         tenant_id=tenant_id, base_model=base_model, model_path=model_path
@@ -175,3 +180,14 @@ async def open_sampling_session(
     return await submit(
         sampler_id, OpKind.CREATE_SAMPLING_SESSION, codec.encode(body.model_dump()), CREATE_KEY
     )
+
+
+async def sample_weights(inflight: InflightWeights, info: dict[str, Any]) -> str | None:
+    """The weights a session's next sample runs on (its model_info): the newest inflight
+    weights of the run it follows, else (or once they expired) the session's own."""
+    if info.get("inflight_of"):
+        newest = await inflight.path(info["inflight_of"])
+        if newest is not None:
+            return newest
+    model_path: str | None = info["model_path"]
+    return model_path

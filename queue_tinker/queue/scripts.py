@@ -43,6 +43,7 @@ class Scripts:
     publish: AsyncScript
     cancel: AsyncScript
     stop_running: AsyncScript
+    publish_inflight: AsyncScript
 
     @classmethod
     def load(cls, redis: Redis) -> Scripts:

@@ -107,6 +107,10 @@ class SampleInput(_Wire):
     # The weights to sample from: a tinker:// checkpoint path, or None for the base model.
     # Every op carries it, so any worker can run it without the session's history.
     model_path: str | None = None
+    # The training run whose inflight weights the session follows (queue/inflight.py):
+    # model_path is their newest save when the op was sent, and the worker moves the op to
+    # any newer one while it runs. None: model_path is fixed.
+    inflight_of: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -202,6 +206,7 @@ def sample_input(
     target_prompt_logprobs: object = None,
     topk_sample_logprobs: object = 0,
     prompt_alt_tokens_k: object = 0,
+    inflight_of: str | None = None,
 ) -> SampleInput:
     """A sample op's body from what a caller sent, checked as far as the caller's side can
     (the Python client and the gateway both build it here); errors name the field."""
@@ -219,6 +224,7 @@ def sample_input(
             "topk_sample_logprobs": topk_sample_logprobs,
             "prompt_alt_tokens_k": prompt_alt_tokens_k,
             "model_path": model_path,
+            "inflight_of": inflight_of,
         },
     )
     check_sample_size(body, limits)

@@ -6,6 +6,7 @@ One worker serves the module; each test uses its own training runs and sampling 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import statistics
 import threading
@@ -504,3 +505,66 @@ def test_sessions_and_samples_are_recorded(
         time.sleep(0.2)
     assert found[0] == [(TINY, None)]
     assert [r[0] for r in found[1]] == ["create_sampling_session", "sample"]
+
+
+def job_fields(settings: Settings, job_id: str, *fields: str) -> list[str | None]:
+    client = redis.Redis.from_url(settings.redis_url or "", decode_responses=True)
+    try:
+        return list(client.hmget(Keys(settings.key_prefix).job(job_id), list(fields)))
+    finally:
+        client.close()
+
+
+def one_step(tc: tinker.TrainingClient, text: bytes) -> None:
+    tc.forward_backward([datum(list(text))], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=60)
+
+
+def prompt_logprobs(sampler: tinker.SamplingClient, tokens: list[int]) -> np.ndarray:
+    found = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=60)
+    return np.array(found[1:], dtype=np.float64)
+
+
+def test_inflight_clients_follow_the_newest_inflight_save(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
+    """kind="inflight": a client made before a later inflight save samples the newer weights
+    after it (as a snapshot of them does, within 1e-4), snapshots keep theirs; a sample
+    running across an inflight save goes on without prefilling its prompt again, on the new
+    weights from then on."""
+    tc = service.create_lora_training_client(TINY, rank=8, seed=0)
+    tokens = list(TEXT.encode())
+    one_step(tc, TEXT.encode())
+    first = tc.save_weights_and_get_sampling_client(kind="inflight")
+    assert first.model_path is not None and "/sampler_weights/inflight-" in first.model_path
+    then = tc.save_weights_and_get_sampling_client()
+    before = prompt_logprobs(first, tokens)
+    np.testing.assert_allclose(before, prompt_logprobs(then, tokens), rtol=0, atol=1e-4)
+
+    one_step(tc, b"something else entirely")
+    second = tc.save_weights_and_get_sampling_client(kind="inflight")
+    now = tc.save_weights_and_get_sampling_client()
+    expected = prompt_logprobs(now, tokens)
+    assert not np.allclose(expected, before, rtol=0, atol=1e-3)
+    for inflight in (first, second):
+        np.testing.assert_allclose(prompt_logprobs(inflight, tokens), expected, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(prompt_logprobs(then, tokens), before, rtol=0, atol=1e-4)
+
+    # A long sample on the first client; an inflight save lands while it runs.
+    long = first.sample(PROMPT, 32, types.SamplingParams(max_tokens=200, temperature=0, stop=[]))
+    deadline = time.monotonic() + 60
+    while job_fields(deployment, long.request_id, "status")[0] != "running":
+        assert time.monotonic() < deadline, "the long sample never started"
+        time.sleep(0.005)
+    one_step(tc, b"and one more thing")
+    tc.save_weights_and_get_sampling_client(kind="inflight")
+    assert job_fields(deployment, long.request_id, "status")[0] == "running", (
+        "the sample ended before the save: nothing moved under it"
+    )
+    sequence = long.result(timeout=120).sequences[0]
+    metrics = json.loads(job_fields(deployment, long.request_id, "metrics")[0] or "{}")
+    assert metrics["prompt_tokens_prefilled:sum"] == len(PROMPT.to_ints())  # prefilled once
+    # Its first tokens came from the weights it started on (`now`'s), its last ones not.
+    on_start = prompt_logprobs(now, PROMPT.to_ints() + sequence.tokens)[len(PROMPT.to_ints()) - 1 :]
+    assert abs(sequence.logprobs[0] - on_start[0]) < 1e-4
+    assert abs(sequence.logprobs[-1] - on_start[-1]) > 1e-3

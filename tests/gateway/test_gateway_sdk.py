@@ -142,6 +142,41 @@ def test_unnamed_sampler_weights_are_not_listed_as_checkpoints(
     assert not [c for c in mine if "ephemeral" in c.tinker_path]
 
 
+def test_inflight_sampling_clients_move_to_the_newest_inflight_save(
+    sdk_service: tinker.ServiceClient,
+) -> None:
+    """kind="inflight" through the SDK: a client made before a later inflight save samples
+    the newer weights after it (compute_logprobs equal to a fresh client's within 1e-4),
+    while a snapshot client keeps the weights it was made on."""
+    trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=5).result()
+    text = list(b"inflight weights move on")
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(text[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(text[1:], dtype=np.int64)},
+    )
+
+    def step() -> None:
+        trainer.forward_backward([datum], "cross_entropy").result(timeout=120)
+        trainer.optim_step(types.AdamParams(learning_rate=0.1)).result(timeout=120)
+
+    def logprobs(sampler: Any) -> np.ndarray:
+        found = sampler.compute_logprobs(types.ModelInput.from_ints(text)).result(timeout=120)
+        return np.array(found[1:], dtype=np.float64)
+
+    step()
+    early = trainer.save_weights_and_get_sampling_client(kind="inflight").result()
+    snapshot = trainer.save_weights_and_get_sampling_client().result()
+    before = logprobs(early)
+    step()
+    late = trainer.save_weights_and_get_sampling_client(kind="inflight").result()
+    fresh = trainer.save_weights_and_get_sampling_client().result()
+    expected = logprobs(fresh)
+    assert not np.allclose(expected, before, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(logprobs(early), expected, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(logprobs(late), expected, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(logprobs(snapshot), before, rtol=0, atol=1e-4)
+
+
 # --- an RL-style loop ----------------------------------------------------------------------
 def test_an_rl_loop_with_importance_sampling_and_a_custom_loss(
     sdk_service: tinker.ServiceClient,

@@ -51,6 +51,7 @@ def test_sampling_client_key_names_are_stable() -> None:
     assert k.sample_pending("s:sample:0", 2) == "qt:model:s:sample:0:futures:2:pending"
     assert k.sample_completions("s:sample:0", 2) == "qt:model:s:sample:0:futures:2:done"
     assert k.sample_cursor("s:sample:0", 2) == "qt:model:s:sample:0:futures:2:cursor"
+    assert k.inflight_weights("r:train:0") == "qt:model:r:train:0:inflight"
     assert (
         k.published_checkpoint("tinker://r:train:0/weights/a")
         == "qt:published:tinker://r:train:0/weights/a"

@@ -98,6 +98,12 @@ class QueueOnlyEngine:
     def stop(self, reasons: Mapping[str, str]) -> None:
         """Nothing runs a step at a time here: an op is never half-way when asked."""
 
+    def followed(self) -> set[str]:
+        return set()
+
+    def follow(self, newest: Mapping[str, str]) -> None:
+        pass
+
     # --- Durability: nothing needs replay after a takeover ---
     def durable_seq(self, model_id: str) -> int | None:
         return self.executed.get(model_id)

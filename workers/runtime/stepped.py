@@ -8,7 +8,9 @@ import asyncio
 import time
 from collections.abc import Mapping
 
+from queue_tinker.queue.connection import REDIS_DOWN
 from queue_tinker.queue.dispatch import Op, Outcome
+from queue_tinker.queue.inflight import InflightWeights
 from queue_tinker.workers.interface import ResultOrError, SteppedCompute
 from queue_tinker.workers.runtime.arrivals import Arrivals
 from queue_tinker.workers.runtime.compute import ComputeThread, outcome_of
@@ -29,6 +31,7 @@ class SteppedOps:
         arrivals: Arrivals,
         activity: Activity,
         stopping: asyncio.Event,
+        inflight: InflightWeights,
     ) -> None:
         self.worker_id = worker_id
         self.schedule = schedule
@@ -39,6 +42,10 @@ class SteppedOps:
         self.arrivals = arrivals
         self.activity = activity
         self.stopping = stopping
+        self.inflight = inflight
+        # The training runs whose inflight weights joined ops follow, as the engine said
+        # after its last join or step: their newest weights are read before every step.
+        self._followed: set[str] = set()
         # Running stepped ops to stop (job id -> why), from the worker's control stream or a
         # start that found a stop asked of a dead owner's op: handed to the engine before its
         # next step.
@@ -69,7 +76,7 @@ class SteppedOps:
         for owned, op in runnable:
             owned.inflight[op.seq] = (op, None)
         if runnable:
-            await self.compute.run(self.engine.join, [op for _, op in runnable])
+            self._followed = await self.compute.run(self._join, [op for _, op in runnable])
 
     async def quantum(self, budget_s: float) -> None:
         """One quantum of the engine's stepped ops. The engine hands back control whenever an
@@ -88,8 +95,11 @@ class SteppedOps:
         waiting = self._unfinished()
         self.activity.current = waiting[0] if waiting else None
         stops, self._stops = self._stops, {}
+        newest = await self._newest_inflight()
         try:
-            finished, stepping = await self.compute.run(self._stops_and_step, budget_s, stops)
+            finished, stepping, self._followed = await self.compute.run(
+                self._stops_and_step, budget_s, stops, newest
+            )
             if not finished and not stepping:
                 raise RuntimeError(
                     f"the engine has no stepped op in progress, but {len(waiting)} are unfinished"
@@ -101,15 +111,34 @@ class SteppedOps:
         self._note_finished(finished)
         await self._publish_in_order()
 
+    def _join(self, ops: list[Op]) -> set[str]:
+        """On the compute thread: hand ops to the engine; the runs their weights follow."""
+        self.engine.join(ops)
+        return self.engine.followed()
+
+    async def _newest_inflight(self) -> dict[str, str]:
+        """The newest inflight weights of the runs joined ops follow (one round trip; none
+        while Redis is away: the ops go on with the weights they have)."""
+        if not self._followed:
+            return {}
+        try:
+            return await self.inflight.paths(self._followed)
+        except REDIS_DOWN:
+            return {}
+
     def _stops_and_step(
-        self, budget_s: float, stops: dict[str, str]
-    ) -> tuple[list[tuple[Op, ResultOrError]], bool]:
-        """On the compute thread: the stops, one engine step, and whether stepped ops remain.
-        A stopped op comes out of this step, so it is published at once (in its model's
-        order) and its rows free up for the others."""
+        self, budget_s: float, stops: dict[str, str], newest: dict[str, str]
+    ) -> tuple[list[tuple[Op, ResultOrError]], bool, set[str]]:
+        """On the compute thread: the stops, the newest inflight weights, one engine step;
+        whether stepped ops remain, and the runs they follow. A stopped op comes out of this
+        step, so it is published at once (in its model's order) and its rows free up for
+        the others."""
         if stops:
             self.engine.stop(stops)
-        return self.engine.step(budget_s), self.engine.stepping()
+        if newest:
+            self.engine.follow(newest)
+        finished = self.engine.step(budget_s)
+        return finished, self.engine.stepping(), self.engine.followed()
 
     def _unfinished(self) -> list[Op]:
         """The stepped ops in flight without an outcome yet, model by model."""

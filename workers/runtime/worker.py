@@ -28,6 +28,7 @@ from typing import ParamSpec, TypeVar
 
 from queue_tinker.queue.connection import Reconnector, describe
 from queue_tinker.queue.dispatch import Dispatcher
+from queue_tinker.queue.inflight import InflightWeights
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types.records import Record
@@ -132,6 +133,8 @@ class Worker:
             self.arrivals,
             self.activity,
             self.stopping,
+            # Reads only: the TTL is the publisher's (clients and gateways).
+            InflightWeights(dispatcher.redis, dispatcher.keys, dispatcher.scripts, ttl_s=0),
         )
 
     @property

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,7 @@ from queue_tinker.workers.sampling.decode_rows import (
 )
 from queue_tinker.workers.sampling.prefill_groups import length_groups, prefill_call_tokens
 from queue_tinker.workers.sampling.prompt_scores import prompt_scores, wants_prompt_scores
-from queue_tinker.workers.sampling.shared_prompts import SharedPrompts, prompt_key
+from queue_tinker.workers.sampling.shared_prompts import PromptKey, SharedPrompts, prompt_key
 from queue_tinker.workers.sampling.token_choice import (
     needs_sort,
     sample_tokens,
@@ -162,6 +162,8 @@ class DecodeLoop:
         self.prompts = SharedPrompts()  # prompts in flight, for identical requests joining later
         self.prefilled_tokens = 0  # prompt tokens run through the model so far (a statistic)
         self.step_rows = 0  # the most rows the last step ran at once (a statistic)
+        # Prompt tokens prefilled for each request that finished in the last step.
+        self.finished_prefilled: dict[Key, int] = {}
         self._layers: Sequence[LoraLinear] = ()  # the model's LoRA layers, for this step
 
     @property
@@ -189,6 +191,22 @@ class DecodeLoop:
             keep = [i for i, r in enumerate(self.running.requests) if r.key not in keys]
             self.running = kept(self.running, keep)
 
+    def retarget(self, adapters: Mapping[Key, str | None]) -> None:
+        """Move requests (key -> adapter) to other weights, as inflight weights move on: each
+        keeps its rows, their KV cache (computed on the old weights) and its random streams,
+        and runs on the new adapter from the next step on; a part still waiting for rows is
+        prefilled on it."""
+        running = self.running.requests if self.running is not None else []
+        moved = {id(r): r for r in [*self.waiting, *running] if r.key in adapters}
+        for request in moved.values():
+            self.prompts.leave(request)  # its prompt's kept prefill is the old adapter's
+            request.spec = replace(request.spec, adapter=adapters[request.key])
+            self.prompts.enter(request)
+        if self.running is not None and moved:  # one block of rows per adapter again
+            order = grouped_order(self.running.adapters)
+            if order != list(range(self.running.size)):
+                self.running.select(order)
+
     def clear(self) -> list[Key]:
         """Forget everything (after a failed step: the cache may be half-updated); the keys of
         the requests that were in the loop."""
@@ -207,6 +225,7 @@ class DecodeLoop:
         `lora_layers`: every LoRA layer of the model, if the caller keeps the list
         (row_blocks.lora_linear_layers); None walks the model's modules for it."""
         finished: Finished = []
+        self.finished_prefilled = {}
         self._layers = lora_linear_layers(model) if lora_layers is None else lora_layers
         self.step_rows = self.rows
         with torch.inference_mode(), _eval_mode(model):
@@ -374,6 +393,11 @@ class DecodeLoop:
             last_only=not any(wanted),
         )
         self.prefilled_tokens += sum(len(prompt) for prompt, _ in unique)
+        counted: set[PromptKey] = set()  # each prefilled row counts for its first request
+        for request, _ in taken:
+            if prompt_key(request) not in counted:
+                counted.add(prompt_key(request))
+                request.prefilled += len(request.spec.prompt)
         self.prompts.keep(list(unique), cache, logits[:, -1])
         _record_prompt_scores(taken, source, wanted, logits)
         requests, samples, rows = per_sample(taken, source)
@@ -413,6 +437,7 @@ class DecodeLoop:
                 request.live -= 1
                 if request.live == 0:
                     finished.append((request.key, request.response()))
+                    self.finished_prefilled[request.key] = request.prefilled
                     self.prompts.leave(request)
             else:
                 keep.append(i)

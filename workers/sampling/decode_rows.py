@@ -47,6 +47,7 @@ class LiveRequest:
     reasons: list[StopReason]
     live: int  # samples still generating
     admitted: int = 0  # samples that joined the loop so far (rows beyond max_rows wait)
+    prefilled: int = 0  # prompt tokens run through the model for it (0: it shared a prefill)
     # What it asked about its prompt (prompt_scores.py): SampleResponse fields.
     prompt_scores: dict[str, Any] = field(default_factory=dict)
 

@@ -42,7 +42,7 @@ from queue_tinker.types.sampling import (
 from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.checkpoints import checkpoint_dir, read_meta
-from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
+from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest, Key
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,18 @@ class _Joined:
     op: Op
     directory: Path | None  # the checkpoint it samples from (kept resident meanwhile)
     prompt_tokens: int
+    follows: str | None  # the training run whose inflight weights it follows
     peak_rows: int = 0  # the most rows the loop held while it ran
+
+
+@dataclass
+class _Waiting:
+    """A sample op joined but not in the loop yet: its checkpoint waits for room."""
+
+    op: Op
+    request: GenerationRequest
+    directory: Path | None
+    follows: str | None
 
 
 class SamplingSessions:
@@ -83,7 +94,7 @@ class SamplingSessions:
         self._loop: DecodeLoop | None = None
         # Ops joined but not in the loop yet (their checkpoint waits for room), ops in the
         # loop (by job id), and outcomes the next step hands back.
-        self._waiting: deque[tuple[Op, GenerationRequest, Path | None]] = deque()
+        self._waiting: deque[_Waiting] = deque()
         self._joined: dict[str, _Joined] = {}
         self._finished: list[tuple[Op, ResultOrError]] = []
         self._in_use: Counter[Path] = Counter()  # checkpoint -> ops in the loop on it
@@ -121,11 +132,9 @@ class SamplingSessions:
         for op in ops:
             self.sessions[op.model_id] = max(op.seq, self.sessions.get(op.model_id, 0))
             try:
-                request, directory = self._request(op)
+                self._waiting.append(self._request(op))
             except Exception as exc:  # reported as this op's failure
                 self._finished.append((op, exc))
-                continue
-            self._waiting.append((op, request, directory))
 
     def stepping(self) -> bool:
         """Whether joined ops are unfinished, or finished and not handed back yet."""
@@ -149,7 +158,10 @@ class SamplingSessions:
                 break
             for joined in self._joined.values():
                 joined.peak_rows = max(joined.peak_rows, loop.step_rows)
-            self._finished += [self._result(str(key), response) for key, response in done]
+            self._finished += [
+                self._result(str(key), response, loop.finished_prefilled.get(key, 0))
+                for key, response in done
+            ]
             if time.perf_counter() - began >= budget_s:
                 break
         finished, self._finished = self._finished, []
@@ -167,9 +179,9 @@ class SamplingSessions:
             joined = self._joined.pop(key)
             self._release(joined.directory)
             self._finished.append((joined.op, OpCancelledError(reasons[key])))
-        waiting = [w for w in self._waiting if w[0].job_id in reasons]
-        self._waiting = deque(w for w in self._waiting if w[0].job_id not in reasons)
-        self._finished += [(op, OpCancelledError(reasons[op.job_id])) for op, _, _ in waiting]
+        waiting = [w.op for w in self._waiting if w.op.job_id in reasons]
+        self._waiting = deque(w for w in self._waiting if w.op.job_id not in reasons)
+        self._finished += [(op, OpCancelledError(reasons[op.job_id])) for op in waiting]
 
     def cancel(self, model_id: str) -> None:
         """Forget a model's joined ops (its lease is gone: their results could not be
@@ -179,14 +191,15 @@ class SamplingSessions:
             self._loop_of().cancel(keys)
         for key in keys:
             self._release(self._joined.pop(key).directory)
-        self._waiting = deque(w for w in self._waiting if w[0].model_id != model_id)
+        self._waiting = deque(w for w in self._waiting if w.op.model_id != model_id)
         self._finished = [f for f in self._finished if f[0].model_id != model_id]
 
     def _enter_loop(self) -> None:
         """Waiting ops join the loop, first come first served, while the checkpoints they
         sample from fit among the resident sampler adapters beside every one in use."""
         while self._waiting:
-            op, request, directory = self._waiting[0]
+            waiting = self._waiting[0]
+            op, request, directory = waiting.op, waiting.request, waiting.directory
             if directory is not None and not self._has_room(directory):
                 return  # it waits for an op on another checkpoint to finish
             self._waiting.popleft()
@@ -198,8 +211,42 @@ class SamplingSessions:
                 continue
             if directory is not None:
                 self._in_use[directory] += 1
-            self._joined[op.job_id] = _Joined(op, directory, len(request.prompt))
+            self._joined[op.job_id] = _Joined(op, directory, len(request.prompt), waiting.follows)
             self._loop_of().add(op.job_id, replace(request, adapter=adapter))
+
+    # --- inflight weights (queue/inflight.py) ---------------------------------------------------
+    def followed(self) -> set[str]:
+        """The training runs whose inflight weights joined ops follow."""
+        joined = {j.follows for j in self._joined.values()}
+        return {run for run in joined | {w.follows for w in self._waiting} if run is not None}
+
+    def follow(self, newest: Mapping[str, str]) -> None:
+        """The newest inflight weights of runs that joined ops follow (run -> tinker path).
+        Waiting ops join on them; ops in the loop move to them at their next decode step,
+        keeping their KV cache. Weights that cannot be read, or have no room among the
+        resident sampler adapters yet, leave the ops where they are until the next call."""
+        directories: dict[str, Path] = {}
+        for run, path in newest.items():
+            try:
+                directories[run] = self._weights(path)
+            except Exception:
+                log.exception("inflight weights %s of %s cannot be read; not followed", path, run)
+        for waiting in self._waiting:
+            if waiting.follows in directories:
+                waiting.directory = directories[waiting.follows]
+        moves: dict[Key, str | None] = {}
+        for key, joined in self._joined.items():
+            directory = directories.get(joined.follows or "")
+            if directory is None or directory == joined.directory:
+                continue
+            if not self._has_room(directory):
+                continue
+            moves[key] = self._load(directory)
+            self._in_use[directory] += 1
+            self._release(joined.directory)
+            joined.directory = directory
+        if moves:
+            self._loop_of().retarget(moves)
 
     def _has_room(self, directory: Path) -> bool:
         return directory in self._in_use or len(self._in_use) < self.pool.max_resident
@@ -211,16 +258,19 @@ class SamplingSessions:
             self.pool.sampler(used)
         return self.pool.sampler(directory)
 
-    def _result(self, key: str, response: SampleResponse) -> tuple[Op, OpResult]:
+    def _result(self, key: str, response: SampleResponse, prefilled: int) -> tuple[Op, OpResult]:
         joined = self._joined.pop(key)
         self._release(joined.directory)
         generated = sum(len(s.tokens) for s in response.sequences)
-        # batch_sequences: the most sequences that shared the decode loop with this request.
+        # batch_sequences: the most sequences that shared the decode loop with this request;
+        # prompt_tokens_prefilled: its prompt tokens run through the model (0 when it joined
+        # from an identical prompt's prefill; never twice, inflight weights moving or not).
         return joined.op, OpResult(
             result=codec.encode(response.model_dump()),
             metrics={
                 "tokens_generated:sum": float(generated),
                 "batch_sequences:max": float(joined.peak_rows),
+                "prompt_tokens_prefilled:sum": float(prefilled),
             },
             tokens=joined.prompt_tokens + generated,
         )
@@ -244,8 +294,8 @@ class SamplingSessions:
             )
         return self._loop
 
-    def _request(self, op: Op) -> tuple[GenerationRequest, Path | None]:
-        """The op as a generation request (adapter not yet resolved) and its weights."""
+    def _request(self, op: Op) -> _Waiting:
+        """The op as a generation request (adapter not yet resolved) with its weights."""
         check_request_bytes(len(op.payload), self.request_limits)  # before decoding it
         body = parse_body(SampleInput, op.payload)
         check_sample_size(body, self.request_limits)
@@ -264,7 +314,7 @@ class SamplingSessions:
             prompt_alt_k=body.prompt_alt_tokens_k,
             sample_topk=body.topk_sample_logprobs,
         )
-        return request, directory
+        return _Waiting(op, request, directory, body.inflight_of)
 
     def _weights(self, model_path: str, tenant_id: str | None = None) -> Path:
         """The checkpoint directory behind a model_path; another tenant's checkpoint is reported

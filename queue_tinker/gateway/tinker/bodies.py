@@ -7,7 +7,7 @@ forward_backward is protobuf in SDK 0.38 (proto/convert.py); its older JSON form
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,6 +59,8 @@ class SaveWeightsRequest(OrderedRequest):
     ttl_seconds: int | None = None
     overwrite: bool = False
     sampling_session_seq_id: int | None = None
+    # Without a path: a snapshot of the weights, or the run's mutable inflight weights.
+    kind: Literal["snapshot", "inflight"] = "snapshot"
 
 
 class SaveWeightsExternalRequest(OrderedRequest):

@@ -154,7 +154,9 @@ async def _result_answer(
     result: dict[str, Any] = codec.decode(outcome.result) or {}
     if "sampling_session_id" in reply:  # an ephemeral save: sample from it next
         return JSONResponse(
-            await open_ephemeral_sampler(gq, job, result["path"], reply["sampling_session_id"])
+            await open_ephemeral_sampler(
+                gq, job, result["path"], reply["sampling_session_id"], reply.get("inflight_of")
+            )
         )
     if kind in RESULT_TYPES:
         result = {**result, "type": RESULT_TYPES[kind], "model_id": job["model_id"]}
@@ -171,9 +173,14 @@ def json_sample_response(response: SampleResponse, last_n: int | None) -> dict[s
 
 
 async def open_ephemeral_sampler(
-    gq: GatewayQueue, job: dict[str, str], path: str, sampler_id: str
+    gq: GatewayQueue, job: dict[str, str], path: str, sampler_id: str, inflight_of: str | None
 ) -> dict[str, Any]:
+    """The sampling session a save without a name opens. An inflight save first moves its
+    run's inflight weights to it, so the save is answered once every inflight session of
+    the run samples from it (or from a newer one)."""
     info = await gq.jobs.model_info(job["model_id"])
+    if inflight_of is not None:
+        await gq.inflight.publish(inflight_of, int(job["seq"]), path)
     await runs.open_sampling_session(
         gq.jobs,
         gq.submit,
@@ -182,5 +189,6 @@ async def open_ephemeral_sampler(
         tenant_id=job["tenant_id"],
         session_id=None,
         model_path=path,
+        inflight_of=inflight_of,
     )
     return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}

@@ -96,6 +96,7 @@ async def asample(
 ) -> dict[str, Any]:
     info = await gq.model_of(body.sampling_session_id, tenant, kind="sampling")
     limits = gq.limits
+    weights = await runs.sample_weights(gq.inflight, info)
 
     def payload() -> bytes:
         targets = (
@@ -108,12 +109,13 @@ async def asample(
             body.num_samples,
             body.sampling_params,
             body.prompt_logprobs or body.prompt_logprobs_last_n is not None,
-            info["model_path"],
+            weights,
             limits=limits,
             topk_prompt_logprobs=body.topk_prompt_logprobs,
             target_prompt_logprobs=targets,
             topk_sample_logprobs=body.topk_sample_logprobs,
             prompt_alt_tokens_k=body.prompt_alt_tokens_k,
+            inflight_of=info["inflight_of"],
         )
         return encode_request(sample.model_dump(), limits)
 

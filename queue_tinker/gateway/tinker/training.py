@@ -264,7 +264,8 @@ async def save_weights_for_sampler(
     body: SaveWeightsRequest, gq: Queue, tenant: Tenant
 ) -> dict[str, Any]:
     """Named: weights at tinker://<model>/sampler_weights/<path>. Without a path: an
-    ephemeral checkpoint that becomes a sampling session when it is done."""
+    ephemeral checkpoint that becomes a sampling session when it is done; with
+    kind="inflight", one that follows the run's inflight weights (queue/inflight.py)."""
     if body.path is not None:
         return await ordered(
             gq,
@@ -274,7 +275,8 @@ async def save_weights_for_sampler(
             OpKind.SAVE_WEIGHTS_FOR_SAMPLER,
             save_payload(body, body.path, body.ttl_seconds),
         )
-    name = f"ephemeral-s{body.seq_id}"
+    inflight = body.kind == "inflight"
+    name = f"{'inflight' if inflight else 'ephemeral'}-s{body.seq_id}"
     submitted = await ordered(
         gq,
         tenant,
@@ -284,7 +286,10 @@ async def save_weights_for_sampler(
         save_payload(body, name, gq.settings.ephemeral_sampler_ttl_s, ephemeral=True),
     )
     sampler_id = f"{body.model_id}:sample:s{body.seq_id}"
-    await gq.set_reply(submitted["request_id"], {"sampling_session_id": sampler_id})
+    reply = {"sampling_session_id": sampler_id}
+    if inflight:
+        reply["inflight_of"] = body.model_id
+    await gq.set_reply(submitted["request_id"], reply)
     return submitted
 
 

@@ -5,6 +5,7 @@
 -- ARGV[5] lora config (JSON text; training runs)   ARGV[6] kind ('training' / 'sampling')
 -- ARGV[7] model path (sampling sessions; '' = the base model)
 -- ARGV[8] user metadata (JSON text; training runs; '' = none)
+-- ARGV[9] the training run whose inflight weights a sampling session follows ('' = none)
 -- Returns 1 if created, 0 if it already existed.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
@@ -13,7 +14,7 @@ local now = now_text()
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('HSET', KEYS[1], 'base_model', ARGV[2], 'tenant_id', ARGV[3], 'last_seq', 0,
   'done_seq', 0, 'created_at', now, 'kind', ARGV[6], 'lora_config', ARGV[5],
-  'model_path', ARGV[7], 'user_metadata', ARGV[8])
+  'model_path', ARGV[7], 'user_metadata', ARGV[8], 'inflight_of', ARGV[9])
 if ARGV[6] == 'sampling' then
   redis.call('XADD', KEYS[2], '*', 'type', 'sampling_session', 'id', ARGV[1], 'tenant_id',
     ARGV[3], 'session_id', ARGV[4], 'base_model', ARGV[2], 'model_path', ARGV[7],

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
+from transformers import DynamicCache
 
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
@@ -1000,3 +1001,63 @@ def test_prompts_prefilled_in_length_groups_sample_what_one_batch_samples(setup:
             got, want = done[index].prompt_logprobs, response.prompt_logprobs
             assert got is not None and want is not None and got[0] is None
             assert_close(got[1:], torch.tensor(want[1:]), JOINED_VS_ALONE)
+
+
+def switched_greedy(
+    model: PeftModel, prompt: list[int], adapters: tuple[str, str], switch_at: int, steps: int
+) -> tuple[list[int], list[float]]:
+    """The reference for a request moved to other weights mid-way: argmax decoding with one
+    KV cache, on adapters[0] for the first `switch_at` tokens and adapters[1] after, the
+    cache computed so far kept."""
+    cache = DynamicCache()
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    with torch.inference_mode():
+        model.set_adapter(adapters[0])
+        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
+        for step in range(steps):
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
+            if step + 1 == switch_at:
+                model.set_adapter(adapters[1])
+            ids = torch.tensor([[token]])
+            logits = model(input_ids=ids, past_key_values=cache).logits[0, -1]
+    return tokens, logprobs
+
+
+def test_a_retargeted_request_goes_on_with_its_cache_on_the_new_weights(setup: Setup) -> None:
+    """Inflight weights moving on: a running request moved from a1 to a2 after 4 tokens
+    chooses the rest on a2 from the cache it built on a1 (no prefill again), as one KV-cached
+    decode that switches adapters there; its neighbour is untouched; rows stay in one block
+    per adapter."""
+    moving = request(PROMPTS[1], "a1", max_tokens=12, temperature=0, stop=[])
+    staying = request(PROMPTS[0], "a1", n=2, max_tokens=12, seed=5, stop=[])
+    other = request(PROMPTS[2], "a2", max_tokens=12, seed=6, stop=[])
+    loop = new_loop(setup)
+    for key, req in (("moving", moving), ("staying", staying), ("other", other)):
+        loop.add(key, req)
+    done: dict[Any, SampleResponse] = {}
+    for _ in range(4):
+        done.update(loop.step(setup.model))
+    prefilled = loop.prefilled_tokens
+    loop.retarget({"moving": "a2"})
+    assert loop.running is not None
+    blocks = blocks_of((name, 1) for name in loop.running.adapters)
+    assert sorted(blocks) == [("a1", 2), ("a2", 2)]  # one block each
+    step = loop.step(setup.model)
+    assert loop.finished_prefilled == {}
+    done.update(step)
+    while loop.busy:
+        step = loop.step(setup.model)
+        done.update(step)
+        if "moving" in dict(step):
+            assert loop.finished_prefilled["moving"] == len(PROMPTS[1])
+    assert loop.prefilled_tokens == prefilled  # nothing was prefilled again
+    tokens, logprobs = switched_greedy(setup.model, PROMPTS[1], ("a1", "a2"), 4, 12)
+    assert done["moving"].sequences[0].tokens == tokens
+    assert_close(done["moving"].sequences[0].logprobs, torch.tensor(logprobs), JOINED_VS_ALONE)
+    on_a1 = greedy_reference(setup.model, "a1", PROMPTS[1], 12)
+    assert tokens[:4] == on_a1[:4] and tokens != on_a1  # the switch changed what came next
+    assert_near(done["staying"], run(setup, [staying])[0])
+    assert_near(done["other"], run(setup, [other])[0])
