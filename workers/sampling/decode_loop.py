@@ -10,7 +10,7 @@ per sample, in layers a decode step writes in place: kv_cache.py), their first t
 chosen, and their rows are appended to the running batch (the shorter cache left-padded to the
 longer). Prompts in flight are shared too: a prefilled prompt's own key / value states and last
 logits are kept while any request on it (same adapter) is in the loop, and an identical request
-admitted at a later step joins from them instead of prefilling (workers/sampling/shared_prompts.py),
+admitted at a later step joins from them instead of prefilling (workers/sampling/prefix_cache.py),
 unless it wants its prompt scored. A row that finishes leaves at once, and columns no remaining
 row uses are cut off; a request is done when its last row is.
 
@@ -56,8 +56,8 @@ from queue_tinker.workers.sampling.decode_rows import (
     per_sample,
 )
 from queue_tinker.workers.sampling.prefill_groups import length_groups, prefill_call_tokens
+from queue_tinker.workers.sampling.prefix_cache import PromptKey, SharedPrompts, prompt_key
 from queue_tinker.workers.sampling.prompt_scores import prompt_scores, wants_prompt_scores
-from queue_tinker.workers.sampling.shared_prompts import PromptKey, SharedPrompts, prompt_key
 from queue_tinker.workers.sampling.token_choice import (
     needs_sort,
     sample_tokens,
