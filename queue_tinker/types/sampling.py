@@ -156,6 +156,9 @@ class SampleResponse(_Wire):
     # The logprob of each requested target id (same layout as the request; 0.0 at NO_TARGET).
     target_prompt_logprobs: list[list[float]] | None = None
     prompt_alt_tokens: PromptAltTokens | None = None
+    # Prompt tokens this request did not run through the model: their key / value states came
+    # from the worker's prefix cache (or an identical prompt prefilled with it).
+    prompt_cache_hit_tokens: int = 0
     type: Literal["sample"] = "sample"
 
 

@@ -8,10 +8,11 @@ prefill_groups.py; one prefill row per distinct prompt and adapter, so a request
 rows, and identical prompts admitted together, share it; the cache is then expanded to one row
 per sample, in layers a decode step writes in place: kv_cache.py), their first tokens are
 chosen, and their rows are appended to the running batch (the shorter cache left-padded to the
-longer). Prompts in flight are shared too: a prefilled prompt's own key / value states and last
-logits are kept while any request on it (same adapter) is in the loop, and an identical request
-admitted at a later step joins from them instead of prefilling (workers/sampling/prefix_cache.py),
-unless it wants its prompt scored. A row that finishes leaves at once, and columns no remaining
+longer). Prompts are shared across steps too, through a prefix cache
+(workers/sampling/prefix_cache.py): a prefilled prompt's own key / value states and last logits
+are kept (least recently used out), a request with the same prompt and adapter joins from them
+without prefilling, and one whose prompt begins with a kept one prefills only the rest, unless it
+wants its prompt scored. A row that finishes leaves at once, and columns no remaining
 row uses are cut off; a request is done when its last row is.
 
 Each row keeps its own adapter (the rows of one adapter kept together, and each block of them
@@ -54,9 +55,16 @@ from queue_tinker.workers.sampling.decode_rows import (
     Rows,
     kept,
     per_sample,
+    plain_layers,
 )
 from queue_tinker.workers.sampling.prefill_groups import length_groups, prefill_call_tokens
-from queue_tinker.workers.sampling.prefix_cache import PromptKey, SharedPrompts, prompt_key
+from queue_tinker.workers.sampling.prefix_cache import (
+    PrefixCache,
+    PrefixHit,
+    PromptKey,
+    SharedPrompt,
+    prompt_key,
+)
 from queue_tinker.workers.sampling.prompt_scores import prompt_scores, wants_prompt_scores
 from queue_tinker.workers.sampling.token_choice import (
     needs_sort,
@@ -159,7 +167,7 @@ class DecodeLoop:
         self.call_tokens = prefill_call_tokens(device) if call_tokens is None else call_tokens
         self.waiting: deque[LiveRequest] = deque()
         self.running: Rows | None = None
-        self.prompts = SharedPrompts()  # prompts in flight, for identical requests joining later
+        self.prompts = PrefixCache()  # prompts prefilled before, for requests that share them
         self.prefilled_tokens = 0  # prompt tokens run through the model so far (a statistic)
         self.step_rows = 0  # the most rows the last step ran at once (a statistic)
         # Prompt tokens prefilled for each request that finished in the last step.
@@ -276,13 +284,12 @@ class DecodeLoop:
         taken = self._take()
         if not taken:
             return  # the first in line waits for rows to free
-        shared: list[tuple[LiveRequest, range]] = []
-        fresh: list[tuple[LiveRequest, range]] = []
-        for part in taken:
-            (shared if self._reuses_prompt(*part) else fresh).append(part)
+        cached, fresh, entries, hits = self._look_up(taken)
         parts = self._prefill(model, fresh) if fresh else []
-        if shared:
-            parts.append(self.prompts.rows(shared))
+        if hits:
+            entries.update(self._extend(model, hits, cached))
+        if cached:
+            parts.append(self.prompts.rows(cached, entries))
         self.step_rows = max(self.step_rows, self.rows + sum(rows.size for rows, _ in parts))
         for incoming, logits in parts:
             joining = kept(incoming, self._advance(incoming, logits, finished))
@@ -297,11 +304,69 @@ class DecodeLoop:
             if order != list(range(self.running.size)):
                 self.running.select(order)
 
-    def _reuses_prompt(self, request: LiveRequest, samples: range) -> bool:
-        """Whether these samples join from their prompt's kept prefill; prompt scores need
-        the whole prompt's logits, so the part that reports them is prefilled."""
-        wants_scores = wants_prompt_scores(request.spec) and samples.start == 0
-        return not wants_scores and self.prompts.get(request) is not None
+    def _look_up(
+        self, taken: list[tuple[LiveRequest, range]]
+    ) -> tuple[
+        list[tuple[LiveRequest, range]],
+        list[tuple[LiveRequest, range]],
+        dict[PromptKey, SharedPrompt],
+        dict[PromptKey, PrefixHit],
+    ]:
+        """The taken parts that join from the prefix cache and those prefilled afresh; the
+        whole prompts it holds and the prompts it holds a prefix of."""
+        cached: list[tuple[LiveRequest, range]] = []
+        fresh: list[tuple[LiveRequest, range]] = []
+        entries: dict[PromptKey, SharedPrompt] = {}
+        hits: dict[PromptKey, PrefixHit] = {}
+        for request, samples in taken:
+            key = prompt_key(request)
+            if self._scores(request, samples):
+                fresh.append((request, samples))
+                continue
+            if key not in entries and key not in hits:
+                entry = self.prompts.get(request)
+                if entry is not None:
+                    entries[key] = entry
+                elif (hit := self.prompts.longest_prefix(request)) is not None:
+                    hits[key] = hit
+            known = key in entries or key in hits
+            (cached if known else fresh).append((request, samples))
+        return cached, fresh, entries, hits
+
+    @staticmethod
+    def _scores(request: LiveRequest, samples: range) -> bool:
+        """Whether this part reports its prompt's scores: they need the logits at every
+        prompt position, so it is prefilled whole whatever the cache holds."""
+        return wants_prompt_scores(request.spec) and samples.start == 0
+
+    def _extend(
+        self,
+        model: torch.nn.Module,
+        hits: Mapping[PromptKey, PrefixHit],
+        taken: list[tuple[LiveRequest, range]],
+    ) -> dict[PromptKey, SharedPrompt]:
+        """Each prompt that begins with a kept one: its other tokens prefilled on top of the
+        kept states (a call per prompt), the whole prompt kept for requests after it."""
+        extended: dict[PromptKey, SharedPrompt] = {}
+        for key, hit in hits.items():
+            prompt, adapter = key
+            cache = hit.entry.prefix_cache(hit.tokens)
+            ids = torch.tensor([prompt[hit.tokens :]], dtype=torch.long, device=self.device)
+            mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
+            positions = torch.arange(hit.tokens, len(prompt), device=self.device)[None]
+            logits = self._forward(model, ids, mask, positions, cache, [adapter], last_only=True)
+            layers = plain_layers(cache)
+            assert layers is not None  # made of plain layers above
+            extended[key] = SharedPrompt([kv for _, kv in layers], logits[0, -1])
+            self.prompts.add(key, extended[key])
+            self.prefilled_tokens += len(prompt) - hit.tokens
+        counted: set[PromptKey] = set()  # each extension counts for its first request
+        for request, _ in taken:
+            key = prompt_key(request)
+            if key in hits and key not in counted:
+                counted.add(key)
+                request.prefilled += len(request.spec.prompt) - hits[key].tokens
+        return extended
 
     def _take(self) -> list[tuple[LiveRequest, range]]:
         """Waiting requests (and which of their samples), first come first served, while the

@@ -97,6 +97,8 @@ class LiveRequest:
                     self.tokens, self.logprobs, self.topk, self.reasons, strict=True
                 )
             ],
+            # Never below 0: a part that joined later on moved inflight weights prefills again.
+            prompt_cache_hit_tokens=max(0, len(self.spec.prompt) - self.prefilled),
             **self.prompt_scores,
         )
 

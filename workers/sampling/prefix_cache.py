@@ -1,16 +1,29 @@
-"""Prompts in flight, shared across steps: the KV states and last logits of each prompt (per
-adapter) that a request still in the decode loop was prefilled with, so that an identical
-request admitted at a later step joins from them instead of prefilling its prompt again.
+"""The sampler's prefix cache: the key / value states and last logits of prompts prefilled
+before (per adapter), so that a request whose prompt was seen joins from them instead of
+prefilling it again, and one whose prompt begins with a kept prompt prefills only the rest.
 
-An entry lives while some request with its (prompt, adapter) is in the loop, waiting or
-running (`enter` / `leave`), so what it holds is bounded by what is in flight. Only plain
-per-layer key / value caches are kept (a sliding-window or quantised cache keeps its own
-bookkeeping, and such prompts are prefilled as usual).
+- **Exact hits.** A request with a kept (prompt, adapter) joins from its states and logits:
+  none of its prompt runs through the model.
+- **Prefix hits.** Otherwise the longest kept prefix, in whole blocks of `BLOCK` tokens (an RL
+  group's shared question, a conversation's history, a long system prompt), seeds the cache and
+  only the remaining tokens are prefilled on top of it; the full prompt is then kept too.
+- **Least recently used out.** Entries outlive their requests and are evicted, least recently
+  used first, once what they hold passes `max_bytes`; an entry a request in the loop still
+  counts on (`enter` / `leave`) is never evicted, so one admitted in a later step finds it.
+
+Prefixes are found by a chain of block hashes (each block's hash covers every block before
+it), checked against the tokens on a hit, so a lookup costs one hash per block of the prompt.
+Adapter names stand for immutable weights (a checkpoint's), so a kept state never goes stale;
+inflight weights moving on change a request's adapter, and its next prompt misses.
+
+Only plain per-layer key / value caches are kept (a sliding-window or quantised cache keeps its
+own bookkeeping, and such prompts are prefilled as usual).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +38,14 @@ from queue_tinker.workers.sampling.decode_rows import (
 )
 
 PromptKey = tuple[tuple[int, ...], str]
-# The kept states are a second copy of their prompts' KV cache: past this many bytes a prompt is
-# not kept (an identical request then prefills it), so long prompts on a big model cannot double
-# the loop's cache memory. 256 MiB keeps a few 4k-token prompts of an 8B model, or thousands of
+# The kept states are a second copy of their prompts' KV cache: past this many bytes the least
+# recently used entries go (or a new prompt is not kept), so the cache cannot double the loop's
+# memory on a big model. 256 MiB keeps a few 4k-token prompts of an 8B model, or thousands of
 # short RL prompts.
 KEPT_BYTES = 1 << 28
+# Prefix hits come in whole blocks of this many tokens (as paged KV caches share them): finer
+# would cost a hash per token, coarser would miss short shared prefixes.
+BLOCK = 16
 
 
 def prompt_key(request: LiveRequest) -> PromptKey:
@@ -53,11 +69,37 @@ class SharedPrompt:
         states = sum(k.nbytes + v.nbytes for k, v in self.layers)
         return states + self.logits.nbytes
 
+    def prefix_cache(self, tokens: int) -> DynamicCache:
+        """A cache holding this prompt's first `tokens` positions, to prefill more on top of
+        (the cache concatenates new states onto these, so the entry is never written)."""
+        return DynamicCache(
+            ddp_cache_data=[(k[..., :tokens, :], v[..., :tokens, :]) for k, v in self.layers]
+        )
 
-class SharedPrompts:
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A kept prompt whose first `tokens` tokens begin a request's prompt (fewer than all)."""
+
+    entry: SharedPrompt
+    tokens: int
+
+
+def block_hashes(prompt: Sequence[int], adapter: str) -> Iterator[tuple[int, int]]:
+    """(length, hash of prompt[:length] and the adapter) at every whole block of the prompt."""
+    chained = hash(adapter)
+    for end in range(BLOCK, len(prompt) + 1, BLOCK):
+        chained = hash((chained, tuple(prompt[end - BLOCK : end])))
+        yield end, chained
+
+
+class PrefixCache:
     def __init__(self, max_bytes: int = KEPT_BYTES) -> None:
-        self.entries: dict[PromptKey, SharedPrompt] = {}
+        # Least recently used first.
+        self.entries: OrderedDict[PromptKey, SharedPrompt] = OrderedDict()
         self.users: Counter[PromptKey] = Counter()  # requests in the loop per prompt
+        # Block-chain hash -> a kept prompt that starts with those blocks.
+        self.prefixes: dict[int, PromptKey] = {}
         self.max_bytes = max_bytes
         self.nbytes = 0  # what the entries hold
 
@@ -65,23 +107,43 @@ class SharedPrompts:
         self.users[prompt_key(request)] += 1
 
     def leave(self, request: LiveRequest) -> None:
-        """A request left the loop (finished or cancelled); its prompt's entry goes with the
-        last request on it."""
+        """A request left the loop (finished, cancelled or moved to other weights); its
+        prompt's entry stays, evictable once no request in the loop counts on it."""
         key = prompt_key(request)
         self.users[key] -= 1
         if self.users[key] <= 0:
             del self.users[key]
-            entry = self.entries.pop(key, None)
-            if entry is not None:
-                self.nbytes -= entry.nbytes
 
     def clear(self) -> None:
         self.entries.clear()
         self.users.clear()
+        self.prefixes.clear()
         self.nbytes = 0
 
     def get(self, request: LiveRequest) -> SharedPrompt | None:
-        return self.entries.get(prompt_key(request))
+        """The request's whole prompt, kept (an exact hit): marked recently used."""
+        key = prompt_key(request)
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def longest_prefix(self, request: LiveRequest) -> PrefixHit | None:
+        """The longest kept prefix of the request's prompt in whole blocks, leaving at least
+        one token to prefill (its logits choose the first token); marked recently used."""
+        prompt, adapter = prompt_key(request)
+        longest: tuple[int, PromptKey] | None = None
+        for end, chained in block_hashes(prompt[:-1], adapter):
+            key = self.prefixes.get(chained)
+            if key is not None:
+                longest = end, key
+        if longest is None:
+            return None
+        end, key = longest
+        if key[1] != adapter or key[0][:end] != prompt[:end]:
+            return None  # a hash collision
+        self.entries.move_to_end(key)
+        return PrefixHit(self.entries[key], end)
 
     def keep(self, keys: list[PromptKey], cache: DynamicCache, last_logits: torch.Tensor) -> None:
         """Keep each prefill row's prompt (row i of the left-padded prefill is keys[i]): its
@@ -91,29 +153,59 @@ class SharedPrompts:
             return
         width = layers[0][1][0].shape[-2]
         for row, key in enumerate(keys):
-            if key in self.entries or key not in self.users:
+            if key in self.entries:
                 continue
             start = width - len(key[0])  # left padding: the prompt ends the row
-            per_position = sum(k[row, :, 0].nbytes + v[row, :, 0].nbytes for _, (k, v) in layers)
-            if self.nbytes + per_position * (width - start) > self.max_bytes:
-                continue  # over the budget: an identical request prefills it again
-            entry = SharedPrompt(
-                layers=[
-                    (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone())
-                    for _, (k, v) in layers
-                ],
-                logits=last_logits[row].clone(),
+            self.add(
+                key,
+                SharedPrompt(
+                    layers=[
+                        (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone())
+                        for _, (k, v) in layers
+                    ],
+                    logits=last_logits[row].clone(),
+                ),
             )
-            self.entries[key] = entry
-            self.nbytes += entry.nbytes
 
-    def rows(self, taken: list[tuple[LiveRequest, range]]) -> tuple[Rows, torch.Tensor]:
-        """Rows for requests whose prompts are kept, as `_prefill` would make them: the kept
-        states left-padded to the longest and expanded to one row per sample, each row's
-        positions going on from its prompt's length; and the logits each row chooses from."""
+    def add(self, key: PromptKey, entry: SharedPrompt) -> bool:
+        """Keep a prompt's states, evicting the least recently used entries no request in
+        the loop counts on to make room; False (nothing kept) if there is no room."""
+        if key in self.entries:
+            return True
+        if not self._make_room(entry.nbytes):
+            return False
+        self.entries[key] = entry
+        self.nbytes += entry.nbytes
+        for _, chained in block_hashes(key[0], key[1]):
+            self.prefixes[chained] = key  # the newest: the last to be evicted
+        return True
+
+    def _make_room(self, nbytes: int) -> bool:
+        if nbytes > self.max_bytes:
+            return False
+        for key in [k for k in self.entries if k not in self.users]:
+            if self.nbytes + nbytes <= self.max_bytes:
+                break
+            self._evict(key)
+        return self.nbytes + nbytes <= self.max_bytes
+
+    def _evict(self, key: PromptKey) -> None:
+        entry = self.entries.pop(key)
+        self.nbytes -= entry.nbytes
+        for _, chained in block_hashes(key[0], key[1]):
+            if self.prefixes.get(chained) == key:
+                del self.prefixes[chained]
+
+    def rows(
+        self, taken: list[tuple[LiveRequest, range]], entries: Mapping[PromptKey, SharedPrompt]
+    ) -> tuple[Rows, torch.Tensor]:
+        """Rows for requests whose whole prompts' states are in `entries`, as `_prefill` would
+        make them: the states left-padded to the longest and expanded to one row per sample,
+        each row's positions going on from its prompt's length; and the logits each row
+        chooses from."""
         unique: dict[PromptKey, int] = {}
         source = [unique.setdefault(prompt_key(r), len(unique)) for r, _ in taken]
-        stored = [self.entries[key] for key in unique]
+        stored = [entries[key] for key in unique]
         requests, samples, rows = per_sample(taken, source)
         logits = torch.stack([entry.logits for entry in stored])
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)

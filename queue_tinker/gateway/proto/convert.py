@@ -283,7 +283,7 @@ def encode_sample_response(
     """The sampling result as the SDK reads it (doc section 9.2): prompt logprobs are NaN where
     not computed, including before the last N positions when the request asked for only N
     (the SDK raises if any of those is a number)."""
-    msg = pb.SampleResponse()
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=response.prompt_cache_hit_tokens)
     for seq in response.sequences:
         sequence = msg.sequences.add(
             stop_reason=_STOP_REASONS[seq.stop_reason],

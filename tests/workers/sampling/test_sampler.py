@@ -30,7 +30,9 @@ from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.row_blocks import blocks_of
 from queue_tinker.workers.sampling import decode_loop as sampler
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
+from queue_tinker.workers.sampling.decode_rows import BASE_ADAPTER
 from queue_tinker.workers.sampling.kv_cache import GrowingLayer
+from queue_tinker.workers.sampling.prefix_cache import SharedPrompt
 
 BASE = "queue-tinker/tiny-llama"
 VOCAB = 259
@@ -825,39 +827,105 @@ def test_a_request_joining_an_identical_running_prompt_is_not_prefilled_again(
     requests = {"first": first, "short": short, "later": later, "again": again, "other": other}
     for key, req in requests.items():
         assert_near(done[key], run(setup, [req])[0])
-    assert not loop.prompts.entries and not loop.prompts.users
+    assert done["later"].prompt_cache_hit_tokens == len(PROMPTS[1])
+    assert done["first"].prompt_cache_hit_tokens == 0
+    assert len(loop.prompts.entries) == 3 and not loop.prompts.users
 
 
-def test_a_kept_prompt_leaves_with_the_last_request_on_it(setup: Setup) -> None:
-    """Kept prompts are only those of requests in the loop (waiting or running): finishing,
-    cancel and clear drop them, so a stream of requests does not grow them. A prompt that
-    stays in flight is prefilled once, however many requests come for it."""
+def test_kept_prompts_go_least_recently_used_first_never_one_in_use(setup: Setup) -> None:
+    """Kept prompts outlive their requests, within the cache's bytes: past them the least
+    recently used entry no request in the loop counts on goes first; one a waiting request
+    counts on stays, so it joins from it without prefilling. clear() forgets them all."""
     loop = new_loop(setup)
-    for i in range(8):
-        loop.add(("same", i), request(PROMPTS[1], "a2", max_tokens=3, seed=i, stop=[]))
-        loop.add(("own", i), request([*PROMPTS[0], 40 + i], "a2", max_tokens=2, seed=i, stop=[]))
-        loop.step(setup.model)
-        assert set(loop.prompts.entries) <= in_flight(loop)
-        assert len(loop.prompts.entries) <= 3
+    loop.add("fox", request(PROMPTS[1], "a2", max_tokens=2, seed=1, stop=[]))
     drain(loop, setup.model)
-    assert not loop.prompts.entries and not loop.prompts.users
-    assert loop.prefilled_tokens == len(PROMPTS[1]) + 8 * (len(PROMPTS[0]) + 1)
+    [fox] = loop.prompts.entries.values()
+    per_token = fox.nbytes // len(PROMPTS[1])  # about: the logits are a few bytes more
+    loop.prompts.max_bytes = fox.nbytes + 12 * per_token  # fox and one 8-token prompt
+    for i in range(6):  # a stream of distinct prompts: what is kept stays within its bytes
+        loop.add(("own", i), request([*PROMPTS[0], 40 + i], "a2", max_tokens=2, seed=i, stop=[]))
+        loop.add(("fox", i), request(PROMPTS[1], "a2", max_tokens=2, seed=i, stop=[]))
+        drain(loop, setup.model)
+        assert loop.prompts.nbytes <= loop.prompts.max_bytes
+        assert len(loop.prompts.entries) == 2  # fox, used every round, and the newest
+    assert loop.prefilled_tokens == len(PROMPTS[1]) + 6 * (len(PROMPTS[0]) + 1)
+    assert (tuple(PROMPTS[1]), "a2") in loop.prompts.entries  # used every round: never out
 
     loop.add("x", request(PROMPTS[3], None, max_tokens=10, seed=1, stop=[]))
     loop.step(setup.model)
     loop.add("y", request(PROMPTS[3], None, max_tokens=10, seed=2, stop=[]))
     loop.cancel({"x"})
-    assert len(loop.prompts.entries) == 1  # y still waits on it
+    queued = loop.prompts.entries[(tuple(PROMPTS[3]), BASE_ADAPTER)]
+    small = SharedPrompt([(k[..., :2, :], v[..., :2, :]) for k, v in fox.layers], fox.logits)
+    loop.prompts.max_bytes = queued.nbytes + small.nbytes  # room for what y counts on + small
+    assert loop.prompts.add((tuple(PROMPTS[2]), "a2"), small)
+    assert [key[0] for key in loop.prompts.entries] == [tuple(PROMPTS[3]), tuple(PROMPTS[2])]
     before = loop.prefilled_tokens
     loop.step(setup.model)
     assert loop.rows == 1 and loop.prefilled_tokens == before
     loop.cancel({"y"})
-    assert not loop.busy and not loop.prompts.entries and not loop.prompts.users
+    assert not loop.busy and not loop.prompts.users
     loop.add("z", request(PROMPTS[3], None, max_tokens=10, seed=3, stop=[]))
     loop.step(setup.model)
-    assert loop.prompts.entries
     assert loop.clear() == ["z"]
-    assert not loop.prompts.entries and not loop.prompts.users
+    assert not loop.prompts.entries and not loop.prompts.users and loop.prompts.nbytes == 0
+
+
+# 48 tokens: three whole blocks of the prefix cache, then each prompt's own question.
+CONTEXT = list((b"shared context, " * 3)[:48])
+
+
+def test_a_prompt_that_begins_with_a_kept_one_prefills_only_the_rest(setup: Setup) -> None:
+    """A prompt whose first whole blocks are a kept prompt's (same adapter) joins from their
+    states and prefills only its other tokens; another adapter's states are never used. Each
+    request samples what it samples alone, its response counts the prompt tokens the cache
+    gave it, and the longer prompt is kept whole for the next request."""
+    loop = new_loop(setup)
+    first = request([*CONTEXT, *b"why?"], "a1", max_tokens=8, seed=5, stop=[])
+    loop.add("first", first)
+    assert drain(loop, setup.model)["first"].prompt_cache_hit_tokens == 0
+    question = [*CONTEXT, *b"and how so?"]
+    requests = {
+        "follow": request(question, "a1", n=2, max_tokens=8, seed=6, stop=[], temperature=0.8),
+        "other adapter": request(question, "a2", max_tokens=8, seed=7, stop=[]),
+        "one block": request(CONTEXT[:20], "a1", max_tokens=8, seed=8, stop=[], top_p=0.9),
+    }
+    before = loop.prefilled_tokens
+    for key, req in requests.items():
+        loop.add(key, req)
+    done = drain(loop, setup.model)
+    assert loop.prefilled_tokens - before == (len(question) - 48) + len(question) + (20 - 16)
+    hits = {key: response.prompt_cache_hit_tokens for key, response in done.items()}
+    assert hits == {"follow": 48, "other adapter": 0, "one block": 16}
+    for key, req in requests.items():
+        assert_near(done[key], run(setup, [req])[0])
+
+    again = request(question, "a1", max_tokens=6, seed=9, stop=[])
+    before = loop.prefilled_tokens
+    loop.add("again", again)
+    response = drain(loop, setup.model)["again"]
+    assert loop.prefilled_tokens == before and response.prompt_cache_hit_tokens == len(question)
+    assert_near(response, run(setup, [again])[0])
+
+
+def test_prefix_lookups_need_whole_matching_blocks(setup: Setup) -> None:
+    """A prefix hit is the longest run of whole blocks both prompts share, leaving at least
+    one token to prefill; a prompt that differs inside the first block misses."""
+    loop = new_loop(setup)
+    loop.add("kept", request([*CONTEXT, 1, 2], "a1", max_tokens=1, stop=[]))
+    drain(loop, setup.model)
+
+    def hit(prompt: list[int], adapter: str = "a1") -> int:
+        live = sampler.LiveRequest.make("probe", request(prompt, adapter), [EOS])
+        found = loop.prompts.longest_prefix(live)
+        return 0 if found is None else found.tokens
+
+    assert hit(CONTEXT) == 32  # 48 tokens: the last one is left to prefill
+    assert hit([*CONTEXT, 7]) == 48
+    assert hit([*CONTEXT[:40], 9, 9]) == 32
+    assert hit([9, *CONTEXT[1:]]) == 0
+    assert hit([*CONTEXT, 7], "a2") == 0
+    assert hit(CONTEXT[:16]) == 0
 
 
 def test_a_prompt_over_the_kept_bytes_is_prefilled_again_with_the_same_samples(
@@ -885,7 +953,7 @@ def test_a_prompt_over_the_kept_bytes_is_prefilled_again_with_the_same_samples(
     [entry] = kept.prompts.entries.values()
     assert kept.prompts.nbytes == entry.nbytes > 0
     drain(kept, setup.model)
-    assert kept.prompts.nbytes == 0
+    assert kept.prompts.nbytes == entry.nbytes  # kept after its request, for the next one
 
 
 def test_a_request_for_prompt_scores_prefills_its_prompt_even_in_flight(setup: Setup) -> None:
