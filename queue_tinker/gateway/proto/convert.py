@@ -160,7 +160,8 @@ def _datum(where: str, datum: pb.Datum, limits: RequestLimits) -> Datum:
             values = len(tensor.dense) // _READ_DTYPES[tensor.dtype][0].itemsize
             check_tokens(f"{where}.loss_fn_inputs[{key!r}]", values, limits, what="values")
     chunks = [
-        _chunk(f"{where}.model_input[{j}]", chunk) for j, chunk in enumerate(datum.model_input)
+        _chunk(f"{where}.model_input.chunks[{j}]", chunk)
+        for j, chunk in enumerate(datum.model_input)
     ]
     inputs = {
         key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor, limits)
