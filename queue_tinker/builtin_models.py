@@ -150,6 +150,13 @@ def is_builtin(name: str) -> bool:
     return name in BUILTIN_MODELS
 
 
+def text_only(name: str) -> bool:
+    """Whether `name` is a built-in model known to take no image (any other model's worker
+    knows; the client and gateway cannot tell without loading its config)."""
+    spec = BUILTIN_MODELS.get(name)
+    return spec is not None and spec.vision is None
+
+
 def builtin_dir(name: str, models_dir: Path) -> Path:
     # One flat directory per model; "/" would nest and clash with other names' prefixes.
     return Path(models_dir) / name.replace("/", "--")

@@ -32,6 +32,17 @@ def check_model_input_images(where: str, model_input: ModelInput, limits: Reques
             check_image(f"{where}.chunks[{index}]", chunk, limits)
 
 
+def refuse_images(where: str, model_input: ModelInput, base_model: str) -> None:
+    """A text-only base model takes no image: refuse the input's first, naming it (the worker
+    for any model; the client already for a built-in one it knows is text-only)."""
+    for index, chunk in enumerate(model_input.chunks):
+        if isinstance(chunk, ImageChunk):
+            raise UserInputError(
+                f"{where}.chunks[{index}]: {base_model} is a text-only model; image chunks "
+                "need a vision-language base model (e.g. queue-tinker/tiny-vl)"
+            )
+
+
 def check_image(where: str, chunk: ImageChunk, limits: RequestLimits) -> tuple[int, int]:
     """An image's (width, height), once its bytes are within QT_MAX_IMAGE_BYTES, its header is
     its format's and its pixels are within QT_MAX_IMAGE_PIXELS."""

@@ -17,6 +17,7 @@ from tinker import types
 
 import queue_tinker
 from queue_tinker import types as qt_types
+from queue_tinker.client.training import make_batch
 from queue_tinker.errors import RequestFailedError, UserInputError
 from queue_tinker.settings import Settings
 
@@ -173,3 +174,19 @@ def test_python_client_trains_and_samples_with_images(deployment: Settings) -> N
         wrong = red.model_copy(update={"expected_tokens": 3})
         with pytest.raises(RequestFailedError, match=r"prompt\.chunks\[0\]\.expected_tokens: 3"):
             sampler.sample(qt_types.ModelInput(chunks=[wrong, tail]), 1, greedy).result(120)
+
+
+def test_python_client_refuses_images_for_a_built_in_text_only_model() -> None:
+    """A built-in text-only base model is known to the client: an image in a datum for it is
+    refused before anything is queued, naming the chunk (other models' workers refuse it)."""
+    chunk = qt_types.ImageChunk(data=RED, format="png", expected_tokens=IMAGE_TOKENS)
+    datum = qt_types.Datum(
+        model_input=qt_types.ModelInput(chunks=[qt_types.EncodedTextChunk(tokens=[1]), chunk]),
+        loss_fn_inputs={"target_tokens": np.ones(13, dtype=np.int64)},
+    )
+    with pytest.raises(
+        UserInputError,
+        match=r"^data\[0\]\.model_input\.chunks\[1\]: queue-tinker/tiny-llama is a text-only",
+    ):
+        make_batch([datum], "cross_entropy", None, base_model="queue-tinker/tiny-llama")
+    assert make_batch([datum], "cross_entropy", None, base_model=VL).data[0] == datum

@@ -11,7 +11,6 @@ frozen: LoRA adapts the language model's linears only (adapters.py leaves `visua
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from queue_tinker.builtin_models import (
     BuiltinModel,
 )
 from queue_tinker.errors import UserInputError
+from queue_tinker.types.images import refuse_images
 from queue_tinker.types.tensors import EncodedTextChunk, ImageChunk, ModelInput
 
 # Pillow's names of the formats a chunk may say.
@@ -73,11 +73,14 @@ def model_of(config: PretrainedConfig) -> PreTrainedModel:
 def write_image_processor(spec: BuiltinModel, directory: Path) -> None:
     """The model's image processor (preprocessor_config.json), as its processor would save it.
     The Pillow implementation: torchvision, which the other one needs, is no dependency."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as Processor,
+        )
+    except ImportError:  # transformers before the Pillow / torchvision split: one class
+        from transformers import Qwen2VLImageProcessor as Processor  # type: ignore[assignment]
 
-    Qwen2VLImageProcessorPil(**(spec.image_processor or {})).save_pretrained(str(directory))
+    Processor(**(spec.image_processor or {})).save_pretrained(str(directory))
 
 
 # --- images in a model input ----------------------------------------------------------------
@@ -88,9 +91,9 @@ class ImageInputs:
 
     ids: list[int]
     token_id: int  # the image placeholder's id
+    merge: int  # the spatial merge: an image's tokens are its grid's (h / merge) x (w / merge)
     pixel_values: torch.Tensor  # (patches, channels x temporal x patch x patch), fp32
     grid_thw: torch.Tensor  # (images, 3): each image's grid of patches
-    digest: str  # the images' bytes, hashed: two inputs with the same ids may differ here
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,6 @@ class Vision:
         chunks: list[EncodedTextChunk | ImageChunk] = []
         ids: list[int] = []
         pixels, grids = [], []
-        digest = hashlib.sha256()
         for index, chunk in enumerate(model_input.chunks):
             if isinstance(chunk, EncodedTextChunk):
                 chunks.append(chunk)
@@ -136,9 +138,12 @@ class Vision:
             ids.extend([self.image_token_id] * tokens)
             pixels.append(values)
             grids.append(grid)
-            digest.update(hashlib.sha256(chunk.data).digest())
         images = ImageInputs(
-            ids, self.image_token_id, torch.cat(pixels), torch.stack(grids), digest.hexdigest()
+            ids,
+            self.image_token_id,
+            self.merge,
+            torch.cat(pixels),
+            torch.stack(grids),
         )
         return Expanded(ModelInput(chunks=chunks), images)
 
@@ -173,12 +178,7 @@ class ImageSupport:
     def expand(self, where: str, model_input: ModelInput) -> Expanded:
         if self.vision is not None:
             return self.vision.expand(where, model_input)
-        for index, chunk in enumerate(model_input.chunks):
-            if isinstance(chunk, ImageChunk):
-                raise UserInputError(
-                    f"{where}.chunks[{index}]: {self.base_model} is a text-only model; image "
-                    "chunks need a vision-language base model (e.g. queue-tinker/tiny-vl)"
-                )
+        refuse_images(where, model_input, self.base_model)
         return Expanded(model_input, None)
 
     @property
@@ -194,10 +194,7 @@ class RowImages:
 
     kwargs: dict[str, torch.Tensor]  # pixel_values, image_grid_thw
     token_id: int
-
-    def type_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """1 at image placeholders, 0 at text: what the model's 3-D positions are read from."""
-        return (ids == self.token_id).int()
+    merge: int
 
 
 def joined(
@@ -214,36 +211,53 @@ def joined(
             "image_grid_thw": torch.cat([i.grid_thw for i in present]).to(device),
         },
         token_id=present[0].token_id,
+        merge=present[0].merge,
     )
 
 
 def hidden_states(
     lm: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None, images: RowImages
 ) -> torch.Tensor:
-    """The final hidden states of right-padded rows whose image placeholders take the images'
-    embeddings; the model computes the 3-D rotary positions from the ids and the grids."""
+    """The final hidden states of rows whose image placeholders take the images' embeddings,
+    at their 3-D rotary positions."""
     model = cast(Any, lm).model  # the multimodal model under the LM head
     out = model(
         input_ids=ids,
         attention_mask=mask,
-        mm_token_type_ids=images.type_ids(ids),
+        position_ids=rope_positions(ids, mask, images),
         use_cache=False,
         **images.kwargs,
     )
     return cast(torch.Tensor, out.last_hidden_state)
 
 
-def rope_positions(
-    lm: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, images: RowImages
-) -> torch.Tensor:
-    """(3, rows, width) rotary positions of prompts holding images (left padding under
-    `mask`): text counts on from each image's largest position, as the model's own forward
-    computes them."""
-    model = cast(Any, lm).model
-    positions, _ = model.get_rope_index(
-        ids,
-        mm_token_type_ids=images.type_ids(ids),
-        image_grid_thw=images.kwargs["image_grid_thw"],
-        attention_mask=mask,
-    )
-    return cast(torch.Tensor, positions)
+def rope_positions(ids: torch.Tensor, mask: torch.Tensor | None, images: RowImages) -> torch.Tensor:
+    """(3, rows, width) rotary positions (time, height, width) of rows holding images, padding
+    (0 in `mask`) at 0: a text token's are its running position on all three axes; an image's
+    tokens sit at the running position plus their (time, row, column) in its merged grid, and
+    the text after it goes on from the running position plus its larger side. Qwen2-VL's
+    rule (its get_rope_index), computed here so the call does not depend on that method's
+    signature, which changed between transformers releases."""
+    grids = iter(images.kwargs["image_grid_thw"].tolist())
+    positions = torch.zeros((3, *ids.shape), dtype=torch.long)
+    real = mask.bool().cpu() if mask is not None else torch.ones(ids.shape, dtype=torch.bool)
+    for row, (row_ids, row_real) in enumerate(zip(ids.tolist(), real, strict=True)):
+        tokens = [t for t, keep in zip(row_ids, row_real.tolist(), strict=True) if keep]
+        axes: list[list[int]] = []
+        position = at = 0
+        while at < len(tokens):
+            if tokens[at] != images.token_id:
+                axes.append([position] * 3)
+                position, at = position + 1, at + 1
+                continue
+            t, h, w = next(grids)
+            h, w = h // images.merge, w // images.merge
+            axes += [
+                [position + i, position + j, position + k]
+                for i in range(t)
+                for j in range(h)
+                for k in range(w)
+            ]
+            position, at = position + max(h, w), at + t * h * w
+        positions[:, row, row_real] = torch.tensor(axes, dtype=torch.long).T.reshape(3, -1)
+    return positions.to(ids.device)

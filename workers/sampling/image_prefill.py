@@ -55,7 +55,7 @@ def prefill_with_images(
     mask = torch.ones_like(ids)
     images = joined([spec.images], device, lm.dtype)
     assert images is not None
-    positions = rope_positions(lm, ids, mask, images)
+    positions = rope_positions(ids, mask, images)
     wanted = wants_prompt_scores(spec) and samples.start == 0
     cache = DynamicCache(config=getattr(model, "config", None))
     logits = forward(

@@ -20,6 +20,7 @@ from queue_tinker.types import OpKind, codec
 from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, ModelInput
 from queue_tinker.types.training import AdamParams
 from queue_tinker.workers.executor.lora import LoraExecutor
+from queue_tinker.workers.model.vision_language import joined, rope_positions
 
 VL = "queue-tinker/tiny-vl"
 TEXT = "queue-tinker/tiny-llama"
@@ -187,3 +188,28 @@ def test_a_text_only_model_refuses_an_image_chunk(scratch: Path) -> None:
         loss_fn_inputs={"target_tokens": np.array([2, 3, 4], dtype=np.int64)},
     )
     assert torch.isfinite(torch.tensor(driver.fb("text", [plain]).loss))
+
+
+def test_rope_positions_are_the_model_s_own(vl: Driver) -> None:
+    """The 3-D rotary positions the worker computes (two images of different grids, one row
+    left-padded) are those of the model's get_rope_index."""
+    vision = vl.engine.training.rounds.images.vision
+    assert vision is not None
+    first = vision.expand("x", image_input(RED)).images
+    wide = vision.expand("x", image_input(png((1, 2, 3), (48, 16)))).images
+    assert first is not None and wide is not None
+    rows = [first.ids + wide.ids, [7, 8, *first.ids]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    images = joined([first, wide, first], torch.device("cpu"), torch.float32)
+    assert images is not None
+    grids = images.kwargs["image_grid_thw"]
+    model: Any = vl.engine.pool.base.model
+    expected, _ = model.get_rope_index(
+        ids,
+        mm_token_type_ids=(ids == images.token_id).int(),
+        image_grid_thw=grids,
+        attention_mask=mask,
+    )
+    assert torch.equal(rope_positions(ids, mask, images)[:, mask.bool()], expected[:, mask.bool()])
