@@ -163,7 +163,13 @@ class Vision:
             raise UserInputError(
                 f"{where}.data: cannot be decoded as a {chunk.format} image ({exc})"
             ) from None
-        out = self.processor(images=[rgb], return_tensors="pt")
+        try:
+            out = self.processor(images=[rgb], return_tensors="pt")
+        except ValueError as exc:  # e.g. Qwen2-VL's: an aspect ratio over 200
+            raise UserInputError(
+                f"{where}.data: this model's image processor cannot take this "
+                f"{rgb.width}x{rgb.height} image ({exc})"
+            ) from None
         return out["pixel_values"].float(), out["image_grid_thw"][0].long()
 
 

@@ -146,6 +146,11 @@ def test_training_on_an_image_lowers_the_loss_of_the_text_after_it(vl: Driver) -
             r"data\[0\]\.model_input\.chunks\[1\]\.data: cannot be decoded as a png image",
         ),
         (
+            ImageChunk(data=png((0, 0, 0), (1000, 2)), format="png", expected_tokens=12),
+            r"data\[0\]\.model_input\.chunks\[1\]\.data: this model's image processor cannot "
+            r"take this 1000x2 image \(absolute aspect ratio",
+        ),
+        (
             ImageChunk(data=RED, format="png"),
             r"data\[0\]\.model_input\.chunks\[1\]\.expected_tokens: required for an image "
             "in a training datum",
