@@ -40,11 +40,28 @@ MODEL_FILES = ("model.safetensors", "config.json")
 _LAST_FILES = ("tokenizer_config.json", "config.json")
 
 
+# A vision-language built-in's tokens after the byte tokenizer's: Qwen2-VL's names.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID = range(VOCAB_SIZE, VOCAB_SIZE + 4)
+VL_VOCAB_SIZE = VOCAB_SIZE + len(VISION_TOKENS)
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json",)
+
+
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str
     description: str
     config: dict[str, Any] = field(hash=False)  # LlamaConfig kwargs (token ids added at build)
+    # A vision-language model (Qwen2-VL): its vision tower's config and its image processor's
+    # settings; config is then its text model's. None: a text-only Llama.
+    vision: dict[str, Any] | None = field(default=None, hash=False)
+    image_processor: dict[str, Any] | None = field(default=None, hash=False)
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens after the bytes, in id order."""
+        base = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+        return (*base, *VISION_TOKENS) if self.vision is not None else base
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -82,12 +99,62 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
                 "rms_norm_eps": 1e-5,
             },
         ),
+        BuiltinModel(
+            name="queue-tinker/tiny-vl",
+            description=(
+                "Qwen2-VL, 2 text layers (hidden 64) and a 1-block vision tower over 4x4 "
+                "patches, byte tokenizer + vision tokens; images of 8x8 to 64x64 pixels after "
+                "resizing, 1 token per 8x8 pixels; 144,416 params (tests)."
+            ),
+            config={
+                "vocab_size": VL_VOCAB_SIZE,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-5,
+                # head_dim 16: its 8 rotary frequencies split over time, height and width.
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [2, 3, 3],
+                },
+            },
+            vision={
+                "depth": 1,
+                "embed_dim": 32,
+                "hidden_size": 64,
+                "num_heads": 2,
+                "mlp_ratio": 2,
+                "patch_size": 4,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "in_channels": 3,
+            },
+            image_processor={
+                "patch_size": 4,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "min_pixels": 8 * 8,
+                "max_pixels": 64 * 64,
+            },
+        ),
     )
 }
 
 
 def is_builtin(name: str) -> bool:
     return name in BUILTIN_MODELS
+
+
+def text_only(name: str) -> bool:
+    """Whether `name` is a built-in model known to take no image (any other model's worker
+    knows; the client and gateway cannot tell without loading its config)."""
+    spec = BUILTIN_MODELS.get(name)
+    return spec is not None and spec.vision is None
 
 
 def builtin_dir(name: str, models_dir: Path) -> Path:
@@ -117,8 +184,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tokenizer(path: Path) -> None:
-    """Write the byte-level tokenizer (tokenizer.json + tokenizer_config.json) into `path`."""
+def write_tokenizer(
+    path: Path, specials: tuple[str, ...] = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+) -> None:
+    """Write the byte-level tokenizer (tokenizer.json + tokenizer_config.json) into `path`,
+    with `specials` after the 256 bytes (a vision-language model's: BuiltinModel.special_tokens)."""
     try:  # lazily: the light client installs no tokenizers
         from tokenizers import Tokenizer, decoders, models
         from tokenizers.pre_tokenizers import ByteLevel
@@ -131,8 +201,11 @@ def write_tokenizer(path: Path) -> None:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([BOS_TOKEN, EOS_TOKEN, PAD_TOKEN])  # ids 256, 257, 258
-    if tokenizer.get_vocab_size() != VOCAB_SIZE or tokenizer.token_to_id(PAD_TOKEN) != PAD_ID:
+    tokenizer.add_special_tokens(list(specials))  # ids 256, 257, 258, ...
+    if (
+        tokenizer.get_vocab_size() != 256 + len(specials)
+        or tokenizer.token_to_id(PAD_TOKEN) != PAD_ID
+    ):
         raise RuntimeError("byte tokenizer came out with unexpected ids")
 
     path = Path(path)
@@ -195,7 +268,7 @@ def ensure_tokenizer(name: str, models_dir: Path) -> Path:
         return final
     staging = staging_dir(final)
     try:
-        write_tokenizer(staging)
+        write_tokenizer(staging, BUILTIN_MODELS[name].special_tokens)
         publish_dir(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # left over only if publishing failed

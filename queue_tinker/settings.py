@@ -176,6 +176,19 @@ class Settings(BaseSettings):
         "an op body that encodes bigger. 64 MiB is ~4M tokens of training data, far over the "
         "SDK's own 5 MB chunks, and bounds what one op holds in Redis.",
     )
+    max_image_bytes: int = Field(
+        default=DEFAULT_LIMITS.image_bytes,
+        ge=1,
+        description="Most bytes of one image chunk (its encoded PNG or JPEG) in a model "
+        "input; client, gateway and worker refuse a bigger one, naming the chunk.",
+    )
+    max_image_pixels: int = Field(
+        default=DEFAULT_LIMITS.image_pixels,
+        ge=1,
+        description="Most pixels (width x height, read off the image's header) of one image "
+        "chunk: a worker never decodes more (a small file can describe a huge image). The "
+        "model's processor then resizes it to what the model reads.",
+    )
     ephemeral_sampler_ttl_s: int = Field(
         default=86_400,
         gt=0,

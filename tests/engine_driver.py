@@ -80,7 +80,7 @@ class Driver:
         self.op(
             model_id,
             OpKind.CREATE_MODEL,
-            {"lora_config": lora, "tenant_id": "default", "base_model": BASE},
+            {"lora_config": lora, "tenant_id": "default", "base_model": self.engine.base_model},
         )
 
     def forward(self, model_id: str, data: list[Datum]) -> ForwardBackwardOutput:

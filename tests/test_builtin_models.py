@@ -38,11 +38,12 @@ from queue_tinker.workers.model.base_model import (  # noqa: E402
 )
 
 TINY = "queue-tinker/tiny-llama"
+TINY_VL = "queue-tinker/tiny-vl"
 TEXTS = ["A", "hello , world . isn 't", "héllo ✓", "日本語 🎉\n\t  x\x00\x7f", ""]
 
 
 def test_catalogue_and_paths(tmp_path: Path) -> None:
-    assert set(BUILTIN_MODELS) == {TINY, "queue-tinker/llama-100m"}
+    assert set(BUILTIN_MODELS) == {TINY, "queue-tinker/llama-100m", TINY_VL}
     assert is_builtin(TINY) and not is_builtin("meta-llama/Llama-3.2-1B")
     assert builtin_dir(TINY, tmp_path) == tmp_path / "queue-tinker--tiny-llama"
     assert resolve_model_path("some/hub-id", tmp_path) == "some/hub-id"
@@ -170,3 +171,25 @@ def test_publish_keeps_the_winners_files(tmp_path: Path) -> None:
     assert (final / "config.json").read_text() == "theirs"
     assert (final / "model.safetensors").read_text() == "ours"  # missing pieces are added
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_tiny_vl_loads_through_from_pretrained_with_its_image_processor(tmp_path: Path) -> None:
+    """queue-tinker/tiny-vl: a Qwen2-VL made locally with the parameter count its description
+    says, its tokenizer the bytes plus the vision tokens, its image processor saved beside it;
+    the model loads through AutoModelForImageTextToText and the processor through
+    AutoImageProcessor, both from the directory."""
+    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+
+    from queue_tinker.builtin_models import IMAGE_PAD_ID, VL_VOCAB_SIZE
+
+    model = load_base_model(TINY_VL, "cpu", tmp_path)
+    assert isinstance(model, Qwen2VLForConditionalGeneration)
+    count = sum(p.numel() for p in model.parameters())
+    assert f"{count:,}" in BUILTIN_MODELS[TINY_VL].description
+    assert vocab_size(model) == VL_VOCAB_SIZE and context_length(model) == 512
+    path = builtin_dir(TINY_VL, tmp_path)
+    processor = AutoImageProcessor.from_pretrained(str(path), backend="pil")
+    assert (processor.patch_size, processor.merge_size) == (4, 2)
+    tok = load_tokenizer(TINY_VL, tmp_path)
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_PAD_ID == model.config.image_token_id
+    assert tok.encode("hi") == [104, 105]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from queue_tinker.builtin_models import load_tokenizer
+from queue_tinker.builtin_models import load_tokenizer, text_only
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop
@@ -19,6 +19,7 @@ from queue_tinker.client.wire import decoder
 from queue_tinker.queue import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
+from queue_tinker.types.images import refuse_images
 from queue_tinker.types.request_limits import RequestLimits, encode_request
 from queue_tinker.types.sampling import SampleInput, SampleResponse, SamplingParams, sample_input
 from queue_tinker.types.tensors import ModelInput
@@ -83,21 +84,22 @@ class SamplingClient:
         prompt_logprobs_last_n keeps only the last N positions of both; with
         topk_sample_logprobs=k, the k most likely tokens at each generated position; with
         prompt_alt_tokens_k=k, k draws at each prompt position after the first."""
-        pending = await self._submit(
-            sample_input(
-                prompt,
-                num_samples,
-                sampling_params,
-                include_prompt_logprobs or prompt_logprobs_last_n is not None,
-                await self._weights(),
-                limits=self._limits,
-                topk_prompt_logprobs=topk_prompt_logprobs,
-                target_prompt_logprobs=target_prompt_logprobs,
-                topk_sample_logprobs=topk_sample_logprobs,
-                prompt_alt_tokens_k=prompt_alt_tokens_k,
-                inflight_of=self.inflight_of,
-            )
+        body = sample_input(
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs or prompt_logprobs_last_n is not None,
+            await self._weights(),
+            limits=self._limits,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            target_prompt_logprobs=target_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
+            inflight_of=self.inflight_of,
         )
+        if text_only(self.base_model):  # a built-in known to take no image: refused here
+            refuse_images("prompt", body.prompt, self.base_model)
+        pending = await self._submit(body)
         if prompt_logprobs_last_n is None:
             return pending
         return pending.then(lambda response: last_n_only(response, prompt_logprobs_last_n))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from queue_tinker.age import check_recipients
-from queue_tinker.builtin_models import load_tokenizer
+from queue_tinker.builtin_models import load_tokenizer, text_only
 from queue_tinker.client.compat import no_checkpoint_metadata, no_weights_token, unused
 from queue_tinker.client.custom_loss import (
     CustomLossFn,
@@ -30,6 +30,7 @@ from queue_tinker.queue import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import check_name
+from queue_tinker.types.images import refuse_images
 from queue_tinker.types.loss_inputs import check_batch, check_batch_size, parse_loss_fn
 from queue_tinker.types.request_limits import (
     RequestLimits,
@@ -62,9 +63,14 @@ def datums(data: Any, limits: RequestLimits | None = None) -> list[Datum]:
 
 
 def make_batch(
-    data: Sequence[Any], loss_fn: Any, loss_fn_config: Any, limits: RequestLimits | None = None
+    data: Sequence[Any],
+    loss_fn: Any,
+    loss_fn_config: Any,
+    limits: RequestLimits | None = None,
+    base_model: str | None = None,
 ) -> ForwardBackwardInput:
-    """The op body of forward / forward_backward, checked as far as the client can."""
+    """The op body of forward / forward_backward, checked as far as the client can (images
+    too, on a built-in `base_model` known to take none)."""
     limits = limits or RequestLimits.defaults()
     batch = validated(
         ForwardBackwardInput,
@@ -77,6 +83,9 @@ def make_batch(
     )
     check_batch_size(batch, limits)
     check_batch(batch)
+    if base_model is not None and text_only(base_model):
+        for index, datum in enumerate(batch.data):
+            refuse_images(f"data[{index}].model_input", datum.model_input, base_model)
     return batch
 
 
@@ -126,7 +135,7 @@ class TrainingClient:
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
         """Loss and per-datum target logprobs, without gradients."""
-        batch = make_batch(data, loss_fn, loss_fn_config, self._limits)
+        batch = make_batch(data, loss_fn, loss_fn_config, self._limits, self.base_model)
         return await self._submit(
             OpKind.FORWARD, batch.model_dump(), decoder(ForwardBackwardOutput)
         )
@@ -141,7 +150,7 @@ class TrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         """Loss, logprobs, and gradients added to the adapter's (accumulating until
         optim_step)."""
-        batch = make_batch(data, loss_fn, loss_fn_config, self._limits)
+        batch = make_batch(data, loss_fn, loss_fn_config, self._limits, self.base_model)
         return await self._submit(
             OpKind.FORWARD_BACKWARD, batch.model_dump(), decoder(ForwardBackwardOutput)
         )

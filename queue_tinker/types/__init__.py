@@ -22,7 +22,7 @@ from queue_tinker.types.sampling import (
     SamplingParams,
     StopReason,
 )
-from queue_tinker.types.tensors import Datum, EncodedTextChunk, ModelInput, TensorData
+from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, ModelInput, TensorData
 from queue_tinker.types.training import (
     AdamParams,
     ForwardBackwardInput,
@@ -48,6 +48,7 @@ __all__ = [
     "ForwardBackwardInput",
     "ForwardBackwardOutput",
     "GetInfoResponse",
+    "ImageChunk",
     "JobStatus",
     "LoadWeightsResponse",
     "LoraConfig",

@@ -16,8 +16,9 @@ import numpy as np
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.custom_loss import CustomLoss
 from queue_tinker.types.enums import LossFn
+from queue_tinker.types.images import check_model_input_images
 from queue_tinker.types.request_limits import RequestLimits, check_datum_count, check_tokens
-from queue_tinker.types.tensors import Datum, TensorData
+from queue_tinker.types.tensors import Datum, ImageChunk, ModelInput, TensorData
 from queue_tinker.types.training import ForwardBackwardInput
 
 
@@ -126,10 +127,23 @@ def check_batch_size(batch: ForwardBackwardInput, limits: RequestLimits) -> None
     check_datum_count(len(batch.data), limits)
     for index, datum in enumerate(batch.data):
         where = f"data[{index}]"
+        check_training_images(f"{where}.model_input", datum.model_input, limits)
         check_tokens(f"{where}.model_input", datum.model_input.length, limits)
         for key, tensor in datum.loss_fn_inputs.items():
             check_tokens(
                 f"{where}.loss_fn_inputs[{key!r}]", int(tensor.data.size), limits, what="values"
+            )
+
+
+def check_training_images(where: str, model_input: ModelInput, limits: RequestLimits) -> None:
+    """A training datum's images: each within the image limits, and each saying the positions
+    it takes (expected_tokens), which its loss_fn_inputs are aligned with."""
+    check_model_input_images(where, model_input, limits)
+    for index, chunk in enumerate(model_input.chunks):
+        if isinstance(chunk, ImageChunk) and chunk.expected_tokens is None:
+            raise UserInputError(
+                f"{where}.chunks[{index}].expected_tokens: required for an image in a training "
+                "datum: its loss_fn_inputs are aligned with the positions the image takes"
             )
 
 
@@ -156,8 +170,8 @@ def check_custom_inputs(index: int, datum: Datum, custom: CustomLoss) -> None:
 
 def check_datum(index: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) -> None:
     where = f"data[{index}]"
-    tokens = datum.model_input.to_ints()
-    n = len(tokens)
+    tokens = datum.model_input.text_ints()  # images: their positions, counted on the worker
+    n = datum.model_input.length
     if n == 0:
         raise UserInputError(f"{where}.model_input: has no tokens")
     if limits.context_length is not None and n > limits.context_length:

@@ -34,6 +34,10 @@ class LimitSettings(Protocol):
     def max_samples_per_request(self) -> int: ...
     @property
     def max_request_bytes(self) -> int: ...
+    @property
+    def max_image_bytes(self) -> int: ...
+    @property
+    def max_image_pixels(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class RequestLimits:
     datums_per_request: int = 1_024
     samples_per_request: int = 1_024
     request_bytes: int = 64 * 1024 * 1024
+    image_bytes: int = 10 * 1024 * 1024
+    image_pixels: int = 4096 * 4096
 
     @classmethod
     def of(cls, settings: LimitSettings) -> RequestLimits:
@@ -53,6 +59,8 @@ class RequestLimits:
             datums_per_request=settings.max_datums_per_request,
             samples_per_request=settings.max_samples_per_request,
             request_bytes=settings.max_request_bytes,
+            image_bytes=settings.max_image_bytes,
+            image_pixels=settings.max_image_pixels,
         )
 
     @classmethod

@@ -10,6 +10,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from queue_tinker.errors import UserInputError
+from queue_tinker.types.images import check_model_input_images
 from queue_tinker.types.loss_inputs import ModelLimits, check_token_ids
 from queue_tinker.types.request_limits import RequestLimits, check_tokens
 from queue_tinker.types.tensors import ModelInput
@@ -189,6 +190,7 @@ def check_sample_size(body: SampleInput, limits: RequestLimits) -> None:
             f"num_samples: {num_samples} is more than QT_MAX_SAMPLES_PER_REQUEST="
             f"{limits.samples_per_request} allows in one request; send several requests"
         )
+    check_model_input_images("prompt", body.prompt, limits)
     check_tokens("prompt", body.prompt.length, limits)
     if max_tokens is not None and max_tokens > limits.tokens_per_datum:
         raise UserInputError(
@@ -264,13 +266,13 @@ def check_sample(body: SampleInput, limits: ModelLimits | None = None) -> None:
     limits = limits or ModelLimits()
     n = body.prompt.length
     if limits.vocab_size is not None:
-        check_token_ids("prompt", np.asarray(body.prompt.to_ints()), limits.vocab_size)
+        check_token_ids("prompt", np.asarray(body.prompt.text_ints()), limits.vocab_size)
         check_token_ids(
             "sampling_params.stop",
             np.asarray(body.sampling_params.stop_token_ids, dtype=np.int64),
             limits.vocab_size,
         )
-    if body.target_prompt_logprobs is not None:
+    if body.target_prompt_logprobs is not None and body.prompt.counted:
         _check_targets(body.target_prompt_logprobs, n, limits.vocab_size)
     if limits.context_length is None:
         return

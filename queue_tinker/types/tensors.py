@@ -6,10 +6,21 @@ msgpack codec's numpy extension) and only becomes a JSON list at the HTTP gatewa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+import base64
+import binascii
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -141,12 +152,75 @@ class EncodedTextChunk(BaseModel):
         return len(self.tokens)
 
 
-class ModelInput(BaseModel):
-    """A token sequence made of chunks (only encoded text here: the models are text-only)."""
+ImageFormat = Literal["png", "jpeg"]
+
+
+class ImageChunk(BaseModel):
+    """An image in a model input (Tinker's ImageChunk): its encoded bytes (base64 in JSON) and
+    format. It takes `expected_tokens` positions of the sequence: the image placeholder tokens
+    the model's processor expands it to. The worker counts them and refuses a differing
+    `expected_tokens`; a training datum must say it (its loss_fn_inputs align with them)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    chunks: list[EncodedTextChunk] = Field(default_factory=list)
+    data: bytes
+    format: ImageFormat
+    expected_tokens: int | None = Field(None, ge=1)
+    type: Literal["image"] = "image"
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _from_base64(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("not valid base64") from None
+        return value
+
+    @field_serializer("data", when_used="json")
+    def _as_base64(self, data: bytes) -> str:
+        return base64.b64encode(data).decode("ascii")
+
+    @property
+    def length(self) -> int:
+        """The positions it takes: expected_tokens; 0 while nobody counted them (a sample's
+        prompt may leave them to the worker)."""
+        return self.expected_tokens or 0
+
+    def __repr__(self) -> str:  # never megabytes of bytes in a log line or an error
+        return (
+            f"ImageChunk(format={self.format!r}, {len(self.data)} bytes, "
+            f"expected_tokens={self.expected_tokens})"
+        )
+
+
+def _chunk_type(value: Any) -> str:
+    kind = value.get("type", "encoded_text") if isinstance(value, dict) else value.type
+    return str(kind)
+
+
+# A chunk without "type" is text, as before images were served.
+ModelInputChunk = Annotated[
+    Annotated[EncodedTextChunk, Tag("encoded_text")] | Annotated[ImageChunk, Tag("image")],
+    Discriminator(
+        _chunk_type,
+        custom_error_type="chunk_type",
+        custom_error_message=(
+            "a chunk's type must be 'encoded_text' or 'image' (image_asset_pointer, a path "
+            "or URL, is not served: send the image's bytes in an image chunk)"
+        ),
+    ),
+]
+CHUNK_TAGS = frozenset({"encoded_text", "image"})  # what validation errors' paths leave out
+
+
+class ModelInput(BaseModel):
+    """A sequence made of chunks: encoded text, and images (for vision-language models)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    chunks: list[ModelInputChunk] = Field(default_factory=list)
 
     @classmethod
     def from_ints(cls, tokens: Any) -> ModelInput:
@@ -157,13 +231,34 @@ class ModelInput(BaseModel):
         return cls(chunks=[])
 
     def to_ints(self) -> list[int]:
-        return [token for chunk in self.chunks for token in chunk.tokens]
+        """The token ids; an input with images has none for them: refused."""
+        if self.images:
+            raise ValueError(
+                "to_ints: this model input holds image chunks, which are not token ids"
+            )
+        return self.text_ints()
+
+    def text_ints(self) -> list[int]:
+        """The text chunks' token ids, back to back (images left out)."""
+        return [
+            t for chunk in self.chunks if isinstance(chunk, EncodedTextChunk) for t in chunk.tokens
+        ]
+
+    @property
+    def images(self) -> list[ImageChunk]:
+        return [chunk for chunk in self.chunks if isinstance(chunk, ImageChunk)]
 
     @property
     def length(self) -> int:
+        """Positions in the sequence: text tokens, and each image's expected_tokens."""
         return sum(chunk.length for chunk in self.chunks)
 
-    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+    @property
+    def counted(self) -> bool:
+        """Whether `length` is exact: every image's positions known."""
+        return all(chunk.expected_tokens is not None for chunk in self.images)
+
+    def append(self, chunk: EncodedTextChunk | ImageChunk) -> ModelInput:
         return ModelInput(chunks=[*self.chunks, chunk])
 
     def append_int(self, token: int) -> ModelInput:

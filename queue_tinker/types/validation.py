@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from queue_tinker.errors import UserInputError
+from queue_tinker.types.tensors import CHUNK_TAGS
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -35,6 +36,6 @@ def field_path(field: str, loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part != "":
+        elif part != "" and part not in CHUNK_TAGS:  # a union's tag is no field
             path += f".{part}" if path else str(part)
     return path or "body"

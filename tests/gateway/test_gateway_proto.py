@@ -33,7 +33,7 @@ from queue_tinker.gateway.proto.convert import (
 )
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.sampling import SampledSequence, SampleResponse
-from queue_tinker.types.tensors import TensorData
+from queue_tinker.types.tensors import ImageChunk, TensorData
 from queue_tinker.types.training import ForwardBackwardOutput
 
 # ---- the SDK as the sender: its real /forward_backward call, answered in-process ----
@@ -313,7 +313,9 @@ def test_a_text_config_value_from_the_sdk() -> None:
         parse_forward_backward(body).batch()
 
 
-def test_image_and_dmel_chunks_from_the_sdk() -> None:
+def test_image_chunks_convert_and_dmel_chunks_are_refused() -> None:
+    """The SDK's ImageChunk arrives as ours (its bytes checked with the batch's sizes); a
+    dmel chunk is refused naming it."""
     image = text_datum(
         sdk.ModelInput(
             chunks=[
@@ -323,27 +325,26 @@ def test_image_and_dmel_chunks_from_the_sdk() -> None:
         ),
         target_tokens=[2, 3],
     )
+    (datum,) = parse_forward_backward(sdk_body([image])).batch().data
+    png = ImageChunk(data=b"\x89PNG fake", format="png", expected_tokens=4)
+    assert datum.model_input.chunks[1] == png and datum.model_input.length == 6
     dmel = text_datum(sdk.ModelInput(chunks=[sdk.DmelChunk(dmel=b"\x00" * 8)]), target_tokens=[2])
-    for data, where, kind in (
-        ([image], "data[0].model_input[1]", "image"),
-        ([text_datum([1], target_tokens=[2]), dmel], "data[1].model_input[0]", "dmel"),
-    ):
-        with pytest.raises(UserInputError) as excinfo:
-            parse_forward_backward(sdk_body(data)).batch()
-        assert excinfo.value.message.startswith(f"{where}: {kind} chunks are not supported")
-        assert "text models only" in excinfo.value.message
+    with pytest.raises(UserInputError, match=r"^data\[1\]\.model_input\.chunks\[0\]: dmel chunks"):
+        parse_forward_backward(sdk_body([text_datum([1], target_tokens=[2]), dmel])).batch()
 
 
 def test_token_bytes_must_be_whole_int32s() -> None:
     request = good_request()
     request.data[1].model_input[0].encoded_text.tokens += b"\x01"
-    assert batch_error(request).startswith("data[1].model_input[0].encoded_text.tokens: 9 bytes")
+    error = batch_error(request)
+    assert error.startswith("data[1].model_input.chunks[0].encoded_text.tokens: 9 bytes")
 
 
 def test_a_chunk_must_hold_something() -> None:
     request = good_request()
     request.data[0].model_input.add()
-    assert batch_error(request) == "data[0].model_input[1]: empty chunk (set encoded_text)"
+    error = "data[0].model_input.chunks[1]: empty chunk (set encoded_text or image)"
+    assert batch_error(request) == error
 
 
 def test_tensor_dtype_must_be_given() -> None:

@@ -35,6 +35,7 @@ from queue_tinker.workers.model.fit import (
     require_fit,
 )
 from queue_tinker.workers.model.memory import Budgets, device_budgets, layer_bytes
+from queue_tinker.workers.model.vision_language import ImageSupport, Vision, is_vl
 from queue_tinker.workers.sampling.sessions import SamplingSessions
 from queue_tinker.workers.training import engine as training_engine
 from queue_tinker.workers.training.engine import TrainingEngine
@@ -112,13 +113,20 @@ class LoraExecutor:
         )
         resident = (fitted.demand.settings if fitted else fit).max_resident_adapters
         base = base_models.load_frozen_base(base_model, device, models_dir, dtype)
+        images = ImageSupport(base_model)
+        if is_vl(base.config):
+            path = base_models.resolve_model_path(base_model, models_dir)
+            images = ImageSupport(base_model, Vision(path, base.config))
+            # Its 3-D positions are computed per row, so packed rows would attend across datums.
+            plan = replace(plan, pack_above_padding=None)
         self.limits = limits = ModelLimits(
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
         )
         self.pool = AdapterPool(base, base_model, resident)
         # Unset budgets: the CPU defaults, or what the device's free memory holds now.
+        # A vision-language model's sizes are its language model's (its text config).
         budgets = device_budgets(
-            base.config,
+            base.config.get_text_config(),
             self.device,
             base.dtype,
             checkpointing=plan.activation_checkpointing != "off",
@@ -130,13 +138,21 @@ class LoraExecutor:
             plan = replace(
                 plan,
                 activation_budget=budgets.train_activation_bytes,
-                layer_bytes=layer_bytes(base.config, dtype_bytes),
+                layer_bytes=layer_bytes(base.config.get_text_config(), dtype_bytes),
             )
         saved = SavedState(self.pool, storage, base_model)
         residency = Residency(self.pool, saved, storage)
         guard = MemoryGuard(self.device, train_batch_tokens or _train_tokens(budgets))
         rounds = TrainingRounds(
-            self.pool, residency, saved, guard, plan, limits, self.request_limits, snapshot_every
+            self.pool,
+            residency,
+            saved,
+            guard,
+            plan,
+            limits,
+            self.request_limits,
+            snapshot_every,
+            images,
         )
         self.training = TrainingEngine(base_model, self.pool, residency, saved, rounds)
         self.sampling = SamplingSessions(
@@ -150,6 +166,7 @@ class LoraExecutor:
             request_limits=self.request_limits,
             max_cache_tokens=sample_cache_tokens
             or (budgets.sample_cache_tokens if budgets else None),
+            images=images,
         )
         self.durability = ModelDurability(residency, self.sampling)
 
@@ -204,7 +221,9 @@ def check_fit(
     there are the settings' defaults."""
     if device.type != "cuda":
         return None
-    config = base_models.load_config(base_models.resolve_model_path(base_model, models_dir))
+    path = base_models.resolve_model_path(base_model, models_dir)
+    # A vision-language model: its language model's (the vision tower is left out).
+    config = base_models.load_config(path).get_text_config()
     _free, total = torch.cuda.mem_get_info(device)
     dtype_bytes = base_models.resolve_dtype(dtype, device.type).itemsize
     what = f"{base_model} on {device}"

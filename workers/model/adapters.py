@@ -27,6 +27,7 @@ from peft.utils import set_peft_model_state_dict
 from queue_tinker.types.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
 from queue_tinker.workers.model.checkpoints import AdapterState, CheckpointMeta
 from queue_tinker.workers.model.row_blocks import lora_linear_layers
+from queue_tinker.workers.model.vision_language import VISION_TOWER
 
 # Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,
 # Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2 names).
@@ -56,11 +57,13 @@ UNEMBED_MODULES = ("lm_head",)
 
 
 def linear_names(model: torch.nn.Module) -> set[str]:
-    """Short names of the model's linear layers (read before PEFT wraps them)."""
+    """Short names of the model's linear layers (read before PEFT wraps them), a vision
+    tower's left out: it stays frozen, and its names (qkv, proj, fc1, fc2) then match none of
+    the language model's, so no LoRA lands there."""
     return {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
+        if isinstance(module, torch.nn.Linear) and VISION_TOWER not in name.split(".")
     }
 
 

@@ -15,6 +15,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
@@ -26,6 +27,7 @@ from queue_tinker.builtin_models import (
     BOS_ID,
     BUILTIN_MODELS,
     EOS_ID,
+    IMAGE_PROCESSOR_FILES,
     MODEL_FILES,
     PAD_ID,
     TOKENIZER_FILES,
@@ -36,13 +38,16 @@ from queue_tinker.builtin_models import (
     staging_dir,
     write_tokenizer,
 )
+from queue_tinker.workers.model import vision_language
 
 # The built-in weights are a pure function of (config, seed): every machine makes the same model.
 INIT_SEED = 0
 
 
-def builtin_config(name: str) -> LlamaConfig:
+def builtin_config(name: str) -> PretrainedConfig:
     spec = BUILTIN_MODELS[name]
+    if spec.vision is not None:
+        return vision_language.builtin_vl_config(spec)
     return LlamaConfig(**spec.config, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
 
 
@@ -51,17 +56,21 @@ def ensure_builtin_model(name: str, models_dir: Path) -> Path:
     if not is_builtin(name):
         raise ValueError(f"not a built-in model: {name!r}")
     final = builtin_dir(name, models_dir)
-    if has_files(final, (*TOKENIZER_FILES, *MODEL_FILES)):
+    spec = BUILTIN_MODELS[name]
+    processor_files = IMAGE_PROCESSOR_FILES if spec.vision is not None else ()
+    if has_files(final, (*TOKENIZER_FILES, *processor_files, *MODEL_FILES)):
         return final
     config = builtin_config(name)
     staging = staging_dir(final)
     try:
-        write_tokenizer(staging)
+        write_tokenizer(staging, spec.special_tokens)
+        if spec.vision is not None:
+            vision_language.write_image_processor(spec, staging)
         # Init runs on the CPU generator only; fork_rng restores the caller's stream afterwards
         # (and devices=[] keeps CUDA out of it).
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(INIT_SEED)
-            model = LlamaForCausalLM(config).float()  # fp32 whatever the default dtype is
+            model = _model_of(config).float()  # fp32 whatever the default dtype is
         # transformers >= 4.35 (and 5.x, which dropped the flag) saves model.safetensors.
         model.save_pretrained(str(staging))
         del model
@@ -69,6 +78,12 @@ def ensure_builtin_model(name: str, models_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # left over only if publishing failed
     return final
+
+
+def _model_of(config: PretrainedConfig) -> PreTrainedModel:
+    if isinstance(config, LlamaConfig):
+        return LlamaForCausalLM(config)
+    return vision_language.model_of(config)
 
 
 def resolve_model_path(base_model: str, models_dir: Path) -> str:
@@ -103,7 +118,9 @@ def load_base_model(
     path = resolve_model_path(base_model, models_dir)
     config = load_config(path)
     # Typed as a plain Module: transformers' wrapped `.to` confuses type checkers.
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+    # A vision-language model (a vision_config) is an image-text-to-text model to transformers.
+    auto = AutoModelForImageTextToText if vision_language.is_vl(config) else AutoModelForCausalLM
+    model: torch.nn.Module = auto.from_pretrained(
         path, config=config, dtype=resolve_dtype(dtype, device)
     )
     model.to(device)
@@ -131,7 +148,8 @@ def _config(model: torch.nn.Module) -> PretrainedConfig:
 
 
 def context_length(model: torch.nn.Module) -> int:
-    return int(_config(model).max_position_embeddings)
+    # get_text_config: a vision-language model's context is its language model's.
+    return int(_config(model).get_text_config().max_position_embeddings)
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -47,6 +47,7 @@ from queue_tinker.workers.model.row_blocks import (
     lora_linear_layers,
     row_blocks,
 )
+from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.sampling.cache_budget import CacheRow, rows_that_fit
 from queue_tinker.workers.sampling.decode_rows import (
     UNIFORM_BLOCK,
@@ -57,6 +58,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     per_sample,
     plain_layers,
 )
+from queue_tinker.workers.sampling.image_prefill import prefill_with_images
 from queue_tinker.workers.sampling.prefill_groups import length_groups, prefill_call_tokens
 from queue_tinker.workers.sampling.prefix_cache import (
     PrefixCache,
@@ -97,6 +99,7 @@ class GenerationRequest:
     prompt_targets: list[list[int]] | None = None  # ids to score at each prompt position
     prompt_alt_k: int = 0  # prompt_scores.py: draws at each prompt position
     sample_topk: int = 0  # top-k logprobs at each generated position
+    images: ImageInputs | None = None  # a prompt's images: `prompt` holds their placeholders
 
 
 def generate(
@@ -253,6 +256,7 @@ class DecodeLoop:
         cache: DynamicCache,
         adapters: list[str],
         last_only: bool = False,
+        extra: Mapping[str, object] | None = None,
     ) -> torch.Tensor:
         kwargs: dict[str, object] = {
             "input_ids": ids,
@@ -260,6 +264,7 @@ class DecodeLoop:
             "position_ids": positions,
             "past_key_values": cache,
             "use_cache": True,
+            **(extra or {}),  # a prompt's images (image_prefill.py)
         }
         if last_only and _takes_logits_to_keep(model):
             kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
@@ -320,8 +325,8 @@ class DecodeLoop:
         hits: dict[PromptKey, PrefixHit] = {}
         for request, samples in taken:
             key = prompt_key(request)
-            if self._scores(request, samples):
-                fresh.append((request, samples))
+            if self._scores(request, samples) or request.spec.images is not None:
+                fresh.append((request, samples))  # images: never shared (their ids are slots)
                 continue
             if key not in entries and key not in hits:
                 entry = self.prompts.get(request)
@@ -421,13 +426,20 @@ class DecodeLoop:
     ) -> list[tuple[Rows, torch.Tensor]]:
         """The taken requests' prompts prefilled in groups of similar length
         (prefill_groups.py), each group's rows and the logits they choose their first tokens
-        from. A cache that rows cannot be merged into (mergeable()) takes one group."""
+        from. A cache that rows cannot be merged into (mergeable()) takes one group. A prompt
+        with images is prefilled alone (image_prefill.py)."""
+        parts = []
+        for request, samples in [(r, s) for r, s in taken if r.spec.images is not None]:
+            self.prefilled_tokens += len(request.spec.prompt)
+            parts.append(prefill_with_images(self._forward, model, request, samples, self.device))
+        taken = [(r, samples) for r, samples in taken if r.spec.images is None]
+        if not taken:
+            return parts
         keys = list(dict.fromkeys(prompt_key(r) for r, _ in taken))
         cache = DynamicCache(config=getattr(model, "config", None))
         if any(type(layer) is not DynamicLayer for layer in cache.layers):
-            return [self._prefill_group(model, taken)]
+            return [*parts, self._prefill_group(model, taken)]
         groups = length_groups([len(prompt) for prompt, _ in keys], self.call_tokens)
-        parts = []
         for group in groups:
             chosen = {keys[i] for i in group}
             part = [(r, samples) for r, samples in taken if prompt_key(r) in chosen]

@@ -42,6 +42,7 @@ from queue_tinker.types.sampling import (
 from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.checkpoints import checkpoint_dir, read_meta
+from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest, Key
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class SamplingSessions:
         max_batch_sequences: int,
         request_limits: RequestLimits | None = None,
         max_cache_tokens: int | None = None,
+        images: ImageSupport | None = None,
     ) -> None:
         self.pool = pool
         self.storage = storage
@@ -90,6 +92,7 @@ class SamplingSessions:
         self.max_batch_sequences = max_batch_sequences
         self.max_cache_tokens = max_cache_tokens  # the decode loop's KV-cache budget
         self.request_limits = request_limits or RequestLimits.defaults()
+        self.images = images or ImageSupport(base_model)  # a prompt's image chunks
         self.sessions: dict[str, int] = {}  # sampling session -> last seq run here
         self._loop: DecodeLoop | None = None
         # Ops joined but not in the loop yet (their checkpoint waits for room), ops in the
@@ -299,11 +302,15 @@ class SamplingSessions:
         check_request_bytes(len(op.payload), self.request_limits)  # before decoding it
         body = parse_body(SampleInput, op.payload)
         check_sample_size(body, self.request_limits)
+        expanded = self.images.expand("prompt", body.prompt)
+        if expanded.images is not None:  # again, with its images' tokens counted
+            body = body.model_copy(update={"prompt": expanded.model_input})
+            check_sample_size(body, self.request_limits)
         check_sample(body, self.limits)
         directory = self._weights(body.model_path) if body.model_path is not None else None
         assert self.limits.context_length is not None
         request = GenerationRequest(
-            prompt=body.prompt.to_ints(),
+            prompt=expanded.images.ids if expanded.images else body.prompt.to_ints(),
             num_samples=body.num_samples,
             params=body.sampling_params,
             max_tokens=max_new_tokens(body, self.limits.context_length),
@@ -313,6 +320,7 @@ class SamplingSessions:
             prompt_targets=body.target_prompt_logprobs,
             prompt_alt_k=body.prompt_alt_tokens_k,
             sample_topk=body.topk_sample_logprobs,
+            images=expanded.images,
         )
         return _Waiting(op, request, directory, body.inflight_of)
 

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from queue_tinker.workers.model.memory import Checkpointing, LayerBytes, layers_to_checkpoint
+from queue_tinker.workers.model.vision_language import RowImages, hidden_states
 from queue_tinker.workers.training.packing import RowBatch, padding_fraction
 
 T = TypeVar("T")
@@ -103,10 +104,16 @@ def decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
 
 
 def target_logprobs(
-    model: torch.nn.Module, batch: RowBatch, targets: Sequence[torch.Tensor], plan: PassPlan
+    model: torch.nn.Module,
+    batch: RowBatch,
+    targets: Sequence[torch.Tensor],
+    plan: PassPlan,
+    images: RowImages | None = None,
 ) -> list[torch.Tensor]:
     """log p(targets[d][i] | datum d's tokens <= i) for each datum d, as fp32 tensors
-    (len(targets[d]),), datum d sitting in `batch` at batch.places[d].
+    (len(targets[d]),), datum d sitting in `batch` at batch.places[d]. With `images`, the
+    rows' image placeholders take their embeddings (a vision-language model's whole forward
+    below its LM head, instead of its decoder alone).
 
     With grad enabled the result carries the graph to the LoRA weights; backward must run
     while the model's LoRA wrapping is still in place."""
@@ -115,12 +122,15 @@ def target_logprobs(
     layers = decoder_layers(model)
     planned = plan.checkpointed_layers(batch.padded_tokens, backward, len(layers))
     with checkpointed(layers[:planned]):
-        hidden = lm.get_decoder()(
-            input_ids=batch.ids,
-            attention_mask=batch.mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-        ).last_hidden_state
+        if images is not None:
+            hidden = hidden_states(lm, batch.ids, batch.mask, images)
+        else:
+            hidden = lm.get_decoder()(
+                input_ids=batch.ids,
+                attention_mask=batch.mask,
+                position_ids=batch.position_ids,
+                use_cache=False,
+            ).last_hidden_state
     padded = torch.zeros_like(batch.ids)
     for (row, start), target in zip(batch.places, targets, strict=True):
         padded[row, start : start + target.numel()] = target

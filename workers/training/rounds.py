@@ -40,6 +40,7 @@ from queue_tinker.types.training import (
 from queue_tinker.workers.interface import PASS_KINDS, OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.memory import is_out_of_memory, release_cached_memory
+from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.dimuon import parse_optim_params
 from queue_tinker.workers.training.model_pass import PassPlan
@@ -115,12 +116,25 @@ def prepare_pass(
     limits: ModelLimits,
     request_limits: RequestLimits,
     device: torch.device,
+    images: ImageSupport | None = None,
 ) -> PassOp:
     """A forward / forward_backward op's body, checked (its size, then what only the model
     knows), with its loss: built in, or the uploaded loss it carries (rebuilt from the
-    allow-list, custom_loss_graph.py)."""
+    allow-list, custom_loss_graph.py). Images become the model's inputs here (each one's
+    positions checked against what the processor makes of it), or are refused by a text-only
+    model."""
     batch = parse_body(ForwardBackwardInput, op.payload)
     check_batch_size(batch, request_limits)
+    expanded = [
+        (images or ImageSupport()).expand(f"data[{i}].model_input", datum.model_input)
+        for i, datum in enumerate(batch.data)
+    ]
+    if any(e.images is not None for e in expanded):
+        data = [
+            datum.model_copy(update={"model_input": e.model_input})
+            for datum, e in zip(batch.data, expanded, strict=True)
+        ]
+        batch = batch.model_copy(update={"data": data})
     check_batch(batch, limits)
     loss_fn: LossFn | GraphLoss = (
         GraphLoss(batch.custom_loss, device) if batch.custom_loss is not None else batch.loss_fn
@@ -131,6 +145,7 @@ def prepare_pass(
         loss_fn=loss_fn,
         config=resolve_loss_config(batch.loss_fn, batch.loss_fn_config),
         backward=op.kind is OpKind.FORWARD_BACKWARD,
+        images=tuple(e.images for e in expanded) if any(e.images for e in expanded) else (),
     )
 
 
@@ -145,6 +160,7 @@ class TrainingRounds:
         limits: ModelLimits,
         request_limits: RequestLimits,
         snapshot_every: int,
+        images: ImageSupport | None = None,
     ) -> None:
         self.pool = pool
         self.residency = residency
@@ -154,6 +170,7 @@ class TrainingRounds:
         self.limits = limits
         self.request_limits = request_limits
         self.snapshot_every = snapshot_every
+        self.images = images or ImageSupport()
 
     def execute_batch(self, ops: Sequence[Op]) -> list[ResultOrError]:
         """Many models' steps, as the worker batches them (cross-adapter batching); each op's
@@ -197,7 +214,9 @@ class TrainingRounds:
         adapter = self._admit(op)
         if isinstance(adapter, OpResult):
             return adapter
-        return prepare_pass(op, adapter, self.limits, self.request_limits, self.guard.device)
+        return prepare_pass(
+            op, adapter, self.limits, self.request_limits, self.guard.device, self.images
+        )
 
     def _run_passes(self, ops: Sequence[tuple[int, Op]], outcomes: Outcomes, batched: bool) -> None:
         """The ops in as few shared passes as fit: each pass under train_batch_tokens padded

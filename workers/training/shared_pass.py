@@ -21,8 +21,10 @@ import torch
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.types.training import ForwardBackwardOutput
+from queue_tinker.workers.model import vision_language
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks
+from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.training import model_pass
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.losses import batch_loss
@@ -39,6 +41,13 @@ class PassOp:
     loss_fn: LossFn | GraphLoss
     config: dict[str, float]
     backward: bool
+    # Per datum, its images as the model reads them (model/vision_language.py); empty: the
+    # op has none.
+    images: tuple[ImageInputs | None, ...] = ()
+
+    @property
+    def datum_images(self) -> list[ImageInputs | None]:
+        return list(self.images) or [None] * len(self.data)
 
     @property
     def width(self) -> int:
@@ -63,9 +72,10 @@ def shared_pass(
     adapters = {op.adapter.name: op.adapter for op in ops}  # each model once
     trainable = {op.adapter.name for op in ops if op.backward}
     data = [datum for op in ops for datum in op.data]
+    images = [image for op in ops for image in op.datum_images]
     plan = plan or PassPlan()
     blocks = blocks_of((op.adapter.name, len(op.data)) for op in ops)  # (adapter, datums)
-    rows = rows_for(data, device, plan, groups=[count for _, count in blocks])
+    rows = rows_for(data, device, plan, groups=[count for _, count in blocks], images=images)
     # The row blocks stay in place through backward: checkpointed layers and logit chunks
     # recompute their forward there, through the same LoRA layers.
     with (
@@ -77,7 +87,7 @@ def shared_pass(
         ),
     ):
         with torch.set_grad_enabled(bool(trainable)):
-            logprobs = target_logprobs(pool.model, data, rows, plan)
+            logprobs = target_logprobs(pool.model, data, rows, plan, images)
         return _losses_and_backward(ops, logprobs, device)
 
 
@@ -109,18 +119,31 @@ def _losses_and_backward(
 
 # --- the pieces of a pass ------------------------------------------------------------------
 def rows_for(
-    data: Sequence[Datum], device: torch.device, plan: PassPlan, groups: Sequence[int] | None = None
+    data: Sequence[Datum],
+    device: torch.device,
+    plan: PassPlan,
+    groups: Sequence[int] | None = None,
+    images: Sequence[ImageInputs | None] = (),
 ) -> RowBatch:
     """The data laid out in rows for one pass: a datum a row, or packed (plan.packs) within
-    each group of consecutive datums (`groups`; default: all of them)."""
-    tokens = [d.model_input.to_ints() for d in data]
-    return row_batch(
-        tokens, groups or [len(tokens)], device, pack=plan.packs([len(t) for t in tokens])
-    )
+    each group of consecutive datums (`groups`; default: all of them). A datum with images
+    (`images`, per datum) takes its ids with their placeholders; a pass with images is not
+    packed (the model's 3-D positions are computed per row), so rows are in datum order."""
+    images = list(images) or [None] * len(data)
+    tokens = [
+        image.ids if image is not None else d.model_input.to_ints()
+        for d, image in zip(data, images, strict=True)
+    ]
+    pack = plan.packs([len(t) for t in tokens]) and not any(images)
+    return row_batch(tokens, groups or [len(tokens)], device, pack=pack)
 
 
 def target_logprobs(
-    model: torch.nn.Module, data: Sequence[Datum], rows: RowBatch, plan: PassPlan
+    model: torch.nn.Module,
+    data: Sequence[Datum],
+    rows: RowBatch,
+    plan: PassPlan,
+    images: Sequence[ImageInputs | None] = (),
 ) -> list[torch.Tensor]:
     """log p(target_i | tokens <= i) for every datum, as float32 tensors (T_i,)."""
     device = rows.ids.device
@@ -128,7 +151,10 @@ def target_logprobs(
         torch.from_numpy(np.array(d.loss_fn_inputs["target_tokens"].data, copy=True)).to(device)
         for d in data
     ]
-    return model_pass.target_logprobs(model, rows, targets, plan)
+    dtype = model_pass.causal_lm(model).dtype
+    return model_pass.target_logprobs(
+        model, rows, targets, plan, vision_language.joined(images, device, dtype)
+    )
 
 
 def loss_inputs(datum: Datum, device: torch.device) -> dict[str, torch.Tensor]:

@@ -22,7 +22,15 @@ from queue_tinker.types.enums import LossFn
 from queue_tinker.types.loss_inputs import parse_loss_fn
 from queue_tinker.types.request_limits import RequestLimits, check_datum_count, check_tokens
 from queue_tinker.types.sampling import SampleResponse
-from queue_tinker.types.tensors import Datum, EncodedTextChunk, ModelInput, TensorData, TensorDtype
+from queue_tinker.types.tensors import (
+    Datum,
+    EncodedTextChunk,
+    ImageChunk,
+    ImageFormat,
+    ModelInput,
+    TensorData,
+    TensorDtype,
+)
 from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
 
 PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
@@ -40,6 +48,7 @@ _WRITE_DTYPES: dict[TensorDtype, tuple[np.dtype, pb.DType]] = {
     "float32": (np.dtype("<f4"), pb.DTYPE_FLOAT32),
     "int64": (np.dtype("<i8"), pb.DTYPE_INT64),
 }
+_IMAGE_FORMATS: dict[str, ImageFormat] = {"png": "png", "jpeg": "jpeg"}
 _DTYPE_NAMES = {value: name for name, value in pb.DType.items()}
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
@@ -141,14 +150,18 @@ def _datum(where: str, datum: pb.Datum, limits: RequestLimits) -> Datum:
     # Sizes come from byte lengths first, so a datum over a limit is refused before its
     # millions of tokens become Python ints (a 57 MiB body took seconds of gateway CPU).
     # (Reading a bytes field copies it, once: upb's ByteSize would encode it just the same.)
-    tokens = sum(len(chunk.encoded_text.tokens) // 4 for chunk in datum.model_input)
+    tokens = sum(
+        len(chunk.encoded_text.tokens) // 4 + chunk.image.expected_tokens
+        for chunk in datum.model_input
+    )
     check_tokens(f"{where}.model_input", tokens, limits)
     for key, tensor in datum.loss_fn_inputs.items():
         if tensor.WhichOneof("encoding") == "dense" and tensor.dtype in _READ_DTYPES:
             values = len(tensor.dense) // _READ_DTYPES[tensor.dtype][0].itemsize
             check_tokens(f"{where}.loss_fn_inputs[{key!r}]", values, limits, what="values")
     chunks = [
-        _chunk(f"{where}.model_input[{j}]", chunk) for j, chunk in enumerate(datum.model_input)
+        _chunk(f"{where}.model_input.chunks[{j}]", chunk)
+        for j, chunk in enumerate(datum.model_input)
     ]
     inputs = {
         key: _tensor(f"{where}.loss_fn_inputs[{key!r}]", tensor, limits)
@@ -157,17 +170,34 @@ def _datum(where: str, datum: pb.Datum, limits: RequestLimits) -> Datum:
     return Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs)
 
 
-def _chunk(where: str, chunk: pb.Chunk) -> EncodedTextChunk:
+def _chunk(where: str, chunk: pb.Chunk) -> EncodedTextChunk | ImageChunk:
     kind = chunk.WhichOneof("chunk")
     if kind is None:
-        raise UserInputError(f"{where}: empty chunk (set encoded_text)")
+        raise UserInputError(f"{where}: empty chunk (set encoded_text or image)")
+    if kind == "image":
+        return _image(f"{where}.image", chunk.image)
     if kind != "encoded_text":
         raise UserInputError(
-            f"{where}: {kind} chunks are not supported; this service serves text models only "
-            "(send encoded_text chunks)"
+            f"{where}: {kind} chunks are not supported (send encoded_text or image chunks)"
         )
     tokens = _array(f"{where}.encoded_text.tokens", chunk.encoded_text.tokens, np.dtype("<i4"))
     return EncodedTextChunk(tokens=tokens.tolist())
+
+
+def _image(where: str, image: pb.ImageChunk) -> ImageChunk:
+    """An image chunk; its size and format against its bytes are checked with the batch
+    (loss_inputs.check_batch_size), as for a JSON or Python client's."""
+    if image.HasField("override_dimensions"):
+        raise UserInputError(
+            f"{where}.override_dimensions: not supported; the image's own size is used"
+        )
+    expected = image.expected_tokens if image.HasField("expected_tokens") else None
+    if expected is not None and expected < 1:
+        raise UserInputError(f"{where}.expected_tokens: must be at least 1, got {expected}")
+    fmt = _IMAGE_FORMATS.get(image.format)
+    if fmt is None:
+        raise UserInputError(f"{where}.format: must be 'png' or 'jpeg', got {image.format!r:.40}")
+    return ImageChunk(data=image.data, format=fmt, expected_tokens=expected)
 
 
 def _array(where: str, raw: bytes, wire: np.dtype) -> np.ndarray:
