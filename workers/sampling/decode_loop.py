@@ -59,7 +59,11 @@ from queue_tinker.workers.sampling.decode_rows import (
     plain_layers,
 )
 from queue_tinker.workers.sampling.image_prefill import prefill_with_images
-from queue_tinker.workers.sampling.prefill_groups import length_groups, prefill_call_tokens
+from queue_tinker.workers.sampling.prefill_groups import (
+    length_groups,
+    padded_prompts,
+    prefill_call_tokens,
+)
 from queue_tinker.workers.sampling.prefix_cache import (
     PrefixCache,
     PrefixHit,
@@ -67,16 +71,15 @@ from queue_tinker.workers.sampling.prefix_cache import (
     SharedPrompt,
     prompt_key,
 )
-from queue_tinker.workers.sampling.prompt_scores import prompt_scores, wants_prompt_scores
+from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
 from queue_tinker.workers.sampling.token_choice import (
     needs_sort,
+    row_chunks,
     sample_tokens,
     sample_unfiltered,
+    top_logprobs,
 )
 
-# Rows x vocab per softmax / sort pass: bounds their float and index copies (~0.4 GB) however
-# many samples a batch holds.
-CHUNK_ELEMENTS = 1 << 25
 # Padded prompt tokens (prefill rows x longest prompt) one step prefills at most; a request
 # bigger than that goes alone. It keeps a step short however many requests arrive at once: a
 # step is the worker's scheduling quantum, what other models' ops wait for at most.
@@ -455,7 +458,7 @@ class DecodeLoop:
         keys = [keys[i] for i in grouped_order([adapter for _, adapter in keys])]
         unique = {key: row for row, key in enumerate(keys)}
         source = [unique[prompt_key(r)] for r, _ in taken]
-        ids, mask = _padded_prompts([prompt for prompt, _ in unique], self.device)
+        ids, mask = padded_prompts([prompt for prompt, _ in unique], self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0, as alone
         # What a request asks about its prompt comes with its first part.
         wanted = [wants_prompt_scores(r.spec) and samples.start == 0 for r, samples in taken]
@@ -476,7 +479,7 @@ class DecodeLoop:
                 counted.add(prompt_key(request))
                 request.prefilled += len(request.spec.prompt)
         self.prompts.keep(list(unique), cache, logits[:, -1])
-        _record_prompt_scores(taken, source, wanted, logits)
+        record_prompt_scores(taken, source, wanted, logits)
         requests, samples, rows = per_sample(taken, source)
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         if rows != list(range(len(unique))):  # expand to samples
@@ -495,7 +498,7 @@ class DecodeLoop:
         """Choose every row's next token, record it, and end the rows it ends (a request ends
         with its last row); the rows that go on."""
         tokens, logprobs = self._choose(rows, logits)
-        topk = _topk_logprobs(rows, logits)
+        topk = top_logprobs([r.spec.sample_topk for r in rows.requests], logits)
         rows.tokens = tokens
         stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
         token_list, stop_list = torch.stack([tokens, stop.long()]).tolist()
@@ -550,7 +553,7 @@ class DecodeLoop:
         vocab = logits.shape[-1]
         logprobs = [
             torch.log_softmax(logits[part].float(), dim=-1).gather(1, tokens[part, None]).squeeze(1)
-            for part in _chunks(rows.size, vocab)
+            for part in row_chunks(rows.size, vocab)
         ]
         return tokens, torch.cat(logprobs)
 
@@ -570,7 +573,7 @@ class DecodeLoop:
             if not bool(where.any()):
                 continue
             picked, u = at[where], uniforms[where]
-            for part in _chunks(len(picked), vocab):
+            for part in row_chunks(len(picked), vocab):
                 rows_now = picked[part]
                 if filtered:
                     chosen = sample_tokens(
@@ -585,56 +588,6 @@ class DecodeLoop:
                         logits[rows_now], rows.temperature[rows_now], u[part]
                     )
                 tokens[rows_now] = chosen
-
-
-def _padded_prompts(
-    prompts: Sequence[Sequence[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) of the prompts, one row each, left-padded to the longest, on `device`."""
-    width = max(len(prompt) for prompt in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _record_prompt_scores(
-    taken: list[tuple[LiveRequest, range]],
-    source: list[int],
-    wanted: list[bool],
-    logits: torch.Tensor,
-) -> None:
-    """Each request that wants its prompt scored gets them from its prompt's row of `logits`."""
-    for (request, _), row, want in zip(taken, source, wanted, strict=True):
-        if want:
-            request.prompt_scores = prompt_scores(logits[row], request.spec)
-
-
-def _topk_logprobs(rows: Rows, logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
-    """Each row's top_k_sample_logprobs: the k most likely (token, logprob) pairs of this step
-    under the model, for the rows whose request asked (None for the others)."""
-    wanted = [r.spec.sample_topk for r in rows.requests]
-    found: list[list[tuple[int, float]] | None] = [None] * rows.size
-    if not any(wanted):
-        return found
-    vocab = logits.shape[-1]
-    for part in _chunks(rows.size, vocab):
-        k = min(max(wanted[part]), vocab)
-        if not k:
-            continue
-        values, ids = torch.log_softmax(logits[part].float(), dim=-1).topk(k, dim=-1)
-        for row, (i, v) in enumerate(zip(ids.tolist(), values.tolist(), strict=True)):
-            want = wanted[part.start + row]
-            if want:
-                found[part.start + row] = list(zip(i[:want], v[:want], strict=True))
-    return found
-
-
-def _chunks(rows: int, vocab: int) -> list[slice]:
-    size = max(1, CHUNK_ELEMENTS // vocab)
-    return [slice(start, min(rows, start + size)) for start in range(0, rows, size)]
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:

@@ -43,3 +43,16 @@ def length_groups(lengths: Sequence[int], call_tokens: int) -> list[list[int]]:
         groups.append(order[cut[end] : end])
         end = cut[end]
     return groups[::-1]
+
+
+def padded_prompts(
+    prompts: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of the prompts, one row each, left-padded to the longest, on `device`."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)

@@ -12,12 +12,15 @@ once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from queue_tinker.types.sampling import NO_TARGET, SamplingParams
 from queue_tinker.workers.sampling.token_choice import request_seed
+
+if TYPE_CHECKING:
+    from queue_tinker.workers.sampling.decode_rows import LiveRequest
 
 CHUNK_ELEMENTS = 1 << 25  # fp32 log-softmax values per chunk (128 MiB)
 # The alternatives draw from a stream of their own, seeded from the request's seed and this,
@@ -136,3 +139,15 @@ class _Alternatives:
             ids = torch.searchsorted(cdf, scaled, right=True).clamp(max=cdf.shape[-1] - 1)
         self.tokens.extend(ids.tolist())
         self.logprobs.extend(logprobs.gather(1, ids).tolist())
+
+
+def record_prompt_scores(
+    taken: list[tuple[LiveRequest, range]],
+    source: list[int],
+    wanted: list[bool],
+    logits: torch.Tensor,
+) -> None:
+    """Each request that wants its prompt scored gets them from its prompt's row of `logits`."""
+    for (request, _), row, want in zip(taken, source, wanted, strict=True):
+        if want:
+            request.prompt_scores = prompt_scores(logits[row], request.spec)

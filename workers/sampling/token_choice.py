@@ -14,6 +14,10 @@ import torch.nn.functional as F
 
 from queue_tinker.types.sampling import SamplingParams
 
+# Rows x vocab per softmax / sort pass: bounds their float and index copies (~0.4 GB) however
+# many samples a batch holds.
+CHUNK_ELEMENTS = 1 << 25
+
 
 def is_greedy(params: SamplingParams) -> bool:
     return params.temperature == 0 or params.top_k == 1
@@ -74,3 +78,29 @@ def sample_tokens(
     pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
     pos = torch.minimum(pos, kept - 1)  # rounding at the top end must not leave the kept set
     return order.gather(1, pos[:, None]).squeeze(1)
+
+
+def top_logprobs(wanted: list[int], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
+    """Each row's top_k_sample_logprobs: the `wanted[row]` most likely (token, logprob) pairs
+    of this step under the model, for the rows that want some (None for the others)."""
+    rows = len(wanted)
+    found: list[list[tuple[int, float]] | None] = [None] * rows
+    if not any(wanted):
+        return found
+    vocab = logits.shape[-1]
+    for part in row_chunks(rows, vocab):
+        k = min(max(wanted[part]), vocab)
+        if not k:
+            continue
+        values, ids = torch.log_softmax(logits[part].float(), dim=-1).topk(k, dim=-1)
+        for row, (i, v) in enumerate(zip(ids.tolist(), values.tolist(), strict=True)):
+            want = wanted[part.start + row]
+            if want:
+                found[part.start + row] = list(zip(i[:want], v[:want], strict=True))
+    return found
+
+
+def row_chunks(rows: int, vocab: int) -> list[slice]:
+    """Slices of `rows` rows, each at most CHUNK_ELEMENTS of logits."""
+    size = max(1, CHUNK_ELEMENTS // vocab)
+    return [slice(start, min(rows, start + size)) for start in range(0, rows, size)]

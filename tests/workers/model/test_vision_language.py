@@ -114,6 +114,26 @@ def test_sampling_an_image_prompt_scores_what_a_forward_pass_scores(vl: Driver) 
     assert differs.max() > 1e-3
 
 
+def test_image_prompts_never_share_the_prefix_cache(vl: Driver) -> None:
+    """Two images expand to the same placeholder ids: a prompt holding one never joins from,
+    or seeds, the sampler's prefix cache, so the second image is not answered from the
+    first's states (no cache hit, other logprobs)."""
+    create = {"base_model": VL, "tenant_id": "default"}
+    run_op(vl.engine, Op("s:0", "s", 0, OpKind.CREATE_SAMPLING_SESSION, codec.encode(create)))
+    long_text = b"it is, as one can see in the picture above, a colour"  # past a cache block
+    red, blue = (  # one after the other: the second is admitted once the first is done
+        run_stepped(
+            vl.engine, [sample_op(vl.engine, i, image_input(img, long_text), prompt_logprobs=False)]
+        )[0]
+        for i, img in enumerate((RED, BLUE), 1)
+    )
+    assert not isinstance(red, Exception) and not isinstance(blue, Exception)
+    red_out, blue_out = codec.decode(red.result), codec.decode(blue.result)
+    assert red_out["prompt_cache_hit_tokens"] == blue_out["prompt_cache_hit_tokens"] == 0
+    gap = np.subtract(red_out["sequences"][0]["logprobs"], blue_out["sequences"][0]["logprobs"])
+    assert np.abs(gap).max() > 1e-3
+
+
 def test_training_on_an_image_lowers_the_loss_of_the_text_after_it(vl: Driver) -> None:
     """forward_backward with weights on the text after an image, then optim_step: the loss
     falls; the positions an image takes are expected_tokens, as the loss inputs align them."""

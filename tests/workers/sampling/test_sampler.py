@@ -29,6 +29,7 @@ from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.row_blocks import blocks_of
 from queue_tinker.workers.sampling import decode_loop as sampler
+from queue_tinker.workers.sampling import token_choice
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
 from queue_tinker.workers.sampling.decode_rows import BASE_ADAPTER
 from queue_tinker.workers.sampling.kv_cache import GrowingLayer
@@ -432,7 +433,7 @@ def test_sampling_in_row_chunks_changes_nothing(
     """Big batches go through softmax / sort a few rows at a time; results must not notice."""
     requests = mixed_requests()
     whole = run(setup, requests)
-    monkeypatch.setattr(sampler, "CHUNK_ELEMENTS", 3 * VOCAB)  # 3 rows per pass
+    monkeypatch.setattr(token_choice, "CHUNK_ELEMENTS", 3 * VOCAB)  # 3 rows per pass
     for chunked, expected in zip(run(setup, requests), whole, strict=True):
         assert_same(chunked, expected)
 
