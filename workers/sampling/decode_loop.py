@@ -48,6 +48,7 @@ from queue_tinker.workers.model.row_blocks import (
     row_blocks,
 )
 from queue_tinker.workers.model.vision_language import ImageInputs
+from queue_tinker.workers.sampling import prefix_prefill
 from queue_tinker.workers.sampling.cache_budget import CacheRow, rows_that_fit
 from queue_tinker.workers.sampling.decode_rows import (
     UNIFORM_BLOCK,
@@ -56,7 +57,6 @@ from queue_tinker.workers.sampling.decode_rows import (
     Rows,
     kept,
     per_sample,
-    plain_layers,
 )
 from queue_tinker.workers.sampling.image_prefill import prefill_with_images
 from queue_tinker.workers.sampling.prefill_groups import (
@@ -66,9 +66,7 @@ from queue_tinker.workers.sampling.prefill_groups import (
 )
 from queue_tinker.workers.sampling.prefix_cache import (
     PrefixCache,
-    PrefixHit,
     PromptKey,
-    SharedPrompt,
     prompt_key,
 )
 from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
@@ -245,7 +243,8 @@ class DecodeLoop:
         with torch.inference_mode(), _eval_mode(model):
             if self.running is not None:
                 self._decode(model, finished)
-            if self.waiting and (self.running is None or self.running.mergeable()):
+            admits = self.waiting and (self.running is None or self.running.mergeable())
+            if admits and not self._prefill_chunk(model):
                 self._admit(model, finished)
         return finished
 
@@ -292,10 +291,16 @@ class DecodeLoop:
         taken = self._take()
         if not taken:
             return  # the first in line waits for rows to free
-        cached, fresh, entries, hits = self._look_up(taken)
+        cached, fresh, entries, hits = prefix_prefill.look_up(self.prompts, taken)
         parts = self._prefill(model, fresh) if fresh else []
         if hits:
-            entries.update(self._extend(model, hits, cached))
+            extended, prefilled = prefix_prefill.extend(
+                self._forward, model, self.prompts, hits, cached, self.device
+            )
+            entries.update(extended)
+            self.prefilled_tokens += prefilled
+        for request, _ in taken:
+            self.prompts.unpin(request)  # it joined: its chunks are kept like any prompt
         if cached:
             parts.append(self.prompts.rows(cached, entries))
         self.step_rows = max(self.step_rows, self.rows + sum(rows.size for rows, _ in parts))
@@ -312,69 +317,17 @@ class DecodeLoop:
             if order != list(range(self.running.size)):
                 self.running.select(order)
 
-    def _look_up(
-        self, taken: list[tuple[LiveRequest, range]]
-    ) -> tuple[
-        list[tuple[LiveRequest, range]],
-        list[tuple[LiveRequest, range]],
-        dict[PromptKey, SharedPrompt],
-        dict[PromptKey, PrefixHit],
-    ]:
-        """The taken parts that join from the prefix cache and those prefilled afresh; the
-        whole prompts it holds and the prompts it holds a prefix of."""
-        cached: list[tuple[LiveRequest, range]] = []
-        fresh: list[tuple[LiveRequest, range]] = []
-        entries: dict[PromptKey, SharedPrompt] = {}
-        hits: dict[PromptKey, PrefixHit] = {}
-        for request, samples in taken:
-            key = prompt_key(request)
-            if self._scores(request, samples) or request.spec.images is not None:
-                fresh.append((request, samples))  # images: never shared (their ids are slots)
-                continue
-            if key not in entries and key not in hits:
-                entry = self.prompts.get(request)
-                if entry is not None:
-                    entries[key] = entry
-                elif (hit := self.prompts.longest_prefix(request)) is not None:
-                    hits[key] = hit
-            known = key in entries or key in hits
-            (cached if known else fresh).append((request, samples))
-        return cached, fresh, entries, hits
-
-    @staticmethod
-    def _scores(request: LiveRequest, samples: range) -> bool:
-        """Whether this part reports its prompt's scores: they need the logits at every
-        prompt position, so it is prefilled whole whatever the cache holds."""
-        return wants_prompt_scores(request.spec) and samples.start == 0
-
-    def _extend(
-        self,
-        model: torch.nn.Module,
-        hits: Mapping[PromptKey, PrefixHit],
-        taken: list[tuple[LiveRequest, range]],
-    ) -> dict[PromptKey, SharedPrompt]:
-        """Each prompt that begins with a kept one: its other tokens prefilled on top of the
-        kept states (a call per prompt), the whole prompt kept for requests after it."""
-        extended: dict[PromptKey, SharedPrompt] = {}
-        for key, hit in hits.items():
-            prompt, adapter = key
-            cache = hit.entry.prefix_cache(hit.tokens)
-            ids = torch.tensor([prompt[hit.tokens :]], dtype=torch.long, device=self.device)
-            mask = torch.ones(1, len(prompt), dtype=torch.long, device=self.device)
-            positions = torch.arange(hit.tokens, len(prompt), device=self.device)[None]
-            logits = self._forward(model, ids, mask, positions, cache, [adapter], last_only=True)
-            layers = plain_layers(cache)
-            assert layers is not None  # made of plain layers above
-            extended[key] = SharedPrompt([kv for _, kv in layers], logits[0, -1])
-            self.prompts.add(key, extended[key])
-            self.prefilled_tokens += len(prompt) - hit.tokens
-        counted: set[PromptKey] = set()  # each extension counts for its first request
-        for request, _ in taken:
-            key = prompt_key(request)
-            if key in hits and key not in counted:
-                counted.add(key)
-                request.prefilled += len(request.spec.prompt) - hits[key].tokens
-        return extended
+    def _prefill_chunk(self, model: torch.nn.Module) -> bool:
+        """While rows run, the next chunk of the first waiting prompt if it has more than a
+        step's prefill left (prefix_prefill.py); whether it did (then no one joins this step:
+        they wait behind it, first come first served)."""
+        if self.running is None or self.prefill_tokens is None:
+            return False
+        chunk = prefix_prefill.next_chunk(
+            self._forward, model, self.prompts, self.waiting[0], self.prefill_tokens, self.device
+        )
+        self.prefilled_tokens += chunk
+        return chunk > 0
 
     def _take(self) -> list[tuple[LiveRequest, range]]:
         """Waiting requests (and which of their samples), first come first served, while the

@@ -5,9 +5,9 @@ a batch of rows aligned with its KV cache (`Rows`) that rows leave (`select`) an
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,22 @@ SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
 Key = Hashable
 
 
+class Forward(Protocol):
+    """The decode loop's model call: logits of (rows, positions) ids under their adapters."""
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        adapters: list[str],
+        last_only: bool = False,
+        extra: Mapping[str, Any] | None = None,
+    ) -> torch.Tensor: ...
+
+
 @dataclass(eq=False)  # compared and hashed by identity
 class LiveRequest:
     """A request in the loop: its draws, and what each of its samples produced so far."""
@@ -48,6 +64,9 @@ class LiveRequest:
     live: int  # samples still generating
     admitted: int = 0  # samples that joined the loop so far (rows beyond max_rows wait)
     prefilled: int = 0  # prompt tokens run through the model for it (0: it shared a prefill)
+    # The first chunk(s) of its prompt, kept in the prefix cache while the rest waits its turn
+    # (chunked prefill: prefix_prefill.py); None once it joins.
+    pinned: tuple[tuple[int, ...], str] | None = None
     # What it asked about its prompt (prompt_scores.py): SampleResponse fields.
     prompt_scores: dict[str, Any] = field(default_factory=dict)
 

@@ -11,32 +11,15 @@ and is not batched with other prompts in its prefill.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol, cast
+from typing import cast
 
 import torch
 from peft import PeftModel
 from transformers import DynamicCache, PreTrainedModel
 
 from queue_tinker.workers.model.vision_language import joined, rope_positions
-from queue_tinker.workers.sampling.decode_rows import LiveRequest, Rows
+from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest, Rows
 from queue_tinker.workers.sampling.prompt_scores import prompt_scores, wants_prompt_scores
-
-
-class Forward(Protocol):
-    """The decode loop's model call: logits of (rows, positions) ids under their adapters."""
-
-    def __call__(
-        self,
-        model: torch.nn.Module,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DynamicCache,
-        adapters: list[str],
-        last_only: bool = False,
-        extra: Mapping[str, Any] | None = None,
-    ) -> torch.Tensor: ...
 
 
 def prefill_with_images(

@@ -109,7 +109,22 @@ class PrefixCache:
     def leave(self, request: LiveRequest) -> None:
         """A request left the loop (finished, cancelled or moved to other weights); its
         prompt's entry stays, evictable once no request in the loop counts on it."""
-        key = prompt_key(request)
+        self.unpin(request)
+        self._release(prompt_key(request))
+
+    def pin(self, request: LiveRequest, key: PromptKey) -> None:
+        """Keep a kept prefix of the request's prompt (its prefill so far) from eviction until
+        the request joins or leaves (one pin a request: the newest)."""
+        self.unpin(request)
+        self.users[key] += 1
+        request.pinned = key
+
+    def unpin(self, request: LiveRequest) -> None:
+        if request.pinned is not None:
+            self._release(request.pinned)
+            request.pinned = None
+
+    def _release(self, key: PromptKey) -> None:
         self.users[key] -= 1
         if self.users[key] <= 0:
             del self.users[key]

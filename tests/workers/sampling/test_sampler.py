@@ -909,6 +909,49 @@ def test_a_prompt_that_begins_with_a_kept_one_prefills_only_the_rest(setup: Setu
     assert_near(response, run(setup, [again])[0])
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_while_rows_decode(setup: Setup) -> None:
+    """While rows decode, a prompt with more than a step's prefill budget left goes in chunks
+    of whole blocks, one a step, and the running row takes a token every step meanwhile; the
+    long request then samples what it samples alone. Alone in the loop it goes at once."""
+    document = list((b"a long document to read before answering. " * 3)[:120])
+    running = request(PROMPTS[1], "a1", max_tokens=30, seed=1, stop=[])
+    long = request(document, "a2", n=2, max_tokens=5, seed=2, stop=[], temperature=0.7)
+    loop = new_loop(setup, prefill_tokens=40)  # chunks of 32: two whole blocks
+    loop.add("running", running)
+    loop.step(setup.model)
+    loop.add("long", long)
+    prefilled, rows = [], []
+    for _ in range(4):
+        before = loop.prefilled_tokens
+        loop.step(setup.model)
+        prefilled.append(loop.prefilled_tokens - before)
+        rows.append(loop.rows)
+    assert prefilled == [32, 32, 32, 24] and rows == [1, 1, 1, 3]
+    in_loop = {prompt_key_of(PROMPTS[1], "a1"), prompt_key_of(document, "a2")}
+    assert set(loop.prompts.users) == in_loop  # the chunks' pins went when it joined
+    done = drain(loop, setup.model)
+    assert done["long"].prompt_cache_hit_tokens == 0  # every token was its own prefill
+    for key, req in (("running", running), ("long", long)):
+        assert_near(done[key], run(setup, [req])[0])
+
+    loop.add("running again", running)
+    loop.step(setup.model)
+    loop.add("cancelled", request([*document, 7], "a1", max_tokens=3, stop=[]))
+    loop.step(setup.model)  # its first chunk, pinned
+    assert prompt_key_of(document[:32], "a1") in loop.prompts.users
+    loop.cancel({"cancelled"})
+    assert prompt_key_of(document[:32], "a1") not in loop.prompts.users
+
+    alone = new_loop(setup, prefill_tokens=40)
+    alone.add("long", long)
+    alone.step(setup.model)
+    assert alone.prefilled_tokens == len(document) and alone.rows == 2
+
+
+def prompt_key_of(prompt: list[int], adapter: str) -> tuple[tuple[int, ...], str]:
+    return tuple(prompt), adapter
+
+
 def test_prefix_lookups_need_whole_matching_blocks(setup: Setup) -> None:
     """A prefix hit is the longest run of whole blocks both prompts share, leaving at least
     one token to prefill; a prompt that differs inside the first block misses."""
