@@ -97,6 +97,14 @@ BENCHES: tuple[Bench, ...] = (
         "long samples under a KV-cache budget: peak cache, RSS and time against none",
     ),
     Bench(
+        "prefix_cache",
+        "bench.prefix_cache",
+        (),
+        ("--quick",),
+        240,
+        "sampling: the prefix cache and chunked prefill against the same loop without them",
+    ),
+    Bench(
         "gateway",
         "bench.gateway_round_trip",
         ("--data-dir", DATA_DIR),

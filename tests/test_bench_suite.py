@@ -32,6 +32,7 @@ def test_default_set_leaves_out_soak_and_only_picks_in_order() -> None:
         "sampling",
         "sampling_engine",
         "sample_cache",
+        "prefix_cache",
         "gateway",
         "big_bodies",
         "mfu",
