@@ -13,10 +13,9 @@ from typing import cast
 
 import torch
 from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
 )
@@ -41,9 +40,15 @@ from queue_tinker.builtin_models import (
 INIT_SEED = 0
 
 
-def builtin_config(name: str) -> LlamaConfig:
+def builtin_config(name: str) -> PretrainedConfig:
     spec = BUILTIN_MODELS[name]
-    return LlamaConfig(**spec.config, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    return AutoConfig.for_model(
+        spec.model_type,
+        **spec.config,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
 
 
 def ensure_builtin_model(name: str, models_dir: Path) -> Path:
@@ -61,7 +66,9 @@ def ensure_builtin_model(name: str, models_dir: Path) -> Path:
         # (and devices=[] keeps CUDA out of it).
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(INIT_SEED)
-            model = LlamaForCausalLM(config).float()  # fp32 whatever the default dtype is
+            # The architecture's class itself (not from_config), so init draws as it always did.
+            architecture = cast(type[PreTrainedModel], MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+            model = architecture(config).float()  # fp32 whatever the default dtype is
         # transformers >= 4.35 (and 5.x, which dropped the flag) saves model.safetensors.
         model.save_pretrained(str(staging))
         del model
