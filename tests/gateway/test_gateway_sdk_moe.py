@@ -84,7 +84,7 @@ def test_an_importance_sampling_rl_loop(sdk_service: tinker.ServiceClient) -> No
     trainer = sdk_service.create_lora_training_client(base_model=MOE, rank=4, seed=2).result()
     prompt = trainer.get_tokenizer().encode("Say a digit:")
     adam = types.AdamParams(learning_rate=1e-2)
-    for iteration in range(3):
+    for iteration in range(2):
         sampler = trainer.save_weights_and_get_sampling_client().result()
         result = sampler.sample(
             prompt=types.ModelInput.from_ints(prompt),
