@@ -118,7 +118,7 @@ BENCHES: tuple[Bench, ...] = (
         "bench.moe",
         (),
         ("--quick",),
-        40,
+        100,
         "a LoRA step of the tiny mixture of experts against the dense model of its active size",
     ),
     Bench(
