@@ -39,6 +39,7 @@ from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.adapters import expert_parameters, linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.checkpoints import read_state
+from queue_tinker.workers.training.model_pass import PassPlan
 
 MOE = "queue-tinker/tiny-moe"
 EXPERT = ".mlp.experts."
@@ -217,6 +218,26 @@ def test_samples_of_two_adapters_in_one_loop_equal_each_alone(moe: BatchDriver) 
         for a, b in zip(got["sequences"], want["sequences"], strict=True):
             assert a["tokens"] == b["tokens"]
             np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-6)
+
+
+def test_checkpointed_layers_recompute_the_same_expert_gradients(root: Path) -> None:
+    """Every decoder layer checkpointed: backward recomputes the experts through the row
+    blocks, and two adapters' gradients equal those of a pass that keeps its activations."""
+    plans = {"on": PassPlan(activation_checkpointing="on"), "off": PassPlan()}
+    grads = {}
+    for name, plan in plans.items():
+        driver = BatchDriver(root, f"moe-ckpt-{name}", base=MOE, plan=plan)
+        for i in range(2):
+            driver.create(f"c{i}", LoraConfig(rank=4, seed=50 + i))
+        ops = [
+            driver.make(f"c{i}", OpKind.FORWARD_BACKWARD, fb_body(batch()[i : i + 2]))
+            for i in range(2)
+        ]
+        assert all(isinstance(r, OpResult) for r in driver.batched(ops))
+        grads[name] = [driver.grads(f"c{i}") for i in range(2)]
+    for on, off in zip(grads["on"], grads["off"], strict=True):
+        assert experts_of(off)
+        assert_batched_tensors(on, off, atol_of_max=GRAD_ATOL)
 
 
 # --- checkpoints, bf16, the rank cap ---------------------------------------------------------
