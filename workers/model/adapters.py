@@ -63,12 +63,25 @@ def linear_names(model: torch.nn.Module) -> set[str]:
     }
 
 
+def stacked_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of each stacked experts' weight: a 3-D parameter, a matrix an expert,
+    of a module that says how many experts it holds (transformers 5's fused experts:
+    Qwen3-MoE, Mixtral, GPT-OSS). Other 3-D weights (a Conv1d's) are not experts."""
+    found = []
+    for prefix, module in model.named_modules():
+        experts = getattr(module, "num_experts", None)
+        if not isinstance(experts, int):
+            continue
+        for name, param in module.named_parameters(prefix=prefix, recurse=False):
+            if param.ndim == 3 and param.shape[0] == experts:
+                found.append((name, param))
+    return found
+
+
 def expert_parameters(model: torch.nn.Module) -> set[str]:
-    """Stacked experts' weights as PEFT's `target_parameters` names them ("experts.down_proj"):
-    the 3-D parameters, a matrix an expert (read before PEFT wraps them)."""
-    return {
-        ".".join(name.rsplit(".", 2)[-2:]) for name, p in model.named_parameters() if p.ndim == 3
-    }
+    """Stacked experts' weights as PEFT's `target_parameters` names them ("experts.down_proj"),
+    read before PEFT wraps them."""
+    return {".".join(name.rsplit(".", 2)[-2:]) for name, _ in stacked_experts(model)}
 
 
 def target_modules(present: set[str], config: LoraConfig) -> list[str]:

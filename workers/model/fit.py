@@ -39,7 +39,11 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from queue_tinker.errors import WorkerFitError
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.model.adapters import target_modules, target_parameters
+from queue_tinker.workers.model.adapters import (
+    stacked_experts,
+    target_modules,
+    target_parameters,
+)
 from queue_tinker.workers.model.memory import (
     HEADROOM,
     Checkpointing,
@@ -157,7 +161,7 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         layers=int(config.num_hidden_layers),
         kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         context_length=int(config.max_position_embeddings),
-        experts=tuple((name, *p.shape) for name, p in model.named_parameters() if p.ndim == 3),
+        experts=tuple((name, *p.shape) for name, p in stacked_experts(model)),
     )
 
 
