@@ -211,8 +211,9 @@ class AdapterPool:
             self.active = adapter.name
 
     def lora_layers(self) -> list[LoraLayer]:
-        """The model's LoRA linear layers (a traversal of every module, ~3 ms with 8 adapters
-        on the tiny model: kept until an adapter comes or goes); none while no adapter is."""
+        """The model's LoRA layers, linear and experts' (a traversal of every module, ~3 ms
+        with 8 adapters on the tiny model: kept until an adapter comes or goes); none while no
+        adapter is."""
         if self._lora_layers is None:
             self._lora_layers = [] if self.peft is None else lora_layers_of(self.peft)
         return self._lora_layers
