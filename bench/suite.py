@@ -8,6 +8,7 @@ are built once, in a data directory the benchmarks share.
     .venv/bin/python -m bench                     # the full run (about 25 minutes on 2 cores)
     .venv/bin/python -m bench --quick             # smoke run of every benchmark, docs left alone
     .venv/bin/python -m bench --only train_throughput mfu
+    .venv/bin/python -m bench --only moe
     .venv/bin/python -m bench --only soak         # not in the default set (5 minutes of load)
     .venv/bin/python -m bench --only memory       # not in the default set (25 minutes of CPU)
 """
@@ -119,6 +120,14 @@ BENCHES: tuple[Bench, ...] = (
         ("--quick",),
         60,
         "another tenant's small requests while one sends ten 57 MiB bodies",
+    ),
+    Bench(
+        "moe",
+        "bench.moe",
+        (),
+        ("--quick",),
+        100,
+        "a LoRA step of the tiny mixture of experts against the dense model of its active size",
     ),
     Bench(
         "mfu",

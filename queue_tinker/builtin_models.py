@@ -51,9 +51,12 @@ IMAGE_PROCESSOR_FILES = ("preprocessor_config.json",)
 class BuiltinModel:
     name: str
     description: str
-    config: dict[str, Any] = field(hash=False)  # LlamaConfig kwargs (token ids added at build)
+    # Kwargs of the config class of `model_type` (token ids added at build); a
+    # vision-language model's are its text model's.
+    config: dict[str, Any] = field(hash=False)
+    model_type: str = "llama"  # transformers' name for the architecture (config.json's)
     # A vision-language model (Qwen2-VL): its vision tower's config and its image processor's
-    # settings; config is then its text model's. None: a text-only Llama.
+    # settings. None: a text-only model.
     vision: dict[str, Any] | None = field(default=None, hash=False)
     image_processor: dict[str, Any] | None = field(default=None, hash=False)
 
@@ -140,6 +143,31 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
                 "temporal_patch_size": 2,
                 "min_pixels": 8 * 8,
                 "max_pixels": 64 * 64,
+            },
+        ),
+        BuiltinModel(
+            name="queue-tinker/tiny-moe",
+            description=(
+                "Qwen3-MoE, 2 layers, hidden 64, 4 experts (top 2), byte tokenizer; 156,928 "
+                "params, 107,776 active a token (tests)."
+            ),
+            model_type="qwen3_moe",
+            config={
+                "vocab_size": VOCAB_SIZE,
+                "hidden_size": 64,
+                # Two experts of 64 a token: the active MLP is tiny-llama's (128 wide).
+                "moe_intermediate_size": 64,
+                "intermediate_size": 128,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "norm_topk_prob": True,  # as Qwen3-30B-A3B
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-5,
             },
         ),
     )

@@ -59,6 +59,7 @@ class Driver:
 
     engine: LoraExecutor
     storage: Path
+    base: str = BASE
 
     def __post_init__(self) -> None:
         self.seqs: dict[str, int] = defaultdict(int)
@@ -169,10 +170,12 @@ def run_stepped(engine: LoraExecutor, ops: list[Op]) -> list[OpResult | Exceptio
     return [finished[op.job_id] for op in ops]
 
 
-def make_driver(scratch: Path, models_dir: Path, name: str, **kwargs: int) -> Driver:
+def make_driver(
+    scratch: Path, models_dir: Path, name: str, base: str = BASE, **kwargs: Any
+) -> Driver:
     storage = scratch / name
     storage.mkdir()
-    return Driver(LoraExecutor(BASE, "cpu", storage, models_dir, **kwargs), storage)
+    return Driver(LoraExecutor(base, "cpu", storage, models_dir, **kwargs), storage, base)
 
 
 # Batched against alone (BatchDriver), float32 on one CPU thread. A shared pass pads rows to a
@@ -203,9 +206,10 @@ class BatchDriver:
     """One engine plus each model's next seq, so ops are numbered as a model's queue numbers
     them."""
 
-    def __init__(self, root: Path, name: str, **kwargs: Any) -> None:
+    def __init__(self, root: Path, name: str, base: str = BASE, **kwargs: Any) -> None:
         self.storage = root / name
-        self.engine = LoraExecutor(BASE, "cpu", self.storage, root / "models", **kwargs)
+        self.base = base
+        self.engine = LoraExecutor(base, "cpu", self.storage, root / "models", **kwargs)
         self.seqs: dict[str, int] = {}
 
     def make(self, model_id: str, kind: OpKind, body: Any) -> Op:
@@ -220,7 +224,11 @@ class BatchDriver:
             self.make(
                 model_id,
                 OpKind.CREATE_MODEL,
-                {"lora_config": config.model_dump(), "tenant_id": "default", "base_model": BASE},
+                {
+                    "lora_config": config.model_dump(),
+                    "tenant_id": "default",
+                    "base_model": self.base,
+                },
             ),
         )
         self.engine.execute(

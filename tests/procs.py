@@ -181,10 +181,15 @@ def assert_nothing_dead_lettered(redis_url: str, key_prefix: str) -> None:
 
 @contextmanager
 def lora_deployment(
-    redis_url: str, database_url: str, base_model: str, **overrides: object
+    redis_url: str,
+    database_url: str,
+    base_model: str,
+    also: tuple[str, ...] = (),
+    **overrides: object,
 ) -> Iterator[Settings]:
-    """Settings of a deployment with one LoRA worker on `base_model` (for a test module: torch
-    loads in seconds, not milliseconds); its keys and files are removed afterwards."""
+    """Settings of a deployment with one LoRA worker on `base_model`, and one on each model of
+    `also` (for a test module: torch loads in seconds, not milliseconds); its keys and files
+    are removed afterwards."""
     data_dir = Path(tempfile.mkdtemp(prefix="qt-lora-"))
     options: dict[str, object] = {
         "lease_ttl_ms": 3_000,
@@ -199,20 +204,24 @@ def lora_deployment(
         data_dir=data_dir,
         **options,
     )  # type: ignore[arg-type]
-    worker = WorkerProcess(settings, base_model, data_dir / "worker.log", engine="lora")
+    logs = [data_dir / "worker.log"] + [data_dir / f"worker-{i + 1}.log" for i in range(len(also))]
+    workers = [
+        WorkerProcess(settings, model, log, engine="lora")
+        for model, log in zip((base_model, *also), logs, strict=True)
+    ]
     try:
-        wait_for_workers(settings, 1, timeout=90)
+        wait_for_workers(settings, len(workers), timeout=90)
         yield settings
         assert_nothing_dead_lettered(redis_url, settings.key_prefix)
     finally:
-        code = worker.stop()
+        codes = [worker.stop() for worker in workers]
         client = redis.Redis.from_url(redis_url)
         for key in client.scan_iter(match=f"{settings.key_prefix}:*", count=1000):
             client.delete(key)
         client.close()
-        log = worker.log()
+        failed = [(code, worker.log()) for code, worker in zip(codes, workers, strict=True) if code]
         shutil.rmtree(data_dir, ignore_errors=True)
-        assert code == 0, log[-12000:]
+        assert not failed, failed[0][1][-12000:]
 
 
 def free_port() -> int:

@@ -35,6 +35,7 @@ def test_default_set_leaves_out_soak_and_only_picks_in_order() -> None:
         "prefix_cache",
         "gateway",
         "big_bodies",
+        "moe",
         "mfu",
     ]
     args = suite.parse_args(["--quick", "--only", "mfu", "soak", "queue"])
@@ -63,6 +64,23 @@ def test_header_replaces_only_what_comes_before_the_first_section(tmp_path: Path
     docs.write_text("# Benchmarks\n\nold head\n\n## A\n\nkept\n")
     suite.write_header(docs, "# Benchmarks\n\nnew head\n")
     assert docs.read_text() == "# Benchmarks\n\nnew head\n\n## A\n\nkept\n"
+
+
+def test_moe_bench_counts_active_parameters_by_the_experts_a_token_runs() -> None:
+    """bench.moe's active count: the dense model's all, the MoE's experts at top-2 of 4."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from bench.moe import active_params
+
+    small = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10}
+    with torch.device("meta"):
+        dense = LlamaForCausalLM(LlamaConfig(intermediate_size=32, **small))
+        moe = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, **small)
+        )
+    assert active_params(dense) == sum(p.numel() for p in dense.parameters())
+    experts = 4 * (2 * 8 * 16 + 16 * 8)
+    assert active_params(moe) == sum(p.numel() for p in moe.parameters()) - experts // 2
 
 
 def test_llama_3_1_8b_counts() -> None:

@@ -39,11 +39,12 @@ from queue_tinker.workers.model.base_model import (  # noqa: E402
 
 TINY = "queue-tinker/tiny-llama"
 TINY_VL = "queue-tinker/tiny-vl"
+MOE = "queue-tinker/tiny-moe"
 TEXTS = ["A", "hello , world . isn 't", "héllo ✓", "日本語 🎉\n\t  x\x00\x7f", ""]
 
 
 def test_catalogue_and_paths(tmp_path: Path) -> None:
-    assert set(BUILTIN_MODELS) == {TINY, "queue-tinker/llama-100m", TINY_VL}
+    assert set(BUILTIN_MODELS) == {TINY, MOE, "queue-tinker/llama-100m", TINY_VL}
     assert is_builtin(TINY) and not is_builtin("meta-llama/Llama-3.2-1B")
     assert builtin_dir(TINY, tmp_path) == tmp_path / "queue-tinker--tiny-llama"
     assert resolve_model_path("some/hub-id", tmp_path) == "some/hub-id"
@@ -193,3 +194,21 @@ def test_tiny_vl_loads_through_from_pretrained_with_its_image_processor(tmp_path
     tok = load_tokenizer(TINY_VL, tmp_path)
     assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_PAD_ID == model.config.image_token_id
     assert tok.encode("hi") == [104, 105]
+
+
+def test_tiny_moe_is_a_qwen3_moe_with_tiny_llamas_active_size(tmp_path: Path) -> None:
+    """tiny-moe: Qwen3-MoE from its catalogue entry's model_type; 4 experts of which 2 run a
+    token, so the parameters a token uses are within 1% of tiny-llama's (the router and the
+    q/k norms are the difference)."""
+    assert builtin_config(TINY).model_type == "llama"
+    model = load_base_model(MOE, "cpu", tmp_path)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for p in model.parameters() if p.ndim == 3)
+    assert (total, experts) == (156_928, 98_304)
+    active = total - experts // 2  # top 2 of 4
+    assert active == 107_776 and abs(active - 107_200) / 107_200 < 0.01
+    tok = load_tokenizer(MOE, tmp_path)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tok.encode("hello")])).logits
+    assert logits.shape == (1, 5, VOCAB_SIZE) and torch.isfinite(logits).all()

@@ -20,13 +20,14 @@ import pytest
 
 cookbook = pytest.importorskip("tinker_cookbook")
 
-from procs import SDK_CLIENT_MARKS, make_key  # noqa: E402
+from procs import SDK_CLIENT_MARKS, lora_deployment, make_key  # noqa: E402
 from tinker_cookbook import tokenizer_utils  # noqa: E402
 
 from queue_tinker.builtin_models import load_tokenizer  # noqa: E402
 from queue_tinker.settings import Settings  # noqa: E402
 
 TINY = "queue-tinker/tiny-llama"
+MOE = "queue-tinker/tiny-moe"  # the RL loop runs on a mixture-of-experts base too
 RENDERER = "role_colon"
 pytestmark = SDK_CLIENT_MARKS
 
@@ -50,6 +51,13 @@ def nothing_left_behind() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
+    """A LoRA worker on the tiny model and one on the tiny mixture of experts."""
+    with lora_deployment(redis_url, database_url, TINY, also=(MOE,)) as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
 def sdk_env(gateway: str, deployment: Settings) -> Iterator[str]:
     """TINKER_BASE_URL / TINKER_API_KEY as a user exports them, and the tiny model's tokenizer
     registered with the cookbook (it would otherwise look it up on the Hub)."""
@@ -58,11 +66,15 @@ def sdk_env(gateway: str, deployment: Settings) -> Iterator[str]:
         k: os.environ.get(k) for k in ("TINKER_BASE_URL", "TINKER_API_KEY", "TINKER_TELEMETRY")
     }
     os.environ.update(TINKER_BASE_URL=gateway, TINKER_API_KEY=key, TINKER_TELEMETRY="0")
-    tokenizer_utils.register_tokenizer(TINY, lambda: load_tokenizer(TINY, deployment.models_dir))
+    for name in (TINY, MOE):
+        tokenizer_utils.register_tokenizer(
+            name, lambda name=name: load_tokenizer(name, deployment.models_dir)
+        )
     try:
         yield gateway
     finally:
-        tokenizer_utils.unregister_tokenizer(TINY)
+        for name in (TINY, MOE):
+            tokenizer_utils.unregister_tokenizer(name)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -169,17 +181,19 @@ def letter_builder(groups: int, steps: int) -> Any:
     return AsciiBuilder()
 
 
+@pytest.mark.parametrize("model", [TINY, MOE], ids=["dense", "moe"])
 def test_rl_train_with_the_recipes_default_loss_raises_the_reward(
-    sdk_env: str, tmp_path: Path
+    sdk_env: str, tmp_path: Path, model: str
 ) -> None:
     """rl.train with stable_reinforce (math_rl's and the async configs' default): sampling
-    with record_stability_info, provenance spans on every datum; the reward rises."""
+    with record_stability_info, provenance spans on every datum; the reward rises, on a dense
+    base and on a mixture of experts (LoRA on attention and experts)."""
     from tinker_cookbook.rl import train
 
     config = train.Config(
         learning_rate=5e-2,
         dataset_builder=letter_builder(groups=2, steps=10),
-        model_name=TINY,
+        model_name=model,
         recipe_name="qt-rl",
         max_tokens=8,
         log_path=str(tmp_path / "rl"),

@@ -18,6 +18,9 @@ from queue_tinker.types.tensors import Datum, TensorData
 LORA_ALPHA = 32
 LORA_DROPOUT = 0.0
 MAX_LORA_RANK = 1024
+# Tinker caps LoRA on mixture-of-experts models at rank 32 (its error: "rank 128 exceeds max
+# LoRA rank 32 for model Qwen3-235B-A22B-Instruct-2507"): an expert each has its own A and B.
+MAX_MOE_LORA_RANK = 32
 
 # A seed as torch takes it (torch.manual_seed / Generator.manual_seed: -2**63 to 2**64 - 1).
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]

@@ -21,12 +21,11 @@ from typing import Any
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
-from peft.tuners.lora import Linear as LoraLinear
 from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.types.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
 from queue_tinker.workers.model.checkpoints import AdapterState, CheckpointMeta
-from queue_tinker.workers.model.row_blocks import lora_linear_layers
+from queue_tinker.workers.model.row_blocks import LoraLayer, lora_layers_of
 from queue_tinker.workers.model.vision_language import VISION_TOWER
 
 # Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,
@@ -67,6 +66,27 @@ def linear_names(model: torch.nn.Module) -> set[str]:
     }
 
 
+def stacked_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of each stacked experts' weight: a 3-D parameter, a matrix an expert,
+    of a module that says how many experts it holds (transformers 5's fused experts:
+    Qwen3-MoE, Mixtral, GPT-OSS). Other 3-D weights (a Conv1d's) are not experts."""
+    found = []
+    for prefix, module in model.named_modules():
+        experts = getattr(module, "num_experts", None)
+        if not isinstance(experts, int):
+            continue
+        for name, param in module.named_parameters(prefix=prefix, recurse=False):
+            if param.ndim == 3 and param.shape[0] == experts:
+                found.append((name, param))
+    return found
+
+
+def expert_parameters(model: torch.nn.Module) -> set[str]:
+    """Stacked experts' weights as PEFT's `target_parameters` names them ("experts.down_proj"),
+    read before PEFT wraps them."""
+    return {".".join(name.rsplit(".", 2)[-2:]) for name, _ in stacked_experts(model)}
+
+
 def target_modules(present: set[str], config: LoraConfig) -> list[str]:
     """The linear-layer names that the LoRA config asks to adapt."""
     wanted: set[str] = set()
@@ -79,12 +99,21 @@ def target_modules(present: set[str], config: LoraConfig) -> list[str]:
     return sorted(wanted & present)
 
 
-def peft_config(present: set[str], config: LoraConfig, base_model: str) -> PeftLoraConfig:
+def target_parameters(experts: Set[str], config: LoraConfig) -> list[str]:
+    """The experts' stacked weights the LoRA config asks to adapt: all of them with the MLP
+    (Tinker's train_mlp covers MoE layers), else none."""
+    return sorted(experts) if config.train_mlp else []
+
+
+def peft_config(
+    present: set[str], config: LoraConfig, base_model: str, experts: Set[str] = frozenset()
+) -> PeftLoraConfig:
     return PeftLoraConfig(
         r=config.rank,
         lora_alpha=LORA_ALPHA,
         lora_dropout=LORA_DROPOUT,
         target_modules=target_modules(present, config),
+        target_parameters=target_parameters(experts, config) or None,
         base_model_name_or_path=base_model,
         task_type="CAUSAL_LM",
     )
@@ -126,13 +155,14 @@ class AdapterPool:
     def __init__(self, base: torch.nn.Module, base_model: str, max_resident: int) -> None:
         self.base = base
         self.linear_names = linear_names(base)
+        self.expert_parameters = expert_parameters(base)
         self.base_model = base_model
         self.max_resident = max_resident
         self.peft: PeftModel | None = None
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
         self.samplers: OrderedDict[Path, str] = OrderedDict()  # checkpoint dir -> adapter name
         self.active: str | None = None
-        self._lora_layers: list[LoraLinear] | None = None
+        self._lora_layers: list[LoraLayer] | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -152,7 +182,7 @@ class AdapterPool:
     def add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
         """A fresh adapter: LoRA A from `seed` (B is zero), new AdamW."""
         name = adapter_name(model_id)
-        cfg = peft_config(self.linear_names, config, self.base_model)
+        cfg = peft_config(self.linear_names, config, self.base_model, self.expert_parameters)
         torch.manual_seed(seed)  # PEFT initialises lora_A from the global generator
         with warnings.catch_warnings():
             # peft 0.21 asks transformers 5 a deprecated question; nothing for us to change.
@@ -183,11 +213,12 @@ class AdapterPool:
             self.peft.set_adapter(adapter.name)
             self.active = adapter.name
 
-    def lora_layers(self) -> list[LoraLinear]:
-        """The model's LoRA linear layers (a traversal of every module, ~3 ms with 8 adapters
-        on the tiny model: kept until an adapter comes or goes); none while no adapter is."""
+    def lora_layers(self) -> list[LoraLayer]:
+        """The model's LoRA layers, linear and experts' (a traversal of every module, ~3 ms
+        with 8 adapters on the tiny model: kept until an adapter comes or goes); none while no
+        adapter is."""
         if self._lora_layers is None:
-            self._lora_layers = [] if self.peft is None else lora_linear_layers(self.peft)
+            self._lora_layers = [] if self.peft is None else lora_layers_of(self.peft)
         return self._lora_layers
 
     @contextmanager
@@ -258,7 +289,9 @@ class AdapterPool:
     def peft_adapter_config(self, adapter: Adapter) -> dict[str, Any]:
         assert self.peft is not None
         config = self.peft.peft_config[adapter.name].to_dict()
-        config["target_modules"] = sorted(config["target_modules"])  # a set in PEFT
+        for key in ("target_modules", "target_parameters"):  # sets in PEFT (or None)
+            if config.get(key) is not None:
+                config[key] = sorted(config[key])
         return config
 
     # --- state in and out ------------------------------------------------------------------

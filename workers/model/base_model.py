@@ -13,11 +13,10 @@ from typing import cast
 
 import torch
 from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
-    LlamaConfig,
-    LlamaForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
 )
@@ -48,7 +47,13 @@ def builtin_config(name: str) -> PretrainedConfig:
     spec = BUILTIN_MODELS[name]
     if spec.vision is not None:
         return vision_language.builtin_vl_config(spec)
-    return LlamaConfig(**spec.config, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    return AutoConfig.for_model(
+        spec.model_type,
+        **spec.config,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
 
 
 def ensure_builtin_model(name: str, models_dir: Path) -> Path:
@@ -81,9 +86,12 @@ def ensure_builtin_model(name: str, models_dir: Path) -> Path:
 
 
 def _model_of(config: PretrainedConfig) -> PreTrainedModel:
-    if isinstance(config, LlamaConfig):
-        return LlamaForCausalLM(config)
-    return vision_language.model_of(config)
+    """A fresh model of the config's architecture: its class itself (not from_config), so
+    init draws as it always did."""
+    if vision_language.is_vl(config):
+        return vision_language.model_of(config)
+    architecture = cast(type[PreTrainedModel], MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+    return architecture(config)
 
 
 def resolve_model_path(base_model: str, models_dir: Path) -> str:

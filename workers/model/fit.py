@@ -9,8 +9,9 @@ sampler's KV cache; and the headroom the worker keeps (memory.HEADROOM of what t
 leave). The estimates are memory.py's; this module only adds them up, per rank.
 
 The model is built on the meta device (no memory, no weights), so its parameters, experts
-included, and the linear layers LoRA adapts (adapters.target_modules, as the worker picks
-them) are the library's own, not a second description of each architecture.
+included, the linear layers LoRA adapts (adapters.target_modules, as the worker picks them) and
+the stacked expert weights it adapts with the MLP (adapters.target_parameters: an A and a B of
+the rank per expert) are the library's own, not a second description of each architecture.
 
 Unset budgets are planned at their floor: a pass is split down to one op, never below, so it
 must hold one datum of QT_MAX_TOKENS_PER_DATUM tokens; the sampler runs a sample that alone
@@ -38,7 +39,11 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from queue_tinker.errors import WorkerFitError
 from queue_tinker.types.training import LoraConfig
-from queue_tinker.workers.model.adapters import target_modules
+from queue_tinker.workers.model.adapters import (
+    stacked_experts,
+    target_modules,
+    target_parameters,
+)
 from queue_tinker.workers.model.memory import (
     HEADROOM,
     Checkpointing,
@@ -136,6 +141,9 @@ class ModelShape:
     layers: int
     kv_heads: int
     context_length: int
+    # (name, experts, out, in) of stacked expert weights, stored (experts, out, in) as
+    # Qwen3-MoE's and Mixtral's are in transformers 5.
+    experts: tuple[tuple[str, int, int, int], ...] = ()
 
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
@@ -153,6 +161,7 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         layers=int(config.num_hidden_layers),
         kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         context_length=int(config.max_position_embeddings),
+        experts=tuple((name, *p.shape) for name, p in stacked_experts(model)),
     )
 
 
@@ -170,7 +179,7 @@ class FitPlan:
     headroom: int
     layers: int
     checkpointed_layers: int
-    targets: tuple[str, ...]  # the linear layers LoRA adapts
+    targets: tuple[str, ...]  # the linear layers (and stacked experts) LoRA adapts
     demand: Demand
     remedies: tuple[str, ...] = ()  # changes that each alone would fit; none when it fits
 
@@ -278,11 +287,15 @@ class _Planner:
         shape, dtype_bytes = self.shape, self.dtype_bytes
         linears = {name.rsplit(".", 1)[-1] for name, _, _ in shape.linears}
         settings = demand.settings
-        targets = tuple(target_modules(linears, settings.lora))
-        weights = _weight_elements(shape, ranks) * dtype_bytes
-        adapter_each = _lora_params(shape, set(targets), settings.lora.rank, ranks) * (
-            TRAINED_LORA_BYTES + SAMPLER_LORA_BYTES
+        experts = {_expert_name(name) for name, *_ in shape.experts}
+        targets = (
+            *target_modules(linears, settings.lora),
+            *target_parameters(experts, settings.lora),
         )
+        weights = _weight_elements(shape, ranks) * dtype_bytes
+        lora = _lora_params(shape, set(targets), settings.lora.rank, ranks)
+        lora += _expert_lora_params(shape, set(targets), settings.lora.rank, ranks)
+        adapter_each = lora * (TRAINED_LORA_BYTES + SAMPLER_LORA_BYTES)
         rank_config = self.rank_config(ranks)
         left = max(0, self.rank_bytes - weights)  # what the worker's budgets are sized from
         checkpointed = self.checkpointed_layers(rank_config, left, demand)
@@ -306,9 +319,10 @@ class _Planner:
         the KV heads split, the hidden width whole."""
         shard = copy.copy(self.config)
         if ranks > 1:
-            width = getattr(self.config, "intermediate_size", None)
-            if width:
-                shard.intermediate_size = math.ceil(int(width) / ranks)
+            for key in ("intermediate_size", "moe_intermediate_size"):
+                width = getattr(self.config, key, None)
+                if width:
+                    setattr(shard, key, math.ceil(int(width) / ranks))
             shard.num_key_value_heads = math.ceil(self.shape.kv_heads / ranks)
         return shard
 
@@ -419,6 +433,26 @@ def _lora_params(shape: ModelShape, targets: set[str], rank: int, ranks: int) ->
             total += rank * math.ceil(in_features / ranks) + rank * out_features
         else:
             total += rank * in_features + rank * _split(layer, out_features, ranks, shape.kv_heads)
+    return total
+
+
+def _expert_name(name: str) -> str:
+    """model.layers.0.mlp.experts.down_proj: experts.down_proj (a target_parameters name)."""
+    return ".".join(name.rsplit(".", 2)[-2:])
+
+
+def _expert_lora_params(shape: ModelShape, targets: set[str], rank: int, ranks: int) -> int:
+    """One adapter's parameters on the stacked experts on one rank: per expert an A (rank x in)
+    and a B (out x rank), split with the experts' width as a linear layer's pair is."""
+    total = 0
+    for name, experts, out_features, in_features in shape.experts:
+        short = _expert_name(name)
+        if short not in targets:
+            continue
+        if short.rsplit(".", 1)[-1] in ROW_PARALLEL:
+            total += experts * rank * (math.ceil(in_features / ranks) + out_features)
+        else:
+            total += experts * rank * (in_features + math.ceil(out_features / ranks))
     return total
 
 

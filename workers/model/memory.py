@@ -68,9 +68,20 @@ def layer_bytes(config: PretrainedConfig, dtype_bytes: int) -> LayerBytes:
     4 MLP widths in the base dtype), plus the fp32 copies of its inputs that LoRA keeps for
     its weight gradients (q/k/v/o and gate/up take hidden-wide inputs, down an MLP-wide one)."""
     hidden = int(config.hidden_size)
-    mlp = int(getattr(config, "intermediate_size", 4 * hidden))
+    mlp = mlp_width(config)
     kept = (10 * hidden + 4 * mlp) * dtype_bytes + (6 * hidden + mlp) * 4
     return LayerBytes(kept=kept, checkpointed=hidden * dtype_bytes)
+
+
+def mlp_width(config: PretrainedConfig) -> int:
+    """The MLP width one token's activations span: a sparse layer's experts a token runs
+    times their width (Qwen-style MoE configs: num_experts_per_tok x moe_intermediate_size),
+    else the dense MLP's."""
+    experts = getattr(config, "num_experts_per_tok", None)
+    width = getattr(config, "moe_intermediate_size", None)
+    if experts and width:
+        return int(experts) * int(width)
+    return int(getattr(config, "intermediate_size", 4 * int(config.hidden_size)))
 
 
 def pass_bytes_per_token(layers: int, checkpointed: int, per_layer: LayerBytes) -> int:

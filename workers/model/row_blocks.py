@@ -8,6 +8,9 @@ and layer, and registers and removes a forward hook on every LoRA module at ever
 backward made a shared pass of 8 ops up to 2x slower than the 8 ops one at a time (tiny model,
 CPU), and its hooks cost 1.4 ms per decode step at the tiny model and 5.6 ms at 100M (CPU).
 Contiguous blocks need a slice and an in-place add per block and layer.
+
+A mixture of experts' stacked weights, which PEFT adapts as parameters (`ParamWrapper`), run
+their experts once per block with that block's adapter folded in (expert_lora.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,20 @@ from typing import Any
 
 import torch
 from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import ParamWrapper
+
+from queue_tinker.workers.model.expert_lora import experts_forward, outermost_wrappers
+
+# A layer row blocks give each block's update: a LoRA linear layer, or the outermost of a
+# module's parameter wrappers (a mixture of experts' stacked weights).
+LoraLayer = LoraLinear | ParamWrapper
 
 
-def lora_linear_layers(model: torch.nn.Module) -> list[LoraLinear]:
-    """Every LoRA linear layer of the model (a traversal of every module: keep the list while
-    no adapter comes or goes)."""
-    return [module for module in model.modules() if isinstance(module, LoraLinear)]
+def lora_layers_of(model: torch.nn.Module) -> list[LoraLayer]:
+    """Every LoRA linear layer and experts' wrapper of the model (a traversal of every module:
+    keep the list while no adapter comes or goes)."""
+    linears: list[LoraLayer] = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    return linears + list(outermost_wrappers(model))
 
 
 def blocks_of(parts: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -49,12 +60,13 @@ def grouped_order(names: Sequence[str]) -> list[int]:
 
 
 @contextmanager
-def row_blocks(layers: Sequence[LoraLinear], blocks: Sequence[tuple[str, int]]) -> Iterator[None]:
+def row_blocks(layers: Sequence[LoraLayer], blocks: Sequence[tuple[str, int]]) -> Iterator[None]:
     """Meanwhile each LoRA layer computes its base layer plus, for each block of consecutive
     rows (dim 0), that block's adapter's update, as PEFT adds the active adapter's:
     lora_B(lora_A(dropout(x))) * scaling, in the adapter's dtype, added in the wider dtype and
     rounded once. A block whose adapter does not adapt a layer (or no adapter at all: the
-    base model's rows) gets the base layer's output there."""
+    base model's rows) gets the base layer's output there. Experts' wrappers: see
+    expert_lora.py."""
     names = [name for name, _ in blocks]
     starts = [sum(rows for _, rows in blocks[:i]) for i in range(len(blocks))]
     sizes = [rows for _, rows in blocks]
@@ -74,7 +86,10 @@ def row_blocks(layers: Sequence[LoraLinear], blocks: Sequence[tuple[str, int]]) 
         return result
 
     for layer in layers:  # an instance attribute: nn.Module calls self.forward
-        layer.forward = partial(forward, layer)  # type: ignore[method-assign]
+        if isinstance(layer, ParamWrapper):
+            layer.forward = partial(experts_forward, layer, blocks)  # type: ignore[method-assign]
+        else:
+            layer.forward = partial(forward, layer)  # type: ignore[method-assign]
     try:
         yield
     finally:

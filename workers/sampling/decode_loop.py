@@ -36,15 +36,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
-from peft.tuners.lora import Linear as LoraLinear
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.row_blocks import (
+    LoraLayer,
     blocks_of,
     grouped_order,
-    lora_linear_layers,
+    lora_layers_of,
     row_blocks,
 )
 from queue_tinker.workers.model.vision_language import ImageInputs
@@ -119,7 +119,7 @@ def generate(
     loop = DecodeLoop(device, eos_token_ids, decode, max_rows=None, prefill_tokens=None)
     for index, request in enumerate(requests):
         loop.add(index, request)
-    layers = lora_linear_layers(model)
+    layers = lora_layers_of(model)
     responses: dict[Key, SampleResponse] = {}
     while loop.busy:
         responses.update(loop.step(model, layers))
@@ -176,7 +176,7 @@ class DecodeLoop:
         self.step_rows = 0  # the most rows the last step ran at once (a statistic)
         # Prompt tokens prefilled for each request that finished in the last step.
         self.finished_prefilled: dict[Key, int] = {}
-        self._layers: Sequence[LoraLinear] = ()  # the model's LoRA layers, for this step
+        self._layers: Sequence[LoraLayer] = ()  # the model's LoRA layers, for this step
 
     @property
     def busy(self) -> bool:
@@ -229,16 +229,16 @@ class DecodeLoop:
         return list(dict.fromkeys(r.key for r in requests))
 
     def step(
-        self, model: torch.nn.Module, lora_layers: Sequence[LoraLinear] | None = None
+        self, model: torch.nn.Module, lora_layers: Sequence[LoraLayer] | None = None
     ) -> Finished:
         """One decode step of the running rows, then the admission of waiting requests; the
         requests that finished in it, with their responses. `model` may be a different wrapper
         each call (a PeftModel made meanwhile around the same base): the cache is the loop's.
         `lora_layers`: every LoRA layer of the model, if the caller keeps the list
-        (row_blocks.lora_linear_layers); None walks the model's modules for it."""
+        (row_blocks.lora_layers_of); None walks the model's modules for it."""
         finished: Finished = []
         self.finished_prefilled = {}
-        self._layers = lora_linear_layers(model) if lora_layers is None else lora_layers
+        self._layers = lora_layers_of(model) if lora_layers is None else lora_layers
         self.step_rows = self.rows
         with torch.inference_mode(), _eval_mode(model):
             if self.running is not None:

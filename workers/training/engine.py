@@ -14,7 +14,7 @@ from collections.abc import Callable
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
-from queue_tinker.types.training import CreateModelInput
+from queue_tinker.types.training import MAX_MOE_LORA_RANK, CreateModelInput, LoraConfig
 from queue_tinker.workers.interface import TRAIN_BATCH_KINDS, OpResult, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.checkpoints import read_meta, snapshot_dir
@@ -87,8 +87,17 @@ class TrainingEngine:
                 self.residency.get(op.model_id)  # created before, by an earlier owner
             else:
                 config = body.lora_config
+                self._check_rank(config)
                 seed = config.seed if config.seed is not None else default_seed(op.model_id)
                 adapter = self.residency.add(op.model_id, body.tenant_id, config, seed)
                 adapter.last_seq = op.seq
                 self.saved.snapshot(adapter)  # from here on the model survives its worker
         return OpResult(result=codec.encode({"model_id": op.model_id}))
+
+    def _check_rank(self, config: LoraConfig) -> None:
+        """Tinker's rank cap on mixture-of-experts models (whose experts LoRA adapts)."""
+        if self.pool.expert_parameters and config.rank > MAX_MOE_LORA_RANK:
+            raise UserInputError(
+                f"lora_config.rank: {config.rank} exceeds the max LoRA rank {MAX_MOE_LORA_RANK} "
+                f"for {self.base_model} (a mixture-of-experts model)"
+            )

@@ -131,10 +131,11 @@ def test_ranks_split_matrices_keep_vectors_and_copy_kv_heads_below_one_a_rank() 
     assert four.kv_cache == two.kv_cache == 128 * (2 * 2 * 1 * 16 * 2)
 
 
-def test_mixture_of_experts_counts_every_expert_and_adapts_only_linear_layers() -> None:
+def test_mixture_of_experts_counts_every_expert_and_its_lora() -> None:
     """Qwen3-MoE: each sparse layer's experts are 3-D tensors (all of them count, not the
-    active two), the router a matrix; a dense layer (mlp_only_layers) has a plain MLP. LoRA
-    adapts linear layers only, so the experts get none."""
+    active two), the router a matrix; a dense layer (mlp_only_layers) has a plain MLP. With the
+    MLP, LoRA adapts the experts too: an A and a B of the rank per expert (PEFT's
+    target_parameters), as the worker builds them."""
     config = Qwen3MoeConfig(
         hidden_size=64,
         intermediate_size=96,
@@ -160,9 +161,14 @@ def test_mixture_of_experts_counts_every_expert_and_adapts_only_linear_layers() 
     linears = {name for name, _, _ in model_shape(config).linears}
     assert "model.layers.1.mlp.gate_proj" in linears
     assert not any("layers.0.mlp" in name for name in linears)
-    # Rank 1 over both layers' attention, layer 1's MLP and lm_head: (in + out) each.
+    # Rank 1 over both layers' attention, layer 1's MLP and lm_head: (in + out) each; layer
+    # 0's 4 experts: gate_up 64 -> 64 and down 32 -> 64, (in + out) an expert.
     lora = 2 * (128 + 96 + 96 + 128) + 2 * (64 + 96) + (96 + 64) + (64 + 100)
-    assert plan.adapter_each == 20 * lora
+    experts = 4 * (64 + 64) + 4 * (32 + 64)
+    assert plan.adapter_each == 20 * (lora + experts)
+    assert {"experts.down_proj", "experts.gate_up_proj"} <= set(plan.targets)
+    attention_only = replace(TINY_SETTINGS, lora=LoraConfig(rank=1, train_mlp=False))
+    assert not any("experts" in t for t in plan_fit(config, 2, 1, 8 * MIB, attention_only).targets)
 
 
 @pytest.mark.parametrize(
@@ -257,10 +263,11 @@ DOCS_FITS = {
     ("Llama-3.1-70B", 2): False,
     ("Llama-3.1-70B", 4): False,
     ("Llama-3.1-70B", 8): False,
+    # LoRA of rank 32 on each of 128 experts a layer: 1.26B parameters an adapter.
     ("Qwen3-30B-A3B", 1): False,
-    ("Qwen3-30B-A3B", 2): True,
-    ("Qwen3-30B-A3B", 4): True,
-    ("Qwen3-30B-A3B", 8): True,
+    ("Qwen3-30B-A3B", 2): False,
+    ("Qwen3-30B-A3B", 4): False,
+    ("Qwen3-30B-A3B", 8): False,
 }
 
 

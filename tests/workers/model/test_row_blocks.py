@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 
-from queue_tinker.workers.model.row_blocks import lora_linear_layers, row_blocks
+from queue_tinker.workers.model.row_blocks import lora_layers_of, row_blocks
 
 
 class Two(torch.nn.Module):
@@ -31,7 +31,7 @@ def model(base_dtype: torch.dtype) -> torch.nn.Module:
         for name, param in net.named_parameters():
             if "lora_B" in name:
                 param.normal_()
-    for layer in lora_linear_layers(net):
+    for layer in lora_layers_of(net):
         layer.base_layer.to(base_dtype)  # the adapters stay fp32, as on a bf16 worker
     return net
 
@@ -52,7 +52,7 @@ def test_one_block_is_peft_s_own_forward(dtype: torch.dtype) -> None:
 
 def test_several_blocks_compute_each_block_alone() -> None:
     net = model(torch.float32)
-    layers = lora_linear_layers(net)
+    layers = lora_layers_of(net)
     x = torch.randn(7, 16)
     with row_blocks(layers, [("default", 3), ("b", 2), ("__base__", 2)]):
         mixed = net(x)

@@ -1,0 +1,183 @@
+"""A mixture of experts against a dense model of the same active size: one LoRA training step
+(forward_backward + optim_step, through the engine's shared pass) of the built-in
+`queue-tinker/tiny-moe` (Qwen3-MoE, 4 experts, top 2) and `queue-tinker/tiny-llama` (the dense
+Llama whose MLP is as wide as the two experts a token runs), on the same tokens, each in a
+process of its own (peak RSS is the process's), on the CPU. The two alternate for a few rounds
+and each keeps its fastest round's median, so a burst of load on the machine lands on one round
+of one model, not on the comparison.
+
+    .venv/bin/python -m bench.moe            # writes its docs section
+    .venv/bin/python -m bench.moe --quick    # 2 x 32 tokens, 2 steps, docs left alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.harness import cli, engine
+from bench.harness.data import datums, token_rows
+from bench.harness.isolated import print_result, run_isolated
+from bench.harness.machine import commit, engine_machine
+from bench.harness.meters import load1, peak_rss_bytes
+from bench.harness.models import add_adapters, frozen_base, lora_pool
+from bench.harness.report import measured_on, publish, table
+from queue_tinker.types.training import AdamParams, LoraConfig
+
+SECTION = "## Mixture of experts: a LoRA step against a dense model of the same active size"
+COMMAND = ".venv/bin/python -m bench.moe"
+MODELS = {"dense": "queue-tinker/tiny-llama", "moe": "queue-tinker/tiny-moe"}
+RANK = 16
+MIB = 1 << 20
+
+
+@dataclass
+class Measurement:
+    case: str
+    params: int
+    active: int  # used by one token: the experts it is not routed to left out
+    lora: int
+    step_ms: float  # median of the timed steps
+    peak_rss_mib: float
+    loss: float
+
+
+def active_params(model: torch.nn.Module) -> int:
+    """Parameters one token uses: stacked experts (3-D) count for the share it runs."""
+    config = getattr(model, "config", None)
+    share = int(getattr(config, "num_experts_per_tok", 1)) / int(getattr(config, "num_experts", 1))
+    return round(sum(p.numel() * (share if p.ndim == 3 else 1) for p in model.parameters()))
+
+
+def measure(case: str, rows: int, width: int, steps: int) -> Measurement:
+    """The case, in this process: the model as a worker loads it, a rank-16 adapter on every
+    layer LoRA adapts (attention, MLP or experts, unembedding), one warm-up step, `steps`
+    timed ones."""
+    torch.set_num_threads(1)  # tiny models: thread hand-offs cost more than the math
+    with tempfile.TemporaryDirectory() as scratch:
+        base = frozen_base(MODELS[case], "cpu", Path(scratch))
+    params = sum(p.numel() for p in base.parameters())
+    active = active_params(base)
+    pool = lora_pool(base, MODELS[case], adapters=1)
+    [adapter] = add_adapters(pool, LoraConfig(rank=RANK), seeds=[0])
+    data = datums(token_rows(rows, width + 1))
+    adam = AdamParams(learning_rate=1e-3)
+    times, loss = [], 0.0
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        [out] = engine.forward_backward(pool, [(adapter, data)], engine.CPU)
+        engine.optim_step(adapter, adam)
+        if step:  # the first is a warm-up
+            times.append(time.perf_counter() - start)
+        loss = out.metrics["loss:sum"]
+    lora = sum(p.numel() for p in adapter.params.values())
+    return Measurement(
+        case,
+        params,
+        active,
+        lora,
+        statistics.median(times) * 1e3,
+        peak_rss_bytes() / MIB,
+        loss,
+    )
+
+
+def render(
+    results: dict[str, Measurement], info: dict[str, str], args: argparse.Namespace, load: float
+) -> str:
+    dense, moe = results["dense"], results["moe"]
+    tokens = args.rows * args.width
+    lines = [
+        SECTION,
+        "",
+        measured_on(info)
+        + f"transformers {info['transformers']}, peft {info['peft']}, {info['date']}, commit "
+        f"{commit()}, fp32, one intra-op thread, load {load:.1f} at the start (CPU table); "
+        f"`{COMMAND}`. One forward_backward (cross-entropy) and optim_step of a rank-{RANK} "
+        f"adapter on every layer LoRA adapts (the MoE's experts: an A and a B per expert), "
+        f"{args.rows} x {args.width} tokens, median of {args.steps} steps after a warm-up; "
+        f"each model in a process of its own, {args.rounds} alternating rounds, the fastest "
+        "round's median.",
+        "",
+        *table(
+            (
+                "model",
+                "parameters (active a token)",
+                "LoRA parameters",
+                "step",
+                "tokens/s",
+                "peak RSS",
+            ),
+            (
+                (
+                    f"`{MODELS[m.case]}`",
+                    f"{m.params:,} ({m.active:,})",
+                    f"{m.lora:,}",
+                    f"{m.step_ms:.0f} ms",
+                    f"{tokens / m.step_ms * 1e3:,.0f}",
+                    f"{m.peak_rss_mib:.0f} MiB",
+                )
+                for m in (dense, moe)
+            ),
+        ),
+        "",
+        f"MoE over dense: **{moe.step_ms / dense.step_ms:.2f}×** the step time, "
+        f"{moe.lora / dense.lora:.2f}× the LoRA parameters, "
+        f"{moe.peak_rss_mib - dense.peak_rss_mib:+.0f} MiB peak RSS.",
+        "",
+        "How to read it. The two models do the same dense work a token (the MoE's two experts "
+        "of width 64 are the dense MLP's 128); what the MoE adds is routing, the experts' "
+        "grouped matmuls, and the LoRA update folded into every expert's weights "
+        "(workers/model/expert_lora.py), a copy of the layer's expert weights a pass. At this "
+        "size all of it is per-call overhead, so the ratio says what MoE costs the engine "
+        "beside the math, not what it costs on a GPU at scale.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_quick(parser, "2 x 32 tokens, 2 steps")
+    parser.add_argument("--case", choices=list(MODELS), help="measure one model, here")
+    cli.add_knobs(
+        parser,
+        {
+            "--rows": (8, "rows of the batch"),
+            "--width": (128, "tokens a row"),
+            "--steps": (10, "timed steps after a warm-up"),
+            "--rounds": (3, "processes of each model, alternating"),
+        },
+    )
+    cli.add_report(parser, json=False)
+    args = cli.parse(parser, argv, quick={"rows": 2, "width": 32, "steps": 2, "rounds": 1})
+    if args.case:  # the isolated side
+        print_result(measure(args.case, args.rows, args.width, args.steps))
+        return 0
+    info = engine_machine("cpu")
+    load = load1()
+    results: dict[str, Measurement] = {}
+    knobs = ["--rows", str(args.rows), "--width", str(args.width), "--steps", str(args.steps)]
+    for _ in range(args.rounds):
+        for case in MODELS:
+            found = run_isolated("bench.moe", ["--case", case, *knobs])
+            if found is None:
+                return 1
+            measured = Measurement(**found)
+            print(f"{case}: {measured}", flush=True)
+            if case not in results or measured.step_ms < results[case].step_ms:
+                results[case] = measured
+    text = render(results, info, args, load)
+    print(text, end="")
+    publish(args.docs, args.no_docs, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
