@@ -30,6 +30,7 @@ from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.losses import batch_loss
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.packing import RowBatch, row_batch
+from queue_tinker.workers.training.routing import expert_count, recorded_routing, routing_metrics
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,35 @@ def shared_pass(
             [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)],
         ),
     ):
-        with torch.set_grad_enabled(bool(trainable)):
+        with torch.set_grad_enabled(bool(trainable)), recorded_routing(pool.model) as chosen:
             logprobs = target_logprobs(pool.model, data, rows, plan, images)
-        return _losses_and_backward(ops, logprobs, device)
+        outcomes = _losses_and_backward(ops, logprobs, device)
+    _add_routing_metrics(ops, outcomes, chosen, rows, expert_count(pool.model))
+    return outcomes
+
+
+def _add_routing_metrics(
+    ops: Sequence[PassOp],
+    outcomes: Sequence[ForwardBackwardOutput | Exception],
+    chosen: Sequence[torch.Tensor],
+    rows: RowBatch,
+    experts: int,
+) -> None:
+    """On a mixture-of-experts model, each op's routing metrics (routing.py), from its own
+    datums' tokens."""
+    if not chosen:
+        return
+    batch_rows, width = rows.ids.shape
+    start = 0
+    for op, outcome in zip(ops, outcomes, strict=True):
+        places = rows.places[start : start + len(op.data)]
+        start += len(op.data)
+        if isinstance(outcome, ForwardBackwardOutput):
+            spans = [
+                (row, first, d.model_input.length)
+                for (row, first), d in zip(places, op.data, strict=True)
+            ]
+            outcome.metrics.update(routing_metrics(chosen, batch_rows, width, spans, experts))
 
 
 def _losses_and_backward(

@@ -315,3 +315,60 @@ def test_a_bf16_step_is_finite_and_keeps_lora_in_fp32(root: Path) -> None:
 def test_a_rank_above_the_moe_cap_is_refused_at_create(moe: BatchDriver) -> None:
     with pytest.raises(UserInputError, match=r"lora_config\.rank: 64 exceeds the max LoRA rank 32"):
         moe.create("too-big", LoraConfig(rank=64, seed=0))
+
+
+# --- routing metrics --------------------------------------------------------------------------
+def routing_reference(root: Path, data: list[Datum]) -> dict[str, float]:
+    """Tinker's MoE metrics by their definitions, from the experts the base model's own
+    routers pick (its router logits, top 2 of 4) over every token of the data."""
+    base = load_base_model(MOE, "cpu", root / "models")
+    chosen: list[list[np.ndarray]] = []
+    with torch.no_grad():
+        for d in data:
+            out = base(input_ids=torch.tensor([d.model_input.to_ints()]), output_router_logits=True)
+            chosen.append(
+                [lg.softmax(-1).topk(2, dim=-1).indices.numpy() for lg in out.router_logits]
+            )
+    per_layer = []
+    for layer in range(len(chosen[0])):
+        picked = np.concatenate([c[layer].ravel() for c in chosen])
+        counts = np.bincount(picked, minlength=4).astype(np.float64)
+        fair = picked.size / 4
+        per_layer.append(
+            (
+                (counts > 0).mean(),
+                (counts > fair).mean(),
+                (counts.max() - fair) / fair,
+                (counts.min() - fair) / fair,
+            )
+        )
+    table = np.array(per_layer)
+    return {
+        "e_frac_with_tokens:mean": table[:, 0].mean(),
+        "e_frac_oversubscribed:mean": table[:, 1].mean(),
+        "e_max_violation:mean": table[:, 2].mean(),
+        "e_max_violation:max": table[:, 2].max(),
+        "e_min_violation:mean": table[:, 3].mean(),
+    }
+
+
+def test_forward_backward_reports_the_routing_metrics_tinker_documents(root: Path) -> None:
+    """Each op of a shared pass reports the e_* routing metrics of its own tokens: equal to
+    their definitions applied to the experts the base model's routers pick (the adapters
+    adapt only the unembedding, after every router), whatever else shares the pass."""
+    driver = BatchDriver(root, "moe-routing", base=MOE, max_resident=64)
+    ops = {
+        "short": [datum("a short one"), datum("the lazy dog jumps")],
+        "long": [datum("routing many more tokens through four experts, two at a time")],
+    }
+    for model_id in ops:
+        driver.create(model_id, LoraConfig(rank=4, seed=5, train_attn=False, train_mlp=False))
+    results = driver.batched(
+        [driver.make(m, OpKind.FORWARD_BACKWARD, fb_body(data)) for m, data in ops.items()]
+    )
+    for (model_id, data), result in zip(ops.items(), results, strict=True):
+        assert isinstance(result, OpResult)
+        metrics = codec.decode(result.result)["metrics"]
+        assert result.metrics is not None and result.metrics["batch_models:max"] == 2
+        for key, value in routing_reference(root, data).items():
+            assert metrics[key] == pytest.approx(value, abs=1e-9), (model_id, key)
