@@ -17,7 +17,7 @@ from queue_tinker.types.ops import Op
 from queue_tinker.types.training import CreateModelInput
 from queue_tinker.workers.interface import TRAIN_BATCH_KINDS, OpResult, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.model.checkpoints import read_meta, snapshot_dir
+from queue_tinker.workers.model.checkpoints import snapshot_key, stored_meta
 from queue_tinker.workers.training.residency import Residency
 from queue_tinker.workers.training.rounds import TrainingRounds
 from queue_tinker.workers.training.saved_state import SavedState
@@ -83,7 +83,7 @@ class TrainingEngine:
                 f"base_model: {body.base_model!r} is not served by this worker ({self.base_model})"
             )
         if self.pool.get(op.model_id) is None:
-            if read_meta(snapshot_dir(self.saved.storage, op.model_id)) is not None:
+            if stored_meta(self.saved.store, snapshot_key(op.model_id)) is not None:
                 self.residency.get(op.model_id)  # created before, by an earlier owner
             else:
                 config = body.lora_config
