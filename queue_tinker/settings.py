@@ -48,6 +48,9 @@ NOT_SETTINGS = frozenset(
         "QT_TORCH_VERSION",
         "QT_SETUP_SYSTEM_TOOLS",
         "QT_COOKBOOK_VERSION",
+        "QT_MINIO_USER",
+        "QT_MINIO_PASSWORD",
+        "QT_MINIO_PORT",
     }
 )
 
@@ -89,6 +92,13 @@ class Settings(BaseSettings):
         default=None,
         description="With s3:// storage: the S3 API's URL for a store other than AWS "
         "(http://minio:9000, an R2 account's endpoint); unset: AWS's own.",
+    )
+    s3_public_endpoint_url: str | None = Field(
+        default=None,
+        description="With s3:// storage: the address clients reach the store at, which the "
+        "gateway's download URLs (presigned GETs) name, where it differs from "
+        "QT_S3_ENDPOINT_URL (compose: http://minio:9000 inside, http://localhost:9000 "
+        "outside); unset: QT_S3_ENDPOINT_URL.",
     )
     s3_region: str | None = Field(
         default=None,

@@ -20,6 +20,7 @@ def open_store(settings: Settings, location: str | None = None) -> CheckpointSto
             location,
             settings.storage_cache_dir,
             endpoint_url=settings.s3_endpoint_url,
+            public_endpoint_url=settings.s3_public_endpoint_url,
             region=settings.s3_region,
             multipart_threshold=settings.s3_multipart_threshold_bytes,
             max_attempts=settings.s3_max_attempts,

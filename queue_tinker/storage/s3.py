@@ -51,6 +51,7 @@ class S3Store(CheckpointStore):
         cache_dir: Path,
         *,
         endpoint_url: str | None = None,
+        public_endpoint_url: str | None = None,
         region: str | None = None,
         multipart_threshold: int = 64 * 2**20,
         max_attempts: int = 4,
@@ -75,6 +76,14 @@ class S3Store(CheckpointStore):
         )
         self.client: Any = boto3.client(
             "s3", endpoint_url=endpoint_url, region_name=region, config=config
+        )
+        # Download URLs are signed for the address clients reach the store at, which may not
+        # be the workers' (compose: http://minio:9000 inside, localhost:9000 outside); signing
+        # sends no request.
+        self.signer: Any = (
+            boto3.client("s3", endpoint_url=public_endpoint_url, region_name=region, config=config)
+            if public_endpoint_url
+            else self.client
         )
         # Multipart above the threshold, in parts of the same size (S3's least is 5 MiB).
         self.transfer = TransferConfig(
@@ -336,7 +345,7 @@ class S3Store(CheckpointStore):
 
     def download_url(self, key: str, name: str, expires_s: int) -> str | None:
         with self._reaching(f"sign a URL for {key}/{name}"):
-            url = self.client.generate_presigned_url(
+            url = self.signer.generate_presigned_url(
                 "get_object",
                 Params={"Bucket": self.bucket, "Key": self._object(key, name)},
                 ExpiresIn=expires_s,

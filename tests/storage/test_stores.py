@@ -175,3 +175,16 @@ def test_qt_storage_names_a_directory_or_a_bucket(
         assert settings.storage_dir == tmp_path / "checkpoints"
     with pytest.raises(ValueError, match="QT_STORAGE"):
         Settings(storage="s3:/bucket")
+
+
+def test_download_urls_name_the_address_clients_reach(s3_server: S3Server, tmp_path: Path) -> None:
+    """Workers reach the store at one address, clients at another (compose: minio:9000 inside,
+    localhost:9000 outside): URLs are signed for the public one."""
+    store = S3Store(
+        "s3://bucket/ckpt",
+        tmp_path,
+        endpoint_url=s3_server.url,
+        public_endpoint_url="http://storage.example:9000",
+    )
+    url = store.download_url(KEY, "adapter_model.safetensors", 60)
+    assert url is not None and url.startswith("http://storage.example:9000/bucket/ckpt/run-1/")
