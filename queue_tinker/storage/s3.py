@@ -14,6 +14,7 @@ stored one); writes are staged in it and kept as the cached copy once uploaded.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import tempfile
 import threading
@@ -26,6 +27,8 @@ from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
 from queue_tinker.storage.base import CheckpointStore, Removal, StillDue, check_key
 from queue_tinker.storage.local import replace_dir
 from queue_tinker.types.checkpoints import META_FILE
+
+log = logging.getLogger(__name__)
 
 GENERATION = "qt-generation"  # object metadata: the commit a file belongs to
 FILES = "qt-files"  # the meta's metadata: the set's other files, comma-separated
@@ -199,12 +202,16 @@ class S3Store(CheckpointStore):
                     )
                 # The meta last: until it is there, readers see the previous set or none.
                 self._put_meta(key, (staged / META_FILE).read_bytes(), generation, names)
-            stale = [n for n in before if n not in names and n != META_FILE]
-            if stale:  # files of the set replaced that the new one lacks (grads, say)
-                self._delete(key, stale)
         except BaseException:
             self.discard(staged)
             raise
+        stale = [n for n in before if n not in names and n != META_FILE]
+        if stale:  # files of the set replaced that the new one lacks (grads, say)
+            try:
+                self._delete(key, stale)
+            except StorageUnavailableError as err:
+                # Committed all the same: readers take only the files its meta names.
+                log.warning("%s: stale files %s left (%s)", key, stale, err)
         # What was uploaded is the cached copy: the next read of this set downloads nothing.
         (staged / CACHED_GENERATION).write_text(generation)
         with self._cache_lock:
