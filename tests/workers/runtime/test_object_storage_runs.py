@@ -1,16 +1,21 @@
 """Hosts that share no disk: with QT_STORAGE=s3://..., checkpoints, snapshots and sampler
-weights one worker writes are found by a worker with an empty data directory of its own, and a
-run moves between them exactly as it moves between workers on one host."""
+weights one worker writes are found by a worker with an empty data directory of its own, a run
+moves between them exactly as it moves between workers on one host, and the gateway (a third
+host) hands out download URLs the bucket signs."""
 
 from __future__ import annotations
 
+import io
+import tarfile
 import time
+import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from object_store import S3Server
-from procs import WorkerProcess, wait_for_workers
+from procs import WorkerProcess, gateway_process, make_key, wait_for_workers
 from safetensors.torch import load_file
 from training_runs import TINY, train
 
@@ -41,6 +46,31 @@ def wait_serving(worker: WorkerProcess, timeout: float = 150) -> None:
         assert worker.proc.poll() is None, worker.log()[-3000:]
         assert time.monotonic() < deadline, "the second host's worker did not start"
         time.sleep(0.2)
+
+
+def check_downloads(settings: Settings, tmp_path: Path, exported: str, sampler: str) -> None:
+    """The gateway, on a host of its own: external weights URLs are the bucket's presigned
+    GETs (fetched with no credentials); an archive is built from its cached copy."""
+    run, segment, name = exported.removeprefix("tinker://").split("/")
+    api = {"X-API-Key": make_key(settings, settings.tenant)}
+    gateway_settings = settings.model_copy(update={"data_dir": tmp_path / "gateway-host"})
+    with gateway_process(gateway_settings, tmp_path / "gateway.log") as url:
+        base = f"{url}/api/v1/training_runs/{run}/checkpoints"
+        answer = httpx.get(f"{base}/{segment}/{name}/external_weights_urls", headers=api)
+        assert answer.status_code == 200, answer.text
+        urls = answer.json()["urls"]
+        assert set(urls) == {"adapter_config.json", "adapter_model.safetensors"}
+        for file, signed in urls.items():
+            assert signed.startswith(f"{settings.s3_endpoint_url}/"), signed  # not the gateway
+            with urllib.request.urlopen(signed, timeout=30) as response:
+                assert len(response.read()) > 0, file
+        sampler_name = sampler.rsplit("/", 1)[1]
+        archive = httpx.get(
+            f"{base}/sampler_weights/{sampler_name}/archive", headers=api, follow_redirects=True
+        )
+        assert archive.status_code == 200, archive.text
+        with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
+            assert "adapter_model.safetensors" in tar.getnames()
 
 
 def stored_weights(store: S3Store, path: str) -> dict[str, torch.Tensor]:
@@ -103,10 +133,12 @@ def test_a_run_moves_between_hosts_through_the_bucket(
             assert [s.tokens for s in sampled_on_two.sequences] == [
                 s.tokens for s in sampled_on_one.sequences
             ]
+            exported = run.save_weights_external("export").result(timeout=60).path
             ends = {
                 name: tc.save_weights_for_sampler("end").result(timeout=60).path
                 for name, tc in (("run", run), ("resumed", resumed), ("straight", straight))
             }
+            check_downloads(two, tmp_path, exported, sampler)
         assert "replaying" not in second.log()  # the snapshot in the bucket held every step
         assert not (tmp_path / "host-two" / "checkpoints").exists()  # nothing on a shared disk
         reader = S3Store(one.storage_location, tmp_path / "reader", endpoint_url=s3_server.url)
