@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from queue_tinker.errors import UserInputError
+from queue_tinker.errors import StorageUnavailableError, UserInputError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.training import CreateModelInput
@@ -90,5 +90,11 @@ class TrainingEngine:
                 seed = config.seed if config.seed is not None else default_seed(op.model_id)
                 adapter = self.residency.add(op.model_id, body.tenant_id, config, seed)
                 adapter.last_seq = op.seq
-                self.saved.snapshot(adapter)  # from here on the model survives its worker
+                try:
+                    # From here on the model survives its worker. Without it, no other worker
+                    # could restore the model: the create fails (retryably) instead.
+                    self.saved.write_snapshot(adapter)
+                except StorageUnavailableError:
+                    self.pool.remove(op.model_id)
+                    raise
         return OpResult(result=codec.encode({"model_id": op.model_id}))

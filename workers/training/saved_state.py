@@ -73,14 +73,15 @@ class SavedState:
         are kept too.
         """
         try:
-            self._write_snapshot(adapter, result)
+            self.write_snapshot(adapter, result)
         except StorageUnavailableError as err:
             # The snapshot only moves durability on: the op's own effect is in memory and its
             # log entry stays (the log is trimmed only up to a snapshot written), so the op
             # succeeds and the next snapshot tries again.
             log.warning("model %s: snapshot not written (%s)", adapter.model_id, err)
 
-    def _write_snapshot(self, adapter: Adapter, result: OpResult | None) -> None:
+    def write_snapshot(self, adapter: Adapter, result: OpResult | None = None) -> None:
+        """snapshot(), its storage errors raised (a new model's first snapshot must land)."""
         key = snapshot_key(adapter.model_id)
         stored = stored_meta(self.store, key)
         if stored is not None and stored.seq > adapter.last_seq:

@@ -1,6 +1,7 @@
 """The object store away in the middle of a run: a save fails with a clear, retryable error;
-training goes on (its snapshots wait, so the log is not trimmed past what is durable); once
-the store is back, the same save succeeds and the run ends where an uninterrupted run ends."""
+training goes on (its snapshots wait, so the log is not trimmed past what is durable); a new
+model, whose first snapshot cannot land, is refused the same way; once the store is back, the
+same save succeeds and the run ends where an uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def test_a_save_while_the_store_is_away_fails_retryably_and_the_run_goes_on(
     assert away.value.category is ErrorCategory.SERVER  # the client may retry it
     run.train("m", 1)  # its snapshot waits for the store
     assert run.engine.durability.durable_seq("m") == durable
+    with pytest.raises(StorageUnavailableError):  # no other worker could ever restore it
+        run.create("new")
+    assert "new" not in run.engine.pool.adapters
 
     s3_server.start()
     path = run.save("m", "during")  # the name was never taken: the save is simply retried
