@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hypothesis
 import pytest
@@ -34,6 +35,9 @@ from queue_tinker.client import ServiceClient
 from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
 from queue_tinker.queue.connection import connect
 from queue_tinker.settings import Settings
+
+if TYPE_CHECKING:
+    import object_store
 
 # The fuzz tests (test_fuzz.py, test_hostile_routes.py) draw the same examples on every run, so
 # a red gate means a change broke something rather than a new draw finding an old case; set
@@ -219,3 +223,15 @@ async def aredis(redis_url: str) -> AsyncIterator[AsyncRedis]:
     client = connect(redis_url)
     yield client
     await client.aclose()
+
+
+@pytest.fixture
+def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[object_store.S3Server]:
+    """An S3-compatible server of the test's own (moto), with credentials it takes in the
+    environment (workers started by the test inherit them)."""
+    import object_store  # moto and boto3 load only for the tests that use them
+
+    object_store.aws_env(monkeypatch)
+    server = object_store.S3Server()
+    yield server
+    server.stop()

@@ -161,3 +161,22 @@ def test_the_specification_check_refuses_a_broken_file() -> None:
     ):
         with pytest.raises(ValueError, match=says):
             PyCompose.from_json(json.dumps(broken))
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_compose_keeps_checkpoints_in_its_minio_bucket(reader: str) -> None:
+    """Checkpoints live in MinIO's bucket, made by a one-shot before any worker, gateway or
+    housekeeper starts; they all name it (QT_STORAGE=s3://...) and MinIO's endpoint, and no
+    container shares a checkpoint volume."""
+    services = _config(reader)["services"]
+    assert {"minio", "minio-bucket"} <= set(services)
+    assert "mc mb --ignore-existing qt/queue-tinker" in " ".join(
+        services["minio-bucket"]["command"]
+    )
+    for name in ("gateway", "worker", "housekeeper"):
+        env = services[name]["environment"]
+        assert env["QT_STORAGE"] == "s3://queue-tinker/checkpoints"
+        assert env["QT_S3_ENDPOINT_URL"] == "http://minio:9000"
+        assert env["AWS_ACCESS_KEY_ID"] == services["minio"]["environment"]["MINIO_ROOT_USER"]
+        assert "minio-bucket" in services[name]["depends_on"]
+        assert not services[name].get("volumes")

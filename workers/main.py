@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from queue_tinker.errors import RedisUnavailableError, WorkerFitError
+from queue_tinker.errors import RedisUnavailableError, StorageUnavailableError, WorkerFitError
 from queue_tinker.queue.connection import Reconnector, connect
 from queue_tinker.queue.dispatch import Dispatcher
 from queue_tinker.queue.keys import Keys
@@ -17,6 +17,7 @@ from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
+from queue_tinker.storage.configured import open_store
 from queue_tinker.types import CheckpointRecord
 from queue_tinker.types.records import Record
 from queue_tinker.workers.executor.queue_only import QueueOnlyEngine
@@ -49,7 +50,7 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
     return LoraExecutor(
         base_model,
         device,
-        settings.storage_dir,
+        open_store(settings),
         settings.models_dir,
         max_resident=settings.max_resident_adapters,
         snapshot_every=settings.snapshot_every_steps,
@@ -108,8 +109,11 @@ async def serve_worker(settings: Settings, base_model: str, device: str, engine:
     )
     log.info("loading %s on %s (%s engine)", base_model, config.device, engine)
     try:
+        # A bucket that is not there or credentials it refuses stop the worker here, not at
+        # the first save of some user's run.
+        await asyncio.to_thread(lambda: open_store(settings).check())
         built = await asyncio.to_thread(build_engine, settings, engine, base_model, config.device)
-    except WorkerFitError as error:
+    except (WorkerFitError, StorageUnavailableError) as error:
         # Nothing is loaded yet: the worker refuses to start, saying what to change.
         await redis.aclose()
         raise SystemExit(f"worker refuses to start: {error.message}") from None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
@@ -23,6 +22,7 @@ from queue_tinker.queue.expiry_jobs import schedule_expiry
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
+from queue_tinker.storage.configured import open_store
 from queue_tinker.store import checkpoints, queries, rest_views
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.types.checkpoints import CheckpointPath
@@ -154,14 +154,15 @@ class RestClient:
         )
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
-        """Remove the files and mark the checkpoint deleted (needs QT_STORAGE's directory)."""
+        """Remove the files and mark the checkpoint deleted (needs QT_STORAGE: its directory, or
+        its bucket with boto3 installed)."""
         CheckpointPath.parse(tinker_path, "tinker_path")
 
         async def delete() -> None:
             row = await self._checkpoint(tinker_path)
             assert self._engine is not None
             await checkpoints.delete_checkpoint(
-                self._engine, row.id, Path(row.path), self._settings.storage_dir
+                self._engine, row.id, row.path, open_store(self._settings)
             )
 
         return APIFuture(self._loop.submit(delete()), request_id="rest")
@@ -187,7 +188,7 @@ class RestClient:
             settings = self._settings
             expires_at = time.time() + ttl_seconds if ttl_seconds is not None else None
             if not await checkpoints.set_checkpoint_ttl(
-                self._sessions, settings.storage_dir, self._tenant, row, expires_at
+                self._sessions, open_store(settings), self._tenant, row, expires_at
             ):
                 raise NotFoundError(f"checkpoint {tinker_path!r}: not found")
             if expires_at is not None:

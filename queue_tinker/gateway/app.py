@@ -25,6 +25,7 @@ from queue_tinker.errors import (
     HeldOpsFullError,
     QueueTinkerError,
     RedisUnavailableError,
+    StorageUnavailableError,
     UnknownModelError,
 )
 from queue_tinker.gateway import openai_compat
@@ -152,9 +153,19 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+async def storage_away(request: Request, exc: Exception) -> Response:
+    """Checkpoint storage unreachable (an object store away): 503 with Retry-After, which the
+    SDK retries; nothing was changed."""
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    return GatewayJSONResponse(
+        {"detail": str(exc)}, status_code=503, headers={"Retry-After": str(OUTAGE_RETRY_AFTER_S)}
+    )
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Every error a route can raise, answered with its status and a detail naming the field
     (HTTP status codes live here, not in the layers below)."""
+    app.add_exception_handler(StorageUnavailableError, storage_away)
 
     @app.exception_handler(QueueTinkerError)
     async def queue_tinker_error(request: Request, exc: QueueTinkerError) -> JSONResponse:

@@ -6,7 +6,9 @@ signed, expiring, tenant-scoped URLs the Tinker SDK asks for.
   external weights checkpoint (the PEFT files, `.age` when encrypted).
 - `GET .../checkpoints/<weights|sampler_weights>/<name>/archive` (get_checkpoint_archive_url):
   a 302 to a URL of a .tar.gz of the checkpoint's files, `Expires` saying until when.
-- `GET /api/v1/downloads?...`: what those URLs point at. They carry no API key (urllib and
+- With S3 storage, external weights URLs are the store's own presigned GETs (the bytes never
+  pass through the gateway); an archive is built by the gateway from its cached copy.
+- `GET /api/v1/downloads?...`: what the gateway's URLs point at. They carry no API key (urllib and
   curl fetch them as they are), so each names the tenant, the checkpoint, the file and the
   expiry, HMAC-signed with a secret only Redis and the gateways know; the checkpoint must still
   be the tenant's and live when it is fetched.
@@ -29,7 +31,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from fastapi.responses import FileResponse, RedirectResponse
+from fastapi.responses import FileResponse, RedirectResponse, Response
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.background import BackgroundTask
@@ -38,6 +40,7 @@ from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
+from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.store import queries
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.types.checkpoints import META_FILE, CheckpointPath
@@ -58,9 +61,14 @@ def signature(secret: bytes, tenant: str, checkpoint: str, file: str, expires: i
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
-def checkpoint_files(directory: Path) -> list[str]:
+def checkpoint_files(store: CheckpointStore, location: str) -> list[str]:
     """The files a download serves: everything but our own metadata."""
-    return sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != META_FILE)
+    return sorted(n for n in store.files(store.key_of(location)) if n != META_FILE)
+
+
+def _store(request: Request) -> CheckpointStore:
+    store: CheckpointStore = request.app.state.gateway_queue.store
+    return store
 
 
 def _db(request: Request) -> async_sessionmaker[AsyncSession]:
@@ -105,14 +113,46 @@ async def _checkpoint(
     return row
 
 
-def _archive(directory: Path) -> Path:
-    """The checkpoint's files as a .tar.gz in a temporary file (removed once sent)."""
+def _archive(store: CheckpointStore, location: str) -> Path:
+    """The checkpoint's files as a .tar.gz in a temporary file (removed once sent); from the
+    store's local copy where storage is remote."""
+    directory = store.fetch(store.key_of(location))
+    if directory is None:
+        raise FileNotFoundError(location)
     handle, name = tempfile.mkstemp(suffix=".tar.gz")
     os.close(handle)
     with tarfile.open(name, "w:gz") as archive:
-        for file in checkpoint_files(directory):
-            archive.add(directory / file, arcname=file)
+        for file in sorted(p.name for p in directory.iterdir() if p.is_file()):
+            if file != META_FILE and not file.startswith("."):
+                archive.add(directory / file, arcname=file)
     return Path(name)
+
+
+def _store_urls(store: CheckpointStore, location: str, expires: int) -> dict[str, str] | None:
+    """URLs the store itself signs for each file (S3's presigned GETs: the bytes never pass
+    through the gateway), or None where it signs none (a local directory)."""
+    key = store.key_of(location)
+    expires_s = max(1, expires - int(time.time()))
+    urls = {}
+    for file in checkpoint_files(store, location):
+        url = store.download_url(key, file, expires_s)
+        if url is None:
+            return None
+        urls[file] = url
+    return urls
+
+
+async def _one_file(store: CheckpointStore, location: str, checkpoint: str, file: str) -> Response:
+    if file not in await asyncio.to_thread(checkpoint_files, store, location):
+        raise not_found(f"file {file!r} of checkpoint {checkpoint!r}")
+    key = store.key_of(location)
+    url = await asyncio.to_thread(store.download_url, key, file, URL_TTL_S)
+    if url is not None:  # remote storage: its own signed URL serves the bytes
+        return RedirectResponse(url, status_code=302)
+    directory = await asyncio.to_thread(store.fetch, key)
+    if directory is None:
+        raise not_found(f"checkpoint {checkpoint!r}")
+    return FileResponse(directory / file, media_type="application/octet-stream")
 
 
 def download_router(keys: Keys, *dependencies: Any) -> APIRouter:
@@ -129,10 +169,14 @@ def download_router(keys: Keys, *dependencies: Any) -> APIRouter:
     ) -> dict[str, Any]:
         row = await _checkpoint(request, tenant, run_id, checkpoint_id, (CheckpointKind.EXTERNAL,))
         expires = int(time.time()) + URL_TTL_S
-        files = await asyncio.to_thread(checkpoint_files, Path(row.path))
-        urls = {
-            file: await _signed_url(request, keys, tenant, row.id, file, expires) for file in files
-        }
+        store = _store(request)
+        urls = await asyncio.to_thread(_store_urls, store, row.path, expires)
+        if urls is None:
+            files = await asyncio.to_thread(checkpoint_files, store, row.path)
+            urls = {
+                file: await _signed_url(request, keys, tenant, row.id, file, expires)
+                for file in files
+            }
         return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
     @router.get(
@@ -158,7 +202,7 @@ def download_router(keys: Keys, *dependencies: Any) -> APIRouter:
         file: str = Query(""),
         expires: int = Query(),
         signature_: str = Query(alias="signature"),
-    ) -> FileResponse:
+    ) -> Response:
         """A signed URL's file (no API key: the signature is the permission)."""
         secret = await signing_secret(request.app.state.redis, keys)
         if not hmac.compare_digest(
@@ -170,9 +214,12 @@ def download_router(keys: Keys, *dependencies: Any) -> APIRouter:
         row = await queries.get_live_checkpoint(_db(request), tenant, checkpoint)
         if row is None:
             raise not_found(f"checkpoint {checkpoint!r}")
-        directory = Path(row.path)
+        store = _store(request)
         if file == ARCHIVE:
-            archive = await asyncio.to_thread(_archive, directory)
+            try:
+                archive = await asyncio.to_thread(_archive, store, row.path)
+            except FileNotFoundError:
+                raise not_found(f"checkpoint {checkpoint!r}") from None
             name = f"{CheckpointPath.parse(checkpoint).name}.tar.gz"
             return FileResponse(
                 archive,
@@ -180,8 +227,6 @@ def download_router(keys: Keys, *dependencies: Any) -> APIRouter:
                 filename=name,
                 background=BackgroundTask(archive.unlink, missing_ok=True),
             )
-        if file not in await asyncio.to_thread(checkpoint_files, directory):
-            raise not_found(f"file {file!r} of checkpoint {checkpoint!r}")
-        return FileResponse(directory / file, media_type="application/octet-stream")
+        return await _one_file(store, row.path, checkpoint, file)
 
     return router

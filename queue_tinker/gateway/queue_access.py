@@ -17,6 +17,7 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.queue.results import ResultListener
 from queue_tinker.settings import Settings
+from queue_tinker.storage.configured import open_store
 from queue_tinker.types import OpKind
 from queue_tinker.types.request_limits import RequestLimits
 
@@ -37,6 +38,7 @@ class GatewayQueue:
         self.redis = redis
         self.keys = keys
         self.settings = settings
+        self.store = open_store(settings)  # checkpoint storage: copies, downloads, TTLs
         self.limits = RequestLimits.of(settings)  # QT_MAX_*: what one request may hold
         self.jobs = JobQueue(
             redis, keys, result_ttl_s=settings.result_ttl_s, held=HeldLimits.of(settings)

@@ -45,6 +45,8 @@ from queue_tinker.queue.expiry_jobs import (
     sweep_job_id,
 )
 from queue_tinker.settings import Settings, load_settings
+from queue_tinker.storage.base import CheckpointStore
+from queue_tinker.storage.configured import open_store
 from queue_tinker.store.checkpoint_queries import due_checkpoints
 from queue_tinker.store.checkpoints import ExpiryResult, Outcome, expire
 from queue_tinker.store.db import make_engine
@@ -63,15 +65,18 @@ class HousekeepingConfig:
     database URL holds credentials)."""
 
     database_url: str
-    storage_dir: Path | None  # when set, only directories below it are ever deleted
+    storage: str  # QT_STORAGE: a directory or s3://bucket/prefix; nothing outside is deleted
+
+    def store(self) -> CheckpointStore:
+        return open_store(load_settings(), self.storage)
 
 
 _configured: list[HousekeepingConfig] = []  # set once by the housekeeper process (or a test)
 
 
-def configure(database_url: str, storage_dir: Path | str | None) -> None:
+def configure(database_url: str, storage: Path | str) -> None:
     """Set the database and storage that jobs run in this process use."""
-    _configured[:] = [HousekeepingConfig(database_url, Path(storage_dir) if storage_dir else None)]
+    _configured[:] = [HousekeepingConfig(database_url, str(storage))]
 
 
 def reset_configuration() -> None:
@@ -81,23 +86,23 @@ def reset_configuration() -> None:
 def _config(database_url: str | None, storage_dir: str | Path | None) -> HousekeepingConfig:
     """Explicit arguments win, then configure(), then QT_* settings (a plain `rq worker`)."""
     base = _configured[0] if _configured else None
-    if base is None and database_url is None:
+    if base is None and (database_url is None or storage_dir is None):
         settings = load_settings()
-        base = HousekeepingConfig(settings.database_url or "", settings.storage_dir)
+        base = HousekeepingConfig(settings.database_url or "", settings.storage_location)
     url = database_url or (base.database_url if base else "")
     if not url:
         raise RuntimeError("housekeeping: no database URL (set QT_DATABASE_URL)")
-    storage = Path(storage_dir) if storage_dir is not None else (base.storage_dir if base else None)
+    storage = str(storage_dir) if storage_dir is not None else (base.storage if base else "")
     return HousekeepingConfig(url, storage)
 
 
 async def _expire_once(
-    config: HousekeepingConfig, checkpoint_id: str, directory: Path, files_removed: bool
+    config: HousekeepingConfig, checkpoint_id: str, location: str, files_removed: bool
 ) -> ExpiryResult:
     engine = make_engine(config.database_url)
     try:
         return await expire(
-            engine, checkpoint_id, directory, config.storage_dir, files_removed=files_removed
+            engine, checkpoint_id, location, config.store(), files_removed=files_removed
         )
     finally:
         await engine.dispose()
@@ -120,7 +125,7 @@ def expire_checkpoint(
     """The rq job: remove the checkpoint's files if its meta says it expired, then mark its
     row deleted. Idempotent. `database_url` / `storage_dir` default to the housekeeper's."""
     config = _config(database_url, storage_dir)
-    result = asyncio.run(_expire_once(config, checkpoint_id, Path(directory), files_removed))
+    result = asyncio.run(_expire_once(config, checkpoint_id, directory, files_removed))
     job = get_current_job()
     queue = Queue(job.origin, connection=job.connection) if job is not None else None
     kwargs: dict[str, Any] = {
@@ -156,6 +161,7 @@ def expire_checkpoint(
 async def _sweep(config: HousekeepingConfig, batch: int) -> dict[str, int]:
     counts = {outcome.value: 0 for outcome in Outcome} | {"refused": 0}
     engine = make_engine(config.database_url)
+    store = config.store()
     try:
         after: tuple[datetime, str] | None = None
         while True:
@@ -163,9 +169,7 @@ async def _sweep(config: HousekeepingConfig, batch: int) -> dict[str, int]:
                 rows = await due_checkpoints(conn, after, batch)
             for row in rows:
                 try:
-                    result = await expire(
-                        engine, row.id, Path(row.path), config.storage_dir, files_removed=False
-                    )
+                    result = await expire(engine, row.id, row.path, store, files_removed=False)
                 except CheckpointPathError as err:
                     log.error("checkpoint %s: %s; not touched", row.id, err)
                     counts["refused"] += 1
@@ -264,7 +268,7 @@ def run_housekeeper(settings: Settings, *, sweep_interval_s: float = SWEEP_INTER
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    configure(settings.database_url, settings.storage_dir)
+    configure(settings.database_url, settings.storage_location)
     connection = redis.Redis.from_url(settings.redis_url)
     queue = Queue(housekeeping_queue(settings.key_prefix), connection=connection)
     # The queue name in the worker's name too, so all rq keys of a deployment share it.
@@ -276,7 +280,7 @@ def run_housekeeper(settings: Settings, *, sweep_interval_s: float = SWEEP_INTER
     log.info(
         "housekeeper on queue %s (storage %s, sweep every %.0f s)",
         queue.name,
-        settings.storage_dir,
+        settings.storage_location,
         sweep_interval_s,
     )
     die_with_us = die_with_parent()

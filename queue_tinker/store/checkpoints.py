@@ -1,8 +1,9 @@
-"""Checkpoints as stored: their files in checkpoint storage (the `qt_meta.json` each holds is
-the source of truth) and their rows. Expiry, a user's delete and a TTL change all go through
-here, so the storage checks and the meta-first rule hold for each of them; the housekeeper's
-jobs (services/housekeeper.py), the gateway and the REST client call these. No Redis here:
-whoever sets a TTL schedules its expiry job through queue/expiry_jobs.py.
+"""Checkpoints as stored: their files in checkpoint storage (queue_tinker/storage: a
+directory or a bucket; the `qt_meta.json` each holds is the source of truth) and their rows.
+Expiry, a user's delete and a TTL change all go through here, so the storage checks and the
+meta-first rule hold for each of them; the housekeeper's jobs (services/housekeeper.py), the
+gateway and the REST client call these. No Redis here: whoever sets a TTL schedules its expiry
+job through queue/expiry_jobs.py.
 """
 
 from __future__ import annotations
@@ -10,19 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import Enum, StrEnum
-from pathlib import Path
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
+from queue_tinker.storage.base import CheckpointStore, Removal
 from queue_tinker.store import queries
 from queue_tinker.store.checkpoint_queries import RowMark, mark_checkpoint_deleted
 from queue_tinker.store.models import Checkpoint
@@ -46,22 +43,25 @@ OUTCOMES = {
 }
 
 
-class Disk(Enum):
-    REMOVED = "removed"  # we removed the files just now
-    ABSENT = "absent"  # nothing there (removed earlier)
-    KEPT = "kept"  # there, and not expired (or not the checkpoint asked for)
-
-
 # --- the files -----------------------------------------------------------------------------
 
 
-def read_meta(directory: Path) -> dict[str, Any] | None:
-    try:
-        meta = json.loads((directory / META_FILE).read_text())
-    except FileNotFoundError:
+def read_meta(store: CheckpointStore, key: str) -> dict[str, Any] | None:
+    text = store.read_meta_text(key)
+    if text is None:
         return None
-    except (OSError, ValueError) as err:  # unreadable: not something to delete on a guess
-        log.warning("checkpoint %s: unreadable %s (%s); leaving it", directory, META_FILE, err)
+    try:
+        meta = json.loads(text)
+    except ValueError as err:  # unreadable: not something to delete on a guess
+        log.warning("checkpoint %s: unreadable %s (%s); leaving it", key, META_FILE, err)
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _parsed(text: str | None) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(text) if text is not None else None
+    except ValueError:
         return None
     return meta if isinstance(meta, dict) else None
 
@@ -71,23 +71,6 @@ def is_expired(meta: dict[str, Any] | None, checkpoint_id: str, now: float) -> b
         return False
     expires_at = meta.get("expires_at")
     return isinstance(expires_at, int | float) and expires_at <= now
-
-
-def check_inside(directory: Path, storage_dir: Path | None) -> None:
-    """Refuse to touch anything outside checkpoint storage (paths come from Redis and
-    Postgres), and fail loudly if storage is not there (an unmounted volume must not read as
-    'every checkpoint already deleted')."""
-    if storage_dir is None:
-        return
-    root = storage_dir.resolve()
-    if not root.is_dir():
-        raise StorageUnavailableError(
-            f"checkpoint storage {root} does not exist here; the housekeeper needs the same "
-            "storage directory as the workers"
-        )
-    target = directory.resolve()
-    if target == root or not target.is_relative_to(root):
-        raise CheckpointPathError(f"{directory} is not inside checkpoint storage {root}")
 
 
 def is_due(meta: dict[str, Any] | None, checkpoint_id: str, now: float, force: bool) -> bool:
@@ -100,107 +83,65 @@ def is_due(meta: dict[str, Any] | None, checkpoint_id: str, now: float, force: b
 
 def remove_if_expired(
     checkpoint_id: str,
-    directory: Path,
+    location: str,
     now: float,
-    storage_dir: Path | None,
+    store: CheckpointStore,
     *,
     force: bool = False,
-) -> tuple[Disk, float | None]:
-    """Remove `directory` if its meta says `checkpoint_id` expired by `now` (with `force`: if
-    it is that checkpoint at all); the state on disk and, when kept, the meta's expires_at."""
-    check_inside(directory, storage_dir)
-    if not directory.exists():
-        return Disk.ABSENT, None
-    meta = read_meta(directory)
+) -> tuple[Removal, float | None]:
+    """Remove the file set at `location` if its meta says `checkpoint_id` expired by `now`
+    (with `force`: if it is that checkpoint at all); what happened and, when kept, the meta's
+    expires_at. Locations come from Redis and Postgres: one outside `store` is refused."""
+    key = store.key_of(location)
+    meta = read_meta(store, key)
+    if meta is None and not store.files(key):
+        return Removal.ABSENT, None
     if not is_due(meta, checkpoint_id, now, force):
         expires_at = meta.get("expires_at") if meta and meta.get("id") == checkpoint_id else None
-        return Disk.KEPT, expires_at if isinstance(expires_at, int | float) else None
-    # Move it aside in one rename, so readers see the checkpoint or nothing, never half of it;
-    # a hidden sibling name, like the workers' own temporary directories.
-    trash = directory.with_name(f".{directory.name}-expired-{uuid.uuid4().hex[:8]}")
-    try:
-        directory.rename(trash)
-    except FileNotFoundError:
-        return Disk.ABSENT, None
-    if not is_due(read_meta(trash), checkpoint_id, now, force):
-        # Saved again (or its TTL moved) between our read and the rename: put it back.
-        trash.rename(directory)
-        return Disk.KEPT, None
-    shutil.rmtree(trash)
-    return Disk.REMOVED, None
+        return Removal.KEPT, expires_at if isinstance(expires_at, int | float) else None
+    # Read again once it is out of sight: saved again (or its TTL moved) meanwhile, it stays.
+    removal = store.remove(key, lambda text: is_due(_parsed(text), checkpoint_id, now, force))
+    return removal, None
 
 
 def set_meta_expiry(
-    checkpoint_id: str, directory: Path, expires_at: float | None, storage_dir: Path | None
+    checkpoint_id: str, location: str, expires_at: float | None, store: CheckpointStore
 ) -> bool:
     """Write a new expires_at (unix seconds, None: never) into the checkpoint's meta, which is
-    what expiry obeys; False if the directory does not hold that checkpoint (any more)."""
-    return update_meta(checkpoint_id, directory, storage_dir, expires_at=expires_at)
+    what expiry obeys; False if the location does not hold that checkpoint (any more)."""
+    return update_meta(checkpoint_id, location, store, expires_at=expires_at)
 
 
 def set_meta_public(
-    checkpoint_id: str, directory: Path, public: bool, storage_dir: Path | None
+    checkpoint_id: str, location: str, public: bool, store: CheckpointStore
 ) -> bool:
     """Mark the checkpoint published (readable by every tenant) or not in its meta, which is
-    what workers obey; False if the directory does not hold that checkpoint (any more)."""
-    return update_meta(checkpoint_id, directory, storage_dir, public=public)
+    what workers obey; False if the location does not hold that checkpoint (any more)."""
+    return update_meta(checkpoint_id, location, store, public=public)
 
 
 def update_meta(
-    checkpoint_id: str, directory: Path, storage_dir: Path | None, **changes: object
+    checkpoint_id: str, location: str, store: CheckpointStore, **changes: object
 ) -> bool:
-    check_inside(directory, storage_dir)
-    meta = read_meta(directory)
+    key = store.key_of(location)
+    meta = read_meta(store, key)
     if meta is None or meta.get("id") != checkpoint_id:
         return False
     meta.update(changes)
-    # Replace the file in one rename: the housekeeper never reads half a meta. If the
-    # directory is moved aside meanwhile, the write fails instead of landing in its trash.
-    tmp = directory / f".{META_FILE}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, directory / META_FILE)
-    except FileNotFoundError:
-        return False
-    finally:
-        tmp.unlink(missing_ok=True)
-    return True
+    return store.write_text(key, META_FILE, json.dumps(meta, indent=2))
 
 
 def copy_checkpoint_files(
-    source: Path, destination: Path, storage_dir: Path | None, **meta_changes: object
+    source: str, destination: str, store: CheckpointStore, **meta_changes: object
 ) -> int:
-    """Copy a checkpoint directory (copy_weights): every file hard-linked where storage allows
-    (named checkpoints are never rewritten in place, so the copy shares the bytes and outlives
-    the source's removal), copied where it does not; its meta rewritten with `meta_changes`
-    (the new run, tenant, id). Appears in one rename; a repeat replaces it. Returns bytes."""
-    check_inside(source, storage_dir)
-    check_inside(destination, storage_dir)
-    meta = read_meta(source)
+    """Copy a checkpoint (copy_weights) from location `source` to key `destination`, its meta
+    rewritten with `meta_changes` (the new run, tenant, id). Appears whole; a repeat replaces
+    it. Returns bytes."""
+    key = store.key_of(source)
+    meta = read_meta(store, key)
     if meta is None:
-        raise FileNotFoundError(source / META_FILE)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    tmp = destination.with_name(f".{destination.name}-copy-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        for item in source.iterdir():
-            if item.name != META_FILE and item.is_file():
-                _link_or_copy(item, tmp / item.name)
-        (tmp / META_FILE).write_text(json.dumps({**meta, **meta_changes}, indent=2))
-        size = sum(f.stat().st_size for f in tmp.iterdir())
-        if destination.exists():  # a retried copy: the same files again
-            shutil.rmtree(destination)
-        tmp.rename(destination)
-        return size
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError:  # another device, or a file system without hard links
-        shutil.copy2(source, target)
+        raise FileNotFoundError(source)
+    return store.copy(key, destination, json.dumps({**meta, **meta_changes}, indent=2))
 
 
 # --- files, then the row ------------------------------------------------------------------
@@ -216,26 +157,26 @@ class ExpiryResult:
 async def expire(
     engine: AsyncEngine,
     checkpoint_id: str,
-    directory: Path,
-    storage_dir: Path | None,
+    location: str,
+    store: CheckpointStore,
     *,
     files_removed: bool,
     force: bool = False,
 ) -> ExpiryResult:
-    # Off the event loop: the gateway runs this too, and an rmtree can take a while.
+    # Off the event loop: the gateway runs this too, and a removal can take a while.
     disk, meta_expires_at = await asyncio.to_thread(
-        remove_if_expired, checkpoint_id, directory, time.time(), storage_dir, force=force
+        remove_if_expired, checkpoint_id, location, time.time(), store, force=force
     )
-    if disk is Disk.KEPT and not force:
+    if disk is Removal.KEPT and not force:
         return ExpiryResult(Outcome.KEPT, files_removed, meta_expires_at)
-    if disk is Disk.KEPT:  # forced, but the directory is not this checkpoint's: leave it
+    if disk is Removal.KEPT:  # forced, but the location is not this checkpoint's: leave it
         log.warning(
             "checkpoint %s: %s does not hold it (no matching %s); files left in place",
             checkpoint_id,
-            directory,
+            location,
             META_FILE,
         )
-    removed = files_removed or disk is Disk.REMOVED
+    removed = files_removed or disk is Removal.REMOVED
     async with engine.begin() as conn:
         # A user's delete marks the row whatever its expires_at says.
         mark = await mark_checkpoint_deleted(
@@ -246,7 +187,7 @@ async def expire(
 
 async def set_checkpoint_ttl(
     sessions: async_sessionmaker[AsyncSession],
-    storage_dir: Path | None,
+    store: CheckpointStore,
     tenant_id: str,
     row: Checkpoint,
     expires_at: float | None,
@@ -255,20 +196,16 @@ async def set_checkpoint_ttl(
     is what expiry obeys; then the row (listings). The caller then schedules the expiry job
     (queue/expiry_jobs.py schedule_expiry); a removed TTL leaves any job in place: it finds no
     expiry in the meta and does nothing. False if the checkpoint is gone meanwhile."""
-    written = await asyncio.to_thread(
-        set_meta_expiry, row.id, Path(row.path), expires_at, storage_dir
-    )
+    written = await asyncio.to_thread(set_meta_expiry, row.id, row.path, expires_at, store)
     when = datetime.fromtimestamp(expires_at, tz=UTC) if expires_at is not None else None
     return written and await queries.set_checkpoint_expiry(sessions, tenant_id, row.id, when)
 
 
 async def delete_checkpoint(
-    engine: AsyncEngine, checkpoint_id: str, directory: Path, storage_dir: Path | None
+    engine: AsyncEngine, checkpoint_id: str, location: str, store: CheckpointStore
 ) -> bool:
     """A user's delete (the REST DELETE): the same path as TTL expiry (storage checks, one
     rename aside, then deleted_at), only without waiting for the TTL. True if files were
     removed now. A scheduled expiry job for it later finds nothing to do."""
-    result = await expire(
-        engine, checkpoint_id, directory, storage_dir, files_removed=False, force=True
-    )
+    result = await expire(engine, checkpoint_id, location, store, files_removed=False, force=True)
     return result.files_removed

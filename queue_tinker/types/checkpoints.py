@@ -50,6 +50,11 @@ class CheckpointPath:
     def __str__(self) -> str:
         return f"{SCHEME}{self.run_id}/{self.kind.path_segment}/{self.name}"
 
+    @property
+    def storage_key(self) -> str:
+        """Where it lives in checkpoint storage (queue_tinker/storage): <run>/<kind>/<name>."""
+        return f"{self.run_id}/{self.kind.path_segment}/{self.name}"
+
     @classmethod
     def parse(cls, path: object, field: str = "path") -> CheckpointPath:
         text = path if isinstance(path, str) else ""

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import redis
+from object_store import S3Server
 from procs import REPO, child_env
 from rq import Queue, SimpleWorker, Worker
 from rq.job import Job
@@ -110,14 +111,14 @@ def write_meta(directory: Path, checkpoint_id: str, expires_at: float | None) ->
 
 
 def record(
-    database_url: str, checkpoint_id: str, directory: Path, expires_at: float | None
+    database_url: str, checkpoint_id: str, directory: Path | str, expires_at: float | None
 ) -> None:
-    """The row the recorder would write."""
+    """The row the recorder would write (`directory`: a path, or a location in a bucket)."""
     rec = CheckpointRecord(
         id=checkpoint_id,
         model_id=checkpoint_id.split("/")[2],
         tenant_id="default",
-        name=directory.name,
+        name=str(directory).rsplit("/", 1)[-1],
         kind=CheckpointKind.STATE,
         path=str(directory),
         size_bytes=64,
@@ -214,6 +215,40 @@ def test_expire_removes_an_expired_checkpoint_and_marks_its_row(
         assert expire(cid, path) == Outcome.KEPT
         assert (path / "adapter_model.safetensors").exists()
         assert deleted_at(database_url, cid) is None
+
+
+def test_expire_removes_an_expired_checkpoint_from_a_bucket(
+    database_url: str, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With QT_STORAGE=s3://...: the expired checkpoint's objects are gone and its row marked;
+    one with a TTL ahead keeps its objects."""
+    monkeypatch.setenv("QT_S3_ENDPOINT_URL", s3_server.url)
+    monkeypatch.setenv("QT_DATA_DIR", str(tmp_path / "data"))
+    bucket = s3_server.bucket()
+    store = s3_server.store(bucket, tmp_path / "cache")
+    now = time.time()
+    made = []
+    for expires_at in (now - 5, now + HOUR):
+        checkpoint_id, directory = make_checkpoint(tmp_path / "staged", expires_at)
+        key = checkpoint_id.removeprefix("tinker://")
+        staged = store.staging(key)
+        for item in directory.iterdir():
+            (staged / item.name).write_bytes(item.read_bytes())
+        store.commit(key, staged)
+        record(database_url, checkpoint_id, store.location(key), expires_at)
+        made.append((checkpoint_id, key))
+
+    (expired, expired_key), (later, later_key) = made
+    outcome = expire_checkpoint(
+        expired, store.location(expired_key), database_url, storage_dir=store.root
+    )
+    assert outcome == Outcome.EXPIRED
+    listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=f"ckpt/{expired_key}/")
+    assert listed.get("KeyCount") == 0
+    assert deleted_at(database_url, expired) is not None
+    kept = expire_checkpoint(later, store.location(later_key), database_url, storage_dir=store.root)
+    assert kept == Outcome.KEPT
+    assert "adapter_model.safetensors" in store.files(later_key)
 
 
 def test_rq_runs_a_due_expiry_and_scheduling_twice_keeps_one_job(
@@ -432,13 +467,14 @@ def test_housekeeper_process_expires_a_scheduled_checkpoint_and_stops_on_sigterm
 
 
 @pytest.mark.parametrize("reader", ["docker compose", "compose-spec"])
-def test_compose_runs_a_housekeeper_with_the_checkpoint_volume(reader: str) -> None:
-    """docker-compose.yml has a housekeeper service sharing the workers' checkpoint volume
-    (read by docker compose where installed, and by the compose specification's bindings)."""
+def test_compose_runs_a_housekeeper_with_the_workers_checkpoint_storage(reader: str) -> None:
+    """docker-compose.yml has a housekeeper service on the workers' checkpoint storage (the
+    same bucket, endpoint and credentials; read by docker compose where installed, and by the
+    compose specification's bindings)."""
     from test_compose import _config
 
     services = _config(reader)["services"]
     housekeeper, worker = services["housekeeper"], services["worker"]
     assert housekeeper["command"] == ["housekeeper"]
-    assert housekeeper["volumes"] == worker["volumes"]
-    assert housekeeper["environment"]["QT_STORAGE"] == worker["environment"]["QT_STORAGE"]
+    for variable in ("QT_STORAGE", "QT_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID"):
+        assert housekeeper["environment"][variable] == worker["environment"][variable]

@@ -19,6 +19,8 @@ import torch
 
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import UserInputError
+from queue_tinker.storage.base import CheckpointStore
+from queue_tinker.storage.local import LocalStore
 from queue_tinker.types import OpKind
 from queue_tinker.types.loss_inputs import ModelLimits
 from queue_tinker.types.ops import Op
@@ -79,7 +81,7 @@ class LoraExecutor:
         self,
         base_model: str,
         device: str,
-        storage: Path,
+        storage: Path | CheckpointStore,
         models_dir: Path,
         *,
         max_resident: int | None = None,
@@ -93,7 +95,8 @@ class LoraExecutor:
         plan: PassPlan | None = None,
     ) -> None:
         self.base_model = base_model
-        self.storage = storage
+        # A directory: local storage there (the tests' and the embedded default's way).
+        self.store = storage if isinstance(storage, CheckpointStore) else LocalStore(storage)
         self.rules = LoraOpRules(cross_adapter_batch)
         self.device = torch.device(device)
         # The same QT_MAX_* limits the client and gateway enforce, again here: an op may come
@@ -140,8 +143,8 @@ class LoraExecutor:
                 activation_budget=budgets.train_activation_bytes,
                 layer_bytes=layer_bytes(base.config.get_text_config(), dtype_bytes),
             )
-        saved = SavedState(self.pool, storage, base_model)
-        residency = Residency(self.pool, saved, storage)
+        saved = SavedState(self.pool, self.store, base_model)
+        residency = Residency(self.pool, saved, self.store)
         guard = MemoryGuard(self.device, train_batch_tokens or _train_tokens(budgets))
         rounds = TrainingRounds(
             self.pool,
@@ -157,7 +160,7 @@ class LoraExecutor:
         self.training = TrainingEngine(base_model, self.pool, residency, saved, rounds)
         self.sampling = SamplingSessions(
             self.pool,
-            storage,
+            self.store,
             base_model,
             limits,
             self.device,

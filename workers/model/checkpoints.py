@@ -1,4 +1,5 @@
-"""Adapter state on disk: Hugging Face PEFT format plus the optimizer, written atomically.
+"""Adapter state in checkpoint storage: Hugging Face PEFT format plus the optimizer, visible
+only once whole (queue_tinker/storage: a directory or an S3 bucket).
 
 A directory holds
     adapter_config.json, adapter_model.safetensors   what PeftModel.from_pretrained reads
@@ -11,12 +12,8 @@ written for one model loads into another with the same LoRA config.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import tempfile
-import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from queue_tinker.types.checkpoints import META_FILE, PEFT_CONFIG, PEFT_WEIGHTS, CheckpointPath
+from queue_tinker.age import encrypt_in_place
+from queue_tinker.storage.base import CheckpointStore
+from queue_tinker.storage.local import current
+from queue_tinker.types.checkpoints import (
+    META_FILE,
+    PEFT_CONFIG,
+    PEFT_FILES,
+    PEFT_WEIGHTS,
+    CheckpointPath,
+)
 
 WEIGHTS = PEFT_WEIGHTS
 OPTIMIZER = "optimizer.safetensors"
@@ -65,49 +71,86 @@ class AdapterState:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def checkpoint_key(path: CheckpointPath) -> str:
+    """Where a named checkpoint lives in checkpoint storage."""
+    return path.storage_key
+
+
+def snapshot_key(model_id: str) -> str:
+    return f"{model_id}/{SNAPSHOT}"
+
+
 def checkpoint_dir(storage: Path, path: CheckpointPath) -> Path:
-    return storage / path.run_id / path.kind.path_segment / path.name
+    """A named checkpoint's directory in local storage (LocalStore's layout)."""
+    return storage / checkpoint_key(path)
 
 
 def snapshot_dir(storage: Path, model_id: str) -> Path:
-    return storage / model_id / SNAPSHOT
+    return storage / snapshot_key(model_id)
 
 
 def write_state(
-    directory: Path,
+    store: CheckpointStore,
+    key: str,
     state: AdapterState,
     adapter_config: dict[str, Any],
     *,
     optimizer: bool,
     grads: bool = False,
+    encrypt_to: Sequence[str] = (),
 ) -> int:
-    """Write `state` to `directory` in one rename (replacing what was there); returns bytes."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    """Write `state` as the file set at `key` (replacing what was there), visible only once
+    complete; the PEFT files encrypted to `encrypt_to` when given. Returns bytes written."""
+    staged = store.staging(key)
     try:
-        (tmp / PEFT_CONFIG).write_text(json.dumps(adapter_config, indent=2))
-        save_file(_contiguous(state.weights), tmp / WEIGHTS)
+        (staged / PEFT_CONFIG).write_text(json.dumps(adapter_config, indent=2))
+        save_file(_contiguous(state.weights), staged / WEIGHTS)
         if optimizer:
             moments = {f"{k}.exp_avg": v for k, v in state.exp_avg.items()}
             moments |= {f"{k}.exp_avg_sq": v for k, v in state.exp_avg_sq.items()}
-            save_file(_contiguous(moments), tmp / OPTIMIZER)
+            save_file(_contiguous(moments), staged / OPTIMIZER)
         if grads and state.grads:
-            save_file(_contiguous(state.grads), tmp / GRADS)
-        (tmp / META_FILE).write_text(json.dumps(asdict(state.meta), indent=2))
-        size = sum(f.stat().st_size for f in tmp.iterdir())
-        _replace_dir(tmp, directory)
-        return size
+            save_file(_contiguous(state.grads), staged / GRADS)
+        if encrypt_to:
+            encrypt_in_place(staged, PEFT_FILES, encrypt_to)
+        (staged / META_FILE).write_text(json.dumps(asdict(state.meta), indent=2))
+        size = sum(f.stat().st_size for f in staged.iterdir())
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        store.discard(staged)
         raise
+    store.commit(key, staged)
+    return size
+
+
+def stored_meta(store: CheckpointStore, key: str) -> CheckpointMeta | None:
+    """The meta of the file set at `key`, as stored now; None if there is none."""
+    text = store.read_meta_text(key)
+    return CheckpointMeta(**json.loads(text)) if text is not None else None
+
+
+def stored_state(
+    store: CheckpointStore, key: str, *, optimizer: bool, grads: bool = False
+) -> AdapterState:
+    """The file set at `key` as adapter state (fetched into the local cache where storage is
+    remote); FileNotFoundError if there is none."""
+    directory = store.fetch(key)
+    if directory is None:
+        raise FileNotFoundError(store.location(key))
+    return read_state(directory, optimizer=optimizer, grads=grads)
 
 
 def read_meta(directory: Path) -> CheckpointMeta | None:
-    return _meta_in(_current(directory))
+    """The meta of a local checkpoint directory (one whose replacement a kill cut short: the
+    version it had moved aside)."""
+    try:
+        return CheckpointMeta(**json.loads((current(directory) / META_FILE).read_text()))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def read_state(directory: Path, *, optimizer: bool, grads: bool = False) -> AdapterState:
-    directory = _current(directory)
+    """A local checkpoint directory as adapter state."""
+    directory = current(directory)
     meta = read_meta(directory)
     if meta is None:
         raise FileNotFoundError(directory / META_FILE)
@@ -123,63 +166,3 @@ def read_state(directory: Path, *, optimizer: bool, grads: bool = False) -> Adap
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-
-
-def _replace_dir(tmp: Path, directory: Path) -> None:
-    """Swap `tmp` in for `directory`. A reader sees the old or the new one, never a mix;
-    the old one is moved aside first because rename() cannot replace a non-empty directory
-    (a process that dies between the two renames leaves it there: see _current)."""
-    old = None
-    if directory.exists():
-        old = directory.with_name(f".{directory.name}-old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        directory.rename(old)
-    tmp.rename(directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    if directory.name == SNAPSHOT:
-        _clear_leftovers(directory)
-
-
-# Only a model's snapshot is ever replaced (named checkpoints are written once), and only its
-# directory's siblings are known to be ours alone: the two helpers below look at nothing else.
-ABANDONED_AFTER_S = 3600  # far longer than any write takes
-
-
-def _set_aside(snapshot: Path) -> list[Path]:
-    """Earlier versions of a snapshot that writers killed between _replace_dir's two renames
-    left moved aside."""
-    return list(snapshot.parent.glob(f".{SNAPSHOT}-old-*"))
-
-
-def _clear_leftovers(snapshot: Path) -> None:
-    """Remove what killed writers left beside a snapshot just written: versions moved aside,
-    and temporary directories (of writes cut short) once they are long abandoned."""
-    for aside in _set_aside(snapshot):
-        shutil.rmtree(aside, ignore_errors=True)
-    cutoff = time.time() - ABANDONED_AFTER_S
-    for leftover in snapshot.parent.glob(f".{SNAPSHOT}-*"):
-        with contextlib.suppress(OSError):
-            if leftover.stat().st_mtime < cutoff:
-                shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _current(directory: Path) -> Path:
-    """Where `directory`'s content is: itself, or, for a snapshot whose replacement was cut
-    short between _replace_dir's two renames (its writer was killed there), the previous
-    version it had moved aside, which is whole. The next snapshot puts one back in place."""
-    if directory.exists() or directory.name != SNAPSHOT:
-        return directory
-    whole = [
-        (meta.seq, aside)
-        for aside in _set_aside(directory)
-        if (meta := _meta_in(aside)) is not None
-    ]
-    return max(whole)[1] if whole else directory
-
-
-def _meta_in(directory: Path) -> CheckpointMeta | None:
-    try:
-        return CheckpointMeta(**json.loads((directory / META_FILE).read_text()))
-    except (FileNotFoundError, NotADirectoryError):
-        return None

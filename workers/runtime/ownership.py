@@ -3,6 +3,7 @@ saved state), dropping one, handing idle ones back and, at the end, all of them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 # An idle training run is handed back this soon (not after the whole linger time) when another
 # run of its tenant waits for a slot of the tenant's training-runs limit.
 PARKED_RELEASE_AFTER_S = 2.0
+# A model whose saved state cannot be read when claimed is handed back after this long.
+UNREADABLE_STATE_RETRY_S = 1.0
 
 
 class Ownership:
@@ -46,7 +49,21 @@ class Ownership:
         """A newly claimed model, with the logged ops between its saved state and the last
         published one queued for replay (an earlier owner died after its last snapshot)."""
         owned = OwnedModel(lease=lease, read_seq=lease.done_seq)
-        restored = await self.compute.run(self.durability.restore_point, lease.model_id)
+        try:
+            restored = await self.compute.run(self.durability.restore_point, lease.model_id)
+        except Exception as exc:
+            # Its saved state cannot be read now (checkpoint storage away): running its ops on
+            # a state not restored would be wrong, so the model goes back to be offered again,
+            # after a pause that keeps claim and release from spinning while the store is away.
+            log.warning(
+                "%s: cannot read the saved state of %s (%s); handing it back",
+                self.worker_id,
+                lease.model_id,
+                exc,
+            )
+            await asyncio.sleep(UNREADABLE_STATE_RETRY_S)
+            await self.reconnect.call(self.dispatch.release, lease, force=True)
+            return
         if restored is not None and restored < lease.done_seq:
             replay = await self.reconnect.call(
                 self.dispatch.read_range, lease.model_id, restored, lease.done_seq

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from queue_tinker.errors import OpCancelledError, UserInputError
+from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.types import codec
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.loss_inputs import ModelLimits
@@ -41,7 +42,7 @@ from queue_tinker.types.sampling import (
 )
 from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import AdapterPool
-from queue_tinker.workers.model.checkpoints import checkpoint_dir, read_meta
+from queue_tinker.workers.model.checkpoints import checkpoint_key, read_meta
 from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest, Key
 
@@ -73,7 +74,7 @@ class SamplingSessions:
     def __init__(
         self,
         pool: AdapterPool,
-        storage: Path,
+        store: CheckpointStore,
         base_model: str,
         limits: ModelLimits,
         device: torch.device,
@@ -84,7 +85,7 @@ class SamplingSessions:
         images: ImageSupport | None = None,
     ) -> None:
         self.pool = pool
-        self.storage = storage
+        self.store = store
         self.base_model = base_model
         self.limits = limits
         self.device = device
@@ -328,10 +329,13 @@ class SamplingSessions:
         """The checkpoint directory behind a model_path; another tenant's checkpoint is reported
         exactly like a missing one, unless it is published."""
         path = loadable(CheckpointPath.parse(model_path, "model_path"), "model_path")
-        directory = checkpoint_dir(self.storage, path)
-        meta = read_meta(directory)
-        if meta is None or (
-            tenant_id is not None and meta.tenant_id != tenant_id and not meta.public
+        # A local directory holding the checkpoint: itself, or a cached copy of a remote one.
+        directory = self.store.fetch(checkpoint_key(path))
+        meta = read_meta(directory) if directory is not None else None
+        if (
+            directory is None
+            or meta is None
+            or (tenant_id is not None and meta.tenant_id != tenant_id and not meta.public)
         ):
             raise UserInputError(
                 f"model_path: no checkpoint {model_path} (unknown, expired or deleted)"

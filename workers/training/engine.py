@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from queue_tinker.errors import UserInputError
+from queue_tinker.errors import StorageUnavailableError, UserInputError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.training import MAX_MOE_LORA_RANK, CreateModelInput, LoraConfig
 from queue_tinker.workers.interface import TRAIN_BATCH_KINDS, OpResult, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.model.checkpoints import read_meta, snapshot_dir
+from queue_tinker.workers.model.checkpoints import snapshot_key, stored_meta
 from queue_tinker.workers.training.residency import Residency
 from queue_tinker.workers.training.rounds import TrainingRounds
 from queue_tinker.workers.training.saved_state import SavedState
@@ -83,7 +83,7 @@ class TrainingEngine:
                 f"base_model: {body.base_model!r} is not served by this worker ({self.base_model})"
             )
         if self.pool.get(op.model_id) is None:
-            if read_meta(snapshot_dir(self.saved.storage, op.model_id)) is not None:
+            if stored_meta(self.saved.store, snapshot_key(op.model_id)) is not None:
                 self.residency.get(op.model_id)  # created before, by an earlier owner
             else:
                 config = body.lora_config
@@ -91,7 +91,13 @@ class TrainingEngine:
                 seed = config.seed if config.seed is not None else default_seed(op.model_id)
                 adapter = self.residency.add(op.model_id, body.tenant_id, config, seed)
                 adapter.last_seq = op.seq
-                self.saved.snapshot(adapter)  # from here on the model survives its worker
+                try:
+                    # From here on the model survives its worker. Without it, no other worker
+                    # could restore the model: the create fails (retryably) instead.
+                    self.saved.write_snapshot(adapter)
+                except StorageUnavailableError:
+                    self.pool.remove(op.model_id)
+                    raise
         return OpResult(result=codec.encode({"model_id": op.model_id}))
 
     def _check_rank(self, config: LoraConfig) -> None:

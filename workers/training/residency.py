@@ -6,14 +6,14 @@ durable (the runtime's Durability, for training runs)."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from queue_tinker.errors import QueueTinkerError, UserInputError
+from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.types.ops import Op
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.model.checkpoints import read_meta, read_state, snapshot_dir
+from queue_tinker.workers.model.checkpoints import snapshot_key, stored_meta, stored_state
 from queue_tinker.workers.training.saved_state import (
     SNAPSHOT_RESULTS,
     UNLOADED,
@@ -25,10 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class Residency:
-    def __init__(self, pool: AdapterPool, saved: SavedState, storage: Path) -> None:
+    def __init__(self, pool: AdapterPool, saved: SavedState, store: CheckpointStore) -> None:
         self.pool = pool
         self.saved = saved
-        self.storage = storage
+        self.store = store
 
     def admit(self, op: Op) -> Adapter | OpResult:
         """The op's adapter, made resident; or, for an op the state already holds, its kept
@@ -44,14 +44,14 @@ class Residency:
         adapter = self.pool.get(model_id)
         if adapter is not None:
             return adapter
-        if (self.storage / model_id / UNLOADED).exists():
+        if self.store.read_text(model_id, UNLOADED) is not None:
             raise UserInputError(f"model {model_id} was unloaded; create a new training client")
-        directory = snapshot_dir(self.storage, model_id)
-        if read_meta(directory) is None:
+        try:
+            state = stored_state(self.store, snapshot_key(model_id), optimizer=True, grads=True)
+        except FileNotFoundError:
             # Created, but its state never reached storage: its worker died before the first
             # snapshot. Rebuilding it by replaying the op log is the recovery path.
-            raise QueueTinkerError(f"model {model_id}: no saved state to restore it from")
-        state = read_state(directory, optimizer=True, grads=True)
+            raise QueueTinkerError(f"model {model_id}: no saved state to restore it from") from None
         adapter = self.add(
             model_id,
             state.meta.tenant_id,
@@ -104,7 +104,7 @@ class Residency:
         adapter = self.pool.adapters.get(model_id)
         if adapter is not None:
             return adapter.last_seq
-        meta = read_meta(snapshot_dir(self.storage, model_id))
+        meta = stored_meta(self.store, snapshot_key(model_id))
         # No snapshot: a sampling session (no state), or a run that never got created.
         return meta.seq if meta is not None else None
 

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import base64
 import logging
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
-from queue_tinker.age import check_recipients, encrypt_in_place
-from queue_tinker.errors import ErrorCategory, QueueTinkerError, UserInputError
+from queue_tinker.age import check_recipients
+from queue_tinker.errors import (
+    ErrorCategory,
+    QueueTinkerError,
+    StorageUnavailableError,
+    UserInputError,
+)
+from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.types import CheckpointKind, CheckpointRecord, codec
-from queue_tinker.types.checkpoints import PEFT_FILES, CheckpointPath, check_name, loadable
+from queue_tinker.types.checkpoints import CheckpointPath, check_name, loadable
 from queue_tinker.types.ops import Op
 from queue_tinker.types.training import (
     LoadInput,
@@ -33,10 +37,10 @@ from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.checkpoints import (
     CheckpointMeta,
-    checkpoint_dir,
-    read_meta,
-    read_state,
-    snapshot_dir,
+    checkpoint_key,
+    snapshot_key,
+    stored_meta,
+    stored_state,
     write_state,
 )
 
@@ -49,11 +53,11 @@ SNAPSHOT_RESULTS = "snapshot_results"
 
 
 class SavedState:
-    """Snapshots and named checkpoints of the adapters in `pool`, under `storage`."""
+    """Snapshots and named checkpoints of the adapters in `pool`, in `store`."""
 
-    def __init__(self, pool: AdapterPool, storage: Path, base_model: str) -> None:
+    def __init__(self, pool: AdapterPool, store: CheckpointStore, base_model: str) -> None:
         self.pool = pool
-        self.storage = storage
+        self.store = store
         self.base_model = base_model
         # The outcomes of the ops run so far in the batch being run, per model (rounds.py
         # records them; the worker publishes them when the whole batch is done): a snapshot
@@ -68,8 +72,18 @@ class SavedState:
         The same holds for the model's ops run earlier in the batch being run: their outcomes
         are kept too.
         """
-        directory = snapshot_dir(self.storage, adapter.model_id)
-        stored = read_meta(directory)
+        try:
+            self.write_snapshot(adapter, result)
+        except StorageUnavailableError as err:
+            # The snapshot only moves durability on: the op's own effect is in memory and its
+            # log entry stays (the log is trimmed only up to a snapshot written), so the op
+            # succeeds and the next snapshot tries again.
+            log.warning("model %s: snapshot not written (%s)", adapter.model_id, err)
+
+    def write_snapshot(self, adapter: Adapter, result: OpResult | None = None) -> None:
+        """snapshot(), its storage errors raised (a new model's first snapshot must land)."""
+        key = snapshot_key(adapter.model_id)
+        stored = stored_meta(self.store, key)
         if stored is not None and stored.seq > adapter.last_seq:
             # Another worker owns the model now and has gone further (this one stalled past
             # its lease and has not heard yet). Going back would lose the steps in between:
@@ -95,7 +109,8 @@ class SavedState:
             batch_results={str(seq): outcome_to_json(outcome) for seq, outcome in earlier.items()},
         )
         write_state(
-            directory,
+            self.store,
+            key,
             self.pool.export(adapter, meta),
             self.pool.peft_adapter_config(adapter),
             optimizer=True,
@@ -144,8 +159,8 @@ class SavedState:
             )
         recipients = check_recipients(body.age_encryption_recipients)
         path = CheckpointPath(adapter.model_id, kind, check_name(body.name))
-        directory = checkpoint_dir(self.storage, path)
-        existing = read_meta(directory)
+        key = checkpoint_key(path)
+        existing = stored_meta(self.store, key)
         now = time.time()
         expires_at = now + body.ttl_seconds if body.ttl_seconds else None
         if existing is not None and existing.seq != op.seq:
@@ -156,22 +171,23 @@ class SavedState:
         adapter.last_seq = op.seq
         meta = self.meta(adapter, kind=kind.value, id=str(path), expires_at=expires_at)
         if existing is None:
-            write_state(
-                directory,
+            size = write_state(
+                self.store,
+                key,
                 self.pool.export(adapter, meta),
                 self.pool.peft_adapter_config(adapter),
                 optimizer=kind is CheckpointKind.STATE,
+                encrypt_to=recipients,  # before the set is visible: never plain in storage
             )
-        if recipients:  # also on a replay: a crash may have come before the encryption
-            encrypt_in_place(directory, PEFT_FILES, recipients)
-        size = sum(f.stat().st_size for f in directory.iterdir())
+        else:  # a replay of this op: the set is there, whole
+            size = sum(self.store.files(key).values())
         record = CheckpointRecord(
             id=str(path),
             model_id=adapter.model_id,
             tenant_id=adapter.tenant_id,
             name=body.name,
             kind=kind,
-            path=str(directory),
+            path=self.store.location(key),
             size_bytes=size,
             created_at=now,
             expires_at=expires_at,
@@ -187,13 +203,13 @@ class SavedState:
                 f"path: {body.path} holds weights only (sampler weights); optimizer state "
                 "comes from a tinker://<run>/weights/<name> checkpoint"
             )
-        directory = checkpoint_dir(self.storage, path)
-        meta = read_meta(directory)
+        key = checkpoint_key(path)
+        meta = stored_meta(self.store, key)
         # Another tenant's checkpoint is reported exactly like a missing one, unless published.
         if meta is None or (meta.tenant_id != adapter.tenant_id and not meta.public):
             raise UserInputError(f"path: no checkpoint at {body.path}")
         self._check_compatible(adapter, meta, body.path)
-        state = read_state(directory, optimizer=body.optimizer)
+        state = stored_state(self.store, key, optimizer=body.optimizer)
         self.pool.load_weights(adapter, state.weights)
         # load_state resets the optimizer (moments and step count); with_optimizer restores them.
         self.pool.load_optimizer(adapter, state)
@@ -218,10 +234,8 @@ class SavedState:
 
     def unload(self, adapter: Adapter, op: Op) -> OpResult:
         self.pool.remove(adapter.model_id)
-        model_dir = self.storage / adapter.model_id
-        shutil.rmtree(snapshot_dir(self.storage, adapter.model_id), ignore_errors=True)
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / UNLOADED).touch()
+        self.store.remove(snapshot_key(adapter.model_id))
+        self.store.mark(adapter.model_id, UNLOADED)
         return OpResult(
             result=codec.encode(UnloadModelResponse(model_id=adapter.model_id).model_dump())
         )

@@ -19,7 +19,6 @@ import asyncio
 import hashlib
 import time
 import uuid
-from pathlib import Path
 from typing import Annotated, Any
 
 import redis
@@ -125,22 +124,15 @@ def _copy_run_id(tenant: str, idempotency_key: str | None) -> str:
     return "copy-" + hashlib.sha256(f"{tenant}\0{idempotency_key}".encode()).hexdigest()[:32]
 
 
-def _directory(gq: GatewayQueue, path: CheckpointPath) -> Path:
-    """Where a worker would keep it (workers/model/checkpoints.py checkpoint_dir)."""
-    return gq.settings.storage_dir / path.run_id / path.kind.path_segment / path.name
-
-
 async def _copy_files(
     gq: GatewayQueue, row: Checkpoint, copy: CheckpointPath, tenant: str, expires_at: float | None
 ) -> int:
-    storage = gq.settings.storage_dir
-    destination = _directory(gq, copy)
     try:
         return await asyncio.to_thread(
             checkpoints.copy_checkpoint_files,
-            Path(row.path),
-            destination,
-            storage,
+            row.path,
+            copy.storage_key,
+            gq.store,
             model_id=copy.run_id,
             tenant_id=tenant,
             id=str(copy),
@@ -163,7 +155,7 @@ async def _record(
 ) -> None:
     """The copy's row (and its run's, which register_model logged), in Postgres before the
     answer; its expiry scheduled as a worker's save schedules one."""
-    directory = _directory(gq, copy)
+    location = gq.store.location(copy.storage_key)
     records = RecordLog(gq.redis, gq.keys)
     await records.append(
         CheckpointRecord(
@@ -172,7 +164,7 @@ async def _record(
             tenant_id=tenant,
             name=copy.name,
             kind=CheckpointKind(row.kind),  # the column is text, checked against the enum
-            path=str(directory),
+            path=location,
             size_bytes=size,
             created_at=time.time(),
             expires_at=expires_at,
@@ -185,7 +177,7 @@ async def _record(
         def schedule() -> None:
             with redis.Redis.from_url(settings.redis_url or "") as client:
                 schedule_checkpoint_expiry(
-                    client, settings.key_prefix, str(copy), str(directory), expires_at
+                    client, settings.key_prefix, str(copy), location, expires_at
                 )
 
         await asyncio.to_thread(schedule)

@@ -13,7 +13,6 @@ Sampling sessions already open on a checkpoint keep its weights after it is unpu
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -63,10 +62,8 @@ def _key(request: Request, row: Checkpoint) -> str:
 
 
 async def _set_meta(request: Request, row: Checkpoint, public: bool) -> None:
-    storage_dir = request.app.state.settings.storage_dir
-    if not await asyncio.to_thread(
-        checkpoints.set_meta_public, row.id, Path(row.path), public, storage_dir
-    ):
+    store = request.app.state.gateway_queue.store
+    if not await asyncio.to_thread(checkpoints.set_meta_public, row.id, row.path, public, store):
         raise not_found(f"checkpoint {row.id!r}")
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -28,6 +27,7 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
+from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.store import checkpoints, queries, rest_views
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.types.checkpoints import SCHEME
@@ -99,6 +99,11 @@ async def _json_object(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HTTPException(422, "body: expected a JSON object")
     return body
+
+
+def _store(request: Request) -> CheckpointStore:
+    store: CheckpointStore = request.app.state.gateway_queue.store
+    return store
 
 
 @contextlib.contextmanager
@@ -202,7 +207,6 @@ def _add_run_routes(router: APIRouter) -> None:
 
 
 def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
-    storage_dir = settings.storage_dir
 
     # The ttl route first: both take a path-type checkpoint id (it holds a '/').
     @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
@@ -217,7 +221,7 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         expires_at = time.time() + ttl if ttl is not None else None
         with _storage_errors():
             changed = await checkpoints.set_checkpoint_ttl(
-                _db(request), settings.storage_dir, tenant, row, expires_at
+                _db(request), _store(request), tenant, row, expires_at
             )
         if not changed:
             raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")
@@ -235,7 +239,7 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         row = await _owned_checkpoint(request, tenant, run_id, checkpoint_id)
         with _storage_errors():
             await checkpoints.delete_checkpoint(
-                request.app.state.db, row.id, Path(row.path), storage_dir
+                request.app.state.db, row.id, row.path, _store(request)
             )
         return {}
 

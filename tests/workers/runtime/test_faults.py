@@ -418,7 +418,7 @@ def test_a_snapshot_swap_cut_short_by_a_kill_is_recovered(
     model, log = "cut-swap", training_log("cut-swap", 4)  # snapshots at seq 5 and 9
     for op in log[:7]:
         first.execute(op)
-    directory = snapshot_dir(first.storage, model)
+    directory = snapshot_dir(first.store.path, model)
     # The disk as such a kill leaves it while seq 5's snapshot is being replaced (say, on a
     # hand-over at seq 7): the old one moved aside, the new one never put in its place.
     directory.rename(directory.with_name(f".{directory.name}-old-999999"))
@@ -450,7 +450,7 @@ def test_a_stale_owner_cannot_move_the_snapshot_back(
     for op in log[5:]:
         second.execute(op)  # takes over from seq 5: runs 6-9, snapshot at 9
     first.durability.persist(model)
-    assert read_meta(snapshot_dir(first.storage, model)).seq == 9  # type: ignore[union-attr]
+    assert read_meta(snapshot_dir(first.store.path, model)).seq == 9  # type: ignore[union-attr]
 
 
 # --- Postgres outage ------------------------------------------------------------------------

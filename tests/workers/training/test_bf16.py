@@ -111,7 +111,7 @@ def test_bf16_keeps_what_is_trained_and_stored_in_fp32(
     moments = [t for s in adapter.optimizer.state.values() for k, t in s.items() if k != "step"]
     assert moments and {t.dtype for t in moments} == {torch.float32}
     path = run.op(OpKind.SAVE_STATE, {"name": "bf16", "ttl_seconds": None})["path"]
-    directory = engines["bf16"].storage / path.removeprefix("tinker://")
+    directory = engines["bf16"].store.path / path.removeprefix("tinker://")
     for name in ("adapter_model.safetensors", "optimizer.safetensors"):
         assert {t.dtype for t in load_file(directory / name).values()} == {torch.float32}
 

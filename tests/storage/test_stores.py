@@ -1,0 +1,190 @@
+"""Checkpoint storage, local directory and S3 alike: a file set round-trips, is seen whole or
+not at all, is removed and copied; S3's big files go up in parts and its URLs serve the bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from object_store import S3Server
+
+from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
+from queue_tinker.settings import Settings
+from queue_tinker.storage.base import CheckpointStore, Removal
+from queue_tinker.storage.configured import open_store
+from queue_tinker.storage.local import LocalStore
+from queue_tinker.storage.s3 import S3Store
+from queue_tinker.types.checkpoints import META_FILE
+
+KEY = "run-1/weights/step-2"
+MiB = 2**20
+
+
+def write_set(store: CheckpointStore, key: str, seq: int, weights: bytes = b"w" * 100) -> None:
+    staged = store.staging(key)
+    (staged / "adapter_model.safetensors").write_bytes(weights)
+    (staged / "adapter_config.json").write_text('{"r": 4}')
+    (staged / META_FILE).write_text(json.dumps({"id": key, "seq": seq}))
+    store.commit(key, staged)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
+    if request.param == "local":
+        return LocalStore(tmp_path / "storage")
+    server: S3Server = request.getfixturevalue("s3_server")
+    return server.store(server.bucket(), tmp_path / "cache")
+
+
+def test_a_file_set_round_trips(store: CheckpointStore, tmp_path: Path) -> None:
+    """What is committed is fetched, listed and read back byte for byte; the location records
+    hold leads back to the key."""
+    assert store.fetch(KEY) is None and store.read_meta_text(KEY) is None
+    write_set(store, KEY, seq=2, weights=os.urandom(4096))
+    fetched = store.fetch(KEY)
+    assert fetched is not None
+    assert json.loads((fetched / META_FILE).read_text())["seq"] == 2
+    assert set(store.files(KEY)) == {"adapter_model.safetensors", "adapter_config.json", META_FILE}
+    assert store.files(KEY)["adapter_model.safetensors"] == 4096
+    assert store.key_of(store.location(KEY)) == KEY
+    with pytest.raises(CheckpointPathError):
+        store.key_of("/elsewhere/run-1/weights/x" if isinstance(store, LocalStore) else "s3://x/y")
+
+
+def test_a_replaced_set_reads_as_the_new_one_and_a_meta_change_keeps_the_files(
+    store: CheckpointStore,
+) -> None:
+    """A snapshot written over: the files of the old set that the new one lacks are gone; a
+    meta rewritten in place (a TTL, published) is what the next fetch holds."""
+    key = "m-1/_snapshot"
+    write_set(store, key, seq=1)
+    staged = store.staging(key)
+    (staged / "grads.safetensors").write_bytes(b"g")
+    (staged / META_FILE).write_text(json.dumps({"id": key, "seq": 5}))
+    store.commit(key, staged)
+    assert set(store.files(key)) == {"grads.safetensors", META_FILE}
+    assert store.write_text(key, META_FILE, json.dumps({"id": key, "seq": 5, "public": True}))
+    fetched = store.fetch(key)
+    assert fetched is not None and json.loads((fetched / META_FILE).read_text())["public"]
+    assert (fetched / "grads.safetensors").read_bytes() == b"g"
+    assert not store.write_text("m-1/absent", META_FILE, "{}")
+
+
+def test_remove_takes_the_set_away_unless_it_is_no_longer_due(store: CheckpointStore) -> None:
+    write_set(store, KEY, seq=2)
+    assert store.remove(KEY, lambda meta: False) is Removal.KEPT
+    assert store.fetch(KEY) is not None
+    assert store.remove(KEY, lambda meta: meta is not None) is Removal.REMOVED
+    assert store.fetch(KEY) is None and store.files(KEY) == {}
+    assert store.remove(KEY) is Removal.ABSENT
+
+
+def test_copy_makes_a_set_with_its_own_meta(store: CheckpointStore) -> None:
+    write_set(store, KEY, seq=2)
+    size = store.copy(KEY, "copy-1/weights/step-2", json.dumps({"id": "copy", "seq": 2}))
+    fetched = store.fetch("copy-1/weights/step-2")
+    assert fetched is not None and size == sum(store.files("copy-1/weights/step-2").values())
+    assert json.loads((fetched / META_FILE).read_text())["id"] == "copy"
+    assert (fetched / "adapter_model.safetensors").read_bytes() == b"w" * 100
+
+
+def test_an_s3_set_is_invisible_until_its_meta_lands(s3_server: S3Server, tmp_path: Path) -> None:
+    """Data files uploaded, meta not yet (a writer stopped midway): no set is there; a reader
+    of a set being replaced gets the old one whole, never the new files under the old meta."""
+    bucket = s3_server.bucket()
+    store = s3_server.store(bucket, tmp_path / "writer")
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key=f"ckpt/{KEY}/adapter_model.safetensors", Body=b"half")
+    assert store.fetch(KEY) is None and store.read_meta_text(KEY) is None
+    assert store.files(KEY) == {}
+
+    write_set(store, KEY, seq=1, weights=b"old")
+    # A new commit's data file has landed, its meta not yet: the reader reads the meta again,
+    # and (nothing else changing) says the set keeps changing instead of mixing the two.
+    client.put_object(
+        Bucket=bucket,
+        Key=f"ckpt/{KEY}/adapter_model.safetensors",
+        Body=b"new",
+        Metadata={"qt-generation": "a-newer-commit"},
+    )
+    reader = s3_server.store(bucket, tmp_path / "reader")
+    with pytest.raises(StorageUnavailableError, match="changing"):
+        reader.fetch(KEY)
+    write_set(store, KEY, seq=2, weights=b"new")  # the commit completes
+    fetched = reader.fetch(KEY)
+    assert fetched is not None and (fetched / "adapter_model.safetensors").read_bytes() == b"new"
+
+
+def test_a_big_file_goes_up_in_parts_and_its_presigned_url_serves_it(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A file above the multipart threshold is uploaded in parts (its ETag says how many);
+    the store's presigned URL downloads the very bytes with no credentials (urllib)."""
+    bucket = s3_server.bucket()
+    store = s3_server.store(bucket, tmp_path / "cache", multipart_threshold=5 * MiB)
+    weights = os.urandom(11 * MiB)
+    write_set(store, KEY, seq=1, weights=weights)
+    head = s3_server.client().head_object(
+        Bucket=bucket, Key=f"ckpt/{KEY}/adapter_model.safetensors"
+    )
+    assert head["ETag"].strip('"').endswith("-3")  # 5 + 5 + 1 MiB
+    url = store.download_url(KEY, "adapter_model.safetensors", 60)
+    assert url is not None and "Signature" in url
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.read() == weights
+    # Another host's reader, with an empty cache, gets the same bytes.
+    other = s3_server.store(bucket, tmp_path / "other")
+    fetched = other.fetch(KEY)
+    assert fetched is not None
+    assert (fetched / "adapter_model.safetensors").read_bytes() == weights
+
+
+def test_a_store_away_or_misnamed_is_a_clear_error(s3_server: S3Server, tmp_path: Path) -> None:
+    """No such bucket: the start-up check names QT_STORAGE. The server gone: reads and writes
+    fail with a retryable StorageUnavailableError, after the bounded retries."""
+    missing = s3_server.store("no-such-bucket", tmp_path / "c1")
+    with pytest.raises(StorageUnavailableError, match="QT_STORAGE"):
+        missing.check()
+    store = s3_server.store(s3_server.bucket(), tmp_path / "c2", max_attempts=2)
+    store.check()
+    s3_server.stop()
+    with pytest.raises(StorageUnavailableError, match="retry"):
+        write_set(store, KEY, seq=1)
+    with pytest.raises(StorageUnavailableError):
+        store.read_meta_text(KEY)
+    assert not list((tmp_path / "c2" / ".staging").iterdir())  # the staged copy is gone
+
+
+@pytest.mark.parametrize(
+    ("storage", "kind"),
+    [(None, LocalStore), ("s3://bucket/some/prefix", S3Store)],
+)
+def test_qt_storage_names_a_directory_or_a_bucket(
+    storage: str | None, kind: Callable[..., CheckpointStore], tmp_path: Path
+) -> None:
+    settings = Settings(data_dir=tmp_path, storage=storage, s3_endpoint_url="http://127.0.0.1:9")
+    store = open_store(settings)
+    assert isinstance(store, kind)
+    if isinstance(store, S3Store):
+        assert store.location("r/weights/a") == "s3://bucket/some/prefix/r/weights/a"
+    else:
+        assert settings.storage_dir == tmp_path / "checkpoints"
+    with pytest.raises(ValueError, match="QT_STORAGE"):
+        Settings(storage="s3:/bucket")
+
+
+def test_download_urls_name_the_address_clients_reach(s3_server: S3Server, tmp_path: Path) -> None:
+    """Workers reach the store at one address, clients at another (compose: minio:9000 inside,
+    localhost:9000 outside): URLs are signed for the public one."""
+    store = S3Store(
+        "s3://bucket/ckpt",
+        tmp_path,
+        endpoint_url=s3_server.url,
+        public_endpoint_url="http://storage.example:9000",
+    )
+    url = store.download_url(KEY, "adapter_model.safetensors", 60)
+    assert url is not None and url.startswith("http://storage.example:9000/bucket/ckpt/run-1/")
