@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.harness import cli
-from bench.harness.machine import engine_machine
+from bench.harness.machine import commit, engine_machine
 from bench.harness.models import Shape, build_model
 from bench.harness.report import measured_on, publish
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
@@ -147,11 +147,12 @@ def render(results: dict[str, Run], sizes: Sizes, info: dict[str, str]) -> str:
     lines = [
         SECTION,
         "",
-        measured_on(info) + f"transformers {info['transformers']}, {info['date']}, fp32; "
+        measured_on(info) + f"transformers {info['transformers']}, {info['date']}, commit "
+        f"{commit()}, fp32; "
         f"`{COMMAND}`. A Llama decoder of random weights ({SHAPE.layers} layers, hidden "
         f"{SHAPE.hidden}, vocabulary {SHAPE.vocab:,}) through the worker's decode loop; "
-        f"medians of {ROUNDS} rounds, the cases alternating. Other jobs shared the machine: "
-        "compare figures from the same run only.",
+        f"medians of {ROUNDS} rounds, the cases alternating; compare figures from the same "
+        "run only.",
         "",
         f"Shared prefixes: {sizes.requests} requests of a {sizes.context:,}-token shared "
         f"context and a {sizes.question}-token question each, {sizes.new_tokens} greedy new "
