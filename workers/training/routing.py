@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,19 +39,29 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
+@dataclass
+class Routing:
+    """What a pass's routers chose: per call, (tokens, top_k) expert ids, in layer order; and
+    how many experts they pick from (0: not a mixture-of-experts model)."""
+
+    chosen: list[torch.Tensor] = field(default_factory=list)
+    experts: int = 0
+
+
 @contextmanager
-def recorded_routing(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
-    """While open, each router's chosen experts, (tokens, top_k) per call, in layer order."""
-    chosen: list[torch.Tensor] = []
+def recorded_routing(model: torch.nn.Module) -> Iterator[Routing]:
+    """While open, each router's chosen experts (one walk of the model finds the routers)."""
+    found = routers(model)
+    routing = Routing(experts=int(getattr(found[0], "num_experts", 0)) if found else 0)
 
     def record(_: torch.nn.Module, __: object, output: object) -> None:
         indices = output[-1] if isinstance(output, tuple) else None
         if isinstance(indices, torch.Tensor) and not indices.is_floating_point():
-            chosen.append(indices.detach())
+            routing.chosen.append(indices.detach())
 
-    handles = [router.register_forward_hook(record) for router in routers(model)]
+    handles = [router.register_forward_hook(record) for router in found]
     try:
-        yield chosen
+        yield routing
     finally:
         for handle in handles:
             handle.remove()
@@ -85,13 +96,6 @@ def routing_metrics(
         "e_max_violation:max": max(max_violation),
         "e_min_violation:mean": _mean(min_violation),
     }
-
-
-def expert_count(model: torch.nn.Module) -> int:
-    """The experts a router picks from (0: not a mixture-of-experts model)."""
-    found = routers(model)
-    experts = getattr(found[0], "num_experts", 0) if found else 0
-    return int(experts)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -30,7 +30,7 @@ from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.losses import batch_loss
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.packing import RowBatch, row_batch
-from queue_tinker.workers.training.routing import expert_count, recorded_routing, routing_metrics
+from queue_tinker.workers.training.routing import Routing, recorded_routing, routing_metrics
 
 
 @dataclass(frozen=True)
@@ -87,23 +87,22 @@ def shared_pass(
             [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)],
         ),
     ):
-        with torch.set_grad_enabled(bool(trainable)), recorded_routing(pool.model) as chosen:
+        with torch.set_grad_enabled(bool(trainable)), recorded_routing(pool.model) as routing:
             logprobs = target_logprobs(pool.model, data, rows, plan, images)
         outcomes = _losses_and_backward(ops, logprobs, device)
-    _add_routing_metrics(ops, outcomes, chosen, rows, expert_count(pool.model))
+    _add_routing_metrics(ops, outcomes, routing, rows)
     return outcomes
 
 
 def _add_routing_metrics(
     ops: Sequence[PassOp],
     outcomes: Sequence[ForwardBackwardOutput | Exception],
-    chosen: Sequence[torch.Tensor],
+    routing: Routing,
     rows: RowBatch,
-    experts: int,
 ) -> None:
     """On a mixture-of-experts model, each op's routing metrics (routing.py), from its own
     datums' tokens."""
-    if not chosen:
+    if not routing.chosen:
         return
     batch_rows, width = rows.ids.shape
     start = 0
@@ -115,7 +114,9 @@ def _add_routing_metrics(
                 (row, first, d.model_input.length)
                 for (row, first), d in zip(places, op.data, strict=True)
             ]
-            outcome.metrics.update(routing_metrics(chosen, batch_rows, width, spans, experts))
+            outcome.metrics.update(
+                routing_metrics(routing.chosen, batch_rows, width, spans, routing.experts)
+            )
 
 
 def _losses_and_backward(
