@@ -66,7 +66,7 @@ from queue_tinker.workers.sampling.prefill_groups import (
 )
 from queue_tinker.workers.sampling.prefix_cache import (
     PrefixCache,
-    PromptKey,
+    charge_prefilled,
     prompt_key,
 )
 from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
@@ -425,12 +425,7 @@ class DecodeLoop:
             [adapter for _, adapter in unique],
             last_only=not any(wanted),
         )
-        self.prefilled_tokens += sum(len(prompt) for prompt, _ in unique)
-        counted: set[PromptKey] = set()  # each prefilled row counts for its first request
-        for request, _ in taken:
-            if prompt_key(request) not in counted:
-                counted.add(prompt_key(request))
-                request.prefilled += len(request.spec.prompt)
+        self.prefilled_tokens += charge_prefilled(taken, {key: len(key[0]) for key in unique})
         self.prompts.keep(list(unique), cache, logits[:, -1])
         record_prompt_scores(taken, source, wanted, logits)
         requests, samples, rows = per_sample(taken, source)

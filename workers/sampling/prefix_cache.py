@@ -23,7 +23,7 @@ own bookkeeping, and such prompts are prefilled as usual).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,20 @@ BLOCK = 16
 
 def prompt_key(request: LiveRequest) -> PromptKey:
     return tuple(request.spec.prompt), request.adapter
+
+
+def charge_prefilled(
+    taken: Iterable[tuple[LiveRequest, range]], tokens: Mapping[PromptKey, int]
+) -> int:
+    """Each prompt's prefilled tokens (`tokens`) counted once, for the first taken request on
+    it (the others shared its prefill); their total."""
+    charged: set[PromptKey] = set()
+    for request, _ in taken:
+        key = prompt_key(request)
+        if key in tokens and key not in charged:
+            charged.add(key)
+            request.prefilled += tokens[key]
+    return sum(tokens.values())
 
 
 @dataclass(frozen=True)

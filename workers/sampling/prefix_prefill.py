@@ -27,6 +27,7 @@ from queue_tinker.workers.sampling.prefix_cache import (
     PrefixHit,
     PromptKey,
     SharedPrompt,
+    charge_prefilled,
     prompt_key,
 )
 from queue_tinker.workers.sampling.prompt_scores import wants_prompt_scores
@@ -99,13 +100,8 @@ def extend(
     extended = {key: prefill_on(forward, model, key, hit, device) for key, hit in hits.items()}
     for key, entry in extended.items():
         cache.add(key, entry)
-    counted: set[PromptKey] = set()  # each extension counts for its first request
-    for request, _ in taken:
-        key = prompt_key(request)
-        if key in hits and key not in counted:
-            counted.add(key)
-            request.prefilled += len(request.spec.prompt) - hits[key].tokens
-    return extended, sum(len(key[0]) - hit.tokens for key, hit in hits.items())
+    prefilled = {key: len(key[0]) - hit.tokens for key, hit in hits.items()}
+    return extended, charge_prefilled(taken, prefilled)
 
 
 def next_chunk(
