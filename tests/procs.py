@@ -27,6 +27,7 @@ from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory
 
 REPO = Path(__file__).resolve().parent.parent
+TASK_DUMP = Path(__file__).resolve().parent / "task_dump"
 
 # For modules that drive the official tinker SDK: its clients close their HTTP connections from
 # a background loop after a test has moved on, and the sockets they leave to the collector are
@@ -61,11 +62,13 @@ def run_script(
     args: list[str], env: dict[str, str], timeout: float, logs: Sequence[Path] = ()
 ) -> subprocess.CompletedProcess[str]:
     """Run a Python script to its end. One still running after `timeout` (kept under the
-    test's own limit) is sent SIGABRT, so faulthandler prints where each of its threads
-    waits, and the test fails with that, its output so far and the tails of `logs`."""
+    test's own limit) is sent SIGUSR1, so tests/task_dump prints its asyncio tasks, then
+    SIGABRT, so faulthandler prints where each of its threads waits, and the test fails with
+    that, its output so far and the tails of `logs`."""
+    python_path = os.pathsep.join(p for p in (str(TASK_DUMP), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
         [sys.executable, *args],
-        env={**env, "PYTHONFAULTHANDLER": "1"},
+        env={**env, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": python_path},
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -74,6 +77,8 @@ def run_script(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
         proc.send_signal(signal.SIGABRT)
         out, err = proc.communicate()
         tails = "".join(
