@@ -17,7 +17,7 @@ from redis.exceptions import ResponseError
 from queue_tinker.errors import LeaseLostError
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.scripts import Scripts
+from queue_tinker.queue.scripts import ScriptCall, Scripts, run_pipelined
 from queue_tinker.types import JobStatus, OpKind
 from queue_tinker.types.ops import Op as Op  # re-exported: the worker takes Op from here
 
@@ -50,9 +50,10 @@ class Start:
         return self.retry_ms > 0
 
 
-def _start(reply: list[int | bytes]) -> Start:
+def _start(reply: object) -> Start:
     """start.lua's reply: {1} run, {0} already finished, {2, retry_ms} over a limit,
     {3, reason} stopped before this owner ran it."""
+    assert isinstance(reply, list), reply
     code = int(reply[0])
     if code == 2:
         return Start(run=False, retry_ms=max(1, int(reply[1])))
@@ -310,11 +311,8 @@ class Dispatcher:
         """start() for several ops in one round trip (None where the lease on its model was
         lost). Once a tenant is refused, its later ops in the batch are refused too: the
         scripts run in order and nothing frees in between."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lease, op in batch:
-                keys, args = self._start_call(lease, op)
-                await self.scripts.start(keys=keys, args=args, client=pipe)
-            replies = await pipe.execute(raise_on_error=False)
+        calls: list[ScriptCall] = [self._start_call(lease, op) for lease, op in batch]
+        replies = await run_pipelined(self.redis, self.scripts.start, calls)
         return [None if _is_lease_lost(reply) else _start(_raise_other(reply)) for reply in replies]
 
     async def publish_batch(
@@ -325,11 +323,11 @@ class Dispatcher:
 
         Returns, per op, False where the lease was lost (the caller drops that model).
         """
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lease, op, outcome, trim_upto in batch:
-                keys, args = self._publish_call(lease, op, outcome, trim_upto, started=started)
-                await self.scripts.publish(keys=keys, args=args, client=pipe)
-            replies = await pipe.execute(raise_on_error=False)
+        calls: list[ScriptCall] = [
+            self._publish_call(lease, op, outcome, trim_upto, started=started)
+            for lease, op, outcome, trim_upto in batch
+        ]
+        replies = await run_pipelined(self.redis, self.scripts.publish, calls)
         return [not _is_lease_lost(_raise_other(reply)) for reply in replies]
 
     def _start_call(self, lease: Lease, op: Op) -> tuple[list[str], list[str | int]]:
