@@ -88,6 +88,13 @@ class Settings(BaseSettings):
         "(written there, then uploaded; downloaded there, then reused while current). "
         "Default: data_dir/storage-cache.",
     )
+    storage_cache_bytes: int = Field(
+        default=20 * 2**30,
+        gt=0,
+        description="With s3:// storage: the most bytes the storage cache holds; past it the "
+        "least recently used copies are evicted (read again from the store when next needed), "
+        "sparing copies used in the last 10 minutes.",
+    )
     s3_endpoint_url: str | None = Field(
         default=None,
         description="With s3:// storage: the S3 API's URL for a store other than AWS "

@@ -24,5 +24,6 @@ def open_store(settings: Settings, location: str | None = None) -> CheckpointSto
             region=settings.s3_region,
             multipart_threshold=settings.s3_multipart_threshold_bytes,
             max_attempts=settings.s3_max_attempts,
+            cache_bytes=settings.storage_cache_bytes,
         )
     return LocalStore(Path(location))

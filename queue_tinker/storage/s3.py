@@ -8,7 +8,8 @@ the meta's generation (a file of a newer commit going on sends it back to the me
 one whole set, never a mix, even while a set (a snapshot) is being replaced.
 
 Reads land in a local cache directory (one copy per key, reused while its generation is the
-stored one); writes are staged in it and kept as the cached copy once uploaded.
+stored one); writes are staged in it and kept as the cached copy once uploaded. The cache is
+held under a byte budget (storage/cache.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
+from queue_tinker.storage import cache
 from queue_tinker.storage.base import CheckpointStore, Removal, StillDue, check_key
+from queue_tinker.storage.cache import GENERATION_MARKER
 from queue_tinker.storage.local import replace_dir
 from queue_tinker.types.checkpoints import META_FILE
 
@@ -32,7 +35,6 @@ log = logging.getLogger(__name__)
 
 GENERATION = "qt-generation"  # object metadata: the commit a file belongs to
 FILES = "qt-files"  # the meta's metadata: the set's other files, comma-separated
-CACHED_GENERATION = ".qt-generation"  # in a cached copy: the generation it holds
 READ_TRIES = 3  # a set replaced while read is read again, this many times at most
 NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 
@@ -58,6 +60,8 @@ class S3Store(CheckpointStore):
         region: str | None = None,
         multipart_threshold: int = 64 * 2**20,
         max_attempts: int = 4,
+        cache_bytes: int = 20 * 2**30,
+        cache_keep_recent_s: float = 600.0,
     ) -> None:
         try:
             import boto3
@@ -71,6 +75,8 @@ class S3Store(CheckpointStore):
         self.bucket, self.prefix = parse_s3_url(url)
         self.root = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
         self.cache_dir = cache_dir
+        self.cache_bytes = cache_bytes
+        self.cache_keep_recent_s = cache_keep_recent_s
         # Bounded retries inside botocore absorb a blip; past them an op fails, retryably.
         config = Config(
             retries={"max_attempts": max_attempts, "mode": "standard"},
@@ -213,11 +219,12 @@ class S3Store(CheckpointStore):
                 # Committed all the same: readers take only the files its meta names.
                 log.warning("%s: stale files %s left (%s)", key, stale, err)
         # What was uploaded is the cached copy: the next read of this set downloads nothing.
-        (staged / CACHED_GENERATION).write_text(generation)
+        (staged / GENERATION_MARKER).write_text(generation)
         with self._cache_lock:
             cached = self.cache_dir / key
             cached.parent.mkdir(parents=True, exist_ok=True)
             replace_dir(staged, cached)
+            self._trim_cache()
 
     def _put_meta(self, key: str, body: bytes, generation: str, names: list[str]) -> None:
         self.client.put_object(
@@ -264,9 +271,11 @@ class S3Store(CheckpointStore):
             generation = metadata.get(GENERATION, "")
             names = [n for n in metadata.get(FILES, "").split(",") if n]
             with self._cache_lock:
-                cached = self._cached(key, generation, meta_bytes) or self._download(
-                    key, generation, names, meta_bytes
-                )
+                cached = self._cached(key, generation, meta_bytes)
+                if cached is None:
+                    cached = self._download(key, generation, names, meta_bytes)
+                    if cached is not None:
+                        self._trim_cache()
             if cached is not None:
                 return cached
         raise StorageUnavailableError(
@@ -276,13 +285,22 @@ class S3Store(CheckpointStore):
     def _cached(self, key: str, generation: str, meta: bytes) -> Path | None:
         cached = self.cache_dir / key
         try:
-            held = (cached / CACHED_GENERATION).read_text()
+            held = (cached / GENERATION_MARKER).read_text()
         except (FileNotFoundError, NotADirectoryError):
             return None
         if not generation or held != generation:
             return None
         (cached / META_FILE).write_bytes(meta)  # a meta change (TTL, published) keeps the files
+        cache.touch(cached)
         return cached
+
+    def _trim_cache(self) -> None:
+        """After a copy was added (under the cache lock): hold the cache to its budget."""
+        evicted = cache.trim(self.cache_dir, self.cache_bytes, self.cache_keep_recent_s)
+        if evicted:
+            log.info(
+                "storage cache over %d bytes: evicted %d copies", self.cache_bytes, len(evicted)
+            )
 
     def _download(self, key: str, generation: str, names: list[str], meta: bytes) -> Path | None:
         """The set of `generation` into the cache; None if a file belongs to another commit
@@ -298,7 +316,7 @@ class S3Store(CheckpointStore):
                 with self._reaching(f"read {key}/{name}"), (tmp / name).open("wb") as out:
                     shutil.copyfileobj(response["Body"], out, 2**20)
             (tmp / META_FILE).write_bytes(meta)
-            (tmp / CACHED_GENERATION).write_text(generation)
+            (tmp / GENERATION_MARKER).write_text(generation)
             replace_dir(tmp, cached)
             return cached
         finally:

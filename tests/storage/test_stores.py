@@ -15,6 +15,7 @@ from object_store import S3Server
 from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
 from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore, Removal
+from queue_tinker.storage.cache import GENERATION_MARKER, cached_copies, trim
 from queue_tinker.storage.configured import open_store
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.storage.s3 import S3Store
@@ -188,3 +189,50 @@ def test_download_urls_name_the_address_clients_reach(s3_server: S3Server, tmp_p
     )
     url = store.download_url(KEY, "adapter_model.safetensors", 60)
     assert url is not None and url.startswith("http://storage.example:9000/bucket/ckpt/run-1/")
+
+
+def test_the_s3_cache_keeps_to_its_budget_by_evicting_the_least_recently_used(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """Each set is ~1 MiB and the cache holds 2.5: after four sets only the two used last
+    are cached, an evicted one is downloaded again whole, and a copy used within the keep
+    window is never evicted, whatever the budget."""
+    bucket = s3_server.bucket()
+    store = s3_server.store(bucket, tmp_path / "cache")
+    assert isinstance(store, S3Store)
+    store.cache_bytes, store.cache_keep_recent_s = int(2.5 * MiB), 0.0
+    weights = {f"run-1/weights/step-{i}": os.urandom(MiB) for i in range(4)}
+    for i, (key, data) in enumerate(weights.items()):
+        write_set(store, key, seq=i, weights=data)
+        store.fetch("run-1/weights/step-0")  # step-0 stays the most recently used but one
+    cached = {
+        c.path.relative_to(store.cache_dir).as_posix() for c in cached_copies(store.cache_dir)
+    }
+    assert cached == {"run-1/weights/step-0", "run-1/weights/step-3"}
+    assert sum(c.bytes for c in cached_copies(store.cache_dir)) <= store.cache_bytes
+    fetched = store.fetch("run-1/weights/step-1")  # evicted: read from the store again
+    assert fetched is not None
+    assert (fetched / "adapter_model.safetensors").read_bytes() == weights["run-1/weights/step-1"]
+
+    held = len(cached_copies(store.cache_dir))
+    store.cache_bytes, store.cache_keep_recent_s = 1, 600.0  # everything is in use
+    write_set(store, "run-1/weights/step-4", seq=4)
+    assert len(cached_copies(store.cache_dir)) == held + 1
+
+
+def test_trimming_spares_copies_in_use_and_skips_unfinished_ones(tmp_path: Path) -> None:
+    """cache.trim on a directory: oldest first, nothing used within the window, and the
+    dot-directories (staging, downloads under way) are never counted or removed."""
+    root = tmp_path / "cache"
+    for age, key in [(300, "a/old"), (200, "b/older-but-one"), (10, "c/recent")]:
+        copy = root / key
+        copy.mkdir(parents=True)
+        (copy / "weights").write_bytes(b"x" * 1000)
+        (copy / GENERATION_MARKER).write_text("g")
+        os.utime(copy / GENERATION_MARKER, (1_000_000 - age, 1_000_000 - age))
+    (root / ".staging" / "set-1").mkdir(parents=True)
+    (root / ".staging" / "set-1" / GENERATION_MARKER).write_text("g")
+    evicted = trim(root, budget_bytes=1500, keep_recent_s=60, now=1_000_000)
+    assert evicted == [root / "a/old", root / "b/older-but-one"]
+    assert (root / "c/recent").is_dir() and (root / ".staging" / "set-1").is_dir()
+    assert trim(root, budget_bytes=0, keep_recent_s=60, now=1_000_000) == []
