@@ -225,8 +225,8 @@ def check_fit(
     if device.type != "cuda":
         return None
     path = base_models.resolve_model_path(base_model, models_dir)
-    # A vision-language model: its language model's (the vision tower is left out).
-    config = base_models.load_config(path).get_text_config()
+    # A vision-language model's config: the planner counts its vision tower too.
+    config = base_models.load_config(path)
     _free, total = torch.cuda.mem_get_info(device)
     dtype_bytes = base_models.resolve_dtype(dtype, device.type).itemsize
     what = f"{base_model} on {device}"

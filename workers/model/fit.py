@@ -24,7 +24,8 @@ and unembedding along the vocabulary), norms and biases whole on every rank, and
 never below one a rank (fewer KV heads than ranks are copied). Every rank sees every token of a
 pass, so hidden-wide activations stay whole while MLP-wide ones split. A LoRA pair follows its
 layer: a column-parallel layer (q, k, v, gate, up, unembedding) splits B and keeps A whole, a
-row-parallel one (o, down) splits A and keeps B whole. A worker today runs on one rank.
+row-parallel one (o, down) splits A and keeps B whole. A vision-language model's tower is
+frozen and held whole on every rank; its activations (a few images' patches) are not planned.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 from queue_tinker.errors import WorkerFitError
 from queue_tinker.types.training import LoraConfig
@@ -53,6 +54,7 @@ from queue_tinker.workers.model.memory import (
     layers_to_checkpoint,
     pass_bytes_per_token,
 )
+from queue_tinker.workers.model.vision_language import VISION_TOWER, is_vl
 
 GIB = 1 << 30
 # A trained adapter's parameter: its fp32 weight, its gradient and AdamW's two moments.
@@ -144,24 +146,37 @@ class ModelShape:
     # (name, experts, out, in) of stacked expert weights, stored (experts, out, in) as
     # Qwen3-MoE's and Mixtral's are in transformers 5.
     experts: tuple[tuple[str, int, int, int], ...] = ()
+    whole: int = 0  # elements every rank holds whole, outside the language model (a vision tower)
 
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
-    """The model's tensors and linear layers, built without memory (70B: ~0.3 s)."""
+    """The model's tensors and linear layers, built without memory (70B: ~0.3 s). A
+    vision-language model's tower is frozen and held whole on every rank: its elements count
+    as `whole`, and what the rest describes is its language model."""
+    vision = is_vl(config)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    heads = int(config.num_attention_heads)
+        model = auto.from_config(copy.deepcopy(config))
+    text = config.get_text_config()
+    heads = int(text.num_attention_heads)
+
+    def in_tower(name: str) -> bool:
+        return vision and VISION_TOWER in name.split(".")
+
     return ModelShape(
-        parameters=tuple((name, tuple(p.shape)) for name, p in model.named_parameters()),
+        parameters=tuple(
+            (name, tuple(p.shape)) for name, p in model.named_parameters() if not in_tower(name)
+        ),
         linears=tuple(
             (name, module.in_features, module.out_features)
             for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear)
+            if isinstance(module, torch.nn.Linear) and not in_tower(name)
         ),
-        layers=int(config.num_hidden_layers),
-        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        context_length=int(config.max_position_embeddings),
+        layers=int(text.num_hidden_layers),
+        kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        context_length=int(text.max_position_embeddings),
         experts=tuple((name, *p.shape) for name, p in stacked_experts(model)),
+        whole=sum(p.numel() for name, p in model.named_parameters() if in_tower(name)),
     )
 
 
@@ -238,8 +253,10 @@ def plan_fit(
     settings: FitSettings,
     shape: ModelShape | None = None,
 ) -> FitPlan:
-    """The plan for `ranks` GPUs of `rank_bytes` each, with what would fit if it does not."""
-    planner = _Planner(config, shape or model_shape(config), dtype_bytes, rank_bytes)
+    """The plan for `ranks` GPUs of `rank_bytes` each, with what would fit if it does not
+    (a vision-language model's config plans its language model plus its vision tower)."""
+    shape = shape or model_shape(config)
+    planner = _Planner(config.get_text_config(), shape, dtype_bytes, rank_bytes)
     plan = planner.plan(ranks, demand_of(settings, planner.shape.context_length))
     if plan.fits:
         return plan
@@ -413,8 +430,9 @@ def _split(layer: str, size: int, ranks: int, kv_heads: int) -> int:
 
 
 def _weight_elements(shape: ModelShape, ranks: int) -> int:
-    """Every tensor's elements on one rank: matrices split, vectors (norms, biases) whole."""
-    total = 0
+    """Every tensor's elements on one rank: matrices split, vectors (norms, biases) whole,
+    and what lies outside the language model (a vision tower) whole."""
+    total = shape.whole
     for name, dims in shape.parameters:
         numel = math.prod(dims)
         layer = name.rsplit(".", 2)[-2]  # model.layers.0.self_attn.k_proj.weight: k_proj

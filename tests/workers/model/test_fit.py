@@ -303,3 +303,27 @@ def test_the_70b_fits_with_the_changes_the_docs_name(
         fit_table.MODELS[model](), 2, gpus, fit_table.GPU_BYTES, settings, fit_table.shape_of(model)
     )
     assert plan.fits and f"{plan.needed / GIB:.2f}" == needed_gib
+
+
+def test_a_vision_language_model_counts_its_tower_whole_and_adapts_its_language_model() -> None:
+    """The built-in tiny-vl's config (a worker on CUDA plans with it; it used to hand the
+    planner the text config alone, which no causal-LM class takes): the weights are every
+    parameter of the model built, the tower's held whole on each of two ranks; LoRA's targets
+    and the KV cache are its language model's, as Qwen2 (its text architecture) plans them."""
+    from transformers import Qwen2Config
+
+    from queue_tinker.workers.model.base_model import _model_of, builtin_config
+
+    config = builtin_config("queue-tinker/tiny-vl")
+    model = _model_of(config)
+    tower = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual."))
+    assert tower > 0
+    plan = plan_fit(config, 4, 1, 64 * MIB, TINY_SETTINGS)
+    assert plan.weights == 4 * sum(p.numel() for p in model.parameters())
+    fields = config.get_text_config().to_dict()
+    text = Qwen2Config(**{k: v for k, v in fields.items() if k != "model_type"})
+    as_text = plan_fit(text, 4, 1, 64 * MIB, TINY_SETTINGS)
+    assert plan.targets == as_text.targets and plan.kv_cache == as_text.kv_cache
+    assert plan.adapter_each == as_text.adapter_each
+    two = plan_fit(config, 4, 2, 64 * MIB, TINY_SETTINGS)
+    assert two.weights == 4 * tower + plan_fit(text, 4, 2, 64 * MIB, TINY_SETTINGS).weights
