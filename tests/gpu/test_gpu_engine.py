@@ -1,13 +1,17 @@
 """The training and sampling engine on CUDA, engine-level (no Redis, no Postgres): bf16 results
 within tolerance of the fp32 CPU reference, AdamW equal to torch's, sampling, checkpoints that
-move between devices, cross-adapter passes, out-of-memory recovery and memory budgets.
+move between devices, cross-adapter passes, out-of-memory recovery and memory budgets; the
+mixture-of-experts and vision-language built-ins on CUDA.
 
 Skipped, with the reason, where torch sees no CUDA device. On a GPU machine:
     python -m pytest -c tests/gpu/pytest.ini tests/gpu
+A dry run of what needs no CUDA call of its own, on the CPU, before a GPU is lent:
+    GPU_TESTS_DEVICE=cpu python -m pytest -c tests/gpu/pytest.ini tests/gpu -k built_in
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -22,20 +26,23 @@ from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.types.sampling import SamplingParams
-from queue_tinker.types.tensors import Datum, ModelInput
+from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, ModelInput
 from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoraConfig
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.interface import OpResult
 
+# The device under test: CUDA, or the CPU for a dry run of the tests (not of their figures).
+DEVICE = os.environ.get("GPU_TESTS_DEVICE", "cuda")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available(),
+        DEVICE == "cuda" and not torch.cuda.is_available(),
         reason="needs a CUDA device (torch.cuda.is_available() is False)",
     ),
 ]
 
 BASE = "queue-tinker/llama-100m"
+MOE, VL = "queue-tinker/tiny-moe", "queue-tinker/tiny-vl"
 ADAM = AdamParams(learning_rate=1e-3)
 LOSS_RTOL = 2e-2  # bf16: 8 significant bits, through 12 layers and a sum over tokens
 GRAD_RTOL = 0.1
@@ -55,14 +62,16 @@ def data(rows: int, tokens: int, seed: int) -> list[Datum]:
 class Run:
     """One model on one engine, driven op by op as its queue would."""
 
-    def __init__(self, engine: LoraExecutor, model_id: str, seed: int = 1) -> None:
+    def __init__(
+        self, engine: LoraExecutor, model_id: str, seed: int = 1, base: str = BASE
+    ) -> None:
         self.engine, self.model_id, self.seq = engine, model_id, 0
         self.op(
             OpKind.CREATE_MODEL,
             {
-                "lora_config": LoraConfig(rank=32, seed=seed).model_dump(),
+                "lora_config": LoraConfig(rank=32 if base == BASE else 8, seed=seed).model_dump(),
                 "tenant_id": "t",
-                "base_model": BASE,
+                "base_model": base,
             },
         )
 
@@ -110,7 +119,7 @@ def scratch() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def cuda(scratch: Path) -> LoraExecutor:
-    return LoraExecutor(BASE, "cuda", scratch / "storage", scratch / "models")
+    return LoraExecutor(BASE, DEVICE, scratch / "storage", scratch / "models")
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +270,7 @@ def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     fit the budget)."""
     from queue_tinker.workers.model.memory import pass_bytes_per_token
 
-    engine = LoraExecutor(BASE, "cuda", scratch / "storage-budget", scratch / "models")
+    engine = LoraExecutor(BASE, DEVICE, scratch / "storage-budget", scratch / "models")
     rounds = engine.training.rounds
     assert rounds.guard.train_batch_tokens > 0
     plan = rounds.plan
@@ -277,3 +286,102 @@ def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     estimate = 16 * 1024 * pass_bytes_per_token(layers, planned, plan.layer_bytes)
     assert estimate <= plan.activation_budget
     assert used <= 1.5 * estimate + (256 << 20), (used, estimate, planned)  # + a logits chunk
+
+
+# --- the mixture-of-experts and vision-language built-ins --------------------------------------
+def image_prompt() -> ModelInput:
+    """Text, a 32x24 PNG (12 image tokens on tiny-vl), text."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    pixels = np.zeros((24, 32, 3), dtype=np.uint8)
+    pixels[:, :16] = (200, 30, 30)
+    out = BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return ModelInput(
+        chunks=[
+            EncodedTextChunk(tokens=list(b"look: ")),
+            ImageChunk(data=out.getvalue(), format="png", expected_tokens=12),
+            EncodedTextChunk(tokens=list(b"it is")),
+        ]
+    )
+
+
+def built_in_data(base: str, seed: int) -> list[Datum]:
+    """Two text rows, and on tiny-vl a third whose prompt holds an image."""
+    batch = data(2, 48, seed)
+    if base == VL:
+        prompt = image_prompt()
+        targets = np.zeros(prompt.length, dtype=np.int64)
+        targets[-5:] = list(b" red.")
+        batch.append(Datum(model_input=prompt, loss_fn_inputs={"target_tokens": targets}))
+    return batch
+
+
+@pytest.fixture(scope="module", params=[MOE, VL])
+def built_in(
+    request: pytest.FixtureRequest, scratch: Path
+) -> tuple[str, LoraExecutor, LoraExecutor]:
+    """(base model, fp32 engine on the device, fp32 engine on the CPU) on one storage."""
+    base: str = request.param
+    name = base.rsplit("/", 1)[-1]
+    engines = (
+        LoraExecutor(base, device, scratch / f"{name}-storage", scratch / "models", dtype="fp32")
+        for device in (DEVICE, "cpu")
+    )
+    return (base, *engines)  # type: ignore[return-value]
+
+
+def test_a_built_in_trains_and_reloads_on_the_device_as_on_the_cpu(
+    built_in: tuple[str, LoraExecutor, LoraExecutor],
+) -> None:
+    """fp32 on both sides: after the same step from the same seed, the loss, every LoRA
+    gradient (the experts' on tiny-moe, the text after an image on tiny-vl) and the weights
+    agree within 1e-4; the device's checkpoint loads on the CPU bit for bit."""
+    base, device, cpu = built_in
+    on_device, on_cpu = Run(device, "same", base=base), Run(cpu, "same", base=base)
+    losses = []
+    for run in (on_device, on_cpu):
+        run.forward_backward(built_in_data(base, 40))
+        run.op(OpKind.OPTIM_STEP, ADAM.model_dump())
+        losses.append(run.forward_backward(built_in_data(base, 41)))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    expected, got = on_cpu.grads(), on_device.grads()
+    assert any("experts" in key for key in expected) == (base == MOE)
+    for key in expected:
+        error = float((got[key] - expected[key]).norm())
+        assert error <= 1e-4 * float(expected[key].norm()) + 1e-7, key
+    path = on_device.op(OpKind.SAVE_STATE, {"name": "moves", "ttl_seconds": None})["path"]
+    host = Run(cpu, "moved", base=base)
+    host.op(OpKind.LOAD_STATE, {"path": path, "optimizer": True})
+    for key, param in on_device.adapter.params.items():
+        assert torch.equal(host.adapter.params[key], param.detach().cpu()), key
+
+
+def test_a_built_in_samples_seeded_on_the_device(
+    built_in: tuple[str, LoraExecutor, LoraExecutor],
+) -> None:
+    """A sample of the trained adapter (from an image prompt on tiny-vl): the same seed gives
+    the same tokens, logprobs are finite, tokens are in the vocabulary."""
+    base, device, _cpu = built_in
+    run = Run(device, "sampled", base=base)
+    run.forward_backward(built_in_data(base, 42))
+    run.op(OpKind.OPTIM_STEP, ADAM.model_dump())
+    path = run.op(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "w", "ttl_seconds": None})["path"]
+    session = Run.__new__(Run)
+    session.engine, session.model_id, session.seq = device, "sampled-session", 0
+    session.op(
+        OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "t", "base_model": base, "model_path": path}
+    )
+    prompt = image_prompt() if base == VL else ModelInput.from_ints(list(b"Q: 2+2?\nA:"))
+    body = {
+        "prompt": prompt.model_dump(),
+        "num_samples": 2,
+        "sampling_params": SamplingParams(max_tokens=16, temperature=1.0, seed=3).model_dump(),
+    }
+    first, second = (session.op(OpKind.SAMPLE, body) for _ in range(2))
+    assert first["sequences"] == second["sequences"]
+    for sequence in first["sequences"]:
+        assert len(sequence["tokens"]) > 0 and all(np.isfinite(sequence["logprobs"]))
+        assert all(0 <= t < device.limits.vocab_size for t in sequence["tokens"])
