@@ -11,6 +11,7 @@ Redis or SQL.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,8 +38,10 @@ from queue_tinker.workers.model.fit import (
     require_fit,
 )
 from queue_tinker.workers.model.memory import Budgets, device_budgets, layer_bytes
+from queue_tinker.workers.model.sharded_adapters import ShardedAdapterPool
+from queue_tinker.workers.model.tensor_parallel import Shards, check_shardable, shard_decoder
 from queue_tinker.workers.model.vision_language import ImageSupport, Vision, is_vl
-from queue_tinker.workers.sampling.sessions import SamplingSessions
+from queue_tinker.workers.sampling.sessions import QuantumOver, SamplingSessions
 from queue_tinker.workers.training import engine as training_engine
 from queue_tinker.workers.training.engine import TrainingEngine
 from queue_tinker.workers.training.model_pass import PassPlan
@@ -93,6 +96,8 @@ class LoraExecutor:
         train_batch_tokens: int | None = None,
         dtype: str = "auto",
         plan: PassPlan | None = None,
+        shards: Shards | None = None,
+        quantum_over: QuantumOver | None = None,
     ) -> None:
         self.base_model = base_model
         # A directory: local storage there (the tests' and the embedded default's way).
@@ -111,11 +116,17 @@ class LoraExecutor:
             max_tokens_per_datum=self.request_limits.tokens_per_datum,
             activation_checkpointing=plan.activation_checkpointing,
         )
+        if shards is not None:  # before any weight is loaded: a model the group cannot split
+            path = base_models.resolve_model_path(base_model, models_dir)
+            check_shardable(base_models.load_config(path), shards.world)
         fitted = check_fit(
             base_model, self.device, models_dir, dtype, fit, sized=max_resident is None
         )
         resident = (fitted.demand.settings if fitted else fit).max_resident_adapters
         base = base_models.load_frozen_base(base_model, device, models_dir, dtype)
+        whole_config = copy.deepcopy(base.config)
+        if shards is not None:  # a rank of a worker group: its share of each decoder layer
+            shard_decoder(base, shards)
         images = ImageSupport(base_model)
         if is_vl(base.config):
             path = base_models.resolve_model_path(base_model, models_dir)
@@ -125,7 +136,11 @@ class LoraExecutor:
         self.limits = limits = ModelLimits(
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
         )
-        self.pool = AdapterPool(base, base_model, resident)
+        self.pool = (
+            AdapterPool(base, base_model, resident)
+            if shards is None
+            else ShardedAdapterPool(base, base_model, resident, shards, whole_config)
+        )
         # Unset budgets: the CPU defaults, or what the device's free memory holds now.
         # A vision-language model's sizes are its language model's (its text config).
         budgets = device_budgets(
@@ -170,6 +185,7 @@ class LoraExecutor:
             max_cache_tokens=sample_cache_tokens
             or (budgets.sample_cache_tokens if budgets else None),
             images=images,
+            quantum_over=quantum_over,
         )
         self.durability = ModelDurability(residency, self.sampling)
 
