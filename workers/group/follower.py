@@ -1,0 +1,25 @@
+"""Ranks 1..N-1 of a worker group: run each engine call rank 0 sends, in order, and drop the
+results (rank 0 alone publishes). Until rank 0 says stop, or a rank dies and the launcher ends
+the group."""
+
+from __future__ import annotations
+
+import logging
+
+from queue_tinker.workers.group.channel import STOP, Channel
+from queue_tinker.workers.interface import Engine
+
+log = logging.getLogger(__name__)
+
+
+def follow(engine: Engine, channel: Channel) -> None:
+    while True:
+        call = channel.call()
+        if call == STOP:
+            return
+        part = getattr(engine, call.part)
+        try:
+            getattr(part, call.method)(*call.args)
+        except Exception:
+            # Rank 0 runs the same call on the same state and fails the same way: it reports it.
+            log.debug("rank %d: %s.%s failed as on rank 0", channel.rank, call.part, call.method)
