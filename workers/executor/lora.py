@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -120,7 +120,13 @@ class LoraExecutor:
             path = base_models.resolve_model_path(base_model, models_dir)
             check_shardable(base_models.load_config(path), shards.world)
         fitted = check_fit(
-            base_model, self.device, models_dir, dtype, fit, sized=max_resident is None
+            base_model,
+            self.device,
+            models_dir,
+            dtype,
+            fit,
+            sized=max_resident is None,
+            ranks=shards.world if shards is not None else 1,
         )
         resident = (fitted.demand.settings if fitted else fit).max_resident_adapters
         base = base_models.load_frozen_base(base_model, device, models_dir, dtype)
@@ -149,6 +155,9 @@ class LoraExecutor:
             base.dtype,
             checkpointing=plan.activation_checkpointing != "off",
         )
+        if budgets is not None and shards is not None:
+            # Every rank must split passes and admit samples alike: the smallest GPU's budgets.
+            budgets = Budgets(*shards.least(astuple(budgets)))
         if budgets is not None:
             log.info("device budgets from free memory: %s", budgets)
             # auto checkpointing becomes a plan: the fewest layers that fit each pass.
@@ -231,13 +240,15 @@ def check_fit(
     settings: FitSettings,
     *,
     sized: bool = False,
+    ranks: int = 1,
 ) -> FitPlan | None:
     """Before any weight is loaded: the fit plan for the CUDA device's total memory, or
     WorkerFitError naming its numbers when the base model, the resident adapters and the
     budgets do not fit it. `sized`: the resident adapters were not set, so the plan keeps as
     many as fit (at most settings' count) and refuses only when not even one does. None on
     the CPU, where no check is made: there is no device memory to plan, and the budgets
-    there are the settings' defaults."""
+    there are the settings' defaults. `ranks`: a worker group's, each holding its share on
+    a device like this one."""
     if device.type != "cuda":
         return None
     path = base_models.resolve_model_path(base_model, models_dir)
@@ -245,11 +256,11 @@ def check_fit(
     config = base_models.load_config(path).get_text_config()
     _free, total = torch.cuda.mem_get_info(device)
     dtype_bytes = base_models.resolve_dtype(dtype, device.type).itemsize
-    what = f"{base_model} on {device}"
+    what = f"{base_model} on {device}" if ranks == 1 else f"{base_model} on {ranks} x {device}"
     if sized:
-        plan = fit_resident_adapters(config, dtype_bytes, total, settings, what)
+        plan = fit_resident_adapters(config, dtype_bytes, total, settings, what, ranks)
     else:
-        plan = require_fit(config, dtype_bytes, total, settings, what)
+        plan = require_fit(config, dtype_bytes, total, settings, what, ranks)
     log.info("%s: %s", what, plan.explanation())
     return plan
 

@@ -22,6 +22,7 @@ equal one process's to 1e-5.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,14 @@ class Shards:
         """This rank's contiguous part of a dimension of `size` (divisible by world)."""
         part = size // self.world
         return slice(self.rank * part, (self.rank + 1) * part)
+
+    def least(self, values: Sequence[int]) -> list[int]:
+        """Each value's smallest over the ranks (through host memory)."""
+        if self.world == 1:
+            return list(values)
+        tensor = torch.tensor(list(values), dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.host_group or self.group)
+        return [int(v) for v in tensor.tolist()]
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, into `tensor` (a no-op in a group of one)."""
