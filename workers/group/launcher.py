@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -18,6 +19,8 @@ import sys
 from types import FrameType
 
 log = logging.getLogger("queue_tinker.worker.group")
+# How long the other ranks get to end after rank 0 has stopped and told them to.
+STOP_GRACE_S = 30.0
 
 
 def free_port() -> int:
@@ -37,6 +40,7 @@ def rank_command(rank: int, ranks: int, port: int, base_model: str, device: str)
         f"--port={port}",
         f"--base-model={base_model}",
         f"--device={device}",
+        f"--launcher={os.getpid()}",
     ]
 
 
@@ -63,26 +67,62 @@ def run_group(*, ranks: int, base_model: str, device: str) -> int:
     return watch(procs)
 
 
-def watch(procs: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for the ranks; the first that ends while others run with an error (or rank 0,
-    whatever its code: nobody leads the others any more) ends the group."""
-    by_pid = {p.pid: p for p in procs}
-    failed: int | None = None
-    while any(p.returncode is None for p in procs):
-        pid, status = os.wait()  # blocks until a child ends (signals interrupt and resume it)
-        proc = by_pid.get(pid)
-        if proc is None:
-            continue
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        rank = procs.index(proc)
-        running = [p for p in procs if p.returncode is None]
-        if running and failed is None and (proc.returncode != 0 or rank == 0):
-            failed = proc.returncode or 1
-            log.error(
-                "rank %d (pid %d) ended with %s: ending the group", rank, pid, proc.returncode
-            )
-            for other in running:
-                other.kill()
-    if failed is not None:
-        return failed
-    return procs[0].returncode or 0
+def watch(procs: list[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> int:
+    """Wait for the ranks (rank 0 first in `procs`); the group's exit code. Rank 0 ending
+    with 0 has told the others to stop: they get `grace_s` to end by themselves. Any other
+    end of a rank while others run (a failure, or rank 0 gone: nobody leads them) ends the
+    group at once."""
+    # A pidfd a rank: select wakes when one ends, and only our ranks are reaped.
+    ends = {os.pidfd_open(p.pid): p for p in procs}
+    try:
+        while True:
+            waiting = [fd for fd, p in ends.items() if p.returncode is None]
+            ready, _, _ = select.select(waiting, [], [])  # resumed after a signal's handler
+            for fd in ready:
+                proc = ends[fd]
+                proc.wait()
+                code = _ended(procs, proc, grace_s)
+                if code is not None:
+                    return code
+    finally:
+        for fd in ends:
+            os.close(fd)
+
+
+def _ended(
+    procs: list[subprocess.Popen[bytes]], proc: subprocess.Popen[bytes], grace_s: float
+) -> int | None:
+    """The group's exit code if `proc`'s end ends the group; None while it goes on."""
+    running = [p for p in procs if p.returncode is None]
+    rank = procs.index(proc)
+    if not running:
+        return _exit_code(next((p.returncode for p in procs if p.returncode), 0))
+    if rank == 0 and proc.returncode == 0:
+        return _stopped(running, grace_s)
+    if proc.returncode != 0 or rank == 0:
+        log.error(
+            "rank %d (pid %d) ended with %s: ending the group", rank, proc.pid, proc.returncode
+        )
+        for other in running:
+            other.kill()
+            other.wait()
+        return _exit_code(proc.returncode)
+    return None  # a follower that rank 0 told to stop
+
+
+def _stopped(running: list[subprocess.Popen[bytes]], grace_s: float) -> int:
+    code = 0
+    for proc in running:
+        try:
+            code = code or _exit_code(proc.wait(timeout=grace_s))
+        except subprocess.TimeoutExpired:
+            log.error("rank pid %d did not stop after rank 0 did: killed", proc.pid)
+            proc.kill()
+            proc.wait()
+            code = 1
+    return code
+
+
+def _exit_code(returncode: int) -> int:
+    """A process's return code as an exit status: killed by signal N is 128 + N, as shells say."""
+    return 128 - returncode if returncode < 0 else returncode

@@ -2,7 +2,8 @@
 what only reads (rules, durability's seqs, the footprint) is answered by rank 0 alone.
 
 Every call that changes an engine's state runs on the worker's one compute thread
-(runtime/compute.py), so calls reach the channel one at a time and in the order they run.
+(runtime/compute.py), so calls reach the channel one at a time and in the order they run; the
+inline ops the runtime runs on its event loop (pings) change no state and are not sent.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class LeaderEngine:
 
     # --- OpCompute, BatchCompute --------------------------------------------------------------
     def execute(self, op: Op) -> OpResult:
+        if self.engine.rules.runs_inline(op):
+            # Inline ops (a ping) touch no model state, and the runtime runs them on its event
+            # loop, beside the compute thread's calls: rank 0 answers them alone.
+            return self.engine.ops.execute(op)
         self._send("ops", "execute", op)
         return self.engine.ops.execute(op)
 

@@ -4,6 +4,7 @@ share of the base model, then serves as the worker (rank 0) or follows rank 0 (t
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ log = logging.getLogger("queue_tinker.worker.group")
 # A follower waits for rank 0's next call as long as the worker idles: collectives never time
 # out. A rank that dies is noticed by the launcher, which ends the group (launcher.py).
 NO_TIMEOUT = timedelta(days=3650)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def rank_device(device: str, rank: int, world: int) -> str:
@@ -94,6 +96,18 @@ def serve_rank(
     return 0
 
 
+def die_with_launcher(launcher_pid: int) -> None:
+    """Be killed when the launcher dies (Linux's parent-death signal): a group whose launcher
+    was killed has nobody left to end it when one of its ranks dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the launcher's own exit still ends them
+        return
+    if os.getppid() != launcher_pid:  # it died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="queue-tinker worker group rank")
     parser.add_argument("--rank", type=int, required=True)
@@ -101,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--base-model", required=True)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--launcher", type=int, required=True, help="the launcher's pid")
     args = parser.parse_args(argv)
+    die_with_launcher(args.launcher)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s",
