@@ -20,6 +20,7 @@ import queue_tinker as tinker
 from queue_tinker import types
 
 PROMPT = [72, 101, 108]
+CLOSE = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def test_kill_9_of_one_rank_replaces_the_group_and_loses_no_step(
@@ -64,8 +65,17 @@ def test_kill_9_of_one_rank_replaces_the_group_and_loses_no_step(
             for key, value in want.items():
                 torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-8, msg=key)
         assert "replaying" in second.log()
+        # One process, in this one, the same ops: the group's numbers are its numbers.
         alone = Driver(make_engine(tmp_path / "alone", None), tmp_path / "alone" / "storage")
         assert tokens == greedy_base_sample(alone, PROMPT, 8)
+        alone.create("m", seed=11, rank=4)
+        losses = []
+        for step in range(6):
+            losses.append(alone.fb("m", BATCHES[step % len(BATCHES)]).loss)
+            alone.step("m", ADAM)
+        torch.testing.assert_close([*before, *after], losses[:3] + losses[4:], **CLOSE)
+        for key, value in alone.weights("m").items():
+            torch.testing.assert_close(got[key], value, **CLOSE, msg=key)
     finally:
         first.stop()  # already ended after the kill; this closes its log
         if second is not None:
