@@ -49,8 +49,6 @@ def run_group(*, ranks: int, base_model: str, device: str) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if device == "auto":
-        device = "cpu"  # no torch here to ask; a GPU group says --device cuda
     port = free_port()
     procs = [
         subprocess.Popen(rank_command(rank, ranks, port, base_model, device))

@@ -22,7 +22,7 @@ from queue_tinker.workers.group.follower import follow
 from queue_tinker.workers.group.follower_store import FollowerStore
 from queue_tinker.workers.group.leader import LeaderEngine
 from queue_tinker.workers.interface import Engine
-from queue_tinker.workers.main import lora_executor, run_worker
+from queue_tinker.workers.main import lora_executor, resolve_device, run_worker
 from queue_tinker.workers.model.base_model import resolve_model_path
 from queue_tinker.workers.model.tensor_parallel import Shards
 from queue_tinker.workers.sampling.sessions import time_is_up
@@ -36,7 +36,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def rank_device(device: str, rank: int, world: int) -> str:
-    """cuda: one GPU a rank (cuda:<rank>); cpu as given."""
+    """cuda: one GPU a rank (cuda:<rank>); cpu as given (auto is resolved before: cuda where
+    torch sees a GPU)."""
     if device != "cuda":
         # The node's cores shared out: each rank's threads would otherwise contend with the
         # others' (and gloo's) for every core.
@@ -68,7 +69,7 @@ def join_group(rank: int, world: int, port: int, device: str) -> tuple[Shards, C
 def serve_rank(
     settings: Settings, rank: int, world: int, port: int, base_model: str, device: str
 ) -> int:
-    device = rank_device(device, rank, world)
+    device = rank_device(resolve_device(device), rank, world)
     shards, channel = join_group(rank, world, port, device)
     if rank == 0:
         resolve_model_path(base_model, settings.models_dir)  # a built-in is made once, here
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--base-model", required=True)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--launcher", type=int, required=True, help="the launcher's pid")
     args = parser.parse_args(argv)
     die_with_launcher(args.launcher)
