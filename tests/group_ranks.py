@@ -1,6 +1,6 @@
 """The ranks of a sharded worker group, driven in-process without Redis: each rank runs the same
 ops on its LoraExecutor over its shard of the base model (what the group's broadcast gives it),
-and rank 0 reports what it read back. Spawned by tests/workers/model/test_tensor_parallel.py."""
+and rank 0 reports what it read back. Forked by tests/workers/model/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
