@@ -75,24 +75,37 @@ def serve_rank(
         resolve_model_path(base_model, settings.models_dir)  # a built-in is made once, here
     dist.barrier(group=channel.group)
     if rank == 0:
+        return lead(settings, base_model, device, shards, channel)
+    return follow_rank_0(settings, base_model, device, shards, channel)
 
-        def lead() -> Engine:
-            def quantum_over(began: float, budget_s: float) -> bool:
-                return channel.decide(time_is_up(began, budget_s))
 
-            built = lora_executor(settings, base_model, device, shards, quantum_over)
-            return LeaderEngine(built.engine(), channel).as_engine()
+def lead(settings: Settings, base_model: str, device: str, shards: Shards, channel: Channel) -> int:
+    """Rank 0: the worker, with an engine that sends each call to the others; then stop them."""
 
-        code = run_worker(settings, base_model=base_model, device=device, build=lead)
-        channel.call(STOP)
-        return code
+    def quantum_over(began: float, budget_s: float) -> bool:
+        return channel.decide(time_is_up(began, budget_s))
+
+    def build() -> Engine:
+        built = lora_executor(settings, base_model, device, shards, quantum_over)
+        return LeaderEngine(built.engine(), channel).as_engine()
+
+    code = run_worker(settings, base_model=base_model, device=device, build=build)
+    channel.call(STOP)
+    return code
+
+
+def follow_rank_0(
+    settings: Settings, base_model: str, device: str, shards: Shards, channel: Channel
+) -> int:
+    """Ranks 1..N-1: the same engine over their shares, storage they only read, rank 0's
+    calls and decisions."""
 
     def quantum_over(began: float, budget_s: float) -> bool:
         return channel.decide()
 
     store = FollowerStore(open_store(settings))
     built = lora_executor(settings, base_model, device, shards, quantum_over, store=store)
-    log.info("rank %d of %d on %s: following rank 0", rank, world, device)
+    log.info("rank %d of %d on %s: following rank 0", shards.rank, shards.world, device)
     follow(built.engine(), channel)
     return 0
 
