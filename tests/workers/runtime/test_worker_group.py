@@ -88,3 +88,22 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_a_group_refuses_a_model_it_cannot_split_naming_why(
+    redis_url: str, database_url: str, tmp_path: Path, key_prefix: str
+) -> None:
+    """A mixture-of-experts base model on 2 ranks: each rank refuses to start, naming the
+    model type and the reason, and the group exits 1."""
+    settings = failover_settings(redis_url, database_url, key_prefix, tmp_path)
+    group = WorkerProcess(settings, "queue-tinker/tiny-moe", tmp_path / "g.log", "lora", ranks=2)
+    try:
+        assert group.proc.wait(timeout=90) == 1
+        ranks = [line for line in group.log().splitlines() if "refuses to start" in line]
+        assert ranks and all(
+            "base model type 'qwen3_moe': mixture-of-experts models are not served by a "
+            "sharded worker group" in line
+            for line in ranks
+        )
+    finally:
+        group.stop()
