@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from queue_tinker.errors import UserInputError
 from queue_tinker.workers.group.channel import STOP, Channel
 from queue_tinker.workers.interface import Engine
 
@@ -20,6 +21,11 @@ def follow(engine: Engine, channel: Channel) -> None:
         part = getattr(engine, call.part)
         try:
             getattr(part, call.method)(*call.args)
+        except UserInputError:
+            pass  # bad input fails alike on rank 0, which reports it
         except Exception:
-            # Rank 0 runs the same call on the same state and fails the same way: it reports it.
-            log.debug("rank %d: %s.%s failed as on rank 0", channel.rank, call.part, call.method)
+            # Rank 0 runs the same call on the same state and should fail the same way; a
+            # failure of this rank alone would part the ranks, so it is left in the log.
+            log.warning(
+                "rank %d: %s.%s failed", channel.rank, call.part, call.method, exc_info=True
+            )
