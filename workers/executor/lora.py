@@ -11,12 +11,13 @@ Redis or SQL.
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import astuple, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig, PreTrainedModel
 
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import UserInputError
@@ -116,9 +117,11 @@ class LoraExecutor:
             max_tokens_per_datum=self.request_limits.tokens_per_datum,
             activation_checkpointing=plan.activation_checkpointing,
         )
+        whole_config = None  # a group rank's: the model's config before the split
         if shards is not None:  # before any weight is loaded: a model the group cannot split
             path = base_models.resolve_model_path(base_model, models_dir)
-            check_shardable(base_models.load_config(path), shards.world)
+            whole_config = base_models.load_config(path)
+            check_shardable(whole_config, shards.world)
         fitted = check_fit(
             base_model,
             self.device,
@@ -129,10 +132,9 @@ class LoraExecutor:
             ranks=shards.world if shards is not None else 1,
         )
         resident = (fitted.demand.settings if fitted else fit).max_resident_adapters
-        base = base_models.load_frozen_base(base_model, device, models_dir, dtype)
-        whole_config = copy.deepcopy(base.config)
-        if shards is not None:  # a rank of a worker group: its share of each decoder layer
-            shard_decoder(base, shards)
+        # A rank of a worker group keeps its share of each decoder layer, cut in host memory.
+        share = None if shards is None else partial(shard_decoder, shards=shards)
+        base = base_models.load_frozen_base(base_model, device, models_dir, dtype, share)
         images = ImageSupport(base_model)
         if is_vl(base.config):
             path = base_models.resolve_model_path(base_model, models_dir)
@@ -142,11 +144,7 @@ class LoraExecutor:
         self.limits = limits = ModelLimits(
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
         )
-        self.pool = (
-            AdapterPool(base, base_model, resident)
-            if shards is None
-            else ShardedAdapterPool(base, base_model, resident, shards, whole_config)
-        )
+        self.pool = adapter_pool(base, base_model, resident, shards, whole_config)
         # Unset budgets: the CPU defaults, or what the device's free memory holds now.
         # A vision-language model's sizes are its language model's (its text config).
         budgets = device_budgets(
@@ -230,6 +228,20 @@ class LoraExecutor:
         if self.device.type != "cuda":
             return 0
         return int(torch.cuda.memory_allocated(self.device))
+
+
+def adapter_pool(
+    base: PreTrainedModel,
+    base_model: str,
+    resident: int,
+    shards: Shards | None,
+    whole_config: PretrainedConfig | None,
+) -> AdapterPool:
+    """One process's pool, or a group rank's over its share of the base (`whole_config`: the
+    model's config before the split, which a fresh adapter's weights are drawn for)."""
+    if shards is None or whole_config is None:
+        return AdapterPool(base, base_model, resident)
+    return ShardedAdapterPool(base, base_model, resident, shards, whole_config)
 
 
 def check_fit(
