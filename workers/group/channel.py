@@ -11,6 +11,18 @@ import torch
 import torch.distributed as dist
 
 LEADER = 0
+# What a failed collective's RuntimeError names (torch raises no type of its own for gloo's).
+COLLECTIVE_BACKENDS = ("gloo", "nccl", "ProcessGroup")
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed (timed out, a peer gone): the ranks can no
+    longer meet, and the group must end."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(
+        backend in str(error) for backend in COLLECTIVE_BACKENDS
+    )
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.workers.group.channel import STOP, Channel
+from queue_tinker.workers.group.channel import STOP, Channel, collective_failed
 from queue_tinker.workers.interface import Engine
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,9 @@ def follow(engine: Engine, channel: Channel) -> None:
             getattr(part, call.method)(*call.args)
         except UserInputError:
             pass  # bad input fails alike on rank 0, which reports it
-        except Exception:
+        except Exception as error:
+            if collective_failed(error):
+                raise  # the ranks cannot meet again: this rank ends, and the launcher the group
             # Rank 0 runs the same call on the same state and should fail the same way; a
             # failure of this rank alone would part the ranks, so it is left in the log.
             log.warning(

@@ -29,9 +29,13 @@ from queue_tinker.workers.sampling.sessions import time_is_up
 
 log = logging.getLogger("queue_tinker.worker.group")
 
-# A follower waits for rank 0's next call as long as the worker idles: collectives never time
-# out. A rank that dies is noticed by the launcher, which ends the group (launcher.py).
+# A follower waits for rank 0's next call as long as the worker idles: the channel's group
+# never times out. A rank that dies is noticed by the launcher, which ends the group.
 NO_TIMEOUT = timedelta(days=3650)
+# Inside a call the ranks meet within moments of each other; one waiting this long at a
+# collective means the ranks have parted (a failure on one rank alone): it raises, the rank
+# ends, and the launcher ends the group. Long enough for one rank's slow read of a checkpoint.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -59,11 +63,12 @@ def join_group(rank: int, world: int, port: int, device: str) -> tuple[Shards, C
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=NO_TIMEOUT,
+        timeout=COLLECTIVE_TIMEOUT,
     )
-    # Calls and whole tensors travel through host memory: a gloo group beside nccl's.
-    host = dist.new_group(backend="gloo", timeout=NO_TIMEOUT) if backend == "nccl" else None
-    return Shards(rank, world, host_group=host), Channel(rank, host)
+    # Whole tensors travel through host memory: a gloo group beside nccl's.
+    host = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else None
+    calls = dist.new_group(backend="gloo", timeout=NO_TIMEOUT)
+    return Shards(rank, world, host_group=host), Channel(rank, calls)
 
 
 def serve_rank(
