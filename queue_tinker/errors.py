@@ -57,6 +57,12 @@ class WorkerFitError(QueueTinkerError):
     that would fit. The deployment's to fix, not a request's: a server error."""
 
 
+class WorkerGroupError(QueueTinkerError):
+    """A sharded worker group cannot serve the base model as configured (an architecture it
+    does not split, heads not divisible by its ranks), so it refuses to start; the message
+    names the setting and the reason. The deployment's to fix: a server error."""
+
+
 class NotFoundError(UserInputError):
     """A training run, checkpoint, session or sampler the tenant does not have (missing and
     another tenant's read the same)."""

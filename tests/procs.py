@@ -95,7 +95,12 @@ def run_script(
 
 class WorkerProcess:
     def __init__(
-        self, settings: Settings, base_model: str, log_path: Path, engine: str = "queue-only"
+        self,
+        settings: Settings,
+        base_model: str,
+        log_path: Path,
+        engine: str = "queue-only",
+        ranks: int = 1,
     ) -> None:
         self.log_path = log_path
         self._log = log_path.open("wb")
@@ -111,6 +116,7 @@ class WorkerProcess:
                 "cpu",
                 "--engine",
                 engine,
+                f"--ranks={ranks}",  # > 1: a sharded worker group, this process its launcher
             ],
             env=child_env(settings),
             cwd=REPO,
@@ -121,6 +127,11 @@ class WorkerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def children(self) -> list[int]:
+        """Pids of the process's children (a worker group's ranks, rank 0 first)."""
+        text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
+        return [int(pid) for pid in text.split()]
 
     def stop(self, timeout: float = 20) -> int:
         if self.proc.poll() is None:

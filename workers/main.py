@@ -6,10 +6,17 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import redis
 
-from queue_tinker.errors import RedisUnavailableError, StorageUnavailableError, WorkerFitError
+from queue_tinker.errors import (
+    RedisUnavailableError,
+    StorageUnavailableError,
+    WorkerFitError,
+    WorkerGroupError,
+)
 from queue_tinker.queue.connection import Reconnector, connect
 from queue_tinker.queue.dispatch import Dispatcher
 from queue_tinker.queue.keys import Keys
@@ -17,12 +24,18 @@ from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
+from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.configured import open_store
 from queue_tinker.types import CheckpointRecord
 from queue_tinker.types.records import Record
 from queue_tinker.workers.executor.queue_only import QueueOnlyEngine
 from queue_tinker.workers.interface import Engine
 from queue_tinker.workers.runtime.worker import Worker, WorkerConfig
+
+if TYPE_CHECKING:  # torch and friends load only when a LoRA engine is built
+    from queue_tinker.workers.executor.lora import LoraExecutor
+    from queue_tinker.workers.model.tensor_parallel import Shards
+    from queue_tinker.workers.sampling.sessions import QuantumOver
 
 log = logging.getLogger("queue_tinker.worker")
 
@@ -43,6 +56,19 @@ ENGINES = ("lora", "queue-only")
 def build_engine(settings: Settings, engine: str, base_model: str, device: str) -> Engine:
     if engine == "queue-only":
         return QueueOnlyEngine().engine()
+    return lora_executor(settings, base_model, device).engine()
+
+
+def lora_executor(
+    settings: Settings,
+    base_model: str,
+    device: str,
+    shards: Shards | None = None,
+    quantum_over: QuantumOver | None = None,
+    store: CheckpointStore | None = None,
+) -> LoraExecutor:
+    """The LoRA engine with the deployment's settings; a worker group's rank passes its shards,
+    rank 0's decode quanta and (ranks 1..N-1) storage that writes nothing."""
     from queue_tinker.types.request_limits import RequestLimits
     from queue_tinker.workers.executor.lora import LoraExecutor  # torch and friends load only here
     from queue_tinker.workers.training.model_pass import PassPlan
@@ -50,7 +76,7 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
     return LoraExecutor(
         base_model,
         device,
-        open_store(settings),
+        store or open_store(settings),
         settings.models_dir,
         max_resident=settings.max_resident_adapters,
         snapshot_every=settings.snapshot_every_steps,
@@ -64,7 +90,9 @@ def build_engine(settings: Settings, engine: str, base_model: str, device: str) 
             activation_checkpointing=settings.activation_checkpointing,
             checkpoint_min_tokens=settings.activation_checkpointing_tokens,
         ),
-    ).engine()
+        shards=shards,
+        quantum_over=quantum_over,
+    )
 
 
 def expiry_scheduler(settings: Settings) -> Callable[[list[Record]], Awaitable[None]]:
@@ -86,7 +114,15 @@ def expiry_scheduler(settings: Settings) -> Callable[[list[Record]], Awaitable[N
     return on_records
 
 
-async def serve_worker(settings: Settings, base_model: str, device: str, engine: str) -> None:
+async def serve_worker(
+    settings: Settings,
+    base_model: str,
+    device: str,
+    engine: str,
+    build: Callable[[], Engine] | None = None,
+) -> None:
+    """Serve until SIGTERM; `build` makes the engine instead of `engine` (a worker group's
+    rank 0 passes its leader engine)."""
     if not settings.redis_url or not settings.database_url:
         raise SystemExit("QT_REDIS_URL and QT_DATABASE_URL must be set (or use `queue-tinker up`)")
     keys = Keys(settings.key_prefix)
@@ -112,8 +148,10 @@ async def serve_worker(settings: Settings, base_model: str, device: str, engine:
         # A bucket that is not there or credentials it refuses stop the worker here, not at
         # the first save of some user's run.
         await asyncio.to_thread(lambda: open_store(settings).check())
-        built = await asyncio.to_thread(build_engine, settings, engine, base_model, config.device)
-    except (WorkerFitError, StorageUnavailableError) as error:
+        built = await asyncio.to_thread(
+            build or partial(build_engine, settings, engine, base_model, config.device)
+        )
+    except (WorkerFitError, WorkerGroupError, StorageUnavailableError) as error:
         # Nothing is loaded yet: the worker refuses to start, saying what to change.
         await redis.aclose()
         raise SystemExit(f"worker refuses to start: {error.message}") from None
@@ -150,9 +188,16 @@ async def serve_worker(settings: Settings, base_model: str, device: str, engine:
         log.info("worker %s stopped", worker.id)
 
 
-def run_worker(settings: Settings, *, base_model: str, device: str, engine: str = "lora") -> int:
+def run_worker(
+    settings: Settings,
+    *,
+    base_model: str,
+    device: str,
+    engine: str = "lora",
+    build: Callable[[], Engine] | None = None,
+) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve_worker(settings, base_model, device, engine))
+    asyncio.run(serve_worker(settings, base_model, device, engine, build))
     return 0

@@ -58,6 +58,13 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def _cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    if args.ranks > 1:
+        from queue_tinker.workers.group.launcher import run_group
+
+        if args.engine != "lora":
+            print("queue-tinker worker: --ranks needs --engine lora", file=sys.stderr)
+            return 2
+        _exit_now(run_group(ranks=args.ranks, base_model=args.base_model, device=args.device))
     from queue_tinker.workers.main import run_worker
 
     _exit_now(
@@ -140,6 +147,13 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
+    return value
+
+
 def _add_limits_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     limits = sub.add_parser(
         "limits", help="tenants' limits (training runs, ops in flight, tokens per second)"
@@ -208,6 +222,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=["lora", "queue-only"],
         help="lora: train and sample (needs the worker extra); queue-only: create_model and "
         "ping only, for queue tests and benchmarks",
+    )
+    worker.add_argument(
+        "--ranks",
+        type=_positive_int,
+        default=1,
+        help="processes of one sharded worker group (a GPU each with --device cuda): the base "
+        "model is split across them with tensor parallelism and they serve as one worker",
     )
     worker.set_defaults(fn=_cmd_worker)
 

@@ -12,10 +12,12 @@ Redis or SQL.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig, PreTrainedModel
 
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import UserInputError
@@ -37,8 +39,10 @@ from queue_tinker.workers.model.fit import (
     require_fit,
 )
 from queue_tinker.workers.model.memory import Budgets, device_budgets, layer_bytes
+from queue_tinker.workers.model.sharded_adapters import ShardedAdapterPool
+from queue_tinker.workers.model.tensor_parallel import Shards, check_shardable, shard_decoder
 from queue_tinker.workers.model.vision_language import ImageSupport, Vision, is_vl
-from queue_tinker.workers.sampling.sessions import SamplingSessions
+from queue_tinker.workers.sampling.sessions import QuantumOver, SamplingSessions
 from queue_tinker.workers.training import engine as training_engine
 from queue_tinker.workers.training.engine import TrainingEngine
 from queue_tinker.workers.training.model_pass import PassPlan
@@ -93,6 +97,8 @@ class LoraExecutor:
         train_batch_tokens: int | None = None,
         dtype: str = "auto",
         plan: PassPlan | None = None,
+        shards: Shards | None = None,
+        quantum_over: QuantumOver | None = None,
     ) -> None:
         self.base_model = base_model
         # A directory: local storage there (the tests' and the embedded default's way).
@@ -111,11 +117,24 @@ class LoraExecutor:
             max_tokens_per_datum=self.request_limits.tokens_per_datum,
             activation_checkpointing=plan.activation_checkpointing,
         )
+        whole_config = None  # a group rank's: the model's config before the split
+        if shards is not None:  # before any weight is loaded: a model the group cannot split
+            path = base_models.resolve_model_path(base_model, models_dir)
+            whole_config = base_models.load_config(path)
+            check_shardable(whole_config, shards.world)
         fitted = check_fit(
-            base_model, self.device, models_dir, dtype, fit, sized=max_resident is None
+            base_model,
+            self.device,
+            models_dir,
+            dtype,
+            fit,
+            sized=max_resident is None,
+            ranks=shards.world if shards is not None else 1,
         )
         resident = (fitted.demand.settings if fitted else fit).max_resident_adapters
-        base = base_models.load_frozen_base(base_model, device, models_dir, dtype)
+        # A rank of a worker group keeps its share of each decoder layer, cut in host memory.
+        share = None if shards is None else partial(shard_decoder, shards=shards)
+        base = base_models.load_frozen_base(base_model, device, models_dir, dtype, share)
         images = ImageSupport(base_model)
         if is_vl(base.config):
             path = base_models.resolve_model_path(base_model, models_dir)
@@ -125,7 +144,7 @@ class LoraExecutor:
         self.limits = limits = ModelLimits(
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
         )
-        self.pool = AdapterPool(base, base_model, resident)
+        self.pool = adapter_pool(base, base_model, resident, shards, whole_config)
         # Unset budgets: the CPU defaults, or what the device's free memory holds now.
         # A vision-language model's sizes are its language model's (its text config).
         budgets = device_budgets(
@@ -134,6 +153,9 @@ class LoraExecutor:
             base.dtype,
             checkpointing=plan.activation_checkpointing != "off",
         )
+        if budgets is not None and shards is not None:
+            # Every rank must split passes and admit samples alike: the smallest GPU's budgets.
+            budgets = Budgets(*shards.least(astuple(budgets)))
         if budgets is not None:
             log.info("device budgets from free memory: %s", budgets)
             # auto checkpointing becomes a plan: the fewest layers that fit each pass.
@@ -170,6 +192,7 @@ class LoraExecutor:
             max_cache_tokens=sample_cache_tokens
             or (budgets.sample_cache_tokens if budgets else None),
             images=images,
+            quantum_over=quantum_over,
         )
         self.durability = ModelDurability(residency, self.sampling)
 
@@ -207,6 +230,20 @@ class LoraExecutor:
         return int(torch.cuda.memory_allocated(self.device))
 
 
+def adapter_pool(
+    base: PreTrainedModel,
+    base_model: str,
+    resident: int,
+    shards: Shards | None,
+    whole_config: PretrainedConfig | None,
+) -> AdapterPool:
+    """One process's pool, or a group rank's over its share of the base (`whole_config`: the
+    model's config before the split, which a fresh adapter's weights are drawn for)."""
+    if shards is None or whole_config is None:
+        return AdapterPool(base, base_model, resident)
+    return ShardedAdapterPool(base, base_model, resident, shards, whole_config)
+
+
 def check_fit(
     base_model: str,
     device: torch.device,
@@ -215,13 +252,15 @@ def check_fit(
     settings: FitSettings,
     *,
     sized: bool = False,
+    ranks: int = 1,
 ) -> FitPlan | None:
     """Before any weight is loaded: the fit plan for the CUDA device's total memory, or
     WorkerFitError naming its numbers when the base model, the resident adapters and the
     budgets do not fit it. `sized`: the resident adapters were not set, so the plan keeps as
     many as fit (at most settings' count) and refuses only when not even one does. None on
     the CPU, where no check is made: there is no device memory to plan, and the budgets
-    there are the settings' defaults."""
+    there are the settings' defaults. `ranks`: a worker group's, each holding its share on
+    a device like this one."""
     if device.type != "cuda":
         return None
     path = base_models.resolve_model_path(base_model, models_dir)
@@ -229,11 +268,11 @@ def check_fit(
     config = base_models.load_config(path)
     _free, total = torch.cuda.mem_get_info(device)
     dtype_bytes = base_models.resolve_dtype(dtype, device.type).itemsize
-    what = f"{base_model} on {device}"
+    what = f"{base_model} on {device}" if ranks == 1 else f"{base_model} on {ranks} x {device}"
     if sized:
-        plan = fit_resident_adapters(config, dtype_bytes, total, settings, what)
+        plan = fit_resident_adapters(config, dtype_bytes, total, settings, what, ranks)
     else:
-        plan = require_fit(config, dtype_bytes, total, settings, what)
+        plan = require_fit(config, dtype_bytes, total, settings, what, ranks)
     log.info("%s: %s", what, plan.explanation())
     return plan
 

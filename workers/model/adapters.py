@@ -12,7 +12,7 @@ import hashlib
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +119,11 @@ def peft_config(
     )
 
 
+def local_grad_norm(params: Mapping[str, torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of an adapter's gradients, all of them in this process."""
+    return torch.nn.utils.get_total_norm([p.grad for p in params.values() if p.grad is not None])
+
+
 @dataclass
 class Adapter:
     """One model (training run) resident on this worker."""
@@ -133,6 +138,8 @@ class Adapter:
     last_seq: int = 0
     snapshot_seq: int = 0  # newest seq whose state is on disk
     extra: dict[str, Any] = field(default_factory=dict)
+    # A sharded worker group's adapter sums its ranks' parts (lora_shards.grad_norm).
+    grad_norm: Callable[[Mapping[str, torch.nn.Parameter]], torch.Tensor] = local_grad_norm
 
     def has_grads(self) -> bool:
         return any(p.grad is not None for p in self.params.values())
@@ -259,16 +266,20 @@ class AdapterPool:
         while len(self.samplers) >= self.max_resident:
             self._delete(self.samplers.popitem(last=False)[1])
         name = "s_" + hashlib.sha256(str(directory).encode()).hexdigest()[:16]
+        self._load_frozen(directory, name)
+        self.active = None  # loading may have moved PEFT's active adapter
+        self._lora_layers = None
+        self.samplers[directory] = name
+        return name
+
+    def _load_frozen(self, directory: Path, name: str) -> None:
+        """PEFT files of `directory` as the frozen adapter `name`."""
         if self.peft is None:
             self.peft = PeftModel.from_pretrained(
                 self.base, str(directory), adapter_name=name, is_trainable=False
             )
         else:
             self.peft.load_adapter(str(directory), adapter_name=name, is_trainable=False)
-        self.active = None  # loading may have moved PEFT's active adapter
-        self._lora_layers = None
-        self.samplers[directory] = name
-        return name
 
     def _delete(self, name: str) -> None:
         assert self.peft is not None

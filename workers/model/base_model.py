@@ -8,6 +8,7 @@ other name is passed to `from_pretrained` unchanged (a Hub id or a local path).
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -116,9 +117,15 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def load_base_model(
-    base_model: str, device: str, models_dir: Path, dtype: str = "auto"
+    base_model: str,
+    device: str,
+    models_dir: Path,
+    dtype: str = "auto",
+    prepare: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """Load the frozen base model on `device` in `dtype` (auto: bf16 on CUDA, fp32 elsewhere).
+    `prepare` gets the model in host memory before it moves to `device` (a worker group's rank
+    keeps its share there, so no GPU ever holds the whole model).
 
     Train/eval mode is left to the caller; dropout is switched off through the config instead,
     so it stays off in either mode.
@@ -131,6 +138,8 @@ def load_base_model(
     model: torch.nn.Module = auto.from_pretrained(
         path, config=config, dtype=resolve_dtype(dtype, device)
     )
+    if prepare is not None:
+        prepare(model)
     model.to(device)
     model.requires_grad_(False)
     return model
@@ -168,13 +177,19 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(_config(model).vocab_size)
 
 
-def load_frozen_base(base_model: str, device: str, models_dir: Path, dtype: str) -> PreTrainedModel:
+def load_frozen_base(
+    base_model: str,
+    device: str,
+    models_dir: Path,
+    dtype: str,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+) -> PreTrainedModel:
     """The base model as a worker serves it: eval mode (no dropout anywhere, so a step is a
     pure function of its inputs), named as users name it (adapter_config.json records that,
     not a local path)."""
     transformers_logging.disable_progress_bar()  # per-shard bars are noise in worker logs
     # A transformers model (from_pretrained), typed as a Module by the loader.
-    base = cast(PreTrainedModel, load_base_model(base_model, device, models_dir, dtype))
+    base = cast(PreTrainedModel, load_base_model(base_model, device, models_dir, dtype, prepare))
     base.eval()
     base.name_or_path = base_model
     return base

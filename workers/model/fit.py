@@ -146,13 +146,13 @@ class ModelShape:
     # (name, experts, out, in) of stacked expert weights, stored (experts, out, in) as
     # Qwen3-MoE's and Mixtral's are in transformers 5.
     experts: tuple[tuple[str, int, int, int], ...] = ()
-    whole: int = 0  # elements every rank holds whole, outside the language model (a vision tower)
+    tower: int = 0  # elements every rank holds whole, outside the language model (a vision tower)
 
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
     """The model's tensors and linear layers, built without memory (70B: ~0.3 s). A
     vision-language model's tower is frozen and held whole on every rank: its elements count
-    as `whole`, and what the rest describes is its language model."""
+    as `tower`, and what the rest describes is its language model."""
     vision = is_vl(config)
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device("meta"):
@@ -176,7 +176,7 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         context_length=int(text.max_position_embeddings),
         experts=tuple((name, *p.shape) for name, p in stacked_experts(model)),
-        whole=sum(p.numel() for name, p in model.named_parameters() if in_tower(name)),
+        tower=sum(p.numel() for name, p in model.named_parameters() if in_tower(name)),
     )
 
 
@@ -252,11 +252,13 @@ def plan_fit(
     rank_bytes: int,
     settings: FitSettings,
     shape: ModelShape | None = None,
+    whole: frozenset[str] = frozenset(),
 ) -> FitPlan:
     """The plan for `ranks` GPUs of `rank_bytes` each, with what would fit if it does not
-    (a vision-language model's config plans its language model plus its vision tower)."""
+    (a vision-language model's config plans its language model plus its vision tower).
+    `whole`: layers every rank holds whole (a worker group keeps WHOLE_IN_GROUP so)."""
     shape = shape or model_shape(config)
-    planner = _Planner(config.get_text_config(), shape, dtype_bytes, rank_bytes)
+    planner = _Planner(config.get_text_config(), shape, dtype_bytes, rank_bytes, whole)
     plan = planner.plan(ranks, demand_of(settings, planner.shape.context_length))
     if plan.fits:
         return plan
@@ -264,33 +266,59 @@ def plan_fit(
 
 
 def require_fit(
-    config: PretrainedConfig, dtype_bytes: int, rank_bytes: int, settings: FitSettings, what: str
+    config: PretrainedConfig,
+    dtype_bytes: int,
+    rank_bytes: int,
+    settings: FitSettings,
+    what: str,
+    ranks: int = 1,
 ) -> FitPlan:
-    """The plan for one device of `rank_bytes`; WorkerFitError naming `what` (the model and
-    its device) and the plan's numbers if it does not fit."""
-    plan = plan_fit(config, dtype_bytes, 1, rank_bytes, settings)
+    """The plan for one device of `rank_bytes` (each of a group's `ranks`); WorkerFitError
+    naming `what` (the model and its device) and the plan's numbers if it does not fit."""
+    plan = plan_fit(config, dtype_bytes, ranks, rank_bytes, settings, whole=_whole(ranks))
     if not plan.fits:
         raise WorkerFitError(f"{what} does not fit: {plan.explanation()}")
     return plan
 
 
 def fit_resident_adapters(
-    config: PretrainedConfig, dtype_bytes: int, rank_bytes: int, settings: FitSettings, what: str
+    config: PretrainedConfig,
+    dtype_bytes: int,
+    rank_bytes: int,
+    settings: FitSettings,
+    what: str,
+    ranks: int = 1,
 ) -> FitPlan:
-    """The plan for one device of `rank_bytes` with as many resident adapters as it holds,
-    at most settings.max_resident_adapters; WorkerFitError when not even one fits."""
-    plan = plan_fit(config, dtype_bytes, 1, rank_bytes, settings)
+    """The plan for one device of `rank_bytes` (each of a group's `ranks`) with as many
+    resident adapters as it holds, at most settings.max_resident_adapters; WorkerFitError
+    when not even one fits."""
+    whole = _whole(ranks)
+    plan = plan_fit(config, dtype_bytes, ranks, rank_bytes, settings, whole=whole)
     if plan.fits:
         return plan
     most = _fewer_adapters(plan).get("max_resident_adapters", 0)
     if most < 1:
         raise WorkerFitError(f"{what} does not fit: {plan.explanation()}")
     fewer = plan_fit(
-        config, dtype_bytes, 1, rank_bytes, replace(settings, max_resident_adapters=int(most))
+        config,
+        dtype_bytes,
+        ranks,
+        rank_bytes,
+        replace(settings, max_resident_adapters=int(most)),
+        whole=whole,
     )
     if not fewer.fits:  # the other parts do not depend on the adapters; kept as a guard
         raise WorkerFitError(f"{what} does not fit: {fewer.explanation()}")
     return fewer
+
+
+# A worker group's tensor parallelism (tensor_parallel.py) keeps the embedding and the
+# unembedding whole on every rank.
+WHOLE_IN_GROUP = frozenset({"embed_tokens", "lm_head"})
+
+
+def _whole(ranks: int) -> frozenset[str]:
+    return WHOLE_IN_GROUP if ranks > 1 else frozenset()
 
 
 @dataclass(frozen=True)
@@ -299,6 +327,7 @@ class _Planner:
     shape: ModelShape
     dtype_bytes: int
     rank_bytes: int
+    whole: frozenset[str] = frozenset()
 
     def plan(self, ranks: int, demand: Demand) -> FitPlan:
         shape, dtype_bytes = self.shape, self.dtype_bytes
@@ -309,8 +338,8 @@ class _Planner:
             *target_modules(linears, settings.lora),
             *target_parameters(experts, settings.lora),
         )
-        weights = _weight_elements(shape, ranks) * dtype_bytes
-        lora = _lora_params(shape, set(targets), settings.lora.rank, ranks)
+        weights = _weight_elements(shape, ranks, self.whole) * dtype_bytes
+        lora = _lora_params(shape, set(targets), settings.lora.rank, ranks, self.whole)
         lora += _expert_lora_params(shape, set(targets), settings.lora.rank, ranks)
         adapter_each = lora * (TRAINED_LORA_BYTES + SAMPLER_LORA_BYTES)
         rank_config = self.rank_config(ranks)
@@ -429,25 +458,30 @@ def _split(layer: str, size: int, ranks: int, kv_heads: int) -> int:
     return math.ceil(size / ranks)
 
 
-def _weight_elements(shape: ModelShape, ranks: int) -> int:
-    """Every tensor's elements on one rank: matrices split, vectors (norms, biases) whole,
-    and what lies outside the language model (a vision tower) whole."""
-    total = shape.whole
+def _weight_elements(shape: ModelShape, ranks: int, whole: frozenset[str] = frozenset()) -> int:
+    """Every tensor's elements on one rank: matrices split (but the `whole` layers'), vectors
+    (norms, biases) whole, and what lies outside the language model (a vision tower) whole."""
+    total = shape.tower
     for name, dims in shape.parameters:
         numel = math.prod(dims)
         layer = name.rsplit(".", 2)[-2]  # model.layers.0.self_attn.k_proj.weight: k_proj
-        total += numel if len(dims) <= 1 else _split(layer, numel, ranks, shape.kv_heads)
+        kept = len(dims) <= 1 or layer in whole
+        total += numel if kept else _split(layer, numel, ranks, shape.kv_heads)
     return total
 
 
-def _lora_params(shape: ModelShape, targets: set[str], rank: int, ranks: int) -> int:
+def _lora_params(
+    shape: ModelShape, targets: set[str], rank: int, ranks: int, whole: frozenset[str] = frozenset()
+) -> int:
     """One adapter's parameters on one rank: A (rank x in) and B (out x rank) of each target."""
     total = 0
     for name, in_features, out_features in shape.linears:
         layer = name.rsplit(".", 1)[-1]
         if layer not in targets:
             continue
-        if layer in ROW_PARALLEL:
+        if layer in whole:
+            total += rank * (in_features + out_features)
+        elif layer in ROW_PARALLEL:
             total += rank * math.ceil(in_features / ranks) + rank * out_features
         else:
             total += rank * in_features + rank * _split(layer, out_features, ranks, shape.kv_heads)

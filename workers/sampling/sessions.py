@@ -70,6 +70,15 @@ class _Waiting:
     follows: str | None
 
 
+# Whether a decode quantum begun at `began` (perf_counter) with `budget_s` is over. A worker
+# group's ranks take rank 0's answer (workers/group/), so all of them take the same steps.
+QuantumOver = Callable[[float, float], bool]
+
+
+def time_is_up(began: float, budget_s: float) -> bool:
+    return time.perf_counter() - began >= budget_s
+
+
 class SamplingSessions:
     def __init__(
         self,
@@ -83,8 +92,10 @@ class SamplingSessions:
         request_limits: RequestLimits | None = None,
         max_cache_tokens: int | None = None,
         images: ImageSupport | None = None,
+        quantum_over: QuantumOver | None = None,
     ) -> None:
         self.pool = pool
+        self.quantum_over = quantum_over or time_is_up
         self.store = store
         self.base_model = base_model
         self.limits = limits
@@ -166,7 +177,7 @@ class SamplingSessions:
                 self._result(str(key), response, loop.finished_prefilled.get(key, 0))
                 for key, response in done
             ]
-            if time.perf_counter() - began >= budget_s:
+            if self.quantum_over(began, budget_s):
                 break
         finished, self._finished = self._finished, []
         return finished

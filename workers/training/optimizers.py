@@ -79,8 +79,7 @@ def _clip(adapter: Adapter, params: OptimParams) -> float:
     trainable = [p for p in adapter.params.values() if p.grad is not None]
     if not trainable:
         return 0.0
-    grads = [p.grad for p in trainable if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
+    norm = adapter.grad_norm(adapter.params)
     if params.grad_clip_norm > 0 and bool(torch.isfinite(norm)):
         torch.nn.utils.clip_grads_with_norm_(trainable, params.grad_clip_norm, norm)
     return float(norm)

@@ -14,6 +14,7 @@ from bench import fit_table
 from queue_tinker.errors import ErrorCategory, WorkerFitError
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model.fit import (
+    WHOLE_IN_GROUP,
     FitSettings,
     fit_resident_adapters,
     model_shape,
@@ -247,6 +248,22 @@ def test_unset_resident_adapters_are_as_many_as_fit() -> None:
     eight_b = fit_table.MODELS["Llama-3.1-8B"]()
     sized = fit_resident_adapters(eight_b, 2, 80 * GIB, fit_table.default_settings(), "8B")
     assert sized.demand.settings.max_resident_adapters == 9
+
+
+def test_a_worker_group_is_planned_with_its_embeddings_whole_on_each_rank() -> None:
+    """A worker group keeps the embedding and the unembedding whole on every rank: the group's
+    check counts them so (one rank of two holds half of each other matrix), and a device too
+    small for the model alone takes it in a group."""
+    split = plan_fit(TINY, 2, 2, 80 * GIB, TINY_SETTINGS)
+    grouped = plan_fit(TINY, 2, 2, 80 * GIB, TINY_SETTINGS, whole=WHOLE_IN_GROUP)
+    assert grouped.weights - split.weights == 2 * (100 * 64 // 2) * 2  # two halves, bf16
+    sizes = range(MIB, 64 * MIB, 16 << 10)
+    device = next(
+        b for b in sizes if plan_fit(TINY, 2, 2, b, TINY_SETTINGS, whole=WHOLE_IN_GROUP).fits
+    )
+    with pytest.raises(WorkerFitError):
+        require_fit(TINY, 2, device, TINY_SETTINGS, "tiny")
+    assert require_fit(TINY, 2, device, TINY_SETTINGS, "tiny", ranks=2).fits
 
 
 # --- docs/operations.md's table ----------------------------------------------------------------

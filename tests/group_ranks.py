@@ -1,0 +1,118 @@
+"""The ranks of a sharded worker group, driven in-process without Redis: each rank runs the same
+ops on its LoraExecutor over its shard of the base model (what the group's broadcast gives it),
+and rank 0 reports what it read back. Forked by tests/workers/model/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from engine_driver import Driver, batch, run_stepped
+
+from queue_tinker.queue.dispatch import Op
+from queue_tinker.types import OpKind, codec
+from queue_tinker.types.tensors import ModelInput
+from queue_tinker.types.training import AdamParams
+from queue_tinker.workers.executor.lora import LoraExecutor
+from queue_tinker.workers.model.tensor_parallel import Shards
+
+BASE = "queue-tinker/tiny-llama"
+
+
+def make_engine(root: Path, shards: Shards | None) -> LoraExecutor:
+    return LoraExecutor(
+        BASE, "cpu", root / "storage", root / "models", max_resident=4, dtype="fp32", shards=shards
+    )
+
+
+def train_script(driver: Driver, steps: int) -> dict[str, Any]:
+    """Two models trained a few steps (different seeds and data), grads after each
+    forward_backward, whole weights after each step."""
+    out: dict[str, Any] = {"losses": [], "grads": [], "weights": []}
+    driver.create("a", seed=1)
+    driver.create("b", seed=2)
+    for step in range(steps):
+        for model_id, texts in (("a", batch()[:2]), ("b", batch()[2:])):
+            result = driver.fb(model_id, texts)
+            out["losses"].append(result.metrics["loss:sum"])
+            out["grads"].append(whole(driver, model_id, grads=True))
+            driver.step(model_id, AdamParams(learning_rate=1e-2, grad_clip_norm=0.5))
+            out["weights"].append(whole(driver, model_id, grads=False))
+        del step
+    out["saved"] = driver.save("a", "after")
+    out["samples"] = greedy_samples(driver, out["saved"])
+    return out
+
+
+def greedy_base_sample(driver: Driver, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of the base model alone, as the engine samples them."""
+    session = "s-greedy"
+    driver.op(session, OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "default", "base_model": BASE})
+    body = {
+        "prompt": ModelInput.from_ints(prompt).model_dump(),
+        "num_samples": 1,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "stop": []},
+    }
+    driver.seqs[session] += 1
+    op = Op(f"{session}:1", session, driver.seqs[session], OpKind.SAMPLE, codec.encode(body))
+    (result,) = run_stepped(driver.engine, [op])
+    assert not isinstance(result, Exception), result
+    tokens: list[int] = codec.decode(result.result)["sequences"][0]["tokens"]
+    return tokens
+
+
+def greedy_samples(driver: Driver, path: str) -> list[list[int]]:
+    """Greedy tokens from the base model and from the saved weights (a sampling session each)."""
+    tokens = []
+    for session, weights in (("s-base", None), ("s-saved", path)):
+        driver.op(
+            session,
+            OpKind.CREATE_SAMPLING_SESSION,
+            {"tenant_id": "default", "base_model": BASE, "model_path": weights},
+        )
+        body = {
+            "prompt": ModelInput.from_ints([72, 101, 108]).model_dump(),
+            "num_samples": 1,
+            "sampling_params": {"max_tokens": 8, "temperature": 0.0},
+        }
+        driver.seqs[session] += 1
+        seq = driver.seqs[session]
+        op = Op(f"{session}:{seq}", session, seq, OpKind.SAMPLE, codec.encode(body))
+        (result,) = run_stepped(driver.engine, [op])
+        assert not isinstance(result, Exception), result
+        tokens += [s["tokens"] for s in codec.decode(result.result)["sequences"]]
+    return tokens
+
+
+def whole(driver: Driver, model_id: str, *, grads: bool) -> dict[str, torch.Tensor]:
+    """The adapter's whole tensors (gathered from the ranks in a group)."""
+    engine = driver.engine
+    adapter = engine.pool.adapters[model_id]
+    tensors = {
+        k: (p.grad if grads else p).detach().clone()
+        for k, p in adapter.params.items()
+        if not grads or p.grad is not None
+    }
+    shards = getattr(engine.pool, "shards", None)
+    if shards is None:
+        return tensors
+    from queue_tinker.workers.model import lora_shards
+
+    return lora_shards.gather(tensors, shards)
+
+
+def run_rank(rank: int, world: int, root: str, port: int, steps: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        driver = Driver(make_engine(Path(root), Shards(rank, world)), Path(root) / "storage")
+        out = train_script(driver, steps)
+        if rank == 0:  # pickled by value: a tensor shared by handle dies with this process
+            results.put(pickle.dumps(out))
+    finally:
+        dist.destroy_process_group()
