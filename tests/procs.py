@@ -95,12 +95,20 @@ def run_script(
 
 class WorkerProcess:
     def __init__(
-        self, settings: Settings, base_model: str, log_path: Path, engine: str = "queue-only"
+        self,
+        settings: Settings,
+        base_model: str,
+        log_path: Path,
+        engine: str = "queue-only",
+        wrapper: Sequence[str] = (),
     ) -> None:
+        """`wrapper`: argv the worker's command runs under and that execs it (so `pid` is the
+        worker's), e.g. `ip netns exec <namespace>` for a host of its own."""
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
             [
+                *wrapper,
                 sys.executable,
                 "-m",
                 "queue_tinker.cli",
