@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -24,8 +25,11 @@ from training_runs import TINY
 
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
+from queue_tinker.storage.s3 import FILES
 from queue_tinker.store.db import make_engine
+from queue_tinker.types.checkpoints import META_FILE
 
+GENERATION_NAMED = re.compile(r"^[0-9a-f]{32}\.")  # a replacing commit's data file
 WORKER_START_S = 120  # torch and the tiny model on a busy 2-core machine: 10-40 s
 
 
@@ -129,20 +133,34 @@ class TwoHosts:
             }
             meta = r.hgetall(self.keys.model_meta(model_id))
             lease = r.get(self.keys.model_lease(model_id))
-        listing = self.s3.client().list_objects_v2(Bucket=self.bucket, Prefix="")
-        objects = {
-            o["Key"]: (o["Size"], o["ETag"])
-            for o in listing.get("Contents", [])
-            if f"/{model_id}/" in o["Key"]
-        }
         return {
             "jobs": jobs,
             "meta": meta,
             "log": ops,
             "lease": lease,
-            "objects": objects,
+            "objects": self._visible_objects(model_id),
             "rows": asyncio.run(self._rows(model_id)),
         }
+
+    def _visible_objects(self, model_id: str) -> dict[str, tuple[int, str]]:
+        """The run's objects a reader can see: every meta and the files it names (size, ETag).
+        Left out: data files a replacing commit put up under its own generation's name whose
+        meta never landed. S3 cannot refuse an upload already on the wire when a worker's link
+        goes down; the bucket refuses its meta (storage/s3.py), no reader ever takes such a
+        file, and the next commit of the set deletes it."""
+        client = self.s3.client()
+        listing = client.list_objects_v2(Bucket=self.bucket, Prefix="").get("Contents", [])
+        ours = {o["Key"]: (o["Size"], o["ETag"]) for o in listing if f"/{model_id}/" in o["Key"]}
+        visible = {}
+        for key in ours:
+            folder, _, name = key.rpartition("/")
+            if name == META_FILE:
+                head = client.head_object(Bucket=self.bucket, Key=key)["Metadata"]
+                named = [f"{folder}/{n}" for n in head.get(FILES, "").split(",") if n]
+                visible |= {k: ours[k] for k in (key, *named) if k in ours}
+            elif not GENERATION_NAMED.match(name):
+                visible[key] = ours[key]  # a marker (unloaded), or a file of a first commit
+        return visible
 
     def _job_ids(self, r: redis.Redis, model_id: str) -> list[bytes]:
         found = []

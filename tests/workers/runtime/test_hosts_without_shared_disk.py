@@ -151,9 +151,9 @@ def test_a_host_cut_off_mid_run_is_fenced_and_writes_nothing_when_it_returns(
     """The owning host's link goes down 10 steps into 30 pipelined ones: its lease lapses,
     the other host claims the run and finishes it. The link comes back; the cut-off worker
     finds its lease gone and drops the run, then stops: the run's job hashes, meta and log
-    in Redis, its objects in the bucket and its rows in Postgres are exactly as the other
-    host left them (no op run twice, no stale result or snapshot), and the run equals an
-    uninterrupted one."""
+    in Redis, the objects of it in the bucket a reader takes and its rows in Postgres are
+    exactly as the other host left them (no op run twice, no stale result or snapshot), and
+    the run equals an uninterrupted one."""
     for host in hosts.hosts:  # after the kills: both hosts' workers up again
         host.wait_serving()
     with tinker.ServiceClient(hosts.client) as service:
