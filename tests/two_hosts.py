@@ -79,6 +79,7 @@ class TwoHosts:
     hosts: list[WorkerHost]
     s3: S3Server
     bucket: str
+    notes: list[str] = field(default_factory=list)  # the test's moments, for its failures
 
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.client.redis_url or "")
@@ -90,6 +91,12 @@ class TwoHosts:
     def meta(self, model_id: str, name: str) -> int:
         with self.redis() as r:
             return int(r.hget(self.keys.model_meta(model_id), name) or 0)
+
+    def any_running(self, job_ids: list[str]) -> bool:
+        with self.redis() as r, r.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id), "status")
+            return b"running" in pipe.execute()
 
     def owner(self, model_id: str) -> WorkerHost | None:
         """The host whose live worker holds the model's lease; None between owners."""
@@ -113,6 +120,20 @@ class TwoHosts:
 
         wait_for(owned, timeout, f"one of {[h.label for h in among]} to own {model_id}")
         return found[0]
+
+    def note(self, what: str) -> None:
+        """A moment of the test, for a failure's message (worker logs carry wall times)."""
+        now = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f"{now % 1:.3f}"[1:]
+        self.notes.append(f"{stamp} {what}")
+
+    @contextlib.contextmanager
+    def explained(self) -> Iterator[None]:
+        """A failure inside carries the test's notes and every worker's log."""
+        try:
+            yield
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{chr(10).join(self.notes)}{self.logs()}") from exc
 
     def logs(self, tail: int = 4000) -> str:
         """Every worker's log (its last `tail` characters), each under its file name."""
