@@ -138,7 +138,7 @@ def measure(
         lora_config=adapter.config.model_dump(),
         seq=1,
         step=1,
-        created_at=time.time(),
+        created_at=float(int(time.time())),  # whole seconds: the same bytes in both stores
     )
     config = pool.peft_adapter_config(adapter)
     save_s, load_s, size = [], [], 0
