@@ -130,6 +130,14 @@ BENCHES: tuple[Bench, ...] = (
         "a LoRA step of the tiny mixture of experts against the dense model of its active size",
     ),
     Bench(
+        "checkpoints",
+        "bench.checkpoint_storage",
+        (),
+        ("--quick",),
+        120,
+        "checkpoint save and load, time and bytes: an S3 object store against local disk, 100M",
+    ),
+    Bench(
         "mfu",
         "bench.mfu",
         ("--device", "cuda"),

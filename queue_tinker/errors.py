@@ -118,5 +118,10 @@ class StorageUnavailableError(QueueTinkerError):
     """Checkpoint storage is not there: not mounted, or not shared with the workers."""
 
 
+class CheckpointReplacedError(StorageUnavailableError):
+    """A file set was replaced by another writer after this one read it (a worker whose lease
+    lapsed writing a snapshot after the model's next owner): the write is refused."""
+
+
 class CheckpointPathError(QueueTinkerError):
     """A directory the housekeeper must not delete (outside checkpoint storage)."""

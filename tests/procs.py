@@ -101,11 +101,15 @@ class WorkerProcess:
         log_path: Path,
         engine: str = "queue-only",
         ranks: int = 1,
+        wrapper: Sequence[str] = (),
     ) -> None:
+        """`wrapper`: argv the worker's command runs under and that execs it (so `pid` is the
+        worker's), e.g. `ip netns exec <namespace>` for a host of its own."""
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
             [
+                *wrapper,
                 sys.executable,
                 "-m",
                 "queue_tinker.cli",

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -15,10 +16,14 @@ import torch
 
 from bench import sample_cache, suite
 from bench import sampling_engine_report as sampling_engine
-from bench.harness.models import BASE_NAME, Shape, build_model
+from bench.harness.models import BASE_NAME, Shape, build_model, lora_pool
 from bench.mfu import SHAPES, flops_per_token, lora_params, matmul_params, peak_tflops, total_params
+from queue_tinker.storage.local import LocalStore
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model.adapters import AdapterPool, target_modules
+
+if TYPE_CHECKING:
+    import object_store
 
 TINY = Shape(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=300)
 
@@ -36,6 +41,7 @@ def test_default_set_leaves_out_soak_and_only_picks_in_order() -> None:
         "gateway",
         "big_bodies",
         "moe",
+        "checkpoints",
         "mfu",
     ]
     args = suite.parse_args(["--quick", "--only", "mfu", "soak", "queue"])
@@ -222,3 +228,32 @@ def test_mfu_s_plain_baseline_computes_the_engine_s_gradients() -> None:
         assert got.keys() == want.keys() and want
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6)
+
+
+def test_checkpoint_bench_times_the_worker_s_writes_and_reads_in_both_stores(
+    s3_server: object_store.S3Server, tmp_path: Path
+) -> None:
+    """bench.checkpoint_storage on a tiny random model: each kind is written and read back
+    through a directory and a bucket, the same bytes in both, and the table has a row each."""
+    from bench import checkpoint_storage as bench
+
+    pool = lora_pool(build_model(TINY, "cpu", torch.float32), BASE_NAME, adapters=1)
+    adapter = pool.add("m", "t", LoraConfig(rank=8), seed=0)
+    for param in adapter.params.values():
+        param.grad = torch.ones_like(param)
+    adapter.optimizer.step()
+    bucket = s3_server.bucket()
+    stores = {
+        "local": lambda _cache: LocalStore(tmp_path / "disk"),
+        "s3": lambda cache: s3_server.store(bucket, cache),
+    }
+    results = [
+        bench.measure(pool, adapter, kind, name, open_store, tmp_path, repeats=2)
+        for kind in bench.KINDS
+        for name, open_store in stores.items()
+    ]
+    sizes = [m.bytes for m in results]
+    assert sizes[0::2] == sizes[1::2] and sizes[0] < sizes[2] < sizes[4]
+    assert all(len(m.save_s) == len(m.load_s) == 2 for m in results)
+    text = bench.render(results, "tiny", 2, 1000)
+    assert text.startswith(bench.SECTION + "\n") and text.count("\n| ") == 2 + len(bench.KINDS)

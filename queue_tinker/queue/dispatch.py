@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from queue_tinker.errors import LeaseLostError
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.records import flatten_record
 from queue_tinker.queue.scripts import ScriptCall, Scripts, run_pipelined
-from queue_tinker.types import JobStatus, OpKind
+from queue_tinker.types import JobStatus, OpKind, Record
 from queue_tinker.types.ops import Op as Op  # re-exported: the worker takes Op from here
 
 T = TypeVar("T")
@@ -298,10 +301,19 @@ class Dispatcher:
         return _start(reply)
 
     async def publish(
-        self, lease: Lease, op: Op, outcome: Outcome, *, trim_upto: int | None
+        self,
+        lease: Lease,
+        op: Op,
+        outcome: Outcome,
+        *,
+        trim_upto: int | None,
+        records: Sequence[Record] = (),
     ) -> None:
-        """Publish the op's outcome and advance the model; raises LeaseLostError if fenced."""
+        """Publish the op's outcome and advance the model; raises LeaseLostError if fenced.
+        `records` (what the op made: a checkpoint's row) go onto the records stream in the
+        same script, so a worker that lost its lease cannot record them either."""
         keys, args = self._publish_call(lease, op, outcome, trim_upto, started=True)
+        args.append(_packed(records))
         try:
             await self.scripts.publish(keys=keys, args=args)
         except ResponseError as exc:
@@ -378,6 +390,15 @@ class Dispatcher:
                 keys.prefix,
             ],
         )
+
+
+def _packed(records: Sequence[Record]) -> bytes:
+    """Records as publish.lua's last argument: a msgpack list of flat [field, value, ...]
+    lists, one per stream entry; empty for none."""
+    if not records:
+        return b""
+    entries = [[str(part) for pair in flatten_record(r).items() for part in pair] for r in records]
+    return bytes(msgpack.packb(entries))
 
 
 async def command_worker(redis: Redis, keys: Keys, worker_id: str, command: str) -> None:

@@ -50,9 +50,11 @@ class CheckpointStore(ABC):
         """A fresh, empty local directory to write the file set for `key` into, then commit."""
 
     @abstractmethod
-    def commit(self, key: str, staged: Path) -> None:
+    def commit(self, key: str, staged: Path, expect: str | None = None) -> None:
         """Make the files of `staged` the file set at `key`, replacing any there; readers see
-        the old set or the new one, never a mix. `staged` is consumed."""
+        the old set or the new one, never a mix. `staged` is consumed. `expect`, a version
+        read_meta_version gave: only if the set is still that one ("" : still none), else
+        CheckpointReplacedError; None: whatever is there."""
 
     @abstractmethod
     def discard(self, staged: Path) -> None:
@@ -98,6 +100,11 @@ class CheckpointStore(ABC):
 
     def read_meta_text(self, key: str) -> str | None:
         return self.read_text(key, META_FILE)
+
+    def read_meta_version(self, key: str) -> tuple[str | None, str | None]:
+        """The meta's text and the version commit(expect=...) checks ("" when there is no
+        set); a store that cannot check one gives None."""
+        return self.read_meta_text(key), None
 
 
 def check_key(key: str) -> str:

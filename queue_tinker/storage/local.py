@@ -64,7 +64,8 @@ class LocalStore(CheckpointStore):
         # Beside the target, so commit is a rename on one file system.
         return Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
 
-    def commit(self, key: str, staged: Path) -> None:
+    def commit(self, key: str, staged: Path, expect: str | None = None) -> None:
+        # No versions here (read_meta_version gives None): a rename has no condition.
         replace_dir(staged, self.directory(key))
 
     def discard(self, staged: Path) -> None:

@@ -3,9 +3,13 @@
 `s3://bucket/prefix/<key>/<file>` holds a file set as plain objects, so a checkpoint stays an
 ordinary PEFT file set there too. S3 has no rename, so a commit uploads the data files first
 and the meta last, each object tagged with the commit's generation; the meta's own metadata
-names the generation and the files. A reader takes the meta, then each file only if it carries
-the meta's generation (a file of a newer commit going on sends it back to the meta), so it sees
-one whole set, never a mix, even while a set (a snapshot) is being replaced.
+names the generation and the files' objects. A reader takes the meta, then each file only if
+it carries the meta's generation, so it sees one whole set, never a mix. A commit that replaces
+a set (a snapshot) puts its data files under names of its own (`<generation>.<file>`), so the
+set it replaces stays whole until its meta moves, and the objects of a writer that never got
+its meta in (killed, or fenced) harm no reader. With `expect`, the meta goes up only over the
+version the writer read (a conditional PUT: If-Match, or If-None-Match when there was none):
+the store itself refuses a late writer, however late its request arrives.
 
 Reads land in a local cache directory (one copy per key, reused while its generation is the
 stored one); writes are staged in it and kept as the cached copy once uploaded. The cache is
@@ -24,7 +28,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
+from queue_tinker.errors import (
+    CheckpointPathError,
+    CheckpointReplacedError,
+    StorageUnavailableError,
+)
 from queue_tinker.storage import cache
 from queue_tinker.storage.base import CheckpointStore, Removal, StillDue, check_key
 from queue_tinker.storage.cache import GENERATION_MARKER
@@ -37,6 +45,7 @@ GENERATION = "qt-generation"  # object metadata: the commit a file belongs to
 FILES = "qt-files"  # the meta's metadata: the set's other files, comma-separated
 READ_TRIES = 3  # a set replaced while read is read again, this many times at most
 NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+REPLACED = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -192,22 +201,25 @@ class S3Store(CheckpointStore):
     def discard(self, staged: Path) -> None:
         shutil.rmtree(staged, ignore_errors=True)
 
-    def commit(self, key: str, staged: Path) -> None:
+    def commit(self, key: str, staged: Path, expect: str | None = None) -> None:
         generation = uuid.uuid4().hex
-        names = sorted(p.name for p in staged.iterdir() if p.is_file() and p.name != META_FILE)
+        files = sorted(p.name for p in staged.iterdir() if p.is_file() and p.name != META_FILE)
         try:
             before = self._listing(key)
+            # Replacing a set: the new files beside the old, never over them.
+            prefix = f"{generation}." if META_FILE in before else ""
+            names = [prefix + name for name in files]
             with self._reaching(f"upload {key}"):
-                for name in names:
+                for file, name in zip(files, names, strict=True):
                     self.client.upload_file(
-                        str(staged / name),
+                        str(staged / file),
                         self.bucket,
                         self._object(key, name),
                         ExtraArgs={"Metadata": {GENERATION: generation}},
                         Config=self.transfer,
                     )
                 # The meta last: until it is there, readers see the previous set or none.
-                self._put_meta(key, (staged / META_FILE).read_bytes(), generation, names)
+                self._put_meta(key, (staged / META_FILE).read_bytes(), generation, names, expect)
         except BaseException:
             self.discard(staged)
             raise
@@ -226,14 +238,31 @@ class S3Store(CheckpointStore):
             replace_dir(staged, cached)
             self._trim_cache()
 
-    def _put_meta(self, key: str, body: bytes, generation: str, names: list[str]) -> None:
-        self.client.put_object(
-            Bucket=self.bucket,
-            Key=self._object(key, META_FILE),
-            Body=body,
-            Metadata={GENERATION: generation, FILES: ",".join(names)},
-            ContentType="application/json",
-        )
+    def _put_meta(
+        self, key: str, body: bytes, generation: str, names: list[str], expect: str | None = None
+    ) -> None:
+        from botocore.exceptions import ClientError
+
+        # A conditional PUT: only over the meta the writer read, or where there was none.
+        condition: dict[str, str] = {}
+        if expect is not None:
+            condition = {"IfMatch": expect} if expect else {"IfNoneMatch": "*"}
+        try:
+            self.client.put_object(
+                Bucket=self.bucket,
+                Key=self._object(key, META_FILE),
+                Body=body,
+                Metadata={GENERATION: generation, FILES: ",".join(names)},
+                ContentType="application/json",
+                **condition,
+            )
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in REPLACED:
+                raise CheckpointReplacedError(
+                    f"checkpoint storage {self.root}: {key} was replaced by another writer "
+                    "after this one read it; not written over"
+                ) from err
+            raise
 
     def write_text(self, key: str, name: str, text: str) -> bool:
         head = self._head(key, name)
@@ -253,6 +282,13 @@ class S3Store(CheckpointStore):
             self.client.put_object(Bucket=self.bucket, Key=self._object(key, name), Body=b"")
 
     # --- reading -------------------------------------------------------------------------
+    def read_meta_version(self, key: str) -> tuple[str | None, str | None]:
+        response = self._get(key, META_FILE)
+        if response is None:
+            return None, ""
+        with self._reaching(f"read {key}/{META_FILE}"):
+            return bytes(response["Body"].read()).decode(), str(response["ETag"])
+
     def read_text(self, key: str, name: str) -> str | None:
         response = self._get(key, name)
         if response is None:
@@ -313,7 +349,8 @@ class S3Store(CheckpointStore):
                 response = self._get(key, name)
                 if response is None or response.get("Metadata", {}).get(GENERATION) != generation:
                     return None
-                with self._reaching(f"read {key}/{name}"), (tmp / name).open("wb") as out:
+                file = tmp / name.removeprefix(f"{generation}.")
+                with self._reaching(f"read {key}/{name}"), file.open("wb") as out:
                     shutil.copyfileobj(response["Body"], out, 2**20)
             (tmp / META_FILE).write_bytes(meta)
             (tmp / GENERATION_MARKER).write_text(generation)
@@ -326,8 +363,12 @@ class S3Store(CheckpointStore):
         head = self._head(key, META_FILE)
         if head is None:
             return {}
-        names = set(head.get("Metadata", {}).get(FILES, "").split(",")) | {META_FILE}
-        return {n: size for n, size in self._listing(key).items() if n in names}
+        metadata = head.get("Metadata", {})
+        names = set(metadata.get(FILES, "").split(",")) | {META_FILE}
+        generation = f"{metadata.get(GENERATION, '')}."
+        return {
+            n.removeprefix(generation): size for n, size in self._listing(key).items() if n in names
+        }
 
     # --- removing, copying, URLs ---------------------------------------------------------
     def remove(self, key: str, still_due: StillDue | None = None) -> Removal:
@@ -349,6 +390,7 @@ class S3Store(CheckpointStore):
         if head is None:
             raise FileNotFoundError(self.location(source))
         names = [n for n in head.get("Metadata", {}).get(FILES, "").split(",") if n]
+        source_generation = f"{head.get('Metadata', {}).get(GENERATION, '')}."
         sizes = self._listing(source)
         generation = uuid.uuid4().hex
         with self._reaching(f"copy {source} to {destination}"):
@@ -357,7 +399,7 @@ class S3Store(CheckpointStore):
                 self.client.copy(
                     {"Bucket": self.bucket, "Key": self._object(source, name)},
                     self.bucket,
-                    self._object(destination, name),
+                    self._object(destination, name.removeprefix(source_generation)),
                     ExtraArgs={
                         "Metadata": {GENERATION: generation},
                         "MetadataDirective": "REPLACE",
@@ -365,7 +407,8 @@ class S3Store(CheckpointStore):
                     Config=self.transfer,
                 )
             body = meta_text.encode()
-            self._put_meta(destination, body, generation, names)
+            copied = [name.removeprefix(source_generation) for name in names]
+            self._put_meta(destination, body, generation, copied)
         return sum(sizes.get(n, 0) for n in names) + len(body)
 
     def download_url(self, key: str, name: str, expires_s: int) -> str | None:

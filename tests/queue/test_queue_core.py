@@ -12,7 +12,8 @@ from queue_tinker.queue.actions import cancel_job
 from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome
 from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
-from queue_tinker.types import JobStatus, OpKind
+from queue_tinker.queue.records import parse_record
+from queue_tinker.types import CheckpointKind, CheckpointRecord, JobStatus, OpKind
 
 BASE = "tiny"
 
@@ -127,6 +128,59 @@ async def test_stale_owner_is_fenced_out(jobs: JobQueue, redis: Redis, keys: Key
     fields = await jobs.job_fields("j1")
     assert fields["worker_id"] == "wB" and fields["attempts"] == "2"
     assert await worker_b.renew([lease_b]) == [True]
+
+
+def saved(model: str, name: str) -> CheckpointRecord:
+    return CheckpointRecord(
+        id=f"tinker://{model}/weights/{name}",
+        model_id=model,
+        tenant_id="default",
+        name=name,
+        kind=CheckpointKind.STATE,
+        path=f"s3://bucket/{model}/weights/{name}",
+        size_bytes=10,
+        created_at=1.0,
+    )
+
+
+async def test_an_ops_records_land_with_its_publish_and_not_without_its_lease(
+    jobs: JobQueue, redis: Redis, keys: Keys
+) -> None:
+    """A save's checkpoint record rides in the fenced publish: an owner cut off while it ran
+    the save, back after a takeover, records nothing; the new owner's publish records it,
+    before the request's own record."""
+    model = await new_model(jobs)
+    await jobs.enqueue(model, OpKind.SAVE_STATE, b"", job_id="j1")
+    worker_a, worker_b = dispatcher(redis, keys, "wA", 300), dispatcher(redis, keys, "wB")
+    lease_a = await worker_a.claim(model)
+    assert lease_a is not None
+    ops, _, _ = await worker_a.read({model: 0}, b"0-0", block_ms=100)
+    assert (await worker_a.start(lease_a, ops[0])).run
+    await asyncio.sleep(0.45)  # A is cut off past its lease; B takes the model over
+    lease_b = await worker_b.claim(model)
+    assert lease_b is not None
+    before = await redis.xlen(keys.records())
+
+    done = Outcome(status=JobStatus.DONE, result=b"from A")
+    with pytest.raises(LeaseLostError):
+        await worker_a.publish(lease_a, ops[0], done, trim_upto=None, records=[saved(model, "a")])
+    assert await redis.xlen(keys.records()) == before
+
+    assert (await worker_b.start(lease_b, ops[0])).run
+    after_start = (await redis.xrevrange(keys.records(), count=1))[0][0]
+    await worker_b.publish(
+        lease_b,
+        ops[0],
+        Outcome(JobStatus.DONE, b"from B"),
+        trim_upto=1,
+        records=[saved(model, "b")],
+    )
+    added = [
+        parse_record(fields)
+        for _, fields in await redis.xrange(keys.records(), min=f"({after_start.decode()}")
+    ]
+    assert [type(r).__name__ for r in added] == ["CheckpointRecord", "RequestRecord"]
+    assert added[0] == saved(model, "b")
 
 
 async def test_release_keeps_a_model_with_pending_ops(

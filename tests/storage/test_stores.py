@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 from object_store import S3Server
 
-from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
+from queue_tinker.errors import (
+    CheckpointPathError,
+    CheckpointReplacedError,
+    StorageUnavailableError,
+)
 from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore, Removal
 from queue_tinker.storage.cache import GENERATION_MARKER, cached_copies, trim
@@ -118,6 +122,47 @@ def test_an_s3_set_is_invisible_until_its_meta_lands(s3_server: S3Server, tmp_pa
     write_set(store, KEY, seq=2, weights=b"new")  # the commit completes
     fetched = reader.fetch(KEY)
     assert fetched is not None and (fetched / "adapter_model.safetensors").read_bytes() == b"new"
+
+
+def test_a_late_writer_cannot_replace_the_set_it_read_after_another_did(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """A worker reads the snapshot's version, is cut off, and its commit arrives after the
+    model's next owner replaced the snapshot: the bucket refuses its meta (a conditional
+    PUT), its data files went up beside the set, not over it, so the newer set reads whole;
+    a first write expecting no set is refused once there is one."""
+    bucket = s3_server.bucket()
+    late = s3_server.store(bucket, tmp_path / "late-writer")
+    owner = s3_server.store(bucket, tmp_path / "next-owner")
+    key = "m-1/_snapshot"
+    write_set(owner, key, seq=5, weights=b"seq 5")
+    text, read_version = late.read_meta_version(key)
+    assert text is not None and json.loads(text)["seq"] == 5 and read_version
+    write_set(owner, key, seq=9, weights=b"seq 9")  # the next owner's snapshot
+
+    staged = late.staging(key)
+    (staged / "adapter_model.safetensors").write_bytes(b"seq 7")
+    (staged / META_FILE).write_text(json.dumps({"id": key, "seq": 7}))
+    with pytest.raises(CheckpointReplacedError, match="replaced by another writer"):
+        late.commit(key, staged, expect=read_version)
+    reader = s3_server.store(bucket, tmp_path / "reader")
+    fetched = reader.fetch(key)
+    assert fetched is not None and json.loads((fetched / META_FILE).read_text())["seq"] == 9
+    assert (fetched / "adapter_model.safetensors").read_bytes() == b"seq 9"
+    assert set(reader.files(key)) == {"adapter_model.safetensors", "adapter_config.json", META_FILE}
+
+    _, current = reader.read_meta_version(key)
+    staged = late.staging(key)
+    (staged / META_FILE).write_text(json.dumps({"id": key, "seq": 10}))
+    late.commit(key, staged, expect=current)  # over the version it read: it lands
+    assert json.loads(reader.read_meta_text(key) or "{}")["seq"] == 10
+    staged = late.staging("m-2/_snapshot")
+    (staged / META_FILE).write_text("{}")
+    late.commit("m-2/_snapshot", staged, expect="")  # none there: it lands
+    staged = late.staging("m-2/_snapshot")
+    (staged / META_FILE).write_text("{}")
+    with pytest.raises(CheckpointReplacedError):
+        late.commit("m-2/_snapshot", staged, expect="")
 
 
 def test_a_big_file_goes_up_in_parts_and_its_presigned_url_serves_it(

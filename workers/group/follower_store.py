@@ -35,6 +35,9 @@ class FollowerStore(CheckpointStore):
     def files(self, key: str) -> dict[str, int]:
         return self.store.files(key)
 
+    def read_meta_version(self, key: str) -> tuple[str | None, str | None]:
+        return self.store.read_meta_version(key)
+
     def download_url(self, key: str, name: str, expires_s: int) -> str | None:
         return self.store.download_url(key, name, expires_s)
 
@@ -42,7 +45,7 @@ class FollowerStore(CheckpointStore):
     def staging(self, key: str) -> Path:
         return Path(tempfile.mkdtemp(prefix="qt-follower-"))
 
-    def commit(self, key: str, staged: Path) -> None:
+    def commit(self, key: str, staged: Path, expect: str | None = None) -> None:
         self.discard(staged)
 
     def discard(self, staged: Path) -> None:

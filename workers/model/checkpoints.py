@@ -98,9 +98,11 @@ def write_state(
     optimizer: bool,
     grads: bool = False,
     encrypt_to: Sequence[str] = (),
+    expect: str | None = None,
 ) -> int:
     """Write `state` as the file set at `key` (replacing what was there), visible only once
-    complete; the PEFT files encrypted to `encrypt_to` when given. Returns bytes written."""
+    complete; the PEFT files encrypted to `encrypt_to` when given; only over the version
+    `expect` names, if given (CheckpointStore.commit). Returns bytes written."""
     staged = store.staging(key)
     try:
         (staged / PEFT_CONFIG).write_text(json.dumps(adapter_config, indent=2))
@@ -118,7 +120,7 @@ def write_state(
     except BaseException:
         store.discard(staged)
         raise
-    store.commit(key, staged)
+    store.commit(key, staged, expect)
     return size
 
 
@@ -126,6 +128,14 @@ def stored_meta(store: CheckpointStore, key: str) -> CheckpointMeta | None:
     """The meta of the file set at `key`, as stored now; None if there is none."""
     text = store.read_meta_text(key)
     return CheckpointMeta(**json.loads(text)) if text is not None else None
+
+
+def stored_meta_version(
+    store: CheckpointStore, key: str
+) -> tuple[CheckpointMeta | None, str | None]:
+    """stored_meta, and the version a write over exactly that set expects."""
+    text, version = store.read_meta_version(key)
+    return (CheckpointMeta(**json.loads(text)) if text is not None else None), version
 
 
 def stored_state(

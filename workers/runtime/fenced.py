@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 from queue_tinker.queue.connection import Reconnector
 from queue_tinker.queue.dispatch import Dispatcher, Op, Outcome, Start
-from queue_tinker.queue.records import RecordLog
 from queue_tinker.types.records import Record
 from queue_tinker.workers.interface import Durability
 from queue_tinker.workers.runtime.owned import OwnedModel
@@ -33,7 +32,6 @@ class FencedWrites:
         self,
         dispatch: Dispatcher,
         reconnect: Reconnector,
-        records: RecordLog,
         on_records: Callable[[list[Record]], Awaitable[None]] | None,
         ownership: Ownership,
         schedule: Scheduler,
@@ -42,7 +40,6 @@ class FencedWrites:
     ) -> None:
         self.dispatch = dispatch
         self.reconnect = reconnect
-        self.records = records
         self.on_records = on_records  # e.g. schedule checkpoint expiry
         self.ownership = ownership
         self.schedule = schedule
@@ -82,19 +79,22 @@ class FencedWrites:
     async def publish(
         self, owned: OwnedModel, op: Op, outcome: Outcome, records: list[Record]
     ) -> None:
-        """An op's records (durable before the user hears of it), then its outcome, trimming
-        the model's log to what is durable. A lost lease raises LeaseLostError."""
-        for record in records:
-            await self.reconnect.call(self.records.append, record)
-        if records and self.on_records is not None:
-            await self.reconnect.call(self.on_records, records)
+        """An op's outcome and the records it made (durable before the user hears of it), in
+        one fenced script, trimming the model's log to what is durable; then what follows from
+        the records (an expiry job). A lost lease raises LeaseLostError: a worker cut off
+        while it ran a save records nothing when it comes back."""
         await self.reconnect.call(
             self.dispatch.publish,
             owned.lease,
             op,
             outcome,
             trim_upto=self.durability.durable_seq(op.model_id),
+            records=records,
         )
+        if records and self.on_records is not None:
+            # After the publish: a worker that dies in between leaves the expiry to the
+            # housekeeper's sweep of rows past their expires_at.
+            await self.reconnect.call(self.on_records, records)
         self.activity.ops_done += 1
 
     async def publish_batch(self, batch: Batch, outcomes: list[Outcome], *, started: bool) -> None:

@@ -106,7 +106,6 @@ class Worker:
         self.fenced = FencedWrites(
             dispatcher,
             self.reconnect,
-            records,
             on_records,
             self.ownership,
             self.schedule,

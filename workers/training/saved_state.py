@@ -40,6 +40,7 @@ from queue_tinker.workers.model.checkpoints import (
     checkpoint_key,
     snapshot_key,
     stored_meta,
+    stored_meta_version,
     stored_state,
     write_state,
 )
@@ -83,7 +84,9 @@ class SavedState:
     def write_snapshot(self, adapter: Adapter, result: OpResult | None = None) -> None:
         """snapshot(), its storage errors raised (a new model's first snapshot must land)."""
         key = snapshot_key(adapter.model_id)
-        stored = stored_meta(self.store, key)
+        # The version read with the seq: the write lands only over this very snapshot, so a
+        # newer owner's written in between (this worker cut off, its upload late) stays.
+        stored, version = stored_meta_version(self.store, key)
         if stored is not None and stored.seq > adapter.last_seq:
             # Another worker owns the model now and has gone further (this one stalled past
             # its lease and has not heard yet). Going back would lose the steps in between:
@@ -115,6 +118,7 @@ class SavedState:
             self.pool.peft_adapter_config(adapter),
             optimizer=True,
             grads=True,
+            expect=version,
         )
         adapter.snapshot_seq = adapter.last_seq
 

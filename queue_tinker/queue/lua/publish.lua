@@ -7,6 +7,8 @@
 -- ARGV[9] model id   ARGV[10] trim the log up to this seq ('' = keep)   ARGV[11] error detail
 -- ARGV[12] worker id, when the op ran without start.lua (an inline op): start it here too
 -- ARGV[13] tokens the op processed   ARGV[14] key prefix
+-- ARGV[15] (optional) records the op made, for the records stream: msgpack of a list of flat
+-- {field, value, ...} lists ('' or absent: none); written only under the lease, as the rest
 -- Returns 1, or 0 if the job was already terminal; error 'LEASE_LOST' when another worker
 -- owns the model now.
 if not holds_lease(KEYS[1], ARGV[1]) then
@@ -14,6 +16,12 @@ if not holds_lease(KEYS[1], ARGV[1]) then
 end
 local seq = tonumber(ARGV[7])
 local prefix, settled = ARGV[14], {KEYS[3], KEYS[5], KEYS[4]}
+if ARGV[15] and ARGV[15] ~= '' then
+  -- Before the outcome, as before the user hears of it: what the op made is on record.
+  for _, fields in ipairs(cmsgpack.unpack(ARGV[15])) do
+    redis.call('XADD', KEYS[6], '*', unpack(fields))
+  end
+end
 if is_terminal(KEYS[2]) then
   advance_done(KEYS[3], KEYS[5], ARGV[9], seq)  -- cancelled while it ran inline
   settle_finished_after(settled, prefix, ARGV[9])
