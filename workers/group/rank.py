@@ -80,8 +80,19 @@ def serve_rank(
         resolve_model_path(base_model, settings.models_dir)  # a built-in is made once, here
     dist.barrier(group=channel.group)
     if rank == 0:
-        return lead(settings, base_model, device, shards, channel)
-    return follow_rank_0(settings, base_model, device, shards, channel)
+        code = lead(settings, base_model, device, shards, channel)
+    else:
+        code = follow_rank_0(settings, base_model, device, shards, channel)
+    leave_group(channel)
+    return code
+
+
+def leave_group(channel: Channel) -> None:
+    """Meet the other ranks once more, then take the process groups down. Left to the
+    interpreter's exit, a group's threads were torn down still running: "terminate called
+    without an active exception", and a stop that went well ended in SIGABRT."""
+    dist.barrier(group=channel.group)
+    dist.destroy_process_group()
 
 
 def lead(settings: Settings, base_model: str, device: str, shards: Shards, channel: Channel) -> int:
@@ -158,4 +169,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Out without the interpreter's teardown, once everything is flushed: C++ threads of the
+    # process groups torn down at exit have aborted a rank that had stopped cleanly.
+    os._exit(main())
