@@ -1,6 +1,6 @@
 """The ranks of a sharded worker group, driven in-process without Redis: each rank runs the same
 ops on its LoraExecutor over its shard of the base model (what the group's broadcast gives it),
-and rank 0 reports what it read back. Forked by tests/workers/model/test_tensor_parallel.py."""
+and rank 0 reports what it read back. Spawned by tests/workers/model/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -14,18 +14,26 @@ import torch.distributed as dist
 from engine_driver import Driver, batch, run_stepped
 
 from queue_tinker.queue.dispatch import Op
+from queue_tinker.storage.base import CheckpointStore
+from queue_tinker.storage.local import LocalStore
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.tensors import ModelInput
 from queue_tinker.types.training import AdamParams
 from queue_tinker.workers.executor.lora import LoraExecutor
+from queue_tinker.workers.group.follower_store import FollowerStore
 from queue_tinker.workers.model.tensor_parallel import Shards
 
 BASE = "queue-tinker/tiny-llama"
 
 
 def make_engine(root: Path, shards: Shards | None) -> LoraExecutor:
+    """One process's engine, or a rank's: as in a group, ranks 1..N-1 only read the storage
+    (two ranks writing one snapshot's directory raced each other's rename)."""
+    store: CheckpointStore = LocalStore(root / "storage")
+    if shards is not None and shards.rank != 0:
+        store = FollowerStore(store)
     return LoraExecutor(
-        BASE, "cpu", root / "storage", root / "models", max_resident=4, dtype="fp32", shards=shards
+        BASE, "cpu", store, root / "models", max_resident=4, dtype="fp32", shards=shards
     )
 
 

@@ -89,10 +89,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# Forked, not spawned: the ranks start with torch already imported (2 s for the test instead of
-# 28 s on a loaded 2-core machine, where two fresh interpreters importing torch took the rest).
-# They use no thread the parent had running: one intra-op thread, gloo of their own.
-@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.timeout(300)  # two fresh interpreters import torch: ~30 s beside a busy suite
 def test_two_ranks_train_and_sample_as_one_process(scratch: Path) -> None:
     """Two gloo ranks, each with half of every attention and MLP matrix, run the same ops as
     one process: losses, whole LoRA gradients (clipped), weights after AdamW and greedy
@@ -103,20 +100,28 @@ def test_two_ranks_train_and_sample_as_one_process(scratch: Path) -> None:
     for root in (group_root, alone_root):
         root.mkdir()
         (root / "models").symlink_to(scratch / "models")
-    fork = multiprocessing.get_context("fork")
-    results = fork.Queue()
+    # Spawned, not forked: this process has threads of its own (torch's, pytest's) that a
+    # forked child would inherit the locks of, but not the threads.
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
     port = _free_port()
     ranks = [
-        fork.Process(target=run_rank, args=(rank, 2, str(group_root), port, 2, results))
+        spawn.Process(target=run_rank, args=(rank, 2, str(group_root), port, 2, results))
         for rank in range(2)
     ]
     for process in ranks:
         process.start()
-    alone = train_script(Driver(make_engine(alone_root, None), alone_root / "storage"), 2)
-    group = pickle.loads(results.get(timeout=90))
-    for process in ranks:
-        process.join(timeout=30)
-        assert process.exitcode == 0
+    try:
+        alone = train_script(Driver(make_engine(alone_root, None), alone_root / "storage"), 2)
+        group = pickle.loads(results.get(timeout=240))
+        for process in ranks:
+            process.join(timeout=30)
+            assert process.exitcode == 0
+    finally:
+        for process in ranks:  # a rank left running would hold this test run open at its exit
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
     torch.testing.assert_close(group["losses"], alone["losses"], **CLOSE)
     for name in ("grads", "weights"):
         for got, want in zip(group[name], alone[name], strict=True):
