@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model
 from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.types.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
@@ -156,6 +156,17 @@ def adapter_name(model_id: str) -> str:
     return "a_" + re.sub(r"[^A-Za-z0-9_]", "_", model_id)
 
 
+@contextmanager
+def peft_deprecation_quiet() -> Iterator[None]:
+    """peft 0.21 asks transformers 5 a deprecated question when it adds an adapter; nothing
+    for us to change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning
+        )
+        yield
+
+
 class AdapterPool:
     """The base model plus its resident adapters, in least-recently-used order."""
 
@@ -191,15 +202,7 @@ class AdapterPool:
         name = adapter_name(model_id)
         cfg = peft_config(self.linear_names, config, self.base_model, self.expert_parameters)
         torch.manual_seed(seed)  # PEFT initialises lora_A from the global generator
-        with warnings.catch_warnings():
-            # peft 0.21 asks transformers 5 a deprecated question; nothing for us to change.
-            warnings.filterwarnings(
-                "ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning
-            )
-            if self.peft is None:
-                self.peft = get_peft_model(self.base, cfg, adapter_name=name)
-            else:
-                self.peft.add_adapter(name, cfg)
+        self._attach(name, cfg)
         self.active = None
         self._lora_layers = None  # the new adapter may adapt layers no other one did
         params = self._params_of(name)
@@ -271,6 +274,15 @@ class AdapterPool:
         self._lora_layers = None
         self.samplers[directory] = name
         return name
+
+    def _attach(self, name: str, cfg: PeftConfig) -> None:
+        """Adapter `name`, from its config, onto the base model (the first makes the
+        PeftModel)."""
+        with peft_deprecation_quiet():
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, cfg, adapter_name=name)
+            else:
+                self.peft.add_adapter(name, cfg)
 
     def _load_frozen(self, directory: Path, name: str) -> None:
         """PEFT files of `directory` as the frozen adapter `name`."""

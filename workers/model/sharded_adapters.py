@@ -5,7 +5,6 @@ adapter's first weights are exactly a one-process worker's.
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
 from pathlib import Path
 
@@ -19,7 +18,13 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model import lora_shards
-from queue_tinker.workers.model.adapters import Adapter, AdapterPool, adapter_name, peft_config
+from queue_tinker.workers.model.adapters import (
+    Adapter,
+    AdapterPool,
+    adapter_name,
+    peft_config,
+    peft_deprecation_quiet,
+)
 from queue_tinker.workers.model.checkpoints import WEIGHTS, AdapterState, CheckpointMeta
 from queue_tinker.workers.model.tensor_parallel import Shards
 
@@ -72,10 +77,7 @@ class ShardedAdapterPool(AdapterPool):
         skeleton = _weightless_model(self.whole_config, self.base_model)
         cfg = peft_config(self.linear_names, config, self.base_model, self.expert_parameters)
         torch.manual_seed(seed)  # as AdapterPool.add: PEFT draws lora_A from the global generator
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning
-            )
+        with peft_deprecation_quiet():
             peft = get_peft_model(skeleton, cfg, adapter_name=name)
         marker = f".{name}."
         return {
@@ -114,14 +116,7 @@ class ShardedAdapterPool(AdapterPool):
         config, then load this rank's part of the files."""
         cfg = PeftConfig.from_pretrained(str(directory))
         cfg.inference_mode = True
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message=".*is_gradient_checkpointing.*deprecated", category=FutureWarning
-            )
-            if self.peft is None:
-                self.peft = get_peft_model(self.base, cfg, adapter_name=name)
-            else:
-                self.peft.add_adapter(name, cfg)
+        self._attach(name, cfg)
         whole = load_file(str(directory / WEIGHTS))
         set_peft_model_state_dict(
             self.peft, lora_shards.split(whole, self.shards), adapter_name=name
