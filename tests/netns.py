@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from queue_tinker.local.processes import pid_alive
+
 IP = shutil.which("ip") or "/usr/sbin/ip"
 NAME_PREFIX = "qtnh"  # namespaces named qtnh<pid>x<hex>: a dead pid marks one left by an abort
 COMMAND_TIMEOUT_S = 10.0
@@ -51,18 +53,8 @@ def sweep_abandoned() -> None:
     listed = _ip("netns", "list", check=False).stdout.split()
     for name in listed:
         pid = name.removeprefix(NAME_PREFIX).split("x", 1)[0]
-        if name.startswith(NAME_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+        if name.startswith(NAME_PREFIX) and pid.isdigit() and not pid_alive(int(pid)):
             _ip("netns", "del", name, check=False)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
