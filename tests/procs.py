@@ -313,10 +313,9 @@ class RedisServer:
     writes the AOF and exits) or kill it (SIGKILL), then start it again on the same port and
     directory: it reloads the AOF."""
 
-    def __init__(self, data_dir: Path, *, appendfsync: str = "everysec") -> None:
+    def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.port = free_port()
-        self.appendfsync = appendfsync
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -344,8 +343,10 @@ class RedisServer:
                 "",
                 "--appendonly",
                 "yes",
+                # fsync before each reply, as compose: with everysec a kill -9 while the disk
+                # is busy (a parallel test run) loses acknowledged writes.
                 "--appendfsync",
-                self.appendfsync,
+                "always",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -390,8 +391,8 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server(data_dir: Path, *, appendfsync: str = "everysec") -> Iterator[RedisServer]:
-    server = RedisServer(data_dir, appendfsync=appendfsync)
+def redis_server(data_dir: Path) -> Iterator[RedisServer]:
+    server = RedisServer(data_dir)
     server.start()
     try:
         yield server
