@@ -145,6 +145,14 @@ class Settings(BaseSettings):
         description="How long a worker keeps an idle model before releasing it; keeps its "
         "adapter resident for the next burst of ops.",
     )
+    max_op_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="How many times an op may start. An op whose worker dies under it (killed, "
+        "out of host memory, crashed) or loses its lease runs again on the model's next owner; "
+        "one started this many times without finishing fails unrun, with an error naming the "
+        "count, so one op cannot end every worker of its base model in turn.",
+    )
     result_ttl_s: int = Field(
         default=3_600,
         gt=0,

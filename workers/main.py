@@ -142,6 +142,7 @@ async def serve_worker(
         base_model=base_model,
         lease_ttl_ms=settings.lease_ttl_ms,
         result_ttl_s=settings.result_ttl_s,
+        max_attempts=settings.max_op_attempts,
     )
     log.info("loading %s on %s (%s engine)", base_model, config.device, engine)
     try:

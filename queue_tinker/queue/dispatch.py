@@ -47,6 +47,9 @@ class Start:
     # Set: a stop was asked while an earlier owner ran it, and that owner died before it could
     # stop it; the op is marked running, but fails with this reason instead of running again.
     stop_reason: str = ""
+    # Set (run False): the op was started QT_MAX_OP_ATTEMPTS times and never finished; it is
+    # marked running, and the worker publishes it failed with this error instead of running it.
+    spent: str = ""
 
     @property
     def limited(self) -> bool:
@@ -55,17 +58,29 @@ class Start:
 
 def _start(reply: object) -> Start:
     """start.lua's reply: {1} run, {0} already finished, {2, retry_ms} over a limit,
-    {3, reason} stopped before this owner ran it."""
+    {3, reason} stopped before this owner ran it, {4, attempts} started too often."""
     assert isinstance(reply, list), reply
     code = int(reply[0])
     if code == 2:
         return Start(run=False, retry_ms=max(1, int(reply[1])))
+    if code == 4:
+        return Start(run=False, spent=spent_error(int(reply[1])))
     if code == 3:
         reason = reply[1]
         return Start(
             run=True, stop_reason=reason.decode() if isinstance(reason, bytes) else str(reason)
         )
     return Start(run=code == 1)
+
+
+def spent_error(attempts: int) -> str:
+    """Why an op started `attempts` times without finishing fails unrun."""
+    return (
+        f"this op was started {attempts} times and never finished: each worker that ran it "
+        "died (killed, out of memory, crashed) or lost its lease first; it fails unrun so it "
+        "cannot end every worker in turn (the limit is QT_MAX_OP_ATTEMPTS); the model's "
+        "later ops run as usual"
+    )
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,7 @@ class Dispatcher:
         base_model: str,
         lease_ttl_ms: int,
         result_ttl_s: int,
+        max_attempts: int = 3,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -143,6 +159,7 @@ class Dispatcher:
         self.base_model = base_model
         self.lease_ttl_ms = lease_ttl_ms
         self.result_ttl_s = result_ttl_s
+        self.max_attempts = max_attempts  # QT_MAX_OP_ATTEMPTS
         self.scripts = Scripts.load(redis)
 
     # --- offers and leases -----------------------------------------------------------------
@@ -352,7 +369,7 @@ class Dispatcher:
                 keys.model_meta(op.model_id),
                 keys.pending(self.base_model),
             ],
-            [lease.token, self.worker_id, keys.prefix, op.seq, op.model_id],
+            [lease.token, self.worker_id, keys.prefix, op.seq, op.model_id, self.max_attempts],
         )
 
     def _publish_call(

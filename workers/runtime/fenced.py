@@ -10,8 +10,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
+from queue_tinker.errors import ErrorCategory
 from queue_tinker.queue.connection import Reconnector
 from queue_tinker.queue.dispatch import Dispatcher, Op, Outcome, Start
+from queue_tinker.types import JobStatus
 from queue_tinker.types.records import Record
 from queue_tinker.workers.interface import Durability
 from queue_tinker.workers.runtime.owned import OwnedModel
@@ -54,6 +56,8 @@ class FencedWrites:
         if start.limited:
             self.schedule.hold_back(owned, [op], start.retry_ms, time.monotonic())
             return False
+        if start.spent:
+            await self.publish(owned, op, spent_outcome(start.spent), [])
         return start.run
 
     async def start_batch(self, batch: Batch) -> Started:
@@ -66,6 +70,13 @@ class FencedWrites:
         )
         decided = list(zip(batch, starts, strict=True))
         self.ownership.drop_lost([owned for (owned, _), start in decided if start is None])
+        spent = [(pair, start.spent) for pair, start in decided if start and start.spent]
+        if spent:  # started too often: failed unrun (runs_now is False for them)
+            await self.publish_batch(
+                [pair for pair, _ in spent],
+                [spent_outcome(error) for _, error in spent],
+                started=True,
+            )
         for owned, ops, start in _limited_by_model(decided):
             self.schedule.hold_back(owned, ops, start.retry_ms, time.monotonic())
         stops = {
@@ -120,6 +131,11 @@ class FencedWrites:
             and start.run
             and self.ownership.owned.get(owned.lease.model_id) is owned
         )
+
+
+def spent_outcome(error: str) -> Outcome:
+    """What an op started too often is published as, instead of running it again."""
+    return Outcome(status=JobStatus.FAILED, error=error, error_category=ErrorCategory.SERVER.value)
 
 
 def _limited_by_model(

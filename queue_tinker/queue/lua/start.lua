@@ -3,10 +3,12 @@
 -- KEYS[1] model lease   KEYS[2] job hash   KEYS[3] records stream   KEYS[4] model meta
 -- KEYS[5] pending set of the base
 -- ARGV[1] token   ARGV[2] worker id   ARGV[3] key prefix   ARGV[4] seq   ARGV[5] model id
+-- ARGV[6] most starts an op gets: one started that often already ended every worker that ran it
 -- Returns {1} started; {3, reason} started, but a stop was asked while an earlier owner ran it
--- (stop_running.lua): fail it with the reason, do not run it; {0} the job is already terminal
--- (skip it: an earlier owner finished it, or it was cancelled); {2, retry after ms} over a
--- limit; error 'LEASE_LOST'.
+-- (stop_running.lua): fail it with the reason, do not run it; {4, attempts} started, but it
+-- was started ARGV[6] times already and never finished: fail it unrun, so it cannot end every
+-- worker in turn; {0} the job is already terminal (skip it: an earlier owner finished it, or
+-- it was cancelled); {2, retry after ms} over a limit; error 'LEASE_LOST'.
 if not holds_lease(KEYS[1], ARGV[1]) then
   return redis.error_reply('LEASE_LOST')
 end
@@ -21,9 +23,11 @@ if is_terminal(KEYS[2]) then
   return {0}
 end
 local prefix = ARGV[3]
-local job = redis.call('HMGET', KEYS[2], 'id', 'tenant_id', 'stop_reason')
+local job = redis.call('HMGET', KEYS[2], 'id', 'tenant_id', 'stop_reason', 'attempts')
+local attempts = tonumber(job[4] or '0')
+local spent = attempts >= tonumber(ARGV[6])
 local reason, retry_ms = '', 0
-if not job[3] then  -- an op that will not run waits for no limit
+if not job[3] and not spent then  -- an op that will not run waits for no limit
   reason, retry_ms = op_refusal(prefix, job[2], job[1])
 end
 if reason ~= '' then
@@ -37,5 +41,8 @@ redis.call('HINCRBY', KEYS[2], 'attempts', 1)
 record_job(KEYS[2], KEYS[3])
 if job[3] then
   return {3, job[3]}
+end
+if spent then
+  return {4, attempts}
 end
 return {1}

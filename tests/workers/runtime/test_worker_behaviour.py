@@ -176,3 +176,52 @@ def test_heartbeats_keep_the_lease_through_a_long_op(
             assert job_fields(settings, slow.request_id)["attempts"] == "1"
     finally:
         service.close()
+
+
+def test_an_op_that_ends_every_worker_running_it_fails_unrun_after_max_attempts(
+    redis_url: str, database_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    """An op whose worker dies under it each time (kill -9 whenever it starts) runs
+    QT_MAX_OP_ATTEMPTS times; the next owner fails it unrun, saying why, instead of dying in
+    turn. The model's later ops run on that owner, which lives on."""
+    settings = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        data_dir=tmp_path / "data",
+        lease_ttl_ms=1_000,
+        heartbeat_ms=200,
+        linger_ms=60_000,
+        max_op_attempts=2,
+    )
+    service = ServiceClient(settings)
+    workers = [WorkerProcess(settings, "tiny", tmp_path / "worker-0.log")]
+    try:
+        wait_for_workers(settings, 1)
+        client = service.create_lora_training_client("tiny", rank=4)
+        assert client.ping("before").result(timeout=20) == {"data": "before", "seq": 2}
+        doomed = client.ping("doomed", delay_ms=60_000)
+        for attempt in (1, 2):
+            wait_until(
+                lambda n=attempt: job_fields(settings, doomed.request_id).get("attempts") == str(n),
+                what=f"start {attempt} of the op",
+            )
+            owner = job_fields(settings, doomed.request_id)["worker_id"]
+            os.kill(worker_pid(settings, owner), signal.SIGKILL)
+            workers.append(WorkerProcess(settings, "tiny", tmp_path / f"worker-{attempt}.log"))
+        with pytest.raises(
+            RequestFailedError, match="started 2 times and never finished"
+        ) as caught:
+            doomed.result(timeout=30)
+        assert caught.value.category is ErrorCategory.SERVER
+        assert "QT_MAX_OP_ATTEMPTS" in str(caught.value)
+        fields = job_fields(settings, doomed.request_id)
+        assert (fields["status"], fields["attempts"]) == ("failed", "3")
+        assert client.ping("after").result(timeout=20) == {"data": "after", "seq": 4}
+        assert job_fields(settings, doomed.request_id)["worker_id"] == lease_holder(
+            settings, client.model_id
+        )
+    finally:
+        service.close()
+        codes = [w.stop() for w in workers]
+        assert codes[-1] == 0, workers[-1].log()[-3000:]
