@@ -75,8 +75,9 @@ def _start(reply: object) -> Start:
 
 def spent_error(attempts: int) -> str:
     """Why an op started `attempts` times without finishing fails unrun."""
+    times = "once" if attempts == 1 else f"{attempts} times"
     return (
-        f"this op was started {attempts} times and never finished: each worker that ran it "
+        f"this op was started {times} and never finished: each worker that ran it "
         "died (killed, out of memory, crashed) or lost its lease first; it fails unrun so it "
         "cannot end every worker in turn (the limit is QT_MAX_OP_ATTEMPTS); the model's "
         "later ops run as usual"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 from queue_tinker.errors import ErrorCategory
@@ -16,6 +17,7 @@ from queue_tinker.queue.dispatch import Dispatcher, Op, Outcome, Start
 from queue_tinker.types import JobStatus
 from queue_tinker.types.records import Record
 from queue_tinker.workers.interface import Durability
+from queue_tinker.workers.runtime.compute import ComputeThread
 from queue_tinker.workers.runtime.owned import OwnedModel
 from queue_tinker.workers.runtime.ownership import Ownership
 from queue_tinker.workers.runtime.presence import Activity
@@ -39,6 +41,7 @@ class FencedWrites:
         schedule: Scheduler,
         durability: Durability,
         activity: Activity,
+        compute: ComputeThread,
     ) -> None:
         self.dispatch = dispatch
         self.reconnect = reconnect
@@ -47,6 +50,7 @@ class FencedWrites:
         self.schedule = schedule
         self.durability = durability
         self.activity = activity
+        self.compute = compute
 
     async def start(self, owned: OwnedModel, op: Op) -> bool:
         """Mark one op running; whether it runs now (not over its tenant's limit, which puts it
@@ -57,6 +61,8 @@ class FencedWrites:
             self.schedule.hold_back(owned, [op], start.retry_ms, time.monotonic())
             return False
         if start.spent:
+            if await self._holds(op):
+                return True
             await self.publish(owned, op, spent_outcome(start.spent), [])
         return start.run
 
@@ -70,11 +76,17 @@ class FencedWrites:
         )
         decided = list(zip(batch, starts, strict=True))
         self.ownership.drop_lost([owned for (owned, _), start in decided if start is None])
-        spent = [(pair, start.spent) for pair, start in decided if start and start.spent]
-        if spent:  # started too often: failed unrun (runs_now is False for them)
+        spent = [(pair, start) for pair, start in decided if start and start.spent]
+        held = {op.job_id for (_, op), _ in spent if await self._holds(op)}
+        decided = [
+            (pair, replace(start, run=True) if start and pair[1].job_id in held else start)
+            for pair, start in decided
+        ]
+        failed = [(pair, start.spent) for pair, start in spent if pair[1].job_id not in held]
+        if failed:  # started too often: failed unrun (runs_now is False for them)
             await self.publish_batch(
-                [pair for pair, _ in spent],
-                [spent_outcome(error) for _, error in spent],
+                [pair for pair, _ in failed],
+                [spent_outcome(error) for _, error in failed],
                 started=True,
             )
         for owned, ops, start in _limited_by_model(decided):
@@ -122,6 +134,13 @@ class FencedWrites:
         self.ownership.drop_lost(
             [owned for (owned, _), ok in zip(batch, published, strict=True) if not ok]
         )
+
+    async def _holds(self, op: Op) -> bool:
+        """Whether the model's state already holds the op: it wrote the snapshot the state
+        was restored from, and its workers died before publishing. Run, it only publishes
+        the result kept with the snapshot, so it runs however often it was started."""
+        point = await self.compute.run(self.durability.restore_point, op.model_id)
+        return point is not None and op.seq <= point
 
     def _runs_now(self, owned: OwnedModel, start: Start | None) -> bool:
         """Whether an op start_batch decided on runs now: told to run, and its model still

@@ -111,6 +111,7 @@ class Worker:
             self.schedule,
             engine.durability,
             self.activity,
+            self.compute,
         )
         self.turns = Turns(
             self.id,

@@ -33,7 +33,8 @@ from training_runs import ADAM, BATCHES, TINY, adapter_weights
 
 import queue_tinker as tinker
 from queue_tinker.client.future import APIFuture
-from queue_tinker.queue.dispatch import Op
+from queue_tinker.queue.dispatch import Dispatcher, Op, Outcome
+from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.records import RecordLog
 from queue_tinker.services import recorder as recorder_module
@@ -41,7 +42,7 @@ from queue_tinker.services.recorder import Recorder
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.queries import get_training_run
-from queue_tinker.types import ModelRecord, OpKind, codec
+from queue_tinker.types import JobStatus, ModelRecord, OpKind, codec
 from queue_tinker.types.training import (
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -405,6 +406,72 @@ def test_an_op_in_the_snapshot_but_never_published_is_not_applied_twice(
     assert again.metrics is not None and again.metrics["step:max"] == 2
     assert second.pool.adapters[model].step == 2
     assert_same_weights(weights_of(second, model), weights_of(first, model))
+
+
+async def test_an_op_its_snapshot_holds_is_published_however_often_it_was_started(
+    aredis: AsyncRedis, redis_url: str, database_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    """The owner wrote the periodic snapshot inside optim_step and died before publishing it,
+    as often as QT_MAX_OP_ATTEMPTS allows. Its effect is in the snapshot, so the next owner
+    (a worker process) runs it, publishing the result the snapshot kept: failed unrun, the op
+    would be reported failed though the model holds its step."""
+    settings = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        data_dir=tmp_path / "data",
+        storage=str(tmp_path / "storage"),
+        lease_ttl_ms=1_000,
+        heartbeat_ms=200,
+        snapshot_every_steps=2,
+        max_op_attempts=1,
+    )
+    model, log = f"kept-{key_prefix}", training_log(f"kept-{key_prefix}", 2)  # seq 5 snapshots
+    first = LoraExecutor(TINY, "cpu", tmp_path / "storage", tmp_path / "models", snapshot_every=2)
+    results = [first.execute(op) for op in log]
+    keys = Keys(key_prefix)
+    jobs = JobQueue(aredis, keys, result_ttl_s=600)
+    create = codec.decode(log[0].payload)
+    await jobs.register_model(
+        model,
+        base_model=TINY,
+        tenant_id="default",
+        session_id=None,
+        lora_config=create["lora_config"],
+    )
+    for op in log:
+        await jobs.enqueue(model, op.kind, op.payload, job_id=op.job_id)
+    # The owner that died: published seq 1-4, started seq 5 (its one attempt), then went away.
+    dead = Dispatcher(
+        aredis,
+        keys,
+        worker_id="dead",
+        base_model=TINY,
+        lease_ttl_ms=1_000,
+        result_ttl_s=600,
+        max_attempts=1,
+    )
+    assert await dead.take_offer() == model
+    lease = await dead.claim(model)
+    assert lease is not None
+    for op, result in zip(log, results, strict=True):
+        assert (await dead.start(lease, op)).run
+        if op.seq < 5:
+            done = Outcome(JobStatus.DONE, result=result.result, metrics=result.metrics)
+            await dead.publish(lease, op, done, trim_upto=None)
+    worker = WorkerProcess(settings, TINY, tmp_path / "worker.log", engine="lora")
+    try:
+        deadline = time.monotonic() + 60
+        job = keys.job(log[-1].job_id)
+        while (await aredis.hget(job, "status")) not in (b"done", b"failed"):
+            assert time.monotonic() < deadline, worker.log()[-3000:]
+            await asyncio.sleep(0.05)
+        fields = await aredis.hgetall(job)
+        assert fields[b"status"] == b"done", fields.get(b"error")
+        assert fields[b"attempts"] == b"2"
+        assert fields[b"result"] == results[-1].result
+    finally:
+        assert worker.stop() == 0, worker.log()[-3000:]
 
 
 def test_a_snapshot_swap_cut_short_by_a_kill_is_recovered(
