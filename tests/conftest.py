@@ -28,6 +28,7 @@ from procs import (
     gateway_process,
     lora_deployment,
     make_key,
+    sdk_client,
 )
 from redis.asyncio import Redis as AsyncRedis
 
@@ -174,7 +175,7 @@ def key(deployment: Settings) -> str:
 @pytest.fixture
 def sdk_service(gateway: str, key: str) -> Iterator[tinker.ServiceClient]:
     """The official tinker SDK's ServiceClient on the module's gateway, as that key's tenant."""
-    with tinker.ServiceClient(base_url=gateway, api_key=key) as client:
+    with sdk_client(gateway, key) as client:
         yield client
 
 

@@ -35,6 +35,7 @@ from procs import (
     lora_deployment,
     make_key,
     run_script,
+    sdk_client,
 )
 from sqlalchemy import text
 from tinker import types
@@ -774,7 +775,7 @@ def test_a_request_the_sdk_retries_runs_once(
 ) -> None:
     with (
         FlakyProxy(gateway, path) as proxied,
-        tinker.ServiceClient(base_url=proxied, api_key=key) as sdk_service,
+        sdk_client(proxied, key) as sdk_service,
     ):
         trainer = sdk_service.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
         tokenizer = trainer.get_tokenizer()
@@ -1124,7 +1125,7 @@ def test_the_sdk_gets_401_without_a_valid_key(gateway: str) -> None:
         assert response.status_code == 401, path
     with (
         pytest.raises(tinker.AuthenticationError),
-        tinker.ServiceClient(base_url=gateway, api_key="tml-nope") as sdk_service,
+        sdk_client(gateway, "tml-nope") as sdk_service,
     ):
         sdk_service.create_lora_training_client(base_model=TINY, rank=4).result()
 

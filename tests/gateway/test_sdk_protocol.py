@@ -24,7 +24,7 @@ import redis
 import tinker
 import zstandard
 from custom_losses import LOSSES
-from procs import REPO, SDK_CLIENT_MARKS, make_key
+from procs import REPO, SDK_CLIENT_MARKS, make_key, sdk_client
 from test_gateway_sdk import ops_of as recorded_ops
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -753,7 +753,7 @@ def test_a_published_checkpoint_is_readable_by_every_tenant(
     weights = trainer.save_weights_for_sampler("pub").result(timeout=120).path
     owner = tinker.RestClient(base_url=gateway, api_key=key)
     other_key = make_key(deployment, f"pub-{uuid.uuid4().hex[:6]}")
-    with tinker.ServiceClient(base_url=gateway, api_key=other_key) as other:
+    with sdk_client(gateway, other_key) as other:
         with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
             other.create_sampling_client(model_path=weights).result()
         stranger = tinker.RestClient(base_url=gateway, api_key=other_key)

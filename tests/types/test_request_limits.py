@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 import tinker
-from procs import SDK_CLIENT_MARKS, lora_deployment, make_key
+from procs import SDK_CLIENT_MARKS, lora_deployment, make_key, sdk_client
 from tinker import types as sdk
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -369,7 +369,7 @@ def test_a_body_over_the_cap_is_answered_413_before_it_is_parsed(
 
 
 def test_the_official_sdk_hears_the_limit(gateway: str, key: str) -> None:
-    with tinker.ServiceClient(base_url=gateway, api_key=key) as service:
+    with sdk_client(gateway, key) as service:
         trainer = service.create_lora_training_client(base_model=TINY, rank=4).result()
         tokens = list(range(3, 43))
         batch = [
