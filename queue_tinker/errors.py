@@ -63,6 +63,12 @@ class WorkerGroupError(QueueTinkerError):
     names the setting and the reason. The deployment's to fix: a server error."""
 
 
+class RanksPartedError(QueueTinkerError):
+    """The ranks of a worker group came out of one engine call differently (one raised, the
+    others did not): their states no longer match, so the group ends, as a crash would, and
+    a new one replays the op. The message names the call and each rank's outcome."""
+
+
 class NotFoundError(UserInputError):
     """A training run, checkpoint, session or sampler the tenant does not have (missing and
     another tenant's read the same)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from engine_driver import Driver, batch, run_stepped
 
+from queue_tinker.errors import RanksPartedError
 from queue_tinker.queue.dispatch import Op
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import LocalStore
@@ -20,7 +22,10 @@ from queue_tinker.types import OpKind, codec
 from queue_tinker.types.tensors import ModelInput
 from queue_tinker.types.training import AdamParams
 from queue_tinker.workers.executor.lora import LoraExecutor
+from queue_tinker.workers.group.channel import Channel
+from queue_tinker.workers.group.follower import follow
 from queue_tinker.workers.group.follower_store import FollowerStore
+from queue_tinker.workers.group.leader import LeaderEngine
 from queue_tinker.workers.model.tensor_parallel import Shards
 
 BASE = "queue-tinker/tiny-llama"
@@ -124,3 +129,43 @@ def run_rank(rank: int, world: int, root: str, port: int, steps: int, results: A
             results.put(pickle.dumps(out))
     finally:
         dist.destroy_process_group()
+
+
+def run_parting_rank(rank: int, root: str, port: int) -> None:
+    """Rank 0 leads, rank 1 follows, as in a worker group; rank 1's storage is a directory of
+    its own, so the checkpoint rank 0 saves is not there for it to load. Each rank writes how
+    far it got to <root>/rank-<rank>/report (written at once: a rank may end in os._exit) and
+    ends with the exit status a group rank would."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    channel = Channel(rank, dist.new_group(backend="gloo"), failed_wait_s=3)
+    home = Path(root) / f"rank-{rank}"
+    engine = make_engine(home, Shards(rank, 2)).engine()
+
+    def report(line: str) -> None:
+        with (home / "report").open("a") as out:
+            out.write(line + "\n")
+
+    if rank != 0:
+        try:
+            follow(engine, channel)
+        except RanksPartedError as parted:
+            report(f"ended: {parted.message}")
+            os._exit(1)
+        os._exit(0)
+    leader = LeaderEngine(engine, channel)
+    seqs = {"a": 0}
+
+    def run(kind: OpKind, body: dict[str, Any]) -> Any:
+        seqs["a"] += 1
+        op = Op(f"a:{seqs['a']}", "a", seqs["a"], kind, codec.encode(body))
+        return codec.decode(leader.execute(op).result)
+
+    lora = {"rank": 4, "seed": 1}
+    run(OpKind.CREATE_MODEL, {"lora_config": lora, "tenant_id": "default", "base_model": BASE})
+    path = run(OpKind.SAVE_STATE, {"name": "saved", "ttl_seconds": None})["path"]
+    report(f"saved {path}")
+    run(OpKind.LOAD_STATE, {"path": path, "optimizer": True})
+    report("went on past the load")
+    os._exit(0)

@@ -1,13 +1,13 @@
 """Ranks 1..N-1 of a worker group: run each engine call rank 0 sends, in order, and drop the
-results (rank 0 alone publishes). Until rank 0 says stop, or a rank dies and the launcher ends
-the group."""
+results (rank 0 alone publishes). Until rank 0 says stop, a rank dies and the launcher ends
+the group, or the ranks come out of a call differently (RanksPartedError ends this rank)."""
 
 from __future__ import annotations
 
 import logging
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.workers.group.channel import STOP, Channel, collective_failed
+from queue_tinker.workers.group.channel import STOP, Channel, collective_failed, outcome
 from queue_tinker.workers.interface import Engine
 
 log = logging.getLogger(__name__)
@@ -20,14 +20,16 @@ def follow(engine: Engine, channel: Channel) -> None:
             return
         part = getattr(engine, call.part)
         try:
-            getattr(part, call.method)(*call.args)
-        except UserInputError:
-            pass  # bad input fails alike on rank 0, which reports it
+            came_to = getattr(part, call.method)(*call.args)
         except Exception as error:
             if collective_failed(error):
                 raise  # the ranks cannot meet again: this rank ends, and the launcher the group
-            # Rank 0 runs the same call on the same state and should fail the same way; a
-            # failure of this rank alone would part the ranks, so it is left in the log.
-            log.warning(
-                "rank %d: %s.%s failed", channel.rank, call.part, call.method, exc_info=True
-            )
+            # Bad input fails alike on rank 0, which reports it; a failure of this rank alone
+            # is found out here: RanksPartedError ends this rank, and the launcher the group.
+            if not isinstance(error, UserInputError):
+                log.warning(
+                    "rank %d: %s.%s failed", channel.rank, call.part, call.method, exc_info=True
+                )
+            channel.agree(call, outcome(error), failed=True)
+            continue
+        channel.agree(call, outcome(came_to))

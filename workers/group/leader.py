@@ -4,18 +4,34 @@ what only reads (rules, durability's seqs, the footprint) is answered by rank 0 
 Every call that changes an engine's state runs on the worker's one compute thread
 (runtime/compute.py), so calls reach the channel one at a time and in the order they run; the
 inline ops the runtime runs on its event loop (pings) change no state and are not sent.
+
+After each call the ranks compare what they came out of it with. Where they differ (one rank
+failed alone: out of memory, a checkpoint it could not read) their states no longer match, and
+rank 0 ends its process at once, as a crash would: nothing of the call is published, the
+launcher ends the group, and a new one replays the model's log and runs the op again
+(QT_MAX_OP_ATTEMPTS bounds how often).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any, NoReturn
 
+from queue_tinker.errors import RanksPartedError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
-from queue_tinker.workers.group.channel import Call, Channel
+from queue_tinker.workers.group.channel import Call, Channel, collective_failed, outcome
 from queue_tinker.workers.interface import Engine, OpResult, ResultOrError
+
+log = logging.getLogger(__name__)
+
+# Rank 0's exit status when the ranks parted or one is gone: the launcher reports it and ends
+# the group.
+PARTED_EXIT = 3
 
 
 class LeaderEngine:
@@ -33,8 +49,25 @@ class LeaderEngine:
             footprint=self.engine.footprint,
         )
 
-    def _send(self, part: str, method: str, *args: object) -> None:
-        self.channel.call(Call(part, method, args))
+    def _run(self, part: str, method: str, *args: Any) -> Any:
+        """The call sent to the other ranks, run here, then agreed on."""
+        call = Call(part, method, args)
+        self.channel.call(call)
+        try:
+            value = getattr(getattr(self.engine, part), method)(*args)
+        except Exception as error:
+            if collective_failed(error):
+                _end(f"{part}.{method}: a collective failed ({error}): another rank is gone")
+            self._agree(call, error, failed=True)
+            raise
+        self._agree(call, value)
+        return value
+
+    def _agree(self, call: Call, came_to: object, failed: bool = False) -> None:
+        try:
+            self.channel.agree(call, outcome(came_to), failed=failed)
+        except RanksPartedError as parted:
+            _end(parted.message)
 
     # --- OpCompute, BatchCompute --------------------------------------------------------------
     def execute(self, op: Op) -> OpResult:
@@ -42,39 +75,32 @@ class LeaderEngine:
             # Inline ops (a ping) touch no model state, and the runtime runs them on its event
             # loop, beside the compute thread's calls: rank 0 answers them alone.
             return self.engine.ops.execute(op)
-        self._send("ops", "execute", op)
-        return self.engine.ops.execute(op)
+        result: OpResult = self._run("ops", "execute", op)
+        return result
 
     def execute_batch(self, ops: Sequence[Op]) -> list[ResultOrError]:
-        ops = list(ops)
-        self._send("batches", "execute_batch", ops)
-        return self.engine.batches.execute_batch(ops)
+        results: list[ResultOrError] = self._run("batches", "execute_batch", list(ops))
+        return results
 
     # --- SteppedCompute -----------------------------------------------------------------------
     def join(self, ops: Sequence[Op]) -> None:
-        ops = [seeded(op) for op in ops]
-        self._send("stepped", "join", ops)
-        self.engine.stepped.join(ops)
+        self._run("stepped", "join", [seeded(op) for op in ops])
 
     def step(self, budget_s: float) -> list[tuple[Op, ResultOrError]]:
-        self._send("stepped", "step", budget_s)
-        return self.engine.stepped.step(budget_s)
+        finished: list[tuple[Op, ResultOrError]] = self._run("stepped", "step", budget_s)
+        return finished
 
     def stepping(self) -> bool:
         return self.engine.stepped.stepping()
 
     def stop(self, reasons: Mapping[str, str]) -> None:
-        reasons = dict(reasons)
-        self._send("stepped", "stop", reasons)
-        self.engine.stepped.stop(reasons)
+        self._run("stepped", "stop", dict(reasons))
 
     def followed(self) -> set[str]:
         return self.engine.stepped.followed()
 
     def follow(self, newest: Mapping[str, str]) -> None:
-        newest = dict(newest)
-        self._send("stepped", "follow", newest)
-        self.engine.stepped.follow(newest)
+        self._run("stepped", "follow", dict(newest))
 
     # --- Durability ---------------------------------------------------------------------------
     def durable_seq(self, model_id: str) -> int | None:
@@ -84,12 +110,19 @@ class LeaderEngine:
         return self.engine.durability.restore_point(model_id)
 
     def persist(self, model_id: str) -> None:
-        self._send("durability", "persist", model_id)
-        self.engine.durability.persist(model_id)
+        self._run("durability", "persist", model_id)
 
     def drop(self, model_id: str) -> None:
-        self._send("durability", "drop", model_id)
-        self.engine.durability.drop(model_id)
+        self._run("durability", "drop", model_id)
+
+
+def _end(why: str) -> NoReturn:
+    """End rank 0 at once, as a crash would: nothing of the call in hand is published (its
+    state is not the other ranks'), the launcher ends the group, the lease lapses, and a new
+    group replays the model's log and runs the op again."""
+    log.critical("rank 0: %s", why)
+    sys.stderr.flush()
+    os._exit(PARTED_EXIT)
 
 
 def seeded(op: Op) -> Op:
