@@ -234,7 +234,8 @@ def test_an_op_cancelled_behind_a_running_one_does_not_settle_it(
     reads the log from done_seq): killed then, the worker's successor still runs and
     publishes the earlier sample."""
     with sampling_failover(redis_url, database_url, key_prefix, tmp_path) as run:
-        long = run.sampler.sample(PROMPT, 256, LONG)
+        # 768 samples: 256 once finished within the second below (CI, 2 cores).
+        long = run.sampler.sample(PROMPT, 768, LONG)
         run.wait_running(long.request_id)
         os.kill(run.first.pid, signal.SIGSTOP)  # the next sample waits in the queue meanwhile
         later = run.sampler.sample(PROMPT, 1, LONG)
@@ -246,7 +247,7 @@ def test_an_op_cancelled_behind_a_running_one_does_not_settle_it(
         assert run.meta("done_seq") < 2  # the long sample is seq 2
         run.kill_and_replace()
 
-        assert len(long.result(timeout=120).sequences) == 256
+        assert len(long.result(timeout=120).sequences) == 768
         with pytest.raises(RequestFailedError, match="stopped before it ran"):
             later.result(timeout=10)
         wait_until(lambda: run.meta("done_seq") == 3, what="done_seq 3")
