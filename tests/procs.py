@@ -299,6 +299,20 @@ def lora_deployment(
         assert not failed, failed[0][1][-12000:]
 
 
+def failover_settings(
+    redis_url: str, database_url: str, key_prefix: str, tmp_path: Path, **overrides: int
+) -> Settings:
+    """A deployment whose dead worker's leases lapse in 2 s (its models move on quickly)."""
+    options: dict[str, int] = {"lease_ttl_ms": 2_000, "heartbeat_ms": 400, "linger_ms": 60_000}
+    return Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        key_prefix=key_prefix,
+        data_dir=tmp_path / "data",
+        **{**options, **overrides},  # type: ignore[arg-type]
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

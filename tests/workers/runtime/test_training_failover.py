@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from procs import WorkerProcess, wait_for_workers
+from procs import WorkerProcess, failover_settings, wait_for_workers
 from test_worker_behaviour import job_fields, lease_holder, wait_until
 from training_runs import ADAM, BATCHES, TINY, adapter_weights, train
 
@@ -26,20 +26,6 @@ from queue_tinker.queue.actions import cancel_job
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
-
-
-def failover_settings(
-    redis_url: str, database_url: str, key_prefix: str, tmp_path: Path, **overrides: int
-) -> Settings:
-    """A deployment whose dead worker's leases lapse in 2 s (its models move on quickly)."""
-    options: dict[str, int] = {"lease_ttl_ms": 2_000, "heartbeat_ms": 400, "linger_ms": 60_000}
-    return Settings(
-        redis_url=redis_url,
-        database_url=database_url,
-        key_prefix=key_prefix,
-        data_dir=tmp_path / "data",
-        **{**options, **overrides},  # type: ignore[arg-type]
-    )
 
 
 def test_kill_9_mid_training_loses_no_step(

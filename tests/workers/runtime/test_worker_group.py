@@ -12,8 +12,7 @@ from pathlib import Path
 import torch
 from engine_driver import Driver
 from group_ranks import greedy_base_sample, make_engine
-from procs import WorkerProcess, wait_for_workers
-from test_training_failover import failover_settings
+from procs import WorkerProcess, failover_settings, wait_for_workers
 from training_runs import ADAM, BATCHES, TINY, adapter_weights, train
 
 import queue_tinker as tinker
