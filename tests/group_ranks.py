@@ -4,9 +4,13 @@ and rank 0 reports what it read back. Spawned by tests/workers/model/test_tensor
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,27 @@ from queue_tinker.workers.group.leader import LeaderEngine
 from queue_tinker.workers.model.tensor_parallel import Shards
 
 BASE = "queue-tinker/tiny-llama"
+
+
+@contextmanager
+def spawned_ranks(
+    target: Callable[..., None], args: Sequence[tuple[Any, ...]]
+) -> Iterator[list[BaseProcess]]:
+    """One process a rank, `target(*args[rank])`, started; any still running on the way out
+    killed (one left behind would hold the test run open at its exit). Spawned, not forked:
+    the test process has threads of its own (torch's, pytest's) that a forked child would
+    inherit the locks of, but not the threads."""
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=target, args=rank_args) for rank_args in args]
+    for process in ranks:
+        process.start()
+    try:
+        yield ranks
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
 
 
 def make_engine(root: Path, shards: Shards | None) -> LoraExecutor:

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+from procs import free_port
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.workers.group.channel import collective_failed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _parted_rank(rank: int, port: int) -> None:
@@ -42,7 +36,7 @@ def _parted_rank(rank: int, port: int) -> None:
 def test_a_collective_the_other_rank_never_makes_counts_as_the_group_failing() -> None:
     """Ranks at different collectives: the one waiting times out, and the error it gets is
     taken for the group's failure (a follower ends on it, and the launcher ends the group)."""
-    port = _free_port()
+    port = free_port()
     fork = multiprocessing.get_context("fork")
     ranks = [fork.Process(target=_parted_rank, args=(rank, port)) for rank in range(2)]
     for process in ranks:

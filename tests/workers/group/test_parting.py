@@ -4,20 +4,13 @@ longer match to compute the next ops together."""
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 from pathlib import Path
 
-from group_ranks import run_parting_rank
+from group_ranks import run_parting_rank, spawned_ranks
+from procs import free_port
 
 from queue_tinker.workers.group.leader import PARTED_EXIT
 from queue_tinker.workers.model.base_model import ensure_builtin_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_checkpoint_one_rank_cannot_load_ends_the_group(tmp_path: Path) -> None:
@@ -30,23 +23,11 @@ def test_a_checkpoint_one_rank_cannot_load_ends_the_group(tmp_path: Path) -> Non
     for rank in range(2):
         (tmp_path / f"rank-{rank}").mkdir()
         (tmp_path / f"rank-{rank}" / "models").symlink_to(tmp_path / "models")
-    # Spawned, not forked: this process has threads of its own (torch's, pytest's).
-    spawn = multiprocessing.get_context("spawn")
-    port = _free_port()
-    ranks = [
-        spawn.Process(target=run_parting_rank, args=(rank, str(tmp_path), port))
-        for rank in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    try:
+    port = free_port()
+    args = [(rank, str(tmp_path), port) for rank in range(2)]
+    with spawned_ranks(run_parting_rank, args) as ranks:
         for process in ranks:
             process.join(timeout=120)
-    finally:
-        for process in ranks:  # a rank left running would hold this test run open at its exit
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
     reports = [(tmp_path / f"rank-{rank}" / "report").read_text().splitlines() for rank in range(2)]
     assert [p.exitcode for p in ranks] == [PARTED_EXIT, 1], reports
     [saved] = reports[0]  # and not "went on past the load"

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from engine_driver import Driver
-from group_ranks import make_engine, run_rank, train_script
+from group_ranks import make_engine, run_rank, spawned_ranks, train_script
+from procs import free_port
 from transformers import AutoConfig
 
 from queue_tinker.workers.model import lora_shards
@@ -83,12 +83,6 @@ def test_a_model_the_group_cannot_split_is_refused_by_name(
         check_shardable(config, 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(300)  # two fresh interpreters import torch: ~30 s beside a busy suite
 def test_two_ranks_train_and_sample_as_one_process(scratch: Path) -> None:
     """Two gloo ranks, each with half of every attention and MLP matrix, run the same ops as
@@ -100,28 +94,15 @@ def test_two_ranks_train_and_sample_as_one_process(scratch: Path) -> None:
     for root in (group_root, alone_root):
         root.mkdir()
         (root / "models").symlink_to(scratch / "models")
-    # Spawned, not forked: this process has threads of its own (torch's, pytest's) that a
-    # forked child would inherit the locks of, but not the threads.
-    spawn = multiprocessing.get_context("spawn")
-    results = spawn.Queue()
-    port = _free_port()
-    ranks = [
-        spawn.Process(target=run_rank, args=(rank, 2, str(group_root), port, 2, results))
-        for rank in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    try:
+    results = multiprocessing.get_context("spawn").Queue()
+    port = free_port()
+    args = [(rank, 2, str(group_root), port, 2, results) for rank in range(2)]
+    with spawned_ranks(run_rank, args) as ranks:
         alone = train_script(Driver(make_engine(alone_root, None), alone_root / "storage"), 2)
         group = pickle.loads(results.get(timeout=240))
         for process in ranks:
             process.join(timeout=30)
             assert process.exitcode == 0
-    finally:
-        for process in ranks:  # a rank left running would hold this test run open at its exit
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
     torch.testing.assert_close(group["losses"], alone["losses"], **CLOSE)
     for name in ("grads", "weights"):
         for got, want in zip(group[name], alone[name], strict=True):

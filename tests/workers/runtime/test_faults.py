@@ -26,7 +26,7 @@ import pytest
 import redis
 import torch
 from faults import Fleet, Publications, postgres_proxy, wait_until
-from procs import WorkerProcess, gateway_process, make_key, wait_for_workers
+from procs import WorkerProcess, failover_settings, gateway_process, make_key, wait_for_workers
 from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy import text
 from training_runs import ADAM, BATCHES, TINY, adapter_weights
@@ -415,19 +415,12 @@ async def test_an_op_its_snapshot_holds_is_published_however_often_it_was_starte
     as often as QT_MAX_OP_ATTEMPTS allows. Its effect is in the snapshot, so the next owner
     (a worker process) runs it, publishing the result the snapshot kept: failed unrun, the op
     would be reported failed though the model holds its step."""
-    settings = Settings(
-        redis_url=redis_url,
-        database_url=database_url,
-        key_prefix=key_prefix,
-        data_dir=tmp_path / "data",
-        storage=str(tmp_path / "storage"),
-        lease_ttl_ms=1_000,
-        heartbeat_ms=200,
-        snapshot_every_steps=2,
-        max_op_attempts=1,
+    settings = failover_settings(
+        redis_url, database_url, key_prefix, tmp_path, snapshot_every_steps=2, max_op_attempts=1
     )
     model, log = f"kept-{key_prefix}", training_log(f"kept-{key_prefix}", 2)  # seq 5 snapshots
-    first = LoraExecutor(TINY, "cpu", tmp_path / "storage", tmp_path / "models", snapshot_every=2)
+    storage = Path(settings.storage_location)  # the worker's, which the dead owner wrote
+    first = LoraExecutor(TINY, "cpu", storage, tmp_path / "models", snapshot_every=2)
     results = [first.execute(op) for op in log]
     keys = Keys(key_prefix)
     jobs = JobQueue(aredis, keys, result_ttl_s=600)
@@ -447,9 +440,9 @@ async def test_an_op_its_snapshot_holds_is_published_however_often_it_was_starte
         keys,
         worker_id="dead",
         base_model=TINY,
-        lease_ttl_ms=1_000,
+        lease_ttl_ms=settings.lease_ttl_ms,
         result_ttl_s=600,
-        max_attempts=1,
+        max_attempts=settings.max_op_attempts,
     )
     assert await dead.take_offer() == model
     lease = await dead.claim(model)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from procs import WorkerProcess, running_workers, wait_for_workers
+from procs import WorkerProcess, failover_settings, running_workers, wait_for_workers
 
 from queue_tinker.client import ServiceClient
 from queue_tinker.errors import ErrorCategory, RequestFailedError
@@ -184,15 +184,8 @@ def test_an_op_that_ends_every_worker_running_it_fails_unrun_after_max_attempts(
     """An op whose worker dies under it each time (kill -9 whenever it starts) runs
     QT_MAX_OP_ATTEMPTS times; the next owner fails it unrun, saying why, instead of dying in
     turn. The model's later ops run on that owner, which lives on."""
-    settings = Settings(
-        redis_url=redis_url,
-        database_url=database_url,
-        key_prefix=key_prefix,
-        data_dir=tmp_path / "data",
-        lease_ttl_ms=1_000,
-        heartbeat_ms=200,
-        linger_ms=60_000,
-        max_op_attempts=2,
+    settings = failover_settings(
+        redis_url, database_url, key_prefix, tmp_path, lease_ttl_ms=1_000, max_op_attempts=2
     )
     service = ServiceClient(settings)
     workers = [WorkerProcess(settings, "tiny", tmp_path / "worker-0.log")]
