@@ -321,6 +321,12 @@ class Settings(BaseSettings):
         description="The padded tokens of a training pass from which auto activation "
         "checkpointing turns on where no memory budget is known (the CPU).",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Whether training passes run the decoder layers through one compiled "
+        "forward (torch.compile of the layer class, reused by every layer; equal results). "
+        "auto: on for CUDA, off on the CPU, where compiling costs more than it saves.",
+    )
     queue_unserved_base_models: bool = Field(
         default=False,
         description="Queue a new training run on a base model no worker has served yet (for "

@@ -38,14 +38,14 @@ from queue_tinker.workers.model.fit import (
     fit_resident_adapters,
     require_fit,
 )
-from queue_tinker.workers.model.memory import Budgets, device_budgets, layer_bytes
+from queue_tinker.workers.model.memory import Budgets, device_budgets
 from queue_tinker.workers.model.sharded_adapters import ShardedAdapterPool
 from queue_tinker.workers.model.tensor_parallel import Shards, check_shardable, shard_decoder
 from queue_tinker.workers.model.vision_language import ImageSupport, Vision, is_vl
 from queue_tinker.workers.sampling.sessions import QuantumOver, SamplingSessions
 from queue_tinker.workers.training import engine as training_engine
 from queue_tinker.workers.training.engine import TrainingEngine
-from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.model_pass import PassPlan, budgeted
 from queue_tinker.workers.training.residency import Residency
 from queue_tinker.workers.training.rounds import MemoryGuard, TrainingRounds
 from queue_tinker.workers.training.saved_state import SavedState
@@ -158,13 +158,8 @@ class LoraExecutor:
             budgets = Budgets(*shards.least(astuple(budgets)))
         if budgets is not None:
             log.info("device budgets from free memory: %s", budgets)
-            # auto checkpointing becomes a plan: the fewest layers that fit each pass.
-            dtype_bytes = torch.tensor([], dtype=base.dtype).element_size()
-            plan = replace(
-                plan,
-                activation_budget=budgets.train_activation_bytes,
-                layer_bytes=layer_bytes(base.config.get_text_config(), dtype_bytes),
-            )
+        # auto checkpointing becomes a plan: the fewest layers that fit each pass.
+        plan = budgeted(plan, budgets, base.config.get_text_config(), base.dtype)
         saved = SavedState(self.pool, self.store, base_model)
         residency = Residency(self.pool, saved, self.store)
         guard = MemoryGuard(self.device, train_batch_tokens or _train_tokens(budgets))

@@ -12,6 +12,11 @@ memory that does not grow with tokens x vocabulary nor, past a threshold, with t
   input and recomputes its activations in backward (torch.utils.checkpoint, non-reentrant), so
   a pass keeps (layers + 1) hidden states per token instead of every layer's intermediates.
   Results are equal to a pass without it: the recomputation is the same computation.
+- **Compiled decoder layers** (`PassPlan.compiled`, QT_COMPILE). The decoder layer's class
+  forward is compiled once (torch.compile, shapes dynamic after the first recompile) and every
+  layer of the pass runs that one compiled function with its own weights: regional compilation,
+  so start-up compiles one layer, not the model. A checkpointed layer checkpoints the compiled
+  call, and its recomputation runs the compiled code again.
 
 Both run inside whatever wraps the model's LoRA layers (PEFT's active adapter, or the shared
 pass's row blocks): the caller keeps that in place until backward is done, because backward
@@ -23,7 +28,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -31,9 +36,15 @@ import torch
 import torch.nn.functional as F
 from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
-from queue_tinker.workers.model.memory import Checkpointing, LayerBytes, layers_to_checkpoint
+from queue_tinker.workers.model.memory import (
+    Budgets,
+    Checkpointing,
+    LayerBytes,
+    layer_bytes,
+    layers_to_checkpoint,
+)
 from queue_tinker.workers.model.vision_language import RowImages, hidden_states
 from queue_tinker.workers.training.packing import RowBatch, padding_fraction
 
@@ -60,6 +71,8 @@ class PassPlan:
     # (None: never pack). Below it, packing saves less than it costs: its block-diagonal mask
     # takes attention off the kernels that need no mask, and it changes the batch's rounding.
     pack_above_padding: float | None = 0.5
+    # Run the decoder layers through one compiled forward (QT_COMPILE; see the docstring).
+    compiled: bool = False
 
     def checkpointed_layers(self, padded_tokens: int, backward: bool, layers: int) -> int:
         """How many of a pass's `layers` decoder layers run checkpointed: the first ones, whose
@@ -82,6 +95,22 @@ class PassPlan:
 
     def chunk_positions(self, rows: int, vocab: int) -> int:
         return max(1, self.logit_chunk_elements // max(1, rows * vocab))
+
+
+def budgeted(
+    plan: PassPlan, budgets: Budgets | None, config: PretrainedConfig, dtype: torch.dtype
+) -> PassPlan:
+    """The plan with the device's training budget (`budgets` from its free memory; None off
+    CUDA, where the plan stays as it is): auto checkpointing then checkpoints the fewest layers
+    that fit each pass."""
+    if budgets is None:
+        return plan
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    return replace(
+        plan,
+        activation_budget=budgets.train_activation_bytes,
+        layer_bytes=layer_bytes(config, dtype_bytes),
+    )
 
 
 def causal_lm(model: torch.nn.Module) -> PreTrainedModel:
@@ -121,7 +150,7 @@ def target_logprobs(
     backward = torch.is_grad_enabled()
     layers = decoder_layers(model)
     planned = plan.checkpointed_layers(batch.padded_tokens, backward, len(layers))
-    with checkpointed(layers[:planned]):
+    with layer_forwards(layers, planned, plan.compiled):
         if images is not None:
             hidden = hidden_states(lm, batch.ids, batch.mask, images)
         else:
@@ -185,17 +214,41 @@ def _logprobs_of(
 
 
 @contextmanager
-def checkpointed(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Meanwhile each layer's forward runs under non-reentrant activation checkpointing (the
-    instance attribute shadows the class's forward; the checkpoint calls the class's, so a
-    recomputation in backward after this context is gone computes the same thing)."""
-    for layer in layers:
-        layer.forward = partial(_checkpointed_forward, type(layer).forward.__get__(layer))
+def layer_forwards(
+    layers: Sequence[torch.nn.Module], checkpointed: int, compiled: bool
+) -> Iterator[None]:
+    """Meanwhile the first `checkpointed` layers run under non-reentrant activation
+    checkpointing, and with `compiled` every layer runs its class's compiled forward. The
+    instance attribute shadows the class's forward; what it calls is the class's (or its
+    compiled form), so a recomputation in backward after this context is gone computes the same
+    thing."""
+    changed = []
+    for index, layer in enumerate(layers):
+        forward = compiled_forward(type(layer)) if compiled else type(layer).forward
+        bound = partial(forward, layer)
+        if index < checkpointed:
+            layer.forward = partial(_checkpointed_forward, bound)
+        elif compiled:
+            layer.forward = bound
+        else:
+            continue
+        changed.append(layer)
     try:
         yield
     finally:
-        for layer in layers:
+        for layer in changed:
             del layer.forward
+
+
+_COMPILED: dict[type, Callable[..., Any]] = {}
+
+
+def compiled_forward(layer_type: type) -> Callable[..., Any]:
+    """The decoder layer class's forward compiled once for every layer of it (the layer is an
+    argument: its weights are inputs of the compiled graph, not constants of it)."""
+    if layer_type not in _COMPILED:
+        _COMPILED[layer_type] = torch.compile(layer_type.forward)  # type: ignore[attr-defined]
+    return _COMPILED[layer_type]
 
 
 def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
