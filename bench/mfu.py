@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -57,6 +59,7 @@ from bench.harness.workers import quiet_transformers
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.training.model_pass import PassPlan
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
 COMMAND = ".venv/bin/python -m bench.mfu --device cuda"
@@ -118,6 +121,23 @@ def random_data(shape: Shape, batch: int, seq: int) -> list[Datum]:
 
 # --- timing ------------------------------------------------------------------------------------
 @dataclass
+class Variant:
+    """The engine's forward_backward under one pass plan (and around it, `context`)."""
+
+    name: str
+    plan: PassPlan
+    context: Callable[[], AbstractContextManager[object]] = nullcontext
+    fb_s: list[float] = field(default_factory=list)
+    first_s: float | None = None  # the first call: compiling, kernels' first launch
+    peak_gib: float | None = None
+    checkpointed: str = ""
+    error: str | None = None
+
+    def median_ms(self) -> float:
+        return statistics.median(self.fb_s) * 1000
+
+
+@dataclass
 class Result:
     device: str
     shape: str
@@ -136,6 +156,14 @@ class Result:
     # held to), and whether it needed its own checkpointing to fit.
     bare_fb_s: list[float] = field(default_factory=list)
     bare_checkpointing: bool | None = None
+    plan: str = ""  # the worker's plan for this batch: checkpointed layers, compiled or not
+    variants: list[Variant] = field(default_factory=list)
+    # Activation bytes a token keeps per decoder layer, measured (a pass with nothing
+    # checkpointed) and as the checkpointing plan estimates them.
+    layer_bytes: tuple[float, int] | None = None
+    long_pass: Variant | None = None  # one row of --long-seq tokens
+    rl: dict[str, float] = field(default_factory=dict)  # RL-sized ops: one pass vs apart
+    rl_shape: str = ""
 
     @property
     def tokens(self) -> int:
@@ -152,9 +180,13 @@ class Result:
 
 
 def engine_step(
-    pool: AdapterPool, adapter: Adapter, data: list[Datum], device: torch.device
+    pool: AdapterPool,
+    adapter: Adapter,
+    data: list[Datum],
+    device: torch.device,
+    plan: PassPlan | None = None,
 ) -> Callable[[], object]:
-    return lambda: engine.forward_backward(pool, [(adapter, data)], device)
+    return lambda: engine.forward_backward(pool, [(adapter, data)], device, plan)
 
 
 def measure(
@@ -164,9 +196,10 @@ def measure(
     device: torch.device,
     args: argparse.Namespace,
     result: Result,
+    plan: PassPlan,
 ) -> None:
     """Warm-up steps, then timed forward_backward and optim_step calls."""
-    fb = engine_step(pool, adapter, data, device)
+    fb = engine_step(pool, adapter, data, device, plan)
     adam = AdamParams(learning_rate=1e-5)
     for i in range(args.warmup + args.steps):
         fb_s = timed(fb, device)
@@ -182,13 +215,14 @@ def fit_batch(
     shape: Shape,
     args: argparse.Namespace,
     device: torch.device,
+    plan: PassPlan,
 ) -> tuple[int, list[Datum]]:
     """The asked batch, halved until one forward_backward fits in the device's memory."""
     batch = args.batch
     while True:
         data = random_data(shape, batch, args.seq)
         try:
-            engine_step(pool, adapter, data, device)()
+            engine_step(pool, adapter, data, device, plan)()
             engine.clear_grads([adapter])
             return batch, data
         except torch.OutOfMemoryError:
@@ -246,23 +280,25 @@ def measure_bare(
 def measure_adapters(
     pool: AdapterPool,
     first: Adapter,
-    data: list[Datum],
+    parts: list[list[Datum]],
     device: torch.device,
     args: argparse.Namespace,
+    plan: PassPlan,
 ) -> dict[str, float]:
-    """K adapters, the batch split between them: one cross-adapter pass against K passes one
+    """An adapter per part: one cross-adapter pass of all their ops against a pass each, one
     at a time; median seconds of each."""
-    k = min(args.adapters, len(data))  # one datum each at least
-    adapters = [first, *add_adapters(pool, LoraConfig(rank=args.rank), seeds=range(1, k))]
-    parts = [data[i::k] for i in range(k)]
+    k = len(parts)
+    have = [a for a in pool.adapters.values() if a is not first][: k - 1]
+    more = add_adapters(pool, LoraConfig(rank=args.rank), seeds=range(len(have) + 1, k))
+    adapters = [first, *have, *more]
     batches = [(a, part) for a, part in zip(adapters, parts, strict=True) if part]
 
     def together() -> None:
-        engine.forward_backward(pool, batches, device)
+        engine.forward_backward(pool, batches, device, plan)
 
     def apart() -> None:
         for batch in batches:
-            engine.forward_backward(pool, [batch], device)
+            engine.forward_backward(pool, [batch], device, plan)
 
     times: dict[str, list[float]] = {"one pass": [], "one at a time": []}
     for i in range(args.warmup + args.steps):
@@ -274,16 +310,132 @@ def measure_adapters(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def measure_variant(
+    pool: AdapterPool,
+    adapter: Adapter,
+    data: list[Datum],
+    device: torch.device,
+    args: argparse.Namespace,
+    variant: Variant,
+) -> Variant:
+    """The variant's forward_backward timed (after a first call, and warm-up calls); an error
+    (a compile that fails, out of memory) is kept as the variant's result."""
+    tokens = len(data) * max(d.model_input.length for d in data)
+    variant.checkpointed = engine.checkpointed_layers(pool, variant.plan, tokens)
+    step = engine_step(pool, adapter, data, device, variant.plan)
+    try:
+        with variant.context():
+            variant.first_s = timed(step, device)
+            engine.clear_grads([adapter])
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            for i in range(args.warmup + args.steps):
+                seconds = timed(step, device)
+                engine.clear_grads([adapter])
+                if i >= args.warmup:
+                    variant.fb_s.append(seconds)
+    except Exception as exc:  # the variant's outcome, reported
+        variant.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    engine.clear_grads([adapter])
+    if device.type == "cuda":
+        variant.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        gc.collect()
+        torch.cuda.empty_cache()
+    shown = variant.error or f"{variant.median_ms():,.1f} ms (first {variant.first_s:.1f} s)"
+    print(f"  {variant.name} [{variant.checkpointed} checkpointed]: {shown}", flush=True)
+    return variant
+
+
+def measure_layer_bytes(
+    pool: AdapterPool,
+    adapter: Adapter,
+    shape: Shape,
+    device: torch.device,
+    plan: PassPlan,
+) -> tuple[float, int] | None:
+    """Activation bytes a token keeps per decoder layer: the peak over the memory before one
+    pass of 1 × 2048 tokens with nothing checkpointed (the logits' chunk and the embedding
+    included), per token and layer; against the plan's estimate. None off CUDA."""
+    if device.type != "cuda" or plan.layer_bytes is None:
+        return None
+    data = random_data(shape, 1, 2048)
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    eager = replace(plan, activation_checkpointing="off", compiled=False)
+    engine_step(pool, adapter, data, device, eager)()
+    peak = torch.cuda.max_memory_allocated(device) - before
+    engine.clear_grads([adapter])
+    return peak / (2048 * shape.layers), plan.layer_bytes.kept
+
+
+def liger_kernels(pool: AdapterPool) -> Callable[[], AbstractContextManager[object]]:
+    """Liger's Triton RMSNorm, RoPE and SwiGLU put into the model (for good: the variants
+    after this one keep them)."""
+
+    @contextmanager
+    def applied() -> Iterator[None]:
+        from liger_kernel.transformers import (  # type: ignore[import-not-found]
+            apply_liger_kernel_to_llama,
+        )
+
+        apply_liger_kernel_to_llama(
+            rope=True,
+            rms_norm=True,
+            swiglu=True,
+            cross_entropy=False,
+            fused_linear_cross_entropy=False,
+            model=engine.language_model(pool),
+        )
+        yield
+
+    return applied
+
+
+@contextmanager
+def bf16_lora() -> Iterator[None]:
+    """LoRA's matmuls in bf16 under autocast (its fp32 weights cast per call; gradients still
+    land in fp32): what the fp32 copies of each LoRA input cost in memory and time."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yield
+
+
+def variants(pool: AdapterPool, plan: PassPlan, cuda: bool) -> list[Variant]:
+    """The worker's plan, then what each of its parts buys, in one run."""
+    eager = replace(plan, compiled=False)
+    out = [
+        Variant("the worker's plan" + (" (compiled)" if plan.compiled else ""), plan),
+        Variant("eager layers", eager),
+        Variant(
+            "eager, every layer checkpointed (the former default)",
+            replace(eager, activation_checkpointing="on"),
+        ),
+    ]
+    if cuda:
+        out.append(Variant("LoRA matmuls in bf16 (autocast), eager", eager, bf16_lora))
+        if importlib.util.find_spec("liger_kernel") is not None:
+            out.append(Variant("liger RMSNorm, RoPE, SwiGLU, eager", eager, liger_kernels(pool)))
+            out.append(
+                Variant("liger RMSNorm, RoPE, SwiGLU, compiled", replace(eager, compiled=True))
+            )
+    return out
+
+
 def run(args: argparse.Namespace) -> Result:
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as load_base_model
     began = time.perf_counter()
     base = build_model(shape, args.device, dtype)
-    pool = lora_pool(base, BASE_NAME, adapters=max(2, args.adapters + 1))
+    pool = lora_pool(base, BASE_NAME, adapters=max(2, args.adapters + 1, args.rl_adapters + 1))
     [adapter] = add_adapters(pool, LoraConfig(rank=args.rank), seeds=[0])
     print(f"model built and adapter added in {time.perf_counter() - began:.0f} s", flush=True)
-    batch, data = fit_batch(pool, adapter, shape, args, device)
+    plan = engine.worker_plan(pool, device)
+    if args.eager:
+        plan = replace(plan, compiled=False)
+    eager = replace(plan, compiled=False)
+    batch, data = fit_batch(pool, adapter, shape, args, device, eager)
     if device.type == "cuda":  # after the fitting, whose failed tries would set the peak
         torch.cuda.reset_peak_memory_stats(device)
     result = Result(
@@ -296,17 +448,61 @@ def run(args: argparse.Namespace) -> Result:
         sum(p.numel() for p in adapter.params.values()),
         shrunk_from=args.batch if batch != args.batch else None,
     )
-    measure(pool, adapter, data, device, args, result)
-    if device.type == "cuda":
-        result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    result.layer_bytes = measure_layer_bytes(pool, adapter, shape, device, plan)
+    if result.layer_bytes:
+        print(
+            f"  activation bytes per token and layer: measured {result.layer_bytes[0]:,.0f}, "
+            f"planned {result.layer_bytes[1]:,}",
+            flush=True,
+        )
+    result.variants = [
+        measure_variant(pool, adapter, data, device, args, v)
+        for v in variants(pool, plan, device.type == "cuda")[: None if args.variants else 1]
+    ]
+    headline = next((v for v in result.variants if v.error is None), None)
+    if headline is None:
+        raise RuntimeError(f"no plan ran: {[v.error for v in result.variants]}")
+    result.plan = f"{headline.name}: {headline.checkpointed} layers checkpointed"
+    result.peak_gib = headline.peak_gib
+    measure(pool, adapter, data, device, args, result, headline.plan)
     measure_bare(pool, adapter, data, device, args, result)
+    if args.long_seq:
+        long_data = random_data(shape, 1, args.long_seq)
+        result.long_pass = measure_variant(
+            pool,
+            adapter,
+            long_data,
+            device,
+            args,
+            Variant(f"1 × {args.long_seq:,} tokens", headline.plan),
+        )
     if args.adapters > 1:
         result.adapters = min(args.adapters, batch)
-        try:
-            result.multi = measure_adapters(pool, adapter, data, device, args)
-        except torch.OutOfMemoryError:
-            print("  the multi-adapter case ran out of memory: skipped", flush=True)
+        parts = [data[i :: result.adapters] for i in range(result.adapters)]
+        result.multi = adapters_or_none(pool, adapter, parts, device, args, headline.plan)
+    if args.rl_adapters > 1:
+        rows, seq = args.rl_rows, args.rl_seq
+        result.rl_shape = f"{args.rl_adapters} adapters × {rows} × {seq} tokens"
+        parts = [random_data(shape, rows, seq) for _ in range(args.rl_adapters)]
+        result.rl = adapters_or_none(pool, adapter, parts, device, args, headline.plan)
     return result
+
+
+def adapters_or_none(
+    pool: AdapterPool,
+    adapter: Adapter,
+    parts: list[list[Datum]],
+    device: torch.device,
+    args: argparse.Namespace,
+    plan: PassPlan,
+) -> dict[str, float]:
+    try:
+        times = measure_adapters(pool, adapter, parts, device, args, plan)
+    except torch.OutOfMemoryError:
+        print("  the multi-adapter case ran out of memory: skipped", flush=True)
+        return {}
+    print(f"  {len(parts)} adapters' ops: {times}", flush=True)
+    return times
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -367,6 +563,56 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
             f"pass {one * 1000:,.1f} ms, one at a time {apart * 1000:,.1f} ms "
             f"(**{apart / one:.2f}×**).",
         ]
+    if result.rl:
+        one, apart = result.rl["one pass"], result.rl["one at a time"]
+        lines += [
+            "",
+            f"RL-sized ops, {result.rl_shape}: one cross-adapter pass {one * 1000:,.1f} ms, "
+            f"one at a time {apart * 1000:,.1f} ms (**{apart / one:.2f}×**).",
+        ]
+    if result.long_pass is not None:
+        v = result.long_pass
+        how = v.error or (
+            f"{v.median_ms():,.1f} ms ({v.checkpointed} layers checkpointed), peak "
+            f"{v.peak_gib or 0:.1f} GiB"
+        )
+        lines += ["", f"One row of {v.name.split(' ', 2)[2]}: {how}."]
+    if result.layer_bytes is not None:
+        measured, planned = result.layer_bytes
+        lines += [
+            "",
+            f"Activation bytes a token keeps per decoder layer (1 × 2,048 tokens, nothing "
+            f"checkpointed, peak over the memory before the pass): measured {measured:,.0f}, "
+            f"the checkpointing plan's estimate {planned:,} ({measured / planned:.2f}×).",
+        ]
+    if len(result.variants) > 1:
+        lines += ["", *variant_table(result)]
+    return lines
+
+
+def variant_table(result: Result) -> list[str]:
+    """Each variant's forward_backward on the headline batch, against the worker's plan."""
+    first = result.variants[0]
+    lines = [
+        "| plan | layers checkpointed | forward_backward ms | tokens/s | ÷ the worker's plan "
+        "| first call s | peak memory GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for v in result.variants:
+        if v.error is not None:
+            lines.append(f"| {v.name} | {v.checkpointed} | {v.error} | – | – | – | – |")
+            continue
+        ratio = (
+            f"{statistics.median(first.fb_s) / statistics.median(v.fb_s):.2f}×"
+            if first.fb_s
+            else "–"
+        )
+        peak = "–" if v.peak_gib is None else f"{v.peak_gib:.1f}"
+        lines.append(
+            f"| {v.name} | {v.checkpointed} | {v.median_ms():,.1f} "
+            f"| {result.tokens / statistics.median(v.fb_s):,.0f} | {ratio} "
+            f"| {v.first_s or 0:.1f} | {peak} |"
+        )
     return lines
 
 
@@ -449,7 +695,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 "K adapters for the one-pass vs one-at-a-time case, the batch split between "
                 "them (1: skip it)",
             ),
+            "--rl-adapters": (8, "adapters of the RL-sized case, an op each (1: skip it)"),
+            "--rl-rows": (4, "datums of each RL-sized op"),
         },
+    )
+    parser.add_argument(
+        "--rl-seq", type=int, default=None, help="tokens of each RL-sized datum (512; CPU 64)"
+    )
+    parser.add_argument(
+        "--long-seq", type=int, default=None, help="one row this long (default 32768; CPU 256)"
+    )
+    parser.add_argument("--eager", action="store_true", help="the headline plan uncompiled")
+    parser.add_argument(
+        "--no-variants", dest="variants", action="store_false", help="the worker's plan alone"
     )
     cli.add_report(parser, json=False)
     cli.add_quick(parser, "few steps")
@@ -458,6 +716,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.shape = args.shape or ("llama-3.1-8b" if cuda else "small")
     args.batch = args.batch or 8
     args.seq = args.seq or (2048 if cuda else 64)
+    args.rl_seq = args.rl_seq or (512 if cuda else 64)
+    args.long_seq = args.long_seq if args.long_seq is not None else (32768 if cuda else 256)
     # Only GPU numbers belong in the docs: a CPU run is a smoke test of the code path.
     args.no_docs = args.no_docs or not cuda
     return args

@@ -8,6 +8,7 @@ adapters' ops together) and its optim_steps through one optimizer call; so do th
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -17,7 +18,13 @@ from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardOutput, OptimParams
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.model.memory import device_budgets
+from queue_tinker.workers.training.model_pass import (
+    PassPlan,
+    budgeted,
+    causal_lm,
+    decoder_layers,
+)
 from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.packing import padding_fraction
 from queue_tinker.workers.training.shared_pass import PassOp, op_loss, rows_for, shared_pass
@@ -41,6 +48,27 @@ def forward_backward(
             raise out
         outputs.append(out)
     return outputs
+
+
+def worker_plan(pool: AdapterPool, device: torch.device, **changes: object) -> PassPlan:
+    """The pass plan a worker makes for this model on this device now (its checkpointing
+    planned from the free memory; QT_COMPILE's auto), with `changes`."""
+    config = causal_lm(pool.model).config.get_text_config()
+    dtype = next(causal_lm(pool.model).parameters()).dtype
+    budgets = device_budgets(config, device, dtype, checkpointing=True)
+    plan = budgeted(PassPlan(compiled=device.type == "cuda"), budgets, config, dtype)
+    return replace(plan, **changes)  # type: ignore[arg-type]
+
+
+def language_model(pool: AdapterPool) -> torch.nn.Module:
+    """The transformers causal LM under the pool's PeftModel."""
+    return causal_lm(pool.model)
+
+
+def checkpointed_layers(pool: AdapterPool, plan: PassPlan, padded_tokens: int) -> str:
+    """ "k of L": the decoder layers a backward pass of this many tokens checkpoints."""
+    layers = len(decoder_layers(pool.model))
+    return f"{plan.checkpointed_layers(padded_tokens, True, layers)} of {layers}"
 
 
 def optim_step(adapter: Adapter, params: OptimParams) -> dict[str, float]:
