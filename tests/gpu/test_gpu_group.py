@@ -59,7 +59,10 @@ def _ops(engine: LoraExecutor) -> list[float]:
     run(OpKind.CREATE_MODEL, body)
     losses = []
     for _ in range(3):
-        out = run(OpKind.FORWARD_BACKWARD, ForwardBackwardInput(data=[datum]).model_dump())
+        out = run(
+            OpKind.FORWARD_BACKWARD,
+            ForwardBackwardInput(data=[datum], loss_fn="cross_entropy").model_dump(),
+        )
         losses.append(out["metrics"]["loss:sum"])  # type: ignore[index]
         run(OpKind.OPTIM_STEP, AdamParams(learning_rate=1e-2).model_dump())
     return losses

@@ -132,6 +132,10 @@ def load_base_model(
     """
     path = resolve_model_path(base_model, models_dir)
     config = load_config(path)
+    if device.startswith("cuda") and resolve_dtype(dtype, device) == torch.float32:
+        # fp32 means fp32: cuDNN's convolutions (a vision tower's patch embedding) default to
+        # TF32, whose 10-bit mantissa moved tiny-vl's LoRA gradients 4e-4 from the CPU's.
+        torch.backends.cudnn.allow_tf32 = False
     # Typed as a plain Module: transformers' wrapped `.to` confuses type checkers.
     # A vision-language model (a vision_config) is an image-text-to-text model to transformers.
     auto = AutoModelForImageTextToText if vision_language.is_vl(config) else AutoModelForCausalLM
