@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -393,32 +394,21 @@ def liger_kernels(pool: AdapterPool) -> Callable[[], AbstractContextManager[obje
     return applied
 
 
-@contextmanager
-def bf16_lora() -> Iterator[None]:
-    """LoRA's matmuls in bf16 under autocast (its fp32 weights cast per call; gradients still
-    land in fp32): what the fp32 copies of each LoRA input cost in memory and time."""
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        yield
-
-
-def variants(pool: AdapterPool, plan: PassPlan, cuda: bool) -> list[Variant]:
-    """The worker's plan, then what each of its parts buys, in one run."""
-    eager = replace(plan, compiled=False)
+def variants(pool: AdapterPool, device: torch.device) -> list[Variant]:
+    """The worker's plan, then what each of its parts buys, in one run; last, what changes
+    the model for good (liger's kernels)."""
+    plan = engine.worker_plan(pool, device)
     out = [
-        Variant("the worker's plan" + (" (compiled)" if plan.compiled else ""), plan),
-        Variant("eager layers", eager),
+        Variant("the worker's plan", plan),
         Variant(
-            "eager, every layer checkpointed (the former default)",
-            replace(eager, activation_checkpointing="on"),
+            "LoRA matmuls in fp32 (QT_LORA_MATMUL_DTYPE=fp32)",
+            engine.worker_plan(pool, device, "fp32"),
+            partial(engine.lora_matmuls, pool, "fp32"),
         ),
+        Variant("compiled layers (QT_COMPILE=on)", replace(plan, compiled=True)),
     ]
-    if cuda:
-        out.append(Variant("LoRA matmuls in bf16 (autocast), eager", eager, bf16_lora))
-        if importlib.util.find_spec("liger_kernel") is not None:
-            out.append(Variant("liger RMSNorm, RoPE, SwiGLU, eager", eager, liger_kernels(pool)))
-            out.append(
-                Variant("liger RMSNorm, RoPE, SwiGLU, compiled", replace(eager, compiled=True))
-            )
+    if device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
+        out.append(Variant("liger RMSNorm, RoPE, SwiGLU", plan, liger_kernels(pool)))
     return out
 
 
@@ -431,11 +421,9 @@ def run(args: argparse.Namespace) -> Result:
     pool = lora_pool(base, BASE_NAME, adapters=max(2, args.adapters + 1, args.rl_adapters + 1))
     [adapter] = add_adapters(pool, LoraConfig(rank=args.rank), seeds=[0])
     print(f"model built and adapter added in {time.perf_counter() - began:.0f} s", flush=True)
+    engine.set_lora_matmuls(pool, "auto")  # as QT_LORA_MATMUL_DTYPE's default makes it
     plan = engine.worker_plan(pool, device)
-    if args.eager:
-        plan = replace(plan, compiled=False)
-    eager = replace(plan, compiled=False)
-    batch, data = fit_batch(pool, adapter, shape, args, device, eager)
+    batch, data = fit_batch(pool, adapter, shape, args, device, plan)
     if device.type == "cuda":  # after the fitting, whose failed tries would set the peak
         torch.cuda.reset_peak_memory_stats(device)
     result = Result(
@@ -455,16 +443,17 @@ def run(args: argparse.Namespace) -> Result:
             f"planned {result.layer_bytes[1]:,}",
             flush=True,
         )
+    planned = variants(pool, device) if args.variants else [Variant("the worker's plan", plan)]
+    lasting = [v for v in planned if v.name.startswith("liger")]
     result.variants = [
-        measure_variant(pool, adapter, data, device, args, v)
-        for v in variants(pool, plan, device.type == "cuda")[: None if args.variants else 1]
+        measure_variant(pool, adapter, data, device, args, v) for v in planned if v not in lasting
     ]
-    headline = next((v for v in result.variants if v.error is None), None)
-    if headline is None:
-        raise RuntimeError(f"no plan ran: {[v.error for v in result.variants]}")
-    result.plan = f"{headline.name}: {headline.checkpointed} layers checkpointed"
+    headline = result.variants[0]
+    if headline.error is not None:
+        raise RuntimeError(f"the worker's plan failed: {headline.error}")
+    result.plan = f"{headline.checkpointed} layers checkpointed"
     result.peak_gib = headline.peak_gib
-    measure(pool, adapter, data, device, args, result, headline.plan)
+    measure(pool, adapter, data, device, args, result, plan)
     measure_bare(pool, adapter, data, device, args, result)
     if args.long_seq:
         long_data = random_data(shape, 1, args.long_seq)
@@ -474,17 +463,18 @@ def run(args: argparse.Namespace) -> Result:
             long_data,
             device,
             args,
-            Variant(f"1 × {args.long_seq:,} tokens", headline.plan),
+            Variant(f"1 × {args.long_seq:,} tokens", plan),
         )
     if args.adapters > 1:
         result.adapters = min(args.adapters, batch)
         parts = [data[i :: result.adapters] for i in range(result.adapters)]
-        result.multi = adapters_or_none(pool, adapter, parts, device, args, headline.plan)
+        result.multi = adapters_or_none(pool, adapter, parts, device, args, plan)
     if args.rl_adapters > 1:
         rows, seq = args.rl_rows, args.rl_seq
         result.rl_shape = f"{args.rl_adapters} adapters × {rows} × {seq} tokens"
         parts = [random_data(shape, rows, seq) for _ in range(args.rl_adapters)]
-        result.rl = adapters_or_none(pool, adapter, parts, device, args, headline.plan)
+        result.rl = adapters_or_none(pool, adapter, parts, device, args, plan)
+    result.variants += [measure_variant(pool, adapter, data, device, args, v) for v in lasting]
     return result
 
 
@@ -705,7 +695,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--long-seq", type=int, default=None, help="one row this long (default 32768; CPU 256)"
     )
-    parser.add_argument("--eager", action="store_true", help="the headline plan uncompiled")
     parser.add_argument(
         "--no-variants", dest="variants", action="store_false", help="the worker's plan alone"
     )

@@ -86,6 +86,7 @@ def lora_executor(
         cross_adapter_batch=settings.cross_adapter_batch,
         train_batch_tokens=settings.train_batch_tokens,
         dtype=settings.dtype,
+        lora_matmul_dtype=settings.lora_matmul_dtype,
         plan=PassPlan(
             activation_checkpointing=settings.activation_checkpointing,
             checkpoint_min_tokens=settings.activation_checkpointing_tokens,

@@ -7,8 +7,8 @@ adapters' ops together) and its optim_steps through one optimizer call; so do th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -18,7 +18,12 @@ from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardOutput, OptimParams
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.model.memory import device_budgets
+from queue_tinker.workers.model.memory import (
+    LoraMatmuls,
+    device_budgets,
+    lora_compute_dtype,
+    lora_copy_bytes,
+)
 from queue_tinker.workers.training.model_pass import (
     PassPlan,
     budgeted,
@@ -50,14 +55,37 @@ def forward_backward(
     return outputs
 
 
-def worker_plan(pool: AdapterPool, device: torch.device, **changes: object) -> PassPlan:
+def worker_plan(
+    pool: AdapterPool, device: torch.device, lora_matmuls: LoraMatmuls = "auto"
+) -> PassPlan:
     """The pass plan a worker makes for this model on this device now (its checkpointing
-    planned from the free memory; QT_COMPILE's auto), with `changes`."""
+    planned from the free memory) with QT_LORA_MATMUL_DTYPE=`lora_matmuls`; QT_COMPILE off,
+    its default."""
     config = causal_lm(pool.model).config.get_text_config()
-    dtype = next(causal_lm(pool.model).parameters()).dtype
-    budgets = device_budgets(config, device, dtype, checkpointing=True)
-    plan = budgeted(PassPlan(compiled=device.type == "cuda"), budgets, config, dtype)
-    return replace(plan, **changes)  # type: ignore[arg-type]
+    dtype = base_dtype(pool)
+    lora_copy = lora_copy_bytes(dtype.itemsize, lora_matmuls)
+    budgets = device_budgets(config, device, dtype, checkpointing=True, lora_copy=lora_copy)
+    return budgeted(PassPlan(), budgets, config, dtype, lora_copy=lora_copy)
+
+
+def set_lora_matmuls(pool: AdapterPool, setting: LoraMatmuls) -> None:
+    """The pool's LoRA matmuls as QT_LORA_MATMUL_DTYPE=`setting` makes a worker's."""
+    pool.lora_compute = lora_compute_dtype(base_dtype(pool), setting)
+
+
+@contextmanager
+def lora_matmuls(pool: AdapterPool, setting: LoraMatmuls) -> Iterator[None]:
+    """Meanwhile the pool's LoRA matmuls run as QT_LORA_MATMUL_DTYPE=`setting` makes them."""
+    before = pool.lora_compute
+    set_lora_matmuls(pool, setting)
+    try:
+        yield
+    finally:
+        pool.lora_compute = before
+
+
+def base_dtype(pool: AdapterPool) -> torch.dtype:
+    return next(causal_lm(pool.model).parameters()).dtype
 
 
 def language_model(pool: AdapterPool) -> torch.nn.Module:

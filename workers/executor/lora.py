@@ -38,7 +38,13 @@ from queue_tinker.workers.model.fit import (
     fit_resident_adapters,
     require_fit,
 )
-from queue_tinker.workers.model.memory import Budgets, device_budgets
+from queue_tinker.workers.model.memory import (
+    Budgets,
+    LoraMatmuls,
+    device_budgets,
+    lora_compute_dtype,
+    lora_copy_bytes,
+)
 from queue_tinker.workers.model.sharded_adapters import ShardedAdapterPool
 from queue_tinker.workers.model.tensor_parallel import Shards, check_shardable, shard_decoder
 from queue_tinker.workers.model.vision_language import ImageSupport, Vision, is_vl
@@ -96,6 +102,7 @@ class LoraExecutor:
         cross_adapter_batch: bool = True,
         train_batch_tokens: int | None = None,
         dtype: str = "auto",
+        lora_matmul_dtype: LoraMatmuls = "auto",
         plan: PassPlan | None = None,
         shards: Shards | None = None,
         quantum_over: QuantumOver | None = None,
@@ -116,6 +123,7 @@ class LoraExecutor:
             sample_cache_tokens=sample_cache_tokens,
             max_tokens_per_datum=self.request_limits.tokens_per_datum,
             activation_checkpointing=plan.activation_checkpointing,
+            lora_matmul_dtype=lora_matmul_dtype,
         )
         whole_config = None  # a group rank's: the model's config before the split
         if shards is not None:  # before any weight is loaded: a model the group cannot split
@@ -145,6 +153,8 @@ class LoraExecutor:
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
         )
         self.pool = adapter_pool(base, base_model, resident, shards, whole_config)
+        self.pool.lora_compute = lora_compute_dtype(base.dtype, lora_matmul_dtype)
+        lora_copy = lora_copy_bytes(base.dtype.itemsize, lora_matmul_dtype)
         # Unset budgets: the CPU defaults, or what the device's free memory holds now.
         # A vision-language model's sizes are its language model's (its text config).
         budgets = device_budgets(
@@ -152,6 +162,7 @@ class LoraExecutor:
             self.device,
             base.dtype,
             checkpointing=plan.activation_checkpointing != "off",
+            lora_copy=lora_copy,
         )
         if budgets is not None and shards is not None:
             # Every rank must split passes and admit samples alike: the smallest GPU's budgets.
@@ -159,7 +170,9 @@ class LoraExecutor:
         if budgets is not None:
             log.info("device budgets from free memory: %s", budgets)
         # auto checkpointing becomes a plan: the fewest layers that fit each pass.
-        plan = budgeted(plan, budgets, base.config.get_text_config(), base.dtype)
+        plan = budgeted(
+            plan, budgets, base.config.get_text_config(), base.dtype, lora_copy=lora_copy
+        )
         saved = SavedState(self.pool, self.store, base_model)
         residency = Residency(self.pool, saved, self.store)
         guard = MemoryGuard(self.device, train_batch_tokens or _train_tokens(budgets))

@@ -181,6 +181,8 @@ class AdapterPool:
         self.samplers: OrderedDict[Path, str] = OrderedDict()  # checkpoint dir -> adapter name
         self.active: str | None = None
         self._lora_layers: list[LoraLayer] | None = None
+        # The dtype of LoRA's matmuls in passes (row_blocks); None: the adapters' own (fp32).
+        self.lora_compute: torch.dtype | None = None
 
     @property
     def model(self) -> torch.nn.Module:

@@ -48,10 +48,12 @@ from queue_tinker.workers.model.adapters import (
 from queue_tinker.workers.model.memory import (
     HEADROOM,
     Checkpointing,
+    LoraMatmuls,
     budgets_for,
     kv_bytes_per_token,
     layer_bytes,
     layers_to_checkpoint,
+    lora_copy_bytes,
     pass_bytes_per_token,
 )
 from queue_tinker.workers.model.vision_language import VISION_TOWER, is_vl
@@ -83,6 +85,7 @@ class FitSettings:
     sample_cache_tokens: int | None
     max_tokens_per_datum: int
     activation_checkpointing: Checkpointing
+    lora_matmul_dtype: LoraMatmuls = "auto"
     # The adapters planned for: a client may ask for another rank or fewer targets, but the
     # default LoRA config is what a create_model without them makes.
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -351,7 +354,7 @@ class _Planner:
             weights=weights,
             adapters=settings.max_resident_adapters * adapter_each,
             adapter_each=adapter_each,
-            activations=demand.pass_tokens * self.pass_bytes(rank_config, checkpointed),
+            activations=demand.pass_tokens * self.pass_bytes(rank_config, checkpointed, settings),
             kv_cache=demand.kv_tokens * kv_bytes_per_token(rank_config, dtype_bytes),
             headroom=int(left * HEADROOM),
             layers=shape.layers,
@@ -372,8 +375,13 @@ class _Planner:
             shard.num_key_value_heads = math.ceil(self.shape.kv_heads / ranks)
         return shard
 
-    def pass_bytes(self, rank_config: PretrainedConfig, checkpointed: int) -> int:
-        per_layer = layer_bytes(rank_config, self.dtype_bytes)
+    def lora_copy(self, settings: FitSettings) -> int:
+        return lora_copy_bytes(self.dtype_bytes, settings.lora_matmul_dtype)
+
+    def pass_bytes(
+        self, rank_config: PretrainedConfig, checkpointed: int, settings: FitSettings
+    ) -> int:
+        per_layer = layer_bytes(rank_config, self.dtype_bytes, lora_copy=self.lora_copy(settings))
         return pass_bytes_per_token(self.shape.layers, checkpointed, per_layer)
 
     def checkpointed_layers(self, rank_config: PretrainedConfig, left: int, demand: Demand) -> int:
@@ -386,10 +394,11 @@ class _Planner:
             return 0
         if mode == "on":
             return layers
+        lora_copy = self.lora_copy(demand.settings)
         budget = budgets_for(
-            rank_config, left, self.dtype_bytes, checkpointing=True
+            rank_config, left, self.dtype_bytes, checkpointing=True, lora_copy=lora_copy
         ).train_activation_bytes
-        per_layer = layer_bytes(rank_config, self.dtype_bytes)
+        per_layer = layer_bytes(rank_config, self.dtype_bytes, lora_copy=lora_copy)
         return layers_to_checkpoint(demand.pass_tokens, layers, per_layer, budget)
 
     # --- what would fit instead -----------------------------------------------------------
@@ -427,7 +436,7 @@ class _Planner:
         """The most tokens a pass may hold at the least activation memory a token (every layer
         checkpointed, unless checkpointing is off): the budget, and the datums, cut to it."""
         fewest = plan.layers if plan.demand.settings.activation_checkpointing != "off" else 0
-        per_token = self.pass_bytes(self.rank_config(plan.ranks), fewest)
+        per_token = self.pass_bytes(self.rank_config(plan.ranks), fewest, plan.demand.settings)
         most = _room(plan, plan.activations) // per_token
         return self.cut(plan.demand.settings, "train_batch_tokens", most, 1)
 

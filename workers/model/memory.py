@@ -27,6 +27,9 @@ SAMPLE_SHARE = 0.3
 SAMPLE_CONTEXT = 4_096
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 
+# QT_LORA_MATMUL_DTYPE: auto runs LoRA's matmuls in the base's dtype, fp32 in the adapters'.
+LoraMatmuls = Literal["auto", "fp32"]
+
 # QT_ACTIVATION_CHECKPOINTING: how a backward pass keeps its decoder layers' activations.
 Checkpointing = Literal["auto", "on", "off"]
 CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("auto", "on", "off")
@@ -63,13 +66,28 @@ class LayerBytes:
     checkpointed: int  # the layer checkpointed: its input alone (made again in backward)
 
 
-def layer_bytes(config: PretrainedConfig, dtype_bytes: int) -> LayerBytes:
+def lora_compute_dtype(base: torch.dtype, matmuls: LoraMatmuls) -> torch.dtype | None:
+    """The dtype LoRA's matmuls run in: under auto the base's, where it is narrower than the
+    adapters' fp32 (bf16 on CUDA); None: the adapters' own."""
+    return base if matmuls == "auto" and base != torch.float32 else None
+
+
+def lora_copy_bytes(dtype_bytes: int, matmuls: LoraMatmuls) -> int:
+    """Bytes per element of the copy of its input a LoRA layer keeps for its weight gradient:
+    an fp32 copy where its matmuls run in fp32 over a narrower base; none where they run in
+    the base's dtype (it keeps the tensor the base layer keeps) or the base is fp32."""
+    return 4 if matmuls == "fp32" and dtype_bytes != 4 else 0
+
+
+def layer_bytes(config: PretrainedConfig, dtype_bytes: int, *, lora_copy: int) -> LayerBytes:
     """A layer's intermediates: attention projections, MLP up/gate/act and norms (~10 hidden +
-    4 MLP widths in the base dtype), plus the fp32 copies of its inputs that LoRA keeps for
-    its weight gradients (q/k/v/o and gate/up take hidden-wide inputs, down an MLP-wide one)."""
+    4 MLP widths in the base dtype), plus the copies of its inputs that LoRA keeps for its
+    weight gradients, `lora_copy` bytes an element (q/k/v/o and gate/up take hidden-wide
+    inputs, down an MLP-wide one). Measured on an H100 at the Llama-3.1-8B shape with fp32
+    copies: 0.88x this estimate (docs/benchmarks.md)."""
     hidden = int(config.hidden_size)
     mlp = mlp_width(config)
-    kept = (10 * hidden + 4 * mlp) * dtype_bytes + (6 * hidden + mlp) * 4
+    kept = (10 * hidden + 4 * mlp) * dtype_bytes + (6 * hidden + mlp) * lora_copy
     return LayerBytes(kept=kept, checkpointed=hidden * dtype_bytes)
 
 
@@ -95,11 +113,13 @@ def pass_bytes_per_token(layers: int, checkpointed: int, per_layer: LayerBytes) 
     return max(plain, recomputed) + checkpointed * per_layer.checkpointed
 
 
-def train_bytes_per_token(config: PretrainedConfig, dtype_bytes: int, checkpointing: bool) -> int:
+def train_bytes_per_token(
+    config: PretrainedConfig, dtype_bytes: int, checkpointing: bool, *, lora_copy: int
+) -> int:
     """Activation bytes one token of a backward pass keeps: every layer checkpointed, or
     none."""
     layers = int(config.num_hidden_layers)
-    per_layer = layer_bytes(config, dtype_bytes)
+    per_layer = layer_bytes(config, dtype_bytes, lora_copy=lora_copy)
     return pass_bytes_per_token(layers, layers if checkpointing else 0, per_layer)
 
 
@@ -122,12 +142,18 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
 
 
 def budgets_for(
-    config: PretrainedConfig, free_bytes: int, dtype_bytes: int, *, checkpointing: bool
+    config: PretrainedConfig,
+    free_bytes: int,
+    dtype_bytes: int,
+    *,
+    checkpointing: bool,
+    lora_copy: int,
 ) -> Budgets:
     """Budgets for a device with `free_bytes` free after the base model is loaded."""
     usable = free_bytes * (1 - HEADROOM)
     activations = int(usable * TRAIN_SHARE)
-    train = activations // train_bytes_per_token(config, dtype_bytes, checkpointing)
+    per_token = train_bytes_per_token(config, dtype_bytes, checkpointing, lora_copy=lora_copy)
+    train = activations // per_token
     cache_tokens = int(usable * SAMPLE_SHARE // kv_bytes_per_token(config, dtype_bytes))
     return Budgets(
         train_batch_tokens=max(1, train),
@@ -138,11 +164,16 @@ def budgets_for(
 
 
 def device_budgets(
-    config: PretrainedConfig, device: torch.device, dtype: torch.dtype, *, checkpointing: bool
+    config: PretrainedConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    checkpointing: bool,
+    lora_copy: int,
 ) -> Budgets | None:
     """Budgets from the device's free memory now; None off CUDA."""
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    return budgets_for(config, free, dtype_bytes, checkpointing=checkpointing)
+    return budgets_for(config, free, dtype_bytes, checkpointing=checkpointing, lora_copy=lora_copy)

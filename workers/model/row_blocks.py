@@ -21,6 +21,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import ParamWrapper
 
@@ -60,13 +61,17 @@ def grouped_order(names: Sequence[str]) -> list[int]:
 
 
 @contextmanager
-def row_blocks(layers: Sequence[LoraLayer], blocks: Sequence[tuple[str, int]]) -> Iterator[None]:
+def row_blocks(
+    layers: Sequence[LoraLayer],
+    blocks: Sequence[tuple[str, int]],
+    compute: torch.dtype | None = None,
+) -> Iterator[None]:
     """Meanwhile each LoRA layer computes its base layer plus, for each block of consecutive
     rows (dim 0), that block's adapter's update, as PEFT adds the active adapter's:
-    lora_B(lora_A(dropout(x))) * scaling, in the adapter's dtype, added in the wider dtype and
-    rounded once. A block whose adapter does not adapt a layer (or no adapter at all: the
-    base model's rows) gets the base layer's output there. Experts' wrappers: see
-    expert_lora.py."""
+    lora_B(lora_A(dropout(x))) * scaling, in the adapter's dtype (or in `compute`, see
+    `_update`), added in the wider dtype and rounded once. A block whose adapter does not adapt
+    a layer (or no adapter at all: the base model's rows) gets the base layer's output there.
+    Experts' wrappers: see expert_lora.py."""
     names = [name for name, _ in blocks]
     starts = [sum(rows for _, rows in blocks[:i]) for i in range(len(blocks))]
     sizes = [rows for _, rows in blocks]
@@ -77,12 +82,14 @@ def row_blocks(layers: Sequence[LoraLayer], blocks: Sequence[tuple[str, int]]) -
             # One block, every row: PEFT's own sum. An in-place add into a view of the output
             # puts a CopySlices node in the graph, whose backward cost 2 ms a step on the tiny
             # model (8 x 128 tokens, 15 LoRA layers) for nothing the whole batch needs.
-            return (result + _update(layer, names[0], x)).to(result.dtype)
+            return (result + _update(layer, names[0], x, compute)).to(result.dtype)
         for name, start, rows in zip(names, starts, sizes, strict=True):
             if name not in layer.lora_A:
                 continue
             # In place: the base layer's backward does not need its output.
-            result.narrow(0, start, rows).add_(_update(layer, name, x.narrow(0, start, rows)))
+            result.narrow(0, start, rows).add_(
+                _update(layer, name, x.narrow(0, start, rows), compute)
+            )
         return result
 
     for layer in layers:  # an instance attribute: nn.Module calls self.forward
@@ -97,8 +104,29 @@ def row_blocks(layers: Sequence[LoraLayer], blocks: Sequence[tuple[str, int]]) -
             del layer.forward
 
 
-def _update(layer: LoraLinear, name: str, x: torch.Tensor) -> torch.Tensor:
-    """The adapter's LoRA update of rows `x`, in the adapter's dtype."""
+def _update(
+    layer: LoraLinear, name: str, x: torch.Tensor, compute: torch.dtype | None
+) -> torch.Tensor:
+    """The adapter's LoRA update of rows `x`, in the adapter's dtype, or in `compute` (the
+    base's bf16 on CUDA: QT_LORA_MATMUL_DTYPE). In `compute` the adapter's weights are cast per
+    call and their gradients reach them in their own dtype, while `x` stays as it came: its
+    backward keeps the tensor the base layer keeps anyway rather than an fp32 copy, and the
+    matmuls run at the base's speed."""
     lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-    dtype: torch.dtype = lora_a.weight.dtype  # type: ignore[assignment]
-    return lora_b(lora_a(layer.lora_dropout[name](x.to(dtype)))) * layer.scaling[name]
+    own: torch.dtype = lora_a.weight.dtype  # type: ignore[assignment]
+    dtype = compute or own
+    dropped = layer.lora_dropout[name](x.to(dtype))
+    if dtype == own:
+        return lora_b(lora_a(dropped)) * layer.scaling[name]
+    low_rank = F.linear(dropped, _weight(lora_a, dtype), _bias(lora_a, dtype))
+    return F.linear(low_rank, _weight(lora_b, dtype), _bias(lora_b, dtype)) * layer.scaling[name]
+
+
+def _weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    weight: torch.Tensor = linear.weight  # type: ignore[assignment]
+    return weight.to(dtype)
+
+
+def _bias(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    bias = getattr(linear, "bias", None)
+    return None if bias is None else bias.to(dtype)

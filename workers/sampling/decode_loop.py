@@ -177,6 +177,7 @@ class DecodeLoop:
         # Prompt tokens prefilled for each request that finished in the last step.
         self.finished_prefilled: dict[Key, int] = {}
         self._layers: Sequence[LoraLayer] = ()  # the model's LoRA layers, for this step
+        self._lora_compute: torch.dtype | None = None  # and their matmuls' dtype
 
     @property
     def busy(self) -> bool:
@@ -229,16 +230,21 @@ class DecodeLoop:
         return list(dict.fromkeys(r.key for r in requests))
 
     def step(
-        self, model: torch.nn.Module, lora_layers: Sequence[LoraLayer] | None = None
+        self,
+        model: torch.nn.Module,
+        lora_layers: Sequence[LoraLayer] | None = None,
+        lora_compute: torch.dtype | None = None,
     ) -> Finished:
         """One decode step of the running rows, then the admission of waiting requests; the
         requests that finished in it, with their responses. `model` may be a different wrapper
         each call (a PeftModel made meanwhile around the same base): the cache is the loop's.
         `lora_layers`: every LoRA layer of the model, if the caller keeps the list
-        (row_blocks.lora_layers_of); None walks the model's modules for it."""
+        (row_blocks.lora_layers_of); None walks the model's modules for it. `lora_compute`: the
+        dtype of LoRA's matmuls (None: the adapters' own)."""
         finished: Finished = []
         self.finished_prefilled = {}
         self._layers = lora_layers_of(model) if lora_layers is None else lora_layers
+        self._lora_compute = lora_compute
         self.step_rows = self.rows
         with torch.inference_mode(), _eval_mode(model):
             if self.running is not None:
@@ -274,7 +280,9 @@ class DecodeLoop:
             return model(**kwargs).logits
         # PeftModel.forward uses its active adapter: row_blocks replaces every LoRA layer's
         # forward meanwhile, so each row gets its own adapter's update (the base's: none).
-        with row_blocks(self._layers, blocks_of((name, 1) for name in adapters)):
+        with row_blocks(
+            self._layers, blocks_of((name, 1) for name in adapters), self._lora_compute
+        ):
             return model(**kwargs).logits
 
     def _decode(self, model: torch.nn.Module, finished: Finished) -> None:

@@ -163,7 +163,7 @@ class SamplingSessions:
         while self._joined and not self._finished:
             loop = self._loop_of()
             try:
-                done = loop.step(self.pool.model, self.pool.lora_layers())
+                done = loop.step(self.pool.model, self.pool.lora_layers(), self.pool.lora_compute)
             except Exception as exc:  # the step itself failed: so does every op in the loop
                 log.exception("a decode step of %d rows failed", loop.rows)
                 for key in loop.clear():

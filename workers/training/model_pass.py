@@ -98,18 +98,23 @@ class PassPlan:
 
 
 def budgeted(
-    plan: PassPlan, budgets: Budgets | None, config: PretrainedConfig, dtype: torch.dtype
+    plan: PassPlan,
+    budgets: Budgets | None,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    *,
+    lora_copy: int,
 ) -> PassPlan:
     """The plan with the device's training budget (`budgets` from its free memory; None off
     CUDA, where the plan stays as it is): auto checkpointing then checkpoints the fewest layers
-    that fit each pass."""
+    that fit each pass. `lora_copy`: memory.lora_copy_bytes."""
     if budgets is None:
         return plan
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     return replace(
         plan,
         activation_budget=budgets.train_activation_bytes,
-        layer_bytes=layer_bytes(config, dtype_bytes),
+        layer_bytes=layer_bytes(config, dtype_bytes, lora_copy=lora_copy),
     )
 
 

@@ -85,6 +85,7 @@ def shared_pass(
         row_blocks(
             pool.lora_layers(),
             [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)],
+            pool.lora_compute,
         ),
     ):
         with torch.set_grad_enabled(bool(trainable)), recorded_routing(pool.model) as routing:

@@ -63,17 +63,19 @@ def test_budgets_scale_with_free_memory(checkpointing: bool) -> None:
         vocab_size=128256,
     )
     gib = 1 << 30
-    small = budgets_for(config, 20 * gib, 2, checkpointing=checkpointing)
-    large = budgets_for(config, 40 * gib, 2, checkpointing=checkpointing)
+    small = budgets_for(config, 20 * gib, 2, checkpointing=checkpointing, lora_copy=4)
+    large = budgets_for(config, 40 * gib, 2, checkpointing=checkpointing, lora_copy=4)
     assert large.train_batch_tokens == pytest.approx(2 * small.train_batch_tokens, abs=1)
     assert large.sample_batch_sequences == pytest.approx(2 * small.sample_batch_sequences, abs=1)
     # The sampler's cache: 30% of the usable 80%, at 2 x 32 layers x 8 KV heads x 128 x 2 bytes
     # a token (Llama-3.1-8B in bf16: 128 KiB), and a row cap of that at 4K tokens a sequence.
     assert small.sample_cache_tokens == int(20 * gib * 0.8 * 0.3 // (128 << 10)) == 39321
     assert small.sample_batch_sequences == 39321 // 4096
-    plain = budgets_for(config, 20 * gib, 2, checkpointing=False)
+    plain = budgets_for(config, 20 * gib, 2, checkpointing=False, lora_copy=4)
     assert small.train_batch_tokens >= plain.train_batch_tokens
-    assert budgets_for(config, 0, 2, checkpointing=checkpointing).train_batch_tokens == 1
+    assert (
+        budgets_for(config, 0, 2, checkpointing=checkpointing, lora_copy=4).train_batch_tokens == 1
+    )
 
 
 def pretend_cuda_memory(monkeypatch: pytest.MonkeyPatch, total: int) -> None:

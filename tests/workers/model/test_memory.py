@@ -4,12 +4,15 @@ checkpoints to keep its activations within the budget, on the configs it will me
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from queue_tinker.workers.model.memory import (
     budgets_for,
     layer_bytes,
     layers_to_checkpoint,
+    lora_compute_dtype,
+    lora_copy_bytes,
     pass_bytes_per_token,
     train_bytes_per_token,
 )
@@ -24,28 +27,32 @@ TINY = LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128)
 def test_the_ends_of_the_plan_are_the_two_old_modes() -> None:
     """No layer checkpointed keeps every layer's intermediates; every layer, every input plus
     one layer's intermediates (what train_bytes_per_token said of the two modes)."""
-    per_layer = layer_bytes(LLAMA_8B, 2)
+    per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=4)
     assert pass_bytes_per_token(32, 0, per_layer) == 32 * per_layer.kept
     assert pass_bytes_per_token(32, 32, per_layer) == 32 * per_layer.checkpointed + per_layer.kept
     for checkpointing in (False, True):
         layers = 32 if checkpointing else 0
-        assert train_bytes_per_token(LLAMA_8B, 2, checkpointing) == pass_bytes_per_token(
-            32, layers, per_layer
-        )
+        assert train_bytes_per_token(
+            LLAMA_8B, 2, checkpointing, lora_copy=4
+        ) == pass_bytes_per_token(32, layers, per_layer)
 
 
 @pytest.mark.parametrize(
-    ("tokens", "budget_gib", "expected"),
+    ("tokens", "budget_gib", "lora_copy", "expected"),
     [
-        (1_024, 30, 0),  # an RL-sized pass fits whole: nothing is recomputed
-        (2_048, 30, 0),
-        (8 * 2_048, 30, 28),  # the 8B shape on an 80 GB card: 4 of 32 layers spared
-        (8 * 2_048, 1, 32),  # does not fit even checkpointed: every layer (it is split later)
-        (32_768, 80, 26),  # 1 x 32,768 tokens on a whole card's worth of budget
+        (1_024, 30, 4, 0),  # an RL-sized pass fits whole: nothing is recomputed
+        (2_048, 30, 4, 0),
+        (8 * 2_048, 30, 4, 28),  # the 8B shape on an 80 GB card: 4 of 32 layers spared
+        (8 * 2_048, 1, 4, 32),  # does not fit even checkpointed: every layer (split later)
+        (32_768, 80, 4, 26),  # 1 x 32,768 tokens on a whole card's worth of budget
+        # LoRA's matmuls in bf16 keep no fp32 copy of their inputs: 9 of 32 layers spared.
+        (8 * 2_048, 30, 0, 23),
     ],
 )
-def test_the_plan_on_the_8b_shape(tokens: int, budget_gib: int, expected: int) -> None:
-    per_layer = layer_bytes(LLAMA_8B, 2)
+def test_the_plan_on_the_8b_shape(
+    tokens: int, budget_gib: int, lora_copy: int, expected: int
+) -> None:
+    per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=lora_copy)
     planned = layers_to_checkpoint(tokens, 32, per_layer, budget_gib * GIB)
     assert planned == expected
     if 0 < planned < 32:  # the fewest: one layer fewer does not fit
@@ -53,15 +60,31 @@ def test_the_plan_on_the_8b_shape(tokens: int, budget_gib: int, expected: int) -
         assert tokens * pass_bytes_per_token(32, planned - 1, per_layer) > budget_gib * GIB
 
 
+def test_lora_matmuls_in_the_base_dtype_keep_no_copy_of_their_inputs() -> None:
+    """QT_LORA_MATMUL_DTYPE: auto runs LoRA in a bf16 base's dtype and keeps no copy; fp32 over
+    a bf16 base keeps an fp32 copy of each LoRA input (q/k/v/o, gate/up: hidden-wide; down:
+    MLP-wide); over an fp32 base there is nothing to copy either way."""
+    assert lora_compute_dtype(torch.bfloat16, "auto") == torch.bfloat16
+    assert lora_compute_dtype(torch.bfloat16, "fp32") is None
+    assert lora_compute_dtype(torch.float32, "auto") is None
+    assert [lora_copy_bytes(2, "auto"), lora_copy_bytes(2, "fp32"), lora_copy_bytes(4, "fp32")] == [
+        0,
+        4,
+        0,
+    ]
+    copied = layer_bytes(LLAMA_8B, 2, lora_copy=4).kept - layer_bytes(LLAMA_8B, 2, lora_copy=0).kept
+    assert copied == (6 * 4096 + 14336) * 4
+
+
 def test_more_tokens_never_checkpoint_fewer_layers() -> None:
-    per_layer = layer_bytes(LLAMA_8B, 2)
+    per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=4)
     plans = [layers_to_checkpoint(t, 32, per_layer, 20 * GIB) for t in range(512, 40_000, 512)]
     assert plans == sorted(plans)
     assert plans[0] == 0 and plans[-1] == 32
 
 
 def test_a_budget_met_exactly_fits() -> None:
-    per_layer = layer_bytes(TINY, 4)
+    per_layer = layer_bytes(TINY, 4, lora_copy=0)
     exact = 96 * pass_bytes_per_token(2, 0, per_layer)
     assert layers_to_checkpoint(96, 2, per_layer, exact) == 0
     assert layers_to_checkpoint(96, 2, per_layer, exact - 1) == 1
@@ -70,8 +93,8 @@ def test_a_budget_met_exactly_fits() -> None:
 def test_budgets_carry_the_activation_budget_they_size_passes_from() -> None:
     """train_batch_tokens is what fits the activation budget with every layer checkpointed,
     so every pass under it has a plan that fits."""
-    budgets = budgets_for(LLAMA_8B, 62 * GIB, 2, checkpointing=True)
-    per_layer = layer_bytes(LLAMA_8B, 2)
+    budgets = budgets_for(LLAMA_8B, 62 * GIB, 2, checkpointing=True, lora_copy=4)
+    per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=4)
     assert budgets.train_activation_bytes == int(62 * GIB * 0.8 * 0.6)
     full = budgets.train_batch_tokens * pass_bytes_per_token(32, 32, per_layer)
     assert full <= budgets.train_activation_bytes

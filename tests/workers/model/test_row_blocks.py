@@ -5,6 +5,8 @@ under their own adapter; a block whose adapter does not adapt the layer gets the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -63,3 +65,57 @@ def test_several_blocks_compute_each_block_alone() -> None:
     with net.disable_adapter():
         base = net(x[5:])
     torch.testing.assert_close(mixed, torch.cat([first, second, base]), rtol=1e-6, atol=1e-6)
+
+
+def saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """fn's output, and the bytes of the tensors autograd saved for its backward."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total
+
+
+def test_lora_matmuls_in_the_base_dtype_match_autocast_and_keep_no_fp32_copy() -> None:
+    """QT_LORA_MATMUL_DTYPE=auto on a bf16 base: the update is computed in bf16 from the fp32
+    weights, as torch's autocast computes it (values and fp32 gradients to the bit), it comes
+    within bf16 rounding of the fp32 update, and backward keeps less: no fp32 copy of the
+    input, only the bf16 tensor and the rank-wide intermediate."""
+    net = model(torch.bfloat16)
+    layers = lora_layers_of(net)
+    layer = net.base_model.model.up
+    x = torch.randn(6, 16, dtype=torch.bfloat16, requires_grad=True)
+    params = [
+        p for n, p in net.named_parameters() if "lora_" in n and ".default." in n and ".up." in n
+    ]
+
+    def run(compute: torch.dtype | None) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        with row_blocks(layers, [("default", 6)], compute):
+            out, kept = saved_bytes(lambda: layer(x))
+        out.float().square().sum().backward()
+        return out, kept, [p.grad.clone() for p in params if p.grad is not None]
+
+    low, low_kept, low_grads = run(torch.bfloat16)
+    wide, wide_kept, wide_grads = run(None)
+    for p in params:
+        p.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        base = layer.base_layer(x)
+        update = layer.lora_B["default"](layer.lora_A["default"](x)) * layer.scaling["default"]
+    reference = base + update
+    reference.float().square().sum().backward()
+    assert low.dtype == torch.bfloat16 and torch.equal(low, reference)
+    assert all(g.dtype == torch.float32 for g in low_grads) and len(low_grads) == 2
+    for got, want in zip(low_grads, [p.grad for p in params], strict=True):
+        assert want is not None and torch.equal(got, want)
+    torch.testing.assert_close(low.float(), wide.float(), rtol=2e-2, atol=2e-2)
+    for got, want in zip(low_grads, wide_grads, strict=True):
+        assert float((got - want).norm() / want.norm()) < 2e-2
+    assert low_kept + 6 * 16 * 4 <= wide_kept  # the fp32 copy of x is gone

@@ -305,7 +305,7 @@ def test_a_planned_pass_checkpoints_some_layers_and_equals_none(pool: AdapterPoo
     adapter = pool.adapters["m1"]
     pool.activate(adapter)
     data = [datum(t) for t in TEXTS]
-    per_layer = layer_bytes(causal_lm(pool.model).config, 4)
+    per_layer = layer_bytes(causal_lm(pool.model).config, 4, lora_copy=0)
     tokens = len(data) * max(d.model_input.length for d in data)
     budget = tokens * pass_bytes_per_token(2, 1, per_layer)
     planned = PassPlan(
