@@ -47,6 +47,7 @@ from queue_tinker.types.training import (
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.interface import OpResult
+from queue_tinker.workers.training.model_pass import PassPlan
 
 BASE = "queue-tinker/tiny-llama"
 VOCAB = 259
@@ -238,6 +239,32 @@ def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
     assert off.rules.batch_share(backlog[2:]) == (1, True)  # an optim_step at the head: that step
     save = make_op("m", 6, OpKind.SAVE_STATE, {})
     assert off.rules.batch_share([backlog[0], save, *backlog[1:]]) == (1, True)
+
+
+def test_a_pass_is_not_shared_past_where_it_would_recompute_more(root: Path) -> None:
+    """Three models' forward_backward ops and a forward op, 2 x 15 tokens each: where
+    checkpointing starts at 64 padded tokens (the CPU's rule), two share a pass that recomputes
+    nothing (60 tokens), and the others, each of which would make it checkpoint every layer,
+    share the next; where it starts at 128, all four share one pass (120 tokens)."""
+    data = [datum("sixteen tokens!!"), datum("and sixteen more")]
+
+    def passes_shared(threshold: int) -> list[float]:
+        driver = BatchDriver(
+            root,
+            f"recompute-{threshold}",
+            max_resident=8,
+            plan=PassPlan(checkpoint_min_tokens=threshold, pack_above_padding=None),
+        )
+        for model_id in ("a", "b", "c", "f"):
+            driver.create(model_id, LoraConfig(rank=4))
+        ops = [driver.make(m, OpKind.FORWARD_BACKWARD, fb(data)) for m in ("a", "b", "c")]
+        ops.append(driver.make("f", OpKind.FORWARD, fb(data)))
+        results = driver.batched(ops)
+        assert all(isinstance(r, OpResult) and r.metrics for r in results), results
+        return [r.metrics["batch_models:max"] for r in results]  # type: ignore[union-attr]
+
+    assert passes_shared(64) == [2.0, 2.0, 2.0, 2.0]
+    assert passes_shared(128) == [4.0, 4.0, 4.0, 4.0]
 
 
 def test_outcomes_of_a_batch_survive_in_its_snapshot(root: Path) -> None:
