@@ -52,9 +52,11 @@ class DeviceMemoryError(UserInputError):
 
 
 class WorkerFitError(QueueTinkerError):
-    """A worker's base model, resident adapters and budgets do not fit its device memory, so it
-    refuses to start (workers/model/fit.py); the message names each part's GiB and the changes
-    that would fit. The deployment's to fix, not a request's: a server error."""
+    """A worker's base model, resident adapters and budgets do not fit its device memory
+    (workers/model/fit.py: the message names each part's GiB and the changes that would fit),
+    or a setting asks for what its device or installation lacks (QT_LIGER_KERNELS=on without
+    CUDA or liger-kernel): it refuses to start. The deployment's to fix, not a request's: a
+    server error."""
 
 
 class WorkerGroupError(QueueTinkerError):

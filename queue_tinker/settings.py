@@ -307,6 +307,14 @@ class Settings(BaseSettings):
         "on the CPU. LoRA weights, their gradients, AdamW moments and checkpoints stay fp32 "
         "either way.",
     )
+    liger_kernels: Literal["auto", "on", "off"] = Field(
+        default="off",
+        description="Put liger-kernel's Triton RMSNorm, RoPE and SwiGLU in the base model "
+        "(the gpu extra; CUDA only; not in worker groups). on: a worker that cannot refuses "
+        "to start; auto: on CUDA where liger is installed. Off by default until the GPU test "
+        "suite has run the worker with them: bench.mfu measured 1.19x the training pass at "
+        "the Llama-3.1-8B shape on an H100.",
+    )
     lora_matmul_dtype: Literal["auto", "fp32"] = Field(
         default="auto",
         description="The dtype of LoRA's matmuls in training and sampling passes. auto: the "

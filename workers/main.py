@@ -87,6 +87,7 @@ def lora_executor(
         train_batch_tokens=settings.train_batch_tokens,
         dtype=settings.dtype,
         lora_matmul_dtype=settings.lora_matmul_dtype,
+        liger_kernels=settings.liger_kernels,
         plan=PassPlan(
             activation_checkpointing=settings.activation_checkpointing,
             checkpoint_min_tokens=settings.activation_checkpointing_tokens,

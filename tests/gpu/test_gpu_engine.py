@@ -419,3 +419,40 @@ def test_a_built_in_samples_seeded_on_the_device(
     for sequence in first["sequences"]:
         assert len(sequence["tokens"]) > 0 and all(np.isfinite(sequence["logprobs"]))
         assert all(0 <= t < device.limits.vocab_size for t in sequence["tokens"])
+
+
+# --- last: liger patches transformers' rotary function for the whole process ------------------
+@cuda_only
+def test_liger_kernels_on_cuda_equal_the_eager_model(cuda: LoraExecutor, scratch: Path) -> None:
+    """QT_LIGER_KERNELS=on: the same weights and data through liger's RMSNorm, RoPE and SwiGLU
+    give the eager engine's loss and LoRA gradients within bf16's rounding, and a seeded sample
+    repeats with finite logprobs. The eager side runs first: liger's RoPE is process-wide."""
+    pytest.importorskip("liger_kernel", reason="the gpu extra (liger-kernel) is not installed")
+    batch = data(4, 128, 5)
+    eager_run = Run(cuda, "liger-ref")
+    eager_run.forward_backward(batch)
+    eager_run.op(OpKind.OPTIM_STEP, ADAM.model_dump())  # lora_B non-zero: every grad counts
+    eager_loss = eager_run.forward_backward(batch)
+    expected = eager_run.grads()
+    liger = LoraExecutor(
+        BASE, DEVICE, scratch / "storage-liger", scratch / "models", liger_kernels="on"
+    )
+    liger_run = Run(liger, "liger")
+    same_weights(liger_run, eager_run)
+    assert liger_run.forward_backward(batch) == pytest.approx(eager_loss, rel=1e-2)
+    got = liger_run.grads()
+    for key in expected:
+        error = float((got[key] - expected[key]).norm() / expected[key].norm())
+        assert error < 0.05, (key, error)
+    session = Run.__new__(Run)
+    session.engine, session.model_id, session.seq = liger, "liger-smp", 0
+    session.op(OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "t", "base_model": BASE})
+    body = {
+        "prompt": ModelInput.from_ints(list(b"Q: capital of France?\nA:")).model_dump(),
+        "num_samples": 2,
+        "sampling_params": SamplingParams(max_tokens=16, temperature=1.0, seed=7).model_dump(),
+    }
+    first, second = (session.op(OpKind.SAMPLE, body) for _ in range(2))
+    assert first["sequences"] == second["sequences"]
+    for sequence in first["sequences"]:
+        assert len(sequence["tokens"]) > 0 and all(np.isfinite(sequence["logprobs"]))

@@ -38,6 +38,7 @@ from queue_tinker.workers.model.fit import (
     fit_resident_adapters,
     require_fit,
 )
+from queue_tinker.workers.model.fused_kernels import LigerKernels, apply_liger, liger_wanted
 from queue_tinker.workers.model.memory import (
     Budgets,
     LoraMatmuls,
@@ -103,6 +104,7 @@ class LoraExecutor:
         train_batch_tokens: int | None = None,
         dtype: str = "auto",
         lora_matmul_dtype: LoraMatmuls = "auto",
+        liger_kernels: LigerKernels = "off",
         plan: PassPlan | None = None,
         shards: Shards | None = None,
         quantum_over: QuantumOver | None = None,
@@ -117,6 +119,8 @@ class LoraExecutor:
         # settings' (workers/main.py); None: the settings' defaults, whatever the environment.
         self.request_limits = request_limits or RequestLimits.defaults()
         plan = plan or PassPlan()
+        # Before any weight is loaded: a setting this machine cannot honour stops the worker.
+        liger = liger_wanted(liger_kernels, self.device, grouped=shards is not None)
         fit = FitSettings(
             max_resident_adapters=max_resident or MOST_RESIDENT_ADAPTERS,
             train_batch_tokens=train_batch_tokens,
@@ -143,6 +147,8 @@ class LoraExecutor:
         # A rank of a worker group keeps its share of each decoder layer, cut in host memory.
         share = None if shards is None else partial(shard_decoder, shards=shards)
         base = base_models.load_frozen_base(base_model, device, models_dir, dtype, share)
+        if liger:
+            apply_liger(base)
         images = ImageSupport(base_model)
         if is_vl(base.config):
             path = base_models.resolve_model_path(base_model, models_dir)
