@@ -71,6 +71,7 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.types import AdamParams, ModelInput, SampleResponse, SamplingParams
 from queue_tinker.types.checkpoints import CheckpointPath
 from queue_tinker.workers.model.checkpoints import checkpoint_dir
+from queue_tinker.workers.model.memory import lora_compute_dtype
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
 
 SEED = 1000  # request i samples with seed SEED + i
@@ -138,8 +139,15 @@ class Local:
             )
             for i, p in enumerate(self.prompts)
         ]
+        # LoRA's matmuls as the worker runs them (QT_LORA_MATMUL_DTYPE's auto: bf16 on CUDA).
+        lora = lora_compute_dtype(self.base.dtype, "auto")
         return generate(
-            model, requests, device=self.device, eos_token_ids=[EOS_ID], decode=lambda _: ""
+            model,
+            requests,
+            device=self.device,
+            eos_token_ids=[EOS_ID],
+            decode=lambda _: "",
+            lora_compute=lora,
         )
 
 

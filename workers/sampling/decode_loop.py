@@ -110,11 +110,13 @@ def generate(
     device: torch.device,
     eos_token_ids: Sequence[int],
     decode: Callable[[list[int]], str],
+    lora_compute: torch.dtype | None = None,
 ) -> list[SampleResponse]:
     """One response per request, in order: `num_samples` sequences each (plus prompt logprobs
     when asked), all requests prefilled together and decoded in one loop. `model` is a
     PeftModel holding every adapter named, or a plain causal LM when all requests are on the
-    base model. It runs in eval mode and is left in the mode it came in.
+    base model. It runs in eval mode and is left in the mode it came in. `lora_compute`: the
+    dtype of LoRA's matmuls, as the worker's pool sets it (None: the adapters' own).
     """
     loop = DecodeLoop(device, eos_token_ids, decode, max_rows=None, prefill_tokens=None)
     for index, request in enumerate(requests):
@@ -122,7 +124,7 @@ def generate(
     layers = lora_layers_of(model)
     responses: dict[Key, SampleResponse] = {}
     while loop.busy:
-        responses.update(loop.step(model, layers))
+        responses.update(loop.step(model, layers, lora_compute))
     return [responses[index] for index in range(len(requests))]
 
 
