@@ -157,7 +157,7 @@ class Result:
     # held to), and whether it needed its own checkpointing to fit.
     bare_fb_s: list[float] = field(default_factory=list)
     bare_checkpointing: bool | None = None
-    plan: str = ""  # the worker's plan for this batch: checkpointed layers, compiled or not
+    plan: str = ""  # the worker's plan for this batch: its checkpointed layers
     variants: list[Variant] = field(default_factory=list)
     # Activation bytes a token keeps per decoder layer, measured (a pass with nothing
     # checkpointed) and as the checkpointing plan estimates them.
@@ -320,7 +320,7 @@ def measure_variant(
     variant: Variant,
 ) -> Variant:
     """The variant's forward_backward timed (after a first call, and warm-up calls); an error
-    (a compile that fails, out of memory) is kept as the variant's result."""
+    (out of memory, say) is kept as the variant's result."""
     tokens = len(data) * max(d.model_input.length for d in data)
     variant.checkpointed = engine.checkpointed_layers(pool, variant.plan, tokens)
     step = engine_step(pool, adapter, data, device, variant.plan)
@@ -364,8 +364,8 @@ def measure_layer_bytes(
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    eager = replace(plan, activation_checkpointing="off", compiled=False)
-    engine_step(pool, adapter, data, device, eager)()
+    whole = replace(plan, activation_checkpointing="off")
+    engine_step(pool, adapter, data, device, whole)()
     peak = torch.cuda.max_memory_allocated(device) - before
     engine.clear_grads([adapter])
     return peak / (2048 * shape.layers), plan.layer_bytes.kept
@@ -405,7 +405,6 @@ def variants(pool: AdapterPool, device: torch.device) -> list[Variant]:
             engine.worker_plan(pool, device, "fp32"),
             partial(engine.lora_matmuls, pool, "fp32"),
         ),
-        Variant("compiled layers (QT_COMPILE=on)", replace(plan, compiled=True)),
     ]
     if device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
         out.append(Variant("liger RMSNorm, RoPE, SwiGLU", plan, liger_kernels(pool)))

@@ -337,13 +337,6 @@ class Settings(BaseSettings):
         description="The padded tokens of a training pass from which auto activation "
         "checkpointing turns on where no memory budget is known (the CPU).",
     )
-    compile: Literal["auto", "on", "off"] = Field(
-        default="off",
-        description="Whether training passes run the decoder layers through one compiled "
-        "forward (torch.compile of the layer class, reused by every layer; equal results). "
-        "auto: on for CUDA. Off by default: at the Llama-3.1-8B shape on an H100 it measured "
-        "1.00x the eager pass after a 30 s first call (docs/benchmarks.md).",
-    )
     queue_unserved_base_models: bool = Field(
         default=False,
         description="Queue a new training run on a base model no worker has served yet (for "

@@ -91,8 +91,6 @@ def lora_executor(
         plan=PassPlan(
             activation_checkpointing=settings.activation_checkpointing,
             checkpoint_min_tokens=settings.activation_checkpointing_tokens,
-            compiled=settings.compile == "on"
-            or (settings.compile == "auto" and device.startswith("cuda")),
         ),
         shards=shards,
         quantum_over=quantum_over,

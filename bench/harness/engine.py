@@ -59,8 +59,7 @@ def worker_plan(
     pool: AdapterPool, device: torch.device, lora_matmuls: LoraMatmuls = "auto"
 ) -> PassPlan:
     """The pass plan a worker makes for this model on this device now (its checkpointing
-    planned from the free memory) with QT_LORA_MATMUL_DTYPE=`lora_matmuls`; QT_COMPILE off,
-    its default."""
+    planned from the free memory) with QT_LORA_MATMUL_DTYPE=`lora_matmuls`."""
     config = causal_lm(pool.model).config.get_text_config()
     dtype = base_dtype(pool)
     lora_copy = lora_copy_bytes(dtype.itemsize, lora_matmuls)

@@ -12,11 +12,6 @@ memory that does not grow with tokens x vocabulary nor, past a threshold, with t
   input and recomputes its activations in backward (torch.utils.checkpoint, non-reentrant), so
   a pass keeps (layers + 1) hidden states per token instead of every layer's intermediates.
   Results are equal to a pass without it: the recomputation is the same computation.
-- **Compiled decoder layers** (`PassPlan.compiled`, QT_COMPILE). The decoder layer's class
-  forward is compiled once (torch.compile, shapes dynamic after the first recompile) and every
-  layer of the pass runs that one compiled function with its own weights: regional compilation,
-  so start-up compiles one layer, not the model. A checkpointed layer checkpoints the compiled
-  call, and its recomputation runs the compiled code again.
 
 Both run inside whatever wraps the model's LoRA layers (PEFT's active adapter, or the shared
 pass's row blocks): the caller keeps that in place until backward is done, because backward
@@ -71,8 +66,6 @@ class PassPlan:
     # (None: never pack). Below it, packing saves less than it costs: its block-diagonal mask
     # takes attention off the kernels that need no mask, and it changes the batch's rounding.
     pack_above_padding: float | None = 0.5
-    # Run the decoder layers through one compiled forward (QT_COMPILE; see the docstring).
-    compiled: bool = False
 
     def checkpointed_layers(self, padded_tokens: int, backward: bool, layers: int) -> int:
         """How many of a pass's `layers` decoder layers run checkpointed: the first ones, whose
@@ -155,7 +148,7 @@ def target_logprobs(
     backward = torch.is_grad_enabled()
     layers = decoder_layers(model)
     planned = plan.checkpointed_layers(batch.padded_tokens, backward, len(layers))
-    with layer_forwards(layers, planned, plan.compiled):
+    with checkpointed(layers[:planned]):
         if images is not None:
             hidden = hidden_states(lm, batch.ids, batch.mask, images)
         else:
@@ -219,41 +212,17 @@ def _logprobs_of(
 
 
 @contextmanager
-def layer_forwards(
-    layers: Sequence[torch.nn.Module], checkpointed: int, compiled: bool
-) -> Iterator[None]:
-    """Meanwhile the first `checkpointed` layers run under non-reentrant activation
-    checkpointing, and with `compiled` every layer runs its class's compiled forward. The
-    instance attribute shadows the class's forward; what it calls is the class's (or its
-    compiled form), so a recomputation in backward after this context is gone computes the same
-    thing."""
-    changed = []
-    for index, layer in enumerate(layers):
-        forward = compiled_forward(type(layer)) if compiled else type(layer).forward
-        bound = partial(forward, layer)
-        if index < checkpointed:
-            layer.forward = partial(_checkpointed_forward, bound)
-        elif compiled:
-            layer.forward = bound
-        else:
-            continue
-        changed.append(layer)
+def checkpointed(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Meanwhile each layer's forward runs under non-reentrant activation checkpointing (the
+    instance attribute shadows the class's forward; the checkpoint calls the class's, so a
+    recomputation in backward after this context is gone computes the same thing)."""
+    for layer in layers:
+        layer.forward = partial(_checkpointed_forward, type(layer).forward.__get__(layer))
     try:
         yield
     finally:
-        for layer in changed:
+        for layer in layers:
             del layer.forward
-
-
-_COMPILED: dict[type, Callable[..., Any]] = {}
-
-
-def compiled_forward(layer_type: type) -> Callable[..., Any]:
-    """The decoder layer class's forward compiled once for every layer of it (the layer is an
-    argument: its weights are inputs of the compiled graph, not constants of it)."""
-    if layer_type not in _COMPILED:
-        _COMPILED[layer_type] = torch.compile(layer_type.forward)  # type: ignore[attr-defined]
-    return _COMPILED[layer_type]
 
 
 def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:

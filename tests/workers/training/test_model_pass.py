@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,8 +21,7 @@ from queue_tinker.types.training import ForwardBackwardOutput, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.memory import layer_bytes, pass_bytes_per_token
-from queue_tinker.workers.training import model_pass
-from queue_tinker.workers.training.model_pass import PassPlan, causal_lm, decoder_layers
+from queue_tinker.workers.training.model_pass import PassPlan, causal_lm
 from queue_tinker.workers.training.packing import pack_rows, padding_fraction
 from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass
 
@@ -326,59 +325,6 @@ def test_a_planned_pass_checkpoints_some_layers_and_equals_none(pool: AdapterPoo
     assert kept_bytes(pool, data, planned) < kept_bytes(pool, data, unplanned)
     for param in adapter.params.values():
         param.grad = None
-
-
-COMPILED = replace(WHOLE, compiled=True)
-COMPILED_CHECKPOINTED = replace(CHECKPOINTED, compiled=True)
-
-
-def test_compiled_layers_equal_eager_alone_checkpointed_and_shared(
-    pool: AdapterPool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The decoder layers run through one compiled forward (QT_COMPILE) give the eager pass's
-    loss and LoRA gradients (fp32, rtol 1e-5): alone, with every layer checkpointed (the
-    recomputation runs the compiled code again), and in a cross-adapter pass whose row blocks
-    wrap the LoRA layers. The compiled function is really the one called."""
-    adapter = pool.adapters["m1"]
-    pool.activate(adapter)
-    data = [datum(t) for t in TEXTS]
-    losses: list[float] = []
-
-    def run(plan: PassPlan) -> object:
-        def step() -> None:
-            losses.append(one_op_pass(pool, data, plan).metrics["loss:sum"])
-
-        return step
-
-    eager = grads_after(adapter, run(WHOLE))
-    layer_type = type(decoder_layers(pool.model)[0])
-    calls = counting_compiled(layer_type, monkeypatch)
-    assert_same(grads_after(adapter, run(COMPILED)), eager)
-    assert calls() == 2  # one per layer of the tiny model
-    assert_same(grads_after(adapter, run(COMPILED_CHECKPOINTED)), eager)
-    assert calls() == 2 + 2 * 2  # and again as backward recomputes them
-    assert losses[1:] == pytest.approx([losses[0]] * 2, rel=1e-6)
-
-    shared = {
-        name: [datum(t) for t in TEXTS[i:] + TEXTS[:i]] for i, name in enumerate(pool.adapters)
-    }
-    expected = shared_pass_grads(pool, shared, WHOLE)
-    got = shared_pass_grads(pool, shared, COMPILED)
-    for name in pool.adapters:
-        assert_same(got[name], expected[name])
-
-
-def counting_compiled(layer_type: type, monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
-    """Count the calls of the layer class's compiled forward from now on (this test's)."""
-    compiled = model_pass.compiled_forward(layer_type)
-    count = [0]
-
-    def counted(*args: object, **kwargs: object) -> object:
-        count[0] += 1
-        return compiled(*args, **kwargs)
-
-    monkeypatch.setitem(model_pass._COMPILED, layer_type, counted)
-    return lambda: count[0]
 
 
 MIXED = [
