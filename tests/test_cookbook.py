@@ -192,7 +192,7 @@ def test_rl_train_with_the_recipes_default_loss_raises_the_reward(
 
     config = train.Config(
         learning_rate=5e-2,
-        dataset_builder=letter_builder(groups=2, steps=10),
+        dataset_builder=letter_builder(groups=2, steps=12),
         model_name=model,
         recipe_name="qt-rl",
         max_tokens=8,
@@ -209,14 +209,16 @@ def test_rl_train_with_the_recipes_default_loss_raises_the_reward(
     rewards = [
         m["env/all/reward/total"] for m in metrics(tmp_path / "rl") if "env/all/reward/total" in m
     ]
-    assert len(rewards) == 10
+    assert len(rewards) == 12
     # At this rate the reward saturates at 1.0 within 4-7 steps; from then on every group's
     # advantages are 0 and Adam's momentum alone moves the weights, which in one CI run took
     # the reward from 1.0 back down to 0.12. So the best 3-step stretch after the first three
     # steps is judged: 0.96-1.0 in 14 runs here, against first-three means of 0.33-0.43; at
-    # lr 1e-7 (updates that do nothing) it came to -0.04 to +0.04 of the start in 3 runs.
+    # lr 1e-7 (updates that do nothing) it came to -0.04 to +0.04 of the start in 3 runs. The
+    # rise is a random walk (unseeded samples): one run under a full suite was still at 0.63 at
+    # step 6 and missed by 0.07 within 10 steps, so 12 are run.
     start = sum(rewards[:3]) / 3
-    best = max(sum(rewards[i : i + 3]) / 3 for i in range(3, 8))
+    best = max(sum(rewards[i : i + 3]) / 3 for i in range(3, 10))
     assert best > start + 0.3, rewards
 
 
