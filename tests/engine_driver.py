@@ -5,9 +5,10 @@ Shared by the engine tests under tests/workers/."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.checkpoints import AdapterState, read_state, snapshot_dir
 
+T = TypeVar("T")
 BASE = "queue-tinker/tiny-llama"
 RANK = 4
 EXACT = {"rtol": 0.0, "atol": 0.0}
@@ -146,6 +148,20 @@ def assert_tensors(actual: Tensors, expected: Tensors, **tol: float) -> None:
 
 def max_diff(a: Tensors, b: Tensors) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def saved_bytes(fn: Callable[[], T]) -> tuple[T, int]:
+    """fn's result, and the bytes of the tensors autograd saved for its backward meanwhile."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total
 
 
 def run_op(engine: LoraExecutor, op: Op) -> OpResult:

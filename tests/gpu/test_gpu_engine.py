@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,29 @@ def same_weights(into: Run, source: Run) -> None:
             param.copy_(source.adapter.params[key])
 
 
+def sampled_twice(
+    engine: LoraExecutor,
+    session: dict[str, Any],
+    prompt: ModelInput,
+    num_samples: int,
+    params: SamplingParams,
+) -> list[dict[str, Any]]:
+    """A sampling session (`session`: its create body) asked the same seeded sample twice:
+    its sequences, the second time's shown equal to the first's."""
+    run = Run.__new__(Run)
+    run.engine, run.model_id, run.seq = engine, f"session-{uuid.uuid4().hex[:8]}", 0
+    run.op(OpKind.CREATE_SAMPLING_SESSION, session)
+    body = {
+        "prompt": prompt.model_dump(),
+        "num_samples": num_samples,
+        "sampling_params": params.model_dump(),
+    }
+    first, second = (run.op(OpKind.SAMPLE, body) for _ in range(2))
+    assert first["sequences"] == second["sequences"]
+    sequences: list[dict[str, Any]] = first["sequences"]
+    return sequences
+
+
 @cuda_only
 def test_cuda_runs_bf16_base_with_fp32_adapters(cuda: LoraExecutor) -> None:
     """auto on CUDA: the base in bf16, the adapter's weights and moments fp32, on the GPU."""
@@ -210,17 +234,14 @@ def test_a_checkpoint_saved_on_cuda_loads_on_the_cpu(cuda: LoraExecutor, cpu: Lo
 def test_sampling_on_cuda_is_seeded_and_finite(cuda: LoraExecutor) -> None:
     """A base-model sample on CUDA: the same seed gives the same tokens, logprobs are finite
     and the tokens are the model's."""
-    session = Run.__new__(Run)
-    session.engine, session.model_id, session.seq = cuda, "smp-gpu", 0
-    session.op(OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "t", "base_model": BASE})
-    body = {
-        "prompt": ModelInput.from_ints(list(b"Q: capital of France?\nA:")).model_dump(),
-        "num_samples": 4,
-        "sampling_params": SamplingParams(max_tokens=32, temperature=1.0, seed=7).model_dump(),
-    }
-    first, second = (session.op(OpKind.SAMPLE, body) for _ in range(2))
-    assert first["sequences"] == second["sequences"]
-    for sequence in first["sequences"]:
+    sequences = sampled_twice(
+        cuda,
+        {"tenant_id": "t", "base_model": BASE},
+        ModelInput.from_ints(list(b"Q: capital of France?\nA:")),
+        4,
+        SamplingParams(max_tokens=32, temperature=1.0, seed=7),
+    )
+    for sequence in sequences:
         assert all(np.isfinite(sequence["logprobs"]))
         assert all(0 <= t < cuda.limits.vocab_size for t in sequence["tokens"])
 
@@ -376,20 +397,15 @@ def test_a_built_in_samples_seeded_on_the_device(
     run.forward_backward(built_in_data(base, 42))
     run.op(OpKind.OPTIM_STEP, ADAM.model_dump())
     path = run.op(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "w", "ttl_seconds": None})["path"]
-    session = Run.__new__(Run)
-    session.engine, session.model_id, session.seq = device, "sampled-session", 0
-    session.op(
-        OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "t", "base_model": base, "model_path": path}
-    )
     prompt = image_prompt() if base == VL else ModelInput.from_ints(list(b"Q: 2+2?\nA:"))
-    body = {
-        "prompt": prompt.model_dump(),
-        "num_samples": 2,
-        "sampling_params": SamplingParams(max_tokens=16, temperature=1.0, seed=3).model_dump(),
-    }
-    first, second = (session.op(OpKind.SAMPLE, body) for _ in range(2))
-    assert first["sequences"] == second["sequences"]
-    for sequence in first["sequences"]:
+    sequences = sampled_twice(
+        device,
+        {"tenant_id": "t", "base_model": base, "model_path": path},
+        prompt,
+        2,
+        SamplingParams(max_tokens=16, temperature=1.0, seed=3),
+    )
+    for sequence in sequences:
         assert len(sequence["tokens"]) > 0 and all(np.isfinite(sequence["logprobs"]))
         assert all(0 <= t < device.limits.vocab_size for t in sequence["tokens"])
 
@@ -417,15 +433,12 @@ def test_liger_kernels_on_cuda_equal_the_eager_model(cuda: LoraExecutor, scratch
     for key in expected:
         error = float((got[key] - expected[key]).norm() / expected[key].norm())
         assert error < 0.05, (key, error)
-    session = Run.__new__(Run)
-    session.engine, session.model_id, session.seq = liger, "liger-smp", 0
-    session.op(OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "t", "base_model": BASE})
-    body = {
-        "prompt": ModelInput.from_ints(list(b"Q: capital of France?\nA:")).model_dump(),
-        "num_samples": 2,
-        "sampling_params": SamplingParams(max_tokens=16, temperature=1.0, seed=7).model_dump(),
-    }
-    first, second = (session.op(OpKind.SAMPLE, body) for _ in range(2))
-    assert first["sequences"] == second["sequences"]
-    for sequence in first["sequences"]:
+    sequences = sampled_twice(
+        liger,
+        {"tenant_id": "t", "base_model": BASE},
+        ModelInput.from_ints(list(b"Q: capital of France?\nA:")),
+        2,
+        SamplingParams(max_tokens=16, temperature=1.0, seed=7),
+    )
+    for sequence in sequences:
         assert len(sequence["tokens"]) > 0 and all(np.isfinite(sequence["logprobs"]))

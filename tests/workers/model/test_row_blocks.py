@@ -5,10 +5,9 @@ under their own adapter; a block whose adapter does not adapt the layer gets the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
+from engine_driver import saved_bytes
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 
@@ -65,20 +64,6 @@ def test_several_blocks_compute_each_block_alone() -> None:
     with net.disable_adapter():
         base = net(x[5:])
     torch.testing.assert_close(mixed, torch.cat([first, second, base]), rtol=1e-6, atol=1e-6)
-
-
-def saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """fn's output, and the bytes of the tensors autograd saved for its backward."""
-    total = 0
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += tensor.numel() * tensor.element_size()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, total
 
 
 def test_lora_matmuls_in_the_base_dtype_match_autocast_and_keep_no_fp32_copy() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_driver import saved_bytes
 
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum, ModelInput
@@ -267,16 +268,7 @@ def test_a_pass_that_fails_inside_a_checkpointed_layer_leaves_nothing_behind(
 
 def kept_bytes(pool: AdapterPool, data: list[Datum], plan: PassPlan) -> int:
     """Bytes of the tensors a pass of the pool's active adapter saves for its backward."""
-    total = 0
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += tensor.numel() * tensor.element_size()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        one_op_pass(pool, data, plan)
-    return total
+    return saved_bytes(lambda: one_op_pass(pool, data, plan))[1]
 
 
 def test_checkpointing_keeps_only_layer_inputs_for_backward(pool: AdapterPool) -> None:
