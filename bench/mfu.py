@@ -128,8 +128,9 @@ class Variant:
     name: str
     plan: PassPlan
     context: Callable[[], AbstractContextManager[object]] = nullcontext
+    lasting: bool = False  # its context changes the model for good: measured after the rest
     fb_s: list[float] = field(default_factory=list)
-    first_s: float | None = None  # the first call: compiling, kernels' first launch
+    first_s: float | None = None  # the first call: kernels' first launch (Triton's JIT)
     peak_gib: float | None = None
     checkpointed: str = ""
     error: str | None = None
@@ -157,7 +158,6 @@ class Result:
     # held to), and whether it needed its own checkpointing to fit.
     bare_fb_s: list[float] = field(default_factory=list)
     bare_checkpointing: bool | None = None
-    plan: str = ""  # the worker's plan for this batch: its checkpointed layers
     variants: list[Variant] = field(default_factory=list)
     # Activation bytes a token keeps per decoder layer, measured (a pass with nothing
     # checkpointed) and as the checkpointing plan estimates them.
@@ -407,7 +407,7 @@ def variants(pool: AdapterPool, device: torch.device) -> list[Variant]:
         ),
     ]
     if device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
-        out.append(Variant("liger RMSNorm, RoPE, SwiGLU", plan, liger_kernels(pool)))
+        out.append(Variant("liger RMSNorm, RoPE, SwiGLU", plan, liger_kernels(pool), lasting=True))
     return out
 
 
@@ -443,14 +443,12 @@ def run(args: argparse.Namespace) -> Result:
             flush=True,
         )
     planned = variants(pool, device) if args.variants else [Variant("the worker's plan", plan)]
-    lasting = [v for v in planned if v.name.startswith("liger")]
     result.variants = [
-        measure_variant(pool, adapter, data, device, args, v) for v in planned if v not in lasting
+        measure_variant(pool, adapter, data, device, args, v) for v in planned if not v.lasting
     ]
     headline = result.variants[0]
     if headline.error is not None:
         raise RuntimeError(f"the worker's plan failed: {headline.error}")
-    result.plan = f"{headline.checkpointed} layers checkpointed"
     result.peak_gib = headline.peak_gib
     measure(pool, adapter, data, device, args, result, plan)
     measure_bare(pool, adapter, data, device, args, result)
@@ -473,7 +471,9 @@ def run(args: argparse.Namespace) -> Result:
         result.rl_shape = f"{args.rl_adapters} adapters × {rows} × {seq} tokens"
         parts = [random_data(shape, rows, seq) for _ in range(args.rl_adapters)]
         result.rl = adapters_or_none(pool, adapter, parts, device, args, plan)
-    result.variants += [measure_variant(pool, adapter, data, device, args, v) for v in lasting]
+    result.variants += [
+        measure_variant(pool, adapter, data, device, args, v) for v in planned if v.lasting
+    ]
     return result
 
 

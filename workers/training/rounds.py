@@ -171,6 +171,7 @@ class TrainingRounds:
         self.request_limits = request_limits
         self.snapshot_every = snapshot_every
         self.images = images or ImageSupport()
+        self.layers = len(decoder_layers(pool.base))  # what a pass's checkpointing plan counts
 
     def execute_batch(self, ops: Sequence[Op]) -> list[ResultOrError]:
         """Many models' steps, as the worker batches them (cross-adapter batching); each op's
@@ -251,11 +252,10 @@ class TrainingRounds:
         of 32 layers where each alone recomputed none."""
         if padded_tokens([*chunk, op]) > self.guard.train_batch_tokens:
             return False
-        layers = len(decoder_layers(self.pool.base))
 
         def recomputed(ops: Sequence[PassOp]) -> int:
             backward = any(o.backward for o in ops)
-            return self.plan.checkpointed_layers(padded_tokens(ops), backward, layers)
+            return self.plan.checkpointed_layers(padded_tokens(ops), backward, self.layers)
 
         return recomputed([*chunk, op]) <= max(recomputed(chunk), recomputed([op]))
 
