@@ -71,7 +71,6 @@ from queue_tinker.workers.sampling.prefix_cache import (
 )
 from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
 from queue_tinker.workers.sampling.token_choice import (
-    needs_sort,
     row_chunks,
     sample_tokens,
     sample_unfiltered,
@@ -454,17 +453,20 @@ class DecodeLoop:
     # --- choosing and stopping ---
     def _advance(self, rows: Rows, logits: torch.Tensor, finished: Finished) -> list[int]:
         """Choose every row's next token, record it, and end the rows it ends (a request ends
-        with its last row); the rows that go on."""
+        with its last row); the rows that go on. The tokens, their logprobs and whether they
+        stop a row come to the host in one copy, the step's only wait for the device."""
         tokens, logprobs = self._choose(rows, logits)
         topk = top_logprobs([r.spec.sample_topk for r in rows.requests], logits)
         rows.tokens = tokens
         stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
-        token_list, stop_list = torch.stack([tokens, stop.long()]).tolist()
-        logprob_list = logprobs.tolist()
+        # float64 holds every token id exactly.
+        token_list, logprob_list, stop_list = torch.stack(
+            [tokens.double(), logprobs.double(), stop.double()]
+        ).tolist()
         keep: list[int] = []
         for i, (request, sample) in enumerate(zip(rows.requests, rows.samples, strict=True)):
             sequence = request.tokens[sample]
-            sequence.append(token_list[i])
+            sequence.append(int(token_list[i]))
             request.logprobs[sample].append(logprob_list[i])
             if (best := topk[i]) is not None:
                 request.topk[sample].append(best)
@@ -490,25 +492,27 @@ class DecodeLoop:
 
     def _choose(self, rows: Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, raw logprobs of them): argmax for greedy rows; the others draw with this
-        step's uniform of their sample (logprobs are the model's, not the tempered ones)."""
+        step's uniform of their sample (logprobs are the model's, not the tempered ones).
+        Which rows draw, and which of them cut the distribution (top_k / top_p), is known on
+        the host from their settings: nothing here waits for the device."""
         tokens = logits.argmax(dim=-1)
-        at: list[int] = []
-        steps: list[int] = []
-        for i, (request, sample) in enumerate(zip(rows.requests, rows.samples, strict=True)):
-            if not request.greedy:
-                step = len(request.tokens[sample])  # this row's own step
-                if step % UNIFORM_BLOCK == 0:  # its next block, from its own generator
-                    rows.uniforms[i] = torch.rand(
-                        UNIFORM_BLOCK, generator=request.generators[sample]
-                    )
-                at.append(i)
-                steps.append(step % UNIFORM_BLOCK)
-        if at:
-            uniforms = rows.uniforms[torch.tensor(at), torch.tensor(steps)]
-            self._draw(
-                rows, logits, tokens, torch.tensor(at, device=self.device), uniforms.to(self.device)
-            )
         vocab = logits.shape[-1]
+        cut: list[int] = []
+        whole: list[int] = []
+        draws: dict[int, float] = {}
+        for i, (request, sample) in enumerate(zip(rows.requests, rows.samples, strict=True)):
+            if request.greedy:
+                continue
+            step = len(request.tokens[sample])  # this row's own step
+            if step % UNIFORM_BLOCK == 0:  # its next block, from its own generator
+                rows.uniforms[i] = torch.rand(UNIFORM_BLOCK, generator=request.generators[sample])
+            params = request.spec.params
+            (cut if 0 < params.top_k < vocab or params.top_p < 1 else whole).append(i)
+            draws[i] = float(rows.uniforms[i, step % UNIFORM_BLOCK])
+        if draws:  # one copy of the step's draws to the device, cut rows first
+            uniforms = torch.tensor([draws[i] for i in cut + whole], device=self.device)
+            self._draw(rows, logits, tokens, cut, uniforms[: len(cut)], filtered=True)
+            self._draw(rows, logits, tokens, whole, uniforms[len(cut) :], filtered=False)
         logprobs = [
             torch.log_softmax(logits[part].float(), dim=-1).gather(1, tokens[part, None]).squeeze(1)
             for part in row_chunks(rows.size, vocab)
@@ -520,32 +524,34 @@ class DecodeLoop:
         rows: Rows,
         logits: torch.Tensor,
         tokens: torch.Tensor,
-        at: torch.Tensor,
+        at: list[int],
         uniforms: torch.Tensor,
+        filtered: bool,
     ) -> None:
-        """Sampled rows `at` draw their token into `tokens`, a few rows per softmax / sort."""
+        """Rows `at` draw their token into `tokens` with `uniforms`, a few rows per softmax /
+        sort: filtered (top_k / top_p) or from the whole distribution."""
         vocab = logits.shape[-1]
-        cut = needs_sort(rows.top_k[at], rows.top_p[at], vocab)
-        for filtered in (True, False):
-            where = cut if filtered else ~cut
-            if not bool(where.any()):
-                continue
-            picked, u = at[where], uniforms[where]
-            for part in row_chunks(len(picked), vocab):
-                rows_now = picked[part]
-                if filtered:
-                    chosen = sample_tokens(
-                        logits[rows_now],
-                        rows.temperature[rows_now],
-                        rows.top_k[rows_now],
-                        rows.top_p[rows_now],
-                        u[part],
-                    )
-                else:
-                    chosen = sample_unfiltered(
-                        logits[rows_now], rows.temperature[rows_now], u[part]
-                    )
-                tokens[rows_now] = chosen
+        for part in row_chunks(len(at), vocab):
+            picked = at[part]
+            index = torch.tensor(picked, device=self.device)
+            if filtered:
+                chosen = sample_tokens(
+                    logits[index],
+                    rows.temperature[index],
+                    rows.top_k[index],
+                    rows.top_p[index],
+                    uniforms[part],
+                    widest=max(_kept_at_most(rows.requests[i], vocab) for i in picked),
+                )
+            else:
+                chosen = sample_unfiltered(logits[index], rows.temperature[index], uniforms[part])
+            tokens[index] = chosen
+
+
+def _kept_at_most(request: LiveRequest, vocab: int) -> int:
+    """The most tokens a row's top_k leaves (the vocabulary when it sets none)."""
+    top_k = request.spec.params.top_k
+    return min(top_k, vocab) if top_k > 0 else vocab
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:

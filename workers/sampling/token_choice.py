@@ -29,11 +29,6 @@ def request_seed(params: SamplingParams) -> int:
     return seed & 0xFFFF_FFFF_FFFF_FFFF
 
 
-def needs_sort(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Rows whose top_k or top_p cut the distribution (the others draw from all of it)."""
-    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
-
-
 def sample_unfiltered(
     logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor
 ) -> torch.Tensor:
@@ -51,9 +46,12 @@ def sample_tokens(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
+    widest: int | None = None,
 ) -> torch.Tensor:
     """One token per row: logits / temperature, keep the top_k (<= 0: all), then the nucleus
-    top_p of what is left, and draw by inverse CDF with `uniforms` (in [0, 1)).
+    top_p of what is left, and draw by inverse CDF with `uniforms` (in [0, 1)). `widest`: the
+    largest of the rows' kept counts (top_k, or the vocabulary), if the caller knows it
+    (else it is read from the device).
 
     Both filters keep a prefix of the tokens sorted by probability, so one sort and one cumsum
     serve every row whatever its settings; only the prefix length differs per row.
@@ -61,7 +59,7 @@ def sample_tokens(
     scaled = logits.float() / temperature[:, None]
     vocab = scaled.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    widest = int(k.max())
+    widest = int(k.max()) if widest is None else widest
     if widest < vocab:  # every row has a top_k: the k largest are all that can be drawn
         values, order = scaled.topk(widest, dim=-1)
     else:
