@@ -315,6 +315,17 @@ class Settings(BaseSettings):
         "suite has run the worker with them: bench.mfu measured 1.19x the training pass at "
         "the Llama-3.1-8B shape on an H100.",
     )
+    decode_step: Literal["auto", "padded", "slots", "graphs"] = Field(
+        default="padded",
+        description="How the sampler runs a decode step. padded: the rows' KV cache "
+        "left-padded to the longest row, an eager step. slots: every row in a fixed KV slot "
+        "and the rows' adapters in fixed LoRA slots, one fixed sequence of kernels whatever "
+        "the mix of adapters (eager). graphs: slots, each batch bucket's step captured as a "
+        "CUDA graph and replayed (CUDA only; elsewhere as slots). auto: graphs on CUDA, padded "
+        "on the CPU. Worker groups and models the slots do not fit (sliding-window attention, "
+        "vision, mixtures of experts' LoRA) run padded. padded by default until the GPU test "
+        "suite has run a worker with graphs.",
+    )
     lora_matmul_dtype: Literal["auto", "fp32"] = Field(
         default="auto",
         description="The dtype of LoRA's matmuls in training and sampling passes. auto: the "

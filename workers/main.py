@@ -88,6 +88,7 @@ def lora_executor(
         dtype=settings.dtype,
         lora_matmul_dtype=settings.lora_matmul_dtype,
         liger_kernels=settings.liger_kernels,
+        decode_step=settings.decode_step,
         plan=PassPlan(
             activation_checkpointing=settings.activation_checkpointing,
             checkpoint_min_tokens=settings.activation_checkpointing_tokens,

@@ -410,6 +410,66 @@ def test_a_built_in_samples_seeded_on_the_device(
         assert all(0 <= t < device.limits.vocab_size for t in sequence["tokens"])
 
 
+def mixed_samples(engine: LoraExecutor, paths: list[str | None]) -> list[dict[str, Any]]:
+    """A seeded sample of each checkpoint (None: the base model), joined to the decode loop at
+    once and stepped to the end: each op's response."""
+    ops = []
+    for index, path in enumerate(paths):
+        run = Run.__new__(Run)
+        run.engine, run.model_id, run.seq = engine, f"mixed-{uuid.uuid4().hex[:8]}", 0
+        run.op(
+            OpKind.CREATE_SAMPLING_SESSION,
+            {"tenant_id": "t", "base_model": BASE, "model_path": path},
+        )
+        body = {
+            "prompt": ModelInput.from_ints(list(b"Q: capital of France?\nA:")[index:]).model_dump(),
+            "num_samples": 3,
+            "sampling_params": SamplingParams(
+                max_tokens=24, temperature=1.0, seed=index
+            ).model_dump(),
+            "model_path": path,
+        }
+        ops.append(run.make(OpKind.SAMPLE, body))
+    engine.sampling.join(ops)
+    finished: dict[str, Any] = {}
+    while engine.sampling.stepping():
+        finished.update((op.job_id, out) for op, out in engine.sampling.step(float("inf")))
+    return [codec.decode(finished[op.job_id].result) for op in ops]
+
+
+def test_decode_graphs_equal_the_eager_slots_and_the_padded_loop(scratch: Path) -> None:
+    """QT_DECODE_STEP=graphs, slots and padded on the device, fp32, one storage: two
+    checkpoints' and the base model's seeded samples, joined at once, are the same tokens on
+    all three, logprobs to float32 rounding; the graphs engine captured its steps."""
+    engines = {
+        step: LoraExecutor(
+            BASE,
+            DEVICE,
+            scratch / "storage-steps",
+            scratch / "models",
+            dtype="fp32",
+            decode_step=step,
+        )
+        for step in ("padded", "slots", "graphs")
+    }
+    paths: list[str | None] = [None]
+    for seed in (1, 2):
+        run = Run(engines["padded"], f"steps-{seed}", seed=seed)
+        run.forward_backward(data(2, 32, seed))
+        run.op(OpKind.OPTIM_STEP, ADAM.model_dump())  # lora_B non-zero: the adapter counts
+        saved = run.op(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "s", "ttl_seconds": None})
+        paths.append(saved["path"])
+    results = {step: mixed_samples(engine, paths) for step, engine in engines.items()}
+    for step in ("slots", "graphs"):
+        for got, want in zip(results[step], results["padded"], strict=True):
+            for one, other in zip(got["sequences"], want["sequences"], strict=True):
+                assert one["tokens"] == other["tokens"], step
+                np.testing.assert_allclose(one["logprobs"], other["logprobs"], rtol=1e-4, atol=1e-4)
+    loop = engines["graphs"].sampling._loop
+    assert loop is not None and loop.slots is not None
+    assert loop.slots.captured > 0 if DEVICE == "cuda" else loop.slots.captured == 0
+
+
 # --- last: liger patches transformers' rotary function for the whole process ------------------
 @cuda_only
 def test_liger_kernels_on_cuda_equal_the_eager_model(cuda: LoraExecutor, scratch: Path) -> None:

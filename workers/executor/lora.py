@@ -50,6 +50,7 @@ from queue_tinker.workers.model.sharded_adapters import ShardedAdapterPool
 from queue_tinker.workers.model.tensor_parallel import Shards, check_shardable, shard_decoder
 from queue_tinker.workers.model.vision_language import ImageSupport, Vision, is_vl
 from queue_tinker.workers.sampling.sessions import QuantumOver, SamplingSessions
+from queue_tinker.workers.sampling.slot_decode import DecodeStep, decode_step_of
 from queue_tinker.workers.training import engine as training_engine
 from queue_tinker.workers.training.engine import TrainingEngine
 from queue_tinker.workers.training.model_pass import PassPlan, budgeted
@@ -105,6 +106,7 @@ class LoraExecutor:
         dtype: str = "auto",
         lora_matmul_dtype: LoraMatmuls = "auto",
         liger_kernels: LigerKernels = "off",
+        decode_step: DecodeStep = "padded",
         plan: PassPlan | None = None,
         shards: Shards | None = None,
         quantum_over: QuantumOver | None = None,
@@ -207,6 +209,7 @@ class LoraExecutor:
             or (budgets.sample_cache_tokens if budgets else None),
             images=images,
             quantum_over=quantum_over,
+            decode_step=decode_step_of(decode_step, self.device, grouped=shards is not None),
         )
         self.durability = ModelDurability(residency, self.sampling)
 

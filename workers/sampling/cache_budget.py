@@ -12,7 +12,7 @@ bytes follow from the model's shape (memory.kv_bytes_per_token).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 CacheRow = tuple[int, int]  # (tokens the row holds now, decode steps it may still take)
 
@@ -26,13 +26,26 @@ def peak_cache_tokens(rows: Iterable[CacheRow]) -> int:
     return peak
 
 
-def rows_that_fit(committed: list[CacheRow], row: CacheRow, most: int, budget: int) -> int:
-    """How many copies of `row` (up to `most`) can join `committed` with the peak within
+def slot_cache_tokens(rows: Iterable[CacheRow]) -> int:
+    """The cache tokens rows hold in fixed slots (slot_decode.py): every slot has the columns
+    of the widest row's end."""
+    ends = [length + left for length, left in rows]
+    return len(ends) * max(ends, default=0)
+
+
+def rows_that_fit(
+    committed: list[CacheRow],
+    row: CacheRow,
+    most: int,
+    budget: int,
+    peak: Callable[[list[CacheRow]], int] = peak_cache_tokens,
+) -> int:
+    """How many copies of `row` (up to `most`) can join `committed` with the `peak` within
     `budget`: the peak only grows with each copy, so the answer is found by bisection."""
     low, high = 0, most
     while low < high:
         middle = (low + high + 1) // 2
-        if peak_cache_tokens(committed + [row] * middle) <= budget:
+        if peak(committed + [row] * middle) <= budget:
             low = middle
         else:
             high = middle - 1

@@ -49,7 +49,12 @@ from queue_tinker.workers.model.row_blocks import (
 )
 from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.sampling import prefix_prefill
-from queue_tinker.workers.sampling.cache_budget import CacheRow, rows_that_fit
+from queue_tinker.workers.sampling.cache_budget import (
+    CacheRow,
+    peak_cache_tokens,
+    rows_that_fit,
+    slot_cache_tokens,
+)
 from queue_tinker.workers.sampling.decode_rows import (
     UNIFORM_BLOCK,
     Key,
@@ -70,6 +75,7 @@ from queue_tinker.workers.sampling.prefix_cache import (
     prompt_key,
 )
 from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
+from queue_tinker.workers.sampling.slot_decode import SlotDecoder, SlotRows, slots_fit
 from queue_tinker.workers.sampling.token_choice import (
     row_chunks,
     sample_tokens,
@@ -159,6 +165,8 @@ class DecodeLoop:
         prefill_tokens: int | None = PREFILL_TOKENS,
         call_tokens: int | None = None,
         max_cache_tokens: int | None = None,
+        slots: bool = False,
+        graphs: bool = False,
     ) -> None:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
@@ -178,6 +186,9 @@ class DecodeLoop:
         # Prompt tokens prefilled for each request that finished in the last step.
         self.finished_prefilled: dict[Key, int] = {}
         self._layers: Sequence[LoraLayer] = ()  # the model's LoRA layers, for this step
+        # Decode steps on fixed slots (slot_decode.py), captured as CUDA graphs if `graphs`;
+        # None: on the left-padded cache of kv_cache.py.
+        self.slots = SlotDecoder(device, graphs) if slots else None
         self._lora_compute: torch.dtype | None = None  # and their matmuls' dtype
 
     @property
@@ -216,7 +227,8 @@ class DecodeLoop:
             self.prompts.leave(request)  # its prompt's kept prefill is the old adapter's
             request.spec = replace(request.spec, adapter=adapters[request.key])
             self.prompts.enter(request)
-        if self.running is not None and moved:  # one block of rows per adapter again
+        padded = self.running is not None and not isinstance(self.running, SlotRows)
+        if self.running is not None and moved and padded:  # one block of rows per adapter
             order = grouped_order(self.running.adapters)
             if order != list(range(self.running.size)):
                 self.running.select(order)
@@ -228,6 +240,8 @@ class DecodeLoop:
         self.waiting.clear()
         self.running = None
         self.prompts.clear()
+        if self.slots is not None:  # a failed step may have left a capture half made
+            self.slots = SlotDecoder(self.device, self.slots.graphs_wanted)
         return list(dict.fromkeys(r.key for r in requests))
 
     def step(
@@ -289,6 +303,12 @@ class DecodeLoop:
     def _decode(self, model: torch.nn.Module, finished: Finished) -> None:
         rows = self.running
         assert rows is not None
+        if isinstance(rows, SlotRows):
+            assert self.slots is not None
+            logits = self.slots.decode(model, rows, self._layers, self._lora_compute)
+            rows.next_pos = rows.next_pos + 1
+            self.running = kept(rows, self._advance(rows, logits, finished))
+            return
         mask = F.pad(rows.mask, (0, 1), value=1)
         logits = self._forward(
             model, rows.tokens[:, None], mask, rows.next_pos[:, None], rows.cache, rows.adapters
@@ -318,13 +338,22 @@ class DecodeLoop:
             if joining is None:
                 continue
             if self.running is None:
-                self.running = joining
+                self.running = self._first_rows(model, joining)
             else:
                 self.running.merge(joining)
-        if self.running is not None:  # one block of rows per adapter (row_blocks.py)
+        if self.running is not None and not isinstance(self.running, SlotRows):
+            # One block of rows per adapter (row_blocks.py); slots need none.
             order = grouped_order(self.running.adapters)
             if order != list(range(self.running.size)):
                 self.running.select(order)
+
+    def _first_rows(self, model: torch.nn.Module, rows: Rows) -> Rows:
+        """The rows that start a batch: in slots when the loop decodes on slots and the model
+        allows it (slot_decode.slots_fit), else as they are."""
+
+        if self.slots is None or not slots_fit(model, self._layers, rows.cache):
+            return rows
+        return SlotRows.adopt(rows, self.slots)
 
     def _prefill_chunk(self, model: torch.nn.Module) -> bool:
         """While rows run, the next chunk of the first waiting prompt if it has more than a
@@ -363,7 +392,7 @@ class DecodeLoop:
             free = left if self.max_rows is None else min(left, self.max_rows - rows)
             if free > 0 and self.max_cache_tokens is not None:
                 row = (len(request.spec.prompt), request.spec.max_tokens)
-                fits = rows_that_fit(committed, row, free, self.max_cache_tokens)
+                fits = rows_that_fit(committed, row, free, self.max_cache_tokens, self._peak)
                 free = fits if fits or rows else 1
                 committed += [row] * free
             if free <= 0:
@@ -375,6 +404,11 @@ class DecodeLoop:
                 break  # the rest of it waits for rows, and so does everyone behind it
             self.waiting.popleft()
         return taken
+
+    def _peak(self, rows: list[CacheRow]) -> int:
+        """The cache tokens rows may come to hold: in slots, every row as wide as the widest
+        (cache_budget.py)."""
+        return slot_cache_tokens(rows) if self.slots is not None else peak_cache_tokens(rows)
 
     def _cache_rows(self) -> list[CacheRow]:
         """Each running row's (tokens now, steps it may still take), for cache_budget.py."""

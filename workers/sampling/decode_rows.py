@@ -186,9 +186,8 @@ class Rows:
         self.cache.batch_select_indices(index)
         self.requests = [self.requests[i] for i in keep]
         self.samples = [self.samples[i] for i in keep]
-        for name in ("mask", "next_pos", "temperature", "top_k", "top_p", "stop_ids", "tokens"):
-            setattr(self, name, getattr(self, name)[index])
-        self.uniforms = self.uniforms[index.cpu()]
+        self.mask = self.mask[index]
+        self._index_fields(index)
         layers = growing_layers(self.cache)
         start = int(self.mask.any(dim=0).int().argmax())  # the first column anyone uses
         if start > 0 and layers is not None:
@@ -209,14 +208,24 @@ class Rows:
                 F.pad(other.mask, (width - other.mask.shape[1], 0)),
             ]
         )
+        self._append_fields(other)
+        self.requests += other.requests
+        self.samples += other.samples
+
+    def _index_fields(self, index: torch.Tensor) -> None:
+        """Keep the per-row settings and state of the rows `index` names, in its order."""
+        for name in ("next_pos", "temperature", "top_k", "top_p", "stop_ids", "tokens"):
+            setattr(self, name, getattr(self, name)[index])
+        self.uniforms = self.uniforms[index.cpu()]
+
+    def _append_fields(self, other: Rows) -> None:
+        """Append `other`'s per-row settings and state after these rows'."""
         stops = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
         self.stop_ids = torch.cat(
             [F.pad(s, (0, stops - s.shape[1]), value=-1) for s in (self.stop_ids, other.stop_ids)]
         )
         for name in ("next_pos", "temperature", "top_k", "top_p", "tokens", "uniforms"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        self.requests += other.requests
-        self.samples += other.samples
 
 
 def plain_layers(

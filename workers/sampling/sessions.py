@@ -45,6 +45,7 @@ from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.checkpoints import checkpoint_key, read_meta
 from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest, Key
+from queue_tinker.workers.sampling.slot_decode import PADDED, StepKind
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +94,10 @@ class SamplingSessions:
         max_cache_tokens: int | None = None,
         images: ImageSupport | None = None,
         quantum_over: QuantumOver | None = None,
+        decode_step: StepKind = PADDED,
     ) -> None:
         self.pool = pool
+        self.decode_step = decode_step  # how the decode loop runs its steps (slot_decode.py)
         self.quantum_over = quantum_over or time_is_up
         self.store = store
         self.base_model = base_model
@@ -306,6 +309,8 @@ class SamplingSessions:
                 lambda tokens: str(tokenizer.decode(tokens)),
                 max_rows=self.max_batch_sequences,
                 max_cache_tokens=self.max_cache_tokens,
+                slots=self.decode_step.slots,
+                graphs=self.decode_step.graphs,
             )
         return self._loop
 

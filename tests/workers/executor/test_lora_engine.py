@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,9 @@ from engine_driver import (
     datum,
     fb_body,
     make_driver,
+    make_op,
     max_diff,
+    run_op,
     run_stepped,
 )
 from peft import PeftModel, get_peft_model
@@ -47,6 +49,7 @@ from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import (
     LoraConfig,
 )
+from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.checkpoints import META_FILE, snapshot_dir
@@ -679,3 +682,41 @@ def test_the_sample_cache_budget_reaches_the_decode_loop(
     assert [r.metrics["batch_sequences:max"] for r in results] == [1.0, 3.0]
     got, want = (codec.decode(r.result)["sequences"] for r in results)
     assert [s["tokens"] for s in got] == [s["tokens"] for s in want]
+
+
+def test_a_worker_decoding_on_slots_samples_as_one_decoding_padded(
+    scratch: Path, models_dir: Path
+) -> None:
+    """QT_DECODE_STEP=slots reaches the decode loop: samples of two checkpoints and the base
+    model, joined at once, run on KV and LoRA slots and equal a padded worker's on the same
+    storage (tokens, and logprobs to float32 rounding)."""
+    padded = make_driver(scratch, models_dir, "storage-slots", max_resident=4)
+    for seed, model_id in enumerate(("slot-a", "slot-b")):
+        padded.create(model_id, seed=60 + seed)
+        padded.train(model_id, 2)
+        padded.save(model_id, "s", OpKind.SAVE_WEIGHTS_FOR_SAMPLER)
+    slotted = LoraExecutor(BASE, "cpu", padded.storage, models_dir, decode_step="slots")
+    paths = [None, "tinker://slot-a/sampler_weights/s", "tinker://slot-b/sampler_weights/s"]
+    outcomes = []
+    for engine in (padded.engine, slotted):
+        ops = []
+        for index, path in enumerate(paths):
+            session = f"slots-{index}"
+            create = make_op(
+                session,
+                1,
+                OpKind.CREATE_SAMPLING_SESSION,
+                {"tenant_id": "default", "base_model": BASE, "model_path": path},
+            )
+            run_op(engine, create)
+            op = sample_op(f"{session}-{id(engine)}", session, 2, 2, 12, seed=index)
+            body = {**codec.decode(op.payload), "model_path": path}
+            ops.append(replace(op, payload=codec.encode(body)))
+        outcomes.append([codec.decode(r.result) for r in run_stepped(engine, ops)])  # type: ignore[union-attr]
+    loop = slotted.sampling._loop
+    assert loop is not None and loop.slots is not None and loop.slots.adapters is not None
+    assert sum(name is not None for name in loop.slots.adapters.names) == 2  # both held
+    for got, want in zip(*outcomes, strict=True):
+        for one, other in zip(got["sequences"], want["sequences"], strict=True):
+            assert one["tokens"] == other["tokens"]
+            np.testing.assert_allclose(one["logprobs"], other["logprobs"], rtol=1e-5, atol=1e-5)

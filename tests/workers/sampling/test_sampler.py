@@ -64,7 +64,13 @@ class Setup:
 # --- fixtures -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup() -> Iterator[Setup]:
-    """One intra-op thread meanwhile: on a tiny model, thread hand-offs cost more than the math."""
+    yield from sampler_setup()
+
+
+def sampler_setup() -> Iterator[Setup]:
+    """The tiny model with ADAPTERS, its plain twin and its tokenizer (the test_slot_decode
+    fixture's too). One intra-op thread meanwhile: on a tiny model, thread hand-offs cost more
+    than the math."""
     path = Path(tempfile.mkdtemp(prefix="qt-sampler-"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,0 +1,314 @@
+"""The decode step on fixed slots (slot_decode.py, kv_slots.py, adapter_slots.py) against the
+left-padded loop and plain PEFT: same tokens for the same seeds, logits and logprobs to float32
+rounding, on the CPU where the step runs eagerly (its CUDA graphs: tests/gpu)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from test_sampler import (
+    CPU,
+    EOS,
+    PROMPTS,
+    Setup,
+    assert_close,
+    forward_logits,
+    mixed_requests,
+    request,
+    sampler_setup,
+)
+
+from queue_tinker.types.sampling import SampleResponse
+from queue_tinker.workers.model.row_blocks import lora_layers_of
+from queue_tinker.workers.sampling import decode_loop as sampler
+from queue_tinker.workers.sampling.adapter_slots import (
+    BASE_SLOT,
+    AdapterSlots,
+    slots_support,
+    slotted_lora,
+)
+from queue_tinker.workers.sampling.cache_budget import slot_cache_tokens
+from queue_tinker.workers.sampling.kv_slots import KvSlots
+from queue_tinker.workers.sampling.slot_decode import (
+    SlotRows,
+    StepKind,
+    bucket,
+    column_bucket,
+    decode_step_of,
+    slots_fit,
+)
+
+SLOTS_VS_PADDED = (1e-5, 1e-5)  # rtol, atol: float32, other padding changes rounding only
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[Setup]:
+    yield from sampler_setup()
+
+
+def loop_of(setup: Setup, slots: bool, **options: Any) -> sampler.DecodeLoop:
+    return sampler.DecodeLoop(
+        CPU, [EOS], setup.decode, **{"max_rows": None, **options}, slots=slots
+    )
+
+
+def run_loop(
+    setup: Setup, slots: bool, arrivals: dict[int, list[Any]], **options: Any
+) -> tuple[dict[Any, SampleResponse], sampler.DecodeLoop, set[str]]:
+    """Requests added at the steps `arrivals` names (step -> [(key, request)]), the loop
+    stepped until done; the responses, the loop, and the kinds of rows it ran."""
+    loop = loop_of(setup, slots, **options)
+    done: dict[Any, SampleResponse] = {}
+    kinds: set[str] = set()
+    step = 0
+    while loop.busy or step <= max(arrivals):
+        for key, req in arrivals.get(step, []):
+            loop.add(key, req)
+        done.update(loop.step(setup.model))
+        if loop.running is not None:
+            kinds.add(type(loop.running).__name__)
+        step += 1
+    return done, loop, kinds
+
+
+def assert_equal_samples(got: dict[Any, SampleResponse], want: dict[Any, SampleResponse]) -> None:
+    assert got.keys() == want.keys()
+    for key, response in want.items():
+        for x, y in zip(got[key].sequences, response.sequences, strict=True):
+            assert (x.tokens, x.stop_reason) == (y.tokens, y.stop_reason), key
+            assert_close(x.logprobs, torch.tensor(y.logprobs), SLOTS_VS_PADDED)
+        assert got[key].prompt_cache_hit_tokens == response.prompt_cache_hit_tokens
+
+
+# --- the loop on slots against the left-padded loop -----------------------------------------
+def test_slots_sample_what_the_padded_loop_samples(setup: Setup) -> None:
+    """Mixed adapters, settings and lengths, rows waiting for room (max_rows) and joining in
+    parts as others leave: the same tokens for the same seeds, logprobs to rounding."""
+    arrivals = {0: list(enumerate(mixed_requests()))}
+    options = {"max_rows": 4, "prefill_tokens": 20}
+    want, _, padded = run_loop(setup, False, arrivals, **options)
+    got, loop, slotted = run_loop(setup, True, arrivals, **options)
+    assert padded == {"Rows"} and slotted == {"SlotRows"}
+    assert_equal_samples(got, want)
+    assert loop.slots is not None and loop.slots.slots.slots == 4  # a bucket of 4 rows
+
+
+def test_rows_joining_and_leaving_mid_loop_on_slots(setup: Setup) -> None:
+    """Requests join a running loop over several steps (one on a prompt kept from before: a
+    prefix-cache hit), rows leave at different steps, one is cancelled: the slots give what
+    the padded loop gives."""
+    first = request(PROMPTS[1], "a1", n=3, max_tokens=20, seed=11, stop=[], temperature=0.9)
+    arrivals = {
+        0: [("first", first), ("short", request(PROMPTS[2], "sharp", max_tokens=3, seed=3))],
+        3: [("a2", request(PROMPTS[0], "a2", n=2, max_tokens=12, seed=12, stop=[], top_p=0.9))],
+        5: [("base", request(PROMPTS[3], None, max_tokens=8, temperature=0, stop=[]))],
+        6: [("long", request(PROMPTS[2], "a1", n=2, max_tokens=70, seed=13, stop=[]))],
+        8: [("again", request(PROMPTS[1], "a1", max_tokens=9, seed=14, stop=[], top_k=5))],
+    }
+    want, _, _ = run_loop(setup, False, arrivals)
+    got, _, kinds = run_loop(setup, True, arrivals)
+    assert kinds == {"SlotRows"}
+    assert got["again"].prompt_cache_hit_tokens == len(PROMPTS[1])  # joined from the cache
+    assert_equal_samples(got, want)
+
+
+def test_a_cancelled_request_gives_up_its_slots(setup: Setup) -> None:
+    keep = request(PROMPTS[0], "a2", n=2, max_tokens=10, seed=5, stop=[])
+    loop = loop_of(setup, True)
+    loop.add("gone", request(PROMPTS[1], "a1", n=3, max_tokens=10, seed=6, stop=[]))
+    loop.add("kept", keep)
+    loop.step(setup.model)
+    assert isinstance(loop.running, SlotRows) and loop.rows == 5
+    loop.cancel({"gone"})
+    assert loop.rows == 2
+    done: dict[Any, SampleResponse] = {}
+    while loop.busy:
+        done.update(loop.step(setup.model))
+    want, _, _ = run_loop(setup, False, {0: [("kept", keep)]})
+    assert_equal_samples(done, want)
+
+
+def test_rows_leaving_move_only_the_last_rows_into_their_slots(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows 1 and 2 of 6 leave: rows 4 and 5 move into slots 1 and 2 (one copy each), rows 0
+    and 3 stay where they are, and every row keeps its settings and state."""
+    moves: list[tuple[list[int], list[int]]] = []
+    original = KvSlots.move
+
+    def record(self: KvSlots, sources: list[int], targets: list[int]) -> None:
+        moves.append((list(sources), list(targets)))
+        original(self, sources, targets)
+
+    monkeypatch.setattr(KvSlots, "move", record)
+    loop = loop_of(setup, True)
+    for seed in range(6):
+        loop.add(seed, request(PROMPTS[seed % 4], "a1", max_tokens=30, seed=seed, stop=[]))
+    loop.step(setup.model)
+    rows = loop.running
+    assert isinstance(rows, SlotRows)
+    before = [
+        (r.key, rows.next_pos[i].item(), rows.tokens[i].item()) for i, r in enumerate(rows.requests)
+    ]
+    rows.select([0, 3, 4, 5])
+    assert moves[-1] == ([4, 5], [1, 2])
+    after = [
+        (r.key, rows.next_pos[i].item(), rows.tokens[i].item()) for i, r in enumerate(rows.requests)
+    ]
+    assert after == [before[0], before[4], before[5], before[3]]
+
+
+def test_the_slot_step_s_logits_equal_a_plain_forward(setup: Setup) -> None:
+    """Each row's logits at a decode step on slots equal those of its whole sequence run
+    through the model alone with its adapter (no cache)."""
+    loop = loop_of(setup, True)
+    adapters = ["a1", None, "a2", "sharp", "a1"]
+    for index, adapter in enumerate(adapters):
+        loop.add(index, request(PROMPTS[index % 4], adapter, max_tokens=8, temperature=0, stop=[]))
+    for _ in range(4):
+        loop.step(setup.model)
+    rows = loop.running
+    assert isinstance(rows, SlotRows) and loop.slots is not None
+    logits = loop.slots.decode(setup.model, rows, lora_layers_of(setup.model), None)
+    for i, (live, sample) in enumerate(zip(rows.requests, rows.samples, strict=True)):
+        sequence = live.spec.prompt + live.tokens[sample]
+        want = forward_logits(setup.model, live.spec.adapter, sequence)[-1]
+        torch.testing.assert_close(logits[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kv_budget_counts_every_slot_as_wide_as_the_widest(setup: Setup) -> None:
+    """On slots every row holds the columns of the widest row's end: a budget of two such
+    rows runs the third request after the first two leave; samples are unchanged."""
+    requests = [request(PROMPTS[1], "a1", max_tokens=20, seed=s, stop=[]) for s in range(3)]
+    width = len(PROMPTS[1]) + 20
+    assert slot_cache_tokens([(len(PROMPTS[1]), 20)] * 2) == 2 * width
+    arrivals = {0: list(enumerate(requests))}
+    want, _, _ = run_loop(setup, False, arrivals)
+    loop = loop_of(setup, True, max_cache_tokens=2 * width)
+    for key, req in arrivals[0]:
+        loop.add(key, req)
+    done: dict[Any, SampleResponse] = {}
+    most = 0
+    while loop.busy:
+        done.update(loop.step(setup.model))
+        most = max(most, loop.rows)
+    assert most == 2
+    assert_equal_samples(done, want)
+
+
+# --- the LoRA slots ---------------------------------------------------------------------------
+def test_slotted_lora_gives_each_row_its_own_adapter(setup: Setup) -> None:
+    """Rows on three adapters of two ranks and the base model in one forward under the LoRA
+    slots: each row's logits equal a forward on its adapter alone."""
+    layers = lora_layers_of(setup.model)
+    assert slots_support(layers)
+    names = ["a1", None, "a2", "sharp", "a1"]
+    adapters = [name for name in names if name is not None]
+    slots = AdapterSlots(layers, 4, AdapterSlots.widest_rank(layers, adapters), torch.float32)  # type: ignore[arg-type]
+    row_slot = torch.tensor(slots.slots_of(names))
+    assert row_slot[1] == BASE_SLOT and row_slot[0] == row_slot[4]
+    ids = torch.tensor([PROMPTS[1][:5]] * len(names))
+    with torch.inference_mode(), slotted_lora(slots, row_slot):
+        logits = setup.model(input_ids=ids, use_cache=False).logits
+    for row, name in enumerate(names):
+        want = forward_logits(setup.model, name, PROMPTS[1][:5])
+        torch.testing.assert_close(logits[row], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_slot_is_refilled_when_its_adapter_is_loaded_again(setup: Setup) -> None:
+    """A name whose weights were replaced (a checkpoint loaded again) gets the new weights;
+    a newcomer takes the slot of an adapter no row names."""
+    model = copy.deepcopy(setup.model)
+    layers = lora_layers_of(model)
+    slots = AdapterSlots(layers, 2, 8, torch.float32)  # type: ignore[arg-type]
+    assert slots.slots_of(["a1", "a2"]) == [0, 1]
+    first = layers[0]
+    fresh = torch.nn.Parameter(torch.randn_like(first.lora_A["a1"].weight))
+    first.lora_A["a1"].weight = fresh
+    assert slots.slots_of(["a1"]) == [0]
+    rank = first.r["a1"]
+    torch.testing.assert_close(slots.stacked_a[0][:, :rank], fresh.detach().t())
+    assert slots.slots_of(["sharp", "a1"]) == [1, 0]  # a2 is not named: its slot is taken
+    assert slots.names == ["a1", "sharp"]
+    assert not slots.fits(["a1", "a2", "sharp"], layers)  # type: ignore[arg-type]
+
+
+# --- the pieces ----------------------------------------------------------------------------------
+def test_buckets() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
+    assert column_bucket(10, 4096) == 256
+    assert column_bucket(300, 4096) == 512
+    assert column_bucket(1025, 1280) == 1280  # never past what a slot holds
+
+
+def test_the_decode_step_setting() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decode_step_of("auto", cpu, grouped=False) == StepKind(slots=False, graphs=False)
+    assert decode_step_of("auto", cuda, grouped=False) == StepKind(slots=True, graphs=True)
+    assert decode_step_of("graphs", cpu, grouped=False) == StepKind(slots=True, graphs=False)
+    assert decode_step_of("slots", cuda, grouped=False) == StepKind(slots=True, graphs=False)
+    assert decode_step_of("graphs", cuda, grouped=True) == StepKind(slots=False, graphs=False)
+    assert decode_step_of("padded", cuda, grouped=False) == StepKind(slots=False, graphs=False)
+
+
+def test_a_sliding_window_model_decodes_padded(setup: Setup) -> None:
+    """Slots take full attention only: a sliding window's mask is the model's own."""
+    rows_cache = _prefilled_cache(setup)
+    layers = lora_layers_of(setup.model)
+    assert slots_fit(setup.model, layers, rows_cache)
+    config = copy.deepcopy(setup.model.config)
+    config.sliding_window = 4
+    assert not slots_fit(SimpleNamespace(config=config), layers, rows_cache)  # type: ignore[arg-type]
+
+
+def _prefilled_cache(setup: Setup) -> Any:
+    loop = loop_of(setup, False)
+    loop.add(0, request(PROMPTS[0], "a1", max_tokens=4, seed=1))
+    loop.step(setup.model)
+    assert loop.running is not None
+    return loop.running.cache
+
+
+def test_placing_left_padded_rows_puts_each_row_s_tokens_from_column_0() -> None:
+    """Rows of a left-padded cache land in their slots from column 0, the padding dropped."""
+    from transformers import DynamicCache
+
+    from queue_tinker.workers.sampling.kv_cache import GrowingLayer
+
+    keys = torch.arange(2 * 1 * 4 * 2, dtype=torch.float32).view(2, 1, 4, 2)
+    cache = DynamicCache()
+    cache.layers = [GrowingLayer.holding(keys, -keys, room=4)]
+    slots = KvSlots([(1, 2)], torch.float32, CPU)
+    slots.reserve(4, 8, live=0)
+    slots.place(1, cache, [2, 4])  # row 0 holds 2 real columns, row 1 all 4
+    assert torch.equal(slots.keys[0][1, :, :2], keys[0, :, 2:])
+    assert torch.equal(slots.keys[0][2, :, :4], keys[1])
+    assert torch.equal(slots.values[0][2, :, :4], -keys[1])
+    assert slots.keys[0][0].abs().sum() == 0  # slot 0 untouched
+
+
+def test_a_loop_that_moves_to_a_plain_model_drops_its_lora_slots(setup: Setup) -> None:
+    """The worker hands the loop its plain base once the last adapter is gone: the loop's LoRA
+    slots (and any step captured with them) go, and base rows sample as on the padded loop."""
+    loop = loop_of(setup, True)
+    loop.add("adapted", request(PROMPTS[1], "a1", max_tokens=4, seed=1))
+    while loop.busy:
+        loop.step(setup.model)
+    assert loop.slots is not None and loop.slots.adapters is not None
+    base = request(PROMPTS[0], None, n=2, max_tokens=6, seed=2, stop=[])
+    loop.add("base", base)
+    done: dict[Any, SampleResponse] = {}
+    while loop.busy:
+        done.update(loop.step(setup.plain))
+    assert loop.slots.adapters is None and not loop.slots.graphs
+    padded = loop_of(setup, False)
+    padded.add("base", base)
+    want: dict[Any, SampleResponse] = {}
+    while padded.busy:
+        want.update(padded.step(setup.plain))
+    assert_equal_samples(done, want)

@@ -1,0 +1,310 @@
+"""The decode step on fixed slots: the rows in flight in KV slots (kv_slots.py), their adapters
+in LoRA slots (adapter_slots.py), the step's inputs in static buffers; on CUDA each (rows,
+columns) bucket's step is captured once as a CUDA graph and replayed.
+
+An eager decode step of an 8B model launches ~2,300 kernels from Python (every layer's norms,
+projections, LoRA updates, rotary, attention), 15-30 ms of host time against ~10 ms of memory
+traffic; a replayed graph launches them all at once. For a graph every shape must be fixed and
+every tensor read or written must stay where it was captured: so the step runs a batch bucket
+of slots (`bucket`: empty slots in it compute on a dummy token, and their outputs are not read)
+over a column bucket (`column_bucket`), and its tokens, positions and adapter slots are copied
+into buffers the graph reads. A new bucket is captured on first use (a few of each over a run);
+the slots' buffers made anew (more rows or columns than they hold, a new adapter that does not
+fit the LoRA slots) drop every graph.
+
+Rows leave by giving up their slot (the last rows move into the holes: `SlotRows.select`) and
+join by copying their prefill into free slots (`SlotRows.merge`); the loop's admission,
+prefill and prefix cache are decode_loop.py's, unchanged.
+
+The same step runs eagerly on the CPU (QT_DECODE_SLOTS=on; graphs are CUDA's), where the tests
+hold it to the left-padded path's logits and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from peft import PeftModel
+from peft.tuners.lora import Linear as LoraLinear
+from transformers import DynamicCache
+
+from queue_tinker.workers.model.row_blocks import LoraLayer
+from queue_tinker.workers.sampling.adapter_slots import (
+    BASE_SLOT,
+    AdapterSlots,
+    slots_support,
+    slotted_lora,
+)
+from queue_tinker.workers.sampling.decode_rows import BASE_ADAPTER, Rows, growing_layers
+from queue_tinker.workers.sampling.kv_slots import KvSlots
+
+log = logging.getLogger(__name__)
+
+# LoRA slots at least (more are made when more adapters are in flight at once).
+MIN_ADAPTER_SLOTS = 4
+# Column buckets are powers of two from this on (capped by what the slots hold).
+MIN_COLUMN_BUCKET = 256
+
+
+DecodeStep = Literal["auto", "padded", "slots", "graphs"]  # QT_DECODE_STEP
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """How a decode loop runs its steps: on slots or left-padded; captured or eager."""
+
+    slots: bool
+    graphs: bool
+
+
+PADDED = StepKind(slots=False, graphs=False)
+
+
+def decode_step_of(setting: DecodeStep, device: torch.device, grouped: bool) -> StepKind:
+    """QT_DECODE_STEP on this worker: graphs only on CUDA, padded in a worker group (its
+    LoRA layers are split across ranks)."""
+    cuda = device.type == "cuda"
+    if grouped or setting == "padded" or (setting == "auto" and not cuda):
+        return PADDED
+    return StepKind(slots=True, graphs=cuda and setting in ("auto", "graphs"))
+
+
+def bucket(rows: int) -> int:
+    """The batch a step of `rows` rows runs: the next power of two."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def column_bucket(columns: int, capacity: int) -> int:
+    """The columns a step attends over: the next power of two (MIN_COLUMN_BUCKET at least),
+    never past what a slot holds."""
+    return min(capacity, max(MIN_COLUMN_BUCKET, 1 << max(0, columns - 1).bit_length()))
+
+
+def slots_fit(model: torch.nn.Module, layers: Sequence[LoraLayer], cache: DynamicCache) -> bool:
+    """Whether a model's decode steps can run on slots: plain per-layer key / value caches,
+    full attention in every layer (no sliding window: its mask is the model's own), token
+    positions of one axis (a vision-language model's are not), plain LoRA linears."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if config is not None else None
+    if text is None or getattr(config, "vision_config", None) is not None:
+        return False
+    if getattr(text, "sliding_window", None) is not None:
+        return False
+    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or []):
+        return False
+    return growing_layers(cache) is not None and slots_support(layers)
+
+
+@dataclass(eq=False)
+class SlotRows(Rows):
+    """The rows in flight, row i in slot i of `decoder`'s KV slots; `next_pos` is also the
+    column each row writes next. `mask` is not kept (a row's filled columns are 0..next_pos)."""
+
+    decoder: SlotDecoder = field(kw_only=True)
+
+    @classmethod
+    def adopt(cls, rows: Rows, decoder: SlotDecoder) -> SlotRows:
+        """The first rows in flight, moved into slots 0, 1, ..."""
+        slotted = cls(
+            requests=[],
+            samples=[],
+            cache=rows.cache,
+            mask=rows.mask[:0, :0],
+            next_pos=rows.next_pos[:0],
+            temperature=rows.temperature[:0],
+            top_k=rows.top_k[:0],
+            top_p=rows.top_p[:0],
+            stop_ids=rows.stop_ids[:0],
+            uniforms=rows.uniforms[:0],
+            tokens=rows.tokens[:0],
+            decoder=decoder,
+        )
+        slotted.merge(rows)
+        return slotted
+
+    def mergeable(self) -> bool:
+        return True
+
+    def select(self, keep: list[int]) -> None:
+        """Keep these rows: those past the kept count move into the slots of those that left
+        (the rest keep theirs), so only moved rows' columns are copied."""
+        count = len(keep)
+        if sorted(keep) == keep:
+            staying = {row for row in keep if row < count}
+            holes = [slot for slot in range(count) if slot not in staying]
+            movers = [row for row in keep if row >= count]
+            order = list(range(count))
+            for hole, row in zip(holes, movers, strict=True):
+                order[hole] = row
+            self.decoder.slots.move(movers, holes)
+        else:  # a reordering: every row whose slot changes moves
+            order = keep
+            moved = [slot for slot, row in enumerate(keep) if row != slot]
+            self.decoder.slots.move([keep[slot] for slot in moved], moved)
+        index = torch.tensor(order, dtype=torch.long, device=self.next_pos.device)
+        self.requests = [self.requests[i] for i in order]
+        self.samples = [self.samples[i] for i in order]
+        self._index_fields(index)
+
+    def merge(self, other: Rows) -> None:
+        """Append `other`'s rows (a prefill's left-padded cache) in the next free slots."""
+        lengths = other.mask.sum(dim=1).tolist()
+        room = [len(request.spec.prompt) + request.spec.max_tokens for request in other.requests]
+        columns = max([*room, *(self._room_of(i) for i in range(self.size))], default=max(lengths))
+        self.decoder.reserve(self.size + other.size, columns, self.size, other.cache)
+        self.decoder.slots.place(self.size, other.cache, lengths)
+        self._append_fields(other)
+        self.requests += other.requests
+        self.samples += other.samples
+
+    def _room_of(self, row: int) -> int:
+        request = self.requests[row]
+        return len(request.spec.prompt) + request.spec.max_tokens
+
+
+class SlotDecoder:
+    """The slots of a decode loop, and the steps captured on them."""
+
+    def __init__(self, device: torch.device, graphs: bool) -> None:
+        self.device = device
+        self.graphs_wanted = graphs and device.type == "cuda"
+        self.kv: KvSlots | None = None  # made from the first rows' prefill
+        self.adapters: AdapterSlots | None = None
+        self.tokens = torch.zeros(0, dtype=torch.long, device=device)
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)
+        self.row_slots = torch.zeros(0, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: Any = None  # the graphs' shared memory pool
+        self.captured = 0  # graphs captured so far (a statistic)
+
+    @property
+    def slots(self) -> KvSlots:
+        assert self.kv is not None, "no rows have joined yet"
+        return self.kv
+
+    def reserve(self, rows: int, columns: int, live: int, like: DynamicCache) -> None:
+        """Room for `rows` rows of `columns` columns, the first `live` rows kept."""
+        if self.kv is None:
+            self.kv = KvSlots.like(like)
+        slots = bucket(rows)
+        if self.kv.reserve(slots, columns, live):
+            self._inputs(slots)
+            self.graphs.clear()
+
+    def _inputs(self, slots: int) -> None:
+        """The step's input buffers, `slots` long (their contents carried over)."""
+        for name in ("tokens", "positions", "row_slots"):
+            old = getattr(self, name)
+            new = torch.zeros(slots, dtype=torch.long, device=self.device)
+            new[: old.shape[0]] = old[:slots]
+            setattr(self, name, new)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        model: torch.nn.Module,
+        rows: SlotRows,
+        layers: Sequence[LoraLayer],
+        lora_compute: torch.dtype | None,
+    ) -> torch.Tensor:
+        """Every row's logits (rows, vocab) for its next token, after its last token is fed
+        at its position (written to its slot's column there)."""
+        kv = self.slots
+        count = rows.size
+        size = bucket(count)
+        self.tokens[:count].copy_(rows.tokens)
+        self.positions[:count].copy_(rows.next_pos)
+        self.tokens[count:size].zero_()
+        self.positions[count:size].zero_()
+        names = [None if name == BASE_ADAPTER else name for name in rows.adapters]
+        self._slot_adapters(model, layers, names, lora_compute)
+        if self.adapters is not None:
+            slots = self.adapters.slots_of(names)
+            self.row_slots[:count].copy_(torch.tensor(slots))
+            self.row_slots[count:size].fill_(BASE_SLOT)
+        # The columns in use, known on the host (next_pos is on the device): a row has its
+        # prompt's and its tokens' but the last, which it is fed now.
+        used = max(
+            len(request.spec.prompt) + len(request.tokens[sample])
+            for request, sample in zip(rows.requests, rows.samples, strict=True)
+        )
+        columns = column_bucket(used, kv.capacity)
+        kv.rows, kv.columns = size, columns
+        kv.write_at[:size].copy_(self.positions[:size])
+        if not self.graphs_wanted:
+            return self._step(model, size, columns)[:count]
+        graph = self.graphs.get((size, columns))
+        if graph is None:
+            try:
+                graph = self._capture(model, size, columns)
+            except RuntimeError:  # a model whose step cannot be captured still samples
+                log.exception("capturing the decode step failed: steps run eagerly from now on")
+                self.graphs_wanted = False
+                self.graphs.clear()
+                return self._step(model, size, columns)[:count]
+        graph[0].replay()
+        return graph[1][:count]
+
+    def _slot_adapters(
+        self,
+        model: torch.nn.Module,
+        layers: Sequence[LoraLayer],
+        names: Sequence[str | None],
+        lora_compute: torch.dtype | None,
+    ) -> None:
+        """LoRA slots holding every adapter the rows name (made anew, and the graphs dropped,
+        when they do not fit)."""
+        if not isinstance(model, PeftModel) or not layers:
+            if self.adapters is not None:  # the graphs add the slots' updates: not any more
+                self.adapters = None
+                self.graphs.clear()
+            return
+        linears = [layer for layer in layers if isinstance(layer, LoraLinear)]
+        wanted = [name for name in names if name is not None]
+        if self.adapters is not None and self.adapters.fits(wanted, linears):
+            return
+        count = max(MIN_ADAPTER_SLOTS, bucket(len(set(wanted))))
+        rank = max(AdapterSlots.widest_rank(linears, wanted), 1)
+        dtype = lora_compute or linears[0].lora_A[next(iter(linears[0].lora_A))].weight.dtype
+        self.adapters = AdapterSlots(linears, count, rank, dtype)  # type: ignore[arg-type]
+        self.graphs.clear()
+
+    def _step(self, model: torch.nn.Module, size: int, columns: int) -> torch.Tensor:
+        """The step itself, on the input buffers: logits (size, vocab)."""
+        positions = self.positions[:size]
+        filled = torch.arange(columns, device=self.device)[None, :] <= positions[:, None]
+        kwargs = {
+            "input_ids": self.tokens[:size, None],
+            "position_ids": positions[:, None],
+            "attention_mask": filled[:, None, None, :],
+            "past_key_values": self.slots.cache(),
+            "use_cache": True,
+        }
+        if self.adapters is None:
+            return model(**kwargs).logits[:, -1]
+        with slotted_lora(self.adapters, self.row_slots[:size]):
+            return model(**kwargs).logits[:, -1]
+
+    def _capture(
+        self, model: torch.nn.Module, size: int, columns: int
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The step of this bucket captured as a CUDA graph (after one eager run on a side
+        stream, which lazy initialisations need; the run writes what the replay writes)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._step(model, size, columns)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(model, size, columns)
+        self.graphs[(size, columns)] = (graph, logits)
+        self.captured += 1
+        log.debug("captured the decode step of %d rows x %d columns", size, columns)
+        return graph, logits
