@@ -146,6 +146,16 @@ BENCHES: tuple[Bench, ...] = (
         "LoRA forward_backward tokens/s and MFU on a Llama-3.1-8B shape (CUDA only)",
     ),
     Bench(
+        "decode_step",
+        "bench.decode_step",
+        (),
+        ("--quick",),
+        60,
+        "the sampler's decode step (padded, slots, CUDA graphs) against the memory floor and "
+        "generate() (a Llama-3.1-8B shape on CUDA)",
+        default=False,
+    ),
+    Bench(
         "memory",
         "bench.memory",
         (),

@@ -16,6 +16,7 @@ import torch
 
 from bench import sample_cache, suite
 from bench import sampling_engine_report as sampling_engine
+from bench.decode_step import floor_ms
 from bench.harness.models import BASE_NAME, Shape, build_model, lora_pool
 from bench.mfu import SHAPES, flops_per_token, lora_params, matmul_params, peak_tflops, total_params
 from queue_tinker.storage.local import LocalStore
@@ -114,6 +115,17 @@ def test_counts_match_the_built_model_and_its_adapter() -> None:
     adapter = pool.add("m", "t", config, seed=0)
     targets = target_modules(pool.linear_names, config)
     assert sum(p.numel() for p in adapter.params.values()) == lora_params(TINY, 8, targets)
+
+
+def test_the_decode_floor_reads_every_linear_and_the_rows_keys_and_values() -> None:
+    """bench.decode_step's floor: the linears' weights (lm_head in, the embedding out), LoRA's
+    bytes and rows x context tokens of keys and values, over the copy rate."""
+    model = build_model(TINY, "cpu", torch.float32)
+    linear_bytes = 4 * matmul_params(TINY)
+    kv_bytes = 3 * 10 * TINY.layers * 2 * TINY.kv_heads * TINY.head_dim * 4
+    rate = 1e6  # bytes/s: the floor in ms is bytes / 1e3
+    want = (linear_bytes + 100 + kv_bytes) / rate * 1e3
+    assert floor_ms(model, TINY, 3, 10, 100, rate) == pytest.approx(want)
 
 
 def test_peak_table() -> None:
