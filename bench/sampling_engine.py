@@ -180,7 +180,7 @@ def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: P
     with deployment(args.redis_url, database_url, "sampling-engine", data_dir) as settings:
         log = data_dir / f"worker-{settings.key_prefix}.log"
         with (
-            lora_worker(settings, size.model, log, device=args.device),
+            lora_worker(settings, size.model, log, env=decode_env(args), device=args.device),
             service_client(settings.model_copy(update={"tenant": "trainer"})) as trainer,
             service_client(settings.model_copy(update={"tenant": "sampler"})) as service,
         ):
@@ -241,8 +241,19 @@ def run_round(
     )
 
 
+def decode_env(args: argparse.Namespace) -> dict[str, str]:
+    """The worker's QT_DECODE_STEP when --decode-step names one (else its default)."""
+    return {"QT_DECODE_STEP": args.decode_step} if args.decode_step else {}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.sampling_engine", __doc__)
+    parser.add_argument(
+        "--decode-step",
+        choices=["auto", "padded", "slots", "graphs"],
+        default=None,
+        help="the worker's QT_DECODE_STEP (default: its own default)",
+    )
     cli.add_services(parser)
     cli.add_models(parser, SIZES, default=["queue-tinker/tiny-llama"])
     cli.add_torch(parser)
@@ -270,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{size.model}:", flush=True)
             results.append(measure(args, size, run.database_url, run.data_dir))
     print("\n" + "\n".join(table(results)))
-    section = render(run.info, results, run.total_s, args.threads, args.device)
+    info = {**run.info, "worker QT_DECODE_STEP": args.decode_step or "default"}
+    section = render(info, results, run.total_s, args.threads, args.device, args.decode_step)
     publish(args.docs, args.no_docs, section)
     return 0
 

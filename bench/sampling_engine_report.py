@@ -203,7 +203,12 @@ GPU_INTRO = (
 
 
 def render(
-    info: dict[str, str], results: list[Result], total_s: float, threads: int, device: str
+    info: dict[str, str],
+    results: list[Result],
+    total_s: float,
+    threads: int,
+    device: str,
+    decode_step: str | None = None,
 ) -> str:
     gpu = device != "cpu"
     return "\n".join(
@@ -215,7 +220,9 @@ def render(
             "Reproduce:",
             "",
             *reproduce(
-                f"{COMMAND} --threads {threads} --device {device} --models "
+                f"{COMMAND} --threads {threads} --device {device} "
+                + (f"--decode-step {decode_step} " if decode_step else "")
+                + "--models "
                 + " ".join(r.size.model for r in results)
             ),
             "",
