@@ -55,6 +55,7 @@ from queue_tinker.workers.sampling.cache_budget import (
     rows_that_fit,
     slot_cache_tokens,
 )
+from queue_tinker.workers.sampling.decode_attention import grouped_decode, grouped_decode_fits
 from queue_tinker.workers.sampling.decode_rows import (
     UNIFORM_BLOCK,
     Key,
@@ -310,9 +311,14 @@ class DecodeLoop:
             self.running = kept(rows, self._advance(rows, logits, finished))
             return
         mask = F.pad(rows.mask, (0, 1), value=1)
-        logits = self._forward(
-            model, rows.tokens[:, None], mask, rows.next_pos[:, None], rows.cache, rows.adapters
-        )[:, -1]
+        ids, positions = rows.tokens[:, None], rows.next_pos[:, None]
+        if grouped_decode_fits(model):  # a query's heads as one group per key / value head
+            with grouped_decode(model):
+                attend = mask[:, None, None, :].bool()
+                logits = self._forward(model, ids, attend, positions, rows.cache, rows.adapters)
+        else:
+            logits = self._forward(model, ids, mask, positions, rows.cache, rows.adapters)
+        logits = logits[:, -1]
         rows.mask, rows.next_pos = mask, rows.next_pos + 1
         self.running = kept(rows, self._advance(rows, logits, finished))
 

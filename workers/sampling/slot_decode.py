@@ -39,6 +39,7 @@ from queue_tinker.workers.sampling.adapter_slots import (
     slots_support,
     slotted_lora,
 )
+from queue_tinker.workers.sampling.decode_attention import grouped_decode, grouped_decode_fits
 from queue_tinker.workers.sampling.decode_rows import BASE_ADAPTER, Rows, growing_layers
 from queue_tinker.workers.sampling.kv_slots import KvSlots
 
@@ -86,17 +87,12 @@ def column_bucket(columns: int, capacity: int) -> int:
 
 def slots_fit(model: torch.nn.Module, layers: Sequence[LoraLayer], cache: DynamicCache) -> bool:
     """Whether a model's decode steps can run on slots: plain per-layer key / value caches,
-    full attention in every layer (no sliding window: its mask is the model's own), token
-    positions of one axis (a vision-language model's are not), plain LoRA linears."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config(decoder=True) if config is not None else None
-    if text is None or getattr(config, "vision_config", None) is not None:
-        return False
-    if getattr(text, "sliding_window", None) is not None:
-        return False
-    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or []):
-        return False
-    return growing_layers(cache) is not None and slots_support(layers)
+    full attention in every layer (no sliding window: its mask is the model's own) by sdpa or
+    eager, token positions of one axis (a vision-language model's are not), plain LoRA
+    linears."""
+    return (
+        grouped_decode_fits(model) and growing_layers(cache) is not None and slots_support(layers)
+    )
 
 
 @dataclass(eq=False)
@@ -284,10 +280,11 @@ class SlotDecoder:
             "past_key_values": self.slots.cache(),
             "use_cache": True,
         }
-        if self.adapters is None:
-            return model(**kwargs).logits[:, -1]
-        with slotted_lora(self.adapters, self.row_slots[:size]):
-            return model(**kwargs).logits[:, -1]
+        with grouped_decode(model):
+            if self.adapters is None:
+                return model(**kwargs).logits[:, -1]
+            with slotted_lora(self.adapters, self.row_slots[:size]):
+                return model(**kwargs).logits[:, -1]
 
     def _capture(
         self, model: torch.nn.Module, size: int, columns: int

@@ -492,7 +492,9 @@ def test_prompts_run_once_then_each_row_at_its_own_positions(setup: Setup) -> No
         assert positions[row, pad:].tolist() == list(range(len(prompt)))
     for step, (ids, mask, positions) in enumerate(calls[1:]):
         assert ids.shape == (5, 1)
-        assert mask.shape == (5, width + step + 1) and bool(mask[:, width:].all())
+        assert mask.shape == (5, 1, 1, width + step + 1)  # a decode step's own 4-D mask
+        assert bool(mask[..., width:].all())
+        assert mask[3:, 0, 0, : width - len(prompts[1])].sum() == 0  # the padding stays out
         expected = [len(prompts[0]) + step] * 3 + [len(prompts[1]) + step] * 2
         assert positions[:, 0].tolist() == expected
 

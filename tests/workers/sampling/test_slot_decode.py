@@ -312,3 +312,48 @@ def test_a_loop_that_moves_to_a_plain_model_drops_its_lora_slots(setup: Setup) -
     while padded.busy:
         want.update(padded.step(setup.plain))
     assert_equal_samples(done, want)
+
+
+def test_grouped_decode_attention_equals_sdpa_with_repeated_heads() -> None:
+    """One query token a row, 8 query heads on 2 key / value heads, a mask per row: the grouped
+    form equals transformers' sdpa attention (keys and values repeated per query head)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from queue_tinker.workers.sampling.decode_attention import grouped_decode_attention
+
+    draws = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 8, 1, 16, generator=draws)
+    key, value = (torch.randn(3, 2, 20, 16, generator=draws) for _ in range(2))
+    mask = (torch.arange(20)[None, :] <= torch.tensor([4, 19, 11])[:, None])[:, None, None, :]
+    got, _ = grouped_decode_attention(torch.nn.Module(), query, key, value, mask, scaling=0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(key, 4), repeat_kv(value, 4), attn_mask=mask, scale=0.25
+    ).transpose(1, 2)
+    assert got.shape == (3, 1, 8, 16)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("slots", [False, True])
+def test_decode_steps_attend_grouped_and_sample_as_before(setup: Setup, slots: bool) -> None:
+    """Padded and slot decode steps both run the grouped attention (prefill does not), and a
+    padded loop's samples still equal each request's alone (test_sampler's reference)."""
+    from transformers import AttentionInterface
+
+    from queue_tinker.workers.sampling import decode_attention
+
+    calls: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1].shape[2])  # the query's length
+        return decode_attention.grouped_decode_attention(*args, **kwargs)
+
+    AttentionInterface.register(decode_attention.NAME, counting)
+    try:
+        got, _, _ = run_loop(setup, slots, {0: list(enumerate(mixed_requests()))})
+    finally:
+        AttentionInterface.register(
+            decode_attention.NAME, decode_attention.grouped_decode_attention
+        )
+    assert calls and set(calls) == {1}
+    alone = {i: run_loop(setup, False, {0: [(i, r)]})[0][i] for i, r in enumerate(mixed_requests())}
+    assert_equal_samples(got, alone)
