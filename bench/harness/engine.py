@@ -59,12 +59,13 @@ def worker_plan(
     pool: AdapterPool, device: torch.device, lora_matmuls: LoraMatmuls = "auto"
 ) -> PassPlan:
     """The pass plan a worker makes for this model on this device now (its checkpointing
-    planned from the free memory) with QT_LORA_MATMUL_DTYPE=`lora_matmuls`."""
+    planned from the free memory, borrowing the sampler's share while it lies free, as it
+    does here) with QT_LORA_MATMUL_DTYPE=`lora_matmuls`."""
     config = causal_lm(pool.model).config.get_text_config()
     dtype = base_dtype(pool)
     lora_copy = lora_copy_bytes(dtype.itemsize, lora_matmuls)
     budgets = device_budgets(config, device, dtype, checkpointing=True, lora_copy=lora_copy)
-    return budgeted(PassPlan(), budgets, config, dtype, lora_copy=lora_copy)
+    return budgeted(PassPlan(), budgets, config, dtype, lora_copy=lora_copy, device=device)
 
 
 def set_lora_matmuls(pool: AdapterPool, setting: LoraMatmuls) -> None:

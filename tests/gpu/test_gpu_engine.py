@@ -293,9 +293,10 @@ def test_out_of_memory_on_cuda_splits_the_pass(cuda: LoraExecutor) -> None:
 
 @cuda_only
 def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
-    """Unset budgets come from free memory, and a pass of 16K tokens uses no more activation
-    memory than the estimate of the checkpointing plan it ran under (the fewest layers that
-    fit the budget)."""
+    """Unset budgets come from free memory, an idle worker's passes borrow the sampler's share,
+    and a pass of 16K tokens uses no more activation memory than the estimate of the
+    checkpointing plan it ran under (the fewest layers that fit the budget and what it
+    borrowed)."""
     from queue_tinker.workers.model.memory import pass_bytes_per_token
 
     engine = LoraExecutor(BASE, DEVICE, scratch / "storage-budget", scratch / "models")
@@ -303,16 +304,19 @@ def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     assert rounds.guard.train_batch_tokens > 0
     plan = rounds.plan
     assert plan.activation_budget is not None and plan.layer_bytes is not None
+    assert plan.spare_activations is not None
     run = Run(engine, "budget")
     torch.cuda.synchronize()
+    borrowed = plan.spare_activations()
+    assert borrowed > 0  # no sample holds the sampler's share
+    layers = int(engine.pool.base.config.num_hidden_layers)
+    planned = plan.checkpointed_layers(16 * 1024, True, layers)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     run.forward_backward(data(16, 1024, 30))
     used = torch.cuda.max_memory_allocated() - base
-    layers = int(engine.pool.base.config.num_hidden_layers)
-    planned = plan.checkpointed_layers(16 * 1024, True, layers)
     estimate = 16 * 1024 * pass_bytes_per_token(layers, planned, plan.layer_bytes)
-    assert estimate <= plan.activation_budget
+    assert estimate <= plan.activation_budget + borrowed
     assert used <= 1.5 * estimate + (256 << 20), (used, estimate, planned)  # + a logits chunk
 
 

@@ -179,7 +179,12 @@ class LoraExecutor:
             log.info("device budgets from free memory: %s", budgets)
         # auto checkpointing becomes a plan: the fewest layers that fit each pass.
         plan = budgeted(
-            plan, budgets, base.config.get_text_config(), base.dtype, lora_copy=lora_copy
+            plan,
+            budgets,
+            base.config.get_text_config(),
+            base.dtype,
+            lora_copy=lora_copy,
+            device=self.device if shards is None else None,
         )
         saved = SavedState(self.pool, self.store, base_model)
         residency = Residency(self.pool, saved, self.store)

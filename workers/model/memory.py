@@ -56,6 +56,10 @@ class Budgets:
     # Activation bytes a training pass may keep for backward: what train_batch_tokens is
     # sized from, and what the checkpointing plan fits each pass into.
     train_activation_bytes: int
+    # The sampler's share in bytes, and the headroom kept beside both: a pass borrows the
+    # sampler's share while it lies free (spare_activation_bytes).
+    sample_cache_bytes: int = 0
+    headroom_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,7 +164,21 @@ def budgets_for(
         sample_batch_sequences=max(1, cache_tokens // SAMPLE_CONTEXT),
         sample_cache_tokens=max(1, cache_tokens),
         train_activation_bytes=activations,
+        sample_cache_bytes=int(usable * SAMPLE_SHARE),
+        headroom_bytes=int(free_bytes * HEADROOM),
     )
+
+
+def spare_activation_bytes(device: torch.device, budgets: Budgets) -> int:
+    """Bytes of the sampler's share a training pass may keep for backward on top of its own
+    budget now: what lies unused on the device (torch's cached blocks included) past that
+    budget and the headroom, at most the sampler's share. While no sample runs (its KV cache
+    freed) a pass checkpoints fewer layers; while one does, none is borrowed; a pass never
+    grows past the envelope the budgets were planned in."""
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    spare = free + cached - budgets.train_activation_bytes - budgets.headroom_bytes
+    return max(0, min(budgets.sample_cache_bytes, spare))
 
 
 def device_budgets(

@@ -39,6 +39,7 @@ from queue_tinker.workers.model.memory import (
     LayerBytes,
     layer_bytes,
     layers_to_checkpoint,
+    spare_activation_bytes,
 )
 from queue_tinker.workers.model.vision_language import RowImages, hidden_states
 from queue_tinker.workers.training.packing import RowBatch, padding_fraction
@@ -59,6 +60,9 @@ class PassPlan:
     checkpoint_min_tokens: int = 4_096
     activation_budget: int | None = None
     layer_bytes: LayerBytes | None = None
+    # Bytes a pass may borrow on top of activation_budget now (memory.spare_activation_bytes:
+    # the sampler's share while it lies free); None: nothing is borrowed.
+    spare_activations: Callable[[], int] | None = None
     # (rows x positions x vocab) logits computed at once: 2^26 fp32 elements are 256 MiB,
     # 523 positions of a 128k vocabulary, the whole batch of a small-vocabulary model.
     logit_chunk_elements: int = 1 << 26
@@ -75,8 +79,9 @@ class PassPlan:
         if self.activation_checkpointing == "on":
             return layers
         if self.activation_budget is not None and self.layer_bytes is not None:
+            borrowed = self.spare_activations() if self.spare_activations is not None else 0
             return layers_to_checkpoint(
-                padded_tokens, layers, self.layer_bytes, self.activation_budget
+                padded_tokens, layers, self.layer_bytes, self.activation_budget + borrowed
             )
         return layers if padded_tokens >= self.checkpoint_min_tokens else 0
 
@@ -97,17 +102,22 @@ def budgeted(
     dtype: torch.dtype,
     *,
     lora_copy: int,
+    device: torch.device | None = None,
 ) -> PassPlan:
     """The plan with the device's training budget (`budgets` from its free memory; None off
     CUDA, where the plan stays as it is): auto checkpointing then checkpoints the fewest layers
-    that fit each pass. `lora_copy`: memory.lora_copy_bytes."""
+    that fit each pass, borrowing the sampler's share while it lies free on `device` (None:
+    never; a worker group's ranks must plan alike, and what lies free differs between them).
+    `lora_copy`: memory.lora_copy_bytes."""
     if budgets is None:
         return plan
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    spare = partial(spare_activation_bytes, device, budgets) if device is not None else None
     return replace(
         plan,
         activation_budget=budgets.train_activation_bytes,
         layer_bytes=layer_bytes(config, dtype_bytes, lora_copy=lora_copy),
+        spare_activations=spare,
     )
 
 

@@ -14,6 +14,7 @@ from queue_tinker.workers.model.memory import (
     lora_compute_dtype,
     lora_copy_bytes,
     pass_bytes_per_token,
+    spare_activation_bytes,
     train_bytes_per_token,
 )
 
@@ -104,3 +105,42 @@ def test_budgets_carry_the_activation_budget_they_size_passes_from() -> None:
         )
         <= 32
     )
+
+
+def pretend_device(
+    monkeypatch: pytest.MonkeyPatch, free: int, reserved: int, allocated: int
+) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+
+
+def test_a_pass_borrows_the_sampler_s_share_only_while_it_lies_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the 8B shape on 62 GiB free: with the memory as it was at start-up (nothing of the
+    sampler's share in use) a pass may borrow all of the share, and then checkpoints fewer
+    layers of 8 x 2,048 tokens; with the sampler's cache holding 12 GiB, what is left past the
+    pass's budget and the headroom (the 8% of the usable memory neither share holds counts);
+    with its whole share and that slack in use, nothing. torch's cached blocks count as
+    free; a pass never goes past the share."""
+    budgets = budgets_for(LLAMA_8B, 62 * GIB, 2, checkpointing=True, lora_copy=0)
+    share = budgets.sample_cache_bytes
+    assert share == int(62 * GIB * 0.8 * 0.3) and budgets.headroom_bytes == int(62 * GIB * 0.2)
+    beside = budgets.train_activation_bytes + budgets.headroom_bytes  # never borrowed
+    cuda = torch.device("cuda")
+    pretend_device(monkeypatch, 62 * GIB, 0, 0)
+    assert spare_activation_bytes(cuda, budgets) == share
+    pretend_device(monkeypatch, 50 * GIB, 12 * GIB, 12 * GIB)  # a live cache of 12 GiB
+    assert 0 < spare_activation_bytes(cuda, budgets) == 50 * GIB - beside < share
+    pretend_device(monkeypatch, 50 * GIB, 12 * GIB, 0)  # freed, kept in torch's cache
+    assert spare_activation_bytes(cuda, budgets) == share
+    pretend_device(monkeypatch, beside, 62 * GIB - beside, 62 * GIB - beside)
+    assert spare_activation_bytes(cuda, budgets) == 0
+    pretend_device(monkeypatch, 80 * GIB, 0, 0)  # more than at start-up: still the share
+    assert spare_activation_bytes(cuda, budgets) == share
+    per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=0)
+    tokens = 8 * 2048
+    alone = layers_to_checkpoint(tokens, 32, per_layer, budgets.train_activation_bytes)
+    borrowing = layers_to_checkpoint(tokens, 32, per_layer, budgets.train_activation_bytes + share)
+    assert borrowing < alone

@@ -15,13 +15,18 @@ import numpy as np
 import pytest
 import torch
 from engine_driver import saved_bytes
+from transformers import LlamaConfig
 
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import ForwardBackwardOutput, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import load_base_model
-from queue_tinker.workers.model.memory import layer_bytes, pass_bytes_per_token
+from queue_tinker.workers.model.memory import (
+    layer_bytes,
+    layers_to_checkpoint,
+    pass_bytes_per_token,
+)
 from queue_tinker.workers.training.model_pass import PassPlan, causal_lm
 from queue_tinker.workers.training.packing import pack_rows, padding_fraction
 from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass
@@ -287,6 +292,26 @@ def test_checkpointing_keeps_only_layer_inputs_for_backward(pool: AdapterPool) -
         auto.checkpointed_layers(100, False, 2),
     ) == (0, 2, 0)
     assert CHECKPOINTED.checkpointed_layers(10**9, backward=False, layers=2) == 0
+
+
+def test_the_plan_counts_what_it_may_borrow_at_each_pass() -> None:
+    """A plan with spare_activations asks it at every pass: the same pass checkpoints fewer
+    layers while more lies spare, all of them while nothing does."""
+    per_layer = layer_bytes(LlamaConfig(hidden_size=64, num_hidden_layers=2), 4, lora_copy=0)
+    whole = 100 * pass_bytes_per_token(2, 0, per_layer)
+    spare = [0]
+    plan = PassPlan(
+        activation_budget=100 * pass_bytes_per_token(2, 2, per_layer),
+        layer_bytes=per_layer,
+        spare_activations=lambda: spare[0],
+    )
+    assert plan.activation_budget is not None
+    alone = layers_to_checkpoint(100, 2, per_layer, plan.activation_budget)
+    assert alone > 0 and plan.checkpointed_layers(100, True, 2) == alone
+    spare[0] = whole
+    assert plan.checkpointed_layers(100, True, 2) == 0
+    spare[0] = 0
+    assert plan.checkpointed_layers(100, True, 2) == alone
 
 
 def test_a_planned_pass_checkpoints_some_layers_and_equals_none(pool: AdapterPool) -> None:
