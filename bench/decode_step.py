@@ -57,6 +57,7 @@ class Measured:
     step_ms: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0
     captured: int = 0
+    first_token_ms: list[float] = field(default_factory=list)  # base mix only
 
     @property
     def median_ms(self) -> float:
@@ -106,6 +107,33 @@ def run_pass(
         if full and loop.rows == len(batch):
             steps.append((time.perf_counter() - start) * 1e3)
     return steps, time.perf_counter() - began
+
+
+def first_token_times(
+    loop: DecodeLoop,
+    model: torch.nn.Module,
+    background: list[GenerationRequest],
+    joiners: list[list[int]],
+    compute: torch.dtype | None,
+) -> list[float]:
+    """With the background requests decoding, each joiner (one new token) added at a step's
+    boundary: ms from its add() to the end of the step that hands back its token (a decode
+    step of the running rows, then its prefill)."""
+    layers = lora_layers_of(model)
+    for index, request in enumerate(background):
+        loop.add(("background", index), request)
+    while loop.rows < len(background):
+        loop.step(model, layers, compute)
+    times = []
+    for index, prompt in enumerate(joiners):
+        key = ("joiner", index)
+        start = time.perf_counter()
+        loop.add(key, requests([prompt], 1, [None])[0])
+        while key not in dict(loop.step(model, layers, compute)):
+            pass
+        times.append((time.perf_counter() - start) * 1e3)
+    loop.cancel({("background", index) for index in range(len(background))})
+    return times
 
 
 def copy_rate(device: torch.device) -> float:
@@ -172,10 +200,21 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
             )
             captured = loop.slots.captured if loop.slots is not None else 0
             measured = Measured(kind, mix, steps, args.rows * args.new / seconds, captured)
+            if mix == "base":  # the rows but one decoding, a joiner's first token
+                background = requests(warm_prompts[1:], args.new, adapters)
+                joiners = prompts(args.joiners, args.first_prompt, shape.vocab, 3)
+                measured.first_token_ms = first_token_times(
+                    loop, pool.model, background, joiners, compute
+                )
             results.append(measured)
+            first = (
+                f"  first token p50 {statistics.median(measured.first_token_ms):.1f} ms"
+                if measured.first_token_ms
+                else ""
+            )
             print(
                 f"{kind:7} {mix:11} step {measured.median_ms:8.2f} ms  "
-                f"{measured.tokens_per_s:10,.0f} tok/s  graphs {captured}",
+                f"{measured.tokens_per_s:10,.0f} tok/s  graphs {captured}{first}",
                 flush=True,
             )
     ids, mask = left_padded(timed_prompts, device)
@@ -218,6 +257,7 @@ def render(
                 f"{r.median_ms / base_ms[r.kind]:.2f}×",
                 f"{r.tokens_per_s:,.0f}",
                 f"**{r.tokens_per_s / figures['generate_tok_s']:.2f}×**",
+                f"{statistics.median(r.first_token_ms):,.1f}" if r.first_token_ms else "",
                 r.captured,
             ]
         )
@@ -230,6 +270,7 @@ def render(
         "÷ the base model's step",
         "tokens/s (prefill included)",
         "÷ generate()",
+        "first token, ms (p50)",
         "graphs captured",
     ]
     return "\n".join(
@@ -246,7 +287,10 @@ def render(
             "values at the median context) over a large on-device copy's rate "
             f"({figures['copy_gb_s']:,.0f} GB/s here, read and write counted); `generate()` is "
             f"transformers' on the same prompts, base model: {figures['generate_tok_s']:,.0f} "
-            "tokens/s.",
+            f"tokens/s. First token: {args.joiners} requests of {args.first_prompt} tokens, "
+            f"one at a time, each added at a step's boundary while {args.rows - 1} rows "
+            "decode, from add() to the end of the step that hands back its token (in process: "
+            "the queue's own round trip is bench.queue_overhead's).",
             "",
             *reproduce(COMMAND),
             "",
@@ -269,12 +313,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--prompt": (0, "prompt tokens each (default 1024 on CUDA, 64 on the CPU)"),
             "--new": (0, "new tokens each (default 256 on CUDA, 32 on the CPU)"),
             "--adapters": (8, "adapters the mixed rows are spread over"),
+            "--first-prompt": (512, "tokens of a request whose first token is timed"),
+            "--joiners": (5, "such requests, one at a time"),
             "--rank": (32, "LoRA rank"),
         },
     )
     cli.add_report(parser, json=False)
     cli.add_quick(parser)
-    args = cli.parse(parser, argv, {"rows": 4, "prompt": 16, "new": 8, "adapters": 2})
+    quick = {"rows": 4, "prompt": 16, "new": 8, "adapters": 2, "first_prompt": 32, "joiners": 2}
+    args = cli.parse(parser, argv, quick)
     cuda = args.device.startswith("cuda")
     args.shape = args.shape or ("llama-3.1-8b" if cuda else "small")
     args.rows = args.rows or (64 if cuda else 8)
