@@ -211,7 +211,8 @@ class SlotDecoder:
         at its position (written to its slot's column there)."""
         kv = self.slots
         count = rows.size
-        size = bucket(count)
+        # Buckets keep a captured graph's shapes; an eager step runs what the rows use.
+        size = bucket(count) if self.graphs_wanted else count
         self.tokens[:count].copy_(rows.tokens)
         self.positions[:count].copy_(rows.next_pos)
         self.tokens[count:size].zero_()
@@ -228,7 +229,7 @@ class SlotDecoder:
             len(request.spec.prompt) + len(request.tokens[sample])
             for request, sample in zip(rows.requests, rows.samples, strict=True)
         )
-        columns = column_bucket(used, kv.capacity)
+        columns = column_bucket(used, kv.capacity) if self.graphs_wanted else used
         kv.rows, kv.columns = size, columns
         kv.write_at[:size].copy_(self.positions[:size])
         if not self.graphs_wanted:
