@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -134,12 +135,32 @@ def generate(
     return [responses[index] for index in range(len(requests))]
 
 
+# The modules of a model found in training mode, per set of adapters it holds and mode of its
+# root: a walk of every module cost 0.18 ms a step on the tiny model with 3 adapters (233
+# modules, ~0.8 us each), so ~5 ms at the 8B shape with 8 adapters on every linear (~7,000),
+# more than a captured decode step's replay. Modules come and go with adapters only
+# (get_peft_model, add_adapter, delete_adapter), model.train() / eval() flip the root's flag
+# too, and the worker switches no single module between steps.
+_TRAINING: WeakKeyDictionary[torch.nn.Module, tuple[object, list[torch.nn.Module]]] = (
+    WeakKeyDictionary()
+)
+
+
+def _in_training_mode(model: torch.nn.Module) -> list[torch.nn.Module]:
+    key = (tuple(getattr(model, "peft_config", None) or ()), model.training)
+    kept = _TRAINING.get(model)
+    if kept is None or kept[0] != key:
+        kept = _TRAINING[model] = (key, [m for m in model.modules() if m.training])
+    return kept[1]
+
+
 @contextmanager
 def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """Eval mode meanwhile: LoRA's dropout is for training (and get_peft_model / add_adapter
     hand back modules in training mode); each module's own flag is restored. Only
-    modules in training mode are touched (model.eval() on every step cost ~0.5 ms)."""
-    training = [module for module in model.modules() if module.training]
+    modules in training mode are touched (model.eval() on every step cost ~0.5 ms), found once
+    per set of adapters (`_TRAINING`)."""
+    training = _in_training_mode(model)
     for module in training:
         module.training = False
     try:

@@ -1181,3 +1181,26 @@ def test_a_retargeted_request_goes_on_with_its_cache_on_the_new_weights(setup: S
     assert tokens[:4] == on_a1[:4] and tokens != on_a1  # the switch changed what came next
     assert_near(done["staying"], run(setup, [staying])[0])
     assert_near(done["other"], run(setup, [other])[0])
+
+
+def test_modules_added_with_an_adapter_sample_in_eval_mode(setup: Setup) -> None:
+    """The modules the loop puts in eval mode are found once per set of adapters: an adapter
+    added later (its dropout in training mode, as add_adapter hands it back) is found too, so a
+    sample on it is the same whatever its dropout, and its modules are left in training mode."""
+    model = copy.deepcopy(setup.model)
+    run(setup, [request(PROMPTS[0], "a1", max_tokens=3, temperature=0)], model=model)
+    present = linear_names(setup.plain)  # the same architecture, unwrapped
+    config = peft_config(present, LoraConfig(rank=4), BASE)
+    config.lora_dropout = 0.5  # checkpoints trained elsewhere may carry one
+    model.add_adapter("late", config)
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if ".lora_B.late." in key:
+                param.normal_(std=0.1)
+    dropouts = [m for n, m in model.named_modules() if n.endswith("lora_dropout.late")]
+    assert dropouts and all(m.training for m in dropouts)
+    late = request(PROMPTS[1], "late", n=2, max_tokens=8, temperature=0, stop=[])
+    first, second = run(setup, [late], model=model), run(setup, [late], model=model)
+    assert_same(first[0], second[0])  # dropout of 0.5 in training mode would differ
+    reference = greedy_reference(model.eval(), "late", PROMPTS[1], 8)
+    assert first[0].sequences[0].tokens == reference
