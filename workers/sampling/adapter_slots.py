@@ -21,7 +21,7 @@ their addresses while the slot count holds, so a captured graph stays valid acro
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -60,8 +60,9 @@ class AdapterSlots:
         self.layers = list(layers)
         self.count, self.rank, self.dtype = count, rank, dtype
         self.names: list[str | None] = [None] * count  # the adapter in each slot
-        # The weights each slot was filled from (weakly: an evicted adapter's go).
-        self._weights: list[tuple[ref[torch.Tensor], ...]] = [()] * count
+        # The weights each slot was filled from, known by one of its tensors (weakly: an evicted
+        # adapter's go); an adapter loaded again has new tensors.
+        self._weights: list[ref[torch.Tensor] | None] = [None] * count
         self.stacked_a: list[torch.Tensor] = []
         self.stacked_b: list[torch.Tensor] = []
         for layer in self.layers:
@@ -75,19 +76,24 @@ class AdapterSlots:
         self.column_slot = torch.arange(count * rank, device=device) // rank
 
     @staticmethod
-    def widest_rank(layers: Sequence[LoraLinear], names: Sequence[str]) -> int:
+    def widest_rank(layers: Sequence[LoraLinear], names: Iterable[str]) -> int:
+        """The largest rank of these adapters over the layers (a walk of every layer)."""
         ranks = [layer.r[name] for layer in layers for name in names if name in layer.lora_A]
         return max(ranks, default=1)
 
     def fits(self, names: Sequence[str], layers: Sequence[LoraLinear]) -> bool:
         """Whether these adapters fit the slots at once (count and rank), and the layers are the
-        ones stacked."""
-        return (
-            len(set(names)) <= self.count
-            and self.widest_rank(layers, names) <= self.rank
-            and len(layers) == len(self.layers)
-            and all(a is b for a, b in zip(layers, self.layers, strict=True))
-        )
+        ones stacked. Called every decode step: the ranks of adapters held as they are were
+        checked when they were filled, so only the others' are looked up."""
+        if len(layers) != len(self.layers) or any(
+            a is not b for a, b in zip(layers, self.layers, strict=True)
+        ):
+            return False
+        distinct = set(names)
+        if len(distinct) > self.count:
+            return False
+        held = {n for slot, n in enumerate(self.names) if n is not None and self._current(slot, n)}
+        return self.widest_rank(self.layers, distinct - held) <= self.rank
 
     def slots_of(self, names: Sequence[str | None]) -> list[int]:
         """Each row's slot (BASE_SLOT for the base model), filling slots for adapters not held
@@ -107,15 +113,16 @@ class AdapterSlots:
 
     def _current(self, slot: int, name: str) -> bool:
         """Whether the slot holds this adapter's weights as they are now (the same tensors)."""
-        held, now = self._weights[slot], self._weights_of(name)
-        return len(held) == len(now) and all(r() is w for r, w in zip(held, now, strict=True))
+        held = self._weights[slot]
+        return held is not None and held() is self._token(name)
 
-    def _weights_of(self, name: str) -> list[torch.Tensor]:
-        return [
-            layer.lora_A[name].weight  # type: ignore[misc]
-            for layer in self.layers
-            if name in layer.lora_A
-        ]
+    def _token(self, name: str) -> torch.Tensor | None:
+        """The adapter's first LoRA A weight: the tensor a slot knows its weights by."""
+        for layer in self.layers:
+            if name in layer.lora_A:
+                weight: torch.Tensor = layer.lora_A[name].weight  # type: ignore[assignment]
+                return weight
+        return None
 
     def _fill(self, slot: int, name: str) -> None:
         columns = slice(slot * self.rank, (slot + 1) * self.rank)
@@ -130,7 +137,8 @@ class AdapterSlots:
             a[:, columns][:, :rank].copy_(lora_a.t())
             b[columns][:rank].copy_(lora_b.t() * layer.scaling[name])
         self.names[slot] = name
-        self._weights[slot] = tuple(ref(weight) for weight in self._weights_of(name))
+        token = self._token(name)
+        self._weights[slot] = ref(token) if token is not None else None
 
     def column_mask(self, row_slot: torch.Tensor) -> torch.Tensor:
         """(rows, slots*rank): 1 at the columns of each row's slot, 0 elsewhere."""
