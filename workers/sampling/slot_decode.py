@@ -16,8 +16,9 @@ Rows leave by giving up their slot (the last rows move into the holes: `SlotRows
 join by copying their prefill into free slots (`SlotRows.merge`); the loop's admission,
 prefill and prefix cache are decode_loop.py's, unchanged.
 
-The same step runs eagerly on the CPU (QT_DECODE_SLOTS=on; graphs are CUDA's), where the tests
-hold it to the left-padded path's logits and samples.
+Without graphs (QT_DECODE_STEP=slots, or the CPU: graphs are CUDA's) the same step runs eagerly
+on exactly the rows and columns in use; the tests hold it to the left-padded path's logits and
+samples there.
 """
 
 from __future__ import annotations
