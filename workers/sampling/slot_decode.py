@@ -187,9 +187,8 @@ class SlotDecoder:
         """Room for `rows` rows of `columns` columns, the first `live` rows kept."""
         if self.kv is None:
             self.kv = KvSlots.like(like)
-        slots = bucket(rows)
-        if self.kv.reserve(slots, columns, live):
-            self._inputs(slots)
+        if self.kv.reserve(bucket(rows), columns, live):
+            self._inputs(self.kv.slots)  # as many as the slots (which never shrink)
             self.graphs.clear()
 
     def _inputs(self, slots: int) -> None:

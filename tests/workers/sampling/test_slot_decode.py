@@ -357,3 +357,20 @@ def test_decode_steps_attend_grouped_and_sample_as_before(setup: Setup, slots: b
     assert calls and set(calls) == {1}
     alone = {i: run_loop(setup, False, {0: [(i, r)]})[0][i] for i, r in enumerate(mixed_requests())}
     assert_equal_samples(got, alone)
+
+
+def test_slots_regrown_for_longer_rows_keep_room_for_every_slot(setup: Setup) -> None:
+    """Four rows hold four slots; three leave, a longer request joins (the slots are made
+    anew, wider), then two more join into the slots already there: the step's inputs have
+    room for all of them (they were once sized to the rows in flight at the regrowth, and the
+    next step failed), and the samples are the padded loop's."""
+    short = [request(PROMPTS[i], "a1", max_tokens=2 + 6 * (i == 0), seed=i) for i in range(4)]
+    arrivals = {
+        0: list(enumerate(short)),
+        4: [("long", request(PROMPTS[1], "a2", max_tokens=90, seed=7, stop=[]))],
+        6: [(f"more-{i}", request(PROMPTS[i], None, max_tokens=5, seed=8 + i)) for i in range(2)],
+    }
+    want, _, _ = run_loop(setup, False, arrivals)
+    got, loop, _ = run_loop(setup, True, arrivals)
+    assert_equal_samples(got, want)
+    assert loop.slots is not None and loop.slots.tokens.shape[0] == loop.slots.slots.slots
