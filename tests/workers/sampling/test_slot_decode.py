@@ -5,6 +5,7 @@ rounding, on the CPU where the step runs eagerly (its CUDA graphs: tests/gpu).""
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -374,3 +375,53 @@ def test_slots_regrown_for_longer_rows_keep_room_for_every_slot(setup: Setup) ->
     got, loop, _ = run_loop(setup, True, arrivals)
     assert_equal_samples(got, want)
     assert loop.slots is not None and loop.slots.tokens.shape[0] == loop.slots.slots.slots
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_arrivals_sample_on_slots_what_they_sample_padded(setup: Setup, seed: int) -> None:
+    """Seeded random traffic, the same calls on both loops: requests of random prompts, lengths,
+    adapters, sample counts and settings arrive at random steps under a random row cap and KV
+    budget, one is cancelled mid-way and one moved to other weights; every response is the
+    padded loop's (the tokens, and logprobs to float32 rounding)."""
+    draws = random.Random(seed)
+    options: dict[str, Any] = {
+        "max_rows": draws.choice([None, 3, 5]),
+        "max_cache_tokens": draws.choice([None, 400]),
+    }
+    arrivals: dict[int, list[Any]] = {}
+    for index in range(12):
+        prompt = [draws.randrange(256) for _ in range(draws.randint(1, 40))]
+        settings = draws.choice(
+            [{"temperature": 0}, {"top_k": 5}, {"top_p": 0.8}, {"temperature": 0.7}, {}]
+        )
+        req = request(
+            prompt,
+            draws.choice(["a1", "a2", "sharp", None]),
+            n=draws.randint(1, 3),
+            max_tokens=draws.randint(1, 40),
+            seed=draws.randrange(1000),
+            stop=draws.choice([[], None]),
+            **settings,
+        )
+        arrivals.setdefault(draws.randrange(30), []).append((index, req))
+    doomed, at = draws.randrange(12), draws.randrange(5, 25)
+    moved, to, when = draws.randrange(12), draws.choice(["a1", "a2", None]), draws.randrange(30)
+    results = []
+    for slots in (False, True):
+        loop = loop_of(setup, slots, **options)
+        done: dict[Any, SampleResponse] = {}
+        step = 0
+        while loop.busy or step <= max(arrivals):
+            for key, req in arrivals.get(step, []):
+                loop.add(key, req)
+            if step == at:
+                loop.cancel({doomed})
+            # Inflight weights move on: the request goes on another adapter. Not under a KV
+            # budget, which the two count apart (slots as wide as the widest row), so a part
+            # could be admitted before the move in one loop and after it in the other.
+            if step == when and options["max_cache_tokens"] is None:
+                loop.retarget({moved: to})
+            done.update(loop.step(setup.model))
+            step += 1
+        results.append(done)
+    assert_equal_samples(results[1], results[0])
