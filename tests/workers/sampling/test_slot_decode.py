@@ -36,6 +36,7 @@ from queue_tinker.workers.sampling.adapter_slots import (
 from queue_tinker.workers.sampling.cache_budget import slot_cache_tokens
 from queue_tinker.workers.sampling.kv_slots import KvSlots
 from queue_tinker.workers.sampling.slot_decode import (
+    SlotDecoder,
     SlotRows,
     StepKind,
     bucket,
@@ -425,3 +426,74 @@ def test_random_arrivals_sample_on_slots_what_they_sample_padded(setup: Setup, s
             step += 1
         results.append(done)
     assert_equal_samples(results[1], results[0])
+
+
+class ReplayedStep:
+    """A CUDA graph's part, on the CPU: captured once for (rows, columns), replayed by running
+    the step again on whatever the input buffers hold then, into the same output tensor. A
+    graph reads and writes the tensors it was captured on: a replay after any of them was
+    made anew (a stale graph, which CUDA would replay silently) fails here."""
+
+    def __init__(self, decoder: SlotDecoder, model: torch.nn.Module, size: int, columns: int):
+        self.decoder, self.model, self.size, self.columns = decoder, model, size, columns
+        self.captured_on = self.tensors()
+        self.output = decoder._step(model, size, columns).clone()
+
+    def tensors(self) -> list[torch.Tensor]:
+        decoder = self.decoder
+        kv = decoder.slots
+        stacks = decoder.adapters.stacked_a + decoder.adapters.stacked_b if decoder.adapters else []
+        inputs = [decoder.tokens, decoder.positions, decoder.row_slots, kv.write_at]
+        return [*inputs, *kv.keys, *kv.values, *stacks]
+
+    def replay(self) -> None:
+        now = self.tensors()
+        assert len(now) == len(self.captured_on)
+        assert all(a is b for a, b in zip(now, self.captured_on, strict=True)), "a stale graph"
+        self.output.copy_(self.decoder._step(self.model, self.size, self.columns))
+
+
+def replayed_capture(
+    decoder: SlotDecoder, model: torch.nn.Module, size: int, columns: int
+) -> tuple[Any, torch.Tensor]:
+    step = ReplayedStep(decoder, model, size, columns)
+    decoder.graphs[(size, columns)] = (step, step.output)  # type: ignore[assignment]
+    decoder.captured += 1
+    return step, step.output
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bucketed_steps_replayed_sample_what_the_padded_loop_samples(
+    setup: Setup, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graphs' way on the CPU: steps run on batch buckets (empty slots on a dummy token)
+    over column buckets, each bucket's step made once and replayed on the input buffers as
+    they are at each step. Random traffic gives the padded loop's samples, over several
+    buckets."""
+    monkeypatch.setattr(SlotDecoder, "_capture", replayed_capture)
+    draws = random.Random(100 + seed)
+    arrivals: dict[int, list[Any]] = {}
+    for index in range(10):
+        prompt = [draws.randrange(256) for _ in range(draws.randint(1, 60))]
+        req = request(
+            prompt,
+            draws.choice(["a1", "a2", "sharp", None]),
+            n=draws.randint(1, 3),
+            max_tokens=draws.randint(1, 30),
+            seed=draws.randrange(1000),
+            stop=[],
+        )
+        arrivals.setdefault(draws.randrange(20), []).append((index, req))
+    want, _, _ = run_loop(setup, False, arrivals)
+    loop = loop_of(setup, True)
+    assert loop.slots is not None
+    loop.slots.graphs_wanted = True  # as on CUDA
+    done: dict[Any, SampleResponse] = {}
+    step = 0
+    while loop.busy or step <= max(arrivals):
+        for key, req in arrivals.get(step, []):
+            loop.add(key, req)
+        done.update(loop.step(setup.model))
+        step += 1
+    assert_equal_samples(done, want)
+    assert loop.slots.captured >= 2 and all(size & (size - 1) == 0 for size, _ in loop.slots.graphs)
