@@ -286,8 +286,9 @@ def measure_adapters(
     args: argparse.Namespace,
     plan: PassPlan,
 ) -> dict[str, float]:
-    """An adapter per part: one cross-adapter pass of all their ops against a pass each, one
-    at a time; median seconds of each."""
+    """An adapter per part: one cross-adapter pass of all their ops (their LoRA in row blocks,
+    and stacked: PassPlan.stacked_lora) against a pass each, one at a time; median seconds of
+    each."""
     k = len(parts)
     have = [a for a in pool.adapters.values() if a is not first][: k - 1]
     more = add_adapters(pool, LoraConfig(rank=args.rank), seeds=range(len(have) + 1, k))
@@ -297,13 +298,17 @@ def measure_adapters(
     def together() -> None:
         engine.forward_backward(pool, batches, device, plan)
 
+    def stacked() -> None:
+        engine.forward_backward(pool, batches, device, replace(plan, stacked_lora=True))
+
     def apart() -> None:
         for batch in batches:
             engine.forward_backward(pool, [batch], device, plan)
 
-    times: dict[str, list[float]] = {"one pass": [], "one at a time": []}
+    times: dict[str, list[float]] = {"one pass": [], "one pass, stacked": [], "one at a time": []}
+    runs = (("one pass", together), ("one pass, stacked", stacked), ("one at a time", apart))
     for i in range(args.warmup + args.steps):
-        for name, fn in (("one pass", together), ("one at a time", apart)):
+        for name, fn in runs:
             seconds = timed(fn, device)
             engine.clear_grads(adapters)
             if i >= args.warmup:
@@ -550,14 +555,15 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
             f"{result.adapters} adapters' forward_backward ops on the same "
             f"{result.tokens:,} tokens (the batch split between them): one cross-adapter "
             f"pass {one * 1000:,.1f} ms, one at a time {apart * 1000:,.1f} ms "
-            f"(**{apart / one:.2f}×**).",
+            f"(**{apart / one:.2f}×**); {stacked_line(result.multi)}.",
         ]
     if result.rl:
         one, apart = result.rl["one pass"], result.rl["one at a time"]
         lines += [
             "",
             f"RL-sized ops, {result.rl_shape}: one cross-adapter pass {one * 1000:,.1f} ms, "
-            f"one at a time {apart * 1000:,.1f} ms (**{apart / one:.2f}×**).",
+            f"one at a time {apart * 1000:,.1f} ms (**{apart / one:.2f}×**); "
+            f"{stacked_line(result.rl)}.",
         ]
     if result.long_pass is not None:
         v = result.long_pass
@@ -577,6 +583,16 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
     if len(result.variants) > 1:
         lines += ["", *variant_table(result)]
     return lines
+
+
+def stacked_line(times: dict[str, float]) -> str:
+    """The pass with its adapters' LoRA stacked, against one at a time and the row blocks."""
+    stacked, apart = times["one pass, stacked"], times["one at a time"]
+    return (
+        f"the LoRA stacked (`PassPlan.stacked_lora`) {stacked * 1000:,.1f} ms "
+        f"({apart / stacked:.2f}× one at a time, {times['one pass'] / stacked:.2f}× the row "
+        "blocks)"
+    )
 
 
 def variant_table(result: Result) -> list[str]:

@@ -66,6 +66,10 @@ class PassPlan:
     # (rows x positions x vocab) logits computed at once: 2^26 fp32 elements are 256 MiB,
     # 523 positions of a 128k vocabulary, the whole batch of a small-vocabulary model.
     logit_chunk_elements: int = 1 << 26
+    # A pass of several adapters' ops runs their LoRA stacked (row_blocks.stacked_blocks: two
+    # matmuls a layer) rather than a block each (row_blocks.row_blocks) where it can. Off until
+    # a GPU has measured it: on the CPU the blocks are faster (bench.mfu measures both).
+    stacked_lora: bool = False
     # Pack several datums into a row once one datum a row would be more than half padding
     # (None: never pack). Below it, packing saves less than it costs: its block-diagonal mask
     # takes attention off the kernels that need no mask, and it changes the batch's rounding.

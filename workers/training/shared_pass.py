@@ -23,7 +23,7 @@ from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.types.training import ForwardBackwardOutput
 from queue_tinker.workers.model import vision_language
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks
+from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks, stacked_blocks, stacks
 from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.training import model_pass
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
@@ -77,16 +77,15 @@ def shared_pass(
     plan = plan or PassPlan()
     blocks = blocks_of((op.adapter.name, len(op.data)) for op in ops)  # (adapter, datums)
     rows = rows_for(data, device, plan, groups=[count for _, count in blocks], images=images)
+    pass_blocks = [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)]
+    layers = pool.lora_layers()
+    lora = stacked_blocks if plan.stacked_lora and stacks(layers, pass_blocks) else row_blocks
     # The row blocks stay in place through backward: checkpointed layers and logit chunks
     # recompute their forward there, through the same LoRA layers.
     with (
         pool.shared(adapters.values(), trainable),
         grads_kept_on_error([adapters[name] for name in trainable]),
-        row_blocks(
-            pool.lora_layers(),
-            [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)],
-            pool.lora_compute,
-        ),
+        lora(layers, pass_blocks, pool.lora_compute),
     ):
         with torch.set_grad_enabled(bool(trainable)), recorded_routing(pool.model) as routing:
             logprobs = target_logprobs(pool.model, data, rows, plan, images)

@@ -27,6 +27,7 @@ from queue_tinker.workers.model.memory import (
     layers_to_checkpoint,
     pass_bytes_per_token,
 )
+from queue_tinker.workers.model.row_blocks import stacks
 from queue_tinker.workers.training.model_pass import PassPlan, causal_lm
 from queue_tinker.workers.training.packing import pack_rows, padding_fraction
 from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass
@@ -402,4 +403,26 @@ def test_packing_inside_a_cross_adapter_pass(pool: AdapterPool) -> None:
     expected = shared_pass_grads(pool, data, UNPACKED)
     got = shared_pass_grads(pool, data, PACKED)
     for name in pool.adapters:
+        assert_same(got[name], expected[name])
+
+
+def test_stacked_lora_gives_the_row_blocks_gradients(pool: AdapterPool) -> None:
+    """A pass of four adapters' ops (ranks 4 and 2, one adapting the MLP and unembedding only)
+    with their LoRA stacked gives every adapter the loss and gradients the row blocks give."""
+    pool.add("narrow", "t", LoraConfig(rank=2, train_attn=False, train_unembed=True), seed=9)
+    with torch.no_grad():
+        for key, param in pool.adapters["narrow"].params.items():
+            if "lora_B" in key:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(9))
+    data = {
+        "m0": [datum(TEXTS[0])],
+        "m1": [datum(TEXTS[1]), datum(TEXTS[2])],
+        "narrow": [datum(TEXTS[2])],
+        "m2": [datum(TEXTS[0]), datum(TEXTS[1])],
+    }
+    blocks = [(name, len(rows)) for name, rows in data.items()]
+    assert stacks(pool.lora_layers(), blocks)
+    expected = shared_pass_grads(pool, data, UNPACKED)
+    got = shared_pass_grads(pool, data, replace(UNPACKED, stacked_lora=True))
+    for name in data:
         assert_same(got[name], expected[name])
