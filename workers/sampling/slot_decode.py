@@ -300,7 +300,9 @@ class SlotDecoder:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the worker's other threads (its heartbeat reads the allocator's
+        # statistics) may call into CUDA meanwhile; only this thread's calls are captured.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._step(model, size, columns)
         self.graphs[(size, columns)] = (graph, logits)
         self.captured += 1
