@@ -85,10 +85,6 @@ class KvSlots:
         """Columns a slot holds."""
         return self.keys[0].shape[2] if self.keys else 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
-
     def cache(self) -> DynamicCache:
         """A cache whose layers read and write these slots (made per step: cheap)."""
         cache = DynamicCache()
