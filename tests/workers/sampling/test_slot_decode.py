@@ -378,20 +378,14 @@ def test_slots_regrown_for_longer_rows_keep_room_for_every_slot(setup: Setup) ->
     assert loop.slots is not None and loop.slots.tokens.shape[0] == loop.slots.slots.slots
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_random_arrivals_sample_on_slots_what_they_sample_padded(setup: Setup, seed: int) -> None:
-    """Seeded random traffic, the same calls on both loops: requests of random prompts, lengths,
-    adapters, sample counts and settings arrive at random steps under a random row cap and KV
-    budget, one is cancelled mid-way and one moved to other weights; every response is the
-    padded loop's (the tokens, and logprobs to float32 rounding)."""
-    draws = random.Random(seed)
-    options: dict[str, Any] = {
-        "max_rows": draws.choice([None, 3, 5]),
-        "max_cache_tokens": draws.choice([None, 400]),
-    }
+def random_arrivals(
+    draws: random.Random, count: int, steps: int, longest: int
+) -> dict[int, list[Any]]:
+    """`count` requests (key: their index) at random steps below `steps`: random prompts of up
+    to `longest` tokens, adapters, sample counts, lengths, settings and stop rules."""
     arrivals: dict[int, list[Any]] = {}
-    for index in range(12):
-        prompt = [draws.randrange(256) for _ in range(draws.randint(1, 40))]
+    for index in range(count):
+        prompt = [draws.randrange(256) for _ in range(draws.randint(1, longest))]
         settings = draws.choice(
             [{"temperature": 0}, {"top_k": 5}, {"top_p": 0.8}, {"temperature": 0.7}, {}]
         )
@@ -404,7 +398,22 @@ def test_random_arrivals_sample_on_slots_what_they_sample_padded(setup: Setup, s
             stop=draws.choice([[], None]),
             **settings,
         )
-        arrivals.setdefault(draws.randrange(30), []).append((index, req))
+        arrivals.setdefault(draws.randrange(steps), []).append((index, req))
+    return arrivals
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_arrivals_sample_on_slots_what_they_sample_padded(setup: Setup, seed: int) -> None:
+    """Seeded random traffic, the same calls on both loops: requests of random prompts, lengths,
+    adapters, sample counts and settings arrive at random steps under a random row cap and KV
+    budget, one is cancelled mid-way and one moved to other weights; every response is the
+    padded loop's (the tokens, and logprobs to float32 rounding)."""
+    draws = random.Random(seed)
+    options: dict[str, Any] = {
+        "max_rows": draws.choice([None, 3, 5]),
+        "max_cache_tokens": draws.choice([None, 400]),
+    }
+    arrivals = random_arrivals(draws, 12, steps=30, longest=40)
     doomed, at = draws.randrange(12), draws.randrange(5, 25)
     moved, to, when = draws.randrange(12), draws.choice(["a1", "a2", None]), draws.randrange(30)
     results = []
@@ -471,19 +480,7 @@ def test_bucketed_steps_replayed_sample_what_the_padded_loop_samples(
     they are at each step. Random traffic gives the padded loop's samples, over several
     buckets."""
     monkeypatch.setattr(SlotDecoder, "_capture", replayed_capture)
-    draws = random.Random(100 + seed)
-    arrivals: dict[int, list[Any]] = {}
-    for index in range(10):
-        prompt = [draws.randrange(256) for _ in range(draws.randint(1, 60))]
-        req = request(
-            prompt,
-            draws.choice(["a1", "a2", "sharp", None]),
-            n=draws.randint(1, 3),
-            max_tokens=draws.randint(1, 30),
-            seed=draws.randrange(1000),
-            stop=[],
-        )
-        arrivals.setdefault(draws.randrange(20), []).append((index, req))
+    arrivals = random_arrivals(random.Random(100 + seed), 10, steps=20, longest=60)
     want, _, _ = run_loop(setup, False, arrivals)
     loop = loop_of(setup, True)
     assert loop.slots is not None
