@@ -60,10 +60,16 @@ def sample_tokens(
     vocab = scaled.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     widest = int(k.max()) if widest is None else widest
+    # Equal logits (frequent in bf16) in index order, as a stable sort puts them: an unstable
+    # order may differ with the batch's size, and the same uniform would then draw another
+    # token when other rows share the step.
     if widest < vocab:  # every row has a top_k: the k largest are all that can be drawn
         values, order = scaled.topk(widest, dim=-1)
+        order, by_index = order.sort(dim=-1)
+        values, resorted = values.gather(1, by_index).sort(dim=-1, descending=True, stable=True)
+        order = order.gather(1, resorted)
     else:
-        values, order = scaled.sort(dim=-1, descending=True)
+        values, order = scaled.sort(dim=-1, descending=True, stable=True)
     # Probabilities relative to the kept set only: each row renormalises within its prefix.
     cdf = torch.softmax(values, dim=-1).cumsum(dim=-1)
     mass_k = cdf.gather(1, (k - 1)[:, None])
