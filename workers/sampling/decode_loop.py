@@ -49,7 +49,7 @@ from queue_tinker.workers.model.row_blocks import (
     row_blocks,
 )
 from queue_tinker.workers.model.vision_language import ImageInputs
-from queue_tinker.workers.sampling import prefix_prefill
+from queue_tinker.workers.sampling import prefix_cache, prefix_prefill
 from queue_tinker.workers.sampling.cache_budget import (
     CacheRow,
     peak_cache_tokens,
@@ -289,6 +289,7 @@ class DecodeLoop:
             admits = self.waiting and (self.running is None or self.running.mergeable())
             if admits and not self._prefill_chunk(model):
                 self._admit(model, finished)
+        self._fit_prompts([])
         return finished
 
     # --- model calls ---
@@ -347,6 +348,10 @@ class DecodeLoop:
         taken = self._take()
         if not taken:
             return  # the first in line waits for rows to free
+        # Room for the taken rows first: kept prompts give way before their prefill.
+        self._fit_prompts(
+            [(len(r.spec.prompt), r.spec.max_tokens) for r, samples in taken for _ in samples]
+        )
         cached, fresh, entries, hits = prefix_prefill.look_up(self.prompts, taken)
         parts = self._prefill(model, fresh) if fresh else []
         if hits:
@@ -431,6 +436,15 @@ class DecodeLoop:
                 break  # the rest of it waits for rows, and so does everyone behind it
             self.waiting.popleft()
         return taken
+
+    def _fit_prompts(self, joining: list[CacheRow]) -> None:
+        """Under a KV budget, the kept prompts may hold what the budget leaves beside the peak
+        of the rows running and `joining` (KEPT_BYTES at least): prefix_cache.py."""
+        per_token = self.prompts.bytes_per_token()
+        if self.max_cache_tokens is None or per_token is None:
+            return
+        room = self.max_cache_tokens - self._peak(self._cache_rows() + joining)
+        self.prompts.resize(max(prefix_cache.KEPT_BYTES, int(room * per_token)))
 
     def _peak(self, rows: list[CacheRow]) -> int:
         """The cache tokens rows may come to hold: in slots, every row as wide as the widest

@@ -10,6 +10,9 @@ prefilling it again, and one whose prompt begins with a kept prompt prefills onl
 - **Least recently used out.** Entries outlive their requests and are evicted, least recently
   used first, once what they hold passes `max_bytes`; an entry a request in the loop still
   counts on (`enter` / `leave`) is never evicted, so one admitted in a later step finds it.
+  Under a KV budget the decode loop sets `max_bytes` (`resize`) to what the budget leaves
+  beside its rows' peak, KEPT_BYTES at least: the prompts kept share the sampler's memory with
+  the rows, growing while few rows run and giving way as more join.
 
 Prefixes are found by a chain of block hashes (each block's hash covers every block before
 it), checked against the tokens on a hit, so a lookup costs one hash per block of the prompt.
@@ -208,6 +211,22 @@ class PrefixCache:
         for _, chained in block_hashes(key[0], key[1]):
             self.prefixes[chained] = key  # the newest: the last to be evicted
         return True
+
+    def bytes_per_token(self) -> float | None:
+        """What a kept token costs (every layer's keys and values), from an entry; None while
+        none is kept."""
+        for entry in self.entries.values():
+            return entry.nbytes / entry.length
+        return None
+
+    def resize(self, max_bytes: int) -> None:
+        """Hold at most `max_bytes` from now on: the least recently used entries no request in
+        the loop counts on go until what is kept fits."""
+        self.max_bytes = max_bytes
+        for key in [k for k in self.entries if k not in self.users]:
+            if self.nbytes <= max_bytes:
+                break
+            self._evict(key)
 
     def _make_room(self, nbytes: int) -> bool:
         if nbytes > self.max_bytes:

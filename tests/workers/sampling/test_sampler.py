@@ -30,6 +30,7 @@ from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.row_blocks import blocks_of
 from queue_tinker.workers.sampling import decode_loop as sampler
 from queue_tinker.workers.sampling import token_choice
+from queue_tinker.workers.sampling.cache_budget import peak_cache_tokens
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
 from queue_tinker.workers.sampling.decode_rows import BASE_ADAPTER
 from queue_tinker.workers.sampling.kv_cache import GrowingLayer
@@ -878,6 +879,38 @@ def test_kept_prompts_go_least_recently_used_first_never_one_in_use(setup: Setup
     loop.step(setup.model)
     assert loop.clear() == ["z"]
     assert not loop.prompts.entries and not loop.prompts.users and loop.prompts.nbytes == 0
+
+
+def test_kept_prompts_share_the_kv_budget_with_the_rows(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a KV budget the kept prompts hold what the budget leaves beside the rows' peak:
+    with no rows running they keep more than the fixed floor (here one prompt's worth), a
+    prompt seen before joins from its kept states, and as rows join the least recently used
+    prompts give way so rows and kept prompts stay within the budget."""
+    monkeypatch.setattr(sampler.prefix_cache, "KEPT_BYTES", 1)
+    budget = 600
+    loop = new_loop(setup, max_cache_tokens=budget)
+    prompts = [[*PROMPTS[1], 60 + i] for i in range(8)]  # 20 tokens each, distinct
+    for i, prompt in enumerate(prompts):  # one at a time: nothing else holds the budget
+        loop.add(i, request(prompt, "a1", max_tokens=2, seed=i, stop=[]))
+        drain(loop, setup.model)
+    assert len(loop.prompts.entries) == len(prompts)  # all kept: no rows to make room for
+    per_token = loop.prompts.bytes_per_token()
+    assert per_token is not None
+    hit = request(prompts[0], "a1", max_tokens=2, seed=9, stop=[])
+    loop.add("again", hit)
+    assert drain(loop, setup.model)["again"].prompt_cache_hit_tokens == len(prompts[0])
+    for i in range(6):  # 6 rows of up to 80 tokens each: room for few prompts beside them
+        loop.add(("long", i), request([40 + i, *PROMPTS[0]], None, max_tokens=74, seed=i, stop=[]))
+    first = {(tuple(prompt), "a1") for prompt in prompts}
+    fewest = len(first)
+    while loop.busy:
+        loop.step(setup.model)
+        peak = peak_cache_tokens(loop._cache_rows())
+        assert loop.prompts.nbytes <= max(1, (budget - peak) * per_token)
+        fewest = min(fewest, len(first & set(loop.prompts.entries)))
+    assert fewest < len(first)  # the rows' peak took the room of some
 
 
 # 48 tokens: three whole blocks of the prefix cache, then each prompt's own question.
