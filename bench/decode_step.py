@@ -58,6 +58,9 @@ class Measured:
     tokens_per_s: float = 0.0
     captured: int = 0
     first_token_ms: list[float] = field(default_factory=list)  # base mix only
+    # The widest captured step replayed back to back, no host work between: the device's
+    # time of a step, against which the median step shows the host's share (graphs only).
+    replay_ms: float | None = None
 
     @property
     def median_ms(self) -> float:
@@ -136,6 +139,22 @@ def first_token_times(
     return times
 
 
+def replay_alone_ms(loop: DecodeLoop, device: torch.device, reps: int = 20) -> float | None:
+    """The widest graph the loop captured, replayed `reps` times back to back: ms a replay
+    (it writes the same columns each time)."""
+    if loop.slots is None or not loop.slots.graphs:
+        return None
+    graph, _ = loop.slots.graphs[max(loop.slots.graphs)]
+    with torch.inference_mode():  # as the loop replays it
+        graph.replay()
+        synchronize(device)
+        began = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        synchronize(device)
+    return (time.perf_counter() - began) / reps * 1e3
+
+
 def copy_rate(device: torch.device) -> float:
     """Bytes per second a large on-device copy moves (read and write counted)."""
     size = (1 << 30) if device.type == "cuda" else (1 << 27)
@@ -200,6 +219,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
             )
             captured = loop.slots.captured if loop.slots is not None else 0
             measured = Measured(kind, mix, steps, args.rows * args.new / seconds, captured)
+            measured.replay_ms = replay_alone_ms(loop, device)
             if mix == "base":  # the rows but one decoding, a joiner's first token
                 background = requests(warm_prompts[1:], args.new, adapters)
                 joiners = prompts(args.joiners, args.first_prompt, shape.vocab, 3)
@@ -258,6 +278,7 @@ def render(
                 f"{r.tokens_per_s:,.0f}",
                 f"**{r.tokens_per_s / figures['generate_tok_s']:.2f}×**",
                 f"{statistics.median(r.first_token_ms):,.1f}" if r.first_token_ms else "",
+                f"{r.replay_ms:,.2f}" if r.replay_ms is not None else "",
                 r.captured,
             ]
         )
@@ -271,6 +292,7 @@ def render(
         "tokens/s (prefill included)",
         "÷ generate()",
         "first token, ms (p50)",
+        "widest graph replayed alone, ms",
         "graphs captured",
     ]
     return "\n".join(
@@ -290,7 +312,10 @@ def render(
             f"tokens/s. First token: {args.joiners} requests of {args.first_prompt} tokens, "
             f"one at a time, each added at a step's boundary while {args.rows - 1} rows "
             "decode, from add() to the end of the step that hands back its token (in process: "
-            "the queue's own round trip is bench.queue_overhead's).",
+            "the queue's own round trip is bench.queue_overhead's). For graphs, the widest "
+            "captured step replayed back to back, no host work between: the device's time of a "
+            "step, so the median step minus it is what the host adds (what overlapping the "
+            "host's bookkeeping with the next step could win back).",
             "",
             *reproduce(COMMAND),
             "",
