@@ -170,6 +170,21 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = True
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A decode step launched ahead, and what it ran on."""
+
+    logits: torch.Tensor
+    model: torch.nn.Module
+    layers: tuple[LoraLayer, ...]
+    lora_compute: torch.dtype | None
+
+    def ran(
+        self, model: torch.nn.Module, layers: Sequence[LoraLayer], compute: torch.dtype | None
+    ) -> bool:
+        return self.model is model and self.layers == tuple(layers) and self.lora_compute == compute
+
+
 # --- the loop -----------------------------------------------------------------------------------
 class DecodeLoop:
     """Requests wait (`add`), join the running batch at a step, and leave it when done.
@@ -211,6 +226,11 @@ class DecodeLoop:
         # Decode steps on fixed slots (slot_decode.py), captured as CUDA graphs if `graphs`;
         # None: on the left-padded cache of kv_cache.py.
         self.slots = SlotDecoder(device, graphs) if slots else None
+        # On slots, the next decode step is launched at the end of a step, so the device runs
+        # it while the worker does its own work until the next: consumed by that step, dropped
+        # when rows are cancelled or moved meanwhile (launched again: it writes the same
+        # columns). None: none in flight.
+        self._launched: _Launched | None = None
         self._lora_compute: torch.dtype | None = None  # and their matmuls' dtype
 
     @property
@@ -236,6 +256,8 @@ class DecodeLoop:
         self.waiting = deque(r for r in self.waiting if r.key not in keys)
         if self.running is not None:
             keep = [i for i, r in enumerate(self.running.requests) if r.key not in keys]
+            if len(keep) < self.running.size:
+                self._launched = None  # it ran the rows as they were
             self.running = kept(self.running, keep)
 
     def retarget(self, adapters: Mapping[Key, str | None]) -> None:
@@ -245,6 +267,8 @@ class DecodeLoop:
         prefilled on it."""
         running = self.running.requests if self.running is not None else []
         moved = {id(r): r for r in [*self.waiting, *running] if r.key in adapters}
+        if any(r.key in adapters for r in running):
+            self._launched = None  # it ran them on the old weights
         for request in moved.values():
             self.prompts.leave(request)  # its prompt's kept prefill is the old adapter's
             request.spec = replace(request.spec, adapter=adapters[request.key])
@@ -261,6 +285,7 @@ class DecodeLoop:
         requests = list(self.waiting) + (self.running.requests if self.running else [])
         self.waiting.clear()
         self.running = None
+        self._launched = None
         self.prompts.clear()
         if self.slots is not None:  # a failed step may have left a capture half made
             self.slots = SlotDecoder(self.device, self.slots.graphs_wanted)
@@ -289,8 +314,16 @@ class DecodeLoop:
             admits = self.waiting and (self.running is None or self.running.mergeable())
             if admits and not self._prefill_chunk(model):
                 self._admit(model, finished)
+            self._launch(model)
         self._fit_prompts([])
         return finished
+
+    def _launch(self, model: torch.nn.Module) -> None:
+        """On slots, the next step's decode of the rows now running, started now."""
+        if isinstance(self.running, SlotRows):
+            assert self.slots is not None
+            logits = self.slots.decode(model, self.running, self._layers, self._lora_compute)
+            self._launched = _Launched(logits, model, tuple(self._layers), self._lora_compute)
 
     # --- model calls ---
     def _forward(
@@ -328,7 +361,11 @@ class DecodeLoop:
         assert rows is not None
         if isinstance(rows, SlotRows):
             assert self.slots is not None
-            logits = self.slots.decode(model, rows, self._layers, self._lora_compute)
+            launched, self._launched = self._launched, None
+            if launched is not None and launched.ran(model, self._layers, self._lora_compute):
+                logits = launched.logits
+            else:  # none in flight, or on another model since
+                logits = self.slots.decode(model, rows, self._layers, self._lora_compute)
             rows.next_pos = rows.next_pos + 1
             self.running = kept(rows, self._advance(rows, logits, finished))
             return

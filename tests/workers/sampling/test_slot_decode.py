@@ -494,3 +494,32 @@ def test_bucketed_steps_replayed_sample_what_the_padded_loop_samples(
         step += 1
     assert_equal_samples(done, want)
     assert loop.slots.captured >= 2 and all(size & (size - 1) == 0 for size, _ in loop.slots.graphs)
+
+
+def test_the_next_decode_is_launched_at_the_end_of_a_step_and_run_once(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On slots a step ends by launching the next step's decode (the device runs it while the
+    worker does its own work): each decode runs once, consumed by the next step; a cancel
+    meanwhile drops it and the next step runs it again for the rows left."""
+    calls: list[int] = []
+    original = SlotDecoder.decode
+
+    def counted(self: SlotDecoder, model: Any, rows: SlotRows, *args: Any) -> torch.Tensor:
+        calls.append(rows.size)
+        return original(self, model, rows, *args)
+
+    monkeypatch.setattr(SlotDecoder, "decode", counted)
+    loop = loop_of(setup, True)
+    for i in range(3):
+        loop.add(i, request(PROMPTS[i], "a1", n=2, max_tokens=12, seed=i, stop=[]))
+    launched_steps = 0
+    for _ in range(4):
+        loop.step(setup.model)
+        launched_steps += loop.running is not None
+        assert (loop._launched is not None) == (loop.running is not None)
+    assert calls == [6] * launched_steps  # one decode a step, none run twice
+    loop.cancel({1})
+    assert loop._launched is None and loop.rows == 4
+    loop.step(setup.model)
+    assert calls[-2:] == [4, 4]  # run again for the rows left, then the next one launched
