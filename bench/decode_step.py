@@ -8,8 +8,9 @@ Llama-3.1-8B shape in bf16), rank-32 LoRA adapters on every linear added through
 `prompt` random tokens each sample exactly `new` tokens (temperature 1, no stop). Per step kind:
 
 - the median decode step (ms) while every row is in flight, on the base model and with the rows
-  spread over `adapters` adapters; the first pass over the requests warms up (captures the
-  graphs), a second on other prompts of the same lengths is timed;
+  spread over `adapters` adapters; a first pass over the requests warms up (graphs: the
+  whole pass, capturing every bucket; eager: a few tokens), a second on other prompts of the
+  same lengths is timed;
 - tokens/s of that second pass, prefill included, against `generate()` on the same prompts;
 - the memory floor of a step: the bytes it must read (every linear's weights, the adapters'
   A and B, each row's keys and values at the median context) over the device's copy rate
@@ -46,6 +47,8 @@ from queue_tinker.workers.sampling.slot_decode import decode_step_of
 SECTION = "## Decode step: slots and CUDA graphs against the memory floor"
 COMMAND = ".venv/bin/python -m bench.decode_step --device cuda"
 KINDS = ("padded", "slots", "graphs")
+# New tokens of an eager step kind's warm-up pass.
+WARM_TOKENS = 16
 
 
 @dataclass
@@ -213,7 +216,10 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
             loop = DecodeLoop(
                 device, [], lambda t: "", max_rows=None, slots=step.slots, graphs=step.graphs
             )
-            run_pass(loop, pool.model, requests(warm_prompts, args.new, adapters), compute, device)
+            # Graphs warm up on the whole pass (every bucket the timed one meets is captured);
+            # an eager step needs its kernels and allocations warm only.
+            warm_new = args.new if step.graphs else min(args.new, WARM_TOKENS)
+            run_pass(loop, pool.model, requests(warm_prompts, warm_new, adapters), compute, device)
             steps, seconds = run_pass(
                 loop, pool.model, requests(timed_prompts, args.new, adapters), compute, device
             )
