@@ -16,7 +16,7 @@ their experts once per block with that block's adapter folded in (expert_lora.py
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -62,6 +62,23 @@ def grouped_order(names: Sequence[str]) -> list[int]:
 
 
 @contextmanager
+def forwards_replaced(
+    forwards: Iterable[tuple[torch.nn.Module, Callable[..., torch.Tensor]]],
+) -> Iterator[None]:
+    """Meanwhile each module's forward is the one paired with it (an instance attribute:
+    nn.Module calls self.forward), its class's own again after."""
+    replaced = []
+    for module, forward in forwards:
+        module.forward = forward
+        replaced.append(module)
+    try:
+        yield
+    finally:
+        for module in replaced:
+            del module.forward
+
+
+@contextmanager
 def row_blocks(
     layers: Sequence[LoraLayer],
     blocks: Sequence[tuple[str, int]],
@@ -98,16 +115,13 @@ def row_blocks(
         ]
         return (result + torch.cat(updates)).to(result.dtype)
 
-    for layer in layers:  # an instance attribute: nn.Module calls self.forward
-        if isinstance(layer, ParamWrapper):
-            layer.forward = partial(experts_forward, layer, blocks)  # type: ignore[method-assign]
-        else:
-            layer.forward = partial(forward, layer)  # type: ignore[method-assign]
-    try:
+    with forwards_replaced(
+        (layer, partial(experts_forward, layer, blocks))
+        if isinstance(layer, ParamWrapper)
+        else (layer, partial(forward, layer))
+        for layer in layers
+    ):
         yield
-    finally:
-        for layer in layers:
-            del layer.forward
 
 
 def stacks(layers: Sequence[LoraLayer], blocks: Sequence[tuple[str, int]]) -> bool:
@@ -172,13 +186,8 @@ def stacked_blocks(
         return (result + update).to(result.dtype)
 
     linears = [layer for layer in layers if isinstance(layer, LoraLinear)]  # stacks(): all
-    for linear in linears:  # an instance attribute: nn.Module calls self.forward
-        linear.forward = partial(forward, linear)  # type: ignore[method-assign]
-    try:
+    with forwards_replaced((linear, partial(forward, linear)) for linear in linears):
         yield
-    finally:
-        for linear in linears:
-            del linear.forward
 
 
 def _update(

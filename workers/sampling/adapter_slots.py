@@ -30,7 +30,7 @@ from weakref import ref
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 
-from queue_tinker.workers.model.row_blocks import LoraLayer
+from queue_tinker.workers.model.row_blocks import LoraLayer, forwards_replaced
 
 BASE_SLOT = -1  # a row on the base model: no slot, no update
 
@@ -159,10 +159,6 @@ def slotted_lora(slots: AdapterSlots, row_slot: torch.Tensor) -> Iterator[None]:
         update = torch.matmul(low_rank * mask[:, None, :], b)
         return (result + update).to(result.dtype)
 
-    for layer, a, b in zip(slots.layers, slots.stacked_a, slots.stacked_b, strict=True):
-        layer.forward = partial(forward, a, b, layer)  # type: ignore[method-assign]
-    try:
+    stacks = zip(slots.layers, slots.stacked_a, slots.stacked_b, strict=True)
+    with forwards_replaced((layer, partial(forward, a, b, layer)) for layer, a, b in stacks):
         yield
-    finally:
-        for layer in slots.layers:
-            del layer.forward
