@@ -62,6 +62,7 @@ class KvSlots:
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        # Each row's position, the column its step writes (the decoder fills it every step).
         self.write_at = torch.zeros(0, dtype=torch.long, device=device)
         self.rows = 0  # slots the next step runs (a batch bucket: some may be empty)
         self.columns = 0  # columns the next step attends over
@@ -146,6 +147,4 @@ class KvSlots:
             for heads, dim in self.layout
         ]
         self.values = [torch.zeros_like(keys) for keys in self.keys]
-        write_at = torch.zeros(slots, dtype=torch.long, device=self.device)
-        write_at[: self.write_at.shape[0]] = self.write_at[:slots]
-        self.write_at = write_at
+        self.write_at = torch.zeros(slots, dtype=torch.long, device=self.device)

@@ -172,7 +172,6 @@ class SlotDecoder:
         self.kv: KvSlots | None = None  # made from the first rows' prefill
         self.adapters: AdapterSlots | None = None
         self.tokens = torch.zeros(0, dtype=torch.long, device=device)
-        self.positions = torch.zeros(0, dtype=torch.long, device=device)
         self.row_slots = torch.zeros(0, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None  # the graphs' shared memory pool
@@ -192,12 +191,9 @@ class SlotDecoder:
             self.graphs.clear()
 
     def _inputs(self, slots: int) -> None:
-        """The step's input buffers, `slots` long (their contents carried over)."""
-        for name in ("tokens", "positions", "row_slots"):
-            old = getattr(self, name)
-            new = torch.zeros(slots, dtype=torch.long, device=self.device)
-            new[: old.shape[0]] = old[:slots]
-            setattr(self, name, new)
+        """The step's token and adapter-slot buffers, `slots` long (written at every step)."""
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.row_slots = torch.zeros(slots, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def decode(
@@ -214,9 +210,9 @@ class SlotDecoder:
         # Buckets keep a captured graph's shapes; an eager step runs what the rows use.
         size = bucket(count) if self.graphs_wanted else count
         self.tokens[:count].copy_(rows.tokens)
-        self.positions[:count].copy_(rows.next_pos)
+        kv.write_at[:count].copy_(rows.next_pos)  # a row's position is the column it writes
         self.tokens[count:size].zero_()
-        self.positions[count:size].zero_()
+        kv.write_at[count:size].zero_()
         names = [None if name == BASE_ADAPTER else name for name in rows.adapters]
         self._slot_adapters(model, layers, names, lora_compute)
         if self.adapters is not None:
@@ -231,7 +227,6 @@ class SlotDecoder:
         )
         columns = column_bucket(used, kv.capacity) if self.graphs_wanted else used
         kv.rows, kv.columns = size, columns
-        kv.write_at[:size].copy_(self.positions[:size])
         if not self.graphs_wanted:
             return self._step(model, size, columns)[:count]
         graph = self.graphs.get((size, columns))
@@ -272,7 +267,7 @@ class SlotDecoder:
 
     def _step(self, model: torch.nn.Module, size: int, columns: int) -> torch.Tensor:
         """The step itself, on the input buffers: logits (size, vocab)."""
-        positions = self.positions[:size]
+        positions = self.slots.write_at[:size]
         filled = torch.arange(columns, device=self.device)[None, :] <= positions[:, None]
         kwargs = {
             "input_ids": self.tokens[:size, None],

@@ -452,7 +452,7 @@ class ReplayedStep:
         decoder = self.decoder
         kv = decoder.slots
         stacks = decoder.adapters.stacked_a + decoder.adapters.stacked_b if decoder.adapters else []
-        inputs = [decoder.tokens, decoder.positions, decoder.row_slots, kv.write_at]
+        inputs = [decoder.tokens, decoder.row_slots, kv.write_at]
         return [*inputs, *kv.keys, *kv.values, *stacks]
 
     def replay(self) -> None:
