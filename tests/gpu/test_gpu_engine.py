@@ -147,7 +147,8 @@ def sampled_twice(
     params: SamplingParams,
 ) -> list[dict[str, Any]]:
     """A sampling session (`session`: its create body) asked the same seeded sample twice:
-    its sequences, the second time's shown equal to the first's."""
+    its sequences, shown equal the second time, each with tokens, all in the model's
+    vocabulary, and finite logprobs."""
     run = Run.__new__(Run)
     run.engine, run.model_id, run.seq = engine, f"session-{uuid.uuid4().hex[:8]}", 0
     run.op(OpKind.CREATE_SAMPLING_SESSION, session)
@@ -159,6 +160,9 @@ def sampled_twice(
     first, second = (run.op(OpKind.SAMPLE, body) for _ in range(2))
     assert first["sequences"] == second["sequences"]
     sequences: list[dict[str, Any]] = first["sequences"]
+    for sequence in sequences:
+        assert len(sequence["tokens"]) > 0 and all(np.isfinite(sequence["logprobs"]))
+        assert all(0 <= t < engine.limits.vocab_size for t in sequence["tokens"])
     return sequences
 
 
@@ -234,16 +238,13 @@ def test_a_checkpoint_saved_on_cuda_loads_on_the_cpu(cuda: LoraExecutor, cpu: Lo
 def test_sampling_on_cuda_is_seeded_and_finite(cuda: LoraExecutor) -> None:
     """A base-model sample on CUDA: the same seed gives the same tokens, logprobs are finite
     and the tokens are the model's."""
-    sequences = sampled_twice(
+    sampled_twice(
         cuda,
         {"tenant_id": "t", "base_model": BASE},
         ModelInput.from_ints(list(b"Q: capital of France?\nA:")),
         4,
         SamplingParams(max_tokens=32, temperature=1.0, seed=7),
     )
-    for sequence in sequences:
-        assert all(np.isfinite(sequence["logprobs"]))
-        assert all(0 <= t < cuda.limits.vocab_size for t in sequence["tokens"])
 
 
 def test_cross_adapter_pass_on_cuda_equals_one_at_a_time(cuda: LoraExecutor) -> None:
@@ -402,16 +403,13 @@ def test_a_built_in_samples_seeded_on_the_device(
     run.op(OpKind.OPTIM_STEP, ADAM.model_dump())
     path = run.op(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "w", "ttl_seconds": None})["path"]
     prompt = image_prompt() if base == VL else ModelInput.from_ints(list(b"Q: 2+2?\nA:"))
-    sequences = sampled_twice(
+    sampled_twice(
         device,
         {"tenant_id": "t", "base_model": base, "model_path": path},
         prompt,
         2,
         SamplingParams(max_tokens=16, temperature=1.0, seed=3),
     )
-    for sequence in sequences:
-        assert len(sequence["tokens"]) > 0 and all(np.isfinite(sequence["logprobs"]))
-        assert all(0 <= t < device.limits.vocab_size for t in sequence["tokens"])
 
 
 def mixed_samples(engine: LoraExecutor, paths: list[str | None]) -> list[dict[str, Any]]:
@@ -497,12 +495,10 @@ def test_liger_kernels_on_cuda_equal_the_eager_model(cuda: LoraExecutor, scratch
     for key in expected:
         error = float((got[key] - expected[key]).norm() / expected[key].norm())
         assert error < 0.05, (key, error)
-    sequences = sampled_twice(
+    sampled_twice(
         liger,
         {"tenant_id": "t", "base_model": BASE},
         ModelInput.from_ints(list(b"Q: capital of France?\nA:")),
         2,
         SamplingParams(max_tokens=16, temperature=1.0, seed=7),
     )
-    for sequence in sequences:
-        assert len(sequence["tokens"]) > 0 and all(np.isfinite(sequence["logprobs"]))
