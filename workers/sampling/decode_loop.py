@@ -223,6 +223,7 @@ class DecodeLoop:
         # Prompt tokens prefilled for each request that finished in the last step.
         self.finished_prefilled: dict[Key, int] = {}
         self._layers: Sequence[LoraLayer] = ()  # the model's LoRA layers, for this step
+        self._lora_compute: torch.dtype | None = None  # and their matmuls' dtype
         # Decode steps on fixed slots (slot_decode.py), captured as CUDA graphs if `graphs`;
         # None: on the left-padded cache of kv_cache.py.
         self.slots = SlotDecoder(device, graphs) if slots else None
@@ -231,7 +232,6 @@ class DecodeLoop:
         # when rows are cancelled or moved meanwhile (launched again: it writes the same
         # columns). None: none in flight.
         self._launched: _Launched | None = None
-        self._lora_compute: torch.dtype | None = None  # and their matmuls' dtype
 
     @property
     def busy(self) -> bool:
