@@ -124,22 +124,35 @@ def row_blocks(
         yield
 
 
+def plain_lora(layer: LoraLayer, names: Iterable[str] | None = None) -> bool:
+    """Whether the layer is a LoRA linear whose adapters `names` (those it has; None: all)
+    are plain lora_B(lora_A(x)) * scaling, which a stacked form can stand for: no experts'
+    wrapper, no DoRA, no LoRA bias."""
+    if type(layer) is not LoraLinear or any(getattr(layer, "use_dora", {}).values()):
+        return False
+    held = set(layer.lora_A)
+    return all(
+        getattr(layer.lora_A[name], "bias", None) is None
+        and getattr(layer.lora_B[name], "bias", None) is None
+        for name in (held if names is None else held & set(names))
+    )
+
+
 def stacks(layers: Sequence[LoraLayer], blocks: Sequence[tuple[str, int]]) -> bool:
     """Whether `stacked_blocks` can stand in for `row_blocks` here: several blocks, every layer
-    a plain LoRA linear (no experts' wrappers, DoRA or LoRA biases) without dropout (one input
-    feeds every adapter's A at once)."""
+    plain for their adapters (plain_lora), without dropout (one input feeds every adapter's A
+    at once)."""
     if len(blocks) < 2:
         return False
     names = {name for name, _ in blocks}
-    for layer in layers:
-        if type(layer) is not LoraLinear or any(getattr(layer, "use_dora", {}).values()):
-            return False
-        for name in names & set(layer.lora_A):
-            if not isinstance(layer.lora_dropout[name], torch.nn.Identity):
-                return False
-            if layer.lora_A[name].bias is not None or layer.lora_B[name].bias is not None:
-                return False
-    return True
+    return all(
+        plain_lora(layer, names)
+        and all(
+            isinstance(layer.lora_dropout[name], torch.nn.Identity)
+            for name in names & set(layer.lora_A)
+        )
+        for layer in layers
+    )
 
 
 @contextmanager

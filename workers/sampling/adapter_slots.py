@@ -30,24 +30,16 @@ from weakref import ref
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 
-from queue_tinker.workers.model.row_blocks import LoraLayer, forwards_replaced
+from queue_tinker.workers.model.row_blocks import LoraLayer, forwards_replaced, plain_lora
 
 BASE_SLOT = -1  # a row on the base model: no slot, no update
 
 
 def slots_support(layers: Sequence[LoraLayer]) -> bool:
-    """Whether every LoRA layer is a plain linear adapter the stacks can stand for (a mixture
-    of experts' wrappers, DoRA and LoRA biases take row_blocks.py's way)."""
-    for layer in layers:
-        if type(layer) is not LoraLinear:
-            return False
-        if any(getattr(layer, "use_dora", {}).values()):
-            return False
-        if any(getattr(b, "bias", None) is not None for b in layer.lora_B.values()):
-            return False
-        if any(getattr(a, "bias", None) is not None for a in layer.lora_A.values()):
-            return False
-    return True
+    """Whether every LoRA layer is plain for every adapter it holds (row_blocks.plain_lora):
+    a mixture of experts' wrappers, DoRA and LoRA biases take row_blocks.py's way. Dropout
+    does not matter: the decode step runs in eval mode."""
+    return all(plain_lora(layer) for layer in layers)
 
 
 class AdapterSlots:
