@@ -41,7 +41,12 @@ from queue_tinker.workers.sampling.adapter_slots import (
     slotted_lora,
 )
 from queue_tinker.workers.sampling.decode_attention import grouped_decode, grouped_decode_fits
-from queue_tinker.workers.sampling.decode_rows import BASE_ADAPTER, Rows, growing_layers
+from queue_tinker.workers.sampling.decode_rows import (
+    BASE_ADAPTER,
+    LiveRequest,
+    Rows,
+    growing_layers,
+)
 from queue_tinker.workers.sampling.kv_slots import KvSlots
 
 log = logging.getLogger(__name__)
@@ -150,17 +155,18 @@ class SlotRows(Rows):
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (a prefill's left-padded cache) in the next free slots."""
         lengths = other.mask.sum(dim=1).tolist()
-        room = [len(request.spec.prompt) + request.spec.max_tokens for request in other.requests]
-        columns = max([*room, *(self._room_of(i) for i in range(self.size))], default=max(lengths))
+        columns = max(_end(request) for request in [*self.requests, *other.requests])
         self.decoder.reserve(self.size + other.size, columns, self.size, other.cache)
         self.decoder.slots.place(self.size, other.cache, lengths)
         self._append_fields(other)
         self.requests += other.requests
         self.samples += other.samples
 
-    def _room_of(self, row: int) -> int:
-        request = self.requests[row]
-        return len(request.spec.prompt) + request.spec.max_tokens
+
+def _end(request: LiveRequest) -> int:
+    """The columns a row of the request is given: its prompt's and its new tokens' (the last
+    is never fed back, so one stays spare)."""
+    return len(request.spec.prompt) + request.spec.max_tokens
 
 
 class SlotDecoder:
