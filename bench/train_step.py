@@ -4,9 +4,10 @@ For each model size (queue-tinker/tiny-llama, ~107K params, and queue-tinker/lla
 ~101M params), in one run, on the same machine, model and data:
 
 - service: a real worker process (`python -m queue_tinker.cli worker --engine lora --device
-  cpu`) and a `ServiceClient`; one step is the natural Tinker loop
+  cpu`, production defaults) and a `ServiceClient`; one step is the natural Tinker loop
   `fb = tc.forward_backward(batch, "cross_entropy"); os = tc.optim_step(AdamParams(1e-4));
-  fb.result(); os.result()` (the optim_step is submitted before waiting on forward_backward);
+  fb.result(); os.result()` (the optim_step is submitted before waiting on forward_backward;
+  the worker runs the two as one batch);
 - bare: `load_base_model` + `peft.get_peft_model` (the worker's LoRA config) + `torch.optim.AdamW`
   in this process; one step is forward, target logprobs, loss = -sum(w * logp), backward,
   AdamW step, zero_grad. This is the limit the service is held against.
@@ -127,16 +128,8 @@ def stages_of(redis_url: str, keys: Keys, samples: list[ServiceSample]) -> Stage
         if fb is None or optim is None:
             continue
         seen = s.wall + s.total_s
-        stages.rows.append(
-            (
-                s.submit_s,
-                fb[1] - s.wall,
-                fb[2] - fb[1],
-                optim[1] - fb[2],
-                optim[2] - optim[1],
-                seen - optim[2],
-            )
-        )
+        started, published = min(fb[1], optim[1]), max(fb[2], optim[2])
+        stages.rows.append((s.submit_s, started - s.wall, published - started, seen - published))
     return stages
 
 
@@ -271,15 +264,8 @@ def measure_size(
             load=[load1()],
         )
         began = time.perf_counter()
-        # Batching off: its one model has nothing to batch with, and a batch would start and
-        # finish the step's two ops together, hiding the stage split (train_throughput
-        # measures batching).
-        with lora_worker(
-            settings,
-            size.model,
-            data_dir / f"worker-{size.label}.log",
-            {"QT_CROSS_ADAPTER_BATCH": "0"},
-        ) as proc:
+        # Production defaults: batching on, so the worker runs a step's two ops as one batch.
+        with lora_worker(settings, size.model, data_dir / f"worker-{size.label}.log") as proc:
             print(f"    worker ready in {time.perf_counter() - began:.0f} s", flush=True)
             with service_client(settings) as service:
                 tc = service.create_lora_training_client(size.model, rank=RANK, seed=0)

@@ -22,11 +22,10 @@ QUIET_CORES = 0.25
 
 STAGE_NAMES: tuple[str, ...] = (
     "both submit calls return (overlaps the rows below)",
-    "submit -> forward_backward started (encode, enqueue, worker reads the op)",
-    "forward_backward running on the worker (decode, compute, encode, publish)",
-    "forward_backward finished -> optim_step started",
-    "optim_step running on the worker (clip-norm, AdamW, snapshot)",
-    "optim_step finished -> both results in the client's hand",
+    "submit -> the step started (encode, enqueue both ops, the worker gathers the step, start "
+    "script)",
+    "the step on the worker: started -> both published (decode, compute both ops, encode, publish)",
+    "published -> both results in the client's hand",
 )
 
 
@@ -170,7 +169,7 @@ def print_table(results: list[SizeResult]) -> None:
             f"bare {r.first_loss[1]:.4f}"
         )
         for name, value in r.stages.medians_ms().items():
-            print(f"  {name:<76}{value:>10.1f}")
+            print(f"  {name:<110}{value:>8.1f}")
         print("  " + ", ".join(f"{k} {v:.2f}" for k, v in r.codec_ms.items()))
         print("  " + ", ".join(f"{k} {v:.2f}" for k, v in r.engine_ms.items()))
         print(
@@ -189,10 +188,9 @@ INTRO = (
     "a bare in-process PEFT loop on the same model, LoRA config (rank {rank}, alpha 32, "
     "dropout 0, every attention, MLP and unembedding linear) and data, measured in the same "
     "run. Service: a real worker process (`python -m queue_tinker.cli worker --engine lora "
-    "--device cpu`, production defaults but cross-adapter batching off: one model has no "
-    "other model's ops to share a pass with, and with batching on a step's two ops would start "
-    "and finish as one batch, which hides the split below; bench.train_throughput measures "
-    "batching), the local Redis and a scratch Postgres database; a "
+    "--device cpu`, production defaults: cross-adapter batching on, so the worker gathers a "
+    "step's two ops and runs them as one batch), the local Redis and a scratch Postgres "
+    "database; a "
     'step is the natural Tinker loop `fb = tc.forward_backward(batch, "cross_entropy"); '
     "os = tc.optim_step(AdamParams(learning_rate=1e-4)); fb.result(); os.result()`. Bare: "
     "`load_base_model` + `peft.get_peft_model` + `torch.optim.AdamW` (same hyperparameters) in "
@@ -216,27 +214,25 @@ NOISE = (
 )
 HOW_TO_READ = [
     "How to read it: service minus bare is what the service adds to a step; the notes above "
-    "split it three ways.",
+    "split it two ways.",
     "",
-    "1. Outside the worker's ops (submit → started, between the two ops, finished → client): "
-    "the client validating and msgpack-encoding the batch, two enqueue scripts, the worker's "
-    "wake-up on its op stream and the start script, the publish script and the pub/sub message "
-    "back. A few milliseconds per step whatever the model size. The optim_step is submitted "
-    "before the forward_backward finishes, so its own enqueue is hidden behind the compute.",
-    "2. Inside forward_backward: decoding and checking the batch (timed separately: well under "
-    "a millisecond at these shapes), the hop onto the worker's compute thread, and the "
-    "engine's general per-datum path (padding from token lists, per-datum logprob slices, "
-    "losses and outputs) where the bare loop does one vectorised cross-entropy; the engine "
-    "function timed in-process against the bare forward + backward isolates that part. On "
-    "this 2-core machine the op also competes with the service's own work beside it: the "
-    "worker's event loop and Postgres write-behind threads, Redis, Postgres and the client "
-    '("CPU time per service step, by part" above) run on the same two cores as the '
-    "2-thread compute, and a 2-thread torch step feels every millisecond taken from one of "
-    "its cores.",
-    "3. Inside optim_step: the gradient-norm pass (`clip_grad_norm_`, run even without "
-    "clipping because the step reports `grad_norm`), and every `snapshot_every_steps` (20) "
-    "optimizer steps a snapshot of the adapter and its AdamW moments to storage, which shows "
-    "in the p90/p99 rather than in the median.",
+    "1. Outside the worker's step (submit → started, published → client): the client "
+    "validating and msgpack-encoding the batch, two enqueue scripts, the worker's wake-up on "
+    "its op stream, its wait for the rest of the step (the optim_step, sent once the "
+    "forward_backward's submit returned) and the start script, the publish scripts and the "
+    "pub/sub messages back. A few milliseconds per step whatever the model size.",
+    "2. The step on the worker: decoding and checking the batch (timed separately: well under "
+    "a millisecond at these shapes), the hop onto the worker's compute thread, the engine's "
+    "general per-datum path (padding from token lists, per-datum logprob slices, losses and "
+    "outputs) where the bare loop does one vectorised cross-entropy (the engine function "
+    "timed in-process against the bare forward + backward isolates that part), the "
+    "gradient-norm pass of optim_step (`clip_grad_norm_`, run even without clipping because "
+    "the step reports `grad_norm`), and every `snapshot_every_steps` (20) optimizer steps a "
+    "snapshot of the adapter and its AdamW moments to storage, which shows in the p90/p99 "
+    "rather than in the median. On this 2-core machine the step also competes with the "
+    "service's own work beside it: the worker's event loop, Redis, Postgres and the client "
+    '("CPU time per service step, by part" above) run on the same two cores as the 2-thread '
+    "compute, and a 2-thread torch step feels every millisecond taken from one of its cores.",
     "",
     "These are CPU numbers. The fixed part (1) dominates the tiny model's ratio; at 100M "
     "parameters the compute dominates and the ratio is close to 1. On a GPU a step's compute "
@@ -277,11 +273,10 @@ def split(r: SizeResult, quiet: bool) -> dict[str, float] | None:
     return {
         "service": ms([t for x in rounds for t in x.service.times]),
         "bare": ms([t for t, _ in bare]),
-        "service fb": ms([row[2] for row in rows]),
+        "service on the worker": ms([row[2] for row in rows]),
         "bare fb": ms([fb for _, fb in bare]),
-        "service optim": ms([row[4] for row in rows]),
         "bare optim": ms([t - fb for t, fb in bare]),
-        "queue": ms([row[1] + row[3] + row[5] for row in rows]),
+        "queue": ms([row[1] + row[3] for row in rows]),
     }
 
 
@@ -299,10 +294,10 @@ def overhead_note(r: SizeResult) -> str:
     return (
         f"- `{r.size.model}`, {which}: service {m['service']:,.1f} ms vs bare "
         f"{m['bare']:,.1f} ms per step ({m['service'] - m['bare']:+,.1f} ms). On the "
-        f"worker, forward_backward ran {m['service fb']:,.1f} ms (bare forward + backward "
-        f"{m['bare fb']:,.1f} ms) and optim_step {m['service optim']:,.1f} ms (bare AdamW "
-        f"step + zero_grad {m['bare optim']:,.1f} ms); outside the two ops (submit → start, "
-        f"between them, finish → client) a step spent {m['queue']:,.1f} ms. "
+        f"worker, the step (both ops, from the forward_backward's start to both published) "
+        f"took {m['service on the worker']:,.1f} ms (bare forward + backward "
+        f"{m['bare fb']:,.1f} ms, AdamW step + zero_grad {m['bare optim']:,.1f} ms); outside "
+        f"it (submit → start, published → client) a step spent {m['queue']:,.1f} ms. "
         f"{r.snapshots} of the {len(r.service)} measured service steps wrote a snapshot. "
         f"(De)serialisation of one forward_backward, timed in-process with the same "
         f"functions: {codec}. The engine's forward_backward function run in-process on the "
