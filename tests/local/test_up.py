@@ -21,8 +21,10 @@ from queue_tinker.local.up import crashed_child
 
 HEALTHY_WITHIN_S = 90.0  # embedded Postgres initdb + migrations + gateway import, on 2 slow cores
 # SIGTERM to exit: the children hand their work back and leave (no interpreter teardown), then
-# Postgres and Redis stop. Measured 0.9 s here, 1.3 s beside a 2-thread CPU hog.
-STOPPED_WITHIN_S = 2.0
+# Postgres and Redis stop. Measured 0.9 s here, 1.3 s beside a 2-thread CPU hog, and 3.3 s once
+# under the whole suite's load on 2 cores; a child left to up's SIGKILL takes 15 s
+# (CHILD_STOP_TIMEOUT_S), and the log then says so, which the test reads first.
+STOPPED_WITHIN_S = 5.0
 
 
 @pytest.fixture
@@ -109,6 +111,7 @@ def test_up_serves_healthz_and_a_stop_signal_stops_everything(
             pytest.fail(f"`up` did not stop within 30 s:\n{log.read_text()}")
         took = time.monotonic() - began
         assert code == 0, log.read_text()
+        assert "queue-tinker: killed" not in log.read_text(), log.read_text()
         assert took <= STOPPED_WITHIN_S, f"stopped in {took:.2f} s:\n{log.read_text()}"
     finally:
         if proc.poll() is None:
