@@ -33,7 +33,7 @@ def optim_steps(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[dict[str, 
     stepped: one such step would turn its weights and moments to NaN for good. Its weights,
     moments and step count stay as they were, its gradients are cleared, and its metrics say
     so (`skipped_nonfinite:sum` 1, with the gradient norm that was found)."""
-    norms = [_clip(adapter, params) for adapter, params in steps]
+    norms = _clip_all(steps)
     together: dict[tuple[float, ...], tuple[AdamParams, list[Adapter]]] = {}
     for (adapter, params), norm in zip(steps, norms, strict=True):
         if not math.isfinite(norm):
@@ -72,17 +72,28 @@ def optim_steps(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[dict[str, 
     return metrics
 
 
-def _clip(adapter: Adapter, params: OptimParams) -> float:
-    """Clip the adapter's gradients to params.grad_clip_norm (<= 0: no clipping); their norm
-    before clipping. A norm that is not finite leaves the gradients alone (the step is
-    skipped; scaling by max_norm / inf would hide the divergence)."""
-    trainable = [p for p in adapter.params.values() if p.grad is not None]
-    if not trainable:
-        return 0.0
-    norm = adapter.grad_norm(adapter.params)
-    if params.grad_clip_norm > 0 and bool(torch.isfinite(norm)):
-        torch.nn.utils.clip_grads_with_norm_(trainable, params.grad_clip_norm, norm)
-    return float(norm)
+def _clip_all(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[float]:
+    """Clip each adapter's gradients to its params.grad_clip_norm (<= 0: no clipping); their
+    norms before clipping, read back in one device sync for all the adapters (a sync each
+    would wait for every adapter's norm in turn). A norm that is not finite leaves the
+    gradients alone (the step is skipped; scaling by max_norm / inf would hide the
+    divergence)."""
+    norms: list[tuple[list[torch.nn.Parameter], torch.Tensor] | None] = []
+    for adapter, _ in steps:
+        trainable = [p for p in adapter.params.values() if p.grad is not None]
+        norms.append((trainable, adapter.grad_norm(adapter.params).float()) if trainable else None)
+    computed = [norm for _, norm in filter(None, norms)]
+    values = iter(torch.stack(computed).tolist() if computed else [])
+    found = []
+    for (_, params), norm in zip(steps, norms, strict=True):
+        if norm is None:
+            found.append(0.0)
+            continue
+        value = next(values)
+        if params.grad_clip_norm > 0 and math.isfinite(value):
+            torch.nn.utils.clip_grads_with_norm_(norm[0], params.grad_clip_norm, norm[1])
+        found.append(value)
+    return found
 
 
 def _adamw(adapters: Sequence[Adapter], params: AdamParams) -> None:

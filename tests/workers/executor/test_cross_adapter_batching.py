@@ -430,6 +430,47 @@ def test_optimizer_steps_of_many_adapters_equal_torch_adamw_one_at_a_time() -> N
     assert [a.step for a in adapters] == [4, 3, 2, 4, 3]
 
 
+def test_optim_steps_read_every_adapters_norm_back_at_once() -> None:
+    """The gradient norms of a batch's adapters come back to the host together, not with a
+    device sync per adapter (no scalar read per norm): each equal to torch's total norm, the
+    gradients clipped where asked and finite, a non-finite norm left unclipped, an adapter
+    without gradients at 0."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from queue_tinker.workers.model.adapters import Adapter, new_optimizer
+    from queue_tinker.workers.training.optimizers import _clip_all
+
+    class ScalarReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(1)
+    grads = [[torch.randn(4, 3) * 10], [torch.randn(5, 2)], [torch.full((2, 2), float("inf"))], []]
+    adapters = []
+    for i, tensors in enumerate(grads):
+        shapes = [g.shape for g in tensors] or [torch.Size((4, 3))]
+        params = {f"t{j}": torch.nn.Parameter(torch.randn(shape)) for j, shape in enumerate(shapes)}
+        for p, g in zip(params.values(), tensors, strict=False):
+            p.grad = g.clone()
+        adapters.append(
+            Adapter(f"m{i}", f"a{i}", "t", LoraConfig(), params, new_optimizer(params.values()))
+        )
+    clip = AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)
+    with ScalarReads() as reads:
+        norms = _clip_all([(a, clip) for a in adapters])
+    assert reads.reads == 0
+    want = [float(torch.nn.utils.get_total_norm(g)) for g in grads[:3]]
+    assert norms[:2] == pytest.approx(want[:2], rel=1e-6) and norms[2] == float("inf")
+    assert norms[3] == 0.0
+    clipped = float(torch.linalg.vector_norm(adapters[0].params["t0"].grad))
+    assert clipped == pytest.approx(1.0, rel=1e-5)  # was about 35
+    assert torch.isinf(adapters[2].params["t0"].grad).all()  # left for the step to skip
+
+
 def test_a_pass_that_fails_in_backward_leaves_every_models_gradients_as_they_were(
     root: Path,
 ) -> None:
