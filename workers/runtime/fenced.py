@@ -53,18 +53,10 @@ class FencedWrites:
         self.compute = compute
 
     async def start(self, owned: OwnedModel, op: Op) -> bool:
-        """Mark one op running; whether it runs now (not over its tenant's limit, which puts it
-        back in its backlog; not finished already, by an earlier owner or cancelled). A lost
-        lease raises LeaseLostError."""
-        start = await self.reconnect.call(self.dispatch.start, owned.lease, op)
-        if start.limited:
-            self.schedule.hold_back(owned, [op], start.retry_ms, time.monotonic())
-            return False
-        if start.spent:
-            if await self._holds(op):
-                return True
-            await self.publish(owned, op, spent_outcome(start.spent), [])
-        return start.run
+        """start_batch for one op: whether it runs now (its model's lease lost, over its
+        tenant's limit, or finished already: not)."""
+        runnable, _ = await self.start_batch([(owned, op)])
+        return bool(runnable)
 
     async def start_batch(self, batch: Batch) -> Started:
         """Mark the ops running (one round trip). Models whose lease was lost are dropped; ops

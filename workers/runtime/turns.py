@@ -60,7 +60,7 @@ class Turns:
     async def _run_alone(self, owned: OwnedModel, op: Op) -> None:
         try:
             if not await self.fenced.start(owned, op):
-                return  # over its tenant's limit (back in its backlog), or already finished
+                return  # over its tenant's limit (back in its backlog), finished, or lost
             self.activity.current = op
             outcome, records = await self._outcome(op, inline=False)
             # Computed once; only the writes are repeated after an outage.
