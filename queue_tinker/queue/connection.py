@@ -15,6 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from queue_tinker.errors import RedisUnavailableError
+from queue_tinker.queue.command_packing import packed_by_hiredis
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -48,6 +49,7 @@ def connect(url: str, *, max_connections: int = MAX_CONNECTIONS) -> Redis:
         socket_keepalive=True,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
     )
+    pool.connection_class = packed_by_hiredis(pool.connection_class)
     return Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
 
 
