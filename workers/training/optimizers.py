@@ -89,9 +89,10 @@ def _clip_all(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[float]:
         if norm is None:
             found.append(0.0)
             continue
+        trainable, total = norm
         value = next(values)
         if params.grad_clip_norm > 0 and math.isfinite(value):
-            torch.nn.utils.clip_grads_with_norm_(norm[0], params.grad_clip_norm, norm[1])
+            torch.nn.utils.clip_grads_with_norm_(trainable, params.grad_clip_norm, total)
         found.append(value)
     return found
 
