@@ -223,14 +223,13 @@ class PrefixCache:
         """Hold at most `max_bytes` from now on: the least recently used entries no request in
         the loop counts on go until what is kept fits."""
         self.max_bytes = max_bytes
-        for key in [k for k in self.entries if k not in self.users]:
-            if self.nbytes <= max_bytes:
-                break
-            self._evict(key)
+        self._make_room(0)
 
     def _make_room(self, nbytes: int) -> bool:
         if nbytes > self.max_bytes:
             return False
+        if self.nbytes + nbytes <= self.max_bytes:
+            return True  # the decode loop resizes at every step: mostly this
         for key in [k for k in self.entries if k not in self.users]:
             if self.nbytes + nbytes <= self.max_bytes:
                 break
