@@ -33,10 +33,12 @@ from queue_tinker.types import (
 log = logging.getLogger(__name__)
 
 BATCH = 500
-# Write at most this often: each Postgres batch costs ~1 ms of the event loop it shares with a
-# worker's hot path whatever its size, so under load events gather into large batches instead
-# of one write per op. The record lags Redis by about this much.
-WRITE_INTERVAL_S = 0.2
+# Write at most this often: a Postgres batch costs about 2 ms of Python and a few round trips
+# whatever its size (30 request events: 2.5 ms of CPU, 150: 5.9 ms), so under load events
+# gather into large batches instead of one write per op. The record lags Redis by about this
+# much (REST reads of runs, checkpoints and sessions catch up first: catch_up). At 0.2 s a
+# worker's own recorder cost the tiny model's training step 6% beside it (bench notes).
+WRITE_INTERVAL_S = 1.0
 STALE_MS = 30_000  # a recorder silent this long is presumed dead; its entries are taken over
 # A consumer silent this long with nothing pending is a recorder that is gone: forgotten.
 GONE_MS = 600_000
@@ -117,6 +119,7 @@ class Recorder:
         self._take_over_at = 0.0
         self._idle_take_over_at = 0.0
         self._forget_at = 0.0
+        self.batches_written = 0  # Postgres transactions of records this recorder made
 
     def stop(self) -> None:
         """Finish the batch in hand and return from run() (within one read block)."""
@@ -201,6 +204,7 @@ class Recorder:
             return
         records = [record for _, record in entries if record is not None]
         if records:
+            self.batches_written += 1
             try:
                 await apply_records(self.sessions, records)
             except DBAPIError as exc:
