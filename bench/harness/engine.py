@@ -24,6 +24,7 @@ from queue_tinker.workers.model.memory import (
     lora_compute_dtype,
     lora_copy_bytes,
 )
+from queue_tinker.workers.training.losses import device_batch_loss
 from queue_tinker.workers.training.model_pass import (
     PassPlan,
     budgeted,
@@ -32,7 +33,7 @@ from queue_tinker.workers.training.model_pass import (
 )
 from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.packing import padding_fraction
-from queue_tinker.workers.training.shared_pass import PassOp, op_loss, rows_for, shared_pass
+from queue_tinker.workers.training.shared_pass import PassOp, loss_inputs, rows_for, shared_pass
 
 Batch = tuple[Adapter, Sequence[Datum]]  # one forward_backward op: its adapter and its data
 CPU = torch.device("cpu")
@@ -141,6 +142,7 @@ def whole_logits_forward_backward(
     scored = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
     logprobs = -F.cross_entropy(scored, torch.cat(targets), reduction="none")
     split = list(torch.split(logprobs, [t.numel() for t in targets]))
-    loss, _ = op_loss(split, data, LossFn.CROSS_ENTROPY, {}, CPU)
+    inputs = [loss_inputs(d, CPU) for d in data]
+    loss, _ = device_batch_loss(LossFn.CROSS_ENTROPY.value, split, inputs, {})
     loss.backward()
     return float(loss.detach())

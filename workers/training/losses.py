@@ -163,21 +163,59 @@ def _ratio_metrics(
     logprobs: Sequence[torch.Tensor],
     inputs: Sequence[Mapping[str, torch.Tensor]],
     config: Mapping[str, float],
-) -> dict[str, float]:
-    """Token means over the batch of the ratio (and, for clipped losses, of the clip fraction).
-    Empty when the loss has no ratio or the batch has no tokens."""
+) -> dict[str, torch.Tensor]:
+    """Token means over the batch of the ratio (and, for clipped losses, of the clip fraction),
+    as 0-d tensors. Empty when the loss has no ratio or the batch has no tokens."""
     if loss_fn == "cross_entropy" or sum(lp.numel() for lp in logprobs) == 0:
         return {}
     with torch.no_grad():
         ratio = torch.cat(
             [_token_ratio(loss_fn, lp, d) for lp, d in zip(logprobs, inputs, strict=True)]
         )
-        metrics = {"ratio:mean": ratio.mean().item()}
+        metrics = {"ratio:mean": ratio.mean()}
         if loss_fn in _CLIPPED:
             lo, hi = _clip_range(config)
             outside = (ratio < lo) | (ratio > hi)
-            metrics["clip_fraction:mean"] = outside.float().mean().item()
+            metrics["clip_fraction:mean"] = outside.float().mean()
     return metrics
+
+
+# A metric as a loss reports it: a 0-d tensor still on the loss's device (read with the
+# others once the pass is done: read_metrics), or a number already read.
+Metric = torch.Tensor | float
+
+
+def device_batch_loss(
+    loss_fn: str | GraphLoss,
+    logprobs: Sequence[torch.Tensor],
+    inputs: Sequence[Mapping[str, torch.Tensor]],
+    config: Mapping[str, float],
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """Sum of datum losses over the batch and metrics keyed 'name:reduction', left on the
+    device: nothing here waits for it, so a pass can launch its backward before any of its
+    numbers are read. Always includes 'loss:sum'. A GraphLoss is a loss uploaded with
+    create_custom_loss (its metrics come read)."""
+    if isinstance(loss_fn, GraphLoss):
+        total, read = graph_batch_loss(loss_fn, logprobs, inputs)
+        return total, dict(read)
+    fn = _loss_fn(loss_fn)
+    if len(logprobs) != len(inputs):
+        raise ValueError(f"{len(logprobs)} logprobs tensors for {len(inputs)} data")
+    losses = [fn(lp, d, config) for lp, d in zip(logprobs, inputs, strict=True)]
+    total = torch.stack(losses).sum() if losses else torch.zeros(())
+    metrics: dict[str, Metric] = {"loss:sum": total.detach()}
+    metrics.update(_ratio_metrics(loss_fn, logprobs, inputs, config))
+    return total, metrics
+
+
+def read_metrics(metrics: Mapping[str, Metric]) -> dict[str, float]:
+    """The metrics as numbers, in their order: one read from the device for all of them."""
+    on_device = {key: value for key, value in metrics.items() if isinstance(value, torch.Tensor)}
+    read: dict[str, float] = {}
+    if on_device:
+        values = torch.stack([value.detach().float() for value in on_device.values()])
+        read = dict(zip(on_device, values.cpu().tolist(), strict=True))
+    return {key: read[key] if key in read else float(value) for key, value in metrics.items()}
 
 
 def batch_loss(
@@ -186,15 +224,6 @@ def batch_loss(
     inputs: Sequence[Mapping[str, torch.Tensor]],
     config: Mapping[str, float],
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sum of datum losses over the batch and metrics keyed 'name:reduction'; always includes
-    'loss:sum' (float of the total). A GraphLoss is a loss uploaded with create_custom_loss."""
-    if isinstance(loss_fn, GraphLoss):
-        return graph_batch_loss(loss_fn, logprobs, inputs)
-    fn = _loss_fn(loss_fn)
-    if len(logprobs) != len(inputs):
-        raise ValueError(f"{len(logprobs)} logprobs tensors for {len(inputs)} data")
-    losses = [fn(lp, d, config) for lp, d in zip(logprobs, inputs, strict=True)]
-    total = torch.stack(losses).sum() if losses else torch.zeros(())
-    metrics = {"loss:sum": float(total.detach().item())}
-    metrics.update(_ratio_metrics(loss_fn, logprobs, inputs, config))
-    return total, metrics
+    """device_batch_loss with its metrics read."""
+    total, metrics = device_batch_loss(loss_fn, logprobs, inputs, config)
+    return total, read_metrics(metrics)

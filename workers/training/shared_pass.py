@@ -11,7 +11,7 @@ a time accumulates in .grad. A single op runs the same code: it is a pass of one
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,7 +27,7 @@ from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks, stacked
 from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.training import model_pass
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
-from queue_tinker.workers.training.losses import batch_loss
+from queue_tinker.workers.training.losses import Metric, device_batch_loss
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.packing import RowBatch, row_batch
 from queue_tinker.workers.training.routing import Routing, recorded_routing, routing_metrics
@@ -80,6 +80,8 @@ def shared_pass(
     pass_blocks = [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)]
     layers = pool.lora_layers()
     lora = stacked_blocks if plan.stacked_lora and stacks(layers, pass_blocks) else row_blocks
+    # Copied to the device before the forward is launched, so no copy waits for it.
+    inputs = [[loss_inputs(d, device) for d in op.data] for op in ops]
     # The row blocks stay in place through backward: checkpointed layers and logit chunks
     # recompute their forward there, through the same LoRA layers.
     with (
@@ -89,7 +91,7 @@ def shared_pass(
     ):
         with torch.set_grad_enabled(bool(trainable)), recorded_routing(pool.model) as routing:
             logprobs = target_logprobs(pool.model, data, rows, plan, images)
-        outcomes = _losses_and_backward(ops, logprobs, device)
+        outcomes = _losses_and_backward(ops, logprobs, inputs)
     _add_routing_metrics(ops, outcomes, routing, rows)
     return outcomes
 
@@ -119,29 +121,81 @@ def _add_routing_metrics(
             )
 
 
+@dataclass(frozen=True)
+class _Unread:
+    """An op's loss taken, its numbers still on the device."""
+
+    metrics: dict[str, Metric]
+    logprobs: Sequence[torch.Tensor]
+
+
 def _losses_and_backward(
-    ops: Sequence[PassOp], logprobs: Sequence[torch.Tensor], device: torch.device
+    ops: Sequence[PassOp],
+    logprobs: Sequence[torch.Tensor],
+    inputs: Sequence[Sequence[Mapping[str, torch.Tensor]]],
 ) -> list[ForwardBackwardOutput | Exception]:
-    """Each op's loss on its own rows, then one backward of the backward ops' sum."""
-    outcomes: list[ForwardBackwardOutput | Exception] = []
+    """Each op's loss on its own rows, then one backward of the backward ops' sum, then every
+    op's outputs and metrics read from the device at once. Nothing waits for the device before
+    the backward is launched: on a GPU the host queues the losses and the backward while the
+    forward still runs, and a pass waits for its device once, not once per datum and metric."""
+    taken: list[_Unread | Exception] = []
     losses: list[torch.Tensor] = []
     start = 0
-    for op in ops:
+    for op, op_inputs in zip(ops, inputs, strict=True):
         rows = logprobs[start : start + len(op.data)]
         start += len(op.data)
         try:
             with torch.set_grad_enabled(op.backward):
-                loss, out = op_loss(rows, op.data, op.loss_fn, op.config, device)
+                loss, metrics = device_batch_loss(
+                    op.loss_fn.value if isinstance(op.loss_fn, LossFn) else op.loss_fn,
+                    rows,
+                    op_inputs,
+                    op.config,
+                )
         except Exception as exc:  # this op's failure; the others go on
-            outcomes.append(exc)
+            taken.append(exc)
             continue
-        outcomes.append(out)
+        taken.append(_Unread(metrics, rows))
         if op.backward:
             losses.append(loss)
     if losses:
         # d(sum of the ops' losses)/d(adapter) is the sum over that adapter's own ops: the
         # other ops' rows never touch its parameters.
         torch.stack(losses).sum().backward()
+    return _read(taken)
+
+
+def _read(taken: Sequence[_Unread | Exception]) -> list[ForwardBackwardOutput | Exception]:
+    """Each op's output: its datums' logprobs and its metrics, copied from the device in one
+    piece (fp32) and cut up here."""
+    pieces = [
+        t.detach().float().reshape(-1)
+        for op in taken
+        if isinstance(op, _Unread)
+        for t in (
+            *op.logprobs,
+            *(m for m in op.metrics.values() if isinstance(m, torch.Tensor)),
+        )
+    ]
+    flat = torch.cat(pieces).cpu().numpy() if pieces else np.zeros(0, np.float32)
+    at = 0
+
+    def take(n: int) -> np.ndarray:
+        nonlocal at
+        at += n
+        return flat[at - n : at]
+
+    outcomes: list[ForwardBackwardOutput | Exception] = []
+    for op in taken:
+        if isinstance(op, Exception):
+            outcomes.append(op)
+            continue
+        outputs = [{"logprobs": TensorData.from_numpy(take(lp.numel()))} for lp in op.logprobs]
+        metrics = {
+            key: float(take(1)[0]) if isinstance(value, torch.Tensor) else float(value)
+            for key, value in op.metrics.items()
+        }
+        outcomes.append(ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics))
     return outcomes
 
 
@@ -190,25 +244,6 @@ def loss_inputs(datum: Datum, device: torch.device) -> dict[str, torch.Tensor]:
         k: torch.from_numpy(np.array(v.data, copy=True)).to(device)
         for k, v in datum.loss_fn_inputs.items()
     }
-
-
-def op_loss(
-    logprobs: Sequence[torch.Tensor],
-    data: Sequence[Datum],
-    loss_fn: LossFn | GraphLoss,
-    config: dict[str, float],
-    device: torch.device,
-) -> tuple[torch.Tensor, ForwardBackwardOutput]:
-    """One op's loss (the sum of its data's losses) and its output: per-datum logprobs and
-    the loss metrics."""
-    inputs = [loss_inputs(d, device) for d in data]
-    loss, metrics = batch_loss(
-        loss_fn if isinstance(loss_fn, GraphLoss) else loss_fn.value, logprobs, inputs, config
-    )
-    outputs = [
-        {"logprobs": TensorData.from_numpy(lp.detach().float().cpu().numpy())} for lp in logprobs
-    ]
-    return loss, ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
 
 
 @contextmanager

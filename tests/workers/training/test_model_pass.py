@@ -426,3 +426,69 @@ def test_stacked_lora_gives_the_row_blocks_gradients(pool: AdapterPool) -> None:
     got = shared_pass_grads(pool, data, replace(UNPACKED, stacked_lora=True))
     for name in data:
         assert_same(got[name], expected[name])
+
+
+def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: AdapterPool) -> None:
+    """No op's loss or metric is read back (a device sync on a GPU) before the backward is
+    launched: the pass makes no scalar read at all, and its outputs, read in one piece at the
+    end, are each datum's logprobs and the metrics losses.batch_loss gives for them. An op whose
+    loss fails gets its error; the others their outputs."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from queue_tinker.workers.training.losses import batch_loss
+
+    class ScalarReads(TorchDispatchMode):
+        """Scalar reads made by the pass's own code (transformers' mask check reads one
+        before the forward starts)."""
+
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._local_scalar_dense.default and not any(
+                "transformers/" in frame.filename for frame in traceback.extract_stack()
+            ):
+                self.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    def rl(text: str, seed: int) -> Datum:
+        base = datum(text)
+        n = len(base.loss_fn_inputs["target_tokens"].data)
+        rng = np.random.default_rng(seed)
+        inputs = {
+            "target_tokens": np.asarray(base.loss_fn_inputs["target_tokens"].data),
+            "logprobs": rng.uniform(-4, -1, n).astype(np.float32),
+            "advantages": rng.normal(size=n).astype(np.float32),
+        }
+        return Datum(model_input=base.model_input, loss_fn_inputs=inputs)
+
+    first, second = list(pool.adapters.values())[:2]
+    ppo = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    ops = [
+        PassOp(first, [rl(t, i) for i, t in enumerate(TEXTS)], LossFn.PPO, ppo, backward=True),
+        PassOp(second, [datum(t) for t in TEXTS[:2]], LossFn.CROSS_ENTROPY, {}, backward=True),
+        # ppo without its clip thresholds: this op's loss fails, the pass goes on
+        PassOp(second, [rl(TEXTS[2], 9)], LossFn.PPO, {}, backward=False),
+    ]
+    with ScalarReads() as reads:
+        outcomes = shared_pass(pool, ops, CPU, WHOLE)
+    assert reads.reads == 0
+    assert isinstance(outcomes[2], KeyError)
+    for op, out in zip(ops[:2], outcomes[:2], strict=True):
+        assert isinstance(out, ForwardBackwardOutput), out
+        name = op.adapter.name
+        pool.activate(op.adapter)
+        with torch.no_grad():
+            want = whole_logits_logprobs(pool.model, list(op.data))
+        got = [torch.from_numpy(o["logprobs"].to_numpy()) for o in out.loss_fn_outputs]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, **CLOSE)
+        inputs = [
+            {k: torch.from_numpy(np.array(v.data, copy=True)) for k, v in d.loss_fn_inputs.items()}
+            for d in op.data
+        ]
+        _, metrics = batch_loss(op.loss_fn.value, got, inputs, op.config)
+        assert out.metrics.keys() == metrics.keys(), name
+        assert out.metrics == pytest.approx(metrics, rel=1e-5), name
+    assert {"ratio:mean", "clip_fraction:mean"} <= outcomes[0].metrics.keys()  # type: ignore[union-attr]
