@@ -265,6 +265,61 @@ def test_cross_adapter_pass_on_cuda_equals_one_at_a_time(cuda: LoraExecutor) -> 
             assert error <= 0.05 * float(expected[key].norm()) + 1e-8, (run.model_id, key)
 
 
+def test_a_pass_waits_for_the_device_once(cuda: LoraExecutor) -> None:
+    """Two models' ops (ppo with its metrics, cross_entropy) in one pass: no scalar read and one
+    copy back to the host (CUDA; none on the CPU), after the backward, for every op's logprobs
+    and metrics together. Reads by transformers (its mask check) are not the pass's own."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from queue_tinker.types.enums import LossFn
+    from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.where: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            scalar = func is torch.ops.aten._local_scalar_dense.default
+            to_host = (
+                isinstance(out, torch.Tensor)
+                and out.device.type == "cpu"
+                and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+            )
+            stack = traceback.extract_stack()
+            if (scalar or to_host) and not any("transformers/" in f.filename for f in stack):
+                caller = next(f for f in reversed(stack) if "torch/" not in f.filename)
+                self.where.append(f"{func} at {caller.name}:{caller.lineno}")
+            return out
+
+    runs = [Run(cuda, f"reads-{i}", seed=i) for i in range(2)]
+    rl = [
+        Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"].to_numpy(),
+                "logprobs": np.full(d.model_input.length, -2.0, np.float32),
+                "advantages": np.ones(d.model_input.length, np.float32),
+            },
+        )
+        for d in data(3, 48, 21)
+    ]
+    ppo = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    ops = [
+        PassOp(runs[0].adapter, rl, LossFn.PPO, ppo, backward=True),
+        PassOp(runs[1].adapter, data(2, 64, 22), LossFn.CROSS_ENTROPY, {}, backward=True),
+    ]
+    plan = cuda.training.rounds.plan
+    with Reads() as reads:
+        outcomes = shared_pass(cuda.pool, ops, torch.device(DEVICE), plan)
+    assert all(not isinstance(o, Exception) for o in outcomes), outcomes
+    assert len(reads.where) == (1 if DEVICE == "cuda" else 0), reads.where
+    assert "ratio:mean" in outcomes[0].metrics  # type: ignore[union-attr]
+
+
 @cuda_only
 def test_out_of_memory_on_cuda_splits_the_pass(cuda: LoraExecutor) -> None:
     """With the process capped a little above what one op needs, a two-op pass that does not
