@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
@@ -144,15 +145,27 @@ def decoder_layers(model: torch.nn.Module) -> Sequence[torch.nn.Module]:
     return []
 
 
+def padded_targets(batch: RowBatch, targets: Sequence[np.ndarray]) -> torch.Tensor:
+    """(rows, width): each datum's target tokens at its positions in `batch`, zeros elsewhere;
+    laid out on the host and copied to the batch's device in one piece (a copy waits for the
+    device: it goes before the forward is launched, not once per datum after it)."""
+    padded = np.zeros(tuple(batch.ids.shape), dtype=np.int64)
+    for (row, start), target in zip(batch.places, targets, strict=True):
+        padded[row, start : start + len(target)] = target
+    return torch.from_numpy(padded).to(batch.ids.device)
+
+
 def target_logprobs(
     model: torch.nn.Module,
     batch: RowBatch,
-    targets: Sequence[torch.Tensor],
+    targets: torch.Tensor,
+    lengths: Sequence[int],
     plan: PassPlan,
     images: RowImages | None = None,
 ) -> list[torch.Tensor]:
-    """log p(targets[d][i] | datum d's tokens <= i) for each datum d, as fp32 tensors
-    (len(targets[d]),), datum d sitting in `batch` at batch.places[d]. With `images`, the
+    """log p(target | datum d's tokens <= i) for each datum d, as fp32 tensors (lengths[d],),
+    datum d sitting in `batch` at batch.places[d] and its targets there in `targets`
+    (padded_targets). With `images`, the
     rows' image placeholders take their embeddings (a vision-language model's whole forward
     below its LM head, instead of its decoder alone).
 
@@ -172,13 +185,10 @@ def target_logprobs(
                 position_ids=batch.position_ids,
                 use_cache=False,
             ).last_hidden_state
-    padded = torch.zeros_like(batch.ids)
-    for (row, start), target in zip(batch.places, targets, strict=True):
-        padded[row, start : start + target.numel()] = target
-    scored = _chunked_logprobs(lm, hidden, padded, plan, recompute=backward)
+    scored = _chunked_logprobs(lm, hidden, targets, plan, recompute=backward)
     return [
-        scored[row, start : start + target.numel()]
-        for (row, start), target in zip(batch.places, targets, strict=True)
+        scored[row, start : start + length]
+        for (row, start), length in zip(batch.places, lengths, strict=True)
     ]
 
 

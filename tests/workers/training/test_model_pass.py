@@ -492,3 +492,28 @@ def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: Adap
         assert out.metrics.keys() == metrics.keys(), name
         assert out.metrics == pytest.approx(metrics, rel=1e-5), name
     assert {"ratio:mean", "clip_fraction:mean"} <= outcomes[0].metrics.keys()  # type: ignore[union-attr]
+
+
+def test_an_ops_loss_inputs_go_over_together_and_come_out_as_each_datum_sent_them() -> None:
+    """op_loss_inputs: each datum gets its own inputs back, values and dtype as sent, whether
+    or not the other datums have the same names (no weights for one datum, advantages for
+    another alone), cut from one copy per name and dtype."""
+    from queue_tinker.workers.training.shared_pass import op_loss_inputs
+
+    data = [datum(t) for t in TEXTS]
+    data[1] = datum(TEXTS[1], weights=False)
+    n = len(data[2].loss_fn_inputs["target_tokens"].data)
+    data[2] = Datum(
+        model_input=data[2].model_input,
+        loss_fn_inputs={
+            **{k: np.asarray(v.data) for k, v in data[2].loss_fn_inputs.items()},
+            "advantages": np.linspace(-1, 1, n).astype(np.float32),
+        },
+    )
+    got = op_loss_inputs(data, CPU)
+    for d, inputs in zip(data, got, strict=True):
+        assert inputs.keys() == d.loss_fn_inputs.keys()
+        for key, value in d.loss_fn_inputs.items():
+            sent = np.asarray(value.data)
+            assert inputs[key].dtype == torch.from_numpy(sent).dtype, key
+            np.testing.assert_array_equal(inputs[key].numpy(), sent)
