@@ -9,13 +9,16 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.inflight import InflightWeights
 from queue_tinker.queue.jobs import HeldLimits, JobQueue
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.records import RecordLog
 from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.queue.results import ResultListener
+from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.storage.configured import open_store
 from queue_tinker.types import OpKind
@@ -51,6 +54,12 @@ class GatewayQueue:
 
     async def close(self) -> None:
         await self.results.close()
+
+    async def catch_up_record(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+        """Write the runs, checkpoints and sessions still on their way to Postgres first
+        (recorder.catch_up): a read of Postgres then finds what a client was just told exists,
+        a checkpoint saved just now among them."""
+        await catch_up(RecordLog(self.redis, self.keys), sessions)
 
     # --- submitting ----------------------------------------------------------------------
     async def submit(

@@ -15,8 +15,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import not_found
-from queue_tinker.queue.records import RecordLog
-from queue_tinker.services.recorder import catch_up
 from queue_tinker.store import api_keys, protocol_queries
 from queue_tinker.store.models import Request as RequestRow
 
@@ -29,13 +27,6 @@ PROJECT = ""  # this service has no projects; the SDK's session summary needs a 
 def _db(request: Request) -> async_sessionmaker[AsyncSession]:
     sessions: async_sessionmaker[AsyncSession] = request.app.state.sessions
     return sessions
-
-
-async def _caught_up(request: Request) -> None:
-    """The sessions, runs and checkpoints still on their way to Postgres, written first
-    (recorder.catch_up): a session made just now is found."""
-    keys = request.app.state.gateway_queue.keys
-    await catch_up(RecordLog(request.app.state.redis, keys), _db(request))
 
 
 # --- the calling key -------------------------------------------------------------------------
@@ -159,7 +150,7 @@ def check_search(body: SessionSearch) -> None:
 async def search_sessions(body: SessionSearch, request: Request, tenant: Tenant) -> dict[str, Any]:
     """The tenant's sessions, newest first, a page at a time."""
     check_search(body)
-    await _caught_up(request)
+    await request.app.state.gateway_queue.catch_up_record(_db(request))
     after = (body.cursor.last_created_at, body.cursor.last_session_id) if body.cursor else None
     found = await protocol_queries.search_sessions(
         _db(request), tenant, session_id=body.session_id, after=after, limit=body.limit
@@ -186,7 +177,7 @@ async def search_sessions(body: SessionSearch, request: Request, tenant: Tenant)
 @router.get("/sessions/{session_id}/trace_export")
 async def trace_export(session_id: str, request: Request, tenant: Tenant) -> dict[str, Any]:
     """Ready at once: the trace is built from the record when it is downloaded."""
-    await _caught_up(request)
+    await request.app.state.gateway_queue.catch_up_record(_db(request))
     if await protocol_queries.session_requests(_db(request), tenant, session_id) is None:
         raise not_found(f"session {session_id!r}")
     url = str(request.url_for("session_trace", session_id=session_id))
@@ -200,7 +191,7 @@ async def session_trace(
     """The session's requests as Chrome trace events (open in ui.perfetto.dev): one track
     per model, a span per request from start to finish, its wait in the queue before it. The
     record of the last second's requests may not have reached Postgres yet."""
-    await _caught_up(request)
+    await request.app.state.gateway_queue.catch_up_record(_db(request))
     rows = await protocol_queries.session_requests(_db(request), tenant, session_id)
     if rows is None:
         raise not_found(f"session {session_id!r}")

@@ -71,7 +71,7 @@ async def copy_weights(
     ttl = ttl_seconds({"ttl_seconds": body.ttl_seconds})
     source = loadable(CheckpointPath.parse(body.source_path, "source_path"), "source_path")
     sessions = request.app.state.sessions
-    await catch_up(RecordLog(gq.redis, gq.keys), sessions)  # a checkpoint saved just now
+    await gq.catch_up_record(sessions)
     row = await queries.get_readable_checkpoint(sessions, tenant, str(source))
     if row is None:
         raise not_found(

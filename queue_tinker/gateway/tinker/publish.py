@@ -20,8 +20,6 @@ from fastapi import APIRouter, Depends, Request
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.gateway.tinker.rest import checkpoint_tinker_path
-from queue_tinker.queue.records import RecordLog
-from queue_tinker.services.recorder import catch_up
 from queue_tinker.store import checkpoints, protocol_queries, queries
 from queue_tinker.store.models import Checkpoint
 
@@ -54,8 +52,7 @@ async def unpublish(
 async def _owned(request: Request, tenant: str, run_id: str, checkpoint_id: str) -> Checkpoint:
     path = checkpoint_tinker_path(run_id, checkpoint_id)
     sessions = request.app.state.sessions
-    keys = request.app.state.gateway_queue.keys
-    await catch_up(RecordLog(request.app.state.redis, keys), sessions)  # a save just now
+    await request.app.state.gateway_queue.catch_up_record(sessions)
     row = await queries.get_live_checkpoint(sessions, tenant, path)
     if row is None:
         raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")

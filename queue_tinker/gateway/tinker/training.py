@@ -30,8 +30,6 @@ from queue_tinker.gateway.tinker.bodies import (
 )
 from queue_tinker.gateway.tinker.custom_loss import custom_loss_for
 from queue_tinker.queue import runs
-from queue_tinker.queue.records import RecordLog
-from queue_tinker.services.recorder import catch_up
 from queue_tinker.store import queries
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, check_name, loadable
@@ -321,7 +319,7 @@ async def check_checkpoint(request: Request, gq: GatewayQueue, tenant: str, path
     """A checkpoint to load must exist (and be the tenant's, or published): refused now (400),
     not in the op's future. Its record may still be on its way to Postgres: caught up first."""
     sessions = request.app.state.sessions
-    await catch_up(RecordLog(gq.redis, gq.keys), sessions)  # a checkpoint saved just now
+    await gq.catch_up_record(sessions)
     parsed = loadable(CheckpointPath.parse(path))
     if await queries.get_readable_checkpoint(sessions, tenant, str(parsed)) is None:
         raise UserInputError(f"path: no checkpoint {path} (unknown, expired or deleted)")
