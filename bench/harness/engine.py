@@ -33,7 +33,7 @@ from queue_tinker.workers.training.model_pass import (
 )
 from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.packing import padding_fraction
-from queue_tinker.workers.training.shared_pass import PassOp, loss_inputs, rows_for, shared_pass
+from queue_tinker.workers.training.shared_pass import PassOp, op_loss_inputs, rows_for, shared_pass
 
 Batch = tuple[Adapter, Sequence[Datum]]  # one forward_backward op: its adapter and its data
 CPU = torch.device("cpu")
@@ -142,7 +142,7 @@ def whole_logits_forward_backward(
     scored = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
     logprobs = -F.cross_entropy(scored, torch.cat(targets), reduction="none")
     split = list(torch.split(logprobs, [t.numel() for t in targets]))
-    inputs = [loss_inputs(d, CPU) for d in data]
+    inputs = op_loss_inputs(data, CPU)
     loss, _ = device_batch_loss(LossFn.CROSS_ENTROPY.value, split, inputs, {})
     loss.backward()
     return float(loss.detach())

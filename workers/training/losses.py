@@ -181,7 +181,7 @@ def _ratio_metrics(
 
 
 # A metric as a loss reports it: a 0-d tensor still on the loss's device (read with the
-# others once the pass is done: read_metrics), or a number already read.
+# others once the pass is done: shared_pass._read), or a number already read.
 Metric = torch.Tensor | float
 
 
@@ -208,22 +208,12 @@ def device_batch_loss(
     return total, metrics
 
 
-def read_metrics(metrics: Mapping[str, Metric]) -> dict[str, float]:
-    """The metrics as numbers, in their order: one read from the device for all of them."""
-    on_device = {key: value for key, value in metrics.items() if isinstance(value, torch.Tensor)}
-    read: dict[str, float] = {}
-    if on_device:
-        values = torch.stack([value.detach().float() for value in on_device.values()])
-        read = dict(zip(on_device, values.cpu().tolist(), strict=True))
-    return {key: read[key] if key in read else float(value) for key, value in metrics.items()}
-
-
 def batch_loss(
     loss_fn: str | GraphLoss,
     logprobs: Sequence[torch.Tensor],
     inputs: Sequence[Mapping[str, torch.Tensor]],
     config: Mapping[str, float],
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """device_batch_loss with its metrics read."""
+    """device_batch_loss with its metrics read (one at a time: for callers outside a pass)."""
     total, metrics = device_batch_loss(loss_fn, logprobs, inputs, config)
-    return total, read_metrics(metrics)
+    return total, {key: float(value) for key, value in metrics.items()}

@@ -242,11 +242,6 @@ def target_logprobs(
     )
 
 
-def loss_inputs(datum: Datum, device: torch.device) -> dict[str, torch.Tensor]:
-    """One datum's loss inputs on the device."""
-    return op_loss_inputs([datum], device)[0]
-
-
 def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Each datum's loss inputs on the device, as it sent them (dtype and all): the datums'
     1-D inputs of one name and dtype go over in one copy and are cut into views there (a
