@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from queue_tinker.errors import WorkerFitError
+from queue_tinker.settings import Settings
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.model.fused_kernels import liger_wanted
 
@@ -29,6 +30,8 @@ def test_on_refuses_without_cuda_in_a_group_or_without_liger() -> None:
 
 
 def test_auto_takes_them_only_on_cuda_alone_where_installed() -> None:
+    # auto is the deployment's default: the GPU suite held the kernels to the eager model
+    assert Settings.model_fields["liger_kernels"].default == "auto"
     assert liger_wanted("auto", CPU, grouped=False) is False
     assert liger_wanted("auto", CUDA, grouped=True) is False
     assert liger_wanted("auto", CUDA, grouped=False) is INSTALLED
