@@ -296,7 +296,7 @@ def measure_adapters(
     batches = [(a, part) for a, part in zip(adapters, parts, strict=True) if part]
 
     def together() -> None:
-        engine.forward_backward(pool, batches, device, plan)
+        engine.forward_backward(pool, batches, device, replace(plan, stacked_lora=False))
 
     def stacked() -> None:
         engine.forward_backward(pool, batches, device, replace(plan, stacked_lora=True))

@@ -68,9 +68,10 @@ class PassPlan:
     # 523 positions of a 128k vocabulary, the whole batch of a small-vocabulary model.
     logit_chunk_elements: int = 1 << 26
     # A pass of several adapters' ops runs their LoRA stacked (row_blocks.stacked_blocks: two
-    # matmuls a layer) rather than a block each (row_blocks.row_blocks) where it can. Off until
-    # a GPU has measured it: on the CPU the blocks are faster (bench.mfu measures both).
-    stacked_lora: bool = False
+    # matmuls a layer) rather than a block each (row_blocks.row_blocks) where it can. None: on
+    # CUDA, where bench.mfu measured the stacked pass 1.22x the blocks (8 adapters' 4 x 512
+    # tokens at the Llama-3.1-8B shape, H200); on the CPU the blocks are faster.
+    stacked_lora: bool | None = None
     # Pack several datums into a row once one datum a row would be more than half padding
     # (None: never pack). Below it, packing saves less than it costs: its block-diagonal mask
     # takes attention off the kernels that need no mask, and it changes the batch's rounding.
@@ -89,6 +90,9 @@ class PassPlan:
                 padded_tokens, layers, self.layer_bytes, self.activation_budget + borrowed
             )
         return layers if padded_tokens >= self.checkpoint_min_tokens else 0
+
+    def stacks_lora(self, device: torch.device) -> bool:
+        return self.stacked_lora if self.stacked_lora is not None else device.type == "cuda"
 
     def packs(self, lengths: Sequence[int]) -> bool:
         return (

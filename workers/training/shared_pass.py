@@ -80,7 +80,8 @@ def shared_pass(
     rows = rows_for(data, device, plan, groups=[count for _, count in blocks], images=images)
     pass_blocks = [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)]
     layers = pool.lora_layers()
-    lora = stacked_blocks if plan.stacked_lora and stacks(layers, pass_blocks) else row_blocks
+    stacked = plan.stacks_lora(device) and stacks(layers, pass_blocks)
+    lora = stacked_blocks if stacked else row_blocks
     # Copied to the device before the forward is launched, so no copy waits for it.
     inputs = [op_loss_inputs(op.data, device) for op in ops]
     # The row blocks stay in place through backward: checkpointed layers and logit chunks

@@ -422,10 +422,19 @@ def test_stacked_lora_gives_the_row_blocks_gradients(pool: AdapterPool) -> None:
     }
     blocks = [(name, len(rows)) for name, rows in data.items()]
     assert stacks(pool.lora_layers(), blocks)
-    expected = shared_pass_grads(pool, data, UNPACKED)
+    expected = shared_pass_grads(pool, data, replace(UNPACKED, stacked_lora=False))
     got = shared_pass_grads(pool, data, replace(UNPACKED, stacked_lora=True))
     for name in data:
         assert_same(got[name], expected[name])
+
+
+def test_a_pass_stacks_its_lora_by_default_on_cuda_alone() -> None:
+    """Where the plan does not say, the device decides: stacked on CUDA (fewer launches),
+    row blocks on the CPU (fewer FLOPs); a plan that says is followed on either."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert PassPlan().stacks_lora(cuda) and not PassPlan().stacks_lora(cpu)
+    assert not PassPlan(stacked_lora=False).stacks_lora(cuda)
+    assert PassPlan(stacked_lora=True).stacks_lora(cpu)
 
 
 def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: AdapterPool) -> None:
