@@ -148,6 +148,20 @@ def run_script(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def aborted_by_the_sdk_at_exit(proc: subprocess.CompletedProcess[str]) -> bool:
+    """Whether a script on the tinker SDK was aborted after its end by the SDK's HTTP transport.
+    pyqwest (0.12, the SDK's default) hands results to the SDK's event loop from its tokio
+    threads; one that does so while the interpreter shuts down takes the GIL, Python ends that
+    thread with pthread_exit, and glibc aborts the process when the unwinding meets its Rust
+    frames (gdb: tokio-rt-worker, take_gil -> PyThread_exit_thread -> __pthread_unwind ->
+    abort). faulthandler then lists Python's threads with no current one and no Python frame:
+    the abort came from a thread Python does not know, after the script's last line."""
+    if proc.returncode != -signal.SIGABRT or "Fatal Python error: Aborted" not in proc.stderr:
+        return False
+    dump = proc.stderr.split("Fatal Python error: Aborted", 1)[1]
+    return "Current thread" not in dump and 'File "' not in dump and "<no Python frame>" in dump
+
+
 class WorkerProcess:
     def __init__(
         self,
