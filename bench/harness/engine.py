@@ -142,7 +142,7 @@ def whole_logits_forward_backward(
     scored = logits.reshape(-1, logits.shape[-1]).index_select(0, index).float()
     logprobs = -F.cross_entropy(scored, torch.cat(targets), reduction="none")
     split = list(torch.split(logprobs, [t.numel() for t in targets]))
-    inputs = op_loss_inputs(data, CPU)
+    inputs = op_loss_inputs(data, CPU).per_datum
     loss, _ = device_batch_loss(LossFn.CROSS_ENTROPY.value, split, inputs, {})
     loss.backward()
     return float(loss.detach())

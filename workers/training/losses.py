@@ -129,6 +129,9 @@ LOSSES: dict[str, LossFn] = {
     "stable_reinforce": stable_reinforce,
 }
 _CLIPPED = frozenset({"ppo", "cispo", "gspo"})  # losses that report clip_fraction:mean
+# Losses whose every term is one token's own (gspo's carries its sequence's ratio): over a
+# batch, the sum of the datums' losses is the same loss over all their tokens at once.
+TOKEN_SUMS = frozenset(LOSSES) - {"gspo"}
 
 
 def _loss_fn(loss_fn: str) -> LossFn:
@@ -205,6 +208,23 @@ def device_batch_loss(
     total = torch.stack(losses).sum() if losses else torch.zeros(())
     metrics: dict[str, Metric] = {"loss:sum": total.detach()}
     metrics.update(_ratio_metrics(loss_fn, logprobs, inputs, config))
+    return total, metrics
+
+
+def token_batch_loss(
+    loss_fn: str,
+    logprobs: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    config: Mapping[str, float],
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """device_batch_loss of a TOKEN_SUMS loss, from its datums' logprobs and inputs joined
+    (datum after datum): the loss over all their tokens at once, a few kernels however many
+    datums the batch has, where datum by datum launches a few per datum."""
+    if loss_fn not in TOKEN_SUMS:
+        raise ValueError(f"{loss_fn!r} is not a sum of per-token terms")
+    total = _loss_fn(loss_fn)(logprobs, inputs, config)
+    metrics: dict[str, Metric] = {"loss:sum": total.detach()}
+    metrics.update(_ratio_metrics(loss_fn, [logprobs], [inputs], config))
     return total, metrics
 
 

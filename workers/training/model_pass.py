@@ -159,19 +159,37 @@ def padded_targets(batch: RowBatch, targets: Sequence[np.ndarray]) -> torch.Tens
     return torch.from_numpy(padded).to(batch.ids.device)
 
 
+def scored_positions(batch: RowBatch, lengths: Sequence[int]) -> torch.Tensor | None:
+    """The flat (row x width + position) index of every datum's scored positions, datum after
+    datum, on the batch's device (copied before the forward is launched, as padded_targets);
+    None when that is every position of every row in order (one datum a row, none padded)."""
+    rows, width = batch.ids.shape
+    in_order = all(place == (row, 0) for row, place in enumerate(batch.places))
+    if in_order and len(lengths) == rows and all(n == width for n in lengths):
+        return None
+    index = np.concatenate(
+        [
+            np.arange(row * width + start, row * width + start + n, dtype=np.int64)
+            for (row, start), n in zip(batch.places, lengths, strict=True)
+        ]
+        or [np.zeros(0, np.int64)]
+    )
+    return torch.from_numpy(index).to(batch.ids.device)
+
+
 def target_logprobs(
     model: torch.nn.Module,
     batch: RowBatch,
     targets: torch.Tensor,
-    lengths: Sequence[int],
+    scored: torch.Tensor | None,
     plan: PassPlan,
     images: RowImages | None = None,
-) -> list[torch.Tensor]:
-    """log p(target | datum d's tokens <= i) for each datum d, as fp32 tensors (lengths[d],),
-    datum d sitting in `batch` at batch.places[d] and its targets there in `targets`
-    (padded_targets). With `images`, the
-    rows' image placeholders take their embeddings (a vision-language model's whole forward
-    below its LM head, instead of its decoder alone).
+) -> torch.Tensor:
+    """log p(target | the datum's tokens <= i) at every scored position, datum after datum: a
+    1-D fp32 tensor, `scored` (scored_positions) picking the positions from the padded
+    batch, whose targets sit in `targets` (padded_targets). With `images`, the rows' image
+    placeholders take their embeddings (a vision-language model's whole forward below its LM
+    head, instead of its decoder alone).
 
     With grad enabled the result carries the graph to the LoRA weights; backward must run
     while the model's LoRA wrapping is still in place."""
@@ -189,11 +207,8 @@ def target_logprobs(
                 position_ids=batch.position_ids,
                 use_cache=False,
             ).last_hidden_state
-    scored = _chunked_logprobs(lm, hidden, targets, plan, recompute=backward)
-    return [
-        scored[row, start : start + length]
-        for (row, start), length in zip(batch.places, lengths, strict=True)
-    ]
+    flat = _chunked_logprobs(lm, hidden, targets, plan, recompute=backward).reshape(-1)
+    return flat if scored is None else flat.index_select(0, scored)
 
 
 def _chunked_logprobs(

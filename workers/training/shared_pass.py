@@ -11,7 +11,7 @@ a time accumulates in .grad. A single op runs the same code: it is a pass of one
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,12 @@ from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks, stacked
 from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.training import model_pass
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
-from queue_tinker.workers.training.losses import Metric, device_batch_loss
+from queue_tinker.workers.training.losses import (
+    TOKEN_SUMS,
+    Metric,
+    device_batch_loss,
+    token_batch_loss,
+)
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.packing import RowBatch, row_batch
 from queue_tinker.workers.training.routing import Routing, recorded_routing, routing_metrics
@@ -128,36 +133,34 @@ class _Unread:
     """An op's loss taken, its numbers still on the device."""
 
     metrics: dict[str, Metric]
-    logprobs: Sequence[torch.Tensor]
+    logprobs: torch.Tensor  # its datums' target logprobs, datum after datum
+    lengths: list[int]  # each datum's share of them
 
 
 def _losses_and_backward(
     ops: Sequence[PassOp],
-    logprobs: Sequence[torch.Tensor],
-    inputs: Sequence[Sequence[Mapping[str, torch.Tensor]]],
+    logprobs: torch.Tensor,
+    inputs: Sequence[LossInputs],
 ) -> list[ForwardBackwardOutput | Exception]:
-    """Each op's loss on its own rows, then one backward of the backward ops' sum, then every
-    op's outputs and metrics read from the device at once. Nothing waits for the device before
-    the backward is launched: on a GPU the host queues the losses and the backward while the
-    forward still runs, and a pass waits for its device once, not once per datum and metric."""
+    """Each op's loss on its own datums' logprobs (`logprobs`: every datum's, datum after
+    datum), then one backward of the backward ops' sum, then every op's outputs and metrics
+    read from the device at once. Nothing waits for the device before the backward is
+    launched: on a GPU the host queues the losses and the backward while the forward still
+    runs, and a pass waits for its device once, not once per datum and metric."""
     taken: list[_Unread | Exception] = []
     losses: list[torch.Tensor] = []
     start = 0
     for op, op_inputs in zip(ops, inputs, strict=True):
-        rows = logprobs[start : start + len(op.data)]
-        start += len(op.data)
+        lengths = [len(d.loss_fn_inputs["target_tokens"].data) for d in op.data]
+        own = logprobs[start : start + sum(lengths)]
+        start += sum(lengths)
         try:
             with torch.set_grad_enabled(op.backward):
-                loss, metrics = device_batch_loss(
-                    op.loss_fn.value if isinstance(op.loss_fn, LossFn) else op.loss_fn,
-                    rows,
-                    op_inputs,
-                    op.config,
-                )
+                loss, metrics = _op_loss(op, own, lengths, op_inputs)
         except Exception as exc:  # this op's failure; the others go on
             taken.append(exc)
             continue
-        taken.append(_Unread(metrics, rows))
+        taken.append(_Unread(metrics, own, lengths))
         if op.backward:
             losses.append(loss)
     if losses:
@@ -165,6 +168,22 @@ def _losses_and_backward(
         # other ops' rows never touch its parameters.
         torch.stack(losses).sum().backward()
     return _read(taken)
+
+
+def _op_loss(
+    op: PassOp, logprobs: torch.Tensor, lengths: list[int], inputs: LossInputs
+) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """The op's loss and metrics: over all its datums' tokens at once where its loss is a sum
+    of per-token terms and every datum sent the same inputs (a few kernels however many
+    datums), else datum by datum."""
+    if (
+        isinstance(op.loss_fn, LossFn)
+        and op.loss_fn.value in TOKEN_SUMS
+        and inputs.joined is not None
+    ):
+        return token_batch_loss(op.loss_fn.value, logprobs, inputs.joined, op.config)
+    loss_fn = op.loss_fn.value if isinstance(op.loss_fn, LossFn) else op.loss_fn
+    return device_batch_loss(loss_fn, logprobs.split(lengths), inputs.per_datum, op.config)
 
 
 def _read(taken: Sequence[_Unread | Exception]) -> list[ForwardBackwardOutput | Exception]:
@@ -175,7 +194,7 @@ def _read(taken: Sequence[_Unread | Exception]) -> list[ForwardBackwardOutput | 
         for op in taken
         if isinstance(op, _Unread)
         for t in (
-            *op.logprobs,
+            op.logprobs,
             *(m for m in op.metrics.values() if isinstance(m, torch.Tensor)),
         )
     ]
@@ -192,7 +211,7 @@ def _read(taken: Sequence[_Unread | Exception]) -> list[ForwardBackwardOutput | 
         if isinstance(op, Exception):
             outcomes.append(op)
             continue
-        outputs = [{"logprobs": TensorData.from_numpy(take(lp.numel()))} for lp in op.logprobs]
+        outputs = [{"logprobs": TensorData.from_numpy(take(n))} for n in op.lengths]
         metrics = {
             key: float(take(1)[0]) if isinstance(value, torch.Tensor) else float(value)
             for key, value in op.metrics.items()
@@ -228,8 +247,9 @@ def target_logprobs(
     rows: RowBatch,
     plan: PassPlan,
     images: Sequence[ImageInputs | None] = (),
-) -> list[torch.Tensor]:
-    """log p(target_i | tokens <= i) for every datum, as float32 tensors (T_i,)."""
+) -> torch.Tensor:
+    """log p(target_i | tokens <= i) of every datum, datum after datum: one float32 tensor of
+    all their target tokens."""
     device = rows.ids.device
     targets = [np.asarray(d.loss_fn_inputs["target_tokens"].data) for d in data]
     dtype = model_pass.causal_lm(model).dtype
@@ -237,13 +257,23 @@ def target_logprobs(
         model,
         rows,
         model_pass.padded_targets(rows, targets),
-        [len(t) for t in targets],
+        model_pass.scored_positions(rows, [len(t) for t in targets]),
         plan,
         vision_language.joined(images, device, dtype),
     )
 
 
-def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> list[dict[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class LossInputs:
+    """One op's loss inputs on the device: each datum's as it sent them, and, where every
+    datum sent the same 1-D names in the same dtypes, each name's values of all its datums
+    joined, datum after datum (what a loss over all the op's tokens at once reads)."""
+
+    per_datum: list[dict[str, torch.Tensor]]
+    joined: dict[str, torch.Tensor] | None
+
+
+def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> LossInputs:
     """Each datum's loss inputs on the device, as it sent them (dtype and all): the datums'
     1-D inputs of one name and dtype go over in one copy and are cut into views there (a
     copy waits for the device: an RL op of 64 datums made 192 of them)."""
@@ -256,12 +286,19 @@ def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> list[dict[str
                 groups.setdefault((key, array.dtype), []).append((i, array))
             else:
                 out[i][key] = torch.from_numpy(np.array(array, copy=True)).to(device)
+    joined: dict[str, torch.Tensor] | None = {}
     for (key, _), members in groups.items():
-        joined = torch.from_numpy(np.concatenate([array for _, array in members])).to(device)
-        pieces = joined.split([len(array) for _, array in members])
+        values = torch.from_numpy(np.concatenate([array for _, array in members])).to(device)
+        pieces = values.split([len(array) for _, array in members])
         for (i, _), piece in zip(members, pieces, strict=True):
             out[i][key] = piece
-    return out
+        if joined is not None and len(members) == len(data) and key not in joined:
+            joined[key] = values
+        else:  # a datum lacks it, sent it 2-D, or sent another dtype
+            joined = None
+    if any(len(inputs) != len(joined or ()) for inputs in out):
+        joined = None
+    return LossInputs(per_datum=out, joined=joined)
 
 
 @contextmanager

@@ -17,8 +17,10 @@ from queue_tinker.types.loss_inputs import LOSS_SPECS
 from queue_tinker.workers.training.losses import (
     LOSSES,
     STABLE_REINFORCE_TRUNCATION,
+    TOKEN_SUMS,
     batch_loss,
     datum_loss,
+    token_batch_loss,
 )
 
 LOSS_NAMES = [f.value for f in BUILT_IN_LOSSES]
@@ -152,6 +154,34 @@ def test_batch_loss_sums_datum_losses(loss_fn: str) -> None:
     total.backward()
     for lp, d in data:  # each datum's gradient is that of its own loss
         torch.testing.assert_close(lp.grad, reference(loss_fn, lp, d)[1], **TOL)
+
+
+def test_the_token_sum_losses_are_every_loss_but_gspo() -> None:
+    assert sorted(TOKEN_SUMS) == sorted(TOKEN_LOSSES)
+
+
+@pytest.mark.parametrize("loss_fn", TOKEN_LOSSES)
+def test_a_token_sum_loss_over_joined_datums_equals_the_datum_by_datum_batch(loss_fn: str) -> None:
+    """token_batch_loss on the datums' logprobs and inputs joined: the same loss, metrics and
+    per-token gradients as batch_loss datum by datum."""
+    data = [make_datum(seed, length) for seed, length in [(30, 5), (31, 17), (32, 1), (33, 40)]]
+    total, metrics = batch_loss(loss_fn, [lp for lp, _ in data], [d for _, d in data], CONFIG)
+    total.backward()
+    joined_logp = torch.cat([lp.detach() for lp, _ in data]).requires_grad_()
+    joined = {key: torch.cat([d[key] for _, d in data]) for key in data[0][1]}
+    got, got_metrics = token_batch_loss(loss_fn, joined_logp, joined, CONFIG)
+    torch.testing.assert_close(got.detach(), total.detach(), **TOL)
+    assert {k: float(v) for k, v in got_metrics.items()} == pytest.approx(metrics, rel=1e-5)
+    got.backward()
+    assert joined_logp.grad is not None
+    torch.testing.assert_close(joined_logp.grad, torch.cat([lp.grad for lp, _ in data]), **TOL)
+
+
+def test_gspo_is_refused_over_joined_datums() -> None:
+    """gspo's ratio is its sequence's: over joined datums it would be one sequence."""
+    logp, inputs = make_datum(0)
+    with pytest.raises(ValueError, match="gspo"):
+        token_batch_loss("gspo", logp, inputs, CONFIG)
 
 
 @pytest.mark.parametrize("loss_fn", LOSS_NAMES)

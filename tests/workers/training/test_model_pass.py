@@ -503,6 +503,97 @@ def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: Adap
     assert {"ratio:mean", "clip_fraction:mean"} <= outcomes[0].metrics.keys()  # type: ignore[union-attr]
 
 
+def test_a_token_sum_loss_launches_as_many_kernels_for_many_datums_as_for_few(
+    pool: AdapterPool,
+) -> None:
+    """An op whose loss is a sum of per-token terms (ppo here) takes it over all its datums'
+    tokens at once: a pass of 32 equal datums runs as many aten ops, forward and backward, as
+    a pass of 4 (a GPU launches a kernel each; an RL op of 64 datums once launched a few
+    hundred for its loss). gspo's ratio is its sequence's, so its loss runs datum by datum and
+    its count grows with the datums: the count sees the difference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    base = datum(TEXTS[0])
+    n = len(base.loss_fn_inputs["target_tokens"].data)
+    rng = np.random.default_rng(0)
+    rl = Datum(
+        model_input=base.model_input,
+        loss_fn_inputs={
+            "target_tokens": np.asarray(base.loss_fn_inputs["target_tokens"].data),
+            "logprobs": rng.uniform(-4, -1, n).astype(np.float32),
+            "advantages": rng.normal(size=n).astype(np.float32),
+        },
+    )
+    adapter = next(iter(pool.adapters.values()))
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+    def ops_of(loss_fn: LossFn, datums: int) -> int:
+        op = PassOp(adapter, [rl] * datums, loss_fn, config, backward=True)
+        with Ops() as ops:
+            (out,) = shared_pass(pool, [op], CPU, UNPACKED)
+        assert isinstance(out, ForwardBackwardOutput), out
+        return ops.count
+
+    ops_of(LossFn.PPO, 4)  # a first pass also counts one-off set-up
+    assert ops_of(LossFn.PPO, 32) == ops_of(LossFn.PPO, 4)
+    assert ops_of(LossFn.GSPO, 32) > ops_of(LossFn.GSPO, 4) + 28 * 4
+
+
+def test_a_token_sum_loss_equals_the_datum_by_datum_one(pool: AdapterPool) -> None:
+    """The same ppo op with every datum sending the same inputs (the loss over all tokens at
+    once) and with one datum's weights left out, the others' kept (datum by datum): equal
+    losses, logprobs and gradients."""
+    from queue_tinker.workers.training.shared_pass import op_loss_inputs
+
+    def rl(text: str, seed: int, weights: bool) -> Datum:
+        base = datum(text, weights=weights)
+        n = len(base.loss_fn_inputs["target_tokens"].data)
+        rng = np.random.default_rng(seed)
+        inputs = {
+            **{k: np.asarray(v.data) for k, v in base.loss_fn_inputs.items()},
+            "logprobs": rng.uniform(-4, -1, n).astype(np.float32),
+            "advantages": rng.normal(size=n).astype(np.float32),
+        }
+        return Datum(model_input=base.model_input, loss_fn_inputs=inputs)
+
+    joined = [rl(t, i, weights=True) for i, t in enumerate(TEXTS)]
+    ones = np.ones(len(joined[1].loss_fn_inputs["target_tokens"].data), np.float32)
+    unweighted = rl(TEXTS[1], 1, weights=False)
+    # datum 1's weights, all ones where the joined op's are not: give it the joined op's own
+    joined[1] = Datum(
+        model_input=joined[1].model_input,
+        loss_fn_inputs={**joined[1].loss_fn_inputs, "weights": ones},
+    )
+    per_datum = [joined[0], unweighted, joined[2]]
+    assert op_loss_inputs(joined, CPU).joined is not None
+    assert op_loss_inputs(per_datum, CPU).joined is None
+    adapter = next(iter(pool.adapters.values()))
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    results = []
+    for data in (joined, per_datum):
+        op = PassOp(adapter, data, LossFn.PPO, config, backward=True)
+        (out,) = shared_pass(pool, [op], CPU, SMALL_CHUNKS)
+        assert isinstance(out, ForwardBackwardOutput), out
+        grads = {k: p.grad.clone() for k, p in adapter.params.items() if p.grad is not None}
+        for p in adapter.params.values():
+            p.grad = None
+        results.append((out, grads))
+    (a, a_grads), (b, b_grads) = results
+    assert a.metrics == pytest.approx(b.metrics, rel=1e-5)
+    for x, y in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True):
+        np.testing.assert_array_equal(x["logprobs"].to_numpy(), y["logprobs"].to_numpy())
+    assert a_grads.keys() == b_grads.keys() and a_grads
+    for key in a_grads:
+        torch.testing.assert_close(a_grads[key], b_grads[key], **CLOSE)
+
+
 def test_an_ops_loss_inputs_go_over_together_and_come_out_as_each_datum_sent_them() -> None:
     """op_loss_inputs: each datum gets its own inputs back, values and dtype as sent, whether
     or not the other datums have the same names (no weights for one datum, advantages for
@@ -520,7 +611,8 @@ def test_an_ops_loss_inputs_go_over_together_and_come_out_as_each_datum_sent_the
         },
     )
     got = op_loss_inputs(data, CPU)
-    for d, inputs in zip(data, got, strict=True):
+    assert got.joined is None  # the datums' names differ
+    for d, inputs in zip(data, got.per_datum, strict=True):
         assert inputs.keys() == d.loss_fn_inputs.keys()
         for key, value in d.loss_fn_inputs.items():
             sent = np.asarray(value.data)
