@@ -269,31 +269,10 @@ def test_a_pass_waits_for_the_device_once(cuda: LoraExecutor) -> None:
     """Two models' ops (ppo with its metrics, cross_entropy) in one pass: no scalar read and one
     copy back to the host (CUDA; none on the CPU), after the backward, for every op's logprobs
     and metrics together. Reads by transformers (its mask check) are not the pass's own."""
-    import traceback
-
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from aten_calls import AtenCalls
 
     from queue_tinker.types.enums import LossFn
     from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
-
-    class Reads(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.where: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = func(*args, **(kwargs or {}))
-            scalar = func is torch.ops.aten._local_scalar_dense.default
-            to_host = (
-                isinstance(out, torch.Tensor)
-                and out.device.type == "cpu"
-                and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-            )
-            stack = traceback.extract_stack()
-            if (scalar or to_host) and not any("transformers/" in f.filename for f in stack):
-                caller = next(f for f in reversed(stack) if "torch/" not in f.filename)
-                self.where.append(f"{func} at {caller.name}:{caller.lineno}")
-            return out
 
     runs = [Run(cuda, f"reads-{i}", seed=i) for i in range(2)]
     rl = [
@@ -313,10 +292,10 @@ def test_a_pass_waits_for_the_device_once(cuda: LoraExecutor) -> None:
         PassOp(runs[1].adapter, data(2, 64, 22), LossFn.CROSS_ENTROPY, {}, backward=True),
     ]
     plan = cuda.training.rounds.plan
-    with Reads() as reads:
+    with AtenCalls() as calls:
         outcomes = shared_pass(cuda.pool, ops, torch.device(DEVICE), plan)
     assert all(not isinstance(o, Exception) for o in outcomes), outcomes
-    assert len(reads.where) == (1 if DEVICE == "cuda" else 0), reads.where
+    assert len(calls.reads) == (1 if DEVICE == "cuda" else 0), calls.reads
     assert "ratio:mean" in outcomes[0].metrics  # type: ignore[union-attr]
 
 

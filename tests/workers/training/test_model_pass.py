@@ -442,24 +442,9 @@ def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: Adap
     launched: the pass makes no scalar read at all, and its outputs, read in one piece at the
     end, are each datum's logprobs and the metrics losses.batch_loss gives for them. An op whose
     loss fails gets its error; the others their outputs."""
-    import traceback
-
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from aten_calls import AtenCalls
 
     from queue_tinker.workers.training.losses import batch_loss
-
-    class ScalarReads(TorchDispatchMode):
-        """Scalar reads made by the pass's own code (transformers' mask check reads one
-        before the forward starts)."""
-
-        reads = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func is torch.ops.aten._local_scalar_dense.default and not any(
-                "transformers/" in frame.filename for frame in traceback.extract_stack()
-            ):
-                self.reads += 1
-            return func(*args, **(kwargs or {}))
 
     def rl(text: str, seed: int) -> Datum:
         base = datum(text)
@@ -480,9 +465,9 @@ def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: Adap
         # ppo without its clip thresholds: this op's loss fails, the pass goes on
         PassOp(second, [rl(TEXTS[2], 9)], LossFn.PPO, {}, backward=False),
     ]
-    with ScalarReads() as reads:
+    with AtenCalls() as calls:
         outcomes = shared_pass(pool, ops, CPU, WHOLE)
-    assert reads.reads == 0
+    assert calls.reads == []
     assert isinstance(outcomes[2], KeyError)
     for op, out in zip(ops[:2], outcomes[:2], strict=True):
         assert isinstance(out, ForwardBackwardOutput), out
@@ -511,14 +496,7 @@ def test_a_token_sum_loss_launches_as_many_kernels_for_many_datums_as_for_few(
     a pass of 4 (a GPU launches a kernel each; an RL op of 64 datums once launched a few
     hundred for its loss). gspo's ratio is its sequence's, so its loss runs datum by datum and
     its count grows with the datums: the count sees the difference."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.count += 1
-            return func(*args, **(kwargs or {}))
+    from aten_calls import AtenCalls
 
     base = datum(TEXTS[0])
     n = len(base.loss_fn_inputs["target_tokens"].data)
@@ -536,10 +514,10 @@ def test_a_token_sum_loss_launches_as_many_kernels_for_many_datums_as_for_few(
 
     def ops_of(loss_fn: LossFn, datums: int) -> int:
         op = PassOp(adapter, [rl] * datums, loss_fn, config, backward=True)
-        with Ops() as ops:
+        with AtenCalls() as calls:
             (out,) = shared_pass(pool, [op], CPU, UNPACKED)
         assert isinstance(out, ForwardBackwardOutput), out
-        return ops.count
+        return calls.count
 
     ops_of(LossFn.PPO, 4)  # a first pass also counts one-off set-up
     assert ops_of(LossFn.PPO, 32) == ops_of(LossFn.PPO, 4)
