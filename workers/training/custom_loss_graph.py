@@ -164,20 +164,30 @@ _DECODERS: dict[str, Callable[[GraphLoss, Any, Mapping[str, Any]], Any]] = {
 
 def graph_batch_loss(
     loss: GraphLoss, logprobs: Sequence[torch.Tensor], inputs: Sequence[Mapping[str, torch.Tensor]]
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The sum of the datums' losses and the metrics, as the SDK's client-side run of the same
     loss reports them: each custom metric summed over the datums (':mean' ones divided by their
-    count) and loss:sum."""
+    count) and loss:sum. The metrics are 0-d fp32 tensors left on the loss's device: nothing
+    here waits for it (a read per datum and metric would wait for the forward each time)."""
     losses: list[torch.Tensor] = []
-    sums: dict[str, float] = {}
+    sums: dict[str, list[torch.Tensor]] = {}
     for lp, datum_inputs in zip(logprobs, inputs, strict=True):
         value, metrics = loss(lp, [datum_inputs[name] for name in loss.loss.input_names])
         if not isinstance(value, torch.Tensor) or value.ndim != 0:
             raise UserInputError(f"custom loss {loss.loss.name!r}: must return a scalar loss")
         losses.append(value)
         for key, metric in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(torch.as_tensor(metric).detach())
+            as_tensor = torch.as_tensor(metric, device=lp.device).detach().float()
+            if as_tensor.numel() != 1:
+                raise UserInputError(
+                    f"custom loss {loss.loss.name!r}: metric {key!r} must be a scalar, "
+                    f"got shape {tuple(as_tensor.shape)}"
+                )
+            sums.setdefault(key, []).append(as_tensor.reshape(()))
     total = torch.stack(losses).sum()
-    out = {key: v / len(losses) if key.endswith(":mean") else v for key, v in sums.items()}
-    out["loss:sum"] = float(total.detach())
+    out = {
+        key: torch.stack(values).sum() / (len(losses) if key.endswith(":mean") else 1)
+        for key, values in sums.items()
+    }
+    out["loss:sum"] = total.detach()
     return total, out

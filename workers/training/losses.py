@@ -197,10 +197,10 @@ def device_batch_loss(
     """Sum of datum losses over the batch and metrics keyed 'name:reduction', left on the
     device: nothing here waits for it, so a pass can launch its backward before any of its
     numbers are read. Always includes 'loss:sum'. A GraphLoss is a loss uploaded with
-    create_custom_loss (its metrics come read)."""
+    create_custom_loss."""
     if isinstance(loss_fn, GraphLoss):
-        total, read = graph_batch_loss(loss_fn, logprobs, inputs)
-        return total, dict(read)
+        total, graph_metrics = graph_batch_loss(loss_fn, logprobs, inputs)
+        return total, dict(graph_metrics)
     fn = _loss_fn(loss_fn)
     if len(logprobs) != len(inputs):
         raise ValueError(f"{len(logprobs)} logprobs tensors for {len(inputs)} data")

@@ -41,6 +41,7 @@ from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.training.custom_loss_graph import FUNCTION_TABLE
 
 RTOL = {"rtol": 1e-5, "atol": 1e-7}
+CPU = torch.device("cpu")
 
 
 def loss_data(names: list[str]) -> list[Datum]:
@@ -143,6 +144,50 @@ def expected_metrics(
         for key, value in handle.graph(lp, *inputs)[1].items():
             sums[key] = sums.get(key, 0.0) + float(value)
     return {k: v / len(data) if k.endswith(":mean") else v for k, v in sums.items()}
+
+
+def test_a_custom_loss_waits_for_the_device_once_the_pass_is_done(engine: Driver) -> None:
+    """A custom loss's value and metrics stay on the device until the pass reads every op's
+    numbers at once, after the backward (a read per datum and metric would wait for the
+    forward each time): the pass makes no scalar read, and its metrics are the SDK's
+    reduction of the loss's own."""
+    from aten_calls import AtenCalls
+
+    from queue_tinker.workers.training.custom_loss_graph import GraphLoss
+    from queue_tinker.workers.training.shared_pass import PassOp, shared_pass
+
+    handle, upload = traced("dpo")
+    names = LOSSES["dpo"][1]
+    data = loss_data(names)
+    server, client = twin_models(engine, "reads")
+    pool = engine.engine.pool
+    op = PassOp(pool.adapters[server], data, GraphLoss(upload, CPU), {}, backward=True)
+    with AtenCalls() as calls:
+        (out,) = shared_pass(pool, [op], CPU)
+    assert calls.reads == []
+    assert isinstance(out, ForwardBackwardOutput), out
+    want = expected_metrics(handle, names, data, engine.forward(client, forward_data(data)))
+    assert out.metrics["custom/margin:mean"] == pytest.approx(want["custom/margin:mean"], rel=1e-5)
+
+
+def test_a_custom_loss_metric_must_be_a_scalar(engine: Driver) -> None:
+    """A metric of several values is the user's error, named, and fails the op alone."""
+    from queue_tinker.workers.training.custom_loss_graph import GraphLoss, graph_batch_loss
+
+    _, upload = traced("weighted_nll")
+    nodes = [n.model_dump() for n in upload.graph.nodes]
+    output = nodes[-1]
+    # the metric is weights.sum(): make it the weights themselves
+    (_, metrics) = output["args"][0]["tuple"]
+    (key,) = metrics["dict"]
+    summed = metrics["dict"][key]["ref"]
+    summand = next(n for n in nodes if n["name"] == summed)["args"][0]
+    metrics["dict"][key] = summand
+    bad = upload.model_copy(update={"graph": upload.graph.model_validate({"nodes": nodes})})
+    logprobs = torch.zeros(4, requires_grad=True)
+    inputs = [{"weights": torch.ones(4)}]
+    with pytest.raises(UserInputError, match=f"metric '{key}' must be a scalar"):
+        graph_batch_loss(GraphLoss(bad, CPU), [logprobs], inputs)
 
 
 # --- the allow-list --------------------------------------------------------------------------
