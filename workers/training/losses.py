@@ -11,6 +11,7 @@ ratio = exp(logp - q). The formulas, with their sources, are in docs/losses.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -89,25 +90,51 @@ def dro(
     return _weighted_sum(-(_advantages(logprobs, inputs) * logprobs - penalty), inputs)
 
 
-def sequence_log_ratio(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """GSPO's sequence log-ratio (no grad): the mean of logp - q over the tokens that
-    sequence_ratio_mask marks (every token when it is absent)."""
+@dataclass(frozen=True)
+class Sequences:
+    """Which datum each token of several datums' joined tokens comes from: what gspo, whose
+    terms carry their sequence's ratio, needs to take them all at once."""
+
+    index: torch.Tensor  # (tokens,) int64, on the tokens' device: each token's datum
+    count: int  # datums
+
+
+def sequence_log_ratio(
+    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], sequences: Sequences | None = None
+) -> torch.Tensor:
+    """GSPO's sequence log-ratio (no grad) at each token: the mean of logp - q over the tokens
+    of its sequence that sequence_ratio_mask marks (every token when it is absent). Without
+    `sequences` the tokens are one sequence, and the result one 0-d value. Masked by
+    selection, not by indexing: no device read for the marked count."""
     log_ratio = logprobs.detach() - inputs["logprobs"]
     mask = inputs.get("sequence_ratio_mask")
-    return log_ratio.mean() if mask is None else log_ratio[mask != 0].mean()
+    marked = torch.ones_like(log_ratio) if mask is None else (mask != 0).to(log_ratio.dtype)
+    kept = torch.where(marked != 0, log_ratio, torch.zeros_like(log_ratio))
+    if sequences is None:
+        return kept.sum() / marked.sum()
+    sums = log_ratio.new_zeros(sequences.count).index_add_(0, sequences.index, kept)
+    counts = log_ratio.new_zeros(sequences.count).index_add_(0, sequences.index, marked)
+    return (sums / counts).index_select(0, sequences.index)
 
 
-def gspo_token_ratio(logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Each token carries the sequence ratio's value and the gradient of its own logp."""
-    return torch.exp(sequence_log_ratio(logprobs, inputs) + logprobs - logprobs.detach())
+def gspo_token_ratio(
+    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], sequences: Sequences | None = None
+) -> torch.Tensor:
+    """Each token carries its sequence ratio's value and the gradient of its own logp."""
+    log_ratio = sequence_log_ratio(logprobs, inputs, sequences)
+    return torch.exp(log_ratio + logprobs - logprobs.detach())
 
 
 def gspo(
-    logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
+    logprobs: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    config: Mapping[str, float],
+    sequences: Sequences | None = None,
 ) -> torch.Tensor:
     """GSPO-token: ppo's clipped surrogate with every token's ratio replaced by the sequence
     ratio s = exp(mean over sequence_ratio_mask of (logp - q)), carrying the token's own grad."""
-    terms = _pessimistic(gspo_token_ratio(logprobs, inputs), _advantages(logprobs, inputs), config)
+    ratio = gspo_token_ratio(logprobs, inputs, sequences)
+    terms = _pessimistic(ratio, _advantages(logprobs, inputs), config)
     return _weighted_sum(terms, inputs)
 
 
@@ -129,9 +156,6 @@ LOSSES: dict[str, LossFn] = {
     "stable_reinforce": stable_reinforce,
 }
 _CLIPPED = frozenset({"ppo", "cispo", "gspo"})  # losses that report clip_fraction:mean
-# Losses whose every term is one token's own (gspo's carries its sequence's ratio): over a
-# batch, the sum of the datums' losses is the same loss over all their tokens at once.
-TOKEN_SUMS = frozenset(LOSSES) - {"gspo"}
 
 
 def _loss_fn(loss_fn: str) -> LossFn:
@@ -153,11 +177,14 @@ def datum_loss(
 
 
 def _token_ratio(
-    loss_fn: str, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+    loss_fn: str,
+    logprobs: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    sequences: Sequences | None = None,
 ) -> torch.Tensor:
     """The ratio each token's term uses (gspo: its sequence's ratio)."""
     if loss_fn == "gspo":
-        return gspo_token_ratio(logprobs, inputs)
+        return gspo_token_ratio(logprobs, inputs, sequences)
     return _ratio(logprobs, inputs)
 
 
@@ -166,14 +193,19 @@ def _ratio_metrics(
     logprobs: Sequence[torch.Tensor],
     inputs: Sequence[Mapping[str, torch.Tensor]],
     config: Mapping[str, float],
+    sequences: Sequences | None = None,
 ) -> dict[str, torch.Tensor]:
     """Token means over the batch of the ratio (and, for clipped losses, of the clip fraction),
-    as 0-d tensors. Empty when the loss has no ratio or the batch has no tokens."""
+    as 0-d tensors. Empty when the loss has no ratio or the batch has no tokens. `sequences`:
+    the datums of a batch of one joined tensor."""
     if loss_fn == "cross_entropy" or sum(lp.numel() for lp in logprobs) == 0:
         return {}
     with torch.no_grad():
         ratio = torch.cat(
-            [_token_ratio(loss_fn, lp, d) for lp, d in zip(logprobs, inputs, strict=True)]
+            [
+                _token_ratio(loss_fn, lp, d, sequences)
+                for lp, d in zip(logprobs, inputs, strict=True)
+            ]
         )
         metrics = {"ratio:mean": ratio.mean()}
         if loss_fn in _CLIPPED:
@@ -211,20 +243,24 @@ def device_batch_loss(
     return total, metrics
 
 
-def token_batch_loss(
+def joined_batch_loss(
     loss_fn: str,
     logprobs: torch.Tensor,
     inputs: Mapping[str, torch.Tensor],
     config: Mapping[str, float],
+    sequences: Sequences,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """device_batch_loss of a TOKEN_SUMS loss, from its datums' logprobs and inputs joined
-    (datum after datum): the loss over all their tokens at once, a few kernels however many
-    datums the batch has, where datum by datum launches a few per datum."""
-    if loss_fn not in TOKEN_SUMS:
-        raise ValueError(f"{loss_fn!r} is not a sum of per-token terms")
-    total = _loss_fn(loss_fn)(logprobs, inputs, config)
+    """device_batch_loss of a built-in loss from its datums' logprobs and inputs joined (datum
+    after datum; `sequences` says which datum each token is from): over all their tokens at
+    once, a few kernels however many datums the batch has, where datum by datum launches a
+    few per datum. Every loss but gspo is a sum of per-token terms; gspo's ratio is taken per
+    sequence."""
+    if loss_fn == "gspo":
+        total = gspo(logprobs, inputs, config, sequences)
+    else:
+        total = _loss_fn(loss_fn)(logprobs, inputs, config)
     metrics: dict[str, Metric] = {"loss:sum": total.detach()}
-    metrics.update(_ratio_metrics(loss_fn, [logprobs], [inputs], config))
+    metrics.update(_ratio_metrics(loss_fn, [logprobs], [inputs], config, sequences))
     return total, metrics
 
 

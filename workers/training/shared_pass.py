@@ -29,10 +29,10 @@ from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.training import model_pass
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.losses import (
-    TOKEN_SUMS,
     Metric,
+    Sequences,
     device_batch_loss,
-    token_batch_loss,
+    joined_batch_loss,
 )
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.packing import RowBatch, row_batch
@@ -173,15 +173,14 @@ def _losses_and_backward(
 def _op_loss(
     op: PassOp, logprobs: torch.Tensor, lengths: list[int], inputs: LossInputs
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """The op's loss and metrics: over all its datums' tokens at once where its loss is a sum
-    of per-token terms and every datum sent the same inputs (a few kernels however many
-    datums), else datum by datum."""
-    if (
-        isinstance(op.loss_fn, LossFn)
-        and op.loss_fn.value in TOKEN_SUMS
-        and inputs.joined is not None
-    ):
-        return token_batch_loss(op.loss_fn.value, logprobs, inputs.joined, op.config)
+    """The op's loss and metrics: over all its datums' tokens at once where its loss is a
+    built-in one and every datum sent the same inputs (a few kernels however many datums),
+    else datum by datum (a custom loss runs on each datum as the SDK runs it)."""
+    if isinstance(op.loss_fn, LossFn) and inputs.joined is not None:
+        assert inputs.sequences is not None  # made with joined
+        return joined_batch_loss(
+            op.loss_fn.value, logprobs, inputs.joined, op.config, inputs.sequences
+        )
     loss_fn = op.loss_fn.value if isinstance(op.loss_fn, LossFn) else op.loss_fn
     return device_batch_loss(loss_fn, logprobs.split(lengths), inputs.per_datum, op.config)
 
@@ -267,10 +266,12 @@ def target_logprobs(
 class LossInputs:
     """One op's loss inputs on the device: each datum's as it sent them, and, where every
     datum sent the same 1-D names in the same dtypes, each name's values of all its datums
-    joined, datum after datum (what a loss over all the op's tokens at once reads)."""
+    joined, datum after datum (what a loss over all the op's tokens at once reads), with
+    which datum each of their values is from."""
 
     per_datum: list[dict[str, torch.Tensor]]
     joined: dict[str, torch.Tensor] | None
+    sequences: Sequences | None = None
 
 
 def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> LossInputs:
@@ -296,9 +297,11 @@ def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> LossInputs:
             joined[key] = values
         else:  # a datum lacks it, sent it 2-D, or sent another dtype
             joined = None
-    if any(len(inputs) != len(joined or ()) for inputs in out):
-        joined = None
-    return LossInputs(per_datum=out, joined=joined)
+    if joined is None or any(len(inputs) != len(joined) for inputs in out):
+        return LossInputs(per_datum=out, joined=None)
+    lengths = [len(d.loss_fn_inputs["target_tokens"].data) for d in data]
+    index = torch.from_numpy(np.repeat(np.arange(len(data)), lengths)).to(device)
+    return LossInputs(per_datum=out, joined=joined, sequences=Sequences(index, len(data)))
 
 
 @contextmanager

@@ -17,10 +17,10 @@ from queue_tinker.types.loss_inputs import LOSS_SPECS
 from queue_tinker.workers.training.losses import (
     LOSSES,
     STABLE_REINFORCE_TRUNCATION,
-    TOKEN_SUMS,
+    Sequences,
     batch_loss,
     datum_loss,
-    token_batch_loss,
+    joined_batch_loss,
 )
 
 LOSS_NAMES = [f.value for f in BUILT_IN_LOSSES]
@@ -156,20 +156,20 @@ def test_batch_loss_sums_datum_losses(loss_fn: str) -> None:
         torch.testing.assert_close(lp.grad, reference(loss_fn, lp, d)[1], **TOL)
 
 
-def test_the_token_sum_losses_are_every_loss_but_gspo() -> None:
-    assert sorted(TOKEN_SUMS) == sorted(TOKEN_LOSSES)
-
-
-@pytest.mark.parametrize("loss_fn", TOKEN_LOSSES)
-def test_a_token_sum_loss_over_joined_datums_equals_the_datum_by_datum_batch(loss_fn: str) -> None:
-    """token_batch_loss on the datums' logprobs and inputs joined: the same loss, metrics and
-    per-token gradients as batch_loss datum by datum."""
+@pytest.mark.parametrize("loss_fn", LOSS_NAMES)
+def test_a_loss_over_joined_datums_equals_the_datum_by_datum_batch(loss_fn: str) -> None:
+    """joined_batch_loss on the datums' logprobs and inputs joined: the same loss, metrics and
+    per-token gradients as batch_loss datum by datum (gspo: each token's ratio its own
+    datum's, not one over all of them)."""
     data = [make_datum(seed, length) for seed, length in [(30, 5), (31, 17), (32, 1), (33, 40)]]
     total, metrics = batch_loss(loss_fn, [lp for lp, _ in data], [d for _, d in data], CONFIG)
     total.backward()
     joined_logp = torch.cat([lp.detach() for lp, _ in data]).requires_grad_()
     joined = {key: torch.cat([d[key] for _, d in data]) for key in data[0][1]}
-    got, got_metrics = token_batch_loss(loss_fn, joined_logp, joined, CONFIG)
+    index = torch.cat([torch.full((lp.numel(),), i) for i, (lp, _) in enumerate(data)])
+    got, got_metrics = joined_batch_loss(
+        loss_fn, joined_logp, joined, CONFIG, Sequences(index, len(data))
+    )
     torch.testing.assert_close(got.detach(), total.detach(), **TOL)
     assert {k: float(v) for k, v in got_metrics.items()} == pytest.approx(metrics, rel=1e-5)
     got.backward()
@@ -177,11 +177,15 @@ def test_a_token_sum_loss_over_joined_datums_equals_the_datum_by_datum_batch(los
     torch.testing.assert_close(joined_logp.grad, torch.cat([lp.grad for lp, _ in data]), **TOL)
 
 
-def test_gspo_is_refused_over_joined_datums() -> None:
-    """gspo's ratio is its sequence's: over joined datums it would be one sequence."""
-    logp, inputs = make_datum(0)
-    with pytest.raises(ValueError, match="gspo"):
-        token_batch_loss("gspo", logp, inputs, CONFIG)
+def test_gspo_marks_its_sequence_ratio_by_selection() -> None:
+    """A token that sequence_ratio_mask leaves out does not reach the sequence ratio, even
+    with a logprob that is not finite there."""
+    logp, inputs = make_datum(3, 8)
+    inputs["sequence_ratio_mask"] = torch.tensor([1.0, 1, 0, 1, 1, 1, 1, 1])
+    inputs["logprobs"][2] = -math.inf
+    loss = datum_loss("gspo", logp, inputs, CONFIG)
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss.detach(), reference("gspo", logp, inputs)[0], **TOL)
 
 
 @pytest.mark.parametrize("loss_fn", LOSS_NAMES)

@@ -488,14 +488,15 @@ def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: Adap
     assert {"ratio:mean", "clip_fraction:mean"} <= outcomes[0].metrics.keys()  # type: ignore[union-attr]
 
 
-def test_a_token_sum_loss_launches_as_many_kernels_for_many_datums_as_for_few(
-    pool: AdapterPool,
+@pytest.mark.parametrize("loss_fn", [LossFn.PPO, LossFn.GSPO])
+def test_a_built_in_loss_launches_as_many_kernels_for_many_datums_as_for_few(
+    pool: AdapterPool, loss_fn: LossFn
 ) -> None:
-    """An op whose loss is a sum of per-token terms (ppo here) takes it over all its datums'
-    tokens at once: a pass of 32 equal datums runs as many aten ops, forward and backward, as
-    a pass of 4 (a GPU launches a kernel each; an RL op of 64 datums once launched a few
-    hundred for its loss). gspo's ratio is its sequence's, so its loss runs datum by datum and
-    its count grows with the datums: the count sees the difference."""
+    """An op of a built-in loss takes it over all its datums' tokens at once: a pass of 32
+    equal datums runs as many aten ops, forward and backward, as a pass of 4 (a GPU launches a
+    kernel each; an RL op of 64 datums once launched some 2,500 more for its loss). With
+    inputs that differ between datums (weights on every other one) the loss runs datum by
+    datum and the count grows with them: the count sees the difference."""
     from aten_calls import AtenCalls
 
     base = datum(TEXTS[0])
@@ -512,22 +513,29 @@ def test_a_token_sum_loss_launches_as_many_kernels_for_many_datums_as_for_few(
     adapter = next(iter(pool.adapters.values()))
     config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 
-    def ops_of(loss_fn: LossFn, datums: int) -> int:
-        op = PassOp(adapter, [rl] * datums, loss_fn, config, backward=True)
+    weighted = Datum(
+        model_input=rl.model_input,
+        loss_fn_inputs={**rl.loss_fn_inputs, "weights": np.ones(n, np.float32)},
+    )
+
+    def ops_of(datums: int, mixed: bool = False) -> int:
+        data = [weighted if mixed and i % 2 else rl for i in range(datums)]
+        op = PassOp(adapter, data, loss_fn, config, backward=True)
         with AtenCalls() as calls:
             (out,) = shared_pass(pool, [op], CPU, UNPACKED)
         assert isinstance(out, ForwardBackwardOutput), out
         return calls.count
 
-    ops_of(LossFn.PPO, 4)  # a first pass also counts one-off set-up
-    assert ops_of(LossFn.PPO, 32) == ops_of(LossFn.PPO, 4)
-    assert ops_of(LossFn.GSPO, 32) > ops_of(LossFn.GSPO, 4) + 28 * 4
+    ops_of(4)  # a first pass also counts one-off set-up
+    assert ops_of(32) == ops_of(4)
+    assert ops_of(32, mixed=True) > ops_of(4, mixed=True) + 28 * 4
 
 
-def test_a_token_sum_loss_equals_the_datum_by_datum_one(pool: AdapterPool) -> None:
-    """The same ppo op with every datum sending the same inputs (the loss over all tokens at
-    once) and with one datum's weights left out, the others' kept (datum by datum): equal
-    losses, logprobs and gradients."""
+@pytest.mark.parametrize("loss_fn", [LossFn.PPO, LossFn.GSPO])
+def test_a_joined_loss_equals_the_datum_by_datum_one(pool: AdapterPool, loss_fn: LossFn) -> None:
+    """The same op with every datum sending the same inputs (the loss over all tokens at once)
+    and with one datum's weights of ones left out, the others' kept (datum by datum): equal
+    losses, metrics, logprobs and gradients."""
     from queue_tinker.workers.training.shared_pass import op_loss_inputs
 
     def rl(text: str, seed: int, weights: bool) -> Datum:
@@ -556,7 +564,7 @@ def test_a_token_sum_loss_equals_the_datum_by_datum_one(pool: AdapterPool) -> No
     config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     results = []
     for data in (joined, per_datum):
-        op = PassOp(adapter, data, LossFn.PPO, config, backward=True)
+        op = PassOp(adapter, data, loss_fn, config, backward=True)
         (out,) = shared_pass(pool, [op], CPU, SMALL_CHUNKS)
         assert isinstance(out, ForwardBackwardOutput), out
         grads = {k: p.grad.clone() for k, p in adapter.params.items() if p.grad is not None}
