@@ -269,3 +269,34 @@ def test_checkpoint_bench_times_the_worker_s_writes_and_reads_in_both_stores(
     assert all(len(m.save_s) == len(m.load_s) == 2 for m in results)
     text = bench.render(results, "tiny", 2, 1000)
     assert text.startswith(bench.SECTION + "\n") and text.count("\n| ") == 2 + len(bench.KINDS)
+
+
+def test_a_benchmark_names_the_commit_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run stamps the short HEAD, "+changes" where tracked files differ from it (a tree
+    copied onto a lent machine with older git metadata), or the commit BENCH_COMMIT names."""
+    from bench.harness import machine
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "one")
+    monkeypatch.setattr(machine, "REPO", tmp_path)
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "untracked.txt").write_text("not part of the measured tree's changes\n")
+    assert machine.commit() == head
+    (tmp_path / "a.txt").write_text("two\n")
+    assert machine.commit() == f"{head}+changes"
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    assert machine.commit() == "abc1234"

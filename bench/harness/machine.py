@@ -98,16 +98,23 @@ def gpu_name() -> str:
 
 
 def commit() -> str:
-    """The repository's short HEAD, or "unknown"."""
+    """What the run measured: BENCH_COMMIT where the caller names it (a copied tree whose git
+    metadata is not its own: scripts/gpu_checks on a lent machine), else the repository's
+    short HEAD, marked "+changes" where tracked files differ from it; "unknown" without git."""
+    named = os.environ.get("BENCH_COMMIT")
+    if named:
+        return named
     with contextlib.suppress(Exception):
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        head = _git("rev-parse", "--short", "HEAD")
+        changed = _git("status", "--porcelain", "--untracked-files=no")
+        return f"{head}+changes" if changed else head
     return "unknown"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def now() -> str:
