@@ -5,7 +5,8 @@ The model is `LlamaConfig` (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14
 128256) built with `AutoModelForCausalLM.from_config` in bf16 straight on the device. LoRA goes
 on through the worker's own code: `queue_tinker.workers.model.adapters.AdapterPool.add` (rank 32 by
 default, the service's default targets: every attention, MLP and unembedding linear), and a
-step is the engine's forward_backward as a worker runs the op
+step is the engine's forward_backward as a worker runs the op with its defaults (liger's
+RMSNorm, RoPE and SwiGLU where QT_LIGER_KERNELS=auto puts them in: CUDA with liger installed)
 (`queue_tinker.workers.training.shared_pass.shared_pass` of the one op: cross-entropy, padded
 batch, per-datum logprobs) followed by its optimizer step
 (`queue_tinker.workers.training.optimizers.optim_steps`: AdamW on the adapter), both called
@@ -29,6 +30,10 @@ A100 312); another GPU gets achieved TFLOPS only. With `--adapters K` (K > 1) it
 adapters' forward_backward ops in one cross-adapter pass against the same ops one at a time (a
 pass each), on the same tokens.
 
+liger's kernels go into the model for good, so what needs transformers' own runs first: plain
+transformers + PEFT (the baseline), the activation bytes a layer keeps, and the worker's plan
+without liger; then the kernels go in, and everything else is measured as the worker runs.
+
     .venv/bin/python -m bench.mfu --device cuda                  # writes its docs section
     .venv/bin/python -m bench.mfu --device cpu --quick           # scaled-down smoke run
 """
@@ -37,12 +42,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -63,6 +67,7 @@ from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.training.model_pass import PassPlan
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
+HEADLINE = "the worker's plan, its kernels"
 COMMAND = ".venv/bin/python -m bench.mfu --device cuda"
 NOT_MEASURED = "Not measured here"
 # Dense bf16 peaks (no sparsity), TFLOPS; the first name found in the device's name wins.
@@ -128,7 +133,6 @@ class Variant:
     name: str
     plan: PassPlan
     context: Callable[[], AbstractContextManager[object]] = nullcontext
-    lasting: bool = False  # its context changes the model for good: measured after the rest
     fb_s: list[float] = field(default_factory=list)
     first_s: float | None = None  # the first call: kernels' first launch (Triton's JIT)
     peak_gib: float | None = None
@@ -162,6 +166,8 @@ class Result:
     # Activation bytes a token keeps per decoder layer, measured (a pass with nothing
     # checkpointed) and as the checkpointing plan estimates them.
     layer_bytes: tuple[float, int] | None = None
+    layer_bytes_plain: float | None = None  # measured before the worker's kernels went in
+    kernels: str = "transformers' own"  # the worker's: what QT_LIGER_KERNELS=auto put in
     long_pass: Variant | None = None  # one row of --long-seq tokens
     rl: dict[str, float] = field(default_factory=dict)  # RL-sized ops: one pass vs apart
     rl_shape: str = ""
@@ -376,44 +382,16 @@ def measure_layer_bytes(
     return peak / (2048 * shape.layers), plan.layer_bytes.kept
 
 
-def liger_kernels(pool: AdapterPool) -> Callable[[], AbstractContextManager[object]]:
-    """Liger's Triton RMSNorm, RoPE and SwiGLU put into the model (for good: the variants
-    after this one keep them)."""
-
-    @contextmanager
-    def applied() -> Iterator[None]:
-        from liger_kernel.transformers import (  # type: ignore[import-not-found]
-            apply_liger_kernel_to_llama,
-        )
-
-        apply_liger_kernel_to_llama(
-            rope=True,
-            rms_norm=True,
-            swiglu=True,
-            cross_entropy=False,
-            fused_linear_cross_entropy=False,
-            model=engine.language_model(pool),
-        )
-        yield
-
-    return applied
-
-
 def variants(pool: AdapterPool, device: torch.device) -> list[Variant]:
-    """The worker's plan, then what each of its parts buys, in one run; last, what changes
-    the model for good (liger's kernels)."""
-    plan = engine.worker_plan(pool, device)
-    out = [
-        Variant("the worker's plan", plan),
+    """What each of the worker's choices buys, against its plan (the headline), measured with
+    the headline's kernels."""
+    return [
         Variant(
             "LoRA matmuls in fp32 (QT_LORA_MATMUL_DTYPE=fp32)",
             engine.worker_plan(pool, device, "fp32"),
             partial(engine.lora_matmuls, pool, "fp32"),
-        ),
+        )
     ]
-    if device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
-        out.append(Variant("liger RMSNorm, RoPE, SwiGLU", plan, liger_kernels(pool), lasting=True))
-    return out
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -440,23 +418,39 @@ def run(args: argparse.Namespace) -> Result:
         sum(p.numel() for p in adapter.params.values()),
         shrunk_from=args.batch if batch != args.batch else None,
     )
-    result.layer_bytes = measure_layer_bytes(pool, adapter, shape, device, plan)
+    # First what needs transformers' own kernels (the worker's may change the model for
+    # good): plain transformers + PEFT, and the worker's plan without the worker's kernels.
+    measure_bare(pool, adapter, data, device, args, result)
+    plain_bytes = measure_layer_bytes(pool, adapter, shape, device, plan)
+    plain = Variant("the worker's plan, transformers' own kernels (QT_LIGER_KERNELS=off)", plan)
+    if engine.kernels_wanted(device):
+        plain = measure_variant(pool, adapter, data, device, args, plain)
+    if engine.put_kernels_in(pool, device):
+        result.kernels = "liger's RMSNorm, RoPE and SwiGLU"
+        result.layer_bytes_plain = plain_bytes[0] if plain_bytes else None
+        result.layer_bytes = measure_layer_bytes(pool, adapter, shape, device, plan)
+    else:
+        result.layer_bytes = plain_bytes
+        plain.fb_s = []  # measured where the kernels then did not go in: not a row
     if result.layer_bytes:
         print(
             f"  activation bytes per token and layer: measured {result.layer_bytes[0]:,.0f}, "
             f"planned {result.layer_bytes[1]:,}",
             flush=True,
         )
-    planned = variants(pool, device) if args.variants else [Variant("the worker's plan", plan)]
-    result.variants = [
-        measure_variant(pool, adapter, data, device, args, v) for v in planned if not v.lasting
-    ]
-    headline = result.variants[0]
+    # Then the worker as it runs by default: the headline, and every other figure.
+    headline = measure_variant(pool, adapter, data, device, args, Variant(HEADLINE, plan))
+    result.variants = [headline]
     if headline.error is not None:
         raise RuntimeError(f"the worker's plan failed: {headline.error}")
     result.peak_gib = headline.peak_gib
+    if plain.fb_s or plain.error:
+        result.variants.append(plain)
+    if args.variants:
+        result.variants += [
+            measure_variant(pool, adapter, data, device, args, v) for v in variants(pool, device)
+        ]
     measure(pool, adapter, data, device, args, result, plan)
-    measure_bare(pool, adapter, data, device, args, result)
     if args.long_seq:
         long_data = random_data(shape, 1, args.long_seq)
         result.long_pass = measure_variant(
@@ -476,9 +470,6 @@ def run(args: argparse.Namespace) -> Result:
         result.rl_shape = f"{args.rl_adapters} adapters × {rows} × {seq} tokens"
         parts = [random_data(shape, rows, seq) for _ in range(args.rl_adapters)]
         result.rl = adapters_or_none(pool, adapter, parts, device, args, plan)
-    result.variants += [
-        measure_variant(pool, adapter, data, device, args, v) for v in planned if v.lasting
-    ]
     return result
 
 
@@ -524,6 +515,8 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
     )
     peak = "–" if result.peak_gib is None else f"{result.peak_gib:.1f}"
     lines = [
+        f"The worker's plan with its default kernels ({result.kernels}):",
+        "",
         "| device | shape (params, LoRA params) | batch | forward_backward ms | optim_step ms "
         "| tokens/s (forward_backward) | tokens/s (with optim_step) | TFLOPS (LoRA count) "
         "| MFU (LoRA count) | MFU (6N) | peak memory GiB |",
@@ -574,11 +567,17 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
         lines += ["", f"One row of {v.name.split(' ', 2)[2]}: {how}."]
     if result.layer_bytes is not None:
         measured, planned = result.layer_bytes
+        plain = (
+            ""
+            if result.layer_bytes_plain is None
+            else f" ({result.layer_bytes_plain:,.0f} with transformers' own kernels)"
+        )
         lines += [
             "",
             f"Activation bytes a token keeps per decoder layer (1 × 2,048 tokens, nothing "
-            f"checkpointed, peak over the memory before the pass): measured {measured:,.0f}, "
-            f"the checkpointing plan's estimate {planned:,} ({measured / planned:.2f}×).",
+            f"checkpointed, peak over the memory before the pass): measured {measured:,.0f}"
+            f"{plain}, the checkpointing plan's estimate {planned:,} "
+            f"({measured / planned:.2f}×).",
         ]
     if len(result.variants) > 1:
         lines += ["", *variant_table(result)]

@@ -18,6 +18,7 @@ from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import ForwardBackwardOutput, OptimParams
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.model.fused_kernels import apply_liger, liger_wanted
 from queue_tinker.workers.model.memory import (
     LoraMatmuls,
     device_budgets,
@@ -92,6 +93,18 @@ def base_dtype(pool: AdapterPool) -> torch.dtype:
 def language_model(pool: AdapterPool) -> torch.nn.Module:
     """The transformers causal LM under the pool's PeftModel."""
     return causal_lm(pool.model)
+
+
+def kernels_wanted(device: torch.device) -> bool:
+    """Whether a worker alone on this device puts liger's kernels in by default
+    (QT_LIGER_KERNELS=auto: CUDA, liger installed)."""
+    return liger_wanted("auto", device, grouped=False)
+
+
+def put_kernels_in(pool: AdapterPool, device: torch.device) -> bool:
+    """liger's kernels into the pool's model, for good, where a worker alone puts them by
+    default (kernels_wanted, and an architecture liger knows); whether they went in."""
+    return kernels_wanted(device) and apply_liger(language_model(pool))
 
 
 def checkpointed_layers(pool: AdapterPool, plan: PassPlan, padded_tokens: int) -> str:
