@@ -271,6 +271,18 @@ def test_checkpoint_bench_times_the_worker_s_writes_and_reads_in_both_stores(
     assert text.startswith(bench.SECTION + "\n") and text.count("\n| ") == 2 + len(bench.KINDS)
 
 
+def test_llama_3_2_1b_counts_and_its_own_docs_section() -> None:
+    """Llama-3.2-1B has 1,235,814,400 parameters with its unembedding tied to the embedding;
+    the bench's shape keeps them apart (the same FLOPs), one 128,256 x 2,048 matrix more. Its
+    run writes a section of its own, never over the 8B headline's."""
+    from bench.mfu import SECTION, section
+
+    assert total_params(SHAPES["llama-3.2-1b"]) == 1_235_814_400 + 128_256 * 2048
+    assert section("llama-3.1-8b") == SECTION
+    assert section("llama-3.2-1b").startswith(SECTION) and section("llama-3.2-1b") != SECTION
+    assert section("llama-3.2-1b") + "\n" not in SECTION + "\n"
+
+
 def test_a_benchmark_names_the_commit_it_measured(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
