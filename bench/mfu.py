@@ -55,12 +55,13 @@ import torch
 
 from bench.harness import cli, engine
 from bench.harness.baselines import plain_forward_backward
-from bench.harness.data import datums, token_rows
+from bench.harness.data import datums, rl_datums, token_rows
 from bench.harness.machine import announce, device_name, engine_machine
 from bench.harness.meters import timed
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import machine_line, publish, reproduce
 from bench.harness.workers import quiet_transformers
+from queue_tinker.types.enums import LossFn
 from queue_tinker.types.tensors import Datum
 from queue_tinker.types.training import AdamParams, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
@@ -180,6 +181,10 @@ class Result:
     long_pass: Variant | None = None  # one row of --long-seq tokens
     rl: dict[str, float] = field(default_factory=dict)  # RL-sized ops: one pass vs apart
     rl_shape: str = ""
+    # One ppo op of many short datums: its loss over all their tokens at once, and datum by
+    # datum (median seconds each).
+    loss_paths: dict[str, float] = field(default_factory=dict)
+    loss_paths_shape: str = ""
 
     @property
     def tokens(self) -> int:
@@ -331,6 +336,36 @@ def measure_adapters(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def measure_loss_paths(
+    pool: AdapterPool,
+    adapter: Adapter,
+    shape: Shape,
+    device: torch.device,
+    args: argparse.Namespace,
+    plan: PassPlan,
+) -> dict[str, float]:
+    """One ppo op of `--datums` short datums: its loss over all their tokens at once (every
+    datum sends the same inputs) against the same op taking it datum by datum (every other
+    datum also sends weights of 1, the same numbers, so the datums' inputs differ); median
+    seconds of each, alternating."""
+    rows = token_rows(args.datums, args.datum_seq, seed=7, vocab=shape.vocab)
+    ops = {
+        "joined": rl_datums(rows, 7, [False] * args.datums),
+        "datum by datum": rl_datums(rows, 7, [i % 2 == 1 for i in range(args.datums)]),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for i in range(args.warmup + args.steps):
+        for name, data in ops.items():
+            op = [(adapter, data)]
+            seconds = timed(
+                partial(engine.forward_backward, pool, op, device, plan, LossFn.PPO), device
+            )
+            engine.clear_grads([adapter])
+            if i >= args.warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def measure_variant(
     pool: AdapterPool,
     adapter: Adapter,
@@ -474,6 +509,9 @@ def run(args: argparse.Namespace) -> Result:
         result.adapters = min(args.adapters, batch)
         parts = [data[i :: result.adapters] for i in range(result.adapters)]
         result.multi = adapters_or_none(pool, adapter, parts, device, args, plan)
+    if args.datums > 1:
+        result.loss_paths_shape = f"{args.datums} datums × {args.datum_seq} tokens"
+        result.loss_paths = measure_loss_paths(pool, adapter, shape, device, args, plan)
     if args.rl_adapters > 1:
         rows, seq = args.rl_rows, args.rl_seq
         result.rl_shape = f"{args.rl_adapters} adapters × {rows} × {seq} tokens"
@@ -566,6 +604,14 @@ def summary_lines(result: Result, device_name: str) -> list[str]:
             f"RL-sized ops, {result.rl_shape}: one cross-adapter pass {one * 1000:,.1f} ms, "
             f"one at a time {apart * 1000:,.1f} ms (**{apart / one:.2f}×**); "
             f"{stacked_line(result.rl)}.",
+        ]
+    if result.loss_paths:
+        joined, by_datum = result.loss_paths["joined"], result.loss_paths["datum by datum"]
+        lines += [
+            "",
+            f"One ppo op of {result.loss_paths_shape}: its loss over all the datums' tokens at "
+            f"once {joined * 1000:,.1f} ms, datum by datum (the datums' inputs differ) "
+            f"{by_datum * 1000:,.1f} ms (**{by_datum / joined:.2f}×**).",
         ]
     if result.long_pass is not None:
         v = result.long_pass
@@ -715,10 +761,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             ),
             "--rl-adapters": (8, "adapters of the RL-sized case, an op each (1: skip it)"),
             "--rl-rows": (4, "datums of each RL-sized op"),
+            "--datums": (64, "datums of the op whose loss paths are compared (1: skip it)"),
         },
     )
     parser.add_argument(
         "--rl-seq", type=int, default=None, help="tokens of each RL-sized datum (512; CPU 64)"
+    )
+    parser.add_argument(
+        "--datum-seq", type=int, default=None, help="tokens of each of those datums (32; CPU 16)"
     )
     parser.add_argument(
         "--long-seq", type=int, default=None, help="one row this long (default 32768; CPU 256)"
@@ -734,6 +784,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.batch = args.batch or 8
     args.seq = args.seq or (2048 if cuda else 64)
     args.rl_seq = args.rl_seq or (512 if cuda else 64)
+    args.datum_seq = args.datum_seq or (32 if cuda else 16)
     args.long_seq = args.long_seq if args.long_seq is not None else (32768 if cuda else 256)
     # Only GPU numbers belong in the docs: a CPU run is a smoke test of the code path.
     args.no_docs = args.no_docs or not cuda

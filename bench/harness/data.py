@@ -31,6 +31,27 @@ def datums(rows: Iterable[np.ndarray], weights: bool = True) -> list[Datum]:
     return data
 
 
+def rl_datums(rows: Iterable[np.ndarray], seed: int, weighted: Iterable[bool]) -> list[Datum]:
+    """A policy-gradient datum per row of tokens (targets, sampling logprobs, advantages), with
+    weights of 1 where `weighted` says so (datums whose inputs differ take their loss one at a
+    time)."""
+    rng = np.random.default_rng(seed)
+    data = []
+    for row, weights in zip(rows, weighted, strict=True):
+        n = len(row) - 1
+        inputs = {
+            "target_tokens": TensorData.from_numpy(row[1:].astype(np.int64)),
+            "logprobs": TensorData.from_numpy(rng.uniform(-4, -1, n).astype(np.float32)),
+            "advantages": TensorData.from_numpy(rng.normal(size=n).astype(np.float32)),
+        }
+        if weights:
+            inputs["weights"] = TensorData.from_numpy(np.ones(n, dtype=np.float32))
+        data.append(
+            Datum(model_input=ModelInput.from_ints(row[:-1].tolist()), loss_fn_inputs=inputs)
+        )
+    return data
+
+
 def random_prompts(count: int, seed: int) -> list[list[int]]:
     """`count` prompts of 8-48 random byte tokens."""
     rng = np.random.default_rng(seed)

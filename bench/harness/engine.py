@@ -40,13 +40,22 @@ Batch = tuple[Adapter, Sequence[Datum]]  # one forward_backward op: its adapter 
 CPU = torch.device("cpu")
 
 
+PPO = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+
+
 def forward_backward(
-    pool: AdapterPool, batches: Sequence[Batch], device: torch.device, plan: PassPlan | None = None
+    pool: AdapterPool,
+    batches: Sequence[Batch],
+    device: torch.device,
+    plan: PassPlan | None = None,
+    loss_fn: LossFn = LossFn.CROSS_ENTROPY,
 ) -> list[ForwardBackwardOutput]:
-    """A cross-entropy forward_backward op per batch, all in one pass of the pool's model;
-    each adapter's gradients add up in its .grad until its optim_step. An op's error is raised."""
+    """A forward_backward op per batch (cross-entropy, or ppo with its default clipping), all
+    in one pass of the pool's model; each adapter's gradients add up in its .grad until its
+    optim_step. An op's error is raised."""
+    config = PPO if loss_fn is LossFn.PPO else {}
     ops = [
-        PassOp(adapter=adapter, data=data, loss_fn=LossFn.CROSS_ENTROPY, config={}, backward=True)
+        PassOp(adapter=adapter, data=data, loss_fn=loss_fn, config=config, backward=True)
         for adapter, data in batches
     ]
     outputs = []
