@@ -9,7 +9,7 @@ deliberately rough: a pass that does not fit anyway is split and retried
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -62,12 +62,25 @@ class Budgets:
     headroom_bytes: int = 0
 
 
+# The linear layers of a Llama-class decoder layer, each with its LoRA: q, k, v, o, gate, up,
+# down.
+LINEARS_PER_LAYER = 7
+
+
 @dataclass(frozen=True)
 class LayerBytes:
     """Activation bytes one token of a backward pass keeps in one decoder layer."""
 
     kept: int  # the layer run plainly: its intermediates
     checkpointed: int  # the layer checkpointed: its input alone (made again in backward)
+    # Each further column of LoRA's low-rank product (x·Aᵀ, which every LoRA layer keeps for
+    # B's gradient) a token keeps: `kept` counts its own adapter's; a pass whose adapters'
+    # LoRA is stacked computes every adapter's columns for every token (row_blocks.py).
+    low_rank_column: int = 0
+
+    def with_columns(self, columns: int) -> LayerBytes:
+        """A layer whose tokens keep `columns` more low-rank columns each."""
+        return replace(self, kept=self.kept + columns * self.low_rank_column)
 
 
 def lora_compute_dtype(base: torch.dtype, matmuls: LoraMatmuls) -> torch.dtype | None:
@@ -92,7 +105,8 @@ def layer_bytes(config: PretrainedConfig, dtype_bytes: int, *, lora_copy: int) -
     hidden = int(config.hidden_size)
     mlp = mlp_width(config)
     kept = (10 * hidden + 4 * mlp) * dtype_bytes + (6 * hidden + mlp) * lora_copy
-    return LayerBytes(kept=kept, checkpointed=hidden * dtype_bytes)
+    low_rank = LINEARS_PER_LAYER * (lora_copy or dtype_bytes)  # in LoRA's matmul dtype
+    return LayerBytes(kept=kept, checkpointed=hidden * dtype_bytes, low_rank_column=low_rank)
 
 
 def mlp_width(config: PretrainedConfig) -> int:

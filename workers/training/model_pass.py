@@ -72,6 +72,9 @@ class PassPlan:
     # CUDA, where bench.mfu measured the stacked pass 1.22x the blocks (8 adapters' 4 x 512
     # tokens at the Llama-3.1-8B shape, H200); on the CPU the blocks are faster.
     stacked_lora: bool | None = None
+    # Low-rank columns each token of this pass computes beyond its own adapter's rank (a
+    # pass's stacked LoRA: stacked_columns); what the checkpointing plan adds per layer.
+    extra_lora_columns: int = 0
     # Pack several datums into a row once one datum a row would be more than half padding
     # (None: never pack). Below it, packing saves less than it costs: its block-diagonal mask
     # takes attention off the kernels that need no mask, and it changes the batch's rounding.
@@ -86,13 +89,20 @@ class PassPlan:
             return layers
         if self.activation_budget is not None and self.layer_bytes is not None:
             borrowed = self.spare_activations() if self.spare_activations is not None else 0
+            per_layer = self.layer_bytes.with_columns(self.extra_lora_columns)
             return layers_to_checkpoint(
-                padded_tokens, layers, self.layer_bytes, self.activation_budget + borrowed
+                padded_tokens, layers, per_layer, self.activation_budget + borrowed
             )
         return layers if padded_tokens >= self.checkpoint_min_tokens else 0
 
     def stacks_lora(self, device: torch.device) -> bool:
         return self.stacked_lora if self.stacked_lora is not None else device.type == "cuda"
+
+    def for_pass(self, ranks: Sequence[int], stacked: bool) -> PassPlan:
+        """The plan of one pass whose adapters have these LoRA ranks (each adapter once):
+        stacked, every token computes them all, beyond its own adapter's."""
+        columns = sum(ranks) - max(ranks) if stacked and ranks else 0
+        return replace(self, extra_lora_columns=columns) if columns else self
 
     def packs(self, lengths: Sequence[int]) -> bool:
         return (

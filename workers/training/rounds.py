@@ -255,7 +255,11 @@ class TrainingRounds:
 
         def recomputed(ops: Sequence[PassOp]) -> int:
             backward = any(o.backward for o in ops)
-            return self.plan.checkpointed_layers(padded_tokens(ops), backward, self.layers)
+            adapters = {o.adapter.name: o.adapter.config.rank for o in ops}
+            # Stacked where it may be (an upper bound: stacks() also asks for plain LoRA).
+            stacked = len(adapters) > 1 and self.plan.stacks_lora(self.guard.device)
+            plan = self.plan.for_pass(list(adapters.values()), stacked)
+            return plan.checkpointed_layers(padded_tokens(ops), backward, self.layers)
 
         return recomputed([*chunk, op]) <= max(recomputed(chunk), recomputed([op]))
 

@@ -87,6 +87,7 @@ def shared_pass(
     layers = pool.lora_layers()
     stacked = plan.stacks_lora(device) and stacks(layers, pass_blocks)
     lora = stacked_blocks if stacked else row_blocks
+    plan = plan.for_pass([a.config.rank for a in adapters.values()], stacked)
     # Copied to the device before the forward is launched, so no copy waits for it.
     inputs = [op_loss_inputs(op.data, device) for op in ops]
     # The row blocks stay in place through backward: checkpointed layers and logit chunks

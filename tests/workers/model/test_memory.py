@@ -144,3 +144,15 @@ def test_a_pass_borrows_the_sampler_s_share_only_while_it_lies_free(
     alone = layers_to_checkpoint(tokens, 32, per_layer, budgets.train_activation_bytes)
     borrowing = layers_to_checkpoint(tokens, 32, per_layer, budgets.train_activation_bytes + share)
     assert borrowing < alone
+
+
+def test_a_low_rank_column_costs_a_token_one_value_per_lora_linear_in_loras_dtype() -> None:
+    """Each further column of LoRA's low-rank product a token keeps costs one value in each of
+    a Llama layer's seven LoRA linears, in the dtype LoRA's matmuls run in: the base's (bf16,
+    2 bytes) by default, fp32 under QT_LORA_MATMUL_DTYPE=fp32; a layer with 24 more columns
+    keeps that much more a token."""
+    assert layer_bytes(LLAMA_8B, 2, lora_copy=0).low_rank_column == 7 * 2
+    assert layer_bytes(LLAMA_8B, 2, lora_copy=4).low_rank_column == 7 * 4
+    per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=0)
+    assert per_layer.with_columns(24).kept == per_layer.kept + 24 * 14
+    assert per_layer.with_columns(24).checkpointed == per_layer.checkpointed

@@ -315,6 +315,45 @@ def test_the_plan_counts_what_it_may_borrow_at_each_pass() -> None:
     assert plan.checkpointed_layers(100, True, 2) == alone
 
 
+def test_a_stacked_pass_keeps_what_its_plan_counts_for_the_other_adapters_columns(
+    models_dir: Path,
+) -> None:
+    """Stacked, every token computes every adapter's low-rank columns in every LoRA layer and
+    keeps them for backward. The plan of such a pass (PassPlan.for_pass) adds the columns past
+    a token's own adapter's: measured against the same pass in row blocks, what the stacked
+    pass keeps more is that, to within what the unembedding's LoRA and the stacked weights
+    add (1.12x here); and a budget that held the pass in row blocks then checkpoints a layer."""
+    base = load_base_model(BASE, "cpu", models_dir)
+    base.eval()
+    base.name_or_path = BASE
+    pool = AdapterPool(base, BASE, max_resident=8)
+    adapters = [pool.add(f"s{i}", "t", LoraConfig(rank=8), seed=i) for i in range(4)]
+    data = [datum(t) for t in TEXTS] * 4
+    ops = [PassOp(a, data, LossFn.CROSS_ENTROPY, {}, backward=True) for a in adapters]
+    kept = {}
+    for stacked in (False, True):
+        _, kept[stacked] = saved_bytes(
+            lambda stacked=stacked: shared_pass(
+                pool, ops, CPU, replace(WHOLE, stacked_lora=stacked)
+            )
+        )
+        for adapter in adapters:
+            for p in adapter.params.values():
+                p.grad = None
+    per_layer = layer_bytes(causal_lm(pool.model).config, 4, lora_copy=0)
+    tokens = len(ops) * len(data) * max(d.model_input.length for d in data)
+    plan = PassPlan().for_pass([8, 8, 8, 8], stacked=True)
+    assert plan.extra_lora_columns == 24
+    assert PassPlan().for_pass([8, 8, 8, 8], stacked=False).extra_lora_columns == 0
+    counted = tokens * 2 * plan.extra_lora_columns * per_layer.low_rank_column
+    assert 0.95 <= (kept[True] - kept[False]) / counted <= 1.3
+    fits_blocks = PassPlan(
+        activation_budget=tokens * pass_bytes_per_token(2, 0, per_layer), layer_bytes=per_layer
+    )
+    assert fits_blocks.checkpointed_layers(tokens, True, 2) == 0
+    assert fits_blocks.for_pass([8] * 4, stacked=True).checkpointed_layers(tokens, True, 2) == 1
+
+
 def test_a_planned_pass_checkpoints_some_layers_and_equals_none(pool: AdapterPool) -> None:
     """A budget between a plain pass's activations and a fully checkpointed one's makes the
     plan checkpoint some of the layers (one of the tiny model's two): the loss and every LoRA
