@@ -213,7 +213,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
     results: list[Measured] = []
     kinds = [k for k in args.kinds if k != "graphs" or device.type == "cuda"]
     for kind in kinds:
-        step = decode_step_of(kind, device, grouped=False)  # type: ignore[arg-type]
+        step = decode_step_of(kind, device, grouped=False)
         for mix, adapters in (("base", [None]), (f"{args.adapters} adapters", names)):
             loop = DecodeLoop(
                 device, [], lambda t: "", max_rows=None, slots=step.slots, graphs=step.graphs
