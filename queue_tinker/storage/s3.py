@@ -108,6 +108,7 @@ class S3Store(CheckpointStore):
             multipart_threshold=multipart_threshold, multipart_chunksize=multipart_threshold
         )
         self._cache_lock = threading.Lock()  # the gateway fetches from several threads
+        self._cache = cache.CacheIndex(cache_dir)  # under the lock
 
     # --- names ---------------------------------------------------------------------------
     def _object(self, key: str, name: str = "") -> str:
@@ -236,6 +237,7 @@ class S3Store(CheckpointStore):
             cached = self.cache_dir / key
             cached.parent.mkdir(parents=True, exist_ok=True)
             replace_dir(staged, cached)
+            self._cache.added(cached)
             self._trim_cache()
 
     def _put_meta(
@@ -327,12 +329,12 @@ class S3Store(CheckpointStore):
         if not generation or held != generation:
             return None
         (cached / META_FILE).write_bytes(meta)  # a meta change (TTL, published) keeps the files
-        cache.touch(cached)
+        self._cache.used(cached)
         return cached
 
     def _trim_cache(self) -> None:
         """After a copy was added (under the cache lock): hold the cache to its budget."""
-        evicted = cache.trim(self.cache_dir, self.cache_bytes, self.cache_keep_recent_s)
+        evicted = self._cache.trim(self.cache_bytes, self.cache_keep_recent_s)
         if evicted:
             log.info(
                 "storage cache over %d bytes: evicted %d copies", self.cache_bytes, len(evicted)
@@ -355,6 +357,7 @@ class S3Store(CheckpointStore):
             (tmp / META_FILE).write_bytes(meta)
             (tmp / GENERATION_MARKER).write_text(generation)
             replace_dir(tmp, cached)
+            self._cache.added(cached)
             return cached
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -383,6 +386,7 @@ class S3Store(CheckpointStore):
         self._delete(key, [n for n in names if n != META_FILE])
         with self._cache_lock:
             shutil.rmtree(self.cache_dir / key, ignore_errors=True)
+            self._cache.removed(self.cache_dir / key)
         return Removal.REMOVED if meta is not None else Removal.ABSENT
 
     def copy(self, source: str, destination: str, meta_text: str) -> int:

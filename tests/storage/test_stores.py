@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +21,13 @@ from queue_tinker.errors import (
 )
 from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore, Removal
-from queue_tinker.storage.cache import GENERATION_MARKER, cached_copies, trim
+from queue_tinker.storage.cache import (
+    GENERATION_MARKER,
+    RESCAN_S,
+    CacheIndex,
+    cached_copies,
+    trim,
+)
 from queue_tinker.storage.configured import open_store
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.storage.s3 import S3Store
@@ -281,3 +289,45 @@ def test_trimming_spares_copies_in_use_and_skips_unfinished_ones(tmp_path: Path)
     assert evicted == [root / "a/old", root / "b/older-but-one"]
     assert (root / "c/recent").is_dir() and (root / ".staging" / "set-1").is_dir()
     assert trim(root, budget_bytes=0, keep_recent_s=60, now=1_000_000) == []
+
+
+def test_the_cache_index_trims_without_walking_the_cache_and_walks_again_in_time(
+    tmp_path: Path,
+) -> None:
+    """CacheIndex: one walk of the directory, then every copy this process adds, uses and
+    removes kept in memory, so trimming after each upload walks nothing (the old trim walked
+    every copy each time); it evicts as cache.trim does, least recently used first. A copy
+    another process adds is seen once the walk is RESCAN_S old."""
+    root = tmp_path / "cache"
+
+    def copy(key: str, used_s_ago: float) -> Path:
+        path = root / key
+        path.mkdir(parents=True)
+        (path / "weights").write_bytes(b"x" * 1000)
+        (path / GENERATION_MARKER).write_text("g")
+        when = time.time() - used_s_ago
+        os.utime(path / GENERATION_MARKER, (when, when))
+        return path
+
+    clock = [0.0]
+    index = CacheIndex(root, clock=lambda: clock[0])
+    first = copy("run/a", 300)
+    assert index.trim(budget_bytes=10**6, keep_recent_s=60) == []
+    for i, key in enumerate(["run/b", "run/c", "run/d"]):
+        index.added(copy(key, 200 - 50 * i))
+        clock[0] += 1
+        assert index.trim(budget_bytes=10**6, keep_recent_s=60) == []
+    assert index.walks == 1
+    index.used(first)  # now the most recently used
+    index.removed(root / "run/d")
+    shutil.rmtree(root / "run/d")
+    # The three left hold ~3,000 bytes: down to 2,000 evicts b, the oldest not in use.
+    assert index.trim(budget_bytes=2100, keep_recent_s=60) == [root / "run/b"]
+    assert index.walks == 1
+    assert {c.path for c in cached_copies(root)} == {first, root / "run/c"}
+
+    copy("elsewhere/e", 500)  # another process's copy: unseen until the next walk
+    assert index.trim(budget_bytes=2100, keep_recent_s=60) == []
+    clock[0] += RESCAN_S
+    assert index.trim(budget_bytes=2100, keep_recent_s=60) == [root / "elsewhere/e"]
+    assert index.walks == 2
