@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss, graph_batch_loss
@@ -92,11 +93,30 @@ def dro(
 
 @dataclass(frozen=True)
 class Sequences:
-    """Which datum each token of several datums' joined tokens comes from: what gspo, whose
-    terms carry their sequence's ratio, needs to take them all at once."""
+    """Where each token of several datums' joined tokens sits: what gspo, whose terms carry
+    their sequence's ratio, needs to take them all at once."""
 
     index: torch.Tensor  # (tokens,) int64, on the tokens' device: each token's datum
+    position: torch.Tensor  # (tokens,) int64: its place in its datum
     count: int  # datums
+    width: int  # the longest datum's tokens
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], device: torch.device) -> Sequences:
+        """Datums of these lengths, datum after datum (laid out on the host, one copy)."""
+        sizes = np.asarray(lengths, dtype=np.int64)
+        starts = np.cumsum(sizes) - sizes
+        index = np.repeat(np.arange(len(sizes)), sizes)
+        position = np.arange(int(sizes.sum())) - np.repeat(starts, sizes)
+        both = torch.from_numpy(np.stack([index, position])).to(device)
+        return cls(both[0], both[1], len(sizes), int(sizes.max(initial=0)))
+
+    def sums(self, values: torch.Tensor) -> torch.Tensor:
+        """(count,): each datum's sum of `values`, added in a fixed order on any device (every
+        token gets a slot of its own; no atomic adds)."""
+        laid_out = values.new_zeros(self.count, self.width)
+        laid_out[self.index, self.position] = values
+        return laid_out.sum(1)
 
 
 def sequence_log_ratio(
@@ -112,9 +132,8 @@ def sequence_log_ratio(
     kept = torch.where(marked != 0, log_ratio, torch.zeros_like(log_ratio))
     if sequences is None:
         return kept.sum() / marked.sum()
-    sums = log_ratio.new_zeros(sequences.count).index_add_(0, sequences.index, kept)
-    counts = log_ratio.new_zeros(sequences.count).index_add_(0, sequences.index, marked)
-    return (sums / counts).index_select(0, sequences.index)
+    means = sequences.sums(kept) / sequences.sums(marked)
+    return means.index_select(0, sequences.index)
 
 
 def gspo_token_ratio(

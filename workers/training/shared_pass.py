@@ -301,8 +301,7 @@ def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> LossInputs:
     if joined is None or any(len(inputs) != len(joined) for inputs in out):
         return LossInputs(per_datum=out, joined=None)
     lengths = [len(d.loss_fn_inputs["target_tokens"].data) for d in data]
-    index = torch.from_numpy(np.repeat(np.arange(len(data)), lengths)).to(device)
-    return LossInputs(per_datum=out, joined=joined, sequences=Sequences(index, len(data)))
+    return LossInputs(per_datum=out, joined=joined, sequences=Sequences.of(lengths, device))
 
 
 @contextmanager

@@ -166,15 +166,24 @@ def test_a_loss_over_joined_datums_equals_the_datum_by_datum_batch(loss_fn: str)
     total.backward()
     joined_logp = torch.cat([lp.detach() for lp, _ in data]).requires_grad_()
     joined = {key: torch.cat([d[key] for _, d in data]) for key in data[0][1]}
-    index = torch.cat([torch.full((lp.numel(),), i) for i, (lp, _) in enumerate(data)])
-    got, got_metrics = joined_batch_loss(
-        loss_fn, joined_logp, joined, CONFIG, Sequences(index, len(data))
-    )
+    sequences = Sequences.of([lp.numel() for lp, _ in data], torch.device("cpu"))
+    got, got_metrics = joined_batch_loss(loss_fn, joined_logp, joined, CONFIG, sequences)
     torch.testing.assert_close(got.detach(), total.detach(), **TOL)
     assert {k: float(v) for k, v in got_metrics.items()} == pytest.approx(metrics, rel=1e-5)
     got.backward()
     assert joined_logp.grad is not None
     torch.testing.assert_close(joined_logp.grad, torch.cat([lp.grad for lp, _ in data]), **TOL)
+
+
+def test_sequences_lay_joined_datums_out_and_sum_each() -> None:
+    """Sequences.of: each token's datum and place in it; sums: each datum's own, laid out a
+    slot a token (no atomic adds, so a GPU adds in the same order every time)."""
+    sequences = Sequences.of([3, 1, 2], torch.device("cpu"))
+    assert sequences.index.tolist() == [0, 0, 0, 1, 2, 2]
+    assert sequences.position.tolist() == [0, 1, 2, 0, 0, 1]
+    assert (sequences.count, sequences.width) == (3, 3)
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert sequences.sums(values).tolist() == [6.0, 4.0, 11.0]
 
 
 def test_gspo_marks_its_sequence_ratio_by_selection() -> None:
