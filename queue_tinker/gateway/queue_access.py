@@ -55,11 +55,13 @@ class GatewayQueue:
     async def close(self) -> None:
         await self.results.close()
 
-    async def catch_up_record(self, sessions: async_sessionmaker[AsyncSession]) -> None:
-        """Write the runs, checkpoints and sessions still on their way to Postgres first
-        (recorder.catch_up): a read of Postgres then finds what a client was just told exists,
-        a checkpoint saved just now among them."""
-        await catch_up(RecordLog(self.redis, self.keys), sessions)
+    async def catch_up_record(
+        self, sessions: async_sessionmaker[AsyncSession], *, requests: bool = False
+    ) -> None:
+        """Write the runs, checkpoints and sessions (with `requests`, the requests' events)
+        still on their way to Postgres first (recorder.catch_up): a read of Postgres then
+        finds what a client was just told exists, a checkpoint saved just now among them."""
+        await catch_up(RecordLog(self.redis, self.keys), sessions, requests=requests)
 
     # --- submitting ----------------------------------------------------------------------
     async def submit(

@@ -26,6 +26,7 @@ from queue_tinker.types import (
     CheckpointRecord,
     ModelRecord,
     Record,
+    RequestRecord,
     SamplingSessionRecord,
     SessionRecord,
 )
@@ -62,18 +63,22 @@ _READ_BACK = (ModelRecord, CheckpointRecord, SessionRecord, SamplingSessionRecor
 CATCH_UP_MAX = 2_000  # a longer backlog (Postgres was away) is the recorder's to work off
 
 
-async def catch_up(records: RecordLog, sessions: async_sessionmaker) -> int:
+async def catch_up(
+    records: RecordLog, sessions: async_sessionmaker, *, requests: bool = False
+) -> int:
     """Write now the waiting record events a REST read could name (runs, checkpoints,
-    sessions), so whatever a client holds a result for is visible on every route: the
-    worker appends a checkpoint's record before it publishes the result, so once the client
-    has it, it is here or already in Postgres. The upserts are idempotent and commute, so a
-    recorder writing the same entries at the same time does no harm; they are acknowledged
-    and deleted here, so no recorder writes them again after a later change (a TTL set, a
-    delete). Returns how many were written."""
+    sessions; with `requests`, the requests' events too: a session's trace), so whatever a
+    client holds a result for is visible on every route: the worker appends a checkpoint's
+    record, and its request's last event, before it publishes the result, so once the client
+    has it, it is here or already in Postgres. The upserts are idempotent and commute (a
+    request's row keeps its furthest status), so a recorder writing the same entries at the
+    same time does no harm; they are acknowledged and deleted here, so no recorder writes
+    them again after a later change (a TTL set, a delete). Returns how many were written."""
+    kinds = (*_READ_BACK, RequestRecord) if requests else _READ_BACK
     entries = [
         (entry_id, record)
         for entry_id, record in await records.waiting(CATCH_UP_MAX)
-        if isinstance(record, _READ_BACK)
+        if isinstance(record, kinds)
     ]
     if not entries:
         return 0

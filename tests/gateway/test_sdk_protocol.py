@@ -380,14 +380,24 @@ def test_storage_usage_audit_search_and_trace_through_the_sdk(
     assert [s.session_id for s in found.sessions] == [session_id]
     assert found.sessions[0].checkpoints_count == 1
 
-    def traced() -> list[str]:
-        """The trainer's requests in the trace, once the record holds both (written behind)."""
+    def traced() -> set[str]:
         url = rest.export_session_trace(session_id).result()
         events = httpx.get(url, headers=headers).json()["traceEvents"]
-        names = {e["name"] for e in events if e["pid"] == trainer.model_id}
-        return sorted(names) if {"create_model", "save_state"} <= names else []
+        return {e["name"] for e in events if e["pid"] == trainer.model_id}
 
-    assert {"create_model", "save_state"} <= set(wait_for(traced))
+    assert {"create_model", "save_state"} <= traced()
+    # A request whose result the client just got is in the trace at once: its events still
+    # on their way to Postgres are written first.
+    trainer.forward(
+        [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([1, 2]),
+                loss_fn_inputs={"target_tokens": np.array([2, 3])},
+            )
+        ],
+        "cross_entropy",
+    ).result(timeout=60)
+    assert "forward" in traced()
 
 
 def wait_for(probe: Callable[[], list[Any]], timeout: float = 30) -> list[Any]:

@@ -189,9 +189,10 @@ async def session_trace(
     session_id: str, request: Request, tenant: Tenant, limit: int = Query(100_000, ge=1)
 ) -> dict[str, Any]:
     """The session's requests as Chrome trace events (open in ui.perfetto.dev): one track
-    per model, a span per request from start to finish, its wait in the queue before it. The
-    record of the last second's requests may not have reached Postgres yet."""
-    await request.app.state.gateway_queue.catch_up_record(_db(request))
+    per model, a span per request from start to finish, its wait in the queue before it;
+    every request whose result a client holds among them (their events still on their way
+    to Postgres are written first)."""
+    await request.app.state.gateway_queue.catch_up_record(_db(request), requests=True)
     rows = await protocol_queries.session_requests(_db(request), tenant, session_id)
     if rows is None:
         raise not_found(f"session {session_id!r}")
