@@ -128,8 +128,9 @@ def sequence_log_ratio(
     selection, not by indexing: no device read for the marked count."""
     log_ratio = logprobs.detach() - inputs["logprobs"]
     mask = inputs.get("sequence_ratio_mask")
-    marked = torch.ones_like(log_ratio) if mask is None else (mask != 0).to(log_ratio.dtype)
-    kept = torch.where(marked != 0, log_ratio, torch.zeros_like(log_ratio))
+    selected = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else mask != 0
+    kept = torch.where(selected, log_ratio, 0.0)
+    marked = selected.to(log_ratio.dtype)
     if sequences is None:
         return kept.sum() / marked.sum()
     means = sequences.sums(kept) / sequences.sums(marked)

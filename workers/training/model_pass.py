@@ -73,7 +73,7 @@ class PassPlan:
     # tokens at the Llama-3.1-8B shape, H200); on the CPU the blocks are faster.
     stacked_lora: bool | None = None
     # Low-rank columns each token of this pass computes beyond its own adapter's rank (a
-    # pass's stacked LoRA: stacked_columns); what the checkpointing plan adds per layer.
+    # pass's stacked LoRA: for_pass); what the checkpointing plan adds per layer.
     extra_lora_columns: int = 0
     # Pack several datums into a row once one datum a row would be more than half padding
     # (None: never pack). Below it, packing saves less than it costs: its block-diagonal mask

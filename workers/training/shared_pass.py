@@ -152,12 +152,12 @@ def _losses_and_backward(
     losses: list[torch.Tensor] = []
     start = 0
     for op, op_inputs in zip(ops, inputs, strict=True):
-        lengths = [len(d.loss_fn_inputs["target_tokens"].data) for d in op.data]
+        lengths = op_inputs.lengths
         own = logprobs[start : start + sum(lengths)]
         start += sum(lengths)
         try:
             with torch.set_grad_enabled(op.backward):
-                loss, metrics = _op_loss(op, own, lengths, op_inputs)
+                loss, metrics = _op_loss(op, own, op_inputs)
         except Exception as exc:  # this op's failure; the others go on
             taken.append(exc)
             continue
@@ -172,7 +172,7 @@ def _losses_and_backward(
 
 
 def _op_loss(
-    op: PassOp, logprobs: torch.Tensor, lengths: list[int], inputs: LossInputs
+    op: PassOp, logprobs: torch.Tensor, inputs: LossInputs
 ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """The op's loss and metrics: over all its datums' tokens at once where its loss is a
     built-in one and every datum sent the same inputs (a few kernels however many datums),
@@ -183,7 +183,8 @@ def _op_loss(
             op.loss_fn.value, logprobs, inputs.joined, op.config, inputs.sequences
         )
     loss_fn = op.loss_fn.value if isinstance(op.loss_fn, LossFn) else op.loss_fn
-    return device_batch_loss(loss_fn, logprobs.split(lengths), inputs.per_datum, op.config)
+    per_datum = logprobs.split(inputs.lengths)
+    return device_batch_loss(loss_fn, per_datum, inputs.per_datum, op.config)
 
 
 def _read(taken: Sequence[_Unread | Exception]) -> list[ForwardBackwardOutput | Exception]:
@@ -271,6 +272,7 @@ class LossInputs:
     which datum each of their values is from."""
 
     per_datum: list[dict[str, torch.Tensor]]
+    lengths: list[int]  # each datum's target tokens
     joined: dict[str, torch.Tensor] | None
     sequences: Sequences | None = None
 
@@ -298,10 +300,10 @@ def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> LossInputs:
             joined[key] = values
         else:  # a datum lacks it, sent it 2-D, or sent another dtype
             joined = None
-    if joined is None or any(len(inputs) != len(joined) for inputs in out):
-        return LossInputs(per_datum=out, joined=None)
     lengths = [len(d.loss_fn_inputs["target_tokens"].data) for d in data]
-    return LossInputs(per_datum=out, joined=joined, sequences=Sequences.of(lengths, device))
+    if joined is None or any(len(inputs) != len(joined) for inputs in out):
+        return LossInputs(out, lengths, joined=None)
+    return LossInputs(out, lengths, joined=joined, sequences=Sequences.of(lengths, device))
 
 
 @contextmanager
