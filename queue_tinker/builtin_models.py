@@ -14,11 +14,11 @@ strings `<|bos|>`/`<|eos|>`/`<|pad|>` inside text are read as the special tokens
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,9 +303,28 @@ def ensure_tokenizer(name: str, models_dir: Path) -> Path:
     return final
 
 
-@functools.lru_cache(maxsize=16)
+# Tokenizers loaded so far, by (base model, models_dir); filled under _TOKENIZER_LOCK.
+_tokenizers: dict[tuple[str, Path], Any] = {}
+# The first load of a tokenizer runs transformers' lazy imports, which race when threads
+# start them at once: 5 of 16 concurrent first requests to a fresh gateway failed with
+# "cannot import name 'AutoTokenizer' from 'transformers'". One lock around every first load.
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def load_tokenizer(base_model: str, models_dir: Path) -> Any:
-    """The tokenizer for `base_model`: a built-in name, a Hub id or a local path (cached)."""
+    """The tokenizer for `base_model`: a built-in name, a Hub id or a local path (cached).
+    Safe from any number of threads at once: each tokenizer is loaded once, under a lock."""
+    key = (base_model, models_dir)
+    tokenizer = _tokenizers.get(key)
+    if tokenizer is None:
+        with _TOKENIZER_LOCK:
+            tokenizer = _tokenizers.get(key)
+            if tokenizer is None:
+                tokenizer = _tokenizers[key] = _load_tokenizer(base_model, models_dir)
+    return tokenizer
+
+
+def _load_tokenizer(base_model: str, models_dir: Path) -> Any:
     try:  # lazily: transformers is ~1 s to import and the light client installs none
         from transformers import AutoTokenizer
     except ModuleNotFoundError as exc:
