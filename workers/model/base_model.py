@@ -7,12 +7,14 @@ other name is passed to `from_pretrained` unchanged (a Hub id or a local path).
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import torch
+from peft import PeftModel
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
@@ -179,6 +181,31 @@ def vocab_size(model: torch.nn.Module) -> int:
     if isinstance(head, torch.nn.Module) and isinstance(head.weight, torch.Tensor):
         return int(head.weight.shape[0])
     return int(_config(model).vocab_size)
+
+
+# A model class's forward parameters, read once per class (a decode step asks every step).
+_FORWARD_PARAMETERS: dict[type, frozenset[str]] = {}
+
+
+def forward_takes(model: torch.nn.Module, keyword: str) -> bool:
+    """Whether the model under any PEFT wrapper names `keyword` among its forward's parameters
+    (transformers' generation models take `logits_to_keep`; a custom one may not)."""
+    inner = model.get_base_model() if isinstance(model, PeftModel) else model
+    parameters = _FORWARD_PARAMETERS.get(type(inner))
+    if parameters is None:
+        try:
+            parameters = frozenset(inspect.signature(type(inner).forward).parameters)
+        except (TypeError, ValueError):
+            parameters = frozenset()
+        _FORWARD_PARAMETERS[type(inner)] = parameters
+    return keyword in parameters
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache by: `cache` from transformers 5.24
+    on (which deprecates `past_key_values`, to be removed in 5.40), `past_key_values` before
+    (5.17 on the GPU machines)."""
+    return "cache" if forward_takes(model, "cache") else "past_key_values"
 
 
 def load_frozen_base(

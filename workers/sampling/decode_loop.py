@@ -27,7 +27,6 @@ request with more samples than the loop has rows for, or than its KV-cache budge
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
+from queue_tinker.workers.model.base_model import cache_keyword, forward_takes
 from queue_tinker.workers.model.row_blocks import (
     LoraLayer,
     blocks_of,
@@ -341,11 +341,11 @@ class DecodeLoop:
             "input_ids": ids,
             "attention_mask": mask,
             "position_ids": positions,
-            "past_key_values": cache,
+            cache_keyword(model): cache,
             "use_cache": True,
             **(extra or {}),  # a prompt's images (image_prefill.py)
         }
-        if last_only and _takes_logits_to_keep(model):
+        if last_only and forward_takes(model, "logits_to_keep"):
             kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
         if not isinstance(model, PeftModel):
             return model(**kwargs).logits
@@ -664,13 +664,3 @@ def _kept_at_most(request: LiveRequest, vocab: int) -> int:
     """The most tokens a row's top_k leaves (the vocabulary when it sets none)."""
     top_k = request.spec.params.top_k
     return min(top_k, vocab) if top_k > 0 else vocab
-
-
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the causal LM under any PEFT wrapper accepts `logits_to_keep` (transformers'
-    generation models do; a custom one may not)."""
-    inner = model.get_base_model() if isinstance(model, PeftModel) else model
-    try:
-        return "logits_to_keep" in inspect.signature(inner.forward).parameters
-    except (TypeError, ValueError):
-        return False

@@ -33,6 +33,7 @@ from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from transformers import DynamicCache
 
+from queue_tinker.workers.model.base_model import cache_keyword
 from queue_tinker.workers.model.row_blocks import LoraLayer
 from queue_tinker.workers.sampling.adapter_slots import (
     BASE_SLOT,
@@ -279,7 +280,7 @@ class SlotDecoder:
             "input_ids": self.tokens[:size, None],
             "position_ids": positions[:, None],
             "attention_mask": filled[:, None, None, :],
-            "past_key_values": self.slots.cache(),
+            cache_keyword(model): self.slots.cache(),
             "use_cache": True,
         }
         with grouped_decode(model):

@@ -26,7 +26,7 @@ from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.types.sampling import SampleResponse, SamplingParams
 from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.model.adapters import linear_names, peft_config
-from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.model.base_model import cache_keyword, load_base_model
 from queue_tinker.workers.model.row_blocks import blocks_of
 from queue_tinker.workers.sampling import decode_loop as sampler
 from queue_tinker.workers.sampling import token_choice
@@ -1163,11 +1163,12 @@ def switched_greedy(
     KV cache, on adapters[0] for the first `switch_at` tokens and adapters[1] after, the
     cache computed so far kept."""
     cache = DynamicCache()
+    by = cache_keyword(model)  # `cache` from transformers 5.24, `past_key_values` before
     tokens: list[int] = []
     logprobs: list[float] = []
     with torch.inference_mode():
         model.set_adapter(adapters[0])
-        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
+        logits = model(input_ids=torch.tensor([prompt]), **{by: cache}).logits[0, -1]
         for step in range(steps):
             token = int(logits.argmax())
             tokens.append(token)
@@ -1175,7 +1176,7 @@ def switched_greedy(
             if step + 1 == switch_at:
                 model.set_adapter(adapters[1])
             ids = torch.tensor([[token]])
-            logits = model(input_ids=ids, past_key_values=cache).logits[0, -1]
+            logits = model(input_ids=ids, **{by: cache}).logits[0, -1]
     return tokens, logprobs
 
 
