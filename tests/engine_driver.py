@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from queue_tinker.queue.dispatch import Op
+from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import (

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from engine_driver import Driver, batch, run_stepped
 
 from queue_tinker.errors import RanksPartedError
-from queue_tinker.queue.dispatch import Op
+from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.types import OpKind, codec

@@ -125,7 +125,7 @@ class SteppedCompute(Protocol):
         ...
 
     def followed(self) -> set[str]:
-        """The training runs whose inflight weights joined ops follow (queue/inflight.py)."""
+        """The training runs whose inflight weights joined ops follow (queue/ops/inflight.py)."""
         ...
 
     def follow(self, newest: Mapping[str, str]) -> None:

@@ -18,10 +18,10 @@ from queue_tinker.errors import (
     WorkerGroupError,
 )
 from queue_tinker.queue.connection import Reconnector, connect
-from queue_tinker.queue.dispatch import Dispatcher
+from queue_tinker.queue.dispatch.dispatcher import Dispatcher
+from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
-from queue_tinker.queue.registry import WorkerRegistry
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore
@@ -100,7 +100,7 @@ def lora_executor(
 
 def expiry_scheduler(settings: Settings) -> Callable[[list[Record]], Awaitable[None]]:
     """Hands each new checkpoint with a TTL to the housekeeper (rq), which deletes it then."""
-    from queue_tinker.queue.expiry_jobs import schedule_checkpoint_expiry
+    from queue_tinker.queue.control.expiry_jobs import schedule_checkpoint_expiry
 
     sync_redis = redis.Redis.from_url(settings.redis_url or "")
 

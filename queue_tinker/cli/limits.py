@@ -9,14 +9,14 @@ import sys
 from queue_tinker.cli.status import table
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue.connection import connect
-from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.limits import (
+from queue_tinker.queue.control.limits import (
     DEFAULT_TENANT_KEY,
     Limits,
     clear_limits,
     list_limits,
     set_limits,
 )
+from queue_tinker.queue.keys import Keys
 
 
 def _limit(value: float) -> str:

@@ -23,7 +23,7 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
 if TYPE_CHECKING:
-    from queue_tinker.queue.metrics import MetricsSnapshot
+    from queue_tinker.queue.observe.metrics import MetricsSnapshot
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -32,8 +32,8 @@ async def read_status(redis: Redis, keys: Keys, settings: Settings) -> dict[str,
     """Everything `status` shows, JSON-able: {"overview": ..., "metrics": ...}."""
     # Imported here: they pull in the wire types (numpy, pydantic: ~0.3 s), which `limits`
     # (it uses table()) and the text functions do without.
-    from queue_tinker.queue.metrics import read_metrics
-    from queue_tinker.queue.overview import queue_overview
+    from queue_tinker.queue.observe.metrics import read_metrics
+    from queue_tinker.queue.observe.overview import queue_overview
 
     overview = await queue_overview(redis, keys, settings)
     return {"overview": overview, "metrics": snapshot_json(await read_metrics(redis, keys))}

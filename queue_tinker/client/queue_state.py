@@ -1,6 +1,6 @@
 """Telling a waiting caller why it waits.
 
-While a model has requests in flight, its queue state (queue/state.py: `active`,
+While a model has requests in flight, its queue state (queue/results/state.py: `active`,
 `paused_rate_limit`, `paused_capacity`, with a reason) is looked up every QUEUE_STATE_POLL_S;
 each change goes to the observers. The default observer logs a readable warning, at most once
 per minute per model, as in "Training is paused for m-1. Reason: concurrent training clients
@@ -20,9 +20,9 @@ from typing import TypeVar
 
 from redis.asyncio import Redis
 
+from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.registry import WorkerRegistry
-from queue_tinker.queue.state import model_state
+from queue_tinker.queue.results.state import model_state
 from queue_tinker.types import QueueState
 
 log = logging.getLogger("queue_tinker.queue_state")

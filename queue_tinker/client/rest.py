@@ -18,8 +18,8 @@ from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.errors import NotFoundError, UserInputError
-from queue_tinker.queue.expiry_jobs import schedule_expiry
-from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.control.expiry_jobs import schedule_expiry
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.storage.configured import open_store

@@ -16,7 +16,7 @@ from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.wire import decoder
-from queue_tinker.queue import runs
+from queue_tinker.queue.ops import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.images import refuse_images
@@ -59,7 +59,7 @@ class SamplingClient:
         self.sampler_id = sampler_id
         self.base_model = base_model
         self.model_path = model_path  # None: samples come from the base model itself
-        # The training run whose inflight weights this client follows (queue/inflight.py):
+        # The training run whose inflight weights this client follows (queue/ops/inflight.py):
         # model_path is then the save that made it, and samples run on the newest one.
         self.inflight_of = inflight_of
         self._limits = RequestLimits.of(settings)

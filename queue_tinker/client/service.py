@@ -12,7 +12,7 @@ from queue_tinker.client.rest import RestClient, server_capabilities
 from queue_tinker.client.sampling import SamplingClient, open_sampling_session
 from queue_tinker.client.training import TrainingClient
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import runs
+from queue_tinker.queue.ops import runs
 from queue_tinker.settings import Settings, load_settings
 from queue_tinker.types import codec
 from queue_tinker.types.rest import GetServerCapabilitiesResponse

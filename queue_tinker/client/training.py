@@ -26,7 +26,7 @@ from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.client.sampling import SamplingClient, open_sampling_session
 from queue_tinker.client.wire import decoder, validated
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue import runs
+from queue_tinker.queue.ops import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import check_name
@@ -356,7 +356,7 @@ class TrainingClient:
         Without a name the weights are ephemeral: kept QT_EPHEMERAL_SAMPLER_TTL_S, and not
         listed among the run's checkpoints. kind="inflight" (without a name): the run's
         inflight weights move to this save, and every inflight client of the run samples
-        from the newest such save, samples already running included (queue/inflight.py)."""
+        from the newest such save, samples already running included (queue/ops/inflight.py)."""
         if kind not in ("snapshot", "inflight"):
             raise UserInputError(f"kind: must be 'snapshot' or 'inflight', got {kind!r}")
         if name is not None:

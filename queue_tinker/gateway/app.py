@@ -50,8 +50,8 @@ from queue_tinker.gateway.tinker import (
 from queue_tinker.gateway.tinker.rest import record_caught_up, rest_router
 from queue_tinker.gateway.tinker.session import session_router
 from queue_tinker.gateway.tinker.unserved import unserved_router
-from queue_tinker.queue import silent_sessions
 from queue_tinker.queue.connection import REDIS_DOWN, connect
+from queue_tinker.queue.control import silent_sessions
 from queue_tinker.queue.keys import Keys
 from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings

@@ -28,10 +28,11 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import Caller, caller_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.queue_access import not_found
-from queue_tinker.queue import actions, redis_bytes
+from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.control import actions
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.overview import queue_overview
-from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.observe.overview import queue_overview
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.settings import Settings
 from queue_tinker.store import dashboard_queries as dq
 from queue_tinker.types.enums import JobStatus, OpKind

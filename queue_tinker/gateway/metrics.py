@@ -26,8 +26,8 @@ from prometheus_client.utils import floatToGoString
 
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.metrics import MetricsSnapshot, read_metrics
-from queue_tinker.queue.overview import queue_overview
+from queue_tinker.queue.observe.metrics import MetricsSnapshot, read_metrics
+from queue_tinker.queue.observe.overview import queue_overview
 from queue_tinker.settings import Settings
 
 

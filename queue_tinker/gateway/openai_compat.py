@@ -25,7 +25,7 @@ from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import caller_of_key
 from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue
-from queue_tinker.queue import runs
+from queue_tinker.queue.ops import runs
 from queue_tinker.types import JobStatus, OpKind, codec
 from queue_tinker.types.checkpoints import SCHEME
 from queue_tinker.types.request_limits import encode_request

@@ -12,12 +12,12 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.queue import redis_bytes
-from queue_tinker.queue.inflight import InflightWeights
-from queue_tinker.queue.jobs import HeldLimits, JobQueue
+from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
-from queue_tinker.queue.registry import WorkerRegistry
-from queue_tinker.queue.results import ResultListener
+from queue_tinker.queue.observe.records import RecordLog
+from queue_tinker.queue.ops.inflight import InflightWeights
+from queue_tinker.queue.ops.jobs import HeldLimits, JobQueue
+from queue_tinker.queue.results.listener import ResultListener
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.storage.configured import open_store

@@ -86,7 +86,8 @@ class Keys:
         return f"{self.prefix}:session:{session_id}"
 
     def session_samplers(self, session_id: str) -> str:
-        """Set: the sampling sessions a gateway session opened (queue/silent_sessions.py)."""
+        """Set: the sampling sessions a gateway session opened
+        (queue/control/silent_sessions.py)."""
         return f"{self.prefix}:session:{session_id}:samplers"
 
     def session_heartbeats(self) -> str:
@@ -156,7 +157,8 @@ class Keys:
 
     def metrics_latency(self, kind: str) -> str:
         """Hash: `b<i>` -> ops whose queued-to-finished time fell in latency bucket i
-        (queue/metrics.py LATENCY_BUCKETS_S; i past the last bound is +Inf), count, sum_s."""
+        (queue/observe/metrics.py LATENCY_BUCKETS_S; i past the last bound is +Inf), count,
+        sum_s."""
         return f"{self.prefix}:metrics:latency:{kind}"
 
     def metrics_tokens(self) -> str:

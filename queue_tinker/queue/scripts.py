@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from queue_tinker.queue.metrics import LATENCY_BUCKETS_S
+from queue_tinker.queue.observe.metrics import LATENCY_BUCKETS_S
 
 _LUA_DIR = Path(__file__).parent / "lua"
 

@@ -9,7 +9,7 @@ writes rows behind the queue, so a row that is not there yet is tried again a fe
 A periodic sweep over Postgres catches whatever a lost job (Redis flushed, housekeeper down) left
 behind. The files and the row are
 store/checkpoints.py's (a user's delete and a TTL change through the gateway go through the same
-code there); the job names and their scheduling are queue/expiry_jobs.py's.
+code there); the job names and their scheduling are queue/control/expiry_jobs.py's.
 
 The jobs are synchronous (rq jobs are); their database work goes through the asyncpg engine
 under `asyncio.run`, so no second Postgres driver is needed. No torch.
@@ -38,7 +38,7 @@ from rq.exceptions import DuplicateJobError
 
 from queue_tinker.errors import CheckpointPathError
 from queue_tinker.local.processes import die_with_parent
-from queue_tinker.queue.expiry_jobs import (
+from queue_tinker.queue.control.expiry_jobs import (
     expiry_job_id,
     housekeeping_queue,
     id_token,

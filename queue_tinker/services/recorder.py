@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from queue_tinker.queue.connection import connect, describe
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import Entry, RecordLog
+from queue_tinker.queue.observe.records import Entry, RecordLog
 from queue_tinker.store.db import make_engine, refused, session_factory
 from queue_tinker.store.record_writer import apply_records
 from queue_tinker.types import (

@@ -3,7 +3,7 @@ directory or a bucket; the `qt_meta.json` each holds is the source of truth) and
 Expiry, a user's delete and a TTL change all go through here, so the storage checks and the
 meta-first rule hold for each of them; the housekeeper's jobs (services/housekeeper.py), the
 gateway and the REST client call these. No Redis here: whoever sets a TTL schedules its expiry
-job through queue/expiry_jobs.py.
+job through queue/control/expiry_jobs.py.
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ async def set_checkpoint_ttl(
 ) -> bool:
     """Set (unix seconds) or remove (None) a checkpoint's expiry: the meta file first, since it
     is what expiry obeys; then the row (listings). The caller then schedules the expiry job
-    (queue/expiry_jobs.py schedule_expiry); a removed TTL leaves any job in place: it finds no
-    expiry in the meta and does nothing. False if the checkpoint is gone meanwhile."""
+    (queue/control/expiry_jobs.py schedule_expiry); a removed TTL leaves any job in place: it
+    finds no expiry in the meta and does nothing. False if the checkpoint is gone meanwhile."""
     written = await asyncio.to_thread(set_meta_expiry, row.id, row.path, expires_at, store)
     when = datetime.fromtimestamp(expires_at, tz=UTC) if expires_at is not None else None
     return written and await queries.set_checkpoint_expiry(sessions, tenant_id, row.id, when)

@@ -108,7 +108,7 @@ class SampleInput(_Wire):
     # The weights to sample from: a tinker:// checkpoint path, or None for the base model.
     # Every op carries it, so any worker can run it without the session's history.
     model_path: str | None = None
-    # The training run whose inflight weights the session follows (queue/inflight.py):
+    # The training run whose inflight weights the session follows (queue/ops/inflight.py):
     # model_path is their newest save when the op was sent, and the worker moves the op to
     # any newer one while it runs. None: model_path is fixed.
     inflight_of: str | None = None

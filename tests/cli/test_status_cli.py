@@ -16,9 +16,9 @@ from procs import REPO, child_env, running_workers
 from queue_tinker.cli.status import quantile_bound, render
 from queue_tinker.client import ServiceClient
 from queue_tinker.queue.connection import connect
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.control.limits import DEFAULT_TENANT_KEY, Limits, read_limits, set_limits
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.limits import DEFAULT_TENANT_KEY, Limits, read_limits, set_limits
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind
 

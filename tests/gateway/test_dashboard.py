@@ -25,7 +25,7 @@ from queue_tinker.cli.keys import run_keys
 from queue_tinker.errors import RequestFailedError
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.settings import Settings
 from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory

@@ -27,7 +27,7 @@ from sqlalchemy import text
 import queue_tinker
 from queue_tinker import types
 from queue_tinker.client.holder import decode_outcome
-from queue_tinker.queue.expiry_jobs import expiry_job_id, housekeeping_queue
+from queue_tinker.queue.control.expiry_jobs import expiry_job_id, housekeeping_queue
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.record_writer import apply_records

@@ -45,8 +45,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from queue_tinker.gateway.downloads import signature
 from queue_tinker.gateway.tinker.sample_futures import CANCELLED
 from queue_tinker.queue.connection import connect
+from queue_tinker.queue.control.limits import set_limits
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.limits import set_limits
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine
 from queue_tinker.types.enums import BUILT_IN_LOSSES

@@ -22,8 +22,8 @@ from queue_tinker.errors import RequestFailedError
 from queue_tinker.gateway.app import create_app
 from queue_tinker.gateway.metrics import metrics_router
 from queue_tinker.queue.connection import connect
-from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind
 

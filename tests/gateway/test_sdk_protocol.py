@@ -33,9 +33,9 @@ from tinker.types.forward_backward_request import ForwardBackwardRequest
 from queue_tinker.gateway.tinker.sample_futures import CANCELLED
 from queue_tinker.gateway.tinker.unserved import UNSERVED
 from queue_tinker.queue.connection import connect
-from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.runs import open_sampling_session
+from queue_tinker.queue.ops.jobs import JobQueue
+from queue_tinker.queue.ops.runs import open_sampling_session
 from queue_tinker.settings import Settings
 from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory

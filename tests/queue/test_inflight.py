@@ -1,4 +1,4 @@
-"""A training run's inflight sampler weights (queue/inflight.py) on real Redis and the real
+"""A training run's inflight sampler weights (queue/ops/inflight.py) on real Redis and the real
 script: they only move forward, expire with the checkpoints they point at, and a session
 that follows them samples from the newest (runs.sample_weights)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from redis.asyncio import Redis
 
-from queue_tinker.queue import runs
-from queue_tinker.queue.inflight import InflightWeights
-from queue_tinker.queue.jobs import JobQueue
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops import runs
+from queue_tinker.queue.ops.inflight import InflightWeights
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.queue.scripts import Scripts
 
 BASE = "queue-tinker/tiny-llama"

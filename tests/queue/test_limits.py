@@ -18,13 +18,13 @@ from redis.asyncio import Redis
 from queue_tinker.client import ServiceClient
 from queue_tinker.client.queue_state import QueueStateChange, QueueStateLogger
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue.dispatch import Dispatcher, Outcome
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.control.limits import Limits, clear_limits, read_limits, set_limits
+from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Outcome
+from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.limits import Limits, clear_limits, read_limits, set_limits
-from queue_tinker.queue.overview import queue_overview
-from queue_tinker.queue.registry import WorkerRegistry
-from queue_tinker.queue.state import queue_state
+from queue_tinker.queue.observe.overview import queue_overview
+from queue_tinker.queue.ops.jobs import JobQueue
+from queue_tinker.queue.results.state import queue_state
 from queue_tinker.settings import Settings
 from queue_tinker.types import JobStatus, OpKind, QueueState, codec
 

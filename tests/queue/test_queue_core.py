@@ -8,11 +8,11 @@ import pytest
 from redis.asyncio import Redis
 
 from queue_tinker.errors import LeaseLostError, UnknownModelError, UserInputError
-from queue_tinker.queue.actions import cancel_job
-from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.control.actions import cancel_job
+from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Lease, Op, Outcome
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import parse_record
+from queue_tinker.queue.observe.records import parse_record
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.types import CheckpointKind, CheckpointRecord, JobStatus, OpKind
 
 BASE = "tiny"

@@ -23,11 +23,11 @@ from redis.asyncio import Redis
 from test_queue_core import BASE, dispatcher
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue.actions import cancel_job
 from queue_tinker.queue.connection import connect
-from queue_tinker.queue.dispatch import Dispatcher, Lease, Op, Outcome
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.control.actions import cancel_job
+from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Lease, Op, Outcome
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.types import JobStatus, OpKind
 
 ACTIONS = ("enqueue", "enqueue", "cancel", "read", "start", "publish", "lose_owner")

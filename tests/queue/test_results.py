@@ -8,10 +8,10 @@ import pytest
 from redis.asyncio import Redis
 
 from queue_tinker.errors import ResultExpiredError
-from queue_tinker.queue.dispatch import Dispatcher, Outcome
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Outcome
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.results import ResultListener
+from queue_tinker.queue.ops.jobs import JobQueue
+from queue_tinker.queue.results.listener import ResultListener
 from queue_tinker.types import JobStatus, OpKind
 
 

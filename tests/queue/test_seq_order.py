@@ -10,9 +10,9 @@ import pytest
 from redis.asyncio import Redis
 
 from queue_tinker.errors import HeldOpsFullError, SeqIdUsedError, UserInputError
-from queue_tinker.queue.actions import CANCELLED, cancel_job
-from queue_tinker.queue.jobs import HeldLimits, JobQueue
+from queue_tinker.queue.control.actions import CANCELLED, cancel_job
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops.jobs import HeldLimits, JobQueue
 from queue_tinker.types import JobStatus, OpKind
 
 

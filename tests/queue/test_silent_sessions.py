@@ -1,7 +1,7 @@
-"""Samples of a client that went silent (queue/silent_sessions.py), on real Redis and the real
-scripts: a session that sent heartbeats and then none past the timeout has its queued samples
-cancelled and its running ones stopped; sessions still heard from, never heard from, or
-finished keep theirs."""
+"""Samples of a client that went silent (queue/control/silent_sessions.py), on real Redis and
+the real scripts: a session that sent heartbeats and then none past the timeout has its queued
+samples cancelled and its running ones stopped; sessions still heard from, never heard from,
+or finished keep theirs."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 from test_queue_core import BASE, dispatcher
 
-from queue_tinker.queue import silent_sessions
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.control import silent_sessions
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.settings import Settings
 from queue_tinker.types import JobStatus, OpKind
 

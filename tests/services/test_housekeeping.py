@@ -31,7 +31,7 @@ from rq.registry import ScheduledJobRegistry
 from rq.scheduler import RQScheduler
 from sqlalchemy import select
 
-from queue_tinker.queue.expiry_jobs import (
+from queue_tinker.queue.control.expiry_jobs import (
     expiry_job_id,
     housekeeping_queue,
     schedule_checkpoint_expiry,

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.services.recorder import WRITE_INTERVAL_S, Recorder
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.queries import get_training_run, requests_for_model

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.models import Request, Session, Tenant, Worker

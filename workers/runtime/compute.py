@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 from queue_tinker.errors import ErrorCategory, QueueTinkerError
-from queue_tinker.queue.dispatch import Op, Outcome
+from queue_tinker.queue.dispatch.dispatcher import Op, Outcome
 from queue_tinker.types import JobStatus
 from queue_tinker.workers.interface import OpResult, ResultOrError
 

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from queue_tinker.queue.dispatch import Lease, Op, Outcome
+from queue_tinker.queue.dispatch.dispatcher import Lease, Op, Outcome
 
 
 @dataclass

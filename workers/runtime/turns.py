@@ -8,7 +8,7 @@ import logging
 import time
 
 from queue_tinker.errors import LeaseLostError
-from queue_tinker.queue.dispatch import Op, Outcome
+from queue_tinker.queue.dispatch.dispatcher import Op, Outcome
 from queue_tinker.types import JobStatus
 from queue_tinker.types.records import Record
 from queue_tinker.workers.interface import BatchCompute, OpCompute

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
 from queue_tinker.queue.connection import Reconnector, describe
-from queue_tinker.queue.dispatch import Dispatcher
-from queue_tinker.queue.inflight import InflightWeights
-from queue_tinker.queue.records import RecordLog
-from queue_tinker.queue.registry import WorkerRegistry
+from queue_tinker.queue.dispatch.dispatcher import Dispatcher
+from queue_tinker.queue.dispatch.registry import WorkerRegistry
+from queue_tinker.queue.observe.records import RecordLog
+from queue_tinker.queue.ops.inflight import InflightWeights
 from queue_tinker.types.records import Record
 from queue_tinker.workers.interface import Engine
 from queue_tinker.workers.runtime.arrivals import Arrivals

@@ -232,7 +232,7 @@ class SamplingSessions:
             self._joined[op.job_id] = _Joined(op, directory, len(request.prompt), waiting.follows)
             self._loop_of().add(op.job_id, replace(request, adapter=adapter))
 
-    # --- inflight weights (queue/inflight.py) ---------------------------------------------------
+    # --- inflight weights (queue/ops/inflight.py) -----------------------------------------------
     def followed(self) -> set[str]:
         """The training runs whose inflight weights joined ops follow."""
         joined = {j.follows for j in self._joined.values()}

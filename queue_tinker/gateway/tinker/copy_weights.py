@@ -30,8 +30,8 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_found
 from queue_tinker.gateway.tinker.rest import ttl_seconds
-from queue_tinker.queue.expiry_jobs import schedule_checkpoint_expiry
-from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.control.expiry_jobs import schedule_checkpoint_expiry
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.store import checkpoints, queries
 from queue_tinker.store.models import Checkpoint

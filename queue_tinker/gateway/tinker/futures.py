@@ -24,9 +24,9 @@ from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_f
 from queue_tinker.gateway.responses import GatewayJSONResponse as JSONResponse
 from queue_tinker.gateway.tinker.bodies import RetrieveFutureRequest
 from queue_tinker.gateway.tinker.custom_loss import GATEWAY_ANSWERED
-from queue_tinker.queue import runs
-from queue_tinker.queue.jobs import JobOutcome
-from queue_tinker.queue.state import queue_state
+from queue_tinker.queue.ops import runs
+from queue_tinker.queue.ops.jobs import JobOutcome
+from queue_tinker.queue.results.state import queue_state
 from queue_tinker.settings import Settings
 from queue_tinker.types import JobStatus, OpKind, QueueState, codec
 from queue_tinker.types.sampling import SampleResponse

@@ -22,9 +22,9 @@ from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.queue_access import not_found
-from queue_tinker.queue.expiry_jobs import schedule_expiry
+from queue_tinker.queue.control.expiry_jobs import schedule_expiry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore

@@ -20,8 +20,8 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_found
 from queue_tinker.gateway.tinker.futures import poll_budget
-from queue_tinker.queue.actions import cancel_job
-from queue_tinker.queue.sample_futures import CLIENT_BLOCK, SampleFutures
+from queue_tinker.queue.control.actions import cancel_job
+from queue_tinker.queue.results.sample_futures import CLIENT_BLOCK, SampleFutures
 from queue_tinker.types import JobStatus
 
 # A poll re-reads its client's pending samples at least this often: a sample submitted

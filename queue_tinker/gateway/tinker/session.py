@@ -12,10 +12,10 @@ from pydantic import BaseModel
 
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
-from queue_tinker.queue import silent_sessions
+from queue_tinker.queue.control import silent_sessions
+from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
-from queue_tinker.queue.registry import WorkerRegistry
+from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.settings import Settings
 from queue_tinker.types import SessionRecord
 

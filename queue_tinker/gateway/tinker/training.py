@@ -29,7 +29,7 @@ from queue_tinker.gateway.tinker.bodies import (
     SaveWeightsRequest,
 )
 from queue_tinker.gateway.tinker.custom_loss import custom_loss_for
-from queue_tinker.queue import runs
+from queue_tinker.queue.ops import runs
 from queue_tinker.store import queries
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, check_name, loadable
@@ -263,7 +263,7 @@ async def save_weights_for_sampler(
 ) -> dict[str, Any]:
     """Named: weights at tinker://<model>/sampler_weights/<path>. Without a path: an
     ephemeral checkpoint that becomes a sampling session when it is done; with
-    kind="inflight", one that follows the run's inflight weights (queue/inflight.py)."""
+    kind="inflight", one that follows the run's inflight weights (queue/ops/inflight.py)."""
     if body.path is not None:
         return await ordered(
             gq,

@@ -141,7 +141,7 @@ local function settle_finished_after(k, prefix, model_id)
   end
 end
 
--- --- per-tenant limits (queue/limits.py) ---------------------------------------------------
+-- --- per-tenant limits (queue/control/limits.py) -----------------------------------------
 
 -- A tenant's limit on `field`, 0 for none: its own, else the default tenant '*'s.
 local function tenant_limit(prefix, tenant, field)
@@ -224,7 +224,7 @@ local function charge_tokens(prefix, tenant, tokens)
   end
 end
 
--- --- fleet-wide counters for /metrics (queue/metrics.py reads them) -------------------------
+-- --- fleet-wide counters for /metrics (queue/observe/metrics.py reads them) -----------------
 
 local function count_published(prefix, job, status, finished, tokens, tenant)
   local kind = redis.call('HGET', job, 'kind')

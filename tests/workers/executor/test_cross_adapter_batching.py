@@ -33,7 +33,7 @@ from sqlalchemy import text
 import queue_tinker as tinker
 from queue_tinker import types
 from queue_tinker.errors import QueueTinkerError, UserInputError
-from queue_tinker.queue.dispatch import Op
+from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine
 from queue_tinker.types import OpKind, codec

@@ -43,7 +43,7 @@ from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.client.custom_loss import forward_data, run_custom_loss
 from queue_tinker.errors import OpCancelledError, UserInputError
-from queue_tinker.queue.dispatch import Op
+from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.types.training import (

@@ -15,7 +15,7 @@ from engine_driver import Driver, run_op, run_stepped
 from PIL import Image
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue.dispatch import Op
+from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, ModelInput
 from queue_tinker.types.training import AdamParams

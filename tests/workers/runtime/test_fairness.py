@@ -14,9 +14,9 @@ from procs import running_workers
 from redis.asyncio import Redis
 
 from queue_tinker.client import ServiceClient
-from queue_tinker.queue.dispatch import Dispatcher
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.dispatch.dispatcher import Dispatcher
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind
 

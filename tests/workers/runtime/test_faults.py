@@ -33,10 +33,10 @@ from training_runs import ADAM, BATCHES, TINY, adapter_weights
 
 import queue_tinker as tinker
 from queue_tinker.client.future import APIFuture
-from queue_tinker.queue.dispatch import Dispatcher, Op, Outcome
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Op, Outcome
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import RecordLog
+from queue_tinker.queue.observe.records import RecordLog
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.services import recorder as recorder_module
 from queue_tinker.services.recorder import Recorder
 from queue_tinker.settings import Settings

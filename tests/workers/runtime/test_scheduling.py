@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from itertools import pairwise
 
-from queue_tinker.queue.dispatch import Lease
+from queue_tinker.queue.dispatch.dispatcher import Lease
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.ops import Op
 from queue_tinker.workers.executor.rules import LoraOpRules

@@ -22,8 +22,8 @@ from training_runs import ADAM, BATCHES, TINY, adapter_weights, train
 import queue_tinker as tinker
 from queue_tinker import types
 from queue_tinker.errors import RequestFailedError
-from queue_tinker.queue.actions import cancel_job
 from queue_tinker.queue.connection import connect
+from queue_tinker.queue.control.actions import cancel_job
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.queue.inflight import InflightWeights
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.ops.inflight import InflightWeights
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.enums import CheckpointKind

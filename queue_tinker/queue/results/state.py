@@ -5,8 +5,8 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.registry import WorkerRegistry
 from queue_tinker.types import QueueState
 
 

@@ -27,8 +27,8 @@ from queue_tinker.queue.connection import (
     REDIS_DOWN,
     describe,
 )
-from queue_tinker.queue.jobs import JobOutcome, JobQueue, outcome_from_fields
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops.jobs import JobOutcome, JobQueue, outcome_from_fields
 from queue_tinker.types import JobStatus
 
 log = logging.getLogger(__name__)

@@ -10,10 +10,10 @@ from typing import Any
 from redis.asyncio import Redis
 
 from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.control.limits import DEFAULT_TENANT_KEY, limits_dict, read_limits
+from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.limits import DEFAULT_TENANT_KEY, limits_dict, read_limits
-from queue_tinker.queue.registry import WorkerRegistry
-from queue_tinker.queue.state import model_state
+from queue_tinker.queue.results.state import model_state
 from queue_tinker.settings import Settings
 
 

@@ -12,9 +12,9 @@ from redis.exceptions import ResponseError
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue import redis_bytes
-from queue_tinker.queue.dispatch import CONTROL_STREAM_LEN, command_worker
-from queue_tinker.queue.jobs import JobQueue
+from queue_tinker.queue.dispatch.dispatcher import CONTROL_STREAM_LEN, command_worker
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.queue.scripts import Scripts
 from queue_tinker.types import OpKind
 

@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue import redis_bytes
-from queue_tinker.queue.actions import cancel_job
+from queue_tinker.queue.control.actions import cancel_job
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import OpKind
 

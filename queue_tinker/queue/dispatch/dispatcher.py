@@ -19,7 +19,7 @@ from redis.exceptions import ResponseError
 from queue_tinker.errors import LeaseLostError
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.records import flatten_record
+from queue_tinker.queue.observe.records import flatten_record
 from queue_tinker.queue.scripts import ScriptCall, Scripts, run_pipelined
 from queue_tinker.types import JobStatus, OpKind, Record
 from queue_tinker.types.ops import Op as Op  # re-exported: the worker takes Op from here
@@ -100,7 +100,7 @@ class Outcome:
 @dataclass
 class Control:
     """What came on a worker's control stream: plain commands ("wake", "drain") and the
-    running ops to stop (job id -> the error they fail with; queue/actions.py)."""
+    running ops to stop (job id -> the error they fail with; queue/control/actions.py)."""
 
     commands: set[str] = field(default_factory=set)
     stops: dict[str, str] = field(default_factory=dict)
