@@ -38,7 +38,7 @@ from bench.harness.report import publish, reproduce, table
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.storage.s3 import S3Store
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.checkpoints import CheckpointMeta, stored_state, write_state
 

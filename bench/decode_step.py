@@ -38,8 +38,8 @@ from bench.harness.meters import synchronize
 from bench.harness.models import Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import machine_line, publish, reproduce, table
 from bench.mfu import SHAPES
-from queue_tinker.types.sampling import SamplingParams
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.sampling import SamplingParams
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.row_blocks import lora_layers_of
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
 from queue_tinker.workers.sampling.slot_decode import decode_step_of

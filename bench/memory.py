@@ -37,7 +37,7 @@ from bench.harness.machine import engine_machine
 from bench.harness.meters import peak_rss_bytes
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import measured_on, publish
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 
 SECTION = "## Memory at long context: one forward_backward, whole logits vs chunked"
 PRICE_SECTION = "## Activation checkpointing: its price in step time"

@@ -62,8 +62,8 @@ from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lo
 from bench.harness.report import machine_line, publish, reproduce
 from bench.harness.workers import quiet_transformers
 from queue_tinker.types.enums import LossFn
+from queue_tinker.types.requests.training import AdamParams, LoraConfig
 from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import AdamParams, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.training.model_pass import PassPlan
 

@@ -29,7 +29,7 @@ from bench.harness.machine import commit, engine_machine
 from bench.harness.meters import load1, peak_rss_bytes
 from bench.harness.models import add_adapters, frozen_base, lora_pool
 from bench.harness.report import measured_on, publish, table
-from queue_tinker.types.training import AdamParams, LoraConfig
+from queue_tinker.types.requests.training import AdamParams, LoraConfig
 
 SECTION = "## Mixture of experts: a LoRA step against a dense model of the same active size"
 COMMAND = ".venv/bin/python -m bench.moe"

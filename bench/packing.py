@@ -24,7 +24,7 @@ from bench.harness.data import datums
 from bench.harness.machine import cpu_model
 from bench.harness.models import add_adapters, frozen_base, lora_pool
 from bench.harness.report import publish, table
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import AdapterPool
 
 SECTION = "## Padding and packing in cross-adapter passes"

@@ -31,7 +31,7 @@ from bench.harness import cli
 from bench.harness.machine import commit, engine_machine
 from bench.harness.models import Shape, build_model
 from bench.harness.report import measured_on, publish
-from queue_tinker.types.sampling import SampleResponse, SamplingParams
+from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
 
 SECTION = "## Sampling: prefix cache and chunked prefill"

@@ -32,7 +32,7 @@ from bench.harness.machine import engine_machine
 from bench.harness.meters import peak_rss_bytes
 from bench.harness.models import Shape, build_model
 from bench.harness.report import measured_on, publish
-from queue_tinker.types.sampling import SampleResponse, SamplingParams
+from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.memory import kv_bytes_per_token
 from queue_tinker.workers.sampling.cache_budget import peak_cache_tokens
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest

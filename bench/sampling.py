@@ -69,7 +69,7 @@ from queue_tinker.builtin_models import EOS_ID
 from queue_tinker.client import SamplingClient, ServiceClient
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import AdamParams, ModelInput, SampleResponse, SamplingParams
-from queue_tinker.types.checkpoints import CheckpointPath
+from queue_tinker.types.service.checkpoints import CheckpointPath
 from queue_tinker.workers.model.checkpoints import checkpoint_dir
 from queue_tinker.workers.model.memory import lora_compute_dtype
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate

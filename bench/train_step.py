@@ -78,9 +78,9 @@ from queue_tinker.client import TrainingClient
 from queue_tinker.client.training import make_batch
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import codec
-from queue_tinker.types.loss_inputs import ModelLimits, check_batch
+from queue_tinker.types.requests.loss_inputs import ModelLimits, check_batch
+from queue_tinker.types.requests.training import ForwardBackwardInput, ForwardBackwardOutput
 from queue_tinker.types.tensors import Datum, TensorData
-from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
 
 RESULT_TIMEOUT_S = 600.0
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from queue_tinker.types.request_limits import DEFAULT_LIMITS
+from queue_tinker.types.requests.request_limits import DEFAULT_LIMITS
 
 # QT_* variables that are not settings, so the settings model leaves them alone: the test
 # suite's (QT_TEST_REDIS_URL, ...) and the benchmarks' (QT_BENCH_...) own variables, which they

@@ -16,13 +16,13 @@ import torch
 
 from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.tensors import Datum, ModelInput
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.training import (
     AdamParams,
     ForwardBackwardInput,
     ForwardBackwardOutput,
     LoraConfig,
 )
+from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.checkpoints import AdapterState, read_state, snapshot_dir

@@ -23,8 +23,8 @@ from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.types import OpKind, codec
+from queue_tinker.types.requests.training import AdamParams
 from queue_tinker.types.tensors import ModelInput
-from queue_tinker.types.training import AdamParams
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.group.channel import Channel
 from queue_tinker.workers.group.follower import follow

@@ -20,7 +20,7 @@ from bench.decode_step import floor_ms
 from bench.harness.models import BASE_NAME, Shape, build_model, lora_pool
 from bench.mfu import SHAPES, flops_per_token, lora_params, matmul_params, peak_tflops, total_params
 from queue_tinker.storage.local import LocalStore
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import AdapterPool, target_modules
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 from queue_tinker.storage.s3 import FILES
 from queue_tinker.store.db import make_engine
-from queue_tinker.types.checkpoints import META_FILE
+from queue_tinker.types.service.checkpoints import META_FILE
 
 GENERATION_NAMED = re.compile(r"^[0-9a-f]{32}\.")  # a replacing commit's data file
 WORKER_START_S = 120  # torch and the tiny model on a busy 2-core machine: 10-40 s

@@ -26,8 +26,8 @@ from pydantic import BaseModel, ValidationError
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
-from queue_tinker.types.records import Record
+from queue_tinker.types.service.ops import Op
+from queue_tinker.types.service.records import Record
 from queue_tinker.types.validation import field_path
 
 MAX_PING_DELAY_MS = 60_000

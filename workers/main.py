@@ -27,7 +27,7 @@ from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.configured import open_store
 from queue_tinker.types import CheckpointRecord
-from queue_tinker.types.records import Record
+from queue_tinker.types.service.records import Record
 from queue_tinker.workers.executor.queue_only import QueueOnlyEngine
 from queue_tinker.workers.interface import Engine
 from queue_tinker.workers.runtime.worker import Worker, WorkerConfig
@@ -69,7 +69,7 @@ def lora_executor(
 ) -> LoraExecutor:
     """The LoRA engine with the deployment's settings; a worker group's rank passes its shards,
     rank 0's decode quanta and (ranks 1..N-1) storage that writes nothing."""
-    from queue_tinker.types.request_limits import RequestLimits
+    from queue_tinker.types.requests.request_limits import RequestLimits
     from queue_tinker.workers.executor.lora import LoraExecutor  # torch and friends load only here
     from queue_tinker.workers.training.model_pass import PassPlan
 

@@ -18,8 +18,8 @@ from transformers import PreTrainedModel
 from bench.harness.data import RANK
 from bench.harness.models import add_adapters, frozen_base, lora_pool
 from queue_tinker.builtin_models import PAD_ID
+from queue_tinker.types.requests.training import AdamParams, LoraConfig
 from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import AdamParams, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 
 ADAM = AdamParams(learning_rate=1e-4)  # beta1 0.9, beta2 0.95, eps 1e-12, no weight decay

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from queue_tinker.types.enums import LossFn
+from queue_tinker.types.requests.training import ForwardBackwardOutput, OptimParams
 from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import ForwardBackwardOutput, OptimParams
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.fused_kernels import apply_liger, liger_wanted
 from queue_tinker.workers.model.memory import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import ensure_builtin_model, load_frozen_base
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from queue_tinker.errors import UserInputError
+from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import Datum, TensorData
-from queue_tinker.types.training import ForwardBackwardOutput
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """RestClient: the Tinker SDK's RestClient over the durable record (Postgres) and the queue
 (Redis), for the tenant the client acts for (QT_TENANT). Every call returns an APIFuture of
-the SDK-shaped answer (queue_tinker.types.rest), with attribute access; what the tenant does
+the SDK-shaped answer (queue_tinker.types.service.rest), with attribute access; what the tenant does
 not have raises NotFoundError. Reads first write the record events still on their way to
 Postgres (recorder.catch_up), so a checkpoint just saved is found at once.
 """
@@ -25,8 +25,9 @@ from queue_tinker.settings import Settings
 from queue_tinker.storage.configured import open_store
 from queue_tinker.store import checkpoints, queries, rest_views
 from queue_tinker.store.db import make_engine, session_factory
-from queue_tinker.types.checkpoints import CheckpointPath
-from queue_tinker.types.rest import (
+from queue_tinker.types.requests.training import MAX_TTL_SECONDS
+from queue_tinker.types.service.checkpoints import CheckpointPath
+from queue_tinker.types.service.rest import (
     CheckpointsListResponse,
     GetSamplerResponse,
     GetServerCapabilitiesResponse,
@@ -37,7 +38,6 @@ from queue_tinker.types.rest import (
     TrainingRunsResponse,
     WeightsInfoResponse,
 )
-from queue_tinker.types.training import MAX_TTL_SECONDS
 
 M = TypeVar("M", bound=BaseModel)
 AccessScope = Literal["owned", "accessible"]  # every run a tenant can see is its own

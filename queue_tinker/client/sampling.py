@@ -19,9 +19,14 @@ from queue_tinker.client.wire import decoder
 from queue_tinker.queue.ops import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.images import refuse_images
-from queue_tinker.types.request_limits import RequestLimits, encode_request
-from queue_tinker.types.sampling import SampleInput, SampleResponse, SamplingParams, sample_input
+from queue_tinker.types.requests.images import refuse_images
+from queue_tinker.types.requests.request_limits import RequestLimits, encode_request
+from queue_tinker.types.requests.sampling import (
+    SampleInput,
+    SampleResponse,
+    SamplingParams,
+    sample_input,
+)
 from queue_tinker.types.tensors import ModelInput
 
 

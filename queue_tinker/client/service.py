@@ -15,8 +15,8 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.queue.ops import runs
 from queue_tinker.settings import Settings, load_settings
 from queue_tinker.types import codec
-from queue_tinker.types.rest import GetServerCapabilitiesResponse
-from queue_tinker.types.training import MAX_LORA_RANK, LoraConfig
+from queue_tinker.types.requests.training import MAX_LORA_RANK, LoraConfig
+from queue_tinker.types.service.rest import GetServerCapabilitiesResponse
 from queue_tinker.types.validation import validated
 
 

@@ -29,16 +29,14 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.queue.ops import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.checkpoints import check_name
-from queue_tinker.types.images import refuse_images
-from queue_tinker.types.loss_inputs import check_batch, check_batch_size, parse_loss_fn
-from queue_tinker.types.request_limits import (
+from queue_tinker.types.requests.images import refuse_images
+from queue_tinker.types.requests.loss_inputs import check_batch, check_batch_size, parse_loss_fn
+from queue_tinker.types.requests.request_limits import (
     RequestLimits,
     check_datum_count,
     encode_request,
 )
-from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.training import (
     AdamParams,
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -51,6 +49,8 @@ from queue_tinker.types.training import (
     SaveWeightsResponse,
     UnloadModelResponse,
 )
+from queue_tinker.types.service.checkpoints import check_name
+from queue_tinker.types.tensors import Datum
 
 T = TypeVar("T")
 

@@ -43,8 +43,8 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.store import queries
 from queue_tinker.store.models import Checkpoint
-from queue_tinker.types.checkpoints import META_FILE, CheckpointPath
 from queue_tinker.types.enums import CheckpointKind
+from queue_tinker.types.service.checkpoints import META_FILE, CheckpointPath
 
 URL_TTL_S = 15 * 60  # as Tinker's own archive URLs
 ARCHIVE = ""  # the `file` of an archive URL: the whole checkpoint as .tar.gz

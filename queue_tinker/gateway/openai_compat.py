@@ -27,9 +27,9 @@ from queue_tinker.gateway.auth import caller_of_key
 from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue
 from queue_tinker.queue.ops import runs
 from queue_tinker.types import JobStatus, OpKind, codec
-from queue_tinker.types.checkpoints import SCHEME
-from queue_tinker.types.request_limits import encode_request
-from queue_tinker.types.sampling import SampleResponse, sample_input
+from queue_tinker.types.requests.request_limits import encode_request
+from queue_tinker.types.requests.sampling import SampleResponse, sample_input
+from queue_tinker.types.service.checkpoints import SCHEME
 
 RESULT_WAIT_S = 600.0  # the openai client's own default timeout
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default

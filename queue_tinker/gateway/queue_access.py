@@ -22,7 +22,7 @@ from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.storage.configured import open_store
 from queue_tinker.types import OpKind
-from queue_tinker.types.request_limits import RequestLimits
+from queue_tinker.types.requests.request_limits import RequestLimits
 
 SESSION_TTL_S = 7 * 86_400  # renewed by every heartbeat
 

@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 
 from queue_tinker.errors import CheckpointPathError
-from queue_tinker.types.checkpoints import META_FILE
+from queue_tinker.types.service.checkpoints import META_FILE
 
 # Read back after a file set is made invisible, before its bytes go: False puts it back (it
 # was saved again, or its TTL moved, between the caller's check and the removal).

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from queue_tinker.errors import CheckpointPathError, StorageUnavailableError
 from queue_tinker.storage.base import CheckpointStore, Removal, StillDue, check_key
-from queue_tinker.types.checkpoints import META_FILE
+from queue_tinker.types.service.checkpoints import META_FILE
 
 ABANDONED_AFTER_S = 3600  # far longer than any write takes
 

@@ -37,7 +37,7 @@ from queue_tinker.storage import cache
 from queue_tinker.storage.base import CheckpointStore, Removal, StillDue, check_key
 from queue_tinker.storage.cache import GENERATION_MARKER
 from queue_tinker.storage.local import replace_dir
-from queue_tinker.types.checkpoints import META_FILE
+from queue_tinker.types.service.checkpoints import META_FILE
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from queue_tinker.storage.base import CheckpointStore, Removal
 from queue_tinker.store import queries
 from queue_tinker.store.checkpoint_queries import RowMark, mark_checkpoint_deleted
 from queue_tinker.store.models import Checkpoint
-from queue_tinker.types.checkpoints import META_FILE
+from queue_tinker.types.service.checkpoints import META_FILE
 
 log = logging.getLogger(__name__)
 

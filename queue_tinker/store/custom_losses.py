@@ -8,7 +8,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.store.models import CustomLossGraph
-from queue_tinker.types.custom_loss import CustomLoss
+from queue_tinker.types.requests.custom_loss import CustomLoss
 
 
 async def save(

@@ -178,7 +178,7 @@ class Checkpoint(Base):
 
 
 class CustomLossGraph(Base):
-    """A tenant's uploaded custom loss (queue_tinker/types/custom_loss.py), checked against
+    """A tenant's uploaded custom loss (queue_tinker/types/requests/custom_loss.py), checked against
     the allow-list before it was stored; its session's forward_backward calls name it."""
 
     __tablename__ = "custom_loss_graphs"

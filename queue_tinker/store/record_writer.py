@@ -1,4 +1,4 @@
-"""Apply record events (queue_tinker/types/records.py) to Postgres, in batches.
+"""Apply record events (queue_tinker/types/service/records.py) to Postgres, in batches.
 
 Events come from a write-behind stream: out of order and possibly more than once. Every write
 is an upsert that can only move a row forward, so applying any permutation of any multiset of
@@ -37,7 +37,7 @@ from queue_tinker.store.models import (
 )
 from queue_tinker.types.enums import JobStatus
 from queue_tinker.types.finite_json import finite_json
-from queue_tinker.types.records import (
+from queue_tinker.types.service.records import (
     CheckpointRecord,
     ModelRecord,
     Record,

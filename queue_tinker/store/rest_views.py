@@ -1,6 +1,6 @@
 """The REST answers built from the Postgres record (docs/tinker-http-protocol.md, 7.1): JSON
 shapes the gateway sends as they are and the Python client's RestClient reads into
-queue_tinker.types.rest. Every read is scoped to one tenant: another tenant's id reads as
+queue_tinker.types.service.rest. Every read is scoped to one tenant: another tenant's id reads as
 missing (None)."""
 
 from __future__ import annotations

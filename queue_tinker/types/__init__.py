@@ -3,27 +3,15 @@
 User code reads like Tinker's: `from queue_tinker import types; types.Datum(...)`.
 """
 
-from queue_tinker.types.checkpoints import CheckpointPath
 from queue_tinker.types.enums import CheckpointKind, JobStatus, LossFn, OpKind, QueueState
-from queue_tinker.types.records import (
-    RECORD_ADAPTER,
-    CheckpointRecord,
-    ModelRecord,
-    Record,
-    RequestRecord,
-    SamplingSessionRecord,
-    SessionRecord,
-    WorkerRecord,
-)
-from queue_tinker.types.sampling import (
+from queue_tinker.types.requests.sampling import (
     PromptAltTokens,
     SampledSequence,
     SampleResponse,
     SamplingParams,
     StopReason,
 )
-from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, ModelInput, TensorData
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.training import (
     AdamParams,
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -36,6 +24,18 @@ from queue_tinker.types.training import (
     SaveWeightsResponse,
     UnloadModelResponse,
 )
+from queue_tinker.types.service.checkpoints import CheckpointPath
+from queue_tinker.types.service.records import (
+    RECORD_ADAPTER,
+    CheckpointRecord,
+    ModelRecord,
+    Record,
+    RequestRecord,
+    SamplingSessionRecord,
+    SessionRecord,
+    WorkerRecord,
+)
+from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, ModelInput, TensorData
 
 __all__ = [
     "RECORD_ADAPTER",

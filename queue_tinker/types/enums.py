@@ -59,7 +59,7 @@ class LossFn(StrEnum):
     DRO = "dro"
     GSPO = "gspo"
     STABLE_REINFORCE = "stable_reinforce"
-    # A loss uploaded with create_custom_loss (types/custom_loss.py); the op carries it.
+    # A loss uploaded with create_custom_loss (types/requests/custom_loss.py); the op carries it.
     CUSTOM = "custom"
 
 

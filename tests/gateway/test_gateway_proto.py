@@ -32,9 +32,9 @@ from queue_tinker.gateway.proto.convert import (
     parse_forward_backward,
 )
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.sampling import SampledSequence, SampleResponse
+from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse
+from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import ImageChunk, TensorData
-from queue_tinker.types.training import ForwardBackwardOutput
 
 # ---- the SDK as the sender: its real /forward_backward call, answered in-process ----
 
@@ -602,8 +602,8 @@ def test_an_oversize_datum_is_refused_from_its_byte_length() -> None:
 def test_an_oversize_json_prompt_is_refused_before_validation() -> None:
     """A sample prompt of 2M tokens in JSON is refused from its list lengths, before pydantic
     turns each into an int (the conversion's peak was hundreds of MB)."""
-    from queue_tinker.types.request_limits import RequestLimits
-    from queue_tinker.types.sampling import sample_input
+    from queue_tinker.types.requests.request_limits import RequestLimits
+    from queue_tinker.types.requests.sampling import sample_input
 
     prompt = {"chunks": [{"tokens": list(range(1_000_000))}, {"tokens": [1] * 1_000_000}]}
 

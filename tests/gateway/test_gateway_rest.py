@@ -32,7 +32,7 @@ from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.record_writer import apply_records
 from queue_tinker.types import OpKind, SamplingSessionRecord, codec
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 
 TINY = "queue-tinker/tiny-llama"
 RANK = 4

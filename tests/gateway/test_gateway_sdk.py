@@ -50,7 +50,7 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine
 from queue_tinker.types.enums import BUILT_IN_LOSSES
-from queue_tinker.types.loss_inputs import LOSS_SPECS, resolve_loss_config
+from queue_tinker.types.requests.loss_inputs import LOSS_SPECS, resolve_loss_config
 from queue_tinker.workers.training.losses import batch_loss
 
 TINY = "queue-tinker/tiny-llama"
@@ -1138,7 +1138,7 @@ def test_the_sdk_gets_401_without_a_valid_key(gateway: str) -> None:
 
 def test_tinker_paths_parse_with_sdk_made_run_ids(tmp_path: Path) -> None:
     """The SDK's run ids hold ':' (session:train:n); checkpoint paths built on them parse."""
-    from queue_tinker.types.checkpoints import CheckpointPath
+    from queue_tinker.types.service.checkpoints import CheckpointPath
 
     path = CheckpointPath.parse("tinker://sess-1a:train:0/weights/final")
     assert (path.run_id, path.name) == ("sess-1a:train:0", "final")

@@ -25,10 +25,10 @@ import torch
 
 from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
-from queue_tinker.types.sampling import SamplingParams
+from queue_tinker.types.requests.sampling import SamplingParams
+from queue_tinker.types.requests.training import AdamParams, ForwardBackwardInput, LoraConfig
+from queue_tinker.types.service.ops import Op
 from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, ModelInput
-from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoraConfig
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.interface import OpResult
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
+from queue_tinker.types.requests.training import AdamParams, ForwardBackwardInput, LoraConfig
+from queue_tinker.types.service.ops import Op
 from queue_tinker.types.tensors import ModelInput
-from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoraConfig
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.group.rank import join_group
 from queue_tinker.workers.model.tensor_parallel import Shards

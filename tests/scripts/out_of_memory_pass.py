@@ -22,9 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
+from queue_tinker.types.requests.training import ForwardBackwardInput, LoraConfig
+from queue_tinker.types.service.ops import Op
 from queue_tinker.types.tensors import Datum, ModelInput
-from queue_tinker.types.training import ForwardBackwardInput, LoraConfig
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.training.model_pass import PassPlan
 

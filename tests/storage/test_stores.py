@@ -31,7 +31,7 @@ from queue_tinker.storage.cache import (
 from queue_tinker.storage.configured import open_store
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.storage.s3 import S3Store
-from queue_tinker.types.checkpoints import META_FILE
+from queue_tinker.types.service.checkpoints import META_FILE
 
 KEY = "run-1/weights/step-2"
 MiB = 2**20

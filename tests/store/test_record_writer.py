@@ -26,7 +26,12 @@ from queue_tinker.store.queries import (
 )
 from queue_tinker.store.record_writer import apply_records
 from queue_tinker.types.enums import JobStatus, OpKind
-from queue_tinker.types.records import ModelRecord, RequestRecord, SessionRecord, WorkerRecord
+from queue_tinker.types.service.records import (
+    ModelRecord,
+    RequestRecord,
+    SessionRecord,
+    WorkerRecord,
+)
 
 Sessions = async_sessionmaker[AsyncSession]
 T0 = 1_700_000_000.0

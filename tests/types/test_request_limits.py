@@ -26,7 +26,7 @@ from queue_tinker.errors import ErrorCategory, RequestFailedError, UserInputErro
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 from queue_tinker.types import Datum, ModelInput, SamplingParams
-from queue_tinker.types.request_limits import RequestLimits, size_text
+from queue_tinker.types.requests.request_limits import RequestLimits, size_text
 
 TINY = "queue-tinker/tiny-llama"
 LIMITS = {

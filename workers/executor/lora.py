@@ -24,9 +24,9 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.types import OpKind
-from queue_tinker.types.loss_inputs import ModelLimits
-from queue_tinker.types.ops import Op
-from queue_tinker.types.request_limits import RequestLimits, check_request_bytes
+from queue_tinker.types.requests.loss_inputs import ModelLimits
+from queue_tinker.types.requests.request_limits import RequestLimits, check_request_bytes
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.interface import Engine, OpResult, run_ping
 from queue_tinker.workers.model import base_model as base_models

@@ -9,7 +9,7 @@ from typing import Any
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import (
     BatchShare,
     Engine,

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from queue_tinker.types import OpKind
-from queue_tinker.types.ops import Op
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import TRAIN_BATCH_KINDS, BatchShare, is_inline_ping
 
 

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from queue_tinker.errors import RanksPartedError
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.group.channel import Call, Channel, collective_failed, outcome
 from queue_tinker.workers.interface import Engine, OpResult, ResultOrError
 

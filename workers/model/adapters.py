@@ -23,7 +23,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftConfig, PeftModel, get_peft_model
 from peft.utils import set_peft_model_state_dict
 
-from queue_tinker.types.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
+from queue_tinker.types.requests.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
 from queue_tinker.workers.model.checkpoints import AdapterState, CheckpointMeta
 from queue_tinker.workers.model.row_blocks import LoraLayer, lora_layers_of
 from queue_tinker.workers.model.vision_language import VISION_TOWER

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from queue_tinker.age import encrypt_in_place
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import current
-from queue_tinker.types.checkpoints import (
+from queue_tinker.types.service.checkpoints import (
     META_FILE,
     PEFT_CONFIG,
     PEFT_FILES,

@@ -39,7 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 from queue_tinker.errors import WorkerFitError
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import (
     stacked_experts,
     target_modules,

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.enums import Optimizer
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model import lora_shards
 from queue_tinker.workers.model.adapters import (
     Adapter,

@@ -37,7 +37,7 @@ from queue_tinker.builtin_models import (
     BuiltinModel,
 )
 from queue_tinker.errors import UserInputError
-from queue_tinker.types.images import refuse_images
+from queue_tinker.types.requests.images import refuse_images
 from queue_tinker.types.tensors import EncodedTextChunk, ImageChunk, ModelInput
 
 # Pillow's names of the formats a chunk may say.

@@ -15,7 +15,7 @@ from queue_tinker.errors import ErrorCategory
 from queue_tinker.queue.connection import Reconnector
 from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Op, Outcome, Start
 from queue_tinker.types import JobStatus
-from queue_tinker.types.records import Record
+from queue_tinker.types.service.records import Record
 from queue_tinker.workers.interface import Durability
 from queue_tinker.workers.runtime.compute import ComputeThread
 from queue_tinker.workers.runtime.owned import OwnedModel

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from queue_tinker.types import WorkerRecord
-from queue_tinker.types.ops import Op
+from queue_tinker.types.service.ops import Op
 
 
 @dataclass

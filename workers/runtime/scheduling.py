@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from queue_tinker.types.ops import Op
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import OpRules
 from queue_tinker.workers.runtime.owned import OwnedModel
 

@@ -10,7 +10,7 @@ import time
 from queue_tinker.errors import LeaseLostError
 from queue_tinker.queue.dispatch.dispatcher import Op, Outcome
 from queue_tinker.types import JobStatus
-from queue_tinker.types.records import Record
+from queue_tinker.types.service.records import Record
 from queue_tinker.workers.interface import BatchCompute, OpCompute
 from queue_tinker.workers.runtime.arrivals import Arrivals
 from queue_tinker.workers.runtime.compute import ComputeThread, outcome_of

@@ -31,7 +31,7 @@ from queue_tinker.queue.dispatch.dispatcher import Dispatcher
 from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.queue.ops.inflight import InflightWeights
-from queue_tinker.types.records import Record
+from queue_tinker.types.service.records import Record
 from queue_tinker.workers.interface import Engine
 from queue_tinker.workers.runtime.arrivals import Arrivals
 from queue_tinker.workers.runtime.compute import ComputeThread

@@ -39,7 +39,7 @@ from peft import PeftModel
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from queue_tinker.types.sampling import SampleResponse, SamplingParams
+from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.base_model import cache_keyword, forward_takes
 from queue_tinker.workers.model.row_blocks import (
     LoraLayer,

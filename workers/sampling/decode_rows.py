@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from queue_tinker.types.sampling import SampledSequence, SampleResponse, StopReason
+from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse, StopReason
 from queue_tinker.workers.sampling.kv_cache import GrowingLayer
 from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed
 

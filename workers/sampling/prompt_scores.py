@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from queue_tinker.types.sampling import NO_TARGET, SamplingParams
+from queue_tinker.types.requests.sampling import NO_TARGET, SamplingParams
 from queue_tinker.workers.sampling.token_choice import request_seed
 
 if TYPE_CHECKING:

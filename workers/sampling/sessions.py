@@ -25,14 +25,12 @@ import torch
 from queue_tinker.errors import OpCancelledError, UserInputError
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.types import codec
-from queue_tinker.types.checkpoints import CheckpointPath, loadable
-from queue_tinker.types.loss_inputs import ModelLimits
-from queue_tinker.types.ops import Op
-from queue_tinker.types.request_limits import (
+from queue_tinker.types.requests.loss_inputs import ModelLimits
+from queue_tinker.types.requests.request_limits import (
     RequestLimits,
     check_request_bytes,
 )
-from queue_tinker.types.sampling import (
+from queue_tinker.types.requests.sampling import (
     CreateSamplingSessionInput,
     SampleInput,
     SampleResponse,
@@ -40,6 +38,8 @@ from queue_tinker.types.sampling import (
     check_sample_size,
     max_new_tokens,
 )
+from queue_tinker.types.service.checkpoints import CheckpointPath, loadable
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.checkpoints import checkpoint_key, read_meta

@@ -12,7 +12,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from queue_tinker.types.sampling import SamplingParams
+from queue_tinker.types.requests.sampling import SamplingParams
 
 # Rows x vocab per softmax / sort pass: bounds their float and index copies (~0.4 GB) however
 # many samples a batch holds.

@@ -1,8 +1,8 @@
-"""Runs an uploaded custom loss (queue_tinker/types/custom_loss.py) on the worker: the graph is
-interpreted node by node, each function and method looked up in this module's own tables,
-which hold exactly the names the upload check allows. Nothing from the request is imported,
-evaluated or called; a name outside the tables stops the loss (the check at upload already
-refused it)."""
+"""Runs an uploaded custom loss (queue_tinker/types/requests/custom_loss.py) on the worker: the
+graph is interpreted node by node, each function and method looked up in this module's own
+tables, which hold exactly the names the upload check allows. Nothing from the request is
+imported, evaluated or called; a name outside the tables stops the loss (the check at upload
+already refused it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.types.custom_loss import ATTRIBUTES, FUNCTIONS, METHODS, CustomLoss
+from queue_tinker.types.requests.custom_loss import ATTRIBUTES, FUNCTIONS, METHODS, CustomLoss
 
 
 def _getattr(value: Any, name: str) -> Any:

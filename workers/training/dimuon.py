@@ -31,7 +31,7 @@ import torch
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import codec
 from queue_tinker.types.enums import Optimizer
-from queue_tinker.types.training import AdamParams, DimuonParams, OptimParams
+from queue_tinker.types.requests.training import AdamParams, DimuonParams, OptimParams
 from queue_tinker.workers.interface import parse_body
 
 NEWTON_SCHULZ_STEPS = 5

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from queue_tinker.errors import StorageUnavailableError, UserInputError
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
-from queue_tinker.types.training import MAX_MOE_LORA_RANK, CreateModelInput, LoraConfig
+from queue_tinker.types.requests.training import MAX_MOE_LORA_RANK, CreateModelInput, LoraConfig
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import TRAIN_BATCH_KINDS, OpResult, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.checkpoints import snapshot_key, stored_meta

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.training import (
     AdamParams,
     DimuonParams,
     OptimParams,

@@ -9,8 +9,8 @@ import logging
 
 from queue_tinker.errors import QueueTinkerError, UserInputError
 from queue_tinker.storage.base import CheckpointStore
-from queue_tinker.types.ops import Op
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.checkpoints import snapshot_key, stored_meta, stored_state

@@ -22,21 +22,21 @@ import torch
 from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.loss_inputs import (
+from queue_tinker.types.requests.loss_inputs import (
     ModelLimits,
     check_batch,
     check_batch_size,
     resolve_loss_config,
 )
-from queue_tinker.types.ops import Op
-from queue_tinker.types.request_limits import RequestLimits, check_request_bytes
-from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.request_limits import RequestLimits, check_request_bytes
+from queue_tinker.types.requests.training import (
     ForwardBackwardInput,
     ForwardBackwardOutput,
     OptimParams,
     OptimStepResponse,
 )
+from queue_tinker.types.service.ops import Op
+from queue_tinker.types.tensors import Datum
 from queue_tinker.workers.interface import PASS_KINDS, OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.memory import is_out_of_memory, release_cached_memory

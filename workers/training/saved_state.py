@@ -21,9 +21,7 @@ from queue_tinker.errors import (
 )
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.types import CheckpointKind, CheckpointRecord, codec
-from queue_tinker.types.checkpoints import CheckpointPath, check_name, loadable
-from queue_tinker.types.ops import Op
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.training import (
     LoadInput,
     LoadWeightsResponse,
     LoraConfig,
@@ -33,6 +31,8 @@ from queue_tinker.types.training import (
     SaveWeightsResponse,
     UnloadModelResponse,
 )
+from queue_tinker.types.service.checkpoints import CheckpointPath, check_name, loadable
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.checkpoints import (

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from queue_tinker.types.enums import LossFn
+from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import Datum, TensorData
-from queue_tinker.types.training import ForwardBackwardOutput
 from queue_tinker.workers.model import vision_language
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks, stacked_blocks, stacks

@@ -23,7 +23,7 @@ from typing import Any
 from queue_tinker.gateway.proto.convert import PROTOBUF_MEDIA_TYPE
 from queue_tinker.gateway.proto.wire import oversize
 from queue_tinker.settings import Settings
-from queue_tinker.types.request_limits import RequestLimits, size_text, too_many_bytes
+from queue_tinker.types.requests.request_limits import RequestLimits, size_text, too_many_bytes
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -10,7 +10,7 @@ import zstandard
 from fastapi import Request
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.types.request_limits import RequestLimits, too_many_bytes
+from queue_tinker.types.requests.request_limits import RequestLimits, too_many_bytes
 
 READ_SIZE = 1 << 20
 

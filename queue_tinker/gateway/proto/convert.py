@@ -17,11 +17,16 @@ from google.protobuf.message import DecodeError
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.proto import tinker_public_pb2 as pb
 from queue_tinker.gateway.proto.wire import envelope_of, oversize
-from queue_tinker.types.custom_loss import CustomLoss
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.loss_inputs import parse_loss_fn
-from queue_tinker.types.request_limits import RequestLimits, check_datum_count, check_tokens
-from queue_tinker.types.sampling import SampleResponse
+from queue_tinker.types.requests.custom_loss import CustomLoss
+from queue_tinker.types.requests.loss_inputs import parse_loss_fn
+from queue_tinker.types.requests.request_limits import (
+    RequestLimits,
+    check_datum_count,
+    check_tokens,
+)
+from queue_tinker.types.requests.sampling import SampleResponse
+from queue_tinker.types.requests.training import ForwardBackwardInput, ForwardBackwardOutput
 from queue_tinker.types.tensors import (
     Datum,
     EncodedTextChunk,
@@ -31,7 +36,6 @@ from queue_tinker.types.tensors import (
     TensorData,
     TensorDtype,
 )
-from queue_tinker.types.training import ForwardBackwardInput, ForwardBackwardOutput
 
 PROTOBUF_MEDIA_TYPE = "application/x-protobuf"
 # A loss input holds a value per token (1-D), or per token and class (2-D); more is a mistake.

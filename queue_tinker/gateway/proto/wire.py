@@ -18,7 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from queue_tinker.errors import MalformedProtobufError, UserInputError
-from queue_tinker.types.request_limits import RequestLimits, check_datum_count, check_tokens
+from queue_tinker.types.requests.request_limits import (
+    RequestLimits,
+    check_datum_count,
+    check_tokens,
+)
 
 LENGTH_DELIMITED, VARINT = 2, 0
 _SKIP = {1: 8, 5: 4}  # fixed64, fixed32

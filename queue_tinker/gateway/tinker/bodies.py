@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 
 
 class _Request(BaseModel):

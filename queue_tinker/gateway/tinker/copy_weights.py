@@ -35,9 +35,9 @@ from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.services.recorder import catch_up
 from queue_tinker.store import checkpoints, queries
 from queue_tinker.store.models import Checkpoint
-from queue_tinker.types.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.enums import CheckpointKind
-from queue_tinker.types.records import CheckpointRecord
+from queue_tinker.types.service.checkpoints import CheckpointPath, loadable
+from queue_tinker.types.service.records import CheckpointRecord
 
 router = APIRouter(prefix="/api/v1")
 Queue = Annotated[GatewayQueue, Depends(gateway_queue)]

@@ -1,6 +1,6 @@
 """Server-side custom losses (flag custom_loss_server_side; docs/tinker-http-protocol.md,
 section 12): create_custom_loss checks an uploaded loss against the allow-list
-(types/custom_loss.py), refusing it naming the node, and stores it with its session; a
+(types/requests/custom_loss.py), refusing it naming the node, and stores it with its session; a
 forward_backward with loss_fn "custom" names it by loss_id, and its op carries the loss to the
 worker, which runs it inside the pass (workers/training/custom_loss_graph.py)."""
 
@@ -17,7 +17,7 @@ from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, new_request_id
 from queue_tinker.store import custom_losses
 from queue_tinker.types import JobStatus, codec
-from queue_tinker.types.custom_loss import CustomLoss, check_loss
+from queue_tinker.types.requests.custom_loss import CustomLoss, check_loss
 from queue_tinker.types.validation import validated
 
 # The kind of a job the gateway answers itself: its result is the JSON to send back.

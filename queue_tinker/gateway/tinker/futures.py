@@ -29,8 +29,8 @@ from queue_tinker.queue.ops.jobs import JobOutcome
 from queue_tinker.queue.results.state import queue_state
 from queue_tinker.settings import Settings
 from queue_tinker.types import JobStatus, OpKind, QueueState, codec
-from queue_tinker.types.sampling import SampleResponse
-from queue_tinker.types.training import ForwardBackwardOutput
+from queue_tinker.types.requests.sampling import SampleResponse
+from queue_tinker.types.requests.training import ForwardBackwardOutput
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.store import checkpoints, queries, rest_views
 from queue_tinker.store.models import Checkpoint
-from queue_tinker.types.checkpoints import SCHEME
 from queue_tinker.types.enums import CheckpointKind
-from queue_tinker.types.training import MAX_TTL_SECONDS
+from queue_tinker.types.requests.training import MAX_TTL_SECONDS
+from queue_tinker.types.service.checkpoints import SCHEME
 
 MAX_PAGE = 1_000
 MAX_OFFSET = 2**31 - 1  # far past any listing; a bigger one would not fit Postgres's bigint

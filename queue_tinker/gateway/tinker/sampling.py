@@ -19,8 +19,8 @@ from queue_tinker.gateway.tinker.sample_futures import Wakeups, note_sample, sam
 from queue_tinker.queue.control import silent_sessions
 from queue_tinker.queue.ops import runs
 from queue_tinker.types import JobStatus, OpKind
-from queue_tinker.types.request_limits import RequestLimits, check_tokens, encode_request
-from queue_tinker.types.sampling import MAX_PROMPT_TOPK, NO_TARGET, sample_input
+from queue_tinker.types.requests.request_limits import RequestLimits, check_tokens, encode_request
+from queue_tinker.types.requests.sampling import MAX_PROMPT_TOPK, NO_TARGET, sample_input
 
 # create_sampling_session answers synchronously; it waits this long for a worker to check the
 # weights, so a bad path fails here. With no worker up it answers anyway, and the samples wait.

@@ -32,11 +32,10 @@ from queue_tinker.gateway.tinker.custom_loss import custom_loss_for
 from queue_tinker.queue.ops import runs
 from queue_tinker.store import queries
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.checkpoints import CheckpointPath, check_name, loadable
 from queue_tinker.types.enums import Optimizer
-from queue_tinker.types.loss_inputs import check_batch, check_batch_size
-from queue_tinker.types.request_limits import RequestLimits, encode_request
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.loss_inputs import check_batch, check_batch_size
+from queue_tinker.types.requests.request_limits import RequestLimits, encode_request
+from queue_tinker.types.requests.training import (
     AdamParams,
     DimuonParams,
     ForwardBackwardInput,
@@ -44,6 +43,7 @@ from queue_tinker.types.training import (
     SaveInput,
     check_base_model,
 )
+from queue_tinker.types.service.checkpoints import CheckpointPath, check_name, loadable
 from queue_tinker.types.validation import validated
 
 router = APIRouter(prefix="/api/v1", route_class=OffLoopRoute)

@@ -22,7 +22,7 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.observe.records import flatten_record
 from queue_tinker.queue.scripts import ScriptCall, Scripts, run_pipelined
 from queue_tinker.types import JobStatus, OpKind, Record
-from queue_tinker.types.ops import Op as Op  # re-exported: the worker takes Op from here
+from queue_tinker.types.service.ops import Op as Op  # re-exported: the worker takes Op from here
 
 T = TypeVar("T")
 

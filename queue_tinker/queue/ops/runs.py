@@ -16,16 +16,16 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.queue.ops.inflight import InflightWeights
 from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.enums import CheckpointKind
-from queue_tinker.types.sampling import CreateSamplingSessionInput
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.sampling import CreateSamplingSessionInput
+from queue_tinker.types.requests.training import (
     CreateModelInput,
     LoadInput,
     LoraConfig,
     check_base_model,
     check_user_metadata,
 )
+from queue_tinker.types.service.checkpoints import CheckpointPath, loadable
 
 T = TypeVar("T")
 # (model id, kind, payload, idempotency key) -> whatever the caller keeps of the submit

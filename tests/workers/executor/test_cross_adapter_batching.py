@@ -37,13 +37,13 @@ from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.sampling import SampleInput, SamplingParams
-from queue_tinker.types.tensors import Datum, ModelInput
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.sampling import SampleInput, SamplingParams
+from queue_tinker.types.requests.training import (
     AdamParams,
     ForwardBackwardInput,
     LoraConfig,
 )
+from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.interface import OpResult

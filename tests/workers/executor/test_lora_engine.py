@@ -45,10 +45,10 @@ from queue_tinker.client.custom_loss import forward_data, run_custom_loss
 from queue_tinker.errors import OpCancelledError, UserInputError
 from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.tensors import Datum, ModelInput
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.training import (
     LoraConfig,
 )
+from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model

@@ -33,9 +33,9 @@ from peft import PeftModel, get_peft_model
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.enums import BUILT_IN_LOSSES, LossFn
-from queue_tinker.types.sampling import SampleInput, SamplingParams
+from queue_tinker.types.requests.sampling import SampleInput, SamplingParams
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.types.tensors import Datum, ModelInput
-from queue_tinker.types.training import LoraConfig
 from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.adapters import expert_parameters, linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, Qwen3MoeConfig
 
 from bench import fit_table
 from queue_tinker.errors import ErrorCategory, WorkerFitError
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.fit import (
     WHOLE_IN_GROUP,
     FitSettings,

@@ -148,7 +148,7 @@ def test_a_fresh_adapter_in_a_group_starts_where_one_process_starts(models_dir: 
     """A group's first weights come from PEFT's draws on a weightless model of the whole
     shapes: the same tensors a one-process pool draws from the seed, for a first adapter and
     for one added beside it."""
-    from queue_tinker.types.training import LoraConfig
+    from queue_tinker.types.requests.training import LoraConfig
 
     plain, grouped = _lone_pool(models_dir, None), _lone_pool(models_dir, Shards(0, 1))
     for model_id, seed in (("first", 3), ("second", 4)):
@@ -165,7 +165,7 @@ def test_a_group_refuses_dimuon_runs_by_name(models_dir: Path) -> None:
     the user's, naming the field."""
     from queue_tinker.errors import UserInputError
     from queue_tinker.types.enums import Optimizer
-    from queue_tinker.types.training import LoraConfig
+    from queue_tinker.types.requests.training import LoraConfig
 
     grouped = _lone_pool(models_dir, Shards(0, 1))
     with pytest.raises(UserInputError, match=r"lora_config\.optimizer: 'dimuon'"):

@@ -17,8 +17,8 @@ from PIL import Image
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
+from queue_tinker.types.requests.training import AdamParams
 from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, ModelInput
-from queue_tinker.types.training import AdamParams
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.model.vision_language import joined, rope_positions
 

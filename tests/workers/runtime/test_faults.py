@@ -43,7 +43,7 @@ from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.queries import get_training_run
 from queue_tinker.types import JobStatus, ModelRecord, OpKind, codec
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.training import (
     ForwardBackwardInput,
     ForwardBackwardOutput,
     LoraConfig,

@@ -25,7 +25,7 @@ import queue_tinker as tinker
 from queue_tinker.client.future import APIFuture
 from queue_tinker.settings import Settings
 from queue_tinker.storage.s3 import S3Store
-from queue_tinker.types.checkpoints import CheckpointPath
+from queue_tinker.types.service.checkpoints import CheckpointPath
 
 UNAVAILABLE = netns.why_not_available()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))

@@ -23,7 +23,7 @@ import queue_tinker as tinker
 from queue_tinker import types
 from queue_tinker.settings import Settings
 from queue_tinker.storage.s3 import S3Store
-from queue_tinker.types.checkpoints import CheckpointPath
+from queue_tinker.types.service.checkpoints import CheckpointPath
 
 PROMPT = types.ModelInput.from_ints(list(b"the cat "))
 SEEDED = types.SamplingParams(max_tokens=12, seed=7, temperature=1.0)

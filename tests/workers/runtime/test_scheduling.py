@@ -11,7 +11,7 @@ from itertools import pairwise
 
 from queue_tinker.queue.dispatch.dispatcher import Lease
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
+from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.runtime.owned import OwnedModel
 from queue_tinker.workers.runtime.scheduling import (

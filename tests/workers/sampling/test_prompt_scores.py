@@ -16,8 +16,8 @@ import torch
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import UserInputError
 from queue_tinker.settings import Settings
-from queue_tinker.types.request_limits import RequestLimits
-from queue_tinker.types.sampling import NO_TARGET, SamplingParams, sample_input
+from queue_tinker.types.requests.request_limits import RequestLimits
+from queue_tinker.types.requests.sampling import NO_TARGET, SamplingParams, sample_input
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.sampling import prompt_scores as module
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate

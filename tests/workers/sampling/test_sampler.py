@@ -23,8 +23,8 @@ from peft import PeftModel, get_peft_model
 from transformers import DynamicCache
 
 from queue_tinker.builtin_models import load_tokenizer
-from queue_tinker.types.sampling import SampleResponse, SamplingParams
-from queue_tinker.types.training import LoraConfig
+from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
+from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import cache_keyword, load_base_model
 from queue_tinker.workers.model.row_blocks import blocks_of

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from queue_tinker.cli.demo_task import DEMO_LEARNING_RATE, demo_examples, make_batch
 from queue_tinker.types import OpKind, codec
-from queue_tinker.types.ops import Op
+from queue_tinker.types.requests.training import AdamParams, ForwardBackwardInput, LoraConfig
+from queue_tinker.types.service.ops import Op
 from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import AdamParams, ForwardBackwardInput, LoraConfig
 from queue_tinker.workers.executor.lora import LoraExecutor
 
 BASE = "queue-tinker/tiny-llama"

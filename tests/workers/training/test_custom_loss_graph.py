@@ -29,14 +29,14 @@ from torch.fx.node import _get_qualified_name
 from queue_tinker.client.custom_loss import forward_data, run_custom_loss
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind
-from queue_tinker.types.custom_loss import FUNCTIONS, CustomLoss, check_loss
-from queue_tinker.types.tensors import Datum
-from queue_tinker.types.training import (
+from queue_tinker.types.requests.custom_loss import FUNCTIONS, CustomLoss, check_loss
+from queue_tinker.types.requests.training import (
     AdamParams,
     ForwardBackwardInput,
     ForwardBackwardOutput,
     LoraConfig,
 )
+from queue_tinker.types.tensors import Datum
 from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.training.custom_loss_graph import FUNCTION_TABLE
 

@@ -13,7 +13,7 @@ from engine_driver import BASE, TEXTS, TIGHT, Driver, assert_tensors, batch, mak
 from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind
 from queue_tinker.types.enums import Optimizer
-from queue_tinker.types.training import AdamParams, DimuonParams, LoraConfig
+from queue_tinker.types.requests.training import AdamParams, DimuonParams, LoraConfig
 from queue_tinker.workers.training import dimuon
 
 RANK = 4

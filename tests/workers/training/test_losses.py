@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from queue_tinker.types.enums import BUILT_IN_LOSSES, LossFn
-from queue_tinker.types.loss_inputs import LOSS_SPECS
+from queue_tinker.types.requests.loss_inputs import LOSS_SPECS
 from queue_tinker.workers.training.losses import (
     LOSSES,
     STABLE_REINFORCE_TRUNCATION,

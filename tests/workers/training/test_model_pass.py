@@ -18,8 +18,8 @@ from engine_driver import saved_bytes
 from transformers import LlamaConfig
 
 from queue_tinker.types.enums import LossFn
+from queue_tinker.types.requests.training import ForwardBackwardOutput, LoraConfig
 from queue_tinker.types.tensors import Datum, ModelInput
-from queue_tinker.types.training import ForwardBackwardOutput, LoraConfig
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.memory import (

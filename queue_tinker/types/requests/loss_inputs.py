@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.types.custom_loss import CustomLoss
 from queue_tinker.types.enums import LossFn
-from queue_tinker.types.images import check_model_input_images
-from queue_tinker.types.request_limits import RequestLimits, check_datum_count, check_tokens
+from queue_tinker.types.requests.custom_loss import CustomLoss
+from queue_tinker.types.requests.images import check_model_input_images
+from queue_tinker.types.requests.request_limits import (
+    RequestLimits,
+    check_datum_count,
+    check_tokens,
+)
+from queue_tinker.types.requests.training import ForwardBackwardInput
 from queue_tinker.types.tensors import Datum, ImageChunk, ModelInput, TensorData
-from queue_tinker.types.training import ForwardBackwardInput
 
 
 @dataclass(frozen=True)

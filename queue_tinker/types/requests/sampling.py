@@ -10,11 +10,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.types.images import check_model_input_images
-from queue_tinker.types.loss_inputs import ModelLimits, check_token_ids
-from queue_tinker.types.request_limits import RequestLimits, check_tokens
+from queue_tinker.types.requests.images import check_model_input_images
+from queue_tinker.types.requests.loss_inputs import ModelLimits, check_token_ids
+from queue_tinker.types.requests.request_limits import RequestLimits, check_tokens
+from queue_tinker.types.requests.training import Seed
 from queue_tinker.types.tensors import ModelInput
-from queue_tinker.types.training import Seed
 from queue_tinker.types.validation import validated
 
 MAX_STOP_SEQUENCES = 32

@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.types.custom_loss import CustomLoss
 from queue_tinker.types.enums import LossFn, Optimizer
+from queue_tinker.types.requests.custom_loss import CustomLoss
 from queue_tinker.types.tensors import Datum, TensorData
 
 # LoRA settings not exposed by Tinker's API; fixed here and written into every checkpoint's

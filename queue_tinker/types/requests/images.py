@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.types.request_limits import RequestLimits, size_text
+from queue_tinker.types.requests.request_limits import RequestLimits, size_text
 from queue_tinker.types.tensors import ImageChunk, ModelInput
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
