@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.requests.training import (
@@ -191,7 +192,9 @@ def make_driver(
 ) -> Driver:
     storage = scratch / name
     storage.mkdir()
-    return Driver(LoraExecutor(base, "cpu", storage, models_dir, **kwargs), storage, base)
+    return Driver(
+        LoraExecutor(base, "cpu", storage, models_dir, EngineConfig(**kwargs)), storage, base
+    )
 
 
 # Batched against alone (BatchDriver), float32 on one CPU thread. A shared pass pads rows to a
@@ -225,7 +228,9 @@ class BatchDriver:
     def __init__(self, root: Path, name: str, base: str = BASE, **kwargs: Any) -> None:
         self.storage = root / name
         self.base = base
-        self.engine = LoraExecutor(base, "cpu", self.storage, root / "models", **kwargs)
+        self.engine = LoraExecutor(
+            base, "cpu", self.storage, root / "models", EngineConfig(**kwargs)
+        )
         self.seqs: dict[str, int] = {}
 
     def make(self, model_id: str, kind: OpKind, body: Any) -> Op:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from engine_driver import Driver, batch, run_stepped
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import RanksPartedError
 from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.storage.base import CheckpointStore
@@ -25,7 +26,7 @@ from queue_tinker.storage.local import LocalStore
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.requests.training import AdamParams
 from queue_tinker.types.tensors import ModelInput
-from queue_tinker.workers.executor.lora import LoraExecutor
+from queue_tinker.workers.executor.lora import GroupRank, LoraExecutor
 from queue_tinker.workers.group.channel import Channel
 from queue_tinker.workers.group.follower import follow
 from queue_tinker.workers.group.follower_store import FollowerStore
@@ -63,7 +64,12 @@ def make_engine(root: Path, shards: Shards | None) -> LoraExecutor:
     if shards is not None and shards.rank != 0:
         store = FollowerStore(store)
     return LoraExecutor(
-        BASE, "cpu", store, root / "models", max_resident=4, dtype="fp32", shards=shards
+        BASE,
+        "cpu",
+        store,
+        root / "models",
+        EngineConfig(max_resident_adapters=4, dtype="fp32"),
+        GroupRank(shards) if shards is not None else None,
     )
 
 

@@ -97,3 +97,17 @@ def test_the_folders_of_tests_mirror_the_source() -> None:
     assert {"tests/queue", "tests/gateway", "tests/workers/sampling"} <= mirrors()
     assert source_folder("tests/workers/runtime") == "workers/runtime"
     assert source_folder("tests/scripts") is None  # its own row: programs the tests run
+
+
+def test_the_configuration_table_names_every_setting() -> None:
+    """README's Configuration section names every QT_* setting, and none that is gone (a knob
+    added to queue_tinker/config/ without its row, or a row left for one removed, fails)."""
+    from queue_tinker.settings import Settings
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    table = section.split("\n\n")[1]
+    named = set(re.findall(r"`(QT_[A-Z0-9_]+)`", table))
+    settings = {f"QT_{name.upper()}" for name in Settings.model_fields}
+    assert settings - named == set(), "settings missing from README's Configuration table"
+    assert named - settings == set(), "README's Configuration table names no such setting"

@@ -117,7 +117,7 @@ def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     if not _redis_url(settings):
         return 2
     from queue_tinker.cli.status import run_status
-    from queue_tinker.queue.connection import REDIS_DOWN
+    from queue_tinker.queue.outage import REDIS_DOWN
 
     try:
         return asyncio.run(run_status(settings, as_json=args.json, watch_s=args.watch))

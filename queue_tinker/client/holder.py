@@ -22,18 +22,14 @@ from queue_tinker.errors import (
     RequestFailedError,
     UserInputError,
 )
-from queue_tinker.queue.connection import (
-    MAX_RETRY_DELAY_S,
-    REDIS_DOWN,
-    connect,
-    describe,
-)
+from queue_tinker.queue.connection import connect
 from queue_tinker.queue.control.actions import cancel_job
 from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.queue.ops.inflight import InflightWeights
 from queue_tinker.queue.ops.jobs import Enqueued, JobOutcome, JobQueue
+from queue_tinker.queue.outage import MAX_RETRY_DELAY_S, REDIS_DOWN, describe
 from queue_tinker.queue.results.listener import ResultListener
 from queue_tinker.settings import Settings
 from queue_tinker.types import JobStatus, OpKind, SessionRecord

@@ -50,9 +50,10 @@ from queue_tinker.gateway.tinker import (
 from queue_tinker.gateway.tinker.rest import record_caught_up, rest_router
 from queue_tinker.gateway.tinker.session import session_router
 from queue_tinker.gateway.tinker.unserved import unserved_router
-from queue_tinker.queue.connection import REDIS_DOWN, connect
+from queue_tinker.queue.connection import connect
 from queue_tinker.queue.control import silent_sessions
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.outage import REDIS_DOWN
 from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory, unreachable
@@ -77,12 +78,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.gateway_queue = GatewayQueue(app.state.redis, keys, settings)
         app.state.key_cache = KeyCache(settings.api_key_cache_s, settings.api_key_outage_s)
         # The gateway also writes the record behind, so Postgres keeps up with no worker alive.
-        recorder = RecorderThread(
-            settings.redis_url or "",
-            settings.database_url or "",
-            keys,
-            consumer=f"gateway-{uuid.uuid4().hex[:8]}",
-        )
+        recorder = RecorderThread(settings, consumer=f"gateway-{uuid.uuid4().hex[:8]}")
         recorder.start()
         timeout_s = settings.session_heartbeat_timeout_s
         watcher = (

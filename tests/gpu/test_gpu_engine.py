@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.requests.sampling import SamplingParams
@@ -130,7 +131,9 @@ def cuda(scratch: Path) -> LoraExecutor:
 @pytest.fixture(scope="module")
 def cpu(scratch: Path) -> LoraExecutor:
     """The fp32 reference, on the same storage (checkpoints move between them)."""
-    return LoraExecutor(BASE, "cpu", scratch / "storage", scratch / "models", dtype="fp32")
+    return LoraExecutor(
+        BASE, "cpu", scratch / "storage", scratch / "models", EngineConfig(dtype="fp32")
+    )
 
 
 def same_weights(into: Run, source: Run) -> None:
@@ -394,7 +397,13 @@ def built_in(
     base: str = request.param
     name = base.rsplit("/", 1)[-1]
     engines = (
-        LoraExecutor(base, device, scratch / f"{name}-storage", scratch / "models", dtype="fp32")
+        LoraExecutor(
+            base,
+            device,
+            scratch / f"{name}-storage",
+            scratch / "models",
+            EngineConfig(dtype="fp32"),
+        )
         for device in (DEVICE, "cpu")
     )
     return (base, *engines)  # type: ignore[return-value]
@@ -483,8 +492,7 @@ def test_decode_graphs_equal_the_eager_slots_and_the_padded_loop(scratch: Path) 
             DEVICE,
             scratch / "storage-steps",
             scratch / "models",
-            dtype="fp32",
-            decode_step=step,
+            EngineConfig(dtype="fp32", decode_step=step),
         )
         for step in ("padded", "slots", "graphs")
     }
@@ -520,7 +528,11 @@ def test_liger_kernels_on_cuda_equal_the_eager_model(cuda: LoraExecutor, scratch
     eager_loss = eager_run.forward_backward(batch)
     expected = eager_run.grads()
     liger = LoraExecutor(
-        BASE, DEVICE, scratch / "storage-liger", scratch / "models", liger_kernels="on"
+        BASE,
+        DEVICE,
+        scratch / "storage-liger",
+        scratch / "models",
+        EngineConfig(liger_kernels="on"),
     )
     liger_run = Run(liger, "liger")
     same_weights(liger_run, eager_run)

@@ -18,11 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.requests.training import AdamParams, ForwardBackwardInput, LoraConfig
 from queue_tinker.types.service.ops import Op
 from queue_tinker.types.tensors import ModelInput
-from queue_tinker.workers.executor.lora import LoraExecutor
+from queue_tinker.workers.executor.lora import GroupRank, LoraExecutor
 from queue_tinker.workers.group.rank import join_group
 from queue_tinker.workers.model.tensor_parallel import Shards
 
@@ -78,9 +79,16 @@ def test_a_one_rank_group_on_cuda_trains_as_a_plain_engine() -> None:
     try:
         shards, _ = join_group(0, 1, port, "cuda:0")
         assert isinstance(shards, Shards)
-        plain = LoraExecutor(BASE, "cuda:0", root / "a", root / "models", dtype="fp32")
+        plain = LoraExecutor(
+            BASE, "cuda:0", root / "a", root / "models", EngineConfig(dtype="fp32")
+        )
         group = LoraExecutor(
-            BASE, "cuda:0", root / "b", root / "models", dtype="fp32", shards=shards
+            BASE,
+            "cuda:0",
+            root / "b",
+            root / "models",
+            EngineConfig(dtype="fp32"),
+            GroupRank(shards),
         )
         torch.testing.assert_close(_ops(group), _ops(plain), rtol=1e-5, atol=1e-5)
     finally:

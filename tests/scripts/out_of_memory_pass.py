@@ -20,13 +20,13 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.requests.training import ForwardBackwardInput, LoraConfig
 from queue_tinker.types.service.ops import Op
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.workers.executor.lora import LoraExecutor
-from queue_tinker.workers.training.model_pass import PassPlan
 
 VOCAB = 32_768
 TOKENS = 2_048
@@ -106,8 +106,9 @@ def main() -> None:
         "cpu",
         scratch / "storage",
         scratch / "models",
-        plan=PassPlan(activation_checkpointing="off", logit_chunk_elements=1 << 40),
-        train_batch_tokens=1 << 20,
+        EngineConfig(
+            activation_checkpointing="off", logit_chunk_elements=1 << 40, train_batch_tokens=1 << 20
+        ),
     )
     ops = Ops()
     for model_id in ("a", "b", "c"):

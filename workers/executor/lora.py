@@ -4,9 +4,9 @@ It composes the parts and routes each op to its part: pings run here, training o
 training engine (training/), sampling sessions on the sampling sessions (sampling/), both over
 one pool of adapters on the frozen base (model/). The runtime hands batches of training steps
 straight to the training rounds and samples straight to the sampling sessions (`engine()`).
-Which ops run inline, batched or stepped is LoraOpRules' (rules.py). Settings come in through
-the constructor (workers/main.py passes the deployment's); nothing here reads the environment,
-Redis or SQL.
+Which ops run inline, batched or stepped is LoraOpRules' (rules.py). The settings come in
+whole, as an EngineConfig (workers/main.py hands over the deployment's); each part here reads
+the fields it needs, and nothing here reads the environment, Redis or SQL.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from queue_tinker.builtin_models import load_tokenizer
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import UserInputError
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import LocalStore
@@ -32,16 +33,14 @@ from queue_tinker.workers.interface import Engine, OpResult, run_ping
 from queue_tinker.workers.model import base_model as base_models
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.fit import (
-    MOST_RESIDENT_ADAPTERS,
     FitPlan,
     FitSettings,
     fit_resident_adapters,
     require_fit,
 )
-from queue_tinker.workers.model.fused_kernels import LigerKernels, apply_liger, liger_wanted
+from queue_tinker.workers.model.fused_kernels import apply_liger, liger_wanted
 from queue_tinker.workers.model.memory import (
     Budgets,
-    LoraMatmuls,
     device_budgets,
     lora_compute_dtype,
     lora_copy_bytes,
@@ -50,7 +49,7 @@ from queue_tinker.workers.model.sharded_adapters import ShardedAdapterPool
 from queue_tinker.workers.model.tensor_parallel import Shards, check_shardable, shard_decoder
 from queue_tinker.workers.model.vision_language import ImageSupport, Vision, is_vl
 from queue_tinker.workers.sampling.sessions import QuantumOver, SamplingSessions
-from queue_tinker.workers.sampling.slot_decode import DecodeStep, decode_step_of
+from queue_tinker.workers.sampling.slot_decode import decode_step_of
 from queue_tinker.workers.training import engine as training_engine
 from queue_tinker.workers.training.engine import TrainingEngine
 from queue_tinker.workers.training.model_pass import PassPlan, budgeted
@@ -61,7 +60,6 @@ from queue_tinker.workers.training.saved_state import SavedState
 log = logging.getLogger(__name__)
 
 DEFAULT_TRAIN_BATCH_TOKENS = 32_768  # QT_TRAIN_BATCH_TOKENS unset, off CUDA
-DEFAULT_SAMPLE_BATCH_SEQUENCES = 64  # QT_SAMPLE_BATCH_SEQUENCES unset, off CUDA
 
 
 @dataclass(frozen=True)
@@ -88,6 +86,15 @@ class ModelDurability:
         self.sampling.drop(model_id)
 
 
+@dataclass(frozen=True)
+class GroupRank:
+    """A worker group's rank (workers/group/): its share of the base model, and how its decode
+    quanta end (every rank takes rank 0's decision, so all take the same steps)."""
+
+    shards: Shards
+    quantum_over: QuantumOver | None = None
+
+
 class LoraExecutor:
     def __init__(
         self,
@@ -95,60 +102,43 @@ class LoraExecutor:
         device: str,
         storage: Path | CheckpointStore,
         models_dir: Path,
-        *,
-        max_resident: int | None = None,
-        snapshot_every: int = 20,
-        max_batch_sequences: int | None = None,
-        sample_cache_tokens: int | None = None,
-        request_limits: RequestLimits | None = None,
-        cross_adapter_batch: bool = True,
-        train_batch_tokens: int | None = None,
-        dtype: str = "auto",
-        lora_matmul_dtype: LoraMatmuls = "auto",
-        liger_kernels: LigerKernels = "off",
-        decode_step: DecodeStep = "padded",
-        plan: PassPlan | None = None,
-        shards: Shards | None = None,
-        quantum_over: QuantumOver | None = None,
+        config: EngineConfig | None = None,
+        group: GroupRank | None = None,
     ) -> None:
+        """`config`: the engine's settings (a worker hands over its settings whole; None: the
+        defaults, whatever the environment says). `group`: a worker group rank's share."""
+        config = config or EngineConfig()
+        shards = group.shards if group is not None else None
         self.base_model = base_model
         # A directory: local storage there (the tests' and the embedded default's way).
         self.store = storage if isinstance(storage, CheckpointStore) else LocalStore(storage)
-        self.rules = LoraOpRules(cross_adapter_batch)
+        self.rules = LoraOpRules(config.cross_adapter_batch)
         self.device = torch.device(device)
         # The same QT_MAX_* limits the client and gateway enforce, again here: an op may come
-        # from a client configured otherwise, or straight from Redis. The worker passes its
-        # settings' (workers/main.py); None: the settings' defaults, whatever the environment.
-        self.request_limits = request_limits or RequestLimits.defaults()
-        plan = plan or PassPlan()
+        # from a client configured otherwise, or straight from Redis.
+        self.request_limits = RequestLimits.of(config)
+        plan = PassPlan.of(config)
         # Before any weight is loaded: a setting this machine cannot honour stops the worker.
-        liger = liger_wanted(liger_kernels, self.device, grouped=shards is not None)
-        fit = FitSettings(
-            max_resident_adapters=max_resident or MOST_RESIDENT_ADAPTERS,
-            train_batch_tokens=train_batch_tokens,
-            sample_cache_tokens=sample_cache_tokens,
-            max_tokens_per_datum=self.request_limits.tokens_per_datum,
-            activation_checkpointing=plan.activation_checkpointing,
-            lora_matmul_dtype=lora_matmul_dtype,
-        )
+        liger = liger_wanted(config.liger_kernels, self.device, grouped=shards is not None)
         whole_config = None  # a group rank's: the model's config before the split
         if shards is not None:  # before any weight is loaded: a model the group cannot split
             path = base_models.resolve_model_path(base_model, models_dir)
             whole_config = base_models.load_config(path)
             check_shardable(whole_config, shards.world)
+        fit = FitSettings.of(config)
         fitted = check_fit(
             base_model,
             self.device,
             models_dir,
-            dtype,
+            config.dtype,
             fit,
-            sized=max_resident is None,
+            sized=config.max_resident_adapters is None,
             ranks=shards.world if shards is not None else 1,
         )
         resident = (fitted.demand.settings if fitted else fit).max_resident_adapters
         # A rank of a worker group keeps its share of each decoder layer, cut in host memory.
         share = None if shards is None else partial(shard_decoder, shards=shards)
-        base = base_models.load_frozen_base(base_model, device, models_dir, dtype, share)
+        base = base_models.load_frozen_base(base_model, device, models_dir, config.dtype, share)
         if liger:
             apply_liger(base)
         images = ImageSupport(base_model)
@@ -161,8 +151,8 @@ class LoraExecutor:
             vocab_size=base_models.vocab_size(base), context_length=base_models.context_length(base)
         )
         self.pool = adapter_pool(base, base_model, resident, shards, whole_config)
-        self.pool.lora_compute = lora_compute_dtype(base.dtype, lora_matmul_dtype)
-        lora_copy = lora_copy_bytes(base.dtype.itemsize, lora_matmul_dtype)
+        self.pool.lora_compute = lora_compute_dtype(base.dtype, config.lora_matmul_dtype)
+        lora_copy = lora_copy_bytes(base.dtype.itemsize, config.lora_matmul_dtype)
         # Unset budgets: the CPU defaults, or what the device's free memory holds now.
         # A vision-language model's sizes are its language model's (its text config).
         budgets = device_budgets(
@@ -188,7 +178,7 @@ class LoraExecutor:
         )
         saved = SavedState(self.pool, self.store, base_model)
         residency = Residency(self.pool, saved, self.store)
-        guard = MemoryGuard(self.device, train_batch_tokens or _train_tokens(budgets))
+        guard = MemoryGuard(self.device, config.train_batch_tokens or _train_tokens(budgets))
         rounds = TrainingRounds(
             self.pool,
             residency,
@@ -196,25 +186,22 @@ class LoraExecutor:
             guard,
             plan,
             limits,
-            self.request_limits,
-            snapshot_every,
+            config,
             images,
         )
         self.training = TrainingEngine(base_model, self.pool, residency, saved, rounds)
         self.sampling = SamplingSessions(
+            config,
             self.pool,
             self.store,
             base_model,
             limits,
             self.device,
             tokenizer=lambda: load_tokenizer(base_model, models_dir),
-            max_batch_sequences=max_batch_sequences or _sample_rows(budgets),
-            request_limits=self.request_limits,
-            max_cache_tokens=sample_cache_tokens
-            or (budgets.sample_cache_tokens if budgets else None),
+            budgets=budgets,
             images=images,
-            quantum_over=quantum_over,
-            decode_step=decode_step_of(decode_step, self.device, grouped=shards is not None),
+            quantum_over=group.quantum_over if group is not None else None,
+            decode_step=decode_step_of(config.decode_step, self.device, grouped=shards is not None),
         )
         self.durability = ModelDurability(residency, self.sampling)
 
@@ -301,7 +288,3 @@ def check_fit(
 
 def _train_tokens(budgets: Budgets | None) -> int:
     return budgets.train_batch_tokens if budgets else DEFAULT_TRAIN_BATCH_TOKENS
-
-
-def _sample_rows(budgets: Budgets | None) -> int:
-    return budgets.sample_batch_sequences if budgets else DEFAULT_SAMPLE_BATCH_SEQUENCES

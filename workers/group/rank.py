@@ -17,6 +17,7 @@ import torch.distributed as dist
 from queue_tinker.errors import WorkerGroupError
 from queue_tinker.settings import Settings, load_settings
 from queue_tinker.storage.configured import open_store
+from queue_tinker.workers.executor.lora import GroupRank
 from queue_tinker.workers.group.channel import STOP, Channel
 from queue_tinker.workers.group.follower import follow
 from queue_tinker.workers.group.follower_store import FollowerStore
@@ -102,7 +103,7 @@ def lead(settings: Settings, base_model: str, device: str, shards: Shards, chann
         return channel.decide(time_is_up(began, budget_s))
 
     def build() -> Engine:
-        built = lora_executor(settings, base_model, device, shards, quantum_over)
+        built = lora_executor(settings, base_model, device, GroupRank(shards, quantum_over))
         return LeaderEngine(built.engine(), channel).as_engine()
 
     code = run_worker(settings, base_model=base_model, device=device, build=build)
@@ -120,7 +121,8 @@ def follow_rank_0(
         return channel.decide()
 
     store = FollowerStore(open_store(settings))
-    built = lora_executor(settings, base_model, device, shards, quantum_over, store=store)
+    group = GroupRank(shards, quantum_over)
+    built = lora_executor(settings, base_model, device, group, store=store)
     log.info("rank %d of %d on %s: following rank 0", shards.rank, shards.world, device)
     follow(built.engine(), channel)
     return 0

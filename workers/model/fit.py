@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import WorkerFitError
 from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import (
@@ -89,6 +90,19 @@ class FitSettings:
     # The adapters planned for: a client may ask for another rank or fewer targets, but the
     # default LoRA config is what a create_model without them makes.
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> FitSettings:
+        """The engine's settings as the planner takes them (unset resident adapters: as many
+        as fit, at most MOST_RESIDENT_ADAPTERS)."""
+        return cls(
+            max_resident_adapters=config.max_resident_adapters or MOST_RESIDENT_ADAPTERS,
+            train_batch_tokens=config.train_batch_tokens,
+            sample_cache_tokens=config.sample_cache_tokens,
+            max_tokens_per_datum=config.max_tokens_per_datum,
+            activation_checkpointing=config.activation_checkpointing,
+            lora_matmul_dtype=config.lora_matmul_dtype,
+        )
 
 
 @dataclass(frozen=True)

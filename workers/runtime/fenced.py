@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from queue_tinker.errors import ErrorCategory
-from queue_tinker.queue.connection import Reconnector
 from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Op, Outcome, Start
+from queue_tinker.queue.outage import Reconnector
 from queue_tinker.types import JobStatus
 from queue_tinker.types.service.records import Record
 from queue_tinker.workers.interface import Durability

@@ -7,8 +7,8 @@ import asyncio
 import logging
 import time
 
-from queue_tinker.queue.connection import Reconnector, describe
 from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Lease
+from queue_tinker.queue.outage import Reconnector, describe
 from queue_tinker.workers.interface import Durability
 from queue_tinker.workers.runtime.compute import ComputeThread
 from queue_tinker.workers.runtime.owned import OwnedModel

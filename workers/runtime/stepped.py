@@ -8,9 +8,9 @@ import asyncio
 import time
 from collections.abc import Mapping
 
-from queue_tinker.queue.connection import REDIS_DOWN
 from queue_tinker.queue.dispatch.dispatcher import Op, Outcome
 from queue_tinker.queue.ops.inflight import InflightWeights
+from queue_tinker.queue.outage import REDIS_DOWN
 from queue_tinker.workers.interface import ResultOrError, SteppedCompute
 from queue_tinker.workers.runtime.arrivals import Arrivals
 from queue_tinker.workers.runtime.compute import ComputeThread, outcome_of

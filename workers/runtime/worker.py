@@ -23,21 +23,17 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
-from queue_tinker.queue.connection import Reconnector, describe
-from queue_tinker.queue.dispatch.dispatcher import Dispatcher
-from queue_tinker.queue.dispatch.registry import WorkerRegistry
-from queue_tinker.queue.observe.records import RecordLog
-from queue_tinker.queue.ops.inflight import InflightWeights
-from queue_tinker.types.service.records import Record
+from queue_tinker.config.queue import QueueConfig
+from queue_tinker.queue.outage import describe
 from queue_tinker.workers.interface import Engine
 from queue_tinker.workers.runtime.arrivals import Arrivals
 from queue_tinker.workers.runtime.compute import ComputeThread
 from queue_tinker.workers.runtime.fenced import FencedWrites
 from queue_tinker.workers.runtime.ownership import Ownership
 from queue_tinker.workers.runtime.presence import Activity, Identity, registry_fields, worker_record
+from queue_tinker.workers.runtime.queue_link import QueueLink
 from queue_tinker.workers.runtime.scheduling import QUANTUM_S, Scheduler, TurnKind, quantum_after
 from queue_tinker.workers.runtime.stepped import SteppedOps
 from queue_tinker.workers.runtime.turns import Turns
@@ -55,39 +51,26 @@ IDLE_OFFER_WAIT_MS = 1_000
 READ_BLOCK_MS = 1_000
 
 
-@dataclass
-class WorkerConfig:
-    base_model: str
-    device: str
-    lease_ttl_ms: int
-    heartbeat_ms: int
-    linger_ms: int
-    worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:12]}")
+def new_worker_id() -> str:
+    return f"w-{uuid.uuid4().hex[:12]}"
 
 
 class Worker:
     def __init__(
-        self,
-        config: WorkerConfig,
-        engine: Engine,
-        dispatcher: Dispatcher,
-        registry: WorkerRegistry,
-        records: RecordLog,
-        on_records: Callable[[list[Record]], Awaitable[None]] | None = None,
-        reconnect: Reconnector | None = None,
+        self, config: QueueConfig, identity: Identity, engine: Engine, link: QueueLink
     ) -> None:
+        """`config`: the queue's settings (leases, heartbeats, lingering), handed over whole;
+        `link`: the worker's one connection to Redis and the queue's parts over it."""
         self.config = config
-        self.reconnect = reconnect or Reconnector(dispatcher.redis, config.worker_id)
+        self.identity = identity
+        self.reconnect = link.reconnect
         self.engine = engine
-        self.dispatch = dispatcher
-        self.registry = registry
-        self.records = records
+        self.dispatch = dispatcher = link.dispatcher
+        self.registry = link.registry
+        self.records = link.records
         self.stopping = asyncio.Event()
         self._idle = asyncio.Event()
         self._control_cursor = b"$"
-        self.identity = Identity(
-            config.worker_id, config.base_model, config.device, started_at=time.time()
-        )
         self.activity = Activity()
         # What runs next (fairness, order, batches) is decided there, run by the parts below.
         self.schedule = Scheduler(engine.rules)
@@ -106,7 +89,7 @@ class Worker:
         self.fenced = FencedWrites(
             dispatcher,
             self.reconnect,
-            on_records,
+            link.expiry,
             self.ownership,
             self.schedule,
             engine.durability,
@@ -133,13 +116,12 @@ class Worker:
             self.arrivals,
             self.activity,
             self.stopping,
-            # Reads only: the TTL is the publisher's (clients and gateways).
-            InflightWeights(dispatcher.redis, dispatcher.keys, dispatcher.scripts, ttl_s=0),
+            link.inflight,
         )
 
     @property
     def id(self) -> str:
-        return self.config.worker_id
+        return self.identity.worker_id
 
     def stop(self) -> None:
         """Stop taking work; the op in progress finishes and is published. If Redis is away,

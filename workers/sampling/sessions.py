@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import OpCancelledError, UserInputError
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.types import codec
@@ -43,11 +44,14 @@ from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.checkpoints import checkpoint_key, read_meta
+from queue_tinker.workers.model.memory import Budgets
 from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest, Key
 from queue_tinker.workers.sampling.slot_decode import PADDED, StepKind
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SAMPLE_BATCH_SEQUENCES = 64  # QT_SAMPLE_BATCH_SEQUENCES unset, off CUDA
 
 
 @dataclass
@@ -83,19 +87,20 @@ def time_is_up(began: float, budget_s: float) -> bool:
 class SamplingSessions:
     def __init__(
         self,
+        config: EngineConfig,
         pool: AdapterPool,
         store: CheckpointStore,
         base_model: str,
         limits: ModelLimits,
         device: torch.device,
         tokenizer: Callable[[], Any],
-        max_batch_sequences: int,
-        request_limits: RequestLimits | None = None,
-        max_cache_tokens: int | None = None,
+        budgets: Budgets | None = None,
         images: ImageSupport | None = None,
         quantum_over: QuantumOver | None = None,
         decode_step: StepKind = PADDED,
     ) -> None:
+        """`config`: the engine's settings (the request limits, the decode loop's rows and KV
+        tokens, each unset one taken from the device's `budgets`, or the CPU's default)."""
         self.pool = pool
         self.decode_step = decode_step  # how the decode loop runs its steps (slot_decode.py)
         self.quantum_over = quantum_over or time_is_up
@@ -104,9 +109,14 @@ class SamplingSessions:
         self.limits = limits
         self.device = device
         self._tokenizer = tokenizer  # loaded on the first sample: training needs none
-        self.max_batch_sequences = max_batch_sequences
-        self.max_cache_tokens = max_cache_tokens  # the decode loop's KV-cache budget
-        self.request_limits = request_limits or RequestLimits.defaults()
+        self.max_batch_sequences = config.sample_batch_sequences or (
+            budgets.sample_batch_sequences if budgets else DEFAULT_SAMPLE_BATCH_SEQUENCES
+        )
+        # The decode loop's KV-cache budget (None: no cap).
+        self.max_cache_tokens = config.sample_cache_tokens or (
+            budgets.sample_cache_tokens if budgets else None
+        )
+        self.request_limits = RequestLimits.of(config)
         self.images = images or ImageSupport(base_model)  # a prompt's image chunks
         self.sessions: dict[str, int] = {}  # sampling session -> last seq run here
         self._loop: DecodeLoop | None = None

@@ -34,6 +34,7 @@ from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.workers.model.memory import (
     Budgets,
     Checkpointing,
@@ -97,6 +98,17 @@ class PassPlan:
 
     def stacks_lora(self, device: torch.device) -> bool:
         return self.stacked_lora if self.stacked_lora is not None else device.type == "cuda"
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> PassPlan:
+        """The plan the engine's settings ask for (QT_ACTIVATION_CHECKPOINTING and friends),
+        before the device's budget is known (budgeted)."""
+        return cls(
+            activation_checkpointing=config.activation_checkpointing,
+            checkpoint_min_tokens=config.activation_checkpointing_tokens,
+            logit_chunk_elements=config.logit_chunk_elements,
+            pack_above_padding=config.pack_above_padding,
+        )
 
     def for_pass(self, ranks: Sequence[int], stacked: bool) -> PassPlan:
         """The plan of one pass whose adapters have these LoRA ranks (each adapter once):

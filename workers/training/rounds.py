@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import torch
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import DeviceMemoryError
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.enums import LossFn
@@ -158,18 +159,19 @@ class TrainingRounds:
         guard: MemoryGuard,
         plan: PassPlan,
         limits: ModelLimits,
-        request_limits: RequestLimits,
-        snapshot_every: int,
+        config: EngineConfig,
         images: ImageSupport | None = None,
     ) -> None:
+        """`config`: the engine's settings (the request limits it checks, how often a run
+        snapshots)."""
         self.pool = pool
         self.residency = residency
         self.saved = saved
         self.guard = guard
         self.plan = plan
         self.limits = limits
-        self.request_limits = request_limits
-        self.snapshot_every = snapshot_every
+        self.request_limits = RequestLimits.of(config)
+        self.snapshot_every = config.snapshot_every_steps
         self.images = images or ImageSupport()
         self.layers = len(decoder_layers(pool.base))  # what a pass's checkpointing plan counts
 

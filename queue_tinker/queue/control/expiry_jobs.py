@@ -20,6 +20,7 @@ from rq import Queue, Retry
 from rq.job import Job
 
 from queue_tinker.queue.keys import Keys
+from queue_tinker.types.service.records import CheckpointRecord, Record
 
 # rq imports this in the housekeeper process when the job runs.
 EXPIRE_JOB = "queue_tinker.services.housekeeper.expire_checkpoint"
@@ -101,3 +102,26 @@ async def schedule_expiry(
             schedule_checkpoint_expiry(client, prefix, checkpoint_id, directory, expires_at)
 
     await asyncio.to_thread(schedule)
+
+
+class ExpiryScheduler:
+    """Hands each new checkpoint with a TTL to the housekeeper, which deletes it then: a
+    worker calls it with the records each publish made (rq speaks sync Redis: a connection
+    of its own, used off the event loop)."""
+
+    def __init__(self, redis_url: str, prefix: str) -> None:
+        self._redis = redis.Redis.from_url(redis_url)
+        self._prefix = prefix
+
+    async def __call__(self, records: list[Record]) -> None:
+        await asyncio.to_thread(self._schedule, records)
+
+    def _schedule(self, records: list[Record]) -> None:
+        for record in records:
+            if isinstance(record, CheckpointRecord) and record.expires_at is not None:
+                schedule_checkpoint_expiry(
+                    self._redis, self._prefix, record.id, record.path, record.expires_at
+                )
+
+    def close(self) -> None:
+        self._redis.close()

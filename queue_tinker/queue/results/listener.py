@@ -22,13 +22,9 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from queue_tinker.errors import RedisUnavailableError, ResultExpiredError
-from queue_tinker.queue.connection import (
-    MAX_RETRY_DELAY_S,
-    REDIS_DOWN,
-    describe,
-)
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.ops.jobs import JobOutcome, JobQueue, outcome_from_fields
+from queue_tinker.queue.outage import MAX_RETRY_DELAY_S, REDIS_DOWN, describe
 from queue_tinker.types import JobStatus
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from sqlalchemy import text
 
 import queue_tinker as tinker
 from queue_tinker import types
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import QueueTinkerError, UserInputError
 from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.settings import Settings
@@ -47,7 +48,6 @@ from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.interface import OpResult
-from queue_tinker.workers.training.model_pass import PassPlan
 
 BASE = "queue-tinker/tiny-llama"
 VOCAB = 259
@@ -150,8 +150,8 @@ STEP_OPS: list[tuple[str, OpKind, Any, str | None]] = [
 # One pass for everything; and passes cut by a small token cap with only two adapters resident,
 # so the ops spread over several passes and adapters are evicted and restored between them.
 LAYOUTS = {
-    "one-pass": {"max_resident": 64},
-    "tight": {"max_resident": 2, "train_batch_tokens": 64, "snapshot_every": 1},
+    "one-pass": {"max_resident_adapters": 64},
+    "tight": {"max_resident_adapters": 2, "train_batch_tokens": 64, "snapshot_every_steps": 1},
 }
 
 
@@ -164,8 +164,8 @@ def test_batched_step_equals_ops_one_at_a_time(root: Path, layout: str) -> None:
     alone = BatchDriver(
         root,
         f"alone-{layout}",
-        max_resident=64,
-        snapshot_every=LAYOUTS[layout].get("snapshot_every", 20),
+        max_resident_adapters=64,
+        snapshot_every_steps=LAYOUTS[layout].get("snapshot_every_steps", 20),
     )
     for model_id, config in MODELS.items():
         batch.create(model_id, config)
@@ -214,7 +214,9 @@ def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
     """With cross_adapter_batch off nothing is batchable; with it on, a model's share of a
     batch is one step: its forward_backward run and the optim_step after it. Samples are never
     batched: they are stepped (the decode loop), either way."""
-    off = LoraExecutor(BASE, "cpu", root / "off", root / "models", cross_adapter_batch=False)
+    off = LoraExecutor(
+        BASE, "cpu", root / "off", root / "models", EngineConfig(cross_adapter_batch=False)
+    )
     kinds = [
         OpKind.FORWARD_BACKWARD,
         OpKind.FORWARD,
@@ -252,8 +254,9 @@ def test_a_pass_is_not_shared_past_where_it_would_recompute_more(root: Path) -> 
         driver = BatchDriver(
             root,
             f"recompute-{threshold}",
-            max_resident=8,
-            plan=PassPlan(checkpoint_min_tokens=threshold, pack_above_padding=None),
+            max_resident_adapters=8,
+            activation_checkpointing_tokens=threshold,
+            pack_above_padding=1.0,
         )
         for model_id in ("a", "b", "c", "f"):
             driver.create(model_id, LoraConfig(rank=4))
@@ -271,7 +274,7 @@ def test_outcomes_of_a_batch_survive_in_its_snapshot(root: Path) -> None:
     """An optim_step that snapshots inside a batch keeps the outcomes of its model's earlier
     ops of that batch (results and errors): an owner that died before publishing the batch
     leaves them to the next owner, which publishes them instead of failing or rerunning."""
-    first = BatchDriver(root, "kept", snapshot_every=1)
+    first = BatchDriver(root, "kept", snapshot_every_steps=1)
     first.create("m-kept", MODELS["m-ce"])
     ops = [
         first.make("m-kept", kind, body)
@@ -522,7 +525,7 @@ def test_stepped_samples_keep_their_checkpoints_and_leave_with_their_session(roo
     one waits until an op on a checkpoint in use is done (no adapter is evicted under a
     running row), and each returns what it returns alone; a bad op fails at the next step;
     dropping a session forgets its ops."""
-    driver = BatchDriver(root, "stepped", max_resident=2)
+    driver = BatchDriver(root, "stepped", max_resident_adapters=2)
     paths = []
     for i in range(3):
         driver.create(f"r{i}", LoraConfig(rank=4, seed=i))

@@ -16,6 +16,7 @@ from engine_driver import BASE
 from procs import REPO
 from transformers import LlamaConfig
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import WorkerFitError
 from queue_tinker.workers.executor import lora
 from queue_tinker.workers.executor.lora import LoraExecutor, check_fit
@@ -97,7 +98,13 @@ def test_a_worker_that_cannot_fit_refuses_to_start(
     part in GiB and the most adapters that fit."""
     pretend_cuda_memory(monkeypatch, GIB)
     with pytest.raises(WorkerFitError) as raised:
-        LoraExecutor(BASE, "cuda", tmp_path / "storage", tmp_path / "models", max_resident=10_000)
+        LoraExecutor(
+            BASE,
+            "cuda",
+            tmp_path / "storage",
+            tmp_path / "models",
+            EngineConfig(max_resident_adapters=10_000),
+        )
     message = raised.value.message
     assert message.startswith(f"{BASE} on cuda does not fit: A GPU of 1.00 GiB needs ")
     assert "adapters " in message and "10000 resident of rank 32" in message

@@ -42,6 +42,7 @@ from peft import PeftModel, get_peft_model
 from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.client.custom_loss import forward_data, run_custom_loss
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import OpCancelledError, UserInputError
 from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
@@ -63,13 +64,17 @@ CONTEXT = 256
 @pytest.fixture(scope="module")
 def main(scratch: Path, models_dir: Path) -> Driver:
     """Everything stays resident; a periodic snapshot every 2 optimizer steps."""
-    return make_driver(scratch, models_dir, "storage-main", max_resident=64, snapshot_every=2)
+    return make_driver(
+        scratch, models_dir, "storage-main", max_resident_adapters=64, snapshot_every_steps=2
+    )
 
 
 @pytest.fixture(scope="module")
 def small(scratch: Path, models_dir: Path) -> Driver:
     """One resident adapter: every switch of model evicts the other to storage."""
-    return make_driver(scratch, models_dir, "storage-small", max_resident=1, snapshot_every=1000)
+    return make_driver(
+        scratch, models_dir, "storage-small", max_resident_adapters=1, snapshot_every_steps=1000
+    )
 
 
 def reference_model(models_dir: Path, seed: int, rank: int = RANK) -> torch.nn.Module:
@@ -557,12 +562,12 @@ def test_base_model_samples_after_the_last_adapter_is_released(
             },
         )
 
-    released = make_driver(scratch, models_dir, "storage-released", max_resident=4)
+    released = make_driver(scratch, models_dir, "storage-released", max_resident_adapters=4)
     released.create("only-run", seed=5)
     released.train("only-run", 1)
     released.engine.durability.persist("only-run")
     released.engine.durability.drop("only-run")  # what the worker does once the run lingered out
-    fresh = make_driver(scratch, models_dir, "storage-fresh", max_resident=4)
+    fresh = make_driver(scratch, models_dir, "storage-fresh", max_resident_adapters=4)
     assert sample(released, "base-sampler") == sample(fresh, "base-sampler")
     released.create("next-run", seed=5)
     released.train("next-run", 1)
@@ -670,7 +675,7 @@ def test_the_sample_cache_budget_reaches_the_decode_loop(
     cache tokens each (7 prompt + 30 new) one at a time under a budget of 40, where an engine
     without one runs them together; the samples are the same."""
     capped = make_driver(
-        scratch, models_dir, "storage-capped", max_resident=4, sample_cache_tokens=40
+        scratch, models_dir, "storage-capped", max_resident_adapters=4, sample_cache_tokens=40
     )
     results = []
     for driver in (capped, main):
@@ -690,12 +695,14 @@ def test_a_worker_decoding_on_slots_samples_as_one_decoding_padded(
     """QT_DECODE_STEP=slots reaches the decode loop: samples of two checkpoints and the base
     model, joined at once, run on KV and LoRA slots and equal a padded worker's on the same
     storage (tokens, and logprobs to float32 rounding)."""
-    padded = make_driver(scratch, models_dir, "storage-slots", max_resident=4)
+    padded = make_driver(scratch, models_dir, "storage-slots", max_resident_adapters=4)
     for seed, model_id in enumerate(("slot-a", "slot-b")):
         padded.create(model_id, seed=60 + seed)
         padded.train(model_id, 2)
         padded.save(model_id, "s", OpKind.SAVE_WEIGHTS_FOR_SAMPLER)
-    slotted = LoraExecutor(BASE, "cpu", padded.storage, models_dir, decode_step="slots")
+    slotted = LoraExecutor(
+        BASE, "cpu", padded.storage, models_dir, EngineConfig(decode_step="slots")
+    )
     paths = [None, "tinker://slot-a/sampler_weights/s", "tinker://slot-b/sampler_weights/s"]
     outcomes = []
     for engine in (padded.engine, slotted):

@@ -40,7 +40,6 @@ from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.adapters import expert_parameters, linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.checkpoints import read_state
-from queue_tinker.workers.training.model_pass import PassPlan
 
 MOE = "queue-tinker/tiny-moe"
 EXPERT = ".mlp.experts."
@@ -58,7 +57,7 @@ def rl_datum(text: str, seed: int) -> Datum:
 
 @pytest.fixture(scope="module")
 def moe(root: Path) -> BatchDriver:
-    return BatchDriver(root, "moe", base=MOE, max_resident=64)
+    return BatchDriver(root, "moe", base=MOE, max_resident_adapters=64)
 
 
 def experts_of(tensors: Tensors) -> Tensors:
@@ -180,8 +179,8 @@ STEP_OPS: list[tuple[str, OpKind, Any]] = [
 def test_cross_adapter_pass_equals_ops_one_at_a_time(root: Path) -> None:
     """Three adapters (one adapting no expert) in one shared pass: results, gradients and
     weights after optim_step equal the same ops one at a time (fp32 to 1e-5)."""
-    shared = BatchDriver(root, "moe-shared", base=MOE, max_resident=64)
-    alone = BatchDriver(root, "moe-alone", base=MOE, max_resident=64)
+    shared = BatchDriver(root, "moe-shared", base=MOE, max_resident_adapters=64)
+    alone = BatchDriver(root, "moe-alone", base=MOE, max_resident_adapters=64)
     for model_id, config in MODELS.items():
         shared.create(model_id, config)
         alone.create(model_id, config)
@@ -238,10 +237,9 @@ def test_samples_of_two_adapters_in_one_loop_equal_each_alone(moe: BatchDriver) 
 def test_checkpointed_layers_recompute_the_same_expert_gradients(root: Path) -> None:
     """Every decoder layer checkpointed: backward recomputes the experts through the row
     blocks, and two adapters' gradients equal those of a pass that keeps its activations."""
-    plans = {"on": PassPlan(activation_checkpointing="on"), "off": PassPlan()}
     grads = {}
-    for name, plan in plans.items():
-        driver = BatchDriver(root, f"moe-ckpt-{name}", base=MOE, plan=plan)
+    for name in ("on", "auto"):
+        driver = BatchDriver(root, f"moe-ckpt-{name}", base=MOE, activation_checkpointing=name)
         for i in range(2):
             driver.create(f"c{i}", LoraConfig(rank=4, seed=50 + i))
         ops = [
@@ -250,7 +248,7 @@ def test_checkpointed_layers_recompute_the_same_expert_gradients(root: Path) -> 
         ]
         assert all(isinstance(r, OpResult) for r in driver.batched(ops))
         grads[name] = [driver.grads(f"c{i}") for i in range(2)]
-    for on, off in zip(grads["on"], grads["off"], strict=True):
+    for on, off in zip(grads["on"], grads["auto"], strict=True):
         assert experts_of(off)
         assert_batched_tensors(on, off, atol_of_max=GRAD_ATOL)
 
@@ -356,7 +354,7 @@ def test_forward_backward_reports_the_routing_metrics_tinker_documents(root: Pat
     """Each op of a shared pass reports the e_* routing metrics of its own tokens: equal to
     their definitions applied to the experts the base model's routers pick (the adapters
     adapt only the unembedding, after every router), whatever else shares the pass."""
-    driver = BatchDriver(root, "moe-routing", base=MOE, max_resident=64)
+    driver = BatchDriver(root, "moe-routing", base=MOE, max_resident_adapters=64)
     ops = {
         "short": [datum("a short one"), datum("the lazy dog jumps")],
         "long": [datum("routing many more tokens through four experts, two at a time")],

@@ -11,6 +11,7 @@ import pytest
 from engine_driver import EXACT, Driver, assert_tensors
 from object_store import S3Server
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import ErrorCategory, StorageUnavailableError
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.model.checkpoints import stored_state
@@ -22,7 +23,9 @@ def test_a_save_while_the_store_is_away_fails_retryably_and_the_run_goes_on(
     s3_server: S3Server, models_dir: Path, tmp_path: Path
 ) -> None:
     store = s3_server.store(s3_server.bucket(), tmp_path / "cache", max_attempts=2)
-    run = Driver(LoraExecutor(BASE, "cpu", store, models_dir, snapshot_every=1), tmp_path)
+    run = Driver(
+        LoraExecutor(BASE, "cpu", store, models_dir, EngineConfig(snapshot_every_steps=1)), tmp_path
+    )
     local = tmp_path / "local"
     local.mkdir()
     straight = Driver(LoraExecutor(BASE, "cpu", local, models_dir), local)

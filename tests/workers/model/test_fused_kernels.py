@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import WorkerFitError
 from queue_tinker.settings import Settings
 from queue_tinker.workers.executor.lora import LoraExecutor
@@ -45,6 +46,6 @@ def test_a_cpu_worker_asked_for_them_refuses_to_start(tmp_path: Path) -> None:
             "cpu",
             tmp_path / "storage",
             tmp_path / "models",
-            liger_kernels="on",
+            EngineConfig(liger_kernels="on"),
         )
     assert not (tmp_path / "models").exists()  # refused before any model was made or loaded

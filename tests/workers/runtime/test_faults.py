@@ -33,6 +33,7 @@ from training_runs import ADAM, BATCHES, TINY, adapter_weights
 
 import queue_tinker as tinker
 from queue_tinker.client.future import APIFuture
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.queue.dispatch.dispatcher import Dispatcher, Op, Outcome
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.observe.records import RecordLog
@@ -342,7 +343,9 @@ def owners(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoraExecu
     torch.set_num_threads(1)  # tiny model: thread hand-offs cost more than the math
     try:
         yield tuple(
-            LoraExecutor(TINY, "cpu", root / "storage", root / "models", snapshot_every=2)
+            LoraExecutor(
+                TINY, "cpu", root / "storage", root / "models", EngineConfig(snapshot_every_steps=2)
+            )
             for _ in range(2)
         )  # type: ignore[misc]
     finally:
@@ -420,7 +423,9 @@ async def test_an_op_its_snapshot_holds_is_published_however_often_it_was_starte
     )
     model, log = f"kept-{key_prefix}", training_log(f"kept-{key_prefix}", 2)  # seq 5 snapshots
     storage = Path(settings.storage_location)  # the worker's, which the dead owner wrote
-    first = LoraExecutor(TINY, "cpu", storage, tmp_path / "models", snapshot_every=2)
+    first = LoraExecutor(
+        TINY, "cpu", storage, tmp_path / "models", EngineConfig(snapshot_every_steps=2)
+    )
     results = [first.execute(op) for op in log]
     keys = Keys(key_prefix)
     jobs = JobQueue(aredis, keys, result_ttl_s=600)

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from queue_tinker.cli.demo_task import DEMO_LEARNING_RATE, demo_examples, make_batch
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.requests.training import AdamParams, ForwardBackwardInput, LoraConfig
 from queue_tinker.types.service.ops import Op
@@ -78,7 +79,9 @@ def engines() -> Iterator[dict[str, LoraExecutor]]:
     torch.set_num_threads(1)
     try:
         yield {
-            dtype: LoraExecutor(BASE, "cpu", scratch / dtype, scratch / "models", dtype=dtype)
+            dtype: LoraExecutor(
+                BASE, "cpu", scratch / dtype, scratch / "models", EngineConfig(dtype=dtype)
+            )
             for dtype in ("fp32", "bf16")
         }
     finally:

@@ -93,7 +93,9 @@ def client_side_fn(handle: Any, names: list[str]) -> Callable[..., Any]:
 
 @pytest.fixture(scope="module")
 def engine(scratch: Any, models_dir: Any) -> Driver:
-    return make_driver(scratch, models_dir, "storage-custom", max_resident=64, snapshot_every=1000)
+    return make_driver(
+        scratch, models_dir, "storage-custom", max_resident_adapters=64, snapshot_every_steps=1000
+    )
 
 
 def twin_models(engine: Driver, prefix: str) -> tuple[str, str]:
@@ -251,8 +253,8 @@ def test_custom_losses_run_in_a_shared_cross_adapter_pass(root: Any) -> None:
     """Ops of three models (two uploaded losses, one built-in) in one execute_batch give the
     results and gradients of the same ops run one at a time."""
     batch, alone = (
-        BatchDriver(root, "cl-batch", max_resident=64),
-        BatchDriver(root, "cl-alone", max_resident=64),
+        BatchDriver(root, "cl-batch", max_resident_adapters=64),
+        BatchDriver(root, "cl-alone", max_resident_adapters=64),
     )
     plan = [("cl-dpo", "dpo"), ("cl-clip", "clipped_policy"), ("cl-ce", None)]
     for driver in (batch, alone):

@@ -95,7 +95,9 @@ def test_rank_correction_is_relative_to_rank_32() -> None:
 # --- through the engine ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(scratch: torch.Tensor, models_dir: torch.Tensor) -> Driver:
-    return make_driver(scratch, models_dir, "storage-dimuon", max_resident=64, snapshot_every=2)
+    return make_driver(
+        scratch, models_dir, "storage-dimuon", max_resident_adapters=64, snapshot_every_steps=2
+    )
 
 
 def create_dimuon(driver: Driver, model_id: str, seed: int) -> None:
