@@ -56,6 +56,7 @@ import torch
 from bench.harness import cli, engine
 from bench.harness.baselines import plain_forward_backward
 from bench.harness.data import datums, rl_datums, token_rows
+from bench.harness.engine import PassPlan
 from bench.harness.machine import announce, device_name, engine_machine
 from bench.harness.meters import timed
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
@@ -65,7 +66,6 @@ from queue_tinker.types.enums import LossFn
 from queue_tinker.types.requests.training import AdamParams, LoraConfig
 from queue_tinker.types.tensors import Datum
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.training.model_pass import PassPlan
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
 DEFAULT_SHAPE = "llama-3.1-8b"

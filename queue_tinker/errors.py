@@ -118,6 +118,11 @@ class RedisUnavailableError(QueueTinkerError, ConnectionError):
     stay free of redis)."""
 
 
+class HousekeeperUnavailableError(QueueTinkerError):
+    """No housekeeper ran a job the caller waits for (a Python client's checkpoint delete or
+    TTL change) within the time it waits: none is running for the deployment."""
+
+
 class EmbeddedServerError(QueueTinkerError):
     """An embedded Redis or Postgres could not be started."""
 

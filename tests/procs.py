@@ -374,6 +374,29 @@ def gateway_process(settings: Settings, log_path: Path) -> Iterator[str]:
             log.close()
 
 
+@contextmanager
+def housekeeper_process(settings: Settings, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A `queue-tinker housekeeper` process on the deployment of `settings`, stopped (SIGTERM,
+    then SIGKILL) on the way out."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "queue_tinker.cli", "housekeeper"],
+            env=child_env(settings),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def make_key(settings: Settings, tenant: str) -> str:
     """A new API key (`tml-...`) of `tenant`, created in the deployment's Postgres."""
 

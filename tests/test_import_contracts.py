@@ -4,11 +4,13 @@ layers that name every part of it."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from procs import REPO
 
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
@@ -17,10 +19,10 @@ LAYERS_CONTRACT = (
 )
 
 
-def lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
+def lint_imports(config: Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(LINT_IMPORTS), "--config", str(config), "--no-cache"],
-        cwd=REPO,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=60,
@@ -94,3 +96,58 @@ def test_a_part_of_workers_outside_the_layers_breaks_them(tmp_path: Path) -> Non
     assert result.returncode == 1, result.stdout + result.stderr
     assert "workers layers BROKEN" in result.stdout
     assert "queue_tinker.workers.sampling" in result.stdout
+
+
+# Each boundary contract, and a module that crosses it: the contract must fail on a copy of
+# the tree with that module added (so it cannot pass by naming nothing).
+CROSSINGS = {
+    "only queue/ imports redis": ("queue_tinker/gateway/leak.py", "import redis\n"),
+    "workers/ reach Redis through runtime/queue_link.py alone": (
+        "queue_tinker/workers/runtime/leak.py",
+        "from queue_tinker.queue.connection import connect\n",
+    ),
+    "the client never writes Postgres": (
+        "queue_tinker/client/leak.py",
+        "from queue_tinker.store.record_writer import apply_records\n",
+    ),
+    "bench reaches workers/training only through bench/harness/engine.py": (
+        "bench/leak.py",
+        "from queue_tinker.workers.training.losses import device_batch_loss\n",
+    ),
+}
+
+
+def contract_config(contract: dict[str, object]) -> str:
+    """A config holding the one contract, with the repository's root packages."""
+    lines = [
+        "[tool.importlinter]",
+        'root_packages = ["queue_tinker", "bench"]',
+        "include_external_packages = true",
+        "[[tool.importlinter.contracts]]",
+        *(f"{key} = {json.dumps(value)}" for key, value in contract.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("name", list(CROSSINGS))
+def test_each_boundary_contract_fails_on_a_module_that_crosses_it(
+    tmp_path: Path, name: str
+) -> None:
+    """The contract holds on the tree as it is, and breaks, naming the module, once a module
+    that crosses its line is added to a copy of the tree (workers/ copied in through its
+    link, as it installs)."""
+    (contract,) = [c for c in contracts() if c["name"] == name]
+    config = tmp_path / "contract.toml"
+    config.write_text(contract_config(contract))
+    kept = lint_imports(config)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    tree = tmp_path / "tree"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package in ("queue_tinker", "bench"):
+        shutil.copytree(REPO / package, tree / package, symlinks=False, ignore=skip)
+    path, source = CROSSINGS[name]
+    (tree / path).write_text(source)
+    broken = lint_imports(config, cwd=tree)
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert f"{name} BROKEN" in broken.stdout
+    assert path.removesuffix(".py").replace("/", ".") + " ->" in broken.stdout

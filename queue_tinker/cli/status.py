@@ -16,9 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from redis.asyncio import Redis
-
-from queue_tinker.queue.connection import connect
+from queue_tinker.queue.connection import RedisClient, connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
@@ -28,7 +26,7 @@ if TYPE_CHECKING:
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
-async def read_status(redis: Redis, keys: Keys, settings: Settings) -> dict[str, Any]:
+async def read_status(redis: RedisClient, keys: Keys, settings: Settings) -> dict[str, Any]:
     """Everything `status` shows, JSON-able: {"overview": ..., "metrics": ...}."""
     # Imported here: they pull in the wire types (numpy, pydantic: ~0.3 s), which `limits`
     # (it uses table()) and the text functions do without.

@@ -18,11 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from redis.asyncio import Redis
-
+from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.results.state import model_state
+from queue_tinker.queue.results.state import queue_states
 from queue_tinker.types import QueueState
 
 log = logging.getLogger("queue_tinker.queue_state")
@@ -75,7 +74,7 @@ class QueueStateWatch:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         keys: Keys,
         registry: WorkerRegistry,
         max_age_ms: int,
@@ -116,24 +115,14 @@ class QueueStateWatch:
                 log.debug("queue state lookup failed: %r", exc)
 
     async def _look(self, models: list[str]) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for model_id in models:
-                pipe.hgetall(self.keys.model_meta(model_id))
-            metas = await pipe.execute()
-        served = await self.registry.base_models(self.max_age_ms)
-        for model_id, meta in zip(models, metas, strict=True):
-            if model_id not in self._in_flight or not meta:
+        states = await queue_states(self.redis, self.keys, self.registry, models, self.max_age_ms)
+        for model_id, (kind, state, reason) in states.items():
+            if model_id not in self._in_flight:
                 continue
-            state, reason = model_state(meta, served)
             if self._last.get(model_id, QueueState.ACTIVE) is state:
                 continue
             self._last[model_id] = state
-            change = QueueStateChange(
-                model_id=model_id,
-                kind=meta.get(b"kind", b"training").decode(),
-                state=state,
-                reason=reason,
-            )
+            change = QueueStateChange(model_id=model_id, kind=kind, state=state, reason=reason)
             for observer in list(self.observers):
                 try:
                     observer(change)

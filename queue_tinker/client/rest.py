@@ -7,6 +7,7 @@ Postgres (recorder.catch_up), so a checkpoint just saved is found at once.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Literal, TypeVar
@@ -18,12 +19,10 @@ from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.errors import NotFoundError, UserInputError
-from queue_tinker.queue.control.expiry_jobs import schedule_expiry
+from queue_tinker.queue.control.expiry_jobs import DELETE_JOB, TTL_JOB, run_now
 from queue_tinker.queue.observe.records import RecordLog
-from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
-from queue_tinker.storage.configured import open_store
-from queue_tinker.store import checkpoints, queries, rest_views
+from queue_tinker.store import queries, rest_views
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.types.requests.training import MAX_TTL_SECONDS
 from queue_tinker.types.service.checkpoints import CheckpointPath
@@ -39,7 +38,12 @@ from queue_tinker.types.service.rest import (
     WeightsInfoResponse,
 )
 
+log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
+# How long a read waits for the recorders to write what was appended before it.
+RECORD_WAIT_S = 5.0
+# How long a delete or a TTL change waits for the housekeeper to run it.
+HOUSEKEEPER_WAIT_S = 30.0
 AccessScope = Literal["owned", "accessible"]  # every run a tenant can see is its own
 
 
@@ -64,7 +68,13 @@ class RestClient:
         if self._sessions is None:
             self._engine = make_engine(self._settings.database_url or "")
             self._sessions = session_factory(self._engine)
-        await catch_up(RecordLog(self._holder.redis, self._holder.keys), self._sessions)
+        records = RecordLog(self._holder.redis, self._holder.keys)
+        if not await records.wait_recorded(RECORD_WAIT_S):
+            log.warning(
+                "the record is behind: events older than this read are not yet in Postgres "
+                "after %.0f s (no worker or gateway is running a recorder, or Postgres is away)",
+                RECORD_WAIT_S,
+            )
         return self._sessions
 
     def _future(self, make: Callable[[], Coroutine[Any, Any, M]]) -> APIFuture[M]:
@@ -154,23 +164,22 @@ class RestClient:
         )
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
-        """Remove the files and mark the checkpoint deleted (needs QT_STORAGE: its directory, or
-        its bucket with boto3 installed)."""
+        """Remove the files and mark the checkpoint deleted: the deployment's housekeeper does
+        it at once (`queue-tinker housekeeper`, which `up` and compose run), as the gateway's
+        DELETE does; the call waits for it."""
         CheckpointPath.parse(tinker_path, "tinker_path")
 
         async def delete() -> None:
             row = await self._checkpoint(tinker_path)
-            assert self._engine is not None
-            await checkpoints.delete_checkpoint(
-                self._engine, row.id, row.path, open_store(self._settings)
-            )
+            await self._housekeeping(DELETE_JOB, checkpoint_id=row.id, directory=row.path)
 
         return APIFuture(self._loop.submit(delete()), request_id="rest")
 
     def set_checkpoint_ttl_from_tinker_path(
         self, tinker_path: str, ttl_seconds: int | None
     ) -> APIFuture[None]:
-        """Expire the checkpoint `ttl_seconds` from now, or never (None)."""
+        """Expire the checkpoint `ttl_seconds` from now, or never (None): the housekeeper
+        writes the checkpoint's meta and row and schedules its expiry; the call waits."""
         CheckpointPath.parse(tinker_path, "tinker_path")
         if ttl_seconds is not None and (
             isinstance(ttl_seconds, bool)
@@ -184,19 +193,24 @@ class RestClient:
 
         async def change() -> None:
             row = await self._checkpoint(tinker_path)
-            assert self._sessions is not None
-            settings = self._settings
             expires_at = time.time() + ttl_seconds if ttl_seconds is not None else None
-            if not await checkpoints.set_checkpoint_ttl(
-                self._sessions, open_store(settings), self._tenant, row, expires_at
-            ):
+            changed = await self._housekeeping(
+                TTL_JOB,
+                tenant_id=self._tenant,
+                checkpoint_id=row.id,
+                directory=row.path,
+                expires_at=expires_at,
+            )
+            if not changed:
                 raise NotFoundError(f"checkpoint {tinker_path!r}: not found")
-            if expires_at is not None:
-                await schedule_expiry(
-                    settings.redis_url or "", settings.key_prefix, row.id, row.path, expires_at
-                )
 
         return APIFuture(self._loop.submit(change()), request_id="rest")
+
+    async def _housekeeping(self, job: str, **kwargs: Any) -> Any:
+        settings = self._settings
+        return await run_now(
+            settings.redis_url or "", settings.key_prefix, job, kwargs, HOUSEKEEPER_WAIT_S
+        )
 
     async def _checkpoint(self, tinker_path: str) -> Any:
         row = await queries.get_live_checkpoint(await self._db(), self._tenant, tinker_path)

@@ -47,7 +47,7 @@ from queue_tinker.gateway.tinker import (
     sampling,
     training,
 )
-from queue_tinker.gateway.tinker.rest import record_caught_up, rest_router
+from queue_tinker.gateway.tinker.rest import recorded, rest_router
 from queue_tinker.gateway.tinker.session import session_router
 from queue_tinker.gateway.tinker.unserved import unserved_router
 from queue_tinker.queue.connection import connect
@@ -111,7 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(publish.router)  # before DELETE .../{checkpoint_id:path}
     app.include_router(session_router(settings, keys))
     app.include_router(rest_router(settings, keys))
-    app.include_router(download_router(keys, record_caught_up(keys)))
+    app.include_router(download_router(keys, recorded))
     app.include_router(dashboard_router(settings, keys))
     app.include_router(metrics_router(settings, keys))
     for module in (

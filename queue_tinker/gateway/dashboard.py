@@ -21,7 +21,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, Response
-from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.errors import UserInputError
@@ -29,9 +28,10 @@ from queue_tinker.gateway.auth import Caller, caller_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.control import actions
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.observe.overview import queue_overview
+from queue_tinker.queue.observe.overview import hide_other_tenants, queue_overview
 from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.settings import Settings
 from queue_tinker.store import dashboard_queries as dq
@@ -62,34 +62,9 @@ def _db(request: Request) -> async_sessionmaker[AsyncSession]:
     return sessions
 
 
-def _redis(request: Request) -> Redis:
-    redis: Redis = request.app.state.redis
+def _redis(request: Request) -> RedisClient:
+    redis: RedisClient = request.app.state.redis
     return redis
-
-
-async def hide_other_tenants(
-    redis: Redis, keys: Keys, workers: list[dict[str, Any]], tenant: str
-) -> None:
-    """Leave out of each worker's entry the models and the op of tenants other than `tenant`
-    (a model's tenant is in its meta hash, a job's in its job hash)."""
-    async with redis.pipeline(transaction=False) as pipe:
-        for worker in workers:
-            for model_id in worker.get("resident", []):
-                pipe.hget(keys.model_meta(model_id), "tenant_id")
-            _, _, job_id = str(worker.get("current_op", "")).partition(":")
-            if job_id:
-                pipe.hget(keys.job(job_id), "tenant_id")
-        answers = iter(await pipe.execute())
-    mine = tenant.encode()
-    for worker in workers:
-        resident = list(worker.get("resident", []))
-        owned = [model_id for model_id in resident if next(answers) == mine]
-        worker["resident"] = owned
-        worker["resident_hidden"] = len(resident) - len(owned)
-        kind, _, job_id = str(worker.get("current_op", "")).partition(":")
-        hidden = bool(job_id) and next(answers) != mine
-        worker["current_op"] = f"{kind}:" if hidden else worker.get("current_op", "")
-        worker["current_op_hidden"] = hidden
 
 
 def _hidden(caller: Caller, tenant: str | None) -> bool:

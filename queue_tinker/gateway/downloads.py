@@ -20,7 +20,6 @@ import asyncio
 import hashlib
 import hmac
 import os
-import secrets
 import tarfile
 import tempfile
 import time
@@ -32,13 +31,11 @@ from urllib.parse import urlencode
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
-from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.background import BackgroundTask
 
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import not_found
-from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.store import queries
@@ -48,12 +45,6 @@ from queue_tinker.types.service.checkpoints import META_FILE, CheckpointPath
 
 URL_TTL_S = 15 * 60  # as Tinker's own archive URLs
 ARCHIVE = ""  # the `file` of an archive URL: the whole checkpoint as .tar.gz
-
-
-async def signing_secret(redis: Redis, keys: Keys) -> bytes:
-    """The deployment's URL-signing secret: made once by whichever gateway needs it first."""
-    await redis.set(keys.download_signing_secret(), secrets.token_hex(32), nx=True)
-    return await redis_bytes.get(redis, keys.download_signing_secret()) or b""
 
 
 def signature(secret: bytes, tenant: str, checkpoint: str, file: str, expires: int) -> str:
@@ -79,7 +70,7 @@ def _db(request: Request) -> async_sessionmaker[AsyncSession]:
 async def _signed_url(
     request: Request, keys: Keys, tenant: str, checkpoint: str, file: str, expires: int
 ) -> str:
-    secret = await signing_secret(request.app.state.redis, keys)
+    secret = await request.app.state.gateway_queue.protocol.signing_secret()
     query = {
         "tenant": tenant,
         "checkpoint": checkpoint,
@@ -204,7 +195,7 @@ def download_router(keys: Keys, *dependencies: Any) -> APIRouter:
         signature_: str = Query(alias="signature"),
     ) -> Response:
         """A signed URL's file (no API key: the signature is the permission)."""
-        secret = await signing_secret(request.app.state.redis, keys)
+        secret = await request.app.state.gateway_queue.protocol.signing_secret()
         if not hmac.compare_digest(
             signature(secret, tenant, checkpoint, file, expires), signature_
         ):

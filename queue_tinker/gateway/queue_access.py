@@ -3,28 +3,29 @@ the checks that keep each tenant to its own sessions and models."""
 
 from __future__ import annotations
 
-import json
+import logging
 import uuid
 from typing import Any
 
 from fastapi import HTTPException, Request
-from redis.asyncio import Redis
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.queue.ops.inflight import InflightWeights
 from queue_tinker.queue.ops.jobs import HeldLimits, JobQueue
+from queue_tinker.queue.ops.sessions import ProtocolState
 from queue_tinker.queue.results.listener import ResultListener
-from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.storage.configured import open_store
 from queue_tinker.types import OpKind
 from queue_tinker.types.requests.request_limits import RequestLimits
 
-SESSION_TTL_S = 7 * 86_400  # renewed by every heartbeat
+log = logging.getLogger(__name__)
+
+# How long a read of Postgres waits for the recorders to write what was appended before it.
+RECORD_WAIT_S = 5.0
 
 
 def new_request_id() -> str:
@@ -37,7 +38,7 @@ def not_found(what: str) -> HTTPException:
 
 
 class GatewayQueue:
-    def __init__(self, redis: Redis, keys: Keys, settings: Settings) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, settings: Settings) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
@@ -51,17 +52,23 @@ class GatewayQueue:
         self.inflight = InflightWeights(
             redis, keys, self.jobs.scripts, settings.ephemeral_sampler_ttl_s
         )
+        self.protocol = ProtocolState(redis, keys, settings.result_ttl_s)
+        self.records = RecordLog(redis, keys)
 
     async def close(self) -> None:
         await self.results.close()
 
-    async def catch_up_record(
-        self, sessions: async_sessionmaker[AsyncSession], *, requests: bool = False
-    ) -> None:
-        """Write the runs, checkpoints and sessions (with `requests`, the requests' events)
-        still on their way to Postgres first (recorder.catch_up): a read of Postgres then
-        finds what a client was just told exists, a checkpoint saved just now among them."""
-        await catch_up(RecordLog(self.redis, self.keys), sessions, requests=requests)
+    async def recorded(self) -> None:
+        """Wait until the record events appended so far are in Postgres (the recorders write
+        them, asked to at once): a read of Postgres then finds what a client was just told
+        exists, a checkpoint saved just now among them. Past RECORD_WAIT_S (no recorder
+        running, Postgres away) the read goes ahead, and says so in the log."""
+        if not await self.records.wait_recorded(RECORD_WAIT_S):
+            log.warning(
+                "the record is behind: events older than this read are not yet in Postgres "
+                "after %.0f s (is Postgres up?)",
+                RECORD_WAIT_S,
+            )
 
     # --- submitting ----------------------------------------------------------------------
     async def submit(
@@ -89,24 +96,19 @@ class GatewayQueue:
 
     async def set_reply(self, job_id: str, reply: dict[str, Any]) -> None:
         """How to answer for the job once it is done, beyond what its kind says."""
-        await self.redis.set(
-            self.keys.job_reply(job_id), json.dumps(reply), ex=self.settings.result_ttl_s
-        )
+        await self.protocol.set_reply(job_id, reply)
 
     async def reply(self, job_id: str) -> dict[str, Any]:
-        raw = await self.redis.get(self.keys.job_reply(job_id))
-        return json.loads(raw) if raw else {}
+        return await self.protocol.reply(job_id)
 
     # --- ownership -------------------------------------------------------------------------
     async def open_session(self, session_id: str, tenant: str) -> None:
-        await self.redis.set(self.keys.session(session_id), tenant, ex=SESSION_TTL_S)
+        await self.protocol.open_session(session_id, tenant)
 
     async def session_of(self, session_id: str, tenant: str) -> str:
         """The session id, if it is the tenant's (404 otherwise); renews its TTL."""
-        key = self.keys.session(session_id)
-        if (await redis_bytes.get(self.redis, key) or b"").decode() != tenant:
+        if await self.protocol.session_tenant(session_id) != tenant:
             raise not_found(f"session_id {session_id!r}")
-        await self.redis.expire(key, SESSION_TTL_S)
         return session_id
 
     async def model_of(self, model_id: str, tenant: str, kind: str = "training") -> dict[str, Any]:

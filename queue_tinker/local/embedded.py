@@ -17,11 +17,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import redis
-
 from queue_tinker.errors import EmbeddedServerError
 from queue_tinker.extras import missing_extra
 from queue_tinker.local.processes import spawn, stop_process
+from queue_tinker.queue.connection import server_pid
 
 REDIS_START_TIMEOUT_S = 15.0
 REDIS_STOP_TIMEOUT_S = 15.0
@@ -158,7 +157,7 @@ class EmbeddedRedis(_Lifecycle):
                     f"port {port}; last lines of {self.log_path}:\n{_tail(self.log_path)}"
                 )
             # Compare pids: a PING alone could be answered by another server holding the port.
-            if _server_pid(self.host, port) == self.proc.pid:
+            if server_pid(self.host, port) == self.proc.pid:
                 return
             time.sleep(0.05)  # startup only: a fresh redis answers within ~10-50 ms
         stop_process(self.proc, timeout=2)
@@ -173,18 +172,6 @@ class EmbeddedRedis(_Lifecycle):
             return
         stop_process(self.proc, timeout=REDIS_STOP_TIMEOUT_S)
         self.proc = None
-
-
-def _server_pid(host: str, port: int) -> int | None:
-    """The pid of the redis-server answering on host:port, None if none answers yet."""
-    client = redis.Redis(host=host, port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
-    try:
-        client.ping()
-        return int(client.info("server")["process_id"])
-    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-        return None
-    finally:
-        client.close()
 
 
 class EmbeddedPostgres(_Lifecycle):

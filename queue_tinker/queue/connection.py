@@ -4,6 +4,7 @@ an outage is outage.py's."""
 
 from __future__ import annotations
 
+import redis
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from queue_tinker.queue.command_packing import packed_by_hiredis
@@ -31,3 +32,21 @@ def connect(url: str, *, max_connections: int = MAX_CONNECTIONS) -> RedisClient:
     )
     pool.connection_class = packed_by_hiredis(pool.connection_class)
     return Redis.from_pool(pool)  # the client owns the pool: aclose() closes both
+
+
+def connect_sync(url: str) -> redis.Redis:
+    """A synchronous client (rq speaks sync Redis: the housekeeper and its jobs' callers)."""
+    return redis.Redis.from_url(url)
+
+
+def server_pid(host: str, port: int) -> int | None:
+    """The pid of the Redis server answering on host:port, None if none answers (yet): how the
+    embedded launcher knows the server it started is up."""
+    client = redis.Redis(host=host, port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        client.ping()
+        return int(client.info("server")["process_id"])
+    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+        return None
+    finally:
+        client.close()

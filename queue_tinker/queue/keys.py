@@ -187,6 +187,14 @@ class Keys:
         """Stream: record events the recorder writes behind into Postgres."""
         return f"{self.prefix}:records"
 
+    def records_flush(self) -> str:
+        """Stream: readers of Postgres asking the recorders to write what they hold now."""
+        return f"{self.prefix}:records:flush"
+
+    def records_written(self) -> str:
+        """Stream: a bell each recorder rings after a batch is in Postgres (readers wait on it)."""
+        return f"{self.prefix}:records:written"
+
     def dead_records(self) -> str:
         """Stream: record events Postgres refused (constraint or data errors), kept to inspect."""
         return f"{self.prefix}:records:dead"

@@ -12,6 +12,7 @@ from typing import ParamSpec, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from queue_tinker.errors import RedisUnavailableError
@@ -30,6 +31,11 @@ REDIS_DOWN: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutErr
 MAX_RETRY_DELAY_S = 2.0
 # While Redis stays away, say so again this often.
 STILL_DOWN_LOG_S = 30.0
+
+
+def is_redis_error(exc: BaseException) -> bool:
+    """Whether Redis (not the caller's other stores) raised `exc`: an outage or a refusal."""
+    return isinstance(exc, RedisError)
 
 
 def describe(exc: BaseException) -> str:

@@ -32,12 +32,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import redis
 from rq import Queue, SimpleWorker, get_current_job
 from rq.exceptions import DuplicateJobError
 
 from queue_tinker.errors import CheckpointPathError
 from queue_tinker.local.processes import die_with_parent
+from queue_tinker.queue.connection import connect_sync
 from queue_tinker.queue.control.expiry_jobs import (
     expiry_job_id,
     housekeeping_queue,
@@ -45,12 +45,14 @@ from queue_tinker.queue.control.expiry_jobs import (
     schedule_job,
     sweep_job_id,
 )
+from queue_tinker.queue.outage import is_redis_error
 from queue_tinker.settings import Settings, load_settings
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.configured import open_store
+from queue_tinker.store import checkpoints
 from queue_tinker.store.checkpoint_queries import due_checkpoints
 from queue_tinker.store.checkpoints import ExpiryResult, Outcome, expire
-from queue_tinker.store.db import make_engine
+from queue_tinker.store.db import make_engine, session_factory
 
 log = logging.getLogger("queue_tinker.services.housekeeper")
 
@@ -161,6 +163,59 @@ def expire_checkpoint(
     return str(result.outcome)
 
 
+def delete_checkpoint(checkpoint_id: str, directory: str) -> bool:
+    """The rq job behind a Python client's delete (it writes no Postgres itself): the files
+    removed and the row marked, as the gateway's DELETE does. True if files were removed now."""
+    config = _config(None, None)
+
+    async def delete() -> bool:
+        engine = make_engine(config.database_url)
+        try:
+            return await checkpoints.delete_checkpoint(
+                engine, checkpoint_id, directory, config.store()
+            )
+        finally:
+            await engine.dispose()
+
+    removed = asyncio.run(delete())
+    log.info("checkpoint %s: deleted (files %s)", checkpoint_id, "removed" if removed else "gone")
+    return removed
+
+
+def change_checkpoint_ttl(
+    tenant_id: str, checkpoint_id: str, directory: str, expires_at: float | None
+) -> bool:
+    """The rq job behind a Python client's TTL change: the meta, then the row, then the expiry
+    job scheduled, as the gateway's PUT .../ttl does. False if the checkpoint is gone."""
+    config = _config(None, None)
+
+    async def change() -> bool:
+        engine = make_engine(config.database_url)
+        try:
+            return await checkpoints.set_checkpoint_ttl(
+                session_factory(engine),
+                config.store(),
+                tenant_id,
+                checkpoint_id,
+                directory,
+                expires_at,
+            )
+        finally:
+            await engine.dispose()
+
+    changed = asyncio.run(change())
+    job = get_current_job()
+    if changed and expires_at is not None and job is not None:
+        queue = Queue(job.origin, connection=job.connection)
+        schedule_job(
+            queue,
+            expiry_job_id(queue.name, checkpoint_id),
+            expires_at,
+            {"checkpoint_id": checkpoint_id, "directory": directory},
+        )
+    return changed
+
+
 async def _sweep(config: HousekeepingConfig, batch: int) -> dict[str, int]:
     counts = {outcome.value: 0 for outcome in Outcome} | {"refused": 0}
     engine = make_engine(config.database_url)
@@ -224,7 +279,7 @@ class _SweepTicker(threading.Thread):
 
     def __init__(self, redis_url: str, queue_name: str, interval_s: float) -> None:
         super().__init__(name="sweep-ticker", daemon=True)
-        self._redis = redis.Redis.from_url(redis_url)
+        self._redis = connect_sync(redis_url)
         self._queue = Queue(queue_name, connection=self._redis)
         self._interval_s = interval_s
         self._stopping = threading.Event()
@@ -233,7 +288,9 @@ class _SweepTicker(threading.Thread):
         while True:
             try:
                 enqueue_sweep(self._queue, self._interval_s)
-            except redis.RedisError as err:  # the worker loop reports Redis trouble itself
+            except Exception as err:  # the worker loop reports Redis trouble itself
+                if not is_redis_error(err):
+                    raise
                 log.warning("could not queue a sweep: %s", err)
             if self._stopping.wait(self._interval_s):
                 return
@@ -299,7 +356,7 @@ def run_housekeeper(settings: Settings, *, sweep_interval_s: float = SWEEP_INTER
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     configure(settings.database_url, settings.storage_location)
-    connection = redis.Redis.from_url(settings.redis_url)
+    connection = connect_sync(settings.redis_url)
     queue = Queue(housekeeping_queue(settings.key_prefix), connection=connection)
     # The queue name in the worker's name too, so all rq keys of a deployment share it.
     worker = _HousekeeperWorker(

@@ -13,7 +13,6 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
@@ -21,16 +20,11 @@ from queue_tinker.config.services import ServicesConfig
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.observe.records import Entry, RecordLog
-from queue_tinker.queue.outage import describe
+from queue_tinker.queue.outage import describe, is_redis_error
 from queue_tinker.store.db import make_engine, refused, session_factory
 from queue_tinker.store.record_writer import apply_records
 from queue_tinker.types import (
-    CheckpointRecord,
-    ModelRecord,
     Record,
-    RequestRecord,
-    SamplingSessionRecord,
-    SessionRecord,
 )
 
 log = logging.getLogger(__name__)
@@ -39,8 +33,9 @@ BATCH = 500
 # Write at most this often: a Postgres batch costs about 2 ms of Python and a few round trips
 # whatever its size (30 request events: 2.5 ms of CPU, 150: 5.9 ms), so under load events
 # gather into large batches instead of one write per op. The record lags Redis by about this
-# much (REST reads of runs, checkpoints and sessions catch up first: catch_up). At 0.2 s a
-# worker's own recorder cost the tiny model's training step 6% beside it (bench notes).
+# much, unless a reader of Postgres asks for a write now (RecordLog.wait_recorded rings the
+# flush bell: REST reads wait for what their client was told exists). At 0.2 s a worker's own
+# recorder cost the tiny model's training step 6% beside it (bench notes).
 WRITE_INTERVAL_S = 1.0
 STALE_MS = 30_000  # a recorder silent this long is presumed dead; its entries are taken over
 # A consumer silent this long with nothing pending is a recorder that is gone: forgotten.
@@ -60,35 +55,6 @@ MAX_BACKOFF_S = 5.0
 SHUTDOWN_FLUSH_S = 5.0
 
 
-# What the REST API reads of the record: a run, its checkpoints, a session and its samplers.
-_READ_BACK = (ModelRecord, CheckpointRecord, SessionRecord, SamplingSessionRecord)
-CATCH_UP_MAX = 2_000  # a longer backlog (Postgres was away) is the recorder's to work off
-
-
-async def catch_up(
-    records: RecordLog, sessions: async_sessionmaker, *, requests: bool = False
-) -> int:
-    """Write now the waiting record events a REST read could name (runs, checkpoints,
-    sessions; with `requests`, the requests' events too: a session's trace), so whatever a
-    client holds a result for is visible on every route: the worker appends a checkpoint's
-    record, and its request's last event, before it publishes the result, so once the client
-    has it, it is here or already in Postgres. The upserts are idempotent and commute (a
-    request's row keeps its furthest status), so a recorder writing the same entries at the
-    same time does no harm; they are acknowledged and deleted here, so no recorder writes
-    them again after a later change (a TTL set, a delete). Returns how many were written."""
-    kinds = (*_READ_BACK, RequestRecord) if requests else _READ_BACK
-    entries = [
-        (entry_id, record)
-        for entry_id, record in await records.waiting(CATCH_UP_MAX)
-        if isinstance(record, kinds)
-    ]
-    if not entries:
-        return 0
-    await apply_records(sessions, [record for _, record in entries if record is not None])
-    await records.ack([entry_id for entry_id, _ in entries])
-    return len(entries)
-
-
 @dataclass
 class _Outage:
     """The run loop's failures: since when it has been failing (None: it is not), on which
@@ -104,7 +70,7 @@ class _Outage:
             self.since = now
         self.backoff = min(MAX_BACKOFF_S, max(0.25, self.backoff * 2))
         # Either side may be away: say which, so an operator looks at the right one.
-        self.side = "Redis" if isinstance(exc, RedisError) else "Postgres"
+        self.side = "Redis" if is_redis_error(exc) else "Postgres"
         action = "read" if self.side == "Redis" else "write"
         log.warning(
             "recorder: %s %s failed (%s); retrying in %.2fs",
@@ -136,6 +102,7 @@ class Recorder:
         # Stopped by a flag, not by cancellation: a CancelledError raised inside a database
         # call can be absorbed by the driver, which would leave this loop running forever.
         grouped = False  # the consumer group is made inside the loop: Redis may be away too
+        flush_cursor: bytes | None = None  # the newest flush request seen
         outage = _Outage()
         loop = asyncio.get_running_loop()
         self._take_over_at = loop.time() + TAKE_OVER_EVERY_S
@@ -145,10 +112,12 @@ class Recorder:
                 if not grouped:
                     await self.log.ensure_group()
                     grouped = True
+                if flush_cursor is None:
+                    flush_cursor = await self.log.flush_cursor()
                 wrote = await self._round(loop)
                 await self._succeeded(outage, wrote, loop)
                 if wrote and wrote < BATCH:
-                    await self._wait_unless_stopped(WRITE_INTERVAL_S)
+                    flush_cursor = await self._pause(WRITE_INTERVAL_S, flush_cursor, loop)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -183,6 +152,21 @@ class Recorder:
             await self.log.backlog(),
         )
         outage.since = None
+
+    async def _pause(
+        self, seconds: float, flush_cursor: bytes, loop: asyncio.AbstractEventLoop
+    ) -> bytes:
+        """Wait before the next batch, unless a reader asks for a write now (the flush bell)
+        or the recorder stops; the flush bell's cursor after it."""
+        end = loop.time() + seconds
+        while not self._stopping.is_set():
+            left_ms = int((end - loop.time()) * 1000)
+            if left_ms <= 0:
+                break
+            asked = await self.log.flush_asked(flush_cursor, min(left_ms, READ_BLOCK_MS))
+            if asked is not None:
+                return asked
+        return flush_cursor
 
     async def _wait_unless_stopped(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -1,5 +1,6 @@
-"""The housekeeping queries on the checkpoints table: marking a checkpoint deleted, finding
-the ones past their TTL."""
+"""The writes to the checkpoints table and the housekeeping's reads of it: marking a
+checkpoint deleted, setting its expiry, finding the ones past their TTL. Rows are otherwise
+the recorder's to write (record_writer.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from datetime import datetime
 from enum import StrEnum
 
 from sqlalchemy import Row, Table, func, select, tuple_, update
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
 from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.queries import live_checkpoint
 
 CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
 
@@ -59,3 +61,22 @@ async def due_checkpoints(
     if after is not None:  # keyset paging: rows kept by their meta do not hide later ones
         query = query.where(tuple_(table.c.expires_at, table.c.id) > tuple_(*after))
     return (await conn.execute(query)).all()
+
+
+async def set_checkpoint_expiry(
+    sessions: async_sessionmaker[AsyncSession],
+    tenant_id: str,
+    checkpoint_id: str,
+    expires_at: datetime | None,
+) -> bool:
+    """Set (or with None clear) a live checkpoint's expires_at; False if there is none."""
+    async with sessions() as session, session.begin():
+        updated = await session.execute(
+            update(Checkpoint)
+            .where(
+                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
+            )
+            .values(expires_at=expires_at)
+            .returning(Checkpoint.id)
+        )
+        return updated.first() is not None

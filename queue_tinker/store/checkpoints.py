@@ -20,9 +20,11 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from queue_tinker.storage.base import CheckpointStore, Removal
-from queue_tinker.store import queries
-from queue_tinker.store.checkpoint_queries import RowMark, mark_checkpoint_deleted
-from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.checkpoint_queries import (
+    RowMark,
+    mark_checkpoint_deleted,
+    set_checkpoint_expiry,
+)
 from queue_tinker.types.service.checkpoints import META_FILE
 
 log = logging.getLogger(__name__)
@@ -189,16 +191,17 @@ async def set_checkpoint_ttl(
     sessions: async_sessionmaker[AsyncSession],
     store: CheckpointStore,
     tenant_id: str,
-    row: Checkpoint,
+    checkpoint_id: str,
+    location: str,
     expires_at: float | None,
 ) -> bool:
     """Set (unix seconds) or remove (None) a checkpoint's expiry: the meta file first, since it
     is what expiry obeys; then the row (listings). The caller then schedules the expiry job
     (queue/control/expiry_jobs.py schedule_expiry); a removed TTL leaves any job in place: it
     finds no expiry in the meta and does nothing. False if the checkpoint is gone meanwhile."""
-    written = await asyncio.to_thread(set_meta_expiry, row.id, row.path, expires_at, store)
+    written = await asyncio.to_thread(set_meta_expiry, checkpoint_id, location, expires_at, store)
     when = datetime.fromtimestamp(expires_at, tz=UTC) if expires_at is not None else None
-    return written and await queries.set_checkpoint_expiry(sessions, tenant_id, row.id, when)
+    return written and await set_checkpoint_expiry(sessions, tenant_id, checkpoint_id, when)
 
 
 async def delete_checkpoint(

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -181,25 +180,6 @@ async def get_readable_checkpoint(
                 live_checkpoint(),
             )
         )
-
-
-async def set_checkpoint_expiry(
-    sessions: async_sessionmaker[AsyncSession],
-    tenant_id: str,
-    checkpoint_id: str,
-    expires_at: datetime | None,
-) -> bool:
-    """Set (or with None clear) a live checkpoint's expires_at; False if there is none."""
-    async with sessions() as session, session.begin():
-        updated = await session.execute(
-            update(Checkpoint)
-            .where(
-                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
-            )
-            .values(expires_at=expires_at)
-            .returning(Checkpoint.id)
-        )
-        return updated.first() is not None
 
 
 async def list_session_ids(

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
+from procs import housekeeper_process
 from sqlalchemy import text
 from training_runs import ADAM, BATCHES, RANK, SEED, TINY, adapter_weights, train
 
@@ -263,10 +264,13 @@ def test_external_weights_are_the_peft_files_encrypted_to_the_recipients(
     assert sampler.path.endswith("/sampler_weights/same")
 
 
-def test_the_rest_client_answers_like_the_sdks(service: tinker.ServiceClient) -> None:
+def test_the_rest_client_answers_like_the_sdks(
+    service: tinker.ServiceClient, deployment: Settings
+) -> None:
     """service.create_rest_client(): the run (with user_metadata), its checkpoints right after
-    the save, weights info, TTL and delete, as SDK-shaped objects; capabilities name the
-    served model; another tenant's or a deleted checkpoint raises NotFoundError."""
+    the save, weights info, TTL and delete (jobs the deployment's housekeeper runs at once),
+    as SDK-shaped objects; capabilities name the served model; another tenant's or a deleted
+    checkpoint raises NotFoundError."""
     tc = service.create_lora_training_client(TINY, rank=4, user_metadata={"renderer": "r"})
     path = tc.save_state("rest").result(timeout=60).path
     rest = service.create_rest_client()
@@ -280,10 +284,11 @@ def test_the_rest_client_answers_like_the_sdks(service: tinker.ServiceClient) ->
     assert tc.model_id in [
         r.training_run_id for r in rest.list_training_runs(limit=100).result(30).training_runs
     ]
-    rest.set_checkpoint_ttl_from_tinker_path(path, 3600).result(timeout=30)
-    expires = rest.list_user_checkpoints().result(timeout=30).checkpoints
-    assert any(c.tinker_path == path and c.expires_at is not None for c in expires)
-    rest.delete_checkpoint_from_tinker_path(path).result(timeout=30)
+    with housekeeper_process(deployment, deployment.data_dir / "housekeeper.log"):
+        rest.set_checkpoint_ttl_from_tinker_path(path, 3600).result(timeout=60)
+        expires = rest.list_user_checkpoints().result(timeout=30).checkpoints
+        assert any(c.tinker_path == path and c.expires_at is not None for c in expires)
+        rest.delete_checkpoint_from_tinker_path(path).result(timeout=60)
     with pytest.raises(NotFoundError):
         rest.get_weights_info_by_tinker_path(path).result(timeout=30)
     with pytest.raises(NotFoundError):

@@ -26,6 +26,8 @@ def test_key_names_are_stable() -> None:
     assert k.worker_control("w1") == "qt:worker:w1:control"
     assert k.records() == "qt:records"
     assert k.dead_records() == "qt:records:dead"
+    assert k.records_flush() == "qt:records:flush"
+    assert k.records_written() == "qt:records:written"
     assert k.housekeeping_queue() == "qt-housekeeping"
 
 

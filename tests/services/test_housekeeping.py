@@ -14,6 +14,7 @@ import math
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,9 +32,13 @@ from rq.registry import ScheduledJobRegistry
 from rq.scheduler import RQScheduler
 from sqlalchemy import select
 
+from queue_tinker.errors import HousekeeperUnavailableError
 from queue_tinker.queue.control.expiry_jobs import (
+    DELETE_JOB,
+    TTL_JOB,
     expiry_job_id,
     housekeeping_queue,
+    run_now,
     schedule_checkpoint_expiry,
 )
 from queue_tinker.services.housekeeper import (
@@ -376,6 +381,68 @@ def test_meta_that_says_not_expired_keeps_the_checkpoint(
 
 
 # --- the sweep -----------------------------------------------------------------------------
+
+
+def run_now_beside_a_worker(
+    redis_url: str, prefix: str, connection: redis.Redis, job: str, kwargs: dict[str, Any]
+) -> Any:
+    """run_now from a thread (it waits for the result), with an rq worker of the housekeeping
+    queue taking its job in this thread (rq's signal handlers need the main thread)."""
+    done: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            done["result"] = asyncio.run(run_now(redis_url, prefix, job, kwargs, 20))
+        except Exception as exc:
+            done["error"] = exc
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    queue = Queue(housekeeping_queue(prefix), connection=connection)
+    deadline = time.monotonic() + 10
+    while not queue.count and caller.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    SimpleWorker([queue], connection=connection).work(burst=True)
+    caller.join(timeout=30)
+    if "error" in done:
+        raise done["error"]
+    return done["result"]
+
+
+def test_a_client_s_delete_and_ttl_change_run_now_as_housekeeper_jobs(
+    settings: Settings, rq_redis: redis.Redis, storage: Path, configured: None
+) -> None:
+    """The jobs behind a Python client's TTL change and delete (it writes no Postgres): run at
+    once, their results handed back; the TTL is in the meta, the row and a scheduled expiry
+    job; the delete removes the files and marks the row; a TTL for a checkpoint gone says so."""
+    database_url = settings.database_url or ""
+    cid, directory = make_checkpoint(storage, None)
+    record(database_url, cid, directory, None)
+    later = time.time() + HOUR
+    kwargs = {"tenant_id": "default", "checkpoint_id": cid, "directory": str(directory)}
+    url, prefix = settings.redis_url or "", settings.key_prefix
+    assert run_now_beside_a_worker(url, prefix, rq_redis, TTL_JOB, {**kwargs, "expires_at": later})
+    assert json.loads((directory / "qt_meta.json").read_text())["expires_at"] == later
+    assert ScheduledJobRegistry(housekeeping_queue(prefix), connection=rq_redis).get_job_ids()
+    del kwargs["tenant_id"]
+    assert run_now_beside_a_worker(url, prefix, rq_redis, DELETE_JOB, kwargs) is True
+    assert not directory.exists()
+    assert deleted_at(database_url, cid) is not None
+    gone = {"tenant_id": "default", "checkpoint_id": cid, "directory": str(directory)}
+    assert not run_now_beside_a_worker(url, prefix, rq_redis, TTL_JOB, {**gone, "expires_at": 1})
+
+
+def test_a_job_run_now_with_no_housekeeper_says_to_start_one(
+    settings: Settings, rq_redis: redis.Redis
+) -> None:
+    """No housekeeper takes the job within the wait: an error that says how to start one, and
+    the job is taken back (it does not run later, when nobody waits for it)."""
+    url, prefix = settings.redis_url or "", settings.key_prefix
+    began = time.monotonic()
+    with pytest.raises(HousekeeperUnavailableError, match="queue-tinker housekeeper"):
+        asyncio.run(run_now(url, prefix, DELETE_JOB, {"checkpoint_id": "c", "directory": "d"}, 1))
+    assert time.monotonic() - began < 5
+    assert Queue(housekeeping_queue(prefix), connection=rq_redis).count == 0
 
 
 def test_sweep_expires_what_no_job_was_scheduled_for(

@@ -138,3 +138,43 @@ def request(model_id: str, seq: int) -> RequestRecord:
         tenant_id="default",
         queued_at=time.time(),
     )
+
+
+async def test_a_read_waits_for_the_recorder_which_writes_at_once_when_asked(
+    redis: Redis, db: AsyncEngine, key_prefix: str
+) -> None:
+    """Read-your-writes without the reader writing: wait_recorded returns once a running
+    recorder has written every event appended before the call. The recorder is in its write
+    interval (it just wrote a batch); the reader's flush bell makes it write at once, well
+    within that second; the run is then in Postgres."""
+    log = RecordLog(redis, Keys(key_prefix))
+    await log.ensure_group()
+    assert await log.wait_recorded(1.0)  # nothing waiting: at once
+    recorder = Recorder(log, session_factory(db), consumer="c1")
+    running = asyncio.create_task(recorder.run())
+    try:
+        await log.append(model("first"))
+        assert await log.wait_recorded(5.0)  # the recorder's first batch: now in its interval
+        await log.append(model("read-after-write"))
+        began = time.monotonic()
+        assert await log.wait_recorded(5.0)
+        waited = time.monotonic() - began
+        assert waited < WRITE_INTERVAL_S / 2, f"waited {waited:.2f} s: the flush bell went unheard"
+        assert await get_training_run(session_factory(db), "read-after-write") is not None
+    finally:
+        recorder.stop()
+        await running
+
+
+async def test_with_no_recorder_a_read_stops_waiting_after_its_timeout(
+    redis: Redis, key_prefix: str
+) -> None:
+    """No recorder runs: wait_recorded says so (False) once its timeout has passed, and the
+    event is still in the stream for the next recorder."""
+    log = RecordLog(redis, Keys(key_prefix))
+    await log.ensure_group()
+    await log.append(model("nobody-writes-me"))
+    began = time.monotonic()
+    assert not await log.wait_recorded(0.5)
+    assert 0.5 <= time.monotonic() - began < 2.0
+    assert await log.backlog() == 1

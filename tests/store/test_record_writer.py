@@ -13,9 +13,6 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.observe.records import RecordLog
-from queue_tinker.services.recorder import catch_up
 from queue_tinker.store.db import make_engine, session_factory
 from queue_tinker.store.models import Request, Session, Tenant, Worker
 from queue_tinker.store.queries import (
@@ -274,30 +271,3 @@ async def test_missing_metrics_are_sql_null(sessions: Sessions) -> None:
     await apply_records(sessions, [done, queued])
     row = await get_request(sessions, request_id)
     assert row is not None and row.metrics == {"loss": 0.5}
-
-
-async def test_catch_up_writes_what_rest_reads_and_leaves_the_rest(
-    sessions: Sessions, aredis: Any, key_prefix: str
-) -> None:
-    """catch_up writes the waiting run (with its user_metadata) and takes it off the stream,
-    so no recorder writes it again; a waiting request record stays for the recorder."""
-    records = RecordLog(aredis, Keys(key_prefix))
-    run_id, request_id = _id("m"), _id("r")
-    await records.append(
-        ModelRecord(
-            id=run_id,
-            tenant_id="default",
-            base_model="tiny",
-            lora_config={"rank": 4},
-            user_metadata={"k": "v"},
-            created_at=T0,
-        )
-    )
-    await records.append(_lifecycle(request_id, run_id)[0])
-    assert await catch_up(records, sessions) == 1
-    run = await get_training_run(sessions, run_id)
-    assert run is not None and run.user_metadata == {"k": "v"}
-    waiting = await records.waiting(10)
-    assert [type(r) for _, r in waiting] == [RequestRecord]
-    assert await get_request(sessions, request_id) is None
-    assert await catch_up(records, sessions) == 0

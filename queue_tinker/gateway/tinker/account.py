@@ -150,7 +150,7 @@ def check_search(body: SessionSearch) -> None:
 async def search_sessions(body: SessionSearch, request: Request, tenant: Tenant) -> dict[str, Any]:
     """The tenant's sessions, newest first, a page at a time."""
     check_search(body)
-    await request.app.state.gateway_queue.catch_up_record(_db(request))
+    await request.app.state.gateway_queue.recorded()
     after = (body.cursor.last_created_at, body.cursor.last_session_id) if body.cursor else None
     found = await protocol_queries.search_sessions(
         _db(request), tenant, session_id=body.session_id, after=after, limit=body.limit
@@ -177,7 +177,7 @@ async def search_sessions(body: SessionSearch, request: Request, tenant: Tenant)
 @router.get("/sessions/{session_id}/trace_export")
 async def trace_export(session_id: str, request: Request, tenant: Tenant) -> dict[str, Any]:
     """Ready at once: the trace is built from the record when it is downloaded."""
-    await request.app.state.gateway_queue.catch_up_record(_db(request))
+    await request.app.state.gateway_queue.recorded()
     if await protocol_queries.session_requests(_db(request), tenant, session_id) is None:
         raise not_found(f"session {session_id!r}")
     url = str(request.url_for("session_trace", session_id=session_id))
@@ -192,7 +192,7 @@ async def session_trace(
     per model, a span per request from start to finish, its wait in the queue before it;
     every request whose result a client holds among them (their events still on their way
     to Postgres are written first)."""
-    await request.app.state.gateway_queue.catch_up_record(_db(request), requests=True)
+    await request.app.state.gateway_queue.recorded()
     rows = await protocol_queries.session_requests(_db(request), tenant, session_id)
     if rows is None:
         raise not_found(f"session {session_id!r}")

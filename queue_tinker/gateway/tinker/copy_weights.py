@@ -21,18 +21,14 @@ import time
 import uuid
 from typing import Annotated, Any
 
-import redis
 from fastapi import APIRouter, Depends, Header, Request
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_found
 from queue_tinker.gateway.tinker.rest import ttl_seconds
-from queue_tinker.queue.control.expiry_jobs import schedule_checkpoint_expiry
-from queue_tinker.queue.observe.records import RecordLog
-from queue_tinker.services.recorder import catch_up
+from queue_tinker.queue.control.expiry_jobs import schedule_expiry
 from queue_tinker.store import checkpoints, queries
 from queue_tinker.store.models import Checkpoint
 from queue_tinker.types.enums import CheckpointKind
@@ -71,7 +67,7 @@ async def copy_weights(
     ttl = ttl_seconds({"ttl_seconds": body.ttl_seconds})
     source = loadable(CheckpointPath.parse(body.source_path, "source_path"), "source_path")
     sessions = request.app.state.sessions
-    await gq.catch_up_record(sessions)
+    await gq.recorded()
     row = await queries.get_readable_checkpoint(sessions, tenant, str(source))
     if row is None:
         raise not_found(
@@ -92,7 +88,7 @@ async def copy_weights(
         lora_config=run.lora_config,
         user_metadata={"copied_from": str(source)},
     )
-    await _record(gq, sessions, row, copy, tenant, size, expires_at)
+    await _record(gq, row, copy, tenant, size, expires_at)
     return {"tinker_path": str(copy)}
 
 
@@ -146,7 +142,6 @@ async def _copy_files(
 
 async def _record(
     gq: GatewayQueue,
-    sessions: async_sessionmaker[AsyncSession],
     row: Checkpoint,
     copy: CheckpointPath,
     tenant: str,
@@ -156,8 +151,7 @@ async def _record(
     """The copy's row (and its run's, which register_model logged), in Postgres before the
     answer; its expiry scheduled as a worker's save schedules one."""
     location = gq.store.location(copy.storage_key)
-    records = RecordLog(gq.redis, gq.keys)
-    await records.append(
+    await gq.records.append(
         CheckpointRecord(
             id=str(copy),
             model_id=copy.run_id,
@@ -170,14 +164,9 @@ async def _record(
             expires_at=expires_at,
         )
     )
-    await catch_up(records, sessions)
+    await gq.recorded()
     if expires_at is not None:
         settings = gq.settings
-
-        def schedule() -> None:
-            with redis.Redis.from_url(settings.redis_url or "") as client:
-                schedule_checkpoint_expiry(
-                    client, settings.key_prefix, str(copy), location, expires_at
-                )
-
-        await asyncio.to_thread(schedule)
+        await schedule_expiry(
+            settings.redis_url or "", settings.key_prefix, str(copy), location, expires_at
+        )

@@ -52,7 +52,7 @@ async def unpublish(
 async def _owned(request: Request, tenant: str, run_id: str, checkpoint_id: str) -> Checkpoint:
     path = checkpoint_tinker_path(run_id, checkpoint_id)
     sessions = request.app.state.sessions
-    await request.app.state.gateway_queue.catch_up_record(sessions)
+    await request.app.state.gateway_queue.recorded()
     row = await queries.get_live_checkpoint(sessions, tenant, path)
     if row is None:
         raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")

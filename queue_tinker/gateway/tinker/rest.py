@@ -4,15 +4,15 @@ their checkpoints (list, delete, TTL), weights info, sessions and samplers.
 Everything is scoped to the caller's tenant: another tenant's id gets the same 404 as a
 missing one, so nothing tells whether it exists. Reads come from the Postgres record, except
 a sampler, which the SDK asks for right after creating it, before its row is written behind;
-every route first writes the run, checkpoint and session records still waiting in the records
-stream (recorder.catch_up), so a result the client holds is never a 404 here.
+every route first waits for the recorders to write the records still in the records stream
+(GatewayQueue.recorded), so a result the client holds is never a 404 here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -24,8 +24,6 @@ from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.queue.control.expiry_jobs import schedule_expiry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.observe.records import RecordLog
-from queue_tinker.services.recorder import catch_up
 from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.store import checkpoints, queries, rest_views
@@ -120,22 +118,16 @@ def _storage_errors() -> Iterator[None]:
 # --- the routes ------------------------------------------------------------------------------
 
 
-def record_caught_up(keys: Keys) -> Callable[..., Awaitable[None]]:
+async def recorded(request: Request, tenant: str = Depends(tenant_of)) -> None:
     """A dependency for every REST call: the record events still on their way to Postgres are
-    written first (recorder.catch_up), so a checkpoint whose save the client has seen finish is
-    never a 404 here (read-your-writes). After authentication: a caller without a key makes no
-    writes."""
-
-    async def caught_up(request: Request, tenant: str = Depends(tenant_of)) -> None:
-        await catch_up(RecordLog(request.app.state.redis, keys), _db(request))
-
-    return caught_up
+    written first (GatewayQueue.recorded: the recorders write them at once), so a checkpoint
+    whose save the client has seen finish is never a 404 here (read-your-writes). After
+    authentication: a caller without a key makes the recorders do nothing."""
+    await request.app.state.gateway_queue.recorded()
 
 
 def rest_router(settings: Settings, keys: Keys) -> APIRouter:
-    router = APIRouter(
-        prefix="/api/v1", route_class=OffLoopRoute, dependencies=[Depends(record_caught_up(keys))]
-    )
+    router = APIRouter(prefix="/api/v1", route_class=OffLoopRoute, dependencies=[Depends(recorded)])
     _add_run_routes(router)
     _add_checkpoint_routes(router, settings)
     _add_session_routes(router, settings, keys)
@@ -221,7 +213,7 @@ def _add_checkpoint_routes(router: APIRouter, settings: Settings) -> None:
         expires_at = time.time() + ttl if ttl is not None else None
         with _storage_errors():
             changed = await checkpoints.set_checkpoint_ttl(
-                _db(request), _store(request), tenant, row, expires_at
+                _db(request), _store(request), tenant, row.id, row.path, expires_at
             )
         if not changed:
             raise not_found(f"checkpoint {checkpoint_id!r} of training run {run_id!r}")

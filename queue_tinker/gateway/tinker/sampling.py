@@ -13,11 +13,12 @@ from fastapi import APIRouter, Depends
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.off_loop import OffLoopRoute
-from queue_tinker.gateway.queue_access import SESSION_TTL_S, GatewayQueue, gateway_queue
+from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue
 from queue_tinker.gateway.tinker.bodies import CreateSamplingSessionRequest, SampleRequest
 from queue_tinker.gateway.tinker.sample_futures import Wakeups, note_sample, sample_wakeups
 from queue_tinker.queue.control import silent_sessions
 from queue_tinker.queue.ops import runs
+from queue_tinker.queue.ops.sessions import SESSION_TTL_S
 from queue_tinker.types import JobStatus, OpKind
 from queue_tinker.types.requests.request_limits import RequestLimits, check_tokens, encode_request
 from queue_tinker.types.requests.sampling import MAX_PROMPT_TOPK, NO_TARGET, sample_input

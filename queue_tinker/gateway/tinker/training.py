@@ -319,7 +319,7 @@ async def check_checkpoint(request: Request, gq: GatewayQueue, tenant: str, path
     """A checkpoint to load must exist (and be the tenant's, or published): refused now (400),
     not in the op's future. Its record may still be on its way to Postgres: caught up first."""
     sessions = request.app.state.sessions
-    await gq.catch_up_record(sessions)
+    await gq.recorded()
     parsed = loadable(CheckpointPath.parse(path))
     if await queries.get_readable_checkpoint(sessions, tenant, str(parsed)) is None:
         raise UserInputError(f"path: no checkpoint {path} (unknown, expired or deleted)")

@@ -18,12 +18,19 @@ from typing import Any
 import redis
 from rq import Queue, Retry
 from rq.job import Job
+from rq.results import Result
 
+from queue_tinker.errors import HousekeeperUnavailableError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types.service.records import CheckpointRecord, Record
 
-# rq imports this in the housekeeper process when the job runs.
+# rq imports these in the housekeeper process when the job runs.
 EXPIRE_JOB = "queue_tinker.services.housekeeper.expire_checkpoint"
+# A Python client's writes to a checkpoint (it never writes Postgres itself): run at once,
+# their result awaited (run_now).
+DELETE_JOB = "queue_tinker.services.housekeeper.delete_checkpoint"
+TTL_JOB = "queue_tinker.services.housekeeper.change_checkpoint_ttl"
+NOW_JOB_OPTIONS: dict[str, Any] = {"job_timeout": 600, "result_ttl": 600, "failure_ttl": 3_600}
 # Failures (Postgres down, storage not mounted) are retried by rq itself; the sweep is the
 # backstop after that.
 ON_ERROR = Retry(max=3, interval=[10, 60, 300])
@@ -102,6 +109,35 @@ async def schedule_expiry(
             schedule_checkpoint_expiry(client, prefix, checkpoint_id, directory, expires_at)
 
     await asyncio.to_thread(schedule)
+
+
+async def run_now(
+    redis_url: str, prefix: str, job: str, kwargs: dict[str, Any], timeout_s: float
+) -> Any:
+    """Have the housekeeper run `job` with `kwargs` now (ahead of its queue) and wait for what
+    it returns: the caller's one round of work for it, off the event loop (rq speaks sync
+    Redis). HousekeeperUnavailableError if none ran it within `timeout_s` (the job is taken
+    back, so it never runs late); the job's own error, as a RuntimeError naming it, if it
+    failed."""
+
+    def run() -> Any:
+        with redis.Redis.from_url(redis_url) as client:
+            queue = Queue(housekeeping_queue(prefix), connection=client)
+            queued = queue.enqueue(job, kwargs=kwargs, at_front=True, **NOW_JOB_OPTIONS)
+            result = queued.latest_result(timeout=max(1, math.ceil(timeout_s)))
+            if result is None:
+                queued.cancel()
+                raise HousekeeperUnavailableError(
+                    f"no housekeeper ran {job.rsplit('.', 1)[-1]} within {timeout_s:.0f} s: "
+                    "start one for this deployment (`queue-tinker housekeeper`; `queue-tinker "
+                    "up` and docker-compose.yml run one)"
+                )
+            if result.type is Result.Type.SUCCESSFUL:
+                return result.return_value
+            last = (result.exc_string or "").strip().splitlines()
+            raise RuntimeError(f"housekeeper job {job} failed: {last[-1] if last else '?'}")
+
+    return await asyncio.to_thread(run)
 
 
 class ExpiryScheduler:

@@ -7,9 +7,8 @@ import json
 import time
 from typing import Any
 
-from redis.asyncio import Redis
-
 from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.control.limits import DEFAULT_TENANT_KEY, limits_dict, read_limits
 from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
@@ -18,7 +17,12 @@ from queue_tinker.settings import Settings
 
 
 async def queue_overview(
-    redis: Redis, keys: Keys, settings: Settings, tenant: str | None = None, *, tenants: bool = True
+    redis: RedisClient,
+    keys: Keys,
+    settings: Settings,
+    tenant: str | None = None,
+    *,
+    tenants: bool = True,
 ) -> dict[str, Any]:
     """Workers, the queues of models with ops not yet published, and (`tenants`) tenants' limit
     state; `tenant` narrows queues and tenants to one tenant (None: everyone's)."""
@@ -63,7 +67,7 @@ def _worker(fields: dict[str, str]) -> dict[str, Any]:
 
 
 async def _queues(
-    redis: Redis, keys: Keys, served: list[str], tenant: str | None
+    redis: RedisClient, keys: Keys, served: list[str], tenant: str | None
 ) -> list[dict[str, Any]]:
     # Every base model in use, served or not: an unserved one is the paused_capacity case the
     # overview must show.
@@ -108,7 +112,7 @@ async def _queues(
 
 
 async def _tenant(
-    redis: Redis, keys: Keys, tenant: str, queues: list[dict[str, Any]]
+    redis: RedisClient, keys: Keys, tenant: str, queues: list[dict[str, Any]]
 ) -> dict[str, Any]:
     limits = await read_limits(redis, keys, tenant)
     async with redis.pipeline(transaction=False) as pipe:
@@ -147,3 +151,28 @@ async def _tenant(
             if q["tenant_id"] == tenant and q["state"] == "paused_rate_limit"
         ],
     }
+
+
+async def hide_other_tenants(
+    redis: RedisClient, keys: Keys, workers: list[dict[str, Any]], tenant: str
+) -> None:
+    """Leave out of each worker's entry the models and the op of tenants other than `tenant`
+    (a model's tenant is in its meta hash, a job's in its job hash)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for worker in workers:
+            for model_id in worker.get("resident", []):
+                pipe.hget(keys.model_meta(model_id), "tenant_id")
+            _, _, job_id = str(worker.get("current_op", "")).partition(":")
+            if job_id:
+                pipe.hget(keys.job(job_id), "tenant_id")
+        answers = iter(await pipe.execute())
+    mine = tenant.encode()
+    for worker in workers:
+        resident = list(worker.get("resident", []))
+        owned = [model_id for model_id in resident if next(answers) == mine]
+        worker["resident"] = owned
+        worker["resident_hidden"] = len(resident) - len(owned)
+        kind, _, job_id = str(worker.get("current_op", "")).partition(":")
+        hidden = bool(job_id) and next(answers) != mine
+        worker["current_op"] = f"{kind}:" if hidden else worker.get("current_op", "")
+        worker["current_op_hidden"] = hidden

@@ -7,23 +7,26 @@ committed it, and a crashed recorder's entries are claimed by another.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
 from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import RECORD_ADAPTER, Record
 
 log = logging.getLogger(__name__)
 
 GROUP = "recorder"
+BELL_LENGTH = 16  # the flush and written bells keep only their newest entries
+WAIT_SLICE_MS = 1_000  # a waiting reader looks again at least this often
 _JSON_FIELDS = ("metrics", "lora_config", "user_metadata")
 
 Entry = tuple[bytes, Record | None]  # None: malformed, acknowledged and skipped
@@ -51,10 +54,12 @@ def flatten_record(record: Record) -> dict[FieldT, EncodableT]:
 
 
 class RecordLog:
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys) -> None:
         self.redis = redis
         self.stream = keys.records()
         self.dead_stream = keys.dead_records()
+        self.flush_bell = keys.records_flush()
+        self.written_bell = keys.records_written()
 
     async def append(self, record: Record) -> None:
         await self.redis.xadd(self.stream, flatten_record(record))
@@ -116,11 +121,53 @@ class RecordLog:
             return await call()
 
     async def ack(self, entry_ids: list[bytes]) -> None:
+        """The entries are in Postgres: acknowledged, deleted (so the stream holds only what
+        is still to write), and the written bell rung for readers waiting on them."""
         if entry_ids:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.xack(self.stream, GROUP, *entry_ids)
                 pipe.xdel(self.stream, *entry_ids)
+                pipe.xadd(self.written_bell, {"n": len(entry_ids)}, maxlen=BELL_LENGTH)
                 await pipe.execute()
+
+    async def wait_recorded(self, timeout_s: float) -> bool:
+        """Read-your-writes for a reader of Postgres: wait until every event appended before
+        this call is written there. Written entries leave the stream, so this waits until it
+        holds none up to its newest one now, asking the recorders to write at once (the
+        flush bell) and waking when one has written a batch (the written bell). True once
+        written; False if the recorders did not get there within `timeout_s` (none is running,
+        or Postgres is away). One round trip when the record is caught up."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrevrange(self.stream, count=1)
+            pipe.xrevrange(self.written_bell, count=1)
+            newest, rung = await pipe.execute()
+        if not newest:
+            return True
+        upto, cursor = newest[0][0], rung[0][0] if rung else b"0-0"
+        await self.redis.xadd(self.flush_bell, {"upto": upto}, maxlen=BELL_LENGTH)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while await redis_bytes.xrange(self.redis, self.stream, max=upto, count=1):
+            left_ms = int((deadline - loop.time()) * 1000)
+            if left_ms <= 0:
+                return False
+            rang = await redis_bytes.xread(
+                self.redis, {self.written_bell: cursor}, block=min(left_ms, WAIT_SLICE_MS)
+            )
+            if rang:
+                cursor = rang[0][1][-1][0]
+        return True
+
+    async def flush_cursor(self) -> bytes:
+        """Where a recorder starts watching the flush bell: its newest entry now."""
+        rung = await redis_bytes.xrevrange(self.redis, self.flush_bell, count=1)
+        return rung[0][0] if rung else b"0-0"
+
+    async def flush_asked(self, cursor: bytes, block_ms: int) -> bytes | None:
+        """The flush bell's newest entry after `cursor` (a reader asked for a write now),
+        waiting up to `block_ms` for one; None if none came."""
+        rang = await redis_bytes.xread(self.redis, {self.flush_bell: cursor}, block=block_ms)
+        return rang[0][1][-1][0] if rang else None
 
     async def bury(self, record: Record, reason: str) -> None:
         """Keep a record Postgres refused on the dead-letter stream, with the reason."""

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from redis.asyncio import Redis
-
 from queue_tinker.queue import redis_bytes
+from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import QueueState
@@ -25,8 +24,27 @@ def model_state(meta: dict[bytes, bytes], served: list[str]) -> tuple[QueueState
 
 
 async def queue_state(
-    redis: Redis, keys: Keys, registry: WorkerRegistry, model_id: str, max_age_ms: int
+    redis: RedisClient, keys: Keys, registry: WorkerRegistry, model_id: str, max_age_ms: int
 ) -> tuple[QueueState, str | None]:
     """The state of one model's queue now (model_state, read from Redis)."""
     meta = await redis_bytes.hgetall(redis, keys.model_meta(model_id))
     return model_state(meta, await registry.base_models(max_age_ms))
+
+
+async def queue_states(
+    redis: RedisClient, keys: Keys, registry: WorkerRegistry, models: list[str], max_age_ms: int
+) -> dict[str, tuple[str, QueueState, str | None]]:
+    """The states of several models' queues now, in one round trip for their metas: model ->
+    (its kind, training or sampling; its state; the reason). A model Redis no longer holds is
+    left out."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for model_id in models:
+            pipe.hgetall(keys.model_meta(model_id))
+        metas: list[dict[bytes, bytes]] = await pipe.execute()
+    served = await registry.base_models(max_age_ms)
+    states = {}
+    for model_id, meta in zip(models, metas, strict=True):
+        if meta:
+            kind = meta.get(b"kind", b"training").decode()
+            states[model_id] = (kind, *model_state(meta, served))
+    return states
