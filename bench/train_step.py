@@ -75,7 +75,7 @@ from bench.train_step_report import (
 )
 from queue_tinker.builtin_models import BUILTIN_MODELS, VOCAB_SIZE
 from queue_tinker.client import TrainingClient
-from queue_tinker.client.training import make_batch
+from queue_tinker.client.training import forward_backward_input
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import codec
 from queue_tinker.types.requests.loss_inputs import ModelLimits, check_batch
@@ -141,7 +141,7 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
         vocab_size=VOCAB_SIZE,
         context_length=BUILTIN_MODELS[model].config["max_position_embeddings"],
     )
-    payload = codec.encode(make_batch(data, "cross_entropy", None).model_dump())
+    payload = codec.encode(forward_backward_input(data, "cross_entropy", None).model_dump())
     output = ForwardBackwardOutput(
         loss_fn_outputs=[
             {"logprobs": TensorData.from_numpy(np.zeros(d.model_input.length, np.float32))}
@@ -156,7 +156,8 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
 
     return {
         "client: validate + encode the batch": median_ms(
-            lambda: codec.encode(make_batch(data, "cross_entropy", None).model_dump()), reps
+            lambda: codec.encode(forward_backward_input(data, "cross_entropy", None).model_dump()),
+            reps,
         ),
         "worker: decode + check the batch": median_ms(decode_batch, reps),
         "worker: encode the result": median_ms(lambda: codec.encode(output.model_dump()), reps),

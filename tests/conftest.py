@@ -33,7 +33,7 @@ from procs import (
 from redis.asyncio import Redis as AsyncRedis
 
 from queue_tinker.client import ServiceClient
-from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
+from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, listening
 from queue_tinker.queue.connection import connect
 from queue_tinker.settings import Settings
 
@@ -66,7 +66,7 @@ def redis_url(services_dir: Path) -> Iterator[str]:
     if url:
         yield url
         return
-    if answers("127.0.0.1", 6379):
+    if listening("127.0.0.1", 6379):
         yield LOCAL_REDIS
         return
     server = EmbeddedRedis(services_dir / "redis")
@@ -80,7 +80,7 @@ def postgres_admin_url(services_dir: Path) -> Iterator[str]:
     if url:
         yield url
         return
-    if answers("127.0.0.1", 5432):
+    if listening("127.0.0.1", 5432):
         yield LOCAL_POSTGRES
         return
     server = EmbeddedPostgres(services_dir / "postgres")

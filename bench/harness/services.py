@@ -45,7 +45,7 @@ def postgres_url() -> str:
 def local_services(env: dict[str, str]) -> Iterator[dict[str, str]]:
     """`env` with both URLs set: those it has, else the default servers when they answer, else
     embedded ones, started here and stopped afterwards."""
-    from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, answers
+    from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis, listening
 
     env = dict(env)
     with contextlib.ExitStack() as stack:
@@ -54,12 +54,12 @@ def local_services(env: dict[str, str]) -> Iterator[dict[str, str]]:
         data.chmod(0o755)
         if REDIS_ENV not in env:
             url = DEFAULT_REDIS
-            if not answers("127.0.0.1", 6379):
+            if not listening("127.0.0.1", 6379):
                 url = stack.enter_context(EmbeddedRedis(data / "redis"))
             env[REDIS_ENV] = url
         if POSTGRES_ENV not in env:
             url = DEFAULT_POSTGRES
-            if not answers("127.0.0.1", 5432):
+            if not listening("127.0.0.1", 5432):
                 url = stack.enter_context(EmbeddedPostgres(data / "postgres"))
             env[POSTGRES_ENV] = url
         yield env

@@ -23,14 +23,14 @@ from pathlib import Path
 from sqlalchemy import func, select
 
 from queue_tinker.cli import demo_task
+from queue_tinker.cli.demo_task import DEMO_BASE_MODEL
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.local.processes import Child, ProcessGroup, spawn
 from queue_tinker.local.up import child_env, start_backends, stop_children
 from queue_tinker.settings import Settings
 from queue_tinker.store.db import make_engine, session_factory
-from queue_tinker.store.models import Checkpoint, Request
+from queue_tinker.store.models import CheckpointRow, RequestRow
 
-DEMO_BASE_MODEL = demo_task.DEMO_BASE_MODEL
 REQUIRED_DROP = 0.9  # the promise: the loss falls by at least 90% within 100 steps
 WORKER_READY_TIMEOUT_S = 180.0  # first start builds the tiny model's files and imports torch
 RECORD_TIMEOUT_S = 20.0  # the recorder writes Postgres behind the hot path
@@ -126,7 +126,7 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def _train(training: TrainingClient, steps: int) -> list[float]:
     tokens = demo_task.completion_token_count(
-        demo_task.make_batch(training, demo_task.demo_examples())
+        demo_task.demo_batch(training, demo_task.demo_examples())
     )
     _err(
         f"training {steps} steps: forward_backward + optim_step on all "
@@ -168,7 +168,7 @@ def _ask(service: ServiceClient, sampler_path: str) -> bool:
 class RecordView:
     demo_by_status: dict[str, int]  # every request the demo made (its run and its samplers)
     model_by_kind: list[tuple[str, str, int]]  # (kind, status, count)
-    checkpoints: list[Checkpoint]
+    checkpoints: list[CheckpointRow]
 
     def complete(self, expected_requests: int, expected_checkpoints: int) -> bool:
         """The record holds every request the demo made, each finished (the demo has their
@@ -188,24 +188,24 @@ async def _read_record(database_url: str, model_id: str, tenant: str, since: flo
         sessions = session_factory(engine)
         async with sessions() as session:
             by_status = await session.execute(
-                select(Request.status, func.count())
+                select(RequestRow.status, func.count())
                 .where(
-                    Request.tenant_id == tenant,
-                    Request.queued_at >= datetime.fromtimestamp(since, tz=UTC),
+                    RequestRow.tenant_id == tenant,
+                    RequestRow.queued_at >= datetime.fromtimestamp(since, tz=UTC),
                 )
-                .group_by(Request.status)
+                .group_by(RequestRow.status)
             )
             demo_by_status = {status: n for status, n in by_status}
             by_kind = await session.execute(
-                select(Request.kind, Request.status, func.count())
-                .where(Request.model_id == model_id)
-                .group_by(Request.kind, Request.status)
-                .order_by(func.min(Request.seq))
+                select(RequestRow.kind, RequestRow.status, func.count())
+                .where(RequestRow.model_id == model_id)
+                .group_by(RequestRow.kind, RequestRow.status)
+                .order_by(func.min(RequestRow.seq))
             )
             checkpoints = await session.scalars(
-                select(Checkpoint)
-                .where(Checkpoint.model_id == model_id)
-                .order_by(Checkpoint.created_at)
+                select(CheckpointRow)
+                .where(CheckpointRow.model_id == model_id)
+                .order_by(CheckpointRow.created_at)
             )
             return RecordView(demo_by_status, [(k, s, n) for k, s, n in by_kind], list(checkpoints))
     finally:

@@ -75,7 +75,7 @@ def make_datum(prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -
     )
 
 
-def make_batch(tokenizer_or_encode: Any, examples: Sequence[Example]) -> list[Datum]:
+def demo_batch(tokenizer_or_encode: Any, examples: Sequence[Example]) -> list[Datum]:
     """Datums for `examples`, tokenized by a tokenizer (or a client) or an encode function."""
     encode = _encoder(tokenizer_or_encode)
     return [make_datum(list(encode(e.prompt)), list(encode(e.completion))) for e in examples]
@@ -95,7 +95,7 @@ def train(
 ) -> list[float]:
     """`steps` steps of forward_backward + optim_step on the whole dataset; the loss of each
     step (the summed cross-entropy before that step's update)."""
-    batch = make_batch(training_client, demo_examples())
+    batch = demo_batch(training_client, demo_examples())
     adam = AdamParams(learning_rate=learning_rate, beta1=0.9, beta2=0.95, eps=1e-8)
     losses: list[float] = []
     for step in range(steps):

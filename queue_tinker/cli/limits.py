@@ -27,7 +27,7 @@ def _tenant_name(tenant: str) -> str:
     return "(default)" if tenant == DEFAULT_TENANT_KEY else tenant
 
 
-def describe(tenant: str, limits: Limits) -> str:
+def describe_limits(tenant: str, limits: Limits) -> str:
     return (
         f"limits of {_tenant_name(tenant)}: training runs {_limit(limits.training_runs)}, "
         f"inflight ops {_limit(limits.inflight_ops)}, "
@@ -77,7 +77,7 @@ async def run_limits(redis_url: str, keys: Keys, args: argparse.Namespace) -> in
         except UserInputError as exc:
             print(exc.message, file=sys.stderr)
             return 2
-        print(describe(tenant, limits))
+        print(describe_limits(tenant, limits))
         return 0
     finally:
         await redis.aclose()

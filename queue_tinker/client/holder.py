@@ -40,7 +40,7 @@ T = TypeVar("T")
 # Keep retrying a submit this long while Redis is unreachable (a restart takes seconds); the
 # futures of submitted requests wait as long for Redis to come back (ResultListener).
 ENQUEUE_RETRY_S = 30.0
-CANCELLED = "cancelled by the client (future.cancel())"
+FUTURE_CANCEL_REASON = "cancelled by the client (future.cancel())"
 
 
 def new_id() -> str:
@@ -198,7 +198,9 @@ class ClientHolder:
         """Cancel a request of this client's tenant (APIFuture.cancel): True if the service
         took it back, False if it had finished or is a running op that cannot stop."""
         try:
-            await cancel_job(self.redis, self.keys, job_id, self.tenant_id, reason=CANCELLED)
+            await cancel_job(
+                self.redis, self.keys, job_id, self.tenant_id, reason=FUTURE_CANCEL_REASON
+            )
         except UserInputError:
             return False
         return True

@@ -20,7 +20,7 @@ from queue_tinker.client.holder import ClientHolder
 from queue_tinker.client.loop import BackgroundLoop
 from queue_tinker.errors import NotFoundError, UserInputError
 from queue_tinker.queue.control.expiry_jobs import DELETE_JOB, TTL_JOB, run_now
-from queue_tinker.queue.observe.records import RecordLog
+from queue_tinker.queue.observe.records import RECORD_WAIT_S, RecordLog
 from queue_tinker.settings import Settings
 from queue_tinker.store import queries, rest_views
 from queue_tinker.store.db import make_engine, session_factory
@@ -40,8 +40,6 @@ from queue_tinker.types.service.rest import (
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
-# How long a read waits for the recorders to write what was appended before it.
-RECORD_WAIT_S = 5.0
 # How long a delete or a TTL change waits for the housekeeper to run it.
 HOUSEKEEPER_WAIT_S = 30.0
 AccessScope = Literal["owned", "accessible"]  # every run a tenant can see is its own

@@ -184,7 +184,7 @@ class SamplingClient:
         return f"SamplingClient(sampler_id={self.sampler_id!r}, weights={weights!r})"
 
 
-async def open_sampling_session(
+async def new_sampling_client(
     loop: BackgroundLoop,
     holder: ClientHolder,
     settings: Settings,

@@ -9,7 +9,7 @@ from queue_tinker.client.holder import ClientHolder, decode_outcome, new_id
 from queue_tinker.client.loop import BackgroundLoop, background_loop
 from queue_tinker.client.queue_state import QueueStateObserver
 from queue_tinker.client.rest import RestClient, server_capabilities
-from queue_tinker.client.sampling import SamplingClient, open_sampling_session
+from queue_tinker.client.sampling import SamplingClient, new_sampling_client
 from queue_tinker.client.training import TrainingClient
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue.ops import runs
@@ -232,7 +232,7 @@ class ServiceClient:
         .../weights/<name>) or, with base_model only, from the base model itself.
         retry_config and record_stability_info are accepted and not needed: a lost connection
         is resubmitted under the same job id, and sampler and trainer share their numerics."""
-        return await open_sampling_session(
+        return await new_sampling_client(
             self._loop, self._holder, self.settings, model_path, base_model
         )
 

@@ -23,7 +23,7 @@ from queue_tinker.client.custom_loss import (
 from queue_tinker.client.future import APIFuture
 from queue_tinker.client.holder import ClientHolder, new_id
 from queue_tinker.client.loop import BackgroundLoop
-from queue_tinker.client.sampling import SamplingClient, open_sampling_session
+from queue_tinker.client.sampling import SamplingClient, new_sampling_client
 from queue_tinker.client.wire import decoder, validated
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue.ops import runs
@@ -62,7 +62,7 @@ def datums(data: Any, limits: RequestLimits | None = None) -> list[Datum]:
     return [validated(Datum, f"data[{i}]", d) for i, d in enumerate(data)]
 
 
-def make_batch(
+def forward_backward_input(
     data: Sequence[Any],
     loss_fn: Any,
     loss_fn_config: Any,
@@ -135,7 +135,7 @@ class TrainingClient:
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
         """Loss and per-datum target logprobs, without gradients."""
-        batch = make_batch(data, loss_fn, loss_fn_config, self._limits, self.base_model)
+        batch = forward_backward_input(data, loss_fn, loss_fn_config, self._limits, self.base_model)
         return await self._submit(
             OpKind.FORWARD, batch.model_dump(), decoder(ForwardBackwardOutput)
         )
@@ -150,7 +150,7 @@ class TrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         """Loss, logprobs, and gradients added to the adapter's (accumulating until
         optim_step)."""
-        batch = make_batch(data, loss_fn, loss_fn_config, self._limits, self.base_model)
+        batch = forward_backward_input(data, loss_fn, loss_fn_config, self._limits, self.base_model)
         return await self._submit(
             OpKind.FORWARD_BACKWARD, batch.model_dump(), decoder(ForwardBackwardOutput)
         )
@@ -336,9 +336,7 @@ class TrainingClient:
         """A sampling client on a checkpoint (this run's or another of the tenant's);
         retry_config and record_stability_info are accepted and not needed (as on
         ServiceClient.create_sampling_client)."""
-        return await open_sampling_session(
-            self._loop, self._holder, self._settings, model_path, None
-        )
+        return await new_sampling_client(self._loop, self._holder, self._settings, model_path, None)
 
     def create_sampling_client(
         self, model_path: str, retry_config: Any = None, record_stability_info: bool = False
@@ -375,7 +373,7 @@ class TrainingClient:
         """Move the run's inflight weights to the save (by its seq), then open a client on it."""
         job, _ = await self._holder.jobs.job(save_job)
         await self._holder.inflight.publish(self.model_id, int(job["seq"]), path)
-        return await open_sampling_session(
+        return await new_sampling_client(
             self._loop, self._holder, self._settings, path, None, inflight_of=self.model_id
         )
 

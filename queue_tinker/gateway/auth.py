@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import HTTPException, Request
+from fastapi import Depends, HTTPException, Request
 
 from queue_tinker.store import api_keys
 from queue_tinker.store.db import unreachable
@@ -122,3 +123,7 @@ async def tenant_of(request: Request) -> str:
     """The caller's tenant; 401 without a valid, unrevoked key. An admin key acts as its own
     tenant here: the Tinker routes never cross tenants."""
     return (await caller_of(request)).tenant_id
+
+
+# The route parameter that is the caller's tenant (by its API key): one definition for every route.
+TenantDep = Annotated[str, Depends(tenant_of)]

@@ -152,7 +152,7 @@ def _read_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
         """Training runs, most recently active first, with step count and last loss (a
         diverged one as "NaN" / "Infinity": FastAPI's own encoding would make it null)."""
         return finite_json(
-            {"runs": await dq.training_runs(_db(request), caller.scope, limit=limit)}
+            {"runs": await dq.run_summaries(_db(request), caller.scope, limit=limit)}
         )
 
     @router.get(f"{API}/runs/{{run_id}}/loss")

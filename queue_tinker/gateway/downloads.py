@@ -39,7 +39,7 @@ from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.queue.keys import Keys
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.store import queries
-from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.models import CheckpointRow
 from queue_tinker.types.enums import CheckpointKind
 from queue_tinker.types.service.checkpoints import META_FILE, CheckpointPath
 
@@ -87,7 +87,7 @@ async def _checkpoint(
     run_id: str,
     checkpoint_id: str,
     kinds: tuple[CheckpointKind, ...],
-) -> Checkpoint:
+) -> CheckpointRow:
     """The tenant's live checkpoint <run>/<checkpoint_id> of one of `kinds`; 404 otherwise."""
     path = f"tinker://{run_id}/{checkpoint_id}"
     parsed = CheckpointPath.parse(path, "checkpoint_id")  # UserInputError: 400

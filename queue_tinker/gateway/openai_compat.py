@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.errors import UserInputError
 from queue_tinker.gateway.auth import caller_of_key
-from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue
+from queue_tinker.gateway.queue_access import GatewayQueue, QueueDep
 from queue_tinker.queue.ops import runs
 from queue_tinker.types import JobStatus, OpKind, codec
 from queue_tinker.types.requests.request_limits import encode_request
@@ -35,7 +35,6 @@ RESULT_WAIT_S = 600.0  # the openai client's own default timeout
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default
 
 router = APIRouter(prefix="/oai/api/v1")
-Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
 
 
 async def key_tenant(request: Request) -> str:
@@ -53,7 +52,7 @@ async def key_tenant(request: Request) -> str:
     return (await caller_of_key(request, key)).tenant_id
 
 
-Tenant = Annotated[str, Depends(key_tenant)]
+KeyTenant = Annotated[str, Depends(key_tenant)]
 
 
 class _Body(BaseModel):
@@ -100,7 +99,7 @@ def openai_error(exc: UserInputError) -> JSONResponse:
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, gq: Queue, tenant: Tenant) -> Any:
+async def completions(body: CompletionRequest, gq: QueueDep, tenant: KeyTenant) -> Any:
     try:
         return await _completions(body, gq, tenant)
     except UserInputError as exc:
@@ -108,7 +107,7 @@ async def completions(body: CompletionRequest, gq: Queue, tenant: Tenant) -> Any
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatRequest, gq: Queue, tenant: Tenant) -> Any:
+async def chat_completions(body: ChatRequest, gq: QueueDep, tenant: KeyTenant) -> Any:
     try:
         return await _chat_completions(body, gq, tenant)
     except UserInputError as exc:

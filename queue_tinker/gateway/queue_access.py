@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import HTTPException, Request
+from fastapi import Depends, HTTPException, Request
 
 from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.observe.records import RecordLog
+from queue_tinker.queue.observe.records import RECORD_WAIT_S, RecordLog
 from queue_tinker.queue.ops.inflight import InflightWeights
 from queue_tinker.queue.ops.jobs import HeldLimits, JobQueue
 from queue_tinker.queue.ops.sessions import ProtocolState
@@ -23,9 +23,6 @@ from queue_tinker.types import OpKind
 from queue_tinker.types.requests.request_limits import RequestLimits
 
 log = logging.getLogger(__name__)
-
-# How long a read of Postgres waits for the recorders to write what was appended before it.
-RECORD_WAIT_S = 5.0
 
 
 def new_request_id() -> str:
@@ -124,3 +121,7 @@ async def gateway_queue(request: Request) -> GatewayQueue:
     """FastAPI dependency: the app's GatewayQueue (async: FastAPI runs a plain `def`
     dependency in its thread pool, a thread hand-off on every request)."""
     return request.app.state.gateway_queue
+
+
+# The route parameter that is the app's GatewayQueue: one definition for every route.
+QueueDep = Annotated[GatewayQueue, Depends(gateway_queue)]

@@ -43,7 +43,7 @@ def redis_server_binary() -> Path:
     return binary
 
 
-def answers(host: str, port: int) -> bool:
+def listening(host: str, port: int) -> bool:
     """Whether something accepts TCP connections there now (a local Redis or Postgres)."""
     try:
         with socket.create_connection((host, port), timeout=0.5):

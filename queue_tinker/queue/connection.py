@@ -16,7 +16,7 @@ RedisClient = Redis
 MAX_CONNECTIONS = 64
 # A connect that takes longer is to a host that is gone (without it, the OS gives up after
 # about two minutes of SYN retries).
-CONNECT_TIMEOUT_S = 5.0
+REDIS_CONNECT_TIMEOUT_S = 5.0
 
 
 def connect(url: str, *, max_connections: int = MAX_CONNECTIONS) -> RedisClient:
@@ -28,7 +28,7 @@ def connect(url: str, *, max_connections: int = MAX_CONNECTIONS) -> RedisClient:
         decode_responses=False,
         health_check_interval=30,
         socket_keepalive=True,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
     )
     pool.connection_class = packed_by_hiredis(pool.connection_class)
     return Redis.from_pool(pool)  # the client owns the pool: aclose() closes both

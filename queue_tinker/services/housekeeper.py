@@ -51,14 +51,14 @@ from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.configured import open_store
 from queue_tinker.store import checkpoints
 from queue_tinker.store.checkpoint_queries import due_checkpoints
-from queue_tinker.store.checkpoints import ExpiryResult, Outcome, expire
+from queue_tinker.store.checkpoints import ExpiryOutcome, ExpiryResult, expire
 from queue_tinker.store.db import make_engine, session_factory
 
 log = logging.getLogger("queue_tinker.services.housekeeper")
 
 ROW_RETRY_DELAY_S = 3.0  # the recorder lags ~1 s; a few tries cover a short Postgres hiccup too
 ROW_RETRIES = 10
-SWEEP_INTERVAL_S = 60.0
+EXPIRY_SWEEP_INTERVAL_S = 60.0
 # How long the scheduler process gets to stop on SIGTERM before SIGKILL (stop_scheduler).
 SCHEDULER_STOP_S = 0.1
 SWEEP_BATCH = 500
@@ -141,13 +141,18 @@ def expire_checkpoint(
         "max_retries": max_retries,
         "storage_dir": storage_dir,
     }
-    if result.outcome is Outcome.KEPT and result.meta_expires_at is not None and job and queue:
+    if (
+        result.outcome is ExpiryOutcome.KEPT
+        and result.meta_expires_at is not None
+        and job
+        and queue
+    ):
         # Fired early, or the TTL moved: come back when the meta says (one job per time).
         at = math.ceil(result.meta_expires_at)
         if expiry_job_id(queue.name, checkpoint_id, f"-at{at}") == job.id:
             at += 1  # this very job, early by the scheduler's clock: never reuse a running id
         schedule_job(queue, expiry_job_id(queue.name, checkpoint_id, f"-at{at}"), at, kwargs)
-    elif result.outcome is Outcome.ROW_MISSING:
+    elif result.outcome is ExpiryOutcome.ROW_MISSING:
         if queue is not None and attempt < max_retries:
             # A new id per attempt: this job's own hash is rewritten (or deleted) when it ends.
             job_id = expiry_job_id(queue.name, checkpoint_id, f"-r{attempt + 1}")
@@ -163,7 +168,7 @@ def expire_checkpoint(
     return str(result.outcome)
 
 
-def delete_checkpoint(checkpoint_id: str, directory: str) -> bool:
+def delete_checkpoint_now(checkpoint_id: str, directory: str) -> bool:
     """The rq job behind a Python client's delete (it writes no Postgres itself): the files
     removed and the row marked, as the gateway's DELETE does. True if files were removed now."""
     config = _config(None, None)
@@ -217,7 +222,7 @@ def change_checkpoint_ttl(
 
 
 async def _sweep(config: HousekeepingConfig, batch: int) -> dict[str, int]:
-    counts = {outcome.value: 0 for outcome in Outcome} | {"refused": 0}
+    counts = {outcome.value: 0 for outcome in ExpiryOutcome} | {"refused": 0}
     engine = make_engine(config.database_url)
     store = config.store()
     try:
@@ -253,7 +258,7 @@ def sweep_expired_checkpoints(
 # --- the process ---------------------------------------------------------------------------
 
 
-def enqueue_sweep(queue: Queue, interval_s: float = SWEEP_INTERVAL_S) -> bool:
+def enqueue_sweep(queue: Queue, interval_s: float = EXPIRY_SWEEP_INTERVAL_S) -> bool:
     """Queue one sweep unless one is already queued or running; True if queued."""
     try:
         # unique + result_ttl=0: the id is taken exactly while a sweep waits or runs, so a
@@ -340,7 +345,9 @@ class _HousekeeperWorker(SimpleWorker):
             self.scheduler.register_death()
 
 
-def run_housekeeper(settings: Settings, *, sweep_interval_s: float = SWEEP_INTERVAL_S) -> int:
+def run_housekeeper(
+    settings: Settings, *, sweep_interval_s: float = EXPIRY_SWEEP_INTERVAL_S
+) -> int:
     """Serve the housekeeping queue (with rq's scheduler) until SIGTERM/SIGINT; exit code."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -50,7 +50,7 @@ IDLE_TAKE_OVER_S = 1.0
 # progress (a process's shutdown waits for its recorder's flush): a blocking read is not
 # cancelled, since a CancelledError inside a Redis or database call can be absorbed by the
 # driver. An idle recorder reads five times a second.
-READ_BLOCK_MS = 200
+RECORD_READ_BLOCK_MS = 200
 MAX_BACKOFF_S = 5.0
 SHUTDOWN_FLUSH_S = 5.0
 
@@ -126,7 +126,7 @@ class Recorder:
     async def _round(self, loop: asyncio.AbstractEventLoop) -> int:
         """One batch, then a dead recorder's entries when this one is idle or the take-over
         is due, and gone consumers forgotten when that is due. How many entries were written."""
-        wrote = await self.step(block_ms=READ_BLOCK_MS)
+        wrote = await self.step(block_ms=RECORD_READ_BLOCK_MS)
         now = loop.time()
         if now >= self._take_over_at or (not wrote and now >= self._idle_take_over_at):
             self._take_over_at = now + TAKE_OVER_EVERY_S
@@ -163,7 +163,7 @@ class Recorder:
             left_ms = int((end - loop.time()) * 1000)
             if left_ms <= 0:
                 break
-            asked = await self.log.flush_asked(flush_cursor, min(left_ms, READ_BLOCK_MS))
+            asked = await self.log.flush_asked(flush_cursor, min(left_ms, RECORD_READ_BLOCK_MS))
             if asked is not None:
                 return asked
         return flush_cursor

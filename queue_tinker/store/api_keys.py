@@ -18,7 +18,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.store.models import ApiKey, Tenant
+from queue_tinker.store.models import ApiKeyRow, TenantRow
 
 KEY_PREFIX = "tml-"
 SHOWN_PREFIX = 12  # characters of a key kept for display ("tml-AbCdEfGh")
@@ -65,7 +65,7 @@ def check_tenant_id(tenant_id: str) -> str:
     return tenant_id
 
 
-def _info(row: ApiKey) -> KeyInfo:
+def _info(row: ApiKeyRow) -> KeyInfo:
     return KeyInfo(
         id=row.id,
         tenant_id=row.tenant_id,
@@ -90,9 +90,9 @@ async def create_key(
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     async with sessions() as session, session.begin():
         await session.execute(
-            insert(Tenant).values(id=tenant_id, name=tenant_id).on_conflict_do_nothing()
+            insert(TenantRow).values(id=tenant_id, name=tenant_id).on_conflict_do_nothing()
         )
-        row = ApiKey(
+        row = ApiKeyRow(
             id=f"key-{uuid.uuid4().hex[:16]}",
             tenant_id=tenant_id,
             key_hash=hash_key(key),
@@ -110,9 +110,9 @@ async def list_keys(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str | None = None
 ) -> list[KeyInfo]:
     """Every key (of one tenant, if given), oldest first, revoked ones included."""
-    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+    query = select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id)
     if tenant_id is not None:
-        query = query.where(ApiKey.tenant_id == tenant_id)
+        query = query.where(ApiKeyRow.tenant_id == tenant_id)
     async with sessions() as session:
         return [_info(row) for row in await session.scalars(query)]
 
@@ -121,8 +121,8 @@ async def revoke_key(sessions: async_sessionmaker[AsyncSession], key_id: str) ->
     """Revoke a key by its id; False if there is no such key or it was already revoked."""
     async with sessions() as session, session.begin():
         result = await session.execute(
-            update(ApiKey)
-            .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+            update(ApiKeyRow)
+            .where(ApiKeyRow.id == key_id, ApiKeyRow.revoked_at.is_(None))
             .values(revoked_at=func.now())
         )
         return bool(result.rowcount)  # type: ignore[attr-defined]
@@ -132,7 +132,9 @@ async def key_info(sessions: async_sessionmaker[AsyncSession], key: str) -> KeyI
     """The listing of a valid (unrevoked) key, looked up by the key itself; None otherwise."""
     async with sessions() as session:
         row = await session.scalar(
-            select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
+            select(ApiKeyRow).where(
+                ApiKeyRow.key_hash == hash_key(key), ApiKeyRow.revoked_at.is_(None)
+            )
         )
     return _info(row) if row is not None else None
 
@@ -151,8 +153,8 @@ async def owner_of_key(sessions: async_sessionmaker[AsyncSession], key: str) -> 
     async with sessions() as session:
         row = (
             await session.execute(
-                select(ApiKey.tenant_id, ApiKey.admin).where(
-                    ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)
+                select(ApiKeyRow.tenant_id, ApiKeyRow.admin).where(
+                    ApiKeyRow.key_hash == hash_key(key), ApiKeyRow.revoked_at.is_(None)
                 )
             )
         ).first()

@@ -11,10 +11,10 @@ from enum import StrEnum
 from sqlalchemy import Row, Table, func, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
 
-from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.models import CheckpointRow
 from queue_tinker.store.queries import live_checkpoint
 
-CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
+CHECKPOINTS: Table = CheckpointRow.__table__  # type: ignore[assignment]
 
 
 class RowMark(StrEnum):
@@ -72,11 +72,13 @@ async def set_checkpoint_expiry(
     """Set (or with None clear) a live checkpoint's expires_at; False if there is none."""
     async with sessions() as session, session.begin():
         updated = await session.execute(
-            update(Checkpoint)
+            update(CheckpointRow)
             .where(
-                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
+                CheckpointRow.id == checkpoint_id,
+                CheckpointRow.tenant_id == tenant_id,
+                live_checkpoint(),
             )
             .values(expires_at=expires_at)
-            .returning(Checkpoint.id)
+            .returning(CheckpointRow.id)
         )
         return updated.first() is not None

@@ -30,7 +30,7 @@ from queue_tinker.types.service.checkpoints import META_FILE
 log = logging.getLogger(__name__)
 
 
-class Outcome(StrEnum):
+class ExpiryOutcome(StrEnum):
     """What one expiry did (the housekeeper job's return value)."""
 
     EXPIRED = "expired"  # the files are gone and the row says so (now or before)
@@ -39,16 +39,16 @@ class Outcome(StrEnum):
 
 
 OUTCOMES = {
-    RowMark.DELETED: Outcome.EXPIRED,
-    RowMark.KEPT: Outcome.KEPT,
-    RowMark.MISSING: Outcome.ROW_MISSING,
+    RowMark.DELETED: ExpiryOutcome.EXPIRED,
+    RowMark.KEPT: ExpiryOutcome.KEPT,
+    RowMark.MISSING: ExpiryOutcome.ROW_MISSING,
 }
 
 
 # --- the files -----------------------------------------------------------------------------
 
 
-def read_meta(store: CheckpointStore, key: str) -> dict[str, Any] | None:
+def meta_in_store(store: CheckpointStore, key: str) -> dict[str, Any] | None:
     text = store.read_meta_text(key)
     if text is None:
         return None
@@ -95,7 +95,7 @@ def remove_if_expired(
     (with `force`: if it is that checkpoint at all); what happened and, when kept, the meta's
     expires_at. Locations come from Redis and Postgres: one outside `store` is refused."""
     key = store.key_of(location)
-    meta = read_meta(store, key)
+    meta = meta_in_store(store, key)
     if meta is None and not store.files(key):
         return Removal.ABSENT, None
     if not is_due(meta, checkpoint_id, now, force):
@@ -126,7 +126,7 @@ def update_meta(
     checkpoint_id: str, location: str, store: CheckpointStore, **changes: object
 ) -> bool:
     key = store.key_of(location)
-    meta = read_meta(store, key)
+    meta = meta_in_store(store, key)
     if meta is None or meta.get("id") != checkpoint_id:
         return False
     meta.update(changes)
@@ -140,7 +140,7 @@ def copy_checkpoint_files(
     rewritten with `meta_changes` (the new run, tenant, id). Appears whole; a repeat replaces
     it. Returns bytes."""
     key = store.key_of(source)
-    meta = read_meta(store, key)
+    meta = meta_in_store(store, key)
     if meta is None:
         raise FileNotFoundError(source)
     return store.copy(key, destination, json.dumps({**meta, **meta_changes}, indent=2))
@@ -151,7 +151,7 @@ def copy_checkpoint_files(
 
 @dataclass(frozen=True)
 class ExpiryResult:
-    outcome: Outcome
+    outcome: ExpiryOutcome
     files_removed: bool
     meta_expires_at: float | None  # when kept: what the checkpoint's meta says
 
@@ -170,7 +170,7 @@ async def expire(
         remove_if_expired, checkpoint_id, location, time.time(), store, force=force
     )
     if disk is Removal.KEPT and not force:
-        return ExpiryResult(Outcome.KEPT, files_removed, meta_expires_at)
+        return ExpiryResult(ExpiryOutcome.KEPT, files_removed, meta_expires_at)
     if disk is Removal.KEPT:  # forced, but the location is not this checkpoint's: leave it
         log.warning(
             "checkpoint %s: %s does not hold it (no matching %s); files left in place",

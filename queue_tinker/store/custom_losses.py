@@ -7,7 +7,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queue_tinker.store.models import CustomLossGraph
+from queue_tinker.store.models import CustomLossGraphRow
 from queue_tinker.types.requests.custom_loss import CustomLoss
 
 
@@ -18,7 +18,7 @@ async def save(
     finds its own)."""
     async with sessions() as session, session.begin():
         await session.execute(
-            insert(CustomLossGraph)
+            insert(CustomLossGraphRow)
             .values(
                 id=loss.loss_id,
                 tenant_id=tenant_id,
@@ -29,7 +29,7 @@ async def save(
             )
             .on_conflict_do_nothing()
         )
-        row = await session.get(CustomLossGraph, loss.loss_id)
+        row = await session.get(CustomLossGraphRow, loss.loss_id)
     assert row is not None
     return _loss(row)
 
@@ -40,14 +40,14 @@ async def load(
     """(the tenant's loss with this id, its session id), or None."""
     async with sessions() as session:
         row = await session.scalar(
-            select(CustomLossGraph).where(
-                CustomLossGraph.id == loss_id, CustomLossGraph.tenant_id == tenant_id
+            select(CustomLossGraphRow).where(
+                CustomLossGraphRow.id == loss_id, CustomLossGraphRow.tenant_id == tenant_id
             )
         )
     return (_loss(row), row.session_id) if row is not None else None
 
 
-def _loss(row: CustomLossGraph) -> CustomLoss:
+def _loss(row: CustomLossGraphRow) -> CustomLoss:
     return CustomLoss.model_validate(
         {"loss_id": row.id, "name": row.name, "inputs": row.inputs, "graph": row.graph}
     )

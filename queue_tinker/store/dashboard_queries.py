@@ -15,7 +15,7 @@ from sqlalchemy import Float, Select, and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import InstrumentedAttribute
 
-from queue_tinker.store.models import Checkpoint, Request, TrainingRun
+from queue_tinker.store.models import CheckpointRow, RequestRow, TrainingRunRow
 from queue_tinker.store.queries import listed_checkpoint
 from queue_tinker.types.enums import CheckpointKind, JobStatus, OpKind
 
@@ -37,7 +37,7 @@ def _seconds(end: datetime | None, start: datetime | None) -> float | None:
     return round((end - start).total_seconds(), 4) if end and start else None
 
 
-def request_row(row: Request, *, detail: bool = False) -> dict[str, Any]:
+def request_row(row: RequestRow, *, detail: bool = False) -> dict[str, Any]:
     """A request as the dashboard shows it; the traceback and metrics only with `detail`."""
     out: dict[str, Any] = {
         "id": row.id,
@@ -73,14 +73,14 @@ async def recent_requests(
     kind: str | None = None,
 ) -> list[dict[str, Any]]:
     """The newest requests (by queued_at), optionally of one status, model and kind."""
-    query = _scoped(select(Request), Request.tenant_id, tenant)
+    query = _scoped(select(RequestRow), RequestRow.tenant_id, tenant)
     if status:
-        query = query.where(Request.status == JobStatus(status).value)
+        query = query.where(RequestRow.status == JobStatus(status).value)
     if kind:
-        query = query.where(Request.kind == OpKind(kind).value)
+        query = query.where(RequestRow.kind == OpKind(kind).value)
     if model_id:
-        query = query.where(Request.model_id == model_id)
-    query = query.order_by(Request.queued_at.desc(), Request.id).limit(limit)
+        query = query.where(RequestRow.model_id == model_id)
+    query = query.order_by(RequestRow.queued_at.desc(), RequestRow.id).limit(limit)
     async with sessions() as session:
         return [request_row(row) for row in await session.scalars(query)]
 
@@ -89,42 +89,46 @@ async def request_detail(
     sessions: async_sessionmaker[AsyncSession], tenant: str | None, request_id: str
 ) -> dict[str, Any] | None:
     """One request with its traceback (error_detail) and metrics, or None."""
-    query = _scoped(select(Request).where(Request.id == request_id), Request.tenant_id, tenant)
+    query = _scoped(
+        select(RequestRow).where(RequestRow.id == request_id), RequestRow.tenant_id, tenant
+    )
     async with sessions() as session:
         row = await session.scalar(query)
     return request_row(row, detail=True) if row else None
 
 
 def _loss_value() -> Any:
-    return Request.metrics[LOSS_METRIC].astext.cast(Float)
+    return RequestRow.metrics[LOSS_METRIC].astext.cast(Float)
 
 
-async def training_runs(
+async def run_summaries(
     sessions: async_sessionmaker[AsyncSession], tenant: str | None, *, limit: int
 ) -> list[dict[str, Any]]:
     """The most recently active training runs with their step count (optim_steps done),
     forward_backward count, failed ops and last loss."""
-    active = func.coalesce(TrainingRun.last_request_at, TrainingRun.created_at)
-    runs_query = _scoped(select(TrainingRun), TrainingRun.tenant_id, tenant)
-    runs_query = runs_query.order_by(active.desc(), TrainingRun.id).limit(limit)
-    done = Request.status == JobStatus.DONE.value
+    active = func.coalesce(TrainingRunRow.last_request_at, TrainingRunRow.created_at)
+    runs_query = _scoped(select(TrainingRunRow), TrainingRunRow.tenant_id, tenant)
+    runs_query = runs_query.order_by(active.desc(), TrainingRunRow.id).limit(limit)
+    done = RequestRow.status == JobStatus.DONE.value
     counts_query = select(
-        Request.model_id,
-        func.count().filter(and_(Request.kind == OpKind.OPTIM_STEP.value, done)),
-        func.count().filter(and_(Request.kind == OpKind.FORWARD_BACKWARD.value, done)),
-        func.count().filter(Request.status == JobStatus.FAILED.value),
-        func.count().filter(Request.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value))),
-    ).group_by(Request.model_id)
+        RequestRow.model_id,
+        func.count().filter(and_(RequestRow.kind == OpKind.OPTIM_STEP.value, done)),
+        func.count().filter(and_(RequestRow.kind == OpKind.FORWARD_BACKWARD.value, done)),
+        func.count().filter(RequestRow.status == JobStatus.FAILED.value),
+        func.count().filter(
+            RequestRow.status.in_((JobStatus.QUEUED.value, JobStatus.RUNNING.value))
+        ),
+    ).group_by(RequestRow.model_id)
     # The newest recorded loss of each run: DISTINCT ON picks one row per model, highest seq.
     last_loss_query = (
-        select(Request.model_id, _loss_value())
+        select(RequestRow.model_id, _loss_value())
         .where(
-            Request.kind == OpKind.FORWARD_BACKWARD.value,
+            RequestRow.kind == OpKind.FORWARD_BACKWARD.value,
             done,
-            Request.metrics.has_key(LOSS_METRIC),
+            RequestRow.metrics.has_key(LOSS_METRIC),
         )
-        .distinct(Request.model_id)
-        .order_by(Request.model_id, Request.seq.desc())
+        .distinct(RequestRow.model_id)
+        .order_by(RequestRow.model_id, RequestRow.seq.desc())
     )
     async with sessions() as session:
         runs = list(await session.scalars(runs_query))
@@ -132,14 +136,14 @@ async def training_runs(
         counts = (
             {
                 row[0]: row[1:]
-                for row in await session.execute(counts_query.where(Request.model_id.in_(ids)))
+                for row in await session.execute(counts_query.where(RequestRow.model_id.in_(ids)))
             }
             if ids
             else {}
         )
         losses: dict[str, float] = (
             dict(
-                (await session.execute(last_loss_query.where(Request.model_id.in_(ids))))
+                (await session.execute(last_loss_query.where(RequestRow.model_id.in_(ids))))
                 .tuples()
                 .all()
             )
@@ -172,7 +176,9 @@ async def run_visible(
 ) -> bool:
     """Whether the run exists (and is the tenant's)."""
     query = _scoped(
-        select(TrainingRun.id).where(TrainingRun.id == run_id), TrainingRun.tenant_id, tenant
+        select(TrainingRunRow.id).where(TrainingRunRow.id == run_id),
+        TrainingRunRow.tenant_id,
+        tenant,
     )
     async with sessions() as session:
         return await session.scalar(query) is not None
@@ -184,19 +190,19 @@ async def loss_curve(
     """The run's recorded losses in seq order: one point per finished forward_backward, with
     `step`, the optimizer steps done before it (the x axis of a training loop)."""
     query = (
-        select(Request.seq, Request.kind, _loss_value())
+        select(RequestRow.seq, RequestRow.kind, _loss_value())
         .where(
-            Request.model_id == run_id,
-            Request.status == JobStatus.DONE.value,
+            RequestRow.model_id == run_id,
+            RequestRow.status == JobStatus.DONE.value,
             or_(
-                Request.kind == OpKind.OPTIM_STEP.value,
+                RequestRow.kind == OpKind.OPTIM_STEP.value,
                 and_(
-                    Request.kind == OpKind.FORWARD_BACKWARD.value,
-                    Request.metrics.has_key(LOSS_METRIC),
+                    RequestRow.kind == OpKind.FORWARD_BACKWARD.value,
+                    RequestRow.metrics.has_key(LOSS_METRIC),
                 ),
             ),
         )
-        .order_by(Request.seq)
+        .order_by(RequestRow.seq)
     )
     points: list[dict[str, Any]] = []
     steps = 0
@@ -217,10 +223,12 @@ async def checkpoints(
     run_id: str | None = None,
 ) -> list[dict[str, Any]]:
     """The newest live checkpoints (of one run, if given)."""
-    query = _scoped(select(Checkpoint).where(listed_checkpoint()), Checkpoint.tenant_id, tenant)
+    query = _scoped(
+        select(CheckpointRow).where(listed_checkpoint()), CheckpointRow.tenant_id, tenant
+    )
     if run_id:
-        query = query.where(Checkpoint.model_id == run_id)
-    query = query.order_by(Checkpoint.created_at.desc(), Checkpoint.id).limit(limit)
+        query = query.where(CheckpointRow.model_id == run_id)
+    query = query.order_by(CheckpointRow.created_at.desc(), CheckpointRow.id).limit(limit)
     async with sessions() as session:
         rows = list(await session.scalars(query))
     return [
@@ -242,4 +250,4 @@ async def checkpoints(
 async def request_tenant(sessions: async_sessionmaker[AsyncSession], request_id: str) -> str | None:
     """The tenant of a recorded request, or None if there is no such request."""
     async with sessions() as session:
-        return await session.scalar(select(Request.tenant_id).where(Request.id == request_id))
+        return await session.scalar(select(RequestRow.tenant_id).where(RequestRow.id == request_id))

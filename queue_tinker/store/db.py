@@ -46,7 +46,7 @@ def to_async_url(url: str) -> str:
 # that takes longer is on a connection that died silently (no RST: a partition, a failover).
 # Either way the caller's retry loop (recorder) or a 503 (gateway) is better than a hang. Every
 # statement the service runs is a small indexed read or a batched write, far below this.
-CONNECT_TIMEOUT_S = 5.0
+POSTGRES_CONNECT_TIMEOUT_S = 5.0
 COMMAND_TIMEOUT_S = 60.0
 # A session idle inside a transaction this long is ended by Postgres, releasing its row locks.
 # A process cut off from the network mid-transaction (a host partitioned away) cannot send its
@@ -62,7 +62,7 @@ def make_engine(url: str, *, idle_in_transaction_ms: int = IDLE_IN_TRANSACTION_M
         _async_url(url),
         pool_pre_ping=True,
         connect_args={
-            "timeout": CONNECT_TIMEOUT_S,
+            "timeout": POSTGRES_CONNECT_TIMEOUT_S,
             "command_timeout": COMMAND_TIMEOUT_S,
             "server_settings": {"idle_in_transaction_session_timeout": str(idle_in_transaction_ms)},
         },
@@ -108,7 +108,7 @@ async def drop_database(admin_url: str, name: str) -> None:
 def unreachable(exc: BaseException) -> bool:
     """Postgres did not answer (down, restarting, a connection cut or timed out), as opposed
     to refusing what it was sent or a bug in the statement. asyncpg's connect raises plain
-    OSErrors (refused, reset) and TimeoutError (CONNECT_TIMEOUT_S, COMMAND_TIMEOUT_S)."""
+    OSErrors (refused, reset) and TimeoutError (POSTGRES_CONNECT_TIMEOUT_S, COMMAND_TIMEOUT_S)."""
     if isinstance(exc, DBAPIError):
         # A cut connection, or Postgres saying it cannot serve (SQLSTATE 08 connection
         # exception, 53 insufficient resources, 57 operator intervention: shutting down).

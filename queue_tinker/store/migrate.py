@@ -71,7 +71,7 @@ async def _current(url: str) -> str | None:
         await engine.dispose()
 
 
-def current(url: str) -> str | None:
+def current_revision(url: str) -> str | None:
     """The revision the database at `url` is at; None when it has never been migrated."""
     return _off_loop(lambda: asyncio.run(_current(url)))
 

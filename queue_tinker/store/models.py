@@ -57,7 +57,7 @@ def _ts(*, nullable: bool = True, now: bool = False) -> Mapped[Any]:
     )
 
 
-class Tenant(Base):
+class TenantRow(Base):
     __tablename__ = "tenants"
 
     id: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -65,7 +65,7 @@ class Tenant(Base):
     created_at: Mapped[datetime] = _ts(nullable=False, now=True)
 
 
-class ApiKey(Base):
+class ApiKeyRow(Base):
     __tablename__ = "api_keys"
 
     id: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -79,7 +79,7 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = _ts()
 
 
-class Session(Base):
+class SessionRow(Base):
     __tablename__ = "sessions"
 
     id: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -88,7 +88,7 @@ class Session(Base):
     last_heartbeat_at: Mapped[datetime | None] = _ts()
 
 
-class TrainingRun(Base):
+class TrainingRunRow(Base):
     """One model (LoRA adapter on a base model); its id is the model id."""
 
     __tablename__ = "training_runs"
@@ -105,7 +105,7 @@ class TrainingRun(Base):
     last_request_at: Mapped[datetime | None] = _ts()
 
 
-class SamplingSession(Base):
+class SamplingSessionRow(Base):
     """A sampling client's queue: samples from a checkpoint (model_path) or the base model."""
 
     __tablename__ = "sampling_sessions"
@@ -118,7 +118,7 @@ class SamplingSession(Base):
     created_at: Mapped[datetime] = _ts(nullable=False, now=True)
 
 
-class Request(Base):
+class RequestRow(Base):
     """One op of one model (a training run or a sampling session). model_id is not a FK:
     write-behind may deliver a request before its model's row, and a batch must not fail."""
 
@@ -154,7 +154,7 @@ class Request(Base):
     error_detail: Mapped[str | None] = mapped_column(Text)  # traceback of a server error
 
 
-class Checkpoint(Base):
+class CheckpointRow(Base):
     __tablename__ = "checkpoints"
     __table_args__ = (
         UniqueConstraint("model_id", "kind", "name"),
@@ -177,7 +177,7 @@ class Checkpoint(Base):
     ephemeral: Mapped[bool] = mapped_column(Boolean, server_default=false())
 
 
-class CustomLossGraph(Base):
+class CustomLossGraphRow(Base):
     """A tenant's uploaded custom loss (queue_tinker/types/requests/custom_loss.py), checked against
     the allow-list before it was stored; its session's forward_backward calls name it."""
 
@@ -192,7 +192,7 @@ class CustomLossGraph(Base):
     created_at: Mapped[datetime] = _ts(nullable=False, now=True)
 
 
-class Worker(Base):
+class WorkerRow(Base):
     __tablename__ = "workers"
 
     id: Mapped[str] = mapped_column(Text, primary_key=True)

@@ -10,7 +10,13 @@ from datetime import UTC, date, datetime, time, timedelta
 from sqlalchemy import and_, func, or_, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queue_tinker.store.models import Checkpoint, Request, SamplingSession, Session, TrainingRun
+from queue_tinker.store.models import (
+    CheckpointRow,
+    RequestRow,
+    SamplingSessionRow,
+    SessionRow,
+    TrainingRunRow,
+)
 from queue_tinker.store.queries import live_checkpoint
 
 MAX_AUDIT_ENTRIES = 10_000
@@ -25,15 +31,15 @@ class SessionSummary:
     checkpoint_bytes: int
 
 
-async def checkpoint_storage(
+async def checkpoint_storage_used(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str
 ) -> tuple[int, int]:
     """(count, bytes) of the tenant's live checkpoints."""
     async with sessions() as session:
         row = (
             await session.execute(
-                select(func.count(), func.coalesce(func.sum(Checkpoint.size_bytes), 0)).where(
-                    Checkpoint.tenant_id == tenant_id, live_checkpoint()
+                select(func.count(), func.coalesce(func.sum(CheckpointRow.size_bytes), 0)).where(
+                    CheckpointRow.tenant_id == tenant_id, live_checkpoint()
                 )
             )
         ).one()
@@ -42,24 +48,25 @@ async def checkpoint_storage(
 
 async def checkpoint_events(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, day: date | None
-) -> list[tuple[datetime, str, Checkpoint]]:
+) -> list[tuple[datetime, str, CheckpointRow]]:
     """(when, 'checkpoint_create' | 'checkpoint_delete', checkpoint) of the tenant, oldest
     first; with `day`, only that UTC day's."""
-    where = [Checkpoint.tenant_id == tenant_id]
+    where = [CheckpointRow.tenant_id == tenant_id]
     start = datetime.combine(day or date.min, time(), tzinfo=UTC)
     end = start + timedelta(days=1) if day is not None else datetime.max.replace(tzinfo=UTC)
     if day is not None:
         where.append(
             or_(
-                Checkpoint.created_at.between(start, end), Checkpoint.deleted_at.between(start, end)
+                CheckpointRow.created_at.between(start, end),
+                CheckpointRow.deleted_at.between(start, end),
             )
         )
     async with sessions() as session:
         rows = list(
             await session.scalars(
-                select(Checkpoint)
+                select(CheckpointRow)
                 .where(*where)
-                .order_by(Checkpoint.created_at, Checkpoint.id)
+                .order_by(CheckpointRow.created_at, CheckpointRow.id)
                 .limit(MAX_AUDIT_ENTRIES)
             )
         )
@@ -74,7 +81,7 @@ async def checkpoint_events(
     return sorted(events, key=lambda e: (e[0], e[2].id))
 
 
-async def search_sessions(
+async def find_sessions(
     sessions: async_sessionmaker[AsyncSession],
     tenant_id: str,
     *,
@@ -84,29 +91,29 @@ async def search_sessions(
 ) -> list[SessionSummary]:
     """A page of the tenant's sessions, newest first (then by id, descending), each with its
     runs' live checkpoints; `after` is the (created_at, id) of the previous page's last."""
-    where = [Session.tenant_id == tenant_id]
+    where = [SessionRow.tenant_id == tenant_id]
     if session_id is not None:
-        where.append(Session.id == session_id)
+        where.append(SessionRow.id == session_id)
     if after is not None:
-        where.append(tuple_(Session.created_at, Session.id) < tuple_(*after))
+        where.append(tuple_(SessionRow.created_at, SessionRow.id) < tuple_(*after))
     stored = (
         select(
-            TrainingRun.session_id.label("session_id"),
-            func.count(Checkpoint.id).label("count"),
-            func.coalesce(func.sum(Checkpoint.size_bytes), 0).label("bytes"),
+            TrainingRunRow.session_id.label("session_id"),
+            func.count(CheckpointRow.id).label("count"),
+            func.coalesce(func.sum(CheckpointRow.size_bytes), 0).label("bytes"),
         )
-        .join(Checkpoint, and_(Checkpoint.model_id == TrainingRun.id, live_checkpoint()))
-        .where(TrainingRun.tenant_id == tenant_id)
-        .group_by(TrainingRun.session_id)
+        .join(CheckpointRow, and_(CheckpointRow.model_id == TrainingRunRow.id, live_checkpoint()))
+        .where(TrainingRunRow.tenant_id == tenant_id)
+        .group_by(TrainingRunRow.session_id)
         .subquery()
     )
     async with sessions() as session:
         rows = (
             await session.execute(
-                select(Session, stored.c.count, stored.c.bytes)
-                .outerjoin(stored, stored.c.session_id == Session.id)
+                select(SessionRow, stored.c.count, stored.c.bytes)
+                .outerjoin(stored, stored.c.session_id == SessionRow.id)
                 .where(*where)
-                .order_by(Session.created_at.desc(), Session.id.desc())
+                .order_by(SessionRow.created_at.desc(), SessionRow.id.desc())
                 .limit(limit)
             )
         ).all()
@@ -124,24 +131,26 @@ async def search_sessions(
 
 async def session_requests(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, session_id: str
-) -> list[Request] | None:
+) -> list[RequestRow] | None:
     """Every recorded request of the session's runs and samplers, by time queued; None if the
     tenant has no such session."""
     async with sessions() as session:
         found = await session.scalar(
-            select(Session.id).where(Session.id == session_id, Session.tenant_id == tenant_id)
+            select(SessionRow.id).where(
+                SessionRow.id == session_id, SessionRow.tenant_id == tenant_id
+            )
         )
         if found is None:
             return None
         models = (
-            select(TrainingRun.id)
-            .where(TrainingRun.session_id == session_id)
-            .union(select(SamplingSession.id).where(SamplingSession.session_id == session_id))
+            select(TrainingRunRow.id)
+            .where(TrainingRunRow.session_id == session_id)
+            .union(select(SamplingSessionRow.id).where(SamplingSessionRow.session_id == session_id))
         )
         rows = await session.scalars(
-            select(Request)
-            .where(Request.tenant_id == tenant_id, Request.model_id.in_(models))
-            .order_by(Request.queued_at, Request.id)
+            select(RequestRow)
+            .where(RequestRow.tenant_id == tenant_id, RequestRow.model_id.in_(models))
+            .order_by(RequestRow.queued_at, RequestRow.id)
         )
         return list(rows)
 
@@ -152,11 +161,13 @@ async def set_checkpoint_public(
     """Publish (or not) one of the tenant's live checkpoints; False if there is none."""
     async with sessions() as session, session.begin():
         updated = await session.execute(
-            update(Checkpoint)
+            update(CheckpointRow)
             .where(
-                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
+                CheckpointRow.id == checkpoint_id,
+                CheckpointRow.tenant_id == tenant_id,
+                live_checkpoint(),
             )
             .values(public=public)
-            .returning(Checkpoint.id)
+            .returning(CheckpointRow.id)
         )
         return updated.first() is not None

@@ -8,23 +8,29 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.sql.elements import ColumnElement
 
-from queue_tinker.store.models import Checkpoint, Request, SamplingSession, Session, TrainingRun
+from queue_tinker.store.models import (
+    CheckpointRow,
+    RequestRow,
+    SamplingSessionRow,
+    SessionRow,
+    TrainingRunRow,
+)
 from queue_tinker.types.enums import JobStatus
 
 
-async def get_request(sessions: async_sessionmaker[AsyncSession], id: str) -> Request | None:
+async def get_request(sessions: async_sessionmaker[AsyncSession], id: str) -> RequestRow | None:
     """The request row with this id, or None."""
     async with sessions() as session:
-        return await session.get(Request, id)
+        return await session.get(RequestRow, id)
 
 
 async def requests_for_model(
     sessions: async_sessionmaker[AsyncSession], model_id: str
-) -> list[Request]:
+) -> list[RequestRow]:
     """Every recorded request of a model, in sequence order."""
     async with sessions() as session:
         rows = await session.scalars(
-            select(Request).where(Request.model_id == model_id).order_by(Request.seq)
+            select(RequestRow).where(RequestRow.model_id == model_id).order_by(RequestRow.seq)
         )
         return list(rows)
 
@@ -34,7 +40,7 @@ async def count_requests_by_status(sessions: async_sessionmaker[AsyncSession]) -
     counts = {status.value: 0 for status in JobStatus}
     async with sessions() as session:
         result = await session.execute(
-            select(Request.status, func.count()).group_by(Request.status)
+            select(RequestRow.status, func.count()).group_by(RequestRow.status)
         )
         counts.update({status: count for status, count in result})
     return counts
@@ -42,10 +48,10 @@ async def count_requests_by_status(sessions: async_sessionmaker[AsyncSession]) -
 
 async def get_training_run(
     sessions: async_sessionmaker[AsyncSession], id: str
-) -> TrainingRun | None:
+) -> TrainingRunRow | None:
     """The training run (model) with this id, or None."""
     async with sessions() as session:
-        return await session.get(TrainingRun, id)
+        return await session.get(TrainingRunRow, id)
 
 
 # --- the REST view of a tenant's runs, checkpoints, sessions and samplers --------------------
@@ -56,27 +62,27 @@ def live_checkpoint() -> ColumnElement[bool]:
     """A checkpoint the user can still use: files not removed and its TTL not run out (the
     housekeeper may not have got to it yet)."""
     return and_(
-        Checkpoint.deleted_at.is_(None),
-        or_(Checkpoint.expires_at.is_(None), Checkpoint.expires_at > func.now()),
+        CheckpointRow.deleted_at.is_(None),
+        or_(CheckpointRow.expires_at.is_(None), CheckpointRow.expires_at > func.now()),
     )
 
 
 def listed_checkpoint() -> ColumnElement[bool]:
     """A live checkpoint the user saved (not the unnamed weights behind a sampling client)."""
-    return and_(live_checkpoint(), Checkpoint.ephemeral.is_(False))
+    return and_(live_checkpoint(), CheckpointRow.ephemeral.is_(False))
 
 
 async def list_training_runs(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, *, limit: int, offset: int
-) -> tuple[list[TrainingRun], int]:
+) -> tuple[list[TrainingRunRow], int]:
     """A page of the tenant's training runs, newest first, and how many there are in all."""
-    owned = TrainingRun.tenant_id == tenant_id
+    owned = TrainingRunRow.tenant_id == tenant_id
     async with sessions() as session:
-        total = await session.scalar(select(func.count()).select_from(TrainingRun).where(owned))
+        total = await session.scalar(select(func.count()).select_from(TrainingRunRow).where(owned))
         rows = await session.scalars(
-            select(TrainingRun)
+            select(TrainingRunRow)
             .where(owned)
-            .order_by(TrainingRun.created_at.desc(), TrainingRun.id)
+            .order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.id)
             .limit(limit)
             .offset(offset)
         )
@@ -85,17 +91,19 @@ async def list_training_runs(
 
 async def get_tenant_training_run(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, run_id: str
-) -> TrainingRun | None:
+) -> TrainingRunRow | None:
     """The tenant's training run with this id, or None (also when another tenant owns it)."""
     async with sessions() as session:
         return await session.scalar(
-            select(TrainingRun).where(TrainingRun.id == run_id, TrainingRun.tenant_id == tenant_id)
+            select(TrainingRunRow).where(
+                TrainingRunRow.id == run_id, TrainingRunRow.tenant_id == tenant_id
+            )
         )
 
 
 async def newest_checkpoints(
     sessions: async_sessionmaker[AsyncSession], run_ids: Sequence[str]
-) -> dict[tuple[str, str], Checkpoint]:
+) -> dict[tuple[str, str], CheckpointRow]:
     """(run id, kind) -> the run's newest live checkpoint of that kind, for every run given."""
     if not run_ids:
         return {}
@@ -104,51 +112,53 @@ async def newest_checkpoints(
     rank = (
         func.row_number()
         .over(
-            partition_by=(Checkpoint.model_id, Checkpoint.kind),
-            order_by=(Checkpoint.created_at.desc(), Checkpoint.id.desc()),
+            partition_by=(CheckpointRow.model_id, CheckpointRow.kind),
+            order_by=(CheckpointRow.created_at.desc(), CheckpointRow.id.desc()),
         )
         .label("rank")
     )
     ranked = (
-        select(Checkpoint.id, rank)
-        .where(Checkpoint.model_id.in_(run_ids), listed_checkpoint())
+        select(CheckpointRow.id, rank)
+        .where(CheckpointRow.model_id.in_(run_ids), listed_checkpoint())
         .subquery()
     )
     async with sessions() as session:
         rows = await session.scalars(
-            select(Checkpoint).join(ranked, ranked.c.id == Checkpoint.id).where(ranked.c.rank == 1)
+            select(CheckpointRow)
+            .join(ranked, ranked.c.id == CheckpointRow.id)
+            .where(ranked.c.rank == 1)
         )
         return {(row.model_id, row.kind): row for row in rows}
 
 
-async def run_checkpoints(
+async def checkpoints_of_run(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, run_id: str
-) -> list[Checkpoint]:
+) -> list[CheckpointRow]:
     """The live checkpoints of one of the tenant's runs, newest first."""
     async with sessions() as session:
         rows = await session.scalars(
-            select(Checkpoint)
+            select(CheckpointRow)
             .where(
-                Checkpoint.model_id == run_id,
-                Checkpoint.tenant_id == tenant_id,
+                CheckpointRow.model_id == run_id,
+                CheckpointRow.tenant_id == tenant_id,
                 listed_checkpoint(),
             )
-            .order_by(Checkpoint.created_at.desc(), Checkpoint.id)
+            .order_by(CheckpointRow.created_at.desc(), CheckpointRow.id)
         )
         return list(rows)
 
 
 async def tenant_checkpoints(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, *, limit: int, offset: int
-) -> tuple[list[Checkpoint], int]:
+) -> tuple[list[CheckpointRow], int]:
     """A page of the tenant's live checkpoints over all its runs, newest first, and the total."""
-    where = (Checkpoint.tenant_id == tenant_id, listed_checkpoint())
+    where = (CheckpointRow.tenant_id == tenant_id, listed_checkpoint())
     async with sessions() as session:
-        total = await session.scalar(select(func.count()).select_from(Checkpoint).where(*where))
+        total = await session.scalar(select(func.count()).select_from(CheckpointRow).where(*where))
         rows = await session.scalars(
-            select(Checkpoint)
+            select(CheckpointRow)
             .where(*where)
-            .order_by(Checkpoint.created_at.desc(), Checkpoint.id)
+            .order_by(CheckpointRow.created_at.desc(), CheckpointRow.id)
             .limit(limit)
             .offset(offset)
         )
@@ -157,26 +167,28 @@ async def tenant_checkpoints(
 
 async def get_live_checkpoint(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, checkpoint_id: str
-) -> Checkpoint | None:
+) -> CheckpointRow | None:
     """The tenant's live checkpoint with this tinker:// id, or None."""
     async with sessions() as session:
         return await session.scalar(
-            select(Checkpoint).where(
-                Checkpoint.id == checkpoint_id, Checkpoint.tenant_id == tenant_id, live_checkpoint()
+            select(CheckpointRow).where(
+                CheckpointRow.id == checkpoint_id,
+                CheckpointRow.tenant_id == tenant_id,
+                live_checkpoint(),
             )
         )
 
 
 async def get_readable_checkpoint(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, checkpoint_id: str
-) -> Checkpoint | None:
+) -> CheckpointRow | None:
     """A live checkpoint the tenant may read: its own, or one published (readable by every
     tenant); None otherwise, so another tenant's private one reads like a missing one."""
     async with sessions() as session:
         return await session.scalar(
-            select(Checkpoint).where(
-                Checkpoint.id == checkpoint_id,
-                or_(Checkpoint.tenant_id == tenant_id, Checkpoint.public.is_(True)),
+            select(CheckpointRow).where(
+                CheckpointRow.id == checkpoint_id,
+                or_(CheckpointRow.tenant_id == tenant_id, CheckpointRow.public.is_(True)),
                 live_checkpoint(),
             )
         )
@@ -188,9 +200,9 @@ async def list_session_ids(
     """A page of the tenant's session ids, newest first."""
     async with sessions() as session:
         rows = await session.scalars(
-            select(Session.id)
-            .where(Session.tenant_id == tenant_id)
-            .order_by(Session.created_at.desc(), Session.id)
+            select(SessionRow.id)
+            .where(SessionRow.tenant_id == tenant_id)
+            .order_by(SessionRow.created_at.desc(), SessionRow.id)
             .limit(limit)
             .offset(offset)
         )
@@ -204,30 +216,35 @@ async def session_members(
     the tenant has no such session."""
     async with sessions() as session:
         found = await session.scalar(
-            select(Session.id).where(Session.id == session_id, Session.tenant_id == tenant_id)
+            select(SessionRow.id).where(
+                SessionRow.id == session_id, SessionRow.tenant_id == tenant_id
+            )
         )
         if found is None:
             return None
         runs = await session.scalars(
-            select(TrainingRun.id)
-            .where(TrainingRun.session_id == session_id, TrainingRun.tenant_id == tenant_id)
-            .order_by(TrainingRun.created_at, TrainingRun.id)
+            select(TrainingRunRow.id)
+            .where(TrainingRunRow.session_id == session_id, TrainingRunRow.tenant_id == tenant_id)
+            .order_by(TrainingRunRow.created_at, TrainingRunRow.id)
         )
         samplers = await session.scalars(
-            select(SamplingSession.id)
-            .where(SamplingSession.session_id == session_id, SamplingSession.tenant_id == tenant_id)
-            .order_by(SamplingSession.created_at, SamplingSession.id)
+            select(SamplingSessionRow.id)
+            .where(
+                SamplingSessionRow.session_id == session_id,
+                SamplingSessionRow.tenant_id == tenant_id,
+            )
+            .order_by(SamplingSessionRow.created_at, SamplingSessionRow.id)
         )
         return list(runs), list(samplers)
 
 
 async def get_sampling_session(
     sessions: async_sessionmaker[AsyncSession], tenant_id: str, sampler_id: str
-) -> SamplingSession | None:
+) -> SamplingSessionRow | None:
     """The tenant's sampling session with this id, or None."""
     async with sessions() as session:
         return await session.scalar(
-            select(SamplingSession).where(
-                SamplingSession.id == sampler_id, SamplingSession.tenant_id == tenant_id
+            select(SamplingSessionRow).where(
+                SamplingSessionRow.id == sampler_id, SamplingSessionRow.tenant_id == tenant_id
             )
         )

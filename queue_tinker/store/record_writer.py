@@ -27,13 +27,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionm
 from sqlalchemy.sql.elements import ColumnElement
 
 from queue_tinker.store.models import (
-    Checkpoint,
-    Request,
-    SamplingSession,
-    Session,
-    Tenant,
-    TrainingRun,
-    Worker,
+    CheckpointRow,
+    RequestRow,
+    SamplingSessionRow,
+    SessionRow,
+    TenantRow,
+    TrainingRunRow,
+    WorkerRow,
 )
 from queue_tinker.types.enums import JobStatus
 from queue_tinker.types.finite_json import finite_json
@@ -50,13 +50,13 @@ from queue_tinker.types.service.records import (
 Row = dict[str, Any]
 Reducer = Callable[[Any, Any], Any]
 
-_TENANTS: Table = Tenant.__table__  # type: ignore[assignment]
-_REQUESTS: Table = Request.__table__  # type: ignore[assignment]
-_RUNS: Table = TrainingRun.__table__  # type: ignore[assignment]
-_SESSIONS: Table = Session.__table__  # type: ignore[assignment]
-_SAMPLING: Table = SamplingSession.__table__  # type: ignore[assignment]
-_WORKERS: Table = Worker.__table__  # type: ignore[assignment]
-_CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
+_TENANTS: Table = TenantRow.__table__  # type: ignore[assignment]
+_REQUESTS: Table = RequestRow.__table__  # type: ignore[assignment]
+_RUNS: Table = TrainingRunRow.__table__  # type: ignore[assignment]
+_SESSIONS: Table = SessionRow.__table__  # type: ignore[assignment]
+_SAMPLING: Table = SamplingSessionRow.__table__  # type: ignore[assignment]
+_WORKERS: Table = WorkerRow.__table__  # type: ignore[assignment]
+_CHECKPOINTS: Table = CheckpointRow.__table__  # type: ignore[assignment]
 
 # How two known values of one field combine; fields not named here take the newer value.
 _SESSION_REDUCERS: Mapping[str, Reducer] = {"created_at": min, "last_heartbeat_at": max}

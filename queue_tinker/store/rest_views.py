@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.store import queries
-from queue_tinker.store.models import Checkpoint, TrainingRun
+from queue_tinker.store.models import CheckpointRow, TrainingRunRow
 from queue_tinker.types.enums import CheckpointKind
 
 Sessions = async_sessionmaker[AsyncSession]
@@ -26,7 +26,7 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
 
-def checkpoint_json(row: Checkpoint) -> dict[str, Any]:
+def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
     kind = CheckpointKind(row.kind)
     return {
         "checkpoint_id": f"{kind.path_segment}/{row.name}",
@@ -40,7 +40,7 @@ def checkpoint_json(row: Checkpoint) -> dict[str, Any]:
 
 
 def training_run_json(
-    run: TrainingRun, newest: dict[tuple[str, str], Checkpoint]
+    run: TrainingRunRow, newest: dict[tuple[str, str], CheckpointRow]
 ) -> dict[str, Any]:
     """`newest`: (run id, kind) -> newest live checkpoint (queries.newest_checkpoints)."""
     state = newest.get((run.id, CheckpointKind.STATE.value))
@@ -79,7 +79,7 @@ async def training_runs(db: Sessions, tenant: str, limit: int, offset: int) -> d
 async def run_checkpoints(db: Sessions, tenant: str, run_id: str) -> dict[str, Any] | None:
     if await queries.get_tenant_training_run(db, tenant, run_id) is None:
         return None
-    rows = await queries.run_checkpoints(db, tenant, run_id)
+    rows = await queries.checkpoints_of_run(db, tenant, run_id)
     return {"checkpoints": [checkpoint_json(row) for row in rows], "cursor": None}
 
 

@@ -66,6 +66,6 @@ def test_migrate_up_down_up(empty_database_url: str) -> None:
     for args in (["migrate"], ["migrate", "--downgrade"], ["migrate"]):
         result = run_cli(*args, env=env)
         assert result.returncode == 0, result.stderr
-    from queue_tinker.store.migrate import current
+    from queue_tinker.store.migrate import current_revision
 
-    assert current(empty_database_url) is not None
+    assert current_revision(empty_database_url) is not None

@@ -66,10 +66,10 @@ def lora_worker(module_settings: Settings) -> Iterator[WorkerProcess]:
         assert code == 0, f"worker exited with {code}:\n{worker.log()[-3000:]}"
 
 
-def test_make_batch_is_shifted_and_weights_only_the_completion() -> None:
+def test_demo_batch_is_shifted_and_weights_only_the_completion() -> None:
     examples = demo_task.demo_examples()
     encode = lambda text: list(text.encode())  # noqa: E731 (the tiny model's byte tokenizer)
-    batch = demo_task.make_batch(encode, examples)
+    batch = demo_task.demo_batch(encode, examples)
     assert 8 <= len(batch) <= 16
     for datum, example in zip(batch, examples, strict=True):
         tokens = encode(example.prompt) + encode(example.completion)

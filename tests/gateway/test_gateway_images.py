@@ -17,7 +17,7 @@ from tinker import types
 
 import queue_tinker
 from queue_tinker import types as qt_types
-from queue_tinker.client.training import make_batch
+from queue_tinker.client.training import forward_backward_input
 from queue_tinker.errors import RequestFailedError, UserInputError
 from queue_tinker.settings import Settings
 
@@ -188,5 +188,5 @@ def test_python_client_refuses_images_for_a_built_in_text_only_model() -> None:
         UserInputError,
         match=r"^data\[0\]\.model_input\.chunks\[1\]: queue-tinker/tiny-llama is a text-only",
     ):
-        make_batch([datum], "cross_entropy", None, base_model="queue-tinker/tiny-llama")
-    assert make_batch([datum], "cross_entropy", None, base_model=VL).data[0] == datum
+        forward_backward_input([datum], "cross_entropy", None, base_model="queue-tinker/tiny-llama")
+    assert forward_backward_input([datum], "cross_entropy", None, base_model=VL).data[0] == datum

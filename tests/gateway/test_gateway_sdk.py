@@ -43,7 +43,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from queue_tinker.gateway.downloads import signature
-from queue_tinker.gateway.tinker.sample_futures import CANCELLED
+from queue_tinker.gateway.tinker.sample_futures import SDK_CANCEL_REASON
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.control.limits import set_limits
 from queue_tinker.queue.keys import Keys
@@ -900,7 +900,7 @@ def test_a_call_cancelled_while_held_never_runs(wire: Wire, deployment: Settings
     model = wire.new_model()
     held = wire.forward_backward(model, 2, [3, 4, 5]).json()["request_id"]
     assert wire.post("/cancel_future", request_id=held).status_code == 200
-    cancelled = {"error": f"{CANCELLED} before it ran", "category": "user"}
+    cancelled = {"error": f"{SDK_CANCEL_REASON} before it ran", "category": "user"}
     assert wire.result(held, protobuf=False) == cancelled
     steps = [
         wire.post(

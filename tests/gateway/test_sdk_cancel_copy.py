@@ -18,7 +18,7 @@ from procs import SDK_CLIENT_MARKS, make_key
 from test_sdk_protocol import key_tenant, text_batch
 from tinker import types
 
-from queue_tinker.gateway.tinker.sample_futures import CANCELLED
+from queue_tinker.gateway.tinker.sample_futures import SDK_CANCEL_REASON
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
@@ -106,7 +106,7 @@ def test_cancel_future_stops_a_running_sample_and_its_loop_mates_go_on(
     with pytest.raises(tinker.RequestFailedError, match="cancelled by the client") as failed:
         long.result(timeout=60)
     waited = time.monotonic() - asked
-    assert f"{CANCELLED} while it ran" in str(failed.value)
+    assert f"{SDK_CANCEL_REASON} while it ran" in str(failed.value)
     record = jobs.get(long_id)
     assert record["status"] == "failed" and record["error_category"] == "user"
     # 240 steps of 64 rows would end its first batch; it left long before.

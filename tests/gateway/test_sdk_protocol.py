@@ -30,7 +30,7 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
-from queue_tinker.gateway.tinker.sample_futures import CANCELLED
+from queue_tinker.gateway.tinker.sample_futures import SDK_CANCEL_REASON
 from queue_tinker.gateway.tinker.unserved import UNSERVED
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.keys import Keys
@@ -282,7 +282,7 @@ def test_cancel_future_removes_a_queued_sample(
         timeout=30,
         json={"request_id": request_id},
     ).json()
-    assert answer == {"error": f"{CANCELLED} before it ran", "category": "user"}
+    assert answer == {"error": f"{SDK_CANCEL_REASON} before it ran", "category": "user"}
 
 
 def key_tenant(deployment: Settings, key: str) -> str:

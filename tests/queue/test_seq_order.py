@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from queue_tinker.errors import HeldOpsFullError, SeqIdUsedError, UserInputError
-from queue_tinker.queue.control.actions import CANCELLED, cancel_job
+from queue_tinker.queue.control.actions import DASHBOARD_CANCEL_REASON, cancel_job
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.ops.jobs import HeldLimits, JobQueue
 from queue_tinker.types import JobStatus, OpKind
@@ -113,7 +113,7 @@ async def test_an_op_cancelled_while_held_takes_its_turn_without_entering_the_lo
         assert await cancel_job(jobs.redis, keys, job_id, "t") == "queued"
         job, outcome = await jobs.job(job_id)
         assert outcome and outcome.status is JobStatus.FAILED, job
-        assert outcome.error == f"{CANCELLED} before it ran"
+        assert outcome.error == f"{DASHBOARD_CANCEL_REASON} before it ran"
     await jobs.enqueue_in_order("m", 1, OpKind.PING, b"", job_id="j1")
     assert await log_of(jobs, keys) == [(1, "j1", b"")]
     assert await jobs.skip_seq_gap("m") == (3, 4)

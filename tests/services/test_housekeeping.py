@@ -48,9 +48,9 @@ from queue_tinker.services.housekeeper import (
     sweep_expired_checkpoints,
 )
 from queue_tinker.settings import Settings
-from queue_tinker.store.checkpoints import Outcome
+from queue_tinker.store.checkpoints import ExpiryOutcome
 from queue_tinker.store.db import make_engine, session_factory
-from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.models import CheckpointRow
 from queue_tinker.store.record_writer import apply_records
 from queue_tinker.types import CheckpointRecord
 from queue_tinker.types.enums import CheckpointKind
@@ -151,7 +151,7 @@ def deleted_at(database_url: str, checkpoint_id: str) -> datetime | None:
         engine = make_engine(database_url)
         try:
             async with engine.connect() as conn:
-                query = select(Checkpoint.deleted_at).where(Checkpoint.id == checkpoint_id)
+                query = select(CheckpointRow.deleted_at).where(CheckpointRow.id == checkpoint_id)
                 return (await conn.execute(query)).one().deleted_at
         finally:
             await engine.dispose()
@@ -212,17 +212,17 @@ def test_expire_removes_an_expired_checkpoint_and_marks_its_row(
     def expire(cid: str, directory: Path) -> str:
         return expire_checkpoint(cid, str(directory), database_url, storage_dir=str(storage))
 
-    assert expire(expired, expired_dir) == Outcome.EXPIRED
+    assert expire(expired, expired_dir) == ExpiryOutcome.EXPIRED
     assert not expired_dir.exists()
     assert not any(p.name.startswith(".") for p in expired_dir.parent.iterdir())  # no trash
     marked = deleted_at(database_url, expired)
     assert marked is not None
 
-    assert expire(expired, expired_dir) == Outcome.EXPIRED
+    assert expire(expired, expired_dir) == ExpiryOutcome.EXPIRED
     assert deleted_at(database_url, expired) == marked  # marked once
 
     for cid, path in ((later, later_dir), (forever, forever_dir)):
-        assert expire(cid, path) == Outcome.KEPT
+        assert expire(cid, path) == ExpiryOutcome.KEPT
         assert (path / "adapter_model.safetensors").exists()
         assert deleted_at(database_url, cid) is None
 
@@ -252,12 +252,12 @@ def test_expire_removes_an_expired_checkpoint_from_a_bucket(
     outcome = expire_checkpoint(
         expired, store.location(expired_key), database_url, storage_dir=store.root
     )
-    assert outcome == Outcome.EXPIRED
+    assert outcome == ExpiryOutcome.EXPIRED
     listed = s3_server.client().list_objects_v2(Bucket=bucket, Prefix=f"ckpt/{expired_key}/")
     assert listed.get("KeyCount") == 0
     assert deleted_at(database_url, expired) is not None
     kept = expire_checkpoint(later, store.location(later_key), database_url, storage_dir=store.root)
-    assert kept == Outcome.KEPT
+    assert kept == ExpiryOutcome.KEPT
     assert "adapter_model.safetensors" in store.files(later_key)
 
 
@@ -287,7 +287,7 @@ def test_rq_runs_a_due_expiry_and_scheduling_twice_keeps_one_job(
     }
     burst(rq_redis, queue_name)
 
-    assert job_result(rq_redis, expiry_job_id(queue_name, expired)) == Outcome.EXPIRED
+    assert job_result(rq_redis, expiry_job_id(queue_name, expired)) == ExpiryOutcome.EXPIRED
     assert not expired_dir.exists()
     assert deleted_at(database_url, expired) is not None
     assert later_dir.exists() and deleted_at(database_url, later) is None
@@ -332,7 +332,7 @@ def test_missing_row_is_retried_until_the_recorder_writes_it(
     )
     burst(rq_redis, queue_name)
 
-    assert job_result(rq_redis, first.id) == Outcome.ROW_MISSING
+    assert job_result(rq_redis, first.id) == ExpiryOutcome.ROW_MISSING
     assert not directory.exists()
     retry_id = expiry_job_id(queue_name, cid, "-r1")
     due = scheduled(rq_redis, queue_name)
@@ -342,7 +342,7 @@ def test_missing_row_is_retried_until_the_recorder_writes_it(
     record(database_url, cid, directory, expires_at)
     sleep_until(due[retry_id])
     burst(rq_redis, queue_name)
-    assert job_result(rq_redis, retry_id) == Outcome.EXPIRED
+    assert job_result(rq_redis, retry_id) == ExpiryOutcome.EXPIRED
     assert deleted_at(database_url, cid) is not None
     assert scheduled(rq_redis, queue_name) == {}
 
@@ -373,7 +373,7 @@ def test_meta_that_says_not_expired_keeps_the_checkpoint(
     for job, (cid, directory) in zip(
         jobs, ((extended, extended_dir), (no_ttl, no_ttl_dir)), strict=True
     ):
-        assert job_result(rq_redis, job.id) == Outcome.KEPT
+        assert job_result(rq_redis, job.id) == ExpiryOutcome.KEPT
         assert (directory / "adapter_model.safetensors").exists()
         assert deleted_at(database_url, cid) is None
     at = math.ceil(extended_to)
@@ -528,7 +528,7 @@ def test_housekeeper_process_expires_a_scheduled_checkpoint_and_stops_on_sigterm
             time.sleep(0.1)
         assert not directory.exists(), log_path.read_text()
         assert deleted_at(database_url, cid) is not None
-        assert job_result(rq_redis, expiry_job_id(queue_name, cid)) == Outcome.EXPIRED
+        assert job_result(rq_redis, expiry_job_id(queue_name, cid)) == ExpiryOutcome.EXPIRED
 
         lock = RQScheduler.get_locking_key(queue_name)
         assert rq_redis.exists(lock), "the housekeeper's scheduler holds its queue's lock"

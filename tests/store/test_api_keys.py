@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from queue_tinker.errors import UserInputError
 from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory
-from queue_tinker.store.models import ApiKey
+from queue_tinker.store.models import ApiKeyRow
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ def test_a_key_maps_to_its_tenant_and_only_its_hash_is_stored(database_url: str)
 
     async def stored(s: async_sessionmaker[AsyncSession]) -> tuple[str, str]:
         async with s() as session:
-            row = (await session.scalars(select(ApiKey).where(ApiKey.id == info.id))).one()
+            row = (await session.scalars(select(ApiKeyRow).where(ApiKeyRow.id == info.id))).one()
             name = await session.scalar(text("SELECT name FROM tenants WHERE id = :t"), {"t": who})
             return row.key_hash, name
 

@@ -20,7 +20,7 @@ from queue_tinker.store.db import (
     to_async_url,
     with_database,
 )
-from queue_tinker.store.migrate import current, downgrade, head, upgrade
+from queue_tinker.store.migrate import current_revision, downgrade, head, upgrade
 from queue_tinker.store.models import Base
 from queue_tinker.types.enums import CheckpointKind, JobStatus, OpKind
 
@@ -91,9 +91,9 @@ def test_with_database_keeps_server_and_query() -> None:
 
 def test_upgrade_builds_schema_and_default_tenant(empty_database_url: str) -> None:
     """upgrade on an empty database creates every table and the default tenant."""
-    assert current(empty_database_url) is None
+    assert current_revision(empty_database_url) is None
     upgrade(empty_database_url)
-    assert current(empty_database_url) == head()
+    assert current_revision(empty_database_url) == head()
     assert _tables(empty_database_url) == TABLES | {"alembic_version"}
     select_tenants = text("SELECT id, name FROM tenants")
     tenants = asyncio.run(_on_sync(empty_database_url, lambda c: c.execute(select_tenants).all()))
@@ -104,7 +104,7 @@ def test_downgrade_to_base_then_upgrade_again(empty_database_url: str) -> None:
     """downgrade to base leaves only alembic_version; upgrading again works."""
     upgrade(empty_database_url)
     downgrade(empty_database_url)
-    assert current(empty_database_url) is None
+    assert current_revision(empty_database_url) is None
     assert _tables(empty_database_url) == {"alembic_version"}
     upgrade(empty_database_url)
     assert _tables(empty_database_url) == TABLES | {"alembic_version"}
@@ -118,7 +118,7 @@ def test_orm_matches_migrations(database_url: str) -> None:
 async def test_upgrade_from_inside_an_event_loop(empty_database_url: str) -> None:
     """upgrade/current work when called from async code (they step off the running loop)."""
     upgrade(empty_database_url)
-    assert current(empty_database_url) == head()
+    assert current_revision(empty_database_url) == head()
 
 
 async def test_check_constraints_follow_the_enums(database_url: str) -> None:
@@ -175,7 +175,7 @@ def test_pgserver_unix_socket_url() -> None:
             asyncio.run(create_database(admin, "qt_socket"))
             url = with_database(admin, "qt_socket")
             upgrade(url)
-            assert current(url) == head()
+            assert current_revision(url) == head()
             asyncio.run(drop_database(admin, "qt_socket"))
         finally:
             server.cleanup()

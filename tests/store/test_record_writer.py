@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.store.db import make_engine, session_factory
-from queue_tinker.store.models import Request, Session, Tenant, Worker
+from queue_tinker.store.models import RequestRow, SessionRow, TenantRow, WorkerRow
 from queue_tinker.store.queries import (
     count_requests_by_status,
     get_request,
@@ -210,8 +210,8 @@ async def test_a_tenant_first_seen_in_the_record_gets_its_row(sessions: Sessions
     run = await get_training_run(sessions, model_id)
     assert run is not None and run.tenant_id == tenant
     async with sessions() as session:
-        assert (await session.get(Tenant, tenant)) is not None
-        assert (await session.get(Session, session_id)) is not None
+        assert (await session.get(TenantRow, tenant)) is not None
+        assert (await session.get(SessionRow, session_id)) is not None
 
 
 async def test_worker_upsert(sessions: Sessions) -> None:
@@ -230,7 +230,7 @@ async def test_worker_upsert(sessions: Sessions) -> None:
     await apply_records(sessions, [stopped, beat])
     await apply_records(sessions, [beat.model_copy(update={"last_heartbeat_at": T0 + 20})])
     async with sessions() as session:
-        row = await session.get(Worker, worker_id)
+        row = await session.get(WorkerRow, worker_id)
     assert row is not None
     assert (row.last_heartbeat_at, row.stopped_at, row.pid) == (_at(30), _at(31), 42)
 
@@ -243,7 +243,7 @@ async def test_session_upsert(sessions: Sessions) -> None:
     await apply_records(sessions, [beats[1], first])
     await apply_records(sessions, [beats[2], beats[0]])
     async with sessions() as session:
-        row = await session.get(Session, session_id)
+        row = await session.get(SessionRow, session_id)
     assert row is not None
     assert (row.created_at, row.last_heartbeat_at) == (_at(0), _at(15))
 
@@ -254,7 +254,7 @@ async def test_empty_batch_and_unknown_ids(sessions: Sessions) -> None:
     assert await get_request(sessions, "no-such-request") is None
     assert await get_training_run(sessions, "no-such-model") is None
     async with sessions() as session:
-        assert await session.get(Request, "no-such-request") is None
+        assert await session.get(RequestRow, "no-such-request") is None
 
 
 async def test_missing_metrics_are_sql_null(sessions: Sessions) -> None:
@@ -264,7 +264,7 @@ async def test_missing_metrics_are_sql_null(sessions: Sessions) -> None:
     await apply_records(sessions, [queued])
     async with sessions() as session:
         is_null = await session.scalar(
-            select(Request.metrics.is_(None)).where(Request.id == request_id)
+            select(RequestRow.metrics.is_(None)).where(RequestRow.id == request_id)
         )
     assert is_null is True
     await apply_records(sessions, [done.model_copy(update={"metrics": None})])

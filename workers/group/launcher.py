@@ -62,10 +62,10 @@ def run_group(*, ranks: int, base_model: str, device: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop_rank_0)
-    return watch(procs)
+    return watch_ranks(procs)
 
 
-def watch(procs: list[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> int:
+def watch_ranks(procs: list[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> int:
     """Wait for the ranks (rank 0 first in `procs`); the group's exit code. Rank 0 ending
     with 0 has told the others to stop: they get `grace_s` to end by themselves. Any other
     end of a rank while others run (a failure, or rank 0 gone: nobody leads them) ends the

@@ -104,7 +104,7 @@ def resolve_model_path(base_model: str, models_dir: Path) -> str:
     return base_model
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -113,9 +113,11 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
-        return DTYPES[dtype]
+        return COMPUTE_DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}") from None
+        raise ValueError(
+            f"dtype: {dtype!r} is not one of auto, {', '.join(COMPUTE_DTYPES)}"
+        ) from None
 
 
 def load_base_model(

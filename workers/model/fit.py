@@ -57,6 +57,7 @@ from queue_tinker.workers.model.memory import (
     lora_copy_bytes,
     pass_bytes_per_token,
 )
+from queue_tinker.workers.model.tensor_parallel import ROW_PARALLEL
 from queue_tinker.workers.model.vision_language import VISION_TOWER, is_vl
 
 GIB = 1 << 30
@@ -64,9 +65,6 @@ GIB = 1 << 30
 TRAINED_LORA_BYTES = 16
 # A checkpoint loaded frozen for sampling (AdapterPool.sampler): its fp32 weights.
 SAMPLER_LORA_BYTES = 4
-# Layers whose input, not output, tensor parallelism splits; every other linear layer is split
-# along its output.
-ROW_PARALLEL = frozenset({"o_proj", "down_proj", "dense", "dense_4h_to_h", "c_proj", "fc2"})
 KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
 # The sharded groups one node offers, tried in this order when a plan does not fit.
 RANK_CHOICES = (1, 2, 4, 8)

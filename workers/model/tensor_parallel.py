@@ -34,6 +34,8 @@ from queue_tinker.errors import WorkerGroupError
 
 # The decoders whose attention/MLP layout this module knows (q/k/v/o, gate/up/down).
 SHARDABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Linear layers split along their output (column) and along their input (row); the fit
+# planner counts a group rank's share of each the same way.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 

@@ -48,7 +48,7 @@ P = ParamSpec("P")
 CLAIM_WHEN_BUSY_AFTER_MS = 200
 CLAIM_UNSERVED_WHEN_BUSY_AFTER_MS = 20
 IDLE_OFFER_WAIT_MS = 1_000
-READ_BLOCK_MS = 1_000
+OP_READ_BLOCK_MS = 1_000
 
 
 def new_worker_id() -> str:
@@ -194,7 +194,7 @@ class Worker:
         while not self.stopping.is_set():
             cursors = {m: o.read_seq for m, o in self.schedule.owned.items()}
             ops, self._control_cursor, control = await self._redis(
-                self.dispatch.read, cursors, self._control_cursor, READ_BLOCK_MS
+                self.dispatch.read, cursors, self._control_cursor, OP_READ_BLOCK_MS
             )
             # Handed to the engine before its next decode step (stepped.py).
             self.stepped.stop_later(control.stops)

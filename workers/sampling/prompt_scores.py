@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from queue_tinker.types.requests.sampling import NO_TARGET, SamplingParams
-from queue_tinker.workers.sampling.token_choice import request_seed
+from queue_tinker.workers.sampling.token_choice import CHUNK_ELEMENTS, request_seed
 
 if TYPE_CHECKING:
     from queue_tinker.workers.sampling.decode_rows import LiveRequest
 
-CHUNK_ELEMENTS = 1 << 25  # fp32 log-softmax values per chunk (128 MiB)
 # The alternatives draw from a stream of their own, seeded from the request's seed and this,
 # so asking for them changes none of the request's samples.
 PROMPT_ALT_SALT = 0x5EED_A17E

@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.types.requests.custom_loss import ATTRIBUTES, FUNCTIONS, METHODS, CustomLoss
+from queue_tinker.types.requests.custom_loss import (
+    ATTRIBUTES,
+    DTYPES,
+    FUNCTIONS,
+    METHODS,
+    CustomLoss,
+)
 
 
 def _getattr(value: Any, name: str) -> Any:
@@ -96,13 +102,14 @@ def _op_table() -> dict[str, Callable[..., Any]]:
 
 FUNCTION_TABLE = _op_table()
 assert set(FUNCTION_TABLE) == FUNCTIONS, "the worker's functions are the allowed ones"
-DTYPES = {
+TORCH_DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
     "int64": torch.int64,
     "int32": torch.int32,
     "bool": torch.bool,
 }
+assert set(TORCH_DTYPES) == DTYPES, "the worker's dtypes are the allowed ones"
 
 
 class GraphLoss:
@@ -155,7 +162,7 @@ _DECODERS: dict[str, Callable[[GraphLoss, Any, Mapping[str, Any]], Any]] = {
     "dict": lambda loss, value, env: {k: loss._value(v, env) for k, v in value.items()},
     "slice": lambda loss, value, env: slice(*(loss._value(a, env) for a in value)),
     "float": lambda loss, value, env: float(value),
-    "dtype": lambda loss, value, env: DTYPES[value],
+    "dtype": lambda loss, value, env: TORCH_DTYPES[value],
     # The worker's device: a loss runs where its logprobs are.
     "device": lambda loss, value, env: loss.device,
     "ellipsis": lambda loss, value, env: ...,

@@ -18,7 +18,9 @@ import torch
 
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss, graph_batch_loss
 
-LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
+BuiltInLoss = Callable[
+    [torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor
+]
 
 # stable_reinforce truncates its importance weight here (truncated importance sampling, whose
 # customary cap is 2: Yao et al., 2025, "Your efficient RL framework secretly brings you
@@ -166,7 +168,7 @@ def stable_reinforce(
     return _weighted_sum(-weight * _advantages(logprobs, inputs) * logprobs, inputs)
 
 
-LOSSES: dict[str, LossFn] = {
+LOSSES: dict[str, BuiltInLoss] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,
@@ -178,7 +180,7 @@ LOSSES: dict[str, LossFn] = {
 _CLIPPED = frozenset({"ppo", "cispo", "gspo"})  # losses that report clip_fraction:mean
 
 
-def _loss_fn(loss_fn: str) -> LossFn:
+def _loss_fn(loss_fn: str) -> BuiltInLoss:
     try:
         return LOSSES[loss_fn]
     except KeyError:

@@ -98,7 +98,7 @@ def shared_pass(
         lora(layers, pass_blocks, pool.lora_compute),
     ):
         with torch.set_grad_enabled(bool(trainable)), recorded_routing(pool.model) as routing:
-            logprobs = target_logprobs(pool.model, data, rows, plan, images)
+            logprobs = data_logprobs(pool.model, data, rows, plan, images)
         outcomes = _losses_and_backward(ops, logprobs, inputs)
     _add_routing_metrics(ops, outcomes, routing, rows)
     return outcomes
@@ -242,7 +242,7 @@ def rows_for(
     return row_batch(tokens, groups or [len(tokens)], device, pack=pack)
 
 
-def target_logprobs(
+def data_logprobs(
     model: torch.nn.Module,
     data: Sequence[Datum],
     rows: RowBatch,

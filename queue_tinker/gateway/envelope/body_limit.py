@@ -17,19 +17,14 @@ takes ~30 ms), and no JSON request of the protocol needs more (a sample's longes
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from queue_tinker.gateway.proto.convert import PROTOBUF_MEDIA_TYPE
 from queue_tinker.gateway.proto.wire import oversize
 from queue_tinker.settings import Settings
 from queue_tinker.types.requests.request_limits import RequestLimits, size_text, too_many_bytes
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 JSON_BODY_BYTES = 1 << 20
 PEEK_BYTES = 64 * 1024  # the envelope and the first datums' headers are well inside this

@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 from urllib.parse import parse_qsl
 
-from queue_tinker.gateway.proto.convert import PROTOBUF_MEDIA_TYPE
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from queue_tinker.gateway.proto.convert import PROTOBUF_MEDIA_TYPE
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # The one route whose body is protobuf (the SDK's forward_backward, forward_only for forward).

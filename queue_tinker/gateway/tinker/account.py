@@ -6,20 +6,19 @@ session's trace as a Perfetto (Chrome trace-event) file. A tenant sees only its 
 from __future__ import annotations
 
 from datetime import date, datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.gateway.auth import TenantDep
 from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.store import api_keys, protocol_queries
-from queue_tinker.store.models import Request as RequestRow
+from queue_tinker.store.models import RequestRow
 
 router = APIRouter(prefix="/api/v1")
-Tenant = Annotated[str, Depends(tenant_of)]
 BYTES_PER_GB = 1e9
 PROJECT = ""  # this service has no projects; the SDK's session summary needs a string
 
@@ -31,7 +30,7 @@ def _db(request: Request) -> async_sessionmaker[AsyncSession]:
 
 # --- the calling key -------------------------------------------------------------------------
 @router.get("/auth/apikey/me")
-async def my_key(request: Request, tenant: Tenant) -> dict[str, Any]:
+async def my_key(request: Request, tenant: TenantDep) -> dict[str, Any]:
     """The key presented (as `tinker auth login` checks it): its number, name, tenant."""
     info = await api_keys.key_info(_db(request), request.headers.get("X-API-Key", ""))
     if info is None:  # revoked since the key cache last checked it
@@ -45,7 +44,7 @@ async def my_key(request: Request, tenant: Tenant) -> dict[str, Any]:
 
 
 @router.delete("/auth/apikey/me")
-async def revoke_my_key(request: Request, _: Tenant) -> dict[str, Any]:
+async def revoke_my_key(request: Request, _: TenantDep) -> dict[str, Any]:
     """Revoke the key presented, and only it (`tinker auth logout`). A gateway that checked
     it recently keeps taking it for QT_API_KEY_CACHE_S."""
     info = await api_keys.key_info(_db(request), request.headers.get("X-API-Key", ""))
@@ -57,12 +56,12 @@ async def revoke_my_key(request: Request, _: Tenant) -> dict[str, Any]:
 # --- usage and audit -------------------------------------------------------------------------
 @router.get("/billing/usage/checkpoints/current")
 async def checkpoint_storage(
-    request: Request, tenant: Tenant, project_id: str | None = None
+    request: Request, tenant: TenantDep, project_id: str | None = None
 ) -> dict[str, Any]:
     """The tenant's live checkpoints in this deployment's storage (no price: self-hosted)."""
     if project_id:
         raise UserInputError(f"project_id: {project_id!r}: this service has no projects")
-    count, size = await protocol_queries.checkpoint_storage(_db(request), tenant)
+    count, size = await protocol_queries.checkpoint_storage_used(_db(request), tenant)
     return {
         "effective_rate_usd_per_gigabyte_month": None,
         "data": [
@@ -80,7 +79,7 @@ async def checkpoint_storage(
 @router.get("/audit")
 async def audit_log(
     request: Request,
-    tenant: Tenant,
+    tenant: TenantDep,
     event_type: Literal["all", "checkpoints", "projects", "teams", "organizations"] = "all",
     day: date | None = None,
 ) -> dict[str, Any]:
@@ -147,12 +146,14 @@ def check_search(body: SessionSearch) -> None:
 
 
 @router.post("/sessions/search")
-async def search_sessions(body: SessionSearch, request: Request, tenant: Tenant) -> dict[str, Any]:
+async def search_sessions(
+    body: SessionSearch, request: Request, tenant: TenantDep
+) -> dict[str, Any]:
     """The tenant's sessions, newest first, a page at a time."""
     check_search(body)
     await request.app.state.gateway_queue.recorded()
     after = (body.cursor.last_created_at, body.cursor.last_session_id) if body.cursor else None
-    found = await protocol_queries.search_sessions(
+    found = await protocol_queries.find_sessions(
         _db(request), tenant, session_id=body.session_id, after=after, limit=body.limit
     )
     last = found[-1] if len(found) == body.limit else None
@@ -175,7 +176,7 @@ async def search_sessions(body: SessionSearch, request: Request, tenant: Tenant)
 
 
 @router.get("/sessions/{session_id}/trace_export")
-async def trace_export(session_id: str, request: Request, tenant: Tenant) -> dict[str, Any]:
+async def trace_export(session_id: str, request: Request, tenant: TenantDep) -> dict[str, Any]:
     """Ready at once: the trace is built from the record when it is downloaded."""
     await request.app.state.gateway_queue.recorded()
     if await protocol_queries.session_requests(_db(request), tenant, session_id) is None:
@@ -186,7 +187,7 @@ async def trace_export(session_id: str, request: Request, tenant: Tenant) -> dic
 
 @router.get("/sessions/{session_id}/trace", name="session_trace")
 async def session_trace(
-    session_id: str, request: Request, tenant: Tenant, limit: int = Query(100_000, ge=1)
+    session_id: str, request: Request, tenant: TenantDep, limit: int = Query(100_000, ge=1)
 ) -> dict[str, Any]:
     """The session's requests as Chrome trace events (open in ui.perfetto.dev): one track
     per model, a span per request from start to finish, its wait in the queue before it;

@@ -21,23 +21,21 @@ import time
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Header, Request
 from pydantic import BaseModel, ConfigDict
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_found
+from queue_tinker.gateway.auth import TenantDep
+from queue_tinker.gateway.queue_access import GatewayQueue, QueueDep, not_found
 from queue_tinker.gateway.tinker.rest import ttl_seconds
 from queue_tinker.queue.control.expiry_jobs import schedule_expiry
 from queue_tinker.store import checkpoints, queries
-from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.models import CheckpointRow
 from queue_tinker.types.enums import CheckpointKind
 from queue_tinker.types.service.checkpoints import CheckpointPath, loadable
 from queue_tinker.types.service.records import CheckpointRecord
 
 router = APIRouter(prefix="/api/v1")
-Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
-Tenant = Annotated[str, Depends(tenant_of)]
 
 
 class CopyWeightsRequest(BaseModel):
@@ -56,8 +54,8 @@ class CopyWeightsRequest(BaseModel):
 async def copy_weights(
     body: CopyWeightsRequest,
     request: Request,
-    gq: Queue,
-    tenant: Tenant,
+    gq: QueueDep,
+    tenant: TenantDep,
     access_token: Annotated[str | None, Header(alias="X-Tinker-Weights-Access-Token")] = None,
     idempotency_key: Annotated[str | None, Header(alias="X-Idempotency-Key")] = None,
 ) -> dict[str, Any]:
@@ -121,7 +119,11 @@ def _copy_run_id(tenant: str, idempotency_key: str | None) -> str:
 
 
 async def _copy_files(
-    gq: GatewayQueue, row: Checkpoint, copy: CheckpointPath, tenant: str, expires_at: float | None
+    gq: GatewayQueue,
+    row: CheckpointRow,
+    copy: CheckpointPath,
+    tenant: str,
+    expires_at: float | None,
 ) -> int:
     try:
         return await asyncio.to_thread(
@@ -142,7 +144,7 @@ async def _copy_files(
 
 async def _record(
     gq: GatewayQueue,
-    row: Checkpoint,
+    row: CheckpointRow,
     copy: CheckpointPath,
     tenant: str,
     size: int,

@@ -7,14 +7,14 @@ worker, which runs it inside the pass (workers/training/custom_loss_graph.py).""
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, new_request_id
+from queue_tinker.gateway.auth import TenantDep
+from queue_tinker.gateway.queue_access import GatewayQueue, QueueDep, new_request_id
 from queue_tinker.store import custom_losses
 from queue_tinker.types import JobStatus, codec
 from queue_tinker.types.requests.custom_loss import CustomLoss, check_loss
@@ -25,8 +25,6 @@ GATEWAY_ANSWERED = "gateway"
 MAX_CACHED = 10_000
 
 router = APIRouter(prefix="/api/v1")
-Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
-Tenant = Annotated[str, Depends(tenant_of)]
 
 
 class CreateCustomLossRequest(BaseModel):
@@ -41,7 +39,7 @@ class CreateCustomLossRequest(BaseModel):
 
 @router.post("/create_custom_loss")
 async def create_custom_loss(
-    body: CreateCustomLossRequest, request: Request, gq: Queue, tenant: Tenant
+    body: CreateCustomLossRequest, request: Request, gq: QueueDep, tenant: TenantDep
 ) -> dict[str, Any]:
     """Check the loss, store it, and answer a future that is already done: {"loss_id"}."""
     session_id = await gq.session_of(body.session_id, tenant)

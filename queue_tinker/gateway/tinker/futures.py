@@ -8,19 +8,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from queue_tinker.errors import ErrorCategory
-from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.gateway.auth import TenantDep
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.gateway.proto.convert import (
     PROTOBUF_MEDIA_TYPE,
     encode_forward_backward_output,
     encode_sample_response,
 )
-from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_found
+from queue_tinker.gateway.queue_access import GatewayQueue, QueueDep, not_found
 from queue_tinker.gateway.responses import GatewayJSONResponse as JSONResponse
 from queue_tinker.gateway.tinker.bodies import RetrieveFutureRequest
 from queue_tinker.gateway.tinker.custom_loss import GATEWAY_ANSWERED
@@ -45,8 +45,6 @@ RESULT_TYPES = {
 
 
 router = APIRouter(prefix="/api/v1", route_class=OffLoopRoute)
-Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
-Tenant = Annotated[str, Depends(tenant_of)]
 
 
 def poll_budget(request: Request, settings: Settings) -> float:
@@ -59,7 +57,7 @@ def poll_budget(request: Request, settings: Settings) -> float:
 
 @router.post("/retrieve_future")
 async def retrieve_future(
-    body: RetrieveFutureRequest, request: Request, gq: Queue, tenant: Tenant
+    body: RetrieveFutureRequest, request: Request, gq: QueueDep, tenant: TenantDep
 ) -> Response:
     job, outcome = await gq.jobs.job(body.request_id)
     if not job or job.get("tenant_id") != tenant:

@@ -21,7 +21,7 @@ from queue_tinker.gateway.auth import tenant_of
 from queue_tinker.gateway.queue_access import not_found
 from queue_tinker.gateway.tinker.rest import checkpoint_tinker_path
 from queue_tinker.store import checkpoints, protocol_queries, queries
-from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.models import CheckpointRow
 
 router = APIRouter(prefix="/api/v1")
 PUBLISH = "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish"
@@ -49,7 +49,7 @@ async def unpublish(
     return {}
 
 
-async def _owned(request: Request, tenant: str, run_id: str, checkpoint_id: str) -> Checkpoint:
+async def _owned(request: Request, tenant: str, run_id: str, checkpoint_id: str) -> CheckpointRow:
     path = checkpoint_tinker_path(run_id, checkpoint_id)
     sessions = request.app.state.sessions
     await request.app.state.gateway_queue.recorded()
@@ -59,17 +59,17 @@ async def _owned(request: Request, tenant: str, run_id: str, checkpoint_id: str)
     return row
 
 
-def _key(request: Request, row: Checkpoint) -> str:
+def _key(request: Request, row: CheckpointRow) -> str:
     return str(request.app.state.gateway_queue.keys.published_checkpoint(row.id))
 
 
-async def _set_meta(request: Request, row: Checkpoint, public: bool) -> None:
+async def _set_meta(request: Request, row: CheckpointRow, public: bool) -> None:
     store = request.app.state.gateway_queue.store
     if not await asyncio.to_thread(checkpoints.set_meta_public, row.id, row.path, public, store):
         raise not_found(f"checkpoint {row.id!r}")
 
 
-async def _set_row(request: Request, tenant: str, row: Checkpoint, public: bool) -> None:
+async def _set_row(request: Request, tenant: str, row: CheckpointRow, public: bool) -> None:
     if not await protocol_queries.set_checkpoint_public(
         request.app.state.sessions, tenant, row.id, public
     ):

@@ -27,7 +27,7 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.store import checkpoints, queries, rest_views
-from queue_tinker.store.models import Checkpoint
+from queue_tinker.store.models import CheckpointRow
 from queue_tinker.types.enums import CheckpointKind
 from queue_tinker.types.requests.training import MAX_TTL_SECONDS
 from queue_tinker.types.service.checkpoints import SCHEME
@@ -141,7 +141,7 @@ def _db(request: Request) -> async_sessionmaker[AsyncSession]:
 
 async def _owned_checkpoint(
     request: Request, tenant: str, run_id: str, checkpoint_id: str
-) -> Checkpoint:
+) -> CheckpointRow:
     path = checkpoint_tinker_path(run_id, checkpoint_id)
     row = await queries.get_live_checkpoint(_db(request), tenant, path)
     if row is None:

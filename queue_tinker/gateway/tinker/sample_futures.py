@@ -17,8 +17,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.gateway.auth import tenant_of
-from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue, not_found
+from queue_tinker.gateway.auth import TenantDep
+from queue_tinker.gateway.queue_access import GatewayQueue, QueueDep, not_found
 from queue_tinker.gateway.tinker.futures import poll_budget
 from queue_tinker.queue.control.actions import cancel_job
 from queue_tinker.queue.results.sample_futures import CLIENT_BLOCK, SampleFutures
@@ -27,8 +27,8 @@ from queue_tinker.types import JobStatus
 # A poll re-reads its client's pending samples at least this often: a sample submitted
 # through another gateway process cannot wake it (one submitted here wakes it at once).
 RECHECK_S = 1.0
-# The queued op fails with "<CANCELLED> before it ran", a running sample "... while it ran".
-CANCELLED = "cancelled by the client (cancel_future)"
+# The queued op fails with "<SDK_CANCEL_REASON> before it ran", a running sample "... while it ran".
+SDK_CANCEL_REASON = "cancelled by the client (cancel_future)"
 CANCELLABLE = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 DYNAMIC_CONFIG = {
     "refresh_interval_sec": 300,
@@ -37,8 +37,6 @@ DYNAMIC_CONFIG = {
 }
 
 router = APIRouter(prefix="/api/v1")
-Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
-Tenant = Annotated[str, Depends(tenant_of)]
 
 
 class _Request(BaseModel):
@@ -111,8 +109,8 @@ async def note_sample(
 async def retrieve_futures(
     body: RetrieveFuturesRequest,
     request: Request,
-    gq: Queue,
-    tenant: Tenant,
+    gq: QueueDep,
+    tenant: TenantDep,
     wakeups: Annotated[Wakeups, Depends(sample_wakeups)],
 ) -> dict[str, Any]:
     """The client's samples finished since `prev_cursor`; held open until one finishes or
@@ -188,7 +186,7 @@ async def _first_of(
 
 @router.post("/join_sampling_session")
 async def join_sampling_session(
-    body: SamplingSessionRequest, gq: Queue, tenant: Tenant
+    body: SamplingSessionRequest, gq: QueueDep, tenant: TenantDep
 ) -> dict[str, Any]:
     """A client id for a new client (a clone) of the session: 1, 2, ... (the original is 0)."""
     await gq.model_of(body.sampling_session_id, tenant, kind="sampling")
@@ -197,7 +195,9 @@ async def join_sampling_session(
 
 
 @router.post("/cancel_future")
-async def cancel_future(body: CancelFutureRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+async def cancel_future(
+    body: CancelFutureRequest, gq: QueueDep, tenant: TenantDep
+) -> dict[str, Any]:
     """A request still waiting in its queue is removed, a running sample stops at its worker's
     next decode step; either way its future fails as cancelled. One that is finished, or
     running and not a sample, is left as it is: the answer is the same (the SDK sends this
@@ -207,10 +207,10 @@ async def cancel_future(body: CancelFutureRequest, gq: Queue, tenant: Tenant) ->
         raise not_found(f"request_id {body.request_id!r}")
     if job.get("status") in CANCELLABLE:
         with contextlib.suppress(UserInputError):  # finished meanwhile, or not a sample
-            await cancel_job(gq.redis, gq.keys, body.request_id, tenant, reason=CANCELLED)
+            await cancel_job(gq.redis, gq.keys, body.request_id, tenant, reason=SDK_CANCEL_REASON)
     return {}
 
 
 @router.post("/client/dynamic_config")
-async def client_dynamic_config(_: Tenant) -> dict[str, Any]:
+async def client_dynamic_config(_: TenantDep) -> dict[str, Any]:
     return DYNAMIC_CONFIG

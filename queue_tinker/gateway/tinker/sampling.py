@@ -11,9 +11,9 @@ import numpy as np
 from fastapi import APIRouter, Depends
 
 from queue_tinker.errors import UserInputError
-from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.gateway.auth import TenantDep
 from queue_tinker.gateway.off_loop import OffLoopRoute
-from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue
+from queue_tinker.gateway.queue_access import QueueDep
 from queue_tinker.gateway.tinker.bodies import CreateSamplingSessionRequest, SampleRequest
 from queue_tinker.gateway.tinker.sample_futures import Wakeups, note_sample, sample_wakeups
 from queue_tinker.queue.control import silent_sessions
@@ -29,13 +29,11 @@ CREATE_CHECK_S = 20.0
 
 
 router = APIRouter(prefix="/api/v1", route_class=OffLoopRoute)
-Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
-Tenant = Annotated[str, Depends(tenant_of)]
 
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(
-    body: CreateSamplingSessionRequest, gq: Queue, tenant: Tenant
+    body: CreateSamplingSessionRequest, gq: QueueDep, tenant: TenantDep
 ) -> dict[str, Any]:
     session_id = await gq.session_of(body.session_id, tenant)
     sampler_id = f"{session_id}:sample:{body.sampling_session_seq_id}"
@@ -92,8 +90,8 @@ def target_ids(raw: dict[str, Any], limits: RequestLimits) -> list[list[int]]:
 @router.post("/asample")
 async def asample(
     body: SampleRequest,
-    gq: Queue,
-    tenant: Tenant,
+    gq: QueueDep,
+    tenant: TenantDep,
     wakeups: Annotated[Wakeups, Depends(sample_wakeups)],
 ) -> dict[str, Any]:
     info = await gq.model_of(body.sampling_session_id, tenant, kind="sampling")

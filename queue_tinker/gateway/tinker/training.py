@@ -7,18 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 
 from queue_tinker.age import check_recipients
 from queue_tinker.builtin_models import ensure_tokenizer, is_builtin
 from queue_tinker.errors import UserInputError
-from queue_tinker.gateway.auth import tenant_of
+from queue_tinker.gateway.auth import TenantDep
 from queue_tinker.gateway.envelope.compressed import request_body
 from queue_tinker.gateway.off_loop import OffLoopRoute, off_loop
 from queue_tinker.gateway.proto.convert import parse_forward_backward
-from queue_tinker.gateway.queue_access import GatewayQueue, gateway_queue
+from queue_tinker.gateway.queue_access import GatewayQueue, QueueDep
 from queue_tinker.gateway.tinker.bodies import (
     CreateModelRequest,
     JsonForwardBackwardRequest,
@@ -47,8 +47,6 @@ from queue_tinker.types.service.checkpoints import CheckpointPath, check_name, l
 from queue_tinker.types.validation import validated
 
 router = APIRouter(prefix="/api/v1", route_class=OffLoopRoute)
-Queue = Annotated[GatewayQueue, Depends(gateway_queue)]
-Tenant = Annotated[str, Depends(tenant_of)]
 # The protobuf carries seq_id as an int32, so no SDK sends more. A JSON one past ~1e17 would
 # come back from Redis's Lua as "1e+17", which no longer reads as an integer.
 MAX_SEQ_ID = 2**31 - 1
@@ -92,7 +90,7 @@ async def ordered(
 
 
 @router.post("/create_model")
-async def create_model(body: CreateModelRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+async def create_model(body: CreateModelRequest, gq: QueueDep, tenant: TenantDep) -> dict[str, Any]:
     session_id = await gq.session_of(body.session_id, tenant)
     optimizer = (body.optimizer_config or {}).get("type", Optimizer.ADAMW.value)
     if optimizer not in set(Optimizer):
@@ -119,7 +117,7 @@ async def create_model(body: CreateModelRequest, gq: Queue, tenant: Tenant) -> d
 
 
 @router.post("/get_info")
-async def get_info(body: ModelRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+async def get_info(body: ModelRequest, gq: QueueDep, tenant: TenantDep) -> dict[str, Any]:
     info = await gq.model_of(body.model_id, tenant)
     base = info["base_model"]
     tokenizer = base
@@ -142,7 +140,7 @@ async def get_info(body: ModelRequest, gq: Queue, tenant: Tenant) -> dict[str, A
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+async def forward_backward(request: Request, gq: QueueDep, tenant: TenantDep) -> dict[str, Any]:
     """Protobuf (SDK 0.38; forward_only for forward; zstd-compressed with
     proto_compress_fwdbwd) or the older JSON form."""
     if "json" in request.headers.get("content-type", ""):
@@ -171,7 +169,7 @@ async def forward_backward(request: Request, gq: Queue, tenant: Tenant) -> dict[
 
 
 @router.post("/forward")
-async def forward(request: Request, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+async def forward(request: Request, gq: QueueDep, tenant: TenantDep) -> dict[str, Any]:
     """The older JSON form of forward."""
     return await json_forward_backward(await json_body(request), gq, tenant)
 
@@ -210,7 +208,7 @@ def batch_payload(batch: Callable[[], ForwardBackwardInput], limits: RequestLimi
 
 
 @router.post("/optim_step")
-async def optim_step(body: OptimStepRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+async def optim_step(body: OptimStepRequest, gq: QueueDep, tenant: TenantDep) -> dict[str, Any]:
     def payload() -> bytes:
         """AdamParams (adam_params) or DimuonParams (optimizer_params of type dimuon); the
         worker checks it is the run's optimizer's."""
@@ -245,7 +243,7 @@ def save_payload(
 
 
 @router.post("/save_weights")
-async def save_weights(body: SaveWeightsRequest, gq: Queue, tenant: Tenant) -> dict[str, Any]:
+async def save_weights(body: SaveWeightsRequest, gq: QueueDep, tenant: TenantDep) -> dict[str, Any]:
     """save_state: weights and optimizer state at tinker://<model>/weights/<path>."""
     return await ordered(
         gq,
@@ -259,7 +257,7 @@ async def save_weights(body: SaveWeightsRequest, gq: Queue, tenant: Tenant) -> d
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(
-    body: SaveWeightsRequest, gq: Queue, tenant: Tenant
+    body: SaveWeightsRequest, gq: QueueDep, tenant: TenantDep
 ) -> dict[str, Any]:
     """Named: weights at tinker://<model>/sampler_weights/<path>. Without a path: an
     ephemeral checkpoint that becomes a sampling session when it is done; with
@@ -293,7 +291,7 @@ async def save_weights_for_sampler(
 
 @router.post("/save_weights_external")
 async def save_weights_external(
-    body: SaveWeightsExternalRequest, gq: Queue, tenant: Tenant
+    body: SaveWeightsExternalRequest, gq: QueueDep, tenant: TenantDep
 ) -> dict[str, Any]:
     """The PEFT files at tinker://<model>/external_weights/<path>, age-encrypted to the
     recipients when given; downloaded through get_external_weights_urls (downloads.py)."""
@@ -327,7 +325,7 @@ async def check_checkpoint(request: Request, gq: GatewayQueue, tenant: str, path
 
 @router.post("/load_weights")
 async def load_weights(
-    body: LoadWeightsRequest, request: Request, gq: Queue, tenant: Tenant
+    body: LoadWeightsRequest, request: Request, gq: QueueDep, tenant: TenantDep
 ) -> dict[str, Any]:
     if body.model_id is not None:
         if body.seq_id is None:

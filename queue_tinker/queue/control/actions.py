@@ -18,7 +18,7 @@ from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.queue.scripts import Scripts
 from queue_tinker.types import OpKind
 
-CANCELLED = "cancelled from the dashboard"
+DASHBOARD_CANCEL_REASON = "cancelled from the dashboard"
 # The ops a worker can stop half-way: a sample leaves the decode loop between two steps.
 # Anything else runs to its end once started (a training op is one kernel, and its effect on
 # the model's state must stay in the log's order).
@@ -56,7 +56,12 @@ async def retry_job(
 
 
 async def cancel_job(
-    redis: Redis, keys: Keys, job_id: str, tenant: str | None, *, reason: str = CANCELLED
+    redis: Redis,
+    keys: Keys,
+    job_id: str,
+    tenant: str | None,
+    *,
+    reason: str = DASHBOARD_CANCEL_REASON,
 ) -> str:
     """Cancel an op: one still waiting in its model's queue fails as cancelled at once (its
     future resolves with `reason` and the model's worker skips it); a running sample is

@@ -28,7 +28,7 @@ from queue_tinker.types.service.records import CheckpointRecord, Record
 EXPIRE_JOB = "queue_tinker.services.housekeeper.expire_checkpoint"
 # A Python client's writes to a checkpoint (it never writes Postgres itself): run at once,
 # their result awaited (run_now).
-DELETE_JOB = "queue_tinker.services.housekeeper.delete_checkpoint"
+DELETE_JOB = "queue_tinker.services.housekeeper.delete_checkpoint_now"
 TTL_JOB = "queue_tinker.services.housekeeper.change_checkpoint_ttl"
 NOW_JOB_OPTIONS: dict[str, Any] = {"job_timeout": 600, "result_ttl": 600, "failure_ttl": 3_600}
 # Failures (Postgres down, storage not mounted) are retried by rq itself; the sweep is the

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 GROUP = "recorder"
 BELL_LENGTH = 16  # the flush and written bells keep only their newest entries
 WAIT_SLICE_MS = 1_000  # a waiting reader looks again at least this often
+# How long a read of Postgres waits for the recorders to write what was appended before it
+# (wait_recorded); past it, the read goes ahead and says so.
+RECORD_WAIT_S = 5.0
 _JSON_FIELDS = ("metrics", "lora_config", "user_metadata")
 
 Entry = tuple[bytes, Record | None]  # None: malformed, acknowledged and skipped

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # A message lost while the pub/sub connection reconnects would strand its future; a slow
 # sweep re-reads jobs that have waited this long. It is a safety net, not the wake-up path.
-SWEEP_INTERVAL_S = 5.0
+RESULT_SWEEP_INTERVAL_S = 5.0
 # Waiting futures fail once Redis has been unreachable this long (the same window a submit
 # retries for): a caller blocked on .result() hears of the outage instead of hanging.
 OUTAGE_LIMIT_S = 30.0
@@ -57,7 +57,7 @@ class ResultListener:
         keys: Keys,
         jobs: JobQueue,
         *,
-        sweep_interval_s: float = SWEEP_INTERVAL_S,
+        sweep_interval_s: float = RESULT_SWEEP_INTERVAL_S,
         outage_limit_s: float = OUTAGE_LIMIT_S,
     ) -> None:
         self.redis = redis

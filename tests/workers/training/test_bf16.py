@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from queue_tinker.cli.demo_task import DEMO_LEARNING_RATE, demo_examples, make_batch
+from queue_tinker.cli.demo_task import DEMO_LEARNING_RATE, demo_batch, demo_examples
 from queue_tinker.config.engine import EngineConfig
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.requests.training import AdamParams, ForwardBackwardInput, LoraConfig
@@ -91,7 +91,7 @@ def engines() -> Iterator[dict[str, LoraExecutor]]:
 
 @pytest.fixture(scope="module")
 def batch() -> list[Datum]:
-    return make_batch(lambda text: list(text.encode()), demo_examples())
+    return demo_batch(lambda text: list(text.encode()), demo_examples())
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
