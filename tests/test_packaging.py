@@ -188,3 +188,33 @@ def test_light_cli_names_the_extra_a_command_needs(light_venv: Path, tmp_path: P
     )
     assert done.returncode == 2, done.stderr
     assert "pip install 'queue-tinker[server]'" in done.stderr
+
+
+WORKER_IMPORTS = textwrap.dedent(
+    """
+    import json, sys
+    import queue_tinker, queue_tinker.migrations
+    from queue_tinker.workers.executor.lora import LoraExecutor
+    from queue_tinker.workers.main import run_worker
+    from queue_tinker.workers.runtime.queue_link import QueueLink
+    print(json.dumps({
+        "package": queue_tinker.__file__,
+        "worker": sys.modules[LoraExecutor.__module__].__file__,
+        "migrations": queue_tinker.migrations.__file__,
+    }))
+    """
+)
+
+
+def test_the_wheel_s_worker_imports_beside_the_worker_extra(wheel: Path, tmp_path: Path) -> None:
+    """The installed wheel's worker (queue_tinker.workers, a folder of its own in the wheel,
+    however the repository links it) and migrations import beside the worker extra's
+    packages: the wheel unpacked alone, this venv's torch, peft and transformers (the lock's)
+    beside it."""
+    target = tmp_path / "installed"
+    run(sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", target, wheel)
+    assert not (target / "queue_tinker" / "workers").is_symlink()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    shown = json.loads(run(sys.executable, "-c", WORKER_IMPORTS, env=env, cwd=tmp_path))
+    for where in shown.values():
+        assert where.startswith(str(target)), shown
