@@ -34,16 +34,21 @@ from pathlib import Path
 import redis
 
 from bench.harness import cli
-from bench.harness.report import publish, save
-from bench.harness.run import service_run
+from bench.harness.report import Report, Table, Target, docs_of, emit
+from bench.harness.run import Run, service_run
 from bench.harness.services import deployment, job_times, service_client
-from bench.harness.stats import Latency, LatencyResult, Sample, Stages, Throughput
+from bench.harness.stats import STAGE_NAMES, Latency, LatencyResult, Sample, Stages, Throughput
 from bench.harness.workers import running_workers
-from bench.queue_overhead_report import print_table, render, results_json
-from bench.rq_baseline import run_rq
+from bench.rq_baseline import RqResult, run_rq
 from queue_tinker.client import TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
+
+SECTION = "## Queue overhead"
+COMMAND = ".venv/bin/python -m bench.queue_overhead"
+TARGET_P50_MS = 1.0
+TARGET_P99_MS = 5.0
+TARGET_OPS_1W = 2_000.0
 
 
 # --- part 1: round-trip latency ----------------------------------------------------------------
@@ -264,7 +269,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the three parts, print the tables, write the docs section (and JSON if asked)."""
+    """Run the three parts; hand back the report (stdout, the docs section, JSON if asked)."""
     args = parse_args(argv)
     with service_run(args, ("rq",), "qt-bench-") as run:
         print(f"[1] round trip, 1 worker: {args.ops} sync + {args.ops} async pings ...", flush=True)
@@ -291,13 +296,123 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ops=args.rq_ops,
                 tput_ops=args.rq_tput_ops,
             )
-    total_s = run.total_s
-    print_table(lat, tput, rq_result)
-    print(f"\ntotal {total_s:.0f} s")
-    save(args.json, results_json(run.info, lat, tput, rq_result))
-    section = render(args.ops, args.warmup, run.info, lat, tput, rq_result, total_s)
-    publish(args.docs, args.no_docs, section)
+    emit(report(args, run, lat, tput, rq_result), docs_of(args), args.json)
     return 0
+
+
+# --- the report --------------------------------------------------------------------------------
+def report(
+    args: argparse.Namespace,
+    run: Run,
+    lat: dict[str, LatencyResult],
+    tput: dict[int, Throughput],
+    rq_result: RqResult | None,
+) -> Report:
+    """The targets, then round trips beside rq's, where one goes, and throughput."""
+    targets = [
+        Target(f"p{p} round trip ≤ {bound:g} ms, {api} API", f"{ms:.2f} ms", ms <= bound)
+        for p, bound in ((50, TARGET_P50_MS), (99, TARGET_P99_MS))
+        for api in ("sync", "async")
+        for ms in (lat[api].latency.pct(p),)
+    ]
+    if (one := tput.get(1)) is not None:
+        ops = f"{one.per_s:,.0f} ops/s (async)"
+        met = one.per_s >= TARGET_OPS_1W
+        targets.append(Target(f"≥ {TARGET_OPS_1W:,.0f} ops/s, one worker", ops, met))
+    results = {
+        "latency": {
+            api: {
+                "round_trip": r.latency.summary(),
+                "enqueue": r.enqueue.summary(),
+                "stages_p50_ms": r.stages.medians_ms(),
+                "stages_p99_ms": r.stages.p99s_ms(),
+            }
+            for api, r in lat.items()
+        },
+        "throughput": {
+            str(k): {"ops": t.ops, "ops_per_s": t.per_s, **t.extra} for k, t in tput.items()
+        },
+        "rq": None
+        if rq_result is None
+        else {
+            "round_trip": rq_result.latency.summary(),
+            "throughput_ops_per_s": rq_result.throughput.per_s,
+            "enqueue_many_s": rq_result.enqueue_s,
+        },
+    }
+    facts = [
+        f"The run took {run.total_s:.0f} s; client, workers, Redis and Postgres share its cores."
+    ]
+    body = [round_trips(args, run, lat, rq_result), stages(lat), throughput(run, tput, rq_result)]
+    return Report(SECTION, COMMAND, run.info, facts, targets, body, results)
+
+
+def round_trips(
+    args: argparse.Namespace, run: Run, lat: dict[str, LatencyResult], rq: RqResult | None
+) -> Table:
+    rows: list[tuple[str, str, Latency]] = [
+        ("queue_tinker", "`client.ping(i).result()`", lat["sync"].latency),
+        ("queue_tinker", "`await (await client.ping_async(i))`", lat["async"].latency),
+    ]
+    if rq is not None:
+        ops = f"{len(rq.latency.samples):,} ops"
+        wait = f"`q.enqueue(echo, i)` + `job.latest_result(timeout=30)` ({ops})"
+        rows.append((f"rq {run.info['rq']} `SimpleWorker`", wait, rq.latency))
+    return Table(
+        ("system", "API / wait", "p50 ms", "p90 ms", "p99 ms", "max ms", "mean ms"),
+        [
+            (system, api, *(f"{v:.2f}" for v in (s.p50, s.p90, s.p99, s.max, s.mean)))
+            for system, api, s in rows
+        ],
+        title=f"Round trip, one worker ({args.ops:,} sequential ops after {args.warmup} warm-up)",
+    )
+
+
+def stages(lat: dict[str, LatencyResult]) -> Table:
+    sync, async_ = lat["sync"].stages, lat["async"].stages
+    columns = (sync.medians_ms(), sync.p99s_ms(), async_.medians_ms(), async_.p99s_ms())
+    rows = [(name, *(f"{c.get(name, 0):.3f}" for c in columns)) for name in STAGE_NAMES]
+    return Table(
+        ("stage", "sync p50", "sync p99", "async p50", "async p99"),
+        rows,
+        "Where one round trip goes",
+    )
+
+
+def throughput(run: Run, tput: dict[int, Throughput], rq: RqResult | None) -> Table:
+    rows: list[tuple[object, ...]] = [
+        (
+            "queue_tinker (async API)",
+            workers,
+            f"{t.ops:,} over {t.extra['models']} models",
+            f"{t.extra['window']:,}",
+            f"{t.per_s:,.0f}",
+            f"models per worker {t.extra['models_per_worker']}; records not yet in Postgres at "
+            f"the end: {t.extra['record_backlog_at_end']:,}; {failed_ops(t.extra['errors'])}",
+        )
+        for workers, t in sorted(tput.items())
+    ]
+    if rq is not None:
+        enqueue = (
+            f"enqueueing them (`enqueue_many`, pipelined) took {rq.enqueue_s:.2f} s, not counted"
+        )
+        rows.append(
+            (
+                f"rq {run.info['rq']} `SimpleWorker`",
+                1,
+                f"{rq.throughput.ops:,}",
+                "all queued up front",
+                f"{rq.throughput.per_s:,.0f}",
+                f"`work(burst=True)` timed inside the worker process; {enqueue}",
+            )
+        )
+    return Table(("system", "workers", "ops", "in flight", "ops/s", "notes"), rows, "Throughput")
+
+
+def failed_ops(errors: dict[str, int]) -> str:
+    if not errors:
+        return "no op failed"
+    return "**ops failed: " + ", ".join(f"{n:,} × `{name}`" for name, n in errors.items()) + "**"
 
 
 if __name__ == "__main__":
