@@ -4,8 +4,12 @@ unknown ones refused."""
 from __future__ import annotations
 
 import difflib
+import json
+import logging
 import os
+import shlex
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import model_validator
@@ -107,6 +111,81 @@ def unknown_variables(environ: Mapping[str, str], fields: set[str]) -> None:
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment, with explicit overrides winning."""
     return Settings(**overrides)  # type: ignore[arg-type]
+
+
+# --- the deployment `queue-tinker up` runs --------------------------------------------------
+UP_FILE = "up.json"  # under the data directory, while `up` runs
+# The settings a running `up` hands to a process that names no Redis of its own.
+UP_SETTINGS = ("redis_url", "database_url", "storage", "key_prefix")
+log = logging.getLogger("queue_tinker")
+
+
+def up_file(data_dir: Path) -> Path:
+    return data_dir / UP_FILE
+
+
+def write_up_file(settings: Settings) -> Path:
+    """What a client in another shell needs to reach this `up`: its pid, the stores' URLs,
+    storage and prefix (readable by this user alone: the database URL may hold a password)."""
+    path = up_file(settings.data_dir)
+    found = {name: getattr(settings, name) for name in UP_SETTINGS}
+    found["storage"] = settings.storage_location
+    body = {"pid": os.getpid(), **found}
+    body["gateway"] = f"http://{settings.gateway_host}:{settings.gateway_port}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(body, out, indent=2)
+    return path
+
+
+def running_up(data_dir: Path) -> dict[str, str] | None:
+    """The deployment a live `queue-tinker up` recorded under `data_dir`, or None (no file, or
+    its process is gone)."""
+    try:
+        found = json.loads(up_file(data_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(int(found["pid"]), 0)
+    except ProcessLookupError:
+        return None  # a stale file of an `up` that was killed
+    except (PermissionError, KeyError, ValueError, TypeError):
+        pass  # alive under another user; or an unreadable pid: let the URLs decide
+    return {k: str(v) for k, v in found.items()}
+
+
+def with_running_up(settings: Settings) -> Settings:
+    """`settings`, or, where they name no Redis and a `queue-tinker up` runs on this data
+    directory, the settings of that deployment (saying so): a client or CLI in another shell
+    with nothing set reaches it."""
+    if settings.redis_url is not None:
+        return settings
+    found = running_up(settings.data_dir)
+    if found is None:
+        return settings
+    log.warning(
+        "queue-tinker: QT_REDIS_URL is not set; using the deployment `queue-tinker up` runs "
+        "(pid %s, %s): Redis %s, Postgres %s",
+        found.get("pid"),
+        up_file(settings.data_dir),
+        found.get("redis_url"),
+        found.get("database_url"),
+    )
+    update = {k: found[k] for k in UP_SETTINGS if k in found}
+    if settings.database_url is not None:
+        update.pop("database_url", None)
+    return settings.model_copy(update=update)
+
+
+def up_env(data_dir: Path) -> str | None:
+    """The running `up`'s settings as `export QT_...=...` lines (`eval "$(queue-tinker up
+    --env)"`), or None when none runs on `data_dir`."""
+    found = running_up(data_dir)
+    if found is None:
+        return None
+    names = [k for k in UP_SETTINGS if found.get(k)]
+    return "\n".join(f"export QT_{k.upper()}={shlex.quote(found[k])}" for k in names)
 
 
 def settings_env(settings: Settings, base: Mapping[str, str]) -> dict[str, str]:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from queue_tinker.extras import extra_for
-from queue_tinker.settings import Settings, load_settings
+from queue_tinker.settings import Settings, load_settings, up_env, with_running_up
 
 
 def _cmd_config(args: argparse.Namespace, settings: Settings) -> int:
@@ -85,6 +85,13 @@ def _cmd_housekeeper(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    if args.env:
+        env = up_env(settings.data_dir)
+        if env is None:
+            print(f"queue-tinker up --env: no `queue-tinker up` runs on {settings.data_dir}")
+            return 1
+        print(env)
+        return 0
     from queue_tinker.local.up import run_up
 
     return run_up(settings, base_model=args.base_model, device=args.device, workers=args.workers)
@@ -255,7 +262,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     up.add_argument("--workers", type=int, default=1)
-    up.set_defaults(fn=_cmd_up)
+    up.add_argument(
+        "--env",
+        action="store_true",
+        help="start nothing: print the running `up`'s settings as export lines, for "
+        '`eval "$(queue-tinker up --env)"`',
+    )
+    up.set_defaults(fn=_cmd_up, own_stores=True)
 
     keys = sub.add_parser("keys", help="API keys (tml-...) of tenants: create, list, revoke")
     keys_sub = keys.add_subparsers(dest="action", required=True)
@@ -293,7 +306,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the service on the embedded default and drive it")
     demo.add_argument("--steps", type=int, default=100, help="training steps")
     demo.add_argument("--seed", type=int, default=0, help="LoRA initialisation seed")
-    demo.set_defaults(fn=_cmd_demo)
+    demo.set_defaults(fn=_cmd_demo, own_stores=True)
     return parser
 
 
@@ -301,7 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     fn: Callable[[argparse.Namespace, Settings], int] = args.fn
     try:
-        return fn(args, load_settings())
+        settings = load_settings()
+        # `up` and `demo` start stores of their own; any other command with no Redis set
+        # uses a running `up`'s, and says so.
+        if not getattr(args, "own_stores", False):
+            settings = with_running_up(settings)
+        return fn(args, settings)
     except ModuleNotFoundError as exc:
         # Each command imports its part lazily, so a light install fails here, not at --help.
         extra = extra_for(exc.name)

@@ -13,7 +13,7 @@ from queue_tinker.client.sampling import SamplingClient, new_sampling_client
 from queue_tinker.client.training import TrainingClient
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue.ops import runs
-from queue_tinker.settings import Settings, load_settings
+from queue_tinker.settings import Settings, load_settings, with_running_up
 from queue_tinker.types import codec
 from queue_tinker.types.requests.training import MAX_LORA_RANK, LoraConfig
 from queue_tinker.types.service.rest import GetServerCapabilitiesResponse
@@ -48,7 +48,7 @@ class ServiceClient:
     """Connects to a queue_tinker deployment (QT_REDIS_URL, or settings=/overrides)."""
 
     def __init__(self, settings: Settings | None = None, **overrides: Any) -> None:
-        self.settings = settings or load_settings(**overrides)
+        self.settings = settings or with_running_up(load_settings(**overrides))
         self._loop: BackgroundLoop = background_loop()
         self._holder: ClientHolder = self._loop.run(self._open())
         self._rest_clients: list[RestClient] = []  # their database connections close with us

@@ -20,7 +20,7 @@ from types import FrameType
 from queue_tinker.errors import EmbeddedServerError
 from queue_tinker.local.embedded import EmbeddedPostgres, EmbeddedRedis
 from queue_tinker.local.processes import Child, ProcessGroup
-from queue_tinker.settings import Settings, settings_env
+from queue_tinker.settings import Settings, settings_env, write_up_file
 
 CHILD_STOP_TIMEOUT_S = 15.0  # a worker finishes its current op, publishes, releases its leases
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -91,6 +91,8 @@ def _banner(settings: Settings, workers: int, base_model: str, device: str) -> s
             f"  postgres  {settings.database_url}",
             f"  workers   {workers} x {base_model} on {device}",
             f"  data      {settings.data_dir}",
+            "Other shells on this data directory find it with nothing set (or: eval "
+            '"$(queue-tinker up --env)").',
             f"Stop with Ctrl-C (or `kill {os.getpid()}`).",
         ]
     )
@@ -146,6 +148,8 @@ def run_up(settings: Settings, base_model: str, device: str, workers: int) -> in
             return 1
         if signals.stop_requested is not None:  # Ctrl-C while the databases were starting
             return 0
+        # Clients and the CLI in another shell, with nothing set, find this deployment here.
+        stack.callback(write_up_file(settings).unlink, missing_ok=True)
         env = child_env(settings)
         group = ProcessGroup()
         stack.callback(stop_children, group)

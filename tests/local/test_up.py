@@ -145,3 +145,73 @@ def test_a_drained_worker_does_not_stop_the_stack() -> None:
         gateway.proc.terminate()
         gateway.proc.wait(timeout=30)
         assert crashed_child(group) is gateway
+
+
+CLIENT_IN_ANOTHER_SHELL = """
+import queue_tinker as tinker
+from queue_tinker import types
+service = tinker.ServiceClient()
+training = service.create_lora_training_client(base_model="queue-tinker/tiny-llama", rank=4)
+tokens = training.encode("Q: 2+2?\\nA: 4\\n")
+datum = types.Datum(
+    model_input=types.ModelInput.from_ints(tokens[:-1]),
+    loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+)
+print("loss", training.forward_backward([datum], "cross_entropy").result(timeout=120).loss)
+service.close()
+"""
+
+
+def test_a_client_and_the_cli_in_another_shell_find_a_running_up(scratch_dir: Path) -> None:
+    """`up` on the default data directory; in another process with no QT_* set, the README's
+    client snippet trains a step and `queue-tinker status` answers, both saying which
+    deployment they found; `up --env` prints it for eval; once `up` is gone, nothing is
+    found."""
+    port = free_port()
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("QT_")}
+    log = scratch_dir / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            _up_command(), env={**bare, "QT_GATEWAY_PORT": str(port)}, cwd=scratch_dir,
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        _wait_healthy(proc, f"http://127.0.0.1:{port}/healthz", log)
+
+        def run(*argv: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                argv, env=bare, cwd=scratch_dir, capture_output=True, text=True, timeout=180
+            )
+
+        client = run(sys.executable, "-c", CLIENT_IN_ANOTHER_SHELL)
+        assert client.returncode == 0, client.stderr + log.read_text()
+        assert client.stdout.startswith("loss ")
+        assert "using the deployment `queue-tinker up` runs" in client.stderr
+        status = run(*_up_command()[:-3], "status")
+        assert status.returncode == 0, status.stderr
+        assert "queue-tinker/tiny-llama" in status.stdout
+        env = run(*_up_command()[:-3], "up", "--env")
+        assert env.returncode == 0 and "export QT_REDIS_URL=" in env.stdout, env.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert not (scratch_dir / ".qt-data" / "up.json").exists()
+    gone = subprocess.run(
+        [*_up_command()[:-3], "up", "--env"], env=bare, cwd=scratch_dir, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert gone.returncode == 1 and "no `queue-tinker up` runs" in gone.stdout
+
+
+def test_a_file_left_by_a_killed_up_is_not_taken(scratch_dir: Path) -> None:
+    """A kill -9 leaves up.json behind: a process that is gone is not followed."""
+    from queue_tinker.settings import Settings, running_up, up_file, with_running_up
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    up_file(scratch_dir).write_text(f'{{"pid": {dead.pid}, "redis_url": "redis://gone:1/0"}}')
+    assert running_up(scratch_dir) is None
+    settings = Settings(data_dir=scratch_dir)
+    assert with_running_up(settings).redis_url is None
+    up_file(scratch_dir).write_text(f'{{"pid": {os.getpid()}, "redis_url": "redis://here:1/0"}}')
+    assert with_running_up(settings).redis_url == "redis://here:1/0"
