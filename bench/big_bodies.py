@@ -1,21 +1,8 @@
 """One tenant sends big bodies, another keeps making small requests: how long do the small
-ones take?
-
-A `queue-tinker serve` process (production defaults: QT_MAX_REQUEST_BYTES 64 MiB, uvicorn,
-access log at INFO) on the local Redis and a scratch Postgres. The victim, a tenant with a
-session and a training run, sends `GET /api/v1/training_runs` (a Postgres read, the call the
-attack was first seen slowing) back to back from its own process, first alone (the baseline),
-then while two attacker processes of another tenant each send their bodies one after another:
-
-- `proto`: a 57 MiB forward_backward protobuf of 15M tokens in one datum, over
-  QT_MAX_TOKENS_PER_DATUM (refused 400 naming data[0].model_input);
-- `json`: a 57 MiB JSON asample whose prompt holds 8M tokens (refused 413: a JSON body may be
-  1 MiB);
-- `mixed` (the default): five of each, ten bodies.
-
-Reported: the victim's p50 / p99 / max per phase, the bodies' statuses and time, and the
-gateway's peak memory (VmHWM). Attackers and victim are separate processes, so no client's
-own interpreter lock is measured.
+ones take? The victim's requests to a `queue-tinker serve` process alone, while two attacker
+processes send 57 MiB bodies to a bare socket sink (the control), and while they send them to
+the gateway; the bodies, the phases and how to read them: the `## Gateway under big bodies`
+section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.big_bodies                  # writes its docs/benchmarks.md section
     .venv/bin/python -m bench.big_bodies --quick          # smoke run, docs left alone
@@ -23,13 +10,11 @@ own interpreter lock is measured.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,7 +23,7 @@ import numpy as np
 from bench.harness import cli
 from bench.harness.gateway import gateway_proc, make_key
 from bench.harness.meters import status_kib
-from bench.harness.report import publish, save
+from bench.harness.report import Report, Table, Target, docs_of, emit
 from bench.harness.run import service_run
 from bench.harness.stats import Latency
 
@@ -46,6 +31,8 @@ SECTION = "## Gateway under big bodies"
 COMMAND = ".venv/bin/python -m bench.big_bodies"
 BODY_MIB = 57
 TARGET_P99_MS = 100.0
+PROTO = {"Content-Type": "application/x-protobuf"}
+JSON = {"Content-Type": "application/json"}
 
 
 # --- the bodies (built in the attacker processes) ------------------------------------------------
@@ -73,26 +60,12 @@ def attack(
     """One attacker: builds its bodies, says so on `out`, waits for `go`, then sends them one
     after another; (kind, status, seconds, bytes) each, on `out`. Building a body takes
     seconds of CPU: done before the clock starts, it does not crowd the 2 cores meanwhile."""
-    prepared = []
-    for i, kind in enumerate(kinds):
-        if kind == "proto":
-            prepared.append(
-                (
-                    kind,
-                    "/api/v1/forward_backward",
-                    proto_body(model_id, first_seq + i),
-                    {"Content-Type": "application/x-protobuf"},
-                )
-            )
-        else:
-            prepared.append(
-                (
-                    kind,
-                    "/api/v1/asample",
-                    json_body(f"{model_id}-sampler", i),
-                    {"Content-Type": "application/json"},
-                )
-            )
+    prepared = [
+        ("proto", "/api/v1/forward_backward", proto_body(model_id, first_seq + i), PROTO)
+        if kind == "proto"
+        else (kind, "/api/v1/asample", json_body(f"{model_id}-sampler", i), JSON)
+        for i, kind in enumerate(kinds)
+    ]
     out.put("ready")
     go.wait()
     results = []
@@ -171,27 +144,54 @@ def tenant(url: str, key: str) -> str:
     the run's id."""
     with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=30) as http:
         session = http.post("/api/v1/create_session").json()["session_id"]
-        created = http.post(
-            "/api/v1/create_model",
-            json={
-                "session_id": session,
-                "model_seq_id": 0,
-                "base_model": "queue-tinker/tiny-llama",
-            },
-        )
-        return str(created.json()["model_id"])
+        model = {"session_id": session, "model_seq_id": 0, "base_model": "queue-tinker/tiny-llama"}
+        return str(http.post("/api/v1/create_model", json=model).json()["model_id"])
 
 
 def measure(
     settings: Any, gateway_pid: int, url: str, bodies: int, baseline_s: float
 ) -> dict[str, Any]:
+    """The victim's latency alone, during the control and during the attack; the bodies'
+    answers and the gateway's peak memory before and after."""
     load = os.getloadavg()[0]
     victim_key = make_key(settings, f"victim-{uuid.uuid4().hex[:6]}")
     attacker_key = make_key(settings, f"attacker-{uuid.uuid4().hex[:6]}")
     tenant(url, victim_key)
     model_id = tenant(url, attacker_key)
+    kinds = (["proto", "json"] * bodies)[:bodies]
     ctx = multiprocessing.get_context("spawn")
     queue: Any = ctx.Queue()
+
+    def phase(target: str) -> tuple[list[float], list[Any], float]:
+        """The victim measuring at `url` while two attackers send `kinds` to `target` (the
+        gateway, or the control's sink); (its samples, bodies sent, seconds the sending took)."""
+        go, stop = ctx.Event(), ctx.Event()
+        attackers = [
+            ctx.Process(
+                target=attack, args=(target, attacker_key, model_id, half, 1 + 1000 * n, go, queue)
+            )
+            for n, half in enumerate([kinds[0::2], kinds[1::2]])
+        ]  # two senders
+        for proc in attackers:
+            proc.start()
+        for _ in attackers:
+            assert queue.get() == "ready"
+        watch = ctx.Process(target=victim, args=(url, victim_key, 600.0, stop, queue))
+        watch.start()
+        assert queue.get() == "measuring"
+        time.sleep(0.5)  # a few of the victim's requests before the first body leaves
+        started = time.perf_counter()
+        go.set()
+        sent: list[Any] = []
+        for _ in attackers:
+            sent += queue.get()
+        took = time.perf_counter() - started
+        stop.set()
+        during = queue.get()
+        for proc in (*attackers, watch):
+            proc.join()
+        return during, sent, took
+
     stop = ctx.Event()  # never set: the baseline runs its time
     alone = ctx.Process(target=victim, args=(url, victim_key, baseline_s, stop, queue))
     alone.start()
@@ -199,21 +199,14 @@ def measure(
     baseline = queue.get()
     alone.join()
     peak_before = gateway_peak_mib(gateway_pid)
-    kinds = (["proto", "json"] * bodies)[:bodies]
     sink_port: Any = ctx.Queue()
     sink_proc = ctx.Process(target=sink, args=(sink_port,), daemon=True)
     sink_proc.start()
-    control_url = f"http://127.0.0.1:{sink_port.get()}"
-    control, _, _ = attack_phase(
-        ctx, queue, url, control_url, victim_key, attacker_key, model_id, kinds
-    )
+    control, _, _ = phase(f"http://127.0.0.1:{sink_port.get()}")
     sink_proc.terminate()
-    during, sent, attack_s = attack_phase(
-        ctx, queue, url, url, victim_key, attacker_key, model_id, kinds
-    )
+    during, sent, attack_s = phase(url)
     phases = {"baseline": Latency(baseline), "control": Latency(control), "attack": Latency(during)}
     return {
-        "bodies": len(sent),
         "sent": sent,
         "attack_s": attack_s,
         "load": load,
@@ -221,111 +214,45 @@ def measure(
             name: {"n": len(lat.samples), "p50_ms": lat.p50, "p99_ms": lat.p99, "max_ms": lat.max}
             for name, lat in phases.items()
         },
-        "attack_p99_ms": phases["attack"].p99,
         "peak_before_mib": peak_before,
         "peak_after_mib": gateway_peak_mib(gateway_pid),
     }
 
 
-def attack_phase(
-    ctx: Any,
-    queue: Any,
-    url: str,
-    target: str,
-    victim_key: str,
-    attacker_key: str,
-    model_id: str,
-    kinds: list[str],
-) -> tuple[list[float], list[Any], float]:
-    """The victim measuring at `url` while two attackers send `kinds` to `target` (the
-    gateway, or the control's sink); (victim samples, bodies sent, seconds the sending took)."""
-    go, stop = ctx.Event(), ctx.Event()
-    attackers = [
-        ctx.Process(
-            target=attack, args=(target, attacker_key, model_id, half, 1 + 1000 * n, go, queue)
-        )
-        for n, half in enumerate([kinds[0::2], kinds[1::2]])
-    ]  # two senders
-    for proc in attackers:
-        proc.start()
-    for _ in attackers:
-        assert queue.get() == "ready"
-    watch = ctx.Process(target=victim, args=(url, victim_key, 600.0, stop, queue))
-    watch.start()
-    assert queue.get() == "measuring"
-    time.sleep(0.5)  # a few of the victim's requests before the first body leaves
-    started = time.perf_counter()
-    go.set()
-    sent: list[Any] = []
-    for _ in attackers:
-        sent += queue.get()
-    took = time.perf_counter() - started
-    stop.set()
-    during = queue.get()
-    for proc in (*attackers, watch):
-        proc.join()
-    return during, sent, took
-
-
-def render(result: dict[str, Any], host: dict[str, str]) -> str:
-    base, hit, control = result["baseline"], result["attack"], result["control"]
-    statuses = sorted({f"{kind} {status}" for kind, status, _, _ in result["sent"]})
-    sizes = ", ".join(f"{mib:.0f}" for mib in sorted({size / 2**20 for *_, size in result["sent"]}))
-    verdict = "met" if result["attack_p99_ms"] < TARGET_P99_MS else "MISSED"
-    return "\n".join(
-        [
-            SECTION,
-            "",
-            "One tenant sends big bodies while another keeps making small requests "
-            "(`GET /api/v1/training_runs`, a Postgres read, back to back from its own process). "
-            f"Two attacker processes send {result['bodies']} bodies of {sizes} MiB between them: "
-            "forward_backward protobufs of 15M tokens in one datum (over "
-            "QT_MAX_TOKENS_PER_DATUM) and JSON asample bodies of 8M tokens. Before the fix these "
-            "were converted in full before a limit refused them: two senders pushed the victim's "
-            "median from 6 ms to 706 ms (2.9 s worst) and the gateway from 173 to 973 MiB (as "
-            "found by the attack). Now "
-            "the gateway reads a forward_backward protobuf's first 64 KiB, whose field headers "
-            "prove it over the limit, refuses it from those (the rest is discarded as it "
-            "arrives, never buffered or parsed), refuses a JSON body over 1 MiB (413) before "
-            "reading it, and parses and converts every big body it does take off the event "
-            "loop. What is left per body is uvicorn taking in and discarding 57 MiB (h11, pure "
-            "Python): ~20-40 ms of the gateway's CPU, spread over the upload.",
-            "",
-            f"Target: the victim's p99 under {TARGET_P99_MS:.0f} ms during the attack: "
-            f"**{verdict}**.",
-            "",
-            "| victim's requests | n | p50 ms | p99 ms | max ms |",
-            "| --- | ---: | ---: | ---: | ---: |",
-            f"| alone | {base['n']} | {base['p50_ms']:.1f} | {base['p99_ms']:.1f} | "
-            f"{base['max_ms']:.1f} |",
-            f"| the same uploads to a sink, not the gateway (control) | {control['n']} | "
-            f"{control['p50_ms']:.1f} | {control['p99_ms']:.1f} | {control['max_ms']:.1f} |",
-            f"| during the attack ({result['attack_s']:.1f} s) | {hit['n']} | "
-            f"{hit['p50_ms']:.1f} | {hit['p99_ms']:.1f} | {hit['max_ms']:.1f} |",
-            "",
-            "The control sends the same bodies from the same processes to a bare socket server "
-            "that reads and drops them: what the uploads' own CPU and kernel copying do to the "
-            "victim on this machine, with the gateway idle. The gap between it and the attack row "
-            "is the gateway's share.",
-            "",
-            f"Bodies answered: {', '.join(statuses)}. Gateway peak memory (VmHWM): "
-            f"{result['peak_before_mib']:.0f} MiB before the attack, "
-            f"{result['peak_after_mib']:.0f} MiB after.",
-            "",
-            f"Machine: {host.get('CPU', '?')}, {host.get('cores', '?')} cores, shared with other "
-            f"work while measured (load average {result['load']:.1f} at the start: the victim's "
-            "own latency alone shows how busy). Reproduce:",
-            "",
-            "```bash",
-            COMMAND,
-            "```",
-            "",
-        ]
+def report(result: dict[str, Any], info: dict[str, str]) -> Report:
+    """The target, the victim's latency per phase, the bodies' answers and the gateway's peak."""
+    sent = result["sent"]
+    statuses = sorted({f"{kind} {status}" for kind, status, _, _ in sent})
+    sizes = ", ".join(f"{mib:.0f}" for mib in sorted({size / 2**20 for *_, size in sent}))
+    p99 = result["attack"]["p99_ms"]
+    target = Target(f"the victim's p99 under {TARGET_P99_MS:.0f} ms during the attack",
+                    f"{p99:.1f} ms", p99 < TARGET_P99_MS)  # fmt: skip
+    phases = {
+        "alone": result["baseline"],
+        "the same uploads to a sink, not the gateway (control)": result["control"],
+        f"during the attack ({result['attack_s']:.1f} s)": result["attack"],
+    }
+    victim = Table(
+        ("victim's requests", "n", "p50 ms", "p99 ms", "max ms"),
+        [(name, p["n"], *(f"{p[k]:.1f}" for k in ("p50_ms", "p99_ms", "max_ms")))
+         for name, p in phases.items()],
+    )  # fmt: skip
+    answered = (
+        f"Bodies answered: {', '.join(statuses)}. Gateway peak memory (VmHWM): "
+        f"{result['peak_before_mib']:.0f} MiB before the attack, "
+        f"{result['peak_after_mib']:.0f} MiB after."
     )
+    facts = [
+        f"Two attacker processes sent {len(sent)} bodies of {sizes} MiB between them. "
+        f"Load average {result['load']:.1f} at the start (the victim's own latency alone shows "
+        "how busy the machine was)."
+    ]
+    return Report(SECTION, COMMAND, info, facts, [target], [victim, answered], result)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser("bench.big_bodies", (__doc__ or "").split("\n\n")[0])
+    """Measure the three phases; hand back the report; exit 1 when the target is missed."""
+    parser = cli.parser("bench.big_bodies", __doc__)
     cli.add_services(parser)
     cli.add_knobs(
         parser,
@@ -335,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     cli.add_quick(parser, "2 bodies")
-    parser.add_argument("--out", type=Path, help="also write the raw results here (JSON)")
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     args = cli.parse(parser, argv, quick={"bodies": 2, "baseline_s": 1.0})
     with (
         service_run(args, (), "qt-bench-big-") as run,
@@ -344,11 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         gateway_proc(settings, run.data_dir / "gateway.log") as (proc, url),
     ):
         result = measure(settings, proc.pid, url, args.bodies, args.baseline_s)
-    text = render(result, run.info)
-    print(text)
-    save(args.out, json.dumps(result, indent=1))
-    publish(args.docs, args.no_docs, text)
-    return 0 if result["attack_p99_ms"] < TARGET_P99_MS else 1
+    emit(report(result, run.info), docs_of(args), args.json)
+    return 0 if result["attack"]["p99_ms"] < TARGET_P99_MS else 1
 
 
 if __name__ == "__main__":

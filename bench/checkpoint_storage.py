@@ -1,13 +1,8 @@
 """Checkpoints in an object store against local disk: the time and bytes of what
-save_weights_for_sampler, save_state and a snapshot write, and of reading each back (a
-load_state, a sampler's load, a new owner's restore), for a LoRA adapter of the built-in 100M
-model (rank 32 on every linear layer, with AdamW's moments after a step).
-
-Both stores are the worker's own (`queue_tinker/storage/`), driven through the same calls the
-worker makes (`workers/model/checkpoints.py` write_state and stored_state): a local directory,
-and an S3 bucket on moto's standalone server in a process of its own on loopback (MinIO is not
-installed where this runs). Each read starts from an empty cache, as on a host that has never
-seen the checkpoint; the directory's reads come from the page cache (it was just written).
+save_weights_for_sampler, save_state and a snapshot write, and of reading each back, for a
+LoRA adapter of the built-in 100M model, through the worker's own stores and calls
+(write_state, stored_state) on a local directory and on an S3 bucket of moto's server. How and
+what to make of it: the `## Checkpoints` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.checkpoint_storage           # the 100M model; writes its section
     .venv/bin/python -m bench.checkpoint_storage --quick   # the tiny model, docs left alone
@@ -15,7 +10,6 @@ seen the checkpoint; the directory's reads come from the page cache (it was just
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import statistics
@@ -26,15 +20,16 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from bench.harness import cli
-from bench.harness.machine import commit, cpu_model, now
+from bench.harness.machine import commit, cpu_model, engine_machine
 from bench.harness.models import frozen_base, lora_pool
-from bench.harness.report import publish, reproduce, table
+from bench.harness.report import Report, Table, docs_of, emit
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.storage.s3 import S3Store
@@ -155,25 +150,11 @@ def measure(
     return Measured(kind, name, size, save_s, load_s)
 
 
-@contextmanager
-def fake_credentials() -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in FAKE_AWS}
-    os.environ.update(FAKE_AWS)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def run(model: str, repeats: int, scratch: Path) -> tuple[list[Measured], int]:
     """Every kind in both stores; and the base model's parameter count."""
     pool, adapter, params = trained_adapter(model, scratch / "models")
     results = []
-    with fake_credentials(), moto_server() as endpoint:
+    with mock.patch.dict(os.environ, FAKE_AWS), moto_server() as endpoint:
         import boto3
 
         bucket = f"qt-bench-{uuid.uuid4().hex[:8]}"
@@ -189,67 +170,49 @@ def run(model: str, repeats: int, scratch: Path) -> tuple[list[Measured], int]:
     return results, params
 
 
-def render(results: list[Measured], model: str, repeats: int, params: int) -> str:
+def report(
+    results: list[Measured], model: str, repeats: int, params: int, info: dict[str, str]
+) -> Report:
+    """A row a kind: its size, and each store's median save and load with its rate."""
     by = {(m.kind.name, m.store): m for m in results}
+
+    def timed(m: Measured, seconds: list[float]) -> str:
+        median = statistics.median(seconds)
+        return f"{median:.3f} s ({m.bytes / MIB / median:.0f} MiB/s)"
+
     rows = []
     for kind in KINDS:
         local, s3 = by[(kind.name, "local")], by[(kind.name, "s3")]
         save = [statistics.median(m.save_s) for m in (local, s3)]
         load = [statistics.median(m.load_s) for m in (local, s3)]
-        rows.append(
-            [
-                kind.name,
-                f"{s3.bytes / MIB:.1f}",
-                f"{save[0]:.3f} s ({local.bytes / MIB / save[0]:.0f} MiB/s)",
-                f"{save[1]:.3f} s ({s3.bytes / MIB / save[1]:.0f} MiB/s)",
-                f"{save[1] / save[0]:.1f}x",
-                f"{load[0]:.3f} s ({local.bytes / MIB / load[0]:.0f} MiB/s)",
-                f"{load[1]:.3f} s ({s3.bytes / MIB / load[1]:.0f} MiB/s)",
-                f"{load[1] / load[0]:.1f}x",
-            ]
-        )
-    columns = [
-        "what",
-        "MiB",
-        "save, local disk",
-        "save, object store",
-        "ratio",
-        "load, local disk",
-        "load, object store",
-        "ratio",
+        rows.append((
+            kind.name, f"{s3.bytes / MIB:.1f}",
+            timed(local, local.save_s), timed(s3, s3.save_s), f"{save[1] / save[0]:.1f}x",
+            timed(local, local.load_s), timed(s3, s3.load_s), f"{load[1] / load[0]:.1f}x",
+        ))  # fmt: skip
+    columns = ("what", "MiB", "save, local disk", "save, object store", "ratio",
+               "load, local disk", "load, object store", "ratio")  # fmt: skip
+    facts = [
+        f"A LoRA adapter of {model} ({params:,} parameters), rank 32 on every linear layer, "
+        f"median of {repeats} saves and {repeats} loads each."
     ]
-    lines = [
-        SECTION,
-        "",
-        *reproduce(COMMAND),
-        "",
-        f"Measured on {cpu_model()} ({os.cpu_count()} cores), commit {commit()}, {now()}: "
-        f"a LoRA adapter of {model} ({params:,} parameters), rank 32 on every linear "
-        f"layer, median of {repeats} saves and {repeats} loads each (bench/checkpoint_storage.py "
-        "says how). The object store is moto's S3 server on loopback (one process, Python): "
-        "a real S3 or MinIO moves bytes faster, and a network between host and store adds "
-        "its own latency and bandwidth. A save is write_state (safetensors into a staging "
-        "directory, then the store's commit: a rename on disk; uploads, meta last, in the "
-        "bucket); a load is stored_state from an empty cache (the download, then safetensors).",
-        "",
-        *table(columns, rows),
-        "",
-    ]
-    return "\n".join(lines)
+    raw = {"model": model, "params": params, "measured": [asdict(m) for m in results]}
+    return Report(SECTION, COMMAND, info, facts, (), [Table(columns, rows)], raw)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Every kind in both stores; hand back the report."""
+    parser = cli.parser("bench.checkpoint_storage", __doc__)
     cli.add_quick(parser, "the tiny model, one save and load of each")
     parser.add_argument("--model", default="queue-tinker/llama-100m")
     cli.add_knobs(parser, {"--repeats": (5, "saves and loads of each kind in each store")})
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     args = cli.parse(parser, argv, quick={"model": "queue-tinker/tiny-llama", "repeats": 1})
+    info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
+    info["commit"] = commit()
     with tempfile.TemporaryDirectory(prefix="qt-bench-ckpt-") as tmp:
         results, params = run(args.model, args.repeats, Path(tmp))
-    text = render(results, args.model, args.repeats, params)
-    print(text, end="")
-    publish(args.docs, args.no_docs, text)
+    emit(report(results, args.model, args.repeats, params, info), docs_of(args), args.json)
     return 0
 
 

@@ -2,19 +2,13 @@
 decode_loop.py) on each way of running a step (QT_DECODE_STEP: padded, slots, graphs), against
 the memory floor and transformers' `generate()` on the same requests, measured in one run.
 
-A Llama of the chosen shape with random weights built on the device (no download: on CUDA the
-Llama-3.1-8B shape in bf16), rank-32 LoRA adapters on every linear added through the worker's
-`AdapterPool` (their B drawn at random, so the updates are not zero). `rows` requests of
-`prompt` random tokens each sample exactly `new` tokens (temperature 1, no stop). Per step kind:
-
-- the median decode step (ms) while every row is in flight, on the base model and with the rows
-  spread over `adapters` adapters; a first pass over the requests warms up (graphs: the
-  whole pass, capturing every bucket; eager: a few tokens), a second on other prompts of the
-  same lengths is timed;
-- tokens/s of that second pass, prefill included, against `generate()` on the same prompts;
-- the memory floor of a step: the bytes it must read (every linear's weights, the adapters'
-  A and B, each row's keys and values at the median context) over the device's copy rate
-  (a large on-device copy, reads and writes counted).
+A Llama of the chosen shape with random weights built on the device (on CUDA the Llama-3.1-8B
+shape in bf16) and rank-32 adapters on every linear (their B drawn, so the updates are not
+zero); `rows` requests of `prompt` random tokens sample exactly `new` tokens each. Per step kind,
+on the base model and over the adapters: the median full-batch decode step of a timed pass
+after a warm-up pass (graphs: the whole pass, capturing every bucket), tokens/s against
+`generate()`, the memory floor (the bytes a step must read over an on-device copy's rate) and a
+joiner's first token; for graphs, the widest graph replayed alone.
 
     .venv/bin/python -m bench.decode_step --device cuda      # the 8B shape, 64 x 1k + 256
     .venv/bin/python -m bench.decode_step --quick            # CPU smoke run, docs left alone
@@ -27,25 +21,25 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from bench.harness import cli
 from bench.harness.baselines import generate, left_padded
-from bench.harness.machine import announce, device_name, engine_machine
+from bench.harness.data import sampling_params
+from bench.harness.machine import announce, engine_machine
 from bench.harness.meters import synchronize
 from bench.harness.models import Shape, add_adapters, build_model, lora_pool
-from bench.harness.report import machine_line, publish, reproduce, table
+from bench.harness.report import Report, Table, docs_of, emit
 from bench.mfu import SHAPES
-from queue_tinker.types.requests.sampling import SamplingParams
 from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.row_blocks import lora_layers_of
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
-from queue_tinker.workers.sampling.slot_decode import decode_step_of
+from queue_tinker.workers.sampling.slot_decode import DecodeStep, decode_step_of
 
 SECTION = "## Decode step: slots and CUDA graphs against the memory floor"
-COMMAND = ".venv/bin/python -m bench.decode_step --device cuda"
+COMMAND = ".venv/bin/python -m bench.decode_step"
 # The captured step first: on a GPU it is the figure that matters, and a run cut short by its
 # time limit should have it; then the default (padded), then the eager slots.
 KINDS = ("graphs", "padded", "slots")
@@ -80,14 +74,11 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def requests(
     batch: list[list[int]], new: int, adapters: Sequence[str | None]
 ) -> list[GenerationRequest]:
-    return [
+    """Exactly `new` tokens from each prompt (temperature 1, its row the seed, no stop), the
+    rows spread over `adapters` in turn."""
+    return [  # prompt, num_samples, params, max_tokens, prompt_logprobs, adapter
         GenerationRequest(
-            prompt=prompt,
-            num_samples=1,
-            params=SamplingParams(max_tokens=new, temperature=1.0, seed=row, stop=[]),
-            max_tokens=new,
-            prompt_logprobs=False,
-            adapter=adapters[row % len(adapters)],
+            prompt, 1, sampling_params(row, new), new, False, adapters[row % len(adapters)]
         )
         for row, prompt in enumerate(batch)
     ]
@@ -190,6 +181,7 @@ def floor_ms(
 
 
 def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]:
+    """Every step kind on the base model and on the adapters, then generate() and the floor."""
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -210,41 +202,12 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
     )
     warm_prompts = prompts(args.rows, args.prompt, shape.vocab, 1)
     timed_prompts = prompts(args.rows, args.prompt, shape.vocab, 2)
-    results: list[Measured] = []
-    kinds = [k for k in args.kinds if k != "graphs" or device.type == "cuda"]
-    for kind in kinds:
-        step = decode_step_of(kind, device, grouped=False)
-        for mix, adapters in (("base", [None]), (f"{args.adapters} adapters", names)):
-            loop = DecodeLoop(
-                device, [], lambda t: "", max_rows=None, slots=step.slots, graphs=step.graphs
-            )
-            # Graphs warm up on the whole pass (every bucket the timed one meets is captured);
-            # an eager step needs its kernels and allocations warm only.
-            warm_new = args.new if step.graphs else min(args.new, WARM_TOKENS)
-            run_pass(loop, pool.model, requests(warm_prompts, warm_new, adapters), compute, device)
-            steps, seconds = run_pass(
-                loop, pool.model, requests(timed_prompts, args.new, adapters), compute, device
-            )
-            captured = loop.slots.captured if loop.slots is not None else 0
-            measured = Measured(kind, mix, steps, args.rows * args.new / seconds, captured)
-            measured.replay_ms = replay_alone_ms(loop, device)
-            if mix == "base":  # the rows but one decoding, a joiner's first token
-                background = requests(warm_prompts[1:], args.new, adapters)
-                joiners = prompts(args.joiners, args.first_prompt, shape.vocab, 3)
-                measured.first_token_ms = first_token_times(
-                    loop, pool.model, background, joiners, compute
-                )
-            results.append(measured)
-            first = (
-                f"  first token p50 {statistics.median(measured.first_token_ms):.1f} ms"
-                if measured.first_token_ms
-                else ""
-            )
-            print(
-                f"{kind:7} {mix:11} step {measured.median_ms:8.2f} ms  "
-                f"{measured.tokens_per_s:10,.0f} tok/s  graphs {captured}{first}",
-                flush=True,
-            )
+    results = [
+        one_kind(args, pool.model, kind, mix, adapters, (warm_prompts, timed_prompts), compute)
+        for kind in args.kinds
+        if kind != "graphs" or device.type == "cuda"
+        for mix, adapters in (("base", [None]), (f"{args.adapters} adapters", names))
+    ]
     ids, mask = left_padded(timed_prompts, device)
     with pool.model.disable_adapter():  # type: ignore[operator]
         generate(pool.model, ids, mask, args.new)  # warm-up
@@ -265,74 +228,91 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
     return results, figures
 
 
-def render(
+def one_kind(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    kind: DecodeStep,
+    mix: str,
+    adapters: Sequence[str | None],
+    batches: tuple[list[list[int]], list[list[int]]],
+    compute: torch.dtype | None,
+) -> Measured:
+    """One step kind on one adapter mix: a warm-up pass on the first prompts, a timed pass on
+    the second; on the base model, then a joiner's first token."""
+    device = torch.device(args.device)
+    step = decode_step_of(kind, device, grouped=False)
+    loop = DecodeLoop(device, [], lambda t: "", max_rows=None, slots=step.slots, graphs=step.graphs)
+    warm_prompts, timed_prompts = batches
+    # Graphs warm up on the whole pass (every bucket the timed one meets is captured); an eager
+    # step needs its kernels and allocations warm only.
+    warm_new = args.new if step.graphs else min(args.new, WARM_TOKENS)
+    run_pass(loop, model, requests(warm_prompts, warm_new, adapters), compute, device)
+    steps, seconds = run_pass(
+        loop, model, requests(timed_prompts, args.new, adapters), compute, device
+    )
+    captured = loop.slots.captured if loop.slots is not None else 0
+    measured = Measured(kind, mix, steps, args.rows * args.new / seconds, captured)
+    measured.replay_ms = replay_alone_ms(loop, device)
+    first = ""
+    if mix == "base":  # the rows but one decoding, a joiner's first token
+        background = requests(warm_prompts[1:], args.new, adapters)
+        joiners = prompts(args.joiners, args.first_prompt, SHAPES[args.shape].vocab, 3)
+        measured.first_token_ms = first_token_times(loop, model, background, joiners, compute)
+        first = f", first token p50 {statistics.median(measured.first_token_ms):.1f} ms"
+    print(
+        f"{kind} {mix}: step {measured.median_ms:.2f} ms, {measured.tokens_per_s:,.0f} tok/s, "
+        f"graphs {captured}{first}",
+        flush=True,
+    )
+    return measured
+
+
+COLUMNS = [
+    *("step", "rows on", "decode step, ms (median)", "memory floor, ms", "step ÷ floor"),
+    *("÷ the base model's step", "tokens/s (prefill included)", "÷ generate()"),
+    *("first token, ms (p50)", "widest graph replayed alone, ms", "graphs captured"),
+]
+
+
+def report(
     results: list[Measured],
     figures: dict[str, float],
     info: dict[str, str],
     args: argparse.Namespace,
-) -> str:
+) -> Report:
+    """Each step kind's median step against the floor, the base model's step and generate()."""
     base_ms = {r.kind: r.median_ms for r in results if r.mix == "base"}
-    rows = []
-    for r in results:
-        floor = figures["floor_base_ms" if r.mix == "base" else "floor_adapters_ms"]
-        rows.append(
-            [
-                r.kind,
-                r.mix,
-                f"{r.median_ms:,.2f}",
-                f"{floor:,.2f}",
-                f"**{r.median_ms / floor:.2f}×**",
-                f"{r.median_ms / base_ms[r.kind]:.2f}×",
-                f"{r.tokens_per_s:,.0f}",
-                f"**{r.tokens_per_s / figures['generate_tok_s']:.2f}×**",
-                f"{statistics.median(r.first_token_ms):,.1f}" if r.first_token_ms else "",
-                f"{r.replay_ms:,.2f}" if r.replay_ms is not None else "",
-                r.captured,
-            ]
+    floors = {
+        r.mix: figures["floor_base_ms" if r.mix == "base" else "floor_adapters_ms"] for r in results
+    }
+    rows = [
+        (
+            r.kind,
+            r.mix,
+            f"{r.median_ms:,.2f}",
+            f"{floors[r.mix]:,.2f}",
+            f"**{r.median_ms / floors[r.mix]:.2f}×**",
+            f"{r.median_ms / base_ms[r.kind]:.2f}×",
+            f"{r.tokens_per_s:,.0f}",
+            f"**{r.tokens_per_s / figures['generate_tok_s']:.2f}×**",
+            f"{statistics.median(r.first_token_ms):,.1f}" if r.first_token_ms else "",
+            f"{r.replay_ms:,.2f}" if r.replay_ms is not None else "",
+            r.captured,
         )
-    columns = [
-        "step",
-        "rows on",
-        "decode step, ms (median)",
-        "memory floor, ms",
-        "step ÷ floor",
-        "÷ the base model's step",
-        "tokens/s (prefill included)",
-        "÷ generate()",
-        "first token, ms (p50)",
-        "widest graph replayed alone, ms",
-        "graphs captured",
+        for r in results
     ]
-    return "\n".join(
-        [
-            SECTION,
-            "",
-            f"The worker's decode loop in process on a {args.shape}-shaped Llama with random "
-            f"weights ({'bf16' if args.device.startswith('cuda') else 'fp32'}), {args.rows} "
-            f"requests of {args.prompt} random tokens sampling {args.new} new tokens each "
-            f"(temperature 1, no stop), on the base model and spread over {args.adapters} "
-            f"rank-{args.rank} adapters on every linear; each way of running a step "
-            "(QT_DECODE_STEP) after a warm-up pass on other prompts of the same lengths. "
-            "The floor is the bytes a step reads (linears' weights, LoRA's A and B, keys and "
-            "values at the median context) over a large on-device copy's rate "
-            f"({figures['copy_gb_s']:,.0f} GB/s here, read and write counted); `generate()` is "
-            f"transformers' on the same prompts, base model: {figures['generate_tok_s']:,.0f} "
-            f"tokens/s. First token: {args.joiners} requests of {args.first_prompt} tokens, "
-            f"one at a time, each added at a step's boundary while {args.rows - 1} rows "
-            "decode, from add() to the end of the step that hands back its token (in process: "
-            "the queue's own round trip is bench.queue_overhead's). For graphs, the widest "
-            "captured step replayed back to back, no host work between: the device's time of a "
-            "step, so the median step minus it is what the host adds (what overlapping the "
-            "host's bookkeeping with the next step could win back).",
-            "",
-            *reproduce(COMMAND),
-            "",
-            machine_line(info) + ".",
-            "",
-            *table(columns, rows),
-            "",
-        ]
-    )
+    dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    facts = [
+        f"A {args.shape}-shaped Llama of random weights ({dtype}): {args.rows} requests of "
+        f"{args.prompt} tokens sampling {args.new} new tokens each, on the base model and over "
+        f"{args.adapters} rank-{args.rank} adapters; first token: {args.joiners} requests of "
+        f"{args.first_prompt} tokens while {args.rows - 1} rows decode.",
+        f"Copy rate {figures['copy_gb_s']:,.0f} GB/s (read and write counted); `generate()` on "
+        f"the base model {figures['generate_tok_s']:,.0f} tokens/s.",
+    ]
+    command = f"{COMMAND} --device {args.device}"
+    raw = {"steps": [asdict(r) for r in results], **figures}
+    return Report(SECTION, command, info, facts, (), [Table(COLUMNS, rows)], raw)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -352,13 +332,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         },
     )
     parser.add_argument(
-        "--kinds",
-        nargs="+",
-        choices=KINDS,
-        default=list(KINDS),
-        help="the steps to measure, in this order (graphs on CUDA only)",
+        "--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="in order; graphs: CUDA only"
     )
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     cli.add_quick(parser)
     quick = {"rows": 4, "prompt": 16, "new": 8, "adapters": 2, "first_prompt": 32, "joiners": 2}
     args = cli.parse(parser, argv, quick)
@@ -373,11 +349,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     info = announce(engine_machine(args.device))
-    print(f"device: {device_name(args.device)}", flush=True)
     results, figures = measure(args)
-    section = render(results, figures, info, args)
-    print("\n" + section)
-    publish(args.docs, args.no_docs, section)
+    emit(report(results, figures, info, args), docs_of(args), args.json)
     return 0
 
 

@@ -11,16 +11,15 @@ tests/workers/model/test_fit.py checks each row of the docs against a fresh plan
 from __future__ import annotations
 
 import argparse
-import re
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
 
-from queue_tinker.settings import Settings
+from bench.harness.report import write_between
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.workers.model.fit import (
-    MOST_RESIDENT_ADAPTERS,
     FitPlan,
     FitSettings,
     ModelShape,
@@ -94,18 +93,6 @@ MODELS: dict[str, Callable[[], PretrainedConfig]] = {
 }
 
 
-def default_settings() -> FitSettings:
-    """The settings' own defaults, whatever this process's environment says."""
-    fields = Settings.model_fields
-    return FitSettings(
-        max_resident_adapters=MOST_RESIDENT_ADAPTERS,
-        train_batch_tokens=fields["train_batch_tokens"].default,
-        sample_cache_tokens=fields["sample_cache_tokens"].default,
-        max_tokens_per_datum=fields["max_tokens_per_datum"].default,
-        activation_checkpointing=fields["activation_checkpointing"].default,
-    )
-
-
 @cache
 def shape_of(model: str) -> ModelShape:
     return model_shape(MODELS[model]())
@@ -113,7 +100,8 @@ def shape_of(model: str) -> ModelShape:
 
 def plan_for(model: str, gpus: int) -> FitPlan:
     config = MODELS[model]()
-    return plan_fit_for(config, BF16_BYTES, gpus, GPU_BYTES, default_settings(), shape_of(model))
+    settings = FitSettings.of(EngineConfig())  # the settings' own defaults, whatever QT_* says
+    return plan_fit_for(config, BF16_BYTES, gpus, GPU_BYTES, settings, shape_of(model))
 
 
 HEADER = (
@@ -152,14 +140,6 @@ def table() -> str:
     return "\n".join([HEADER, *(row(m, g) for m in MODELS for g in GPU_COUNTS)])
 
 
-def write_docs(text: str) -> None:
-    docs = DOCS.read_text()
-    block = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
-    if not block.search(docs):
-        raise SystemExit(f"{DOCS}: no {BEGIN} ... {END} block to fill")
-    DOCS.write_text(block.sub(lambda _: f"{BEGIN}\n{text}\n{END}", docs))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="put the table in the docs")
@@ -167,7 +147,7 @@ def main() -> None:
     text = table()
     print(text)
     if args.write:
-        write_docs(text)
+        write_between(DOCS, DOCS.read_text(), BEGIN, END, text)
 
 
 if __name__ == "__main__":

@@ -1,39 +1,17 @@
 """Gateway round trip: the same training round trip through the official `tinker` SDK and the
 HTTP gateway (`queue-tinker serve`), and through queue_tinker's own client (Redis directly).
 
-Both doors drive one LoRA worker process (`python -m queue_tinker.cli worker --engine lora
---device cpu`, production defaults) on the same model, in the same run, with the same data,
-LoRA rank and call sequence:
+Both doors drive one LoRA worker process (`queue_tinker.cli worker --engine lora --device cpu`)
+on the same model and data, in the same run: `queue_tinker.ServiceClient(settings)` against
+`tinker.ServiceClient(base_url=<gateway>, api_key=<tml- key>)` with the SDK's defaults. A round
+trip is the Tinker loop's forward_backward + optim_step (small, 4 x 32; large, 8 x 128) or one
+`forward` of 1 datum x 2 tokens (ping, the least model work a door can carry). Per shape each
+door gets a fresh training client and its warm-up, then the doors alternate one round trip each,
+so drift hits both alike. Reported: each door's round trips, SDK minus client, where a round
+trip goes (the Redis-clock times of its ops), the CPU each process spent on it, and the HTTP
+requests per SDK round trip.
 
-- client: `queue_tinker.ServiceClient(settings)`, talking to Redis directly;
-- SDK: `tinker.ServiceClient(base_url=<gateway>, api_key=<tml- key>)` (SDK defaults: its own
-  background event loop, long-polled `retrieve_future`, telemetry as shipped), talking HTTP to
-  a `queue-tinker serve` process (uvicorn, access log at INFO) on the same Redis and Postgres.
-
-Each door gets a fresh LoRA training client (rank 32, seed 0) per shape.
-
-A round trip is the natural Tinker loop, `fb = tc.forward_backward(batch, "cross_entropy");
-opt = tc.optim_step(adam); fb.result(); opt.result()` (both submitted before waiting on
-either), or, for the "ping" shape, one `tc.forward([1 datum of 2 tokens]).result()`: the least
-model work a door can carry, so what is left is the door's own cost. Shapes: ping (forward
-1 x 2 tokens), small (4 x 32: queue and protocol overhead dominate), large (8 x 128).
-
-Per shape, each door first runs its warm-up round trips, then the doors alternate one round
-trip each (client, SDK, client, SDK, ...), so drift from other jobs on the machine hits both
-alike and every round trip follows one of the other door. Reported per door: p50/p90/p99 and
-mean ms per round trip; the ratio SDK / client; the gateway's absolute overhead per round trip
-(SDK minus client: of the p50s, of the means, and the median of the per-round paired
-differences, the figure drift disturbs least). Also, from the Redis-clock `queued_at` /
-`started_at` / `finished_at` the queue writes into every job hash and this process's wall clock
-(same host), where a round trip goes; the CPU time this process (client or SDK, all threads),
-the gateway, the worker, the run's Postgres backends and Redis spent per round trip; the HTTP
-requests the gateway answered per SDK round trip, from its access log; and the CPU the rest of
-the machine used meanwhile (everything but this process, the gateway and the worker).
-
-Results go to the `## Gateway: the official SDK against the Python client` section of
-docs/benchmarks.md (bench/gateway_report.py renders it).
-
-    .venv/bin/python -m bench.gateway_round_trip --out gateway_round_trip.json
+    .venv/bin/python -m bench.gateway_round_trip --json gateway_round_trip.json
     .venv/bin/python -m bench.gateway_round_trip --quick    # smoke run, docs left alone
 """
 
@@ -42,11 +20,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,36 +36,109 @@ import tinker
 from sqlalchemy.engine import make_url
 from tinker import types as sdk_types
 
-from bench.gateway_report import (
-    CLIENT,
-    NO_OP,
-    SDK,
-    DoorResult,
-    Shape,
-    ShapeResult,
-    Trip,
-    markdown,
-    render,
-    results_json,
-)
 from bench.harness import cli
 from bench.harness.data import RANK, token_rows
 from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
 from bench.harness.meters import CpuMeter, find_pids, process_cpu_s
-from bench.harness.report import publish, save
-from bench.harness.run import service_run
-from bench.harness.services import deployment, service_client
+from bench.harness.report import Report, Table, docs_of, emit
+from bench.harness.run import Run, service_run
+from bench.harness.services import service_client
+from bench.harness.stats import Latency
 from bench.harness.workers import lora_worker
 from queue_tinker import types as qt_types
 from queue_tinker.client import ServiceClient
 from queue_tinker.queue.keys import Keys
-from queue_tinker.settings import Settings
 
+SECTION = "## Gateway: the official SDK against the Python client"
+COMMAND = ".venv/bin/python -m bench.gateway_round_trip"
+CLIENT, SDK = "client", "SDK"
 DEFAULT_MODEL = "queue-tinker/tiny-llama"
 SEED = 0
-LEARNING_RATE = 1e-4
 RESULT_TIMEOUT_S = 120.0
+# Where a round trip goes, in order (they add up to it; the docs say what each is).
+STAGES = ("in", "pick-up", "op 1", "op 1 -> op 2", "op 2", "out")
+NO_OP = float("nan")  # a stage a round trip does not have (a forward has no second op)
 OpTimes = tuple[float, ...]  # an op's (queued_at, started_at, finished_at), Redis clock
+
+
+# --- what is measured --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """One kind of round trip: `op` "forward" (one op) or "step" (forward_backward +
+    optim_step), on `batch` datums of `seq` tokens."""
+
+    label: str
+    op: str
+    batch: int
+    seq: int
+
+    @property
+    def ops(self) -> int:
+        return 1 if self.op == "forward" else 2
+
+    @property
+    def calls(self) -> str:
+        return "`forward`" if self.op == "forward" else "`forward_backward` + `optim_step`"
+
+
+@dataclass
+class Trip:
+    """One round trip as this process saw it, and the CPU the parts spent meanwhile."""
+
+    wall: float  # time.time() before the first submit (lines up with Redis TIME)
+    total_s: float  # first submit -> every result in hand
+    cpu_s: dict[str, float]  # CPU seconds each part spent meanwhile (see Parts)
+
+
+@dataclass
+class DoorResult:
+    """One door's round trips of one shape."""
+
+    model_id: str
+    first_loss: float
+    trips: list[Trip] = field(default_factory=list)
+    stages: list[tuple[float, ...]] = field(default_factory=list)  # seconds, STAGES
+
+    @property
+    def latency(self) -> Latency:
+        return Latency([t.total_s for t in self.trips])
+
+    def cpu_ms(self) -> dict[str, float]:
+        """Mean CPU ms per round trip, by part."""
+        n = max(1, len(self.trips))
+        labels = self.trips[0].cpu_s if self.trips else {}
+        return {label: sum(t.cpu_s[label] for t in self.trips) * 1000 / n for label in labels}
+
+    def stage_medians_ms(self) -> list[float]:
+        """Median of each stage in ms (NaN for a stage these round trips do not have)."""
+        if not self.stages:
+            return [NO_OP] * len(STAGES)
+        return [float(v) for v in np.median(np.asarray(self.stages), axis=0) * 1000]
+
+
+@dataclass
+class ShapeResult:
+    shape: Shape
+    doors: dict[str, DoorResult]
+    requests: Counter[str]  # gateway access log during the measured rounds
+    foreign_cores: float  # CPU other processes used during the measured rounds
+
+    def ratio(self) -> float:
+        return self.doors[SDK].latency.p50 / self.doors[CLIENT].latency.p50
+
+    def overhead_ms(self) -> dict[str, float]:
+        """SDK minus client per round trip: p50s, means, median of paired differences."""
+        sdk, client = self.doors[SDK], self.doors[CLIENT]
+        paired = [s.total_s - c.total_s for s, c in zip(sdk.trips, client.trips, strict=True)]
+        return {
+            "p50": sdk.latency.p50 - client.latency.p50,
+            "mean": sdk.latency.mean - client.latency.mean,
+            "paired_p50": statistics.median(paired) * 1000,
+        }
+
+    def requests_per_trip(self) -> dict[str, float]:
+        n = max(1, len(self.doors[SDK].trips))
+        return {name: count / n for name, count in sorted(self.requests.items())}
 
 
 # --- the two doors -----------------------------------------------------------------------------
@@ -100,9 +153,9 @@ class Door:
     adam: Any
 
 
-def door_data(types: Any, rows: np.ndarray) -> list[Any]:
-    """The batch in one API's own types (queue_tinker's or the SDK's: the same names)."""
-    return [
+def door(name: str, types: Any, trainer: Any, rows: np.ndarray) -> Door:
+    """The door, its batch and Adam params in one API's own types (the same names in both)."""
+    data = [
         types.Datum(
             model_input=types.ModelInput.from_ints(row[:-1].tolist()),
             loss_fn_inputs={
@@ -112,19 +165,18 @@ def door_data(types: Any, rows: np.ndarray) -> list[Any]:
         )
         for row in rows
     ]
+    return Door(name, trainer, data, types.AdamParams(learning_rate=1e-4))
 
 
-def client_door(service: ServiceClient, model: str, rows: np.ndarray) -> Door:
-    trainer = service.create_lora_training_client(model, rank=RANK, seed=SEED)
-    data = door_data(qt_types, rows)
-    return Door(CLIENT, trainer, data, qt_types.AdamParams(learning_rate=LEARNING_RATE))
-
-
-def sdk_door(service: tinker.ServiceClient, model: str, rows: np.ndarray) -> Door:
+def doors(
+    service: ServiceClient, sdk: tinker.ServiceClient, model: str, shape: Shape
+) -> list[Door]:
+    """A fresh training client of each API on the shape's batch."""
+    rows = token_rows(shape.batch, shape.seq)
+    client = service.create_lora_training_client(model, rank=RANK, seed=SEED)
     # SDK 0.38: create_lora_training_client returns a future.
-    trainer = service.create_lora_training_client(base_model=model, rank=RANK, seed=SEED).result()
-    data = door_data(sdk_types, rows)
-    return Door(SDK, trainer, data, sdk_types.AdamParams(learning_rate=LEARNING_RATE))
+    trainer = sdk.create_lora_training_client(base_model=model, rank=RANK, seed=SEED).result()
+    return [door(CLIENT, qt_types, client, rows), door(SDK, sdk_types, trainer, rows)]
 
 
 def round_trip(door: Door, op: str) -> float:
@@ -138,9 +190,6 @@ def round_trip(door: Door, op: str) -> float:
     out = fb.result(timeout=RESULT_TIMEOUT_S)
     optim.result(timeout=RESULT_TIMEOUT_S)
     return float(out.metrics["loss:sum"])
-
-
-THIS_PROCESS = "this process"
 
 
 @dataclass
@@ -164,7 +213,7 @@ class Parts:
         }
 
     def cpu_s(self) -> dict[str, float]:
-        totals = {THIS_PROCESS: time.process_time()}
+        totals = {"this process": time.process_time()}
         for label, pids in self.others.items():
             totals[label] = 0.0
             for pid in pids:
@@ -186,41 +235,29 @@ def timed_trip(door: Door, op: str, parts: Parts) -> tuple[Trip, float]:
 
 # --- one shape ---------------------------------------------------------------------------------
 def measure_shape(
-    shape: Shape,
-    doors: list[Door],
-    parts: Parts,
-    warmup: int,
-    rounds: int,
-    gateway_log: Callable[[], str],
+    args: argparse.Namespace, shape: Shape, doors: list[Door], parts: Parts, log: Callable[[], str]
 ) -> ShapeResult:
-    """Warm-up round trips, then `rounds` rounds of one round trip per door, alternating."""
+    """Warm-up round trips, then `--rounds` rounds of one round trip per door, alternating;
+    `log` reads the gateway's access log."""
     first: dict[str, float] = {}
-    for _ in range(warmup):
+    for _ in range(args.warmup):
         for door in doors:
             _, loss = timed_trip(door, shape.op, parts)
             first.setdefault(door.name, loss)
     results = {
         d.name: DoorResult(d.trainer.model_id, first.get(d.name, float("nan"))) for d in doors
     }
-    before = requests_by_endpoint(gateway_log())
+    before = requests_by_endpoint(log())
     parts.refresh()
     meter = CpuMeter([os.getpid(), parts.gateway, parts.worker])
     mark = meter.mark()
-    for r in range(rounds):
+    for _ in range(args.rounds):
         for door in doors:
             trip, _ = timed_trip(door, shape.op, parts)
             results[door.name].trips.append(trip)
-        if (r + 1) % max(1, rounds // 4) == 0:
-            print(
-                f"    {r + 1}/{rounds} rounds: "
-                + ", ".join(
-                    f"{name} p50 {res.latency.p50:.1f} ms" for name, res in results.items()
-                ),
-                flush=True,
-            )
     foreign = meter.foreign_since(mark)
     time.sleep(0.2)  # the gateway writes its last access lines
-    return ShapeResult(shape, results, requests_by_endpoint(gateway_log()) - before, foreign)
+    return ShapeResult(shape, results, requests_by_endpoint(log()) - before, foreign)
 
 
 def add_stages(redis_url: str, keys: Keys, result: ShapeResult, warmup: int) -> None:
@@ -231,11 +268,7 @@ def add_stages(redis_url: str, keys: Keys, result: ShapeResult, warmup: int) -> 
     for door in result.doors.values():
         times = ops.get(door.model_id, [])[warmup * per :]
         if len(times) != len(door.trips) * per:
-            print(
-                f"warning: {door.model_id}: {len(times)} ops for {len(door.trips)} round "
-                "trips; no stage split",
-                file=sys.stderr,
-            )
+            print(f"warning: {door.model_id}: ops and round trips differ", file=sys.stderr)
             continue
         for i, trip in enumerate(door.trips):
             door.stages.append(split(trip, times[i * per : (i + 1) * per]))
@@ -245,13 +278,8 @@ def split(trip: Trip, ops: list[OpTimes]) -> tuple[float, ...]:
     """The round trip's STAGES, from its ops' (queued_at, started_at, finished_at)."""
     first, last = ops[0], ops[-1]
     between = (last[1] - first[2], last[2] - last[1]) if len(ops) == 2 else (NO_OP, NO_OP)
-    return (
-        first[0] - trip.wall,
-        first[1] - first[0],
-        first[2] - first[1],
-        *between,
-        trip.wall + trip.total_s - last[2],
-    )
+    way_in, way_out = first[0] - trip.wall, trip.wall + trip.total_s - last[2]
+    return (way_in, first[1] - first[0], first[2] - first[1], *between, way_out)
 
 
 def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list[OpTimes]]:
@@ -259,11 +287,8 @@ def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list
     the job hashes under the run's key prefix."""
     client = redis.Redis.from_url(redis_url)
     try:
-        names = [
-            k
-            for k in client.scan_iter(match=keys.job("*"), count=1000)
-            if not k.endswith(b":reply")
-        ]
+        found_keys = client.scan_iter(match=keys.job("*"), count=1000)
+        names = [k for k in found_keys if not k.endswith(b":reply")]
         pipe = client.pipeline(transaction=False)
         for name in names:
             pipe.hmget(name, ["model_id", "kind", "seq", "queued_at", "started_at", "finished_at"])
@@ -279,62 +304,32 @@ def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list
 
 
 # --- the run -----------------------------------------------------------------------------------
-def shapes(args: argparse.Namespace) -> list[Shape]:
-    return [
+def measure(args: argparse.Namespace, run: Run) -> list[ShapeResult]:
+    """One worker and one gateway on a fresh key prefix; every shape, each with fresh training
+    clients."""
+    shapes = [
         Shape("ping", "forward", 1, 2),
         Shape("small", "step", *args.small_batch),
         Shape("large", "step", *args.large_batch),
     ]
-
-
-def measure(args: argparse.Namespace, database_url: str, data_dir: Path) -> list[ShapeResult]:
-    """One worker and one gateway on a fresh key prefix; every shape."""
-    results = []
-    with deployment(args.redis_url, database_url, "gateway", data_dir) as settings:
-        began = time.perf_counter()
-        with (
-            lora_worker(settings, args.model, data_dir / "worker.log") as worker,
-            gateway_proc(settings, data_dir / "gateway.log") as (gateway, url),
-        ):
-            print(
-                f"worker and gateway ready in {time.perf_counter() - began:.0f} s ({url})",
-                flush=True,
-            )
-            parts = Parts(gateway.pid, worker.pid, make_url(database_url).database or "")
-            key = make_key(settings, f"bench-{uuid.uuid4().hex[:8]}")
-            with (
-                service_client(settings) as service,
-                tinker.ServiceClient(base_url=url, api_key=key) as sdk,
-            ):
-                for shape in shapes(args):
-                    results.append(
-                        run_shape(args, settings, shape, service, sdk, parts, gateway.log)
-                    )
+    results, tenant = [], f"bench-{uuid.uuid4().hex[:8]}"
+    with (
+        run.deployment("gateway") as settings,
+        lora_worker(settings, args.model, run.data_dir / "worker.log") as worker,
+        gateway_proc(settings, run.data_dir / "gateway.log") as (gateway, url),
+        service_client(settings) as service,
+        tinker.ServiceClient(base_url=url, api_key=make_key(settings, tenant)) as sdk,
+    ):
+        parts = Parts(gateway.pid, worker.pid, make_url(run.database_url).database or "")
+        for shape in shapes:
+            print(f"[{shape.label}] {shape.batch} × {shape.seq} tokens ...", flush=True)
+            pair = doors(service, sdk, args.model, shape)
+            result = measure_shape(args, shape, pair, parts, gateway.log)
+            add_stages(args.redis_url, Keys(settings.key_prefix), result, args.warmup)
+            results.append(result)
     return results
 
 
-def run_shape(
-    args: argparse.Namespace,
-    settings: Settings,
-    shape: Shape,
-    service: ServiceClient,
-    sdk: tinker.ServiceClient,
-    parts: Parts,
-    gateway_log: Callable[[], str],
-) -> ShapeResult:
-    print(
-        f"[{shape.label}] {shape.calls} on {shape.batch} × {shape.seq} tokens: "
-        f"{args.warmup} warm-up + {args.rounds} rounds per door ...",
-        flush=True,
-    )
-    rows = token_rows(shape.batch, shape.seq)
-    doors = [client_door(service, args.model, rows), sdk_door(sdk, args.model, rows)]
-    result = measure_shape(shape, doors, parts, args.warmup, args.rounds, gateway_log)
-    add_stages(args.redis_url, Keys(settings.key_prefix), result, args.warmup)
-    return result
-
-
-# --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.gateway_round_trip", __doc__)
     cli.add_services(parser)
@@ -349,8 +344,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     cli.add_batch(parser, "--small-batch", (4, 32))
     cli.add_batch(parser, "--large-batch", (8, 128))
     cli.add_data_dir(parser)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
+    parser.add_argument("--out", dest="json", type=Path, help="the same as --json")
     cli.add_quick(parser, "smoke run (10 rounds, 3 warm-up)")
     args = cli.parse(parser, argv, quick={"rounds": 10, "warmup": 3})
     if args.rounds < 1 or args.warmup < 1:
@@ -359,16 +354,109 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Every shape through both doors; hand back the report (stdout, docs, JSON if asked)."""
     args = parse_args(argv)
     packages = ("torch", "tinker", "fastapi", "uvicorn", "httpx")
     with service_run(args, packages, "qt-bench-gateway-") as run:
-        results = measure(args, run.database_url, run.data_dir)
-    total_s, info = run.total_s, run.info
-    print("\n" + markdown(results, args.model) + f"\n\ntotal {total_s:.0f} s")
-    save(args.out, results_json(info, args, results, total_s))
-    section = render(info, args.model, args.rounds, args.warmup, results, total_s)
-    publish(args.docs, args.no_docs, section)
+        results = measure(args, run)
+    emit(report(args, run, results), docs_of(args), args.json)
     return 0
+
+
+# --- the report --------------------------------------------------------------------------------
+def report(args: argparse.Namespace, run: Run, results: list[ShapeResult]) -> Report:
+    """What the SDK and gateway add, round trips per door, where they go, the requests."""
+    facts = [
+        f"`{args.model}`, rank {RANK}; {args.warmup} warm-up round trips per door and shape, "
+        f"then {args.rounds} per door, alternating.",
+        f"The run took {run.total_s:.0f} s; the SDK or client, the gateway, the worker, Redis "
+        "and Postgres share its cores.",
+    ]
+    headline = "; ".join(
+        f"{r.shape.label} ({r.shape.calls}): **{r.overhead_ms()['paired_p50']:+.1f} ms** per "
+        f"round trip ({r.ratio():.2f}× the client's p50)"
+        for r in results
+    )
+    body: list[Table | str] = [
+        f"What the SDK and gateway add (paired median): {headline}.",
+        round_trips(results, args.model),
+        stages(results),
+        "\n".join(map(notes, results)),
+    ]
+    shapes = [
+        {
+            "shape": asdict(r.shape),
+            "ratio_p50": r.ratio(),
+            "overhead_ms": r.overhead_ms(),
+            "http_requests_per_sdk_trip": r.requests_per_trip(),
+            "other_processes_cores": r.foreign_cores,
+            "doors": {name: door_json(d) for name, d in r.doors.items()},
+        }
+        for r in results
+    ]
+    results_dict = {"model": args.model, "stages": STAGES, "shapes": shapes}
+    return Report(SECTION, COMMAND, run.info, facts, (), body, results_dict)
+
+
+def door_json(d: DoorResult) -> dict[str, Any]:
+    """Every round trip of one door, and its summaries (a missing stage as null)."""
+    return {
+        **asdict(d),
+        "stages": [[None if np.isnan(v) else v for v in trip] for trip in d.stages],
+        "latency": d.latency.summary(),
+        "cpu_ms_per_trip": d.cpu_ms(),
+        "stages_p50_ms": [None if np.isnan(v) else v for v in d.stage_medians_ms()],
+    }
+
+
+def round_trips(results: list[ShapeResult], model: str) -> Table:
+    """Per shape and door: round-trip percentiles; on the SDK row, the ratio and overhead."""
+    rows = []
+    for r in results:
+        o, s = r.overhead_ms(), r.shape
+        diffs = " / ".join(f"{o[k]:+.1f}" for k in ("p50", "mean", "paired_p50"))
+        gap = (f"**{r.ratio():.2f}×**", diffs)
+        for name, door in r.doors.items():
+            lat = door.latency
+            figures = (f"{v:.1f}" for v in (lat.p50, lat.p90, lat.p99, lat.mean))
+            shape = (s.label, s.calls, f"{s.batch} × {s.seq}", len(door.trips))
+            rows.append((*shape, name, *figures, *(gap if name == SDK else ("", ""))))
+    columns = "shape | calls | datums × tokens | rounds | door | p50 | p90 | p99 | mean"
+    return Table(
+        [*columns.split(" | "), "SDK / client (p50)", "SDK − client ms"],
+        rows,
+        caption=f"Round trip per door, `{model}`, ms (SDK − client: of the p50s / of the means "
+        "/ median of the per-round paired differences):",
+    )
+
+
+def stages(results: list[ShapeResult]) -> Table:
+    """Where a round trip goes (medians) and the CPU each process spent on it (means)."""
+    cpu = list(results[0].doors[CLIENT].cpu_ms()) if results else []
+    rows = [
+        [r.shape.label, name, *("–" if np.isnan(v) else f"{v:.1f}" for v in d.stage_medians_ms())]
+        + [f"{v:.1f}" for v in d.cpu_ms().values()]
+        for r in results
+        for name, d in r.doors.items()
+    ]
+    return Table(
+        ("shape", "door", *STAGES, *(f"CPU: {label}" for label in cpu)),
+        rows,
+        caption="Where a round trip goes, median ms, and the CPU each part spent per round "
+        "trip, mean ms:",
+    )
+
+
+def notes(r: ShapeResult) -> str:
+    """HTTP requests per SDK round trip, first losses (equal: same data, zero-init LoRA B) and
+    the machine's other load."""
+    per_trip = ", ".join(f"`{name}` {n:.2f}" for name, n in r.requests_per_trip().items())
+    client, sdk = r.doors[CLIENT].first_loss, r.doors[SDK].first_loss
+    return (
+        f"- {r.shape.label}: HTTP requests per SDK round trip: {per_trip or 'none'}; first loss "
+        f"client {client:.4f} / SDK {sdk:.4f}; other processes used {r.foreign_cores:.2f} cores "
+        "meanwhile"
+    )
 
 
 if __name__ == "__main__":

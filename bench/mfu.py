@@ -47,7 +47,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -60,7 +60,7 @@ from bench.harness.engine import PassPlan
 from bench.harness.machine import announce, device_name, engine_machine
 from bench.harness.meters import timed
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
-from bench.harness.report import machine_line, publish, reproduce
+from bench.harness.report import Report, Table, docs_of, emit, reproduce
 from bench.harness.workers import quiet_transformers
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.requests.training import AdamParams, LoraConfig
@@ -200,6 +200,24 @@ class Result:
         return self.tokens / statistics.median(self.bare_fb_s) if self.bare_fb_s else None
 
 
+def medians(
+    calls: dict[str, Callable[[], object]],
+    adapters: Sequence[Adapter],
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """Each call's median seconds over `args.steps` rounds after `args.warmup`, the calls
+    alternating within a round; the adapters' gradients cleared after each."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(args.warmup + args.steps):
+        for name, call in calls.items():
+            seconds = timed(call, device)
+            engine.clear_grads(adapters)
+            if i >= args.warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def engine_step(
     pool: AdapterPool,
     adapter: Adapter,
@@ -286,13 +304,11 @@ def measure_bare(
             torch.cuda.empty_cache()
     result.bare_checkpointing = checkpointing
     engine.clear_grads([adapter])
+    plain = partial(
+        plain_forward_backward, pool, adapter, data, device, checkpointing=checkpointing
+    )
     for i in range(args.warmup + args.steps):
-        seconds = timed(
-            lambda: plain_forward_backward(
-                pool, adapter, data, device, checkpointing=checkpointing
-            ),
-            device,
-        )
+        seconds = timed(plain, device)
         engine.clear_grads([adapter])
         if i >= args.warmup:
             result.bare_fb_s.append(seconds)
@@ -315,25 +331,20 @@ def measure_adapters(
     adapters = [first, *have, *more]
     batches = [(a, part) for a, part in zip(adapters, parts, strict=True) if part]
 
-    def together() -> None:
-        engine.forward_backward(pool, batches, device, replace(plan, stacked_lora=False))
-
-    def stacked() -> None:
-        engine.forward_backward(pool, batches, device, replace(plan, stacked_lora=True))
-
     def apart() -> None:
         for batch in batches:
             engine.forward_backward(pool, [batch], device, plan)
 
-    times: dict[str, list[float]] = {"one pass": [], "one pass, stacked": [], "one at a time": []}
-    runs = (("one pass", together), ("one pass, stacked", stacked), ("one at a time", apart))
-    for i in range(args.warmup + args.steps):
-        for name, fn in runs:
-            seconds = timed(fn, device)
-            engine.clear_grads(adapters)
-            if i >= args.warmup:
-                times[name].append(seconds)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    calls: dict[str, Callable[[], object]] = {
+        "one pass": partial(
+            engine.forward_backward, pool, batches, device, replace(plan, stacked_lora=False)
+        ),
+        "one pass, stacked": partial(
+            engine.forward_backward, pool, batches, device, replace(plan, stacked_lora=True)
+        ),
+        "one at a time": apart,
+    }
+    return medians(calls, adapters, device, args)
 
 
 def measure_loss_paths(
@@ -353,17 +364,11 @@ def measure_loss_paths(
         "joined": rl_datums(rows, 7, [False] * args.datums),
         "datum by datum": rl_datums(rows, 7, [i % 2 == 1 for i in range(args.datums)]),
     }
-    times: dict[str, list[float]] = {name: [] for name in ops}
-    for i in range(args.warmup + args.steps):
-        for name, data in ops.items():
-            op = [(adapter, data)]
-            seconds = timed(
-                partial(engine.forward_backward, pool, op, device, plan, LossFn.PPO), device
-            )
-            engine.clear_grads([adapter])
-            if i >= args.warmup:
-                times[name].append(seconds)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    calls: dict[str, Callable[[], object]] = {
+        name: partial(engine.forward_backward, pool, [(adapter, data)], device, plan, LossFn.PPO)
+        for name, data in ops.items()
+    }
+    return medians(calls, [adapter], device, args)
 
 
 def measure_variant(
@@ -537,16 +542,14 @@ def adapters_or_none(
     return times
 
 
-# --- output ------------------------------------------------------------------------------------
+# --- the report --------------------------------------------------------------------------------
 def figures(result: Result, device_name: str) -> dict[str, Any]:
     """Achieved TFLOPS and MFU of the forward_backward, both FLOPs counts."""
-    shape = SHAPES[result.shape]
     peak = peak_tflops(device_name)
     out: dict[str, Any] = {"peak_tflops": peak}
-    per_s = result.tokens_per_s()
-    for name, per_token in flops_per_token(shape, result.seq, result.lora_params).items():
-        achieved = per_token * per_s / 1e12
-        out[f"tflops_{name}"] = achieved
+    flops = flops_per_token(SHAPES[result.shape], result.seq, result.lora_params)
+    for name, per_token in flops.items():
+        out[f"tflops_{name}"] = achieved = per_token * result.tokens_per_s() / 1e12
         out[f"mfu_{name}"] = achieved / peak if peak else None
     return out
 
@@ -555,124 +558,8 @@ def pct(value: float | None) -> str:
     return "–" if value is None else f"{value * 100:.1f}%"
 
 
-def summary_lines(result: Result, device_name: str) -> list[str]:
-    f = figures(result, device_name)
-    batch = f"{result.batch} × {result.seq}" + (
-        f" ({result.shrunk_from} × {result.seq} did not fit)" if result.shrunk_from else ""
-    )
-    peak = "–" if result.peak_gib is None else f"{result.peak_gib:.1f}"
-    lines = [
-        f"The worker's plan with its default kernels ({result.kernels}):",
-        "",
-        "| device | shape (params, LoRA params) | batch | forward_backward ms | optim_step ms "
-        "| tokens/s (forward_backward) | tokens/s (with optim_step) | TFLOPS (LoRA count) "
-        "| MFU (LoRA count) | MFU (6N) | peak memory GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        f"| {device_name} | {result.shape} ({result.params:,}, {result.lora_params:,}) "
-        f"| {batch} | {statistics.median(result.fb_s) * 1000:,.1f} "
-        f"| {statistics.median(result.optim_s) * 1000:,.1f} | {result.tokens_per_s():,.0f} "
-        f"| {result.tokens_per_s(with_optim=True):,.0f} | {f['tflops_lora']:,.1f} "
-        f"| **{pct(f['mfu_lora'])}** | {pct(f['mfu_6N'])} | {peak} |",
-    ]
-    bare = result.bare_tokens_per_s()
-    if bare is not None:
-        how = (
-            "with its own checkpointing of every layer"
-            if result.bare_checkpointing
-            else ("without checkpointing")
-        )
-        lines += [
-            "",
-            f"Plain transformers + PEFT on the same model, adapter and batch ({how}: SDPA, "
-            f"whole logits): forward_backward {statistics.median(result.bare_fb_s) * 1000:,.1f} "
-            f"ms, {bare:,.0f} tokens/s; the engine ÷ plain: "
-            f"**{result.tokens_per_s() / bare:.2f}×** the tokens/s.",
-        ]
-    if result.multi:
-        one, apart = result.multi["one pass"], result.multi["one at a time"]
-        lines += [
-            "",
-            f"{result.adapters} adapters' forward_backward ops on the same "
-            f"{result.tokens:,} tokens (the batch split between them): one cross-adapter "
-            f"pass {one * 1000:,.1f} ms, one at a time {apart * 1000:,.1f} ms "
-            f"(**{apart / one:.2f}×**); {stacked_line(result.multi)}.",
-        ]
-    if result.rl:
-        one, apart = result.rl["one pass"], result.rl["one at a time"]
-        lines += [
-            "",
-            f"RL-sized ops, {result.rl_shape}: one cross-adapter pass {one * 1000:,.1f} ms, "
-            f"one at a time {apart * 1000:,.1f} ms (**{apart / one:.2f}×**); "
-            f"{stacked_line(result.rl)}.",
-        ]
-    if result.loss_paths:
-        joined, by_datum = result.loss_paths["joined"], result.loss_paths["datum by datum"]
-        lines += [
-            "",
-            f"One ppo op of {result.loss_paths_shape}: its loss over all the datums' tokens at "
-            f"once {joined * 1000:,.1f} ms, datum by datum (the datums' inputs differ) "
-            f"{by_datum * 1000:,.1f} ms (**{by_datum / joined:.2f}×**).",
-        ]
-    if result.long_pass is not None:
-        v = result.long_pass
-        how = v.error or (
-            f"{v.median_ms():,.1f} ms ({v.checkpointed} layers checkpointed), peak "
-            f"{v.peak_gib or 0:.1f} GiB"
-        )
-        lines += ["", f"One row of {v.name.split(' ', 2)[2]}: {how}."]
-    if result.layer_bytes is not None:
-        measured, planned = result.layer_bytes
-        plain = (
-            ""
-            if result.layer_bytes_plain is None
-            else f" ({result.layer_bytes_plain:,.0f} with transformers' own kernels)"
-        )
-        lines += [
-            "",
-            f"Activation bytes a token keeps per decoder layer (1 × 2,048 tokens, nothing "
-            f"checkpointed, peak over the memory before the pass): measured {measured:,.0f}"
-            f"{plain}, the checkpointing plan's estimate {planned:,} "
-            f"({measured / planned:.2f}×).",
-        ]
-    if len(result.variants) > 1:
-        lines += ["", *variant_table(result)]
-    return lines
-
-
-def stacked_line(times: dict[str, float]) -> str:
-    """The pass with its adapters' LoRA stacked, against one at a time and the row blocks."""
-    stacked, apart = times["one pass, stacked"], times["one at a time"]
-    return (
-        f"the LoRA stacked (`PassPlan.stacked_lora`) {stacked * 1000:,.1f} ms "
-        f"({apart / stacked:.2f}× one at a time, {times['one pass'] / stacked:.2f}× the row "
-        "blocks)"
-    )
-
-
-def variant_table(result: Result) -> list[str]:
-    """Each variant's forward_backward on the headline batch, against the worker's plan."""
-    first = result.variants[0]
-    lines = [
-        "| plan | layers checkpointed | forward_backward ms | tokens/s | ÷ the worker's plan "
-        "| first call s | peak memory GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for v in result.variants:
-        if v.error is not None:
-            lines.append(f"| {v.name} | {v.checkpointed} | {v.error} | – | – | – | – |")
-            continue
-        ratio = (
-            f"{statistics.median(first.fb_s) / statistics.median(v.fb_s):.2f}×"
-            if first.fb_s
-            else "–"
-        )
-        peak = "–" if v.peak_gib is None else f"{v.peak_gib:.1f}"
-        lines.append(
-            f"| {v.name} | {v.checkpointed} | {v.median_ms():,.1f} "
-            f"| {result.tokens / statistics.median(v.fb_s):,.0f} | {ratio} "
-            f"| {v.first_s or 0:.1f} | {peak} |"
-        )
-    return lines
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f} ms"
 
 
 def section(shape: str) -> str:
@@ -680,112 +567,172 @@ def section(shape: str) -> str:
     return SECTION if shape == DEFAULT_SHAPE else f"{SECTION}, {shape} shape"
 
 
-def render(result: Result, info: dict[str, str], args: argparse.Namespace) -> str:
-    shape = SHAPES[result.shape]
-    per_token = flops_per_token(shape, result.seq, result.lora_params)
-    return "\n".join(
-        [
-            section(args.shape),
-            "",
-            f"Training tokens/s and model FLOPs utilisation of the engine's own LoRA "
-            f"forward_backward (`queue_tinker.workers.training.shared_pass.shared_pass` "
-            f"on an adapter "
-            f"added by `queue_tinker.workers.model.adapters.AdapterPool`, as a worker runs the op) "
-            f"on a {args.shape}-shaped "
-            f"Llama with random weights in bf16 (built from `LlamaConfig`, no download), rank-"
-            f"{result.rank} LoRA on every attention, MLP and unembedding linear, cross-entropy "
-            f"on random tokens; {args.warmup} warm-up steps, then the median of {args.steps}.",
-            "",
-            f"FLOPs per token at this shape: LoRA count 4·N_mm + 6·N_lora + 12·L·d·T = "
-            f"{per_token['lora'] / 1e9:,.2f} GFLOP (frozen base: forward and activation gradient, "
-            f"no weight gradient; attention over the whole sequence, as PaLM counts it); 6N "
-            f"convention 6·N_total = {per_token['6N'] / 1e9:,.2f} GFLOP (what full fine-tuning "
-            f"would pay; no attention term). Peak: dense bf16 from the GPU's data sheet.",
-            "",
-            *reproduce(COMMAND if args.shape == DEFAULT_SHAPE else RL_COMMAND),
-            "",
-            machine_line(info) + ".",
-            "",
-            *summary_lines(result, device_name(args.device)),
-            "",
-        ]
-    )
+def report(result: Result, info: dict[str, str], args: argparse.Namespace) -> Report:
+    """The headline row, the figures beside it, and each variant against the worker's plan."""
+    device = device_name(args.device)
+    flops = flops_per_token(SHAPES[result.shape], result.seq, result.lora_params)
+    f = figures(result, device)
+    shrunk = f" ({result.shrunk_from} × {result.seq} did not fit)" if result.shrunk_from else ""
+    headline = Table(
+        (
+            "device", "shape (params, LoRA params)", "batch", "forward_backward ms",
+            "optim_step ms", "tokens/s (forward_backward)", "tokens/s (with optim_step)",
+            "TFLOPS (LoRA count)", "MFU (LoRA count)", "MFU (6N)", "peak memory GiB",
+        ),
+        [(
+            device, f"{result.shape} ({result.params:,}, {result.lora_params:,})",
+            f"{result.batch} × {result.seq}{shrunk}",
+            f"{statistics.median(result.fb_s) * 1000:,.1f}",
+            f"{statistics.median(result.optim_s) * 1000:,.1f}", f"{result.tokens_per_s():,.0f}",
+            f"{result.tokens_per_s(with_optim=True):,.0f}", f"{f['tflops_lora']:,.1f}",
+            f"**{pct(f['mfu_lora'])}**", pct(f["mfu_6N"]),
+            "–" if result.peak_gib is None else f"{result.peak_gib:.1f}",
+        )],
+        caption=f"The worker's plan with its default kernels ({result.kernels}):",
+    )  # fmt: skip
+    body: list[Table | str] = [
+        f"FLOPs per token at this shape: LoRA count {flops['lora'] / 1e9:,.2f} GFLOP, 6N "
+        f"convention {flops['6N'] / 1e9:,.2f} GFLOP.",
+        headline,
+        *figure_lines(result),
+    ]
+    if len(result.variants) > 1:
+        body.append(variant_table(result))
+    facts = [f"{args.warmup} warm-up steps, then the median of {args.steps}; rank {result.rank}."]
+    results = {"result": asdict(result), "figures": f, "flops_per_token": flops}
+    command = COMMAND if args.shape == DEFAULT_SHAPE else RL_COMMAND
+    return Report(section(args.shape), command, info, facts, (), body, results)
 
 
-def not_measured_section(reason: str) -> str:
-    """The section a run without a GPU leaves: what would be measured and how."""
+def figure_lines(result: Result) -> list[str]:
+    """The measured figures beside the headline: plain PEFT, shared passes, loss paths, one
+    long row, the activation bytes a layer keeps."""
+    lines = []
+    if (bare := result.bare_tokens_per_s()) is not None:
+        how = (
+            "with its own checkpointing of every layer"
+            if result.bare_checkpointing
+            else ("without checkpointing")
+        )
+        lines.append(
+            f"Plain transformers + PEFT on the same model, adapter and batch ({how}: SDPA, "
+            f"whole logits): forward_backward {ms(statistics.median(result.bare_fb_s))}, "
+            f"{bare:,.0f} tokens/s; the engine ÷ plain: **{result.tokens_per_s() / bare:.2f}×** "
+            "the tokens/s."
+        )
+    for times, what in (
+        (result.multi, f"{result.adapters} adapters' ops on the same {result.tokens:,} tokens"),
+        (result.rl, f"RL-sized ops, {result.rl_shape}"),
+    ):
+        if times:
+            one, apart, stacked = (
+                times[k] for k in ("one pass", "one at a time", "one pass, stacked")
+            )
+            lines.append(
+                f"{what}: one cross-adapter pass {ms(one)}, one at a time {ms(apart)} "
+                f"(**{apart / one:.2f}×**); the LoRA stacked (`PassPlan.stacked_lora`) "
+                f"{ms(stacked)} ({apart / stacked:.2f}× one at a time, {one / stacked:.2f}× the "
+                "row blocks)."
+            )
+    if paths := result.loss_paths:
+        joined, apart = paths["joined"], paths["datum by datum"]
+        lines.append(
+            f"One ppo op of {result.loss_paths_shape}: its loss over all the datums' tokens at "
+            f"once {ms(joined)}, datum by datum {ms(apart)} (**{apart / joined:.2f}×**)."
+        )
+    if (v := result.long_pass) is not None:
+        how = v.error or (
+            f"{v.median_ms():,.1f} ms ({v.checkpointed} layers checkpointed), peak "
+            f"{v.peak_gib or 0:.1f} GiB"
+        )
+        lines.append(f"One row of {v.name.split(' ', 2)[2]}: {how}.")
+    if result.layer_bytes is not None:
+        measured, planned = result.layer_bytes
+        plain = result.layer_bytes_plain
+        before = "" if plain is None else f" ({plain:,.0f} with transformers' own kernels)"
+        lines.append(
+            f"Activation bytes a token keeps per decoder layer (1 × 2,048 tokens, nothing "
+            f"checkpointed): measured {measured:,.0f}{before}, the checkpointing plan's estimate "
+            f"{planned:,} ({measured / planned:.2f}×)."
+        )
+    return lines
+
+
+def variant_table(result: Result) -> Table:
+    """Each variant's forward_backward on the headline batch, against the worker's plan."""
+    first = statistics.median(result.variants[0].fb_s) if result.variants[0].fb_s else None
+    rows = []
+    for v in result.variants:
+        if v.error is not None:
+            rows.append((v.name, v.checkpointed, v.error, "–", "–", "–", "–"))
+            continue
+        median = statistics.median(v.fb_s)
+        rows.append((
+            v.name, v.checkpointed, f"{v.median_ms():,.1f}", f"{result.tokens / median:,.0f}",
+            "–" if first is None else f"{first / median:.2f}×", f"{v.first_s or 0:.1f}",
+            "–" if v.peak_gib is None else f"{v.peak_gib:.1f}",
+        ))  # fmt: skip
+    columns = (
+        "plan", "layers checkpointed", "forward_backward ms", "tokens/s", "÷ the worker's plan",
+        "first call s", "peak memory GiB",
+    )  # fmt: skip
+    return Table(columns, rows)
+
+
+def not_measured_block(reason: str) -> str:
+    """The block a run without a GPU leaves: what would be measured, and how to run it."""
     return "\n".join(
         [
-            SECTION,
-            "",
-            f"{NOT_MEASURED}: {reason}. On a CUDA machine this builds a Llama-3.1-8B-shaped model "
-            "(hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab 128256) with random "
-            "bf16 weights, adds a rank-32 LoRA through the worker's `AdapterPool`, and times the "
-            "engine's `forward_backward` on 8 × 2048 tokens (halved until it fits): training "
-            "tokens/s and MFU, counted as 4·N_mm + 6·N_lora + 12·L·d·T FLOPs per token (frozen "
-            "base weights need no weight gradient) and, for comparison, by the 6N convention; and "
-            "8 adapters' ops in one cross-adapter pass against one at a time. Run it there with:",
+            f"{NOT_MEASURED}: {reason}. On a CUDA machine this times the engine's "
+            "`forward_backward` on a Llama-3.1-8B-shaped model with random bf16 weights and a "
+            "rank-32 LoRA (8 × 2048 tokens, halved until it fits): training tokens/s and MFU. "
+            "Run it there with:",
             "",
             *reproduce(COMMAND),
-            "",
         ]
     )
+
+
+# Options whose default depends on the device: (on CUDA, on the CPU, help).
+BY_DEVICE: dict[str, tuple[int, int, str]] = {
+    "--seq": (2048, 64, "tokens of each datum"),
+    "--rl-seq": (512, 64, "tokens of each RL-sized datum"),
+    "--datum-seq": (32, 16, "tokens of each datum of the loss-paths op"),
+    "--long-seq": (32768, 256, "one row this long (0: skip it)"),
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.mfu", __doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument(
-        "--shape",
-        choices=list(SHAPES),
-        default=None,
-        help="default: llama-3.1-8b on CUDA, small on the CPU",
-    )
-    parser.add_argument(
-        "--batch",
-        type=int,
-        default=None,
-        help="datums (default 8, halved while it does not fit; CPU 8)",
-    )
-    parser.add_argument("--seq", type=int, default=None, help="tokens each (default 2048; CPU 64)")
+    parser.add_argument("--shape", choices=list(SHAPES), help="default: llama-3.1-8b; CPU small")
     cli.add_knobs(
         parser,
         {
+            "--batch": (8, "datums (halved while they do not fit)"),
             "--rank": (32, "LoRA rank"),
             "--warmup": (2, "steps before the timed ones"),
             "--steps": (5, "timed steps"),
-            "--adapters": (
-                8,
-                "K adapters for the one-pass vs one-at-a-time case, the batch split between "
-                "them (1: skip it)",
-            ),
+            "--adapters": (8, "K adapters sharing one pass against one at a time (1: skip)"),
             "--rl-adapters": (8, "adapters of the RL-sized case, an op each (1: skip it)"),
             "--rl-rows": (4, "datums of each RL-sized op"),
             "--datums": (64, "datums of the op whose loss paths are compared (1: skip it)"),
         },
     )
-    parser.add_argument(
-        "--rl-seq", type=int, default=None, help="tokens of each RL-sized datum (512; CPU 64)"
-    )
-    parser.add_argument(
-        "--datum-seq", type=int, default=None, help="tokens of each of those datums (32; CPU 16)"
-    )
-    parser.add_argument(
-        "--long-seq", type=int, default=None, help="one row this long (default 32768; CPU 256)"
-    )
+    for flag, (cuda, cpu, help_text) in BY_DEVICE.items():
+        parser.add_argument(flag, type=int, default=None, help=f"{help_text} ({cuda}; CPU {cpu})")
     parser.add_argument(
         "--no-variants", dest="variants", action="store_false", help="the worker's plan alone"
     )
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     cli.add_quick(parser, "few steps")
     args = cli.parse(parser, argv, quick={"warmup": 1, "steps": 2})
     cuda = args.device.startswith("cuda")
     args.shape = args.shape or (DEFAULT_SHAPE if cuda else "small")
-    args.batch = args.batch or 8
-    args.seq = args.seq or (2048 if cuda else 64)
-    args.rl_seq = args.rl_seq or (512 if cuda else 64)
-    args.datum_seq = args.datum_seq or (32 if cuda else 16)
-    args.long_seq = args.long_seq if args.long_seq is not None else (32768 if cuda else 256)
+    for flag, defaults in BY_DEVICE.items():
+        name = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[0 if cuda else 1])
     # Only GPU numbers belong in the docs: a CPU run is a smoke test of the code path.
     args.no_docs = args.no_docs or not cuda
     return args
@@ -795,13 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_transformers()
     info = announce(engine_machine(args.device))
-    result = run(args)
-    print("\n".join(summary_lines(result, device_name(args.device))))
-    print(
-        f"FLOPs per token: {flops_per_token(SHAPES[args.shape], args.seq, result.lora_params)}; "
-        f"{figures(result, device_name(args.device))}"
-    )
-    publish(args.docs, args.no_docs, render(result, info, args))
+    emit(report(run(args), info, args), docs_of(args), args.json)
     return 0
 
 

@@ -1,10 +1,9 @@
 """A mixture of experts against a dense model of the same active size: one LoRA training step
-(forward_backward + optim_step, through the engine's shared pass) of the built-in
-`queue-tinker/tiny-moe` (Qwen3-MoE, 4 experts, top 2) and `queue-tinker/tiny-llama` (the dense
-Llama whose MLP is as wide as the two experts a token runs), on the same tokens, each in a
-process of its own (peak RSS is the process's), on the CPU. The two alternate for a few rounds
-and each keeps its fastest round's median, so a burst of load on the machine lands on one round
-of one model, not on the comparison.
+of the built-in `queue-tinker/tiny-moe` (Qwen3-MoE, 4 experts, top 2) and
+`queue-tinker/tiny-llama` (the dense Llama whose MLP is as wide as the two experts a token
+runs), on the same tokens, each in a process of its own, on the CPU; the models alternate for a
+few rounds and each keeps its fastest round's median (the `## Mixture of experts` section of
+docs/benchmarks.md says how and how to read it).
 
     .venv/bin/python -m bench.moe            # writes its docs section
     .venv/bin/python -m bench.moe --quick    # 2 x 32 tokens, 2 steps, docs left alone
@@ -13,11 +12,12 @@ of one model, not on the comparison.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +25,10 @@ import torch
 from bench.harness import cli, engine
 from bench.harness.data import datums, token_rows
 from bench.harness.isolated import print_result, run_isolated
-from bench.harness.machine import commit, engine_machine
+from bench.harness.machine import commit, cpu_model, engine_machine
 from bench.harness.meters import load1, peak_rss_bytes
 from bench.harness.models import add_adapters, frozen_base, lora_pool
-from bench.harness.report import measured_on, publish, table
+from bench.harness.report import Report, Table, docs_of, emit
 from queue_tinker.types.requests.training import AdamParams, LoraConfig
 
 SECTION = "## Mixture of experts: a LoRA step against a dense model of the same active size"
@@ -78,72 +78,40 @@ def measure(case: str, rows: int, width: int, steps: int) -> Measurement:
             times.append(time.perf_counter() - start)
         loss = out.metrics["loss:sum"]
     lora = sum(p.numel() for p in adapter.params.values())
-    return Measurement(
-        case,
-        params,
-        active,
-        lora,
-        statistics.median(times) * 1e3,
-        peak_rss_bytes() / MIB,
-        loss,
-    )
+    step_ms = statistics.median(times) * 1e3
+    return Measurement(case, params, active, lora, step_ms, peak_rss_bytes() / MIB, loss)
 
 
-def render(
+def report(
     results: dict[str, Measurement], info: dict[str, str], args: argparse.Namespace, load: float
-) -> str:
+) -> Report:
+    """A row a model, and the MoE's step time, LoRA size and memory over the dense model's."""
     dense, moe = results["dense"], results["moe"]
     tokens = args.rows * args.width
-    lines = [
-        SECTION,
-        "",
-        measured_on(info)
-        + f"transformers {info['transformers']}, peft {info['peft']}, {info['date']}, commit "
-        f"{commit()}, fp32, one intra-op thread, load {load:.1f} at the start (CPU table); "
-        f"`{COMMAND}`. One forward_backward (cross-entropy) and optim_step of a rank-{RANK} "
-        f"adapter on every layer LoRA adapts (the MoE's experts: an A and a B per expert), "
-        f"{args.rows} x {args.width} tokens, median of {args.steps} steps after a warm-up; "
-        f"each model in a process of its own, {args.rounds} alternating rounds, the fastest "
-        "round's median.",
-        "",
-        *table(
-            (
-                "model",
-                "parameters (active a token)",
-                "LoRA parameters",
-                "step",
-                "tokens/s",
-                "peak RSS",
-            ),
-            (
-                (
-                    f"`{MODELS[m.case]}`",
-                    f"{m.params:,} ({m.active:,})",
-                    f"{m.lora:,}",
-                    f"{m.step_ms:.0f} ms",
-                    f"{tokens / m.step_ms * 1e3:,.0f}",
-                    f"{m.peak_rss_mib:.0f} MiB",
-                )
-                for m in (dense, moe)
-            ),
-        ),
-        "",
+    table = Table(
+        ("model", "parameters (active a token)", "LoRA parameters", "step", "tokens/s",
+         "peak RSS"),
+        [(f"`{MODELS[m.case]}`", f"{m.params:,} ({m.active:,})", f"{m.lora:,}",
+          f"{m.step_ms:.0f} ms", f"{tokens / m.step_ms * 1e3:,.0f}", f"{m.peak_rss_mib:.0f} MiB")
+         for m in (dense, moe)],
+    )  # fmt: skip
+    ratio = (
         f"MoE over dense: **{moe.step_ms / dense.step_ms:.2f}×** the step time, "
         f"{moe.lora / dense.lora:.2f}× the LoRA parameters, "
-        f"{moe.peak_rss_mib - dense.peak_rss_mib:+.0f} MiB peak RSS.",
-        "",
-        "How to read it. The two models do the same dense work a token (the MoE's two experts "
-        "of width 64 are the dense MLP's 128); what the MoE adds is routing, the experts' "
-        "grouped matmuls, and the LoRA update folded into every expert's weights "
-        "(workers/model/expert_lora.py), a copy of the layer's expert weights a pass. At this "
-        "size all of it is per-call overhead, so the ratio says what MoE costs the engine "
-        "beside the math, not what it costs on a GPU at scale.",
+        f"{moe.peak_rss_mib - dense.peak_rss_mib:+.0f} MiB peak RSS."
+    )
+    facts = [
+        f"fp32, one intra-op thread, load {load:.1f} at the start. A rank-{RANK} adapter, "
+        f"{args.rows} x {args.width} tokens, median of {args.steps} steps after a warm-up; "
+        f"{args.rounds} alternating rounds, the fastest round's median."
     ]
-    return "\n".join(lines) + "\n"
+    raw = {case: asdict(m) for case, m in results.items()}
+    return Report(SECTION, COMMAND, info, facts, (), [table, ratio], raw)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Alternate the two models' processes; hand back the report of each one's fastest round."""
+    parser = cli.parser("bench.moe", __doc__)
     cli.add_quick(parser, "2 x 32 tokens, 2 steps")
     parser.add_argument("--case", choices=list(MODELS), help="measure one model, here")
     cli.add_knobs(
@@ -155,12 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--rounds": (3, "processes of each model, alternating"),
         },
     )
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     args = cli.parse(parser, argv, quick={"rows": 2, "width": 32, "steps": 2, "rounds": 1})
     if args.case:  # the isolated side
         print_result(measure(args.case, args.rows, args.width, args.steps))
         return 0
-    info = engine_machine("cpu")
+    info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
+    info["commit"] = commit()
     load = load1()
     results: dict[str, Measurement] = {}
     knobs = ["--rows", str(args.rows), "--width", str(args.width), "--steps", str(args.steps)]
@@ -170,12 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if found is None:
                 return 1
             measured = Measurement(**found)
-            print(f"{case}: {measured}", flush=True)
+            print(f"{case}: {measured.step_ms:.0f} ms a step", flush=True)
             if case not in results or measured.step_ms < results[case].step_ms:
                 results[case] = measured
-    text = render(results, info, args, load)
-    print(text, end="")
-    publish(args.docs, args.no_docs, text)
+    emit(report(results, info, args, load), docs_of(args), args.json)
     return 0
 
 

@@ -10,6 +10,7 @@ pass of the built-in 100M model, one datum a row (right-padded) against packed r
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -17,13 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from bench.harness import cli, engine
 from bench.harness.data import datums
-from bench.harness.machine import cpu_model
+from bench.harness.machine import commit, cpu_model, engine_machine
 from bench.harness.models import add_adapters, frozen_base, lora_pool
-from bench.harness.report import publish, table
+from bench.harness.report import Report, Table, docs_of, emit
 from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import AdapterPool
 
@@ -41,10 +41,7 @@ def sft_lengths(count: int, longest: int, rng: np.random.Generator) -> list[int]
 
 
 def timed_pass(
-    pool: AdapterPool,
-    batches: Sequence[engine.Batch],
-    plan: engine.PassPlan,
-    repeats: int,
+    pool: AdapterPool, batches: Sequence[engine.Batch], plan: engine.PassPlan, repeats: int
 ) -> float:
     """Median seconds of the shared forward_backward pass."""
     times = []
@@ -56,47 +53,38 @@ def timed_pass(
     return statistics.median(times)
 
 
-def render(
+def report(
     args: argparse.Namespace,
-    model: str,
+    info: dict[str, str],
     context: int,
-    lengths: list[int],
+    batches: Sequence[engine.Batch],
     shapes: dict[str, tuple[int, int]],
     seconds: dict[str, float],
-) -> str:
+) -> Report:
+    """A row a layout: its shape, padded tokens, pass time and real tokens/s; packed over padded."""
+    lengths = [d.model_input.length for _, data in batches for d in data]
     tokens = sum(lengths)
-    lines = [
-        SECTION,
-        "",
-        f"Measured on {cpu_model()}, torch {torch.__version__}; `{COMMAND} --model {model}`. "
-        f"{args.adapters} "
-        f"adapters × {args.data} datums of log-normal lengths (median ~150, 16 to {context - 1} "
-        f"tokens; {tokens:,} real tokens) in one shared forward_backward pass of `{model}`, "
-        f"median of {args.repeats}. One datum a row, the pass is "
+    table = Table(
+        ("layout", "rows × width", "padded tokens", "pass time", "real tokens/s"),
+        [(name, f"{r} × {w}", f"{r * w:,}", f"{seconds[name]:.2f} s",
+          f"{tokens / seconds[name]:,.0f}")
+         for name, (r, w) in shapes.items()],
+    )  # fmt: skip
+    gain = f"Packed over padded: **{seconds['padded'] / seconds['packed']:.2f}×** tokens/s."
+    facts = [
+        f"{args.adapters} adapters × {args.data} datums of log-normal lengths (median ~150, 16 "
+        f"to {context - 1} tokens; {tokens:,} real tokens) in one shared forward_backward pass "
+        f"of `{args.model}`, median of {args.repeats}. One datum a row, the pass is "
         f"{engine.padding_share(lengths):.0%} padding; the engine packs once that passes 50% "
-        "(`PassPlan.pack_above_padding`).",
-        "",
-        *table(
-            ("layout", "rows × width", "padded tokens", "pass time", "real tokens/s"),
-            (
-                (
-                    name,
-                    f"{r} × {w}",
-                    f"{r * w:,}",
-                    f"{seconds[name]:.2f} s",
-                    f"{tokens / seconds[name]:,.0f}",
-                )
-                for name, (r, w) in shapes.items()
-            ),
-        ),
-        "",
-        f"Packed over padded: **{seconds['padded'] / seconds['packed']:.2f}×** tokens/s.",
+        "(`PassPlan.pack_above_padding`)."
     ]
-    return "\n".join(lines) + "\n"
+    raw = {"lengths": lengths, "shapes": shapes, "seconds": seconds}
+    return Report(SECTION, f"{COMMAND} --model {args.model}", info, facts, (), [table, gain], raw)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Both layouts of the same ops on the model; hand back the report."""
+    parser = cli.parser("bench.packing", __doc__)
     cli.add_quick(parser, "the tiny model")
     parser.add_argument("--model", default="queue-tinker/llama-100m")
     cli.add_knobs(
@@ -107,33 +95,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--repeats": (3, "timed passes of each layout"),
         },
     )
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     args = cli.parse(parser, argv, quick={"model": "queue-tinker/tiny-llama"})
-    model = args.model
+    info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
+    info["commit"] = commit()
     with tempfile.TemporaryDirectory() as scratch:
-        base = frozen_base(model, "cpu", Path(scratch))  # as a worker loads it
+        base = frozen_base(args.model, "cpu", Path(scratch))  # as a worker loads it
         context = int(base.config.max_position_embeddings)
-        pool = lora_pool(base, model, adapters=args.adapters)
-        adapters = add_adapters(pool, LoraConfig(rank=16), seeds=range(args.adapters))
+        pool = lora_pool(base, args.model, adapters=args.adapters)
         rng = np.random.default_rng(0)
-        batches = [
-            (
-                adapter,
-                datums(
-                    (rng.integers(0, 256, n + 1) for n in sft_lengths(args.data, context - 1, rng)),
-                    weights=False,
-                ),
-            )
-            for adapter in adapters
-        ]
-        lengths = [d.model_input.length for _, data in batches for d in data]
+        batches: list[engine.Batch] = []
+        for adapter in add_adapters(pool, LoraConfig(rank=16), seeds=range(args.adapters)):
+            lengths = sft_lengths(args.data, context - 1, rng)
+            rows = [rng.integers(0, 256, n + 1) for n in lengths]
+            batches.append((adapter, datums(rows, weights=False)))
         shapes = {name: engine.batch_shape(batches, plan) for name, plan in PLANS.items()}
         seconds = {
             name: timed_pass(pool, batches, plan, args.repeats) for name, plan in PLANS.items()
         }
-    text = render(args, model, context, lengths, shapes, seconds)
-    print(text, end="")
-    publish(args.docs, args.no_docs, text)
+    emit(report(args, info, context, batches, shapes, seconds), docs_of(args), args.json)
     return 0
 
 

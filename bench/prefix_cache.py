@@ -1,16 +1,14 @@
 """The sampler's prefix cache and chunked prefill, through the worker's decode loop, each against
 the same loop without them, in the same run.
 
-- **Shared prefixes**: requests that share a long context and differ in a short question (an
-  RL group's prompt with per-member instructions, a conversation's turns), each sent after the
-  one before finished: total time and prompt tokens prefilled with the prefix cache, and with
-  it holding nothing (max_bytes 0, so every prompt is prefilled whole).
-- **A long prompt arriving while a row decodes**: the longest gap between the running row's
-  tokens (a decode step plus whatever the step prefilled) with chunked prefill (a step's
-  prefill budget of `CHUNK_BUDGET` tokens) and without (the whole prompt in one step).
+- Shared prefixes: requests that share a long context and differ in a short question, each sent
+  after the one before finished: time and prompt tokens prefilled with the prefix cache, and
+  with it holding nothing (max_bytes 0, so every prompt is prefilled whole).
+- A long prompt arriving while a row decodes: the longest gap between the running row's tokens
+  with chunked prefill (`CHUNK_BUDGET` tokens a step) and without (the whole prompt at once).
 
-Greedy samples, compared with the case without the cache / chunks. Each case runs `ROUNDS`
-times, alternating; medians reported.
+Greedy samples, compared with the case without the cache / chunks; each case runs `ROUNDS`
+times, alternating, and its medians are reported.
 
     .venv/bin/python -m bench.prefix_cache            # writes its docs section
     .venv/bin/python -m bench.prefix_cache --quick    # a small case, docs left alone
@@ -18,25 +16,21 @@ times, alternating; medians reported.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from bench.harness import cli
-from bench.harness.machine import commit, engine_machine
-from bench.harness.models import Shape, build_model
-from bench.harness.report import measured_on, publish
-from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
-from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
+from bench.harness.report import Report, Table, docs_of, emit
+from bench.sample_cache import SHAPE, cpu_loop, cpu_machine, decoder, greedy
+from queue_tinker.types.requests.sampling import SampleResponse
 
 SECTION = "## Sampling: prefix cache and chunked prefill"
 COMMAND = ".venv/bin/python -m bench.prefix_cache"
-SHAPE = Shape(layers=8, hidden=512, heads=8, kv_heads=8, intermediate=1024, vocab=32000)
 ROUNDS = 3
 CHUNK_BUDGET = 256
 
@@ -62,26 +56,9 @@ class Run:
     tokens: list[list[int]]
 
 
-def greedy(prompt: list[int], new_tokens: int) -> GenerationRequest:
-    return GenerationRequest(
-        prompt=prompt,
-        num_samples=1,
-        params=SamplingParams(max_tokens=new_tokens, stop=[], temperature=0.0),
-        max_tokens=new_tokens,
-        prompt_logprobs=False,
-        adapter=None,
-    )
-
-
-def loop(prefill_tokens: int | None = CHUNK_BUDGET) -> DecodeLoop:
-    return DecodeLoop(
-        torch.device("cpu"), [], lambda _: "", max_rows=None, prefill_tokens=prefill_tokens
-    )
-
-
 def shared_prefixes(model: torch.nn.Module, sizes: Sizes, cache: bool) -> Run:
     """Each request after the one before: a shared context, then its own question."""
-    decode = loop(prefill_tokens=None)
+    decode = cpu_loop(prefill_tokens=None)
     if not cache:
         decode.prompts.max_bytes = 0
     context = [(11 * j) % SHAPE.vocab for j in range(sizes.context)]
@@ -99,7 +76,7 @@ def shared_prefixes(model: torch.nn.Module, sizes: Sizes, cache: bool) -> Run:
 
 def long_prompt_arrives(model: torch.nn.Module, sizes: Sizes, chunked: bool) -> Run:
     """A row decoding 64 tokens; after its 8th, a long prompt arrives."""
-    decode = loop(CHUNK_BUDGET if chunked else None)
+    decode = cpu_loop(prefill_tokens=CHUNK_BUDGET if chunked else None)
     decode.add("running", greedy([3, 1, 4, 1, 5, 9, 2, 6], 64))
     long = [(13 * j + 5) % SHAPE.vocab for j in range(sizes.long_prompt)]
     done: dict[Hashable, SampleResponse] = {}
@@ -119,79 +96,77 @@ def long_prompt_arrives(model: torch.nn.Module, sizes: Sizes, chunked: bool) -> 
     return Run(seconds, decode.prefilled_tokens, max(gaps) * 1000, tokens)
 
 
-def median_run(runs: Sequence[Run]) -> Run:
-    return Run(
-        statistics.median(r.seconds for r in runs),
-        runs[0].prefilled,
-        statistics.median(r.longest_gap_ms for r in runs),
-        runs[0].tokens,
-    )
-
-
 def measure(sizes: Sizes) -> dict[str, Run]:
-    torch.manual_seed(0)
-    model = build_model(SHAPE, "cpu", torch.float32)
+    """Every case `ROUNDS` times, the order alternating; each case's medians."""
+    model = decoder()
     runs: dict[str, list[Run]] = {k: [] for k in ("cache", "no cache", "chunked", "whole")}
     for round_ in range(ROUNDS):
         for flag in (True, False) if round_ % 2 == 0 else (False, True):
             runs["cache" if flag else "no cache"].append(shared_prefixes(model, sizes, flag))
             runs["chunked" if flag else "whole"].append(long_prompt_arrives(model, sizes, flag))
-    return {name: median_run(found) for name, found in runs.items()}
+    return {
+        name: Run(
+            statistics.median(r.seconds for r in found),
+            found[0].prefilled,
+            statistics.median(r.longest_gap_ms for r in found),
+            found[0].tokens,
+        )
+        for name, found in runs.items()
+    }
 
 
-def render(results: dict[str, Run], sizes: Sizes, info: dict[str, str]) -> str:
+def report(results: dict[str, Run], sizes: Sizes, info: dict[str, str]) -> Report:
+    """Each case against the same loop without the cache / the chunks."""
     cache, none = results["cache"], results["no cache"]
     chunked, whole = results["chunked"], results["whole"]
-    same_prefix = sum(a == b for a, b in zip(cache.tokens, none.tokens, strict=True))
-    same_chunk = sum(a == b for a, b in zip(chunked.tokens, whole.tokens, strict=True))
-    lines = [
-        SECTION,
-        "",
-        measured_on(info) + f"transformers {info['transformers']}, {info['date']}, commit "
-        f"{commit()}, fp32; "
-        f"`{COMMAND}`. A Llama decoder of random weights ({SHAPE.layers} layers, hidden "
-        f"{SHAPE.hidden}, vocabulary {SHAPE.vocab:,}) through the worker's decode loop; "
-        f"medians of {ROUNDS} rounds, the cases alternating; compare figures from the same "
-        "run only.",
-        "",
-        f"Shared prefixes: {sizes.requests} requests of a {sizes.context:,}-token shared "
+    on = (f"{cache.prefilled:,}", f"{cache.seconds:.2f} s", ratio(cache.seconds, none.seconds))
+    prefix = Table(
+        ("prefix cache", "prompt tokens prefilled", "time", "time ÷ without", "samples as without"),
+        [
+            ("on", *on, f"{same(cache, none)} of {sizes.requests}"),
+            ("holding nothing", f"{none.prefilled:,}", f"{none.seconds:.2f} s", "1.00×", "–"),
+        ],
+        caption=f"Shared prefixes: {sizes.requests} requests of a {sizes.context:,}-token shared "
         f"context and a {sizes.question}-token question each, {sizes.new_tokens} greedy new "
         "tokens, each sent once the one before finished.",
-        "",
-        "| prefix cache | prompt tokens prefilled | time | time ÷ without | samples as without |",
-        "| --- | --- | --- | --- | --- |",
-        f"| on | {cache.prefilled:,} | {cache.seconds:.2f} s | "
-        f"**{cache.seconds / none.seconds:.2f}×** | {same_prefix} of {sizes.requests} |",
-        f"| holding nothing | {none.prefilled:,} | {none.seconds:.2f} s | 1.00× | – |",
-        "",
-        f"A {sizes.long_prompt:,}-token prompt arriving while a row decodes 64 tokens (after its "
-        f"8th): the longest gap between the running row's tokens.",
-        "",
-        "| prefill | longest gap | gap ÷ whole | total time | samples as whole |",
-        "| --- | --- | --- | --- | --- |",
-        f"| chunked ({CHUNK_BUDGET} tokens a step) | {chunked.longest_gap_ms:.0f} ms | "
-        f"**{chunked.longest_gap_ms / whole.longest_gap_ms:.2f}×** | {chunked.seconds:.2f} s | "
-        f"{same_chunk} of 2 |",
-        f"| whole prompt in one step | {whole.longest_gap_ms:.0f} ms | 1.00× | "
-        f"{whole.seconds:.2f} s | – |",
-        "",
-        "With the cache each request after the first prefills only its question (whole blocks "
-        "of 16 tokens of the shared context come from the cache). Chunks bound how long the "
-        "running rows wait for a newcomer's prefill, at the cost of a few more model calls.",
+    )
+    gap = ratio(chunked.longest_gap_ms, whole.longest_gap_ms)
+    chunk = (f"{chunked.longest_gap_ms:.0f} ms", gap, f"{chunked.seconds:.2f} s")
+    whole_s = f"{whole.seconds:.2f} s"
+    chunks = Table(
+        ("prefill", "longest gap", "gap ÷ whole", "total time", "samples as whole"),
+        [
+            (f"chunked ({CHUNK_BUDGET} tokens a step)", *chunk, f"{same(chunked, whole)} of 2"),
+            ("whole prompt in one step", f"{whole.longest_gap_ms:.0f} ms", "1.00×", whole_s, "–"),
+        ],
+        caption=f"A {sizes.long_prompt:,}-token prompt arriving while a row decodes 64 tokens "
+        "(after its 8th): the longest gap between the running row's tokens.",
+    )
+    facts = [
+        f"fp32; a Llama decoder of random weights ({SHAPE.layers} layers, hidden "
+        f"{SHAPE.hidden}, vocabulary {SHAPE.vocab:,}); medians of {ROUNDS} rounds, the cases "
+        "alternating."
     ]
-    return "\n".join(lines) + "\n"
+    raw = {"sizes": asdict(sizes), "runs": {name: asdict(run) for name, run in results.items()}}
+    return Report(SECTION, COMMAND, info, facts, (), [prefix, chunks], raw)
+
+
+def ratio(new: float, old: float) -> str:
+    return f"**{new / old:.2f}×**"
+
+
+def same(run: Run, reference: Run) -> int:
+    """How many of the run's samples have the reference's tokens."""
+    return sum(a == b for a, b in zip(run.tokens, reference.tokens, strict=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser("bench.prefix_cache", __doc__)
     cli.add_quick(parser, "a small case")
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     args = cli.parse(parser, argv)
     sizes = QUICK if args.quick else FULL
-    results = measure(sizes)
-    text = render(results, sizes, engine_machine("cpu"))
-    print(text)
-    publish(args.docs, args.no_docs, text)
+    emit(report(measure(sizes), sizes, cpu_machine()), docs_of(args), args.json)
     return 0
 
 

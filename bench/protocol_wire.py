@@ -1,25 +1,8 @@
-"""The SDK 0.38 protocol features that change what goes over the wire, on against off:
-
-- zstd forward_backward bodies (`proto_compress_fwdbwd`): the SDK's own protobuf body of a
-  training batch (tinker.proto.request_conv, as `TrainingClient.forward_backward` builds it),
-  posted to `queue-tinker serve` as it is and zstd-compressed (as the SDK compresses it: a
-  default `ZstdCompressor`, in the caller's process). Bytes on the wire, and the round trip
-  from the caller's view: compression (when on) plus the POST until the gateway has inflated,
-  parsed, checked and enqueued the batch and answered its request id (no worker runs: the
-  model's ops only queue, so the figure is the wire and the gateway alone). Shapes: cross
-  entropy on token ids drawn from a 32k vocabulary with 0/1 weights, and an RL batch
-  (importance_sampling: float logprobs and per-sequence advantages, which compress less).
-- batched polling (`sample_use_retrieve_futures`): N samples in flight through one
-  SamplingClient of the official SDK against one LoRA worker on the tiny model, with the flag
-  as the gateway serves it (on) and forced off in this process's SDK client (one long
-  `retrieve_future` per sample): the HTTP requests the gateway answered, by endpoint, from its
-  access log, per sample, and the wall time of the batch.
-- server-side custom losses (`custom_loss_server_side`): `forward_backward_custom` steps with
-  a loss made by `create_custom_loss` (a clipped policy loss over per-token advantages), run by
-  the worker inside one forward_backward, against the same handle run client-side (a forward,
-  the loss under autograd in this process, a second pass), on two runs of the same model,
-  alternating one step each after a warm-up; steps per second of each, on the tiny model and
-  the 100M one (one LoRA worker each, rank 32).
+"""The SDK 0.38 protocol features that change what goes over the wire, on against off: zstd
+forward_backward bodies (`proto_compress_fwdbwd`), batched sample polling
+(`sample_use_retrieve_futures`) and server-side custom losses (`custom_loss_server_side`),
+through `queue-tinker serve` and the official SDK. What each part measures and how to read it:
+the `## Protocol features` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.protocol_wire            # writes its docs/benchmarks.md section
     .venv/bin/python -m bench.protocol_wire --quick    # smoke run, docs left alone
@@ -34,7 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +31,8 @@ from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from bench.harness import cli
 from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
-from bench.harness.report import machine_line, publish, reproduce, table
-from bench.harness.run import service_run
+from bench.harness.report import Report, Table, docs_of, emit
+from bench.harness.run import Run, service_run
 from bench.harness.workers import lora_worker
 
 SECTION = "## Protocol features: zstd bodies, batched sample polling, server-side custom losses"
@@ -79,19 +62,19 @@ def batch(shape: Shape, rng: np.random.Generator) -> list[types.Datum]:
         tokens = rng.integers(0, VOCAB, shape.tokens + 1)
         inputs: dict[str, Any] = {"target_tokens": tokens[1:].astype(np.int64)}
         if shape.loss_fn == "cross_entropy":
-            prompt = shape.tokens // 4
-            inputs["weights"] = np.r_[np.zeros(prompt), np.ones(shape.tokens - prompt)].astype(
-                np.float32
-            )
+            # 0 over the first quarter (the prompt), 1 after
+            inputs["weights"] = (np.arange(shape.tokens) >= shape.tokens // 4).astype(np.float32)
         else:
             inputs["logprobs"] = -rng.exponential(1.0, shape.tokens).astype(np.float32)
             inputs["advantages"] = np.full(shape.tokens, rng.normal(), dtype=np.float32)
-        data.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(tokens[:-1].tolist()), loss_fn_inputs=inputs
-            )
-        )
+        data.append(datum(tokens, inputs))
     return data
+
+
+def datum(tokens: np.ndarray, inputs: dict[str, Any]) -> types.Datum:
+    """The datum of `tokens` but the last, with these loss inputs."""
+    model_input = types.ModelInput.from_ints(tokens[:-1].tolist())
+    return types.Datum(model_input=model_input, loss_fn_inputs=inputs)
 
 
 def proto_body(shape: Shape, model_id: str, seq_id: int, data: list[types.Datum]) -> bytes:
@@ -116,23 +99,11 @@ class WireResult:
 
 def open_model(url: str, key: str) -> str:
     """A session and a training run whose ops only queue (no worker serves its base model)."""
-    headers = {"X-API-Key": key}
-    session = httpx.post(
-        f"{url}/api/v1/create_session", headers=headers, json={}, timeout=30
-    ).json()["session_id"]
-    return str(
-        httpx.post(
-            f"{url}/api/v1/create_model",
-            headers=headers,
-            timeout=30,
-            json={
-                "session_id": session,
-                "model_seq_id": 0,
-                "base_model": "bench-no-worker",
-                "lora_config": {"rank": 32},
-            },
-        ).json()["model_id"]
-    )
+    with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=30) as http:
+        session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        model = {"session_id": session, "model_seq_id": 0, "base_model": "bench-no-worker"}
+        created = http.post("/api/v1/create_model", json={**model, "lora_config": {"rank": 32}})
+        return str(created.json()["model_id"])
 
 
 def wire_run(url: str, key: str, shape: Shape, rounds: int) -> WireResult:
@@ -217,31 +188,21 @@ class CustomLossResult:
     server_s: list[float]
     client_s: list[float]
 
-    def steps_per_s(self, times: list[float]) -> float:
-        return 1.0 / statistics.median(times)
-
 
 def custom_loss_run(
     url: str, key: str, model: str, datums: int, tokens: int, steps: int
 ) -> CustomLossResult:
     rng = np.random.default_rng(1)
+    tensor = types.TensorData.from_numpy
     data = []
     for _ in range(datums):
         ids = rng.integers(3, 250, tokens + 1)
-        data.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
-                loss_fn_inputs={
-                    "target_tokens": types.TensorData.from_numpy(ids[1:].astype(np.int64)),
-                    "old_logprobs": types.TensorData.from_numpy(
-                        -rng.uniform(4, 7, tokens).astype(np.float32)
-                    ),
-                    "advantages": types.TensorData.from_numpy(
-                        rng.normal(size=tokens).astype(np.float32)
-                    ),
-                },
-            )
-        )
+        inputs = {
+            "target_tokens": tensor(ids[1:].astype(np.int64)),
+            "old_logprobs": tensor(-rng.uniform(4, 7, tokens).astype(np.float32)),
+            "advantages": tensor(rng.normal(size=tokens).astype(np.float32)),
+        }
+        data.append(datum(ids, inputs))
     with tinker.ServiceClient(base_url=url, api_key=key) as service:
         handle = service.create_custom_loss(
             clipped_policy, {"logprobs": 1, "old_logprobs": 1, "advantages": 1}
@@ -253,10 +214,9 @@ def custom_loss_run(
         ]
         result = CustomLossResult(model, f"{datums} x {tokens}", [], [])
         for step in range(steps + 1):  # the first round warms up
-            for run, loss, times in (
-                (runs[0], handle, result.server_s),
-                (runs[1], client_handle, result.client_s),
-            ):
+            # server-side then client-side, one step each: drift hits both alike
+            times_of = (result.server_s, result.client_s)
+            for run, loss, times in zip(runs, (handle, client_handle), times_of, strict=True):
                 began = time.perf_counter()
                 run.forward_backward_custom(data, loss).result(timeout=600)
                 if step:
@@ -264,40 +224,47 @@ def custom_loss_run(
     return result
 
 
-def custom_loss_lines(results: list[CustomLossResult]) -> list[str]:
-    columns = ("model", "batch", "server-side steps/s", "client-side steps/s", "ratio")
-    rows = []
-    for r in results:
-        server, client = r.steps_per_s(r.server_s), r.steps_per_s(r.client_s)
-        rows.append(
-            (f"`{r.model}`", r.shape, f"{server:.2f}", f"{client:.2f}", f"{server / client:.2f}x")
-        )
-    return table(columns, rows)
-
-
-def wire_lines(results: list[WireResult]) -> list[str]:
-    columns = (
-        "shape",
-        "bytes, plain",
-        "bytes, zstd",
-        "ratio",
-        "round trip p50 ms, plain",
-        "round trip p50 ms, zstd (of which compress)",
-        "break-even link, Mbit/s",
-    )
-    rows = (
-        (
-            r.shape.label,
-            f"{r.plain_bytes:,}",
-            f"{r.zstd_bytes:,}",
-            f"{r.plain_bytes / r.zstd_bytes:.1f}x",
-            f"{statistics.median(r.plain_ms):.1f}",
-            f"{statistics.median(r.zstd_ms):.1f} ({statistics.median(r.compress_ms):.1f})",
-            f"{break_even_mbit_s(r):,.0f}",
-        )
-        for r in results
-    )
-    return table(columns, rows)
+# --- the report --------------------------------------------------------------------------------
+def report(
+    args: argparse.Namespace,
+    run: Run,
+    wire: list[WireResult],
+    polls: list[PollResult],
+    custom: list[CustomLossResult],
+) -> Report:
+    """A table per feature: bytes and round trips, requests per sample, custom-loss steps/s."""
+    median = statistics.median
+    zstd = Table(
+        ("shape", "bytes, plain", "bytes, zstd", "ratio", "round trip p50 ms, plain",
+         "round trip p50 ms, zstd (of which compress)", "break-even link, Mbit/s"),
+        [(r.shape.label, f"{r.plain_bytes:,}", f"{r.zstd_bytes:,}",
+          f"{r.plain_bytes / r.zstd_bytes:.1f}x", f"{median(r.plain_ms):.1f}",
+          f"{median(r.zstd_ms):.1f} ({median(r.compress_ms):.1f})", f"{break_even_mbit_s(r):,.0f}")
+         for r in wire],
+        f"zstd forward_backward bodies ({args.rounds} posts per mode and shape, alternating; "
+        "loopback)",
+    )  # fmt: skip
+    polling = Table(
+        ("polling", "samples in flight", "HTTP requests by endpoint", "requests per sample",
+         "wall s"),
+        [(r.mode, r.samples, ", ".join(f"`{k}` {v}" for k, v in sorted(r.requests.items())),
+          f"{sum(r.requests.values()) / r.samples:.2f}", f"{r.wall_s:.1f}")
+         for r in polls],
+        f"Batched sample polling ({MODEL}, one LoRA worker, max_tokens 8)",
+    )  # fmt: skip
+    steps = [(r, 1 / median(r.server_s), 1 / median(r.client_s)) for r in custom]
+    losses = Table(
+        ("model", "batch", "server-side steps/s", "client-side steps/s", "ratio"),
+        [(f"`{r.model}`", r.shape, f"{server:.2f}", f"{client:.2f}", f"{server / client:.2f}x")
+         for r, server, client in steps],
+        f"Server-side custom losses (`forward_backward_custom`, {args.steps} steps each, median)",
+    )  # fmt: skip
+    facts = [
+        f"The run took {run.total_s:.0f} s; gateway, worker, Redis and Postgres share the cores."
+    ]
+    raw = {"wire": list(map(asdict, wire)), "polling": list(map(asdict, polls))}
+    raw["custom_loss"] = list(map(asdict, custom))
+    return Report(SECTION, COMMAND, run.info, facts, (), [zstd, polling, losses], raw)
 
 
 def break_even_mbit_s(r: WireResult) -> float:
@@ -307,83 +274,8 @@ def break_even_mbit_s(r: WireResult) -> float:
     return saved_bits / (statistics.median(r.compress_ms) / 1e3) / 1e6
 
 
-def poll_lines(results: list[PollResult]) -> list[str]:
-    columns = (
-        "polling",
-        "samples in flight",
-        "HTTP requests by endpoint",
-        "requests per sample",
-        "wall s",
-    )
-    rows = (
-        (
-            r.mode,
-            r.samples,
-            ", ".join(f"`{k}` {v}" for k, v in sorted(r.requests.items())),
-            f"{sum(r.requests.values()) / r.samples:.2f}",
-            f"{r.wall_s:.1f}",
-        )
-        for r in results
-    )
-    return table(columns, rows)
-
-
-def render(
-    info: dict[str, str],
-    args: argparse.Namespace,
-    wire: list[WireResult],
-    polls: list[PollResult],
-    custom: list[CustomLossResult],
-    total_s: float,
-) -> str:
-    return "\n".join(
-        [
-            SECTION,
-            "",
-            (__doc__ or "").split("\n\n    .venv")[0].strip(),
-            "",
-            *reproduce(COMMAND),
-            "",
-            machine_line(info) + ".",
-            f"The run took {total_s:.0f} s; gateway, worker, Redis and Postgres share the cores.",
-            "",
-            f"### zstd forward_backward bodies ({args.rounds} posts per mode and shape, "
-            "alternating; loopback)",
-            "",
-            *wire_lines(wire),
-            "",
-            "On loopback the bytes cost next to nothing, so the round trip shows compression's "
-            "CPU cost (one core of this machine, in the caller's process). The last column is the "
-            "link speed at which the bytes saved take as long to send as compressing them: on a "
-            "slower link (a laptop's uplink, a WAN) zstd shortens the round trip, on a faster one "
-            "it lengthens it. Token ids drawn uniformly from a 32k vocabulary are the worst case "
-            "for zstd (about 15 bits of entropy per int32); real text batches, padded ones and "
-            "0/1 weights compress further.",
-            "",
-            "Batched polling does not lower requests per sample (each sample still posts once and "
-            "fetches its payload once, with `retrieve_future`); it replaces one long poll held "
-            "open per sample in flight by one per SamplingClient, which is what lets RL loops "
-            "keep hundreds of samples in flight (the SDK then lifts its "
-            "`sample_max_concurrent_requests` cap).",
-            "",
-            f"### Batched sample polling ({MODEL}, one LoRA worker, max_tokens 8)",
-            "",
-            *poll_lines(polls),
-            "",
-            f"### Server-side custom losses (`forward_backward_custom`, {args.steps} steps each, "
-            "median)",
-            "",
-            *custom_loss_lines(custom),
-            "",
-            "A step is `forward_backward_custom(...).result()` alone (no optim_step), so the ratio "
-            "is the pass count's: one forward/backward on the worker against a forward, the loss "
-            "on the client and a second forward/backward.",
-            "",
-        ]
-    )
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def main(argv: Sequence[str] | None = None) -> int:
+    """The three parts against one gateway and worker; hand back the report."""
     parser = cli.parser("bench.protocol_wire", __doc__)
     cli.add_services(parser)
     cli.add_knobs(
@@ -395,14 +287,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         },
     )
     parser.add_argument("--big-model", default="queue-tinker/llama-100m")
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     cli.add_quick(parser)
     quick = {"rounds": 2, "samples": 4, "steps": 1, "big_model": None}
-    return cli.parse(parser, argv, quick=quick)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = cli.parse(parser, argv, quick=quick)
     with (
         service_run(args, ("tinker", "zstandard"), "qt-bench-wire-") as run,
         # The wire runs create models on a base no worker serves, so their ops only queue.
@@ -415,17 +303,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             gateway_proc(settings, log_path) as (_, url),
         ):
             wire = [wire_run(url, key, shape, args.rounds) for shape in SHAPES]
-            print("\n".join(wire_lines(wire)), flush=True)
+            print("zstd bodies: done", flush=True)
             polls = [
                 poll_run(url, key, log_path, args.samples, batched) for batched in (False, True)
             ]
-            print("\n".join(poll_lines(polls)), flush=True)
+            print("sample polling: done", flush=True)
             custom = [custom_loss_run(url, key, MODEL, 8, 64, args.steps)]
             if args.big_model:
                 with lora_worker(settings, args.big_model, run.data_dir / "worker-big.log"):
                     custom.append(custom_loss_run(url, key, args.big_model, 4, 128, args.steps))
-            print("\n".join(custom_loss_lines(custom)), flush=True)
-    publish(args.docs, args.no_docs, render(run.info, args, wire, polls, custom, run.total_s))
+    emit(report(args, run, wire, polls, custom), docs_of(args), args.json)
     return 0
 
 

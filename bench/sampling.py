@@ -1,24 +1,14 @@
-"""Sampling: generated tokens per second for 32 concurrent requests through the service vs
+"""Sampling: generated tokens per second for 32 concurrent requests through the service against
 transformers' batched `generate()` on the same model, in the same run.
 
-For each model, after a short warm-up of every side, rounds rotate three sides (so drift from
-other jobs hits them alike; only one computes at a time, the worker idles between its ops):
-
-- service: 32 `sample_async` calls (prompts of 8-48 tokens, num_samples 1, temperature 1,
-  `stop=[]`, a seed each) sent at once to a real LoRA worker process, timed from the first
-  submit to the last result in hand;
-- generate: the same 32 prompts left-padded into one `model.generate(do_sample=True,
-  min_new_tokens=max_new_tokens, ...)` call on the same model loaded in this process;
-- loop: the worker's own generation function
-  (`queue_tinker.workers.sampling.decode_loop.generate`) on the same batch in this process: the
-  service minus the queue, to split the service's cost in two.
-
-Two cases: the base model (one sampling session), then mixed adapters (4 sampler checkpoints
-made by a few training steps through the service; 8 requests on each, one session each) against
-PEFT `generate(adapter_names=...)` on a PeftModel holding the same 4 checkpoint directories.
-max_tokens is 64 for the tiny model and 32 for the 100M one (fewer rounds too), which keeps a
-full run near 10 minutes on a 2-core CPU machine; results and the machine go into the
-`## Sampling` section of docs/benchmarks.md (bench/sampling_report.py renders it).
+Three sides, in rounds that rotate their order after a warm-up of each (one computes at a time):
+the service (32 `sample_async` calls sent at once to a real LoRA worker process, timed from the
+first submit to the last result in hand), `generate()` on the same prompts left-padded in this
+process, and the worker's own loop (`workers/sampling/decode_loop.py` `generate`) on the same
+requests in this process: the service minus the queue. Two cases: the base model, then 4
+sampler checkpoints trained through the service, 8 requests on each, against PEFT's
+`generate(adapter_names=...)` on the same checkpoints. The method is in the `## Sampling`
+section of docs/benchmarks.md, which a run's report fills (`## Sampling on a GPU` on CUDA).
 
     .venv/bin/python -m bench.sampling            # full run (several minutes), writes the docs
     .venv/bin/python -m bench.sampling --quick    # smoke run, docs left alone
@@ -29,9 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,26 +37,10 @@ from bench.harness.baselines import left_padded
 from bench.harness.data import datums, random_prompts, sampling_params
 from bench.harness.meters import CpuMeter, synchronize
 from bench.harness.models import ensure_model, frozen_base
-from bench.harness.report import publish
+from bench.harness.report import Report, Table, Target, docs_of, emit
 from bench.harness.run import TORCH, service_run
-from bench.harness.services import (
-    deployment,
-    job_times,
-    service_client,
-)
+from bench.harness.services import deployment, job_times, service_client
 from bench.harness.workers import lora_worker, use_torch_threads
-from bench.sampling_report import (
-    ADAPTERS,
-    REQUESTS,
-    SIDES,
-    Size,
-    SizeResult,
-    Split,
-    findings,
-    render,
-    split_lines,
-    table,
-)
 from queue_tinker.builtin_models import EOS_ID
 from queue_tinker.client import SamplingClient, ServiceClient
 from queue_tinker.queue.keys import Keys
@@ -74,8 +50,71 @@ from queue_tinker.workers.model.checkpoints import checkpoint_dir
 from queue_tinker.workers.model.memory import lora_compute_dtype
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
 
+SECTION = "## Sampling"
+GPU_SECTION = "## Sampling on a GPU"
+COMMAND = ".venv/bin/python -m bench.sampling"
+TARGET = 1.0  # service tokens/s over generate() tokens/s, base model
+REQUESTS, ADAPTERS = 32, 4
+SIDES = ("service", "generate", "loop")
+CASES = ("base", "mixed")
 SEED = 1000  # request i samples with seed SEED + i
 TIMEOUT_S = 600.0
+
+
+# --- what is measured ----------------------------------------------------------------------------
+@dataclass
+class Size:
+    model: str
+    tokens: int  # max_tokens of every request
+    rounds: int
+    budget_s: float  # no new round of a case starts after this many seconds of its rounds
+
+
+@dataclass
+class Split:
+    """One service call split at the sample jobs' Redis-clock `started_at` / `finished_at`."""
+
+    queue_in: float  # submit -> first op started
+    worker: float  # first started -> last finished
+    queue_out: float  # last finished -> last result in hand
+    batches: list[int]  # requests in each generation batch the worker ran, in order
+    batch_s: list[float]  # each batch: its first start -> its last finish
+
+    @property
+    def pattern(self) -> str:
+        return "+".join(map(str, self.batches))
+
+
+@dataclass
+class CaseResult:
+    times: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SIDES})
+    foreign: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SIDES})
+    split: list[Split] = field(default_factory=list)
+    same_as_loop: list[int] = field(default_factory=list)  # service sequences equal to loop's
+
+    def median(self, side: str) -> float:
+        return statistics.median(self.times[side])
+
+    def tok_s(self, side: str, tokens: int) -> float:
+        return REQUESTS * tokens / self.median(side)
+
+    def ratio(self, side: str = "service") -> float:
+        """`side`'s tokens/s over generate()'s (median call time over median call time)."""
+        return self.median("generate") / self.median(side)
+
+    def first_batch(self) -> float | None:
+        """Median time of the worker's first batch in calls it split; None unless most did
+        (a split now and then is not what the median call saw)."""
+        firsts = [x.batch_s[0] for x in self.split if len(x.batches) > 1]
+        return statistics.median(firsts) if 2 * len(firsts) > len(self.split) else None
+
+
+@dataclass
+class SizeResult:
+    size: Size
+    params: int = 0
+    hook_ms: float = 0.0  # PEFT's forward hooks for a mixed batch: register + remove, once
+    cases: dict[str, CaseResult] = field(default_factory=lambda: {c: CaseResult() for c in CASES})
 
 
 def params(i: int, tokens: int) -> SamplingParams:
@@ -86,9 +125,7 @@ def params(i: int, tokens: int) -> SamplingParams:
 class Local:
     """The base model (and a PeftModel holding the checkpoints) in this process."""
 
-    def __init__(
-        self, model: str, data_dir: Path, prompts: list[list[int]], device: str = "cpu"
-    ) -> None:
+    def __init__(self, model: str, data_dir: Path, prompts: list[list[int]], device: str) -> None:
         self.name, self.data_dir, self.prompts = model, data_dir, prompts
         self.device = torch.device(device)
         self.base = frozen_base(model, device, data_dir)
@@ -119,30 +156,25 @@ class Local:
             times.append(time.perf_counter() - t0)
         return sorted(times)[reps // 2] * 1000
 
+    def model(self, adapters: list[str] | None) -> Any:
+        return self.base if adapters is None else self.peft
+
     def generate(self, tokens: int, adapters: list[str] | None) -> None:
         """One batched HF generate() call."""
-        model: Any = self.base if adapters is None else self.peft
         extra = {} if adapters is None else {"adapter_names": adapters}
-        batched_generate(model, self.ids, self.mask, tokens, **extra)
+        batched_generate(self.model(adapters), self.ids, self.mask, tokens, **extra)
 
     def loop(self, tokens: int, adapters: list[str] | None) -> list[SampleResponse]:
         """The worker's generation function on the same requests."""
-        model: Any = self.base if adapters is None else self.peft
-        requests = [
-            GenerationRequest(
-                prompt=p,
-                num_samples=1,
-                params=params(i, tokens),
-                max_tokens=tokens,
-                prompt_logprobs=False,
-                adapter=None if adapters is None else adapters[i],
-            )
+        rows: Sequence[str | None] = adapters or [None] * len(self.prompts)
+        requests = [  # prompt, num_samples, params, max_tokens, prompt_logprobs, adapter
+            GenerationRequest(p, 1, params(i, tokens), tokens, False, rows[i])
             for i, p in enumerate(self.prompts)
         ]
         # LoRA's matmuls as the worker runs them (QT_LORA_MATMUL_DTYPE's auto: bf16 on CUDA).
         lora = lora_compute_dtype(self.base.dtype, "auto")
         return generate(
-            model,
+            self.model(adapters),
             requests,
             device=self.device,
             eos_token_ids=[EOS_ID],
@@ -184,17 +216,15 @@ def service_call(
 
 
 def check(responses: list[SampleResponse], tokens: int, what: str) -> None:
+    """Each response: one sequence of `tokens` tokens, stopped by its length."""
+    wanted = [(tokens, "length")]
     bad = [
         i
         for i, r in enumerate(responses)
-        if len(r.sequences) != 1
-        or len(r.sequences[0].tokens) != tokens
-        or r.sequences[0].stop_reason != "length"
+        if [(len(x.tokens), x.stop_reason) for x in r.sequences] != wanted
     ]
     if bad:
-        raise AssertionError(
-            f"{what}: requests {bad} did not generate {tokens} tokens ending with 'length'"
-        )
+        raise AssertionError(f"{what}: requests {bad} did not generate {tokens} tokens to length")
 
 
 def split_of(call: ServiceCall, times: list[tuple[float, ...] | None]) -> Split:
@@ -258,38 +288,25 @@ def run_case(
             t0 = time.perf_counter()
             if side == "service":
                 call = service_call(samplers, prompts, size.tokens)
-                seconds = call.seconds
             elif side == "generate":
                 local.generate(size.tokens, adapters)
-                synchronize(local.device)
-                seconds = time.perf_counter() - t0
             else:
                 loop_out = local.loop(size.tokens, adapters)
+            if side != "service":
                 synchronize(local.device)
-                seconds = time.perf_counter() - t0
+            seconds = call.seconds if side == "service" and call else time.perf_counter() - t0
             out.foreign[side].append(meter.foreign_since(mark))
             out.times[side].append(seconds)
         assert call is not None
         check(call.responses, size.tokens, f"service, {case}")
         check(loop_out, size.tokens, f"loop, {case}")
+        pairs = zip(call.responses, loop_out, strict=True)
         out.same_as_loop.append(
-            sum(
-                a.sequences[0].tokens == b.sequences[0].tokens
-                for a, b in zip(call.responses, loop_out, strict=True)
-            )
+            sum(a.sequences[0].tokens == b.sequences[0].tokens for a, b in pairs)
         )
         out.split.append(split_of(call, job_times(redis_url, keys, call.job_ids)))
-        print(
-            f"    {case} round {r + 1}: "
-            + ", ".join(
-                f"{s} {REQUESTS * size.tokens / out.times[s][-1]:,.0f} tok/s" for s in SIDES
-            )
-            + f"; worker batches {out.split[-1].pattern} ("
-            + "+".join(f"{t * 1000:,.0f}" for t in out.split[-1].batch_s)
-            + " ms), other load "
-            + "/".join(f"{out.foreign[s][-1]:.2f}" for s in SIDES),
-            flush=True,
-        )
+        rates = (f"{s} {REQUESTS * size.tokens / out.times[s][-1]:,.0f}" for s in SIDES)
+        print(f"    {case} round {r + 1}: tok/s " + ", ".join(rates), flush=True)
 
 
 def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path) -> SizeResult:
@@ -328,7 +345,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cli.add_models(parser, SIZES, default=SIZES)
     cli.add_torch(parser)
     parser.add_argument("--big-tokens", type=int, default=None, help="max_tokens at 100M")
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     cli.add_quick(parser)
     return cli.parse(parser, argv)
 
@@ -336,10 +353,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def sizes(args: argparse.Namespace) -> list[Size]:
     chosen = [SIZES[m] for m in args.models]
     if args.big_tokens:
-        chosen = [
-            Size(s.model, args.big_tokens, s.rounds, s.budget_s) if "100m" in s.model else s
-            for s in chosen
-        ]
+        chosen = [replace(s, tokens=args.big_tokens) if "100m" in s.model else s for s in chosen]
     if args.quick:
         chosen = [Size(s.model, 16, 2, 0) for s in chosen]
     return chosen
@@ -352,18 +366,137 @@ def main(argv: list[str] | None = None) -> int:
     with service_run(args, TORCH, "qt-bench-sampling-") as run:
         threads = {"benchmark process": torch.get_num_threads(), **run.worker_threads()}
         for size in sizes(args):
-            print(
-                f"{size.model}: {REQUESTS} requests × {size.tokens} tokens, up to "
-                f"{size.rounds} rounds, torch threads {threads}",
-                flush=True,
-            )
+            print(f"{size.model}: {REQUESTS} × {size.tokens} tokens, threads {threads}", flush=True)
             results.append(measure(args, size, run.database_url, run.data_dir))
-    total_s = run.total_s
-    print("\n" + "\n".join(table(results) + split_lines(results) + findings(results)))
-    print(f"total {total_s:.0f} s")
-    section = render(run.info, results, threads, args.threads, total_s, args.device)
-    publish(args.docs, args.no_docs, section)
+    facts = [
+        f"Torch threads, set explicitly (OMP_NUM_THREADS={args.threads} in the worker's "
+        f"environment, `torch.set_num_threads({args.threads})` here): "
+        + ", ".join(f"{k} {v}" for k, v in threads.items())
+        + ".",
+        f"The run took {run.total_s:.0f} s; client, worker, Redis and Postgres share the cores.",
+    ]
+    emit(report(run.info, facts, results, args.device), docs_of(args), args.json)
     return 0
+
+
+# --- the report --------------------------------------------------------------------------------
+Case = tuple[SizeResult, str, CaseResult]  # a model, its case's name, that case
+
+
+def report(
+    info: dict[str, str], facts: list[str], results: list[SizeResult], device: str = "cpu"
+) -> Report:
+    """The base-model target, the three sides' tokens/s, where the service's time goes."""
+    targets = [
+        Target(
+            f"service ≥ {TARGET:.1f}× generate() tokens/s, base model, `{model}`",
+            f"{x:.2f}×",
+            x >= TARGET,
+        )
+        for model, x in ((r.size.model, r.cases["base"].ratio()) for r in results)
+    ]
+    cases = [(r, name, c) for r in results for name, c in r.cases.items()]
+    queue = ", ".join(
+        f"`{r.size.model}` {name} {ms([x.queue_in + x.queue_out for x in c.split])}"
+        for r, name, c in cases
+    )
+    hooks = ", ".join(f"{r.hook_ms:.1f} ms at `{r.size.model}`" for r in results)
+    body: list[Table | str] = [
+        throughput(cases),
+        where(cases),
+        "The queue itself (submit → first op started, last finished → last result), median ms "
+        f"a call: {queue}.",
+        "PEFT's forward hooks for a mixed batch, registered and removed once (as "
+        f"`generate(adapter_names=...)` does at every step): {hooks}.",
+    ]
+    for r, name, c in cases:
+        if (first := c.first_batch()) is not None:
+            without = c.ratio() * c.median("service") / (c.median("service") - first)
+            body.append(
+                f"`{r.size.model}`, {name}: the worker started generating on the first request "
+                f"to arrive; that first batch alone took {first * 1000:,.0f} ms, and without it "
+                f"the service would have reached about {without:.2f}× generate()."
+            )
+    splits = [x for _, _, c in cases for x in c.split]
+    if linger := sum(len(x.batches) > 2 for x in splits):
+        body.append(
+            f"{linger} of {len(splits)} calls ran in more than two worker batches: some "
+            "sampling sessions had been released (`linger_ms`)."
+        )
+    gpu = device != "cpu"
+    command = COMMAND + (f" --device {device}" if gpu else "")
+    raw = {"results": [asdict(r) for r in results]}
+    return Report(GPU_SECTION if gpu else SECTION, command, info, facts, targets, body, raw)
+
+
+def ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1000:,.0f}"
+
+
+def batch_text(splits: list[Split]) -> str:
+    """Each batch pattern the worker ran, with the median time of each of its batches."""
+    patterns = {x.pattern: [y for y in splits if y.pattern == x.pattern] for x in splits}
+    return "; ".join(
+        f"{p}: "
+        + " + ".join(ms(list(col)) for col in zip(*(y.batch_s for y in group), strict=True))
+        + f" ms ({len(group)} of {len(splits)} calls)"
+        for p, group in sorted(patterns.items(), key=lambda kv: -len(kv[1]))
+    )
+
+
+def throughput(cases: list[Case]) -> Table:
+    columns = ("model (params)", "case", "requests × max_tokens", "rounds", "generate() tok/s")
+    more = ("service tok/s", "service / generate()", "worker loop in-process tok/s")
+    rows = [
+        (
+            f"`{r.size.model}` ({r.params / 1e6:,.1f}M)",
+            "base model" if name == "base" else f"{ADAPTERS} adapters, mixed batch",
+            f"{REQUESTS} × {t}",
+            len(c.times["service"]),
+            f"{c.tok_s('generate', t):,.0f}",
+            f"{c.tok_s('service', t):,.0f}",
+            f"**{c.ratio():.2f}×**",
+            f"{c.tok_s('loop', t):,.0f}",
+            f"{c.ratio('loop'):.2f}×",
+            " / ".join(f"{statistics.mean(c.foreign[s]):.2f}" for s in SIDES),
+        )
+        for r, name, c in cases
+        for t in (r.size.tokens,)
+    ]
+    cores = "other processes, cores (service / generate / loop)"
+    return Table((*columns, *more, "loop / generate()", cores), rows)
+
+
+def where(cases: list[Case]) -> Table:
+    columns = ("model", "case", "service total", "submit → first op started")
+    worker = (
+        "on the worker (first started → last finished)",
+        "last finished → last result in hand",
+    )
+    more = ("worker loop in-process", "generate()", "worker batches: requests, time each")
+    rows = [
+        (
+            f"`{r.size.model}`",
+            name,
+            ms(c.times["service"]),
+            *(
+                ms([getattr(x, part) for x in c.split])
+                for part in ("queue_in", "worker", "queue_out")
+            ),
+            ms(c.times["loop"]),
+            ms(c.times["generate"]),
+            batch_text(c.split),
+            f"{sum(c.same_as_loop)} of {REQUESTS * len(c.same_as_loop)}",
+        )
+        for r, name, c in cases
+    ]
+    return Table(
+        (*columns, *worker, *more, "service sequences equal to the in-process loop's"),
+        rows,
+        caption="Where the service's time goes (medians over rounds, ms per call of 32 requests; "
+        "the split uses the Redis-clock `started_at` / `finished_at` of the sample jobs and the "
+        "client's clock):",
+    )
 
 
 if __name__ == "__main__":

@@ -1,23 +1,12 @@
 """The sampling engine through the service: continuous batching, shared prompts and fair turns,
-each against a baseline measured in the same run.
+each against a baseline measured in the same run, on one real LoRA worker process.
 
-One real LoRA worker process (production defaults), the local Redis and a scratch Postgres;
-every request has a seed, temperature 1 and `stop=[]`, so it generates exactly `max_tokens`.
-
-- staggered: 48 requests (prompts of 8-48 random byte tokens) arriving as a Poisson stream over
-  1.5 s: their median latency (submit to result) against one such request alone (median of a
-  few), and the stream's tokens/s against transformers' `generate()` on the same 48 at once;
-- simultaneous: 32 requests sent at once against `generate()` on the same 32 (tokens/s);
-- long samples: the first `long_rows` of them with `long_tokens` new tokens each, against
-  `generate()` on the same (tokens/s): what a cache written in place saves as samples grow
-  (at most the context left after the 48-token prompts: 192 on the tiny model's 256);
-- shared prompt: one request with `num_samples=16` against 16 requests of that prompt sent at
-  once (tokens/s);
-- fair turns: one tenant's training step (forward_backward + optim_step, one datum) latency,
-  p50 / p90, while another tenant's request samples `fair_rows` x `fair_tokens` on the same
-  worker, against the step alone; and that sample's time against the sample alone.
-
-Writes the `## Sampling engine` section of docs/benchmarks.md (`--no-docs` leaves it alone).
+Staggered requests (a Poisson stream over 1.5 s: median latency against one alone, tokens/s
+against `generate()` on the same requests at once), requests at once and long samples against
+`generate()`, `num_samples=16` of one prompt against 16 requests of it (and of 16 long prompts
+against 16 distinct ones), and fair turns: one tenant's training step while another tenant's
+long sample runs, against each alone. The method is in the docs section this writes, `## Sampling
+engine: ...` of docs/benchmarks.md (`## Sampling engine on a GPU` for a CUDA run).
 
     .venv/bin/python -m bench.sampling_engine                 # tiny model, a few minutes
     .venv/bin/python -m bench.sampling_engine --models queue-tinker/tiny-llama \\
@@ -29,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +34,57 @@ from bench.harness.baselines import generate, left_padded
 from bench.harness.data import datums, random_prompts, sampling_params
 from bench.harness.meters import synchronize
 from bench.harness.models import ensure_model, frozen_base
-from bench.harness.report import publish
+from bench.harness.report import Report, Table, docs_of, emit
 from bench.harness.run import TORCH, service_run
 from bench.harness.services import deployment, service_client
 from bench.harness.workers import lora_worker, use_torch_threads
-from bench.sampling_engine_report import Result, Size, median, render, table
 from queue_tinker.client import SamplingClient, ServiceClient, TrainingClient
 from queue_tinker.types import AdamParams, Datum, ModelInput, SamplingParams
 
+SECTION = "## Sampling engine: continuous batching, shared prompts, fair turns"
+GPU_SECTION = "## Sampling engine on a GPU"
+COMMAND = ".venv/bin/python -m bench.sampling_engine"
 TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class Size:
+    model: str
+    tokens: int  # max_tokens of the staggered, simultaneous and shared-prompt requests
+    fair_rows: int  # num_samples of the long sample in the fair-turns case
+    fair_tokens: int
+    rounds: int  # of each timed call (median taken)
+    long_prompt: int = 192  # tokens of the long-prompt case (within the model's context)
+    long_rows: int = 32  # requests of the long-samples case
+    long_tokens: int = 512  # their max_tokens (+ 48 prompt tokens within the model's context)
+    staggered: int = 48
+    simultaneous: int = 32
+    shared: int = 16
+
+
+@dataclass
+class Result:
+    size: Size
+    params: int = 0
+    alone_s: list[float] = field(default_factory=list)  # one staggered-size request alone
+    staggered_latency_s: list[float] = field(default_factory=list)  # per request, last round
+    staggered_median_s: list[float] = field(default_factory=list)  # per round
+    staggered_tok_s: list[float] = field(default_factory=list)
+    generate_staggered_tok_s: list[float] = field(default_factory=list)
+    simultaneous_tok_s: list[float] = field(default_factory=list)
+    generate_simultaneous_tok_s: list[float] = field(default_factory=list)
+    shared_tok_s: list[float] = field(default_factory=list)
+    separate_tok_s: list[float] = field(default_factory=list)
+    long_shared_tok_s: list[float] = field(default_factory=list)  # num_samples of a long prompt
+    long_distinct_tok_s: list[float] = field(default_factory=list)  # as many long prompts
+    long_samples_tok_s: list[float] = field(default_factory=list)
+    generate_long_samples_tok_s: list[float] = field(default_factory=list)
+    step_alone_s: list[float] = field(default_factory=list)
+    step_under_s: list[float] = field(default_factory=list)
+    sample_alone_s: float = 0.0
+    sample_shared_s: float = 0.0
+
+
 SIZES = {
     "queue-tinker/tiny-llama": Size(
         "queue-tinker/tiny-llama", 64, 512, 128, 3, long_prompt=160, long_tokens=192
@@ -61,7 +95,15 @@ SIZES = {
 }
 
 
-# --- generate() in this process -----------------------------------------------------------------
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def p90(values: list[float]) -> float:
+    return float(np.percentile(values, 90)) if values else float("nan")
+
+
+# --- the two sides -----------------------------------------------------------------------------
 def generate_tok_s(model: Any, batch: list[list[int]], tokens: int) -> float:
     """transformers' generate() on the prompts at once, left-padded: generated tokens/s."""
     device = next(model.parameters()).device
@@ -73,13 +115,8 @@ def generate_tok_s(model: Any, batch: list[list[int]], tokens: int) -> float:
     return len(batch) * tokens / (time.perf_counter() - began)
 
 
-# --- the service -------------------------------------------------------------------------------
 async def timed_sample(
-    sampler: SamplingClient,
-    prompt: list[int],
-    n: int,
-    sampling: SamplingParams,
-    delay_s: float = 0.0,
+    sampler: SamplingClient, prompt: list[int], n: int, sampling: SamplingParams, delay_s: float = 0
 ) -> float:
     """Wait `delay_s`, then one request; seconds from submit to result (checked)."""
     await asyncio.sleep(delay_s)
@@ -90,28 +127,25 @@ async def timed_sample(
     return time.perf_counter() - began
 
 
-def staggered(
-    sampler: SamplingClient, batch: list[list[int]], tokens: int, seed: int
+def sent(
+    sampler: SamplingClient,
+    batch: list[list[int]],
+    n: int,
+    tokens: int,
+    seed: int,
+    delays: Sequence[float],
 ) -> tuple[list[float], float]:
-    """The requests as a Poisson stream over 1.5 s: each one's latency, and the stream's
-    generated tokens/s (first submit to last result)."""
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.5 / len(batch), len(batch)))
+    """Request i sent after `delays[i]` seconds: each one's latency, and the generated tokens/s
+    from the first submit to the last result."""
 
     async def go() -> tuple[list[float], float]:
         began = time.perf_counter()
-        latencies = await asyncio.wait_for(
-            asyncio.gather(
-                *(
-                    timed_sample(
-                        sampler, p, 1, sampling_params(seed + i, tokens), float(arrivals[i])
-                    )
-                    for i, p in enumerate(batch)
-                )
-            ),
-            TIMEOUT_S,
+        each = (
+            timed_sample(sampler, p, n, sampling_params(seed + i, tokens), delays[i])
+            for i, p in enumerate(batch)
         )
-        return list(latencies), len(batch) * tokens / (time.perf_counter() - began)
+        latencies = await asyncio.wait_for(asyncio.gather(*each), TIMEOUT_S)
+        return list(latencies), len(batch) * n * tokens / (time.perf_counter() - began)
 
     return asyncio.run(go())
 
@@ -120,21 +154,17 @@ def at_once(
     sampler: SamplingClient, batch: list[list[int]], n: int, tokens: int, seed: int
 ) -> float:
     """The requests sent together: generated tokens/s, first submit to last result."""
+    return sent(sampler, batch, n, tokens, seed, [0.0] * len(batch))[1]
 
-    async def go() -> float:
-        began = time.perf_counter()
-        await asyncio.wait_for(
-            asyncio.gather(
-                *(
-                    timed_sample(sampler, p, n, sampling_params(seed + i, tokens))
-                    for i, p in enumerate(batch)
-                )
-            ),
-            TIMEOUT_S,
-        )
-        return len(batch) * n * tokens / (time.perf_counter() - began)
 
-    return asyncio.run(go())
+def staggered(
+    sampler: SamplingClient, batch: list[list[int]], tokens: int, seed: int
+) -> tuple[list[float], float]:
+    """The requests as a Poisson stream over 1.5 s: each one's latency, and the stream's
+    generated tokens/s (first submit to last result)."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.5 / len(batch), len(batch)))
+    return sent(sampler, batch, 1, tokens, seed, [float(a) for a in arrivals])
 
 
 def train_steps(tc: TrainingClient, batch: list[Datum], count: int) -> list[float]:
@@ -171,27 +201,29 @@ def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size, resul
     result.sample_shared_s = time.perf_counter() - began
 
 
+# --- one model ---------------------------------------------------------------------------------
 def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path) -> Result:
     ensure_model(size.model, data_dir)
     local = frozen_base(size.model, args.device, data_dir)
     result = Result(size, sum(p.numel() for p in local.parameters()))
-    stream, together = random_prompts(size.staggered, 1), random_prompts(size.simultaneous, 2)
+    prompts = random_prompts(size.staggered, 1), random_prompts(size.simultaneous, 2)
     shared_prompt = random_prompts(1, 3)[0]
+    # The worker's QT_DECODE_STEP when --decode-step names one (else its default).
+    env = {"QT_DECODE_STEP": args.decode_step} if args.decode_step else {}
     with deployment(args.redis_url, database_url, "sampling-engine", data_dir) as settings:
         log = data_dir / f"worker-{settings.key_prefix}.log"
         with (
-            lora_worker(settings, size.model, log, env=decode_env(args), device=args.device),
+            lora_worker(settings, size.model, log, env=env, device=args.device),
             service_client(settings.model_copy(update={"tenant": "trainer"})) as trainer,
             service_client(settings.model_copy(update={"tenant": "sampler"})) as service,
         ):
             sampler = service.create_sampling_client(base_model=size.model)
-            at_once(sampler, together[:4], 1, 4, 0)  # warm-up: the worker's loop is made
-            generate_tok_s(local, together[:4], 4)
+            at_once(sampler, prompts[1][:4], 1, 4, 0)  # warm-up: the worker's loop is made
+            generate_tok_s(local, prompts[1][:4], 4)
             if args.device != "cpu":  # a GPU warms up per shape (kernels, allocator)
-                warm = Result(size)
-                run_round(sampler, local, size, warm, stream, together, shared_prompt, 0)
+                run_round(sampler, local, Result(size), (*prompts, shared_prompt), 0)
             for r in range(size.rounds):
-                run_round(sampler, local, size, result, stream, together, shared_prompt, r)
+                run_round(sampler, local, result, (*prompts, shared_prompt), r)
             fair_turns(service, trainer, size, result)
     return result
 
@@ -199,13 +231,13 @@ def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: P
 def run_round(
     sampler: SamplingClient,
     local: torch.nn.Module,
-    size: Size,
     result: Result,
-    stream: list[list[int]],
-    together: list[list[int]],
-    shared_prompt: list[int],
+    prompts: tuple[list[list[int]], list[list[int]], list[int]],
     r: int,
 ) -> None:
+    """Round `r` of every measurement but the fair turns; `prompts`: the stream's, those sent
+    together, the one shared prompt."""
+    size, (stream, together, shared_prompt) = result.size, prompts
     median_prompt = sorted(stream, key=len)[len(stream) // 2]
     result.alone_s.append(
         asyncio.run(timed_sample(sampler, median_prompt, 1, sampling_params(100 + r, size.tokens)))
@@ -221,55 +253,38 @@ def run_round(
     result.long_samples_tok_s.append(at_once(sampler, long_batch, 1, size.long_tokens, 5000))
     result.generate_long_samples_tok_s.append(generate_tok_s(local, long_batch, size.long_tokens))
     result.shared_tok_s.append(at_once(sampler, [shared_prompt], size.shared, size.tokens, 3000))
-    result.separate_tok_s.append(
-        at_once(sampler, [shared_prompt] * size.shared, 1, size.tokens, 3000)
-    )
+    separate = [shared_prompt] * size.shared
+    result.separate_tok_s.append(at_once(sampler, separate, 1, size.tokens, 3000))
     # What sharing the prefill saves: one long prompt's samples vs as many long prompts.
     long = np.random.default_rng(4 + r).integers(0, 256, (size.shared, size.long_prompt)).tolist()
     result.long_shared_tok_s.append(at_once(sampler, long[:1], size.shared, size.tokens, 4000))
     result.long_distinct_tok_s.append(at_once(sampler, long, 1, size.tokens, 4000))
     print(
         f"  round {r + 1}: alone {result.alone_s[-1] * 1000:,.0f} ms, staggered median "
-        f"{result.staggered_median_s[-1] * 1000:,.0f} ms ({tok_s:,.0f} tok/s vs generate "
-        f"{result.generate_staggered_tok_s[-1]:,.0f}); 32 at once "
-        f"{result.simultaneous_tok_s[-1]:,.0f} vs generate "
-        f"{result.generate_simultaneous_tok_s[-1]:,.0f} tok/s; long samples "
-        f"{result.long_samples_tok_s[-1]:,.0f} vs generate "
-        f"{result.generate_long_samples_tok_s[-1]:,.0f} tok/s; num_samples=16 "
-        f"{result.shared_tok_s[-1]:,.0f} vs 16 requests {result.separate_tok_s[-1]:,.0f}",
+        f"{result.staggered_median_s[-1] * 1000:,.0f} ms, at once "
+        f"{result.simultaneous_tok_s[-1]:,.0f} tok/s",
         flush=True,
     )
 
 
-def decode_env(args: argparse.Namespace) -> dict[str, str]:
-    """The worker's QT_DECODE_STEP when --decode-step names one (else its default)."""
-    return {"QT_DECODE_STEP": args.decode_step} if args.decode_step else {}
-
-
+# --- main --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.sampling_engine", __doc__)
-    parser.add_argument(
-        "--decode-step",
-        choices=["auto", "padded", "slots", "graphs"],
-        default=None,
-        help="the worker's QT_DECODE_STEP (default: its own default)",
-    )
+    steps = ["auto", "padded", "slots", "graphs"]
+    parser.add_argument("--decode-step", choices=steps, help="the worker's QT_DECODE_STEP")
     cli.add_services(parser)
     cli.add_models(parser, SIZES, default=["queue-tinker/tiny-llama"])
     cli.add_torch(parser)
-    cli.add_report(parser, json=False)
+    cli.add_report(parser)
     cli.add_quick(parser)
     return cli.parse(parser, argv)
 
 
 def sizes(args: argparse.Namespace) -> list[Size]:
-    chosen = [SIZES[m] for m in args.models]
     if args.quick:
-        chosen = [
-            Size(s.model, 8, 32, 16, 1, 32, 4, 32, staggered=8, simultaneous=8, shared=4)
-            for s in chosen
-        ]
-    return chosen
+        quick = {"staggered": 8, "simultaneous": 8, "shared": 4}
+        return [Size(m, 8, 32, 16, 1, 32, 4, 32, **quick) for m in args.models]
+    return [SIZES[m] for m in args.models]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,11 +295,118 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes(args):
             print(f"{size.model}:", flush=True)
             results.append(measure(args, size, run.database_url, run.data_dir))
-    print("\n" + "\n".join(table(results)))
     info = {**run.info, "worker QT_DECODE_STEP": args.decode_step or "default"}
-    section = render(info, results, run.total_s, args.threads, args.device, args.decode_step)
-    publish(args.docs, args.no_docs, section)
+    result = report(info, results, run.total_s, args.threads, args.device, args.decode_step)
+    emit(result, docs_of(args), args.json)
     return 0
+
+
+# --- the report --------------------------------------------------------------------------------
+Row = tuple[str, str, str, float, str]  # what, service, baseline, ratio, target
+
+
+def tokens_row(what: str, service: list[float], baseline: list[float], target: str) -> Row:
+    """Two tokens/s figures of the same run, medians over rounds, and their ratio."""
+    ours, theirs = median(service), median(baseline)
+    return (what, f"{ours:,.0f} tok/s", f"{theirs:,.0f} tok/s", ours / theirs, target)
+
+
+def rows(r: Result) -> list[Row]:
+    """(what, service, baseline, ratio, target) per measurement."""
+    s = r.size
+    alone, stag = median(r.alone_s), median(r.staggered_median_s)
+    sample = f"{s.fair_rows} × {s.fair_tokens}"
+    step_under, step_alone = r.step_under_s, r.step_alone_s
+    return [
+        (
+            f"staggered: {s.staggered} requests, Poisson over 1.5 s, {s.tokens} tokens each — "
+            "median latency (lower is better)",
+            f"{stag * 1000:,.0f} ms",
+            f"one alone: {alone * 1000:,.0f} ms",
+            stag / alone,
+            "≤ 2×",
+        ),
+        tokens_row(
+            "staggered: the stream's tokens/s vs generate() on the same requests at once",
+            r.staggered_tok_s,
+            r.generate_staggered_tok_s,
+            "stated",
+        ),
+        tokens_row(
+            f"{s.simultaneous} requests at once, {s.tokens} tokens each, vs generate()",
+            r.simultaneous_tok_s,
+            r.generate_simultaneous_tok_s,
+            "≥ 1.2×",
+        ),
+        tokens_row(
+            f"{s.long_rows} requests at once, {s.long_tokens} tokens each (long samples), vs "
+            "generate()",
+            r.long_samples_tok_s,
+            r.generate_long_samples_tok_s,
+            "stated",
+        ),
+        tokens_row(
+            f"num_samples={s.shared} of one prompt vs {s.shared} requests of it",
+            r.shared_tok_s,
+            r.separate_tok_s,
+            "≥ 1.5×",
+        ),
+        tokens_row(
+            f"num_samples={s.shared} of one {s.long_prompt}-token prompt vs {s.shared} requests "
+            f"of distinct {s.long_prompt}-token prompts (what sharing the prefill saves)",
+            r.long_shared_tok_s,
+            r.long_distinct_tok_s,
+            "stated",
+        ),
+        (
+            f"training step p90 while another tenant samples {sample} (lower is better)",
+            f"{p90(step_under) * 1000:,.0f} ms "
+            f"(p50 {median(step_under) * 1000:,.0f}, {len(step_under)} steps)",
+            f"alone: {p90(step_alone) * 1000:,.0f} ms (p50 {median(step_alone) * 1000:,.0f})",
+            p90(step_under) / p90(step_alone),
+            "≤ 3×",
+        ),
+        (
+            f"that {sample} sample's time, sharing the worker with the trainer (lower is better)",
+            f"{r.sample_shared_s:,.1f} s",
+            f"alone: {r.sample_alone_s:,.1f} s",
+            r.sample_shared_s / r.sample_alone_s,
+            "stated",
+        ),
+    ]
+
+
+def table(results: list[Result]) -> Table:
+    return Table(
+        ("model (params)", "measurement", "service", "same-run baseline", "ratio", "target"),
+        [
+            (f"`{r.size.model}` ({r.params / 1e6:,.1f}M)", what, ours, theirs, f"**{x:.2f}×**", t)
+            for r in results
+            for what, ours, theirs, x, t in rows(r)
+        ],
+    )
+
+
+def report(
+    info: dict[str, str],
+    results: list[Result],
+    total_s: float,
+    threads: int,
+    device: str,
+    decode_step: str | None = None,
+) -> Report:
+    """Every measurement against its same-run baseline (`## Sampling engine on a GPU` for a
+    CUDA run, so a GPU run leaves the CPU's section alone)."""
+    step = f"--decode-step {decode_step} " if decode_step else ""
+    models = " ".join(r.size.model for r in results)
+    command = f"{COMMAND} --threads {threads} --device {device} {step}--models {models}"
+    facts = [
+        f"Torch threads {threads} in every process (OMP_NUM_THREADS={threads} for the worker).",
+        f"The run took {total_s:.0f} s.",
+    ]
+    heading = SECTION if device == "cpu" else GPU_SECTION
+    raw = {"results": [asdict(r) for r in results]}
+    return Report(heading, command, info, facts, (), [table(results)], raw)
 
 
 if __name__ == "__main__":

@@ -1,43 +1,15 @@
 """Soak: many clients over many models for minutes, against real Redis, real Postgres and real
-worker processes. No future may get stuck, every op must be done exactly once, and the
-workers' memory must stay flat.
-
-The load (all of it real, nothing tuned for the run; production lease/heartbeat/linger):
-
-- `--clients` (20) ServiceClients in this process, each with its own background loop and
-  Redis connections, as that many users would have. The `--models` (50) training runs are dealt
-  out among them. Each client sends pings at random (Poisson) times, `--rate` (5) per second
-  on average, over its models, with at most `--window` (16) in flight; each ping's `delay_ms`
-  is drawn from 0 (run inline: the queue's own cost), 1, 5 and 20 ms (the compute thread), so
-  ops queue behind each other on a model, workers claim and release models, and the publish
-  pipeline sees batches of every size. The load is steady and below saturation (a soak, not a
-  stress test), so round trips stay meaningful.
-- `--workers` (2) queue-only worker processes serve those pings.
-- `--lora-clients` (2) training runs on `queue-tinker/tiny-llama`, served by one LoRA worker
-  process: forward_backward + optim_step in a loop, and every `--sample-every` steps
-  save_weights_and_get_sampling_client + one short sample, so the torch worker's adapters,
-  snapshots, checkpoints and sampler cache are exercised as well. The workers keep at most
-  `--max-resident` (8) adapters, so that cache is full within the first minute and every later
-  round evicts one: from then on memory must be flat. It computes with one torch thread
-  (OMP_NUM_THREADS=1), so it takes one core, not all of them. `--lora-clients 0` leaves it
-  out.
-
-Every `--sample-s` (5) seconds the resident memory of each worker process (/proc/<pid>/status,
-VmRSS), of this client process, and Redis' used_memory are sampled. A future that does not
-resolve within `--stuck-after` (60) seconds counts as stuck. At the end: ops done, p50/p99
-round trips, stuck futures, exactly-once checks (every ping's job hash done with attempts 1,
-the publish counter equal to the pings done, each model's results numbered 2..n+1 without a
-gap or a repeat), and the memory trend: mean of the first minute against the last minute, and
-the slope of a least-squares line after the first minute (MiB/min). Results go to stdout and
-to the `## Soak` section of docs/benchmarks.md.
+worker processes with production settings. No future may get stuck, every op must be done
+exactly once, and the workers' memory must stay flat: those checks are the run's targets, and
+the exit status is 1 when one is not met. The load, the checks and how to read them: the
+`## Soak` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.soak --minutes 5 --clients 20 --models 50
-    .venv/bin/python -m bench.soak --minutes 0.5 --no-docs          # a smoke run
+    .venv/bin/python -m bench.soak --quick          # half a minute, small, docs left alone
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -45,8 +17,10 @@ import random
 import sys
 import threading
 import time
+from argparse import Namespace
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,93 +29,106 @@ import redis
 from bench.harness import cli
 from bench.harness.data import datums
 from bench.harness.meters import status_kib
-from bench.harness.report import publish, save
+from bench.harness.report import Report, Table, Target, docs_of, emit
 from bench.harness.run import service_run
-from bench.harness.services import (
-    delete_matching,
-    service_client,
-)
+from bench.harness.services import delete_matching, service_client
+from bench.harness.stats import Latency
 from bench.harness.workers import lora_worker, wait_for_workers, worker_proc
-from bench.soak_report import (
-    DELAYS_MS,
-    LORA_MODEL,
-    Outcome,
-    Tally,
-    print_summary,
-    render,
-    results_json,
-)
 from queue_tinker import types
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
+SECTION = "## Soak"
+COMMAND = ".venv/bin/python -m bench.soak --minutes 5 --clients 20 --models 50"
+LORA_MODEL = "queue-tinker/tiny-llama"
+DELAYS_MS = (0, 0, 1, 5, 20)  # drawn uniformly: 40% inline, the rest on the compute thread
+MIB = 1024 * 1024
+Series = dict[str, list[tuple[float, int]]]  # per process: (seconds since start, bytes)
+
 
 # --- what the run saw --------------------------------------------------------------------------
-class MemorySampler:
-    """Resident memory of named processes, this one and Redis', every `interval` seconds."""
+@dataclass
+class Tally:
+    """Everything the clients observed, shared by their coroutines (one event loop)."""
 
-    def __init__(self, pids: dict[str, int], redis_url: str, interval: float) -> None:
-        self.pids = {**pids, "client process": os.getpid()}
-        self.redis_url = redis_url
-        self.interval = interval
-        self.rows: list[tuple[float, str, int]] = []  # (seconds since start, name, bytes)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="qt-soak-memory", daemon=True)
-        self._started = 0.0
+    ping_s: list[float] = field(default_factory=list)
+    overhead_s: list[float] = field(default_factory=list)  # round trip minus the ping's delay
+    step_s: list[float] = field(default_factory=list)
+    samples: int = 0
+    job_ids: list[str] = field(default_factory=list)
+    seqs: defaultdict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    stuck: list[str] = field(default_factory=list)
+    failed: dict[str, int] = field(default_factory=dict)
+    wrong: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # how long the load ran, until the last result
 
-    def __enter__(self) -> MemorySampler:
-        self._started = time.monotonic()
-        self._thread.start()
-        return self
+    def fail(self, exc: BaseException) -> None:
+        name = type(exc).__name__
+        if name not in self.failed:
+            print(f"warning: op failed: {name}: {exc}", file=sys.stderr, flush=True)
+        self.failed[name] = self.failed.get(name, 0) + 1
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
-    def _run(self) -> None:
-        client = redis.Redis.from_url(self.redis_url)
-        try:
+@contextlib.contextmanager
+def sampling_memory(pids: dict[str, int], redis_url: str, interval: float) -> Iterator[Series]:
+    """Resident memory of named processes, this one and Redis', every `interval` seconds, into
+    the series it yields."""
+    pids = {**pids, "client process": os.getpid()}
+    series: Series = defaultdict(list)
+    stop = threading.Event()
+    began = time.monotonic()
+
+    def sample() -> None:
+        with redis.Redis.from_url(redis_url) as client:
             while True:
-                now = time.monotonic() - self._started
-                for name, pid in self.pids.items():
-                    rss = process_rss(pid)
-                    if rss is not None:
-                        self.rows.append((now, name, rss))
-                self.rows.append(
-                    (now, "Redis used_memory", int(client.info("memory")["used_memory"]))
-                )
-                if self._stop.wait(self.interval):
+                now = time.monotonic() - began
+                for name, pid in pids.items():
+                    if (rss := status_kib(pid, "VmRSS")) is not None:  # None once it is gone
+                        series[name].append((now, rss * 1024))
+                used = int(client.info("memory")["used_memory"])
+                series["Redis used_memory"].append((now, used))
+                if stop.wait(interval):
                     return
-        finally:
-            client.close()
 
-    def series(self) -> dict[str, list[tuple[float, int]]]:
-        out: dict[str, list[tuple[float, int]]] = defaultdict(list)
-        for t, name, value in self.rows:
-            out[name].append((t, value))
-        return dict(out)
+    thread = threading.Thread(target=sample, name="qt-soak-memory", daemon=True)
+    thread.start()
+    try:
+        yield series
+    finally:
+        stop.set()
+        thread.join()
 
 
-def process_rss(pid: int) -> int | None:
-    """VmRSS of a process in bytes, None once it is gone."""
-    rss = status_kib(pid, "VmRSS")
-    return None if rss is None else rss * 1024
+@dataclass
+class Trend:
+    """One process's memory over the run."""
+
+    first_min_mib: float
+    last_min_mib: float
+    slope_mib_per_min: float  # least squares, after the first minute (or over all, if shorter)
+    samples: int
+
+
+def trend(series: list[tuple[float, int]]) -> Trend:
+    t = np.array([s for s, _ in series])
+    mib = np.array([v for _, v in series]) / MIB
+    window = min(60.0, t[-1] / 2) if len(t) > 1 else 0.0
+    first = mib[t <= t[0] + window] if window else mib
+    last = mib[t >= t[-1] - window] if window else mib
+    settled = t >= 60.0 if t[-1] >= 120.0 else np.ones_like(t, dtype=bool)
+    slope = float(np.polyfit(t[settled] / 60, mib[settled], 1)[0]) if settled.sum() > 2 else 0.0
+    return Trend(float(first.mean()), float(last.mean()), slope, len(t))
 
 
 # --- the load ----------------------------------------------------------------------------------
 async def ping_client(
-    models: list[TrainingClient],
-    deadline: float,
-    args: argparse.Namespace,
-    rng: random.Random,
-    tally: Tally,
+    models: list[TrainingClient], deadline: float, args: Namespace, rng: random.Random, tally: Tally
 ) -> None:
     """Pings at Poisson times, `args.rate` per second, over `models` until the deadline; at
     most `args.window` in flight."""
     slots = asyncio.Semaphore(args.window)
-    stuck_after = args.stuck_after
     tasks: set[asyncio.Task[None]] = set()
 
     async def one(tc: TrainingClient, n: int) -> None:
@@ -150,7 +137,7 @@ async def ping_client(
             began = time.perf_counter()
             future = await tc.ping_async(n, delay_ms=delay)
             try:
-                result = await future.result_async(timeout=stuck_after)
+                result = await future.result_async(timeout=args.stuck_after)
             except TimeoutError:
                 tally.stuck.append(future.request_id)
                 return
@@ -178,14 +165,13 @@ async def ping_client(
     await asyncio.gather(*tasks)
 
 
-def lora_batch(texts: Sequence[str]) -> list[types.Datum]:
-    """Byte tokens (the tiny model's tokenizer), next-token targets, all weights 1."""
-    return datums(np.frombuffer(text.encode(), np.uint8).astype(np.int64) for text in texts)
-
-
+# Byte tokens (the tiny model's tokenizer), next-token targets, all weights 1.
 LORA_BATCHES = [
-    lora_batch(["the cat sat on the mat", "a dog ran"]),
-    lora_batch(["queue tinker trains loras", "one two three four"]),
+    datums(np.frombuffer(text.encode(), np.uint8).astype(np.int64) for text in texts)
+    for texts in (
+        ("the cat sat on the mat", "a dog ran"),
+        ("queue tinker trains loras", "one two three four"),
+    )
 ]
 ADAM = types.AdamParams(learning_rate=1e-3)
 PROMPT = types.ModelInput.from_ints(list(b"the cat"))
@@ -223,48 +209,36 @@ async def lora_client(
 
 
 async def drive(
-    args: argparse.Namespace,
-    services: list[ServiceClient],
-    lora_service: ServiceClient | None,
-    tally: Tally,
-) -> float:
-    """Run the whole load for args.minutes; the seconds it took (until the last result)."""
+    args: Namespace, services: list[ServiceClient], lora: ServiceClient | None, tally: Tally
+) -> None:
+    """Run the whole load for args.minutes; `tally.seconds` is how long it took."""
     models = [
         await services[i % len(services)].create_lora_training_client_async("tiny")
         for i in range(args.models)
     ]
-    runs = (
-        [
-            await lora_service.create_lora_training_client_async(LORA_MODEL, rank=8)
+    runs = []
+    if lora is not None:
+        runs = [
+            await lora.create_lora_training_client_async(LORA_MODEL, rank=8)
             for _ in range(args.lora_clients)
         ]
-        if lora_service
-        else []
-    )
     began = time.monotonic()
     deadline = began + args.minutes * 60
     rng = random.Random(args.seed)
     coros = [
-        ping_client(
-            [m for i, m in enumerate(models) if i % len(services) == c],
-            deadline,
-            args,
-            random.Random(rng.random()),
-            tally,
-        )
+        ping_client(models[c :: len(services)], deadline, args, random.Random(rng.random()), tally)
         for c in range(len(services))
     ]
     coros += [lora_client(tc, deadline, args.sample_every, args.stuck_after, tally) for tc in runs]
     await asyncio.gather(*coros)
-    return time.monotonic() - began
+    tally.seconds = time.monotonic() - began
 
 
 # --- checks ------------------------------------------------------------------------------------
 def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
     """Ping jobs not done with attempts 1, models whose results skip or repeat a seq, and the
     publish counter against the pings done."""
-    client = redis.Redis.from_url(redis_url)
-    try:
+    with redis.Redis.from_url(redis_url) as client:
         not_once = 0
         for start in range(0, len(tally.job_ids), 5_000):
             pipe = client.pipeline(transaction=False)
@@ -274,8 +248,6 @@ def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
                 1 for status, attempts in pipe.execute() if status != b"done" or attempts != b"1"
             )
         published = int(client.hget(keys.metrics_ops(), "ping|done") or 0)
-    finally:
-        client.close()
     gaps = sum(1 for seqs in tally.seqs.values() if sorted(seqs) != list(range(2, len(seqs) + 2)))
     return {
         "not_done_once": not_once,
@@ -285,7 +257,7 @@ def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
 
 
 # --- main --------------------------------------------------------------------------------------
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> Namespace:
     parser = cli.parser("bench.soak", __doc__)
     cli.add_services(parser)
     cli.add_knobs(
@@ -307,63 +279,117 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         },
     )
     cli.add_report(parser)
-    return cli.parse(parser, argv)
+    cli.add_quick(parser, "0.5 min, 4 clients, 8 models, memory not judged")
+    quick = {"minutes": 0.5, "clients": 4, "models": 8, "max_slope": 1000.0}
+    return cli.parse(parser, argv, quick=quick)
 
 
-def start_workers(
-    stack: contextlib.ExitStack, args: argparse.Namespace, settings: Settings, log_dir: Path
-) -> dict[str, int]:
-    """The LoRA worker (first: it takes seconds to load), then the queue-only ones; all
-    registered on return, stopped when the stack closes. Their pids by name."""
+def run(args: Namespace, settings: Settings, log_dir: Path, tally: Tally) -> Series:
+    """Start the LoRA worker (first: it takes seconds to load), the queue-only ones and the
+    clients; run the load while sampling memory; stop them all."""
     pids: dict[str, int] = {}
-    if args.lora_clients:
-        lora = stack.enter_context(lora_worker(settings, LORA_MODEL, log_dir / "soak-lora.log"))
-        pids["worker (LoRA, tiny-llama)"] = lora.pid
-    for i in range(args.workers):
-        proc = worker_proc(settings, log_dir / f"soak-worker-{i}.log")
-        stack.callback(proc.stop_and_report, f"worker {proc.pid}")
-        pids[f"worker {i + 1} (queue-only)"] = proc.pid
-    wait_for_workers(settings, len(pids))
-    return pids
-
-
-def run(
-    args: argparse.Namespace, settings: Settings, log_dir: Path, tally: Tally
-) -> tuple[float, dict[str, list[tuple[float, int]]]]:
-    """Start the workers and the clients, run the load while sampling memory."""
     with contextlib.ExitStack() as stack:
-        pids = start_workers(stack, args, settings, log_dir)
+        if args.lora_clients:
+            lora = stack.enter_context(lora_worker(settings, LORA_MODEL, log_dir / "soak-lora.log"))
+            pids["worker (LoRA, tiny-llama)"] = lora.pid
+        for i in range(args.workers):
+            proc = worker_proc(settings, log_dir / f"soak-worker-{i}.log")
+            stack.callback(proc.stop_and_report, f"worker {proc.pid}")
+            pids[f"worker {i + 1} (queue-only)"] = proc.pid
+        wait_for_workers(settings, len(pids))
         services = [stack.enter_context(service_client(settings)) for _ in range(args.clients)]
         lora_service = stack.enter_context(service_client(settings)) if args.lora_clients else None
-        with MemorySampler(pids, settings.redis_url or "", args.sample_s) as memory:
-            seconds = asyncio.run(drive(args, services, lora_service, tally))
-    return seconds, memory.series()
+        with sampling_memory(pids, settings.redis_url or "", args.sample_s) as series:
+            asyncio.run(drive(args, services, lora_service, tally))
+    return dict(series)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the load and the checks; hand back the report; exit 1 when a check is not met."""
     args = parse_args(argv)
     # One torch thread in the LoRA worker (it inherits this): it takes one core, not all of
     # them, and the ping load keeps the rest.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tally = Tally()
     with service_run(args, ("torch",), "qt-soak-") as soak:
-        print(
-            f"soak: {args.clients} clients, {args.models} models, {args.workers} queue-only "
-            f"workers, {args.lora_clients} LoRA runs, {args.minutes:g} min ...",
-            flush=True,
-        )
+        print(f"soak: {args.clients} clients, {args.minutes:g} min ...", flush=True)
         data = soak.data_dir / "data"
         with soak.deployment("soak", data, max_resident_adapters=args.max_resident) as settings:
             try:
-                seconds, series = run(args, settings, soak.data_dir, tally)
+                series = run(args, settings, soak.data_dir, tally)
                 once = exactly_once(args.redis_url, Keys(settings.key_prefix), tally)
             finally:
                 delete_matching(args.redis_url, f"rq:*{settings.key_prefix}-housekeeping*")
-    outcome = Outcome(tally, seconds, once, series, args.max_slope)
-    print_summary(outcome)
-    save(args.json, results_json(soak.info, outcome))
-    publish(args.docs, args.no_docs, render(args, soak.info, outcome))
-    return 0 if all(outcome.checks.values()) else 1
+    done = report(args, soak.info, tally, once, series)
+    emit(done, docs_of(args), args.json)
+    return 0 if all(t.met for t in done.targets) else 1
+
+
+# --- the report --------------------------------------------------------------------------------
+def report(
+    args: Namespace, info: dict[str, str], tally: Tally, once: dict[str, int], series: Series
+) -> Report:
+    """The checks as targets, what the clients saw, and every process's memory trend."""
+    trends = {name: trend(points) for name, points in series.items()}
+    workers = [t.slope_mib_per_min for n, t in trends.items() if n.startswith("worker")]
+    steepest = max(workers, default=0.0)
+    failed = ", ".join(f"{n} × {k}" for k, n in tally.failed.items()) or "none"
+    exact = (
+        f"pings not done with attempts 1: {once['not_done_once']}; models whose results skip or "
+        f"repeat a seq: {once['models_with_gaps']}; ping publishes minus pings done: "
+        f"{once['published_minus_done']}"
+    )
+    targets = [
+        Target("no stuck futures", f"{len(tally.stuck)} unresolved after {args.stuck_after:g} s",
+               not tally.stuck),
+        Target("no failed or wrong op", f"failed: {failed}; wrong results: {len(tally.wrong)}",
+               not tally.failed and not tally.wrong),
+        Target("every op done exactly once", exact, not any(once.values())),
+        Target(f"worker memory flat (slope ≤ {args.max_slope:g} MiB/min)",
+               f"steepest {steepest:+.2f} MiB/min", steepest <= args.max_slope),
+    ]  # fmt: skip
+    pings, overheads = Latency(tally.ping_s or [0.0]), Latency(tally.overhead_s or [0.0])
+    steps = Latency(tally.step_s) if tally.step_s else None
+    done = len(tally.ping_s)
+    seen = {
+        "pings done": f"{done:,} in {tally.seconds:.0f} s ({done / tally.seconds:,.0f}/s)",
+        "ping round trip (submit → result)":
+            f"p50 {pings.p50:.1f} ms, p99 {pings.p99:.1f} ms, max {pings.max:.0f} ms",
+        "the same minus each ping's `delay_ms`":
+            f"p50 {overheads.p50:.1f} ms, p99 {overheads.p99:.1f} ms",
+    }  # fmt: skip
+    if steps is not None:
+        seen["LoRA steps (forward_backward + optim_step)"] = (
+            f"{len(tally.step_s):,}; p50 {steps.p50:.0f} ms, p99 {steps.p99:.0f} ms; "
+            f"{tally.samples} save-and-sample rounds"
+        )
+    memory = Table(
+        ("process", "first minute, mean MiB", "last minute, mean MiB", "growth MiB",
+         "slope after the first minute, MiB/min", "samples"),
+        [(name, f"{t.first_min_mib:.1f}", f"{t.last_min_mib:.1f}",
+          f"{t.last_min_mib - t.first_min_mib:+.1f}", f"{t.slope_mib_per_min:+.2f}", t.samples)
+         for name, t in trends.items()],
+    )  # fmt: skip
+    facts = [
+        f"The load ran {tally.seconds:.0f} s: {args.clients} clients, {args.rate:g} pings a second "
+        f"each (at most {args.window} in flight), over {args.models} models served by "
+        f"{args.workers} queue-only workers; {args.lora_clients} LoRA runs (a save-and-sample "
+        f"round every {args.sample_every} steps), at most {args.max_resident} resident "
+        f"adapters; memory sampled every {args.sample_s:g} s. Clients, workers, Redis and "
+        "Postgres share this machine's cores."
+    ]
+    results = {
+        "seconds": tally.seconds,
+        "pings": pings.summary(),
+        "ping_overhead": overheads.summary(),
+        "lora_steps": None if steps is None else steps.summary(),
+        **{name: getattr(tally, name) for name in ("samples", "stuck", "failed", "wrong")},
+        "exactly_once": once,
+        "checks": {t.what: t.met for t in targets},
+        "memory": {name: {**asdict(t), "series": series[name]} for name, t in trends.items()},
+    }
+    body = [Table(("what", "value"), list(seen.items())), memory]
+    return Report(SECTION, COMMAND, info, facts, targets, body, results)
 
 
 if __name__ == "__main__":

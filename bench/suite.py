@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.harness import cli
 from bench.harness.machine import gpu_name, machine, now
-from bench.harness.report import DOCS, write_docs
+from bench.harness.report import DOCS, write_block
 from bench.harness.services import POSTGRES_ENV, REDIS_ENV, REPO
 
 COMMAND = ".venv/bin/python -m bench"
@@ -47,142 +47,52 @@ class Bench:
     default: bool = True  # part of a run without --only
 
 
-BENCHES: tuple[Bench, ...] = (
-    Bench(
-        "queue",
-        "bench.queue_overhead",
-        (),
-        ("--quick",),
-        75,
-        "queue overhead: trivial-op round trip p50/p99, ops/s, rq baseline",
-    ),
-    Bench(
-        "train_step",
-        "bench.train_step",
-        ("--data-dir", DATA_DIR),
-        ("--quick", "--data-dir", DATA_DIR),
-        150,
-        "one training step through the service against the bare PEFT loop",
-    ),
-    Bench(
-        "train_throughput",
-        "bench.train_throughput",
-        ("--data-dir", DATA_DIR),
-        ("--quick", "--data-dir", DATA_DIR),
-        900,
-        "aggregate training tokens/s of 1-16 models: batched, one at a time, a process each",
-    ),
-    # Its quick run on the tiny model alone: at 100M even a smoke run takes minutes.
-    Bench(
-        "sampling",
-        "bench.sampling",
-        (),
-        ("--quick", "--models", "queue-tinker/tiny-llama"),
-        420,
-        "sampling tokens/s against transformers' generate()",
-    ),
-    Bench(
-        "sampling_engine",
-        "bench.sampling_engine",
-        (),
-        ("--quick",),
-        240,
-        "sampling engine: staggered arrivals, num_samples sharing, fair turns with training",
-    ),
-    Bench(
-        "sample_cache",
-        "bench.sample_cache",
-        (),
-        ("--quick",),
-        150,
-        "long samples under a KV-cache budget: peak cache, RSS and time against none",
-    ),
-    Bench(
-        "prefix_cache",
-        "bench.prefix_cache",
-        (),
-        ("--quick",),
-        240,
-        "sampling: the prefix cache and chunked prefill against the same loop without them",
-    ),
-    Bench(
-        "gateway",
-        "bench.gateway_round_trip",
-        ("--data-dir", DATA_DIR),
-        ("--quick", "--data-dir", DATA_DIR),
-        120,
-        "a training round trip through the official SDK and the gateway vs the client",
-    ),
-    Bench(
-        "big_bodies",
-        "bench.big_bodies",
-        (),
-        ("--quick",),
-        60,
-        "another tenant's small requests while one sends ten 57 MiB bodies",
-    ),
-    Bench(
-        "moe",
-        "bench.moe",
-        (),
-        ("--quick",),
-        100,
-        "a LoRA step of the tiny mixture of experts against the dense model of its active size",
-    ),
-    Bench(
-        "checkpoints",
-        "bench.checkpoint_storage",
-        (),
-        ("--quick",),
-        120,
-        "checkpoint save and load, time and bytes: an S3 object store against local disk, 100M",
-    ),
-    Bench(
-        "mfu",
-        "bench.mfu",
-        ("--device", "cuda"),
-        ("--quick",),
-        180,
-        "LoRA forward_backward tokens/s and MFU on a Llama-3.1-8B shape (CUDA only)",
-    ),
-    Bench(
-        "decode_step",
-        "bench.decode_step",
-        (),
-        ("--quick",),
-        60,
-        "the sampler's decode step (padded, slots, CUDA graphs) against the memory floor and "
-        "generate() (a Llama-3.1-8B shape on CUDA)",
-        default=False,
-    ),
-    Bench(
-        "memory",
-        "bench.memory",
-        (),
-        ("--quick",),
-        1500,
-        "peak RSS and step time of one forward_backward at 2k-32k tokens, 128k vocabulary",
-        default=False,
-    ),
-    Bench(
-        "protocol",
-        "bench.protocol_wire",
-        (),
-        ("--quick",),
-        90,
-        "zstd forward_backward bodies and batched sample polling, on against off",
-        default=False,
-    ),
-    Bench(
-        "soak",
-        "bench.soak",
-        ("--minutes", "5", "--clients", "20", "--models", "50"),
-        ("--minutes", "0.5", "--clients", "4", "--models", "8", "--max-slope", "1000", "--no-docs"),
-        330,
-        "many clients over many models for minutes: nothing stuck, lost or leaked",
-        default=False,
-    ),
-)
+DATA = ("--data-dir", DATA_DIR)  # the benchmarks that share the built models
+QUICK = ("--quick",)
+# name, module, the full run's arguments, the quick run's, about how long a full run takes (s),
+# what it measures; the ones marked False are left out of a run without --only.
+BENCHES: tuple[Bench, ...] = tuple(
+    Bench(*row) for row in (
+        ("queue", "bench.queue_overhead", (), QUICK, 75,
+         "queue overhead: trivial-op round trip p50/p99, ops/s, rq baseline"),
+        ("train_step", "bench.train_step", DATA, (*QUICK, *DATA), 150,
+         "one training step through the service against the bare PEFT loop"),
+        ("train_throughput", "bench.train_throughput", DATA, (*QUICK, *DATA), 900,
+         "aggregate training tokens/s of 1-16 models: batched, one at a time, a process each"),
+        # Its quick run on the tiny model alone: at 100M even a smoke run takes minutes.
+        ("sampling", "bench.sampling", (), (*QUICK, "--models", "queue-tinker/tiny-llama"), 420,
+         "sampling tokens/s against transformers' generate()"),
+        ("sampling_engine", "bench.sampling_engine", (), QUICK, 240,
+         "sampling engine: staggered arrivals, num_samples sharing, fair turns with training"),
+        ("sample_cache", "bench.sample_cache", (), QUICK, 150,
+         "long samples under a KV-cache budget: peak cache, RSS and time against none"),
+        ("prefix_cache", "bench.prefix_cache", (), QUICK, 240,
+         "sampling: the prefix cache and chunked prefill against the same loop without them"),
+        ("gateway", "bench.gateway_round_trip", DATA, (*QUICK, *DATA), 120,
+         "a training round trip through the official SDK and the gateway vs the client"),
+        ("big_bodies", "bench.big_bodies", (), QUICK, 60,
+         "another tenant's small requests while one sends ten 57 MiB bodies"),
+        ("moe", "bench.moe", (), QUICK, 100,
+         "a LoRA step of the tiny mixture of experts against the dense model of its active size"),
+        ("checkpoints", "bench.checkpoint_storage", (), QUICK, 120,
+         "checkpoint save and load, time and bytes: an S3 object store against local disk, 100M"),
+        ("mfu", "bench.mfu", ("--device", "cuda"), QUICK, 180,
+         "LoRA forward_backward tokens/s and MFU on a Llama-3.1-8B shape (CUDA only)"),
+        ("decode_step", "bench.decode_step", (), QUICK, 60,
+         "the sampler's decode step (padded, slots, CUDA graphs) against the memory floor and "
+         "generate() (a Llama-3.1-8B shape on CUDA)", False),
+        ("memory", "bench.memory", (), QUICK, 1500,
+         "peak RSS and step time of one forward_backward at 2k-32k tokens, 128k vocabulary",
+         False),
+        ("protocol", "bench.protocol_wire", (), QUICK, 90,
+         "zstd forward_backward bodies and batched sample polling, on against off", False),
+        ("soak", "bench.soak", ("--minutes", "5", "--clients", "20", "--models", "50"),
+         ("--minutes", "0.5", "--clients", "4", "--models", "8", "--max-slope", "1000",
+          "--no-docs"), 330,
+         "many clients over many models for minutes: nothing stuck, lost or leaked", False),
+    )
+)  # fmt: skip
+
 NAMES = [b.name for b in BENCHES]
 
 
@@ -253,17 +163,15 @@ def write_header(path: Path, head: str) -> None:
 
 
 def mfu_not_measured(path: Path) -> None:
-    """Without a GPU, the MFU section says so, unless it holds numbers from a GPU run."""
-    from bench.mfu import NOT_MEASURED, SECTION, not_measured_section
+    """Without a GPU, the MFU section's block says so, unless it holds numbers of a GPU run."""
+    from bench.mfu import NOT_MEASURED, SECTION, not_measured_block
 
     text = path.read_text() if path.exists() else ""
     start = text.find(SECTION + "\n")
     if start >= 0 and NOT_MEASURED not in text[start : text.find("\n## ", start + 1)]:
         return
-    write_docs(
-        path,
-        not_measured_section("no CUDA GPU on the machine of the last full run"),
-        heading=SECTION,
+    write_block(
+        path, SECTION, not_measured_block("no CUDA GPU on the machine of the last full run")
     )
 
 

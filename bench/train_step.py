@@ -1,30 +1,14 @@
 """Training step: time per forward_backward + optim_step through the service vs a bare PEFT loop.
 
-For each model size (queue-tinker/tiny-llama, ~107K params, and queue-tinker/llama-100m,
-~101M params), in one run, on the same machine, model and data:
-
-- service: a real worker process (`python -m queue_tinker.cli worker --engine lora --device
-  cpu`, production defaults) and a `ServiceClient`; one step is the natural Tinker loop
-  `fb = tc.forward_backward(batch, "cross_entropy"); os = tc.optim_step(AdamParams(1e-4));
-  fb.result(); os.result()` (the optim_step is submitted before waiting on forward_backward;
-  the worker runs the two as one batch);
-- bare: `load_base_model` + `peft.get_peft_model` (the worker's LoRA config) + `torch.optim.AdamW`
-  in this process; one step is forward, target logprobs, loss = -sum(w * logp), backward,
-  AdamW step, zero_grad. This is the limit the service is held against.
-
-The two never compute at the same time: after a warm-up of each, the run alternates blocks of
-N service steps and N bare steps (the order flips every round), and the bare loop uses as many
-torch threads as the worker (checked in a child process started with the worker's
-environment). Reported: median per-step time of each, p10-p90, the ratio service / bare and
-its range over the per-round medians, and where the service's step goes (client clock plus the
-Redis-clock `queued_at` / `started_at` / `finished_at` the worker writes into each job hash).
-
-Other jobs share the machine, so every block also records how much CPU the rest of the machine
-used meanwhile (/proc/stat minus this process and the worker); rounds where that stayed low are
-"quiet" and get their own ratio. To say where the overhead goes, the run also times the
-(de)serialisation and the engine's forward_backward function in-process, and counts the CPU
-each part of the service (worker compute threads, its other threads, client, Redis, Postgres)
-used per service step.
+For queue-tinker/tiny-llama (~107K params) and queue-tinker/llama-100m (~101M), on the same
+model and data: the service (a real `queue_tinker.cli worker --engine lora --device cpu`, the
+natural Tinker loop through a `ServiceClient`) against the bare loop (`peft.get_peft_model` with
+the worker's LoRA config and `torch.optim.AdamW` in this process, as many torch threads as the
+worker), in alternating blocks so the two never compute at once. Every block also records the
+CPU the rest of the machine used meanwhile ("quiet" rounds get their own ratio); the service's
+step is split at the Redis-clock times the worker writes into each job hash, and the
+(de)serialisation, the engine's forward_backward and the CPU of each part of the service are
+measured beside it. The method in full: docs/benchmarks.md, the section this writes.
 
     .venv/bin/python -m bench.train_step            # full run (a few minutes), writes the docs
     .venv/bin/python -m bench.train_step --quick    # smoke run (about a minute), docs left alone
@@ -39,8 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -51,28 +34,11 @@ from bench.harness.baselines import ADAM, BareLoop
 from bench.harness.data import RANK, datums, token_rows
 from bench.harness.meters import CpuMeter, SideCpu, load1, median_ms
 from bench.harness.models import ensure_model
-from bench.harness.report import publish, save
+from bench.harness.report import Report, Table, Target, docs_of, emit
 from bench.harness.run import TORCH, Run, service_run
-from bench.harness.services import (
-    deployment,
-    job_times,
-    service_client,
-)
-from bench.harness.stats import Stages
+from bench.harness.services import job_times, service_client
+from bench.harness.stats import Latency, Stages
 from bench.harness.workers import lora_worker, quiet_transformers, worker_threads
-from bench.train_step_report import (
-    STAGE_NAMES,
-    TARGET_RATIO,
-    Block,
-    Round,
-    Size,
-    SizeResult,
-    print_table,
-    quiet_text,
-    render,
-    results_json,
-    shape,
-)
 from queue_tinker.builtin_models import BUILTIN_MODELS, VOCAB_SIZE
 from queue_tinker.client import TrainingClient
 from queue_tinker.client.training import forward_backward_input
@@ -82,7 +48,112 @@ from queue_tinker.types.requests.loss_inputs import ModelLimits, check_batch
 from queue_tinker.types.requests.training import ForwardBackwardInput, ForwardBackwardOutput
 from queue_tinker.types.tensors import Datum, TensorData
 
+SECTION = "## Training step: service vs bare PEFT"
+COMMAND = ".venv/bin/python -m bench.train_step"
+TARGET_RATIO = 1.10
+# A round is quiet when other processes took less than this many cores' worth of CPU during
+# each of its two blocks.
+QUIET_CORES = 0.25
 RESULT_TIMEOUT_S = 600.0
+STAGE_NAMES: tuple[str, ...] = (
+    "both submit calls return (overlaps the rows below)",
+    "submit -> the step started (encode, enqueue both ops, the worker gathers the step, start "
+    "script)",
+    "the step on the worker: started -> both published (decode, compute both ops, encode, publish)",
+    "published -> both results in the client's hand",
+)
+
+
+# --- what is measured --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Size:
+    """One model and its batch: `batch` datums of `seq` input tokens each."""
+
+    label: str
+    model: str
+    batch: int
+    seq: int
+    steps: int  # steps per block
+    budget_s: float  # no new round starts after this many seconds of rounds (2 rounds at least)
+
+    @property
+    def shape(self) -> str:
+        return f"{self.batch} × {self.seq}"
+
+
+@dataclass
+class Block:
+    """One block of steps, and the CPU other processes took meanwhile."""
+
+    times: list[float]  # seconds per step
+    foreign: float  # cores' worth of CPU used by other processes (plus steal) during the block
+    fb: list[float] = field(default_factory=list)  # bare steps: their forward + backward part
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass
+class Round:
+    service: Block
+    bare: Block
+
+    @property
+    def ratio(self) -> float:
+        return self.service.median / self.bare.median
+
+    @property
+    def quiet(self) -> bool:
+        return max(self.service.foreign, self.bare.foreign) < QUIET_CORES
+
+
+@dataclass
+class SizeResult:
+    """Everything measured for one size."""
+
+    size: Size
+    params: int
+    lora_params: int
+    threads: dict[str, int]
+    rounds: list[Round] = field(default_factory=list)
+    stages: Stages = field(default_factory=lambda: Stages(names=STAGE_NAMES))
+    quiet_stages: Stages = field(default_factory=lambda: Stages(names=STAGE_NAMES))
+    first_loss: tuple[float, float] = (0.0, 0.0)  # (service, bare), same weights at step 0
+    snapshots: int = 0  # measured service steps whose optim_step wrote a snapshot
+    codec_ms: dict[str, float] = field(default_factory=dict)  # see serialisation_ms
+    engine_ms: dict[str, float] = field(default_factory=dict)  # see engine_function_ms
+    side_ms: dict[str, float] = field(default_factory=dict)  # see SideCpu
+    load: list[float] = field(default_factory=list)  # 1-min load average at start and end
+
+    def times(self, side: str, quiet: bool = False) -> list[float]:
+        """Every step time of one side ("service" or "bare"), of the quiet rounds or all."""
+        return [t for r in self.rounds if r.quiet or not quiet for t in getattr(r, side).times]
+
+    @property
+    def ratio(self) -> float:
+        """Median service step over median bare step, every round: the headline number."""
+        return statistics.median(self.times("service")) / statistics.median(self.times("bare"))
+
+    @property
+    def ratio_p10(self) -> float:
+        """The same at the 10th percentiles: load from other processes only ever adds time,
+        so the fast end of each distribution is the least disturbed."""
+        return Latency(self.times("service")).pct(10) / Latency(self.times("bare")).pct(10)
+
+    def quiet_rounds(self) -> list[Round]:
+        return [r for r in self.rounds if r.quiet]
+
+    def ratio_quiet(self) -> float | None:
+        """The headline ratio over the rounds in which other processes stayed quiet."""
+        if not self.quiet_rounds():
+            return None
+        service, bare = self.times("service", quiet=True), self.times("bare", quiet=True)
+        return statistics.median(service) / statistics.median(bare)
+
+    def foreign(self, side: str) -> float:
+        """Mean CPU (cores) other processes took during this side's blocks."""
+        return statistics.mean(getattr(r, side).foreign for r in self.rounds)
 
 
 @dataclass
@@ -114,10 +185,6 @@ def service_step(tc: TrainingClient, data: list[Datum]) -> ServiceSample:
     return ServiceSample(wall, t1 - t0, t2 - t0, fb.request_id, optim.request_id, out.loss, step)
 
 
-def service_block(tc: TrainingClient, data: list[Datum], steps: int) -> list[ServiceSample]:
-    return [service_step(tc, data) for _ in range(steps)]
-
-
 def stages_of(redis_url: str, keys: Keys, samples: list[ServiceSample]) -> Stages:
     """Split every service step at the worker's start/finish marks of its two ops."""
     ids = [job for s in samples for job in (s.fb_id, s.optim_id)]
@@ -141,7 +208,6 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
         vocab_size=VOCAB_SIZE,
         context_length=BUILTIN_MODELS[model].config["max_position_embeddings"],
     )
-    payload = codec.encode(forward_backward_input(data, "cross_entropy", None).model_dump())
     output = ForwardBackwardOutput(
         loss_fn_outputs=[
             {"logprobs": TensorData.from_numpy(np.zeros(d.model_input.length, np.float32))}
@@ -149,22 +215,23 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
         ],
         metrics={"loss:sum": 1.0},
     )
-    result = codec.encode(output.model_dump())
+
+    def encode_batch() -> bytes:
+        return codec.encode(forward_backward_input(data, "cross_entropy", None).model_dump())
 
     def decode_batch() -> None:
         check_batch(ForwardBackwardInput.model_validate(codec.decode(payload)), limits)
 
-    return {
-        "client: validate + encode the batch": median_ms(
-            lambda: codec.encode(forward_backward_input(data, "cross_entropy", None).model_dump()),
-            reps,
-        ),
-        "worker: decode + check the batch": median_ms(decode_batch, reps),
-        "worker: encode the result": median_ms(lambda: codec.encode(output.model_dump()), reps),
-        "client: decode the result": median_ms(
-            lambda: ForwardBackwardOutput.model_validate(codec.decode(result)), reps
+    payload, result = encode_batch(), codec.encode(output.model_dump())
+    calls = {
+        "client: validate + encode the batch": encode_batch,
+        "worker: decode + check the batch": decode_batch,
+        "worker: encode the result": lambda: codec.encode(output.model_dump()),
+        "client: decode the result": lambda: ForwardBackwardOutput.model_validate(
+            codec.decode(result)
         ),
     }
+    return {name: median_ms(call, reps) for name, call in calls.items()}
 
 
 def engine_function_ms(bare: BareLoop, data: list[Datum], reps: int) -> dict[str, float]:
@@ -207,7 +274,7 @@ def one_round(
             bare_times = bare.timed(steps)
         else:
             before = meters.side.snapshot()
-            samples = service_block(tc, data, steps)
+            samples = [service_step(tc, data) for _ in range(steps)]
             meters.side.add(before, steps)
         foreign[part] = meters.cpu.foreign_since(mark)
     result = Round(
@@ -232,62 +299,45 @@ def run_rounds(
     began = time.perf_counter()
     for r in range(rounds):
         if r >= 2 and time.perf_counter() - began > result.size.budget_s:
-            print(
-                f"    time budget of {result.size.budget_s:.0f} s spent: stopping after {r} rounds",
-                flush=True,
-            )
+            print(f"    time budget spent: stopping after {r} rounds", flush=True)
             break
         done, block = one_round(r, meters, bare, tc, data, result.size.steps)
         result.rounds.append(done)
         samples.extend(block)
-        print(
-            f"    round {r + 1}/{rounds}: service {done.service.median * 1000:,.1f} ms, "
-            f"bare {done.bare.median * 1000:,.1f} ms (median of {result.size.steps}); "
-            f"other processes {done.service.foreign:.2f} / {done.bare.foreign:.2f} cores",
-            flush=True,
-        )
+        print(f"    round {r + 1}/{rounds}: service / bare {done.ratio:.2f}", flush=True)
     return samples
 
 
-def measure_size(
-    args: argparse.Namespace, size: Size, database_url: str, data_dir: Path, threads: int
-) -> SizeResult:
+def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -> SizeResult:
     """Warm up both, then alternate blocks; the service on a fresh key prefix."""
-    rows = token_rows(size.batch, size.seq)
+    print(f"[{size.label}] {size.model}, {size.shape} tokens ...", flush=True)
+    rows, data_dir = token_rows(size.batch, size.seq), run.data_dir
+    ensure_model(size.model, data_dir)
     data = datums(rows)
     bare = BareLoop(size.model, data_dir, rows)
-    with deployment(args.redis_url, database_url, f"train-{size.label}", data_dir) as settings:
-        result = SizeResult(
-            size,
-            bare.params,
-            bare.lora_params,
-            {"bare": torch.get_num_threads(), **worker_threads(settings)},
-            load=[load1()],
-        )
-        began = time.perf_counter()
+    with run.deployment(f"train-{size.label}") as settings:
+        used = {"bare": torch.get_num_threads(), **worker_threads(settings)}
+        result = SizeResult(size, bare.params, bare.lora_params, used, load=[load1()])
         # Production defaults: batching on, so the worker runs a step's two ops as one batch.
-        with lora_worker(settings, size.model, data_dir / f"worker-{size.label}.log") as proc:
-            print(f"    worker ready in {time.perf_counter() - began:.0f} s", flush=True)
-            with service_client(settings) as service:
-                tc = service.create_lora_training_client(size.model, rank=RANK, seed=0)
-                warm = service_block(tc, data, args.warmup)
-                result.first_loss = (warm[0].loss, bare.step()[0])
-                bare.timed(args.warmup - 1)
-                meters = Meters(
-                    CpuMeter([os.getpid(), proc.pid]),
-                    SideCpu(proc.pid, make_url(database_url).database or "", threads),
-                )
-                samples = run_rounds(result, meters, bare, tc, data, args.rounds)
-                keys = Keys(settings.key_prefix)
-                result.side_ms = meters.side.per_step_ms()
-                result.stages = stages_of(args.redis_url, keys, samples)
-                result.quiet_stages = stages_of(
-                    args.redis_url, keys, [s for s in samples if s.quiet]
-                )
-                result.snapshots = sum(s.step % settings.snapshot_every_steps == 0 for s in samples)
-                result.codec_ms = serialisation_ms(size.model, data)
-                reps = min(20, max(3, round(2 / statistics.median(result.bare))))
-                result.engine_ms = engine_function_ms(bare, data, reps)
+        with (
+            lora_worker(settings, size.model, data_dir / f"worker-{size.label}.log") as proc,
+            service_client(settings) as service,
+        ):
+            tc = service.create_lora_training_client(size.model, rank=RANK, seed=0)
+            warm = [service_step(tc, data) for _ in range(args.warmup)]
+            result.first_loss = (warm[0].loss, bare.step()[0])
+            bare.timed(args.warmup - 1)
+            database = make_url(run.database_url).database or ""
+            meters = Meters(CpuMeter([os.getpid(), proc.pid]), SideCpu(proc.pid, database, threads))
+            samples = run_rounds(result, meters, bare, tc, data, args.rounds)
+            keys = Keys(settings.key_prefix)
+            result.side_ms = meters.side.per_step_ms()
+            result.stages = stages_of(args.redis_url, keys, samples)
+            result.quiet_stages = stages_of(args.redis_url, keys, [s for s in samples if s.quiet])
+            result.snapshots = sum(s.step % settings.snapshot_every_steps == 0 for s in samples)
+            result.codec_ms = serialisation_ms(size.model, data)
+            reps = min(20, max(3, round(2 / statistics.median(result.times("bare")))))
+            result.engine_ms = engine_function_ms(bare, data, reps)
     result.load.append(load1())
     del bare
     gc.collect()
@@ -297,27 +347,6 @@ def measure_size(
 
 
 # --- main --------------------------------------------------------------------------------------
-def sizes(args: argparse.Namespace) -> list[Size]:
-    return [
-        Size(
-            "tiny",
-            "queue-tinker/tiny-llama",
-            args.tiny_batch[0],
-            args.tiny_batch[1],
-            args.tiny_steps,
-            args.tiny_budget,
-        ),
-        Size(
-            "100m",
-            "queue-tinker/llama-100m",
-            args.big_batch[0],
-            args.big_batch[1],
-            args.big_steps,
-            args.big_budget,
-        ),
-    ]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.train_step", __doc__)
     cli.add_services(parser)
@@ -341,38 +370,134 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return cli.parse(parser, argv, quick={**quick, "tiny_budget": 8, "big_budget": 15})
 
 
-def measure_sizes(args: argparse.Namespace, run: Run) -> list[SizeResult]:
-    threads = run.worker_threads()["worker compute thread"]
-    torch.set_num_threads(threads)  # what the worker's compute thread uses
-    results = []
-    for size in sizes(args):
-        began = time.perf_counter()
-        ensure_model(size.model, run.data_dir)
-        print(
-            f"[{size.label}] {size.model}: {shape(size)} tokens, {args.rounds} rounds × "
-            f"{size.steps} steps each way, {threads} torch threads "
-            f"(model ready in {time.perf_counter() - began:.0f} s) ...",
-            flush=True,
-        )
-        results.append(measure_size(args, size, run.database_url, run.data_dir, threads))
-    return results
+def sizes(args: argparse.Namespace) -> list[Size]:
+    (tiny, tiny_seq), (big, big_seq) = args.tiny_batch, args.big_batch
+    return [
+        Size("tiny", "queue-tinker/tiny-llama", tiny, tiny_seq, args.tiny_steps, args.tiny_budget),
+        Size("100m", "queue-tinker/llama-100m", big, big_seq, args.big_steps, args.big_budget),
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Each size in turn; hand back the report (stdout, the docs section, JSON if asked)."""
     args = parse_args(argv)
     quiet_transformers()
     with service_run(args, TORCH, "qt-bench-train-") as run:
-        results = measure_sizes(args, run)
-    total_s = run.total_s
-    print_table(results)
-    print(
-        f"\ntarget service/bare <= {TARGET_RATIO:.2f} at {results[-1].size.model}: "
-        f"{results[-1].ratio:.3f} (quiet rounds: {quiet_text(results[-1])})\n"
-        f"total {total_s:.0f} s"
-    )
-    save(args.json, results_json(run.info, results))
-    publish(args.docs, args.no_docs, render(args, run.info, results, total_s))
+        threads = run.worker_threads()["worker compute thread"]
+        torch.set_num_threads(threads)  # what the worker's compute thread uses
+        results = [measure_size(args, size, run, threads) for size in sizes(args)]
+    emit(report(args, run, results), docs_of(args), args.json)
     return 0
+
+
+# --- the report --------------------------------------------------------------------------------
+RATIO_COLUMNS = (
+    "model | params (LoRA) | batch (datums × tokens) | rounds × steps | bare ms/step p50 (p10–p90) "
+    "| service ms/step p50 (p10–p90) | service / bare (medians) | at p10 | quiet rounds only (how "
+    "many) | per round: median (min–max) | other processes, cores (service / bare blocks)"
+)
+
+
+def cells(row: str) -> list[str]:
+    """The cells of a table row written as in Markdown: "a | b | c"."""
+    return row.split(" | ")
+
+
+def report(args: argparse.Namespace, run: Run, results: list[SizeResult]) -> Report:
+    """The target at the largest size, the ratios, each size's stages, where the time goes."""
+    largest = results[-1]
+    threads = ", ".join(f"{k} {v}" for k, v in largest.threads.items())
+    facts = [
+        f"Torch threads: {threads}.",
+        f"Rank {RANK}, {args.warmup} warm-up steps of each, up to {args.rounds} rounds; a round "
+        f"is quiet when other processes took under {QUIET_CORES:g} cores in both its blocks.",
+        f"The run took {run.total_s:.0f} s.",
+    ]
+    target = Target(
+        f"service / bare ≤ {TARGET_RATIO:.2f} at `{largest.size.model}` (median step over "
+        "median step, all rounds)",
+        f"{largest.ratio:.3f} (quiet rounds only: {quiet_text(largest)})",
+        largest.ratio <= TARGET_RATIO,
+    )
+    per_size = [
+        {**asdict(r), "ratio": r.ratio, "ratio_p10": r.ratio_p10, "ratio_quiet": r.ratio_quiet()}
+        for r in results
+    ]
+    body = [Table(cells(RATIO_COLUMNS), map(ratio_row, results)), *map(stages, results)]
+    notes = "\n".join(map(overhead_note, results))
+    return Report(SECTION, COMMAND, run.info, facts, [target], [*body, notes], {"sizes": per_size})
+
+
+def spread(samples: list[float]) -> str:
+    lat = Latency(samples)
+    return f"{lat.p50:,.1f} ({lat.pct(10):,.1f}–{lat.p90:,.1f})"
+
+
+def quiet_text(r: SizeResult) -> str:
+    """The ratio over quiet rounds, with how many rounds were quiet."""
+    ratio = r.ratio_quiet()
+    value = "n/a" if ratio is None else f"{ratio:.2f}"
+    return f"{value} ({len(r.quiet_rounds())} of {len(r.rounds)})"
+
+
+def ratio_row(r: SizeResult) -> list[str]:
+    """Both sides' step times, the ratio four ways, the machine's other load."""
+    per_round = [x.ratio for x in r.rounds]
+    return cells(
+        f"`{r.size.model}` | {r.params:,} ({r.lora_params:,}) | {r.size.shape} "
+        f"| {len(r.rounds)} × {r.size.steps} | {spread(r.times('bare'))} "
+        f"| {spread(r.times('service'))} | **{r.ratio:.2f}** | {r.ratio_p10:.2f} | {quiet_text(r)} "
+        f"| {statistics.median(per_round):.2f} ({min(per_round):.2f}–{max(per_round):.2f}) "
+        f"| {r.foreign('service'):.2f} / {r.foreign('bare'):.2f}"
+    )
+
+
+def stages(r: SizeResult) -> Table:
+    p50, q, p99 = r.stages.medians_ms(), r.quiet_stages.medians_ms(), r.stages.p99s_ms()
+    return Table(
+        ("stage", "p50, all rounds", "p50, quiet rounds", "p99, all rounds"),
+        [
+            (
+                n,
+                f"{p50.get(n, 0):,.1f}",
+                f"{q[n]:,.1f}" if n in q else "n/a",
+                f"{p99.get(n, 0):,.1f}",
+            )
+            for n in STAGE_NAMES
+        ],
+        caption=f"Where a service step goes, `{r.size.model}` ({r.size.shape}), in ms:",
+    )
+
+
+def ms(values: Sequence[float]) -> float:
+    return statistics.median(values) * 1000
+
+
+def overhead_note(r: SizeResult) -> str:
+    """The service's median extra over bare, split at the worker's op boundaries (over the
+    quiet rounds when there are any)."""
+    quiet = bool(r.quiet_rounds())
+    rounds, rows = (r.quiet_rounds(), r.quiet_stages.rows) if quiet else (r.rounds, r.stages.rows)
+    if not rows:
+        return f"- `{r.size.model}`: no service step has its job timestamps."
+    which = f"the {len(rounds)} quiet rounds" if quiet else "all rounds (none quiet)"
+    bare = [(t, fb) for x in rounds for t, fb in zip(x.bare.times, x.bare.fb, strict=True)]
+    service, bare_ms = ms(r.times("service", quiet)), ms([t for t, _ in bare])
+    codec = ", ".join(f"{k} {v:.2f} ms" for k, v in r.codec_ms.items())
+    engine = " vs ".join(f"{k} {v:,.1f} ms" for k, v in r.engine_ms.items())
+    side = ", ".join(f"{k} {v:,.1f} ms" for k, v in r.side_ms.items())
+    return (
+        f"- `{r.size.model}`, {which}: service {service:,.1f} ms vs bare {bare_ms:,.1f} ms per "
+        f"step ({service - bare_ms:+,.1f} ms). On the worker, the step (both ops, from the "
+        f"forward_backward's start to both published) took {ms([x[2] for x in rows]):,.1f} ms "
+        f"(bare forward + backward {ms([fb for _, fb in bare]):,.1f} ms, AdamW step + zero_grad "
+        f"{ms([t - fb for t, fb in bare]):,.1f} ms); outside it (submit → start, published → "
+        f"client) a step spent {ms([x[1] + x[3] for x in rows]):,.1f} ms. {r.snapshots} of the "
+        f"{len(r.times('service'))} measured service steps wrote a snapshot. (De)serialisation "
+        f"of one forward_backward, timed in-process with the same functions: {codec}. The "
+        f"engine's forward_backward function run in-process on the bare model: {engine}. CPU "
+        f"time per service step, by part: {side}."
+    )
 
 
 if __name__ == "__main__":

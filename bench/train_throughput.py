@@ -1,22 +1,14 @@
 """Training throughput: aggregate training tokens/s of N models training at once, served three
-ways: one worker with cross-adapter batching on, one worker with it off, one worker per model.
+ways: one worker with cross-adapter batching on (`QT_CROSS_ADAPTER_BATCH=1`, batched), one
+worker with it off (one at a time), one worker per model (process per model, each with
+max(1, cores // N) torch threads).
 
-For each base model (queue-tinker/tiny-llama, queue-tinker/llama-100m) and each N (1, 4, 8, 16):
-N `TrainingClient`s (rank-32 LoRA each) run forward_backward + optim_step steps without pause,
-concurrently, on a fixed batch (1 × 32 and 4 × 64 datums × tokens on the tiny model, 4 × 64 on
-the 100M; `--shapes` picks others), against real worker processes, the local
-Redis and a scratch Postgres database:
-
-- batched: one worker, `QT_CROSS_ADAPTER_BATCH=1` (the default);
-- one at a time: one worker, `QT_CROSS_ADAPTER_BATCH=0`;
-- process per model: N workers, each its own deployment (key prefix) serving one model, with
-  max(1, cores // N) torch threads each.
-
-After a warm-up, a window of steady state: each model's step rate there, summed over models and
-times tokens per step, is the aggregate. Also measured: the bare PEFT loop (bench.train_step's)
-on one model in this process, forward_backward ops per compute pass on the one worker (from the
-Redis-clock start/finish times of the ops), and the CPU other processes used meanwhile. Results
-go to the `## Training throughput: many models on one worker` section of docs/benchmarks.md.
+For each base model (queue-tinker/tiny-llama, queue-tinker/llama-100m), step shape (datums ×
+tokens; `--shapes`) and N (1, 4, 8, 16), N `TrainingClient`s (rank-32 LoRA each) train without
+pause, concurrently, against real worker processes, the local Redis and a scratch Postgres
+database. After a warm-up, a window of steady state: each model's step rate there, summed over
+models and times tokens per step, is the aggregate. Beside it: the bare PEFT loop on one model
+in this process, forward_backward ops per compute pass, and the CPU other processes used.
 
     .venv/bin/python -m bench.train_throughput            # full run (about 12 minutes)
     .venv/bin/python -m bench.train_throughput --quick    # smoke run, docs left alone
@@ -33,7 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,32 +35,99 @@ from bench.harness.baselines import ADAM, BareLoop
 from bench.harness.data import RANK, datums, token_rows
 from bench.harness.meters import CpuMeter
 from bench.harness.models import ensure_model
-from bench.harness.report import publish, save
-from bench.harness.run import TORCH, service_run
-from bench.harness.services import (
-    deployment,
-    job_times,
-    service_client,
-)
+from bench.harness.report import Report, Table, Target, docs_of, emit
+from bench.harness.run import TORCH, Run, service_run
+from bench.harness.services import job_times, service_client
 from bench.harness.workers import lora_workers, quiet_transformers
-from bench.train_throughput_report import (
-    BATCHED,
-    MODES,
-    PROCESSES,
-    Cell,
-    Size,
-    SizeResult,
-    print_table,
-    render,
-    results_json,
-)
+from bench.train_step import QUIET_CORES, cells
 from queue_tinker.client import TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types import Datum
 
+SECTION = "## Training throughput: many models on one worker"
+COMMAND = ".venv/bin/python -m bench.train_throughput"
+# The issue's targets: with this many concurrent models, batched over one at a time.
+TARGET_MODELS = 8
+TARGET_CPU = 2.0
+TARGET_GPU = 3.0
 BATCH_ENV = "QT_CROSS_ADAPTER_BATCH"  # read by `queue-tinker worker` (Settings.cross_adapter_batch)
 CORES = os.cpu_count() or 1
+BATCHED, SERIAL, PROCESSES = "batched", "one at a time", "process per model"
+MODES: tuple[str, ...] = (BATCHED, SERIAL, PROCESSES)
+# Per base model: the most worker processes the per-model mode starts (a 100M worker holds
+# ~1 GB) and the step shapes (datums, tokens) measured by default: on the tiny model a small
+# step, whose compute is mostly per-op overhead, and a bigger one, closer to compute-bound.
+SIZES: dict[str, tuple[str, int, tuple[tuple[int, int], ...]]] = {
+    "tiny": ("queue-tinker/tiny-llama", 16, ((1, 32), (4, 64))),
+    "100m": ("queue-tinker/llama-100m", 8, ((4, 64),)),
+}
+
+
+# --- what is measured --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Size:
+    """One base model, the batch every step trains on (`batch` datums of `seq` tokens) and the
+    model counts to measure."""
+
+    label: str
+    model: str
+    batch: int
+    seq: int
+    counts: tuple[int, ...]
+    warmup: int  # steps every model finishes before the window opens
+    seconds: float  # least measured seconds per cell
+    max_processes: int  # most worker processes the per-model mode starts (memory)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+@dataclass
+class Cell:
+    """One mode at one model count: what each model's training loop did in the window."""
+
+    mode: str
+    models: int
+    tokens_per_step: int
+    step_rates: list[float]  # steps per second of each model over the window
+    window_s: float
+    steps: int  # steps finished in the window, all models together
+    foreign: float  # cores' worth of CPU other processes (plus steal) used in the window
+    threads: int  # torch threads of each worker process
+    ops_per_pass: float | None = None  # forward_backward ops per compute pass (one worker)
+    cut_short: bool = False  # the window closed at the time limit, not at its steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.step_rates) * self.tokens_per_step
+
+    @property
+    def fairness(self) -> float:
+        """Slowest model's step rate over the fastest's (1: every model got the same)."""
+        return min(self.step_rates) / max(self.step_rates) if max(self.step_rates) else 0.0
+
+
+@dataclass
+class SizeResult:
+    size: Size
+    params: int
+    lora_params: int
+    bare_tokens_s: float | None = None  # the bare PEFT loop, one model, in-process
+    cells: list[Cell] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # cells that failed, and why
+
+    def cell(self, mode: str, models: int) -> Cell | None:
+        return next((c for c in self.cells if c.mode == mode and c.models == models), None)
+
+    def ratio(self, mode: str, other: str, n: int, other_n: int | None = None) -> float | None:
+        """tokens/s of `mode` at `n` models over `other` at `other_n` (default the same)."""
+        a = self.cell(mode, n)
+        b = self.cell(other, n if other_n is None else other_n)
+        if a is None or b is None or not b.tokens_per_s:
+            return None
+        return a.tokens_per_s / b.tokens_per_s
 
 
 @dataclass
@@ -88,7 +147,7 @@ class Window:
     t1: float
     foreign: float
     cut_short: bool = False  # closed at --max-cell-s before every model had its steps
-    mark: tuple[float, int, int] | None = None  # the CPU meter's mark at t0
+    mark: tuple[float, int, int] = (0.0, 0, 0)  # the CPU meter's mark at t0
 
 
 # --- driving N models --------------------------------------------------------------------------
@@ -155,8 +214,7 @@ async def drive(
             print(f"warning: window cut short at {args.max_cell_s:.0f} s", file=sys.stderr)
             win[0].t1 = time.perf_counter()
         timer.cancel()
-        if win[0].mark is not None:
-            win[0].foreign = meter.foreign_since(win[0].mark)
+        win[0].foreign = meter.foreign_since(win[0].mark)
         stop.set()
         await asyncio.gather(*loops)
     finally:
@@ -201,13 +259,7 @@ def cell_env(mode: str, models: int) -> dict[str, str]:
 
 
 def run_cell(
-    args: argparse.Namespace,
-    size: Size,
-    mode: str,
-    models: int,
-    database_url: str,
-    data_dir: Path,
-    threads: int,
+    args: argparse.Namespace, size: Size, mode: str, models: int, run: Run, threads: int
 ) -> Cell:
     """Fresh workers and N fresh models; drive them; the cell."""
     data = datums(token_rows(size.batch, size.seq))
@@ -215,18 +267,9 @@ def run_cell(
     deployments = models if mode == PROCESSES else 1
     tag = f"{size.label}-{mode.replace(' ', '-')}-{models}"
     with contextlib.ExitStack() as stack:
-        settings = [
-            stack.enter_context(deployment(args.redis_url, database_url, f"tput-{tag}", data_dir))
-            for _ in range(deployments)
-        ]
-        logs = [data_dir / f"worker-{tag}-{i}.log" for i in range(deployments)]
-        began = time.perf_counter()
+        settings = [stack.enter_context(run.deployment(f"tput-{tag}")) for _ in range(deployments)]
+        logs = [run.data_dir / f"worker-{tag}-{i}.log" for i in range(deployments)]
         procs = stack.enter_context(lora_workers(settings, size.model, logs, env))
-        print(
-            f"    {mode}, {models} models: {deployments} worker(s) ready in "
-            f"{time.perf_counter() - began:.0f} s",
-            flush=True,
-        )
         services = [stack.enter_context(service_client(s)) for s in settings]
         clients = [
             services[i % deployments].create_lora_training_client(size.model, rank=RANK, seed=i)
@@ -234,29 +277,15 @@ def run_cell(
         ]
         meter = CpuMeter([os.getpid(), *(p.pid for p in procs)])
         step_logs, win = asyncio.run(drive(clients, data, size, args, meter))
-        passes = (
-            None
-            if mode == PROCESSES
-            else ops_per_pass(args.redis_url, Keys(settings[0].key_prefix), step_logs, win)
-        )
+        keys = Keys(settings[0].key_prefix)
+        passes = None if mode == PROCESSES else ops_per_pass(args.redis_url, keys, step_logs, win)
+    rates, span = step_rates(step_logs, win), win.t1 - win.t0
+    steps = sum(len(g.in_window(win.t0, win.t1)) for g in step_logs)
+    omp = int(env.get("OMP_NUM_THREADS", threads))
     cell = Cell(
-        mode,
-        models,
-        size.tokens,
-        step_rates(step_logs, win),
-        win.t1 - win.t0,
-        sum(len(g.in_window(win.t0, win.t1)) for g in step_logs),
-        win.foreign,
-        int(env.get("OMP_NUM_THREADS", threads)),
-        passes,
-        win.cut_short,
+        mode, models, size.tokens, rates, span, steps, win.foreign, omp, passes, win.cut_short
     )
-    print(
-        f"    {mode}, {models} models: {cell.tokens_per_s:,.0f} tokens/s over "
-        f"{cell.window_s:.1f} s ({cell.steps} steps, ops per pass {passes or 1:.1f}, other "
-        f"processes {cell.foreign:.2f} cores)",
-        flush=True,
-    )
+    print(f"    {mode}, {models} models: {cell.tokens_per_s:,.0f} tokens/s", flush=True)
     return cell
 
 
@@ -269,45 +298,26 @@ def bare_tokens_per_s(size: Size, data_dir: Path, steps: int) -> tuple[float, in
     return size.tokens / median, bare.params, bare.lora_params
 
 
-def measure_size(
-    args: argparse.Namespace, size: Size, database_url: str, data_dir: Path, threads: int
-) -> SizeResult:
-    ensure_model(size.model, data_dir)  # once, not by every worker at once
-    bare, params, lora = bare_tokens_per_s(size, data_dir, args.bare_steps)
+def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -> SizeResult:
+    ensure_model(size.model, run.data_dir)  # once, not by every worker at once
+    bare, params, lora = bare_tokens_per_s(size, run.data_dir, args.bare_steps)
     result = SizeResult(size, params, lora, bare)
     print(f"[{size.label}] {size.model}: bare PEFT loop {bare:,.0f} tokens/s", flush=True)
     for models in size.counts:
         for mode in MODES:
             if mode == PROCESSES and models > size.max_processes:
-                print(
-                    f"    {mode}, {models} models: skipped (more than {size.max_processes} "
-                    "processes)",
-                    flush=True,
-                )
-                continue
+                continue  # more processes than this model's memory allows
             try:
-                result.cells.append(
-                    run_cell(args, size, mode, models, database_url, data_dir, threads)
-                )
+                result.cells.append(run_cell(args, size, mode, models, run, threads))
             except (QueueTinkerError, TimeoutError) as exc:
                 # One broken cell (an op the worker failed) costs that cell, not the run.
-                print(f"    {mode}, {models} models: FAILED: {exc}", file=sys.stderr, flush=True)
-                result.failures.append(
-                    f"{mode}, {models} models: {type(exc).__name__}: {str(exc)[:300]}"
-                )
+                failure = f"{mode}, {models} models: {type(exc).__name__}: {str(exc)[:300]}"
+                print(f"    FAILED: {failure}", file=sys.stderr, flush=True)
+                result.failures.append(failure)
     return result
 
 
 # --- main --------------------------------------------------------------------------------------
-# Per base model: the most worker processes the per-model mode starts (a 100M worker holds
-# ~1 GB) and the step shapes (datums, tokens) measured by default: on the tiny model a small
-# step, whose compute is mostly per-op overhead, and a bigger one, closer to compute-bound.
-SIZES: dict[str, tuple[str, int, tuple[tuple[int, int], ...]]] = {
-    "tiny": ("queue-tinker/tiny-llama", 16, ((1, 32), (4, 64))),
-    "100m": ("queue-tinker/llama-100m", 8, ((4, 64),)),
-}
-
-
 def parse_shape(text: str) -> tuple[int, int]:
     """'4x64' as (4 datums, 64 tokens)."""
     match = re.fullmatch(r"(\d+)[x×](\d+)", text)
@@ -316,38 +326,15 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def sizes(args: argparse.Namespace) -> list[Size]:
-    return [
-        Size(
-            f"{label}-{batch}x{seq}",
-            SIZES[label][0],
-            batch,
-            seq,
-            tuple(args.counts),
-            args.warmup if label == "tiny" else args.big_warmup,
-            args.seconds if label == "tiny" else args.big_seconds,
-            SIZES[label][1],
-        )
-        for label in args.models
-        for batch, seq in (args.shapes or SIZES[label][2])
-    ]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.train_throughput", __doc__)
     cli.add_services(parser)
     cli.add_models(parser, SIZES, default=SIZES)
+    counts = "how many models train at once"
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 4, 8, 16], help=counts)
+    shapes = "the step shapes on every model (default: 1x32 and 4x64 tiny, 4x64 100M)"
     parser.add_argument(
-        "--counts", type=int, nargs="+", default=[1, 4, 8, 16], help="how many models train at once"
-    )
-    parser.add_argument(
-        "--shapes",
-        type=parse_shape,
-        nargs="+",
-        default=None,
-        metavar="DATUMSxTOKENS",
-        help="the step shapes to measure on every model (default: 1x32 and "
-        "4x64 on the tiny model, 4x64 on the 100M)",
+        "--shapes", type=parse_shape, nargs="+", metavar="DATUMSxTOKENS", help=shapes
     )
     cli.add_knobs(
         parser,
@@ -357,10 +344,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--min-steps": (3, "steps every model finishes in the window (2 at least)"),
             "--seconds": (10.0, "least window, tiny model"),
             "--big-seconds": (15.0, "least window, 100M"),
-            "--max-cell-s": (
-                300.0,
-                "close a cell's window after this long (reported as cut short)",
-            ),
+            "--max-cell-s": (300.0, "close a cell's window after this long (cut short)"),
             "--bare-steps": (10, "bare PEFT loop steps"),
         },
     )
@@ -376,38 +360,122 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def batching_note() -> str:
-    return f"Cross-adapter batching switched by `{BATCH_ENV}` in the workers' environment."
+def sizes(args: argparse.Namespace) -> list[Size]:
+    out = []
+    for label in args.models:
+        model, most, shapes = SIZES[label]
+        tiny = label == "tiny"
+        warmup = args.warmup if tiny else args.big_warmup
+        seconds = args.seconds if tiny else args.big_seconds
+        out += [
+            Size(f"{label}-{b}x{s}", model, b, s, tuple(args.counts), warmup, seconds, most)
+            for b, s in args.shapes or shapes
+        ]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Each size's cells in turn; hand back the report. Fails when a cell failed."""
     args = parse_args(argv)
     quiet_transformers()
     with service_run(args, TORCH, "qt-bench-tput-") as run:
-        print(batching_note(), flush=True)
         threads = run.worker_threads()["worker compute thread"]
         torch.set_num_threads(threads)  # the bare loop computes like the worker
-        results = [
-            measure_size(args, size, run.database_url, run.data_dir, threads)
-            for size in sizes(args)
-        ]
-    total_s = run.total_s
-    print_table(results)
-    print(f"total {total_s:.0f} s")
-    info = run.info
-    save(args.json, results_json(info, results))
-    method = {
-        "rank": str(RANK),
-        "warmup": f"{args.warmup} (tiny) / {args.big_warmup} (100M)",
-        "min_steps": str(args.min_steps),
-        "seconds": f"{args.seconds:g} s (tiny) / {args.big_seconds:g} s (100M)",
-    }
-    info = {
-        **info,
-        "torch threads per worker": f"{threads} (process per model: max(1, {CORES} ÷ N))",
-    }
-    publish(args.docs, args.no_docs, render(info, results, method, batching_note(), total_s))
+        results = [measure_size(args, size, run, threads) for size in sizes(args)]
+    emit(report(args, run, threads, results), docs_of(args), args.json)
     return 1 if any(r.failures for r in results) else 0
+
+
+# --- the report --------------------------------------------------------------------------------
+def report(args: argparse.Namespace, run: Run, threads: int, results: list[SizeResult]) -> Report:
+    """The target per size, then a table per size."""
+    facts = [
+        f"Torch threads per worker {threads} (process per model: max(1, {CORES} ÷ N)).",
+        f"Rank {RANK}; {args.warmup} (tiny) / {args.big_warmup} (100M) warm-up steps; windows of "
+        f"at least {args.seconds:g} s (tiny) / {args.big_seconds:g} s (100M) and "
+        f"{args.min_steps} steps per model.",
+        f"The run took {run.total_s:.0f} s.",
+    ]
+    targets = [target(r) for r in results]
+    gpu = f"batched ≥ {TARGET_GPU:g}× one at a time, {TARGET_MODELS} models, on a GPU"
+    targets.append(Target(gpu, "needs a CUDA worker: not measured by this run", None))
+    per_size = [
+        {**asdict(r), "cells": [{**asdict(c), "tokens_per_s": c.tokens_per_s} for c in r.cells]}
+        for r in results
+    ]
+    body = [part for r in results for part in size_parts(r)]
+    return Report(SECTION, COMMAND, run.info, facts, targets, body, {"sizes": per_size})
+
+
+def target(r: SizeResult) -> Target:
+    what = (
+        f"batched ≥ {TARGET_CPU:g}× one at a time, {TARGET_MODELS} models, `{r.size.model}`, "
+        f"{r.size.batch} × {r.size.seq}"
+    )
+    speedup = r.ratio(BATCHED, SERIAL, TARGET_MODELS)
+    if speedup is None:
+        return Target(what, "not measured", None)
+    return Target(what, f"{speedup:.2f}×", speedup >= TARGET_CPU)
+
+
+def times(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def tok(cell: Cell | None) -> str:
+    """tokens/s; marked * for a window cut short at the time limit, † for a disturbed one."""
+    if cell is None:
+        return "–"
+    marks = ("*" if cell.cut_short else "") + ("†" if cell.foreign >= QUIET_CORES else "")
+    return f"{cell.tokens_per_s:,.0f}{marks}"
+
+
+def row(r: SizeResult, n: int) -> tuple[object, ...]:
+    by_mode = [r.cell(mode, n) for mode in MODES]
+    batched = by_mode[0]
+    passes = None if batched is None else batched.ops_per_pass
+    return (
+        n,
+        *map(tok, by_mode),
+        f"**{times(r.ratio(BATCHED, SERIAL, n))}**",
+        times(r.ratio(BATCHED, PROCESSES, n)),
+        times(r.ratio(BATCHED, BATCHED, n, 1)),
+        "–" if passes is None else f"{passes:.1f}",
+        "–" if batched is None else f"{batched.fairness:.2f}",
+        " / ".join("–" if c is None else f"{c.window_s:.0f}" for c in by_mode),
+        " / ".join("–" if c is None else f"{c.foreign:.2f}" for c in by_mode),
+    )
+
+
+COLUMNS = (
+    "models | batched | one at a time | process per model | batched ÷ one at a time | batched ÷ "
+    "process per model | batched ÷ batched with 1 model | forward_backward ops per pass (batched) "
+    "| slowest ÷ fastest model (batched) | window s (batched / one at a time / processes) "
+    "| other processes, cores (same order)"
+)
+
+
+def size_parts(r: SizeResult) -> list[Table | str]:
+    """The size's table, the bare loop beside it, and what went wrong."""
+    bare = "not measured" if r.bare_tokens_s is None else f"{r.bare_tokens_s:,.0f} tokens/s"
+    parts: list[Table | str] = [
+        Table(
+            cells(COLUMNS),
+            [row(r, n) for n in r.size.counts],
+            caption=f"`{r.size.model}` ({r.params:,} parameters, {r.lora_params:,} in one "
+            f"rank-{RANK} LoRA), steps of {r.size.batch} × {r.size.seq} tokens, tokens per "
+            "second of training summed over all models:",
+            note="The bare PEFT loop (bench.train_step's: one model, in the benchmark process, "
+            f"no queue, same threads as a worker): {bare}.",
+        )
+    ]
+    if r.failures:
+        parts.append("**Failed cells** (no number for them above): " + "; ".join(r.failures) + ".")
+    if any(c.foreign >= QUIET_CORES for c in r.cells):
+        parts.append(f"† Other processes took {QUIET_CORES:g} cores or more during that window.")
+    if any(c.cut_short for c in r.cells):
+        parts.append("\\* That window closed at `--max-cell-s`, before every model had its steps.")
+    return parts
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import sample_cache, suite
-from bench import sampling_engine_report as sampling_engine
+from bench import sample_cache, sampling_engine, suite
 from bench.decode_step import floor_ms
 from bench.harness.models import BASE_NAME, Shape, build_model, lora_pool
 from bench.mfu import SHAPES, flops_per_token, lora_params, matmul_params, peak_tflops, total_params
@@ -163,13 +162,13 @@ def test_sampling_engine_ratios_are_service_over_same_run_baseline() -> None:
     ratios = [round(ratio, 3) for *_, ratio, _ in sampling_engine.rows(result)]
     p90_under = float(np.percentile([0.02] * 9 + [0.2], 90))
     assert ratios == [2.0, 0.5, 1.2, 2.0, 1.5, 4.0, round(p90_under / 0.01, 3), 1.5]
-    assert len(sampling_engine.table([result])) == 2 + 8 + 1
+    assert len(sampling_engine.table([result]).lines()) == 2 + 8 + 1
     # A GPU run writes a section of its own and leaves the CPU section's text alone.
-    cpu = sampling_engine.render({"CPU": "x"}, [result], 1.0, 2, "cpu")
-    gpu = sampling_engine.render({"GPU": "y"}, [result], 1.0, 2, "cuda")
-    assert cpu.splitlines()[0] == sampling_engine.SECTION
-    assert gpu.splitlines()[0] == sampling_engine.GPU_SECTION
-    assert "--device cuda" in gpu and sampling_engine.READING not in gpu
+    cpu = sampling_engine.report({"CPU": "x"}, [result], 1.0, 2, "cpu")
+    gpu = sampling_engine.report({"GPU": "y"}, [result], 1.0, 2, "cuda")
+    assert cpu.heading == sampling_engine.SECTION
+    assert gpu.heading == sampling_engine.GPU_SECTION
+    assert "--device cuda" in gpu.command and "--device cuda" not in cpu.markdown()
 
 
 def test_with_services_hands_the_command_urls_and_its_exit_code(redis_url: str) -> None:
@@ -200,8 +199,9 @@ def test_sample_cache_rows_compare_each_case_with_the_unbudgeted_one() -> None:
         sample_cache.Case(4, 128, None, 5.0, 641.2, 632, 4, 32768, ["a", "b", "c", "d"]),
         sample_cache.Case(4, 128, 320, 2.8, 627.0, 316, 2, 32768, ["a", "b", "x", "d"]),
     ]
-    text = sample_cache.render(cases, {"torch": "t", "transformers": "x", "date": "d"})
-    assert text.startswith(sample_cache.SECTION + "\n")
+    report = sample_cache.report(cases, {"torch": "t", "transformers": "x", "date": "d"})
+    assert report.heading == sample_cache.SECTION
+    text = report.markdown()
     assert "| none | 632 tokens (20 MiB) | 4 | 641 MiB | 5.0 s | 4 of 4 |" in text
     assert "| 320 | 316 tokens (10 MiB) | 2 | 627 MiB | 2.8 s | 3 of 4 |" in text
 
@@ -267,8 +267,9 @@ def test_checkpoint_bench_times_the_worker_s_writes_and_reads_in_both_stores(
     sizes = [m.bytes for m in results]
     assert sizes[0::2] == sizes[1::2] and sizes[0] < sizes[2] < sizes[4]
     assert all(len(m.save_s) == len(m.load_s) == 2 for m in results)
-    text = bench.render(results, "tiny", 2, 1000)
-    assert text.startswith(bench.SECTION + "\n") and text.count("\n| ") == 2 + len(bench.KINDS)
+    report = bench.report(results, "tiny", 2, 1000, {})
+    text = report.markdown()
+    assert report.heading == bench.SECTION and text.count("\n| ") == 2 + len(bench.KINDS)
 
 
 def test_llama_3_2_1b_counts_and_its_own_docs_section() -> None:

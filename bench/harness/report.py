@@ -18,13 +18,12 @@ the file yet is appended with its block.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.machine import cpu_model, described
+from bench.harness.machine import described
 from bench.harness.services import REPO
 
 DOCS = REPO / "docs" / "benchmarks.md"
@@ -107,33 +106,25 @@ def write_block(path: Path, heading: str, block: str) -> None:
     was. A section without markers gets them at its end; a missing section is appended."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     begin, end = markers(heading)
-    framed = f"{begin}\n{block.rstrip()}\n{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        text = head + framed + rest.split(end, 1)[1]
-    elif heading + "\n" in text:
+    if begin not in text and heading + "\n" in text:
         start = text.index(heading + "\n")
         stop = text.find("\n## ", start + len(heading))
         stop = len(text) if stop < 0 else stop + 1
-        text = text[:stop].rstrip("\n") + "\n\n" + framed + "\n\n" + text[stop:]
-    else:
-        text = text.rstrip("\n") + f"\n\n{heading}\n\n{framed}\n"
+        text = text[:stop].rstrip("\n") + f"\n\n{begin}\n{end}\n\n" + text[stop:]
+    elif begin not in text:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n{begin}\n{end}\n"
+    write_between(path, text, begin, end, block)
+
+
+def write_between(path: Path, text: str, begin: str, end: str, block: str) -> None:
+    """`text` with what stands between the lines `begin` and `end` replaced by `block`,
+    written to `path`."""
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no {begin} ... {end} block to fill")
+    head, rest = text.split(begin, 1)
+    text = f"{head}{begin}\n{block.rstrip()}\n{end}{rest.split(end, 1)[1]}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text.rstrip("\n") + "\n")
-
-
-def write_docs(path: Path, section: str, heading: str) -> None:
-    """Replace the whole section titled `heading` with `section` (the suite's own page head and
-    the sections a run has nothing to say in), or append it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    start = text.find(heading + "\n")
-    if start < 0:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(heading))
-        new = text[:start] + section + ("\n" + text[end + 1 :] if end >= 0 else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new.rstrip("\n") + "\n")
 
 
 def emit(report: Report, docs: Path | None, json_path: Path | None = None) -> None:
@@ -142,7 +133,8 @@ def emit(report: Report, docs: Path | None, json_path: Path | None = None) -> No
     block = report.markdown()
     print(f"\n{report.heading}\n\n{block}", flush=True)
     if json_path is not None:
-        json_path.write_text(json.dumps({"machine": report.machine, **report.results}, indent=2))
+        raw = {"machine": report.machine, **report.results}
+        json_path.write_text(json.dumps(raw, indent=2, default=str))
     if docs is not None:
         write_block(docs, report.heading, block)
         print(f"wrote {docs}")
@@ -160,31 +152,6 @@ def reproduce(command: str) -> list[str]:
 
 def machine_line(info: dict[str, str]) -> str:
     return "Machine: " + described(info)
-
-
-def measured_on(info: dict[str, str]) -> str:
-    """The opening of an in-process benchmark's facts: the CPU and torch it ran on."""
-    return f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {info['torch']}, "
-
-
-# --- the writer every benchmark used before Report (going once each is converted) ----------
-def publish(docs: Path, no_docs: bool, section: str) -> None:
-    """Write `section` (its first line is its heading) into `docs`, unless `no_docs`."""
-    if no_docs:
-        return
-    write_docs(docs, section, heading=section.splitlines()[0])
-    print(f"wrote {docs}")
-
-
-def json_document(info: dict[str, str], indent: int = 2, **results: Any) -> str:
-    """The raw results for --json: the machine first, then `results`."""
-    return json.dumps({"machine": info, **results}, indent=indent)
-
-
-def save(path: Path | None, text: str) -> None:
-    """Write the raw results to `path`, when one was given."""
-    if path is not None:
-        path.write_text(text)
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:

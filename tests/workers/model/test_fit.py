@@ -11,6 +11,7 @@ from procs import REPO
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from bench import fit_table
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import ErrorCategory, WorkerFitError
 from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.fit import (
@@ -250,7 +251,7 @@ def test_unset_resident_adapters_are_as_many_as_fit() -> None:
         fit_resident_adapters(TINY, 2, one.weights, crowded, "tiny")  # weights fill it
     # Llama-3.1-8B at the defaults on one 80 GiB GPU: the docs' QT_MAX_RESIDENT_ADAPTERS=7.
     eight_b = fit_table.MODELS["Llama-3.1-8B"]()
-    sized = fit_resident_adapters(eight_b, 2, 80 * GIB, fit_table.default_settings(), "8B")
+    sized = fit_resident_adapters(eight_b, 2, 80 * GIB, FitSettings.of(EngineConfig()), "8B")
     assert sized.demand.settings.max_resident_adapters == 7
 
 
@@ -317,7 +318,7 @@ def test_the_70b_fits_with_the_changes_the_docs_name(
     gpus: int, resident: int, datum: int, needed_gib: str
 ) -> None:
     settings = replace(
-        fit_table.default_settings(), max_resident_adapters=resident, max_tokens_per_datum=datum
+        FitSettings.of(EngineConfig()), max_resident_adapters=resident, max_tokens_per_datum=datum
     )
     model = "Llama-3.1-70B"
     plan = plan_fit(
