@@ -252,17 +252,16 @@ def report(result: dict[str, Any], info: dict[str, str]) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure the three phases; hand back the report; exit 1 when the target is missed."""
-    parser = cli.parser("bench.big_bodies", __doc__)
-    cli.add_services(parser)
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.big_bodies",
+        __doc__,
+        knobs={
             "--bodies": (10, "big bodies the attackers send between them"),
             "--baseline-s": (5.0, "seconds of the victim's requests alone"),
         },
+        quick="2 bodies",
+        services=True,
     )
-    cli.add_quick(parser, "2 bodies")
-    cli.add_report(parser)
     args = cli.parse(parser, argv, quick={"bodies": 2, "baseline_s": 1.0})
     with (
         service_run(args, (), "qt-bench-big-") as run,

@@ -202,11 +202,13 @@ def report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Every kind in both stores; hand back the report."""
-    parser = cli.parser("bench.checkpoint_storage", __doc__)
-    cli.add_quick(parser, "the tiny model, one save and load of each")
+    parser = cli.parser(
+        "bench.checkpoint_storage",
+        __doc__,
+        knobs={"--repeats": (5, "saves and loads of each kind in each store")},
+        quick="the tiny model, one save and load of each",
+    )
     parser.add_argument("--model", default="queue-tinker/llama-100m")
-    cli.add_knobs(parser, {"--repeats": (5, "saves and loads of each kind in each store")})
-    cli.add_report(parser)
     args = cli.parse(parser, argv, quick={"model": "queue-tinker/tiny-llama", "repeats": 1})
     info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
     info["commit"] = commit()

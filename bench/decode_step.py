@@ -316,12 +316,10 @@ def report(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench.decode_step", __doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", choices=list(SHAPES), default=None)
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.decode_step",
+        __doc__,
+        knobs={
             "--rows": (0, "requests in flight at once (default 64 on CUDA, 8 on the CPU)"),
             "--prompt": (0, "prompt tokens each (default 1024 on CUDA, 64 on the CPU)"),
             "--new": (0, "new tokens each (default 256 on CUDA, 32 on the CPU)"),
@@ -331,11 +329,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--rank": (32, "LoRA rank"),
         },
     )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", choices=list(SHAPES), default=None)
     parser.add_argument(
         "--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="in order; graphs: CUDA only"
     )
-    cli.add_report(parser)
-    cli.add_quick(parser)
     quick = {"rows": 4, "prompt": 16, "new": 8, "adapters": 2, "first_prompt": 32, "joiners": 2}
     args = cli.parse(parser, argv, quick)
     cuda = args.device.startswith("cuda")

@@ -331,22 +331,21 @@ def measure(args: argparse.Namespace, run: Run) -> list[ShapeResult]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench.gateway_round_trip", __doc__)
-    cli.add_services(parser)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="base model the worker serves")
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.gateway_round_trip",
+        __doc__,
+        knobs={
             "--rounds": (400, "measured rounds per shape (one round trip per door each)"),
             "--warmup": (20, "warm-up round trips per door and shape, not measured"),
         },
+        quick="smoke run (10 rounds, 3 warm-up)",
+        services=True,
+        data_dir=True,
     )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="base model the worker serves")
     cli.add_batch(parser, "--small-batch", (4, 32))
     cli.add_batch(parser, "--large-batch", (8, 128))
-    cli.add_data_dir(parser)
-    cli.add_report(parser)
     parser.add_argument("--out", dest="json", type=Path, help="the same as --json")
-    cli.add_quick(parser, "smoke run (10 rounds, 3 warm-up)")
     args = cli.parse(parser, argv, quick={"rounds": 10, "warmup": 3})
     if args.rounds < 1 or args.warmup < 1:
         parser.error("--rounds and --warmup must be at least 1")

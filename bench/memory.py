@@ -179,8 +179,7 @@ def report_price(times: Times, info: dict[str, str]) -> Report:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = cli.parser("bench.memory", __doc__)
-    cli.add_quick(parser, "two small cases")
+    parser = cli.parser("bench.memory", __doc__, quick="two small cases")
     parser.add_argument("--case", help="ROWSxTOKENS: measure one case in this process")
     parser.add_argument("--path", choices=("whole", "chunked"), default="chunked")
     parser.add_argument("--checkpointing", choices=("on", "off"), default="on")
@@ -189,7 +188,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="checkpointing's step-time price only (its own docs section)",
     )
-    cli.add_report(parser)
     args = cli.parse(parser, argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.case:

@@ -703,12 +703,10 @@ BY_DEVICE: dict[str, tuple[int, int, str]] = {
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench.mfu", __doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", choices=list(SHAPES), help="default: llama-3.1-8b; CPU small")
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.mfu",
+        __doc__,
+        knobs={
             "--batch": (8, "datums (halved while they do not fit)"),
             "--rank": (32, "LoRA rank"),
             "--warmup": (2, "steps before the timed ones"),
@@ -718,14 +716,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--rl-rows": (4, "datums of each RL-sized op"),
             "--datums": (64, "datums of the op whose loss paths are compared (1: skip it)"),
         },
+        quick="few steps",
     )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", choices=list(SHAPES), help="default: llama-3.1-8b; CPU small")
     for flag, (cuda, cpu, help_text) in BY_DEVICE.items():
         parser.add_argument(flag, type=int, default=None, help=f"{help_text} ({cuda}; CPU {cpu})")
     parser.add_argument(
         "--no-variants", dest="variants", action="store_false", help="the worker's plan alone"
     )
-    cli.add_report(parser)
-    cli.add_quick(parser, "few steps")
     args = cli.parse(parser, argv, quick={"warmup": 1, "steps": 2})
     cuda = args.device.startswith("cuda")
     args.shape = args.shape or (DEFAULT_SHAPE if cuda else "small")

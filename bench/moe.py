@@ -111,19 +111,18 @@ def report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Alternate the two models' processes; hand back the report of each one's fastest round."""
-    parser = cli.parser("bench.moe", __doc__)
-    cli.add_quick(parser, "2 x 32 tokens, 2 steps")
-    parser.add_argument("--case", choices=list(MODELS), help="measure one model, here")
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.moe",
+        __doc__,
+        knobs={
             "--rows": (8, "rows of the batch"),
             "--width": (128, "tokens a row"),
             "--steps": (10, "timed steps after a warm-up"),
             "--rounds": (3, "processes of each model, alternating"),
         },
+        quick="2 x 32 tokens, 2 steps",
     )
-    cli.add_report(parser)
+    parser.add_argument("--case", choices=list(MODELS), help="measure one model, here")
     args = cli.parse(parser, argv, quick={"rows": 2, "width": 32, "steps": 2, "rounds": 1})
     if args.case:  # the isolated side
         print_result(measure(args.case, args.rows, args.width, args.steps))

@@ -84,18 +84,17 @@ def report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Both layouts of the same ops on the model; hand back the report."""
-    parser = cli.parser("bench.packing", __doc__)
-    cli.add_quick(parser, "the tiny model")
-    parser.add_argument("--model", default="queue-tinker/llama-100m")
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.packing",
+        __doc__,
+        knobs={
             "--adapters": (4, "adapters, an op each"),
             "--data": (8, "datums per op"),
             "--repeats": (3, "timed passes of each layout"),
         },
+        quick="the tiny model",
     )
-    cli.add_report(parser)
+    parser.add_argument("--model", default="queue-tinker/llama-100m")
     args = cli.parse(parser, argv, quick={"model": "queue-tinker/tiny-llama"})
     info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
     info["commit"] = commit()

@@ -161,9 +161,7 @@ def same(run: Run, reference: Run) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = cli.parser("bench.prefix_cache", __doc__)
-    cli.add_quick(parser, "a small case")
-    cli.add_report(parser)
+    parser = cli.parser("bench.prefix_cache", __doc__, quick="a small case")
     args = cli.parse(parser, argv)
     sizes = QUICK if args.quick else FULL
     emit(report(measure(sizes), sizes, cpu_machine()), docs_of(args), args.json)

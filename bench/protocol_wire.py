@@ -276,19 +276,17 @@ def break_even_mbit_s(r: WireResult) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The three parts against one gateway and worker; hand back the report."""
-    parser = cli.parser("bench.protocol_wire", __doc__)
-    cli.add_services(parser)
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.protocol_wire",
+        __doc__,
+        knobs={
             "--rounds": (20, "posts per mode and shape"),
             "--samples": (64, "samples in flight"),
             "--steps": (8, "custom-loss steps per mode"),
         },
+        services=True,
     )
     parser.add_argument("--big-model", default="queue-tinker/llama-100m")
-    cli.add_report(parser)
-    cli.add_quick(parser)
     quick = {"rounds": 2, "samples": 4, "steps": 1, "big_model": None}
     args = cli.parse(parser, argv, quick=quick)
     with (

@@ -240,11 +240,10 @@ def run_throughput(
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line; `--quick` shrinks every count and leaves the docs alone."""
-    parser = cli.parser("bench.queue_overhead", __doc__)
-    cli.add_services(parser)
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.queue_overhead",
+        __doc__,
+        knobs={
             "--ops": (5_000, "sequential ops per latency run"),
             "--warmup": (200, "ops before measuring latency"),
             "--tput-ops": (20_000, "ops per throughput run"),
@@ -253,6 +252,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--rq-ops": (2_000, "rq sequential jobs"),
             "--rq-tput-ops": (10_000, "rq throughput jobs"),
         },
+        quick="smoke run: few ops everywhere",
+        services=True,
     )
     parser.add_argument(
         "--workers",
@@ -262,8 +263,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="worker counts to measure throughput with",
     )
     parser.add_argument("--no-rq", action="store_true", help="skip the rq baseline")
-    cli.add_report(parser)
-    cli.add_quick(parser, "smoke run: few ops everywhere")
     quick = {"ops": 300, "warmup": 50, "tput_ops": 2_000, "window": 500}
     return cli.parse(parser, argv, quick={**quick, "rq_ops": 200, "rq_tput_ops": 500})
 

@@ -153,11 +153,9 @@ def report(cases: Sequence[Case], info: dict[str, str]) -> Report:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = cli.parser("bench.sample_cache", __doc__)
-    cli.add_quick(parser, "a small case")
+    parser = cli.parser("bench.sample_cache", __doc__, quick="a small case")
     parser.add_argument("--case", help="SAMPLESxTOKENS: measure one case in this process")
     parser.add_argument("--budget", type=int, default=None)
-    cli.add_report(parser)
     args = cli.parse(parser, argv)
     if args.case:
         samples, new_tokens = (int(part) for part in args.case.split("x"))

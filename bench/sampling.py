@@ -340,13 +340,10 @@ SIZES = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench.sampling", __doc__)
-    cli.add_services(parser)
+    parser = cli.parser("bench.sampling", __doc__, services=True)
     cli.add_models(parser, SIZES, default=SIZES)
     cli.add_torch(parser)
     parser.add_argument("--big-tokens", type=int, default=None, help="max_tokens at 100M")
-    cli.add_report(parser)
-    cli.add_quick(parser)
     return cli.parse(parser, argv)
 
 

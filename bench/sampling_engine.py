@@ -269,14 +269,11 @@ def run_round(
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench.sampling_engine", __doc__)
+    parser = cli.parser("bench.sampling_engine", __doc__, services=True)
     steps = ["auto", "padded", "slots", "graphs"]
     parser.add_argument("--decode-step", choices=steps, help="the worker's QT_DECODE_STEP")
-    cli.add_services(parser)
     cli.add_models(parser, SIZES, default=["queue-tinker/tiny-llama"])
     cli.add_torch(parser)
-    cli.add_report(parser)
-    cli.add_quick(parser)
     return cli.parse(parser, argv)
 
 

@@ -258,11 +258,10 @@ def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> Namespace:
-    parser = cli.parser("bench.soak", __doc__)
-    cli.add_services(parser)
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.soak",
+        __doc__,
+        knobs={
             "--minutes": (5.0, "how long the load runs"),
             "--clients": (20, "ServiceClients in this process"),
             "--models": (50, "training runs the pings go to"),
@@ -277,9 +276,9 @@ def parse_args(argv: Sequence[str] | None) -> Namespace:
             "--max-slope": (1.0, "MiB/min of worker memory growth still called flat"),
             "--seed": (7, "seed of the arrival times and delays"),
         },
+        quick="0.5 min, 4 clients, 8 models, memory not judged",
+        services=True,
     )
-    cli.add_report(parser)
-    cli.add_quick(parser, "0.5 min, 4 clients, 8 models, memory not judged")
     quick = {"minutes": 0.5, "clients": 4, "models": 8, "max_slope": 1000.0}
     return cli.parse(parser, argv, quick=quick)
 

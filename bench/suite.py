@@ -177,7 +177,7 @@ def mfu_not_measured(path: Path) -> None:
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench", __doc__)
+    parser = cli.parser("bench", __doc__, quick=None, report=False, services=True, data_dir=True)
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -190,8 +190,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="NAME",
         help=f"run just these ({', '.join(NAMES)})",
     )
-    cli.add_services(parser)
-    cli.add_data_dir(parser)
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     return parser.parse_args(argv)
 

@@ -348,11 +348,10 @@ def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench.train_step", __doc__)
-    cli.add_services(parser)
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.train_step",
+        __doc__,
+        knobs={
             "--rounds": (40, "most service/bare block pairs per size"),
             "--warmup": (3, "steps of each before measuring"),
             "--tiny-steps": (5, "steps per block, tiny"),
@@ -360,12 +359,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--tiny-budget": (45.0, "seconds of tiny rounds after which no new round starts"),
             "--big-budget": (200.0, "seconds of 100M rounds after which no new round starts"),
         },
+        services=True,
+        data_dir=True,
     )
     cli.add_batch(parser, "--tiny-batch", (8, 128))
     cli.add_batch(parser, "--big-batch", (2, 64))
-    cli.add_data_dir(parser)
-    cli.add_report(parser)
-    cli.add_quick(parser)
     quick = {"rounds": 6, "warmup": 2, "tiny_steps": 5, "big_steps": 1}
     return cli.parse(parser, argv, quick={**quick, "tiny_budget": 8, "big_budget": 15})
 

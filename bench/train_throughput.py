@@ -327,18 +327,10 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench.train_throughput", __doc__)
-    cli.add_services(parser)
-    cli.add_models(parser, SIZES, default=SIZES)
-    counts = "how many models train at once"
-    parser.add_argument("--counts", type=int, nargs="+", default=[1, 4, 8, 16], help=counts)
-    shapes = "the step shapes on every model (default: 1x32 and 4x64 tiny, 4x64 100M)"
-    parser.add_argument(
-        "--shapes", type=parse_shape, nargs="+", metavar="DATUMSxTOKENS", help=shapes
-    )
-    cli.add_knobs(
-        parser,
-        {
+    parser = cli.parser(
+        "bench.train_throughput",
+        __doc__,
+        knobs={
             "--warmup": (3, "steps per model before the window, tiny model"),
             "--big-warmup": (1, "the same, 100M"),
             "--min-steps": (3, "steps every model finishes in the window (2 at least)"),
@@ -347,10 +339,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--max-cell-s": (300.0, "close a cell's window after this long (cut short)"),
             "--bare-steps": (10, "bare PEFT loop steps"),
         },
+        services=True,
+        data_dir=True,
     )
-    cli.add_data_dir(parser)
-    cli.add_report(parser)
-    cli.add_quick(parser)
+    cli.add_models(parser, SIZES, default=SIZES)
+    counts = "how many models train at once"
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 4, 8, 16], help=counts)
+    shapes = "the step shapes on every model (default: 1x32 and 4x64 tiny, 4x64 100M)"
+    parser.add_argument(
+        "--shapes", type=parse_shape, nargs="+", metavar="DATUMSxTOKENS", help=shapes
+    )
     quick = {"models": ["tiny"], "counts": [1, 2], "warmup": 2, "min_steps": 2}
     args = cli.parse(parser, argv, quick={**quick, "seconds": 2, "bare_steps": 3})
     if args.quick:

@@ -16,11 +16,32 @@ from bench.harness.report import DOCS
 from bench.harness.services import postgres_url, redis_url
 
 
-def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
-    """A benchmark's parser, its module docstring as the help."""
-    return argparse.ArgumentParser(
+def parser(
+    prog: str,
+    doc: str | None,
+    *,
+    knobs: Mapping[str, Knob] | None = None,
+    quick: str | None = "smoke run",
+    services: bool = False,
+    data_dir: bool = False,
+    report: bool = True,
+) -> argparse.ArgumentParser:
+    """A benchmark's parser, its module docstring as the help, with the options benchmarks
+    share: its numeric `knobs`, --quick (`quick`: what the smoke run does; None: no smoke
+    run), the services' URLs, --data-dir, and where the report goes."""
+    parser = argparse.ArgumentParser(
         prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    if services:
+        add_services(parser)
+    if data_dir:
+        add_data_dir(parser)
+    add_knobs(parser, knobs or {})
+    if quick is not None:
+        add_quick(parser, quick)
+    if report:
+        add_report(parser)
+    return parser
 
 
 Knob = tuple[int | float, str]  # a numeric option's default (its type is the option's) and help
