@@ -23,6 +23,7 @@ import pytest
 import redis
 import tinker
 
+from queue_tinker.queue.connection import connect_sync
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings, settings_env
 from queue_tinker.store import api_keys
@@ -228,7 +229,7 @@ class WorkerProcess:
 
 def wait_for_workers(settings: Settings, count: int, timeout: float = 30) -> list[str]:
     """Block until `count` workers are registered; their ids."""
-    client = redis.Redis.from_url(settings.redis_url or "")
+    client = connect_sync(settings.redis_url or "")  # a plain or a Sentinel URL
     keys = Keys(settings.key_prefix)
     deadline = time.monotonic() + timeout
     try:
@@ -260,7 +261,7 @@ def assert_nothing_dead_lettered(redis_url: str, key_prefix: str) -> None:
     """Nothing the service accepted may end on the dead-letter stream (records Postgres
     refused): checked when every deployment and every test's key prefix is torn down, so the
     fault, fuzz and hostile-input suites all hold to it."""
-    client = redis.Redis.from_url(redis_url)
+    client = connect_sync(redis_url)
     try:
         dead = client.xrange(Keys(key_prefix).dead_records(), count=5)
     finally:
@@ -419,9 +420,11 @@ class RedisServer:
     writes the AOF and exits) or kill it (SIGKILL), then start it again on the same port and
     directory: it reloads the AOF."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, replica_of: int | None = None) -> None:
+        """`replica_of`: the port of the primary this server replicates (None: a primary)."""
         self.data_dir = data_dir
         self.port = free_port()
+        self.replica_of = replica_of
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -453,6 +456,14 @@ class RedisServer:
                 # is busy (a parallel test run) loses acknowledged writes.
                 "--appendfsync",
                 "always",
+                # A replica's first sync starts at once (Redis waits 5 s for others to join).
+                "--repl-diskless-sync-delay",
+                "0",
+                *(
+                    ()
+                    if self.replica_of is None
+                    else ("--replicaof", "127.0.0.1", str(self.replica_of))
+                ),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

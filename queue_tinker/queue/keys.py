@@ -195,6 +195,10 @@ class Keys:
         """Stream: a bell each recorder rings after a batch is in Postgres (readers wait on it)."""
         return f"{self.prefix}:records:written"
 
+    def replication_probe(self) -> str:
+        """Counter: a write whose replication a process waits on when a WAIT fell short."""
+        return f"{self.prefix}:replication:probe"
+
     def dead_records(self) -> str:
         """Stream: record events Postgres refused (constraint or data errors), kept to inspect."""
         return f"{self.prefix}:records:dead"

@@ -56,24 +56,33 @@ class Scripts:
 ScriptCall = tuple[Sequence[str], Sequence[str | int | bytes]]  # (keys, args)
 
 
-async def run_pipelined(redis: Redis, script: AsyncScript, calls: list[ScriptCall]) -> list[object]:
+async def run_pipelined(
+    redis: Redis, script: AsyncScript, calls: list[ScriptCall], wait: tuple[int, int] | None = None
+) -> list[object]:
     """EVALSHA `script` once per call, in order, in one round trip; each reply or error in
     its place. A pipelined Script would ask SCRIPT EXISTS before every execute, a second round
     trip on each batch of the worker's hot path; here a script the server lacks (a restart, a
     SCRIPT FLUSH) costs one SCRIPT LOAD and a retry, in order, of the calls it refused, which
-    never ran."""
-    replies = await _evalsha_each(redis, script.sha, calls)
+    never ran. With `wait` (replicas, timeout ms), a WAIT follows the calls on their
+    connection and its reply comes last (None where refused calls ran again after it)."""
+    replies = await _evalsha_each(redis, script.sha, calls, wait)
+    acked = replies.pop() if wait is not None else None
     refused = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if refused:
         await redis.script_load(script.script)
-        retried = await _evalsha_each(redis, script.sha, [calls[i] for i in refused])
+        retried = await _evalsha_each(redis, script.sha, [calls[i] for i in refused], None)
         for i, reply in zip(refused, retried, strict=True):
             replies[i] = reply
-    return replies
+        acked = None
+    return replies if wait is None else [*replies, acked]
 
 
-async def _evalsha_each(redis: Redis, sha: str, calls: list[ScriptCall]) -> list[object]:
+async def _evalsha_each(
+    redis: Redis, sha: str, calls: list[ScriptCall], wait: tuple[int, int] | None
+) -> list[object]:
     async with redis.pipeline(transaction=False) as pipe:
         for keys, args in calls:
             pipe.evalsha(sha, len(keys), *keys, *args)
+        if wait is not None:
+            pipe.wait(*wait)
         return list(await pipe.execute(raise_on_error=False))

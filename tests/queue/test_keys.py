@@ -28,6 +28,7 @@ def test_key_names_are_stable() -> None:
     assert k.dead_records() == "qt:records:dead"
     assert k.records_flush() == "qt:records:flush"
     assert k.records_written() == "qt:records:written"
+    assert k.replication_probe() == "qt:replication:probe"
     assert k.housekeeping_queue() == "qt-housekeeping"
 
 

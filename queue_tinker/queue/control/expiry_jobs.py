@@ -21,6 +21,7 @@ from rq.job import Job
 from rq.results import Result
 
 from queue_tinker.errors import HousekeeperUnavailableError
+from queue_tinker.queue.connection import connect_sync
 from queue_tinker.queue.keys import Keys
 from queue_tinker.types.service.records import CheckpointRecord, Record
 
@@ -105,7 +106,7 @@ async def schedule_expiry(
     client): rq speaks sync Redis, and a TTL change is rare enough for a connection of its own."""
 
     def schedule() -> None:
-        with redis.Redis.from_url(redis_url) as client:
+        with connect_sync(redis_url) as client:
             schedule_checkpoint_expiry(client, prefix, checkpoint_id, directory, expires_at)
 
     await asyncio.to_thread(schedule)
@@ -121,7 +122,7 @@ async def run_now(
     failed."""
 
     def run() -> Any:
-        with redis.Redis.from_url(redis_url) as client:
+        with connect_sync(redis_url) as client:
             queue = Queue(housekeeping_queue(prefix), connection=client)
             queued = queue.enqueue(job, kwargs=kwargs, at_front=True, **NOW_JOB_OPTIONS)
             result = queued.latest_result(timeout=max(1, math.ceil(timeout_s)))
@@ -146,7 +147,7 @@ class ExpiryScheduler:
     of its own, used off the event loop)."""
 
     def __init__(self, redis_url: str, prefix: str) -> None:
-        self._redis = redis.Redis.from_url(redis_url)
+        self._redis = connect_sync(redis_url)
         self._prefix = prefix
 
     async def __call__(self, records: list[Record]) -> None:

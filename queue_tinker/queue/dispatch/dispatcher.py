@@ -20,6 +20,7 @@ from queue_tinker.errors import LeaseLostError
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.observe.records import flatten_record
+from queue_tinker.queue.replication import replicated, replication_of
 from queue_tinker.queue.scripts import ScriptCall, Scripts, run_pipelined
 from queue_tinker.types import JobStatus, OpKind, Record
 from queue_tinker.types.service.ops import Op as Op  # re-exported: the worker takes Op from here
@@ -332,10 +333,11 @@ class Dispatcher:
         same script, so a worker that lost its lease cannot record them either."""
         keys, args = self._publish_call(lease, op, outcome, trim_upto, started=True)
         args.append(_packed(records))
-        try:
-            await self.scripts.publish(keys=keys, args=args)
-        except ResponseError as exc:
-            raise _lease_lost(exc, lease.model_id) from exc
+        (reply,) = await self._publish([(keys, args)])
+        if isinstance(reply, ResponseError):
+            raise _lease_lost(reply, lease.model_id) if _is_lease_lost(reply) else reply
+        if isinstance(reply, Exception):
+            raise reply
 
     async def start_batch(self, batch: list[tuple[Lease, Op]]) -> list[Start | None]:
         """start() for several ops in one round trip (None where the lease on its model was
@@ -357,8 +359,35 @@ class Dispatcher:
             self._publish_call(lease, op, outcome, trim_upto, started=started)
             for lease, op, outcome, trim_upto in batch
         ]
-        replies = await run_pipelined(self.redis, self.scripts.publish, calls)
+        replies = await self._publish(calls)
         return [not _is_lease_lost(_raise_other(reply)) for reply in replies]
+
+    async def _publish(self, calls: list[ScriptCall]) -> list[object]:
+        """The publish scripts in one round trip, each reply in its place. Where replicas must
+        hold a result (queue/replication.py), the scripts keep the wake-ups back, WAIT follows
+        them, and the wake-ups go out once the replicas hold the results: a future never
+        resolves on a result a failover could take back."""
+        policy = replication_of(self.redis)
+        if not policy.replicas:
+            return await run_pipelined(self.redis, self.scripts.publish, calls)
+        # ARGV[15] (records, '' for none) then ARGV[16]: keep the wake-up back.
+        deferred: list[ScriptCall] = [
+            (keys, [*args, *([b""] if len(args) < 15 else []), "1"]) for keys, args in calls
+        ]
+        wait = (policy.replicas, policy.timeout_ms)
+        *replies, acked = await run_pipelined(self.redis, self.scripts.publish, deferred, wait)
+        await replicated(self.redis, self.keys, acked)
+        wake_ups = [
+            (keys[6], reply)
+            for (keys, _), reply in zip(calls, replies, strict=True)
+            if isinstance(reply, bytes)
+        ]
+        if wake_ups:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for channel, message in wake_ups:
+                    pipe.publish(channel, message)
+                await pipe.execute()
+        return [1 if isinstance(reply, bytes) else reply for reply in replies]
 
     def _start_call(self, lease: Lease, op: Op) -> tuple[list[str], list[str | int]]:
         keys = self.keys

@@ -9,8 +9,10 @@
 -- ARGV[13] tokens the op processed   ARGV[14] key prefix
 -- ARGV[15] (optional) records the op made, for the records stream: msgpack of a list of flat
 -- {field, value, ...} lists ('' or absent: none); written only under the lease, as the rest
--- Returns 1, or 0 if the job was already terminal; error 'LEASE_LOST' when another worker
--- owns the model now.
+-- ARGV[16] (optional) '1': do not PUBLISH the wake-up; return it instead, for the caller to
+-- publish once replicas hold this script's writes (queue/replication.py)
+-- Returns 1 (with ARGV[16]: the wake-up message), or 0 if the job was already terminal; error
+-- 'LEASE_LOST' when another worker owns the model now.
 if not holds_lease(KEYS[1], ARGV[1]) then
   return redis.error_reply('LEASE_LOST')
 end
@@ -61,6 +63,9 @@ redis.call('SREM', tenant_key(prefix, job[2], 'running'), job[1])
 charge_tokens(prefix, job[2], tokens)
 count_published(prefix, KEYS[2], ARGV[2], finished, tokens, job[2])
 record_job(KEYS[2], KEYS[6])
-redis.call('PUBLISH', KEYS[7], cmsgpack.pack({job[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
-  ARGV[11]}))
+local wake_up = cmsgpack.pack({job[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[11]})
+if ARGV[16] == '1' then
+  return wake_up
+end
+redis.call('PUBLISH', KEYS[7], wake_up)
 return 1

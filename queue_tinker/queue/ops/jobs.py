@@ -18,6 +18,7 @@ from queue_tinker.errors import (
 )
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.replication import run_replicated
 from queue_tinker.queue.scripts import Scripts
 from queue_tinker.settings import Settings
 from queue_tinker.types import JobStatus, OpKind
@@ -168,9 +169,12 @@ class JobQueue:
         user_metadata: dict[str, str] | None = None,
         inflight_of: str | None = None,
     ) -> bool:
-        created = await self.scripts.register_model(
-            keys=[self.keys.model_meta(model_id), self.keys.records(), self.keys.base_models()],
-            args=[
+        created = await run_replicated(
+            self.redis,
+            self.keys,
+            self.scripts.register_model,
+            [self.keys.model_meta(model_id), self.keys.records(), self.keys.base_models()],
+            [
                 model_id,
                 base_model,
                 tenant_id,
@@ -198,8 +202,11 @@ class JobQueue:
         base_model = await self.base_model(model_id)
         keys = self.keys
         try:
-            reply = await self.scripts.enqueue(
-                keys=[
+            reply = await run_replicated(
+                self.redis,
+                self.keys,
+                self.scripts.enqueue,
+                [
                     keys.model_meta(model_id),
                     keys.model_ops(model_id),
                     keys.idempotency(model_id, idem),
@@ -209,7 +216,7 @@ class JobQueue:
                     keys.pending(base_model),
                     keys.records(),
                 ],
-                args=[job_id, kind.value, payload, self.result_ttl_s, idem, model_id],
+                [job_id, kind.value, payload, self.result_ttl_s, idem, model_id],
             )
         except ResponseError as exc:
             if "UNKNOWN_MODEL" in str(exc):
@@ -228,8 +235,11 @@ class JobQueue:
         keys = self.keys
         idem = f"seq:{seq_id}"
         try:
-            reply = await self.scripts.enqueue_in_order(
-                keys=[
+            reply = await run_replicated(
+                self.redis,
+                self.keys,
+                self.scripts.enqueue_in_order,
+                [
                     keys.model_meta(model_id),
                     keys.model_ops(model_id),
                     keys.idempotency(model_id, idem),
@@ -240,7 +250,7 @@ class JobQueue:
                     keys.records(),
                     keys.model_held(model_id),
                 ],
-                args=[
+                [
                     "" if kind is None else job_id,
                     kind.value if kind else "",
                     payload,
