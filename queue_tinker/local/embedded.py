@@ -89,13 +89,17 @@ class _Lifecycle:
 
 
 class EmbeddedRedis(_Lifecycle):
-    """redis-server on 127.0.0.1 with append-only persistence under `data_dir`."""
+    """redis-server on 127.0.0.1 with append-only persistence under `data_dir`; with
+    `replica_of` (a port on the same host), a replica of that server."""
 
     host = "127.0.0.1"
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, replica_of: int | None = None
+    ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port
+        self.replica_of = replica_of
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -140,11 +144,17 @@ class EmbeddedRedis(_Lifecycle):
             "--daemonize",
             "no",
             # AOF fsynced before each reply, as compose runs it: nothing acknowledged is lost
-            # when Redis crashes (everysec can lose ~2 s while the disk is busy).
+            # when Redis crashes (everysec can lose ~2 s while the disk is busy). A replica
+            # here keeps its copy in memory: while it writes its first AOF after a sync it
+            # refuses SIGTERM, and the primary's AOF is the copy on disk.
             "--appendonly",
-            "yes",
+            "yes" if self.replica_of is None else "no",
             "--appendfsync",
             "always",
+            # A replica's first sync starts at once (Redis waits 5 s for more to join).
+            "--repl-diskless-sync-delay",
+            "0",
+            *(() if self.replica_of is None else ("--replicaof", self.host, str(self.replica_of))),
         ]
 
     def _wait_ready(self, port: int) -> None:

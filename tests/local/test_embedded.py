@@ -48,6 +48,22 @@ def test_embedded_redis_answers_and_keeps_data_across_restart(tmp_path: Path) ->
         client.close()
 
 
+def test_an_embedded_replica_holds_what_its_primary_was_written(tmp_path: Path) -> None:
+    """`replica_of`: the second server replicates the first (WAIT counts it), read-only."""
+    with EmbeddedRedis(tmp_path / "primary") as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with (
+            EmbeddedRedis(tmp_path / "replica", replica_of=port) as replica_url,
+            redis.Redis.from_url(url) as primary,
+            redis.Redis.from_url(replica_url) as replica,
+        ):
+            primary.set("qt-replicated", "held")
+            assert primary.wait(1, 20_000) == 1
+            assert replica.get("qt-replicated") == b"held"
+            with pytest.raises(redis.ReadOnlyError):
+                replica.set("qt-replicated", "no")
+
+
 def test_embedded_redis_reports_why_it_failed(tmp_path: Path) -> None:
     """A port already in use fails fast with redis' own log lines in the message."""
     with EmbeddedRedis(tmp_path / "a") as url:
