@@ -16,6 +16,7 @@ from queue_tinker.errors import (
     WorkerFitError,
     WorkerGroupError,
 )
+from queue_tinker.health import HealthFile
 from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
 from queue_tinker.storage.base import CheckpointStore
@@ -77,6 +78,7 @@ async def serve_worker(
     rank 0 passes its leader engine)."""
     if not settings.redis_url or not settings.database_url:
         raise SystemExit("QT_REDIS_URL and QT_DATABASE_URL must be set (or use `queue-tinker up`)")
+    HealthFile(settings.health_file).clear()  # touched again by the first heartbeat
     identity = Identity(new_worker_id(), base_model, resolve_device(device), time.time())
     link = QueueLink.open(settings, identity)
     log.info("loading %s on %s (%s engine)", base_model, identity.device, engine)

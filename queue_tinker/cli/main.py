@@ -38,11 +38,52 @@ def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.wait_s is not None:
+        return _wait_for_schema(args, settings.database_url)
     if args.downgrade:
         downgrade(settings.database_url, args.revision or "base")
     else:
         upgrade(settings.database_url, args.revision or "head")
     return 0
+
+
+def _wait_for_schema(args: argparse.Namespace, database_url: str) -> int:
+    """`migrate --wait-s S`: 0 once another process has migrated the database, 1 if it is not
+    migrated within S seconds."""
+    from queue_tinker.store.migrate import wait_for_schema
+
+    if args.downgrade or args.revision:
+        print(
+            "queue-tinker migrate: --wait-s waits for head; it takes no --revision or --downgrade",
+            file=sys.stderr,
+        )
+        return 2
+    state = wait_for_schema(database_url, args.wait_s)
+    if state.ready:
+        print(state.reason)
+        return 0
+    print(f"after {args.wait_s:g} s: {state.reason}", file=sys.stderr)
+    return 1
+
+
+def _cmd_probe(args: argparse.Namespace, settings: Settings) -> int:
+    """0 when the health file was touched within the bound, 1 otherwise, saying why."""
+    from queue_tinker.health import default_max_age_s, judge
+
+    if settings.health_file is None:
+        print(
+            "queue-tinker probe: QT_HEALTH_FILE is not set, so no process touches a health "
+            "file to judge",
+            file=sys.stderr,
+        )
+        return 2
+    bound = args.max_age_s or default_max_age_s(settings.heartbeat_ms)
+    verdict = judge(settings.health_file, bound)
+    if verdict.healthy:
+        print(f"healthy: {verdict.reason}")
+        return 0
+    print(f"unhealthy: {verdict.reason}", file=sys.stderr)
+    return 1
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -218,6 +259,14 @@ def _parser() -> argparse.ArgumentParser:
     migrate = sub.add_parser("migrate", help="apply alembic migrations to QT_DATABASE_URL")
     migrate.add_argument("--revision", default=None, help="target revision (default head/base)")
     migrate.add_argument("--downgrade", action="store_true", help="downgrade instead")
+    migrate.add_argument(
+        "--wait-s",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="migrate nothing: wait up to SECONDS until the schema is at this release's head "
+        "(for a pod's init container); exit 1 if it is not by then",
+    )
     migrate.set_defaults(fn=_cmd_migrate)
 
     worker = sub.add_parser("worker", help="run a worker that serves one base model")
@@ -302,6 +351,20 @@ def _parser() -> argparse.ArgumentParser:
     status.set_defaults(fn=_cmd_status)
 
     _add_limits_parser(sub)
+
+    probe = sub.add_parser(
+        "probe",
+        help="exit 0 if this container's worker or housekeeper touched QT_HEALTH_FILE "
+        "recently (an exec probe), else 1, saying why",
+    )
+    probe.add_argument(
+        "--max-age-s",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="the oldest touch that passes (default: 3 heartbeats, QT_HEARTBEAT_MS, 5 s at least)",
+    )
+    probe.set_defaults(fn=_cmd_probe)
 
     demo = sub.add_parser("demo", help="run the service on the embedded default and drive it")
     demo.add_argument("--steps", type=int, default=100, help="training steps")

@@ -1,6 +1,9 @@
-"""The queue's settings: leases, attempts, lifetimes, held early calls."""
+"""The queue's settings: leases and heartbeats (and the health file they touch), attempts,
+lifetimes, held early calls."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +22,12 @@ class QueueConfig(BaseModel):
     )
     heartbeat_ms: int = Field(
         default=2_000, gt=0, description="How often a worker renews its leases and registry entry."
+    )
+    health_file: Path | None = Field(
+        default=None,
+        description="A file a worker touches each time its heartbeat reaches Redis, and the "
+        "housekeeper each time it reaches Redis; `queue-tinker probe` judges its age (an "
+        "orchestrator's exec probe). Unset: no file.",
     )
     linger_ms: int = Field(
         default=30_000,

@@ -36,6 +36,7 @@ from rq import Queue, SimpleWorker, get_current_job
 from rq.exceptions import DuplicateJobError
 
 from queue_tinker.errors import CheckpointPathError
+from queue_tinker.health import HealthFile
 from queue_tinker.local.processes import die_with_parent
 from queue_tinker.queue.connection import connect_sync
 from queue_tinker.queue.control.expiry_jobs import (
@@ -306,6 +307,35 @@ class _SweepTicker(threading.Thread):
         self._redis.close()
 
 
+class _HealthTicker(threading.Thread):
+    """Touches the health file (QT_HEALTH_FILE) every heartbeat while Redis answers a PING.
+    A thread of its own: rq's loop beats only between blocking dequeues (every 405 s idle)
+    and not at all while a job runs in this process (a sweep may take minutes)."""
+
+    def __init__(self, redis_url: str, health: HealthFile, interval_s: float) -> None:
+        super().__init__(name="health-ticker", daemon=True)
+        self._redis = connect_sync(redis_url)
+        self._health = health
+        self._interval_s = interval_s
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            try:
+                self._redis.ping()
+                self._health.touch()
+            except Exception as err:  # the worker loop reports Redis trouble itself
+                if not is_redis_error(err):
+                    raise
+            if self._stopping.wait(self._interval_s):
+                return
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(timeout=5)
+        self._redis.close()
+
+
 class _HousekeeperWorker(SimpleWorker):
     """A SimpleWorker (jobs run in this process: no fork per job) that also honours a stop
     signal which arrived before rq installed its own handlers."""
@@ -371,6 +401,9 @@ def run_housekeeper(
     )
     worker.early_stop = early_stop
     ticker = _SweepTicker(settings.redis_url, queue.name, sweep_interval_s)
+    health = HealthFile(settings.health_file)
+    health.clear()  # touched again once Redis answers
+    health_ticker = _HealthTicker(settings.redis_url, health, settings.heartbeat_ms / 1000)
     log.info(
         "housekeeper on queue %s (storage %s, sweep every %.0f s)",
         queue.name,
@@ -383,11 +416,13 @@ def run_housekeeper(
         # take it along instead of leaving it running with the scheduler lock.
         os.register_at_fork(after_in_child=die_with_us)
     ticker.start()
+    health_ticker.start()
     try:
         # with_scheduler: moves due enqueue_at jobs onto the queue (one scheduler per queue
         # holds rq's lock; others stand by).
         worker.work(with_scheduler=True, logging_level="INFO")
     finally:
+        health_ticker.stop()
         ticker.stop()
         connection.close()
     log.info("housekeeper stopped")

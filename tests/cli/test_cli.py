@@ -69,3 +69,31 @@ def test_migrate_up_down_up(empty_database_url: str) -> None:
     from queue_tinker.store.migrate import current_revision
 
     assert current_revision(empty_database_url) is not None
+
+
+def test_migrate_wait_passes_once_another_process_migrated(empty_database_url: str) -> None:
+    """`migrate --wait-s` migrates nothing: on a database never migrated it gives up after the
+    time given (exit 1, saying why); one still waiting passes once a `migrate` has run."""
+    env = {"PATH": "/usr/bin:/bin", "QT_DATABASE_URL": empty_database_url}
+    gave_up = run_cli("migrate", "--wait-s", "1", env=env)
+    assert gave_up.returncode == 1
+    assert "after 1 s: the database was never migrated" in gave_up.stderr
+    from queue_tinker.store.migrate import current_revision, head
+
+    assert current_revision(empty_database_url) is None
+    waiter = subprocess.Popen(
+        [sys.executable, "-m", "queue_tinker.cli", "migrate", "--wait-s", "60"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        migrated = run_cli("migrate", env=env)
+        assert migrated.returncode == 0, migrated.stderr
+        out, err = waiter.communicate(timeout=30)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 0, err
+    assert out.strip() == f"the schema is at head ({head()})"

@@ -20,7 +20,15 @@ from queue_tinker.store.db import (
     to_async_url,
     with_database,
 )
-from queue_tinker.store.migrate import current_revision, downgrade, head, upgrade
+from queue_tinker.store.migrate import (
+    SchemaState,
+    current_revision,
+    downgrade,
+    head,
+    schema_state,
+    upgrade,
+    wait_for_schema,
+)
 from queue_tinker.store.models import Base
 from queue_tinker.types.enums import CheckpointKind, JobStatus, OpKind
 
@@ -179,3 +187,28 @@ def test_pgserver_unix_socket_url() -> None:
             asyncio.run(drop_database(admin, "qt_socket"))
         finally:
             server.cleanup()
+
+
+def test_schema_state_says_when_this_release_may_start(empty_database_url: str) -> None:
+    """What `migrate --wait-s` waits for: ready at head, or at a revision this release does not
+    know (a newer release migrated it first); not ready when never migrated or behind head."""
+    url = empty_database_url
+    never = schema_state(url)
+    assert not never.ready and "never migrated" in never.reason
+    upgrade(url)
+    assert schema_state(url) == SchemaState(True, f"the schema is at head ({head()})")
+    downgrade(url, "-1")
+    behind = schema_state(url)
+    assert not behind.ready and f"behind head ({head()})" in behind.reason
+    upgrade(url)
+    newer = text("UPDATE alembic_version SET version_num = 'f0f0f0f0f0f0'")
+    asyncio.run(_on_sync(url, lambda c: (c.execute(newer), c.commit())))
+    ahead = schema_state(url)
+    assert ahead.ready and "f0f0f0f0f0f0, which this release does not know" in ahead.reason
+
+
+def test_schema_state_waits_out_a_postgres_that_is_not_there() -> None:
+    """A database that cannot be reached is not ready, and the reason names the failure."""
+    state = wait_for_schema("postgresql://postgres@127.0.0.1:1/none", wait_s=0.1, poll_s=0.05)
+    assert not state.ready
+    assert state.reason.startswith("cannot read the schema's revision: ")

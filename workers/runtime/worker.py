@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
 from queue_tinker.config.queue import QueueConfig
+from queue_tinker.health import HealthFile
 from queue_tinker.queue.outage import describe
 from queue_tinker.workers.interface import Engine
 from queue_tinker.workers.runtime.arrivals import Arrivals
@@ -72,6 +73,7 @@ class Worker:
         self._idle = asyncio.Event()
         self._control_cursor = b"$"
         self.activity = Activity()
+        self.health = HealthFile(config.health_file)
         # What runs next (fairness, order, batches) is decided there, run by the parts below.
         self.schedule = Scheduler(engine.rules)
         self.compute = ComputeThread()
@@ -280,6 +282,7 @@ class Worker:
             resident=self.engine.footprint.resident(),
         )
         await self.registry.beat(self.id, fields, ttl_ms=self.config.lease_ttl_ms * 3)
+        self.health.touch()  # registered and talking to Redis: what `queue-tinker probe` asks
 
     async def _shutdown(self) -> None:
         """Hand every model back (offering those with pending ops) and deregister."""
