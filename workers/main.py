@@ -85,10 +85,11 @@ async def serve_worker(
     try:
         # A bucket that is not there or credentials it refuses stop the worker here, not at
         # the first save of some user's run.
-        await asyncio.to_thread(lambda: open_store(settings).check())
-        built = await asyncio.to_thread(
-            build or partial(build_engine, settings, engine, base_model, identity.device)
-        )
+        async with link.loading(identity, settings.heartbeat_ms):
+            await asyncio.to_thread(lambda: open_store(settings).check())
+            built = await asyncio.to_thread(
+                build or partial(build_engine, settings, engine, base_model, identity.device)
+            )
     except (WorkerFitError, WorkerGroupError, StorageUnavailableError) as error:
         # Nothing is loaded yet: the worker refuses to start, saying what to change.
         await link.close()
@@ -98,7 +99,13 @@ async def serve_worker(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
-    log.info("worker %s serving %s on %s", worker.id, base_model, identity.device)
+    log.info(
+        "worker %s serving %s on %s, %.1f s after it started",
+        worker.id,
+        base_model,
+        identity.device,
+        time.time() - identity.started_at,
+    )
     recorder = RecorderThread(settings, worker.id)
     try:
         await link.reconnect.call(link.records.ensure_group)

@@ -178,6 +178,11 @@ class Keys:
         """Hash: the worker's base model, device, host, pid, current op, owned models."""
         return f"{self.prefix}:worker:{worker_id}"
 
+    def workers_loading(self) -> str:
+        """Hash: worker id -> `<base model>|<started ms>|<last beat ms>` of a worker still
+        loading its base model (not yet registered): a cold start, told to the waiting."""
+        return f"{self.prefix}:workers:loading"
+
     def worker_control(self, worker_id: str) -> str:
         """Stream: wake-ups and commands for one worker's op reader."""
         return f"{self.prefix}:worker:{worker_id}:control"

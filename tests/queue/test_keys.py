@@ -23,6 +23,7 @@ def test_key_names_are_stable() -> None:
     assert k.pending("tiny") == "qt:base:tiny:pending"
     assert k.workers() == "qt:workers"
     assert k.worker("w1") == "qt:worker:w1"
+    assert k.workers_loading() == "qt:workers:loading"
     assert k.worker_control("w1") == "qt:worker:w1:control"
     assert k.records() == "qt:records"
     assert k.dead_records() == "qt:records:dead"

@@ -8,6 +8,10 @@ pyproject.toml holds it): everything the worker says to Redis goes through what 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from queue_tinker.queue.connection import RedisClient, connect
@@ -17,9 +21,11 @@ from queue_tinker.queue.dispatch.registry import WorkerRegistry
 from queue_tinker.queue.keys import Keys
 from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.queue.ops.inflight import InflightWeights
-from queue_tinker.queue.outage import Reconnector
+from queue_tinker.queue.outage import Reconnector, describe, is_redis_error
 from queue_tinker.settings import Settings
 from queue_tinker.workers.runtime.presence import Identity
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,3 +71,36 @@ class QueueLink:
         await self.reconnect.close()
         self.expiry.close()
         await self.redis.aclose()
+
+    @contextlib.asynccontextmanager
+    async def loading(self, identity: Identity, heartbeat_ms: int) -> AsyncIterator[None]:
+        """While the body loads the base model, say so each heartbeat (WorkerRegistry.loading):
+        clients waiting on that base model are told a worker is on its way and for how long,
+        which is what a cold start (a scaler's first worker) looks like to them. Redis away
+        costs the message, not the load."""
+
+        stopping = asyncio.Event()
+
+        async def beat() -> None:
+            while not stopping.is_set():
+                try:
+                    await self.registry.loading(
+                        identity.worker_id, identity.base_model, identity.started_at * 1000
+                    )
+                except Exception as err:
+                    if not is_redis_error(err):
+                        raise
+                    log.info("cannot say the worker is loading: %s", describe(err))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), heartbeat_ms / 1000)
+
+        # Stopped by an event, not cancelled: redis-py can swallow a cancellation that lands
+        # mid-command, and the beat would go on for ever.
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            stopping.set()
+            await task
+            with contextlib.suppress(Exception):  # stale entries drop out by themselves
+                await self.registry.loaded(identity.worker_id)

@@ -74,6 +74,34 @@ class WorkerRegistry:
                 "QT_QUEUE_UNSERVED_BASE_MODELS=true to queue it instead)"
             )
 
+    async def loading(self, worker_id: str, base_model: str, started_ms: float) -> None:
+        """Say (again, each heartbeat) that `worker_id` is loading `base_model` since
+        `started_ms`: until it registers, the ops waiting for that base model are told so."""
+        beat = f"{base_model}|{started_ms:.0f}|{time.time() * 1000:.0f}"
+        await self.redis.hset(self.keys.workers_loading(), worker_id, beat)
+
+    async def loaded(self, worker_id: str) -> None:
+        """`worker_id` serves, or gave up: no longer loading."""
+        await self.redis.hdel(self.keys.workers_loading(), worker_id)
+
+    async def loading_since(self, max_age_ms: int) -> dict[str, float]:
+        """Base model -> when (ms since the epoch) its longest-loading worker started, over
+        the loading workers that beat within max_age_ms; those that did not (died while
+        loading) are dropped."""
+        entries = await redis_bytes.hgetall(self.redis, self.keys.workers_loading())
+        since: dict[str, float] = {}
+        stale: list[bytes] = []
+        oldest_beat = time.time() * 1000 - max_age_ms
+        for worker_id, entry in entries.items():
+            base_model, started_ms, beat_ms = entry.decode().rsplit("|", 2)
+            if float(beat_ms) < oldest_beat:
+                stale.append(worker_id)
+                continue
+            since[base_model] = min(float(started_ms), since.get(base_model, float("inf")))
+        if stale:
+            await self.redis.hdel(self.keys.workers_loading(), *stale)
+        return since
+
     async def base_models(self, max_age_ms: int) -> list[str]:
         """The base models live workers serve, sorted."""
         return sorted({w["base_model"] for w in await self.live(max_age_ms) if "base_model" in w})

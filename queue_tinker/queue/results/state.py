@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
+
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.dispatch.registry import WorkerRegistry
@@ -9,17 +12,25 @@ from queue_tinker.queue.keys import Keys
 from queue_tinker.types import QueueState
 
 
-def model_state(meta: dict[bytes, bytes], served: list[str]) -> tuple[QueueState, str | None]:
-    """A model's state from its meta hash and the base models live workers serve:
-    `paused_capacity` while no live worker serves its base model, `paused_rate_limit` while
-    its tenant is over a limit (the scripts that refused its op left the reason), else
-    `active`."""
+def model_state(
+    meta: dict[bytes, bytes], served: list[str], loading: Mapping[str, float] | None = None
+) -> tuple[QueueState, str | None]:
+    """A model's state from its meta hash, the base models live workers serve and those
+    workers are loading (base model -> since when, ms; WorkerRegistry.loading_since):
+    `paused_capacity` while no live worker serves its base model (saying so when one is
+    loading it: a cold start), `paused_rate_limit` while its tenant is over a limit (the
+    scripts that refused its op left the reason), else `active`."""
     base_model = meta.get(b"base_model", b"").decode()
     if base_model not in served:
-        return QueueState.PAUSED_CAPACITY, f"no live worker serves base model {base_model}"
-    reason = meta.get(b"paused_reason")
-    if reason:
-        return QueueState.PAUSED_RATE_LIMIT, reason.decode()
+        reason = f"no live worker serves base model {base_model}"
+        started_ms = (loading or {}).get(base_model)
+        if started_ms is not None:
+            loading_s = max(0.0, time.time() - started_ms / 1000)
+            reason += f" yet: a worker has been loading it for {loading_s:.0f} s"
+        return QueueState.PAUSED_CAPACITY, reason
+    reason_bytes = meta.get(b"paused_reason")
+    if reason_bytes:
+        return QueueState.PAUSED_RATE_LIMIT, reason_bytes.decode()
     return QueueState.ACTIVE, None
 
 
@@ -28,7 +39,8 @@ async def queue_state(
 ) -> tuple[QueueState, str | None]:
     """The state of one model's queue now (model_state, read from Redis)."""
     meta = await redis_bytes.hgetall(redis, keys.model_meta(model_id))
-    return model_state(meta, await registry.base_models(max_age_ms))
+    served = await registry.base_models(max_age_ms)
+    return model_state(meta, served, await registry.loading_since(max_age_ms))
 
 
 async def queue_states(
@@ -42,9 +54,10 @@ async def queue_states(
             pipe.hgetall(keys.model_meta(model_id))
         metas: list[dict[bytes, bytes]] = await pipe.execute()
     served = await registry.base_models(max_age_ms)
+    loading = await registry.loading_since(max_age_ms)
     states = {}
     for model_id, meta in zip(models, metas, strict=True):
         if meta:
             kind = meta.get(b"kind", b"training").decode()
-            states[model_id] = (kind, *model_state(meta, served))
+            states[model_id] = (kind, *model_state(meta, served, loading))
     return states
