@@ -1,17 +1,15 @@
-"""One tenant sends big bodies, another keeps making small requests: how long do the small
-ones take? The victim's requests to a `queue-tinker serve` process alone, while two attacker
-processes send 57 MiB bodies to a bare socket sink (the control), and while they send them to
-the gateway; the bodies, the phases and how to read them: the `## Gateway under big bodies`
-section of docs/benchmarks.md.
+"""One tenant sends big bodies, another keeps making small requests: how long do the small ones
+take, alone, while two attackers send 57 MiB bodies to a bare sink, and to the gateway? How and
+how to read it: the `## Gateway under big bodies` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.big_bodies                  # writes its docs/benchmarks.md section
-    .venv/bin/python -m bench.big_bodies --quick          # smoke run, docs left alone
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import sys
 import time
 import uuid
@@ -33,6 +31,10 @@ BODY_MIB = 57
 TARGET_P99_MS = 100.0
 PROTO = {"Content-Type": "application/x-protobuf"}
 JSON = {"Content-Type": "application/json"}
+KNOBS = {
+    "--bodies": (10, "big bodies the attackers send between them"),
+    "--baseline-s": (5.0, "seconds of the victim's requests alone"),
+}
 
 
 # --- the bodies (built in the attacker processes) ------------------------------------------------
@@ -57,9 +59,8 @@ def json_body(sampler_id: str, seq_id: int) -> bytes:
 def attack(
     url: str, key: str, model_id: str, kinds: list[str], first_seq: int, go: Any, out: Any
 ) -> None:
-    """One attacker: builds its bodies, says so on `out`, waits for `go`, then sends them one
-    after another; (kind, status, seconds, bytes) each, on `out`. Building a body takes
-    seconds of CPU: done before the clock starts, it does not crowd the 2 cores meanwhile."""
+    """One attacker: builds its bodies (seconds of CPU, before the clock starts), says so on
+    `out`, waits for `go`, sends them one after another; (kind, status, seconds, bytes) each."""
     prepared = [
         ("proto", "/api/v1/forward_backward", proto_body(model_id, first_seq + i), PROTO)
         if kind == "proto"
@@ -79,10 +80,8 @@ def attack(
 
 # --- the control: the same uploads to a sink that is not the gateway ---------------------------
 def sink(port_out: Any) -> None:
-    """A bare HTTP endpoint on its own process: reads each request's body and answers 400.
-    The attackers' uploads to it cost the machine what they cost anyway (building nothing,
-    sending 57 MiB through the kernel), without the gateway: the victim's latency meanwhile
-    is what the machine's contention alone does to it."""
+    """A bare HTTP endpoint on its own process: reads each request's body and answers 400, so
+    the uploads cost the machine what they cost anyway, without the gateway."""
     import socket
     import threading
 
@@ -99,11 +98,7 @@ def sink(port_out: Any) -> None:
                         return
                     data += more
                 head, _, data = data.partition(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
+                length = int(re.findall(rb"(?im)^content-length:\s*(\d+)", head)[0])
                 while len(data) < length:
                     more = conn.recv(1 << 20)
                     if not more:
@@ -139,13 +134,13 @@ def gateway_peak_mib(pid: int) -> float:
     return float("nan") if peak is None else peak / 1024
 
 
-def tenant(url: str, key: str) -> str:
-    """A session and a training run of the key's tenant (never run: no worker is needed);
-    the run's id."""
+def tenant(url: str, key: str, base_model: str = "queue-tinker/tiny-llama", **model: Any) -> str:
+    """A session and a training run of the key's tenant (never run: no worker is needed), with
+    the `model` fields create_model takes beside the base model; the run's id."""
     with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=30) as http:
-        session = http.post("/api/v1/create_session").json()["session_id"]
-        model = {"session_id": session, "model_seq_id": 0, "base_model": "queue-tinker/tiny-llama"}
-        return str(http.post("/api/v1/create_model", json=model).json()["model_id"])
+        session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        body = {"session_id": session, "model_seq_id": 0, "base_model": base_model, **model}
+        return str(http.post("/api/v1/create_model", json=body).json()["model_id"])
 
 
 def measure(
@@ -205,15 +200,12 @@ def measure(
     control, _, _ = phase(f"http://127.0.0.1:{sink_port.get()}")
     sink_proc.terminate()
     during, sent, attack_s = phase(url)
-    phases = {"baseline": Latency(baseline), "control": Latency(control), "attack": Latency(during)}
+    phases = {"baseline": baseline, "control": control, "attack": during}
     return {
         "sent": sent,
         "attack_s": attack_s,
         "load": load,
-        **{
-            name: {"n": len(lat.samples), "p50_ms": lat.p50, "p99_ms": lat.p99, "max_ms": lat.max}
-            for name, lat in phases.items()
-        },
+        **{name: Latency(samples).summary() for name, samples in phases.items()},
         "peak_before_mib": peak_before,
         "peak_after_mib": gateway_peak_mib(gateway_pid),
     }
@@ -252,16 +244,7 @@ def report(result: dict[str, Any], info: dict[str, str]) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure the three phases; hand back the report; exit 1 when the target is missed."""
-    parser = cli.parser(
-        "bench.big_bodies",
-        __doc__,
-        knobs={
-            "--bodies": (10, "big bodies the attackers send between them"),
-            "--baseline-s": (5.0, "seconds of the victim's requests alone"),
-        },
-        quick="2 bodies",
-        services=True,
-    )
+    parser = cli.parser("bench.big_bodies", __doc__, knobs=KNOBS, quick="2 bodies", services=True)
     args = cli.parse(parser, argv, quick={"bodies": 2, "baseline_s": 1.0})
     with (
         service_run(args, (), "qt-bench-big-") as run,

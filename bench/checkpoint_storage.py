@@ -1,17 +1,13 @@
-"""Checkpoints in an object store against local disk: the time and bytes of what
-save_weights_for_sampler, save_state and a snapshot write, and of reading each back, for a
-LoRA adapter of the built-in 100M model, through the worker's own stores and calls
-(write_state, stored_state) on a local directory and on an S3 bucket of moto's server. How and
-what to make of it: the `## Checkpoints` section of docs/benchmarks.md.
+"""Checkpoints in an object store against local disk: the time and bytes of each kind of save and
+of reading it back, through the worker's own stores and calls on a directory and on moto's S3
+server. How and what to make of it: the `## Checkpoints` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.checkpoint_storage           # the 100M model; writes its section
-    .venv/bin/python -m bench.checkpoint_storage --quick   # the tiny model, docs left alone
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,9 +23,10 @@ from unittest import mock
 import torch
 
 from bench.harness import cli
-from bench.harness.machine import commit, cpu_model, engine_machine
+from bench.harness.machine import cpu_machine
 from bench.harness.models import frozen_base, lora_pool
 from bench.harness.report import Report, Table, docs_of, emit
+from queue_tinker.local.embedded import free_port, listening
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.storage.s3 import S3Store
@@ -40,6 +37,7 @@ from queue_tinker.workers.model.checkpoints import CheckpointMeta, stored_state,
 SECTION = "## Checkpoints: object store against local disk"
 COMMAND = ".venv/bin/python -m bench.checkpoint_storage"
 MIB = 2**20
+KNOBS = {"--repeats": (5, "saves and loads of each kind in each store")}
 # Credentials moto accepts (any will do); only this process and its server see them.
 FAKE_AWS = {
     "AWS_ACCESS_KEY_ID": "qt-bench",
@@ -76,9 +74,7 @@ class Measured:
 @contextmanager
 def moto_server() -> Iterator[str]:
     """moto's S3 server in its own process on a free loopback port; its endpoint URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -86,10 +82,7 @@ def moto_server() -> Iterator[str]:
     )
     try:
         deadline = time.monotonic() + 60
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
+        while not listening("127.0.0.1", port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("moto's server did not start")
             time.sleep(0.1)
@@ -100,8 +93,7 @@ def moto_server() -> Iterator[str]:
 
 
 def trained_adapter(model: str, models_dir: Path) -> tuple[AdapterPool, Adapter, int]:
-    """The model's adapter after one AdamW step on random gradients, its gradients kept: every
-    file a snapshot holds is full-sized. And the base model's parameter count."""
+    """The model's adapter after one AdamW step, its gradients kept; the base's parameters."""
     base = frozen_base(model, "cpu", models_dir)
     params = sum(p.numel() for p in base.parameters())
     pool = lora_pool(base, model, adapters=1)
@@ -122,8 +114,7 @@ def measure(
     scratch: Path,
     repeats: int,
 ) -> Measured:
-    """Save the kind `repeats` times (each replacing the last, as snapshots do), then read it
-    back `repeats` times, each through a store with an empty cache."""
+    """Save the kind `repeats` times (each replacing the last), then load it as often, cold."""
     key = f"bench/{uuid.uuid4().hex[:8]}/{'snapshot' if kind.grads else 'weights'}"
     writer = open_store(scratch / "writer-cache")
     meta = CheckpointMeta(
@@ -176,20 +167,17 @@ def report(
     """A row a kind: its size, and each store's median save and load with its rate."""
     by = {(m.kind.name, m.store): m for m in results}
 
-    def timed(m: Measured, seconds: list[float]) -> str:
-        median = statistics.median(seconds)
+    def timed(m: Measured, median: float) -> str:
         return f"{median:.3f} s ({m.bytes / MIB / median:.0f} MiB/s)"
 
     rows = []
     for kind in KINDS:
         local, s3 = by[(kind.name, "local")], by[(kind.name, "s3")]
-        save = [statistics.median(m.save_s) for m in (local, s3)]
-        load = [statistics.median(m.load_s) for m in (local, s3)]
-        rows.append((
-            kind.name, f"{s3.bytes / MIB:.1f}",
-            timed(local, local.save_s), timed(s3, s3.save_s), f"{save[1] / save[0]:.1f}x",
-            timed(local, local.load_s), timed(s3, s3.load_s), f"{load[1] / load[0]:.1f}x",
-        ))  # fmt: skip
+        row = [kind.name, f"{s3.bytes / MIB:.1f}"]
+        for on_disk, in_bucket in ((local.save_s, s3.save_s), (local.load_s, s3.load_s)):
+            disk, bucket = statistics.median(on_disk), statistics.median(in_bucket)
+            row += [timed(local, disk), timed(s3, bucket), f"{bucket / disk:.1f}x"]
+        rows.append(row)
     columns = ("what", "MiB", "save, local disk", "save, object store", "ratio",
                "load, local disk", "load, object store", "ratio")  # fmt: skip
     facts = [
@@ -202,16 +190,11 @@ def report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Every kind in both stores; hand back the report."""
-    parser = cli.parser(
-        "bench.checkpoint_storage",
-        __doc__,
-        knobs={"--repeats": (5, "saves and loads of each kind in each store")},
-        quick="the tiny model, one save and load of each",
-    )
+    quick = "the tiny model, one save and load of each"
+    parser = cli.parser("bench.checkpoint_storage", __doc__, knobs=KNOBS, quick=quick)
     parser.add_argument("--model", default="queue-tinker/llama-100m")
     args = cli.parse(parser, argv, quick={"model": "queue-tinker/tiny-llama", "repeats": 1})
-    info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
-    info["commit"] = commit()
+    info = cpu_machine()
     with tempfile.TemporaryDirectory(prefix="qt-bench-ckpt-") as tmp:
         results, params = run(args.model, args.repeats, Path(tmp))
     emit(report(results, args.model, args.repeats, params, info), docs_of(args), args.json)

@@ -1,18 +1,5 @@
-"""The sampler's decode step in process: the worker's decode loop (workers/sampling/
-decode_loop.py) on each way of running a step (QT_DECODE_STEP: padded, slots, graphs), against
-the memory floor and transformers' `generate()` on the same requests, measured in one run.
-
-A Llama of the chosen shape with random weights built on the device (on CUDA the Llama-3.1-8B
-shape in bf16) and rank-32 adapters on every linear (their B drawn, so the updates are not
-zero); `rows` requests of `prompt` random tokens sample exactly `new` tokens each. Per step kind,
-on the base model and over the adapters: the median full-batch decode step of a timed pass
-after a warm-up pass (graphs: the whole pass, capturing every bucket), tokens/s against
-`generate()`, the memory floor (the bytes a step must read over an on-device copy's rate) and a
-joiner's first token; for graphs, the widest graph replayed alone.
-
-    .venv/bin/python -m bench.decode_step --device cuda      # the 8B shape, 64 x 1k + 256
-    .venv/bin/python -m bench.decode_step --quick            # CPU smoke run, docs left alone
-"""
+"""The worker's decode loop in process on each QT_DECODE_STEP (padded, slots, graphs) against the
+memory floor and `generate()`; the method is `## Decode step: ...` of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -20,8 +7,9 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
@@ -29,13 +17,14 @@ from bench.harness import cli
 from bench.harness.baselines import generate, left_padded
 from bench.harness.data import sampling_params
 from bench.harness.machine import announce, engine_machine
-from bench.harness.meters import synchronize
+from bench.harness.meters import synchronize, timed
 from bench.harness.models import Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import Report, Table, docs_of, emit
 from bench.mfu import SHAPES
 from queue_tinker.types.requests.training import LoraConfig
+from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.row_blocks import lora_layers_of
-from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest
+from queue_tinker.workers.sampling.decode_loop import DecodeLoop, Finished, GenerationRequest
 from queue_tinker.workers.sampling.slot_decode import DecodeStep, decode_step_of
 
 SECTION = "## Decode step: slots and CUDA graphs against the memory floor"
@@ -43,8 +32,22 @@ COMMAND = ".venv/bin/python -m bench.decode_step"
 # The captured step first: on a GPU it is the figure that matters, and a run cut short by its
 # time limit should have it; then the default (padded), then the eager slots.
 KINDS = ("graphs", "padded", "slots")
+KNOBS = {
+    "--rows": (0, "requests in flight at once (default 64 on CUDA, 8 on the CPU)"),
+    "--prompt": (0, "prompt tokens each (default 1024 on CUDA, 64 on the CPU)"),
+    "--new": (0, "new tokens each (default 256 on CUDA, 32 on the CPU)"),
+    "--adapters": (8, "adapters the mixed rows are spread over"),
+    "--first-prompt": (512, "tokens of a request whose first token is timed"),
+    "--joiners": (5, "such requests, one at a time"),
+    "--rank": (32, "LoRA rank"),
+}
 # New tokens of an eager step kind's warm-up pass.
 WARM_TOKENS = 16
+Prompts = list[list[int]]
+Requests = list[GenerationRequest]
+Info = dict[str, str]  # what a report's machine line says
+Mix = tuple[str, Sequence[str | None]]  # "base" or "N adapters", the rows' adapters in turn
+Step = Callable[[], Finished]  # one step of the loop on the model, as the worker runs it
 
 
 @dataclass
@@ -66,76 +69,61 @@ class Measured:
         return statistics.median(self.step_ms)
 
 
-def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts(count: int, length: int, vocab: int, seed: int) -> Prompts:
     draws = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (count, length), generator=draws).tolist()
 
 
-def requests(
-    batch: list[list[int]], new: int, adapters: Sequence[str | None]
-) -> list[GenerationRequest]:
-    """Exactly `new` tokens from each prompt (temperature 1, its row the seed, no stop), the
-    rows spread over `adapters` in turn."""
+def requests(batch: Prompts, new: int, adapters: Sequence[str | None], seed: int = 0) -> Requests:
+    """Exactly `new` tokens from each prompt (temperature 1, `seed` + its row the seed, no stop),
+    the rows spread over `adapters` in turn."""
     return [  # prompt, num_samples, params, max_tokens, prompt_logprobs, adapter
         GenerationRequest(
-            prompt, 1, sampling_params(row, new), new, False, adapters[row % len(adapters)]
+            p, 1, sampling_params(seed + row, new), new, False, adapters[row % len(adapters)]
         )
-        for row, prompt in enumerate(batch)
+        for row, p in enumerate(batch)
     ]
 
 
-def run_pass(
-    loop: DecodeLoop,
-    model: torch.nn.Module,
-    batch: list[GenerationRequest],
-    compute: torch.dtype | None,
-    device: torch.device,
-) -> tuple[list[float], float]:
-    """The requests through the loop: each full-batch decode step's time (ms), and the pass's
-    wall time (s)."""
-    layers = lora_layers_of(model)
+def run_pass(loop: DecodeLoop, step: Step, batch: Requests) -> tuple[list[float], float]:
+    """The requests through the loop: each full-batch decode step's ms, and the pass's seconds."""
     for index, request in enumerate(batch):
         loop.add(index, request)
     steps: list[float] = []
-    synchronize(device)
+    synchronize(loop.device)
     began = time.perf_counter()
     while loop.busy:
         full = loop.rows == len(batch)
         start = time.perf_counter()
-        loop.step(model, layers, compute)  # ends in a copy to the host: the device is done
+        step()  # ends in a copy to the host: the device is done
         if full and loop.rows == len(batch):
             steps.append((time.perf_counter() - start) * 1e3)
     return steps, time.perf_counter() - began
 
 
 def first_token_times(
-    loop: DecodeLoop,
-    model: torch.nn.Module,
-    background: list[GenerationRequest],
-    joiners: list[list[int]],
-    compute: torch.dtype | None,
+    loop: DecodeLoop, step: Step, background: Requests, joiners: Prompts
 ) -> list[float]:
     """With the background requests decoding, each joiner (one new token) added at a step's
     boundary: ms from its add() to the end of the step that hands back its token (a decode
     step of the running rows, then its prefill)."""
-    layers = lora_layers_of(model)
     for index, request in enumerate(background):
         loop.add(("background", index), request)
     while loop.rows < len(background):
-        loop.step(model, layers, compute)
+        step()
     times = []
     for index, prompt in enumerate(joiners):
         key = ("joiner", index)
         start = time.perf_counter()
         loop.add(key, requests([prompt], 1, [None])[0])
-        while key not in dict(loop.step(model, layers, compute)):
+        while key not in dict(step()):
             pass
         times.append((time.perf_counter() - start) * 1e3)
     loop.cancel({("background", index) for index in range(len(background))})
     return times
 
 
-def replay_alone_ms(loop: DecodeLoop, device: torch.device, reps: int = 20) -> float | None:
+def replay_alone_ms(loop: DecodeLoop, reps: int = 20) -> float | None:
     """The widest graph the loop captured, replayed `reps` times back to back: ms a replay
     (it writes the same columns each time)."""
     if loop.slots is None or not loop.slots.graphs:
@@ -143,11 +131,11 @@ def replay_alone_ms(loop: DecodeLoop, device: torch.device, reps: int = 20) -> f
     graph, _ = loop.slots.graphs[max(loop.slots.graphs)]
     with torch.inference_mode():  # as the loop replays it
         graph.replay()
-        synchronize(device)
+        synchronize(loop.device)
         began = time.perf_counter()
         for _ in range(reps):
             graph.replay()
-        synchronize(device)
+        synchronize(loop.device)
     return (time.perf_counter() - began) / reps * 1e3
 
 
@@ -157,12 +145,7 @@ def copy_rate(device: torch.device) -> float:
     source = torch.empty(size, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     target.copy_(source)
-    synchronize(device)
-    began = time.perf_counter()
-    for _ in range(5):
-        target.copy_(source)
-    synchronize(device)
-    return 2 * 5 * size / (time.perf_counter() - began)
+    return 2 * 5 * size / timed(lambda: [target.copy_(source) for _ in range(5)], device)
 
 
 def floor_ms(
@@ -187,35 +170,20 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = build_model(shape, args.device, dtype)
     pool = lora_pool(base, "bench", args.adapters)
-    names = [
-        a.model_id for a in add_adapters(pool, LoraConfig(rank=args.rank), range(args.adapters))
-    ]
+    adapters = add_adapters(pool, LoraConfig(rank=args.rank), range(args.adapters))
+    lora = {k: p for k, p in pool.model.named_parameters() if ".lora_" in k}
     with torch.no_grad():  # B is zero when added: draw it, so every update counts
-        for key, param in pool.model.named_parameters():
-            if ".lora_B." in key:
-                param.normal_(std=0.02)
-    compute = pool.lora_compute
-    lora_bytes = sum(
-        p.numel() * (compute or p.dtype).itemsize
-        for k, p in pool.model.named_parameters()
-        if ".lora_" in k
-    )
-    warm_prompts = prompts(args.rows, args.prompt, shape.vocab, 1)
-    timed_prompts = prompts(args.rows, args.prompt, shape.vocab, 2)
-    results = [
-        one_kind(args, pool.model, kind, mix, adapters, (warm_prompts, timed_prompts), compute)
-        for kind in args.kinds
-        if kind != "graphs" or device.type == "cuda"
-        for mix, adapters in (("base", [None]), (f"{args.adapters} adapters", names))
-    ]
-    ids, mask = left_padded(timed_prompts, device)
+        for param in (p for k, p in lora.items() if ".lora_B." in k):
+            param.normal_(std=0.02)
+    lora_bytes = sum(p.numel() * (pool.lora_compute or p.dtype).itemsize for p in lora.values())
+    mixes = (("base", [None]), (f"{args.adapters} adapters", [a.model_id for a in adapters]))
+    kinds = [kind for kind in args.kinds if kind != "graphs" or device.type == "cuda"]
+    results = [one_kind(args, pool, kind, mix) for kind in kinds for mix in mixes]
+    ids, mask = left_padded(prompts(args.rows, args.prompt, shape.vocab, 2), device)
     with pool.model.disable_adapter():  # type: ignore[operator]
         generate(pool.model, ids, mask, args.new)  # warm-up
-        synchronize(device)
-        began = time.perf_counter()
-        generate(pool.model, ids, mask, args.new)
-        synchronize(device)
-    baseline = args.rows * args.new / (time.perf_counter() - began)
+        seconds = timed(lambda: generate(pool.model, ids, mask, args.new), device)
+    baseline = args.rows * args.new / seconds
     rate = copy_rate(device)
     context = args.prompt + args.new // 2
     figures = {
@@ -228,79 +196,57 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
     return results, figures
 
 
-def one_kind(
-    args: argparse.Namespace,
-    model: torch.nn.Module,
-    kind: DecodeStep,
-    mix: str,
-    adapters: Sequence[str | None],
-    batches: tuple[list[list[int]], list[list[int]]],
-    compute: torch.dtype | None,
-) -> Measured:
-    """One step kind on one adapter mix: a warm-up pass on the first prompts, a timed pass on
-    the second; on the base model, then a joiner's first token."""
-    device = torch.device(args.device)
-    step = decode_step_of(kind, device, grouped=False)
-    loop = DecodeLoop(device, [], lambda t: "", max_rows=None, slots=step.slots, graphs=step.graphs)
-    warm_prompts, timed_prompts = batches
+def one_kind(args: argparse.Namespace, pool: AdapterPool, kind: DecodeStep, mix: Mix) -> Measured:
+    """One step kind on one adapter mix: a warm-up pass on the first prompts, a timed pass on the
+    second (generate()'s); on the base model, then a joiner's first token."""
+    (name, adapters), device, vocab = mix, torch.device(args.device), SHAPES[args.shape].vocab
+    warm_prompts, timed_prompts = (prompts(args.rows, args.prompt, vocab, seed) for seed in (1, 2))
+    mode = decode_step_of(kind, device, grouped=False)
+    loop = DecodeLoop(device, [], lambda t: "", max_rows=None, slots=mode.slots, graphs=mode.graphs)
+    step = partial(loop.step, pool.model, lora_layers_of(pool.model), pool.lora_compute)
     # Graphs warm up on the whole pass (every bucket the timed one meets is captured); an eager
     # step needs its kernels and allocations warm only.
-    warm_new = args.new if step.graphs else min(args.new, WARM_TOKENS)
-    run_pass(loop, model, requests(warm_prompts, warm_new, adapters), compute, device)
-    steps, seconds = run_pass(
-        loop, model, requests(timed_prompts, args.new, adapters), compute, device
-    )
+    warm_new = args.new if mode.graphs else min(args.new, WARM_TOKENS)
+    run_pass(loop, step, requests(warm_prompts, warm_new, adapters))
+    steps, seconds = run_pass(loop, step, requests(timed_prompts, args.new, adapters))
     captured = loop.slots.captured if loop.slots is not None else 0
-    measured = Measured(kind, mix, steps, args.rows * args.new / seconds, captured)
-    measured.replay_ms = replay_alone_ms(loop, device)
+    measured = Measured(kind, name, steps, args.rows * args.new / seconds, captured)
+    measured.replay_ms = replay_alone_ms(loop)
     first = ""
-    if mix == "base":  # the rows but one decoding, a joiner's first token
+    if name == "base":  # the rows but one decoding, a joiner's first token
         background = requests(warm_prompts[1:], args.new, adapters)
-        joiners = prompts(args.joiners, args.first_prompt, SHAPES[args.shape].vocab, 3)
-        measured.first_token_ms = first_token_times(loop, model, background, joiners, compute)
+        joiners = prompts(args.joiners, args.first_prompt, vocab, 3)
+        measured.first_token_ms = first_token_times(loop, step, background, joiners)
         first = f", first token p50 {statistics.median(measured.first_token_ms):.1f} ms"
     print(
-        f"{kind} {mix}: step {measured.median_ms:.2f} ms, {measured.tokens_per_s:,.0f} tok/s, "
+        f"{kind} {name}: step {measured.median_ms:.2f} ms, {measured.tokens_per_s:,.0f} tok/s, "
         f"graphs {captured}{first}",
         flush=True,
     )
     return measured
 
 
-COLUMNS = [
-    *("step", "rows on", "decode step, ms (median)", "memory floor, ms", "step ÷ floor"),
-    *("÷ the base model's step", "tokens/s (prefill included)", "÷ generate()"),
-    *("first token, ms (p50)", "widest graph replayed alone, ms", "graphs captured"),
-]
+COLUMNS = (
+    "step", "rows on", "decode step, ms (median)", "memory floor, ms", "step ÷ floor",
+    "÷ the base model's step", "tokens/s (prefill included)", "÷ generate()",
+    "first token, ms (p50)", "widest graph replayed alone, ms", "graphs captured",
+)  # fmt: skip
 
 
 def report(
-    results: list[Measured],
-    figures: dict[str, float],
-    info: dict[str, str],
-    args: argparse.Namespace,
+    results: list[Measured], figures: dict[str, float], info: Info, args: argparse.Namespace
 ) -> Report:
     """Each step kind's median step against the floor, the base model's step and generate()."""
     base_ms = {r.kind: r.median_ms for r in results if r.mix == "base"}
-    floors = {
-        r.mix: figures["floor_base_ms" if r.mix == "base" else "floor_adapters_ms"] for r in results
-    }
     rows = [
-        (
-            r.kind,
-            r.mix,
-            f"{r.median_ms:,.2f}",
-            f"{floors[r.mix]:,.2f}",
-            f"**{r.median_ms / floors[r.mix]:.2f}×**",
-            f"{r.median_ms / base_ms[r.kind]:.2f}×",
-            f"{r.tokens_per_s:,.0f}",
-            f"**{r.tokens_per_s / figures['generate_tok_s']:.2f}×**",
-            f"{statistics.median(r.first_token_ms):,.1f}" if r.first_token_ms else "",
-            f"{r.replay_ms:,.2f}" if r.replay_ms is not None else "",
-            r.captured,
-        )
+        (r.kind, r.mix, f"{r.median_ms:,.2f}", f"{floor:,.2f}", f"**{r.median_ms / floor:.2f}×**",
+         f"{r.median_ms / base_ms[r.kind]:.2f}×", f"{r.tokens_per_s:,.0f}",
+         f"**{r.tokens_per_s / figures['generate_tok_s']:.2f}×**",
+         f"{statistics.median(r.first_token_ms):,.1f}" if r.first_token_ms else "",
+         f"{r.replay_ms:,.2f}" if r.replay_ms is not None else "", r.captured)
         for r in results
-    ]
+        for floor in (figures["floor_base_ms" if r.mix == "base" else "floor_adapters_ms"],)
+    ]  # fmt: skip
     dtype = "bf16" if args.device.startswith("cuda") else "fp32"
     facts = [
         f"A {args.shape}-shaped Llama of random weights ({dtype}): {args.rows} requests of "
@@ -316,19 +262,7 @@ def report(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser(
-        "bench.decode_step",
-        __doc__,
-        knobs={
-            "--rows": (0, "requests in flight at once (default 64 on CUDA, 8 on the CPU)"),
-            "--prompt": (0, "prompt tokens each (default 1024 on CUDA, 64 on the CPU)"),
-            "--new": (0, "new tokens each (default 256 on CUDA, 32 on the CPU)"),
-            "--adapters": (8, "adapters the mixed rows are spread over"),
-            "--first-prompt": (512, "tokens of a request whose first token is timed"),
-            "--joiners": (5, "such requests, one at a time"),
-            "--rank": (32, "LoRA rank"),
-        },
-    )
+    parser = cli.parser("bench.decode_step", __doc__, knobs=KNOBS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=list(SHAPES), default=None)
     parser.add_argument(

@@ -19,13 +19,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3MoeCon
 
 from bench.harness.report import write_between
 from queue_tinker.config.engine import EngineConfig
-from queue_tinker.workers.model.fit import (
-    FitPlan,
-    FitSettings,
-    ModelShape,
-    gib,
-    model_shape,
-)
+from queue_tinker.workers.model.fit import FitPlan, FitSettings, ModelShape, gib, model_shape
 from queue_tinker.workers.model.fit import plan_fit as plan_fit_for
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
@@ -115,25 +109,12 @@ def row(model: str, gpus: int) -> str:
     """One line of the table: GiB per GPU, two decimals."""
     plan = plan_for(model, gpus)
     activations = f"{gib(plan.activations)} ({plan.checkpointed_layers}/{plan.layers})"
+    changes = "" if plan.fits else ("; ".join(plan.remedies) or "no single change")
     cells = (
-        model,
-        str(gpus),
-        "yes" if plan.fits else "**no**",
-        gib(plan.weights),
-        gib(plan.adapters),
-        activations,
-        gib(plan.kv_cache),
-        gib(plan.headroom),
-        gib(plan.needed),
-        _changes(plan),
-    )
+        model, str(gpus), "yes" if plan.fits else "**no**", gib(plan.weights), gib(plan.adapters),
+        activations, gib(plan.kv_cache), gib(plan.headroom), gib(plan.needed), changes,
+    )  # fmt: skip
     return "| " + " | ".join(cells) + " |"
-
-
-def _changes(plan: FitPlan) -> str:
-    if plan.fits:
-        return ""
-    return "; ".join(plan.remedies) or "no single change"
 
 
 def table() -> str:

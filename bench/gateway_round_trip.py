@@ -1,19 +1,6 @@
 """Gateway round trip: the same training round trip through the official `tinker` SDK and the
-HTTP gateway (`queue-tinker serve`), and through queue_tinker's own client (Redis directly).
-
-Both doors drive one LoRA worker process (`queue_tinker.cli worker --engine lora --device cpu`)
-on the same model and data, in the same run: `queue_tinker.ServiceClient(settings)` against
-`tinker.ServiceClient(base_url=<gateway>, api_key=<tml- key>)` with the SDK's defaults. A round
-trip is the Tinker loop's forward_backward + optim_step (small, 4 x 32; large, 8 x 128) or one
-`forward` of 1 datum x 2 tokens (ping, the least model work a door can carry). Per shape each
-door gets a fresh training client and its warm-up, then the doors alternate one round trip each,
-so drift hits both alike. Reported: each door's round trips, SDK minus client, where a round
-trip goes (the Redis-clock times of its ops), the CPU each process spent on it, and the HTTP
-requests per SDK round trip.
-
-    .venv/bin/python -m bench.gateway_round_trip --json gateway_round_trip.json
-    .venv/bin/python -m bench.gateway_round_trip --quick    # smoke run, docs left alone
-"""
+HTTP gateway (`queue-tinker serve`), and through queue_tinker's own client (Redis directly), the
+doors alternating on one LoRA worker. How: the `## Gateway` section of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -42,7 +29,7 @@ from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
 from bench.harness.meters import CpuMeter, find_pids, process_cpu_s
 from bench.harness.report import Report, Table, docs_of, emit
 from bench.harness.run import Run, service_run
-from bench.harness.services import service_client
+from bench.harness.services import hash_fields, service_client
 from bench.harness.stats import Latency
 from bench.harness.workers import lora_worker
 from queue_tinker import types as qt_types
@@ -52,20 +39,21 @@ from queue_tinker.queue.keys import Keys
 SECTION = "## Gateway: the official SDK against the Python client"
 COMMAND = ".venv/bin/python -m bench.gateway_round_trip"
 CLIENT, SDK = "client", "SDK"
-DEFAULT_MODEL = "queue-tinker/tiny-llama"
 SEED = 0
 RESULT_TIMEOUT_S = 120.0
 # Where a round trip goes, in order (they add up to it; the docs say what each is).
 STAGES = ("in", "pick-up", "op 1", "op 1 -> op 2", "op 2", "out")
-NO_OP = float("nan")  # a stage a round trip does not have (a forward has no second op)
+NO_OP = None  # a stage a round trip does not have (a forward has no second op)
 OpTimes = tuple[float, ...]  # an op's (queued_at, started_at, finished_at), Redis clock
+KNOBS = {
+    "--rounds": (400, "measured rounds per shape (one round trip per door each)"),
+    "--warmup": (20, "warm-up round trips per door and shape, not measured"),
+}
 
 
-# --- what is measured --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shape:
-    """One kind of round trip: `op` "forward" (one op) or "step" (forward_backward +
-    optim_step), on `batch` datums of `seq` tokens."""
+    """One kind of round trip, `op` "forward" or "step" (forward_backward + optim_step)."""
 
     label: str
     op: str
@@ -91,13 +79,17 @@ class Trip:
 
 
 @dataclass
-class DoorResult:
-    """One door's round trips of one shape."""
+class Door:
+    """One door's training client of one shape, its batch and Adam params in that API's own
+    types (the APIs share the method names, so one function drives both), its round trips."""
 
-    model_id: str
-    first_loss: float
+    name: str
+    trainer: Any  # queue_tinker.client.TrainingClient or tinker.TrainingClient
+    data: list[Any]
+    adam: Any
+    first_loss: float = float("nan")
     trips: list[Trip] = field(default_factory=list)
-    stages: list[tuple[float, ...]] = field(default_factory=list)  # seconds, STAGES
+    stages: list[tuple[float | None, ...]] = field(default_factory=list)  # seconds, STAGES
 
     @property
     def latency(self) -> Latency:
@@ -109,17 +101,29 @@ class DoorResult:
         labels = self.trips[0].cpu_s if self.trips else {}
         return {label: sum(t.cpu_s[label] for t in self.trips) * 1000 / n for label in labels}
 
-    def stage_medians_ms(self) -> list[float]:
-        """Median of each stage in ms (NaN for a stage these round trips do not have)."""
+    def stage_medians_ms(self) -> list[float | None]:
+        """Median of each stage in ms (None for a stage these round trips do not have)."""
         if not self.stages:
             return [NO_OP] * len(STAGES)
-        return [float(v) for v in np.median(np.asarray(self.stages), axis=0) * 1000]
+        medians = np.median(np.asarray(self.stages, dtype=float), axis=0) * 1000
+        return [None if np.isnan(v) else float(v) for v in medians]
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "model_id": self.trainer.model_id,
+            "first_loss": self.first_loss,
+            "trips": [asdict(t) for t in self.trips],
+            "stages": self.stages,
+            "latency": self.latency.summary(),
+            "cpu_ms_per_trip": self.cpu_ms(),
+            "stages_p50_ms": self.stage_medians_ms(),
+        }
 
 
 @dataclass
 class ShapeResult:
     shape: Shape
-    doors: dict[str, DoorResult]
+    doors: dict[str, Door]
     requests: Counter[str]  # gateway access log during the measured rounds
     foreign_cores: float  # CPU other processes used during the measured rounds
 
@@ -141,62 +145,34 @@ class ShapeResult:
         return {name: count / n for name, count in sorted(self.requests.items())}
 
 
-# --- the two doors -----------------------------------------------------------------------------
-@dataclass
-class Door:
-    """A training client of either API with the batch and Adam params in its own types; the
-    two APIs have the same method names, so one function drives both."""
-
-    name: str
-    trainer: Any  # queue_tinker.client.TrainingClient or tinker.TrainingClient
-    data: list[Any]
-    adam: Any
-
-
-def door(name: str, types: Any, trainer: Any, rows: np.ndarray) -> Door:
-    """The door, its batch and Adam params in one API's own types (the same names in both)."""
-    data = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(row[:-1].tolist()),
-            loss_fn_inputs={
-                "target_tokens": types.TensorData.from_numpy(row[1:].astype(np.int64)),
-                "weights": types.TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32)),
-            },
-        )
-        for row in rows
-    ]
-    return Door(name, trainer, data, types.AdamParams(learning_rate=1e-4))
-
-
 def doors(
     service: ServiceClient, sdk: tinker.ServiceClient, model: str, shape: Shape
 ) -> list[Door]:
-    """A fresh training client of each API on the shape's batch."""
+    """A fresh training client of each API, with the shape's batch in its own types."""
     rows = token_rows(shape.batch, shape.seq)
     client = service.create_lora_training_client(model, rank=RANK, seed=SEED)
     # SDK 0.38: create_lora_training_client returns a future.
     trainer = sdk.create_lora_training_client(base_model=model, rank=RANK, seed=SEED).result()
-    return [door(CLIENT, qt_types, client, rows), door(SDK, sdk_types, trainer, rows)]
-
-
-def round_trip(door: Door, op: str) -> float:
-    """One round trip, the same calls whichever the door; the batch loss."""
-    if op == "forward":
-        out = door.trainer.forward(door.data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
-        return float(out.metrics["loss:sum"])
-    # The Tinker loop: submit the optim_step before waiting on the forward_backward.
-    fb = door.trainer.forward_backward(door.data, "cross_entropy")
-    optim = door.trainer.optim_step(door.adam)
-    out = fb.result(timeout=RESULT_TIMEOUT_S)
-    optim.result(timeout=RESULT_TIMEOUT_S)
-    return float(out.metrics["loss:sum"])
+    made = []
+    for name, types, door_trainer in ((CLIENT, qt_types, client), (SDK, sdk_types, trainer)):
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(row[:-1].tolist()),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData.from_numpy(row[1:].astype(np.int64)),
+                    "weights": types.TensorData.from_numpy(np.ones(len(row) - 1, np.float32)),
+                },
+            )
+            for row in rows
+        ]
+        made.append(Door(name, door_trainer, data, types.AdamParams(learning_rate=1e-4)))
+    return made
 
 
 @dataclass
 class Parts:
-    """The processes a round trip's CPU is counted for, by label. This process (the client or
-    the SDK, all threads, their background event loops included) is read precisely; the others
-    from /proc in 10 ms ticks, which add up to a fair mean over many round trips."""
+    """The processes a round trip's CPU is counted for, by label: this process (all threads, the
+    SDK's event loops too) precisely, the others from /proc in 10 ms ticks (fair over many)."""
 
     gateway: int
     worker: int
@@ -223,78 +199,66 @@ class Parts:
 
 
 def timed_trip(door: Door, op: str, parts: Parts) -> tuple[Trip, float]:
-    """One round trip with its wall time and CPU; the trip and its loss. The CPU reads sit
-    outside the timed span."""
-    before = parts.cpu_s()
+    """One round trip, the same calls whichever the door; the trip and the batch loss."""
+    before = parts.cpu_s()  # the CPU reads sit outside the timed span
     wall, t0 = time.time(), time.perf_counter()
-    loss = round_trip(door, op)
+    if op == "forward":
+        out = door.trainer.forward(door.data, "cross_entropy").result(timeout=RESULT_TIMEOUT_S)
+    else:  # The Tinker loop: submit the optim_step before waiting on the forward_backward.
+        fb = door.trainer.forward_backward(door.data, "cross_entropy")
+        optim = door.trainer.optim_step(door.adam)
+        out = fb.result(timeout=RESULT_TIMEOUT_S)
+        optim.result(timeout=RESULT_TIMEOUT_S)
+    loss = float(out.metrics["loss:sum"])
     total = time.perf_counter() - t0
     after = parts.cpu_s()
     return Trip(wall, total, {k: after[k] - v for k, v in before.items()}), loss
 
 
-# --- one shape ---------------------------------------------------------------------------------
 def measure_shape(
     args: argparse.Namespace, shape: Shape, doors: list[Door], parts: Parts, log: Callable[[], str]
 ) -> ShapeResult:
-    """Warm-up round trips, then `--rounds` rounds of one round trip per door, alternating;
-    `log` reads the gateway's access log."""
-    first: dict[str, float] = {}
-    for _ in range(args.warmup):
-        for door in doors:
-            _, loss = timed_trip(door, shape.op, parts)
-            first.setdefault(door.name, loss)
-    results = {
-        d.name: DoorResult(d.trainer.model_id, first.get(d.name, float("nan"))) for d in doors
-    }
+    """Warm-up round trips, then `--rounds` rounds of one round trip per door, alternating."""
+    warm = [timed_trip(door, shape.op, parts)[1] for door in doors * args.warmup]
+    for door, loss in zip(doors, warm, strict=False):  # each door's first loss
+        door.first_loss = loss
     before = requests_by_endpoint(log())
     parts.refresh()
     meter = CpuMeter([os.getpid(), parts.gateway, parts.worker])
     mark = meter.mark()
-    for _ in range(args.rounds):
-        for door in doors:
-            trip, _ = timed_trip(door, shape.op, parts)
-            results[door.name].trips.append(trip)
+    for door in doors * args.rounds:  # round by round, a round trip of each door
+        door.trips.append(timed_trip(door, shape.op, parts)[0])
     foreign = meter.foreign_since(mark)
     time.sleep(0.2)  # the gateway writes its last access lines
-    return ShapeResult(shape, results, requests_by_endpoint(log()) - before, foreign)
+    by_name = {d.name: d for d in doors}
+    return ShapeResult(shape, by_name, requests_by_endpoint(log()) - before, foreign)
 
 
 def add_stages(redis_url: str, keys: Keys, result: ShapeResult, warmup: int) -> None:
-    """Split every measured round trip at the Redis-clock times of its ops (each door's
-    training client is its own model, so its ops in seq order are its round trips' ops)."""
-    ops = ops_by_model(redis_url, keys, {r.model_id for r in result.doors.values()})
+    """Split every measured round trip into STAGES at the Redis-clock times of its ops (each
+    door's training client is its own model, so its ops in seq order are its round trips')."""
+    ops = ops_by_model(redis_url, keys, {d.trainer.model_id for d in result.doors.values()})
     per = result.shape.ops
     for door in result.doors.values():
-        times = ops.get(door.model_id, [])[warmup * per :]
+        times = ops.get(door.trainer.model_id, [])[warmup * per :]
         if len(times) != len(door.trips) * per:
-            print(f"warning: {door.model_id}: ops and round trips differ", file=sys.stderr)
+            print(f"warning: {door.trainer.model_id}: ops and round trips differ", file=sys.stderr)
             continue
         for i, trip in enumerate(door.trips):
-            door.stages.append(split(trip, times[i * per : (i + 1) * per]))
-
-
-def split(trip: Trip, ops: list[OpTimes]) -> tuple[float, ...]:
-    """The round trip's STAGES, from its ops' (queued_at, started_at, finished_at)."""
-    first, last = ops[0], ops[-1]
-    between = (last[1] - first[2], last[2] - last[1]) if len(ops) == 2 else (NO_OP, NO_OP)
-    way_in, way_out = first[0] - trip.wall, trip.wall + trip.total_s - last[2]
-    return (way_in, first[1] - first[0], first[2] - first[1], *between, way_out)
+            first, last = times[i * per], times[(i + 1) * per - 1]
+            between = (last[1] - first[2], last[2] - last[1]) if per == 2 else (NO_OP, NO_OP)
+            way_in, way_out = first[0] - trip.wall, trip.wall + trip.total_s - last[2]
+            inside = (first[1] - first[0], first[2] - first[1], *between)  # pick-up to op 2
+            door.stages.append((way_in, *inside, way_out))
 
 
 def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list[OpTimes]]:
-    """(queued_at, started_at, finished_at) of every model's training ops, in seq order, from
-    the job hashes under the run's key prefix."""
-    client = redis.Redis.from_url(redis_url)
-    try:
+    """(queued_at, started_at, finished_at) of each model's training ops in seq order."""
+    with redis.Redis.from_url(redis_url) as client:
         found_keys = client.scan_iter(match=keys.job("*"), count=1000)
         names = [k for k in found_keys if not k.endswith(b":reply")]
-        pipe = client.pipeline(transaction=False)
-        for name in names:
-            pipe.hmget(name, ["model_id", "kind", "seq", "queued_at", "started_at", "finished_at"])
-        rows = pipe.execute()
-    finally:
-        client.close()
+    fields = ("model_id", "kind", "seq", "queued_at", "started_at", "finished_at")
+    rows = hash_fields(redis_url, names, *fields)
     found: dict[str, list[tuple[int, OpTimes]]] = {m: [] for m in models}
     for model, kind, seq, *times in rows:
         model_id = (model or b"").decode()
@@ -303,17 +267,18 @@ def ops_by_model(redis_url: str, keys: Keys, models: set[str]) -> dict[str, list
     return {m: [t for _, t in sorted(rows)] for m, rows in found.items()}
 
 
-# --- the run -----------------------------------------------------------------------------------
-def measure(args: argparse.Namespace, run: Run) -> list[ShapeResult]:
-    """One worker and one gateway on a fresh key prefix; every shape, each with fresh training
-    clients."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """One worker and one gateway; every shape through both doors, on fresh training clients."""
+    args = parse_args(argv)
     shapes = [
         Shape("ping", "forward", 1, 2),
         Shape("small", "step", *args.small_batch),
         Shape("large", "step", *args.large_batch),
     ]
+    packages = ("torch", "tinker", "fastapi", "uvicorn", "httpx")
     results, tenant = [], f"bench-{uuid.uuid4().hex[:8]}"
     with (
+        service_run(args, packages, "qt-bench-gateway-") as run,
         run.deployment("gateway") as settings,
         lora_worker(settings, args.model, run.data_dir / "worker.log") as worker,
         gateway_proc(settings, run.data_dir / "gateway.log") as (gateway, url),
@@ -327,22 +292,16 @@ def measure(args: argparse.Namespace, run: Run) -> list[ShapeResult]:
             result = measure_shape(args, shape, pair, parts, gateway.log)
             add_stages(args.redis_url, Keys(settings.key_prefix), result, args.warmup)
             results.append(result)
-    return results
+    emit(report(args, run, results), docs_of(args), args.json)
+    return 0
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    quick = "smoke run (10 rounds, 3 warm-up)"
     parser = cli.parser(
-        "bench.gateway_round_trip",
-        __doc__,
-        knobs={
-            "--rounds": (400, "measured rounds per shape (one round trip per door each)"),
-            "--warmup": (20, "warm-up round trips per door and shape, not measured"),
-        },
-        quick="smoke run (10 rounds, 3 warm-up)",
-        services=True,
-        data_dir=True,
+        "bench.gateway_round_trip", __doc__, knobs=KNOBS, quick=quick, services=True, data_dir=True
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="base model the worker serves")
+    parser.add_argument("--model", default="queue-tinker/tiny-llama", help="the worker's model")
     cli.add_batch(parser, "--small-batch", (4, 32))
     cli.add_batch(parser, "--large-batch", (8, 128))
     parser.add_argument("--out", dest="json", type=Path, help="the same as --json")
@@ -352,17 +311,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Every shape through both doors; hand back the report (stdout, docs, JSON if asked)."""
-    args = parse_args(argv)
-    packages = ("torch", "tinker", "fastapi", "uvicorn", "httpx")
-    with service_run(args, packages, "qt-bench-gateway-") as run:
-        results = measure(args, run)
-    emit(report(args, run, results), docs_of(args), args.json)
-    return 0
-
-
-# --- the report --------------------------------------------------------------------------------
 def report(args: argparse.Namespace, run: Run, results: list[ShapeResult]) -> Report:
     """What the SDK and gateway add, round trips per door, where they go, the requests."""
     facts = [
@@ -378,8 +326,7 @@ def report(args: argparse.Namespace, run: Run, results: list[ShapeResult]) -> Re
     )
     body: list[Table | str] = [
         f"What the SDK and gateway add (paired median): {headline}.",
-        round_trips(results, args.model),
-        stages(results),
+        *tables(results, args.model),
         "\n".join(map(notes, results)),
     ]
     shapes = [
@@ -389,7 +336,7 @@ def report(args: argparse.Namespace, run: Run, results: list[ShapeResult]) -> Re
             "overhead_ms": r.overhead_ms(),
             "http_requests_per_sdk_trip": r.requests_per_trip(),
             "other_processes_cores": r.foreign_cores,
-            "doors": {name: door_json(d) for name, d in r.doors.items()},
+            "doors": {name: d.json() for name, d in r.doors.items()},
         }
         for r in results
     ]
@@ -397,20 +344,9 @@ def report(args: argparse.Namespace, run: Run, results: list[ShapeResult]) -> Re
     return Report(SECTION, COMMAND, run.info, facts, (), body, results_dict)
 
 
-def door_json(d: DoorResult) -> dict[str, Any]:
-    """Every round trip of one door, and its summaries (a missing stage as null)."""
-    return {
-        **asdict(d),
-        "stages": [[None if np.isnan(v) else v for v in trip] for trip in d.stages],
-        "latency": d.latency.summary(),
-        "cpu_ms_per_trip": d.cpu_ms(),
-        "stages_p50_ms": [None if np.isnan(v) else v for v in d.stage_medians_ms()],
-    }
-
-
-def round_trips(results: list[ShapeResult], model: str) -> Table:
-    """Per shape and door: round-trip percentiles; on the SDK row, the ratio and overhead."""
-    rows = []
+def tables(results: list[ShapeResult], model: str) -> list[Table]:
+    """Per shape and door: the round trips, then where they go and the CPU spent on them."""
+    trips, stages = [], []
     for r in results:
         o, s = r.overhead_ms(), r.shape
         diffs = " / ".join(f"{o[k]:+.1f}" for k in ("p50", "mean", "paired_p50"))
@@ -419,36 +355,29 @@ def round_trips(results: list[ShapeResult], model: str) -> Table:
             lat = door.latency
             figures = (f"{v:.1f}" for v in (lat.p50, lat.p90, lat.p99, lat.mean))
             shape = (s.label, s.calls, f"{s.batch} × {s.seq}", len(door.trips))
-            rows.append((*shape, name, *figures, *(gap if name == SDK else ("", ""))))
+            trips.append((*shape, name, *figures, *(gap if name == SDK else ("", ""))))
+            medians = ("–" if v is None else f"{v:.1f}" for v in door.stage_medians_ms())
+            stages.append((s.label, name, *medians, *(f"{v:.1f}" for v in door.cpu_ms().values())))
     columns = "shape | calls | datums × tokens | rounds | door | p50 | p90 | p99 | mean"
-    return Table(
-        [*columns.split(" | "), "SDK / client (p50)", "SDK − client ms"],
-        rows,
-        caption=f"Round trip per door, `{model}`, ms (SDK − client: of the p50s / of the means "
-        "/ median of the per-round paired differences):",
-    )
-
-
-def stages(results: list[ShapeResult]) -> Table:
-    """Where a round trip goes (medians) and the CPU each process spent on it (means)."""
     cpu = list(results[0].doors[CLIENT].cpu_ms()) if results else []
-    rows = [
-        [r.shape.label, name, *("–" if np.isnan(v) else f"{v:.1f}" for v in d.stage_medians_ms())]
-        + [f"{v:.1f}" for v in d.cpu_ms().values()]
-        for r in results
-        for name, d in r.doors.items()
+    return [
+        Table(
+            [*columns.split(" | "), "SDK / client (p50)", "SDK − client ms"],
+            trips,
+            caption=f"Round trip per door, `{model}`, ms (SDK − client: of the p50s / of the "
+            "means / median of the per-round paired differences):",
+        ),
+        Table(
+            ("shape", "door", *STAGES, *(f"CPU: {label}" for label in cpu)),
+            stages,
+            caption="Where a round trip goes, median ms, and the CPU each part spent per round "
+            "trip, mean ms:",
+        ),
     ]
-    return Table(
-        ("shape", "door", *STAGES, *(f"CPU: {label}" for label in cpu)),
-        rows,
-        caption="Where a round trip goes, median ms, and the CPU each part spent per round "
-        "trip, mean ms:",
-    )
 
 
 def notes(r: ShapeResult) -> str:
-    """HTTP requests per SDK round trip, first losses (equal: same data, zero-init LoRA B) and
-    the machine's other load."""
+    """HTTP requests per SDK trip, first losses (equal: same data, zero-init LoRA B), other load."""
     per_trip = ", ".join(f"`{name}` {n:.2f}" for name, n in r.requests_per_trip().items())
     client, sdk = r.doors[CLIENT].first_loss, r.doors[SDK].first_loss
     return (

@@ -1,21 +1,13 @@
-"""Memory at long context: peak worker RSS and step time of one LoRA forward_backward, on a
-model with Llama-3.1's vocabulary (128,256) and 128k positions, random weights (no download),
-each case in a fresh process (peak RSS is the process's ru_maxrss): the engine's former path
-(`whole`: the whole logits) against its own (`chunked`: logprobs a chunk of positions at a
-time, decoder layers checkpointed; `--checkpointing off` without). The paths in full: the
-`## Memory at long context` section of docs/benchmarks.md.
-
-Peak RSS does not depend on what else the machine runs; step time does, so checkpointing's
-price is its own run (`--price`): on and off alternately, each three times, medians.
+"""Memory at long context: peak RSS and step time of one LoRA forward_backward, whole logits
+against the engine's chunked path, and (`--price`) checkpointing's step-time price: the
+`## Memory at long context` and `## Activation checkpointing` sections of docs/benchmarks.md.
 
     .venv/bin/python -m bench.memory                 # every case; writes its docs section
     .venv/bin/python -m bench.memory --price         # checkpointing's step-time price only
-    .venv/bin/python -m bench.memory --quick         # 1 x 512 and 1 x 2k only, docs left alone
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -26,7 +18,7 @@ import torch
 from bench.harness import cli, engine
 from bench.harness.data import datums, token_rows
 from bench.harness.isolated import print_result, run_isolated
-from bench.harness.machine import commit, cpu_model, engine_machine
+from bench.harness.machine import cpu_machine
 from bench.harness.meters import peak_rss_bytes
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import Report, Table, Target, docs_of, emit
@@ -44,11 +36,20 @@ SHAPE = Shape(layers=4, hidden=512, heads=8, kv_heads=8, intermediate=1536, voca
 RANK = 32
 CASES = ((1, 2048), (1, 4096), (1, 8192), (1, 32767), (8, 4096))
 QUICK_CASES = ((1, 512), (1, 2048))
-# The whole-logits path needs ~1.8 GiB per 1,000 tokens here: 15 GiB at 8k, beyond a 24 GiB
-# machine at 16k. It runs up to this; past it the table says why not.
+# The most tokens the whole-logits path (~1.8 GiB per 1,000) and the one without checkpointing run
 WHOLE_MAX_TOKENS = 4096
-# The path without checkpointing runs up to this (past it, only the engine's path).
 NO_CHECKPOINT_MAX_TOKENS = 8192
+# The table's columns, in the order a case runs them: its label, the most tokens it runs.
+PATHS = {
+    ("whole", False): ("whole logits", WHOLE_MAX_TOKENS),
+    ("chunked", True): ("chunked + checkpointing", None),
+    ("chunked", False): ("chunked, no checkpointing", NO_CHECKPOINT_MAX_TOKENS),
+}
+MODEL_FACTS = (
+    f"fp32. Llama-3.1's vocabulary ({SHAPE.vocab:,}), hidden {SHAPE.hidden}, "
+    f"{SHAPE.layers} layers, MLP {SHAPE.intermediate}, random weights; a rank-{RANK} LoRA on "
+    "every linear layer including the unembedding."
+)
 GIB = 1024**3
 Times = dict[tuple[int, int], dict[bool, list[float]]]  # per case, checkpointing on/off: step s
 
@@ -78,8 +79,7 @@ def measure(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement:
         [out] = engine.forward_backward(pool, [(adapter, data)], engine.CPU, plan)
         loss = out.metrics["loss:sum"]
     step_s = time.perf_counter() - start
-    peak = peak_rss_bytes() / GIB
-    return Measurement(rows, seq, path, checkpointing, step_s, peak, loss)
+    return Measurement(rows, seq, path, checkpointing, step_s, peak_rss_bytes() / GIB, loss)
 
 
 def run_case(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement | None:
@@ -95,51 +95,37 @@ def run_case(rows: int, seq: int, path: str, checkpointing: bool) -> Measurement
 
 
 def run_all(cases: Sequence[tuple[int, int]]) -> list[Measurement]:
-    results = []
-    for rows, seq in cases:
-        variants = [("chunked", True)]
-        if rows * seq <= NO_CHECKPOINT_MAX_TOKENS:
-            variants.append(("chunked", False))
-        if rows * seq <= WHOLE_MAX_TOKENS:
-            variants.insert(0, ("whole", False))
-        for path, checkpointing in variants:
-            if (m := run_case(rows, seq, path, checkpointing)) is not None:
-                results.append(m)
-    return results
-
-
-def model_facts() -> str:
-    return (
-        f"fp32. Llama-3.1's vocabulary ({SHAPE.vocab:,}), hidden {SHAPE.hidden}, "
-        f"{SHAPE.layers} layers, MLP {SHAPE.intermediate}, random weights; a rank-{RANK} LoRA on "
-        "every linear layer including the unembedding."
-    )
+    """Every path a case's size allows, in the table's order; those that did not fail."""
+    found = [
+        run_case(rows, seq, path, checkpointing)
+        for rows, seq in cases
+        for (path, checkpointing), (_, most) in PATHS.items()
+        if most is None or rows * seq <= most
+    ]
+    return [m for m in found if m is not None]
 
 
 def report(results: Sequence[Measurement], info: dict[str, str]) -> Report:
     """A row a case: each path's peak RSS and step time, or "not run"."""
+
+    def cell(m: Measurement | None) -> str:
+        return "not run" if m is None else f"{m.peak_rss_gib:.2f} GiB, {m.step_s:.1f} s"
+
     by_case: dict[tuple[int, int], dict[tuple[str, bool], Measurement]] = {}
     for m in results:
         by_case.setdefault((m.rows, m.seq), {})[(m.path, m.checkpointing)] = m
-    paths = (("whole", False), ("chunked", True), ("chunked", False))
     rows = [
-        (f"{rows} x {seq:,}", *(cell(found.get(path)) for path in paths))
+        (f"{rows} x {seq:,}", *(cell(found.get(path)) for path in PATHS))
         for (rows, seq), found in by_case.items()
     ]
-    columns = ("rows x tokens", "whole logits: peak RSS, step",
-               "chunked + checkpointing: peak RSS, step",
-               "chunked, no checkpointing: peak RSS, step")  # fmt: skip
+    columns = ("rows x tokens", *(f"{label}: peak RSS, step" for label, _ in PATHS.values()))
     facts = [
-        model_facts(),
+        MODEL_FACTS,
         f"Not run: the whole-logits path past {WHOLE_MAX_TOKENS:,} tokens, the path without "
         f"checkpointing past {NO_CHECKPOINT_MAX_TOKENS:,}.",
     ]
     raw = {"cases": [asdict(m) for m in results]}
     return Report(SECTION, COMMAND, info, facts, (), [Table(columns, rows)], raw)
-
-
-def cell(m: Measurement | None) -> str:
-    return "not run" if m is None else f"{m.peak_rss_gib:.2f} GiB, {m.step_s:.1f} s"
 
 
 def run_price(cases: Sequence[tuple[int, int]], rounds: int) -> Times:
@@ -171,7 +157,7 @@ def report_price(times: Times, info: dict[str, str]) -> Report:
         None if worst is None else worst <= PRICE_TARGET,
     )
     columns = ("rows x tokens", "step, checkpointing off", "step, checkpointing on", "price")
-    facts = [model_facts(), f"On and off alternately, {PRICE_ROUNDS} runs of each, medians."]
+    facts = [MODEL_FACTS, f"On and off alternately, {PRICE_ROUNDS} runs of each, medians."]
     raw = {
         "times_s": {f"{r}x{s}": {str(k): v for k, v in by.items()} for (r, s), by in times.items()}
     }
@@ -183,19 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--case", help="ROWSxTOKENS: measure one case in this process")
     parser.add_argument("--path", choices=("whole", "chunked"), default="chunked")
     parser.add_argument("--checkpointing", choices=("on", "off"), default="on")
-    parser.add_argument(
-        "--price",
-        action="store_true",
-        help="checkpointing's step-time price only (its own docs section)",
-    )
+    parser.add_argument("--price", action="store_true", help="checkpointing's price only")
     args = cli.parse(parser, argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.case:
         rows, seq = (int(x) for x in args.case.split("x"))
         print_result(measure(rows, seq, args.path, args.checkpointing == "on"))
         return 0
-    info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
-    info["commit"] = commit()
+    info = cpu_machine()
     if args.price:
         times = run_price(PRICE_CASES, PRICE_ROUNDS)
         emit(report_price(times, info), docs_of(args), args.json)

@@ -1,38 +1,10 @@
 """Model FLOPs utilisation of LoRA training: training tokens/s and MFU of the engine's own
-forward_backward on a Llama-3.1-8B-shaped model with random weights (no download).
-
-The model is `LlamaConfig` (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab
-128256) built with `AutoModelForCausalLM.from_config` in bf16 straight on the device. LoRA goes
-on through the worker's own code: `queue_tinker.workers.model.adapters.AdapterPool.add` (rank 32 by
-default, the service's default targets: every attention, MLP and unembedding linear), and a
-step is the engine's forward_backward as a worker runs the op with its defaults (liger's
-RMSNorm, RoPE and SwiGLU where QT_LIGER_KERNELS=auto puts them in: CUDA with liger installed)
-(`queue_tinker.workers.training.shared_pass.shared_pass` of the one op: cross-entropy, padded
-batch, per-datum logprobs) followed by its optimizer step
-(`queue_tinker.workers.training.optimizers.optim_steps`: AdamW on the adapter), both called
-through bench/harness/engine.py. Timing brackets each call with `torch.cuda.synchronize()`;
-peak memory is
-`torch.cuda.max_memory_allocated()`. A batch that does not fit is halved until it does.
-
-FLOPs per trained token, T = sequence length, L = layers, d = heads × head_dim:
-
-- LoRA count (the headline): 4·N_mm + 6·N_lora + 12·L·d·T. N_mm is the parameters that
-  multiply activations (every linear, lm_head included; not the embedding, a lookup): each
-  costs 2 FLOPs per token forward and 2 more backward for the activation gradient; a frozen
-  base weight needs no weight gradient, so not the 2 more that full fine-tuning pays. LoRA's
-  own A and B pay all three (6·N_lora). Attention (QKᵀ and AV) is 4·L·d·T forward, twice that
-  backward, counted over the whole sequence as PaLM's MFU does (no halving for the causal mask).
-- 6N convention: 6·N_total, all parameters and no attention term (C ≈ 6·N·D); it counts weight
-  gradients LoRA never computes, so it reads about 1.5× the LoRA count.
-
-MFU = achieved FLOPs/s ÷ the GPU's dense bf16 peak (H100 SXM and H200 989 TFLOPS, H100 PCIe 756,
-A100 312); another GPU gets achieved TFLOPS only. With `--adapters K` (K > 1) it also times K
-adapters' forward_backward ops in one cross-adapter pass against the same ops one at a time (a
-pass each), on the same tokens.
-
-liger's kernels go into the model for good, so what needs transformers' own runs first: plain
-transformers + PEFT (the baseline), the activation bytes a layer keeps, and the worker's plan
-without liger; then the kernels go in, and everything else is measured as the worker runs.
+forward_backward (through bench/harness/engine.py, as a worker runs the op with its defaults)
+on a Llama-3.1-8B-shaped model with random bf16 weights (no download), against plain
+transformers + PEFT on the same model, adapter and batch. The FLOPs counts (LoRA count
+4·N_mm + 6·N_lora + 12·L·d·T, and the 6N convention) and how to read the figures are in the
+`## Model FLOPs utilisation` section of docs/benchmarks.md. liger's kernels go into the model
+for good, so what needs transformers' own kernels is measured first.
 
     .venv/bin/python -m bench.mfu --device cuda                  # writes its docs section
     .venv/bin/python -m bench.mfu --device cpu --quick           # scaled-down smoke run
@@ -58,7 +30,7 @@ from bench.harness.baselines import plain_forward_backward
 from bench.harness.data import datums, rl_datums, token_rows
 from bench.harness.engine import PassPlan
 from bench.harness.machine import announce, device_name, engine_machine
-from bench.harness.meters import timed
+from bench.harness.meters import timed, turns
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import Report, Table, docs_of, emit, reproduce
 from bench.harness.workers import quiet_transformers
@@ -200,247 +172,177 @@ class Result:
         return self.tokens / statistics.median(self.bare_fb_s) if self.bare_fb_s else None
 
 
-def medians(
-    calls: dict[str, Callable[[], object]],
-    adapters: Sequence[Adapter],
-    device: torch.device,
-    args: argparse.Namespace,
-) -> dict[str, float]:
-    """Each call's median seconds over `args.steps` rounds after `args.warmup`, the calls
-    alternating within a round; the adapters' gradients cleared after each."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for i in range(args.warmup + args.steps):
-        for name, call in calls.items():
-            seconds = timed(call, device)
-            engine.clear_grads(adapters)
-            if i >= args.warmup:
-                times[name].append(seconds)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+@dataclass(frozen=True)
+class Setup:
+    """What every measurement of a run shares: the model's adapter pool, the adapter measured,
+    the model's shape, the device, the options and the worker's pass plan."""
+
+    pool: AdapterPool
+    adapter: Adapter
+    shape: Shape
+    device: torch.device
+    args: argparse.Namespace
+    plan: PassPlan
+
+    def step(self, data: list[Datum], plan: PassPlan | None = None) -> Callable[[], object]:
+        """The adapter's forward_backward of `data` (under the worker's plan by default)."""
+        op = [(self.adapter, data)]
+        return partial(engine.forward_backward, self.pool, op, self.device, plan or self.plan)
+
+    def step_times(
+        self, calls: dict[str, Callable[[], object]], adapters: Sequence[Adapter] = ()
+    ) -> dict[str, list[float]]:
+        """Each call's seconds in `--steps` rounds after `--warmup` (meters.turns), the
+        gradients of `adapters` (by default the adapter's) cleared after each call."""
+        clear = partial(engine.clear_grads, adapters or [self.adapter])
+        return turns(calls, self.args.steps, self.device, self.args.warmup, clear)
+
+    def medians(
+        self, calls: dict[str, Callable[[], object]], adapters: Sequence[Adapter] = ()
+    ) -> dict[str, float]:
+        times = self.step_times(calls, adapters)
+        return {name: statistics.median(ts) for name, ts in times.items()}
+
+    def free_memory(self) -> None:
+        """The adapter's gradients dropped, and the cached blocks of a finished or failed pass
+        given back to the device."""
+        engine.clear_grads([self.adapter])
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def engine_step(
-    pool: AdapterPool,
-    adapter: Adapter,
-    data: list[Datum],
-    device: torch.device,
-    plan: PassPlan | None = None,
-) -> Callable[[], object]:
-    return lambda: engine.forward_backward(pool, [(adapter, data)], device, plan)
-
-
-def measure(
-    pool: AdapterPool,
-    adapter: Adapter,
-    data: list[Datum],
-    device: torch.device,
-    args: argparse.Namespace,
-    result: Result,
-    plan: PassPlan,
-) -> None:
-    """Warm-up steps, then timed forward_backward and optim_step calls."""
-    fb = engine_step(pool, adapter, data, device, plan)
-    adam = AdamParams(learning_rate=1e-5)
-    for i in range(args.warmup + args.steps):
-        fb_s = timed(fb, device)
-        optim_s = timed(lambda: engine.optim_step(adapter, adam), device)
-        if i >= args.warmup:
-            result.fb_s.append(fb_s)
-            result.optim_s.append(optim_s)
-
-
-def fit_batch(
-    pool: AdapterPool,
-    adapter: Adapter,
-    shape: Shape,
-    args: argparse.Namespace,
-    device: torch.device,
-    plan: PassPlan,
-) -> tuple[int, list[Datum]]:
+def fit_batch(s: Setup) -> tuple[int, list[Datum]]:
     """The asked batch, halved until one forward_backward fits in the device's memory."""
-    batch = args.batch
+    batch = s.args.batch
     while True:
-        data = random_data(shape, batch, args.seq)
+        data = random_data(s.shape, batch, s.args.seq)
         try:
-            engine_step(pool, adapter, data, device, plan)()
-            engine.clear_grads([adapter])
+            s.step(data)()
+            engine.clear_grads([s.adapter])
             return batch, data
         except torch.OutOfMemoryError:
             if batch == 1:
                 raise
         # Out of the except block: its traceback no longer holds the failed pass's tensors.
-        print(f"  {batch} × {args.seq} does not fit; halving", flush=True)
-        engine.clear_grads([adapter])
+        print(f"  {batch} × {s.args.seq} does not fit; halving", flush=True)
+        s.free_memory()
         batch //= 2
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
-def measure_bare(
-    pool: AdapterPool,
-    adapter: Adapter,
-    data: list[Datum],
-    device: torch.device,
-    args: argparse.Namespace,
-    result: Result,
-) -> None:
+def measure_bare(s: Setup, data: list[Datum], result: Result) -> None:
     """Plain transformers + PEFT's forward_backward on the same model, adapter and data:
     without checkpointing when it fits, with transformers' own checkpointing of every layer
     when it does not (what its users do)."""
     for checkpointing in (False, True):
+        plain = partial(
+            plain_forward_backward, s.pool, s.adapter, data, s.device, checkpointing=checkpointing
+        )
         try:
-            plain_forward_backward(pool, adapter, data, device, checkpointing=checkpointing)
+            plain()
             break
         except torch.OutOfMemoryError:
             if checkpointing:
                 print("  plain transformers + PEFT does not fit even checkpointed", flush=True)
-                engine.clear_grads([adapter])
+                engine.clear_grads([s.adapter])
                 return
         # Out of the except block: its traceback no longer holds the failed pass's tensors.
         print("  plain transformers + PEFT needs its checkpointing to fit", flush=True)
-        engine.clear_grads([adapter])
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        s.free_memory()
     result.bare_checkpointing = checkpointing
-    engine.clear_grads([adapter])
-    plain = partial(
-        plain_forward_backward, pool, adapter, data, device, checkpointing=checkpointing
-    )
-    for i in range(args.warmup + args.steps):
-        seconds = timed(plain, device)
-        engine.clear_grads([adapter])
-        if i >= args.warmup:
-            result.bare_fb_s.append(seconds)
+    engine.clear_grads([s.adapter])
+    result.bare_fb_s = s.step_times({"plain": plain})["plain"]
 
 
-def measure_adapters(
-    pool: AdapterPool,
-    first: Adapter,
-    parts: list[list[Datum]],
-    device: torch.device,
-    args: argparse.Namespace,
-    plan: PassPlan,
-) -> dict[str, float]:
+def measure_adapters(s: Setup, parts: list[list[Datum]]) -> dict[str, float]:
     """An adapter per part: one cross-adapter pass of all their ops (their LoRA in row blocks,
     and stacked: PassPlan.stacked_lora) against a pass each, one at a time; median seconds of
-    each."""
+    each, none when they run out of memory."""
     k = len(parts)
-    have = [a for a in pool.adapters.values() if a is not first][: k - 1]
-    more = add_adapters(pool, LoraConfig(rank=args.rank), seeds=range(len(have) + 1, k))
-    adapters = [first, *have, *more]
-    batches = [(a, part) for a, part in zip(adapters, parts, strict=True) if part]
+    have = [a for a in s.pool.adapters.values() if a is not s.adapter][: k - 1]
+    try:
+        more = add_adapters(s.pool, LoraConfig(rank=s.args.rank), seeds=range(len(have) + 1, k))
+        adapters = [s.adapter, *have, *more]
+        batches = [(a, part) for a, part in zip(adapters, parts, strict=True) if part]
+        one_pass = partial(engine.forward_backward, s.pool, batches, s.device)
 
-    def apart() -> None:
-        for batch in batches:
-            engine.forward_backward(pool, [batch], device, plan)
+        def apart() -> None:
+            for batch in batches:
+                engine.forward_backward(s.pool, [batch], s.device, s.plan)
 
-    calls: dict[str, Callable[[], object]] = {
-        "one pass": partial(
-            engine.forward_backward, pool, batches, device, replace(plan, stacked_lora=False)
-        ),
-        "one pass, stacked": partial(
-            engine.forward_backward, pool, batches, device, replace(plan, stacked_lora=True)
-        ),
-        "one at a time": apart,
-    }
-    return medians(calls, adapters, device, args)
+        calls: dict[str, Callable[[], object]] = {
+            "one pass": partial(one_pass, replace(s.plan, stacked_lora=False)),
+            "one pass, stacked": partial(one_pass, replace(s.plan, stacked_lora=True)),
+            "one at a time": apart,
+        }
+        times = s.medians(calls, adapters)
+    except torch.OutOfMemoryError:
+        print("  the multi-adapter case ran out of memory: skipped", flush=True)
+        return {}
+    print(f"  {len(parts)} adapters' ops: {times}", flush=True)
+    return times
 
 
-def measure_loss_paths(
-    pool: AdapterPool,
-    adapter: Adapter,
-    shape: Shape,
-    device: torch.device,
-    args: argparse.Namespace,
-    plan: PassPlan,
-) -> dict[str, float]:
+def measure_loss_paths(s: Setup) -> dict[str, float]:
     """One ppo op of `--datums` short datums: its loss over all their tokens at once (every
     datum sends the same inputs) against the same op taking it datum by datum (every other
     datum also sends weights of 1, the same numbers, so the datums' inputs differ); median
     seconds of each, alternating."""
-    rows = token_rows(args.datums, args.datum_seq, seed=7, vocab=shape.vocab)
+    n = s.args.datums
+    rows = token_rows(n, s.args.datum_seq, seed=7, vocab=s.shape.vocab)
     ops = {
-        "joined": rl_datums(rows, 7, [False] * args.datums),
-        "datum by datum": rl_datums(rows, 7, [i % 2 == 1 for i in range(args.datums)]),
+        "joined": rl_datums(rows, 7, [False] * n),
+        "datum by datum": rl_datums(rows, 7, [i % 2 == 1 for i in range(n)]),
     }
-    calls: dict[str, Callable[[], object]] = {
-        name: partial(engine.forward_backward, pool, [(adapter, data)], device, plan, LossFn.PPO)
-        for name, data in ops.items()
-    }
-    return medians(calls, [adapter], device, args)
+    op = partial(engine.forward_backward, s.pool, device=s.device, plan=s.plan, loss_fn=LossFn.PPO)
+    return s.medians({name: partial(op, [(s.adapter, data)]) for name, data in ops.items()})
 
 
-def measure_variant(
-    pool: AdapterPool,
-    adapter: Adapter,
-    data: list[Datum],
-    device: torch.device,
-    args: argparse.Namespace,
-    variant: Variant,
-) -> Variant:
+def measure_variant(s: Setup, data: list[Datum], variant: Variant) -> Variant:
     """The variant's forward_backward timed (after a first call, and warm-up calls); an error
     (out of memory, say) is kept as the variant's result."""
     tokens = len(data) * max(d.model_input.length for d in data)
-    variant.checkpointed = engine.checkpointed_layers(pool, variant.plan, tokens)
-    step = engine_step(pool, adapter, data, device, variant.plan)
+    variant.checkpointed = engine.checkpointed_layers(s.pool, variant.plan, tokens)
+    step = s.step(data, variant.plan)
     try:
         with variant.context():
-            variant.first_s = timed(step, device)
-            engine.clear_grads([adapter])
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            for i in range(args.warmup + args.steps):
-                seconds = timed(step, device)
-                engine.clear_grads([adapter])
-                if i >= args.warmup:
-                    variant.fb_s.append(seconds)
+            variant.first_s = timed(step, s.device)
+            engine.clear_grads([s.adapter])
+            if s.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(s.device)
+            variant.fb_s = s.step_times({"step": step})["step"]
     except Exception as exc:  # the variant's outcome, reported
         variant.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    engine.clear_grads([adapter])
-    if device.type == "cuda":
-        variant.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-        gc.collect()
-        torch.cuda.empty_cache()
+    if s.device.type == "cuda":
+        variant.peak_gib = torch.cuda.max_memory_allocated(s.device) / 2**30
+    s.free_memory()
     shown = variant.error or f"{variant.median_ms():,.1f} ms (first {variant.first_s:.1f} s)"
     print(f"  {variant.name} [{variant.checkpointed} checkpointed]: {shown}", flush=True)
     return variant
 
 
-def measure_layer_bytes(
-    pool: AdapterPool,
-    adapter: Adapter,
-    shape: Shape,
-    device: torch.device,
-    plan: PassPlan,
-) -> tuple[float, int] | None:
+def measure_layer_bytes(s: Setup) -> tuple[float, int] | None:
     """Activation bytes a token keeps per decoder layer: the peak over the memory before one
     pass of 1 × 2048 tokens with nothing checkpointed (the logits' chunk and the embedding
     included), per token and layer; against the plan's estimate. None off CUDA."""
-    if device.type != "cuda" or plan.layer_bytes is None:
+    if s.device.type != "cuda" or s.plan.layer_bytes is None:
         return None
-    data = random_data(shape, 1, 2048)
-    gc.collect()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    whole = replace(plan, activation_checkpointing="off")
-    engine_step(pool, adapter, data, device, whole)()
-    peak = torch.cuda.max_memory_allocated(device) - before
-    engine.clear_grads([adapter])
-    return peak / (2048 * shape.layers), plan.layer_bytes.kept
+    data = random_data(s.shape, 1, 2048)
+    s.free_memory()
+    before = torch.cuda.memory_allocated(s.device)
+    torch.cuda.reset_peak_memory_stats(s.device)
+    s.step(data, replace(s.plan, activation_checkpointing="off"))()
+    peak = torch.cuda.max_memory_allocated(s.device) - before
+    engine.clear_grads([s.adapter])
+    return peak / (2048 * s.shape.layers), s.plan.layer_bytes.kept
 
 
 def variants(pool: AdapterPool, device: torch.device) -> list[Variant]:
     """What each of the worker's choices buys, against its plan (the headline), measured with
     the headline's kernels."""
-    return [
-        Variant(
-            "LoRA matmuls in fp32 (QT_LORA_MATMUL_DTYPE=fp32)",
-            engine.worker_plan(pool, device, "fp32"),
-            partial(engine.lora_matmuls, pool, "fp32"),
-        )
-    ]
+    fp32 = engine.worker_plan(pool, device, "fp32")
+    context = partial(engine.lora_matmuls, pool, "fp32")
+    return [Variant("LoRA matmuls in fp32 (QT_LORA_MATMUL_DTYPE=fp32)", fp32, context)]
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -454,30 +356,27 @@ def run(args: argparse.Namespace) -> Result:
     print(f"model built and adapter added in {time.perf_counter() - began:.0f} s", flush=True)
     engine.set_lora_matmuls(pool, "auto")  # as QT_LORA_MATMUL_DTYPE's default makes it
     plan = engine.worker_plan(pool, device)
-    batch, data = fit_batch(pool, adapter, shape, args, device, plan)
+    s = Setup(pool, adapter, shape, device, args, plan)
+    batch, data = fit_batch(s)
     if device.type == "cuda":  # after the fitting, whose failed tries would set the peak
         torch.cuda.reset_peak_memory_stats(device)
+    params = sum(p.numel() for p in base.parameters())
+    lora = sum(p.numel() for p in adapter.params.values())
+    shrunk = args.batch if batch != args.batch else None
     result = Result(
-        args.device,
-        args.shape,
-        batch,
-        args.seq,
-        args.rank,
-        sum(p.numel() for p in base.parameters()),
-        sum(p.numel() for p in adapter.params.values()),
-        shrunk_from=args.batch if batch != args.batch else None,
+        args.device, args.shape, batch, args.seq, args.rank, params, lora, shrunk_from=shrunk
     )
     # First what needs transformers' own kernels (the worker's may change the model for
     # good): plain transformers + PEFT, and the worker's plan without the worker's kernels.
-    measure_bare(pool, adapter, data, device, args, result)
-    plain_bytes = measure_layer_bytes(pool, adapter, shape, device, plan)
+    measure_bare(s, data, result)
+    plain_bytes = measure_layer_bytes(s)
     plain = Variant("the worker's plan, transformers' own kernels (QT_LIGER_KERNELS=off)", plan)
     if engine.kernels_wanted(device):
-        plain = measure_variant(pool, adapter, data, device, args, plain)
+        plain = measure_variant(s, data, plain)
     if engine.put_kernels_in(pool, device):
         result.kernels = "liger's RMSNorm, RoPE and SwiGLU"
         result.layer_bytes_plain = plain_bytes[0] if plain_bytes else None
-        result.layer_bytes = measure_layer_bytes(pool, adapter, shape, device, plan)
+        result.layer_bytes = measure_layer_bytes(s)
     else:
         result.layer_bytes = plain_bytes
         plain.fb_s = []  # measured where the kernels then did not go in: not a row
@@ -488,7 +387,7 @@ def run(args: argparse.Namespace) -> Result:
             flush=True,
         )
     # Then the worker as it runs by default: the headline, and every other figure.
-    headline = measure_variant(pool, adapter, data, device, args, Variant(HEADLINE, plan))
+    headline = measure_variant(s, data, Variant(HEADLINE, plan))
     result.variants = [headline]
     if headline.error is not None:
         raise RuntimeError(f"the worker's plan failed: {headline.error}")
@@ -496,50 +395,28 @@ def run(args: argparse.Namespace) -> Result:
     if plain.fb_s or plain.error:
         result.variants.append(plain)
     if args.variants:
-        result.variants += [
-            measure_variant(pool, adapter, data, device, args, v) for v in variants(pool, device)
-        ]
-    measure(pool, adapter, data, device, args, result, plan)
+        result.variants += [measure_variant(s, data, v) for v in variants(pool, device)]
+    # The training step: forward_backward and optim_step (which clears the grads) taking turns.
+    adam = AdamParams(learning_rate=1e-5)
+    calls = {"fb": s.step(data), "optim": lambda: engine.optim_step(adapter, adam)}
+    times = turns(calls, args.steps, device, args.warmup)
+    result.fb_s, result.optim_s = times["fb"], times["optim"]
     if args.long_seq:
-        long_data = random_data(shape, 1, args.long_seq)
-        result.long_pass = measure_variant(
-            pool,
-            adapter,
-            long_data,
-            device,
-            args,
-            Variant(f"1 × {args.long_seq:,} tokens", plan),
-        )
+        long_pass = Variant(f"1 × {args.long_seq:,} tokens", plan)
+        result.long_pass = measure_variant(s, random_data(shape, 1, args.long_seq), long_pass)
     if args.adapters > 1:
         result.adapters = min(args.adapters, batch)
         parts = [data[i :: result.adapters] for i in range(result.adapters)]
-        result.multi = adapters_or_none(pool, adapter, parts, device, args, plan)
+        result.multi = measure_adapters(s, parts)
     if args.datums > 1:
         result.loss_paths_shape = f"{args.datums} datums × {args.datum_seq} tokens"
-        result.loss_paths = measure_loss_paths(pool, adapter, shape, device, args, plan)
+        result.loss_paths = measure_loss_paths(s)
     if args.rl_adapters > 1:
         rows, seq = args.rl_rows, args.rl_seq
         result.rl_shape = f"{args.rl_adapters} adapters × {rows} × {seq} tokens"
         parts = [random_data(shape, rows, seq) for _ in range(args.rl_adapters)]
-        result.rl = adapters_or_none(pool, adapter, parts, device, args, plan)
+        result.rl = measure_adapters(s, parts)
     return result
-
-
-def adapters_or_none(
-    pool: AdapterPool,
-    adapter: Adapter,
-    parts: list[list[Datum]],
-    device: torch.device,
-    args: argparse.Namespace,
-    plan: PassPlan,
-) -> dict[str, float]:
-    try:
-        times = measure_adapters(pool, adapter, parts, device, args, plan)
-    except torch.OutOfMemoryError:
-        print("  the multi-adapter case ran out of memory: skipped", flush=True)
-        return {}
-    print(f"  {len(parts)} adapters' ops: {times}", flush=True)
-    return times
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -609,11 +486,9 @@ def figure_lines(result: Result) -> list[str]:
     long row, the activation bytes a layer keeps."""
     lines = []
     if (bare := result.bare_tokens_per_s()) is not None:
-        how = (
-            "with its own checkpointing of every layer"
-            if result.bare_checkpointing
-            else ("without checkpointing")
-        )
+        how = "without checkpointing"
+        if result.bare_checkpointing:
+            how = "with its own checkpointing of every layer"
         lines.append(
             f"Plain transformers + PEFT on the same model, adapter and batch ({how}: SDPA, "
             f"whole logits): forward_backward {ms(statistics.median(result.bare_fb_s))}, "
@@ -625,9 +500,8 @@ def figure_lines(result: Result) -> list[str]:
         (result.rl, f"RL-sized ops, {result.rl_shape}"),
     ):
         if times:
-            one, apart, stacked = (
-                times[k] for k in ("one pass", "one at a time", "one pass, stacked")
-            )
+            one, apart = times["one pass"], times["one at a time"]
+            stacked = times["one pass, stacked"]
             lines.append(
                 f"{what}: one cross-adapter pass {ms(one)}, one at a time {ms(apart)} "
                 f"(**{apart / one:.2f}×**); the LoRA stacked (`PassPlan.stacked_lora`) "
@@ -681,18 +555,24 @@ def variant_table(result: Result) -> Table:
 
 def not_measured_block(reason: str) -> str:
     """The block a run without a GPU leaves: what would be measured, and how to run it."""
-    return "\n".join(
-        [
-            f"{NOT_MEASURED}: {reason}. On a CUDA machine this times the engine's "
-            "`forward_backward` on a Llama-3.1-8B-shaped model with random bf16 weights and a "
-            "rank-32 LoRA (8 × 2048 tokens, halved until it fits): training tokens/s and MFU. "
-            "Run it there with:",
-            "",
-            *reproduce(COMMAND),
-        ]
+    what = (
+        f"{NOT_MEASURED}: {reason}. On a CUDA machine this times the engine's `forward_backward` "
+        "on a Llama-3.1-8B-shaped model with random bf16 weights and a rank-32 LoRA (8 × 2048 "
+        "tokens, halved until it fits): training tokens/s and MFU. Run it there with:"
     )
+    return "\n".join([what, "", *reproduce(COMMAND)])
 
 
+KNOBS = {
+    "--batch": (8, "datums (halved while they do not fit)"),
+    "--rank": (32, "LoRA rank"),
+    "--warmup": (2, "steps before the timed ones"),
+    "--steps": (5, "timed steps"),
+    "--adapters": (8, "K adapters sharing one pass against one at a time (1: skip)"),
+    "--rl-adapters": (8, "adapters of the RL-sized case, an op each (1: skip it)"),
+    "--rl-rows": (4, "datums of each RL-sized op"),
+    "--datums": (64, "datums of the op whose loss paths are compared (1: skip it)"),
+}
 # Options whose default depends on the device: (on CUDA, on the CPU, help).
 BY_DEVICE: dict[str, tuple[int, int, str]] = {
     "--seq": (2048, 64, "tokens of each datum"),
@@ -703,21 +583,7 @@ BY_DEVICE: dict[str, tuple[int, int, str]] = {
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser(
-        "bench.mfu",
-        __doc__,
-        knobs={
-            "--batch": (8, "datums (halved while they do not fit)"),
-            "--rank": (32, "LoRA rank"),
-            "--warmup": (2, "steps before the timed ones"),
-            "--steps": (5, "timed steps"),
-            "--adapters": (8, "K adapters sharing one pass against one at a time (1: skip)"),
-            "--rl-adapters": (8, "adapters of the RL-sized case, an op each (1: skip it)"),
-            "--rl-rows": (4, "datums of each RL-sized op"),
-            "--datums": (64, "datums of the op whose loss paths are compared (1: skip it)"),
-        },
-        quick="few steps",
-    )
+    parser = cli.parser("bench.mfu", __doc__, knobs=KNOBS, quick="few steps")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=list(SHAPES), help="default: llama-3.1-8b; CPU small")
     for flag, (cuda, cpu, help_text) in BY_DEVICE.items():

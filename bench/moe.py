@@ -1,18 +1,13 @@
-"""A mixture of experts against a dense model of the same active size: one LoRA training step
-of the built-in `queue-tinker/tiny-moe` (Qwen3-MoE, 4 experts, top 2) and
-`queue-tinker/tiny-llama` (the dense Llama whose MLP is as wide as the two experts a token
-runs), on the same tokens, each in a process of its own, on the CPU; the models alternate for a
-few rounds and each keeps its fastest round's median (the `## Mixture of experts` section of
-docs/benchmarks.md says how and how to read it).
+"""A mixture of experts against a dense model of the same active size: one LoRA training step of
+`queue-tinker/tiny-moe` and of `queue-tinker/tiny-llama` on the same tokens, each in a process of
+its own, on the CPU (the `## Mixture of experts` section of docs/benchmarks.md says how).
 
     .venv/bin/python -m bench.moe            # writes its docs section
-    .venv/bin/python -m bench.moe --quick    # 2 x 32 tokens, 2 steps, docs left alone
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -25,7 +20,7 @@ import torch
 from bench.harness import cli, engine
 from bench.harness.data import datums, token_rows
 from bench.harness.isolated import print_result, run_isolated
-from bench.harness.machine import commit, cpu_model, engine_machine
+from bench.harness.machine import cpu_machine
 from bench.harness.meters import load1, peak_rss_bytes
 from bench.harness.models import add_adapters, frozen_base, lora_pool
 from bench.harness.report import Report, Table, docs_of, emit
@@ -36,6 +31,12 @@ COMMAND = ".venv/bin/python -m bench.moe"
 MODELS = {"dense": "queue-tinker/tiny-llama", "moe": "queue-tinker/tiny-moe"}
 RANK = 16
 MIB = 1 << 20
+KNOBS = {
+    "--rows": (8, "rows of the batch"),
+    "--width": (128, "tokens a row"),
+    "--steps": (10, "timed steps after a warm-up"),
+    "--rounds": (3, "processes of each model, alternating"),
+}
 
 
 @dataclass
@@ -57,14 +58,11 @@ def active_params(model: torch.nn.Module) -> int:
 
 
 def measure(case: str, rows: int, width: int, steps: int) -> Measurement:
-    """The case, in this process: the model as a worker loads it, a rank-16 adapter on every
-    layer LoRA adapts (attention, MLP or experts, unembedding), one warm-up step, `steps`
-    timed ones."""
+    """The case, in this process, as a worker loads it: one warm-up step, `steps` timed ones."""
     torch.set_num_threads(1)  # tiny models: thread hand-offs cost more than the math
     with tempfile.TemporaryDirectory() as scratch:
         base = frozen_base(MODELS[case], "cpu", Path(scratch))
-    params = sum(p.numel() for p in base.parameters())
-    active = active_params(base)
+    params, active = sum(p.numel() for p in base.parameters()), active_params(base)
     pool = lora_pool(base, MODELS[case], adapters=1)
     [adapter] = add_adapters(pool, LoraConfig(rank=RANK), seeds=[0])
     data = datums(token_rows(rows, width + 1))
@@ -111,24 +109,13 @@ def report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Alternate the two models' processes; hand back the report of each one's fastest round."""
-    parser = cli.parser(
-        "bench.moe",
-        __doc__,
-        knobs={
-            "--rows": (8, "rows of the batch"),
-            "--width": (128, "tokens a row"),
-            "--steps": (10, "timed steps after a warm-up"),
-            "--rounds": (3, "processes of each model, alternating"),
-        },
-        quick="2 x 32 tokens, 2 steps",
-    )
+    parser = cli.parser("bench.moe", __doc__, knobs=KNOBS, quick="2 x 32 tokens, 2 steps")
     parser.add_argument("--case", choices=list(MODELS), help="measure one model, here")
     args = cli.parse(parser, argv, quick={"rows": 2, "width": 32, "steps": 2, "rounds": 1})
     if args.case:  # the isolated side
         print_result(measure(args.case, args.rows, args.width, args.steps))
         return 0
-    info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
-    info["commit"] = commit()
+    info = cpu_machine()
     load = load1()
     results: dict[str, Measurement] = {}
     knobs = ["--rows", str(args.rows), "--width", str(args.width), "--steps", str(args.steps)]
@@ -139,8 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             measured = Measurement(**found)
             print(f"{case}: {measured.step_ms:.0f} ms a step", flush=True)
-            if case not in results or measured.step_ms < results[case].step_ms:
-                results[case] = measured
+            results[case] = min(results.get(case, measured), measured, key=lambda m: m.step_ms)
     emit(report(results, info, args, load), docs_of(args), args.json)
     return 0
 

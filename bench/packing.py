@@ -1,27 +1,25 @@
 """Padding in cross-adapter passes, and what packing saves: several adapters' forward_backward
-ops with supervised-fine-tuning-like lengths (log-normal, 16 to 1,024 tokens) in one shared
-pass of the built-in 100M model, one datum a row (right-padded) against packed rows.
+ops of log-normal lengths in one shared pass, one datum a row (right-padded) against packed rows
+(the `## Padding and packing` section of docs/benchmarks.md).
 
     .venv/bin/python -m bench.packing                # the 100M model; writes its docs section
-    .venv/bin/python -m bench.packing --model queue-tinker/tiny-llama
-    .venv/bin/python -m bench.packing --quick        # the tiny model, docs left alone
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
-import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from bench.harness import cli, engine
 from bench.harness.data import datums
-from bench.harness.machine import commit, cpu_model, engine_machine
+from bench.harness.machine import cpu_machine
+from bench.harness.meters import turns
 from bench.harness.models import add_adapters, frozen_base, lora_pool
 from bench.harness.report import Report, Table, docs_of, emit
 from queue_tinker.types.requests.training import LoraConfig
@@ -33,24 +31,20 @@ PLANS = {
     "padded": engine.PassPlan(pack_above_padding=None),
     "packed": engine.PassPlan(pack_above_padding=0.0),
 }
-
-
-def sft_lengths(count: int, longest: int, rng: np.random.Generator) -> list[int]:
-    """Log-normal lengths (median ~150 tokens), clipped to [16, longest]."""
-    return [int(x) for x in np.clip(rng.lognormal(5.0, 0.8, count), 16, longest)]
+KNOBS = {
+    "--adapters": (4, "adapters, an op each"),
+    "--data": (8, "datums per op"),
+    "--repeats": (3, "timed passes of each layout"),
+}
 
 
 def timed_pass(
     pool: AdapterPool, batches: Sequence[engine.Batch], plan: engine.PassPlan, repeats: int
 ) -> float:
     """Median seconds of the shared forward_backward pass."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        engine.forward_backward(pool, batches, engine.CPU, plan)
-        times.append(time.perf_counter() - start)
-        engine.clear_grads(adapter for adapter, _ in batches)
-    return statistics.median(times)
+    one_pass = partial(engine.forward_backward, pool, batches, engine.CPU, plan)
+    clear = partial(engine.clear_grads, [adapter for adapter, _ in batches])
+    return statistics.median(turns({"pass": one_pass}, repeats, engine.CPU, after=clear)["pass"])
 
 
 def report(
@@ -84,20 +78,10 @@ def report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Both layouts of the same ops on the model; hand back the report."""
-    parser = cli.parser(
-        "bench.packing",
-        __doc__,
-        knobs={
-            "--adapters": (4, "adapters, an op each"),
-            "--data": (8, "datums per op"),
-            "--repeats": (3, "timed passes of each layout"),
-        },
-        quick="the tiny model",
-    )
+    parser = cli.parser("bench.packing", __doc__, knobs=KNOBS, quick="the tiny model")
     parser.add_argument("--model", default="queue-tinker/llama-100m")
     args = cli.parse(parser, argv, quick={"model": "queue-tinker/tiny-llama"})
-    info = {"CPU": cpu_model(), "cores": str(os.cpu_count()), **engine_machine("cpu")}
-    info["commit"] = commit()
+    info = cpu_machine()
     with tempfile.TemporaryDirectory() as scratch:
         base = frozen_base(args.model, "cpu", Path(scratch))  # as a worker loads it
         context = int(base.config.max_position_embeddings)
@@ -105,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rng = np.random.default_rng(0)
         batches: list[engine.Batch] = []
         for adapter in add_adapters(pool, LoraConfig(rank=16), seeds=range(args.adapters)):
-            lengths = sft_lengths(args.data, context - 1, rng)
+            # supervised-fine-tuning-like lengths: log-normal (median ~150), 16 to the context
+            lengths = np.clip(rng.lognormal(5.0, 0.8, args.data), 16, context - 1).astype(int)
             rows = [rng.integers(0, 256, n + 1) for n in lengths]
             batches.append((adapter, datums(rows, weights=False)))
         shapes = {name: engine.batch_shape(batches, plan) for name, plan in PLANS.items()}

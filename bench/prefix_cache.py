@@ -1,18 +1,5 @@
-"""The sampler's prefix cache and chunked prefill, through the worker's decode loop, each against
-the same loop without them, in the same run.
-
-- Shared prefixes: requests that share a long context and differ in a short question, each sent
-  after the one before finished: time and prompt tokens prefilled with the prefix cache, and
-  with it holding nothing (max_bytes 0, so every prompt is prefilled whole).
-- A long prompt arriving while a row decodes: the longest gap between the running row's tokens
-  with chunked prefill (`CHUNK_BUDGET` tokens a step) and without (the whole prompt at once).
-
-Greedy samples, compared with the case without the cache / chunks; each case runs `ROUNDS`
-times, alternating, and its medians are reported.
-
-    .venv/bin/python -m bench.prefix_cache            # writes its docs section
-    .venv/bin/python -m bench.prefix_cache --quick    # a small case, docs left alone
-"""
+"""The sampler's prefix cache and chunked prefill through the decode loop, each against the same
+loop without them: `## Sampling: prefix cache and chunked prefill` of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -57,7 +44,8 @@ class Run:
 
 
 def shared_prefixes(model: torch.nn.Module, sizes: Sizes, cache: bool) -> Run:
-    """Each request after the one before: a shared context, then its own question."""
+    """Each request after the one before: a shared context, then its own question; without the
+    cache it holds nothing (max_bytes 0, so every prompt is prefilled whole)."""
     decode = cpu_loop(prefill_tokens=None)
     if not cache:
         decode.prompts.max_bytes = 0
@@ -119,29 +107,25 @@ def report(results: dict[str, Run], sizes: Sizes, info: dict[str, str]) -> Repor
     """Each case against the same loop without the cache / the chunks."""
     cache, none = results["cache"], results["no cache"]
     chunked, whole = results["chunked"], results["whole"]
-    on = (f"{cache.prefilled:,}", f"{cache.seconds:.2f} s", ratio(cache.seconds, none.seconds))
     prefix = Table(
         ("prefix cache", "prompt tokens prefilled", "time", "time ÷ without", "samples as without"),
-        [
-            ("on", *on, f"{same(cache, none)} of {sizes.requests}"),
-            ("holding nothing", f"{none.prefilled:,}", f"{none.seconds:.2f} s", "1.00×", "–"),
-        ],
+        [("on", f"{cache.prefilled:,}", f"{cache.seconds:.2f} s",
+          f"**{cache.seconds / none.seconds:.2f}×**", f"{same(cache, none)} of {sizes.requests}"),
+         ("holding nothing", f"{none.prefilled:,}", f"{none.seconds:.2f} s", "1.00×", "–")],
         caption=f"Shared prefixes: {sizes.requests} requests of a {sizes.context:,}-token shared "
         f"context and a {sizes.question}-token question each, {sizes.new_tokens} greedy new "
         "tokens, each sent once the one before finished.",
-    )
-    gap = ratio(chunked.longest_gap_ms, whole.longest_gap_ms)
-    chunk = (f"{chunked.longest_gap_ms:.0f} ms", gap, f"{chunked.seconds:.2f} s")
-    whole_s = f"{whole.seconds:.2f} s"
+    )  # fmt: skip
     chunks = Table(
         ("prefill", "longest gap", "gap ÷ whole", "total time", "samples as whole"),
-        [
-            (f"chunked ({CHUNK_BUDGET} tokens a step)", *chunk, f"{same(chunked, whole)} of 2"),
-            ("whole prompt in one step", f"{whole.longest_gap_ms:.0f} ms", "1.00×", whole_s, "–"),
-        ],
+        [(f"chunked ({CHUNK_BUDGET} tokens a step)", f"{chunked.longest_gap_ms:.0f} ms",
+          f"**{chunked.longest_gap_ms / whole.longest_gap_ms:.2f}×**", f"{chunked.seconds:.2f} s",
+          f"{same(chunked, whole)} of 2"),
+         ("whole prompt in one step", f"{whole.longest_gap_ms:.0f} ms", "1.00×",
+          f"{whole.seconds:.2f} s", "–")],
         caption=f"A {sizes.long_prompt:,}-token prompt arriving while a row decodes 64 tokens "
         "(after its 8th): the longest gap between the running row's tokens.",
-    )
+    )  # fmt: skip
     facts = [
         f"fp32; a Llama decoder of random weights ({SHAPE.layers} layers, hidden "
         f"{SHAPE.hidden}, vocabulary {SHAPE.vocab:,}); medians of {ROUNDS} rounds, the cases "
@@ -149,10 +133,6 @@ def report(results: dict[str, Run], sizes: Sizes, info: dict[str, str]) -> Repor
     ]
     raw = {"sizes": asdict(sizes), "runs": {name: asdict(run) for name, run in results.items()}}
     return Report(SECTION, COMMAND, info, facts, (), [prefix, chunks], raw)
-
-
-def ratio(new: float, old: float) -> str:
-    return f"**{new / old:.2f}×**"
 
 
 def same(run: Run, reference: Run) -> int:

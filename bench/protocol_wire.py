@@ -1,11 +1,8 @@
-"""The SDK 0.38 protocol features that change what goes over the wire, on against off: zstd
-forward_backward bodies (`proto_compress_fwdbwd`), batched sample polling
-(`sample_use_retrieve_futures`) and server-side custom losses (`custom_loss_server_side`),
-through `queue-tinker serve` and the official SDK. What each part measures and how to read it:
-the `## Protocol features` section of docs/benchmarks.md.
+"""The SDK 0.38 protocol features that change what goes over the wire, on against off, through
+`queue-tinker serve` and the official SDK: zstd bodies, batched sample polling, server-side
+custom losses. What each part measures: the `## Protocol features` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.protocol_wire            # writes its docs/benchmarks.md section
-    .venv/bin/python -m bench.protocol_wire --quick    # smoke run, docs left alone
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
+from bench.big_bodies import tenant
 from bench.harness import cli
 from bench.harness.gateway import gateway_proc, make_key, requests_by_endpoint
 from bench.harness.report import Report, Table, docs_of, emit
@@ -39,6 +37,11 @@ SECTION = "## Protocol features: zstd bodies, batched sample polling, server-sid
 COMMAND = ".venv/bin/python -m bench.protocol_wire"
 MODEL = "queue-tinker/tiny-llama"
 VOCAB = 32_000
+KNOBS = {
+    "--rounds": (20, "posts per mode and shape"),
+    "--samples": (64, "samples in flight"),
+    "--steps": (8, "custom-loss steps per mode"),
+}
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,9 @@ def datum(tokens: np.ndarray, inputs: dict[str, Any]) -> types.Datum:
 
 
 def proto_body(shape: Shape, model_id: str, seq_id: int, data: list[types.Datum]) -> bytes:
-    return forward_backward_request_to_proto(
-        ForwardBackwardRequest(
-            forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=shape.loss_fn),
-            model_id=model_id,
-            seq_id=seq_id,
-        )
-    ).SerializeToString()
+    fb = types.ForwardBackwardInput(data=data, loss_fn=shape.loss_fn)
+    request = ForwardBackwardRequest(forward_backward_input=fb, model_id=model_id, seq_id=seq_id)
+    return forward_backward_request_to_proto(request).SerializeToString()
 
 
 @dataclass
@@ -97,17 +96,9 @@ class WireResult:
     compress_ms: list[float]
 
 
-def open_model(url: str, key: str) -> str:
-    """A session and a training run whose ops only queue (no worker serves its base model)."""
-    with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=30) as http:
-        session = http.post("/api/v1/create_session", json={}).json()["session_id"]
-        model = {"session_id": session, "model_seq_id": 0, "base_model": "bench-no-worker"}
-        created = http.post("/api/v1/create_model", json={**model, "lora_config": {"rank": 32}})
-        return str(created.json()["model_id"])
-
-
 def wire_run(url: str, key: str, shape: Shape, rounds: int) -> WireResult:
-    model_id = open_model(url, key)
+    """Its ops only queue: no worker serves the run's base model."""
+    model_id = tenant(url, key, "bench-no-worker", lora_config={"rank": 32})
     data = batch(shape, np.random.default_rng(0))
     result = WireResult(shape, 0, 0, [], [], [])
     headers = {"X-API-Key": key, "Content-Type": "application/x-protobuf"}
@@ -165,10 +156,10 @@ def poll_run(url: str, key: str, log_path: Path, samples: int, batched: bool) ->
         wall_s = time.perf_counter() - began
         time.sleep(1.0)  # the last access-log lines
     after = requests_by_endpoint(log_path.read_text())
-    counts = {
-        name.rsplit(" ", 1)[0]: n - before.get(name, 0)
-        for name, n in after.items()
-        if n - before.get(name, 0) > 0 and ("sample" in name or "future" in name)
+    counts = {  # the requests since `before`, by endpoint without the status
+        name.rsplit(" ", 1)[0]: n
+        for name, n in (after - before).items()
+        if "sample" in name or "future" in name
     }
     return PollResult("retrieve_futures on" if batched else "off", samples, counts, wall_s)
 
@@ -268,24 +259,14 @@ def report(
 
 
 def break_even_mbit_s(r: WireResult) -> float:
-    """The link speed at which the bytes zstd saves take as long to send as compressing them
-    takes: on a slower link compression saves time, on a faster one it costs time."""
+    """The link speed at which sending the bytes zstd saves takes as long as compressing."""
     saved_bits = (r.plain_bytes - r.zstd_bytes) * 8
     return saved_bits / (statistics.median(r.compress_ms) / 1e3) / 1e6
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The three parts against one gateway and worker; hand back the report."""
-    parser = cli.parser(
-        "bench.protocol_wire",
-        __doc__,
-        knobs={
-            "--rounds": (20, "posts per mode and shape"),
-            "--samples": (64, "samples in flight"),
-            "--steps": (8, "custom-loss steps per mode"),
-        },
-        services=True,
-    )
+    parser = cli.parser("bench.protocol_wire", __doc__, knobs=KNOBS, services=True)
     parser.add_argument("--big-model", default="queue-tinker/llama-100m")
     quick = {"rounds": 2, "samples": 4, "steps": 1, "big_model": None}
     args = cli.parse(parser, argv, quick=quick)
@@ -293,23 +274,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         service_run(args, ("tinker", "zstandard"), "qt-bench-wire-") as run,
         # The wire runs create models on a base no worker serves, so their ops only queue.
         run.deployment("wire", queue_unserved_base_models=True) as settings,
+        lora_worker(settings, MODEL, run.data_dir / "worker.log"),
+        gateway_proc(settings, run.data_dir / "gateway.log") as (_, url),
     ):
         key = make_key(settings, f"bench-{uuid.uuid4().hex[:6]}")
+        wire = [wire_run(url, key, shape, args.rounds) for shape in SHAPES]
+        print("zstd bodies: done", flush=True)
         log_path = run.data_dir / "gateway.log"
-        with (
-            lora_worker(settings, MODEL, run.data_dir / "worker.log"),
-            gateway_proc(settings, log_path) as (_, url),
-        ):
-            wire = [wire_run(url, key, shape, args.rounds) for shape in SHAPES]
-            print("zstd bodies: done", flush=True)
-            polls = [
-                poll_run(url, key, log_path, args.samples, batched) for batched in (False, True)
-            ]
-            print("sample polling: done", flush=True)
-            custom = [custom_loss_run(url, key, MODEL, 8, 64, args.steps)]
-            if args.big_model:
-                with lora_worker(settings, args.big_model, run.data_dir / "worker-big.log"):
-                    custom.append(custom_loss_run(url, key, args.big_model, 4, 128, args.steps))
+        polls = [poll_run(url, key, log_path, args.samples, batched) for batched in (False, True)]
+        print("sample polling: done", flush=True)
+        custom = [custom_loss_run(url, key, MODEL, 8, 64, args.steps)]
+        if args.big_model:
+            with lora_worker(settings, args.big_model, run.data_dir / "worker-big.log"):
+                custom.append(custom_loss_run(url, key, args.big_model, 4, 128, args.steps))
     emit(report(args, run, wire, polls, custom), docs_of(args), args.json)
     return 0
 

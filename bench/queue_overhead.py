@@ -1,22 +1,8 @@
-"""Queue overhead: what one trivial op costs end to end, and how many per second the queue moves.
-
-Measures, in one run, against real Redis, real Postgres and real worker processes:
-
-1. Round-trip latency of a trivial op (`TrainingClient.ping`) with one worker: submit ->
-   result seen by the client, sequential, through the sync API (`client.ping(i).result()`) and
-   the async API (`await (await client.ping_async(i))`); p50/p90/p99/max, plus where the time
-   goes (stage timestamps from the job hash: queued_at, started_at, finished_at).
-2. Sustained throughput with 1 and with 2 workers: many pings in flight over several models,
-   a bounded window of in-flight futures, async API -> ops/s.
-3. The baseline: rq `SimpleWorker` (no fork, its own process) running a trivial job against
-   the same Redis: sequential round-trip latency (enqueue, then `job.latest_result(timeout=)`,
-   which blocks on rq's result stream with XREAD) and throughput (jobs enqueued up front, then
-   `SimpleWorker.work(burst=True)` in a separate process, timed inside that process).
-
-Every part uses a fresh Redis key prefix (rq: a fresh queue name) and the run uses one scratch
-Postgres database, created and migrated here and dropped at the end. Workers are separate
-processes (`python -m queue_tinker.cli worker --base-model tiny --device cpu`), stopped with
-SIGTERM. Results go to stdout and to the `## Queue overhead` section of docs/benchmarks.md.
+"""Queue overhead: what one trivial op (`TrainingClient.ping`, no model work) costs end to
+end, and how many per second the queue moves, against real Redis, Postgres and worker
+processes: round trips through the sync and the async API with where the time goes, throughput
+with 1 and 2 workers, and rq's `SimpleWorker` on the same Redis as the baseline. How each is
+measured: the `## Queue overhead` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.queue_overhead            # the full run (about 2-3 minutes)
     .venv/bin/python -m bench.queue_overhead --quick    # a smoke run, docs left alone

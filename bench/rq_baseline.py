@@ -55,14 +55,11 @@ def wait_for_rq_worker(queue: Any, timeout: float = 30) -> None:
 
 def rq_cleanup(redis_url: str, queue_name: str, job_ids: list[str]) -> None:
     """Delete the jobs, their results and every key naming the queue."""
-    client = redis.Redis.from_url(redis_url)
-    try:
+    with redis.Redis.from_url(redis_url) as client:
         for start in range(0, len(job_ids), 500):
             chunk = job_ids[start : start + 500]
             client.delete(*[f"rq:job:{j}" for j in chunk], *[f"rq:results:{j}" for j in chunk])
         client.srem("rq:queues", f"rq:queue:{queue_name}")
-    finally:
-        client.close()
     delete_matching(redis_url, f"rq:*{queue_name}*")
 
 
@@ -106,14 +103,8 @@ def rq_burst(redis_url: str, queue: Any, ops: int, job_ids: list[str]) -> tuple[
     jobs = queue.enqueue_many([Queue.prepare_data(echo, args=(i,)) for i in range(ops)])
     enqueue_s = time.perf_counter() - t0
     job_ids.extend(job.id for job in jobs)
-    out = subprocess.run(
-        rq_argv(redis_url, queue.name, burst=True),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
+    argv = rq_argv(redis_url, queue.name, burst=True)
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     finished = queue.finished_job_registry.count
     if len(queue) != 0 or finished != len(job_ids):

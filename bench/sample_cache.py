@@ -1,14 +1,5 @@
-"""Long samples under a KV-cache budget: peak RSS, time and the cache the decode loop held, with
-no budget and with budgets of a half and a quarter of what the samples need at once.
-
-Sixteen greedy samples of 1,024 new tokens (RL rollouts, scaled to this CPU) on a Llama decoder
-of random weights whose KV cache is most of what sampling holds, through the worker's decode
-loop (its `max_cache_tokens` as QT_SAMPLE_CACHE_TOKENS sets it), a fresh process a case (peak
-RSS is its ru_maxrss); each case's tokens are compared with the case without a budget.
-
-    .venv/bin/python -m bench.sample_cache            # writes its docs section
-    .venv/bin/python -m bench.sample_cache --quick    # 4 samples x 128 tokens, docs left alone
-"""
+"""Long samples under a KV-cache budget against none, a fresh process a case; the method is
+`## Sampling under a KV-cache budget: long samples` of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -107,29 +98,23 @@ def measure(samples: int, new_tokens: int, budget: int | None) -> Case:
     return Case(samples, new_tokens, budget, seconds, rss, most_cache, most_rows, kv, digests)
 
 
-def run_case(samples: int, new_tokens: int, budget: int | None) -> Case:
-    """The case in a fresh process."""
-    budgeted = [] if budget is None else ["--budget", str(budget)]
-    found = run_isolated("bench.sample_cache", ["--case", f"{samples}x{new_tokens}", *budgeted])
-    if found is None:
-        raise RuntimeError(f"the case {samples} x {new_tokens}, budget {budget}, failed")
-    case = Case(**found)
-    print(f"budget {budget}: {case.seconds:.1f} s, {case.peak_rss_mib:.0f} MiB", flush=True)
-    return case
-
-
 def run_all(samples: int, new_tokens: int) -> list[Case]:
+    """Each share's case in a fresh process."""
     needed = peak_cache_tokens([(PROMPT_TOKENS, new_tokens)] * samples)
-    return [
-        run_case(samples, new_tokens, None if share is None else int(needed * share))
-        for share in SHARES
-    ]
+    cases = []
+    for budget in (None if share is None else int(needed * share) for share in SHARES):
+        budgeted = [] if budget is None else ["--budget", str(budget)]
+        found = run_isolated("bench.sample_cache", ["--case", f"{samples}x{new_tokens}", *budgeted])
+        if found is None:
+            raise RuntimeError(f"the case {samples} x {new_tokens}, budget {budget}, failed")
+        cases.append(case := Case(**found))
+        print(f"budget {budget}: {case.seconds:.1f} s, {case.peak_rss_mib:.0f} MiB", flush=True)
+    return cases
 
 
 def report(cases: Sequence[Case], info: dict[str, str]) -> Report:
     """Each budget's measured cache, RSS and time, and its samples against the unbudgeted."""
-    first = cases[0]
-    kv = first.kv_bytes
+    first, kv = cases[0], cases[0].kv_bytes
     facts = [
         f"fp32; {first.samples} samples of {PROMPT_TOKENS} prompt + {first.new_tokens:,} new "
         f"tokens on a Llama decoder of random weights ({SHAPE.layers} layers, hidden "
@@ -137,17 +122,13 @@ def report(cases: Sequence[Case], info: dict[str, str]) -> Report:
     ]
     columns = ("budget (cache tokens)", "peak cache", "rows at once", "peak RSS", "time")
     rows = [
-        (
-            "none" if case.budget is None else f"{case.budget:,}",
-            f"{case.peak_cache_tokens:,} tokens ({case.peak_cache_tokens * kv / MIB:.0f} MiB)",
-            case.most_rows,
-            f"{case.peak_rss_mib:,.0f} MiB",
-            f"{case.seconds:.1f} s",
-            f"{sum(a == b for a, b in zip(case.digests, first.digests, strict=True))} of "
-            f"{case.samples}",
-        )
+        ("none" if case.budget is None else f"{case.budget:,}",
+         f"{case.peak_cache_tokens:,} tokens ({case.peak_cache_tokens * kv / MIB:.0f} MiB)",
+         case.most_rows, f"{case.peak_rss_mib:,.0f} MiB", f"{case.seconds:.1f} s",
+         f"{sum(a == b for a, b in zip(case.digests, first.digests, strict=True))} of "
+         f"{case.samples}")
         for case in cases
-    ]
+    ]  # fmt: skip
     body = [Table((*columns, "samples as without a budget"), rows)]
     return Report(SECTION, COMMAND, info, facts, (), body, {"cases": [asdict(c) for c in cases]})
 

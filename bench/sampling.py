@@ -1,18 +1,5 @@
-"""Sampling: generated tokens per second for 32 concurrent requests through the service against
-transformers' batched `generate()` on the same model, in the same run.
-
-Three sides, in rounds that rotate their order after a warm-up of each (one computes at a time):
-the service (32 `sample_async` calls sent at once to a real LoRA worker process, timed from the
-first submit to the last result in hand), `generate()` on the same prompts left-padded in this
-process, and the worker's own loop (`workers/sampling/decode_loop.py` `generate`) on the same
-requests in this process: the service minus the queue. Two cases: the base model, then 4
-sampler checkpoints trained through the service, 8 requests on each, against PEFT's
-`generate(adapter_names=...)` on the same checkpoints. The method is in the `## Sampling`
-section of docs/benchmarks.md, which a run's report fills (`## Sampling on a GPU` on CUDA).
-
-    .venv/bin/python -m bench.sampling            # full run (several minutes), writes the docs
-    .venv/bin/python -m bench.sampling --quick    # smoke run, docs left alone
-"""
+"""Sampling: tokens/s of 32 concurrent requests through the service against `generate()` and
+the worker's own loop in this process; the method is `## Sampling` of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -22,7 +9,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,9 +17,8 @@ import numpy as np
 import torch
 from peft import PeftModel
 
-from bench.harness import cli
-from bench.harness.baselines import generate as batched_generate
-from bench.harness.baselines import left_padded
+from bench.decode_step import Info, Prompts, requests
+from bench.harness import baselines, cli
 from bench.harness.data import datums, random_prompts, sampling_params
 from bench.harness.meters import CpuMeter, synchronize
 from bench.harness.models import ensure_model, frozen_base
@@ -41,14 +26,15 @@ from bench.harness.report import Report, Table, Target, docs_of, emit
 from bench.harness.run import TORCH, service_run
 from bench.harness.services import deployment, job_times, service_client
 from bench.harness.workers import lora_worker, use_torch_threads
+from bench.sampling_engine import BIG, TINY
 from queue_tinker.builtin_models import EOS_ID
 from queue_tinker.client import SamplingClient, ServiceClient
 from queue_tinker.queue.keys import Keys
-from queue_tinker.types import AdamParams, ModelInput, SampleResponse, SamplingParams
+from queue_tinker.types import AdamParams, ModelInput, SampleResponse
 from queue_tinker.types.service.checkpoints import CheckpointPath
 from queue_tinker.workers.model.checkpoints import checkpoint_dir
 from queue_tinker.workers.model.memory import lora_compute_dtype
-from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
+from queue_tinker.workers.sampling.decode_loop import generate
 
 SECTION = "## Sampling"
 GPU_SECTION = "## Sampling on a GPU"
@@ -61,7 +47,6 @@ SEED = 1000  # request i samples with seed SEED + i
 TIMEOUT_S = 600.0
 
 
-# --- what is measured ----------------------------------------------------------------------------
 @dataclass
 class Size:
     model: str
@@ -79,10 +64,6 @@ class Split:
     queue_out: float  # last finished -> last result in hand
     batches: list[int]  # requests in each generation batch the worker ran, in order
     batch_s: list[float]  # each batch: its first start -> its last finish
-
-    @property
-    def pattern(self) -> str:
-        return "+".join(map(str, self.batches))
 
 
 @dataclass
@@ -117,20 +98,15 @@ class SizeResult:
     cases: dict[str, CaseResult] = field(default_factory=lambda: {c: CaseResult() for c in CASES})
 
 
-def params(i: int, tokens: int) -> SamplingParams:
-    return sampling_params(SEED + i, tokens)
-
-
-# --- this process: generate() and the worker's loop on the same model -------------------------
 class Local:
     """The base model (and a PeftModel holding the checkpoints) in this process."""
 
-    def __init__(self, model: str, data_dir: Path, prompts: list[list[int]], device: str) -> None:
+    def __init__(self, model: str, data_dir: Path, prompts: Prompts, device: str) -> None:
         self.name, self.data_dir, self.prompts = model, data_dir, prompts
         self.device = torch.device(device)
         self.base = frozen_base(model, device, data_dir)
         self.peft: PeftModel | None = None
-        self.ids, self.mask = left_padded(prompts, self.device)
+        self.ids, self.mask = baselines.left_padded(prompts, self.device)
 
     def attach(self, directories: list[Path]) -> list[str]:
         """A second copy of the base with the checkpoints loaded; their adapter names."""
@@ -162,20 +138,16 @@ class Local:
     def generate(self, tokens: int, adapters: list[str] | None) -> None:
         """One batched HF generate() call."""
         extra = {} if adapters is None else {"adapter_names": adapters}
-        batched_generate(self.model(adapters), self.ids, self.mask, tokens, **extra)
+        baselines.generate(self.model(adapters), self.ids, self.mask, tokens, **extra)
 
     def loop(self, tokens: int, adapters: list[str] | None) -> list[SampleResponse]:
         """The worker's generation function on the same requests."""
-        rows: Sequence[str | None] = adapters or [None] * len(self.prompts)
-        requests = [  # prompt, num_samples, params, max_tokens, prompt_logprobs, adapter
-            GenerationRequest(p, 1, params(i, tokens), tokens, False, rows[i])
-            for i, p in enumerate(self.prompts)
-        ]
+        batch = requests(self.prompts, tokens, adapters or [None], SEED)
         # LoRA's matmuls as the worker runs them (QT_LORA_MATMUL_DTYPE's auto: bf16 on CUDA).
         lora = lora_compute_dtype(self.base.dtype, "auto")
         return generate(
             self.model(adapters),
-            requests,
+            batch,
             device=self.device,
             eos_token_ids=[EOS_ID],
             decode=lambda _: "",
@@ -183,7 +155,6 @@ class Local:
         )
 
 
-# --- the service -------------------------------------------------------------------------------
 @dataclass
 class ServiceCall:
     wall: float  # time.time() before the first submit (lines up with Redis TIME)
@@ -192,38 +163,28 @@ class ServiceCall:
     responses: list[SampleResponse]
 
 
-def service_call(
-    samplers: list[SamplingClient], prompts: list[list[int]], tokens: int
-) -> ServiceCall:
+def service_call(samplers: list[SamplingClient], prompts: Prompts, tokens: int) -> ServiceCall:
     """All requests at once through the async API (request i on sampler i mod n)."""
 
     async def go() -> ServiceCall:
         wall, t0 = time.time(), time.perf_counter()
-        futures = await asyncio.gather(
-            *(
-                samplers[i % len(samplers)].sample_async(
-                    ModelInput.from_ints(p), 1, params(i, tokens)
-                )
-                for i, p in enumerate(prompts)
-            )
+        sends = (
+            sampler.sample_async(ModelInput.from_ints(p), 1, sampling_params(SEED + i, tokens))
+            for i, p in enumerate(prompts)
+            for sampler in (samplers[i % len(samplers)],)
         )
+        futures = await asyncio.gather(*sends)
         responses = await asyncio.wait_for(asyncio.gather(*futures), TIMEOUT_S)
-        return ServiceCall(
-            wall, time.perf_counter() - t0, [f.request_id for f in futures], list(responses)
-        )
+        seconds = time.perf_counter() - t0
+        return ServiceCall(wall, seconds, [f.request_id for f in futures], list(responses))
 
     return asyncio.run(go())
 
 
 def check(responses: list[SampleResponse], tokens: int, what: str) -> None:
     """Each response: one sequence of `tokens` tokens, stopped by its length."""
-    wanted = [(tokens, "length")]
-    bad = [
-        i
-        for i, r in enumerate(responses)
-        if [(len(x.tokens), x.stop_reason) for x in r.sequences] != wanted
-    ]
-    if bad:
+    shapes = [[(len(x.tokens), x.stop_reason) for x in r.sequences] for r in responses]
+    if bad := [i for i, shape in enumerate(shapes) if shape != [(tokens, "length")]]:
         raise AssertionError(f"{what}: requests {bad} did not generate {tokens} tokens to length")
 
 
@@ -259,7 +220,6 @@ def make_checkpoints(
     return paths, [checkpoint_dir(storage, CheckpointPath.parse(p)) for p in paths]
 
 
-# --- one model ---------------------------------------------------------------------------------
 def run_case(
     case: str,
     result: SizeResult,
@@ -301,9 +261,8 @@ def run_case(
         check(call.responses, size.tokens, f"service, {case}")
         check(loop_out, size.tokens, f"loop, {case}")
         pairs = zip(call.responses, loop_out, strict=True)
-        out.same_as_loop.append(
-            sum(a.sequences[0].tokens == b.sequences[0].tokens for a, b in pairs)
-        )
+        same = sum(a.sequences[0].tokens == b.sequences[0].tokens for a, b in pairs)
+        out.same_as_loop.append(same)
         out.split.append(split_of(call, job_times(redis_url, keys, call.job_ids)))
         rates = (f"{s} {REQUESTS * size.tokens / out.times[s][-1]:,.0f}" for s in SIDES)
         print(f"    {case} round {r + 1}: tok/s " + ", ".join(rates), flush=True)
@@ -325,18 +284,14 @@ def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: P
             run_case("base", result, local, [base], None, meter, args.redis_url, keys)
             paths, directories = make_checkpoints(service, size.model, settings.storage_dir)
             names = local.attach(directories)
-            result.hook_ms = local.hook_ms([names[i % ADAPTERS] for i in range(REQUESTS)])
-            samplers = [service.create_sampling_client(model_path=p) for p in paths]
             adapters = [names[i % ADAPTERS] for i in range(REQUESTS)]
+            result.hook_ms = local.hook_ms(adapters)
+            samplers = [service.create_sampling_client(model_path=p) for p in paths]
             run_case("mixed", result, local, samplers, adapters, meter, args.redis_url, keys)
     return result
 
 
-# --- main --------------------------------------------------------------------------------------
-SIZES = {
-    "queue-tinker/tiny-llama": Size("queue-tinker/tiny-llama", 64, 10, 40),
-    "queue-tinker/llama-100m": Size("queue-tinker/llama-100m", 32, 5, 150),
-}
+SIZES = {s.model: s for s in (Size(TINY, 64, 10, 40), Size(BIG, 32, 5, 150))}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -365,33 +320,21 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes(args):
             print(f"{size.model}: {REQUESTS} × {size.tokens} tokens, threads {threads}", flush=True)
             results.append(measure(args, size, run.database_url, run.data_dir))
+    counts = ", ".join(f"{k} {v}" for k, v in threads.items())
     facts = [
         f"Torch threads, set explicitly (OMP_NUM_THREADS={args.threads} in the worker's "
-        f"environment, `torch.set_num_threads({args.threads})` here): "
-        + ", ".join(f"{k} {v}" for k, v in threads.items())
-        + ".",
+        f"environment, `torch.set_num_threads({args.threads})` here): {counts}.",
         f"The run took {run.total_s:.0f} s; client, worker, Redis and Postgres share the cores.",
     ]
     emit(report(run.info, facts, results, args.device), docs_of(args), args.json)
     return 0
 
 
-# --- the report --------------------------------------------------------------------------------
-Case = tuple[SizeResult, str, CaseResult]  # a model, its case's name, that case
-
-
-def report(
-    info: dict[str, str], facts: list[str], results: list[SizeResult], device: str = "cpu"
-) -> Report:
+def report(info: Info, facts: list[str], results: list[SizeResult], device: str = "cpu") -> Report:
     """The base-model target, the three sides' tokens/s, where the service's time goes."""
-    targets = [
-        Target(
-            f"service ≥ {TARGET:.1f}× generate() tokens/s, base model, `{model}`",
-            f"{x:.2f}×",
-            x >= TARGET,
-        )
-        for model, x in ((r.size.model, r.cases["base"].ratio()) for r in results)
-    ]
+    ratios = [(r.size.model, r.cases["base"].ratio()) for r in results]
+    what = f"service ≥ {TARGET:.1f}× generate() tokens/s, base model"
+    targets = [Target(f"{what}, `{model}`", f"{x:.2f}×", x >= TARGET) for model, x in ratios]
     cases = [(r, name, c) for r in results for name, c in r.cases.items()]
     queue = ", ".join(
         f"`{r.size.model}` {name} {ms([x.queue_in + x.queue_out for x in c.split])}"
@@ -432,7 +375,9 @@ def ms(values: list[float]) -> str:
 
 def batch_text(splits: list[Split]) -> str:
     """Each batch pattern the worker ran, with the median time of each of its batches."""
-    patterns = {x.pattern: [y for y in splits if y.pattern == x.pattern] for x in splits}
+    patterns: dict[str, list[Split]] = {}
+    for x in splits:
+        patterns.setdefault("+".join(map(str, x.batches)), []).append(x)
     return "; ".join(
         f"{p}: "
         + " + ".join(ms(list(col)) for col in zip(*(y.batch_s for y in group), strict=True))
@@ -441,59 +386,45 @@ def batch_text(splits: list[Split]) -> str:
     )
 
 
-def throughput(cases: list[Case]) -> Table:
-    columns = ("model (params)", "case", "requests × max_tokens", "rounds", "generate() tok/s")
-    more = ("service tok/s", "service / generate()", "worker loop in-process tok/s")
+def throughput(cases: list[tuple[SizeResult, str, CaseResult]]) -> Table:
+    columns = (
+        "model (params)", "case", "requests × max_tokens", "rounds", "generate() tok/s",
+        "service tok/s", "service / generate()", "worker loop in-process tok/s",
+        "loop / generate()", "other processes, cores (service / generate / loop)",
+    )  # fmt: skip
     rows = [
-        (
-            f"`{r.size.model}` ({r.params / 1e6:,.1f}M)",
-            "base model" if name == "base" else f"{ADAPTERS} adapters, mixed batch",
-            f"{REQUESTS} × {t}",
-            len(c.times["service"]),
-            f"{c.tok_s('generate', t):,.0f}",
-            f"{c.tok_s('service', t):,.0f}",
-            f"**{c.ratio():.2f}×**",
-            f"{c.tok_s('loop', t):,.0f}",
-            f"{c.ratio('loop'):.2f}×",
-            " / ".join(f"{statistics.mean(c.foreign[s]):.2f}" for s in SIDES),
-        )
+        (f"`{r.size.model}` ({r.params / 1e6:,.1f}M)",
+         "base model" if name == "base" else f"{ADAPTERS} adapters, mixed batch",
+         f"{REQUESTS} × {t}", len(c.times["service"]), f"{c.tok_s('generate', t):,.0f}",
+         f"{c.tok_s('service', t):,.0f}", f"**{c.ratio():.2f}×**", f"{c.tok_s('loop', t):,.0f}",
+         f"{c.ratio('loop'):.2f}×",
+         " / ".join(f"{statistics.mean(c.foreign[s]):.2f}" for s in SIDES))
         for r, name, c in cases
         for t in (r.size.tokens,)
-    ]
-    cores = "other processes, cores (service / generate / loop)"
-    return Table((*columns, *more, "loop / generate()", cores), rows)
+    ]  # fmt: skip
+    return Table(columns, rows)
 
 
-def where(cases: list[Case]) -> Table:
-    columns = ("model", "case", "service total", "submit → first op started")
-    worker = (
-        "on the worker (first started → last finished)",
-        "last finished → last result in hand",
-    )
-    more = ("worker loop in-process", "generate()", "worker batches: requests, time each")
+def where(cases: list[tuple[SizeResult, str, CaseResult]]) -> Table:
+    columns = (
+        "model", "case", "service total", "submit → first op started",
+        "on the worker (first started → last finished)", "last finished → last result in hand",
+        "worker loop in-process", "generate()", "worker batches: requests, time each",
+        "service sequences equal to the in-process loop's",
+    )  # fmt: skip
     rows = [
-        (
-            f"`{r.size.model}`",
-            name,
-            ms(c.times["service"]),
-            *(
-                ms([getattr(x, part) for x in c.split])
-                for part in ("queue_in", "worker", "queue_out")
-            ),
-            ms(c.times["loop"]),
-            ms(c.times["generate"]),
-            batch_text(c.split),
-            f"{sum(c.same_as_loop)} of {REQUESTS * len(c.same_as_loop)}",
-        )
+        (f"`{r.size.model}`", name, ms(c.times["service"]),
+         *(ms([getattr(x, part) for x in c.split]) for part in ("queue_in", "worker", "queue_out")),
+         ms(c.times["loop"]), ms(c.times["generate"]), batch_text(c.split),
+         f"{sum(c.same_as_loop)} of {REQUESTS * len(c.same_as_loop)}")
         for r, name, c in cases
-    ]
-    return Table(
-        (*columns, *worker, *more, "service sequences equal to the in-process loop's"),
-        rows,
-        caption="Where the service's time goes (medians over rounds, ms per call of 32 requests; "
-        "the split uses the Redis-clock `started_at` / `finished_at` of the sample jobs and the "
-        "client's clock):",
+    ]  # fmt: skip
+    caption = (
+        "Where the service's time goes (medians over rounds, ms per call of 32 requests; the "
+        "split uses the Redis-clock `started_at` / `finished_at` of the sample jobs and the "
+        "client's clock):"
     )
+    return Table(columns, rows, caption=caption)
 
 
 if __name__ == "__main__":

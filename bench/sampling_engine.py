@@ -1,18 +1,5 @@
-"""The sampling engine through the service: continuous batching, shared prompts and fair turns,
-each against a baseline measured in the same run, on one real LoRA worker process.
-
-Staggered requests (a Poisson stream over 1.5 s: median latency against one alone, tokens/s
-against `generate()` on the same requests at once), requests at once and long samples against
-`generate()`, `num_samples=16` of one prompt against 16 requests of it (and of 16 long prompts
-against 16 distinct ones), and fair turns: one tenant's training step while another tenant's
-long sample runs, against each alone. The method is in the docs section this writes, `## Sampling
-engine: ...` of docs/benchmarks.md (`## Sampling engine on a GPU` for a CUDA run).
-
-    .venv/bin/python -m bench.sampling_engine                 # tiny model, a few minutes
-    .venv/bin/python -m bench.sampling_engine --models queue-tinker/tiny-llama \\
-        queue-tinker/llama-100m
-    .venv/bin/python -m bench.sampling_engine --quick         # smoke run, docs left alone
-"""
+"""The sampling engine through the service, each measurement against a same-run baseline; the
+method is `## Sampling engine: ...` of docs/benchmarks.md (`... on a GPU` on CUDA)."""
 
 from __future__ import annotations
 
@@ -29,10 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.decode_step import Prompts
 from bench.harness import cli
 from bench.harness.baselines import generate, left_padded
 from bench.harness.data import datums, random_prompts, sampling_params
-from bench.harness.meters import synchronize
+from bench.harness.meters import timed
 from bench.harness.models import ensure_model, frozen_base
 from bench.harness.report import Report, Table, docs_of, emit
 from bench.harness.run import TORCH, service_run
@@ -85,13 +73,10 @@ class Result:
     sample_shared_s: float = 0.0
 
 
+TINY, BIG = "queue-tinker/tiny-llama", "queue-tinker/llama-100m"
 SIZES = {
-    "queue-tinker/tiny-llama": Size(
-        "queue-tinker/tiny-llama", 64, 512, 128, 3, long_prompt=160, long_tokens=192
-    ),
-    "queue-tinker/llama-100m": Size(
-        "queue-tinker/llama-100m", 32, 64, 32, 2, long_prompt=960, long_rows=16, long_tokens=384
-    ),
+    TINY: Size(TINY, 64, 512, 128, 3, long_prompt=160, long_tokens=192),
+    BIG: Size(BIG, 32, 64, 32, 2, long_prompt=960, long_rows=16, long_tokens=384),
 }
 
 
@@ -103,16 +88,11 @@ def p90(values: list[float]) -> float:
     return float(np.percentile(values, 90)) if values else float("nan")
 
 
-# --- the two sides -----------------------------------------------------------------------------
-def generate_tok_s(model: Any, batch: list[list[int]], tokens: int) -> float:
+def generate_tok_s(model: Any, batch: Prompts, tokens: int) -> float:
     """transformers' generate() on the prompts at once, left-padded: generated tokens/s."""
     device = next(model.parameters()).device
     ids, mask = left_padded(batch, device)
-    synchronize(device)
-    began = time.perf_counter()
-    generate(model, ids, mask, tokens)
-    synchronize(device)
-    return len(batch) * tokens / (time.perf_counter() - began)
+    return len(batch) * tokens / timed(lambda: generate(model, ids, mask, tokens), device)
 
 
 async def timed_sample(
@@ -121,19 +101,13 @@ async def timed_sample(
     """Wait `delay_s`, then one request; seconds from submit to result (checked)."""
     await asyncio.sleep(delay_s)
     began = time.perf_counter()
-    future = await sampler.sample_async(ModelInput.from_ints(prompt), n, sampling)
-    response = await future
+    response = await (await sampler.sample_async(ModelInput.from_ints(prompt), n, sampling))
     assert all(len(s.tokens) == sampling.max_tokens for s in response.sequences)
     return time.perf_counter() - began
 
 
 def sent(
-    sampler: SamplingClient,
-    batch: list[list[int]],
-    n: int,
-    tokens: int,
-    seed: int,
-    delays: Sequence[float],
+    sampler: SamplingClient, batch: Prompts, n: int, tokens: int, seed: int, delays: Sequence[float]
 ) -> tuple[list[float], float]:
     """Request i sent after `delays[i]` seconds: each one's latency, and the generated tokens/s
     from the first submit to the last result."""
@@ -150,21 +124,9 @@ def sent(
     return asyncio.run(go())
 
 
-def at_once(
-    sampler: SamplingClient, batch: list[list[int]], n: int, tokens: int, seed: int
-) -> float:
+def at_once(sampler: SamplingClient, batch: Prompts, n: int, tokens: int, seed: int) -> float:
     """The requests sent together: generated tokens/s, first submit to last result."""
     return sent(sampler, batch, n, tokens, seed, [0.0] * len(batch))[1]
-
-
-def staggered(
-    sampler: SamplingClient, batch: list[list[int]], tokens: int, seed: int
-) -> tuple[list[float], float]:
-    """The requests as a Poisson stream over 1.5 s: each one's latency, and the stream's
-    generated tokens/s (first submit to last result)."""
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.5 / len(batch), len(batch)))
-    return sent(sampler, batch, 1, tokens, seed, [float(a) for a in arrivals])
 
 
 def train_steps(tc: TrainingClient, batch: list[Datum], count: int) -> list[float]:
@@ -201,13 +163,10 @@ def fair_turns(service: ServiceClient, trainer: ServiceClient, size: Size, resul
     result.sample_shared_s = time.perf_counter() - began
 
 
-# --- one model ---------------------------------------------------------------------------------
 def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: Path) -> Result:
     ensure_model(size.model, data_dir)
     local = frozen_base(size.model, args.device, data_dir)
     result = Result(size, sum(p.numel() for p in local.parameters()))
-    prompts = random_prompts(size.staggered, 1), random_prompts(size.simultaneous, 2)
-    shared_prompt = random_prompts(1, 3)[0]
     # The worker's QT_DECODE_STEP when --decode-step names one (else its default).
     env = {"QT_DECODE_STEP": args.decode_step} if args.decode_step else {}
     with deployment(args.redis_url, database_url, "sampling-engine", data_dir) as settings:
@@ -218,31 +177,30 @@ def measure(args: argparse.Namespace, size: Size, database_url: str, data_dir: P
             service_client(settings.model_copy(update={"tenant": "sampler"})) as service,
         ):
             sampler = service.create_sampling_client(base_model=size.model)
-            at_once(sampler, prompts[1][:4], 1, 4, 0)  # warm-up: the worker's loop is made
-            generate_tok_s(local, prompts[1][:4], 4)
+            warm = random_prompts(size.simultaneous, 2)[:4]
+            at_once(sampler, warm, 1, 4, 0)  # warm-up: the worker's loop is made
+            generate_tok_s(local, warm, 4)
             if args.device != "cpu":  # a GPU warms up per shape (kernels, allocator)
-                run_round(sampler, local, Result(size), (*prompts, shared_prompt), 0)
+                run_round(sampler, local, Result(size), 0)
             for r in range(size.rounds):
-                run_round(sampler, local, result, (*prompts, shared_prompt), r)
+                run_round(sampler, local, result, r)
             fair_turns(service, trainer, size, result)
     return result
 
 
-def run_round(
-    sampler: SamplingClient,
-    local: torch.nn.Module,
-    result: Result,
-    prompts: tuple[list[list[int]], list[list[int]], list[int]],
-    r: int,
-) -> None:
-    """Round `r` of every measurement but the fair turns; `prompts`: the stream's, those sent
-    together, the one shared prompt."""
-    size, (stream, together, shared_prompt) = result.size, prompts
+def run_round(sampler: SamplingClient, local: torch.nn.Module, result: Result, r: int) -> None:
+    """Round `r` of every measurement but the fair turns (the same prompts every round)."""
+    size = result.size
+    stream, together = random_prompts(size.staggered, 1), random_prompts(size.simultaneous, 2)
+    shared_prompt = random_prompts(1, 3)[0]
     median_prompt = sorted(stream, key=len)[len(stream) // 2]
-    result.alone_s.append(
-        asyncio.run(timed_sample(sampler, median_prompt, 1, sampling_params(100 + r, size.tokens)))
-    )
-    latencies, tok_s = staggered(sampler, stream, size.tokens, 1000 * (r + 1))
+    alone = sampling_params(100 + r, size.tokens)
+    result.alone_s.append(asyncio.run(timed_sample(sampler, median_prompt, 1, alone)))
+    # The stream: the requests as a Poisson stream over 1.5 s.
+    seed = 1000 * (r + 1)
+    rng = np.random.default_rng(seed)
+    arrivals = [float(a) for a in np.cumsum(rng.exponential(1.5 / len(stream), len(stream)))]
+    latencies, tok_s = sent(sampler, stream, 1, size.tokens, seed, arrivals)
     result.staggered_latency_s = latencies
     result.staggered_median_s.append(median(latencies))
     result.staggered_tok_s.append(tok_s)
@@ -267,7 +225,6 @@ def run_round(
     )
 
 
-# --- main --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.sampling_engine", __doc__, services=True)
     steps = ["auto", "padded", "slots", "graphs"]
@@ -298,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# --- the report --------------------------------------------------------------------------------
 Row = tuple[str, str, str, float, str]  # what, service, baseline, ratio, target
 
 
@@ -315,73 +271,37 @@ def rows(r: Result) -> list[Row]:
     sample = f"{s.fair_rows} × {s.fair_tokens}"
     step_under, step_alone = r.step_under_s, r.step_alone_s
     return [
-        (
-            f"staggered: {s.staggered} requests, Poisson over 1.5 s, {s.tokens} tokens each — "
-            "median latency (lower is better)",
-            f"{stag * 1000:,.0f} ms",
-            f"one alone: {alone * 1000:,.0f} ms",
-            stag / alone,
-            "≤ 2×",
-        ),
-        tokens_row(
-            "staggered: the stream's tokens/s vs generate() on the same requests at once",
-            r.staggered_tok_s,
-            r.generate_staggered_tok_s,
-            "stated",
-        ),
-        tokens_row(
-            f"{s.simultaneous} requests at once, {s.tokens} tokens each, vs generate()",
-            r.simultaneous_tok_s,
-            r.generate_simultaneous_tok_s,
-            "≥ 1.2×",
-        ),
-        tokens_row(
-            f"{s.long_rows} requests at once, {s.long_tokens} tokens each (long samples), vs "
-            "generate()",
-            r.long_samples_tok_s,
-            r.generate_long_samples_tok_s,
-            "stated",
-        ),
-        tokens_row(
-            f"num_samples={s.shared} of one prompt vs {s.shared} requests of it",
-            r.shared_tok_s,
-            r.separate_tok_s,
-            "≥ 1.5×",
-        ),
-        tokens_row(
-            f"num_samples={s.shared} of one {s.long_prompt}-token prompt vs {s.shared} requests "
-            f"of distinct {s.long_prompt}-token prompts (what sharing the prefill saves)",
-            r.long_shared_tok_s,
-            r.long_distinct_tok_s,
-            "stated",
-        ),
-        (
-            f"training step p90 while another tenant samples {sample} (lower is better)",
-            f"{p90(step_under) * 1000:,.0f} ms "
-            f"(p50 {median(step_under) * 1000:,.0f}, {len(step_under)} steps)",
-            f"alone: {p90(step_alone) * 1000:,.0f} ms (p50 {median(step_alone) * 1000:,.0f})",
-            p90(step_under) / p90(step_alone),
-            "≤ 3×",
-        ),
-        (
-            f"that {sample} sample's time, sharing the worker with the trainer (lower is better)",
-            f"{r.sample_shared_s:,.1f} s",
-            f"alone: {r.sample_alone_s:,.1f} s",
-            r.sample_shared_s / r.sample_alone_s,
-            "stated",
-        ),
-    ]
+        (f"staggered: {s.staggered} requests, Poisson over 1.5 s, {s.tokens} tokens each — "
+         "median latency (lower is better)",
+         f"{stag * 1000:,.0f} ms", f"one alone: {alone * 1000:,.0f} ms", stag / alone, "≤ 2×"),
+        tokens_row("staggered: the stream's tokens/s vs generate() on the same requests at once",
+                   r.staggered_tok_s, r.generate_staggered_tok_s, "stated"),
+        tokens_row(f"{s.simultaneous} requests at once, {s.tokens} tokens each, vs generate()",
+                   r.simultaneous_tok_s, r.generate_simultaneous_tok_s, "≥ 1.2×"),
+        tokens_row(f"{s.long_rows} requests at once, {s.long_tokens} tokens each (long samples), "
+                   "vs generate()", r.long_samples_tok_s, r.generate_long_samples_tok_s, "stated"),
+        tokens_row(f"num_samples={s.shared} of one prompt vs {s.shared} requests of it",
+                   r.shared_tok_s, r.separate_tok_s, "≥ 1.5×"),
+        tokens_row(f"num_samples={s.shared} of one {s.long_prompt}-token prompt vs {s.shared} "
+                   f"requests of distinct {s.long_prompt}-token prompts (what sharing the prefill "
+                   "saves)", r.long_shared_tok_s, r.long_distinct_tok_s, "stated"),
+        (f"training step p90 while another tenant samples {sample} (lower is better)",
+         f"{p90(step_under) * 1000:,.0f} ms "
+         f"(p50 {median(step_under) * 1000:,.0f}, {len(step_under)} steps)",
+         f"alone: {p90(step_alone) * 1000:,.0f} ms (p50 {median(step_alone) * 1000:,.0f})",
+         p90(step_under) / p90(step_alone), "≤ 3×"),
+        (f"that {sample} sample's time, sharing the worker with the trainer (lower is better)",
+         f"{r.sample_shared_s:,.1f} s", f"alone: {r.sample_alone_s:,.1f} s",
+         r.sample_shared_s / r.sample_alone_s, "stated"),
+    ]  # fmt: skip
 
 
 def table(results: list[Result]) -> Table:
     return Table(
         ("model (params)", "measurement", "service", "same-run baseline", "ratio", "target"),
-        [
-            (f"`{r.size.model}` ({r.params / 1e6:,.1f}M)", what, ours, theirs, f"**{x:.2f}×**", t)
-            for r in results
-            for what, ours, theirs, x, t in rows(r)
-        ],
-    )
+        [(f"`{r.size.model}` ({r.params / 1e6:,.1f}M)", what, ours, theirs, f"**{x:.2f}×**", t)
+         for r in results for what, ours, theirs, x, t in rows(r)],
+    )  # fmt: skip
 
 
 def report(

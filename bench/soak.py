@@ -1,11 +1,8 @@
-"""Soak: many clients over many models for minutes, against real Redis, real Postgres and real
-worker processes with production settings. No future may get stuck, every op must be done
-exactly once, and the workers' memory must stay flat: those checks are the run's targets, and
-the exit status is 1 when one is not met. The load, the checks and how to read them: the
-`## Soak` section of docs/benchmarks.md.
+"""Soak: many clients over many models for minutes against real Redis, Postgres and workers:
+no future stuck, every op done exactly once, worker memory flat (exit 1 when a check is not
+met). The load and the checks: the `## Soak` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.soak --minutes 5 --clients 20 --models 50
-    .venv/bin/python -m bench.soak --quick          # half a minute, small, docs left alone
 """
 
 from __future__ import annotations
@@ -31,9 +28,9 @@ from bench.harness.data import datums
 from bench.harness.meters import status_kib
 from bench.harness.report import Report, Table, Target, docs_of, emit
 from bench.harness.run import service_run
-from bench.harness.services import delete_matching, service_client
+from bench.harness.services import delete_matching, hash_fields, service_client
 from bench.harness.stats import Latency
-from bench.harness.workers import lora_worker, wait_for_workers, worker_proc
+from bench.harness.workers import lora_worker, running_workers, wait_for_workers
 from queue_tinker import types
 from queue_tinker.client import ServiceClient, TrainingClient
 from queue_tinker.errors import QueueTinkerError
@@ -46,6 +43,22 @@ LORA_MODEL = "queue-tinker/tiny-llama"
 DELAYS_MS = (0, 0, 1, 5, 20)  # drawn uniformly: 40% inline, the rest on the compute thread
 MIB = 1024 * 1024
 Series = dict[str, list[tuple[float, int]]]  # per process: (seconds since start, bytes)
+KNOBS = {
+    "--minutes": (5.0, "how long the load runs"),
+    "--clients": (20, "ServiceClients in this process"),
+    "--models": (50, "training runs the pings go to"),
+    "--rate": (5.0, "pings per second per client"),
+    "--window": (16, "at most this many pings in flight per client"),
+    "--workers": (2, "queue-only workers"),
+    "--lora-clients": (2, "training runs on the LoRA worker (0: no LoRA worker)"),
+    "--sample-every": (10, "LoRA steps between save-and-sample rounds"),
+    "--max-resident": (8, "QT_MAX_RESIDENT_ADAPTERS of the workers"),
+    "--sample-s": (5.0, "memory sampling period"),
+    "--stuck-after": (60.0, "a future unresolved this long counts as stuck"),
+    "--max-slope": (1.0, "MiB/min of worker memory growth still called flat"),
+    "--seed": (7, "seed of the arrival times and delays"),
+}
+QUICK = {"minutes": 0.5, "clients": 4, "models": 8, "max_slope": 1000.0}
 
 
 # --- what the run saw --------------------------------------------------------------------------
@@ -87,8 +100,7 @@ def sampling_memory(pids: dict[str, int], redis_url: str, interval: float) -> It
                 for name, pid in pids.items():
                     if (rss := status_kib(pid, "VmRSS")) is not None:  # None once it is gone
                         series[name].append((now, rss * 1024))
-                used = int(client.info("memory")["used_memory"])
-                series["Redis used_memory"].append((now, used))
+                series["Redis used_memory"].append((now, int(client.info("memory")["used_memory"])))
                 if stop.wait(interval):
                     return
 
@@ -216,12 +228,11 @@ async def drive(
         await services[i % len(services)].create_lora_training_client_async("tiny")
         for i in range(args.models)
     ]
-    runs = []
-    if lora is not None:
-        runs = [
-            await lora.create_lora_training_client_async(LORA_MODEL, rank=8)
-            for _ in range(args.lora_clients)
-        ]
+    runs = [
+        await lora.create_lora_training_client_async(LORA_MODEL, rank=8)
+        for _ in range(args.lora_clients)
+        if lora is not None
+    ]
     began = time.monotonic()
     deadline = began + args.minutes * 60
     rng = random.Random(args.seed)
@@ -238,15 +249,11 @@ async def drive(
 def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
     """Ping jobs not done with attempts 1, models whose results skip or repeat a seq, and the
     publish counter against the pings done."""
+    jobs = hash_fields(
+        redis_url, [keys.job(job_id) for job_id in tally.job_ids], "status", "attempts"
+    )
+    not_once = sum(fields != [b"done", b"1"] for fields in jobs)
     with redis.Redis.from_url(redis_url) as client:
-        not_once = 0
-        for start in range(0, len(tally.job_ids), 5_000):
-            pipe = client.pipeline(transaction=False)
-            for job_id in tally.job_ids[start : start + 5_000]:
-                pipe.hmget(keys.job(job_id), ["status", "attempts"])
-            not_once += sum(
-                1 for status, attempts in pipe.execute() if status != b"done" or attempts != b"1"
-            )
         published = int(client.hget(keys.metrics_ops(), "ping|done") or 0)
     gaps = sum(1 for seqs in tally.seqs.values() if sorted(seqs) != list(range(2, len(seqs) + 2)))
     return {
@@ -257,32 +264,6 @@ def exactly_once(redis_url: str, keys: Keys, tally: Tally) -> dict[str, int]:
 
 
 # --- main --------------------------------------------------------------------------------------
-def parse_args(argv: Sequence[str] | None) -> Namespace:
-    parser = cli.parser(
-        "bench.soak",
-        __doc__,
-        knobs={
-            "--minutes": (5.0, "how long the load runs"),
-            "--clients": (20, "ServiceClients in this process"),
-            "--models": (50, "training runs the pings go to"),
-            "--rate": (5.0, "pings per second per client"),
-            "--window": (16, "at most this many pings in flight per client"),
-            "--workers": (2, "queue-only workers"),
-            "--lora-clients": (2, "training runs on the LoRA worker (0: no LoRA worker)"),
-            "--sample-every": (10, "LoRA steps between save-and-sample rounds"),
-            "--max-resident": (8, "QT_MAX_RESIDENT_ADAPTERS of the workers"),
-            "--sample-s": (5.0, "memory sampling period"),
-            "--stuck-after": (60.0, "a future unresolved this long counts as stuck"),
-            "--max-slope": (1.0, "MiB/min of worker memory growth still called flat"),
-            "--seed": (7, "seed of the arrival times and delays"),
-        },
-        quick="0.5 min, 4 clients, 8 models, memory not judged",
-        services=True,
-    )
-    quick = {"minutes": 0.5, "clients": 4, "models": 8, "max_slope": 1000.0}
-    return cli.parse(parser, argv, quick=quick)
-
-
 def run(args: Namespace, settings: Settings, log_dir: Path, tally: Tally) -> Series:
     """Start the LoRA worker (first: it takes seconds to load), the queue-only ones and the
     clients; run the load while sampling memory; stop them all."""
@@ -291,11 +272,9 @@ def run(args: Namespace, settings: Settings, log_dir: Path, tally: Tally) -> Ser
         if args.lora_clients:
             lora = stack.enter_context(lora_worker(settings, LORA_MODEL, log_dir / "soak-lora.log"))
             pids["worker (LoRA, tiny-llama)"] = lora.pid
-        for i in range(args.workers):
-            proc = worker_proc(settings, log_dir / f"soak-worker-{i}.log")
-            stack.callback(proc.stop_and_report, f"worker {proc.pid}")
-            pids[f"worker {i + 1} (queue-only)"] = proc.pid
-        wait_for_workers(settings, len(pids))
+        procs = stack.enter_context(running_workers(settings, args.workers, log_dir, "soak"))
+        pids.update({f"worker {i + 1} (queue-only)": p.pid for i, p in enumerate(procs)})
+        wait_for_workers(settings, len(pids))  # all of them, the LoRA worker too
         services = [stack.enter_context(service_client(settings)) for _ in range(args.clients)]
         lora_service = stack.enter_context(service_client(settings)) if args.lora_clients else None
         with sampling_memory(pids, settings.redis_url or "", args.sample_s) as series:
@@ -305,9 +284,10 @@ def run(args: Namespace, settings: Settings, log_dir: Path, tally: Tally) -> Ser
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the load and the checks; hand back the report; exit 1 when a check is not met."""
-    args = parse_args(argv)
-    # One torch thread in the LoRA worker (it inherits this): it takes one core, not all of
-    # them, and the ping load keeps the rest.
+    quick = "0.5 min, 4 clients, 8 models, memory not judged"
+    parser = cli.parser("bench.soak", __doc__, knobs=KNOBS, quick=quick, services=True)
+    args = cli.parse(parser, argv, quick=QUICK)
+    # One torch thread in the LoRA worker (it inherits this), so the ping load keeps a core.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tally = Tally()
     with service_run(args, ("torch",), "qt-soak-") as soak:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.harness import cli
 from bench.harness.machine import gpu_name, machine, now
-from bench.harness.report import DOCS, write_block
+from bench.harness.report import DOCS, reproduce, write_block
 from bench.harness.services import POSTGRES_ENV, REDIS_ENV, REPO
 
 COMMAND = ".venv/bin/python -m bench"
@@ -96,12 +96,6 @@ BENCHES: tuple[Bench, ...] = tuple(
 NAMES = [b.name for b in BENCHES]
 
 
-def cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 def chosen(args: argparse.Namespace) -> list[Bench]:
     if args.only:
         return [b for b in BENCHES if b.name in args.only]
@@ -131,9 +125,7 @@ def header(info: dict[str, str], took: dict[str, float], failed: list[str], tota
             "Redis on 127.0.0.1:6379 and Postgres on 127.0.0.1:5432 (`--redis-url` / "
             "`--postgres-url` point elsewhere):",
             "",
-            "```",
-            COMMAND,
-            "```",
+            *reproduce(COMMAND),
             "",
             "It runs " + "; ".join(f"`{b.name}` ({b.what})" for b in default) + ". Each section "
             "names its own command, to rerun that part alone, and the machine it ran on; `--only "
@@ -177,12 +169,8 @@ def mfu_not_measured(path: Path) -> None:
 
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser("bench", __doc__, quick=None, report=False, services=True, data_dir=True)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run of every chosen benchmark; docs/benchmarks.md left alone",
-    )
+    quick = "smoke run of every chosen benchmark"
+    parser = cli.parser("bench", __doc__, quick=quick, report=False, services=True, data_dir=True)
     parser.add_argument(
         "--only",
         nargs="+",
@@ -199,9 +187,8 @@ def run_one(bench: Bench, argv: list[str], env: dict[str, str]) -> tuple[int, fl
     began = time.perf_counter()
     code = subprocess.run(argv, cwd=REPO, env=env, check=False).returncode
     seconds = time.perf_counter() - began
-    print(
-        f"=== {bench.name}: {'ok' if code == 0 else f'exit {code}'} in {seconds:.0f} s", flush=True
-    )
+    outcome = "ok" if code == 0 else f"exit {code}"
+    print(f"=== {bench.name}: {outcome} in {seconds:.0f} s", flush=True)
     return code, seconds
 
 
@@ -213,13 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{b.name:<18}~{b.estimate_s / 60:.0f} min  {b.what}{extra}")
         return 0
     began = time.perf_counter()
-    cuda = cuda_available()
-    env = {
-        **os.environ,
-        REDIS_ENV: args.redis_url,
-        POSTGRES_ENV: args.postgres_url,
-        "PYTHONUNBUFFERED": "1",
-    }
+    import torch  # not at the top: --list needs no torch
+
+    cuda = torch.cuda.is_available()
+    urls = {REDIS_ENV: args.redis_url, POSTGRES_ENV: args.postgres_url}
+    env = {**os.environ, **urls, "PYTHONUNBUFFERED": "1"}
     took: dict[str, float] = {}
     failed: list[str] = []
     with cli.data_dir(args.data_dir, "qt-bench-suite-") as data_dir:
@@ -236,15 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     total_s = time.perf_counter() - began
     if not args.quick and not args.only:
         info = machine(args.redis_url, args.postgres_url, packages=("torch",))
-        info = {
-            **{k: v for k, v in info.items() if k != "date"},
-            "GPU": gpu_name(),
-            "date": now(),
-        }
+        del info["date"]  # the GPU first, then the date the run ended
+        info.update(GPU=gpu_name(), date=now())
         write_header(DOCS, header(info, took, failed, total_s))
-    print(
-        f"\nsuite: {len(took)} ran in {total_s / 60:.1f} min"
-        + (f"; failed: {', '.join(failed)}" if failed else "; all passed"),
-        flush=True,
-    )
+    outcome = f"failed: {', '.join(failed)}" if failed else "all passed"
+    print(f"\nsuite: {len(took)} ran in {total_s / 60:.1f} min; {outcome}", flush=True)
     return 1 if failed else 0

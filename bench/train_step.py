@@ -1,18 +1,6 @@
-"""Training step: time per forward_backward + optim_step through the service vs a bare PEFT loop.
-
-For queue-tinker/tiny-llama (~107K params) and queue-tinker/llama-100m (~101M), on the same
-model and data: the service (a real `queue_tinker.cli worker --engine lora --device cpu`, the
-natural Tinker loop through a `ServiceClient`) against the bare loop (`peft.get_peft_model` with
-the worker's LoRA config and `torch.optim.AdamW` in this process, as many torch threads as the
-worker), in alternating blocks so the two never compute at once. Every block also records the
-CPU the rest of the machine used meanwhile ("quiet" rounds get their own ratio); the service's
-step is split at the Redis-clock times the worker writes into each job hash, and the
-(de)serialisation, the engine's forward_backward and the CPU of each part of the service are
-measured beside it. The method in full: docs/benchmarks.md, the section this writes.
-
-    .venv/bin/python -m bench.train_step            # full run (a few minutes), writes the docs
-    .venv/bin/python -m bench.train_step --quick    # smoke run (about a minute), docs left alone
-"""
+"""Training step: time per forward_backward + optim_step through the service (a real LoRA worker)
+against a bare PEFT loop in this process, in alternating blocks, on the tiny and the 100M model.
+How: the `## Training step: service vs bare PEFT` section of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -22,8 +10,9 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -32,7 +21,7 @@ from sqlalchemy.engine import make_url
 from bench.harness import cli, engine
 from bench.harness.baselines import ADAM, BareLoop
 from bench.harness.data import RANK, datums, token_rows
-from bench.harness.meters import CpuMeter, SideCpu, load1, median_ms
+from bench.harness.meters import CpuMeter, SideCpu, load1, median_ms, turns
 from bench.harness.models import ensure_model
 from bench.harness.report import Report, Table, Target, docs_of, emit
 from bench.harness.run import TORCH, Run, service_run
@@ -51,10 +40,16 @@ from queue_tinker.types.tensors import Datum, TensorData
 SECTION = "## Training step: service vs bare PEFT"
 COMMAND = ".venv/bin/python -m bench.train_step"
 TARGET_RATIO = 1.10
-# A round is quiet when other processes took less than this many cores' worth of CPU during
-# each of its two blocks.
-QUIET_CORES = 0.25
+QUIET_CORES = 0.25  # cores other processes may take in each block of a quiet round
 RESULT_TIMEOUT_S = 600.0
+KNOBS = {
+    "--rounds": (40, "most service/bare block pairs per size"),
+    "--warmup": (3, "steps of each before measuring"),
+    "--tiny-steps": (5, "steps per block, tiny"),
+    "--big-steps": (1, "steps per block, 100M"),
+    "--tiny-budget": (45.0, "seconds of tiny rounds after which no new round starts"),
+    "--big-budget": (200.0, "seconds of 100M rounds after which no new round starts"),
+}
 STAGE_NAMES: tuple[str, ...] = (
     "both submit calls return (overlaps the rows below)",
     "submit -> the step started (encode, enqueue both ops, the worker gathers the step, start "
@@ -64,21 +59,28 @@ STAGE_NAMES: tuple[str, ...] = (
 )
 
 
-# --- what is measured --------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Size:
+class Batch:
     """One model and its batch: `batch` datums of `seq` input tokens each."""
 
     label: str
     model: str
     batch: int
     seq: int
-    steps: int  # steps per block
-    budget_s: float  # no new round starts after this many seconds of rounds (2 rounds at least)
 
     @property
     def shape(self) -> str:
         return f"{self.batch} × {self.seq}"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+@dataclass(frozen=True)
+class Size(Batch):
+    steps: int  # steps per block
+    budget_s: float  # no new round starts after this many seconds of rounds (2 rounds at least)
 
 
 @dataclass
@@ -89,10 +91,6 @@ class Block:
     foreign: float  # cores' worth of CPU used by other processes (plus steal) during the block
     fb: list[float] = field(default_factory=list)  # bare steps: their forward + backward part
 
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
 
 @dataclass
 class Round:
@@ -101,7 +99,7 @@ class Round:
 
     @property
     def ratio(self) -> float:
-        return self.service.median / self.bare.median
+        return statistics.median(self.service.times) / statistics.median(self.bare.times)
 
     @property
     def quiet(self) -> bool:
@@ -110,8 +108,6 @@ class Round:
 
 @dataclass
 class SizeResult:
-    """Everything measured for one size."""
-
     size: Size
     params: int
     lora_params: int
@@ -146,10 +142,8 @@ class SizeResult:
 
     def ratio_quiet(self) -> float | None:
         """The headline ratio over the rounds in which other processes stayed quiet."""
-        if not self.quiet_rounds():
-            return None
         service, bare = self.times("service", quiet=True), self.times("bare", quiet=True)
-        return statistics.median(service) / statistics.median(bare)
+        return statistics.median(service) / statistics.median(bare) if service else None
 
     def foreign(self, side: str) -> float:
         """Mean CPU (cores) other processes took during this side's blocks."""
@@ -170,11 +164,9 @@ class ServiceSample:
     quiet: bool = False  # taken in a quiet round (set once the round is over)
 
 
-# --- the service -------------------------------------------------------------------------------
 def service_step(tc: TrainingClient, data: list[Datum]) -> ServiceSample:
     """One step of the natural Tinker loop: submit both ops, then wait on both."""
-    wall = time.time()
-    t0 = time.perf_counter()
+    wall, t0 = time.time(), time.perf_counter()
     fb = tc.forward_backward(data, "cross_entropy")
     optim = tc.optim_step(ADAM)
     t1 = time.perf_counter()
@@ -187,11 +179,9 @@ def service_step(tc: TrainingClient, data: list[Datum]) -> ServiceSample:
 
 def stages_of(redis_url: str, keys: Keys, samples: list[ServiceSample]) -> Stages:
     """Split every service step at the worker's start/finish marks of its two ops."""
-    ids = [job for s in samples for job in (s.fb_id, s.optim_id)]
-    times = job_times(redis_url, keys, ids)
+    times = job_times(redis_url, keys, [job for s in samples for job in (s.fb_id, s.optim_id)])
     stages = Stages(names=STAGE_NAMES)
-    for i, s in enumerate(samples):
-        fb, optim = times[2 * i], times[2 * i + 1]
+    for s, fb, optim in zip(samples, times[::2], times[1::2], strict=True):
         if fb is None or optim is None:
             continue
         seen = s.wall + s.total_s
@@ -201,31 +191,23 @@ def stages_of(redis_url: str, keys: Keys, samples: list[ServiceSample]) -> Stage
 
 
 def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str, float]:
-    """Median ms of the (de)serialisation around one forward_backward, timed in this process
-    with the functions the client and the engine call: the client validating and encoding
-    the batch, the worker decoding and checking it, the result's way back."""
-    limits = ModelLimits(
-        vocab_size=VOCAB_SIZE,
-        context_length=BUILTIN_MODELS[model].config["max_position_embeddings"],
-    )
+    """Median ms of the (de)serialisation around one forward_backward, in this process."""
+    context = BUILTIN_MODELS[model].config["max_position_embeddings"]
+    limits = ModelLimits(vocab_size=VOCAB_SIZE, context_length=context)
+    logprobs = [TensorData.from_numpy(np.zeros(d.model_input.length, np.float32)) for d in data]
     output = ForwardBackwardOutput(
-        loss_fn_outputs=[
-            {"logprobs": TensorData.from_numpy(np.zeros(d.model_input.length, np.float32))}
-            for d in data
-        ],
-        metrics={"loss:sum": 1.0},
+        loss_fn_outputs=[{"logprobs": lp} for lp in logprobs], metrics={"loss:sum": 1.0}
     )
 
     def encode_batch() -> bytes:
         return codec.encode(forward_backward_input(data, "cross_entropy", None).model_dump())
 
-    def decode_batch() -> None:
-        check_batch(ForwardBackwardInput.model_validate(codec.decode(payload)), limits)
-
     payload, result = encode_batch(), codec.encode(output.model_dump())
     calls = {
         "client: validate + encode the batch": encode_batch,
-        "worker: decode + check the batch": decode_batch,
+        "worker: decode + check the batch": lambda: check_batch(
+            ForwardBackwardInput.model_validate(codec.decode(payload)), limits
+        ),
         "worker: encode the result": lambda: codec.encode(output.model_dump()),
         "client: decode the result": lambda: ForwardBackwardOutput.model_validate(
             codec.decode(result)
@@ -235,77 +217,59 @@ def serialisation_ms(model: str, data: list[Datum], reps: int = 20) -> dict[str,
 
 
 def engine_function_ms(bare: BareLoop, data: list[Datum], reps: int) -> dict[str, float]:
-    """The engine's forward_backward as a worker runs the op (a shared pass: padded batch,
-    per-datum target logprobs and losses, outputs) against the bare forward + backward,
-    alternating, on the bare loop's model in this process; median ms of each. Gradients are
-    cleared after each call, so the bare loop's state is left as it was."""
-    times: dict[str, list[float]] = {"engine forward_backward()": [], "bare forward+backward": []}
-    cpu = torch.device("cpu")
-    for _ in range(reps):
-        for name in times:
-            t0 = time.perf_counter()
-            if name.startswith("engine"):
-                engine.forward_backward(bare.pool, [(bare.adapter, data)], cpu)
-            else:
-                bare.forward_backward()
-            times[name].append(time.perf_counter() - t0)
-            bare.optimizer.zero_grad(set_to_none=True)
+    """Median ms of the engine's forward_backward and the bare forward + backward, alternating."""
+    calls: dict[str, Callable[[], object]] = {
+        "engine forward_backward()": partial(
+            engine.forward_backward, bare.pool, [(bare.adapter, data)], engine.CPU
+        ),
+        "bare forward+backward": bare.forward_backward,
+    }
+    zero_grad = partial(bare.optimizer.zero_grad, set_to_none=True)
+    times = turns(calls, reps, engine.CPU, after=zero_grad)
     return {name: statistics.median(ts) * 1000 for name, ts in times.items()}
 
 
-# --- one size ----------------------------------------------------------------------------------
 @dataclass
-class Meters:
+class Sides:
+    """The two loops on one batch, and the meters of the CPU around them."""
+
+    bare: BareLoop
+    tc: TrainingClient
+    data: list[Datum]
     cpu: CpuMeter
     side: SideCpu
 
-
-def one_round(
-    r: int, meters: Meters, bare: BareLoop, tc: TrainingClient, data: list[Datum], steps: int
-) -> tuple[Round, list[ServiceSample]]:
-    """A service block and a bare block (bare first in odd rounds); the round and the service
-    samples."""
-    samples: list[ServiceSample] = []
-    bare_times: list[tuple[float, float]] = []
-    foreign: dict[str, float] = {}
-    for part in ("service", "bare") if r % 2 == 0 else ("bare", "service"):
-        mark = meters.cpu.mark()
-        if part == "bare":
-            bare_times = bare.timed(steps)
-        else:
-            before = meters.side.snapshot()
-            samples = [service_step(tc, data) for _ in range(steps)]
-            meters.side.add(before, steps)
-        foreign[part] = meters.cpu.foreign_since(mark)
-    result = Round(
-        Block([s.total_s for s in samples], foreign["service"]),
-        Block([t for t, _ in bare_times], foreign["bare"], [fb for _, fb in bare_times]),
-    )
-    for sample in samples:
-        sample.quiet = result.quiet
-    return result, samples
-
-
-def run_rounds(
-    result: SizeResult,
-    meters: Meters,
-    bare: BareLoop,
-    tc: TrainingClient,
-    data: list[Datum],
-    rounds: int,
-) -> list[ServiceSample]:
-    """Up to `rounds` rounds, none started once the size's time budget is spent (2 at least)."""
-    samples: list[ServiceSample] = []
-    began = time.perf_counter()
-    for r in range(rounds):
-        if r >= 2 and time.perf_counter() - began > result.size.budget_s:
-            print(f"    time budget spent: stopping after {r} rounds", flush=True)
-            break
-        done, block = one_round(r, meters, bare, tc, data, result.size.steps)
-        result.rounds.append(done)
-        samples.extend(block)
-        print(f"    round {r + 1}/{rounds}: service / bare {done.ratio:.2f}", flush=True)
-    return samples
+    def rounds(self, result: SizeResult, rounds: int) -> list[ServiceSample]:
+        """Up to `rounds` rounds of a service block and a bare block (bare first in odd
+        rounds), none started once the time budget is spent (after 2); the service samples."""
+        samples: list[ServiceSample] = []
+        began, steps = time.perf_counter(), result.size.steps
+        for r in range(rounds):
+            if r >= 2 and time.perf_counter() - began > result.size.budget_s:
+                print(f"    time budget spent: stopping after {r} rounds", flush=True)
+                break
+            block: list[ServiceSample] = []
+            bare_times: list[tuple[float, float]] = []
+            foreign: dict[str, float] = {}
+            for part in ("service", "bare") if r % 2 == 0 else ("bare", "service"):
+                mark = self.cpu.mark()
+                if part == "bare":
+                    bare_times = self.bare.timed(steps)
+                else:
+                    before = self.side.snapshot()
+                    block = [service_step(self.tc, self.data) for _ in range(steps)]
+                    self.side.add(before, steps)
+                foreign[part] = self.cpu.foreign_since(mark)
+            done = Round(
+                Block([s.total_s for s in block], foreign["service"]),
+                Block([t for t, _ in bare_times], foreign["bare"], [fb for _, fb in bare_times]),
+            )
+            for sample in block:
+                sample.quiet = done.quiet
+            result.rounds.append(done)
+            samples.extend(block)
+            print(f"    round {r + 1}/{rounds}: service / bare {done.ratio:.2f}", flush=True)
+        return samples
 
 
 def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -> SizeResult:
@@ -313,8 +277,7 @@ def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -
     print(f"[{size.label}] {size.model}, {size.shape} tokens ...", flush=True)
     rows, data_dir = token_rows(size.batch, size.seq), run.data_dir
     ensure_model(size.model, data_dir)
-    data = datums(rows)
-    bare = BareLoop(size.model, data_dir, rows)
+    data, bare = datums(rows), BareLoop(size.model, data_dir, rows)
     with run.deployment(f"train-{size.label}") as settings:
         used = {"bare": torch.get_num_threads(), **worker_threads(settings)}
         result = SizeResult(size, bare.params, bare.lora_params, used, load=[load1()])
@@ -327,11 +290,11 @@ def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -
             warm = [service_step(tc, data) for _ in range(args.warmup)]
             result.first_loss = (warm[0].loss, bare.step()[0])
             bare.timed(args.warmup - 1)
-            database = make_url(run.database_url).database or ""
-            meters = Meters(CpuMeter([os.getpid(), proc.pid]), SideCpu(proc.pid, database, threads))
-            samples = run_rounds(result, meters, bare, tc, data, args.rounds)
+            side = SideCpu(proc.pid, make_url(run.database_url).database or "", threads)
+            sides = Sides(bare, tc, data, CpuMeter([os.getpid(), proc.pid]), side)
+            samples = sides.rounds(result, args.rounds)
             keys = Keys(settings.key_prefix)
-            result.side_ms = meters.side.per_step_ms()
+            result.side_ms = side.per_step_ms()
             result.stages = stages_of(args.redis_url, keys, samples)
             result.quiet_stages = stages_of(args.redis_url, keys, [s for s in samples if s.quiet])
             result.snapshots = sum(s.step % settings.snapshot_every_steps == 0 for s in samples)
@@ -346,49 +309,31 @@ def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -
     return result
 
 
-# --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser(
-        "bench.train_step",
-        __doc__,
-        knobs={
-            "--rounds": (40, "most service/bare block pairs per size"),
-            "--warmup": (3, "steps of each before measuring"),
-            "--tiny-steps": (5, "steps per block, tiny"),
-            "--big-steps": (1, "steps per block, 100M"),
-            "--tiny-budget": (45.0, "seconds of tiny rounds after which no new round starts"),
-            "--big-budget": (200.0, "seconds of 100M rounds after which no new round starts"),
-        },
-        services=True,
-        data_dir=True,
-    )
+    parser = cli.parser("bench.train_step", __doc__, knobs=KNOBS, services=True, data_dir=True)
     cli.add_batch(parser, "--tiny-batch", (8, 128))
     cli.add_batch(parser, "--big-batch", (2, 64))
     quick = {"rounds": 6, "warmup": 2, "tiny_steps": 5, "big_steps": 1}
     return cli.parse(parser, argv, quick={**quick, "tiny_budget": 8, "big_budget": 15})
 
 
-def sizes(args: argparse.Namespace) -> list[Size]:
-    (tiny, tiny_seq), (big, big_seq) = args.tiny_batch, args.big_batch
-    return [
-        Size("tiny", "queue-tinker/tiny-llama", tiny, tiny_seq, args.tiny_steps, args.tiny_budget),
-        Size("100m", "queue-tinker/llama-100m", big, big_seq, args.big_steps, args.big_budget),
-    ]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Each size in turn; hand back the report (stdout, the docs section, JSON if asked)."""
     args = parse_args(argv)
+    (tiny, tiny_seq), (big, big_seq) = args.tiny_batch, args.big_batch
+    sizes = [
+        Size("tiny", "queue-tinker/tiny-llama", tiny, tiny_seq, args.tiny_steps, args.tiny_budget),
+        Size("100m", "queue-tinker/llama-100m", big, big_seq, args.big_steps, args.big_budget),
+    ]
     quiet_transformers()
     with service_run(args, TORCH, "qt-bench-train-") as run:
         threads = run.worker_threads()["worker compute thread"]
         torch.set_num_threads(threads)  # what the worker's compute thread uses
-        results = [measure_size(args, size, run, threads) for size in sizes(args)]
+        results = [measure_size(args, size, run, threads) for size in sizes]
     emit(report(args, run, results), docs_of(args), args.json)
     return 0
 
 
-# --- the report --------------------------------------------------------------------------------
 RATIO_COLUMNS = (
     "model | params (LoRA) | batch (datums × tokens) | rounds × steps | bare ms/step p50 (p10–p90) "
     "| service ms/step p50 (p10–p90) | service / bare (medians) | at p10 | quiet rounds only (how "
@@ -404,9 +349,8 @@ def cells(row: str) -> list[str]:
 def report(args: argparse.Namespace, run: Run, results: list[SizeResult]) -> Report:
     """The target at the largest size, the ratios, each size's stages, where the time goes."""
     largest = results[-1]
-    threads = ", ".join(f"{k} {v}" for k, v in largest.threads.items())
     facts = [
-        f"Torch threads: {threads}.",
+        f"Torch threads: {', '.join(f'{k} {v}' for k, v in largest.threads.items())}.",
         f"Rank {RANK}, {args.warmup} warm-up steps of each, up to {args.rounds} rounds; a round "
         f"is quiet when other processes took under {QUIET_CORES:g} cores in both its blocks.",
         f"The run took {run.total_s:.0f} s.",
@@ -451,16 +395,13 @@ def ratio_row(r: SizeResult) -> list[str]:
 
 
 def stages(r: SizeResult) -> Table:
-    p50, q, p99 = r.stages.medians_ms(), r.quiet_stages.medians_ms(), r.stages.p99s_ms()
+    none = dict.fromkeys(STAGE_NAMES, 0.0)  # no service step has its job timestamps
+    p50, p99 = r.stages.medians_ms() or none, r.stages.p99s_ms() or none
+    q = r.quiet_stages.medians_ms()
     return Table(
         ("stage", "p50, all rounds", "p50, quiet rounds", "p99, all rounds"),
         [
-            (
-                n,
-                f"{p50.get(n, 0):,.1f}",
-                f"{q[n]:,.1f}" if n in q else "n/a",
-                f"{p99.get(n, 0):,.1f}",
-            )
+            (n, f"{p50[n]:,.1f}", f"{q[n]:,.1f}" if n in q else "n/a", f"{p99[n]:,.1f}")
             for n in STAGE_NAMES
         ],
         caption=f"Where a service step goes, `{r.size.model}` ({r.size.shape}), in ms:",
@@ -472,8 +413,7 @@ def ms(values: Sequence[float]) -> float:
 
 
 def overhead_note(r: SizeResult) -> str:
-    """The service's median extra over bare, split at the worker's op boundaries (over the
-    quiet rounds when there are any)."""
+    """The service's extra over bare, split at the worker's op boundaries (quiet rounds if any)."""
     quiet = bool(r.quiet_rounds())
     rounds, rows = (r.quiet_rounds(), r.quiet_stages.rows) if quiet else (r.rounds, r.stages.rows)
     if not rows:

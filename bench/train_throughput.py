@@ -1,18 +1,6 @@
-"""Training throughput: aggregate training tokens/s of N models training at once, served three
-ways: one worker with cross-adapter batching on (`QT_CROSS_ADAPTER_BATCH=1`, batched), one
-worker with it off (one at a time), one worker per model (process per model, each with
-max(1, cores // N) torch threads).
-
-For each base model (queue-tinker/tiny-llama, queue-tinker/llama-100m), step shape (datums ×
-tokens; `--shapes`) and N (1, 4, 8, 16), N `TrainingClient`s (rank-32 LoRA each) train without
-pause, concurrently, against real worker processes, the local Redis and a scratch Postgres
-database. After a warm-up, a window of steady state: each model's step rate there, summed over
-models and times tokens per step, is the aggregate. Beside it: the bare PEFT loop on one model
-in this process, forward_backward ops per compute pass, and the CPU other processes used.
-
-    .venv/bin/python -m bench.train_throughput            # full run (about 12 minutes)
-    .venv/bin/python -m bench.train_throughput --quick    # smoke run, docs left alone
-"""
+"""Training throughput: aggregate training tokens/s of N models training at once, batched on one
+worker, one at a time on one, and on a worker each. How: the `## Training throughput` section of
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -26,7 +14,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -39,49 +26,44 @@ from bench.harness.report import Report, Table, Target, docs_of, emit
 from bench.harness.run import TORCH, Run, service_run
 from bench.harness.services import job_times, service_client
 from bench.harness.workers import lora_workers, quiet_transformers
-from bench.train_step import QUIET_CORES, cells
+from bench.train_step import QUIET_CORES, Batch, cells
 from queue_tinker.client import TrainingClient
 from queue_tinker.errors import QueueTinkerError
 from queue_tinker.queue.keys import Keys
-from queue_tinker.types import Datum
 
 SECTION = "## Training throughput: many models on one worker"
 COMMAND = ".venv/bin/python -m bench.train_throughput"
 # The issue's targets: with this many concurrent models, batched over one at a time.
-TARGET_MODELS = 8
-TARGET_CPU = 2.0
-TARGET_GPU = 3.0
+TARGET_MODELS, TARGET_CPU, TARGET_GPU = 8, 2.0, 3.0
 BATCH_ENV = "QT_CROSS_ADAPTER_BATCH"  # read by `queue-tinker worker` (Settings.cross_adapter_batch)
 CORES = os.cpu_count() or 1
 BATCHED, SERIAL, PROCESSES = "batched", "one at a time", "process per model"
 MODES: tuple[str, ...] = (BATCHED, SERIAL, PROCESSES)
 # Per base model: the most worker processes the per-model mode starts (a 100M worker holds
-# ~1 GB) and the step shapes (datums, tokens) measured by default: on the tiny model a small
-# step, whose compute is mostly per-op overhead, and a bigger one, closer to compute-bound.
+# ~1 GB) and the step shapes (datums, tokens) measured by default (the docs say why these).
 SIZES: dict[str, tuple[str, int, tuple[tuple[int, int], ...]]] = {
     "tiny": ("queue-tinker/tiny-llama", 16, ((1, 32), (4, 64))),
     "100m": ("queue-tinker/llama-100m", 8, ((4, 64),)),
 }
+KNOBS = {
+    "--warmup": (3, "steps per model before the window, tiny model"),
+    "--big-warmup": (1, "the same, 100M"),
+    "--min-steps": (3, "steps every model finishes in the window (2 at least)"),
+    "--seconds": (10.0, "least window, tiny model"),
+    "--big-seconds": (15.0, "least window, 100M"),
+    "--max-cell-s": (300.0, "close a cell's window after this long (cut short)"),
+    "--bare-steps": (10, "bare PEFT loop steps"),
+}
 
 
-# --- what is measured --------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Size:
-    """One base model, the batch every step trains on (`batch` datums of `seq` tokens) and the
-    model counts to measure."""
+class Size(Batch):
+    """One base model, the batch each step trains on and the model counts to measure."""
 
-    label: str
-    model: str
-    batch: int
-    seq: int
     counts: tuple[int, ...]
     warmup: int  # steps every model finishes before the window opens
     seconds: float  # least measured seconds per cell
     max_processes: int  # most worker processes the per-model mode starts (memory)
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq
 
 
 @dataclass
@@ -103,6 +85,11 @@ class Cell:
     def tokens_per_s(self) -> float:
         return sum(self.step_rates) * self.tokens_per_step
 
+    def tokens_text(self) -> str:
+        """tokens/s; marked * for a window cut short at the time limit, † for a disturbed one."""
+        marks = ("*" if self.cut_short else "") + ("†" if self.foreign >= QUIET_CORES else "")
+        return f"{self.tokens_per_s:,.0f}{marks}"
+
     @property
     def fairness(self) -> float:
         """Slowest model's step rate over the fastest's (1: every model got the same)."""
@@ -114,7 +101,7 @@ class SizeResult:
     size: Size
     params: int
     lora_params: int
-    bare_tokens_s: float | None = None  # the bare PEFT loop, one model, in-process
+    bare_tokens_s: float  # the bare PEFT loop, one model, in-process
     cells: list[Cell] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # cells that failed, and why
 
@@ -123,11 +110,20 @@ class SizeResult:
 
     def ratio(self, mode: str, other: str, n: int, other_n: int | None = None) -> float | None:
         """tokens/s of `mode` at `n` models over `other` at `other_n` (default the same)."""
-        a = self.cell(mode, n)
-        b = self.cell(other, n if other_n is None else other_n)
+        a, b = self.cell(mode, n), self.cell(other, n if other_n is None else other_n)
         if a is None or b is None or not b.tokens_per_s:
             return None
         return a.tokens_per_s / b.tokens_per_s
+
+    def target(self) -> Target:
+        what = (
+            f"batched ≥ {TARGET_CPU:g}× one at a time, {TARGET_MODELS} models, "
+            f"`{self.size.model}`, {self.size.batch} × {self.size.seq}"
+        )
+        speedup = self.ratio(BATCHED, SERIAL, TARGET_MODELS)
+        if speedup is None:
+            return Target(what, "not measured", None)
+        return Target(what, f"{speedup:.2f}×", speedup >= TARGET_CPU)
 
 
 @dataclass
@@ -140,6 +136,9 @@ class StepLog:
     def in_window(self, t0: float, t1: float) -> list[int]:
         return [i for i, t in enumerate(self.done) if t0 < t <= t1]
 
+    def since(self, t0: float) -> int:  # steps finished after t0
+        return sum(t > t0 for t in self.done)
+
 
 @dataclass
 class Window:
@@ -150,42 +149,27 @@ class Window:
     mark: tuple[float, int, int] = (0.0, 0, 0)  # the CPU meter's mark at t0
 
 
-# --- driving N models --------------------------------------------------------------------------
-async def train(
-    tc: TrainingClient,
-    data: list[Datum],
-    log: StepLog,
-    stop: asyncio.Event,
-    progress: asyncio.Condition,
-) -> None:
-    """The Tinker loop, back to back, until `stop`: the step in flight always finishes."""
-    while not stop.is_set():
-        fb = await tc.forward_backward_async(data, "cross_entropy")
-        optim = await tc.optim_step_async(ADAM)
-        await fb
-        await optim
-        log.done.append(time.perf_counter())
-        log.fb_ids.append(fb.request_id)
-        async with progress:
-            progress.notify_all()
-
-
 async def drive(
-    clients: list[TrainingClient],
-    data: list[Datum],
-    size: Size,
-    args: argparse.Namespace,
-    meter: CpuMeter,
+    clients: list[TrainingClient], size: Size, args: argparse.Namespace, meter: CpuMeter
 ) -> tuple[list[StepLog], Window]:
-    """Every client trains; the window opens once each has done `size.warmup` steps and closes
-    after `size.seconds` once each has done `args.min_steps` more, or when `args.max_cell_s`
-    have passed since the start (cut short). A failing loop raises: the cell fails."""
-    logs = [StepLog() for _ in clients]
+    """Every client trains; the window opens once all have warmed up, closes `size.seconds` later
+    once each did `args.min_steps` more, or at `args.max_cell_s` (cut short). A failure raises."""
+    data, logs = datums(token_rows(size.batch, size.seq)), [StepLog() for _ in clients]
     stop, progress = asyncio.Event(), asyncio.Condition()
-    loops = [
-        asyncio.create_task(train(tc, data, log, stop, progress))
-        for tc, log in zip(clients, logs, strict=True)
-    ]
+
+    async def train(tc: TrainingClient, log: StepLog) -> None:
+        """The Tinker loop, back to back, until `stop`: the step in flight always finishes."""
+        while not stop.is_set():
+            fb = await tc.forward_backward_async(data, "cross_entropy")
+            optim = await tc.optim_step_async(ADAM)
+            await fb
+            await optim
+            log.done.append(time.perf_counter())
+            log.fb_ids.append(fb.request_id)
+            async with progress:
+                progress.notify_all()
+
+    loops = [asyncio.create_task(train(tc, log)) for tc, log in zip(clients, logs, strict=True)]
     win: list[Window] = []  # the window as far as it got
 
     async def window() -> None:
@@ -194,11 +178,7 @@ async def drive(
         win.append(Window(time.perf_counter(), 0.0, 0.0, cut_short=True, mark=meter.mark()))
         await asyncio.sleep(size.seconds)
         async with progress:
-            await progress.wait_for(
-                lambda: all(
-                    len(g.in_window(win[0].t0, time.perf_counter())) >= args.min_steps for g in logs
-                )
-            )
+            await progress.wait_for(lambda: all(g.since(win[0].t0) >= args.min_steps for g in logs))
         win[0].t1, win[0].cut_short = time.perf_counter(), False
 
     timer = asyncio.create_task(window())
@@ -223,16 +203,6 @@ async def drive(
     return logs, win[0]
 
 
-def step_rates(logs: list[StepLog], win: Window) -> list[float]:
-    """Each model's steps per second between its first and last step in the window."""
-    rates = []
-    for log in logs:
-        times = [log.done[i] for i in log.in_window(win.t0, win.t1)]
-        span = times[-1] - times[0] if len(times) >= 2 else 0.0
-        rates.append((len(times) - 1) / span if span > 0 else 0.0)
-    return rates
-
-
 def ops_per_pass(redis_url: str, keys: Keys, logs: list[StepLog], win: Window) -> float | None:
     """forward_backward ops per compute pass on one worker: ops whose Redis-clock
     [started_at, finished_at] overlap ran in one pass (one compute thread runs one at a time)."""
@@ -243,27 +213,20 @@ def ops_per_pass(redis_url: str, keys: Keys, logs: list[StepLog], win: Window) -
     passes, end = 0, float("-inf")
     for start, finish in spans:
         if start >= end:  # no overlap with the pass so far: a new pass
-            passes, end = passes + 1, finish
-        else:
-            end = max(end, finish)
+            passes += 1
+        end = max(end, finish)
     return len(spans) / passes
-
-
-# --- one cell: a mode at a model count ---------------------------------------------------------
-def cell_env(mode: str, models: int) -> dict[str, str]:
-    """What the mode's worker processes get on top of the deployment's settings."""
-    if mode == PROCESSES:
-        # Each process's best case: threads enough to share the cores out, never more.
-        return {BATCH_ENV: "1", "OMP_NUM_THREADS": str(max(1, CORES // models))}
-    return {BATCH_ENV: "1" if mode == BATCHED else "0"}
 
 
 def run_cell(
     args: argparse.Namespace, size: Size, mode: str, models: int, run: Run, threads: int
 ) -> Cell:
     """Fresh workers and N fresh models; drive them; the cell."""
-    data = datums(token_rows(size.batch, size.seq))
-    env = cell_env(mode, models)
+    # What the mode's worker processes get on top of the deployment's settings; a process per
+    # model its best case: threads enough to share the cores out, never more.
+    env = {BATCH_ENV: "0" if mode == SERIAL else "1"}
+    if mode == PROCESSES:
+        env["OMP_NUM_THREADS"] = str(max(1, CORES // models))
     deployments = models if mode == PROCESSES else 1
     tag = f"{size.label}-{mode.replace(' ', '-')}-{models}"
     with contextlib.ExitStack() as stack:
@@ -276,10 +239,14 @@ def run_cell(
             for i in range(models)
         ]
         meter = CpuMeter([os.getpid(), *(p.pid for p in procs)])
-        step_logs, win = asyncio.run(drive(clients, data, size, args, meter))
+        step_logs, win = asyncio.run(drive(clients, size, args, meter))
         keys = Keys(settings[0].key_prefix)
         passes = None if mode == PROCESSES else ops_per_pass(args.redis_url, keys, step_logs, win)
-    rates, span = step_rates(step_logs, win), win.t1 - win.t0
+    rates, span = [], win.t1 - win.t0
+    for log in step_logs:  # each model's steps per second from its first to its last step in it
+        times = [log.done[i] for i in log.in_window(win.t0, win.t1)]
+        took = times[-1] - times[0] if len(times) >= 2 else 0.0
+        rates.append((len(times) - 1) / took if took > 0 else 0.0)
     steps = sum(len(g.in_window(win.t0, win.t1)) for g in step_logs)
     omp = int(env.get("OMP_NUM_THREADS", threads))
     cell = Cell(
@@ -289,20 +256,15 @@ def run_cell(
     return cell
 
 
-def bare_tokens_per_s(size: Size, data_dir: Path, steps: int) -> tuple[float, int, int]:
-    """The bare PEFT loop on one model in this process: tokens/s of its median step, and the
-    base model's and the LoRA's parameter counts."""
-    bare = BareLoop(size.model, data_dir, token_rows(size.batch, size.seq))
-    bare.timed(2)  # warm-up
-    median = statistics.median(t for t, _ in bare.timed(steps))
-    return size.tokens / median, bare.params, bare.lora_params
-
-
 def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -> SizeResult:
+    """The bare PEFT loop's tokens/s (median step, in this process), then every cell."""
     ensure_model(size.model, run.data_dir)  # once, not by every worker at once
-    bare, params, lora = bare_tokens_per_s(size, run.data_dir, args.bare_steps)
-    result = SizeResult(size, params, lora, bare)
-    print(f"[{size.label}] {size.model}: bare PEFT loop {bare:,.0f} tokens/s", flush=True)
+    bare = BareLoop(size.model, run.data_dir, token_rows(size.batch, size.seq))
+    bare.timed(2)  # warm-up
+    tokens_s = size.tokens / statistics.median(t for t, _ in bare.timed(args.bare_steps))
+    result = SizeResult(size, bare.params, bare.lora_params, tokens_s)
+    del bare  # its model's memory back before the workers start
+    print(f"[{size.label}] {size.model}: bare PEFT loop {tokens_s:,.0f} tokens/s", flush=True)
     for models in size.counts:
         for mode in MODES:
             if mode == PROCESSES and models > size.max_processes:
@@ -317,7 +279,6 @@ def measure_size(args: argparse.Namespace, size: Size, run: Run, threads: int) -
     return result
 
 
-# --- main --------------------------------------------------------------------------------------
 def parse_shape(text: str) -> tuple[int, int]:
     """'4x64' as (4 datums, 64 tokens)."""
     match = re.fullmatch(r"(\d+)[x×](\d+)", text)
@@ -328,19 +289,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser(
-        "bench.train_throughput",
-        __doc__,
-        knobs={
-            "--warmup": (3, "steps per model before the window, tiny model"),
-            "--big-warmup": (1, "the same, 100M"),
-            "--min-steps": (3, "steps every model finishes in the window (2 at least)"),
-            "--seconds": (10.0, "least window, tiny model"),
-            "--big-seconds": (15.0, "least window, 100M"),
-            "--max-cell-s": (300.0, "close a cell's window after this long (cut short)"),
-            "--bare-steps": (10, "bare PEFT loop steps"),
-        },
-        services=True,
-        data_dir=True,
+        "bench.train_throughput", __doc__, knobs=KNOBS, services=True, data_dir=True
     )
     cli.add_models(parser, SIZES, default=SIZES)
     counts = "how many models train at once"
@@ -351,40 +300,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     quick = {"models": ["tiny"], "counts": [1, 2], "warmup": 2, "min_steps": 2}
     args = cli.parse(parser, argv, quick={**quick, "seconds": 2, "bare_steps": 3})
-    if args.quick:
-        args.shapes = args.shapes or [(1, 32)]
+    args.shapes = args.shapes or ([(1, 32)] if args.quick else None)
     if args.min_steps < 2:
         parser.error("--min-steps must be at least 2 (a rate needs two steps)")
     return args
 
 
-def sizes(args: argparse.Namespace) -> list[Size]:
-    out = []
-    for label in args.models:
-        model, most, shapes = SIZES[label]
-        tiny = label == "tiny"
-        warmup = args.warmup if tiny else args.big_warmup
-        seconds = args.seconds if tiny else args.big_seconds
-        out += [
-            Size(f"{label}-{b}x{s}", model, b, s, tuple(args.counts), warmup, seconds, most)
-            for b, s in args.shapes or shapes
-        ]
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Each size's cells in turn; hand back the report. Fails when a cell failed."""
     args = parse_args(argv)
+    timing = {"tiny": (args.warmup, args.seconds), "100m": (args.big_warmup, args.big_seconds)}
+    sizes = [
+        Size(f"{label}-{b}x{s}", model, b, s, tuple(args.counts), *timing[label], most)
+        for label in args.models
+        for model, most, shapes in [SIZES[label]]
+        for b, s in args.shapes or shapes
+    ]
     quiet_transformers()
     with service_run(args, TORCH, "qt-bench-tput-") as run:
         threads = run.worker_threads()["worker compute thread"]
         torch.set_num_threads(threads)  # the bare loop computes like the worker
-        results = [measure_size(args, size, run, threads) for size in sizes(args)]
+        results = [measure_size(args, size, run, threads) for size in sizes]
     emit(report(args, run, threads, results), docs_of(args), args.json)
     return 1 if any(r.failures for r in results) else 0
 
 
-# --- the report --------------------------------------------------------------------------------
 def report(args: argparse.Namespace, run: Run, threads: int, results: list[SizeResult]) -> Report:
     """The target per size, then a table per size."""
     facts = [
@@ -394,7 +334,7 @@ def report(args: argparse.Namespace, run: Run, threads: int, results: list[SizeR
         f"{args.min_steps} steps per model.",
         f"The run took {run.total_s:.0f} s.",
     ]
-    targets = [target(r) for r in results]
+    targets = [r.target() for r in results]
     gpu = f"batched ≥ {TARGET_GPU:g}× one at a time, {TARGET_MODELS} models, on a GPU"
     targets.append(Target(gpu, "needs a CUDA worker: not measured by this run", None))
     per_size = [
@@ -405,44 +345,21 @@ def report(args: argparse.Namespace, run: Run, threads: int, results: list[SizeR
     return Report(SECTION, COMMAND, run.info, facts, targets, body, {"sizes": per_size})
 
 
-def target(r: SizeResult) -> Target:
-    what = (
-        f"batched ≥ {TARGET_CPU:g}× one at a time, {TARGET_MODELS} models, `{r.size.model}`, "
-        f"{r.size.batch} × {r.size.seq}"
-    )
-    speedup = r.ratio(BATCHED, SERIAL, TARGET_MODELS)
-    if speedup is None:
-        return Target(what, "not measured", None)
-    return Target(what, f"{speedup:.2f}×", speedup >= TARGET_CPU)
-
-
-def times(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}×"
-
-
-def tok(cell: Cell | None) -> str:
-    """tokens/s; marked * for a window cut short at the time limit, † for a disturbed one."""
-    if cell is None:
-        return "–"
-    marks = ("*" if cell.cut_short else "") + ("†" if cell.foreign >= QUIET_CORES else "")
-    return f"{cell.tokens_per_s:,.0f}{marks}"
-
-
 def row(r: SizeResult, n: int) -> tuple[object, ...]:
+    def times(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}×"
+
     by_mode = [r.cell(mode, n) for mode in MODES]
     batched = by_mode[0]
     passes = None if batched is None else batched.ops_per_pass
     return (
-        n,
-        *map(tok, by_mode),
-        f"**{times(r.ratio(BATCHED, SERIAL, n))}**",
-        times(r.ratio(BATCHED, PROCESSES, n)),
-        times(r.ratio(BATCHED, BATCHED, n, 1)),
-        "–" if passes is None else f"{passes:.1f}",
+        n, *("–" if c is None else c.tokens_text() for c in by_mode),
+        f"**{times(r.ratio(BATCHED, SERIAL, n))}**", times(r.ratio(BATCHED, PROCESSES, n)),
+        times(r.ratio(BATCHED, BATCHED, n, 1)), "–" if passes is None else f"{passes:.1f}",
         "–" if batched is None else f"{batched.fairness:.2f}",
         " / ".join("–" if c is None else f"{c.window_s:.0f}" for c in by_mode),
         " / ".join("–" if c is None else f"{c.foreign:.2f}" for c in by_mode),
-    )
+    )  # fmt: skip
 
 
 COLUMNS = (
@@ -455,7 +372,6 @@ COLUMNS = (
 
 def size_parts(r: SizeResult) -> list[Table | str]:
     """The size's table, the bare loop beside it, and what went wrong."""
-    bare = "not measured" if r.bare_tokens_s is None else f"{r.bare_tokens_s:,.0f} tokens/s"
     parts: list[Table | str] = [
         Table(
             cells(COLUMNS),
@@ -464,7 +380,7 @@ def size_parts(r: SizeResult) -> list[Table | str]:
             f"rank-{RANK} LoRA), steps of {r.size.batch} × {r.size.seq} tokens, tokens per "
             "second of training summed over all models:",
             note="The bare PEFT loop (bench.train_step's: one model, in the benchmark process, "
-            f"no queue, same threads as a worker): {bare}.",
+            f"no queue, same threads as a worker): {r.bare_tokens_s:,.0f} tokens/s.",
         )
     ]
     if r.failures:

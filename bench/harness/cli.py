@@ -27,20 +27,35 @@ def parser(
     report: bool = True,
 ) -> argparse.ArgumentParser:
     """A benchmark's parser, its module docstring as the help, with the options benchmarks
-    share: its numeric `knobs`, --quick (`quick`: what the smoke run does; None: no smoke
-    run), the services' URLs, --data-dir, and where the report goes."""
+    share: the services' URLs (by default what bench.with_services or the suite set),
+    --data-dir, its numeric `knobs`, --quick (`quick`: what the smoke run does; None: no smoke
+    run), and where the report goes (--json: the raw results too)."""
     parser = argparse.ArgumentParser(
         prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     if services:
-        add_services(parser)
+        parser.add_argument("--redis-url", default=redis_url())
+        parser.add_argument(
+            "--postgres-url",
+            default=postgres_url(),
+            help="admin URL; a scratch database is created beside it",
+        )
     if data_dir:
-        add_data_dir(parser)
-    add_knobs(parser, knobs or {})
+        parser.add_argument(
+            "--data-dir",
+            type=Path,
+            default=None,
+            help="where models are built and checkpoints and logs go (default: a temp dir); "
+            "reuse one to skip building the 100M model again",
+        )
+    for flag, (default, help_text) in (knobs or {}).items():
+        parser.add_argument(flag, type=type(default), default=default, help=help_text)
     if quick is not None:
-        add_quick(parser, quick)
+        parser.add_argument("--quick", action="store_true", help=f"{quick}, docs left alone")
     if report:
-        add_report(parser)
+        parser.add_argument("--docs", type=Path, default=DOCS, help="where to write the results")
+        parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
+        parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
     return parser
 
 
@@ -60,12 +75,6 @@ def parse(
             setattr(args, name, value)
         args.no_docs = True
     return args
-
-
-def add_knobs(parser: argparse.ArgumentParser, knobs: Mapping[str, Knob]) -> None:
-    """A numeric option per `--flag: (default, help)`."""
-    for flag, (default, help_text) in knobs.items():
-        parser.add_argument(flag, type=type(default), default=default, help=help_text)
 
 
 def add_batch(parser: argparse.ArgumentParser, flag: str, default: tuple[int, int]) -> None:
@@ -94,39 +103,6 @@ def add_torch(parser: argparse.ArgumentParser) -> None:
         "--device",
         default="cpu",
         help="the worker's and this process's device (cuda: bf16, its own docs section)",
-    )
-
-
-def add_services(parser: argparse.ArgumentParser) -> None:
-    """--redis-url and --postgres-url, by default what bench.with_services or the suite set."""
-    parser.add_argument("--redis-url", default=redis_url())
-    parser.add_argument(
-        "--postgres-url",
-        default=postgres_url(),
-        help="admin URL; a scratch database is created beside it",
-    )
-
-
-def add_report(parser: argparse.ArgumentParser, json: bool = True) -> None:
-    """--docs and --no-docs (where the benchmark's section goes), and --json for the raw
-    results when the benchmark writes them."""
-    parser.add_argument("--docs", type=Path, default=DOCS, help="where to write the results")
-    parser.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    if json:
-        parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
-
-
-def add_quick(parser: argparse.ArgumentParser, what: str = "smoke run") -> None:
-    parser.add_argument("--quick", action="store_true", help=f"{what}, docs left alone")
-
-
-def add_data_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="where models are built and checkpoints and logs go (default: a temp dir); "
-        "reuse one to skip building the 100M model again",
     )
 
 

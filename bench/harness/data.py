@@ -20,15 +20,7 @@ def token_rows(batch: int, seq: int, seed: int = 0, vocab: int = 256) -> np.ndar
 def datums(rows: Iterable[np.ndarray], weights: bool = True) -> list[Datum]:
     """A datum per row of tokens: inputs [:-1], next-token targets [1:], and (`weights`) a
     weight of 1 on each."""
-    data = []
-    for row in rows:
-        inputs = {"target_tokens": TensorData.from_numpy(row[1:].astype(np.int64))}
-        if weights:
-            inputs["weights"] = TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32))
-        data.append(
-            Datum(model_input=ModelInput.from_ints(row[:-1].tolist()), loss_fn_inputs=inputs)
-        )
-    return data
+    return [datum(row, {}, weights) for row in rows]
 
 
 def rl_datums(rows: Iterable[np.ndarray], seed: int, weighted: Iterable[bool]) -> list[Datum]:
@@ -39,17 +31,21 @@ def rl_datums(rows: Iterable[np.ndarray], seed: int, weighted: Iterable[bool]) -
     data = []
     for row, weights in zip(rows, weighted, strict=True):
         n = len(row) - 1
-        inputs = {
-            "target_tokens": TensorData.from_numpy(row[1:].astype(np.int64)),
+        scores = {
             "logprobs": TensorData.from_numpy(rng.uniform(-4, -1, n).astype(np.float32)),
             "advantages": TensorData.from_numpy(rng.normal(size=n).astype(np.float32)),
         }
-        if weights:
-            inputs["weights"] = TensorData.from_numpy(np.ones(n, dtype=np.float32))
-        data.append(
-            Datum(model_input=ModelInput.from_ints(row[:-1].tolist()), loss_fn_inputs=inputs)
-        )
+        data.append(datum(row, scores, weights))
     return data
+
+
+def datum(row: np.ndarray, inputs: dict[str, TensorData], weights: bool) -> Datum:
+    """The datum of a row of tokens: inputs [:-1], next-token targets [1:] and the other loss
+    `inputs`, and (`weights`) a weight of 1 on each target."""
+    inputs = {"target_tokens": TensorData.from_numpy(row[1:].astype(np.int64)), **inputs}
+    if weights:
+        inputs["weights"] = TensorData.from_numpy(np.ones(len(row) - 1, dtype=np.float32))
+    return Datum(model_input=ModelInput.from_ints(row[:-1].tolist()), loss_fn_inputs=inputs)
 
 
 def random_prompts(count: int, seed: int) -> list[list[int]]:

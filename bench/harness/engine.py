@@ -26,12 +26,7 @@ from queue_tinker.workers.model.memory import (
     lora_copy_bytes,
 )
 from queue_tinker.workers.training.losses import device_batch_loss
-from queue_tinker.workers.training.model_pass import (
-    PassPlan,
-    budgeted,
-    causal_lm,
-    decoder_layers,
-)
+from queue_tinker.workers.training.model_pass import PassPlan, budgeted, causal_lm, decoder_layers
 from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.packing import padding_fraction
 from queue_tinker.workers.training.shared_pass import PassOp, op_loss_inputs, rows_for, shared_pass
@@ -99,11 +94,6 @@ def base_dtype(pool: AdapterPool) -> torch.dtype:
     return next(causal_lm(pool.model).parameters()).dtype
 
 
-def language_model(pool: AdapterPool) -> torch.nn.Module:
-    """The transformers causal LM under the pool's PeftModel."""
-    return causal_lm(pool.model)
-
-
 def kernels_wanted(device: torch.device) -> bool:
     """Whether a worker alone on this device puts liger's kernels in by default
     (QT_LIGER_KERNELS=auto: CUDA, liger installed)."""
@@ -113,7 +103,7 @@ def kernels_wanted(device: torch.device) -> bool:
 def put_kernels_in(pool: AdapterPool, device: torch.device) -> bool:
     """liger's kernels into the pool's model, for good, where a worker alone puts them by
     default (kernels_wanted, and an architecture liger knows); whether they went in."""
-    return kernels_wanted(device) and apply_liger(language_model(pool))
+    return kernels_wanted(device) and apply_liger(causal_lm(pool.model))
 
 
 def checkpointed_layers(pool: AdapterPool, plan: PassPlan, padded_tokens: int) -> str:

@@ -37,20 +37,8 @@ def gateway_proc(
     deployment of `settings`, answering its health check before the body runs; yields the
     process and its base URL, stops it afterwards."""
     port = free_port()
-    proc = Proc(
-        [
-            sys.executable,
-            "-m",
-            "queue_tinker.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        child_env(settings),
-        log_path,
-    )
+    serve = [sys.executable, "-m", "queue_tinker.cli", "serve", "--host", "127.0.0.1"]
+    proc = Proc([*serve, "--port", str(port)], child_env(settings), log_path)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -60,6 +60,17 @@ def engine_machine(device: str) -> dict[str, str]:
     return info
 
 
+def cpu_machine() -> dict[str, str]:
+    """A CPU-only run's machine line: the CPU and its cores, the engine's versions, the
+    commit."""
+    return {
+        "CPU": cpu_model(),
+        "cores": str(os.cpu_count()),
+        **engine_machine("cpu"),
+        "commit": commit(),
+    }
+
+
 def described(info: dict[str, str]) -> str:
     """`info` on one line, as every report's machine line has it."""
     return ", ".join(f"{k} {v}" for k, v in info.items())

@@ -2,8 +2,8 @@
 machine takes (`CpuMeter`), the CPU time each part of the service uses (`SideCpu`: a worker's
 threads, the client, Redis, Postgres), a process's CPU time and memory (`process_cpu_s`,
 `status_kib`, this one's `peak_rss_bytes`) and the 1-minute load average (`load1`).
-In-process: the median time of a call (`median_ms`), and a call's time with the device's
-queued work drained (`timed`).
+In-process: the median time of a call (`median_ms`), a call's time with the device's queued
+work drained (`timed`), and the median times of calls taking turns (`turns`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import resource
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -158,3 +158,22 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - t0
+
+
+def turns(
+    calls: Mapping[str, Callable[[], object]],
+    rounds: int,
+    device: torch.device,
+    warmup: int = 0,
+    after: Callable[[], object] = lambda: None,
+) -> dict[str, list[float]]:
+    """Each call's seconds in `rounds` rounds after `warmup` more, the calls taking turns within
+    a round (`timed`); `after` runs after each call, outside its time."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(warmup + rounds):
+        for name, call in calls.items():
+            seconds = timed(call, device)
+            after()
+            if i >= warmup:
+                times[name].append(seconds)
+    return times

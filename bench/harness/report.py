@@ -80,7 +80,7 @@ class Report:
             "",
             *reproduce(self.command),
             "",
-            " ".join([machine_line(self.machine) + ".", *self.facts]),
+            " ".join([f"Machine: {described(self.machine)}.", *self.facts]),
         ]
         if self.targets:
             rows = ((t.what, t.measured, verdict(t.met)) for t in self.targets)
@@ -148,10 +148,6 @@ def docs_of(args: Any) -> Path | None:
 def reproduce(command: str) -> list[str]:
     """The command that reruns the benchmark, as a code block."""
     return ["```", command, "```"]
-
-
-def machine_line(info: dict[str, str]) -> str:
-    return "Machine: " + described(info)
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,54 +92,50 @@ def deployment(
 
 # --- clients -----------------------------------------------------------------------------------
 @contextlib.contextmanager
-def service_client(settings: Settings) -> Iterator[ServiceClient]:
-    """A ServiceClient on `settings`, closed afterwards without hanging the run (close_client)."""
+def service_client(settings: Settings, timeout: float = 15) -> Iterator[ServiceClient]:
+    """A ServiceClient on `settings`, closed afterwards, but never hanging the benchmark on it:
+    a close that does not return in `timeout` seconds is reported and left behind (its thread
+    is a daemon)."""
     service = ServiceClient(settings)
     try:
         yield service
     finally:
-        close_client(service)
-
-
-def close_client(service: ServiceClient, timeout: float = 15) -> None:
-    """Close the client, but never hang the benchmark on it: a close that does not return in
-    `timeout` seconds is reported and left behind (its thread is a daemon)."""
-    closer = threading.Thread(target=service.close, name="qt-bench-close", daemon=True)
-    closer.start()
-    closer.join(timeout)
-    if closer.is_alive():
-        print(
-            f"warning: ServiceClient.close() did not return within {timeout:g} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        closer = threading.Thread(target=service.close, name="qt-bench-close", daemon=True)
+        closer.start()
+        closer.join(timeout)
+        if closer.is_alive():
+            warning = f"warning: ServiceClient.close() did not return within {timeout:g} s"
+            print(warning, file=sys.stderr, flush=True)
 
 
 def job_times(redis_url: str, keys: Keys, job_ids: list[str]) -> list[tuple[float, ...] | None]:
     """(queued_at, started_at, finished_at) of each job, from its hash (Redis clock); None for
     a job without all three."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        pipe = client.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hmget(keys.job(job_id), ["queued_at", "started_at", "finished_at"])
-        replies = pipe.execute()
-    finally:
-        client.close()
+    names = [keys.job(job_id) for job_id in job_ids]
+    replies = hash_fields(redis_url, names, "queued_at", "started_at", "finished_at")
     return [None if None in r else tuple(float(v) for v in r) for r in replies]
+
+
+def hash_fields(redis_url: str, names: Sequence[str | bytes], *fields: str) -> list[list[Any]]:
+    """The `fields` of each hash in `names` (None where missing), pipelined 5,000 at a time."""
+    replies: list[list[Any]] = []
+    with redis.Redis.from_url(redis_url) as client:
+        for start in range(0, len(names), 5_000):
+            pipe = client.pipeline(transaction=False)
+            for name in names[start : start + 5_000]:
+                pipe.hmget(name, list(fields))
+            replies += pipe.execute()
+    return replies
 
 
 # --- Redis and Postgres scratch space ----------------------------------------------------------
 def delete_matching(redis_url: str, pattern: str) -> int:
     """Delete every key matching `pattern`; how many there were."""
-    client = redis.Redis.from_url(redis_url)
-    try:
+    with redis.Redis.from_url(redis_url) as client:
         found = list(client.scan_iter(match=pattern, count=1000))
         for start in range(0, len(found), 500):
             client.delete(*found[start : start + 500])
         return len(found)
-    finally:
-        client.close()
 
 
 @contextlib.contextmanager
@@ -189,8 +185,5 @@ def postgres_version(url: str) -> str:
 
 
 def redis_version(url: str) -> str:
-    client = redis.Redis.from_url(url)
-    try:
+    with redis.Redis.from_url(url) as client:
         return str(client.info("server")["redis_version"])
-    finally:
-        client.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,20 +69,17 @@ class Stages:
 
     def medians_ms(self) -> dict[str, float]:
         """Median of each stage, in milliseconds (empty when no row was recorded)."""
-        if not self.rows:
-            return {}
-        columns = np.asarray(self.rows).T * 1000
-        return {name: float(np.median(col)) for name, col in zip(self.names, columns, strict=True)}
+        return self._each_ms(np.median)
 
     def p99s_ms(self) -> dict[str, float]:
         """99th percentile of each stage, in milliseconds (empty when no row was recorded)."""
+        return self._each_ms(lambda col: np.percentile(col, 99))
+
+    def _each_ms(self, stat: Callable[[np.ndarray], Any]) -> dict[str, float]:
         if not self.rows:
             return {}
         columns = np.asarray(self.rows).T * 1000
-        return {
-            name: float(np.percentile(col, 99))
-            for name, col in zip(self.names, columns, strict=True)
-        }
+        return {name: float(stat(col)) for name, col in zip(self.names, columns, strict=True)}
 
 
 @dataclass
