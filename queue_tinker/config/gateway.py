@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class GatewayConfig(BaseModel):
     """The HTTP gateway: where it listens, its long polls, held seq_ids, silent sessions, API
-    keys and /metrics."""
+    keys, /metrics and the fleet's history."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -55,4 +55,18 @@ class GatewayConfig(BaseModel):
         description="Bearer token the gateway's GET /metrics requires (Authorization: Bearer "
         "<token>); unset, /metrics is open to anyone who reaches the gateway. An empty value is "
         "refused (it would let a bare `Authorization: Bearer` in).",
+    )
+    history_interval_s: float = Field(
+        default=15.0,
+        ge=0,
+        description="How often the fleet's history (per base model: queue depth, oldest wait, "
+        "live workers; the fleet's tokens per second) is sampled into Redis for the "
+        "dashboard's charts; whichever gateway replica gets there first takes each sample. "
+        "0: no gateway samples.",
+    )
+    history_retention_s: float = Field(
+        default=21_600.0,
+        gt=0,
+        description="How long the fleet's history is kept in Redis (6 h: 1,440 samples a "
+        "series at 15 s).",
     )

@@ -53,6 +53,7 @@ from queue_tinker.gateway.tinker.unserved import unserved_router
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.control import silent_sessions
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.observe import history
 from queue_tinker.queue.outage import REDIS_DOWN
 from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
@@ -81,18 +82,23 @@ def create_app(settings: Settings) -> FastAPI:
         recorder = RecorderThread(settings, consumer=f"gateway-{uuid.uuid4().hex[:8]}")
         recorder.start()
         timeout_s = settings.session_heartbeat_timeout_s
-        watcher = (
-            asyncio.create_task(silent_sessions.watch(app.state.redis, keys, timeout_s))
-            if timeout_s > 0
-            else None
-        )
+        background = []
+        if timeout_s > 0:
+            background.append(silent_sessions.watch(app.state.redis, keys, timeout_s))
+        stop_sampling = asyncio.Event()
+        if settings.history_interval_s > 0:
+            background.append(
+                history.sample_forever(app.state.redis, keys, settings, stop_sampling)
+            )
+        tasks = [asyncio.create_task(job) for job in background]
         try:
             yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            stop_sampling.set()  # ends the sampler even where the cancel below is swallowed
+            for task in tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                    await task
             await asyncio.to_thread(recorder.stop)
             await app.state.gateway_queue.close()
             await app.state.redis.aclose()

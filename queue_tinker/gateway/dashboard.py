@@ -8,7 +8,9 @@ JSON route does. What a key sees:
   whole worker list (capacity is shared, so how busy the fleet is is everyone's business), but
   on each worker only its own resident models and current op: another tenant's model ids are
   left out (`resident_hidden` counts them) and another tenant's current op shows its kind
-  only (`current_op` is "<kind>:", `current_op_hidden` true).
+  only (`current_op` is "<kind>:", `current_op_hidden` true); and, like the worker list, the
+  fleet's history (per base model its queue depth, oldest wait and live workers, and the
+  fleet's tokens per second: sums over every tenant, naming none of them or their models).
 
 Retry and cancel take a request of the caller's tenant (an admin's: any); another tenant's
 request is 404 exactly like a missing one. Drain is admin-only (403).
@@ -31,6 +33,7 @@ from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.connection import RedisClient
 from queue_tinker.queue.control import actions
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.observe.history import read_history
 from queue_tinker.queue.observe.overview import hide_other_tenants, queue_overview
 from queue_tinker.queue.observe.records import RecordLog
 from queue_tinker.settings import Settings
@@ -183,6 +186,14 @@ def _read_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
         }
 
 
+def _fleet_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
+    @router.get(f"{API}/history")
+    async def history(request: Request, caller: CallerDep) -> dict[str, Any]:
+        """The fleet's last hours, sampled every QT_HISTORY_INTERVAL_S by the gateways: per
+        base model queue depth, oldest wait and live workers, and the fleet's tokens/s."""
+        return await read_history(_redis(request), keys, settings)
+
+
 def _action_routes(router: APIRouter, settings: Settings, keys: Keys) -> None:
     @router.post(f"{API}/requests/{{request_id}}/retry")
     async def retry(request_id: str, request: Request, caller: CallerDep) -> dict[str, Any]:
@@ -218,5 +229,6 @@ def dashboard_router(settings: Settings, keys: Keys) -> APIRouter:
     router = APIRouter(route_class=OffLoopRoute)
     _page_routes(router)
     _read_routes(router, settings, keys)
+    _fleet_routes(router, settings, keys)
     _action_routes(router, settings, keys)
     return router

@@ -1,4 +1,5 @@
-"""GET /metrics: the queue, the workers and the op counters in the Prometheus text format.
+"""GET /metrics: the queue, the demand per base model, the workers and the op counters in the
+Prometheus text format.
 
 Every scrape reads Redis afresh (`queue_overview` + `read_metrics`) and renders through a
 collector registered in a new `CollectorRegistry`: the numbers live in Redis, shared by every
@@ -26,21 +27,27 @@ from prometheus_client.utils import floatToGoString
 
 from queue_tinker.gateway.off_loop import OffLoopRoute
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.observe.fleet import BaseModelLoad, fleet_load, known_base_models
 from queue_tinker.queue.observe.metrics import MetricsSnapshot, read_metrics
 from queue_tinker.queue.observe.overview import queue_overview
 from queue_tinker.settings import Settings
 
 
 class QueueCollector(Collector):
-    """One scrape's worth of numbers: an overview and a metrics snapshot read just before."""
+    """One scrape's worth of numbers: an overview, the base models known to the deployment and
+    a metrics snapshot, read just before."""
 
-    def __init__(self, overview: dict[str, Any], snapshot: MetricsSnapshot) -> None:
+    def __init__(
+        self, overview: dict[str, Any], known_bases: set[str], snapshot: MetricsSnapshot
+    ) -> None:
         self.overview = overview
+        self.known_bases = known_bases
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
         served = {w["base_model"] for w in self.overview["workers"]}
         yield from queue_families(self.overview["queues"], served)
+        yield from demand_families(fleet_load(self.overview, self.known_bases))
         yield from worker_families(self.overview["workers"])
         yield from op_families(self.snapshot)
 
@@ -81,6 +88,29 @@ def queue_families(queues: list[dict[str, Any]], served: set[str]) -> Iterator[M
     for base in sorted(oldest):
         oldest_family.add_metric([base], oldest[base])
     yield from (depth_family, models_family, oldest_family)
+
+
+def demand_families(load: dict[str, BaseModelLoad]) -> Iterator[Metric]:
+    # Every base model known to the deployment reports, 0 when idle: a scaler (KEDA's
+    # Prometheus trigger) must read 0 to scale its workers to zero, not an empty answer.
+    models = GaugeMetricFamily(
+        "qt_demand_models",
+        "Models of the base model with unfinished (queued or running) ops, whatever their "
+        "state: the work its workers are wanted for. A worker serves several models at once, "
+        "so a scaler divides this by how many (KEDA: AverageValue, its threshold).",
+        labels=["base_model"],
+    )
+    unowned = GaugeMetricFamily(
+        "qt_demand_unowned_models",
+        "Of qt_demand_models, the models no live worker holds the lease of: waiting for an "
+        "owner (no live worker serves the base model, or its tenant's training-runs limit "
+        "parks it; with workers up, a claim takes well under a second).",
+        labels=["base_model"],
+    )
+    for base in sorted(load):
+        models.add_metric([base], load[base].models)
+        unowned.add_metric([base], load[base].unowned)
+    yield from (models, unowned)
 
 
 def worker_families(workers: list[dict[str, Any]]) -> Iterator[Metric]:
@@ -197,9 +227,10 @@ def metrics_router(settings: Settings, keys: Keys) -> APIRouter:
         _check_token(request, settings.metrics_token)
         redis = request.app.state.redis
         overview = await queue_overview(redis, keys, settings, tenants=False)  # not shown
+        known_bases = await known_base_models(redis, keys)
         snapshot = await read_metrics(redis, keys)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(QueueCollector(overview, snapshot))
+        registry.register(QueueCollector(overview, known_bases, snapshot))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -169,6 +169,22 @@ class Keys:
         """Hash: tenant -> tokens processed."""
         return f"{self.prefix}:metrics:tenant-tokens"
 
+    # --- fleet history (the dashboard's charts: queue/observe/history.py) -------------------
+    def history_slot(self, bucket: int) -> str:
+        """String, set NX with a TTL: the gateway that takes sample number `bucket` (Redis
+        time // QT_HISTORY_INTERVAL_S), so replicas write one sample per interval."""
+        return f"{self.prefix}:history:slot:{bucket}"
+
+    def history_fleet(self) -> str:
+        """Stream: one entry per sample, id `<sample ms>-0`: tokens (qt_tokens' total then),
+        tokens_per_s (since the sample before); trimmed to QT_HISTORY_RETENTION_S."""
+        return f"{self.prefix}:history:fleet"
+
+    def history_base(self, base_model: str) -> str:
+        """Stream: one entry per sample, id `<sample ms>-0`: the base model's depth,
+        oldest_wait_s, workers; trimmed to QT_HISTORY_RETENTION_S."""
+        return f"{self.prefix}:history:base:{base_model}"
+
     # --- workers ---------------------------------------------------------------------------
     def workers(self) -> str:
         """Sorted set: worker id -> last heartbeat (ms)."""

@@ -175,7 +175,15 @@ def test_the_page_loads_without_a_key_and_every_data_route_needs_one(dep: Deploy
     assert dep.get(None, "/dashboard/dashboard.py").status_code == 404
     assert dep.get(None, "/api/v1/overview").status_code == 404
 
-    reads = ["overview", "requests", "requests/r-1", "runs", "runs/m-1/loss", "checkpoints"]
+    reads = [
+        "overview",
+        "history",
+        "requests",
+        "requests/r-1",
+        "runs",
+        "runs/m-1/loss",
+        "checkpoints",
+    ]
     actions = ["requests/r-1/retry", "requests/r-1/cancel", "workers/w-1/drain"]
     for key in (None, "tml-not-a-key", "sk-wrong-shape"):
         for path in reads:

@@ -1,8 +1,9 @@
 """The dashboard in a real browser while a training loop runs: Debian's headless Chromium,
 driven by Playwright, against a real `queue-tinker serve` and a real LoRA worker on the tiny
-model. The page must show the run's queue, the worker and a loss curve; the screenshot is
-kept as test-artifacts/dashboard.png. Also: the curve the dashboard serves is exactly the
-losses the client got back."""
+model. The page must show the run's queue, the worker, a loss curve and the fleet's history
+charts with the samples the gateway took; the screenshot is kept as
+test-artifacts/dashboard.png. Also: the curve the dashboard serves is exactly the losses the
+client got back."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ ARTIFACT = REPO / "test-artifacts" / "dashboard.png"
 TEXTS = ["the cat sat on the mat", "queue tinker trains loras", "one two three four five"]
 AHEAD = 3  # steps kept in flight, so the run's queue is rarely empty when the page looks
 MAX_STEPS = 2_000  # a bound, in case a test never stops the loop
+HISTORY_INTERVAL_S = 0.5  # the gateway samples the fleet this often (15 s by default)
+HISTORY_CHARTS = {  # chart -> the series it draws
+    "depth": TINY,
+    "oldest_wait_s": TINY,
+    "workers": TINY,
+    "tokens_per_s": "fleet",
+}
 
 
 def batch() -> list[types.Datum]:
@@ -125,7 +133,9 @@ def world(
 ) -> Iterator[World]:
     log = tmp_path_factory.mktemp("dashboard-browser") / "gateway.log"
     with (
-        lora_deployment(redis_url, database_url, TINY) as settings,
+        lora_deployment(
+            redis_url, database_url, TINY, history_interval_s=HISTORY_INTERVAL_S
+        ) as settings,
         gateway_process(settings, log) as gateway,
     ):
         service = queue_tinker.ServiceClient(settings)  # the "default" tenant
@@ -148,6 +158,37 @@ PAGE_READY = """([modelId]) => {
     return Boolean(queue && worker && points >= 3);
 }"""
 
+# Whether every history chart draws at least 3 points of its series.
+HISTORY_READY = """([charts]) => Object.entries(charts).every(([chart, series]) => {
+    const line = document.querySelector(
+        `#history-svg-${chart} path.series[data-series="${series}"]`);
+    return Boolean(line) && Number(line.dataset.points) >= 3;
+})"""
+
+# Each history chart's line of its series: the points drawn and the newest point's time.
+HISTORY_DRAWN = """([charts]) => Object.fromEntries(
+    Object.entries(charts).map(([chart, series]) => {
+        const line = document.querySelector(
+            `#history-svg-${chart} path.series[data-series="${series}"]`);
+        const moves = (line.getAttribute('d').match(/[ML]/g) || []).length;
+        return [chart, [Number(line.dataset.points), moves, Number(line.dataset.lastT)]];
+    }))"""
+
+# Each history chart's lines, by the series they draw.
+HISTORY_LINES = """([charts]) => Object.fromEntries(Object.keys(charts).map((chart) => [chart,
+    [...document.querySelectorAll(`#history-svg-${chart} path.series`)]
+        .map((line) => line.dataset.series)]))"""
+
+
+def sampled_points(history: dict[str, Any], chart: str, series: str, until: float) -> int:
+    """How many known values of `series` the endpoint holds for `chart` up to time `until`."""
+    if series == "fleet":
+        columns = history["fleet"]
+    else:
+        (columns,) = [b for b in history["base_models"] if b["base_model"] == series]
+    pairs = zip(columns["t"], columns[chart], strict=True)
+    return sum(1 for t, v in pairs if t <= until and v is not None)
+
 
 @pytest.mark.skipif(
     not Path(CHROMIUM).exists(),
@@ -155,8 +196,9 @@ PAGE_READY = """([modelId]) => {
 )
 def test_the_dashboard_shows_the_queue_the_worker_and_the_loss_curve(world: World) -> None:
     """Headless Chromium signs in with a key and sees, while training runs, the run's queue
-    row, the worker (base model, device) and a loss curve of several points; no script
-    errors. The screenshot goes to test-artifacts/dashboard.png."""
+    row, the worker (base model, device), a loss curve of several points, and the fleet's
+    four history charts drawing exactly the samples the history endpoint holds up to their
+    newest point; no script errors. The screenshot goes to test-artifacts/dashboard.png."""
     from playwright.sync_api import sync_playwright
 
     world.loop.start()
@@ -192,6 +234,26 @@ def test_the_dashboard_shows_the_queue_the_worker_and_the_loss_curve(world: Worl
             assert "selected" in (run.get_attribute("class") or "")
             assert page.locator("#requests tr[data-request-id]").count() > 0
             page.wait_for_selector("#checkpoints tbody tr", timeout=30_000)
+
+            page.wait_for_function(HISTORY_READY, arg=[HISTORY_CHARTS], timeout=30_000)
+            drawn = page.evaluate(HISTORY_DRAWN, [HISTORY_CHARTS])
+            history = httpx.get(
+                f"{world.gateway}/api/v1/dashboard/history",
+                headers={"X-API-Key": world.key},
+                timeout=10,
+            ).json()
+            for chart, series in HISTORY_CHARTS.items():
+                points, moves, newest = drawn[chart]
+                # Samples are appended in time order, so what the page was given is every
+                # sample up to its newest point; the endpoint may hold newer ones since.
+                assert points == moves == sampled_points(history, chart, series, newest), chart
+            # One line per base model with samples; the fleet's tokens/s is one line.
+            bases = [b["base_model"] for b in history["base_models"]]
+            assert page.evaluate(HISTORY_LINES, [HISTORY_CHARTS]) == {
+                chart: ["fleet"] if series == "fleet" else bases
+                for chart, series in HISTORY_CHARTS.items()
+            }
+            assert "queue-tinker/tiny-llama" in page.locator("#history-legend").inner_text()
             page.screenshot(path=str(ARTIFACT), full_page=True)
         finally:
             browser.close()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -217,3 +219,112 @@ def test_tokens_count_what_the_engine_processed(redis_url: str, database_url: st
             assert value(samples, "qt_tenant_tokens_total", tenant="default") == step * per_step
         assert value(samples, "qt_ops_total", kind="forward_backward", status="done") == 2
         assert value(samples, "qt_tokens_total", kind="create_model") is None  # no tokens
+
+
+async def queue_pings(settings: Settings, base_model: str, pings: dict[str, int]) -> None:
+    """Register each model on `base_model` and queue that many pings on it (no worker needed)."""
+    client = connect(settings.redis_url or "")
+    try:
+        jobs = JobQueue(client, Keys(settings.key_prefix), result_ttl_s=60)
+        for model_id, count in pings.items():
+            await jobs.register_model(
+                model_id,
+                base_model=base_model,
+                tenant_id="default",
+                session_id=None,
+                lora_config={"rank": 4},
+            )
+            for i in range(count):
+                await jobs.enqueue(model_id, OpKind.PING, b"", job_id=f"{model_id}-j{i}")
+    finally:
+        await client.aclose()
+
+
+def demand(samples: list[Sample], base_model: str) -> tuple[float | None, float | None]:
+    """(qt_demand_models, qt_demand_unowned_models) of the base model."""
+    return (
+        value(samples, "qt_demand_models", base_model=base_model),
+        value(samples, "qt_demand_unowned_models", base_model=base_model),
+    )
+
+
+def test_demand_follows_the_work_and_falls_to_zero(
+    settings: Settings, service: ServiceClient, tmp_path: Path
+) -> None:
+    """Three models with queued pings and no worker: demand 3, all 3 unowned; a worker comes
+    and runs them: demand 0 (a series, not none); a slow ping while it runs: demand 1, owned;
+    the worker gone and nothing queued, the base model still reports 0."""
+    asyncio.run(queue_pings(settings, "tiny", {"m-demand-a": 2, "m-demand-b": 1, "m-demand-c": 1}))
+    with gateway(settings) as http:
+        samples = scrape(http)
+        assert demand(samples, "tiny") == (3, 3)
+        assert value(samples, "qt_queue_depth", base_model="tiny", state="paused_capacity") == 4
+        with running_workers(settings, 1, tmp_path):
+            samples = scrape_until(http, lambda s: demand(s, "tiny")[0] == 0, timeout_s=20)
+            assert demand(samples, "tiny") == (0, 0)
+            slow = service.create_lora_training_client("tiny", rank=4).ping(delay_ms=2_000)
+            samples = scrape_until(
+                http, lambda s: value(s, "qt_workers_busy", base_model="tiny") == 1
+            )
+            assert demand(samples, "tiny") == (1, 0)
+            slow.result(timeout=20)
+            assert demand(scrape(http), "tiny") == (0, 0)
+        assert demand(scrape(http), "tiny") == (0, 0)  # no worker, no work: still a series
+
+
+@dataclass(frozen=True)
+class KedaTrigger:
+    """What the KEDA ScaledObject of the workers scales on (AverageValue on
+    max(qt_demand_models{base_model="X"}))."""
+
+    threshold: float  # models one worker serves at once
+    activation: float  # activationThreshold: at or below it, no worker at all
+    min_replicas: int
+    max_replicas: int
+
+
+KEDA = KedaTrigger(threshold=4, activation=0, min_replicas=0, max_replicas=8)
+
+
+def keda_replicas(metric: float, trigger: KedaTrigger) -> int:
+    """The workers KEDA and its HPA ask for (the HPA's 10 % tolerance aside): none while the
+    metric is at or below the activation threshold (with minReplicaCount 0), else, for an
+    AverageValue target, ceil(metric / threshold), within [max(1, min), max]."""
+    if metric <= trigger.activation and trigger.min_replicas == 0:
+        return 0
+    wanted = math.ceil(metric / trigger.threshold)
+    return min(trigger.max_replicas, max(1, trigger.min_replicas, wanted))
+
+
+def test_keda_scales_the_workers_from_the_scraped_demand(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The replicas KEDA's rule gives from the scraped max(qt_demand_models{base_model}) as
+    models come: 0 before any, 1 for 1 to 4 models, 2 for 5, 3 for 9, the cap (8) for 40;
+    and 0 again once workers have run every op."""
+    wanted: list[tuple[int, int]] = []
+    made = 0
+    with gateway(settings) as http:
+
+        def scraped_replicas() -> tuple[int, int]:
+            samples = scrape(http)
+            metric = sum(
+                s.value
+                for s in samples
+                if s.name == "qt_demand_models" and s.labels.get("base_model") == "scaled"
+            )
+            return int(metric), keda_replicas(metric, KEDA)
+
+        wanted.append(scraped_replicas())
+        for total in (1, 4, 5, 9, 40):
+            asyncio.run(
+                queue_pings(settings, "scaled", {f"m-keda-{i}": 1 for i in range(made, total)})
+            )
+            made = total
+            wanted.append(scraped_replicas())
+        with running_workers(settings, 2, tmp_path, base_model="scaled"):
+            deadline = time.monotonic() + 30
+            while scraped_replicas() != (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            wanted.append(scraped_replicas())
+    assert wanted == [(0, 0), (1, 1), (4, 1), (5, 2), (9, 3), (40, 8), (0, 0)]

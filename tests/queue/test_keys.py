@@ -46,6 +46,9 @@ def test_new_key_names_are_stable() -> None:
     assert k.metrics_latency("ping") == "qt:metrics:latency:ping"
     assert k.metrics_tokens() == "qt:metrics:tokens"
     assert k.metrics_tenant_tokens() == "qt:metrics:tenant-tokens"
+    assert k.history_slot(115_200) == "qt:history:slot:115200"
+    assert k.history_fleet() == "qt:history:fleet"
+    assert k.history_base("tiny") == "qt:history:base:tiny"
 
 
 def test_sampling_client_key_names_are_stable() -> None:

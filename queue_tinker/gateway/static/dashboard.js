@@ -1,5 +1,6 @@
-// queue_tinker dashboard: polls the gateway's /api/v1/dashboard/* every 2 s and renders tables
-// and an inline-SVG loss curve. Plain JS, no build step, nothing loaded from elsewhere.
+// queue_tinker dashboard: polls the gateway's /api/v1/dashboard/* every 2 s and renders tables,
+// an inline-SVG loss curve and the fleet's history. Plain JS, no build step, nothing loaded from
+// elsewhere.
 // Every value from the server goes into the page as text (textContent), never as HTML.
 "use strict";
 
@@ -19,6 +20,7 @@ const state = {
   inFlight: false,
   timer: null,
   generation: 0,       // bumped on every sign-in/out: answers for an older key are dropped
+  historyDue: 0,       // when (Date.now()) to ask for the fleet's history again
 };
 
 const $ = (id) => document.getElementById(id);
@@ -338,6 +340,109 @@ function renderLoss(body) {
   chart.replaceChildren(root);
 }
 
+// --- the fleet's history (inline SVG, one line per base model) --------------------------------
+
+const SERIES_CLASSES = 8;  // dashboard.css colours .c0 ... .c7; more base models reuse them
+// Steps of the time axis, in seconds: the first that gives at most 5 ticks is used.
+const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600];
+const HISTORY_CHARTS = {
+  depth: { format: (v) => String(Math.round(v)), integer: true },
+  oldest_wait_s: { format: (v) => fmtSpan(v), integer: false },
+  // Whole-number ticks: a fraction of a token per second is noise on this axis.
+  tokens_per_s: { format: (v) => (v >= 1e4 ? `${(v / 1e3).toFixed(0)}k` : String(Math.round(v))),
+    integer: true },
+  workers: { format: (v) => String(Math.round(v)), integer: true },
+};
+
+function fmtSpan(seconds) {
+  if (seconds === 0) return "0";
+  if (seconds < 60) return `${+seconds.toFixed(1)} s`;
+  if (seconds < 3600) return `${+(seconds / 60).toFixed(1)} m`;
+  return `${+(seconds / 3600).toFixed(1)} h`;
+}
+
+function fmtClock(epoch, withSeconds) {
+  const d = new Date(epoch * 1000);
+  const pad = (n) => String(n).padStart(2, "0");
+  const hm = `${pad(d.getHours())}:${pad(d.getMinutes())}`;
+  return withSeconds ? `${hm}:${pad(d.getSeconds())}` : hm;
+}
+
+// An SVG path through the points, broken where a value is unknown (null).
+function seriesPath(ts, vs, sx, sy) {
+  let d = "", drawn = 0, pen = "M", lastT = null;
+  ts.forEach((t, i) => {
+    if (vs[i] === null || vs[i] === undefined) { pen = "M"; return; }
+    d += `${pen}${sx(t).toFixed(1)},${sy(vs[i]).toFixed(1)} `;
+    pen = "L";
+    drawn += 1;
+    lastT = t;
+  });
+  return { d: d.trim(), drawn, lastT };
+}
+
+// One time chart: `series` is [{name, colour, t: [...], v: [...]}], the x axis from t0 to t1.
+function renderTimeChart(container, name, series, t0, t1, spec) {
+  // About the width a chart gets four to a row on a 1500 px page: its text stays 10-11 px.
+  const W = 360, H = 170, L = 46, R = 10, T = 10, B = 24;
+  const values = series.flatMap((s) => s.v.filter((v) => v !== null && v !== undefined));
+  const yTicks = niceTicks(0, Math.max(1, ...values), 4, spec.integer);
+  const y1 = Math.max(yTicks[yTicks.length - 1], ...values, 1);
+  const sx = (t) => L + ((t - t0) / (t1 - t0 || 1)) * (W - L - R);
+  const sy = (v) => T + (1 - v / y1) * (H - T - B);
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, id: `history-svg-${name}`, role: "img",
+    "aria-label": `${name} over time` });
+  for (const v of yTicks) {
+    root.append(svg("line", { class: "grid", x1: L, x2: W - R, y1: sy(v), y2: sy(v) }));
+    root.append(svg("text", { class: "tick", x: L - 5, y: sy(v) + 4, "text-anchor": "end" },
+      spec.format(v)));
+  }
+  const step = TIME_STEPS.find((s) => (t1 - t0) / s <= 5) || TIME_STEPS[TIME_STEPS.length - 1];
+  const halfLabel = step < 60 ? 24 : 15;  // half a label's width: HH:MM:SS or HH:MM
+  for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
+    root.append(svg("line", { class: "grid", x1: sx(t), x2: sx(t), y1: T, y2: H - B }));
+    if (sx(t) + halfLabel > W) continue;  // its label would be cut off at the right edge
+    root.append(svg("text", { class: "tick", x: sx(t), y: H - B + 15, "text-anchor": "middle" },
+      fmtClock(t, step < 60)));
+  }
+  root.append(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
+  root.append(svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
+  for (const s of series) {
+    const { d, drawn, lastT } = seriesPath(s.t, s.v, sx, sy);
+    const line = svg("path", { class: `series ${s.colour}`, d, "data-series": s.name,
+      "data-points": drawn, "data-last-t": lastT ?? "" });
+    const last = [...s.v].reverse().find((v) => v !== null && v !== undefined);
+    line.append(svg("title", {}, `${s.name}: ${last === undefined ? "–" : spec.format(last)} now`));
+    root.append(line);
+  }
+  container.replaceChildren(root);
+}
+
+function renderHistory(body) {
+  const bases = body.base_models || [];
+  const fleet = body.fleet || { t: [], tokens_per_s: [] };
+  const times = [...fleet.t, ...bases.flatMap((b) => b.t)];
+  const empty = $("history-empty");
+  $("history-span").textContent = body.interval_s
+    ? `a sample every ${body.interval_s} s, kept ${fmtAge(body.retention_s)}` : "";
+  empty.hidden = times.length > 0;
+  empty.textContent = body.interval_s
+    ? `No samples yet: the gateways take one every ${body.interval_s} s.`
+    : "No history: the gateways sample none (QT_HISTORY_INTERVAL_S=0).";
+  const colour = Object.fromEntries(bases.map((b, i) => [b.base_model, `c${i % SERIES_CLASSES}`]));
+  $("history-legend").replaceChildren(...bases.map((b) => el("span", { class: "legend-item" },
+    el("span", { class: `swatch ${colour[b.base_model]}` }), b.base_model)));
+  const t0 = Math.min(...times), t1 = Math.max(body.now || 0, ...times);
+  for (const [name, spec] of Object.entries(HISTORY_CHARTS)) {
+    const chart = $(`history-${name}`);
+    if (!times.length) { chart.replaceChildren(); continue; }
+    const series = name === "tokens_per_s"
+      ? [{ name: "fleet", colour: "fleet", t: fleet.t, v: fleet.tokens_per_s }]
+      : bases.map((b) => ({ name: b.base_model, colour: colour[b.base_model], t: b.t, v: b[name] }));
+    renderTimeChart(chart, name, series, t0, t1, spec);
+  }
+}
+
 // --- the request detail (traceback one click away) -------------------------------------------
 
 async function openDetail(requestId) {
@@ -422,6 +527,13 @@ async function refresh() {
     if (generation !== state.generation) return;
     renderLoss(loss);
     renderCheckpoints(checkpoints.checkpoints || []);
+    // The history changes once a sample interval: asked for no more often than that.
+    if (Date.now() >= state.historyDue) {
+      const history = await api("history");
+      if (generation !== state.generation) return;
+      renderHistory(history);
+      state.historyDue = Date.now() + Math.max(POLL_MS, (history.interval_s || 60) * 1000);
+    }
     $("updated").textContent = `updated ${new Date().toLocaleTimeString([], { hour12: false })}`;
     $("live").className = state.paused ? "live paused" : "live";
   } catch (e) {
@@ -467,6 +579,7 @@ function signIn(key) {
   state.caller = null;
   state.selectedRun = null;  // another key may not see the run picked before
   state.userPicked = false;
+  state.historyDue = 0;
   sessionStorage.setItem(KEY_STORE, key);
   showSignedIn(true);
   startPolling();
