@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+import yaml
 from fastapi.testclient import TestClient
-from procs import lora_deployment, running_workers
+from procs import REPO, lora_deployment, running_workers
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -283,7 +284,26 @@ class KedaTrigger:
     max_replicas: int
 
 
+# The tiny model's workers' ScaledObject (held to it below).
+SCALED_OBJECTS = REPO / "deploy" / "k8s" / "base" / "workers" / "scaledobject.yaml"
 KEDA = KedaTrigger(threshold=4, activation=0, min_replicas=0, max_replicas=8)
+
+
+def test_the_keda_rule_is_the_workers_scaledobject() -> None:
+    """Every workers' ScaledObject scales on qt_demand_models with the trigger the test below
+    computes (AverageValue, threshold 4, activation 0, from 0 replicas); the tiny model's
+    caps at KEDA.max_replicas."""
+    objects = [o for o in yaml.safe_load_all(SCALED_OBJECTS.read_text()) if o]
+    assert objects
+    for spec in (o["spec"] for o in objects):
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        assert "qt_demand_models{" in trigger["metadata"]["query"]
+        assert float(trigger["metadata"]["threshold"]) == KEDA.threshold
+        assert float(trigger["metadata"]["activationThreshold"]) == KEDA.activation
+        assert spec["minReplicaCount"] == KEDA.min_replicas
+    (tiny,) = [o["spec"] for o in objects if "tiny-llama" in o["metadata"]["name"]]
+    assert tiny["maxReplicaCount"] == KEDA.max_replicas
 
 
 def keda_replicas(metric: float, trigger: KedaTrigger) -> int:
