@@ -1,7 +1,8 @@
 """Queue overhead: what one trivial op (`TrainingClient.ping`, no model work) costs end to
 end, and how many per second the queue moves, against real Redis, Postgres and worker
 processes: round trips through the sync and the async API with where the time goes, throughput
-with 1 and 2 workers, and rq's `SimpleWorker` on the same Redis as the baseline. How each is
+with 1 and 2 workers, rq's `SimpleWorker` on the same Redis as the baseline, and the round trip
+with writes acknowledged only once a replica holds them against without. How each is
 measured: the `## Queue overhead` section of docs/benchmarks.md.
 
     .venv/bin/python -m bench.queue_overhead            # the full run (about 2-3 minutes)
@@ -28,7 +29,9 @@ from bench.harness.workers import running_workers
 from bench.rq_baseline import RqResult, run_rq
 from queue_tinker.client import TrainingClient
 from queue_tinker.errors import QueueTinkerError
+from queue_tinker.local.embedded import EmbeddedRedis
 from queue_tinker.queue.keys import Keys
+from queue_tinker.settings import Settings
 
 SECTION = "## Queue overhead"
 COMMAND = ".venv/bin/python -m bench.queue_overhead"
@@ -223,6 +226,52 @@ def run_throughput(
         )
 
 
+# --- part 4: replication -----------------------------------------------------------------------
+REPLICATION_MODES = (0, 1)  # replicas an acknowledged write waits for (QT_REDIS_URL ?replicas=)
+
+
+def run_replication(
+    args: argparse.Namespace, database_url: str, log_dir: Path
+) -> dict[int, list[Sample]]:
+    """Part 4: sync round trips on a primary with one replica (both redis-servers started here,
+    on loopback), acknowledged on the primary's word and after WAIT for the replica, in
+    alternating rounds so that both modes meet the same machine."""
+    samples: dict[int, list[Sample]] = {mode: [] for mode in REPLICATION_MODES}
+    with EmbeddedRedis(log_dir / "repl-primary") as primary_url:
+        primary = redis.Redis.from_url(primary_url)
+        port = primary.connection_pool.connection_kwargs["port"]
+        with EmbeddedRedis(log_dir / "repl-replica", replica_of=port):
+            wait_for_replica(primary)
+            for round_number in range(args.replication_rounds):
+                for mode in REPLICATION_MODES:
+                    part = f"repl{mode}-{round_number}"
+                    with (
+                        deployment(primary_url, database_url, part, log_dir / "data") as plain,
+                        running_workers(with_replicas(plain, mode), 1, log_dir, part),
+                        service_client(with_replicas(plain, mode)) as service,
+                    ):
+                        client = service.create_lora_training_client("tiny")
+                        ops = args.ops // args.replication_rounds
+                        samples[mode] += sync_latency(client, args.warmup, ops)
+        primary.close()
+    return samples
+
+
+def with_replicas(settings: Settings, replicas: int) -> Settings:
+    return settings.model_copy(update={"redis_url": f"{settings.redis_url}?replicas={replicas}"})
+
+
+def wait_for_replica(primary: redis.Redis, timeout_s: float = 30) -> None:
+    """Until the replica has synced (the primary counts it online)."""
+    deadline = time.monotonic() + timeout_s
+    while "slave0" not in (info := primary.info("replication")) or "online" not in str(
+        info["slave0"]
+    ):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no replica online within {timeout_s:g} s: {info}")
+        time.sleep(0.05)
+
+
 # --- main --------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line; `--quick` shrinks every count and leaves the docs alone."""
@@ -237,6 +286,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "--window": (2_000, "throughput: ops in flight"),
             "--rq-ops": (2_000, "rq sequential jobs"),
             "--rq-tput-ops": (10_000, "rq throughput jobs"),
+            "--replication-rounds": (2, "round trips with and without a replica: rounds (0: none)"),
         },
         quick="smoke run: few ops everywhere",
         services=True,
@@ -250,7 +300,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-rq", action="store_true", help="skip the rq baseline")
     quick = {"ops": 300, "warmup": 50, "tput_ops": 2_000, "window": 500}
-    return cli.parse(parser, argv, quick={**quick, "rq_ops": 200, "rq_tput_ops": 500})
+    quick |= {"rq_ops": 200, "rq_tput_ops": 500, "replication_rounds": 1}
+    return cli.parse(parser, argv, quick=quick)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -281,7 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ops=args.rq_ops,
                 tput_ops=args.rq_tput_ops,
             )
-    emit(report(args, run, lat, tput, rq_result), docs_of(args), args.json)
+        repl = None
+        if args.replication_rounds > 0:
+            print("[4] round trip with a replica, acknowledged with and without WAIT ...")
+            repl = run_replication(args, run.database_url, run.data_dir)
+    emit(report(args, run, lat, tput, rq_result, repl), docs_of(args), args.json)
     return 0
 
 
@@ -292,8 +347,10 @@ def report(
     lat: dict[str, LatencyResult],
     tput: dict[int, Throughput],
     rq_result: RqResult | None,
+    repl: dict[int, list[Sample]] | None,
 ) -> Report:
-    """The targets, then round trips beside rq's, where one goes, and throughput."""
+    """The targets, then round trips beside rq's, where one goes, throughput, and the round
+    trip with replication against without."""
     targets = [
         Target(f"p{p} round trip ≤ {bound:g} ms, {api} API", f"{ms:.2f} ms", ms <= bound)
         for p, bound in ((50, TARGET_P50_MS), (99, TARGET_P99_MS))
@@ -324,11 +381,19 @@ def report(
             "throughput_ops_per_s": rq_result.throughput.per_s,
             "enqueue_many_s": rq_result.enqueue_s,
         },
+        "replication": None
+        if repl is None
+        else {
+            f"replicas={mode}": Latency([s.total_s for s in got]).summary()
+            for mode, got in repl.items()
+        },
     }
     facts = [
         f"The run took {run.total_s:.0f} s; client, workers, Redis and Postgres share its cores."
     ]
     body = [round_trips(args, run, lat, rq_result), stages(lat), throughput(run, tput, rq_result)]
+    if repl is not None:
+        body.append(replication(args, repl))
     return Report(SECTION, COMMAND, run.info, facts, targets, body, results)
 
 
@@ -392,6 +457,28 @@ def throughput(run: Run, tput: dict[int, Throughput], rq: RqResult | None) -> Ta
             )
         )
     return Table(("system", "workers", "ops", "in flight", "ops/s", "notes"), rows, "Throughput")
+
+
+def replication(args: argparse.Namespace, repl: dict[int, list[Sample]]) -> Table:
+    rows = []
+    for mode, got in repl.items():
+        trip, submit = Latency([s.total_s for s in got]), Latency([s.enqueued_s for s in got])
+        rows.append(
+            (
+                f"`?replicas={mode}`",
+                "after WAIT: one replica holds it" if mode else "on the primary's word",
+                *(f"{v:.2f}" for v in (trip.p50, trip.p90, trip.p99, trip.mean)),
+                f"{submit.p50:.2f}",
+            )
+        )
+    ops = sum(len(got) for got in repl.values())
+    return Table(
+        ("QT_REDIS_URL", "acknowledged", "p50 ms", "p90 ms", "p99 ms", "mean ms", "submit p50 ms"),
+        rows,
+        title=f"Replication: round trip, one worker, a primary (AOF fsynced at every write, "
+        f"as compose and `up` run it) and one replica on loopback ({ops:,} sequential ops in "
+        f"{args.replication_rounds} alternating rounds; what WAIT costs is the difference)",
+    )
 
 
 def failed_ops(errors: dict[str, int]) -> str:

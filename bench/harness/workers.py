@@ -15,9 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import redis
-
 from bench.harness.services import REPO, child_env
+from queue_tinker.queue.connection import connect_sync
 from queue_tinker.queue.keys import Keys
 from queue_tinker.settings import Settings
 
@@ -133,7 +132,7 @@ def lora_workers(
 
 def wait_for_workers(settings: Settings, count: int, timeout: float = 60) -> None:
     """Block until `count` workers are registered under the settings' key prefix."""
-    client = redis.Redis.from_url(settings.redis_url or "")
+    client = connect_sync(settings.redis_url or "")  # `?replicas=` too (queue_overhead)
     keys = Keys(settings.key_prefix)
     deadline = time.monotonic() + timeout
     try:
