@@ -599,7 +599,7 @@ class DecodeLoop:
         strings = request.spec.params.stop_strings
         if not strings:
             return False
-        decoded = self.decode(sequence)
+        decoded = self.decode(stop_string_tail(sequence, strings))
         return any(s in decoded for s in strings)
 
     def _choose(self, rows: Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -664,3 +664,19 @@ def _kept_at_most(request: LiveRequest, vocab: int) -> int:
     """The most tokens a row's top_k leaves (the vocabulary when it sets none)."""
     top_k = request.spec.params.top_k
     return min(top_k, vocab) if top_k > 0 else vocab
+
+
+# A stop string found now ends in the newest token's text (an earlier end would have stopped
+# the row then), so it begins at most this many tokens back per character: a character is at
+# most 4 byte-level tokens. STOP_CONTEXT_TOKENS more keep the tail's first characters (a cut
+# UTF-8 sequence, a leading space a decoder drops) away from the stop string.
+STOP_TOKENS_PER_CHAR = 4
+STOP_CONTEXT_TOKENS = 4
+
+
+def stop_string_tail(sequence: list[int], strings: Sequence[str]) -> list[int]:
+    """The end of `sequence` that can hold a stop string completed by its newest token:
+    decoding it each step is linear in a sample's length, where decoding the whole sequence
+    each step was quadratic."""
+    longest = max(len(s) for s in strings)
+    return sequence[-(STOP_TOKENS_PER_CHAR * longest + STOP_CONTEXT_TOKENS) :]
