@@ -29,12 +29,16 @@ class LoraOpRules:
     def batch_share(self, backlog: Iterable[Op]) -> BatchShare:
         """One training step: the leading forward / forward_backward ops and the optim_step
         after them (complete once that is there); a client that pipelines many steps then hears
-        of each as it finishes, not of all of them once the last is done."""
+        of each as it finishes, not of all of them once the last is done. A share of forwards
+        alone is complete too: no optim_step belongs with them, so a lone forward (RL's scoring
+        and logprob calls) starts at once instead of after the arrivals' quiet gap."""
         taken = 0
+        forwards_only = True
         for op in backlog:
             if not self.batchable(op):
                 return BatchShare(taken, complete=True)
             taken += 1
             if op.kind is OpKind.OPTIM_STEP:
                 return BatchShare(taken, complete=True)
-        return BatchShare(taken, complete=False)
+            forwards_only = forwards_only and op.kind is OpKind.FORWARD
+        return BatchShare(taken, complete=taken > 0 and forwards_only)

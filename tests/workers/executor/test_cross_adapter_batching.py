@@ -239,6 +239,7 @@ def test_cross_adapter_batching_off_runs_training_alone(root: Path) -> None:
     assert off.rules.stepped(samples[0]) and not off.rules.batchable(samples[0])
     assert off.rules.batch_share(backlog[:2]) == (2, False)  # its optim_step may be on its way
     assert off.rules.batch_share(backlog[2:]) == (1, True)  # an optim_step at the head: that step
+    assert off.rules.batch_share(backlog[1:2]) == (1, True)  # a forward alone: nothing to await
     save = make_op("m", 6, OpKind.SAVE_STATE, {})
     assert off.rules.batch_share([backlog[0], save, *backlog[1:]]) == (1, True)
 

@@ -172,6 +172,25 @@ def test_share_is_complete_once_the_optim_step_is_in() -> None:
     assert schedule.batch_complete(NOW)
 
 
+def test_a_share_of_forwards_alone_is_complete() -> None:
+    """Forwards alone wait for nothing (no optim_step belongs with them), so gathering does not
+    hold a lone forward for the quiet gap; once a forward_backward is among them its
+    optim_step is awaited again, and an idle model beside them keeps the gather open for its
+    next step."""
+    schedule = scheduler()
+    owned = own(schedule, "a", "t", [OpKind.FORWARD, OpKind.FORWARD])
+    assert schedule.batch_complete(NOW)
+    owned.backlog.append(op("a", 3, FB))
+    owned.backlog.append(op("a", 4, OpKind.FORWARD))
+    assert not schedule.batch_complete(NOW)
+    owned.backlog.append(op("a", 5, STEP))
+    assert schedule.batch_complete(NOW)
+    owned.backlog.clear()
+    owned.backlog.append(op("a", 6, OpKind.FORWARD))
+    own(schedule, "b", "u", [])
+    assert not schedule.batch_complete(NOW)
+
+
 def test_inline_pings_go_together_and_stop_at_a_models_first_other_op() -> None:
     """Inline pings of all models in one batch, each model's in order, none past its first op
     that is not inline; at most INLINE_BATCH."""
