@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from procs import REPO
 
+from queue_tinker.services.recorder import RecorderThread
 from queue_tinker.settings import Settings
 
 # What the light client must not pull in (the extras' packages), as distribution names.
@@ -167,7 +168,14 @@ def test_light_client_runs_without_torch(
         "QT_DATABASE_URL": settings.database_url or "",
         "QT_KEY_PREFIX": settings.key_prefix,
     }
-    shown = json.loads(run(light_venv / "bin" / "python", script, env=env, cwd=tmp_path))
+    # The deployment's side: a recorder (a gateway or worker runs one) writes the session the
+    # client opens into Postgres, which the RestClient waits for before it reads.
+    recorder = RecorderThread(settings, consumer="packaging-test")
+    recorder.start()
+    try:
+        shown = json.loads(run(light_venv / "bin" / "python", script, env=env, cwd=tmp_path))
+    finally:
+        recorder.stop()
     assert shown["module_file"].startswith(str(site_packages(light_venv)))
     assert shown["capabilities"] == "GetServerCapabilitiesResponse"
     assert shown["sessions"] >= 1  # this client's own session, read back from Postgres
