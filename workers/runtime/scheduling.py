@@ -38,6 +38,11 @@ INLINE_BATCH = 64
 ENGINE_BATCH = 256
 # Stepped ops join the engine at most this many at a time.
 JOIN_BATCH = 256
+# An owned model idle this long is no part of the burst a batch gathers: its client is busy
+# elsewhere, or gone (a model lingers for QT_LINGER_MS), so waiting for its next step only
+# delays the others. Clients woken by one batch's results send their next steps within
+# milliseconds of each other.
+IDLE_PEER_S = 0.25
 
 
 class TurnKind(Enum):
@@ -178,8 +183,8 @@ class Scheduler:
         """No op of this model arriving now could join the next batch."""
         if owned.blocked_until > now:
             return True
-        if not owned.backlog:
-            return False  # an idle run's next step may be on its way
+        if not owned.backlog:  # its next step may be on its way, if it ran just now
+            return now - owned.idle_since >= IDLE_PEER_S
         if owned.backlog[0].seq <= owned.replay_upto:
             return True
         if self.rules.stepped(owned.backlog[0]):

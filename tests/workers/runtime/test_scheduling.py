@@ -16,6 +16,7 @@ from queue_tinker.workers.executor.rules import LoraOpRules
 from queue_tinker.workers.runtime.owned import OwnedModel
 from queue_tinker.workers.runtime.scheduling import (
     ENGINE_BATCH,
+    IDLE_PEER_S,
     INLINE_BATCH,
     QUANTUM_S,
     Scheduler,
@@ -187,8 +188,21 @@ def test_a_share_of_forwards_alone_is_complete() -> None:
     assert schedule.batch_complete(NOW)
     owned.backlog.clear()
     owned.backlog.append(op("a", 6, OpKind.FORWARD))
-    own(schedule, "b", "u", [])
+    idle = own(schedule, "b", "u", [])
+    idle.idle_since = NOW - 0.01
     assert not schedule.batch_complete(NOW)
+
+
+def test_a_model_idle_for_a_while_holds_no_gather_open() -> None:
+    """A model that ran just now may send its next step within the gather; one idle for
+    IDLE_PEER_S (a lingering model, or a client busy elsewhere) will not, and no batch waits
+    for it."""
+    schedule = scheduler()
+    own(schedule, "a", "t", [OpKind.FORWARD])
+    idle = own(schedule, "b", "u", [])
+    idle.idle_since = NOW - 0.01
+    assert not schedule.batch_complete(NOW)
+    assert schedule.batch_complete(NOW - 0.01 + IDLE_PEER_S)
 
 
 def test_inline_pings_go_together_and_stop_at_a_models_first_other_op() -> None:
