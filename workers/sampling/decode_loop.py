@@ -65,6 +65,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     kept,
     per_sample,
 )
+from queue_tinker.workers.sampling.host_reads import to_host
 from queue_tinker.workers.sampling.image_prefill import prefill_with_images
 from queue_tinker.workers.sampling.prefill_groups import (
     length_groups,
@@ -82,7 +83,8 @@ from queue_tinker.workers.sampling.token_choice import (
     row_chunks,
     sample_tokens,
     sample_unfiltered,
-    top_logprobs,
+    top_logprob_candidates,
+    top_logprob_rows,
 )
 
 # Padded prompt tokens (prefill rows x longest prompt) one step prefills at most; a request
@@ -568,13 +570,22 @@ class DecodeLoop:
         with its last row); the rows that go on. The tokens, their logprobs and whether they
         stop a row come to the host in one copy, the step's only wait for the device."""
         tokens, logprobs = self._choose(rows, logits)
-        topk = top_logprobs([r.spec.sample_topk for r in rows.requests], logits)
+        wanted = [r.spec.sample_topk for r in rows.requests]
+        candidates = top_logprob_candidates(wanted, logits)
         rows.tokens = tokens
         stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
-        # float64 holds every token id exactly.
-        token_list, logprob_list, stop_list = torch.stack(
-            [tokens.double(), logprobs.double(), stop.double()]
-        ).tolist()
+        # One copy for all of it; float64 holds every token id and float32 logprob exactly.
+        columns = [tokens.double(), logprobs.double(), stop.double()]
+        if candidates is not None:
+            columns += [*candidates[0].double().T, *candidates[1].double().T]
+        host = to_host(torch.stack(columns))
+        token_list, logprob_list, stop_list = host[:3]
+        topk: list[list[tuple[int, float]] | None] = [None] * rows.size
+        if candidates is not None:
+            k = candidates[0].shape[1]
+            values = [list(row) for row in zip(*host[3 : 3 + k], strict=True)]
+            ids = [[int(i) for i in row] for row in zip(*host[3 + k :], strict=True)]
+            topk = top_logprob_rows(wanted, values, ids)
         keep: list[int] = []
         for i, (request, sample) in enumerate(zip(rows.requests, rows.samples, strict=True)):
             sequence = request.tokens[sample]

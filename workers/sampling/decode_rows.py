@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse, StopReason
+from queue_tinker.workers.sampling.host_reads import to_host
 from queue_tinker.workers.sampling.kv_cache import GrowingLayer
 from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed
 
@@ -187,9 +188,9 @@ class Rows:
         self.requests = [self.requests[i] for i in keep]
         self.samples = [self.samples[i] for i in keep]
         self.mask = self.mask[index]
-        self._index_fields(index)
+        self._index_fields(index, keep)
         layers = growing_layers(self.cache)
-        start = int(self.mask.any(dim=0).int().argmax())  # the first column anyone uses
+        start = to_host(self.mask.any(dim=0).int().argmax())  # the first column anyone uses
         if start > 0 and layers is not None:
             self.mask = self.mask[:, start:]
             for layer in layers:
@@ -212,11 +213,12 @@ class Rows:
         self.requests += other.requests
         self.samples += other.samples
 
-    def _index_fields(self, index: torch.Tensor) -> None:
-        """Keep the per-row settings and state of the rows `index` names, in its order."""
+    def _index_fields(self, index: torch.Tensor, order: list[int]) -> None:
+        """Keep the per-row settings and state of the rows `index` (on the device; `order` on
+        the host) names, in its order."""
         for name in ("next_pos", "temperature", "top_k", "top_p", "stop_ids", "tokens"):
             setattr(self, name, getattr(self, name)[index])
-        self.uniforms = self.uniforms[index.cpu()]
+        self.uniforms = self.uniforms[order]  # host-side: no read of the device's index
 
     def _append_fields(self, other: Rows) -> None:
         """Append `other`'s per-row settings and state after these rows'."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from queue_tinker.types.requests.sampling import NO_TARGET, SamplingParams
+from queue_tinker.workers.sampling.host_reads import to_host
 from queue_tinker.workers.sampling.token_choice import CHUNK_ELEMENTS, request_seed
 
 if TYPE_CHECKING:
@@ -85,19 +86,19 @@ def prompt_scores(logits: torch.Tensor, request: PromptRequest) -> dict[str, Any
         if alternatives is not None:
             alternatives.draw(scored[part], rows)
         if request.prompt_logprobs:
-            logprobs.extend(rows.gather(1, targets[part, None]).squeeze(1).tolist())
+            logprobs.extend(to_host(rows.gather(1, targets[part, None]).squeeze(1)))
         if k:
             values, ids = rows.topk(k, dim=-1)  # sorted, most likely first
             topk.extend(
                 [
                     list(zip(i, v, strict=True))
-                    for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                    for i, v in zip(to_host(ids), to_host(values), strict=True)
                 ]
             )
         if wanted is not None:
             cells = wanted[part]
             picked = rows.gather(1, cells.clamp(min=0))
-            target_lps.extend(picked.masked_fill(cells == NO_TARGET, 0.0).tolist())
+            target_lps.extend(to_host(picked.masked_fill(cells == NO_TARGET, 0.0)))
     fields: dict[str, Any] = {}
     if request.prompt_logprobs:
         fields["prompt_logprobs"] = logprobs
@@ -136,8 +137,8 @@ class _Alternatives:
             cdf = torch.softmax(logits.float() / self.temperature, dim=-1).cumsum(dim=-1)
             scaled = uniforms.to(cdf.device) * cdf[:, -1:]
             ids = torch.searchsorted(cdf, scaled, right=True).clamp(max=cdf.shape[-1] - 1)
-        self.tokens.extend(ids.tolist())
-        self.logprobs.extend(logprobs.gather(1, ids).tolist())
+        self.tokens.extend(to_host(ids))
+        self.logprobs.extend(to_host(logprobs.gather(1, ids)))
 
 
 def record_prompt_scores(

@@ -48,6 +48,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     Rows,
     growing_layers,
 )
+from queue_tinker.workers.sampling.host_reads import to_host
 from queue_tinker.workers.sampling.kv_slots import KvSlots
 
 log = logging.getLogger(__name__)
@@ -151,11 +152,11 @@ class SlotRows(Rows):
         index = torch.tensor(order, dtype=torch.long, device=self.next_pos.device)
         self.requests = [self.requests[i] for i in order]
         self.samples = [self.samples[i] for i in order]
-        self._index_fields(index)
+        self._index_fields(index, order)
 
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (a prefill's left-padded cache) in the next free slots."""
-        lengths = other.mask.sum(dim=1).tolist()
+        lengths = to_host(other.mask.sum(dim=1))
         columns = max(_end(request) for request in [*self.requests, *other.requests])
         self.decoder.reserve(self.size + other.size, columns, self.size, other.cache)
         self.decoder.slots.place(self.size, other.cache, lengths)

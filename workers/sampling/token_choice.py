@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from queue_tinker.types.requests.sampling import SamplingParams
+from queue_tinker.workers.sampling.host_reads import to_host
 
 # Rows x vocab per softmax / sort pass: bounds their float and index copies (~0.4 GB) however
 # many samples a batch holds.
@@ -59,7 +60,7 @@ def sample_tokens(
     scaled = logits.float() / temperature[:, None]
     vocab = scaled.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    widest = int(k.max()) if widest is None else widest
+    widest = int(to_host(k.max())) if widest is None else widest
     # Equal logits (frequent in bf16) in index order, as a stable sort puts them: an unstable
     # order may differ with the batch's size, and the same uniform would then draw another
     # token when other rows share the step.
@@ -84,24 +85,32 @@ def sample_tokens(
     return order.gather(1, pos[:, None]).squeeze(1)
 
 
-def top_logprobs(wanted: list[int], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
-    """Each row's top_k_sample_logprobs: the `wanted[row]` most likely (token, logprob) pairs
-    of this step under the model, for the rows that want some (None for the others)."""
-    rows = len(wanted)
-    found: list[list[tuple[int, float]] | None] = [None] * rows
-    if not any(wanted):
-        return found
+def top_logprob_candidates(
+    wanted: list[int], logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """On the device: (logprobs, token ids), [rows, k], of every row's k most likely tokens
+    under the model, k the most any row wants; None when no row wants any. The rows' own
+    counts are cut on the host (top_logprob_rows), after the step's one copy."""
     vocab = logits.shape[-1]
-    for part in row_chunks(rows, vocab):
-        k = min(max(wanted[part]), vocab)
-        if not k:
-            continue
-        values, ids = torch.log_softmax(logits[part].float(), dim=-1).topk(k, dim=-1)
-        for row, (i, v) in enumerate(zip(ids.tolist(), values.tolist(), strict=True)):
-            want = wanted[part.start + row]
-            if want:
-                found[part.start + row] = list(zip(i[:want], v[:want], strict=True))
-    return found
+    k = min(max(wanted, default=0), vocab)
+    if not k:
+        return None
+    parts = [
+        torch.log_softmax(logits[part].float(), dim=-1).topk(k, dim=-1)
+        for part in row_chunks(len(wanted), vocab)
+    ]
+    return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
+
+
+def top_logprob_rows(
+    wanted: list[int], values: list[list[float]], ids: list[list[int]]
+) -> list[list[tuple[int, float]] | None]:
+    """Each row's top_k_sample_logprobs from the candidates read on the host: its `wanted`
+    most likely (token, logprob) pairs, None for a row that wants none."""
+    return [
+        list(zip(ids[row][:want], values[row][:want], strict=True)) if want else None
+        for row, want in enumerate(wanted)
+    ]
 
 
 def row_chunks(rows: int, vocab: int) -> list[slice]:
