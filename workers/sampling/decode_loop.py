@@ -80,10 +80,10 @@ from queue_tinker.workers.sampling.prefix_cache import (
 from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
 from queue_tinker.workers.sampling.slot_decode import SlotDecoder, SlotRows, slots_fit
 from queue_tinker.workers.sampling.token_choice import (
+    model_logprobs,
     row_chunks,
     sample_tokens,
     sample_unfiltered,
-    top_logprob_candidates,
     top_logprob_rows,
 )
 
@@ -569,9 +569,10 @@ class DecodeLoop:
         """Choose every row's next token, record it, and end the rows it ends (a request ends
         with its last row); the rows that go on. The tokens, their logprobs and whether they
         stop a row come to the host in one copy, the step's only wait for the device."""
-        tokens, logprobs = self._choose(rows, logits)
+        tokens = self._choose(rows, logits)
         wanted = [r.spec.sample_topk for r in rows.requests]
-        candidates = top_logprob_candidates(wanted, logits)
+        # The model's logprobs (not the tempered ones), and any top-k, from one log_softmax.
+        logprobs, candidates = model_logprobs(logits, tokens, wanted)
         rows.tokens = tokens
         stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
         # One copy for all of it; float64 holds every token id and float32 logprob exactly.
@@ -613,11 +614,11 @@ class DecodeLoop:
         decoded = self.decode(stop_string_tail(sequence, strings))
         return any(s in decoded for s in strings)
 
-    def _choose(self, rows: Rows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, raw logprobs of them): argmax for greedy rows; the others draw with this
-        step's uniform of their sample (logprobs are the model's, not the tempered ones).
-        Which rows draw, and which of them cut the distribution (top_k / top_p), is known on
-        the host from their settings: nothing here waits for the device."""
+    def _choose(self, rows: Rows, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token: argmax for greedy rows; the others draw with this step's
+        uniform of their sample. Which rows draw, and which of them cut the distribution
+        (top_k / top_p), is known on the host from their settings: nothing here waits for the
+        device."""
         tokens = logits.argmax(dim=-1)
         vocab = logits.shape[-1]
         cut: list[int] = []
@@ -636,11 +637,7 @@ class DecodeLoop:
             uniforms = torch.tensor([draws[i] for i in cut + whole], device=self.device)
             self._draw(rows, logits, tokens, cut, uniforms[: len(cut)], filtered=True)
             self._draw(rows, logits, tokens, whole, uniforms[len(cut) :], filtered=False)
-        logprobs = [
-            torch.log_softmax(logits[part].float(), dim=-1).gather(1, tokens[part, None]).squeeze(1)
-            for part in row_chunks(rows.size, vocab)
-        ]
-        return tokens, torch.cat(logprobs)
+        return tokens
 
     def _draw(
         self,

@@ -85,21 +85,24 @@ def sample_tokens(
     return order.gather(1, pos[:, None]).squeeze(1)
 
 
-def top_logprob_candidates(
-    wanted: list[int], logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """On the device: (logprobs, token ids), [rows, k], of every row's k most likely tokens
-    under the model, k the most any row wants; None when no row wants any. The rows' own
-    counts are cut on the host (top_logprob_rows), after the step's one copy."""
+def model_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int]
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """On the device, from one log_softmax a row chunk: log p(token) of each row's chosen
+    token under the model, and (logprobs, token ids) [rows, k] of every row's k most likely
+    tokens, k the most any row wants (None when no row wants any; each row's own count is cut
+    on the host, top_logprob_rows, after the step's one copy)."""
     vocab = logits.shape[-1]
     k = min(max(wanted, default=0), vocab)
-    if not k:
-        return None
-    parts = [
-        torch.log_softmax(logits[part].float(), dim=-1).topk(k, dim=-1)
-        for part in row_chunks(len(wanted), vocab)
-    ]
-    return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
+    chosen, values, ids = [], [], []
+    for part in row_chunks(len(wanted), vocab):
+        logprobs = torch.log_softmax(logits[part].float(), dim=-1)
+        chosen.append(logprobs.gather(1, tokens[part, None]).squeeze(1))
+        if k:
+            top = logprobs.topk(k, dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+    return torch.cat(chosen), (torch.cat(values), torch.cat(ids)) if k else None
 
 
 def top_logprob_rows(
