@@ -87,6 +87,13 @@ def bucket(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
 
 
+def graph_rows(rows: int) -> int:
+    """The rows a captured step of `rows` rows runs: 1, 2, 4, then the next multiple of 8 (as
+    vLLM's capture sizes), so a batch pads at most 7 rows where powers of two padded up to
+    half of it; each size is one graph. Within the slots' capacity (bucket(rows))."""
+    return bucket(rows) if rows <= 4 else -(-rows // 8) * 8
+
+
 def column_bucket(columns: int, capacity: int) -> int:
     """The columns a step attends over: the next power of two (MIN_COLUMN_BUCKET at least),
     never past what a slot holds."""
@@ -216,7 +223,7 @@ class SlotDecoder:
         kv = self.slots
         count = rows.size
         # Buckets keep a captured graph's shapes; an eager step runs what the rows use.
-        size = bucket(count) if self.graphs_wanted else count
+        size = graph_rows(count) if self.graphs_wanted else count
         self.tokens[:count].copy_(rows.tokens)
         kv.write_at[:count].copy_(rows.next_pos)  # a row's position is the column it writes
         self.tokens[count:size].zero_()

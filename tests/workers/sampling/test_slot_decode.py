@@ -42,6 +42,7 @@ from queue_tinker.workers.sampling.slot_decode import (
     bucket,
     column_bucket,
     decode_step_of,
+    graph_rows,
     slots_fit,
 )
 
@@ -243,6 +244,8 @@ def test_a_slot_is_refilled_when_its_adapter_is_loaded_again(setup: Setup) -> No
 # --- the pieces ----------------------------------------------------------------------------------
 def test_buckets() -> None:
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
+    assert [graph_rows(n) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 40, 64]
+    assert all(graph_rows(n) <= bucket(n) for n in range(1, 300))  # within the slots
     assert column_bucket(10, 4096) == 256
     assert column_bucket(300, 4096) == 512
     assert column_bucket(1025, 1280) == 1280  # never past what a slot holds
@@ -493,7 +496,9 @@ def test_bucketed_steps_replayed_sample_what_the_padded_loop_samples(
         done.update(loop.step(setup.model))
         step += 1
     assert_equal_samples(done, want)
-    assert loop.slots.captured >= 2 and all(size & (size - 1) == 0 for size, _ in loop.slots.graphs)
+    assert loop.slots.captured >= 2 and all(
+        size == graph_rows(size) for size, _ in loop.slots.graphs
+    )
 
 
 def test_the_next_decode_is_launched_at_the_end_of_a_step_and_run_once(
