@@ -158,6 +158,9 @@ def connect(url: str, *, max_connections: int = MAX_CONNECTIONS) -> RedisClient:
     return client
 
 
+SyncRedisClient = redis.Redis  # what connect_sync returns, for callers outside queue/
+
+
 def connect_sync(url: str) -> redis.Redis:
     """A synchronous client (rq speaks sync Redis: the housekeeper and its jobs' callers)."""
     found = target(url)

@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -38,7 +39,7 @@ from rq.exceptions import DuplicateJobError
 from queue_tinker.errors import CheckpointPathError
 from queue_tinker.health import HealthFile
 from queue_tinker.local.processes import die_with_parent
-from queue_tinker.queue.connection import connect_sync
+from queue_tinker.queue.connection import SyncRedisClient, connect_sync
 from queue_tinker.queue.control.expiry_jobs import (
     expiry_job_id,
     housekeeping_queue,
@@ -277,27 +278,42 @@ def enqueue_sweep(queue: Queue, interval_s: float = EXPIRY_SWEEP_INTERVAL_S) -> 
     return True
 
 
-class _SweepTicker(threading.Thread):
-    """Queues a sweep at start and every interval. A thread in the housekeeper rather than
-    an rq repeat/self-rescheduling job: a job chain lives in Redis and is lost exactly when
-    the sweep is needed (Redis flushed); this restarts with the process. rq's cron needs a
-    separate process."""
+class _Ticker(threading.Thread):
+    """Runs `tick` on a Redis client of its own at start and every interval until stopped; a
+    Redis error costs that tick only (the worker loop reports Redis trouble itself).
 
-    def __init__(self, redis_url: str, queue_name: str, interval_s: float) -> None:
-        super().__init__(name="sweep-ticker", daemon=True)
+    Two run in the housekeeper. The sweep ticker queues a sweep: a thread rather than an rq
+    repeat/self-rescheduling job, since a job chain lives in Redis and is lost exactly when the
+    sweep is needed (Redis flushed); this restarts with the process (rq's cron needs a separate
+    process). The health ticker touches QT_HEALTH_FILE while Redis answers a PING: rq's loop
+    beats only between blocking dequeues (every 405 s idle) and not at all while a job runs in
+    this process (a sweep may take minutes)."""
+
+    def __init__(
+        self,
+        name: str,
+        redis_url: str,
+        interval_s: float,
+        tick: Callable[[SyncRedisClient], object],
+        failed: str | None = None,
+    ) -> None:
+        """`failed`: what a tick that met a Redis error logs as a warning (None: nothing)."""
+        super().__init__(name=name, daemon=True)
         self._redis = connect_sync(redis_url)
-        self._queue = Queue(queue_name, connection=self._redis)
         self._interval_s = interval_s
+        self._tick = tick
+        self._failed = failed
         self._stopping = threading.Event()
 
     def run(self) -> None:
         while True:
             try:
-                enqueue_sweep(self._queue, self._interval_s)
-            except Exception as err:  # the worker loop reports Redis trouble itself
+                self._tick(self._redis)
+            except Exception as err:
                 if not is_redis_error(err):
                     raise
-                log.warning("could not queue a sweep: %s", err)
+                if self._failed is not None:
+                    log.warning("%s: %s", self._failed, err)
             if self._stopping.wait(self._interval_s):
                 return
 
@@ -307,33 +323,19 @@ class _SweepTicker(threading.Thread):
         self._redis.close()
 
 
-class _HealthTicker(threading.Thread):
-    """Touches the health file (QT_HEALTH_FILE) every heartbeat while Redis answers a PING.
-    A thread of its own: rq's loop beats only between blocking dequeues (every 405 s idle)
-    and not at all while a job runs in this process (a sweep may take minutes)."""
+def _sweep_ticker(redis_url: str, queue_name: str, interval_s: float) -> _Ticker:
+    def tick(client: SyncRedisClient) -> None:
+        enqueue_sweep(Queue(queue_name, connection=client), interval_s)
 
-    def __init__(self, redis_url: str, health: HealthFile, interval_s: float) -> None:
-        super().__init__(name="health-ticker", daemon=True)
-        self._redis = connect_sync(redis_url)
-        self._health = health
-        self._interval_s = interval_s
-        self._stopping = threading.Event()
+    return _Ticker("sweep-ticker", redis_url, interval_s, tick, "could not queue a sweep")
 
-    def run(self) -> None:
-        while True:
-            try:
-                self._redis.ping()
-                self._health.touch()
-            except Exception as err:  # the worker loop reports Redis trouble itself
-                if not is_redis_error(err):
-                    raise
-            if self._stopping.wait(self._interval_s):
-                return
 
-    def stop(self) -> None:
-        self._stopping.set()
-        self.join(timeout=5)
-        self._redis.close()
+def _health_ticker(redis_url: str, health: HealthFile, interval_s: float) -> _Ticker:
+    def tick(client: SyncRedisClient) -> None:
+        client.ping()
+        health.touch()
+
+    return _Ticker("health-ticker", redis_url, interval_s, tick)
 
 
 class _HousekeeperWorker(SimpleWorker):
@@ -400,10 +402,10 @@ def run_housekeeper(
         [queue], connection=connection, name=f"{id_token(queue.name)}--{uuid.uuid4().hex[:12]}"
     )
     worker.early_stop = early_stop
-    ticker = _SweepTicker(settings.redis_url, queue.name, sweep_interval_s)
+    ticker = _sweep_ticker(settings.redis_url, queue.name, sweep_interval_s)
     health = HealthFile(settings.health_file)
     health.clear()  # touched again once Redis answers
-    health_ticker = _HealthTicker(settings.redis_url, health, settings.heartbeat_ms / 1000)
+    health_ticker = _health_ticker(settings.redis_url, health, settings.heartbeat_ms / 1000)
     log.info(
         "housekeeper on queue %s (storage %s, sweep every %.0f s)",
         queue.name,
