@@ -40,7 +40,7 @@ async def queue_state(
     """The state of one model's queue now (model_state, read from Redis)."""
     meta = await redis_bytes.hgetall(redis, keys.model_meta(model_id))
     served = await registry.base_models(max_age_ms)
-    return model_state(meta, served, await registry.loading_since(max_age_ms))
+    return model_state(meta, served, await _loading(registry, [meta], served, max_age_ms))
 
 
 async def queue_states(
@@ -54,10 +54,21 @@ async def queue_states(
             pipe.hgetall(keys.model_meta(model_id))
         metas: list[dict[bytes, bytes]] = await pipe.execute()
     served = await registry.base_models(max_age_ms)
-    loading = await registry.loading_since(max_age_ms)
+    loading = await _loading(registry, [m for m in metas if m], served, max_age_ms)
     states = {}
     for model_id, meta in zip(models, metas, strict=True):
         if meta:
             kind = meta.get(b"kind", b"training").decode()
             states[model_id] = (kind, *model_state(meta, served, loading))
     return states
+
+
+async def _loading(
+    registry: WorkerRegistry, metas: list[dict[bytes, bytes]], served: list[str], max_age_ms: int
+) -> dict[str, float]:
+    """The loading workers' start times (WorkerRegistry.loading_since), read only when one of
+    these models waits on a base model no live worker serves: the one state that names them,
+    so a client's poll of served models costs no extra round trip."""
+    if all(meta.get(b"base_model", b"").decode() in served for meta in metas):
+        return {}
+    return await registry.loading_since(max_age_ms)
