@@ -237,23 +237,25 @@ def run_replication(
     on loopback), acknowledged on the primary's word and after WAIT for the replica, in
     alternating rounds so that both modes meet the same machine."""
     samples: dict[int, list[Sample]] = {mode: [] for mode in REPLICATION_MODES}
-    with EmbeddedRedis(log_dir / "repl-primary") as primary_url:
-        primary = redis.Redis.from_url(primary_url)
-        port = primary.connection_pool.connection_kwargs["port"]
-        with EmbeddedRedis(log_dir / "repl-replica", replica_of=port):
-            wait_for_replica(primary)
-            for round_number in range(args.replication_rounds):
-                for mode in REPLICATION_MODES:
-                    part = f"repl{mode}-{round_number}"
+    primary = EmbeddedRedis(log_dir / "repl-primary")
+    with (
+        primary as primary_url,
+        EmbeddedRedis(log_dir / "repl-replica", replica_of=primary.port),
+        redis.Redis.from_url(primary_url) as client,
+    ):
+        wait_for_replica(client)
+        for round_number in range(args.replication_rounds):
+            for mode in REPLICATION_MODES:
+                part = f"repl{mode}-{round_number}"
+                with deployment(primary_url, database_url, part, log_dir / "data") as plain:
+                    settings = with_replicas(plain, mode)
                     with (
-                        deployment(primary_url, database_url, part, log_dir / "data") as plain,
-                        running_workers(with_replicas(plain, mode), 1, log_dir, part),
-                        service_client(with_replicas(plain, mode)) as service,
+                        running_workers(settings, 1, log_dir, part),
+                        service_client(settings) as service,
                     ):
-                        client = service.create_lora_training_client("tiny")
+                        training = service.create_lora_training_client("tiny")
                         ops = args.ops // args.replication_rounds
-                        samples[mode] += sync_latency(client, args.warmup, ops)
-        primary.close()
+                        samples[mode] += sync_latency(training, args.warmup, ops)
     return samples
 
 
