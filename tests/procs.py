@@ -23,11 +23,13 @@ import pytest
 import redis
 import tinker
 
-from queue_tinker.queue.connection import connect_sync
+from queue_tinker.queue.connection import connect, connect_sync
 from queue_tinker.queue.keys import Keys
+from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.settings import Settings, settings_env
 from queue_tinker.store import api_keys
 from queue_tinker.store.db import make_engine, session_factory
+from queue_tinker.types import OpKind
 
 REPO = Path(__file__).resolve().parent.parent
 TASK_DUMP = Path(__file__).resolve().parent / "task_dump"
@@ -515,3 +517,25 @@ def redis_server(data_dir: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+async def queue_pings(
+    settings: Settings, base_model: str, pings: dict[str, int], tenant: str = "default"
+) -> None:
+    """Register each model (of `tenant`) on `base_model` and queue that many pings on it: work
+    waiting in Redis, no worker needed."""
+    client = connect(settings.redis_url or "")
+    try:
+        jobs = JobQueue(client, Keys(settings.key_prefix), result_ttl_s=60)
+        for model_id, count in pings.items():
+            await jobs.register_model(
+                model_id,
+                base_model=base_model,
+                tenant_id=tenant,
+                session_id=None,
+                lora_config={"rank": 4},
+            )
+            for i in range(count):
+                await jobs.enqueue(model_id, OpKind.PING, b"", job_id=f"{model_id}-j{i}")
+    finally:
+        await client.aclose()

@@ -11,16 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-from procs import REPO, child_env, running_workers
+from procs import REPO, child_env, queue_pings, running_workers
 
 from queue_tinker.cli.status import quantile_bound, render
 from queue_tinker.client import ServiceClient
 from queue_tinker.queue.connection import connect
 from queue_tinker.queue.control.limits import DEFAULT_TENANT_KEY, Limits, read_limits, set_limits
 from queue_tinker.queue.keys import Keys
-from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.settings import Settings
-from queue_tinker.types import OpKind
 
 
 def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
@@ -36,24 +34,7 @@ def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
 
 def queue_waiting_model(settings: Settings, model_id: str, ops: int, tenant: str = "acme") -> None:
     """A model of `tenant` on a base model no worker serves, with `ops` pings queued."""
-
-    async def go() -> None:
-        client = connect(settings.redis_url or "")
-        try:
-            jobs = JobQueue(client, Keys(settings.key_prefix), result_ttl_s=60)
-            await jobs.register_model(
-                model_id,
-                base_model="absent",
-                tenant_id=tenant,
-                session_id=None,
-                lora_config={"rank": 4},
-            )
-            for i in range(ops):
-                await jobs.enqueue(model_id, OpKind.PING, b"", job_id=f"{model_id}-{i}")
-        finally:
-            await client.aclose()
-
-    asyncio.run(go())
+    asyncio.run(queue_pings(settings, "absent", {model_id: ops}, tenant=tenant))
 
 
 def test_status_shows_workers_queues_and_totals(

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 import yaml
-from procs import REPO, running_workers
+from procs import REPO, queue_pings, running_workers
 from prometheus_client.parser import text_string_to_metric_families
-from test_metrics import gateway, queue_pings
+from test_metrics import gateway
 
 from queue_tinker.client import ServiceClient
 from queue_tinker.settings import Settings

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import redis
 from fastapi.testclient import TestClient
-from procs import lora_deployment, make_key, running_workers
-from test_metrics import queue_pings
+from procs import lora_deployment, make_key, queue_pings, running_workers
 
 from queue_tinker import types
 from queue_tinker.client import ServiceClient

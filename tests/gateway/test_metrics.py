@@ -15,7 +15,7 @@ import pytest
 import redis
 import yaml
 from fastapi.testclient import TestClient
-from procs import REPO, lora_deployment, running_workers
+from procs import REPO, lora_deployment, queue_pings, running_workers
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -220,25 +220,6 @@ def test_tokens_count_what_the_engine_processed(redis_url: str, database_url: st
             assert value(samples, "qt_tenant_tokens_total", tenant="default") == step * per_step
         assert value(samples, "qt_ops_total", kind="forward_backward", status="done") == 2
         assert value(samples, "qt_tokens_total", kind="create_model") is None  # no tokens
-
-
-async def queue_pings(settings: Settings, base_model: str, pings: dict[str, int]) -> None:
-    """Register each model on `base_model` and queue that many pings on it (no worker needed)."""
-    client = connect(settings.redis_url or "")
-    try:
-        jobs = JobQueue(client, Keys(settings.key_prefix), result_ttl_s=60)
-        for model_id, count in pings.items():
-            await jobs.register_model(
-                model_id,
-                base_model=base_model,
-                tenant_id="default",
-                session_id=None,
-                lora_config={"rank": 4},
-            )
-            for i in range(count):
-                await jobs.enqueue(model_id, OpKind.PING, b"", job_id=f"{model_id}-j{i}")
-    finally:
-        await client.aclose()
 
 
 def demand(samples: list[Sample], base_model: str) -> tuple[float | None, float | None]:
