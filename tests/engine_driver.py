@@ -79,12 +79,19 @@ class Driver:
         )
         return codec.decode(run_op(self.engine, op).result)
 
-    def create(self, model_id: str, seed: int | None = 0, rank: int = RANK) -> None:
+    def create(
+        self, model_id: str, seed: int | None = 0, rank: int = RANK, base: str | None = None
+    ) -> None:
+        """`base`: the base model name the run is created on (the engine's by default)."""
         lora = LoraConfig(rank=rank, seed=seed).model_dump()
         self.op(
             model_id,
             OpKind.CREATE_MODEL,
-            {"lora_config": lora, "tenant_id": "default", "base_model": self.engine.base_model},
+            {
+                "lora_config": lora,
+                "tenant_id": "default",
+                "base_model": base or self.engine.base_model,
+            },
         )
 
     def forward(self, model_id: str, data: list[Datum]) -> ForwardBackwardOutput:

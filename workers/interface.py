@@ -173,6 +173,9 @@ class Engine:
     stepped: SteppedCompute
     durability: Durability
     footprint: Footprint
+    # The longest sequence its model holds (its :peft:<tokens> name, listed by the server's
+    # capabilities); None where no model is loaded.
+    context_length: int | None = None
 
 
 def run_ping(op: Op) -> OpResult:

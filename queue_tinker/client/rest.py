@@ -276,8 +276,12 @@ class RestClient:
 async def server_capabilities(
     holder: ClientHolder, settings: Settings
 ) -> GetServerCapabilitiesResponse:
-    """Base models served by live workers right now."""
-    models = await holder.registry.base_models(settings.lease_ttl_ms * 3)
+    """Base models served by live workers right now, each with its longest
+    `Base:peft:<tokens>` name."""
+    models = await holder.registry.model_names(settings.lease_ttl_ms * 3)
     return GetServerCapabilitiesResponse(
-        supported_models=[SupportedModel(model_name=name) for name in models]
+        supported_models=[
+            SupportedModel(model_name=name, max_context_length=context)
+            for name, context in models.items()
+        ]
     )

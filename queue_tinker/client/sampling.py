@@ -19,6 +19,7 @@ from queue_tinker.client.wire import decoder
 from queue_tinker.queue.ops import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
+from queue_tinker.types.model_names import parse_model_name, served_base
 from queue_tinker.types.requests.images import refuse_images
 from queue_tinker.types.requests.request_limits import RequestLimits, encode_request
 from queue_tinker.types.requests.sampling import (
@@ -101,8 +102,9 @@ class SamplingClient:
             topk_sample_logprobs=topk_sample_logprobs,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
             inflight_of=self.inflight_of,
+            context_cap=parse_model_name(self.base_model).context_cap,
         )
-        if text_only(self.base_model):  # a built-in known to take no image: refused here
+        if text_only(served_base(self.base_model)):  # a built-in known to take no image
             refuse_images("prompt", body.prompt, self.base_model)
         pending = await self._submit(body)
         if prompt_logprobs_last_n is None:
@@ -177,7 +179,7 @@ class SamplingClient:
 
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (built locally for built-in models)."""
-        return load_tokenizer(self.base_model, self._settings.models_dir)
+        return load_tokenizer(served_base(self.base_model), self._settings.models_dir)
 
     def __repr__(self) -> str:
         weights = self.model_path or f"base model {self.base_model}"

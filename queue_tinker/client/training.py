@@ -29,8 +29,14 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.queue.ops import runs
 from queue_tinker.settings import Settings
 from queue_tinker.types import OpKind, codec
+from queue_tinker.types.model_names import parse_model_name, served_base
 from queue_tinker.types.requests.images import refuse_images
-from queue_tinker.types.requests.loss_inputs import check_batch, check_batch_size, parse_loss_fn
+from queue_tinker.types.requests.loss_inputs import (
+    ModelLimits,
+    check_batch,
+    check_batch_size,
+    parse_loss_fn,
+)
 from queue_tinker.types.requests.request_limits import (
     RequestLimits,
     check_datum_count,
@@ -70,7 +76,8 @@ def forward_backward_input(
     base_model: str | None = None,
 ) -> ForwardBackwardInput:
     """The op body of forward / forward_backward, checked as far as the client can (images
-    too, on a built-in `base_model` known to take none)."""
+    too, on a built-in `base_model` known to take none; its datums' lengths against the
+    :peft:<tokens> cap its name may set)."""
     limits = limits or RequestLimits.defaults()
     batch = validated(
         ForwardBackwardInput,
@@ -82,8 +89,9 @@ def forward_backward_input(
         },
     )
     check_batch_size(batch, limits)
-    check_batch(batch)
-    if base_model is not None and text_only(base_model):
+    cap = parse_model_name(base_model).context_cap if base_model is not None else None
+    check_batch(batch, ModelLimits().with_cap(cap))
+    if base_model is not None and text_only(served_base(base_model)):
         for index, datum in enumerate(batch.data):
             refuse_images(f"data[{index}].model_input", datum.model_input, base_model)
     return batch
@@ -404,7 +412,7 @@ class TrainingClient:
 
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (built locally for built-in models)."""
-        return load_tokenizer(self.base_model, self._settings.models_dir)
+        return load_tokenizer(served_base(self.base_model), self._settings.models_dir)
 
     def encode(self, text: str) -> list[int]:
         return list(self.get_tokenizer().encode(text, add_special_tokens=False))

@@ -27,6 +27,7 @@ from queue_tinker.gateway.auth import caller_of_key
 from queue_tinker.gateway.queue_access import GatewayQueue, QueueDep
 from queue_tinker.queue.ops import runs
 from queue_tinker.types import JobStatus, OpKind, codec
+from queue_tinker.types.model_names import parse_model_name, served_base
 from queue_tinker.types.requests.request_limits import encode_request
 from queue_tinker.types.requests.sampling import SampleResponse, sample_input
 from queue_tinker.types.service.checkpoints import SCHEME
@@ -195,7 +196,7 @@ async def _target(gq: GatewayQueue, tenant: str, model: str) -> tuple[str, str |
 
 
 async def _tokenizer(gq: GatewayQueue, base: str) -> Any:
-    return await asyncio.to_thread(load_tokenizer, base, gq.settings.models_dir)
+    return await asyncio.to_thread(load_tokenizer, served_base(base), gq.settings.models_dir)
 
 
 async def _sample(
@@ -219,6 +220,7 @@ async def _sample(
         False,
         path,
         limits=gq.limits,
+        context_cap=parse_model_name(base).context_cap,
     )
     job_id = await gq.submit(
         sampler_id, OpKind.SAMPLE, encode_request(sample.model_dump(), gq.limits), None

@@ -214,6 +214,7 @@ class LoraExecutor:
             stepped=self.sampling,
             durability=self.durability,
             footprint=self,
+            context_length=self.limits.context_length,
         )
 
     # --- OpCompute ------------------------------------------------------------------------

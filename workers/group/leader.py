@@ -47,6 +47,7 @@ class LeaderEngine:
             stepped=self,
             durability=self,
             footprint=self.engine.footprint,
+            context_length=self.engine.context_length,
         )
 
     def _run(self, part: str, method: str, *args: Any) -> Any:

@@ -137,6 +137,7 @@ class Adapter:
     step: int = 0
     last_seq: int = 0
     snapshot_seq: int = 0  # newest seq whose state is on disk
+    context_cap: int | None = None  # its base model name's :peft:<tokens> cap, if any
     extra: dict[str, Any] = field(default_factory=dict)
     # A sharded worker group's adapter sums its ranks' parts (lora_shards.grad_norm).
     grad_norm: Callable[[Mapping[str, torch.nn.Parameter]], torch.Tensor] = local_grad_norm

@@ -51,6 +51,7 @@ class CheckpointMeta:
     id: str | None = None  # tinker:// path for named checkpoints
     expires_at: float | None = None
     public: bool = False  # published: every tenant may sample from it or load it
+    context_cap: int | None = None  # the run's :peft:<tokens> cap (snapshots)
     optimizer_steps: dict[str, int] = field(default_factory=dict)  # per tensor, as AdamW keeps
     # Snapshots written by an op (periodic, load_state): that op's outcome, published from
     # here by the next owner if the writer died before publishing it (lora_engine.py).

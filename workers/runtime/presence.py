@@ -43,10 +43,12 @@ def registry_fields(
     stopping: bool,
     device_memory_bytes: int,
     resident: Any,
+    context_length: int | None,
 ) -> dict[str, Any]:
     """The worker's registry entry, as one heartbeat writes it."""
     return {
         "base_model": who.base_model,
+        "context_length": context_length or "",
         "device": who.device,
         "host": socket.gethostname(),
         "pid": os.getpid(),

@@ -280,6 +280,7 @@ class Worker:
             stopping=self.stopping.is_set(),
             device_memory_bytes=self.engine.footprint.device_memory_bytes(),
             resident=self.engine.footprint.resident(),
+            context_length=self.engine.context_length,
         )
         await self.registry.beat(self.id, fields, ttl_ms=self.config.lease_ttl_ms * 3)
         self.health.touch()  # registered and talking to Redis: what `queue-tinker probe` asks

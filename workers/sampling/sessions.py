@@ -26,6 +26,7 @@ from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import OpCancelledError, UserInputError
 from queue_tinker.storage.base import CheckpointStore
 from queue_tinker.types import codec
+from queue_tinker.types.model_names import check_served_name
 from queue_tinker.types.requests.loss_inputs import ModelLimits
 from queue_tinker.types.requests.request_limits import (
     RequestLimits,
@@ -142,10 +143,7 @@ class SamplingSessions:
     def create_session(self, op: Op) -> OpResult:
         """Check the session's weights now, so a bad path fails the create, not every sample."""
         body = parse_body(CreateSamplingSessionInput, op.payload)
-        if body.base_model != self.base_model:
-            raise UserInputError(
-                f"base_model: {body.base_model!r} is not served by this worker ({self.base_model})"
-            )
+        check_served_name(body.base_model, self.base_model, self.limits.context_length)
         if body.model_path is not None:
             directory = self._weights(body.model_path, tenant_id=body.tenant_id)
             if self._has_room(directory):  # else it loads when its first sample joins
@@ -333,14 +331,15 @@ class SamplingSessions:
         if expanded.images is not None:  # again, with its images' tokens counted
             body = body.model_copy(update={"prompt": expanded.model_input})
             check_sample_size(body, self.request_limits)
-        check_sample(body, self.limits)
+        limits = self.limits.with_cap(body.context_cap)
+        check_sample(body, limits)
         directory = self._weights(body.model_path) if body.model_path is not None else None
-        assert self.limits.context_length is not None
+        assert limits.context_length is not None
         request = GenerationRequest(
             prompt=expanded.images.ids if expanded.images else body.prompt.to_ints(),
             num_samples=body.num_samples,
             params=body.sampling_params,
-            max_tokens=max_new_tokens(body, self.limits.context_length),
+            max_tokens=max_new_tokens(body, limits.context_length),
             prompt_logprobs=body.prompt_logprobs,
             adapter=None,
             prompt_topk=body.topk_prompt_logprobs,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from queue_tinker.errors import StorageUnavailableError, UserInputError
 from queue_tinker.types import OpKind, codec
+from queue_tinker.types.model_names import check_served_name
 from queue_tinker.types.requests.training import MAX_MOE_LORA_RANK, CreateModelInput, LoraConfig
 from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import TRAIN_BATCH_KINDS, OpResult, parse_body
@@ -78,10 +79,7 @@ class TrainingEngine:
 
     def _create(self, op: Op) -> OpResult:
         body = parse_body(CreateModelInput, op.payload)
-        if body.base_model != self.base_model:
-            raise UserInputError(
-                f"base_model: {body.base_model!r} is not served by this worker ({self.base_model})"
-            )
+        cap = check_served_name(body.base_model, self.base_model, self.rounds.limits.context_length)
         if self.pool.get(op.model_id) is None:
             if stored_meta(self.saved.store, snapshot_key(op.model_id)) is not None:
                 self.residency.get(op.model_id)  # created before, by an earlier owner
@@ -91,6 +89,7 @@ class TrainingEngine:
                 seed = config.seed if config.seed is not None else default_seed(op.model_id)
                 adapter = self.residency.add(op.model_id, body.tenant_id, config, seed)
                 adapter.last_seq = op.seq
+                adapter.context_cap = cap
                 try:
                     # From here on the model survives its worker. Without it, no other worker
                     # could restore the model: the create fails (retryably) instead.

@@ -62,6 +62,7 @@ class Residency:
         self.pool.load_optimizer(adapter, state)
         self.pool.load_grads(adapter, state.grads)
         adapter.step = state.meta.step
+        adapter.context_cap = state.meta.context_cap
         adapter.last_seq = adapter.snapshot_seq = state.meta.seq
         kept = {int(seq): outcome for seq, outcome in state.meta.batch_results.items()}
         if state.meta.op_result is not None:

@@ -136,7 +136,7 @@ def prepare_pass(
             for datum, e in zip(batch.data, expanded, strict=True)
         ]
         batch = batch.model_copy(update={"data": data})
-    check_batch(batch, limits)
+    check_batch(batch, limits.with_cap(adapter.context_cap))
     loss_fn: LossFn | GraphLoss = (
         GraphLoss(batch.custom_loss, device) if batch.custom_loss is not None else batch.loss_fn
     )

@@ -132,6 +132,7 @@ class SavedState:
             step=adapter.step,
             created_at=time.time(),
             kind=kind,
+            context_cap=adapter.context_cap,
             **extra,
         )
 

@@ -20,6 +20,7 @@ from queue_tinker.queue.control import silent_sessions
 from queue_tinker.queue.ops import runs
 from queue_tinker.queue.ops.sessions import SESSION_TTL_S
 from queue_tinker.types import JobStatus, OpKind
+from queue_tinker.types.model_names import parse_model_name
 from queue_tinker.types.requests.request_limits import RequestLimits, check_tokens, encode_request
 from queue_tinker.types.requests.sampling import MAX_PROMPT_TOPK, NO_TARGET, sample_input
 
@@ -116,6 +117,7 @@ async def asample(
             topk_sample_logprobs=body.topk_sample_logprobs,
             prompt_alt_tokens_k=body.prompt_alt_tokens_k,
             inflight_of=info["inflight_of"],
+            context_cap=parse_model_name(info["base_model"]).context_cap,
         )
         return encode_request(sample.model_dump(), limits)
 

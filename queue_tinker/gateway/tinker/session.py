@@ -85,12 +85,19 @@ def session_router(settings: Settings, keys: Keys) -> APIRouter:
 
     @router.get("/get_server_capabilities")
     async def server_capabilities(request: Request, _: str = Depends(tenant_of)) -> dict[str, Any]:
-        """Base models served by live workers right now."""
+        """Base models served by live workers right now, each with its longest
+        `Base:peft:<tokens>` name."""
         registry = WorkerRegistry(request.app.state.redis, keys)
-        names = await registry.base_models(settings.lease_ttl_ms * 3)
+        names = await registry.model_names(settings.lease_ttl_ms * 3)
         return {
             "supported_models": [
-                {"model_name": n, "trainable": True, "sampleable": True} for n in names
+                {
+                    "model_name": name,
+                    "max_context_length": context,
+                    "trainable": True,
+                    "sampleable": True,
+                }
+                for name, context in names.items()
             ]
         }
 

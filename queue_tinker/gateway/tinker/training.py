@@ -33,6 +33,7 @@ from queue_tinker.queue.ops import runs
 from queue_tinker.store import queries
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.enums import Optimizer
+from queue_tinker.types.model_names import served_base
 from queue_tinker.types.requests.loss_inputs import check_batch, check_batch_size
 from queue_tinker.types.requests.request_limits import RequestLimits, encode_request
 from queue_tinker.types.requests.training import (
@@ -120,11 +121,13 @@ async def create_model(body: CreateModelRequest, gq: QueueDep, tenant: TenantDep
 async def get_info(body: ModelRequest, gq: QueueDep, tenant: TenantDep) -> dict[str, Any]:
     info = await gq.model_of(body.model_id, tenant)
     base = info["base_model"]
-    tokenizer = base
-    if is_builtin(base):
+    tokenizer = served_base(base)  # a :peft:<tokens> name's tokenizer is its base model's
+    if is_builtin(tokenizer):
         # Built-in models exist only where the service runs: point the SDK's
         # AutoTokenizer at the local files (works where client and service share a disk).
-        tokenizer = str(await asyncio.to_thread(ensure_tokenizer, base, gq.settings.models_dir))
+        tokenizer = str(
+            await asyncio.to_thread(ensure_tokenizer, tokenizer, gq.settings.models_dir)
+        )
     return {
         "model_id": body.model_id,
         "is_lora": True,

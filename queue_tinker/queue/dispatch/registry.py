@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from queue_tinker.errors import UserInputError
 from queue_tinker.queue import redis_bytes
 from queue_tinker.queue.keys import Keys
+from queue_tinker.types.model_names import ModelName, served_base
 
 
 class WorkerRegistry:
@@ -67,7 +68,7 @@ class WorkerRegistry:
         if allow_unserved:
             return
         served = await self.served_ever()
-        if served and base_model not in served:
+        if served and served_base(base_model) not in served:
             raise UserInputError(
                 f"base_model: {base_model!r} is not served by this deployment; served base "
                 f"models: {', '.join(served)} (a deployment that starts workers on demand sets "
@@ -105,3 +106,18 @@ class WorkerRegistry:
     async def base_models(self, max_age_ms: int) -> list[str]:
         """The base models live workers serve, sorted."""
         return sorted({w["base_model"] for w in await self.live(max_age_ms) if "base_model" in w})
+
+    async def model_names(self, max_age_ms: int) -> dict[str, int | None]:
+        """What a run may be created on now, sorted, with the context each holds: each base
+        model live workers serve, and its longest `Base:peft:<tokens>` name (the context its
+        loaded workers hold; a shorter cap is accepted too). None: not known yet (no loaded
+        worker has said)."""
+        names: dict[str, int | None] = {}
+        for worker in await self.live(max_age_ms):
+            if "base_model" not in worker:
+                continue
+            base, context = worker["base_model"], int(worker.get("context_length") or 0) or None
+            names[base] = names.get(base) or context
+            if context is not None:
+                names[ModelName(base, context).text] = context
+        return dict(sorted(names.items()))

@@ -22,6 +22,7 @@ from queue_tinker.queue.replication import run_replicated
 from queue_tinker.queue.scripts import Scripts
 from queue_tinker.settings import Settings
 from queue_tinker.types import JobStatus, OpKind
+from queue_tinker.types.model_names import served_base
 
 MAX_IDEMPOTENCY_KEY = 128
 
@@ -176,7 +177,7 @@ class JobQueue:
             [self.keys.model_meta(model_id), self.keys.records(), self.keys.base_models()],
             [
                 model_id,
-                base_model,
+                served_base(base_model),
                 tenant_id,
                 session_id or "",
                 json.dumps(lora_config or {}),
@@ -184,6 +185,7 @@ class JobQueue:
                 model_path or "",
                 json.dumps(user_metadata) if user_metadata else "",
                 inflight_of or "",
+                base_model,
             ],
         )
         return bool(created)
@@ -311,7 +313,8 @@ class JobQueue:
         return (int(reply[0]), int(reply[1])) if reply else None
 
     async def base_model(self, model_id: str) -> str:
-        """The base model a model was created on (cached: it never changes)."""
+        """The base model whose queue a model's ops join (cached: it never changes); without
+        the :peft:<tokens> cap its name may carry (model_info has the name as written)."""
         cached = self._base_models.get(model_id)
         if cached is not None:
             return cached
@@ -322,7 +325,8 @@ class JobQueue:
         return raw.decode()
 
     async def model_info(self, model_id: str) -> dict[str, Any]:
-        """base_model, tenant_id, kind ('training' / 'sampling'), lora_config, model_path,
+        """base_model (as the user named it, any :peft:<tokens> cap included), tenant_id, kind
+        ('training' / 'sampling'), lora_config, model_path,
         user_metadata (None when the run has none) and inflight_of (a sampling session that
         follows a training run's inflight weights; else None)."""
         (
@@ -333,6 +337,7 @@ class JobQueue:
             model_path,
             user_metadata,
             inflight_of,
+            model_name,
         ) = await redis_bytes.hmget(
             self.redis,
             self.keys.model_meta(model_id),
@@ -343,12 +348,13 @@ class JobQueue:
             "model_path",
             "user_metadata",
             "inflight_of",
+            "model_name",
         )
         # register_model.lua sets base_model and tenant_id in one HSET: both or neither.
         if base is None or tenant is None:
             raise UnknownModelError(f"model_id: no model {model_id!r}")
         return {
-            "base_model": base.decode(),
+            "base_model": (model_name or base).decode(),  # a model made before names had caps
             "tenant_id": tenant.decode(),
             "kind": (kind or b"training").decode(),
             "lora_config": json.loads(lora_config or b"{}"),

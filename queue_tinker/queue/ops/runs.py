@@ -17,6 +17,7 @@ from queue_tinker.queue.ops.inflight import InflightWeights
 from queue_tinker.queue.ops.jobs import JobQueue
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.enums import CheckpointKind
+from queue_tinker.types.model_names import served_base
 from queue_tinker.types.requests.sampling import CreateSamplingSessionInput
 from queue_tinker.types.requests.training import (
     CreateModelInput,
@@ -109,7 +110,7 @@ async def open_training_run_from_state(
     its weights, and with `optimizer` its optimizer state. Returns the load op's submit."""
     parsed = loadable(CheckpointPath.parse(path))
     source = await checkpoint_run(jobs, parsed, tenant_id, "path")
-    if base_model is not None and base_model != source["base_model"]:
+    if base_model is not None and served_base(base_model) != served_base(source["base_model"]):
         raise UserInputError(
             f"base_model: {base_model!r} does not match path, which was "
             f"trained on {source['base_model']!r}"
@@ -119,7 +120,7 @@ async def open_training_run_from_state(
         jobs,
         submit,
         model_id,
-        base_model=source["base_model"],
+        base_model=base_model or source["base_model"],  # a cap of its own, or the run's
         tenant_id=tenant_id,
         session_id=session_id,
         config=config,
@@ -143,12 +144,12 @@ async def sampling_base_model(
     if model_path is not None:
         path = loadable(CheckpointPath.parse(model_path, "model_path"), "model_path")
         trained_on = str((await checkpoint_run(jobs, path, tenant_id, "model_path"))["base_model"])
-        if base_model is not None and base_model != trained_on:
+        if base_model is not None and served_base(base_model) != served_base(trained_on):
             raise UserInputError(
                 f"base_model: {base_model!r} does not match model_path, which "
                 f"was trained on {trained_on!r}"
             )
-        return trained_on
+        return check_base_model(base_model) if base_model is not None else trained_on
     return check_base_model(base_model)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -123,6 +123,21 @@ class ModelLimits:
 
     vocab_size: int | None = None
     context_length: int | None = None
+    capped: bool = False  # context_length is the cap of a Base:peft:<tokens> name
+
+    def with_cap(self, cap: int | None) -> ModelLimits:
+        """These limits under a :peft:<tokens> cap (None: none); the worker has refused a cap
+        above the model's own context before any op runs under it."""
+        if cap is None or (self.context_length is not None and self.context_length < cap):
+            return self
+        return replace(self, context_length=cap, capped=True)
+
+    @property
+    def context_text(self) -> str:
+        """The context as an error names it."""
+        if self.capped:
+            return f"the context cap of {self.context_length} (its base model's :peft:)"
+        return f"the model's context of {self.context_length}"
 
 
 def check_batch_size(batch: ForwardBackwardInput, limits: RequestLimits) -> None:
@@ -180,8 +195,7 @@ def check_datum(index: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) 
         raise UserInputError(f"{where}.model_input: has no tokens")
     if limits.context_length is not None and n > limits.context_length:
         raise UserInputError(
-            f"{where}.model_input: {n} tokens is longer than the model's context of "
-            f"{limits.context_length}"
+            f"{where}.model_input: {n} tokens is longer than {limits.context_text}"
         )
     if limits.vocab_size is not None:
         check_token_ids(f"{where}.model_input", np.asarray(tokens), limits.vocab_size)

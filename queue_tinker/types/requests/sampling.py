@@ -112,6 +112,9 @@ class SampleInput(_Wire):
     # model_path is their newest save when the op was sent, and the worker moves the op to
     # any newer one while it runs. None: model_path is fixed.
     inflight_of: str | None = None
+    # The :peft:<tokens> cap of the session's base model name (None: the model's context):
+    # set by the door that read the session, so any worker holds the op to it.
+    context_cap: int | None = Field(None, ge=1)
 
     @field_validator("prompt")
     @classmethod
@@ -212,6 +215,7 @@ def sample_input(
     topk_sample_logprobs: object = 0,
     prompt_alt_tokens_k: object = 0,
     inflight_of: str | None = None,
+    context_cap: int | None = None,
 ) -> SampleInput:
     """A sample op's body from what a caller sent, checked as far as the caller's side can
     (the Python client and the gateway both build it here); errors name the field."""
@@ -230,10 +234,11 @@ def sample_input(
             "prompt_alt_tokens_k": prompt_alt_tokens_k,
             "model_path": model_path,
             "inflight_of": inflight_of,
+            "context_cap": context_cap,
         },
     )
     check_sample_size(body, limits)
-    check_sample(body)
+    check_sample(body, ModelLimits().with_cap(context_cap))
     return body
 
 
@@ -278,12 +283,11 @@ def check_sample(body: SampleInput, limits: ModelLimits | None = None) -> None:
         return
     if n >= limits.context_length:
         raise UserInputError(
-            f"prompt: {n} tokens leaves no room to generate in the model's context of "
-            f"{limits.context_length}"
+            f"prompt: {n} tokens leaves no room to generate in {limits.context_text}"
         )
     max_tokens = body.sampling_params.max_tokens
     if max_tokens is not None and n + max_tokens > limits.context_length:
         raise UserInputError(
             f"sampling_params.max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) is "
-            f"more than the model's context of {limits.context_length}"
+            f"more than {limits.context_text}"
         )

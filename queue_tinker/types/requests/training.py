@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.enums import LossFn, Optimizer
+from queue_tinker.types.model_names import parse_model_name
 from queue_tinker.types.requests.custom_loss import CustomLoss
 from queue_tinker.types.tensors import Datum, TensorData
 
@@ -107,7 +108,8 @@ MAX_BASE_MODEL = 512
 
 def check_base_model(value: object, field: str = "base_model") -> str:
     """A base model name: a Hub id (org/name), a local directory or a built-in
-    queue-tinker/... name. Printable text without quotes or angle brackets, at most
+    queue-tinker/... name, with an optional :peft:<tokens> context cap (model_names.py).
+    Printable text without quotes or angle brackets, at most
     MAX_BASE_MODEL characters: a NUL made the run's record unstorable (dead-lettered) and
     markup would reach the dashboard."""
     if (
@@ -121,6 +123,7 @@ def check_base_model(value: object, field: str = "base_model") -> str:
             f"{field}: must be a Hub id, a local directory or a queue-tinker/... name (1 to "
             f"{MAX_BASE_MODEL} printable characters, no quotes or < >), got {value!r:.200}"
         )
+    parse_model_name(value, field)  # a Base:peft:<tokens> name's cap
     return value
 
 

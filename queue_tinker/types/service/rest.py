@@ -18,6 +18,7 @@ class _Answer(BaseModel):
 
 class SupportedModel(_Answer):
     model_name: str
+    max_context_length: int | None = None  # tokens per sequence; None: no loaded worker yet
 
 
 class GetServerCapabilitiesResponse(_Answer):

@@ -206,6 +206,19 @@ def test_pending_gradients_survive_eviction(main: Driver, small: Driver) -> None
     assert small.grads("pending-a") == {}
 
 
+def test_a_context_cap_outlives_eviction(small: Driver) -> None:
+    """A run created on `Base:peft:<tokens>` keeps its cap once evicted and restored from its
+    snapshot (as on another worker): a datum over it is refused naming the cap."""
+    small.create("capped-a", seed=41, base=f"{small.engine.base_model}:peft:12")
+    small.forward("capped-a", [datum("x" * 13)])  # 12 input tokens: within the cap
+    small.create("capped-b", seed=42)  # evicts capped-a
+    assert "capped-a" not in small.engine.pool.adapters
+    with pytest.raises(UserInputError, match=r"13 tokens is longer than the context cap of 12"):
+        small.forward("capped-a", [datum("x" * 14)])
+    assert small.adapter("capped-a").context_cap == 12  # restored from its snapshot
+    small.forward("capped-b", [datum("x" * 14)])  # the other run has the model's context
+
+
 # --- 4. save_state / load_state -------------------------------------------------------------
 @dataclass(frozen=True)
 class Saved:
