@@ -29,7 +29,7 @@ from queue_tinker.workers.model.row_blocks import LoraLayer, lora_layers_of
 from queue_tinker.workers.model.vision_language import VISION_TOWER
 
 # Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,
-# Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2 names).
+# Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2 names; DeepSeek-V3's latent attention projections).
 ATTN_MODULES = (
     "q_proj",
     "k_proj",
@@ -39,6 +39,10 @@ ATTN_MODULES = (
     "query_key_value",
     "c_attn",
     "dense",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
 )
 MLP_MODULES = (
     "gate_proj",

@@ -268,16 +268,83 @@ def plan_fit(
     settings: FitSettings,
     shape: ModelShape | None = None,
     whole: frozenset[str] = frozenset(),
+    weight_bytes: int | None = None,
 ) -> FitPlan:
     """The plan for `ranks` GPUs of `rank_bytes` each, with what would fit if it does not
     (a vision-language model's config plans its language model plus its vision tower).
-    `whole`: layers every rank holds whole (a worker group keeps WHOLE_IN_GROUP so)."""
+    `whole`: layers every rank holds whole (a worker group keeps WHOLE_IN_GROUP so).
+    `weight_bytes`: the base weights' bytes an element where not `dtype_bytes` (FP8: 1)."""
     shape = shape or model_shape(config)
-    planner = _Planner(config.get_text_config(), shape, dtype_bytes, rank_bytes, whole)
+    text = config.get_text_config()
+    planner = _Planner(text, shape, dtype_bytes, rank_bytes, whole, weight_bytes)
     plan = planner.plan(ranks, demand_of(settings, planner.shape.context_length))
     if plan.fits:
         return plan
     return replace(plan, remedies=planner.remedies(plan))
+
+
+# Beyond what a worker runs today, for the docs' tables of the largest models: a group over
+# several nodes of NODE_GPUS (a group spans one node), and base weights in FP8.
+NODE_GPUS = 8
+NODE_CHOICES = (2, 4, 8, 16)
+FP8_BYTES = 1
+SMALLER_RANK = 8  # what clients of a model whose adapters do not fit at rank 32 may ask
+
+
+def beyond_workers(
+    config: PretrainedConfig,
+    dtype_bytes: int,
+    ranks: int,
+    rank_bytes: int,
+    settings: FitSettings,
+    shape: ModelShape | None = None,
+) -> tuple[str, ...]:
+    """For a plan no setting makes fit: the first of each way beyond today's workers that
+    would (FP8 base weights on these GPUs; more nodes in `dtype_bytes`; both), each with the
+    fewest resident adapters and, if need be, the lower LoRA rank it needs."""
+    shape = shape or model_shape(config)
+    text = config.get_text_config()
+    ways: list[str] = []
+    tries = ((FP8_BYTES, (1,)), (dtype_bytes, NODE_CHOICES), (FP8_BYTES, NODE_CHOICES))
+    for weight_bytes, node_counts in tries:
+        for nodes in node_counts:
+            gpus = nodes * NODE_GPUS if nodes > 1 else ranks
+            planner = _Planner(text, shape, dtype_bytes, rank_bytes, weight_bytes=weight_bytes)
+            found = _with_fewest(planner, gpus, settings)
+            if found is None:
+                continue
+            where = "FP8 base weights" if weight_bytes == FP8_BYTES else "bf16 base weights"
+            if nodes > 1:
+                where = f"{where} on {gpus} GPUs ({nodes} nodes of {NODE_GPUS})"
+            ways.append(f"{where}{found}")
+            break
+    return tuple(ways)
+
+
+def _with_fewest(planner: _Planner, ranks: int, settings: FitSettings) -> str | None:
+    """'' when the plan fits as it is, else the fewest changes (resident adapters, and then
+    clients asking a lower LoRA rank or no MLP adapters) that make it fit, as text; None when
+    those do not."""
+    asks = (
+        ("", settings.lora),
+        (
+            f", clients at LoRA rank {SMALLER_RANK}",
+            settings.lora.model_copy(update={"rank": SMALLER_RANK}),
+        ),
+        (", clients with train_mlp=False", settings.lora.model_copy(update={"train_mlp": False})),
+    )
+    for asked, lora in asks:
+        tried = replace(settings, lora=lora)
+        plan = planner.plan(ranks, demand_of(tried, planner.shape.context_length))
+        if plan.fits:
+            changes = ""
+        else:
+            most = _fewer_adapters(plan).get("max_resident_adapters", 0)
+            if most < 1:
+                continue
+            changes = f", QT_MAX_RESIDENT_ADAPTERS={most}"
+        return changes + asked
+    return None
 
 
 def require_fit(
@@ -343,6 +410,7 @@ class _Planner:
     dtype_bytes: int
     rank_bytes: int
     whole: frozenset[str] = frozenset()
+    weight_bytes: int | None = None  # the base weights' bytes an element, if not dtype_bytes
 
     def plan(self, ranks: int, demand: Demand) -> FitPlan:
         shape, dtype_bytes = self.shape, self.dtype_bytes
@@ -353,7 +421,7 @@ class _Planner:
             *target_modules(linears, settings.lora),
             *target_parameters(experts, settings.lora),
         )
-        weights = _weight_elements(shape, ranks, self.whole) * dtype_bytes
+        weights = _weight_elements(shape, ranks, self.whole) * (self.weight_bytes or dtype_bytes)
         lora = _lora_params(shape, set(targets), settings.lora.rank, ranks, self.whole)
         lora += _expert_lora_params(shape, set(targets), settings.lora.rank, ranks)
         adapter_each = lora * (TRAINED_LORA_BYTES + SAMPLER_LORA_BYTES)

@@ -152,11 +152,18 @@ def layers_to_checkpoint(tokens: int, layers: int, per_layer: LayerBytes, budget
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
-    """Key and value cache bytes of one token over every layer."""
+    """Key and value cache bytes of one token over every layer. Multi-head latent attention
+    (DeepSeek-V3, Kimi-K2: a `kv_lora_rank`) is counted as transformers' cache holds it: the
+    compressed latent and the RoPE key, one of each a token and layer whatever the heads (so a
+    tensor-parallel rank holds it whole)."""
+    layers = int(config.num_hidden_layers)
+    if getattr(config, "kv_lora_rank", None):
+        latent = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+        return layers * latent * dtype_bytes
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * dtype_bytes
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
 def budgets_for(

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from procs import REPO
-from transformers import LlamaConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
 from bench import fit_table
 from queue_tinker.config.engine import EngineConfig
@@ -16,12 +17,14 @@ from queue_tinker.errors import ErrorCategory, WorkerFitError
 from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.fit import (
     WHOLE_IN_GROUP,
+    FitPlan,
     FitSettings,
     fit_resident_adapters,
     model_shape,
     plan_fit,
     require_fit,
 )
+from queue_tinker.workers.model.memory import kv_bytes_per_token
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -184,6 +187,8 @@ def test_mixture_of_experts_counts_every_expert_and_its_lora() -> None:
         ("Qwen2.5-32B", 32_763_876_352),
         ("Llama-3.1-70B", 70_553_706_496),
         ("Qwen3-30B-A3B", 30_532_122_624),  # every expert: 3.3B are active a token
+        ("gpt-oss-120b", 116_829_156_672),  # 5.1B active
+        ("Kimi-K2", 1_026_408_209_408),  # 32B active
     ],
 )
 def test_the_docs_configs_have_their_published_sizes(model: str, parameters: int) -> None:
@@ -307,7 +312,53 @@ def test_docs_row_is_the_plan(model: str, gpus: int) -> None:
 
 
 def test_docs_table_has_exactly_these_rows() -> None:
-    assert len(docs_rows()) == len(DOCS_FITS) == len(fit_table.MODELS) * len(fit_table.GPU_COUNTS)
+    count = len(fit_table.MODELS_80GIB) * len(fit_table.GPU_COUNTS)
+    assert len(docs_rows()) == len(DOCS_FITS) == count
+
+
+# On H200s: whether each fits as it is, and the first setting or way beyond today's workers
+# that the row names (None: the row names none of that kind).
+H200_ROWS = {
+    ("Qwen3-30B-A3B", 1): ("QT_MAX_RESIDENT_ADAPTERS=1", None),
+    ("Qwen3-30B-A3B", 8): ("QT_MAX_RESIDENT_ADAPTERS=2", None),
+    ("gpt-oss-120b", 1): (None, "FP8 base weights, QT_MAX_RESIDENT_ADAPTERS=13, clients with"),
+    ("gpt-oss-120b", 8): ("QT_MAX_RESIDENT_ADAPTERS=1", None),
+    ("Kimi-K2", 8): (None, "bf16 base weights on 32 GPUs (4 nodes of 8)"),
+}
+
+
+def h200_docs_rows() -> list[str]:
+    text = (REPO / "docs" / "operations.md").read_text()
+    table = text.split(fit_table.H200_BEGIN, 1)[1].split(fit_table.H200_END, 1)[0]
+    return [line for line in table.strip().splitlines()[2:]]
+
+
+def test_the_h200_table_is_the_plan_and_says_what_would_fit() -> None:
+    """Every row of the H200 table is the planner's now; the rows pinned here name the change
+    that fits them, or, where no setting does, the way beyond today's workers that would; each
+    way named fits when planned (Kimi-K2 in FP8 on two nodes without MLP adapters)."""
+    rows = h200_docs_rows()
+    gpu_counts = fit_table.GPU_COUNTS
+    assert rows == [fit_table.h200_row(m, g) for m in fit_table.MODELS_H200 for g in gpu_counts]
+    for (model, gpus), (setting, beyond) in H200_ROWS.items():
+        cells = [c.strip() for c in fit_table.h200_row(model, gpus).split("|")[1:-1]]
+        assert cells[2] == "**no**"
+        assert (setting or "no single change") in cells[9].split("; ")[0]
+        assert cells[10].startswith(beyond) if beyond else cells[10] == ""
+    kimi = fit_table.MODELS["Kimi-K2"]()
+    fp8_two_nodes = replace(
+        fit_table.settings(), max_resident_adapters=26, lora=LoraConfig(train_mlp=False)
+    )
+    shape = fit_table.shape_of("Kimi-K2")
+
+    def planned(gpus: int, weight_bytes: int | None) -> FitPlan:
+        return plan_fit(
+            kimi, 2, gpus, fit_table.H200_BYTES, fp8_two_nodes, shape, weight_bytes=weight_bytes
+        )
+
+    assert planned(16, 1).fits
+    assert not planned(8, 1).fits  # one node: not even in FP8
+    assert not planned(16, None).fits  # two nodes: not in bf16
 
 
 @pytest.mark.parametrize(
@@ -349,3 +400,20 @@ def test_a_vision_language_model_counts_its_tower_whole_and_adapts_its_language_
     assert plan.adapter_each == as_text.adapter_each
     two = plan_fit(config, 4, 2, 64 * MIB, TINY_SETTINGS)
     assert two.weights == 4 * tower + plan_fit(text, 4, 2, 64 * MIB, TINY_SETTINGS).weights
+
+
+def test_latent_attention_kv_is_counted_as_transformers_caches_it() -> None:
+    """DeepSeek-V3's (Kimi-K2's) KV cache per token, as the planner counts it, is what a tiny
+    model's cache holds after a forward of 5 tokens (the compressed latent and RoPE key)."""
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=8, q_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        cache = model(input_ids=torch.arange(5)[None], use_cache=True).past_key_values
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    assert held == 5 * kv_bytes_per_token(config, 4)
