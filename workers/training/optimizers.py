@@ -1,5 +1,5 @@
 """optim_step: each adapter's gradients clipped to its own norm, then AdamW (torch's, one
-multi-tensor call for all adapters that share hyperparameters) or Dimuon (dimuon.py)."""
+multi-tensor call for all adapters that share hyperparameters) or Dimuon (below)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ from collections.abc import Sequence
 
 import torch
 
+from queue_tinker.errors import UserInputError
+from queue_tinker.types import codec
+from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.requests.training import (
     AdamParams,
     DimuonParams,
     OptimParams,
 )
+from queue_tinker.workers.interface import parse_body
 from queue_tinker.workers.model.adapters import Adapter
-from queue_tinker.workers.training.dimuon import dimuon_step
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +47,7 @@ def optim_steps(steps: Sequence[tuple[Adapter, OptimParams]]) -> list[dict[str, 
                 norm,
             )
             continue
-        if isinstance(
-            params, DimuonParams
-        ):  # a run created with Dimuon: workers/training/dimuon.py
+        if isinstance(params, DimuonParams):  # a run created with Dimuon: dimuon_step
             dimuon_step(
                 list(adapter.params.values()), adapter.optimizer.state, params, adapter.config.rank
             )
@@ -139,3 +140,107 @@ def _combined_step(adapters: Sequence[Adapter], params: AdamParams) -> None:
         for p in adapter.params.values():
             if p in combined.state:  # a tensor's first step made its moments here
                 adapter.optimizer.state[p] = combined.state[p]
+
+
+# --- Dimuon ---------------------------------------------------------------------------------
+# Dimuon: Tinker's second optimizer, for the LoRA matrices (Tinker's DimuonParams).
+#
+# For each LoRA matrix W (r x d or d x r, r = the LoRA rank), with gradient G already clipped to
+# the adapter's global norm:
+#
+#     M <- beta1 * M + (1 - beta1) * G                       momentum (the saved state)
+#     P  = R^-1/4 M C^-1/4                                   row / column preconditioner:
+#          R = diag(mean_j M_ij^2 / s + damping),             mean squares of M's rows and
+#          C = diag(mean_i M_ij^2 / s + damping),             columns, relative to M's own
+#          s = mean M_ij^2                                     mean square, damped
+#     O  = msign(P)                                          matrix sign (U V^T of P's SVD),
+#                                                            by Newton-Schulz iteration
+#     D  = sqrt(r) * O / ||O||_F                             a direction of Frobenius norm sqrt(r)
+#     W <- W - lr * (32 / r) ** rank_lr_correction_exponent * D
+#
+# The preconditioner's statistics are taken relative to M's mean square, so the whole update is
+# independent of the gradient's scale (as the matrix sign is) and `damping` is a fraction of it.
+# Newton-Schulz runs a fixed number of steps (Muon's quintic; its result has singular values
+# near but not at 1), and the rescaling makes the direction's norm exactly sqrt(r), as
+# DimuonParams.learning_rate says. Tinker does not publish these internals: this is the update
+# its field descriptions document, with the constants below as this service's choice.
+NEWTON_SCHULZ_STEPS = 5
+NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Muon's quintic iteration
+NORM_EPS = 1e-7
+REFERENCE_RANK = 32
+
+
+def matrix_sign(x: torch.Tensor, steps: int = NEWTON_SCHULZ_STEPS) -> torch.Tensor:
+    """An approximation of U V^T for x = U S V^T, by Newton-Schulz iteration on x scaled to
+    spectral norm <= 1 (by its Frobenius norm), in fp32."""
+    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
+    wide = x.shape[0] <= x.shape[1]
+    y = x.float() if wide else x.float().T
+    y = y / (y.norm() + NORM_EPS)
+    for _ in range(steps):
+        gram = y @ y.T
+        y = a * y + (b * gram + c * gram @ gram) @ y
+    return y if wide else y.T
+
+
+def preconditioned(m: torch.Tensor, damping: float) -> torch.Tensor:
+    """m scaled by its rows' and columns' damped relative mean squares, to the power -1/4."""
+    square = m.float().square()
+    scale = square.mean() + NORM_EPS**2
+    rows = square.mean(dim=1, keepdim=True) / scale + damping
+    cols = square.mean(dim=0, keepdim=True) / scale + damping
+    return m.float() * rows.pow(-0.25) * cols.pow(-0.25)
+
+
+def direction(m: torch.Tensor, rank: int, damping: float) -> torch.Tensor:
+    """The update direction of one matrix's momentum: Frobenius norm sqrt(rank)."""
+    shape = m.shape
+    matrix = m.reshape(shape[0], -1) if m.dim() != 2 else m
+    sign = matrix_sign(preconditioned(matrix, damping))
+    return (sign * (math.sqrt(rank) / (sign.norm() + NORM_EPS))).reshape(shape)
+
+
+def learning_rate(params: DimuonParams, rank: int) -> float:
+    """The learning rate corrected for the LoRA rank relative to rank 32."""
+    return params.learning_rate * (REFERENCE_RANK / rank) ** params.rank_lr_correction_exponent
+
+
+@torch.no_grad()
+def dimuon_step(
+    tensors: Sequence[torch.nn.Parameter],
+    state: dict[torch.Tensor, dict],
+    params: DimuonParams,
+    rank: int,
+) -> None:
+    """One step of every tensor with a gradient. `state` is the adapter's optimizer state:
+    per tensor its momentum (`exp_avg`, where AdamW keeps its first moment, so snapshots and
+    checkpoints save and restore it the same way) and step count."""
+    lr = learning_rate(params, rank)
+    for p in tensors:
+        if p.grad is None:
+            continue
+        moments = state.setdefault(p, {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p)})
+        momentum = moments["exp_avg"]
+        momentum.mul_(params.beta1).add_(p.grad, alpha=1 - params.beta1)
+        p.add_(direction(momentum, rank, params.damping).to(p.dtype), alpha=-lr)
+        moments["step"] += 1
+
+
+def parse_optim_params(optimizer: Optimizer, payload: bytes) -> OptimParams:
+    """An optim_step op's body, as the run's optimizer takes it; the other family's
+    hyperparameters are the caller's error, named as such."""
+    raw = codec.decode(payload) if payload else {}
+    sent = (
+        Optimizer.DIMUON
+        if isinstance(raw, dict) and raw.get("type") == "dimuon"
+        else Optimizer.ADAMW
+    )
+    if sent is not optimizer:
+        wanted = "DimuonParams" if optimizer is Optimizer.DIMUON else "AdamParams"
+        raise UserInputError(
+            f"optimizer_params: this run was created with the {optimizer} "
+            f"optimizer; send {wanted}, not {sent} hyperparameters"
+        )
+    if sent is Optimizer.DIMUON:
+        return parse_body(DimuonParams, payload)
+    return parse_body(AdamParams, payload)

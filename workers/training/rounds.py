@@ -43,9 +43,8 @@ from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.memory import is_out_of_memory, release_cached_memory
 from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
-from queue_tinker.workers.training.dimuon import parse_optim_params
 from queue_tinker.workers.training.model_pass import PassPlan, decoder_layers
-from queue_tinker.workers.training.optimizers import optim_steps
+from queue_tinker.workers.training.optimizers import optim_steps, parse_optim_params
 from queue_tinker.workers.training.residency import Residency
 from queue_tinker.workers.training.saved_state import SavedState
 from queue_tinker.workers.training.shared_pass import PassOp, padded_tokens, shared_pass

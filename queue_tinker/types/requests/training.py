@@ -85,7 +85,7 @@ class AdamParams(_Wire):
 
 class DimuonParams(_Wire):
     """Hyperparameters of one Dimuon step (Tinker's DimuonParams;
-    workers/training/dimuon.py says what the update is)."""
+    workers/training/optimizers.py says what the update is)."""
 
     type: Literal["dimuon"] = "dimuon"
     learning_rate: float = Field(ge=0)  # for a direction of Frobenius norm sqrt(rank)

@@ -1,4 +1,4 @@
-"""Dimuon (workers/training/dimuon.py) against a plain float64 torch reference of its
+"""Dimuon (workers/training/optimizers.py) against a plain float64 torch reference of its
 documented update, and through the LoRA engine: a run created with Dimuon steps with
 DimuonParams, refuses AdamParams, and saves and resumes its momentum as AdamW's moments are."""
 
@@ -14,7 +14,7 @@ from queue_tinker.errors import UserInputError
 from queue_tinker.types import OpKind
 from queue_tinker.types.enums import Optimizer
 from queue_tinker.types.requests.training import AdamParams, DimuonParams, LoraConfig
-from queue_tinker.workers.training import dimuon
+from queue_tinker.workers.training import optimizers
 
 RANK = 4
 PARAMS = DimuonParams(learning_rate=0.02, beta1=0.8, damping=1e-3)
@@ -62,7 +62,7 @@ def test_steps_match_the_float64_reference(shape: tuple[int, int]) -> None:
     for step in range(3):
         grad = torch.randn(shape, generator=gen) * 10.0 ** (step - 2)  # scales vary
         weight.grad = grad.clone()
-        dimuon.dimuon_step([weight], state, PARAMS, RANK)
+        optimizers.dimuon_step([weight], state, PARAMS, RANK)
         expected, momentum = reference_step(expected, momentum, grad.double(), PARAMS, RANK)
         torch.testing.assert_close(
             state[weight]["exp_avg"].double(), momentum, rtol=1e-6, atol=1e-9
@@ -75,10 +75,10 @@ def test_the_direction_has_norm_sqrt_rank_and_ignores_the_gradient_scale() -> No
     """||D||_F = sqrt(rank) exactly; D(c * M) = D(M); D points where the exact matrix sign
     U V^T does (Newton-Schulz's singular values are near, not at, 1)."""
     m = torch.randn(RANK, 32, generator=torch.Generator().manual_seed(7))
-    d = dimuon.direction(m, RANK, 1e-4)
+    d = optimizers.direction(m, RANK, 1e-4)
     assert float(d.norm()) == pytest.approx(math.sqrt(RANK), rel=1e-5)
-    torch.testing.assert_close(dimuon.direction(m * 1e-3, RANK, 1e-4), d, rtol=1e-4, atol=1e-5)
-    u, _, vt = torch.linalg.svd(dimuon.preconditioned(m, 1e-4), full_matrices=False)
+    torch.testing.assert_close(optimizers.direction(m * 1e-3, RANK, 1e-4), d, rtol=1e-4, atol=1e-5)
+    u, _, vt = torch.linalg.svd(optimizers.preconditioned(m, 1e-4), full_matrices=False)
     exact = u @ vt
     cosine = float((d * exact).sum() / (d.norm() * exact.norm()))
     assert cosine > 0.95
@@ -86,10 +86,10 @@ def test_the_direction_has_norm_sqrt_rank_and_ignores_the_gradient_scale() -> No
 
 def test_rank_correction_is_relative_to_rank_32() -> None:
     """lr * (32 / rank) ** exponent; exponent 0 turns it off."""
-    assert dimuon.learning_rate(PARAMS, 32) == PARAMS.learning_rate
-    assert dimuon.learning_rate(PARAMS, 8) == pytest.approx(0.02 * 4**0.175)
+    assert optimizers.learning_rate(PARAMS, 32) == PARAMS.learning_rate
+    assert optimizers.learning_rate(PARAMS, 8) == pytest.approx(0.02 * 4**0.175)
     off = PARAMS.model_copy(update={"rank_lr_correction_exponent": 0.0})
-    assert dimuon.learning_rate(off, 8) == PARAMS.learning_rate
+    assert optimizers.learning_rate(off, 8) == PARAMS.learning_rate
 
 
 # --- through the engine ---------------------------------------------------------------------
