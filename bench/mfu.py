@@ -301,8 +301,7 @@ def measure_loss_paths(s: Setup) -> dict[str, float]:
 def measure_variant(s: Setup, data: list[Datum], variant: Variant) -> Variant:
     """The variant's forward_backward timed (after a first call, and warm-up calls); an error
     (out of memory, say) is kept as the variant's result."""
-    tokens = len(data) * max(d.model_input.length for d in data)
-    variant.checkpointed = engine.checkpointed_layers(s.pool, variant.plan, tokens)
+    variant.checkpointed = engine.pass_plan(s.pool, s.adapter, variant.plan, data, s.device)
     step = s.step(data, variant.plan)
     try:
         with variant.context():
@@ -340,9 +339,13 @@ def measure_layer_bytes(s: Setup) -> tuple[float, int] | None:
 def variants(pool: AdapterPool, device: torch.device) -> list[Variant]:
     """What each of the worker's choices buys, against its plan (the headline), measured with
     the headline's kernels."""
+    one_pass = replace(engine.worker_plan(pool, device), micro_batches=False)
     fp32 = engine.worker_plan(pool, device, "fp32")
     context = partial(engine.lora_matmuls, pool, "fp32")
-    return [Variant("LoRA matmuls in fp32 (QT_LORA_MATMUL_DTYPE=fp32)", fp32, context)]
+    return [
+        Variant("one pass, its layers recomputed (no micro-batches)", one_pass),
+        Variant("LoRA matmuls in fp32 (QT_LORA_MATMUL_DTYPE=fp32)", fp32, context),
+    ]
 
 
 def run(args: argparse.Namespace) -> Result:

@@ -2,12 +2,13 @@
 reaches workers/training: a change of the engine's API is a change of this file alone.
 
 A worker runs every forward_backward op through a shared pass (one op alone, or several
-adapters' ops together) and its optim_steps through one optimizer call; so do these.
+adapters' ops together), split into micro-batches where one pass would recompute layers, and
+its optim_steps through one optimizer call; so do these.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -26,10 +27,17 @@ from queue_tinker.workers.model.memory import (
     lora_copy_bytes,
 )
 from queue_tinker.workers.training.losses import device_batch_loss
+from queue_tinker.workers.training.micro_batches import Piece, planned_batches, run_micro_batches
 from queue_tinker.workers.training.model_pass import PassPlan, budgeted, causal_lm, decoder_layers
 from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.packing import padding_fraction
-from queue_tinker.workers.training.shared_pass import PassOp, op_loss_inputs, rows_for, shared_pass
+from queue_tinker.workers.training.shared_pass import (
+    PassOp,
+    kept_grads,
+    op_loss_inputs,
+    rows_for,
+    shared_pass,
+)
 
 Batch = tuple[Adapter, Sequence[Datum]]  # one forward_backward op: its adapter and its data
 CPU = torch.device("cpu")
@@ -53,8 +61,16 @@ def forward_backward(
         PassOp(adapter=adapter, data=data, loss_fn=loss_fn, config=config, backward=True)
         for adapter, data in batches
     ]
+    plan = plan or PassPlan()
+
+    def one_pass(pieces: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception]:
+        return shared_pass(pool, pieces, device, plan)
+
+    def kept(pieces: Sequence[PassOp]) -> Callable[[], None]:
+        return kept_grads({p.adapter.name: p.adapter for p in pieces}.values())
+
     outputs = []
-    for out in shared_pass(pool, ops, device, plan):
+    for out in run_micro_batches(ops, planned(pool, ops, device, plan), one_pass, kept):
         if isinstance(out, Exception):
             raise out
         outputs.append(out)
@@ -106,10 +122,34 @@ def put_kernels_in(pool: AdapterPool, device: torch.device) -> bool:
     return kernels_wanted(device) and apply_liger(causal_lm(pool.model))
 
 
-def checkpointed_layers(pool: AdapterPool, plan: PassPlan, padded_tokens: int) -> str:
-    """ "k of L": the decoder layers a backward pass of this many tokens checkpoints."""
+def planned(
+    pool: AdapterPool, ops: Sequence[PassOp], device: torch.device, plan: PassPlan
+) -> list[list[Piece]]:
+    """The micro-batches a worker runs these ops in (one: the pass whole)."""
     layers = len(decoder_layers(pool.model))
-    return f"{plan.checkpointed_layers(padded_tokens, True, layers)} of {layers}"
+    return planned_batches(ops, plan, device, layers, routed=bool(pool.expert_parameters))
+
+
+def pass_plan(
+    pool: AdapterPool,
+    adapter: Adapter,
+    plan: PassPlan,
+    data: Sequence[Datum],
+    device: torch.device = CPU,
+) -> str:
+    """ "k of L": the decoder layers a backward pass of the adapter's `data` checkpoints (its
+    largest micro-batch's), and "in n micro-batches" where the worker splits it so."""
+    layers = len(decoder_layers(pool.model))
+    op = PassOp(adapter=adapter, data=data, loss_fn=LossFn.CROSS_ENTROPY, config={}, backward=True)
+    batches = planned(pool, [op], device, plan)
+
+    def padded(batch: Sequence[Piece]) -> int:
+        widths = [d.model_input.length for p in batch for d in data[p.start : p.end]]
+        return len(widths) * max(widths)
+
+    checkpointed = plan.checkpointed_layers(max(map(padded, batches)), True, layers)
+    text = f"{checkpointed} of {layers}"
+    return text if len(batches) == 1 else f"{text} in {len(batches)} micro-batches"
 
 
 def optim_step(adapter: Adapter, params: OptimParams) -> dict[str, float]:

@@ -80,6 +80,9 @@ class PassPlan:
     # (None: never pack). Below it, packing saves less than it costs: its block-diagonal mask
     # takes attention off the kernels that need no mask, and it changes the batch's rounding.
     pack_above_padding: float | None = 0.5
+    # Under auto, split a pass that would recompute layers into micro-batches that do not
+    # (micro_batches.py); False: recompute in one pass (bench.mfu's baseline for the split).
+    micro_batches: bool = True
 
     def checkpointed_layers(self, padded_tokens: int, backward: bool, layers: int) -> int:
         """How many of a pass's `layers` decoder layers run checkpointed: the first ones, whose

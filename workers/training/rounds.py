@@ -15,6 +15,7 @@ import logging
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -43,11 +44,22 @@ from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.memory import is_out_of_memory, release_cached_memory
 from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
+from queue_tinker.workers.training.micro_batches import (
+    Piece,
+    planned_batches,
+    recomputes_under,
+    run_micro_batches,
+)
 from queue_tinker.workers.training.model_pass import PassPlan, decoder_layers
 from queue_tinker.workers.training.optimizers import optim_steps, parse_optim_params
 from queue_tinker.workers.training.residency import Residency
 from queue_tinker.workers.training.saved_state import SavedState
-from queue_tinker.workers.training.shared_pass import PassOp, padded_tokens, shared_pass
+from queue_tinker.workers.training.shared_pass import (
+    PassOp,
+    kept_grads,
+    padded_tokens,
+    shared_pass,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -173,6 +185,7 @@ class TrainingRounds:
         self.snapshot_every = config.snapshot_every_steps
         self.images = images or ImageSupport()
         self.layers = len(decoder_layers(pool.base))  # what a pass's checkpointing plan counts
+        self._said = ""  # the last micro-batch split logged
 
     def execute_batch(self, ops: Sequence[Op]) -> list[ResultOrError]:
         """Many models' steps, as the worker batches them (cross-adapter batching); each op's
@@ -254,15 +267,30 @@ class TrainingRounds:
         if padded_tokens([*chunk, op]) > self.guard.train_batch_tokens:
             return False
 
+        recomputes = recomputes_under(self.plan, self.guard.device, self.layers)
+
         def recomputed(ops: Sequence[PassOp]) -> int:
-            backward = any(o.backward for o in ops)
-            adapters = {o.adapter.name: o.adapter.config.rank for o in ops}
-            # Stacked where it may be (an upper bound: stacks() also asks for plain LoRA).
-            stacked = len(adapters) > 1 and self.plan.stacks_lora(self.guard.device)
-            plan = self.plan.for_pass(list(adapters.values()), stacked)
-            return plan.checkpointed_layers(padded_tokens(ops), backward, self.layers)
+            return recomputes(padded_tokens(ops), any(o.backward for o in ops), _ranks(ops))
 
         return recomputed([*chunk, op]) <= max(recomputed(chunk), recomputed([op]))
+
+    def _micro_batches(self, ops: Sequence[PassOp]) -> list[list[Piece]]:
+        """The pass's micro-batches (micro_batches.planned_batches), said in the log."""
+        device, layers = self.guard.device, self.layers
+        routed = bool(self.pool.expert_parameters)
+        batches = planned_batches(ops, self.plan, device, layers, routed=routed)
+        if len(batches) > 1:
+            fixed = replace(self.plan, spare_activations=None)
+            whole = recomputes_under(fixed, device, layers)(padded_tokens(ops), True, _ranks(ops))
+            said = (
+                f"a pass of {sum(len(op.data) for op in ops)} datums ({padded_tokens(ops)} "
+                f"padded tokens) that would recompute {whole} of {layers} layers runs as "
+                f"{len(batches)} micro-batches recomputing none"
+            )
+            # At info when the split changes (a training loop's steps split alike).
+            log.log(logging.INFO if said != self._said else logging.DEBUG, said)
+            self._said = said
+        return batches
 
     def _run_pass(
         self, chunk: Sequence[tuple[int, Op, PassOp]], outcomes: Outcomes, batched: bool
@@ -290,9 +318,15 @@ class TrainingRounds:
     def _try_pass(self, ops: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception] | None:
         """The shared pass's outcomes, or every op's failure; None if it ran out of memory."""
 
+        def one_pass(pieces: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception]:
+            return shared_pass(self.pool, pieces, self.guard.device, self.plan)
+
+        def kept(pieces: Sequence[PassOp]) -> Callable[[], None]:
+            return kept_grads({p.adapter.name: p.adapter for p in pieces if p.backward}.values())
+
         def run() -> list[ForwardBackwardOutput | Exception]:
             try:
-                return shared_pass(self.pool, ops, self.guard.device, self.plan)
+                return run_micro_batches(ops, self._micro_batches(ops), one_pass, kept)
             except Exception as exc:  # the pass itself failed: so does every op in it
                 if is_out_of_memory(exc):
                     raise
@@ -377,3 +411,7 @@ class TrainingRounds:
     def _record(self, outcomes: Outcomes, index: int, op: Op, outcome: ResultOrError) -> None:
         outcomes[index] = outcome
         self.saved.unpublished.setdefault(op.model_id, {})[op.seq] = outcome
+
+
+def _ranks(ops: Sequence[PassOp]) -> dict[str, int]:
+    return {op.adapter.name: op.adapter.config.rank for op in ops}

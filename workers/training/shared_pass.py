@@ -11,7 +11,7 @@ a time accumulates in .grad. A single op runs the same code: it is a pass of one
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -310,16 +310,26 @@ def op_loss_inputs(data: Sequence[Datum], device: torch.device) -> LossInputs:
 def grads_kept_on_error(adapters: Sequence[Adapter]) -> Iterator[None]:
     """A backward that fails half-way (out of memory) has added to some tensors' .grad and not
     to others: put every adapter's gradients back as they were, so a failed op leaves its
-    model (and every other model of the pass) as it found it. Only gradients pending from
+    model (and every other model of the pass) as it found it."""
+    restore = kept_grads(adapters)
+    try:
+        yield
+    except BaseException:
+        restore()
+        raise
+
+
+def kept_grads(adapters: Iterable[Adapter]) -> Callable[[], None]:
+    """What puts the adapters' gradients back as they are now. Only gradients pending from
     earlier ops are copied, and most steps have none."""
     kept = [
         (p, p.grad.clone() if p.grad is not None else None)
         for adapter in adapters
         for p in adapter.params.values()
     ]
-    try:
-        yield
-    except BaseException:
+
+    def restore() -> None:
         for p, grad in kept:
             p.grad = grad
-        raise
+
+    return restore
