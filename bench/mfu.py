@@ -157,6 +157,9 @@ class Result:
     # datum (median seconds each).
     loss_paths: dict[str, float] = field(default_factory=dict)
     loss_paths_shape: str = ""
+    # --memory-gib: the card a worker plans for (QT_DEVICE_MEMORY_GIB), and its fit check.
+    memory_gib: float | None = None
+    fit: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -336,11 +339,11 @@ def measure_layer_bytes(s: Setup) -> tuple[float, int] | None:
     return peak / (2048 * s.shape.layers), s.plan.layer_bytes.kept
 
 
-def variants(pool: AdapterPool, device: torch.device) -> list[Variant]:
+def variants(pool: AdapterPool, device: torch.device, cap: int | None) -> list[Variant]:
     """What each of the worker's choices buys, against its plan (the headline), measured with
     the headline's kernels."""
-    one_pass = replace(engine.worker_plan(pool, device), micro_batches=False)
-    fp32 = engine.worker_plan(pool, device, "fp32")
+    one_pass = replace(engine.worker_plan(pool, device, cap=cap), micro_batches=False)
+    fp32 = engine.worker_plan(pool, device, "fp32", cap)
     context = partial(engine.lora_matmuls, pool, "fp32")
     return [
         Variant("one pass, its layers recomputed (no micro-batches)", one_pass),
@@ -348,18 +351,30 @@ def variants(pool: AdapterPool, device: torch.device) -> list[Variant]:
     ]
 
 
+def fit_check(
+    base: torch.nn.Module, device: torch.device, dtype: torch.dtype, cap: int | None
+) -> str | None:
+    """The worker's start-up fit check of this model on the device (as held), printed."""
+    fit = engine.fit_explanation(base, device, dtype, cap)
+    if fit is not None:
+        print(f"  the worker's fit check: {fit}", flush=True)
+    return fit
+
+
 def run(args: argparse.Namespace) -> Result:
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as load_base_model
     began = time.perf_counter()
+    cap = engine.hold_device(device, args.memory_gib)  # before anything is allocated
     base = build_model(shape, args.device, dtype)
     pool = lora_pool(base, BASE_NAME, adapters=max(2, args.adapters + 1, args.rl_adapters + 1))
     [adapter] = add_adapters(pool, LoraConfig(rank=args.rank), seeds=[0])
     print(f"model built and adapter added in {time.perf_counter() - began:.0f} s", flush=True)
     engine.set_lora_matmuls(pool, "auto")  # as QT_LORA_MATMUL_DTYPE's default makes it
-    plan = engine.worker_plan(pool, device)
+    plan = engine.worker_plan(pool, device, cap=cap)
     s = Setup(pool, adapter, shape, device, args, plan)
+    fit = fit_check(base, device, dtype, cap)
     batch, data = fit_batch(s)
     if device.type == "cuda":  # after the fitting, whose failed tries would set the peak
         torch.cuda.reset_peak_memory_stats(device)
@@ -369,6 +384,7 @@ def run(args: argparse.Namespace) -> Result:
     result = Result(
         args.device, args.shape, batch, args.seq, args.rank, params, lora, shrunk_from=shrunk
     )
+    result.memory_gib, result.fit = args.memory_gib, fit
     # First what needs transformers' own kernels (the worker's may change the model for
     # good): plain transformers + PEFT, and the worker's plan without the worker's kernels.
     measure_bare(s, data, result)
@@ -398,7 +414,7 @@ def run(args: argparse.Namespace) -> Result:
     if plain.fb_s or plain.error:
         result.variants.append(plain)
     if args.variants:
-        result.variants += [measure_variant(s, data, v) for v in variants(pool, device)]
+        result.variants += [measure_variant(s, data, v) for v in variants(pool, device, cap)]
     # The training step: forward_backward and optim_step (which clears the grads) taking turns.
     adam = AdamParams(learning_rate=1e-5)
     calls = {"fb": s.step(data), "optim": lambda: engine.optim_step(adapter, adam)}
@@ -442,9 +458,11 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:,.1f} ms"
 
 
-def section(shape: str) -> str:
-    """The docs heading of a run on this shape: the 8B headline's, or one of its own."""
-    return SECTION if shape == DEFAULT_SHAPE else f"{SECTION}, {shape} shape"
+def section(shape: str, memory_gib: float | None = None) -> str:
+    """The docs heading of a run on this shape: the 8B headline's, or one of its own; a run
+    held to fewer GiB (--memory-gib) has its own too."""
+    heading = SECTION if shape == DEFAULT_SHAPE else f"{SECTION}, {shape} shape"
+    return heading if memory_gib is None else f"{heading}, a card of {memory_gib:g} GiB"
 
 
 def report(result: Result, info: dict[str, str], args: argparse.Namespace) -> Report:
@@ -453,6 +471,12 @@ def report(result: Result, info: dict[str, str], args: argparse.Namespace) -> Re
     flops = flops_per_token(SHAPES[result.shape], result.seq, result.lora_params)
     f = figures(result, device)
     shrunk = f" ({result.shrunk_from} × {result.seq} did not fit)" if result.shrunk_from else ""
+    held = (
+        f", the device held to {result.memory_gib:g} GiB as a worker with "
+        f"QT_DEVICE_MEMORY_GIB={result.memory_gib:g} holds it (a card of that size's plan)"
+        if result.memory_gib
+        else ""
+    )
     headline = Table(
         (
             "device", "shape (params, LoRA params)", "batch", "forward_backward ms",
@@ -468,7 +492,7 @@ def report(result: Result, info: dict[str, str], args: argparse.Namespace) -> Re
             f"**{pct(f['mfu_lora'])}**", pct(f["mfu_6N"]),
             "–" if result.peak_gib is None else f"{result.peak_gib:.1f}",
         )],
-        caption=f"The worker's plan with its default kernels ({result.kernels}):",
+        caption=f"The worker's plan with its default kernels ({result.kernels}){held}:",
     )  # fmt: skip
     body: list[Table | str] = [
         f"FLOPs per token at this shape: LoRA count {flops['lora'] / 1e9:,.2f} GFLOP, 6N "
@@ -481,13 +505,15 @@ def report(result: Result, info: dict[str, str], args: argparse.Namespace) -> Re
     facts = [f"{args.warmup} warm-up steps, then the median of {args.steps}; rank {result.rank}."]
     results = {"result": asdict(result), "figures": f, "flops_per_token": flops}
     command = COMMAND if args.shape == DEFAULT_SHAPE else RL_COMMAND
-    return Report(section(args.shape), command, info, facts, (), body, results)
+    if args.memory_gib is not None:
+        command = f"{command} --memory-gib {args.memory_gib:g}"
+    return Report(section(args.shape, args.memory_gib), command, info, facts, (), body, results)
 
 
 def figure_lines(result: Result) -> list[str]:
     """The measured figures beside the headline: plain PEFT, shared passes, loss paths, one
     long row, the activation bytes a layer keeps."""
-    lines = []
+    lines = [f"The worker's fit check on this card: {result.fit}"] if result.fit else []
     if (bare := result.bare_tokens_per_s()) is not None:
         how = "without checkpointing"
         if result.bare_checkpointing:
@@ -593,6 +619,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.add_argument(flag, type=int, default=None, help=f"{help_text} ({cuda}; CPU {cpu})")
     parser.add_argument(
         "--no-variants", dest="variants", action="store_false", help="the worker's plan alone"
+    )
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="plan and run as on a card of this many GiB (QT_DEVICE_MEMORY_GIB): an 80 GiB "
+        "card's plan measured on an H200",
     )
     args = cli.parse(parser, argv, quick={"warmup": 1, "steps": 2})
     cuda = args.device.startswith("cuda")

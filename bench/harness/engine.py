@@ -15,16 +15,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.requests.training import ForwardBackwardOutput, OptimParams
 from queue_tinker.types.tensors import Datum
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.model.fit import FitSettings, fit_resident_adapters
 from queue_tinker.workers.model.fused_kernels import apply_liger, liger_wanted
 from queue_tinker.workers.model.memory import (
     LoraMatmuls,
     device_budgets,
+    device_memory,
+    hold_to,
     lora_compute_dtype,
     lora_copy_bytes,
+    memory_cap,
 )
 from queue_tinker.workers.training.losses import device_batch_loss
 from queue_tinker.workers.training.micro_batches import Piece, planned_batches, run_micro_batches
@@ -78,16 +83,44 @@ def forward_backward(
 
 
 def worker_plan(
-    pool: AdapterPool, device: torch.device, lora_matmuls: LoraMatmuls = "auto"
+    pool: AdapterPool,
+    device: torch.device,
+    lora_matmuls: LoraMatmuls = "auto",
+    cap: int | None = None,
 ) -> PassPlan:
     """The pass plan a worker makes for this model on this device now (its checkpointing
     planned from the free memory, borrowing the sampler's share while it lies free, as it
-    does here) with QT_LORA_MATMUL_DTYPE=`lora_matmuls`."""
+    does here) with QT_LORA_MATMUL_DTYPE=`lora_matmuls` and QT_DEVICE_MEMORY_GIB=`cap`
+    (bytes; hold_device first)."""
     config = causal_lm(pool.model).config.get_text_config()
     dtype = base_dtype(pool)
     lora_copy = lora_copy_bytes(dtype.itemsize, lora_matmuls)
-    budgets = device_budgets(config, device, dtype, checkpointing=True, lora_copy=lora_copy)
-    return budgeted(PassPlan(), budgets, config, dtype, lora_copy=lora_copy, device=device)
+    budgets = device_budgets(
+        config, device, dtype, checkpointing=True, lora_copy=lora_copy, cap=cap
+    )
+    return budgeted(PassPlan(), budgets, config, dtype, lora_copy=lora_copy, device=device, cap=cap)
+
+
+def hold_device(device: torch.device, gib: float | None) -> int | None:
+    """The device held to `gib` GiB, as QT_DEVICE_MEMORY_GIB holds a worker's (before
+    anything is allocated); the cap in bytes, None without one."""
+    cap = memory_cap(gib)
+    hold_to(device, cap)
+    return cap
+
+
+def fit_explanation(
+    model: torch.nn.Module, device: torch.device, dtype: torch.dtype, cap: int | None
+) -> str | None:
+    """The start-up fit check's paragraph for this model on the device as a worker reads it
+    (QT_DEVICE_MEMORY_GIB=`cap` bytes), at the settings' defaults; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    _free, total = device_memory(device, cap)
+    settings = FitSettings.of(EngineConfig())
+    config = causal_lm(model).config
+    plan = fit_resident_adapters(config, dtype.itemsize, total, settings, "the model")
+    return plan.explanation()
 
 
 def set_lora_matmuls(pool: AdapterPool, setting: LoraMatmuls) -> None:

@@ -94,6 +94,15 @@ class EngineConfig(LimitsConfig):
         "backward. fp32: in the adapters' fp32, the input cast up. Weights, gradients, AdamW "
         "moments and checkpoints are fp32 either way.",
     )
+    device_memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="The GiB of its CUDA device a worker plans for and may take: the fit "
+        "check, the budgets and what a pass borrows read the device as this big at most, and "
+        "torch's allocator is held to it. For a GPU shared with other processes, or to measure "
+        "a smaller card's plan on a bigger one (bench.mfu --memory-gib 80 on an H200). Unset: "
+        "the whole device.",
+    )
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="Whether a training pass keeps only each decoder layer's input and "

@@ -42,8 +42,11 @@ from queue_tinker.workers.model.fused_kernels import apply_liger, liger_wanted
 from queue_tinker.workers.model.memory import (
     Budgets,
     device_budgets,
+    device_memory,
+    hold_to,
     lora_compute_dtype,
     lora_copy_bytes,
+    memory_cap,
 )
 from queue_tinker.workers.model.sharded_adapters import ShardedAdapterPool
 from queue_tinker.workers.model.tensor_parallel import Shards, check_shardable, shard_decoder
@@ -126,6 +129,8 @@ class LoraExecutor:
             whole_config = base_models.load_config(path)
             check_shardable(whole_config, shards.world)
         fit = FitSettings.of(config)
+        cap = memory_cap(config.device_memory_gib)
+        hold_to(self.device, cap)  # before anything is allocated: the card as big as the cap
         fitted = check_fit(
             base_model,
             self.device,
@@ -134,6 +139,7 @@ class LoraExecutor:
             fit,
             sized=config.max_resident_adapters is None,
             ranks=shards.world if shards is not None else 1,
+            cap=cap,
         )
         resident = (fitted.demand.settings if fitted else fit).max_resident_adapters
         # A rank of a worker group keeps its share of each decoder layer, cut in host memory.
@@ -161,6 +167,7 @@ class LoraExecutor:
             base.dtype,
             checkpointing=plan.activation_checkpointing != "off",
             lora_copy=lora_copy,
+            cap=cap,
         )
         if budgets is not None and shards is not None:
             # Every rank must split passes and admit samples alike: the smallest GPU's budgets.
@@ -175,6 +182,7 @@ class LoraExecutor:
             base.dtype,
             lora_copy=lora_copy,
             device=self.device if shards is None else None,
+            cap=cap,
         )
         saved = SavedState(self.pool, self.store, base_model)
         residency = Residency(self.pool, saved, self.store)
@@ -263,6 +271,7 @@ def check_fit(
     *,
     sized: bool = False,
     ranks: int = 1,
+    cap: int | None = None,
 ) -> FitPlan | None:
     """Before any weight is loaded: the fit plan for the CUDA device's total memory, or
     WorkerFitError naming its numbers when the base model, the resident adapters and the
@@ -270,13 +279,13 @@ def check_fit(
     many as fit (at most settings' count) and refuses only when not even one does. None on
     the CPU, where no check is made: there is no device memory to plan, and the budgets
     there are the settings' defaults. `ranks`: a worker group's, each holding its share on
-    a device like this one."""
+    a device like this one. `cap`: QT_DEVICE_MEMORY_GIB, in bytes (device_memory)."""
     if device.type != "cuda":
         return None
     path = base_models.resolve_model_path(base_model, models_dir)
     # A vision-language model's config: the planner counts its vision tower too.
     config = base_models.load_config(path)
-    _free, total = torch.cuda.mem_get_info(device)
+    _free, total = device_memory(device, cap)
     dtype_bytes = base_models.resolve_dtype(dtype, device.type).itemsize
     what = f"{base_model} on {device}" if ranks == 1 else f"{base_model} on {ranks} x {device}"
     if sized:

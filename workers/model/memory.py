@@ -190,13 +190,39 @@ def budgets_for(
     )
 
 
-def spare_activation_bytes(device: torch.device, budgets: Budgets) -> int:
+def memory_cap(gib: float | None) -> int | None:
+    """QT_DEVICE_MEMORY_GIB in bytes."""
+    return None if gib is None else int(gib * (1 << 30))
+
+
+def device_memory(device: torch.device, cap: int | None = None) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device as a worker may use it: with a `cap`
+    (QT_DEVICE_MEMORY_GIB) the total is at most the cap, and free at most what the cap leaves
+    beside what this process's allocator holds already. Every reading of the device's memory
+    goes through here, so the fit check, the budgets and a pass's borrowing see one size."""
+    free, total = torch.cuda.mem_get_info(device)
+    if cap is None or cap >= total:
+        return free, total
+    return max(0, min(free, cap - torch.cuda.memory_reserved(device))), cap
+
+
+def hold_to(device: torch.device, cap: int | None) -> None:
+    """Keep torch's allocator within `cap` bytes of the device (a larger allocation raises
+    torch.OutOfMemoryError, as on a card of that size); nothing without a cap or off CUDA."""
+    if cap is None or device.type != "cuda":
+        return
+    _free, total = torch.cuda.mem_get_info(device)
+    if cap < total:
+        torch.cuda.set_per_process_memory_fraction(cap / total, device)
+
+
+def spare_activation_bytes(device: torch.device, budgets: Budgets, cap: int | None = None) -> int:
     """Bytes of the sampler's share a training pass may keep for backward on top of its own
     budget now: what lies unused on the device (torch's cached blocks included) past that
     budget and the headroom, at most the sampler's share. While no sample runs (its KV cache
     freed) a pass checkpoints fewer layers; while one does, none is borrowed; a pass never
     grows past the envelope the budgets were planned in."""
-    free, _total = torch.cuda.mem_get_info(device)
+    free, _total = device_memory(device, cap)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     spare = free + cached - budgets.train_activation_bytes - budgets.headroom_bytes
     return max(0, min(budgets.sample_cache_bytes, spare))
@@ -209,10 +235,12 @@ def device_budgets(
     *,
     checkpointing: bool,
     lora_copy: int,
+    cap: int | None = None,
 ) -> Budgets | None:
-    """Budgets from the device's free memory now; None off CUDA."""
+    """Budgets from the device's free memory now (within `cap`: device_memory); None off
+    CUDA."""
     if device.type != "cuda":
         return None
-    free, _total = torch.cuda.mem_get_info(device)
+    free, _total = device_memory(device, cap)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     return budgets_for(config, free, dtype_bytes, checkpointing=checkpointing, lora_copy=lora_copy)

@@ -137,16 +137,17 @@ def budgeted(
     *,
     lora_copy: int,
     device: torch.device | None = None,
+    cap: int | None = None,
 ) -> PassPlan:
     """The plan with the device's training budget (`budgets` from its free memory; None off
     CUDA, where the plan stays as it is): auto checkpointing then checkpoints the fewest layers
     that fit each pass, borrowing the sampler's share while it lies free on `device` (None:
-    never; a worker group's ranks must plan alike, and what lies free differs between them).
-    `lora_copy`: memory.lora_copy_bytes."""
+    never; a worker group's ranks must plan alike, and what lies free differs between them),
+    within `cap` bytes of it (QT_DEVICE_MEMORY_GIB). `lora_copy`: memory.lora_copy_bytes."""
     if budgets is None:
         return plan
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    spare = partial(spare_activation_bytes, device, budgets) if device is not None else None
+    spare = partial(spare_activation_bytes, device, budgets, cap) if device is not None else None
     return replace(
         plan,
         activation_budget=budgets.train_activation_bytes,

@@ -21,7 +21,7 @@ from queue_tinker.errors import WorkerFitError
 from queue_tinker.workers.executor import lora
 from queue_tinker.workers.executor.lora import LoraExecutor, check_fit
 from queue_tinker.workers.model.fit import FitSettings
-from queue_tinker.workers.model.memory import budgets_for
+from queue_tinker.workers.model.memory import budgets_for, device_memory
 
 GIB = 1 << 30
 
@@ -155,3 +155,33 @@ def test_unset_resident_adapters_are_sized_to_the_device(
     plan = check_fit(BASE, torch.device("cuda"), models, "auto", settings, sized=True)
     assert plan is not None and plan.fits
     assert 1 <= plan.demand.settings.max_resident_adapters < 10_000
+
+
+def test_a_worker_held_to_fewer_gib_plans_and_allocates_as_on_that_card(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QT_DEVICE_MEMORY_GIB on a (pretend) 141 GiB device: torch's allocator is held to the
+    cap's share of it before anything is allocated, and the fit check reads the cap as the
+    card's size (here 1 GiB, where 10,000 adapters refuse to start naming a GPU of 1.00 GiB);
+    free memory is at most what the cap leaves beside what the process holds."""
+    pretend_cuda_memory(monkeypatch, 141 * GIB)
+    held: list[tuple[float, object]] = []
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_per_process_memory_fraction",
+        lambda fraction, device=None: held.append((fraction, device)),
+    )
+    with pytest.raises(WorkerFitError, match=r"on cuda does not fit: A GPU of 1\.00 GiB needs "):
+        LoraExecutor(
+            BASE,
+            "cuda",
+            tmp_path / "storage",
+            tmp_path / "models",
+            EngineConfig(max_resident_adapters=10_000, device_memory_gib=1),
+        )
+    assert held == [(pytest.approx(1 / 141), torch.device("cuda"))]
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: GIB // 4)
+    cuda = torch.device("cuda")
+    assert device_memory(cuda, GIB) == (GIB - GIB // 4, GIB)
+    assert device_memory(cuda, None) == (141 * GIB, 141 * GIB)  # no cap: the device
+    assert device_memory(cuda, 200 * GIB) == (141 * GIB, 141 * GIB)  # a cap above it: the same
