@@ -29,6 +29,7 @@ from bench.harness import cli, engine
 from bench.harness.baselines import plain_forward_backward
 from bench.harness.data import datums, rl_datums, token_rows
 from bench.harness.engine import PassPlan
+from bench.harness.kernel_count import Counts, count_kernels
 from bench.harness.machine import announce, device_name, engine_machine
 from bench.harness.meters import timed, turns
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
@@ -40,6 +41,8 @@ from queue_tinker.types.tensors import Datum
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
+COUNT_SECTION = "## Kernels of a training pass, counted without a GPU"
+COUNT_ADAPTERS, COUNT_ROWS, COUNT_SEQ = 8, 4, 512  # RL-sized ops, as the rl rows
 DEFAULT_SHAPE = "llama-3.1-8b"
 HEADLINE = "the worker's plan, its kernels"
 COMMAND = ".venv/bin/python -m bench.mfu --device cuda"
@@ -621,6 +624,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-variants", dest="variants", action="store_false", help="the worker's plan alone"
     )
     parser.add_argument(
+        "--count",
+        action="store_true",
+        help="count the kernels of a pass of 1 and 8 adapters on meta tensors (no GPU)",
+    )
+    parser.add_argument(
         "--memory-gib",
         type=float,
         default=None,
@@ -629,19 +637,64 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     args = cli.parse(parser, argv, quick={"warmup": 1, "steps": 2})
     cuda = args.device.startswith("cuda")
-    args.shape = args.shape or (DEFAULT_SHAPE if cuda else "small")
+    args.shape = args.shape or (DEFAULT_SHAPE if cuda or args.count else "small")
     for flag, defaults in BY_DEVICE.items():
         name = flag.removeprefix("--").replace("-", "_")
         if getattr(args, name) is None:
             setattr(args, name, defaults[0 if cuda else 1])
-    # Only GPU numbers belong in the docs: a CPU run is a smoke test of the code path.
-    args.no_docs = args.no_docs or not cuda
+    # Only GPU numbers belong in the docs: a CPU run is a smoke test of the code path. A
+    # count is no timing: it is the same on any machine.
+    args.no_docs = args.no_docs or not (cuda or args.count)
     return args
+
+
+def counted(args: argparse.Namespace) -> Report:
+    """--count: the kernels (and bytes) of one forward_backward pass at the shape, on meta
+    tensors (bench/harness/kernel_count.py), of 1 and of COUNT_ADAPTERS adapters' ops of
+    COUNT_ROWS x COUNT_SEQ tokens each in one pass, nothing recomputed; the adapters' LoRA in
+    row blocks (the CPU's default) and stacked (CUDA's)."""
+    shape, meta = SHAPES[args.shape], torch.device("meta")
+    pool = lora_pool(build_model(shape, "meta", torch.bfloat16), BASE_NAME, COUNT_ADAPTERS + 1)
+    with meta:  # PEFT leaves a new adapter's weights where they are made, beside a meta base
+        adapters = add_adapters(pool, LoraConfig(rank=args.rank), seeds=range(COUNT_ADAPTERS))
+    ops = [(a, random_data(shape, COUNT_ROWS, COUNT_SEQ)) for a in adapters]
+    rows = []
+
+    def count(n: int, plan: PassPlan) -> Counts:
+        engine.clear_grads(adapters)  # a first forward_backward since the step: none pending
+        return count_kernels(partial(engine.forward_backward, pool, ops[:n], meta, plan))
+
+    for stacked in (False, True):
+        plan = PassPlan(activation_checkpointing="off", stacked_lora=stacked)
+        one = count(1, plan)
+        for n in (1, COUNT_ADAPTERS):
+            got = one if n == 1 else count(n, plan)
+            rows.append((
+                "stacked" if stacked else "row blocks", n, f"{got.total:,}",
+                f"{got.total / one.total:.2f}×", got.host_reads,
+                f"{got.bytes_moved / 2**30:,.1f}",
+                ", ".join(f"{k} {v:,}" for k, v in got.kernels.most_common(4)),
+            ))  # fmt: skip
+    columns = (
+        "LoRA of several adapters", "adapters", "kernels", "÷ 1 adapter", "host reads",
+        "GiB read + written", "most launched",
+    )  # fmt: skip
+    caption = (
+        f"One forward_backward pass at the {args.shape} shape, rank {args.rank}, each adapter's "
+        f"op {COUNT_ROWS} × {COUNT_SEQ} tokens, nothing recomputed, counted on meta tensors:"
+    )
+    facts = ["No GPU: a count, not a timing; attention counted as one fused kernel each way."]
+    body: list[Table | str] = [Table(columns, rows, caption=caption)]
+    command = f"{COMMAND.replace('--device cuda', '--count')} --shape {args.shape}"
+    return Report(COUNT_SECTION, command, engine_machine("cpu"), facts, (), body, {})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_transformers()
+    if args.count:
+        emit(counted(args), docs_of(args), args.json)
+        return 0
     info = announce(engine_machine(args.device))
     emit(report(run(args), info, args), docs_of(args), args.json)
     return 0

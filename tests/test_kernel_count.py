@@ -1,0 +1,61 @@
+"""bench/harness/kernel_count.py: kernels and bytes counted on meta tensors, as bench.mfu
+--count counts a training pass without a GPU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench.harness.kernel_count import ATTENTION, count_kernels
+
+META = torch.device("meta")
+
+
+def test_a_launching_op_counts_one_with_its_bytes_and_a_view_none() -> None:
+    x = torch.empty(4, 8, device=META)
+    counts = count_kernels(lambda: x.view(8, 4).t().contiguous() + 1)
+    # contiguous() of a transposed view copies (clone), + launches add; view and t are free.
+    assert dict(counts.kernels) == {"clone": 1, "add": 1}
+    assert counts.bytes_moved == 4 * 128  # each op reads 128 bytes and writes 128
+    assert counts.host_reads == 0
+
+
+def test_a_host_read_counts_and_answers_the_no_data_branch() -> None:
+    x = torch.empty(3, device=META)
+    seen = []
+
+    def step() -> None:
+        seen.append(x.sum().item())
+        seen.append(x.cpu())
+
+    counts = count_kernels(step)
+    assert seen[0] == 0 and torch.equal(seen[1], torch.zeros(3))
+    assert counts.host_reads == 2 and counts.kernels["sum"] == 1
+
+
+def test_attention_counts_as_one_fused_kernel_each_way() -> None:
+    q, k, v = (torch.empty(2, 4, 16, 8, device=META, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    counts = count_kernels(step)
+    assert counts.kernels[ATTENTION] == 1 and counts.kernels[f"{ATTENTION}_backward"] == 1
+    assert not {"bmm", "_safe_softmax", "_softmax_backward_data"} & set(counts.kernels)
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_bench_mfu_counts_a_pass_of_one_and_of_eight_adapters() -> None:
+    """bench.mfu --count on the small shape: every row counted; more adapters launch more in
+    row blocks, and the pass reads the device on the host as often whatever the adapters."""
+    from bench import mfu
+
+    report = mfu.counted(mfu.parse_args(["--count", "--shape", "small", "--no-docs"]))
+    (table,) = report.body
+    rows = list(table.rows)  # type: ignore[union-attr]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("row blocks", 1), ("row blocks", 8), ("stacked", 1), ("stacked", 8),
+    ]  # fmt: skip
+    kernels = [int(str(r[2]).replace(",", "")) for r in rows]
+    assert kernels[1] > kernels[0] > 0 and kernels[3] > 0
+    assert len({r[4] for r in rows}) == 1  # host reads
