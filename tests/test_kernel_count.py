@@ -59,3 +59,23 @@ def test_bench_mfu_counts_a_pass_of_one_and_of_eight_adapters() -> None:
     kernels = [int(str(r[2]).replace(",", "")) for r in rows]
     assert kernels[1] > kernels[0] > 0 and kernels[3] > 0
     assert len({r[4] for r in rows}) == 1  # host reads
+
+
+def test_the_chunked_unembedding_reads_its_weight_once_a_chunk() -> None:
+    """A batch wider than one logits chunk: each chunk of positions goes through the
+    unembedding as one matrix (mm), not as a batched matmul over rows that reads the whole
+    weight once a row (bmm over a stride-0 weight)."""
+    from bench.harness import engine
+    from bench.harness.models import BASE_NAME, add_adapters, build_model, lora_pool
+    from bench.mfu import SHAPES, random_data
+    from queue_tinker.types.requests.training import LoraConfig
+    from queue_tinker.workers.training.model_pass import PassPlan
+
+    shape = SHAPES["small"]
+    pool = lora_pool(build_model(shape, "meta", torch.bfloat16), BASE_NAME, 2)
+    with META:
+        [adapter] = add_adapters(pool, LoraConfig(rank=4), seeds=[0])
+    plan = PassPlan(activation_checkpointing="off", logit_chunk_elements=4 * 64 * shape.vocab)
+    data = random_data(shape, 4, 256)  # 4 chunks of 64 positions
+    counts = count_kernels(lambda: engine.forward_backward(pool, [(adapter, data)], META, plan))
+    assert "bmm" not in counts.kernels, counts.kernels

@@ -257,7 +257,10 @@ def _chunked_logprobs(
     recompute = recompute and step < hidden.shape[1]
     pieces = []
     for start in range(0, hidden.shape[1], step):
-        chunk = (hidden[:, start : start + step], targets[:, start : start + step])
+        # Contiguous: a strided slice of a wider batch would go through the unembedding as a
+        # batched matmul reading its whole weight once a row (at the 8B shape, 36 GiB more a
+        # pass of 4 x 512 tokens: bench.mfu --count); a whole batch is already.
+        chunk = (hidden[:, start : start + step].contiguous(), targets[:, start : start + step])
         if recompute:
             pieces.append(checkpointed_call(_logprobs_of, head, softcap, *chunk))
         else:
