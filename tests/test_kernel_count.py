@@ -79,3 +79,27 @@ def test_the_chunked_unembedding_reads_its_weight_once_a_chunk() -> None:
     data = random_data(shape, 4, 256)  # 4 chunks of 64 positions
     counts = count_kernels(lambda: engine.forward_backward(pool, [(adapter, data)], META, plan))
     assert "bmm" not in counts.kernels, counts.kernels
+
+
+def test_row_blocks_backward_joins_the_blocks_gradients_once() -> None:
+    """Two adapters' ops in row blocks: each LoRA linear's input is split, so backward joins
+    the blocks' gradients with one cat, never writing each into a zeroed whole: no more
+    slice_backward than one adapter's pass has (RoPE's halves) but the op's own logprobs'."""
+    from bench.harness import engine
+    from bench.harness.models import BASE_NAME, add_adapters, build_model, lora_pool
+    from bench.mfu import SHAPES, random_data
+    from queue_tinker.types.requests.training import LoraConfig
+    from queue_tinker.workers.training.model_pass import PassPlan
+
+    shape = SHAPES["small"]
+    pool = lora_pool(build_model(shape, "meta", torch.bfloat16), BASE_NAME, 3)
+    with META:
+        adapters = add_adapters(pool, LoraConfig(rank=4), seeds=[0, 1])
+    ops = [(a, random_data(shape, 2, 64)) for a in adapters]
+    plan = PassPlan(activation_checkpointing="off", stacked_lora=False)
+    one = count_kernels(lambda: engine.forward_backward(pool, ops[:1], META, plan))
+    engine.clear_grads(adapters)
+    both = count_kernels(lambda: engine.forward_backward(pool, ops, META, plan))
+    assert both.kernels["mm"] > one.kernels["mm"] > 0
+    # One more: the second op's share of the pass's logprobs (narrowed blocks made 30 more).
+    assert both.kernels["slice_backward"] <= one.kernels["slice_backward"] + 1

@@ -91,7 +91,6 @@ def row_blocks(
     a layer (or no adapter at all: the base model's rows) gets the base layer's output there.
     Experts' wrappers: see expert_lora.py."""
     names = [name for name, _ in blocks]
-    starts = [sum(rows for _, rows in blocks[:i]) for i in range(len(blocks))]
     sizes = [rows for _, rows in blocks]
 
     def forward(layer: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -106,12 +105,16 @@ def row_blocks(
         # Each block's update (zeros where its adapter does not adapt this layer), joined and
         # added at once: an in-place add into each block's slice of the output would put a
         # CopySlices node per block in the graph, whose backward copies the whole output's
-        # gradient (a pass of 8 adapters' ops was 3-5% slower so on the CPU).
+        # gradient (a pass of 8 adapters' ops was 3-5% slower so on the CPU). The input is
+        # split, not narrowed block by block: a narrow's backward writes its block's gradient
+        # into a zeroed copy of the whole input, one per block (at the 8B shape 8 adapters'
+        # 4 x 512-token ops moved 359 GiB so, bench.mfu --count); a split's joins them once.
+        parts = x.split(sizes)
         updates = [
-            _update(layer, name, x.narrow(0, start, rows), compute)
+            _update(layer, name, part, compute)
             if name in layer.lora_A
             else result.new_zeros((rows, *result.shape[1:]))
-            for name, start, rows in zip(names, starts, sizes, strict=True)
+            for name, part, rows in zip(names, parts, sizes, strict=True)
         ]
         return (result + torch.cat(updates)).to(result.dtype)
 
