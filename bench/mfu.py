@@ -651,10 +651,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def counted(args: argparse.Namespace) -> Report:
     """--count: the kernels (and bytes) of one forward_backward pass at the shape, on meta
     tensors (bench/harness/kernel_count.py), of 1 and of COUNT_ADAPTERS adapters' ops of
-    COUNT_ROWS x COUNT_SEQ tokens each in one pass, nothing recomputed; the adapters' LoRA in
-    row blocks (the CPU's default) and stacked (CUDA's)."""
+    COUNT_ROWS x COUNT_SEQ tokens each in one pass, nothing recomputed, bf16 with LoRA's
+    matmuls in bf16 (a CUDA worker's defaults); the adapters' LoRA in row blocks (the CPU's
+    default) and stacked (CUDA's)."""
     shape, meta = SHAPES[args.shape], torch.device("meta")
     pool = lora_pool(build_model(shape, "meta", torch.bfloat16), BASE_NAME, COUNT_ADAPTERS + 1)
+    engine.set_lora_matmuls(pool, "auto")  # as QT_LORA_MATMUL_DTYPE's default makes it
     with meta:  # PEFT leaves a new adapter's weights where they are made, beside a meta base
         adapters = add_adapters(pool, LoraConfig(rank=args.rank), seeds=range(COUNT_ADAPTERS))
     ops = [(a, random_data(shape, COUNT_ROWS, COUNT_SEQ)) for a in adapters]
