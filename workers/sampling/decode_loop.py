@@ -65,7 +65,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     kept,
     per_sample,
 )
-from queue_tinker.workers.sampling.host_reads import to_host
+from queue_tinker.workers.sampling.host_reads import to_device, to_host
 from queue_tinker.workers.sampling.image_prefill import prefill_with_images
 from queue_tinker.workers.sampling.prefill_groups import (
     length_groups,
@@ -552,7 +552,7 @@ class DecodeLoop:
         self.prompts.keep(list(unique), cache, logits[:, -1])
         record_prompt_scores(taken, source, wanted, logits)
         requests, samples, rows = per_sample(taken, source)
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        index = to_device(rows, torch.long, self.device)
         if rows != list(range(len(unique))):  # expand to samples
             cache.batch_select_indices(index)
         incoming = Rows.build(
@@ -634,7 +634,7 @@ class DecodeLoop:
             (cut if 0 < params.top_k < vocab or params.top_p < 1 else whole).append(i)
             draws[i] = float(rows.uniforms[i, step % UNIFORM_BLOCK])
         if draws:  # one copy of the step's draws to the device, cut rows first
-            uniforms = torch.tensor([draws[i] for i in cut + whole], device=self.device)
+            uniforms = to_device([draws[i] for i in cut + whole], torch.float32, self.device)
             self._draw(rows, logits, tokens, cut, uniforms[: len(cut)], filtered=True)
             self._draw(rows, logits, tokens, whole, uniforms[len(cut) :], filtered=False)
         return tokens
@@ -653,7 +653,7 @@ class DecodeLoop:
         vocab = logits.shape[-1]
         for part in row_chunks(len(at), vocab):
             picked = at[part]
-            index = torch.tensor(picked, device=self.device)
+            index = to_device(picked, torch.long, self.device)
             if filtered:
                 chosen = sample_tokens(
                     logits[index],

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse, StopReason
-from queue_tinker.workers.sampling.host_reads import to_host
+from queue_tinker.workers.sampling.host_reads import to_device, to_host
 from queue_tinker.workers.sampling.kv_cache import GrowingLayer
 from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed
 
@@ -161,10 +161,10 @@ class Rows:
             cache=cache,
             mask=mask,
             next_pos=next_pos,
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            stop_ids=torch.tensor(stops, dtype=torch.long, device=device),
+            temperature=to_device(temperature, torch.float32, device),
+            top_k=to_device([p.top_k for p in params], torch.long, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            stop_ids=to_device(stops, torch.long, device),
             uniforms=torch.zeros((len(requests), UNIFORM_BLOCK)),
         )
 
@@ -183,7 +183,7 @@ class Rows:
 
     def select(self, keep: list[int]) -> None:
         """Keep these rows only, in order; then cut the columns no remaining row uses."""
-        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        index = to_device(keep, torch.long, self.mask.device)
         self.cache.batch_select_indices(index)
         self.requests = [self.requests[i] for i in keep]
         self.samples = [self.samples[i] for i in keep]

@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from queue_tinker.workers.model.vision_language import joined, rope_positions
 from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest, Rows
+from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.prompt_scores import prompt_scores, wants_prompt_scores
 
 
@@ -34,7 +35,7 @@ def prefill_with_images(
     spec = request.spec
     assert spec.images is not None
     lm = cast(PreTrainedModel, model.get_base_model() if isinstance(model, PeftModel) else model)
-    ids = torch.tensor([spec.prompt], dtype=torch.long, device=device)
+    ids = to_device([spec.prompt], torch.long, device)
     mask = torch.ones_like(ids)
     images = joined([spec.images], device, lm.dtype)
     assert images is not None

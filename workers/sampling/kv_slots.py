@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.workers.sampling.decode_rows import growing_layers
+from queue_tinker.workers.sampling.host_reads import to_device
 
 # Columns are allocated in multiples of this, so that a few tokens more do not re-make buffers.
 COLUMN_QUANTUM = 64
@@ -119,7 +120,7 @@ class KvSlots:
         width = layers[0].states()[0].shape[2]
         # Column c of slot `at + r` takes column width - lengths[r] + c of row r (those past
         # the row's length take its last: finite, masked).
-        shift = torch.tensor([width - n for n in lengths], device=self.device)
+        shift = to_device([width - n for n in lengths], torch.long, self.device)
         source = (torch.arange(widest, device=self.device)[None, :] + shift[:, None]).clamp(
             max=width - 1
         )
@@ -135,8 +136,8 @@ class KvSlots:
         """Slot sources[i]'s contents to slot targets[i] (read all before writing any)."""
         if not sources:
             return
-        source = torch.tensor(sources, device=self.device)
-        target = torch.tensor(targets, device=self.device)
+        source = to_device(sources, torch.long, self.device)
+        target = to_device(targets, torch.long, self.device)
         for buffers in (self.keys, self.values):
             for buffer in buffers:
                 buffer.index_copy_(0, target, buffer.index_select(0, source))

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from queue_tinker.workers.sampling.host_reads import to_device
+
 CALL_TOKENS_CPU = 64
 CALL_TOKENS_GPU = 8192
 
@@ -55,4 +57,5 @@ def padded_prompts(
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
+    both = to_device(torch.stack([ids, mask]), torch.long, device)  # one copy
+    return both[0], both[1]

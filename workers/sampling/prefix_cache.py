@@ -39,6 +39,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     per_sample,
     plain_layers,
 )
+from queue_tinker.workers.sampling.host_reads import to_device
 
 PromptKey = tuple[tuple[int, ...], str]
 # The kept states are a second copy of their prompts' KV cache: past this many bytes the least
@@ -255,7 +256,7 @@ class PrefixCache:
         stored = [entries[key] for key in unique]
         requests, samples, rows = per_sample(taken, source)
         logits = torch.stack([entry.logits for entry in stored])
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        index = to_device(rows, torch.long, logits.device)
         width = max(entry.length for entry in stored)
         data = [
             tuple(
@@ -264,7 +265,7 @@ class PrefixCache:
             )
             for layer in range(len(stored[0].layers))
         ]
-        lengths = torch.tensor([entry.length for entry in stored], device=logits.device)[index]
+        lengths = to_device([entry.length for entry in stored], torch.long, logits.device)[index]
         columns = torch.arange(width, device=logits.device)
         mask = (columns[None, :] >= width - lengths[:, None]).long()  # 1 at the real tokens
         incoming = Rows.build(

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest, plain_layers
+from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.prefix_cache import (
     BLOCK,
     PrefixCache,
@@ -78,7 +79,7 @@ def prefill_on(
     prompt, adapter = key
     done = 0 if hit is None else hit.tokens
     cache = DynamicCache() if hit is None else hit.entry.prefix_cache(done)
-    ids = torch.tensor([prompt[done:]], dtype=torch.long, device=device)
+    ids = to_device([prompt[done:]], torch.long, device)
     mask = torch.ones(1, len(prompt), dtype=torch.long, device=device)
     positions = torch.arange(done, len(prompt), device=device)[None]
     logits = forward(model, ids, mask, positions, cache, [adapter], last_only=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from queue_tinker.types.requests.sampling import NO_TARGET, SamplingParams
-from queue_tinker.workers.sampling.host_reads import to_host
+from queue_tinker.workers.sampling.host_reads import to_device, to_host
 from queue_tinker.workers.sampling.token_choice import CHUNK_ELEMENTS, request_seed
 
 if TYPE_CHECKING:
@@ -71,9 +71,9 @@ def prompt_scores(logits: torch.Tensor, request: PromptRequest) -> dict[str, Any
     prompt = request.prompt
     n = len(prompt)
     scored = logits[logits.shape[0] - n : -1]
-    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logits.device)
+    targets = to_device(prompt[1:], torch.long, logits.device)
     wanted = (
-        torch.tensor(request.prompt_targets, dtype=torch.long, device=logits.device)
+        to_device(request.prompt_targets, torch.long, logits.device)
         if request.prompt_targets is not None
         else None
     )

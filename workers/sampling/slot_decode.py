@@ -48,7 +48,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     Rows,
     growing_layers,
 )
-from queue_tinker.workers.sampling.host_reads import to_host
+from queue_tinker.workers.sampling.host_reads import to_device, to_host
 from queue_tinker.workers.sampling.kv_slots import KvSlots
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class SlotRows(Rows):
             order = keep
             moved = [slot for slot, row in enumerate(keep) if row != slot]
             self.decoder.slots.move([keep[slot] for slot in moved], moved)
-        index = torch.tensor(order, dtype=torch.long, device=self.next_pos.device)
+        index = to_device(order, torch.long, self.next_pos.device)
         self.requests = [self.requests[i] for i in order]
         self.samples = [self.samples[i] for i in order]
         self._index_fields(index, order)
@@ -209,6 +209,7 @@ class SlotDecoder:
         """The step's token and adapter-slot buffers, `slots` long (written at every step)."""
         self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
         self.row_slots = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.written_slots: list[int] = []  # what row_slots holds: copied when it changes
 
     @torch.inference_mode()
     def decode(
@@ -231,9 +232,12 @@ class SlotDecoder:
         names = [None if name == BASE_ADAPTER else name for name in rows.adapters]
         self._slot_adapters(model, layers, names, lora_compute)
         if self.adapters is not None:
-            slots = self.adapters.slots_of(names)
-            self.row_slots[:count].copy_(torch.tensor(slots))
-            self.row_slots[count:size].fill_(BASE_SLOT)
+            # Rows keep their adapters from step to step: copied only when rows join or leave.
+            slots = self.adapters.slots_of(names) + [BASE_SLOT] * (size - count)
+            if slots != self.written_slots:
+                on_device = to_device(slots, self.row_slots.dtype, self.row_slots.device)
+                self.row_slots[:size].copy_(on_device)
+                self.written_slots = slots
         # The columns in use, known on the host (next_pos is on the device): a row has its
         # prompt's and its tokens' but the last, which it is fed now.
         used = max(

@@ -46,6 +46,28 @@ def test_a_decode_step_reads_the_device_once(setup: Setup, slots: bool) -> None:
         with counting() as reads:
             assert loop.step(setup.model) == []
         assert reads.count == 1
+        # One copy to the device: the drawing rows' uniforms, and each chunk of them's row
+        # index (one chunk for tempered rows, one for top-k / top-p rows here).
+        assert reads.copies == 3
+
+
+def test_every_copy_to_the_device_goes_through_to_device() -> None:
+    """No module of the sampler builds a device tensor from host values itself (a pageable
+    copy that waits for the device on CUDA): each goes through host_reads.to_device."""
+    import re
+    from pathlib import Path
+
+    folder = Path(DecodeLoop.__module__.replace(".", "/")).parent
+    root = Path(__file__).resolve().parents[3]
+    found = []
+    for path in sorted((root / "workers" / folder.name).glob("*.py")):
+        if path.name == "host_reads.py":
+            continue
+        text = path.read_text()
+        for call in re.finditer(r"torch\.(?:tensor|as_tensor)\(([^()]|\([^()]*\))*\)", text):
+            if "device" in call.group(0):
+                found.append(f"{path.name}: {call.group(0)[:60]}")
+    assert found == []
 
 
 def test_rows_leave_slots_without_another_read(setup: Setup) -> None:
