@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse, StopReason
-from queue_tinker.workers.sampling.host_reads import to_device, to_host
+from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.kv_cache import GrowingLayer
 from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed
 
@@ -190,11 +190,20 @@ class Rows:
         self.mask = self.mask[index]
         self._index_fields(index, keep)
         layers = growing_layers(self.cache)
-        start = to_host(self.mask.any(dim=0).int().argmax())  # the first column anyone uses
+        # The first column anyone uses, from the rows' lengths: no read of the mask.
+        start = self.mask.shape[1] - self.used_columns()
         if start > 0 and layers is not None:
             self.mask = self.mask[:, start:]
             for layer in layers:
                 layer.drop_left(start)
+
+    def used_columns(self) -> int:
+        """The cache columns the longest row uses, known on the host: its prompt's and its
+        tokens' but the newest, which the next step feeds."""
+        return max(
+            len(request.spec.prompt) + len(request.tokens[sample]) - 1
+            for request, sample in zip(self.requests, self.samples, strict=True)
+        )
 
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (and cache) after these; the narrower side is left-padded."""

@@ -1,7 +1,7 @@
 """A decode step reads the device once: its tokens, logprobs, stop flags and any top-k
 logprobs come to the host in one copy (host_reads.to_host, counted here), on the left-padded
 step and on slots, with greedy, tempered, top-k, top-p and top-k-logprob rows on two adapters
-mixed; rows leaving on slots read nothing more."""
+mixed; rows leaving read nothing more."""
 
 from __future__ import annotations
 
@@ -70,9 +70,12 @@ def test_every_copy_to_the_device_goes_through_to_device() -> None:
     assert found == []
 
 
-def test_rows_leave_slots_without_another_read(setup: Setup) -> None:
-    loop = started_loop(setup, slots=True, short=3)
-    assert type(loop.running).__name__ == "SlotRows"
+@pytest.mark.parametrize("slots", [False, True], ids=["padded", "slots"])
+def test_rows_leave_without_another_read(setup: Setup, slots: bool) -> None:
+    """A row leaving: on slots its slot is freed, on the padded step the columns no row uses
+    are cut, found from the rows' lengths (the mask is not read)."""
+    loop = started_loop(setup, slots=slots, short=3)
+    assert type(loop.running).__name__ == ("SlotRows" if slots else "Rows")
     finished = []
     for _ in range(4):
         with counting() as reads:
