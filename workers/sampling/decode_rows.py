@@ -198,12 +198,16 @@ class Rows:
                 layer.drop_left(start)
 
     def used_columns(self) -> int:
-        """The cache columns the longest row uses, known on the host: its prompt's and its
-        tokens' but the newest, which the next step feeds."""
-        return max(
+        """The cache columns the longest row uses (row_lengths)."""
+        return max(self.row_lengths())
+
+    def row_lengths(self) -> list[int]:
+        """The cache columns each row uses, known on the host: its prompt's and its tokens'
+        but the newest, which the next step feeds."""
+        return [
             len(request.spec.prompt) + len(request.tokens[sample]) - 1
             for request, sample in zip(self.requests, self.samples, strict=True)
-        )
+        ]
 
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (and cache) after these; the narrower side is left-padded."""

@@ -48,7 +48,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     Rows,
     growing_layers,
 )
-from queue_tinker.workers.sampling.host_reads import to_device, to_host
+from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.kv_slots import KvSlots
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class SlotRows(Rows):
 
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (a prefill's left-padded cache) in the next free slots."""
-        lengths = to_host(other.mask.sum(dim=1))
+        lengths = other.row_lengths()  # known on the host: no read of the mask
         columns = max(_end(request) for request in [*self.requests, *other.requests])
         self.decoder.reserve(self.size + other.size, columns, self.size, other.cache)
         self.decoder.slots.place(self.size, other.cache, lengths)

@@ -82,3 +82,14 @@ def test_rows_leave_without_another_read(setup: Setup, slots: bool) -> None:
             finished += loop.step(setup.model)
         assert reads.count == 1
     assert [key for key, _ in finished] == [3]
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["padded", "slots"])
+def test_rows_join_with_one_read_of_their_prefill(setup: Setup, slots: bool) -> None:
+    """A request joining a running loop: its prefill's first tokens and the step's come to
+    the host once each; placing its rows in slots reads nothing (their lengths are known)."""
+    loop = started_loop(setup, slots=slots)
+    loop.add(9, request(PROMPTS[1], "a2", n=2, max_tokens=5, seed=9, stop=[], temperature=0.7))
+    with counting() as reads:
+        loop.step(setup.model)
+    assert reads.count == 2
