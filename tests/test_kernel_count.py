@@ -103,3 +103,25 @@ def test_row_blocks_backward_joins_the_blocks_gradients_once() -> None:
     assert both.kernels["mm"] > one.kernels["mm"] > 0
     # One more: the second op's share of the pass's logprobs (narrowed blocks made 30 more).
     assert both.kernels["slice_backward"] <= one.kernels["slice_backward"] + 1
+
+
+def test_pending_gradients_are_added_in_one_multi_tensor_add() -> None:
+    """A second forward_backward before the optim_step: its pending gradients are set aside
+    and added back in one multi-tensor add, not cloned one kernel per LoRA tensor."""
+    from bench.harness import engine
+    from bench.harness.models import BASE_NAME, add_adapters, build_model, lora_pool
+    from bench.mfu import SHAPES, random_data
+    from queue_tinker.types.requests.training import LoraConfig
+    from queue_tinker.workers.training.model_pass import PassPlan
+
+    shape = SHAPES["small"]
+    pool = lora_pool(build_model(shape, "meta", torch.bfloat16), BASE_NAME, 2)
+    with META:
+        [adapter] = add_adapters(pool, LoraConfig(rank=4), seeds=[0])
+    plan = PassPlan(activation_checkpointing="off")
+    ops = [(adapter, random_data(shape, 2, 64))]
+    first = count_kernels(lambda: engine.forward_backward(pool, ops, META, plan))
+    second = count_kernels(lambda: engine.forward_backward(pool, ops, META, plan))
+    assert second.kernels["_foreach_add_"] == 1
+    assert second.kernels["clone"] == first.kernels["clone"]  # the pass's own (repeated KV)
+    assert second.total == first.total + 1
