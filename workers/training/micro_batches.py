@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -80,19 +80,54 @@ def micro_batches(ops: Sequence[PassOp], recomputes: Recomputes) -> list[list[Pi
     layer (a datum that recomputes even alone is a micro-batch of its own); one micro-batch,
     the ops whole, when the pass recomputes nothing as it is."""
     whole = [Piece(i, 0, len(op.data)) for i, op in enumerate(ops)]
-    if not _recomputed(ops, whole, recomputes):
+    everything = _Shape.of(ops)
+    if not recomputes(everything.tokens, everything.backward, everything.ranks):
         return [whole]
     batches: list[list[Piece]] = []
     current: list[Piece] = []
+    shape = _Shape()
     for index, op in enumerate(ops):
         for datum in range(len(op.data)):
-            grown = _extended(current, index, datum)
-            if current and _recomputed(ops, grown, recomputes):
+            grown = shape.with_datum(op, datum)
+            if current and recomputes(grown.tokens, grown.backward, grown.ranks):
                 batches.append(current)
-                grown = [Piece(index, datum, datum + 1)]
-            current = grown
+                current, grown = [], _Shape().with_datum(op, datum)
+            current = _extended(current, index, datum)
+            shape = grown
     batches.append(current)
     return batches
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a micro-batch's checkpointing depends on: its rows, its widest datum, whether it
+    runs backward, its adapters' ranks."""
+
+    rows: int = 0
+    width: int = 0
+    backward: bool = False
+    ranks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+    def with_datum(self, op: PassOp, datum: int) -> _Shape:
+        return _Shape(
+            self.rows + 1,
+            max(self.width, op.data[datum].model_input.length),
+            self.backward or op.backward,
+            {**self.ranks, op.adapter.name: op.adapter.config.rank},
+        )
+
+    @classmethod
+    def of(cls, ops: Sequence[PassOp]) -> _Shape:
+        return cls(
+            sum(len(op.data) for op in ops),
+            max(op.width for op in ops),
+            any(op.backward for op in ops),
+            {op.adapter.name: op.adapter.config.rank for op in ops},
+        )
 
 
 def _extended(pieces: list[Piece], index: int, datum: int) -> list[Piece]:
@@ -101,16 +136,6 @@ def _extended(pieces: list[Piece], index: int, datum: int) -> list[Piece]:
         last = pieces[-1]
         return [*pieces[:-1], Piece(index, last.start, datum + 1)]
     return [*pieces, Piece(index, datum, datum + 1)]
-
-
-def _recomputed(ops: Sequence[PassOp], pieces: Sequence[Piece], recomputes: Recomputes) -> int:
-    rows = sum(p.end - p.start for p in pieces)
-    width = max(
-        ops[p.index].data[d].model_input.length for p in pieces for d in range(p.start, p.end)
-    )
-    backward = any(ops[p.index].backward for p in pieces)
-    ranks = {ops[p.index].adapter.name: ops[p.index].adapter.config.rank for p in pieces}
-    return recomputes(rows * width, backward, ranks)
 
 
 def run_micro_batches(
