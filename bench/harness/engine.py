@@ -8,7 +8,7 @@ its optim_steps through one optimizer call; so do these.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -32,16 +32,14 @@ from queue_tinker.workers.model.memory import (
     memory_cap,
 )
 from queue_tinker.workers.training.losses import device_batch_loss
-from queue_tinker.workers.training.micro_batches import Piece, planned_batches, run_micro_batches
+from queue_tinker.workers.training.micro_batches import Piece, micro_batched_pass, planned_batches
 from queue_tinker.workers.training.model_pass import PassPlan, budgeted, causal_lm, decoder_layers
 from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.packing import padding_fraction
 from queue_tinker.workers.training.shared_pass import (
     PassOp,
-    kept_grads,
     op_loss_inputs,
     rows_for,
-    shared_pass,
 )
 
 Batch = tuple[Adapter, Sequence[Datum]]  # one forward_backward op: its adapter and its data
@@ -67,15 +65,8 @@ def forward_backward(
         for adapter, data in batches
     ]
     plan = plan or PassPlan()
-
-    def one_pass(pieces: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception]:
-        return shared_pass(pool, pieces, device, plan)
-
-    def kept(pieces: Sequence[PassOp]) -> Callable[[], None]:
-        return kept_grads({p.adapter.name: p.adapter for p in pieces}.values())
-
     outputs = []
-    for out in run_micro_batches(ops, planned(pool, ops, device, plan), one_pass, kept):
+    for out in micro_batched_pass(pool, ops, planned(pool, ops, device, plan), device, plan):
         if isinstance(out, Exception):
             raise out
         outputs.append(out)

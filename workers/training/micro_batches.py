@@ -24,9 +24,10 @@ import torch
 
 from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import TensorData
+from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.shared_pass import PassOp
+from queue_tinker.workers.training.shared_pass import PassOp, kept_grads, shared_pass
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,25 @@ def _extended(pieces: list[Piece], index: int, datum: int) -> list[Piece]:
         last = pieces[-1]
         return [*pieces[:-1], Piece(index, last.start, datum + 1)]
     return [*pieces, Piece(index, datum, datum + 1)]
+
+
+def micro_batched_pass(
+    pool: AdapterPool,
+    ops: Sequence[PassOp],
+    batches: Sequence[Sequence[Piece]],
+    device: torch.device,
+    plan: PassPlan,
+) -> list[PassOutcome]:
+    """The ops' outcomes, their micro-batches each run as one shared pass of the pool's model
+    (run_micro_batches), the trainable adapters' gradients kept to put back."""
+
+    def one_pass(pieces: Sequence[PassOp]) -> list[PassOutcome]:
+        return shared_pass(pool, pieces, device, plan)
+
+    def kept(pieces: Sequence[PassOp]) -> Callable[[], None]:
+        return kept_grads({p.adapter.name: p.adapter for p in pieces if p.backward}.values())
+
+    return run_micro_batches(ops, batches, one_pass, kept)
 
 
 def run_micro_batches(

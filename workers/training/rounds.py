@@ -46,20 +46,15 @@ from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.micro_batches import (
     Piece,
+    micro_batched_pass,
     planned_batches,
     recomputes_under,
-    run_micro_batches,
 )
 from queue_tinker.workers.training.model_pass import PassPlan, decoder_layers
 from queue_tinker.workers.training.optimizers import optim_steps, parse_optim_params
 from queue_tinker.workers.training.residency import Residency
 from queue_tinker.workers.training.saved_state import SavedState
-from queue_tinker.workers.training.shared_pass import (
-    PassOp,
-    kept_grads,
-    padded_tokens,
-    shared_pass,
-)
+from queue_tinker.workers.training.shared_pass import PassOp, padded_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -318,15 +313,10 @@ class TrainingRounds:
     def _try_pass(self, ops: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception] | None:
         """The shared pass's outcomes, or every op's failure; None if it ran out of memory."""
 
-        def one_pass(pieces: Sequence[PassOp]) -> list[ForwardBackwardOutput | Exception]:
-            return shared_pass(self.pool, pieces, self.guard.device, self.plan)
-
-        def kept(pieces: Sequence[PassOp]) -> Callable[[], None]:
-            return kept_grads({p.adapter.name: p.adapter for p in pieces if p.backward}.values())
-
         def run() -> list[ForwardBackwardOutput | Exception]:
             try:
-                return run_micro_batches(ops, self._micro_batches(ops), one_pass, kept)
+                batches = self._micro_batches(ops)
+                return micro_batched_pass(self.pool, ops, batches, self.guard.device, self.plan)
             except Exception as exc:  # the pass itself failed: so does every op in it
                 if is_out_of_memory(exc):
                     raise

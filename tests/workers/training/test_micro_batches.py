@@ -67,22 +67,31 @@ def whole(scratch: Path, models_dir: Path) -> Driver:
     return make_driver(scratch, models_dir, "micro-whole", activation_checkpointing="off")
 
 
-def policy_data(loss_fn: str) -> list[Datum]:
-    """The texts with every input the loss reads or may read, seeded."""
-    rng = np.random.default_rng(7)
-    spec = LOSS_SPECS[LossFn(loss_fn)]
+INPUTS = ("logprobs", "old_logprobs", "advantages", "weights", "sequence_ratio_mask")
+
+
+def loss_data(names: list[str], seed: int) -> list[Datum]:
+    """The texts with the loss inputs `names` (of INPUTS), seeded."""
+    rng = np.random.default_rng(seed)
     data = []
     for text in TEXTS:
         n = len(text) - 1
         values = {
             "logprobs": -rng.uniform(4, 7, n),
+            "old_logprobs": -rng.uniform(4, 7, n),
             "advantages": rng.normal(size=n),
             "weights": rng.uniform(0, 1, n),
             "sequence_ratio_mask": (rng.uniform(size=n) > 0.2),
         }
-        names = [k for k in (*spec.required, *spec.optional) if k in values]
         data.append(datum(text, **{k: values[k].astype(np.float32) for k in names}))
     return data
+
+
+def policy_data(loss_fn: str) -> list[Datum]:
+    """The texts with every input the built-in loss reads or may read."""
+    spec = LOSS_SPECS[LossFn(loss_fn)]
+    names = [k for k in (*spec.required, *spec.optional) if k in INPUTS]
+    return loss_data(names, seed=7)
 
 
 def traced(name: str) -> CustomLoss:
@@ -98,20 +107,6 @@ def traced(name: str) -> CustomLoss:
     )
     check_loss(upload)
     return upload
-
-
-def custom_data(names: list[str]) -> list[Datum]:
-    rng = np.random.default_rng(11)
-    data = []
-    for text in TEXTS:
-        n = len(text) - 1
-        values = {
-            "old_logprobs": -rng.uniform(4, 7, n),
-            "advantages": rng.normal(size=n),
-            "weights": rng.uniform(0, 1, n),
-        }
-        data.append(datum(text, **{k: values[k].astype(np.float32) for k in names}))
-    return data
 
 
 def assert_same(a: Output, b: Output) -> None:
@@ -167,7 +162,7 @@ def test_a_micro_batched_uploaded_loss_equals_one_pass(
 ) -> None:
     """An uploaded loss runs per datum: its ':mean' metrics are means over datums, weighted
     by each micro-batch's datums when joined."""
-    data = custom_data(LOSSES[name][1])
+    data = loss_data(LOSSES[name][1], seed=11)
     body = ForwardBackwardInput(data=data, loss_fn="custom", custom_loss=traced(name))
     train_both(split, whole, f"micro-custom-{name}", body.model_dump(), caplog)
 
