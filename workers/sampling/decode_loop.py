@@ -19,8 +19,8 @@ Each row keeps its own adapter (the rows of one adapter kept together, and each 
 gets its adapter's update in every LoRA layer: row_blocks.py), its sampling settings, stop rules
 and position ids; left padding under the attention mask and explicit positions make a row
 compute what it would alone, up to float rounding. Each sample draws its uniforms from its own
-generator (seeded from its request's seed and its index), a block of steps at a time, counted in
-its own steps, so its tokens do not depend on what else is in the loop or when it joined. A
+stream (fixed by its request's seed and its index), made on the device and counted in its own
+steps, so its tokens do not depend on what else is in the loop or when it joined. A
 request with more samples than the loop has rows for, or than its KV-cache budget holds
 (cache_budget.py), joins in parts.
 """
@@ -58,7 +58,6 @@ from queue_tinker.workers.sampling.cache_budget import (
 )
 from queue_tinker.workers.sampling.decode_attention import grouped_decode, grouped_decode_fits
 from queue_tinker.workers.sampling.decode_rows import (
-    UNIFORM_BLOCK,
     Key,
     LiveRequest,
     Rows,
@@ -80,10 +79,10 @@ from queue_tinker.workers.sampling.prefix_cache import (
 from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
 from queue_tinker.workers.sampling.slot_decode import SlotDecoder, SlotRows, slots_fit
 from queue_tinker.workers.sampling.token_choice import (
-    model_logprobs,
-    row_chunks,
-    sample_tokens,
-    sample_unfiltered,
+    Choices,
+    Cuts,
+    choose,
+    step_uniforms,
     top_logprob_rows,
 )
 
@@ -569,14 +568,14 @@ class DecodeLoop:
         """Choose every row's next token, record it, and end the rows it ends (a request ends
         with its last row); the rows that go on. The tokens, their logprobs and whether they
         stop a row come to the host in one copy, the step's only wait for the device."""
-        tokens = self._choose(rows, logits)
         wanted = [r.spec.sample_topk for r in rows.requests]
-        # The model's logprobs (not the tempered ones), and any top-k, from one log_softmax.
-        logprobs, candidates = model_logprobs(logits, tokens, wanted)
+        choices = self._choose(rows, logits, wanted)
+        tokens, candidates = choices.tokens, choices.candidates
         rows.tokens = tokens
+        rows.steps = rows.steps + 1
         stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
         # One copy for all of it; float64 holds every token id and float32 logprob exactly.
-        columns = [tokens.double(), logprobs.double(), stop.double()]
+        columns = [tokens.double(), choices.logprobs.double(), stop.double()]
         if candidates is not None:
             columns += [*candidates[0].double().T, *candidates[1].double().T]
         host = to_host(torch.stack(columns))
@@ -614,64 +613,22 @@ class DecodeLoop:
         decoded = self.decode(stop_string_tail(sequence, strings))
         return any(s in decoded for s in strings)
 
-    def _choose(self, rows: Rows, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's next token: argmax for greedy rows; the others draw with this step's
-        uniform of their sample. Which rows draw, and which of them cut the distribution
-        (top_k / top_p), is known on the host from their settings: nothing here waits for the
-        device."""
-        tokens = logits.argmax(dim=-1)
-        vocab = logits.shape[-1]
-        cut: list[int] = []
-        whole: list[int] = []
-        draws: dict[int, float] = {}
-        for i, (request, sample) in enumerate(zip(rows.requests, rows.samples, strict=True)):
-            if request.greedy:
-                continue
-            step = len(request.tokens[sample])  # this row's own step
-            if step % UNIFORM_BLOCK == 0:  # its next block, from its own generator
-                rows.uniforms[i] = torch.rand(UNIFORM_BLOCK, generator=request.generators[sample])
-            params = request.spec.params
-            (cut if 0 < params.top_k < vocab or params.top_p < 1 else whole).append(i)
-            draws[i] = float(rows.uniforms[i, step % UNIFORM_BLOCK])
-        if draws:  # one copy of the step's draws to the device, cut rows first
-            uniforms = to_device([draws[i] for i in cut + whole], torch.float32, self.device)
-            self._draw(rows, logits, tokens, cut, uniforms[: len(cut)], filtered=True)
-            self._draw(rows, logits, tokens, whole, uniforms[len(cut) :], filtered=False)
-        return tokens
-
-    def _draw(
-        self,
-        rows: Rows,
-        logits: torch.Tensor,
-        tokens: torch.Tensor,
-        at: list[int],
-        uniforms: torch.Tensor,
-        filtered: bool,
-    ) -> None:
-        """Rows `at` draw their token into `tokens` with `uniforms`, a few rows per softmax /
-        sort: filtered (top_k / top_p) or from the whole distribution."""
-        vocab = logits.shape[-1]
-        for part in row_chunks(len(at), vocab):
-            picked = at[part]
-            index = to_device(picked, torch.long, self.device)
-            if filtered:
-                chosen = sample_tokens(
-                    logits[index],
-                    rows.temperature[index],
-                    rows.top_k[index],
-                    rows.top_p[index],
-                    uniforms[part],
-                    widest=max(_kept_at_most(rows.requests[i], vocab) for i in picked),
-                )
-            else:
-                chosen = sample_unfiltered(logits[index], rows.temperature[index], uniforms[part])
-            tokens[index] = chosen
-
-
-def _kept_at_most(request: LiveRequest, vocab: int) -> int:
-    """The most tokens a row's top_k leaves (the vocabulary when it sets none)."""
-    top_k = request.spec.params.top_k
-    return min(top_k, vocab) if top_k > 0 else vocab
+    def _choose(self, rows: Rows, logits: torch.Tensor, wanted: list[int]) -> Choices:
+        """Each row's next token (argmax for greedy rows; the others draw with their uniform
+        for this step, made on the device from their stream and step) and the model's
+        logprobs. Whether any row draws or cuts is known on the host from the rows' settings:
+        nothing here waits for the device or copies to it."""
+        drawing = [r.spec.params for r in rows.requests if not r.greedy]
+        return choose(
+            logits,
+            rows.greedy,
+            rows.temperature,
+            rows.top_k,
+            rows.top_p,
+            step_uniforms(rows.streams, rows.steps) if drawing else None,
+            Cuts.of(drawing, logits.shape[-1]),
+            wanted,
+        )
 
 
 # A stop string found now ends in the newest token's text (an earlier end would have stopped

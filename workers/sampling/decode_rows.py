@@ -17,18 +17,14 @@ from transformers.cache_utils import DynamicLayer
 from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse, StopReason
 from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.kv_cache import GrowingLayer
-from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed
+from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed, sample_stream
 
 if TYPE_CHECKING:
     from queue_tinker.workers.sampling.decode_loop import GenerationRequest
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
-# Uniforms are drawn this many steps ahead, one generator call per sample per block.
-UNIFORM_BLOCK = 64
-# Sample j of a request seeds its generator with seed + j * stride (a 64-bit odd constant, the
-# golden ratio's: the samples' seeds are far apart whatever the request's seed).
-SAMPLE_SEED_STRIDE = 0x9E37_79B9_7F4A_7C15
-SEED_MASK = 0xFFFF_FFFF_FFFF_FFFF
+# Per-row state indexed and concatenated with the rows (all (rows, ...) device tensors).
+ROW_FIELDS = ("next_pos", "temperature", "top_k", "top_p", "greedy", "streams", "steps", "tokens")
 
 Key = Hashable
 
@@ -57,7 +53,7 @@ class LiveRequest:
     spec: GenerationRequest
     stop_ids: list[int]
     greedy: bool
-    generators: list[torch.Generator]  # one per sample (none for a greedy request)
+    streams: list[tuple[int, int]]  # each sample's uniform stream (token_choice.sample_stream)
     tokens: list[list[int]]
     logprobs: list[list[float]]
     topk: list[list[list[tuple[int, float]]]]  # per sample, per token (when asked for)
@@ -78,20 +74,13 @@ class LiveRequest:
         seed = request_seed(spec.params)
         # Sample j draws from its own stream, so its draws do not depend on when it joins (a
         # request with more samples than max_rows joins in parts) nor on anything else.
-        generators = (
-            []
-            if greedy
-            else [
-                torch.Generator().manual_seed((seed + j * SAMPLE_SEED_STRIDE) & SEED_MASK)
-                for j in range(n)
-            ]
-        )
+        streams = [sample_stream(seed, j) for j in range(n)]
         return cls(
             key=key,
             spec=spec,
             stop_ids=spec.params.ending_token_ids(eos_token_ids),
             greedy=greedy,
-            generators=generators,
+            streams=streams,
             tokens=[[] for _ in range(n)],
             logprobs=[[] for _ in range(n)],
             topk=[[] for _ in range(n)],
@@ -135,8 +124,10 @@ class Rows:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    greedy: torch.Tensor  # (rows,) bool: the row takes the argmax
+    streams: torch.Tensor  # (rows, 2) int64: its sample's uniform stream
+    steps: torch.Tensor  # (rows,) int64: tokens its sample has (its next draw's step)
     stop_ids: torch.Tensor  # (rows, most stop ids of a row), padded with -1 (no token)
-    uniforms: torch.Tensor  # (rows, UNIFORM_BLOCK): each sampled row's draws for its block
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @classmethod
@@ -164,8 +155,16 @@ class Rows:
             temperature=to_device(temperature, torch.float32, device),
             top_k=to_device([p.top_k for p in params], torch.long, device),
             top_p=to_device([p.top_p for p in params], torch.float32, device),
+            greedy=to_device([r.greedy for r in requests], torch.bool, device),
+            streams=to_device(
+                [r.streams[s] for r, s in zip(requests, samples, strict=True)], torch.long, device
+            ),
+            steps=to_device(
+                [len(r.tokens[s]) for r, s in zip(requests, samples, strict=True)],
+                torch.long,
+                device,
+            ),
             stop_ids=to_device(stops, torch.long, device),
-            uniforms=torch.zeros((len(requests), UNIFORM_BLOCK)),
         )
 
     @property
@@ -188,7 +187,7 @@ class Rows:
         self.requests = [self.requests[i] for i in keep]
         self.samples = [self.samples[i] for i in keep]
         self.mask = self.mask[index]
-        self._index_fields(index, keep)
+        self._index_fields(index)
         layers = growing_layers(self.cache)
         # The first column anyone uses, from the rows' lengths: no read of the mask.
         start = self.mask.shape[1] - self.used_columns()
@@ -226,12 +225,11 @@ class Rows:
         self.requests += other.requests
         self.samples += other.samples
 
-    def _index_fields(self, index: torch.Tensor, order: list[int]) -> None:
-        """Keep the per-row settings and state of the rows `index` (on the device; `order` on
-        the host) names, in its order."""
-        for name in ("next_pos", "temperature", "top_k", "top_p", "stop_ids", "tokens"):
+    def _index_fields(self, index: torch.Tensor) -> None:
+        """Keep the per-row settings and state of the rows `index` (on the device) names, in
+        its order."""
+        for name in (*ROW_FIELDS, "stop_ids"):
             setattr(self, name, getattr(self, name)[index])
-        self.uniforms = self.uniforms[order]  # host-side: no read of the device's index
 
     def _append_fields(self, other: Rows) -> None:
         """Append `other`'s per-row settings and state after these rows'."""
@@ -239,7 +237,7 @@ class Rows:
         self.stop_ids = torch.cat(
             [F.pad(s, (0, stops - s.shape[1]), value=-1) for s in (self.stop_ids, other.stop_ids)]
         )
-        for name in ("next_pos", "temperature", "top_k", "top_p", "tokens", "uniforms"):
+        for name in ROW_FIELDS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
 

@@ -129,8 +129,10 @@ class SlotRows(Rows):
             temperature=rows.temperature[:0],
             top_k=rows.top_k[:0],
             top_p=rows.top_p[:0],
+            greedy=rows.greedy[:0],
+            streams=rows.streams[:0],
+            steps=rows.steps[:0],
             stop_ids=rows.stop_ids[:0],
-            uniforms=rows.uniforms[:0],
             tokens=rows.tokens[:0],
             decoder=decoder,
         )
@@ -159,7 +161,7 @@ class SlotRows(Rows):
         index = to_device(order, torch.long, self.next_pos.device)
         self.requests = [self.requests[i] for i in order]
         self.samples = [self.samples[i] for i in order]
-        self._index_fields(index, order)
+        self._index_fields(index)
 
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (a prefill's left-padded cache) in the next free slots."""
