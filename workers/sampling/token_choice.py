@@ -34,9 +34,12 @@ import torch
 
 from queue_tinker.types.requests.sampling import SamplingParams
 
-# Rows x vocab per pass: bounds its float and int64 temporaries (~0.5 GB) however many rows a
-# step holds.
-CHUNK_ELEMENTS = 1 << 23
+# Rows x vocab per float pass (a log_softmax: prompt_scores.py too): bounds its float copies
+# (~0.4 GB) however many rows a batch holds.
+CHUNK_ELEMENTS = 1 << 25
+# Rows x vocab per `choose` pass: its int64 masses, keys and histograms' inputs take 8 bytes an
+# element, so a quarter of that bounds them alike.
+CHOICE_CHUNK_ELEMENTS = CHUNK_ELEMENTS // 4
 # Probabilities as integers of 2**-36: a token below 1.5e-11 of its row's mass is never drawn;
 # 24-bit uniforms times a row's total mass (<= 2**36 + vocab) stay within int64.
 MASS_BITS = 36
@@ -282,6 +285,6 @@ def top_logprob_rows(
 
 
 def row_chunks(rows: int, vocab: int) -> list[slice]:
-    """Slices of `rows` rows, each at most CHUNK_ELEMENTS of logits."""
-    size = max(1, CHUNK_ELEMENTS // vocab)
+    """Slices of `rows` rows, each at most CHOICE_CHUNK_ELEMENTS of logits."""
+    size = max(1, CHOICE_CHUNK_ELEMENTS // vocab)
     return [slice(start, min(rows, start + size)) for start in range(0, rows, size)]

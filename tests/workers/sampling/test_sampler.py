@@ -437,10 +437,10 @@ def test_a_batch_equals_each_request_alone(setup: Setup) -> None:
 def test_sampling_in_row_chunks_changes_nothing(
     setup: Setup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Big batches go through softmax / sort a few rows at a time; results must not notice."""
+    """Big batches are chosen a few rows a pass; results must not notice."""
     requests = mixed_requests()
     whole = run(setup, requests)
-    monkeypatch.setattr(token_choice, "CHUNK_ELEMENTS", 3 * VOCAB)  # 3 rows per pass
+    monkeypatch.setattr(token_choice, "CHOICE_CHUNK_ELEMENTS", 3 * VOCAB)  # 3 rows per pass
     for chunked, expected in zip(run(setup, requests), whole, strict=True):
         assert_same(chunked, expected)
 

@@ -288,7 +288,7 @@ def test_choices_in_row_chunks_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -
     greedy = torch.zeros(rows, dtype=torch.bool)
     cuts = cuts_of(settings[1], settings[2], vocab)
     whole = choose(logits, greedy, *settings, uniforms, cuts, [3] * rows)
-    monkeypatch.setattr(token_choice, "CHUNK_ELEMENTS", 3 * vocab)
+    monkeypatch.setattr(token_choice, "CHOICE_CHUNK_ELEMENTS", 3 * vocab)
     chunked = choose(logits, greedy, *settings, uniforms, cuts, [3] * rows)
     assert torch.equal(whole.tokens, chunked.tokens)
     assert torch.equal(whole.logprobs, chunked.logprobs)
