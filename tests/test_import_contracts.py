@@ -15,7 +15,7 @@ from procs import REPO
 
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 LAYERS_CONTRACT = (
-    "workers in layers: main, runtime | executor, training | sampling, model, interface"
+    "workers in layers: main, runtime | executor, training | sampling, model, kernels, interface"
 )
 
 
