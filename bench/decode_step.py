@@ -23,7 +23,7 @@ from bench.harness.report import Report, Table, docs_of, emit
 from bench.mfu import SHAPES
 from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import AdapterPool
-from queue_tinker.workers.model.row_blocks import lora_layers_of
+from queue_tinker.workers.model.lora.row_blocks import lora_layers_of
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, Finished, GenerationRequest
 from queue_tinker.workers.sampling.slot_decode import DecodeStep, decode_step_of
 

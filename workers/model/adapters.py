@@ -25,7 +25,7 @@ from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.types.requests.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
 from queue_tinker.workers.model.checkpoints import AdapterState, CheckpointMeta
-from queue_tinker.workers.model.row_blocks import LoraLayer, lora_layers_of
+from queue_tinker.workers.model.lora.row_blocks import LoraLayer, lora_layers_of
 from queue_tinker.workers.model.vision_language import VISION_TOWER
 
 # Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,

@@ -30,7 +30,7 @@ from weakref import ref
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 
-from queue_tinker.workers.model.row_blocks import LoraLayer, forwards_replaced, plain_lora
+from queue_tinker.workers.model.lora.row_blocks import LoraLayer, forwards_replaced, plain_lora
 
 BASE_SLOT = -1  # a row on the base model: no slot, no update
 

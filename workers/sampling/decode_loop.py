@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicLayer
 
 from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.base_model import cache_keyword, forward_takes
-from queue_tinker.workers.model.row_blocks import (
+from queue_tinker.workers.model.lora.row_blocks import (
     LoraLayer,
     blocks_of,
     grouped_order,

@@ -34,7 +34,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from transformers import DynamicCache
 
 from queue_tinker.workers.model.base_model import cache_keyword
-from queue_tinker.workers.model.row_blocks import LoraLayer
+from queue_tinker.workers.model.lora.row_blocks import LoraLayer
 from queue_tinker.workers.sampling.adapter_slots import (
     BASE_SLOT,
     AdapterSlots,

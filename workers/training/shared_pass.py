@@ -2,7 +2,7 @@
 
 Every op's data goes into one right-padded batch (or packed rows: packing.py), each op's rows
 together (a model's ops side by side), and every LoRA layer adds to each block of rows its own
-adapter's update (model/row_blocks.py), so all ops share the base model's matmuls. Each op's
+adapter's update (model/lora/row_blocks.py), so all ops share the base model's matmuls. Each op's
 loss comes from its own rows alone, with its own loss function; the backward ops' losses are
 summed and differentiated once. An adapter's parameters touch only its own ops' rows, so the
 gradient each adapter receives is the sum of its own ops' gradients: what running them one at
@@ -24,7 +24,7 @@ from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.workers.model import vision_language
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.model.row_blocks import blocks_of, row_blocks, stacked_blocks, stacks
+from queue_tinker.workers.model.lora.row_blocks import blocks_of, row_blocks, stacked_blocks, stacks
 from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.training import model_pass
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss

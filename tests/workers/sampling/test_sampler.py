@@ -27,7 +27,7 @@ from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import cache_keyword, load_base_model
-from queue_tinker.workers.model.row_blocks import blocks_of
+from queue_tinker.workers.model.lora.row_blocks import blocks_of
 from queue_tinker.workers.sampling import decode_loop as sampler
 from queue_tinker.workers.sampling import token_choice
 from queue_tinker.workers.sampling.cache_budget import peak_cache_tokens

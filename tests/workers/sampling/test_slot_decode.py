@@ -25,7 +25,7 @@ from test_sampler import (
 )
 
 from queue_tinker.types.requests.sampling import SampleResponse
-from queue_tinker.workers.model.row_blocks import lora_layers_of
+from queue_tinker.workers.model.lora.row_blocks import lora_layers_of
 from queue_tinker.workers.sampling import decode_loop as sampler
 from queue_tinker.workers.sampling.adapter_slots import (
     BASE_SLOT,

@@ -22,12 +22,12 @@ from queue_tinker.types.requests.training import ForwardBackwardOutput, LoraConf
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.model.lora.row_blocks import stacks
 from queue_tinker.workers.model.memory import (
     layer_bytes,
     layers_to_checkpoint,
     pass_bytes_per_token,
 )
-from queue_tinker.workers.model.row_blocks import stacks
 from queue_tinker.workers.training.model_pass import PassPlan, causal_lm
 from queue_tinker.workers.training.packing import pack_rows, padding_fraction
 from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass

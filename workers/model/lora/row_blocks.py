@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import ParamWrapper
 
-from queue_tinker.workers.model.expert_lora import experts_forward, outermost_wrappers
+from queue_tinker.workers.model.lora.expert_lora import experts_forward, outermost_wrappers
 
 # A layer row blocks give each block's update: a LoRA linear layer, or the outermost of a
 # module's parameter wrappers (a mixture of experts' stacked weights).

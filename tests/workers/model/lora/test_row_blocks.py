@@ -1,4 +1,4 @@
-"""Row blocks (workers/model/row_blocks.py) against PEFT's own LoRA layer: one block of every
+"""Row blocks (workers/model/lora/row_blocks.py) against PEFT's own LoRA layer: one block of every
 row computes what PEFT's forward computes, to the bit and in the base layer's dtype (fp32 and a
 bf16 base under fp32 adapters); several blocks compute what each block's rows compute alone
 under their own adapter; a block whose adapter does not adapt the layer gets the base output."""
@@ -11,7 +11,7 @@ from engine_driver import saved_bytes
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 
-from queue_tinker.workers.model.row_blocks import lora_layers_of, row_blocks
+from queue_tinker.workers.model.lora.row_blocks import lora_layers_of, row_blocks
 
 
 class Two(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""LoRA on stacked experts (workers/model/expert_lora.py and adapters.stacked_experts): which
+"""LoRA on stacked experts (workers/model/lora/expert_lora.py and adapters.stacked_experts): which
 weights count as experts, and the folded weight against PEFT's own delta."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from queue_tinker.workers.model.adapters import expert_parameters, stacked_experts
-from queue_tinker.workers.model.expert_lora import chain_of, folded_weight, outermost_wrappers
+from queue_tinker.workers.model.lora.expert_lora import chain_of, folded_weight, outermost_wrappers
 
 CONFIG = Qwen3MoeConfig(
     hidden_size=16,
