@@ -28,7 +28,7 @@ import torch
 from bench.harness import cli, engine
 from bench.harness.baselines import plain_forward_backward
 from bench.harness.data import datums, rl_datums, token_rows
-from bench.harness.engine import PassPlan
+from bench.harness.engine import LoraForm, PassPlan
 from bench.harness.kernel_count import Counts, count_kernels
 from bench.harness.machine import announce, device_name, engine_machine
 from bench.harness.meters import timed, turns
@@ -262,7 +262,7 @@ def measure_bare(s: Setup, data: list[Datum], result: Result) -> None:
 
 def measure_adapters(s: Setup, parts: list[list[Datum]]) -> dict[str, float]:
     """An adapter per part: one cross-adapter pass of all their ops (their LoRA in row blocks,
-    and stacked: PassPlan.stacked_lora) against a pass each, one at a time; median seconds of
+    stacked and grouped: PassPlan.lora_form) against a pass each, one at a time; median seconds of
     each, none when they run out of memory."""
     k = len(parts)
     have = [a for a in s.pool.adapters.values() if a is not s.adapter][: k - 1]
@@ -277,8 +277,9 @@ def measure_adapters(s: Setup, parts: list[list[Datum]]) -> dict[str, float]:
                 engine.forward_backward(s.pool, [batch], s.device, s.plan)
 
         calls: dict[str, Callable[[], object]] = {
-            "one pass": partial(one_pass, replace(s.plan, stacked_lora=False)),
-            "one pass, stacked": partial(one_pass, replace(s.plan, stacked_lora=True)),
+            "one pass": partial(one_pass, replace(s.plan, lora_form="blocks")),
+            "one pass, stacked": partial(one_pass, replace(s.plan, lora_form="stacked")),
+            "one pass, grouped": partial(one_pass, replace(s.plan, lora_form="grouped")),
             "one at a time": apart,
         }
         times = s.medians(calls, adapters)
@@ -648,12 +649,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+FORM_NAMES: dict[LoraForm, str] = {
+    "blocks": "row blocks", "stacked": "stacked", "grouped": "grouped"
+}  # fmt: skip
+WIDE_LOGIT_CHUNKS = 1 << 30
+
+
 def counted(args: argparse.Namespace) -> Report:
     """--count: the kernels (and bytes) of one forward_backward pass at the shape, on meta
     tensors (bench/harness/kernel_count.py), of 1 and of COUNT_ADAPTERS adapters' ops of
     COUNT_ROWS x COUNT_SEQ tokens each in one pass, nothing recomputed, bf16 with LoRA's
-    matmuls in bf16 (a CUDA worker's defaults); the adapters' LoRA in row blocks (the CPU's
-    default) and stacked (CUDA's)."""
+    matmuls in bf16 (a CUDA worker's defaults); the adapters' LoRA in each form
+    (PassPlan.lora_form)."""
     shape, meta = SHAPES[args.shape], torch.device("meta")
     pool = lora_pool(build_model(shape, "meta", torch.bfloat16), BASE_NAME, COUNT_ADAPTERS + 1)
     engine.set_lora_matmuls(pool, "auto")  # as QT_LORA_MATMUL_DTYPE's default makes it
@@ -663,16 +670,23 @@ def counted(args: argparse.Namespace) -> Report:
     rows = []
 
     def count(n: int, plan: PassPlan) -> Counts:
+        pass_ = partial(engine.forward_backward, pool, ops[:n], meta, plan)
+        if plan.lora_form == "grouped":  # stacks the adapters: once, at their first such pass
+            count_kernels(pass_)
         engine.clear_grads(adapters)  # a first forward_backward since the step: none pending
-        return count_kernels(partial(engine.forward_backward, pool, ops[:n], meta, plan))
+        return count_kernels(pass_)
 
-    for stacked in (False, True):
-        plan = PassPlan(activation_checkpointing="off", stacked_lora=stacked)
+    # The last form again with logits in chunks of 2^30 elements: with 8x the tokens a pass
+    # makes 8x the 2^26-element chunks (QT_LOGIT_CHUNK_ELEMENTS), each a dozen kernels.
+    forms = [(f, 1 << 26) for f in FORM_NAMES] + [("grouped", WIDE_LOGIT_CHUNKS)]
+    for form, chunk in forms:
+        plan = PassPlan(activation_checkpointing="off", lora_form=form, logit_chunk_elements=chunk)
         one = count(1, plan)
+        name = FORM_NAMES[form] + (", 2^30-element logit chunks" if chunk > 1 << 26 else "")
         for n in (1, COUNT_ADAPTERS):
             got = one if n == 1 else count(n, plan)
             rows.append((
-                "stacked" if stacked else "row blocks", n, f"{got.total:,}",
+                name, n, f"{got.total:,}",
                 f"{got.total / one.total:.2f}×", got.host_reads,
                 f"{got.bytes_moved / 2**30:,.1f}",
                 ", ".join(f"{k} {v:,}" for k, v in got.kernels.most_common(4)),

@@ -46,8 +46,11 @@ def test_attention_counts_as_one_fused_kernel_each_way() -> None:
 
 
 def test_bench_mfu_counts_a_pass_of_one_and_of_eight_adapters() -> None:
-    """bench.mfu --count on the small shape: every row counted; more adapters launch more in
-    row blocks, and the pass reads the device on the host as often whatever the adapters."""
+    """bench.mfu --count on the small shape: every row counted; 8 adapters launch more in row
+    blocks than stacked, more stacked than grouped, and grouped within 1.2x of one adapter's
+    op (the LoRA two grouped matmuls a linear whatever the adapters; what grows is each op's
+    loss and the logit chunks, fewer in wider chunks); the pass reads the device on the host
+    as often whatever the adapters."""
     from bench import mfu
 
     report = mfu.counted(mfu.parse_args(["--count", "--shape", "small", "--no-docs"]))
@@ -55,9 +58,14 @@ def test_bench_mfu_counts_a_pass_of_one_and_of_eight_adapters() -> None:
     rows = list(table.rows)  # type: ignore[union-attr]
     assert [(r[0], r[1]) for r in rows] == [
         ("row blocks", 1), ("row blocks", 8), ("stacked", 1), ("stacked", 8),
+        ("grouped", 1), ("grouped", 8),
+        ("grouped, 2^30-element logit chunks", 1), ("grouped, 2^30-element logit chunks", 8),
     ]  # fmt: skip
     kernels = [int(str(r[2]).replace(",", "")) for r in rows]
-    assert kernels[1] > kernels[0] > 0 and kernels[3] > 0
+    one = kernels[0]
+    assert kernels[2] == kernels[4] == one > 0  # one adapter: the same pass in every form
+    assert kernels[1] > kernels[3] > kernels[5] and kernels[5] <= 1.2 * one
+    assert kernels[6] == one and kernels[7] <= kernels[5]  # wider logit chunks: no more
     assert len({r[4] for r in rows}) == 1  # host reads
 
 
@@ -96,7 +104,7 @@ def test_row_blocks_backward_joins_the_blocks_gradients_once() -> None:
     with META:
         adapters = add_adapters(pool, LoraConfig(rank=4), seeds=[0, 1])
     ops = [(a, random_data(shape, 2, 64)) for a in adapters]
-    plan = PassPlan(activation_checkpointing="off", stacked_lora=False)
+    plan = PassPlan(activation_checkpointing="off", lora_form="blocks")
     one = count_kernels(lambda: engine.forward_backward(pool, ops[:1], META, plan))
     engine.clear_grads(adapters)
     both = count_kernels(lambda: engine.forward_backward(pool, ops, META, plan))

@@ -33,7 +33,15 @@ from queue_tinker.workers.model.memory import (
 )
 from queue_tinker.workers.training.losses import device_batch_loss
 from queue_tinker.workers.training.micro_batches import Piece, micro_batched_pass, planned_batches
-from queue_tinker.workers.training.model_pass import PassPlan, budgeted, causal_lm, decoder_layers
+from queue_tinker.workers.training.model_pass import (
+    LoraForm as LoraForm,  # re-exported: bench.mfu names the forms
+)
+from queue_tinker.workers.training.model_pass import (
+    PassPlan,
+    budgeted,
+    causal_lm,
+    decoder_layers,
+)
 from queue_tinker.workers.training.optimizers import optim_steps
 from queue_tinker.workers.training.packing import padding_fraction
 from queue_tinker.workers.training.shared_pass import (

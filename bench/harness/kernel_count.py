@@ -2,12 +2,12 @@
 meta tensors (no memory, no data) under a dispatch mode that sees every aten op.
 
 What counts: an aten op that launches work counts 1 and the bytes of its tensor inputs and
-outputs; a view (or a detach, an alias) counts 0. Attention counts as the fused kernels a GPU
-runs, one for the forward and one for the backward, over the bytes of q, k, v and the output
-(SDPA has no meta kernel of its own: it is run as its math here, uncounted). A read of a
-device value on the host (`.item()`, a copy to the CPU) counts 1 as well, and, having no data,
-answers true for a flag and 0 (zeros) for a number: the branch a batch with no padding takes
-(transformers asks whether the attention mask is all ones).
+outputs; a view (or a detach, an alias) and an allocation (empty) count 0. Attention counts as
+the fused kernels a GPU runs, one for the forward and one for the backward, over the bytes of
+q, k, v and the output (SDPA has no meta kernel of its own: it is run as its math here,
+uncounted). A read of a device value on the host (`.item()`, a copy to the CPU) counts 1 as
+well, and, having no data, answers true for a flag and 0 (zeros) for a number: the branch a
+batch with no padding takes (transformers asks whether the attention mask is all ones).
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-# Ops that move no data though torch does not mark them as views.
-FREE = frozenset({"detach", "_unsafe_view", "alias", "lift_fresh", "_reshape_alias"})
+# Ops that move no data though torch does not mark them as views; and allocations, which
+# launch nothing (the caching allocator hands out memory; a zeros is empty + fill_, one kernel).
+FREE = frozenset({
+    "detach", "_unsafe_view", "alias", "lift_fresh", "_reshape_alias",
+    "empty", "empty_strided", "new_empty", "new_empty_strided",
+})  # fmt: skip
 HOST_READS = frozenset({"_local_scalar_dense"})
 ATTENTION = "scaled_dot_product_attention"
 _sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention  # called with *qkv

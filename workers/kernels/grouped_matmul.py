@@ -48,19 +48,27 @@ def grouped_matmul(
 
 
 def torch_has_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch's `_grouped_mm` runs for these operands: on the CPU, or in bf16 on a CUDA
-    card of sm_90 or later (or meta tensors, which stand for one: bench.mfu --count), with
-    every row of x, of w and of the output 16-byte aligned (cuBLAS's rule, which torch applies
-    on the CPU too: a rank-2 fp32 adapter's rows are 8 bytes)."""
-    size = x.element_size()
-    if any(d * size % 16 for d in (x.shape[1], w.shape[1])):
+    """Whether torch's `_grouped_mm` runs for these operands (torch_runs); on CUDA the rows'
+    count too must keep x's transpose aligned, which the weights' gradient reads."""
+    if not torch_runs(x.device, x.dtype, x.shape[1], w.shape[1]):
         return False
-    if x.device.type == "cpu":
+    return x.device.type == "cpu" or x.shape[0] * x.element_size() % 16 == 0
+
+
+def torch_runs(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:
+    """Whether torch's `_grouped_mm` runs for a product of width k into width n: on the CPU,
+    or in bf16 on a CUDA card of sm_90 or later (or meta tensors, which stand for one:
+    bench.mfu --count), with every row of x, of w and of the output 16-byte aligned (cuBLAS's
+    rule, which torch applies on the CPU too: a rank-2 fp32 adapter's rows are 8 bytes)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if k * size % 16 or n * size % 16:
+        return False
+    if device.type == "cpu":
         return True
-    if x.dtype != torch.bfloat16:
+    if dtype != torch.bfloat16:
         return False
-    return x.device.type == "meta" or (
-        x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return device.type == "meta" or (
+        device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
     )
 
 

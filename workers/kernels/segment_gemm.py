@@ -1,6 +1,10 @@
 """The Triton segment GEMM's kernels (grouped_matmul.py launches them): plain functions, made
 jit-compiled or interpreted there, since which one a launch needs depends on its tensors'
-device. Imported only where Triton is installed (CUDA workers, the tests)."""
+device. Imported only where Triton is installed (CUDA workers, the tests).
+
+Accumulators start from tl.full, not tl.zeros: zeros is a @jit function of Triton's standard
+library, which the interpreter fails to call once the process has compiled a kernel for a GPU
+(the tests compile for sm_90 beside the interpreted runs)."""
 
 import triton.language as tl
 
@@ -19,7 +23,7 @@ def segment_matmul_kernel(
         offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = offs_m < end
         col_ok = offs_n < n
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
@@ -55,7 +59,7 @@ def segment_outer_kernel(
     offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < n
     k_ok = offs_k < k
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, dtype=tl.float32)
     for t0 in range(start, end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         t_ok = offs_t < end

@@ -25,6 +25,7 @@ from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.types.requests.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
 from queue_tinker.workers.model.checkpoints import AdapterState, CheckpointMeta
+from queue_tinker.workers.model.lora.grouped_lora import LoraStacks
 from queue_tinker.workers.model.lora.row_blocks import LoraLayer, lora_layers_of
 from queue_tinker.workers.model.vision_language import VISION_TOWER
 
@@ -188,6 +189,8 @@ class AdapterPool:
         self._lora_layers: list[LoraLayer] | None = None
         # The dtype of LoRA's matmuls in passes (row_blocks); None: the adapters' own (fp32).
         self.lora_compute: torch.dtype | None = None
+        # The adapters' LoRA weights stacked for grouped passes (their storage once stacked).
+        self.lora_stacks = LoraStacks()
 
     @property
     def model(self) -> torch.nn.Module:

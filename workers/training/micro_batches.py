@@ -57,7 +57,9 @@ def recomputes_under(plan: PassPlan, device: torch.device, layers: int) -> Recom
     may (an upper bound: stacks() also asks for plain LoRA)."""
 
     def recomputes(tokens: int, backward: bool, ranks: dict[str, int]) -> int:
-        stacked = len(ranks) > 1 and plan.stacks_lora(device)
+        stacked = (
+            len(ranks) > 1 and plan.lora_form_for(device, groups=False, stacks=True) == "stacked"
+        )
         pass_plan = plan.for_pass(list(ranks.values()), stacked)
         return pass_plan.checkpointed_layers(tokens, backward, layers)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ from queue_tinker.workers.model.vision_language import RowImages, hidden_states
 from queue_tinker.workers.training.packing import RowBatch, padding_fraction
 
 T = TypeVar("T")
+LoraForm = Literal["blocks", "stacked", "grouped"]
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,11 @@ class PassPlan:
     # (rows x positions x vocab) logits computed at once: 2^26 fp32 elements are 256 MiB,
     # 523 positions of a 128k vocabulary, the whole batch of a small-vocabulary model.
     logit_chunk_elements: int = 1 << 26
-    # A pass of several adapters' ops runs their LoRA stacked (row_blocks.stacked_blocks: two
-    # matmuls a layer) rather than a block each (row_blocks.row_blocks) where it can. None: on
-    # CUDA, where bench.mfu measured the stacked pass 1.22x the blocks (8 adapters' 4 x 512
-    # tokens at the Llama-3.1-8B shape, H200); on the CPU the blocks are faster.
-    stacked_lora: bool | None = None
+    # How a pass of several adapters' ops runs their LoRA: "blocks" (row_blocks.row_blocks:
+    # two matmuls an adapter and layer), "stacked" (row_blocks.stacked_blocks: two matmuls a
+    # layer over every adapter's columns) or "grouped" (grouped_lora.py: two grouped matmuls
+    # a layer over each row's own adapter). None: the rule of lora_form_for.
+    lora_form: LoraForm | None = None
     # Low-rank columns each token of this pass computes beyond its own adapter's rank (a
     # pass's stacked LoRA: for_pass); what the checkpointing plan adds per layer.
     extra_lora_columns: int = 0
@@ -99,8 +100,18 @@ class PassPlan:
             )
         return layers if padded_tokens >= self.checkpoint_min_tokens else 0
 
-    def stacks_lora(self, device: torch.device) -> bool:
-        return self.stacked_lora if self.stacked_lora is not None else device.type == "cuda"
+    def lora_form_for(self, device: torch.device, *, groups: bool, stacks: bool) -> LoraForm:
+        """The form a pass of several adapters takes: the plan's where it says and the pass
+        allows (`groups`: grouped_lora.groups and a grouped kernel runs there; `stacks`:
+        row_blocks.stacks), else by the device: grouped wherever it can (two kernels a layer
+        whatever the adapters, no FLOPs beyond the rows' own ranks), stacked on CUDA (1.22x
+        the blocks at the 8B shape, H200), the blocks otherwise."""
+        allowed = {"grouped": groups, "stacked": stacks, "blocks": True}
+        if self.lora_form is not None and allowed[self.lora_form]:
+            return self.lora_form
+        if groups:
+            return "grouped"
+        return "stacked" if stacks and device.type == "cuda" else "blocks"
 
     @classmethod
     def of(cls, config: EngineConfig) -> PassPlan:

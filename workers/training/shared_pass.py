@@ -12,19 +12,29 @@ a time accumulates in .grad. A single op runs the same code: it is a pass of one
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
+from peft.tuners.lora import Linear as LoraLinear
 
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import Datum, TensorData
 from queue_tinker.workers.model import vision_language
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.model.lora.row_blocks import blocks_of, row_blocks, stacked_blocks, stacks
+from queue_tinker.workers.model.lora import grouped_lora
+from queue_tinker.workers.model.lora.grouped_lora import grouped_blocks
+from queue_tinker.workers.model.lora.row_blocks import (
+    LoraLayer,
+    blocks_of,
+    grouped_order,
+    row_blocks,
+    stacked_blocks,
+    stacks,
+)
 from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.training import model_pass
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
@@ -34,7 +44,7 @@ from queue_tinker.workers.training.losses import (
     device_batch_loss,
     joined_batch_loss,
 )
-from queue_tinker.workers.training.model_pass import PassPlan
+from queue_tinker.workers.training.model_pass import LoraForm, PassPlan
 from queue_tinker.workers.training.packing import RowBatch, row_batch
 from queue_tinker.workers.training.routing import Routing, recorded_routing, routing_metrics
 
@@ -74,34 +84,82 @@ def shared_pass(
     """Run the ops in one forward (and at most one backward) pass of the pool's model; one
     output per op, in order, or the error of an op whose loss failed (that op alone adds no
     gradient). A failure of the pass itself raises."""
+    plan = plan or PassPlan()
+    layers = pool.lora_layers()
+    form = lora_form(pool, ops, device, plan)
+    if form != "grouped":
+        return _pass(pool, ops, device, plan, form)
+    # Grouped, the rows go in the order of the adapters' slots (grouped_lora.order).
+    linears = cast(list[LoraLinear], layers)  # groups(): plain LoRA linears only
+    slots = pool.lora_stacks.slots(linears, [op.adapter.name for op in ops])
+    permutation = grouped_lora.order([op.adapter.name for op in ops], slots)
+    outcomes = _pass(pool, [ops[i] for i in permutation], device, plan, form)
+    in_order: list[ForwardBackwardOutput | Exception] = list(outcomes)
+    for outcome, index in zip(outcomes, permutation, strict=True):
+        in_order[index] = outcome
+    return in_order
+
+
+def lora_form(
+    pool: AdapterPool, ops: Sequence[PassOp], device: torch.device, plan: PassPlan
+) -> LoraForm:
+    """The form of the pass's LoRA (PassPlan.lora_form_for): one adapter runs its blocks;
+    several, what the plan and the layers allow (each adapter's ops counted as one block, the
+    grouped form putting them together)."""
+    names = [op.adapter.name for op in ops]
+    if len(set(names)) < 2:
+        return "blocks"
+    layers = pool.lora_layers()
+    together = blocks_of((names[i], len(ops[i].data)) for i in grouped_order(names))
+    groups = grouped_lora.groups(layers, together)
+    as_they_come = blocks_of((name, len(op.data)) for name, op in zip(names, ops, strict=True))
+    return plan.lora_form_for(device, groups=groups, stacks=stacks(layers, as_they_come))
+
+
+def _pass(
+    pool: AdapterPool,
+    ops: Sequence[PassOp],
+    device: torch.device,
+    plan: PassPlan,
+    form: LoraForm,
+) -> list[ForwardBackwardOutput | Exception]:
     # Every adapter with a backward op trains; a forward-only one does not (its rows then
     # build no graph of their own).
     adapters = {op.adapter.name: op.adapter for op in ops}  # each model once
     trainable = {op.adapter.name for op in ops if op.backward}
     data = [datum for op in ops for datum in op.data]
     images = [image for op in ops for image in op.datum_images]
-    plan = plan or PassPlan()
     blocks = blocks_of((op.adapter.name, len(op.data)) for op in ops)  # (adapter, datums)
     rows = rows_for(data, device, plan, groups=[count for _, count in blocks], images=images)
     pass_blocks = [(name, n) for (name, _), n in zip(blocks, rows.group_rows, strict=True)]
     layers = pool.lora_layers()
-    stacked = plan.stacks_lora(device) and stacks(layers, pass_blocks)
-    lora = stacked_blocks if stacked else row_blocks
-    plan = plan.for_pass([a.config.rank for a in adapters.values()], stacked)
+    plan = plan.for_pass([a.config.rank for a in adapters.values()], form == "stacked")
     # Copied to the device before the forward is launched, so no copy waits for it.
     inputs = [op_loss_inputs(op.data, device) for op in ops]
-    # The row blocks stay in place through backward: checkpointed layers and logit chunks
+    # The LoRA form stays in place through backward: checkpointed layers and logit chunks
     # recompute their forward there, through the same LoRA layers.
     with (
         pool.shared(adapters.values(), trainable),
         grads_kept_on_error([adapters[name] for name in trainable]),
-        lora(layers, pass_blocks, pool.lora_compute),
+        _lora(form, pool, layers, pass_blocks),
     ):
         with torch.set_grad_enabled(bool(trainable)), recorded_routing(pool.model) as routing:
             logprobs = data_logprobs(pool.model, data, rows, plan, images)
         outcomes = _losses_and_backward(ops, logprobs, inputs)
     _add_routing_metrics(ops, outcomes, routing, rows)
     return outcomes
+
+
+def _lora(
+    form: LoraForm,
+    pool: AdapterPool,
+    layers: Sequence[LoraLayer],
+    blocks: Sequence[tuple[str, int]],
+) -> AbstractContextManager[None]:
+    if form == "grouped":
+        return grouped_blocks(layers, blocks, pool.lora_stacks, pool.lora_compute)
+    lora = stacked_blocks if form == "stacked" else row_blocks
+    return lora(layers, blocks, pool.lora_compute)
 
 
 def _add_routing_metrics(

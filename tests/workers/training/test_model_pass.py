@@ -30,7 +30,7 @@ from queue_tinker.workers.model.memory import (
 )
 from queue_tinker.workers.training.model_pass import PassPlan, causal_lm
 from queue_tinker.workers.training.packing import pack_rows, padding_fraction
-from queue_tinker.workers.training.shared_pass import PassOp, rows_for, shared_pass
+from queue_tinker.workers.training.shared_pass import PassOp, lora_form, rows_for, shared_pass
 
 BASE = "queue-tinker/tiny-llama"
 CPU = torch.device("cpu")
@@ -334,7 +334,7 @@ def test_a_stacked_pass_keeps_what_its_plan_counts_for_the_other_adapters_column
     for stacked in (False, True):
         _, kept[stacked] = saved_bytes(
             lambda stacked=stacked: shared_pass(
-                pool, ops, CPU, replace(WHOLE, stacked_lora=stacked)
+                pool, ops, CPU, replace(WHOLE, lora_form="stacked" if stacked else "blocks")
             )
         )
         for adapter in adapters:
@@ -461,19 +461,30 @@ def test_stacked_lora_gives_the_row_blocks_gradients(pool: AdapterPool) -> None:
     }
     blocks = [(name, len(rows)) for name, rows in data.items()]
     assert stacks(pool.lora_layers(), blocks)
-    expected = shared_pass_grads(pool, data, replace(UNPACKED, stacked_lora=False))
-    got = shared_pass_grads(pool, data, replace(UNPACKED, stacked_lora=True))
+    expected = shared_pass_grads(pool, data, replace(UNPACKED, lora_form="blocks"))
+    got = shared_pass_grads(pool, data, replace(UNPACKED, lora_form="stacked"))
     for name in data:
         assert_same(got[name], expected[name])
 
 
-def test_a_pass_stacks_its_lora_by_default_on_cuda_alone() -> None:
-    """Where the plan does not say, the device decides: stacked on CUDA (fewer launches),
-    row blocks on the CPU (fewer FLOPs); a plan that says is followed on either."""
+def test_a_pass_of_several_adapters_groups_its_lora_where_it_can() -> None:
+    """Where the plan does not say: grouped wherever the pass allows it, else stacked on CUDA
+    (fewer launches) and row blocks on the CPU (fewer FLOPs); a form the plan asks for is
+    followed where the pass allows it, the rule's otherwise."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert PassPlan().stacks_lora(cuda) and not PassPlan().stacks_lora(cpu)
-    assert not PassPlan(stacked_lora=False).stacks_lora(cuda)
-    assert PassPlan(stacked_lora=True).stacks_lora(cpu)
+    auto = PassPlan()
+    assert auto.lora_form_for(cpu, groups=True, stacks=True) == "grouped"
+    assert auto.lora_form_for(cuda, groups=True, stacks=True) == "grouped"
+    assert auto.lora_form_for(cuda, groups=False, stacks=True) == "stacked"
+    assert auto.lora_form_for(cpu, groups=False, stacks=True) == "blocks"
+    assert auto.lora_form_for(cuda, groups=False, stacks=False) == "blocks"
+    blocks = PassPlan(lora_form="blocks")
+    assert blocks.lora_form_for(cuda, groups=True, stacks=True) == "blocks"
+    stacked = PassPlan(lora_form="stacked")
+    assert stacked.lora_form_for(cpu, groups=True, stacks=True) == "stacked"
+    assert stacked.lora_form_for(cpu, groups=True, stacks=False) == "grouped"
+    grouped = PassPlan(lora_form="grouped")
+    assert grouped.lora_form_for(cuda, groups=False, stacks=True) == "stacked"
 
 
 def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: AdapterPool) -> None:
@@ -643,3 +654,107 @@ def test_an_ops_loss_inputs_go_over_together_and_come_out_as_each_datum_sent_the
             sent = np.asarray(value.data)
             assert inputs[key].dtype == torch.from_numpy(sent).dtype, key
             np.testing.assert_array_equal(inputs[key].numpy(), sent)
+
+
+def pass_outputs(
+    pool: AdapterPool, ops: list[PassOp], plan: PassPlan
+) -> tuple[list[float], dict[str, dict[str, torch.Tensor]]]:
+    """Each op's loss and every adapter's gradient after one shared pass of the ops."""
+    for adapter in pool.adapters.values():
+        for p in adapter.params.values():
+            p.grad = None
+    outs = shared_pass(pool, ops, CPU, plan)
+    assert all(isinstance(out, ForwardBackwardOutput) for out in outs), outs
+    losses = [float(out.metrics["loss:sum"]) for out in outs]  # type: ignore[union-attr]
+    grads = {
+        name: {k: p.grad.clone() for k, p in adapter.params.items() if p.grad is not None}
+        for name, adapter in pool.adapters.items()
+    }
+    return losses, grads
+
+
+@pytest.mark.parametrize("plan", [UNPACKED, PACKED, CHECKPOINTED], ids=["rows", "packed", "ckpt"])
+def test_grouped_lora_gives_the_row_blocks_losses_and_gradients(
+    pool: AdapterPool, plan: PassPlan
+) -> None:
+    """Ops of three adapters out of slot order, one adapter's ops apart (m2, m0, m1, m2), in
+    one grouped pass: every op's loss and every adapter's gradients are the row blocks'
+    (fp32, 1e-5), packed, unpacked and with layers recomputed; the ops' outputs come back in
+    their order."""
+    adapters = pool.adapters
+    names = ["m2", "m0", "m1", "m2"]
+    ops = [
+        PassOp(adapters[name], [datum(TEXTS[i % 3]), datum(TEXTS[(i + 1) % 3])],
+               LossFn.CROSS_ENTROPY, {}, backward=True)
+        for i, name in enumerate(names)
+    ]  # fmt: skip
+    assert lora_form(pool, ops, CPU, plan) == "grouped"
+    want_losses, want = pass_outputs(pool, ops, replace(plan, lora_form="blocks"))
+    losses, got = pass_outputs(pool, ops, plan)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    for name in adapters:
+        assert_same(got[name], want[name])
+
+
+def test_grouped_stacks_are_the_adapters_weights(pool: AdapterPool) -> None:
+    """After a grouped pass each adapter's LoRA weights are views of its slot in the stacks:
+    an optimizer step moves them there (the next grouped pass equals the row blocks after
+    the step), a checkpoint's weights load into them, and a newcomer's arrival restacks
+    without changing anyone's weights; a removed adapter's slot goes at the next restack."""
+    adapters = list(pool.adapters.values())
+    ops = [PassOp(a, [datum(TEXTS[0])], LossFn.CROSS_ENTROPY, {}, backward=True) for a in adapters]
+    pass_outputs(pool, ops, UNPACKED)
+    assert set(pool.lora_stacks.names) == {a.name for a in adapters}
+
+    def stacked(adapter: Adapter) -> bool:
+        """Every LoRA weight of the adapter lives in a stack's storage."""
+        storages = {
+            stack.untyped_storage().data_ptr()
+            for layer in pool.lora_stacks.layers.values()
+            for stack in (layer.a, layer.b)
+        }
+        return all(p.untyped_storage().data_ptr() in storages for p in adapter.params.values())
+
+    assert all(stacked(a) for a in adapters)
+    for adapter in adapters:
+        adapter.optimizer.step()
+    _, after_blocks = pass_outputs(pool, ops, replace(UNPACKED, lora_form="blocks"))
+    _, after_grouped = pass_outputs(pool, ops, UNPACKED)
+    for model_id in pool.adapters:
+        assert_same(after_grouped[model_id], after_blocks[model_id])
+
+    first = adapters[0]
+    saved = {k: p.detach().clone() for k, p in first.params.items()}
+    with torch.no_grad():
+        for p in first.params.values():
+            p.mul_(0.5)
+    pool.load_weights(first, saved)
+    assert stacked(first)
+    assert all(torch.equal(first.params[k], saved[k]) for k in saved)
+
+    before = {a.name: {k: p.detach().clone() for k, p in a.params.items()} for a in adapters}
+    newcomer = pool.add("m3", "t", LoraConfig(rank=4, train_unembed=True), seed=3)
+    ops.append(PassOp(newcomer, [datum(TEXTS[1])], LossFn.CROSS_ENTROPY, {}, backward=True))
+    pass_outputs(pool, ops, UNPACKED)
+    gone = adapters[-1]
+    pool.remove(gone.model_id)
+    ops = [op for op in ops if op.adapter is not gone]
+    pool.add("m4", "t", LoraConfig(rank=4, train_unembed=True), seed=4)
+    ops.append(PassOp(pool.adapters["m4"], [datum(TEXTS[2])], LossFn.CROSS_ENTROPY, {}, True))
+    pass_outputs(pool, ops, UNPACKED)
+    assert gone.name not in pool.lora_stacks.names  # a removed adapter's slot goes
+    survivors = [*adapters[:-1], newcomer, pool.adapters["m4"]]
+    assert all(a.name in pool.lora_stacks.names and stacked(a) for a in survivors)
+    for adapter in adapters[:-1]:
+        assert all(torch.equal(adapter.params[k], v) for k, v in before[adapter.name].items())
+
+
+def test_adapters_of_different_ranks_in_one_layer_take_the_row_blocks(pool: AdapterPool) -> None:
+    """A pass whose adapters differ in rank in a layer cannot share a stack there: the pass
+    runs its LoRA in row blocks (the CPU's form without grouping)."""
+    pool.add("wide", "t", LoraConfig(rank=8, train_unembed=True), seed=11)
+    ops = [
+        PassOp(pool.adapters[name], [datum(TEXTS[0])], LossFn.CROSS_ENTROPY, {}, backward=True)
+        for name in ("m0", "wide")
+    ]
+    assert lora_form(pool, ops, CPU, UNPACKED) == "blocks"

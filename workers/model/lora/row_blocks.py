@@ -90,41 +90,49 @@ def row_blocks(
     `_update`), added in the wider dtype and rounded once. A block whose adapter does not adapt
     a layer (or no adapter at all: the base model's rows) gets the base layer's output there.
     Experts' wrappers: see expert_lora.py."""
-    names = [name for name, _ in blocks]
-    sizes = [rows for _, rows in blocks]
-
-    def forward(layer: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        result = layer.base_layer(x, *args, **kwargs)
-        if len(names) == 1 and names[0] in layer.lora_A:
-            # One block, every row: PEFT's own sum. An in-place add into a view of the output
-            # puts a CopySlices node in the graph, whose backward cost 2 ms a step on the tiny
-            # model (8 x 128 tokens, 15 LoRA layers) for nothing the whole batch needs.
-            return (result + _update(layer, names[0], x, compute)).to(result.dtype)
-        if not any(name in layer.lora_A for name in names):
-            return result
-        # Each block's update (zeros where its adapter does not adapt this layer), joined and
-        # added at once: an in-place add into each block's slice of the output would put a
-        # CopySlices node per block in the graph, whose backward copies the whole output's
-        # gradient (a pass of 8 adapters' ops was 3-5% slower so on the CPU). The input is
-        # split, not narrowed block by block: a narrow's backward writes its block's gradient
-        # into a zeroed copy of the whole input, one per block (at the 8B shape 8 adapters'
-        # 4 x 512-token ops moved 359 GiB so, bench.mfu --count); a split's joins them once.
-        parts = x.split(sizes)
-        updates = [
-            _update(layer, name, part, compute)
-            if name in layer.lora_A
-            else result.new_zeros((rows, *result.shape[1:]))
-            for name, part, rows in zip(names, parts, sizes, strict=True)
-        ]
-        return (result + torch.cat(updates)).to(result.dtype)
-
     with forwards_replaced(
         (layer, partial(experts_forward, layer, blocks))
         if isinstance(layer, ParamWrapper)
-        else (layer, partial(forward, layer))
+        else (layer, partial(blocks_forward, layer, blocks, compute))
         for layer in layers
     ):
         yield
+
+
+def blocks_forward(
+    layer: LoraLinear,
+    blocks: Sequence[tuple[str, int]],
+    compute: torch.dtype | None,
+    x: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """A LoRA linear's forward in row blocks (row_blocks)."""
+    names = [name for name, _ in blocks]
+    sizes = [rows for _, rows in blocks]
+    result = layer.base_layer(x, *args, **kwargs)
+    if len(names) == 1 and names[0] in layer.lora_A:
+        # One block, every row: PEFT's own sum. An in-place add into a view of the output
+        # puts a CopySlices node in the graph, whose backward cost 2 ms a step on the tiny
+        # model (8 x 128 tokens, 15 LoRA layers) for nothing the whole batch needs.
+        return (result + _update(layer, names[0], x, compute)).to(result.dtype)
+    if not any(name in layer.lora_A for name in names):
+        return result
+    # Each block's update (zeros where its adapter does not adapt this layer), joined and
+    # added at once: an in-place add into each block's slice of the output would put a
+    # CopySlices node per block in the graph, whose backward copies the whole output's
+    # gradient (a pass of 8 adapters' ops was 3-5% slower so on the CPU). The input is
+    # split, not narrowed block by block: a narrow's backward writes its block's gradient
+    # into a zeroed copy of the whole input, one per block (at the 8B shape 8 adapters'
+    # 4 x 512-token ops moved 359 GiB so, bench.mfu --count); a split's joins them once.
+    parts = x.split(sizes)
+    updates = [
+        _update(layer, name, part, compute)
+        if name in layer.lora_A
+        else result.new_zeros((rows, *result.shape[1:]))
+        for name, part, rows in zip(names, parts, sizes, strict=True)
+    ]
+    return (result + torch.cat(updates)).to(result.dtype)
 
 
 def plain_lora(layer: LoraLayer, names: Iterable[str] | None = None) -> bool:
