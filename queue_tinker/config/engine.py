@@ -103,6 +103,15 @@ class EngineConfig(LimitsConfig):
         "a smaller card's plan on a bigger one (bench.mfu --memory-gib 80 on an H200). Unset: "
         "the whole device.",
     )
+    lora_form: Literal["auto", "blocks", "stacked", "grouped"] = Field(
+        default="auto",
+        description="How a training pass of several adapters' ops runs their LoRA. grouped: "
+        "two grouped matmuls a LoRA linear over stacks that are the adapters' weights, "
+        "whatever the adapters; stacked: two matmuls a linear over every adapter's columns; "
+        "blocks: two matmuls an adapter and linear. auto: grouped wherever the pass allows "
+        "it (plain LoRA, one rank a layer among its adapters), else stacked on CUDA and "
+        "blocks on the CPU. A form a pass does not allow gives way to auto's choice.",
+    )
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="Whether a training pass keeps only each decoder layer's input and "

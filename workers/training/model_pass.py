@@ -122,6 +122,7 @@ class PassPlan:
             checkpoint_min_tokens=config.activation_checkpointing_tokens,
             logit_chunk_elements=config.logit_chunk_elements,
             pack_above_padding=config.pack_above_padding,
+            lora_form=None if config.lora_form == "auto" else config.lora_form,
         )
 
     def for_pass(self, ranks: Sequence[int], stacked: bool) -> PassPlan:

@@ -17,6 +17,7 @@ import torch
 from engine_driver import saved_bytes
 from transformers import LlamaConfig
 
+from queue_tinker.config.engine import EngineConfig
 from queue_tinker.types.enums import LossFn
 from queue_tinker.types.requests.training import ForwardBackwardOutput, LoraConfig
 from queue_tinker.types.tensors import Datum, ModelInput
@@ -485,6 +486,8 @@ def test_a_pass_of_several_adapters_groups_its_lora_where_it_can() -> None:
     assert stacked.lora_form_for(cpu, groups=True, stacks=False) == "grouped"
     grouped = PassPlan(lora_form="grouped")
     assert grouped.lora_form_for(cuda, groups=False, stacks=True) == "stacked"
+    assert PassPlan.of(EngineConfig(lora_form="blocks")).lora_form == "blocks"
+    assert PassPlan.of(EngineConfig()).lora_form is None  # auto: the rule
 
 
 def test_a_pass_reads_its_numbers_from_the_device_once_after_backward(pool: AdapterPool) -> None:
