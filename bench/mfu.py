@@ -533,13 +533,13 @@ def figure_lines(result: Result) -> list[str]:
         (result.rl, f"RL-sized ops, {result.rl_shape}"),
     ):
         if times:
-            one, apart = times["one pass"], times["one at a time"]
-            stacked = times["one pass, stacked"]
+            blocks, apart = times["one pass"], times["one at a time"]
+            stacked, grouped = times["one pass, stacked"], times["one pass, grouped"]
             lines.append(
-                f"{what}: one cross-adapter pass {ms(one)}, one at a time {ms(apart)} "
-                f"(**{apart / one:.2f}×**); the LoRA stacked (`PassPlan.stacked_lora`) "
-                f"{ms(stacked)} ({apart / stacked:.2f}× one at a time, {one / stacked:.2f}× the "
-                "row blocks)."
+                f"{what}: one at a time {ms(apart)}; one cross-adapter pass with its LoRA "
+                f"grouped (`PassPlan.lora_form`, the worker's form for these ops) {ms(grouped)} "
+                f"(**{apart / grouped:.2f}×** one at a time), in row blocks {ms(blocks)} "
+                f"({apart / blocks:.2f}×), stacked {ms(stacked)} ({apart / stacked:.2f}×)."
             )
     if paths := result.loss_paths:
         joined, apart = paths["joined"], paths["datum by datum"]
