@@ -761,3 +761,30 @@ def test_adapters_of_different_ranks_in_one_layer_take_the_row_blocks(pool: Adap
         for name in ("m0", "wide")
     ]
     assert lora_form(pool, ops, CPU, UNPACKED) == "blocks"
+
+
+def test_grouped_passes_of_other_ranks_restack_without_the_old_adapters(
+    pool: AdapterPool,
+) -> None:
+    """A grouped pass of two rank-8 adapters after one of the rank-4 ones: the stacks drop the
+    adapters of the other rank (they cannot share a layer's stack) and the pass gives the row
+    blocks' gradients; the rank-4 adapters group again after it."""
+    for i in range(2):
+        pool.add(f"w{i}", "t", LoraConfig(rank=8, train_unembed=True), seed=20 + i)
+
+    def ops_of(names: list[str]) -> list[PassOp]:
+        return [
+            PassOp(pool.adapters[n], [datum(TEXTS[i])], LossFn.CROSS_ENTROPY, {}, backward=True)
+            for i, n in enumerate(names)
+        ]
+
+    for names in (["m0", "m1"], ["w0", "w1"], ["m1", "m2"]):
+        ops = ops_of(names)
+        assert lora_form(pool, ops, CPU, UNPACKED) == "grouped"
+        _, want = pass_outputs(pool, ops, replace(UNPACKED, lora_form="blocks"))
+        _, got = pass_outputs(pool, ops, UNPACKED)
+        for name in names:
+            assert_same(got[name], want[name])
+        stacked = {pool.adapters[n].name for n in names}
+        assert stacked <= set(pool.lora_stacks.names)
+    assert not {pool.adapters[n].name for n in ("w0", "w1")} & set(pool.lora_stacks.names)

@@ -58,13 +58,18 @@ class LoraStacks:
     def slots(self, layers: Sequence[LoraLinear], names: Sequence[str]) -> dict[str, int]:
         """Each adapter's slot, stacking anew when one of `names` is not held as it is now."""
         if not all(self._holds(name) for name in names):
-            # Adapters held and still on the model keep a slot; a removed one's goes.
-            kept = [
-                n
-                for n in self.names
-                if n not in names and self._holds(n) and any(n in x.lora_A for x in layers)
-            ]
-            self._stack(layers, [*kept, *dict.fromkeys(names)])
+            wanted = list(dict.fromkeys(names))
+            shapes = {id(x): _shape(x, n) for x in layers for n in wanted if n in x.lora_A}
+            kept = []
+            # Adapters held and still on the model keep a slot, if every layer they adapt can
+            # stack them with the pass's (one rank and dtype a layer); a removed one's goes.
+            for name in self.names:
+                if name in wanted or not self._holds(name):
+                    continue
+                mine = {id(x): _shape(x, name) for x in layers if name in x.lora_A}
+                if mine and all(shapes.setdefault(k, v) == v for k, v in mine.items()):
+                    kept.append(name)
+            self._stack(layers, [*kept, *wanted])
         return {name: slot for slot, name in enumerate(self.names)}
 
     def _holds(self, name: str) -> bool:
@@ -92,6 +97,12 @@ class LoraStacks:
         self.names = names
 
 
+def _shape(layer: LoraLinear, name: str) -> tuple[int, torch.dtype]:
+    """The adapter's rank and dtype in the layer: what sharing a stack there takes."""
+    weight: torch.Tensor = layer.lora_A[name].weight  # type: ignore[assignment]
+    return layer.r[name], weight.dtype
+
+
 def groups(layers: Sequence[LoraLayer], blocks: Sequence[tuple[str, int]]) -> bool:
     """Whether `grouped_blocks` can stand in for `row_blocks` here: several adapters, each in
     one block, every layer plain LoRA without dropout for them (row_blocks.stacks), and in each
@@ -101,9 +112,7 @@ def groups(layers: Sequence[LoraLayer], blocks: Sequence[tuple[str, int]]) -> bo
         return False
     for layer in layers:
         assert isinstance(layer, LoraLinear)  # stacks(): plain LoRA linears
-        present = [n for n in set(names) if n in layer.lora_A]
-        shapes = {(layer.r[n], layer.lora_A[n].weight.dtype) for n in present}
-        if len(shapes) > 1:
+        if len({_shape(layer, n) for n in set(names) if n in layer.lora_A}) > 1:
             return False
     return True
 
