@@ -11,6 +11,7 @@ a time accumulates in .grad. A single op runs the same code: it is a pass of one
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from queue_tinker.workers.training.losses import (
 from queue_tinker.workers.training.model_pass import LoraForm, PassPlan
 from queue_tinker.workers.training.packing import RowBatch, row_batch
 from queue_tinker.workers.training.routing import Routing, recorded_routing, routing_metrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,28 @@ def lora_form(
     together = blocks_of((names[i], len(ops[i].data)) for i in grouped_order(names))
     groups = grouped_lora.groups(layers, together)
     as_they_come = blocks_of((name, len(op.data)) for name, op in zip(names, ops, strict=True))
-    return plan.lora_form_for(device, groups=groups, stacks=stacks(layers, as_they_come))
+    form = plan.lora_form_for(device, groups=groups, stacks=stacks(layers, as_they_come))
+    _say_form(form, len(set(names)), groups, plan)
+    return form
+
+
+_said: list[str] = [""]  # the last LoRA form logged
+
+
+def _say_form(form: LoraForm, adapters: int, groups: bool, plan: PassPlan) -> None:
+    """Which form a pass of several adapters takes and why, at info when it changes (a
+    training loop's passes take one form), at debug otherwise."""
+    if form == "grouped":
+        why = "one rank a layer, plain LoRA"
+    elif plan.lora_form is not None and plan.lora_form != form:
+        why = f"QT_LORA_FORM={plan.lora_form} does not apply to these adapters"
+    elif not groups:
+        why = "not groupable: mixed ranks in a layer, dropout, DoRA, a LoRA bias or experts"
+    else:
+        why = f"QT_LORA_FORM={form}"
+    said = f"a pass of {adapters} adapters' ops runs their LoRA {form} ({why})"
+    log.log(logging.INFO if said != _said[0] else logging.DEBUG, said)
+    _said[0] = said
 
 
 def _pass(

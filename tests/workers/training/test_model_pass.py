@@ -5,6 +5,7 @@ fp32, rtol 1e-5), alone and inside a cross-adapter pass, and checkpointing reall
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -752,15 +753,19 @@ def test_grouped_stacks_are_the_adapters_weights(pool: AdapterPool) -> None:
         assert all(torch.equal(adapter.params[k], v) for k, v in before[adapter.name].items())
 
 
-def test_adapters_of_different_ranks_in_one_layer_take_the_row_blocks(pool: AdapterPool) -> None:
+def test_adapters_of_different_ranks_in_one_layer_take_the_row_blocks(
+    pool: AdapterPool, caplog: pytest.LogCaptureFixture
+) -> None:
     """A pass whose adapters differ in rank in a layer cannot share a stack there: the pass
-    runs its LoRA in row blocks (the CPU's form without grouping)."""
+    runs its LoRA in row blocks (the CPU's form without grouping), and the log says why."""
     pool.add("wide", "t", LoraConfig(rank=8, train_unembed=True), seed=11)
     ops = [
         PassOp(pool.adapters[name], [datum(TEXTS[0])], LossFn.CROSS_ENTROPY, {}, backward=True)
         for name in ("m0", "wide")
     ]
-    assert lora_form(pool, ops, CPU, UNPACKED) == "blocks"
+    with caplog.at_level(logging.DEBUG, logger="queue_tinker.workers.training.shared_pass"):
+        assert lora_form(pool, ops, CPU, UNPACKED) == "blocks"
+    assert "runs their LoRA blocks (not groupable: mixed ranks" in caplog.text
 
 
 def test_grouped_passes_of_other_ranks_restack_without_the_old_adapters(
