@@ -16,7 +16,11 @@ from packaging.requirements import Requirement
 from procs import REPO
 
 # Imported only where installed, by design: name -> why no extra that runs it requires it.
-OPTIONAL = {"liger_kernel": "the `gpu` extra: QT_LIGER_KERNELS=auto uses it where installed"}
+OPTIONAL = {
+    "liger_kernel": "the `gpu` extra: QT_LIGER_KERNELS=auto uses it where installed",
+    "triton": "torch's CUDA wheels bring it, where the segment GEMM compiles; a CPU worker "
+    "never launches it (kernels.grouped_matmul), the tests run it interpreted (dev extra)",
+}
 # What the image installs (Dockerfile; scripts/lock resolves requirements-image.lock for them).
 IMAGE_EXTRAS = ("worker", "server")
 # torch is installed before the lock, on its own (a CPU or a CUDA build).
