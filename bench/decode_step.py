@@ -176,7 +176,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
         for param in (p for k, p in lora.items() if ".lora_B." in k):
             param.normal_(std=0.02)
     lora_bytes = sum(p.numel() * (pool.lora_compute or p.dtype).itemsize for p in lora.values())
-    mixes = (("base", [None]), (f"{args.adapters} adapters", [a.model_id for a in adapters]))
+    mixes = (("base", [None]), (f"{args.adapters} adapters", [a.name for a in adapters]))
     kinds = [kind for kind in args.kinds if kind != "graphs" or device.type == "cuda"]
     results = [one_kind(args, pool, kind, mix) for kind in kinds for mix in mixes]
     ids, mask = left_padded(prompts(args.rows, args.prompt, shape.vocab, 2), device)

@@ -93,6 +93,8 @@ class AdapterSlots:
         taken first by newcomers, the others only when those run out."""
         wanted = dict.fromkeys(name for name in names if name is not None)  # in row order
         for name in wanted:
+            if self._token(name) is None:  # else its rows would get the base model's tokens
+                raise ValueError(f"adapter {name!r} adapts none of the model's LoRA layers")
             if name in self.names:
                 slot = self.names.index(name)
                 if not self._current(slot, name):  # its weights were loaded again

@@ -241,6 +241,16 @@ def test_a_slot_is_refilled_when_its_adapter_is_loaded_again(setup: Setup) -> No
     assert not slots.fits(["a1", "a2", "sharp"], layers)  # type: ignore[arg-type]
 
 
+def test_an_adapter_the_model_lacks_is_refused_not_sampled_as_the_base(setup: Setup) -> None:
+    """A row naming an adapter no LoRA layer holds (a model id where the PEFT name belongs, as
+    bench.decode_step once passed) fails with the name, rather than taking an empty slot that
+    samples the base model's tokens and is refilled at every step."""
+    layers = lora_layers_of(setup.model)
+    slots = AdapterSlots(layers, 2, 8, torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'m-unknown' adapts none"):
+        slots.slots_of(["a1", "m-unknown"])
+
+
 # --- the pieces ----------------------------------------------------------------------------------
 def test_buckets() -> None:
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
