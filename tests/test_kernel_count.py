@@ -33,6 +33,22 @@ def test_a_host_read_counts_and_answers_the_no_data_branch() -> None:
     assert counts.host_reads == 2 and counts.kernels["sum"] == 1
 
 
+def test_a_list_read_and_a_truth_test_count_as_host_reads() -> None:
+    """`tolist()` (the decode step's tokens) answers zeros of its shape, `bool()` of a flag
+    true: each one read, so a decode step runs on meta tensors to its end."""
+    tokens = torch.empty(2, 3, dtype=torch.long, device=META)
+    flag = torch.empty((), dtype=torch.bool, device=META)
+    seen: list[object] = []
+
+    def step() -> None:
+        seen.append(tokens.tolist())
+        seen.append(bool(flag))
+
+    counts = count_kernels(step)
+    assert seen == [[[0, 0, 0], [0, 0, 0]], True]
+    assert counts.host_reads == 2
+
+
 def test_attention_counts_as_one_fused_kernel_each_way() -> None:
     q, k, v = (torch.empty(2, 4, 16, 8, device=META, requires_grad=True) for _ in range(3))
 

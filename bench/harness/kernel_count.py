@@ -30,7 +30,7 @@ FREE = frozenset({
     "detach", "_unsafe_view", "alias", "lift_fresh", "_reshape_alias",
     "empty", "empty_strided", "new_empty", "new_empty_strided",
 })  # fmt: skip
-HOST_READS = frozenset({"_local_scalar_dense"})
+HOST_READS = frozenset({"_local_scalar_dense", "is_nonzero", "item"})
 ATTENTION = "scaled_dot_product_attention"
 _sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention  # called with *qkv
 
@@ -101,6 +101,10 @@ class _FusedAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return _Attention.apply(self.counting, kwargs, *args)
+        if func is torch.Tensor.tolist and args[0].device.type == "meta":
+            # A read of a whole tensor on the host (the decode step's tokens): one read, zeros.
+            self.counting._count("tolist", _bytes(args), host=True)
+            return torch.zeros(args[0].shape, dtype=args[0].dtype).tolist()
         return func(*args, **kwargs)
 
 
