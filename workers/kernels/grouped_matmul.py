@@ -60,8 +60,7 @@ def torch_runs(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool
     or in bf16 on a CUDA card of sm_90 or later (or meta tensors, which stand for one:
     bench.mfu --count), with every row of x, of w and of the output 16-byte aligned (cuBLAS's
     rule, which torch applies on the CPU too: a rank-2 fp32 adapter's rows are 8 bytes)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if k * size % 16 or n * size % 16:
+    if k * dtype.itemsize % 16 or n * dtype.itemsize % 16:
         return False
     if device.type == "cpu":
         return True

@@ -93,8 +93,6 @@ class AdapterSlots:
         taken first by newcomers, the others only when those run out."""
         wanted = dict.fromkeys(name for name in names if name is not None)  # in row order
         for name in wanted:
-            if self._token(name) is None:  # else its rows would get the base model's tokens
-                raise ValueError(f"adapter {name!r} adapts none of the model's LoRA layers")
             if name in self.names:
                 slot = self.names.index(name)
                 if not self._current(slot, name):  # its weights were loaded again
@@ -119,6 +117,9 @@ class AdapterSlots:
         return None
 
     def _fill(self, slot: int, name: str) -> None:
+        token = self._token(name)
+        if token is None:  # else its rows would get the base model's tokens, refilled each step
+            raise ValueError(f"adapter {name!r} adapts none of the model's LoRA layers")
         columns = slice(slot * self.rank, (slot + 1) * self.rank)
         for layer, a, b in zip(self.layers, self.stacked_a, self.stacked_b, strict=True):
             a[:, columns].zero_()
@@ -131,8 +132,7 @@ class AdapterSlots:
             a[:, columns][:, :rank].copy_(lora_a.t())
             b[columns][:rank].copy_(lora_b.t() * layer.scaling[name])
         self.names[slot] = name
-        token = self._token(name)
-        self._weights[slot] = ref(token) if token is not None else None
+        self._weights[slot] = ref(token)
 
     def column_mask(self, row_slot: torch.Tensor) -> torch.Tensor:
         """(rows, slots*rank): 1 at the columns of each row's slot, 0 elsewhere."""

@@ -102,8 +102,9 @@ class PassPlan:
 
     def lora_form_for(self, device: torch.device, *, groups: bool, stacks: bool) -> LoraForm:
         """The form a pass of several adapters takes: the plan's where it says and the pass
-        allows (`groups`: grouped_lora.groups and a grouped kernel runs there; `stacks`:
-        row_blocks.stacks), else by the device: grouped wherever it can (two kernels a layer
+        allows (`groups`: grouped_lora.groups; a layer no grouped kernel takes on the device
+        runs in row blocks inside the grouped pass; `stacks`: row_blocks.stacks), else by the
+        device: grouped wherever it can (two kernels a layer
         whatever the adapters, no FLOPs beyond the rows' own ranks), stacked on CUDA (1.22x
         the blocks at the 8B shape, H200), the blocks otherwise."""
         allowed = {"grouped": groups, "stacked": stacks, "blocks": True}

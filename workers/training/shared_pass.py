@@ -94,8 +94,8 @@ def shared_pass(
         return _pass(pool, ops, device, plan, form)
     # Grouped, the rows go in the order of the adapters' slots (grouped_lora.order).
     linears = cast(list[LoraLinear], layers)  # groups(): plain LoRA linears only
-    slots = pool.lora_stacks.slots(linears, [op.adapter.name for op in ops])
-    permutation = grouped_lora.order([op.adapter.name for op in ops], slots)
+    names = [op.adapter.name for op in ops]
+    permutation = grouped_lora.order(names, pool.lora_stacks.slots(linears, names))
     outcomes = _pass(pool, [ops[i] for i in permutation], device, plan, form)
     in_order: list[ForwardBackwardOutput | Exception] = list(outcomes)
     for outcome, index in zip(outcomes, permutation, strict=True):

@@ -67,7 +67,8 @@ class LoraStacks:
                 if name in wanted or not self._holds(name):
                     continue
                 mine = {id(x): _shape(x, name) for x in layers if name in x.lora_A}
-                if mine and all(shapes.setdefault(k, v) == v for k, v in mine.items()):
+                if mine and all(shapes.get(k, v) == v for k, v in mine.items()):
+                    shapes.update(mine)  # only a kept adapter's shapes bind the later ones
                     kept.append(name)
             self._stack(layers, [*kept, *wanted])
         return {name: slot for slot, name in enumerate(self.names)}
