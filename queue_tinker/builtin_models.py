@@ -170,6 +170,113 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
                 "rms_norm_eps": 1e-5,
             },
         ),
+        BuiltinModel(
+            name="queue-tinker/tiny-qwen3",
+            description="Qwen3, 2 layers, hidden 64, byte tokenizer; 107,264 params (tests).",
+            model_type="qwen3",
+            config={
+                "vocab_size": VOCAB_SIZE,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-5,
+            },
+        ),
+        BuiltinModel(
+            name="queue-tinker/tiny-gpt-oss",
+            description=(
+                "gpt-oss, 2 layers (a sliding window of 8, then full attention, both with "
+                "sinks), hidden 64, 4 experts (top 2), byte tokenizer; 158,800 params (tests)."
+            ),
+            model_type="gpt_oss",
+            config={
+                "vocab_size": VOCAB_SIZE,
+                "hidden_size": 64,
+                "intermediate_size": 64,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "max_position_embeddings": 256,
+                # YaRN as gpt-oss's, its factor that of this context over the original's.
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 128,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                },
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-5,
+            },
+        ),
+        BuiltinModel(
+            name="queue-tinker/tiny-deepseek-v3",
+            description=(
+                "DeepSeek-V3 (Kimi-K2's architecture), 2 layers (a dense one, then 1 shared + "
+                "4 routed experts, top 2), latent attention, hidden 64, byte tokenizer; "
+                "109,584 params (tests)."
+            ),
+            model_type="deepseek_v3",
+            config={
+                "vocab_size": VOCAB_SIZE,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "num_hidden_layers": 2,
+                "first_k_dense_replace": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "n_shared_experts": 1,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+                "kv_lora_rank": 16,
+                "q_lora_rank": 24,
+                "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 8,
+                "v_head_dim": 16,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-5,
+            },
+        ),
+        BuiltinModel(
+            name="queue-tinker/tiny-qwen3.5",
+            description=(
+                "Qwen3.5, 4 layers (3 of linear attention, then 1 of full), hidden 64, byte "
+                "tokenizer; 200,744 params (tests)."
+            ),
+            model_type="qwen3_5_text",
+            config={
+                "vocab_size": VOCAB_SIZE,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-5,
+            },
+        ),
     )
 }
 

@@ -29,6 +29,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
 from queue_tinker.workers.model.base_model import (  # noqa: E402
+    _model_of,
     builtin_config,
     context_length,
     ensure_builtin_model,
@@ -40,11 +41,17 @@ from queue_tinker.workers.model.base_model import (  # noqa: E402
 TINY = "queue-tinker/tiny-llama"
 TINY_VL = "queue-tinker/tiny-vl"
 MOE = "queue-tinker/tiny-moe"
+FAMILY_BUILTINS = (
+    "queue-tinker/tiny-qwen3",
+    "queue-tinker/tiny-gpt-oss",
+    "queue-tinker/tiny-deepseek-v3",
+    "queue-tinker/tiny-qwen3.5",
+)
 TEXTS = ["A", "hello , world . isn 't", "héllo ✓", "日本語 🎉\n\t  x\x00\x7f", ""]
 
 
 def test_catalogue_and_paths(tmp_path: Path) -> None:
-    assert set(BUILTIN_MODELS) == {TINY, MOE, "queue-tinker/llama-100m", TINY_VL}
+    assert set(BUILTIN_MODELS) == {TINY, MOE, "queue-tinker/llama-100m", TINY_VL, *FAMILY_BUILTINS}
     assert is_builtin(TINY) and not is_builtin("meta-llama/Llama-3.2-1B")
     assert builtin_dir(TINY, tmp_path) == tmp_path / "queue-tinker--tiny-llama"
     assert resolve_model_path("some/hub-id", tmp_path) == "some/hub-id"
@@ -212,3 +219,19 @@ def test_tiny_moe_is_a_qwen3_moe_with_tiny_llamas_active_size(tmp_path: Path) ->
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tok.encode("hello")])).logits
     assert logits.shape == (1, 5, VOCAB_SIZE) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("name", FAMILY_BUILTINS)
+def test_family_builtins_are_their_architecture_with_the_count_described(name: str) -> None:
+    """Each family's tiny built-in is a model of that family's transformers class (its
+    model_type's), with the parameter count its description names."""
+    spec = BUILTIN_MODELS[name]
+    config = builtin_config(name)
+    assert config.model_type == spec.model_type
+    with torch.device("meta"):
+        model = _model_of(config)
+    assert (
+        type(model).__name__.endswith("ForCausalLM") and model.config.model_type == spec.model_type
+    )
+    count = sum(p.numel() for p in model.parameters())
+    assert f"{count:,}" in spec.description
