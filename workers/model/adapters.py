@@ -173,6 +173,28 @@ def peft_deprecation_quiet() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def native_targets() -> Iterator[None]:
+    """Meanwhile PEFT takes a LoRA config's targets as written. On its own it rewrites them
+    for a mixture-of-experts model whose architecture transformers 5 changed, as though a
+    transformers 4 checkpoint's names were meant (DeepSeek-V3, Qwen2-MoE and their kin:
+    `gate_proj`, `up_proj`, `down_proj` become the experts' stacked weights), which leaves a
+    dense layer's and a shared expert's MLP without LoRA (DeepSeek-V3's first 3 layers and
+    every shared expert). Our configs and checkpoints name transformers 5's modules."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    rewrite = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = _as_written
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = rewrite
+
+
+def _as_written(peft_config: PeftConfig, model: torch.nn.Module, conversions: Any) -> None:
+    """PEFT's config rewrite, made to leave the config as it is (native_targets)."""
+
+
 class AdapterPool:
     """The base model plus its resident adapters, in least-recently-used order."""
 
@@ -288,7 +310,7 @@ class AdapterPool:
     def _attach(self, name: str, cfg: PeftConfig) -> None:
         """Adapter `name`, from its config, onto the base model (the first makes the
         PeftModel)."""
-        with peft_deprecation_quiet():
+        with peft_deprecation_quiet(), native_targets():
             if self.peft is None:
                 self.peft = get_peft_model(self.base, cfg, adapter_name=name)
             else:
@@ -296,12 +318,13 @@ class AdapterPool:
 
     def _load_frozen(self, directory: Path, name: str) -> None:
         """PEFT files of `directory` as the frozen adapter `name`."""
-        if self.peft is None:
-            self.peft = PeftModel.from_pretrained(
-                self.base, str(directory), adapter_name=name, is_trainable=False
-            )
-        else:
-            self.peft.load_adapter(str(directory), adapter_name=name, is_trainable=False)
+        with native_targets():
+            if self.peft is None:
+                self.peft = PeftModel.from_pretrained(
+                    self.base, str(directory), adapter_name=name, is_trainable=False
+                )
+            else:
+                self.peft.load_adapter(str(directory), adapter_name=name, is_trainable=False)
 
     def _delete(self, name: str) -> None:
         assert self.peft is not None
