@@ -63,6 +63,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     Rows,
     kept,
     per_sample,
+    select_rows,
 )
 from queue_tinker.workers.sampling.host_reads import to_device, to_host
 from queue_tinker.workers.sampling.image_prefill import prefill_with_images
@@ -553,7 +554,7 @@ class DecodeLoop:
         requests, samples, rows = per_sample(taken, source)
         index = to_device(rows, torch.long, self.device)
         if rows != list(range(len(unique))):  # expand to samples
-            cache.batch_select_indices(index)
+            select_rows(cache, index)
         incoming = Rows.build(
             requests=requests,
             samples=samples,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse, StopReason
 from queue_tinker.workers.sampling.host_reads import to_device
@@ -183,7 +183,7 @@ class Rows:
     def select(self, keep: list[int]) -> None:
         """Keep these rows only, in order; then cut the columns no remaining row uses."""
         index = to_device(keep, torch.long, self.mask.device)
-        self.cache.batch_select_indices(index)
+        select_rows(self.cache, index)
         self.requests = [self.requests[i] for i in keep]
         self.samples = [self.samples[i] for i in keep]
         self.mask = self.mask[index]
@@ -239,6 +239,17 @@ class Rows:
         )
         for name in ROW_FIELDS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+
+
+def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep the cache's rows that `index` names, in its order. A linear-attention layer
+    (Qwen3.5's) holds each row's recurrent and convolution state, no columns: it gathers them
+    as a beam search reorders (its full-attention part too, where it has one)."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.reorder_cache(cast(torch.LongTensor, index))
+        else:  # a key / value layer of any kind
+            cast(DynamicLayer, layer).batch_select_indices(index)
 
 
 def plain_layers(

@@ -18,7 +18,7 @@ from peft import PeftModel
 from transformers import DynamicCache, PreTrainedModel
 
 from queue_tinker.workers.model.vision_language import joined, rope_positions
-from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest, Rows
+from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest, Rows, select_rows
 from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.prompt_scores import prompt_scores, wants_prompt_scores
 
@@ -50,7 +50,7 @@ def prefill_with_images(
         request.prompt_scores = prompt_scores(logits[0], spec)
     index = torch.zeros(len(samples), dtype=torch.long, device=device)
     if len(samples) > 1:
-        cache.batch_select_indices(index)
+        select_rows(cache, index)
     next_pos = positions.amax(dim=(0, 2)) + 1  # (1,): after the largest position on any axis
     rows = Rows.build(
         requests=[request] * len(samples),

@@ -65,9 +65,11 @@ class GrowingLayer(DynamicLayer):
         room = max(first.room, second.room)
         parts = [first.states(), second.states()]
         rows = sum(keys.shape[0] for keys, _ in parts)
-        _, heads, _, dim = parts[0][0].shape
         columns = width + _spare(width, 0, room)
-        buffers = [parts[0][0].new_zeros((rows, heads, columns, dim)) for _ in range(2)]
+        buffers = [  # keys, then values: their widths may differ (see _place)
+            states.new_zeros((rows, states.shape[1], columns, states.shape[3]))
+            for states in parts[0]
+        ]
         at = 0
         for states in parts:
             count, _, used, _ = states[0].shape
@@ -119,9 +121,11 @@ class GrowingLayer(DynamicLayer):
     # --- the buffers ---
     def _place(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
         """Copy `keys` / `values` into fresh buffers with room for `extra` columns at least."""
-        rows, heads, used, dim = keys.shape
-        shape = (rows, heads, used + _spare(used, extra, self.room), dim)
-        key_buffer, value_buffer = keys.new_empty(shape), values.new_empty(shape)
+        used = keys.shape[2]
+        columns = used + _spare(used, extra, self.room)
+        # Keys and values may differ in width (DeepSeek-V3's latent attention: 192 and 128).
+        key_buffer = keys.new_empty((*keys.shape[:2], columns, keys.shape[3]))
+        value_buffer = values.new_empty((*values.shape[:2], columns, values.shape[3]))
         key_buffer[:, :, :used].copy_(keys)
         value_buffer[:, :, :used].copy_(values)
         self._adopt(key_buffer, value_buffer, used)

@@ -58,8 +58,10 @@ class SlotLayer(DynamicLayer):
 class KvSlots:
     """Every attention layer's slot buffers, and what the next step reads and writes."""
 
-    def __init__(self, layout: list[tuple[int, int]], dtype: torch.dtype, device: torch.device):
-        self.layout = layout  # per layer (heads, dim)
+    def __init__(
+        self, layout: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device
+    ):
+        self.layout = layout  # per layer (heads, key dim, value dim)
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -74,9 +76,9 @@ class KvSlots:
         """Empty slots for caches shaped like this one (a prefill's GrowingLayers)."""
         layers = growing_layers(cache)
         assert layers is not None, "slots take plain per-layer key / value caches"
-        keys = [layer.states()[0] for layer in layers]
-        layout = [(k.shape[1], k.shape[3]) for k in keys]
-        return cls(layout, keys[0].dtype, keys[0].device)
+        states = [layer.states() for layer in layers]
+        layout = [(k.shape[1], k.shape[3], v.shape[3]) for k, v in states]
+        return cls(layout, states[0][0].dtype, states[0][0].device)
 
     @property
     def slots(self) -> int:
@@ -125,11 +127,10 @@ class KvSlots:
             max=width - 1
         )
         for layer, keys, values in zip(layers, self.keys, self.values, strict=True):
-            states = layer.states()
-            heads, dim = states[0].shape[1], states[0].shape[3]
-            index = source.view(rows, 1, widest, 1).expand(rows, heads, widest, dim)
-            keys[at : at + rows, :, :widest].copy_(states[0].gather(2, index))
-            values[at : at + rows, :, :widest].copy_(states[1].gather(2, index))
+            for buffer, states in zip((keys, values), layer.states(), strict=True):
+                heads, dim = states.shape[1], states.shape[3]
+                index = source.view(rows, 1, widest, 1).expand(rows, heads, widest, dim)
+                buffer[at : at + rows, :, :widest].copy_(states.gather(2, index))
 
     @torch.inference_mode()  # the buffers are inference tensors; a cancel comes between steps
     def move(self, sources: list[int], targets: list[int]) -> None:
@@ -143,9 +144,9 @@ class KvSlots:
                 buffer.index_copy_(0, target, buffer.index_select(0, source))
 
     def _allocate(self, slots: int, columns: int) -> None:
-        self.keys = [
-            torch.zeros((slots, heads, columns, dim), dtype=self.dtype, device=self.device)
-            for heads, dim in self.layout
-        ]
-        self.values = [torch.zeros_like(keys) for keys in self.keys]
+        def buffer(heads: int, dim: int) -> torch.Tensor:
+            return torch.zeros((slots, heads, columns, dim), dtype=self.dtype, device=self.device)
+
+        self.keys = [buffer(heads, dim) for heads, dim, _ in self.layout]
+        self.values = [buffer(heads, dim) for heads, _, dim in self.layout]
         self.write_at = torch.zeros(slots, dtype=torch.long, device=self.device)

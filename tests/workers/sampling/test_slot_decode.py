@@ -298,7 +298,7 @@ def test_placing_left_padded_rows_puts_each_row_s_tokens_from_column_0() -> None
     keys = torch.arange(2 * 1 * 4 * 2, dtype=torch.float32).view(2, 1, 4, 2)
     cache = DynamicCache()
     cache.layers = [GrowingLayer.holding(keys, -keys, room=4)]
-    slots = KvSlots([(1, 2)], torch.float32, CPU)
+    slots = KvSlots([(1, 2, 2)], torch.float32, CPU)
     slots.reserve(4, 8, live=0)
     slots.place(1, cache, [2, 4])  # row 0 holds 2 real columns, row 1 all 4
     assert torch.equal(slots.keys[0][1, :, :2], keys[0, :, 2:])

@@ -1,0 +1,185 @@
+"""The LoRA engine on each family's tiny built-in that tiny-llama's and tiny-moe's tests do not
+cover: Qwen3 dense, gpt-oss (sinks, a sliding-window layer, experts), DeepSeek-V3 (latent
+attention, shared + routed experts) and Qwen3.5 (linear-attention layers with a recurrent state).
+
+References come from outside the engine: transformers' eager model with PEFT's own forward on
+the engine's adapter weights, in fp32; the same requests sampled alone; the padded step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from engine_driver import BatchDriver, datum, fb_body, run_op
+from peft import get_peft_model
+
+from queue_tinker.types import OpKind, codec
+from queue_tinker.types.enums import BUILT_IN_LOSSES, LossFn
+from queue_tinker.types.requests.sampling import SampleInput, SamplingParams
+from queue_tinker.types.requests.training import LoraConfig
+from queue_tinker.types.tensors import Datum, ModelInput
+from queue_tinker.workers.interface import OpResult
+from queue_tinker.workers.model.adapters import (
+    expert_parameters,
+    linear_names,
+    native_targets,
+    peft_config,
+)
+from queue_tinker.workers.model.base_model import load_base_model
+
+BUILTINS = (
+    "queue-tinker/tiny-qwen3",
+    "queue-tinker/tiny-gpt-oss",
+    "queue-tinker/tiny-deepseek-v3",
+    "queue-tinker/tiny-qwen3.5",
+)
+TEXTS = ["hello lora world", "the quick brown fox jumps", "queue tinker!"]
+
+
+@pytest.fixture(scope="module", params=BUILTINS, ids=lambda name: name.split("/")[1])
+def family(request: pytest.FixtureRequest, root: Path) -> BatchDriver:
+    name = request.param
+    return BatchDriver(root, name.split("/")[1], base=name, max_resident_adapters=64)
+
+
+def rl_datum(text: str, seed: int) -> Datum:
+    n = len(text.encode()) - 1
+    rng = np.random.default_rng(seed)
+    return datum(
+        text,
+        logprobs=rng.uniform(-6.0, -4.0, n).astype(np.float32),
+        advantages=rng.normal(0.0, 1.0, n).astype(np.float32),
+    )
+
+
+def reference(driver: BatchDriver, root: Path, config: LoraConfig) -> torch.nn.Module:
+    """transformers' eager model (eager attention, its loop over experts) with PEFT's forward,
+    holding the engine's adapter weights."""
+    base = load_base_model(driver.base, "cpu", root / "models")
+    base.eval()
+    base.config._attn_implementation = "eager"
+    base.config._experts_implementation = "eager"
+    cfg = peft_config(linear_names(base), config, driver.base, expert_parameters(base))
+    with warnings.catch_warnings(), native_targets():
+        warnings.simplefilter("ignore")
+        peft = get_peft_model(base, cfg, adapter_name="ref")
+    return peft
+
+
+def test_logprobs_and_lora_gradients_equal_transformers_and_peft(
+    family: BatchDriver, root: Path
+) -> None:
+    """After one step (B nonzero): forward's logprobs equal the reference's to 1e-5, and every
+    LoRA matrix's gradient (experts' too) equals PEFT autograd's to 1e-4."""
+    config = LoraConfig(rank=4, seed=3)
+    family.create("ref", config)
+    data = [datum(text) for text in TEXTS]
+    out = run_op(family.engine, family.make("ref", OpKind.FORWARD, fb_body(data)))
+    logprobs = [
+        np.asarray(o["logprobs"]["data"]) for o in codec.decode(out.result)["loss_fn_outputs"]
+    ]
+    family.engine.execute(family.make("ref", OpKind.FORWARD_BACKWARD, fb_body(data)))
+    state = family.state("ref")
+
+    peft = reference(family, root, config)
+    params = dict(peft.named_parameters())
+    assert {k.replace(".ref.", ".") for k in params if ".ref." in k} == state.weights.keys()
+    # Every linear of an MLP has its LoRA, a dense layer's and a shared expert's too.
+    mlp = [
+        name
+        for name, module in peft.get_base_model().named_modules()
+        if name.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")
+        and hasattr(module, "lora_A")
+    ]
+    linears = linear_names(load_base_model(family.base, "cpu", root / "models"))
+    assert len(mlp) == 3 * len(peft.get_base_model().model.layers) or "gate_proj" not in linears
+    for name in mlp:
+        assert f"base_model.model.{name}.lora_A.weight" in state.weights, name
+    with torch.no_grad():
+        for key, value in state.weights.items():
+            params[key.replace(".weight", ".ref.weight")].copy_(value)
+    total = torch.zeros(())
+    for d, ours in zip(data, logprobs, strict=True):
+        ids = torch.tensor([d.model_input.to_ints()])
+        targets = torch.as_tensor(np.array(d.loss_fn_inputs["target_tokens"].data))
+        theirs = peft(input_ids=ids).logits[0].log_softmax(-1).gather(1, targets[:, None])[:, 0]
+        np.testing.assert_allclose(ours, theirs.detach().numpy(), rtol=1e-5, atol=1e-5)
+        total = total - theirs.sum()
+    total.backward()
+    assert state.grads
+    for key, grad in state.grads.items():
+        want = params[key.replace(".weight", ".ref.weight")].grad
+        assert want is not None and float(want.abs().max()) > 0, key
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_every_built_in_loss_trains_and_a_saved_state_loads_back(family: BatchDriver) -> None:
+    """Each built-in loss gives a finite loss and a step that moves the weights; save_state
+    then load_state into a new model restores them exactly."""
+    family.create("losses", LoraConfig(rank=4, seed=8))
+    for loss_fn in BUILT_IN_LOSSES:
+        data = [datum("plain targets")] if loss_fn is LossFn.CROSS_ENTROPY else [rl_datum("rl", 9)]
+        before = family.weights("losses")
+        out = family.engine.execute(
+            family.make("losses", OpKind.FORWARD_BACKWARD, fb_body(data, loss_fn.value))
+        )
+        assert np.isfinite(codec.decode(out.result)["metrics"]["loss:sum"]), loss_fn
+        run_op(family.engine, family.make("losses", OpKind.OPTIM_STEP, {"learning_rate": 1e-2}))
+        after = family.weights("losses")
+        assert any(not torch.equal(after[k], before[k]) for k in before), loss_fn
+    saved = run_op(
+        family.engine,
+        family.make("losses", OpKind.SAVE_STATE, {"name": "s", "ttl_seconds": None}),
+    )
+    family.create("loaded", LoraConfig(rank=4, seed=9))
+    path = codec.decode(saved.result)["path"]
+    run_op(
+        family.engine,
+        family.make("loaded", OpKind.LOAD_STATE, {"path": path, "optimizer": True}),
+    )
+    torch.testing.assert_close(family.weights("loaded"), family.weights("losses"), rtol=0, atol=0)
+
+
+def sample_ops(driver: BatchDriver, name: str) -> list[SampleInput]:
+    """Two seeded requests of different prompt lengths on one saved checkpoint."""
+    driver.create(name, LoraConfig(rank=4, seed=21))
+    saved = driver.engine.execute(
+        driver.make(name, OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "w", "ttl_seconds": None})
+    )
+    path = codec.decode(saved.result)["path"]
+    return [
+        SampleInput(
+            prompt=ModelInput.from_ints(list(prompt.encode())),
+            num_samples=2,
+            model_path=path,
+            sampling_params=SamplingParams(max_tokens=10, seed=seed, stop=[], temperature=1.0),
+        )
+        for seed, prompt in enumerate(["Q: 2+2?\nA:", "hi"])
+    ]
+
+
+def test_samples_sharing_steps_equal_each_alone(family: BatchDriver) -> None:
+    """Two requests of different prompt lengths in one loop (the shorter left-padded; in
+    Qwen3.5 the padding runs through its recurrent layers) return the seeded tokens and the
+    logprobs each returns alone."""
+    bodies = sample_ops(family, "smp")
+    ops = [
+        family.make(f"sess{i}", OpKind.SAMPLE, body.model_dump()) for i, body in enumerate(bodies)
+    ]
+    engine = family.engine
+    engine.sampling.join(ops)
+    together: dict[str, OpResult | Exception] = {}
+    while engine.sampling.stepping():
+        together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
+    for op, body in zip(ops, bodies, strict=True):
+        result = together[op.job_id]
+        assert isinstance(result, OpResult), result
+        alone = run_op(engine, family.make(op.model_id, OpKind.SAMPLE, body.model_dump()))
+        got, want = codec.decode(result.result), codec.decode(alone.result)
+        for a, b in zip(got["sequences"], want["sequences"], strict=True):
+            assert len(a["tokens"]) == 10 and a["tokens"] == b["tokens"]
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
