@@ -109,6 +109,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
                 "patches, byte tokenizer + vision tokens; images of 8x8 to 64x64 pixels after "
                 "resizing, 1 token per 8x8 pixels; 144,416 params (tests)."
             ),
+            model_type="qwen2_vl",
             config={
                 "vocab_size": VL_VOCAB_SIZE,
                 "hidden_size": 64,

@@ -146,7 +146,7 @@ def whole(driver: Driver, model_id: str, *, grads: bool) -> dict[str, torch.Tens
         return tensors
     from queue_tinker.workers.model import lora_shards
 
-    return lora_shards.gather(tensors, shards)
+    return lora_shards.gather(tensors, shards, engine.pool.family.tensor_parallel)
 
 
 def run_rank(rank: int, world: int, root: str, port: int, steps: int, results: Any) -> None:

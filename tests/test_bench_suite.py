@@ -112,7 +112,7 @@ def test_counts_match_the_built_model_and_its_adapter() -> None:
     pool = AdapterPool(model, BASE_NAME, max_resident=2)
     config = LoraConfig(rank=8)
     adapter = pool.add("m", "t", config, seed=0)
-    targets = target_modules(pool.linear_names, config)
+    targets = target_modules(pool.linear_names, config, pool.family)
     assert sum(p.numel() for p in adapter.params.values()) == lora_params(TINY, 8, targets)
 
 

@@ -15,6 +15,7 @@ ALLOWED = {
     "router": "each route module of the gateway has its own FastAPI router",
     "main": "an entry point: the CLI's, a worker group rank's process",
     "free_port": "two layers that share no module: the embedded launcher and a worker group",
+    "FAMILY": "each model family's module declares its own; the families registry gathers them",
 }
 
 

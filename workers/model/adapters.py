@@ -25,49 +25,20 @@ from peft.utils import set_peft_model_state_dict
 
 from queue_tinker.types.requests.training import LORA_ALPHA, LORA_DROPOUT, LoraConfig
 from queue_tinker.workers.model.checkpoints import AdapterState, CheckpointMeta
+from queue_tinker.workers.model.families import Family, family_of
 from queue_tinker.workers.model.lora.grouped_lora import LoraStacks
 from queue_tinker.workers.model.lora.row_blocks import LoraLayer, lora_layers_of
-from queue_tinker.workers.model.vision_language import VISION_TOWER
-
-# Module names that count as attention / MLP in the architectures we serve (Llama, Qwen,
-# Mistral, Gemma, Phi-3, GPT-NeoX, GPT-2 names; DeepSeek-V3's latent attention projections).
-ATTN_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "qkv_proj",
-    "query_key_value",
-    "c_attn",
-    "dense",
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-)
-MLP_MODULES = (
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "gate_up_proj",
-    "dense_h_to_4h",
-    "dense_4h_to_h",
-    "c_fc",
-    "c_proj",
-    "fc1",
-    "fc2",
-)
-UNEMBED_MODULES = ("lm_head",)
 
 
 def linear_names(model: torch.nn.Module) -> set[str]:
-    """Short names of the model's linear layers (read before PEFT wraps them), a vision
-    tower's left out: it stays frozen, and its names (qkv, proj, fc1, fc2) then match none of
-    the language model's, so no LoRA lands there."""
+    """Short names of the model's linear layers (read before PEFT wraps them), those under
+    its family's frozen modules left out (a vision tower: its names, qkv, proj, fc1, fc2,
+    then match none of the language model's, so no LoRA lands there)."""
+    frozen = set(family_of(getattr(model, "config", "")).frozen)
     return {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and VISION_TOWER not in name.split(".")
+        if isinstance(module, torch.nn.Linear) and not frozen.intersection(name.split("."))
     }
 
 
@@ -92,33 +63,37 @@ def expert_parameters(model: torch.nn.Module) -> set[str]:
     return {".".join(name.rsplit(".", 2)[-2:]) for name, _ in stacked_experts(model)}
 
 
-def target_modules(present: set[str], config: LoraConfig) -> list[str]:
-    """The linear-layer names that the LoRA config asks to adapt."""
+def target_modules(present: set[str], config: LoraConfig, family: Family) -> list[str]:
+    """The linear-layer names that the LoRA config asks to adapt, of those the model has."""
     wanted: set[str] = set()
     if config.train_attn:
-        wanted.update(ATTN_MODULES)
+        wanted.update(family.attention)
     if config.train_mlp:
-        wanted.update(MLP_MODULES)
+        wanted.update(family.mlp)
     if config.train_unembed:
-        wanted.update(UNEMBED_MODULES)
+        wanted.update(family.unembed)
     return sorted(wanted & present)
 
 
-def target_parameters(experts: Set[str], config: LoraConfig) -> list[str]:
+def target_parameters(experts: Set[str], config: LoraConfig, family: Family) -> list[str]:
     """The experts' stacked weights the LoRA config asks to adapt: all of them with the MLP
-    (Tinker's train_mlp covers MoE layers), else none."""
-    return sorted(experts) if config.train_mlp else []
+    (Tinker's train_mlp covers MoE layers) in a family that adapts experts, else none."""
+    return sorted(experts) if config.train_mlp and family.experts else []
 
 
 def peft_config(
-    present: set[str], config: LoraConfig, base_model: str, experts: Set[str] = frozenset()
+    present: set[str],
+    config: LoraConfig,
+    base_model: str,
+    family: Family,
+    experts: Set[str] = frozenset(),
 ) -> PeftLoraConfig:
     return PeftLoraConfig(
         r=config.rank,
         lora_alpha=LORA_ALPHA,
         lora_dropout=LORA_DROPOUT,
-        target_modules=target_modules(present, config),
-        target_parameters=target_parameters(experts, config) or None,
+        target_modules=target_modules(present, config, family),
+        target_parameters=target_parameters(experts, config, family) or None,
         base_model_name_or_path=base_model,
         task_type="CAUSAL_LM",
     )
@@ -200,6 +175,7 @@ class AdapterPool:
 
     def __init__(self, base: torch.nn.Module, base_model: str, max_resident: int) -> None:
         self.base = base
+        self.family = family_of(getattr(base, "config", ""))
         self.linear_names = linear_names(base)
         self.expert_parameters = expert_parameters(base)
         self.base_model = base_model
@@ -232,7 +208,9 @@ class AdapterPool:
     def add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
         """A fresh adapter: LoRA A from `seed` (B is zero), new AdamW."""
         name = adapter_name(model_id)
-        cfg = peft_config(self.linear_names, config, self.base_model, self.expert_parameters)
+        cfg = peft_config(
+            self.linear_names, config, self.base_model, self.family, self.expert_parameters
+        )
         torch.manual_seed(seed)  # PEFT initialises lora_A from the global generator
         self._attach(name, cfg)
         self.active = None

@@ -46,6 +46,7 @@ from queue_tinker.workers.model.adapters import (
     target_modules,
     target_parameters,
 )
+from queue_tinker.workers.model.families import GENERIC, Family, family_of
 from queue_tinker.workers.model.memory import (
     HEADROOM,
     Checkpointing,
@@ -57,8 +58,7 @@ from queue_tinker.workers.model.memory import (
     lora_copy_bytes,
     pass_bytes_per_token,
 )
-from queue_tinker.workers.model.tensor_parallel import ROW_PARALLEL
-from queue_tinker.workers.model.vision_language import VISION_TOWER, is_vl
+from queue_tinker.workers.model.vision_language import is_vl
 
 GIB = 1 << 30
 # A trained adapter's parameter: its fp32 weight, its gradient and AdamW's two moments.
@@ -162,6 +162,7 @@ class ModelShape:
     # Qwen3-MoE's and Mixtral's are in transformers 5.
     experts: tuple[tuple[str, int, int, int], ...] = ()
     tower: int = 0  # elements every rank holds whole, outside the language model (a vision tower)
+    family: Family = GENERIC  # what LoRA adapts, and how a group would split it
 
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
@@ -175,8 +176,11 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
     text = config.get_text_config()
     heads = int(text.num_attention_heads)
 
+    family = family_of(config)
+    frozen = set(family.frozen)
+
     def in_tower(name: str) -> bool:
-        return vision and VISION_TOWER in name.split(".")
+        return vision and bool(frozen.intersection(name.split(".")))
 
     return ModelShape(
         parameters=tuple(
@@ -192,6 +196,7 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         context_length=int(text.max_position_embeddings),
         experts=tuple((name, *p.shape) for name, p in stacked_experts(model)),
         tower=sum(p.numel() for name, p in model.named_parameters() if in_tower(name)),
+        family=family,
     )
 
 
@@ -418,8 +423,8 @@ class _Planner:
         settings = demand.settings
         experts = {_expert_name(name) for name, *_ in shape.experts}
         targets = (
-            *target_modules(linears, settings.lora),
-            *target_parameters(experts, settings.lora),
+            *target_modules(linears, settings.lora, shape.family),
+            *target_parameters(experts, settings.lora, shape.family),
         )
         weights = _weight_elements(shape, ranks, self.whole) * (self.weight_bytes or dtype_bytes)
         lora = _lora_params(shape, set(targets), settings.lora.rank, ranks, self.whole)
@@ -570,7 +575,7 @@ def _lora_params(
             continue
         if layer in whole:
             total += rank * (in_features + out_features)
-        elif layer in ROW_PARALLEL:
+        elif layer in shape.family.tensor_parallel.row:
             total += rank * math.ceil(in_features / ranks) + rank * out_features
         else:
             total += rank * in_features + rank * _split(layer, out_features, ranks, shape.kv_heads)
@@ -590,7 +595,7 @@ def _expert_lora_params(shape: ModelShape, targets: set[str], rank: int, ranks: 
         short = _expert_name(name)
         if short not in targets:
             continue
-        if short.rsplit(".", 1)[-1] in ROW_PARALLEL:
+        if short.rsplit(".", 1)[-1] in shape.family.tensor_parallel.row:
             total += experts * rank * (math.ceil(in_features / ranks) + out_features)
         else:
             total += experts * rank * (in_features + math.ceil(out_features / ranks))

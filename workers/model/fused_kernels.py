@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from queue_tinker.errors import WorkerFitError
+from queue_tinker.workers.model.families import family_of
 
 log = logging.getLogger(__name__)
 LigerKernels = Literal["auto", "on", "off"]
@@ -59,6 +60,10 @@ def apply_liger(model: torch.nn.Module) -> bool:
     )
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = family_of(model_type or "")
+    if not family.fused_kernels:
+        log.info("liger's kernels do not fit %s models: the model stays as it is", family.name)
+        return False
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         log.info("liger has no kernels for model type %s: the model stays as it is", model_type)
         return False

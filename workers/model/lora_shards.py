@@ -17,7 +17,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from queue_tinker.workers.model.tensor_parallel import COLUMN_PARALLEL, ROW_PARALLEL, Shards
+from queue_tinker.workers.model.families import TensorParallel
+from queue_tinker.workers.model.tensor_parallel import Shards
 
 
 def _layer_and_matrix(key: str) -> tuple[str, str] | None:
@@ -29,35 +30,37 @@ def _layer_and_matrix(key: str) -> tuple[str, str] | None:
     return None
 
 
-def shard_dim(key: str) -> int | None:
+def shard_dim(key: str, plan: TensorParallel) -> int | None:
     """The dimension a LoRA tensor is split on across ranks; None: whole on every rank."""
     found = _layer_and_matrix(key)
     if found is None:
         return None
     layer, matrix = found
-    if layer in COLUMN_PARALLEL and matrix == "lora_B":
+    if layer in plan.column and matrix == "lora_B":
         return 0
-    if layer in ROW_PARALLEL and matrix == "lora_A":
+    if layer in plan.row and matrix == "lora_A":
         return 1
     return None
 
 
-def partial_grad(key: str) -> bool:
+def partial_grad(key: str, plan: TensorParallel) -> bool:
     """Whether a whole LoRA tensor's gradient is computed in parts, one a rank, to be summed."""
     found = _layer_and_matrix(key)
     if found is None:
         return False
     layer, matrix = found
-    return (layer in COLUMN_PARALLEL and matrix == "lora_A") or (
-        layer in ROW_PARALLEL and matrix == "lora_B"
+    return (layer in plan.column and matrix == "lora_A") or (
+        layer in plan.row and matrix == "lora_B"
     )
 
 
-def split(tensors: Mapping[str, torch.Tensor], shards: Shards) -> dict[str, torch.Tensor]:
+def split(
+    tensors: Mapping[str, torch.Tensor], shards: Shards, plan: TensorParallel
+) -> dict[str, torch.Tensor]:
     """This rank's part of whole tensors (keyed as the adapter's parameters are)."""
     out = {}
     for key, tensor in tensors.items():
-        dim = shard_dim(key)
+        dim = shard_dim(key, plan)
         if dim is None:
             out[key] = tensor
         else:
@@ -66,12 +69,14 @@ def split(tensors: Mapping[str, torch.Tensor], shards: Shards) -> dict[str, torc
     return out
 
 
-def gather(tensors: Mapping[str, torch.Tensor], shards: Shards) -> dict[str, torch.Tensor]:
+def gather(
+    tensors: Mapping[str, torch.Tensor], shards: Shards, plan: TensorParallel
+) -> dict[str, torch.Tensor]:
     """The whole tensors from every rank's part (a collective: every rank calls it with the
     same keys in the same order)."""
     out = {}
     for key, tensor in tensors.items():
-        dim = shard_dim(key)
+        dim = shard_dim(key, plan)
         if dim is None or shards.world == 1:
             out[key] = tensor
             continue
@@ -81,7 +86,9 @@ def gather(tensors: Mapping[str, torch.Tensor], shards: Shards) -> dict[str, tor
     return out
 
 
-def grad_norm(params: Mapping[str, torch.nn.Parameter], shards: Shards) -> torch.Tensor:
+def grad_norm(
+    params: Mapping[str, torch.nn.Parameter], shards: Shards, plan: TensorParallel
+) -> torch.Tensor:
     """The 2-norm of the whole adapter's gradients: split tensors' squares summed over ranks,
     whole ones counted once."""
     device = next(iter(params.values())).device
@@ -91,7 +98,7 @@ def grad_norm(params: Mapping[str, torch.nn.Parameter], shards: Shards) -> torch
         if p.grad is None:
             continue
         square = p.grad.detach().float().pow(2).sum()
-        if shard_dim(key) is None:
+        if shard_dim(key, plan) is None:
             whole_sq += square
         else:
             split_sq += square

@@ -44,6 +44,7 @@ class ShardedAdapterPool(AdapterPool):
         super().__init__(base, base_model, max_resident)
         self.shards = shards
         self.whole_config = whole_config  # the config before sharding: a fresh adapter's shapes
+        self.plan = self.family.tensor_parallel  # how its LoRA tensors split, as the base's
 
     def add(self, model_id: str, tenant_id: str, config: LoraConfig, seed: int) -> Adapter:
         """A fresh adapter whose weights are this rank's part of the ones a one-process worker
@@ -58,9 +59,9 @@ class ShardedAdapterPool(AdapterPool):
         whole = self._initial_weights(model_id, config, seed)
         adapter = super().add(model_id, tenant_id, config, seed)
         self.load_weights(adapter, whole)
-        adapter.grad_norm = partial(lora_shards.grad_norm, shards=self.shards)
+        adapter.grad_norm = partial(lora_shards.grad_norm, shards=self.shards, plan=self.plan)
         for key, param in adapter.params.items():
-            if lora_shards.partial_grad(key):
+            if lora_shards.partial_grad(key, self.plan):
                 trains = param.requires_grad  # only the active adapter's do; hooks need it
                 param.requires_grad_(True)
                 param.register_hook(self._sum_over_ranks)
@@ -75,7 +76,9 @@ class ShardedAdapterPool(AdapterPool):
     ) -> dict[str, torch.Tensor]:
         name = adapter_name(model_id)
         skeleton = _weightless_model(self.whole_config, self.base_model)
-        cfg = peft_config(self.linear_names, config, self.base_model, self.expert_parameters)
+        cfg = peft_config(
+            self.linear_names, config, self.base_model, self.family, self.expert_parameters
+        )
         torch.manual_seed(seed)  # as AdapterPool.add: PEFT draws lora_A from the global generator
         with peft_deprecation_quiet():
             peft = get_peft_model(skeleton, cfg, adapter_name=name)
@@ -89,27 +92,27 @@ class ShardedAdapterPool(AdapterPool):
     # --- state in and out: whole outside, split inside --------------------------------------
     def export(self, adapter: Adapter, meta: CheckpointMeta) -> AdapterState:
         state = super().export(adapter, meta)
-        state.weights = lora_shards.gather(state.weights, self.shards)
-        state.exp_avg = lora_shards.gather(state.exp_avg, self.shards)
-        state.exp_avg_sq = lora_shards.gather(state.exp_avg_sq, self.shards)
-        state.grads = lora_shards.gather(state.grads, self.shards)
+        state.weights = lora_shards.gather(state.weights, self.shards, self.plan)
+        state.exp_avg = lora_shards.gather(state.exp_avg, self.shards, self.plan)
+        state.exp_avg_sq = lora_shards.gather(state.exp_avg_sq, self.shards, self.plan)
+        state.grads = lora_shards.gather(state.grads, self.shards, self.plan)
         return state
 
     def load_weights(self, adapter: Adapter, weights: dict[str, torch.Tensor]) -> None:
-        super().load_weights(adapter, lora_shards.split(weights, self.shards))
+        super().load_weights(adapter, lora_shards.split(weights, self.shards, self.plan))
 
     def load_optimizer(self, adapter: Adapter, state: AdapterState) -> None:
         part = AdapterState(
             meta=state.meta,
             weights=state.weights,
-            exp_avg=lora_shards.split(state.exp_avg, self.shards),
-            exp_avg_sq=lora_shards.split(state.exp_avg_sq, self.shards),
+            exp_avg=lora_shards.split(state.exp_avg, self.shards, self.plan),
+            exp_avg_sq=lora_shards.split(state.exp_avg_sq, self.shards, self.plan),
             grads=state.grads,
         )
         super().load_optimizer(adapter, part)
 
     def load_grads(self, adapter: Adapter, grads: dict[str, torch.Tensor]) -> None:
-        super().load_grads(adapter, lora_shards.split(grads, self.shards))
+        super().load_grads(adapter, lora_shards.split(grads, self.shards, self.plan))
 
     def _load_frozen(self, directory: Path, name: str) -> None:
         """PEFT's loaders check shapes against the whole files: add the adapter from its
@@ -119,7 +122,7 @@ class ShardedAdapterPool(AdapterPool):
         self._attach(name, cfg)
         whole = load_file(str(directory / WEIGHTS))
         set_peft_model_state_dict(
-            self.peft, lora_shards.split(whole, self.shards), adapter_name=name
+            self.peft, lora_shards.split(whole, self.shards, self.plan), adapter_name=name
         )
         for param in self._params_of(name).values():
             param.requires_grad_(False)

@@ -31,14 +31,7 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from queue_tinker.errors import WorkerGroupError
-
-# The decoders whose attention/MLP layout this module knows (q/k/v/o, gate/up/down).
-SHARDABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# Linear layers split along their output (column) and along their input (row); the fit
-# planner counts a group rank's share of each the same way.
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
-
+from queue_tinker.workers.model.families import family_of, shardable_families
 
 # A base model a worker group cannot shard; the message names the setting and why.
 ShardingError = WorkerGroupError
@@ -88,10 +81,10 @@ def check_shardable(config: PretrainedConfig, world: int) -> None:
             f"base model type {model_type!r}: mixture-of-experts models are not served by a "
             "sharded worker group (experts are not split); run it with --ranks 1"
         )
-    if model_type not in SHARDABLE_MODEL_TYPES:
+    if not family_of(config).shards:
         raise ShardingError(
             f"base model type {model_type!r}: a sharded worker group splits only "
-            f"{', '.join(sorted(SHARDABLE_MODEL_TYPES))} decoders"
+            f"{', '.join(shardable_families())} decoders"
         )
     heads = int(config.num_attention_heads)
     sizes = {
@@ -151,11 +144,12 @@ def shard_decoder(model: torch.nn.Module, shards: Shards) -> None:
     head_dim = int(
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     )
+    plan = family_of(config).tensor_parallel
     for layer in _decoder_layers(model):
         attention, mlp = layer.self_attn, layer.mlp
-        for name in COLUMN_PARALLEL:
+        for name in plan.column:
             _keep_out_features(_child(attention, mlp, name), shards)
-        for name in ROW_PARALLEL:
+        for name in plan.row:
             _keep_in_features(_child(attention, mlp, name), shards)
         for block in (attention, mlp):
             block.register_forward_pre_hook(_input_hook(shards), with_kwargs=True)

@@ -1,12 +1,13 @@
-"""The vision-language side of a base model (Qwen2-VL's architecture): building the built-in
-tiny one, and turning a model input's image chunks into what the model reads.
+"""The vision-language side of a base model (its family's vision tower, families/): building the
+built-in tiny one, and turning a model input's image chunks into what the model reads.
 
 An image chunk takes `n` positions of the sequence, each the model's image placeholder token
 (`image_token_id`), where `n` is what the model's image processor makes of it: its grid of
 patches (after resizing to the processor's pixel bounds) over the spatial merge. The vision
 tower turns the pixel values into `n` embeddings that replace those placeholders' and the
 language model gives them 3-D (time, height, width) rotary positions. The vision tower is
-frozen: LoRA adapts the language model's linears only (adapters.py leaves `visual` out).
+frozen: LoRA adapts the language model's linears only (adapters.py leaves the family's frozen
+modules out).
 """
 
 from __future__ import annotations
@@ -18,13 +19,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import (
-    AutoImageProcessor,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2VLConfig,
-    Qwen2VLForConditionalGeneration,
-)
+from transformers import AutoImageProcessor, PretrainedConfig, PreTrainedModel
 
 from queue_tinker.builtin_models import (
     BOS_ID,
@@ -39,11 +34,10 @@ from queue_tinker.builtin_models import (
 from queue_tinker.errors import UserInputError
 from queue_tinker.types.requests.images import refuse_images
 from queue_tinker.types.tensors import EncodedTextChunk, ImageChunk, ModelInput
+from queue_tinker.workers.model.families import VisionTower, family_of
 
 # Pillow's names of the formats a chunk may say.
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG"}
-# Module names under which a vision tower lives (Qwen2-VL / Qwen2.5-VL / Qwen3-VL: `visual`).
-VISION_TOWER = "visual"
 
 
 def is_vl(config: PretrainedConfig) -> bool:
@@ -52,35 +46,34 @@ def is_vl(config: PretrainedConfig) -> bool:
 
 
 # --- the built-in model ---------------------------------------------------------------------
-def builtin_vl_config(spec: BuiltinModel) -> Qwen2VLConfig:
+def tower_of(model_type: str) -> VisionTower:
+    """The vision side of a vision-language family (its registry entry)."""
+    vision = family_of(model_type).vision
+    if vision is None:
+        raise ValueError(f"model type {model_type!r}: no vision-language family has it")
+    return vision
+
+
+def builtin_vl_config(spec: BuiltinModel) -> PretrainedConfig:
     assert spec.vision is not None
     text = {**spec.config, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-    return Qwen2VLConfig(
-        text_config=text,
-        vision_config=spec.vision,
-        image_token_id=IMAGE_PAD_ID,
-        video_token_id=VIDEO_PAD_ID,
-        vision_start_token_id=VISION_START_ID,
-        vision_end_token_id=VISION_END_ID,
-        tie_word_embeddings=False,
-    )
+    tokens = {
+        "image_token_id": IMAGE_PAD_ID,
+        "video_token_id": VIDEO_PAD_ID,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
+    }
+    return tower_of(spec.model_type).builtin_config(text, spec.vision, tokens)
 
 
 def model_of(config: PretrainedConfig) -> PreTrainedModel:
-    return Qwen2VLForConditionalGeneration(cast(Qwen2VLConfig, config))
+    return tower_of(config.model_type).model_of(config)
 
 
 def write_image_processor(spec: BuiltinModel, directory: Path) -> None:
-    """The model's image processor (preprocessor_config.json), as its processor would save it.
-    The Pillow implementation: torchvision, which the other one needs, is no dependency."""
-    try:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil as Processor,
-        )
-    except ImportError:  # transformers before the Pillow / torchvision split: one class
-        from transformers import Qwen2VLImageProcessor as Processor  # type: ignore[assignment]
-
-    Processor(**(spec.image_processor or {})).save_pretrained(str(directory))
+    """The model's image processor (preprocessor_config.json), as its processor would save it."""
+    processor = tower_of(spec.model_type).image_processor()
+    processor(**(spec.image_processor or {})).save_pretrained(str(directory))
 
 
 # --- images in a model input ----------------------------------------------------------------

@@ -30,6 +30,7 @@ from queue_tinker.workers.model.adapters import (
     peft_config,
 )
 from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.model.families import family_of
 
 BUILTINS = (
     "queue-tinker/tiny-qwen3",
@@ -63,7 +64,8 @@ def reference(driver: BatchDriver, root: Path, config: LoraConfig) -> torch.nn.M
     base.eval()
     base.config._attn_implementation = "eager"
     base.config._experts_implementation = "eager"
-    cfg = peft_config(linear_names(base), config, driver.base, expert_parameters(base))
+    family = family_of(base.config)
+    cfg = peft_config(linear_names(base), config, driver.base, family, expert_parameters(base))
     with warnings.catch_warnings(), native_targets():
         warnings.simplefilter("ignore")
         peft = get_peft_model(base, cfg, adapter_name="ref")

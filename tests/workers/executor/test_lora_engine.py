@@ -54,6 +54,7 @@ from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.checkpoints import META_FILE, snapshot_dir
+from queue_tinker.workers.model.families import family_of
 from queue_tinker.workers.training.engine import default_seed
 
 VOCAB = 259
@@ -82,7 +83,9 @@ def reference_model(models_dir: Path, seed: int, rank: int = RANK) -> torch.nn.M
     base = load_base_model(BASE, "cpu", models_dir)
     base.eval()
     base.name_or_path = BASE  # as the engine does: adapter configs name the public base
-    cfg = peft_config(linear_names(base), LoraConfig(rank=rank, seed=seed), BASE)
+    cfg = peft_config(
+        linear_names(base), LoraConfig(rank=rank, seed=seed), BASE, family_of(base.config)
+    )
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.filterwarnings(

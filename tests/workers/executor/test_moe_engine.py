@@ -40,6 +40,7 @@ from queue_tinker.workers.interface import OpResult
 from queue_tinker.workers.model.adapters import expert_parameters, linear_names, peft_config
 from queue_tinker.workers.model.base_model import load_base_model
 from queue_tinker.workers.model.checkpoints import read_state
+from queue_tinker.workers.model.families import family_of
 
 MOE = "queue-tinker/tiny-moe"
 EXPERT = ".mlp.experts."
@@ -72,7 +73,9 @@ def reference(root: Path, config: LoraConfig, weights: Tensors) -> torch.nn.Modu
     base = load_base_model(MOE, "cpu", root / "models")
     base.eval()
     base.config._experts_implementation = "eager"
-    cfg = peft_config(linear_names(base), config, MOE, expert_parameters(base))
+    cfg = peft_config(
+        linear_names(base), config, MOE, family_of(base.config), expert_parameters(base)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peft = get_peft_model(base, cfg, adapter_name="ref")

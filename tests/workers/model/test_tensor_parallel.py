@@ -18,9 +18,11 @@ from transformers import AutoConfig
 
 from queue_tinker.workers.model import lora_shards
 from queue_tinker.workers.model.base_model import ensure_builtin_model
+from queue_tinker.workers.model.families import family_of
 from queue_tinker.workers.model.tensor_parallel import ShardingError, Shards, check_shardable
 
 KEY = "base_model.model.model.layers.0.{}.{}.weight"
+PLAN = family_of("llama").tensor_parallel
 CLOSE = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -41,19 +43,19 @@ def test_lora_tensors_follow_their_layers_split(
     """B of a column-parallel layer and A of a row-parallel one are split; the other is whole
     and its gradient comes in parts; the unembedding's LoRA is whole on every rank."""
     key = KEY.format(layer, matrix)
-    assert lora_shards.shard_dim(key) == dim
-    assert lora_shards.partial_grad(key) is partial
+    assert lora_shards.shard_dim(key, PLAN) == dim
+    assert lora_shards.partial_grad(key, PLAN) is partial
     head = "base_model.model.lm_head.lora_B.weight"
-    assert lora_shards.shard_dim(head) is None and not lora_shards.partial_grad(head)
+    assert lora_shards.shard_dim(head, PLAN) is None and not lora_shards.partial_grad(head, PLAN)
 
 
 def test_split_parts_join_to_the_whole() -> None:
     """The ranks' parts of a tensor, put side by side, are the tensor."""
     whole = {KEY.format("self_attn.q_proj", "lora_B"): torch.arange(32.0).reshape(8, 4)}
     whole[KEY.format("mlp.down_proj", "lora_A")] = torch.arange(24.0).reshape(4, 6)
-    parts = [lora_shards.split(whole, Shards(rank, 2)) for rank in range(2)]
+    parts = [lora_shards.split(whole, Shards(rank, 2), PLAN) for rank in range(2)]
     for key, tensor in whole.items():
-        dim = lora_shards.shard_dim(key)
+        dim = lora_shards.shard_dim(key, PLAN)
         assert dim is not None
         assert torch.equal(torch.cat([p[key] for p in parts], dim=dim), tensor)
 

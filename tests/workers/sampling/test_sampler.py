@@ -27,6 +27,7 @@ from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.types.requests.training import LoraConfig
 from queue_tinker.workers.model.adapters import linear_names, peft_config
 from queue_tinker.workers.model.base_model import cache_keyword, load_base_model
+from queue_tinker.workers.model.families import family_of
 from queue_tinker.workers.model.lora.row_blocks import blocks_of
 from queue_tinker.workers.sampling import decode_loop as sampler
 from queue_tinker.workers.sampling import token_choice
@@ -91,7 +92,7 @@ def with_adapters(base: torch.nn.Module) -> PeftModel:
     model: PeftModel | None = None
     draws = torch.Generator().manual_seed(1234)
     for seed, (name, (config, std)) in enumerate(ADAPTERS.items()):
-        cfg = peft_config(present, config, BASE)
+        cfg = peft_config(present, config, BASE, family_of(base.config))
         torch.manual_seed(seed)  # PEFT initialises lora_A from the global generator
         with warnings.catch_warnings():
             warnings.filterwarnings(
@@ -1226,7 +1227,7 @@ def test_modules_added_with_an_adapter_sample_in_eval_mode(setup: Setup) -> None
     model = copy.deepcopy(setup.model)
     run(setup, [request(PROMPTS[0], "a1", max_tokens=3, temperature=0)], model=model)
     present = linear_names(setup.plain)  # the same architecture, unwrapped
-    config = peft_config(present, LoraConfig(rank=4), BASE)
+    config = peft_config(present, LoraConfig(rank=4), BASE, family_of(setup.plain.config))
     config.lora_dropout = 0.5  # checkpoints trained elsewhere may carry one
     model.add_adapter("late", config)
     with torch.no_grad():

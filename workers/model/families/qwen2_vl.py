@@ -1,0 +1,60 @@
+"""Qwen2-VL (and Qwen2.5-VL): a vision tower (`visual`) whose merged patches take the image
+placeholders' embeddings, under 3-D (time, height, width) rotary positions."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from transformers import (
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+from queue_tinker.workers.model.families.family import Family, VisionTower
+
+
+def _builtin_config(
+    text: dict[str, Any], vision: dict[str, Any], tokens: dict[str, int]
+) -> PretrainedConfig:
+    return Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokens["image_token_id"],
+        video_token_id=tokens["video_token_id"],
+        vision_start_token_id=tokens["vision_start_token_id"],
+        vision_end_token_id=tokens["vision_end_token_id"],
+        tie_word_embeddings=False,
+    )
+
+
+def _model_of(config: PretrainedConfig) -> PreTrainedModel:
+    return Qwen2VLForConditionalGeneration(cast(Qwen2VLConfig, config))
+
+
+def _image_processor() -> type[Any]:
+    """The Pillow implementation: torchvision, which the other one needs, is no dependency."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+    except ImportError:  # transformers before the Pillow / torchvision split: one class
+        from transformers import Qwen2VLImageProcessor
+
+        return cast(type[Any], Qwen2VLImageProcessor)
+    return cast(type[Any], Qwen2VLImageProcessorPil)
+
+
+FAMILY = Family(
+    name="Qwen2-VL",
+    model_types=frozenset({"qwen2_vl", "qwen2_5_vl"}),
+    vision=VisionTower(
+        model_of=_model_of,
+        builtin_config=_builtin_config,
+        image_processor=_image_processor,
+    ),
+    frozen=("visual",),
+    fused_kernels=True,
+    builtins=("queue-tinker/tiny-vl",),
+)
