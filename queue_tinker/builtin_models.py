@@ -147,6 +147,52 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             },
         ),
         BuiltinModel(
+            name="queue-tinker/tiny-qwen3-vl",
+            description=(
+                "Qwen3-VL, 2 text layers (hidden 64) and a 2-block vision tower over 4x4 "
+                "patches (the first block's features deepstacked), byte tokenizer + vision "
+                "tokens; images as tiny-vl's; 178,336 params (tests)."
+            ),
+            model_type="qwen3_vl",
+            config={
+                "vocab_size": VL_VOCAB_SIZE,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [2, 3, 3],
+                    "mrope_interleaved": True,
+                },
+            },
+            vision={
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "patch_size": 4,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "in_channels": 3,
+                "out_hidden_size": 64,
+                "num_position_embeddings": 16,
+                "deepstack_visual_indexes": [0],
+            },
+            image_processor={
+                "patch_size": 4,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "min_pixels": 8 * 8,
+                "max_pixels": 64 * 64,
+            },
+        ),
+        BuiltinModel(
             name="queue-tinker/tiny-moe",
             description=(
                 "Qwen3-MoE, 2 layers, hidden 64, 4 experts (top 2), byte tokenizer; 156,928 "

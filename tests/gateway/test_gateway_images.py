@@ -22,6 +22,7 @@ from queue_tinker.errors import RequestFailedError, UserInputError
 from queue_tinker.settings import Settings
 
 VL = "queue-tinker/tiny-vl"
+QWEN3_VL = "queue-tinker/tiny-qwen3-vl"  # Tinker's vision family
 IMAGE_TOKENS = 12  # a 24x32 image: 6x8 patches of 4x4 pixels, merged 2x2
 MAX_IMAGE_BYTES = 16 * 1024
 MAX_IMAGE_PIXELS = 20_000
@@ -35,6 +36,7 @@ def deployment(redis_url: str, database_url: str) -> Iterator[Settings]:
         redis_url,
         database_url,
         VL,
+        also=(QWEN3_VL,),
         max_image_bytes=MAX_IMAGE_BYTES,
         max_image_pixels=MAX_IMAGE_PIXELS,
     ) as settings:
@@ -82,12 +84,14 @@ def sft_datum(data: bytes, answer: bytes, **image_fields: object) -> types.Datum
     )
 
 
+@pytest.mark.parametrize("base_model", [VL, QWEN3_VL], ids=["qwen2-vl", "qwen3-vl"])
 def test_sdk_trains_on_images_and_samples_from_an_image_prompt(
-    sdk_service: tinker.ServiceClient,
+    sdk_service: tinker.ServiceClient, base_model: str
 ) -> None:
     """SFT on image + text through the SDK: the loss falls; the sampler's weights sample from
     an image prompt, and the same text with another image gets other prompt logprobs."""
-    trainer = sdk_service.create_lora_training_client(base_model=VL, rank=4, seed=1).result()
+    created = sdk_service.create_lora_training_client(base_model=base_model, rank=4, seed=1)
+    trainer = created.result()
     data = [sft_datum(RED, b" red"), sft_datum(BLUE, b" blue")]
     adam = types.AdamParams(learning_rate=5e-3)
     losses = []

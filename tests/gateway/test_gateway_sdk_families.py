@@ -1,7 +1,7 @@
 """The official `tinker` SDK, unchanged, on each family's tiny built-in: one real
 `queue-tinker serve` and a LoRA worker per base model (Qwen3 dense, gpt-oss, DeepSeek-V3,
-Qwen3.5). A user's first loop on each: create, forward_backward + optim_step until the loss is
-at most half, save the weights for a sampler, and sample from them."""
+Qwen3.5, Qwen3-VL). A user's first loop on each: create, forward_backward + optim_step until the
+loss is at most half, save the weights for a sampler, and sample from them."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ FAMILIES = (
     "queue-tinker/tiny-gpt-oss",
     "queue-tinker/tiny-deepseek-v3",
     "queue-tinker/tiny-qwen3.5",
+    "queue-tinker/tiny-qwen3-vl",
 )
 PAIRS = [("Q: 2+2?\nA:", " 4\n"), ("Q: 3+5?\nA:", " 8\n"), ("Q: 7-4?\nA:", " 3\n")]
 

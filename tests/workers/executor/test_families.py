@@ -1,6 +1,7 @@
 """The LoRA engine on each family's tiny built-in that tiny-llama's and tiny-moe's tests do not
 cover: Qwen3 dense, gpt-oss (sinks, a sliding-window layer, experts), DeepSeek-V3 (latent
-attention, shared + routed experts) and Qwen3.5 (linear-attention layers with a recurrent state).
+attention, shared + routed experts), Qwen3.5 (linear-attention layers with a recurrent state) and
+Qwen3-VL on text (its images: test_vision_language.py).
 
 References come from outside the engine: transformers' eager model with PEFT's own forward on
 the engine's adapter weights, in fp32; the same requests sampled alone; the padded step.
@@ -37,6 +38,7 @@ BUILTINS = (
     "queue-tinker/tiny-gpt-oss",
     "queue-tinker/tiny-deepseek-v3",
     "queue-tinker/tiny-qwen3.5",
+    "queue-tinker/tiny-qwen3-vl",
 )
 TEXTS = ["hello lora world", "the quick brown fox jumps", "queue tinker!"]
 
@@ -98,7 +100,8 @@ def test_logprobs_and_lora_gradients_equal_transformers_and_peft(
         and hasattr(module, "lora_A")
     ]
     linears = linear_names(load_base_model(family.base, "cpu", root / "models"))
-    assert len(mlp) == 3 * len(peft.get_base_model().model.layers) or "gate_proj" not in linears
+    layers = peft.get_base_model().config.get_text_config().num_hidden_layers
+    assert len(mlp) == 3 * layers or "gate_proj" not in linears
     for name in mlp:
         assert f"base_model.model.{name}.lora_A.weight" in state.weights, name
     with torch.no_grad():

@@ -22,7 +22,7 @@ from queue_tinker.types.tensors import Datum, EncodedTextChunk, ImageChunk, Mode
 from queue_tinker.workers.executor.lora import LoraExecutor
 from queue_tinker.workers.model.vision_language import joined, rope_positions
 
-VL = "queue-tinker/tiny-vl"
+VL_BUILTINS = ("queue-tinker/tiny-vl", "queue-tinker/tiny-qwen3-vl")  # Qwen2-VL, Qwen3-VL
 TEXT = "queue-tinker/tiny-llama"
 IMAGE_TOKENS = 12  # a 24x32 image: 6x8 patches of 4x4 pixels, merged 2x2
 
@@ -65,9 +65,11 @@ def scored_datum(model_input: ModelInput, answer: bytes) -> Datum:
     )
 
 
-@pytest.fixture(scope="module")
-def vl(scratch: Path) -> Driver:
-    return Driver(LoraExecutor(VL, "cpu", scratch / "vl-storage", scratch / "models"), scratch)
+@pytest.fixture(scope="module", params=VL_BUILTINS, ids=lambda name: name.split("/")[1])
+def vl(request: pytest.FixtureRequest, scratch: Path) -> Driver:
+    name = request.param
+    storage = scratch / f"{name.split('/')[1]}-storage"
+    return Driver(LoraExecutor(name, "cpu", storage, scratch / "models"), scratch, name)
 
 
 def sample_op(engine: LoraExecutor, seq: int, prompt: ModelInput, **body: Any) -> Op:
@@ -88,7 +90,7 @@ def test_sampling_an_image_prompt_scores_what_a_forward_pass_scores(vl: Driver) 
     logprob are what a forward pass over the prompt and the tokens gives (the decode steps'
     positions follow the image's 3-D ones); another image changes them, the same one not."""
     vl.create("fwd")
-    create = {"base_model": VL, "tenant_id": "default"}
+    create = {"base_model": vl.base, "tenant_id": "default"}
     run_op(vl.engine, Op("s:0", "s", 0, OpKind.CREATE_SAMPLING_SESSION, codec.encode(create)))
     red, blue, again = run_stepped(
         vl.engine,
@@ -118,7 +120,7 @@ def test_image_prompts_never_share_the_prefix_cache(vl: Driver) -> None:
     """Two images expand to the same placeholder ids: a prompt holding one never joins from,
     or seeds, the sampler's prefix cache, so the second image is not answered from the
     first's states (no cache hit, other logprobs)."""
-    create = {"base_model": VL, "tenant_id": "default"}
+    create = {"base_model": vl.base, "tenant_id": "default"}
     run_op(vl.engine, Op("s:0", "s", 0, OpKind.CREATE_SAMPLING_SESSION, codec.encode(create)))
     long_text = b"it is, as one can see in the picture above, a colour"  # past a cache block
     red, blue = (  # one after the other: the second is admitted once the first is done

@@ -22,6 +22,7 @@ from queue_tinker.workers.model.families import (
     qwen3,
     qwen3_5,
     qwen3_moe,
+    qwen3_vl,
 )
 from queue_tinker.workers.model.families.family import Family, TensorParallel, VisionTower
 
@@ -30,6 +31,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
     qwen2_vl.FAMILY,
+    qwen3_vl.FAMILY,
     gpt_oss.FAMILY,
     deepseek_v3.FAMILY,
     qwen3_5.FAMILY,
