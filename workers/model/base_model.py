@@ -20,10 +20,12 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    FineGrainedFP8Config,
     PretrainedConfig,
     PreTrainedModel,
 )
 from transformers.utils import logging as transformers_logging
+from transformers.utils.quantization_config import Mxfp4Config, QuantizationConfigMixin
 
 from queue_tinker.builtin_models import (
     BOS_ID,
@@ -143,14 +145,39 @@ def load_base_model(
     # Typed as a plain Module: transformers' wrapped `.to` confuses type checkers.
     # A vision-language model (a vision_config) is an image-text-to-text model to transformers.
     auto = AutoModelForImageTextToText if vision_language.is_vl(config) else AutoModelForCausalLM
+    quantized = dequantized(config)
     model: torch.nn.Module = auto.from_pretrained(
-        path, config=config, dtype=resolve_dtype(dtype, device)
+        path,
+        config=config,
+        dtype=resolve_dtype(dtype, device),
+        **({"quantization_config": quantized} if quantized is not None else {}),
     )
     if prepare is not None:
         prepare(model)
     model.to(device)
     model.requires_grad_(False)
     return model
+
+
+# Quantized checkpoints LoRA cannot train through (transformers refuses to train MXFP4 experts,
+# and FP8 blocks have no backward), by their quant_method: their weights are dequantized to the
+# compute dtype as they load. Left to itself, transformers keeps MXFP4 where the `kernels`
+# package is installed, and dequantizes only where it is not.
+_DEQUANTIZED: dict[str, type[QuantizationConfigMixin]] = {
+    "mxfp4": Mxfp4Config,
+    "fp8": FineGrainedFP8Config,
+}
+
+
+def dequantized(config: PretrainedConfig) -> QuantizationConfigMixin | None:
+    """The quantization config to load a checkpoint with, dequantizing; None for a checkpoint
+    not quantized (or in a format transformers trains through as it is)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    settings = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    kind = _DEQUANTIZED.get(str(settings.get("quant_method")))
+    return None if kind is None else kind.from_dict({**settings, "dequantize": True})
 
 
 def load_config(path: str) -> PretrainedConfig:
