@@ -188,3 +188,32 @@ def test_samples_sharing_steps_equal_each_alone(family: BatchDriver) -> None:
         for a, b in zip(got["sequences"], want["sequences"], strict=True):
             assert len(a["tokens"]) == 10 and a["tokens"] == b["tokens"]
             np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+
+
+# The families whose decode steps run on slots (slot_decode.slots_fit): plain KV in every
+# layer, full attention, no experts' wrappers, one axis of positions.
+ON_SLOTS = {"queue-tinker/tiny-qwen3"}
+
+
+def test_the_slot_step_samples_what_the_padded_step_samples(family: BatchDriver) -> None:
+    """The same seeded requests on a worker that decodes on slots (QT_DECODE_STEP=slots) give
+    the padded step's tokens and logprobs; a family the slots cannot take decodes padded
+    there, and says so by leaving the slots empty."""
+    slots = BatchDriver(
+        family.storage.parent,
+        f"{family.storage.name}-slots",
+        base=family.base,
+        decode_step="slots",
+    )
+    bodies = sample_ops(family, "kinds")
+    assert sample_ops(slots, "kinds") == bodies  # the same checkpoint, made on each worker
+    for i, body in enumerate(bodies):
+        padded = run_op(family.engine, family.make(f"p{i}", OpKind.SAMPLE, body.model_dump()))
+        slotted = run_op(slots.engine, slots.make(f"s{i}", OpKind.SAMPLE, body.model_dump()))
+        got, want = codec.decode(slotted.result), codec.decode(padded.result)
+        for a, b in zip(got["sequences"], want["sequences"], strict=True):
+            assert a["tokens"] == b["tokens"]
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+    decoder = slots.engine.sampling._loop_of().slots
+    assert decoder is not None
+    assert (decoder.kv is not None) is (family.base in ON_SLOTS)
