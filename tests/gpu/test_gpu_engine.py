@@ -49,6 +49,17 @@ cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="checks what only CUDA d
 
 BASE = "queue-tinker/llama-100m"
 MOE, VL = "queue-tinker/tiny-moe", "queue-tinker/tiny-vl"
+QWEN3_VL = "queue-tinker/tiny-qwen3-vl"
+# Every family's tiny built-in beyond tiny-llama's family (docs/architecture.md, families/).
+FAMILY_BUILT_INS = (
+    MOE,
+    VL,
+    "queue-tinker/tiny-qwen3",
+    "queue-tinker/tiny-gpt-oss",
+    "queue-tinker/tiny-deepseek-v3",
+    "queue-tinker/tiny-qwen3.5",
+    QWEN3_VL,
+)
 ADAM = AdamParams(learning_rate=1e-3)
 LOSS_RTOL = 2e-2  # bf16: 8 significant bits, through 12 layers and a sum over tokens
 GRAD_RTOL = 0.1
@@ -358,7 +369,7 @@ def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     assert used <= 1.5 * estimate + (256 << 20), (used, estimate, planned)  # + a logits chunk
 
 
-# --- the mixture-of-experts and vision-language built-ins --------------------------------------
+# --- every family's built-in ---------------------------------------------------------------------
 def image_prompt() -> ModelInput:
     """Text, a 32x24 PNG (12 image tokens on tiny-vl), text."""
     from io import BytesIO
@@ -379,9 +390,9 @@ def image_prompt() -> ModelInput:
 
 
 def built_in_data(base: str, seed: int) -> list[Datum]:
-    """Two text rows, and on tiny-vl a third whose prompt holds an image."""
+    """Two text rows, and on a vision-language built-in a third whose prompt holds an image."""
     batch = data(2, 48, seed)
-    if base == VL:
+    if base in (VL, QWEN3_VL):
         prompt = image_prompt()
         targets = np.zeros(prompt.length, dtype=np.int64)
         targets[-5:] = list(b" red.")
@@ -389,12 +400,21 @@ def built_in_data(base: str, seed: int) -> list[Datum]:
     return batch
 
 
-@pytest.fixture(scope="module", params=[MOE, VL])
+@pytest.fixture(scope="module", params=FAMILY_BUILT_INS, ids=lambda name: name.rsplit("/", 1)[-1])
 def built_in(
     request: pytest.FixtureRequest, scratch: Path
 ) -> tuple[str, LoraExecutor, LoraExecutor]:
-    """(base model, fp32 engine on the device, fp32 engine on the CPU) on one storage."""
+    """(base model, fp32 engine on the device, fp32 engine on the CPU) on one storage; a
+    family the device's transformers lacks is skipped, naming it (scripts/gpu_wheels would
+    carry the lock's transformers)."""
+    from transformers import CONFIG_MAPPING
+
+    from queue_tinker.builtin_models import BUILTIN_MODELS
+
     base: str = request.param
+    model_type = BUILTIN_MODELS[base].model_type
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type} models")
     name = base.rsplit("/", 1)[-1]
     engines = (
         LoraExecutor(
@@ -407,6 +427,14 @@ def built_in(
         for device in (DEVICE, "cpu")
     )
     return (base, *engines)  # type: ignore[return-value]
+
+
+def experts_in(base: str) -> bool:
+    """Whether a built-in's family adapts stacked experts (its registry entry says)."""
+    from queue_tinker.builtin_models import BUILTIN_MODELS
+    from queue_tinker.workers.model.families import family_of
+
+    return family_of(BUILTIN_MODELS[base].model_type).experts
 
 
 def test_a_built_in_trains_and_reloads_on_the_device_as_on_the_cpu(
@@ -424,7 +452,7 @@ def test_a_built_in_trains_and_reloads_on_the_device_as_on_the_cpu(
         losses.append(run.forward_backward(built_in_data(base, 41)))
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)
     expected, got = on_cpu.grads(), on_device.grads()
-    assert any("experts" in key for key in expected) == (base == MOE)
+    assert any("experts" in key for key in expected) == experts_in(base)
     for key in expected:
         error = float((got[key] - expected[key]).norm())
         assert error <= 1e-4 * float(expected[key].norm()) + 1e-7, key
@@ -445,7 +473,9 @@ def test_a_built_in_samples_seeded_on_the_device(
     run.forward_backward(built_in_data(base, 42))
     run.op(OpKind.OPTIM_STEP, ADAM.model_dump())
     path = run.op(OpKind.SAVE_WEIGHTS_FOR_SAMPLER, {"name": "w", "ttl_seconds": None})["path"]
-    prompt = image_prompt() if base == VL else ModelInput.from_ints(list(b"Q: 2+2?\nA:"))
+    prompt = (
+        image_prompt() if base in (VL, QWEN3_VL) else ModelInput.from_ints(list(b"Q: 2+2?\nA:"))
+    )
     sampled_twice(
         device,
         {"tenant_id": "t", "base_model": base, "model_path": path},
