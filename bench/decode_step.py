@@ -16,9 +16,11 @@ import torch
 from bench.harness import cli
 from bench.harness.baselines import generate, left_padded
 from bench.harness.data import sampling_params
+from bench.harness.engine import set_lora_matmuls
+from bench.harness.kernel_count import Counts, count_kernels
 from bench.harness.machine import announce, engine_machine
 from bench.harness.meters import synchronize, timed
-from bench.harness.models import Shape, add_adapters, build_model, lora_pool
+from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
 from bench.harness.report import Report, Table, docs_of, emit
 from bench.mfu import SHAPES
 from queue_tinker.types.requests.training import LoraConfig
@@ -28,7 +30,10 @@ from queue_tinker.workers.sampling.decode_loop import DecodeLoop, Finished, Gene
 from queue_tinker.workers.sampling.slot_decode import DecodeStep, decode_step_of
 
 SECTION = "## Decode step: slots and CUDA graphs against the memory floor"
+COUNT_SECTION = "## Kernels of a decode step, counted without a GPU"
 COMMAND = ".venv/bin/python -m bench.decode_step"
+# --count: the step the sampling issue's targets are set at (64 rows, 1,280 tokens filled).
+COUNT_ROWS, COUNT_FILLED = 64, 1280
 # The captured step first: on a GPU it is the figure that matters, and a run cut short by its
 # time limit should have it; then the default (padded), then the eager slots.
 KINDS = ("graphs", "padded", "slots")
@@ -148,11 +153,11 @@ def copy_rate(device: torch.device) -> float:
     return 2 * 5 * size / timed(lambda: [target.copy_(source) for _ in range(5)], device)
 
 
-def floor_ms(
-    model: torch.nn.Module, shape: Shape, rows: int, context: int, lora_bytes: int, rate: float
-) -> float:
-    """The bytes a decode step must read, over the copy rate: the linears' weights (the
-    embedding is gathered, not read), LoRA's A and B, each row's keys and values."""
+def floor_bytes(
+    model: torch.nn.Module, shape: Shape, rows: int, context: int, lora_bytes: int
+) -> int:
+    """The bytes a decode step must read: the linears' weights (the embedding is gathered,
+    not read), LoRA's A and B, each row's keys and values."""
     weights = sum(
         module.weight.nbytes
         for name, module in model.named_modules()
@@ -160,7 +165,14 @@ def floor_ms(
     )
     itemsize = next(model.parameters()).element_size()
     kv = rows * context * shape.layers * 2 * shape.kv_heads * shape.head_dim * itemsize
-    return (weights + lora_bytes + kv) / rate * 1e3
+    return weights + lora_bytes + kv
+
+
+def floor_ms(
+    model: torch.nn.Module, shape: Shape, rows: int, context: int, lora_bytes: int, rate: float
+) -> float:
+    """floor_bytes over the copy rate."""
+    return floor_bytes(model, shape, rows, context, lora_bytes) / rate * 1e3
 
 
 def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]:
@@ -169,7 +181,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Measured], dict[str, float]]
     shape = SHAPES[args.shape]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = build_model(shape, args.device, dtype)
-    pool = lora_pool(base, "bench", args.adapters)
+    pool = lora_pool(base, BASE_NAME, args.adapters)
     adapters = add_adapters(pool, LoraConfig(rank=args.rank), range(args.adapters))
     lora = {k: p for k, p in pool.model.named_parameters() if ".lora_" in k}
     with torch.no_grad():  # B is zero when added: draw it, so every update counts
@@ -261,17 +273,90 @@ def report(
     return Report(SECTION, command, info, facts, (), [Table(COLUMNS, rows)], raw)
 
 
+# --- counting ----------------------------------------------------------------------------------
+def counted_step(
+    pool: AdapterPool, shape_name: str, kind: DecodeStep, adapters: Sequence[str | None]
+) -> Counts:
+    """One decode step of COUNT_ROWS rows with COUNT_FILLED tokens each in the cache once it
+    runs, every row admitted first (their prefill uncounted), on meta tensors."""
+    meta, vocab = torch.device("meta"), SHAPES[shape_name].vocab
+    mode = decode_step_of(kind, torch.device("cuda"), grouped=False)  # as a CUDA worker's
+    # Every prompt prefilled in the first step (no prefill cap): a cap would chunk them.
+    loop = DecodeLoop(
+        meta, [], lambda t: "", max_rows=None, prefill_tokens=None, slots=mode.slots, graphs=False
+    )
+    step = partial(loop.step, pool.model, lora_layers_of(pool.model), pool.lora_compute)
+    batch = requests(prompts(COUNT_ROWS, COUNT_FILLED - 1, vocab, 1), 8, adapters)
+    for index, request in enumerate(batch):
+        loop.add(index, request)
+    count_kernels(step)  # the prefill (a step on meta tensors needs the counter's answers)
+    if loop.rows != COUNT_ROWS:
+        raise RuntimeError(f"{loop.rows} of {COUNT_ROWS} rows admitted")
+    return count_kernels(step)
+
+
+def counted(args: argparse.Namespace) -> Report:
+    """--count: the kernels and bytes of one decode step at the shape, on meta tensors
+    (bench/harness/kernel_count.py), on the base model and over the adapters, padded and on
+    slots (eager: a captured step replays the same kernels), bf16 as on a CUDA worker."""
+    shape = SHAPES[args.shape]
+    pool = lora_pool(build_model(shape, "meta", torch.bfloat16), BASE_NAME, args.adapters)
+    set_lora_matmuls(pool, "auto")  # as QT_LORA_MATMUL_DTYPE's default makes it: bf16 here
+    with torch.device("meta"):  # PEFT leaves a new adapter's weights beside a meta base
+        adapters = add_adapters(pool, LoraConfig(rank=args.rank), range(args.adapters))
+    lora = [p for k, p in pool.model.named_parameters() if ".lora_" in k]
+    lora_bytes = sum(p.numel() * (pool.lora_compute or p.dtype).itemsize for p in lora)
+    mixes: list[tuple[str, Sequence[str | None], int]] = [  # name, rows' adapters, LoRA read
+        ("base", [None], 0),
+        (f"{args.adapters} adapters", [a.name for a in adapters], lora_bytes),
+    ]
+    rows, totals = [], {}
+    for kind in ("padded", "slots"):
+        for name, names, read in mixes:
+            got = totals[kind, name] = counted_step(pool, args.shape, kind, names)
+            floor = floor_bytes(pool.base, shape, COUNT_ROWS, COUNT_FILLED, read)
+            rows.append((
+                kind, name, f"{got.total:,}", f"{got.total / totals[kind, 'base'].total:.2f}×",
+                got.host_reads, f"{got.bytes_moved / 2**30:,.1f}", f"{floor / 2**30:,.1f}",
+                f"**{got.bytes_moved / floor:.2f}×**",
+                ", ".join(f"{k} {v:,}" for k, v in got.kernels.most_common(4)),
+            ))  # fmt: skip
+            print(f"{kind} {name}: {got.total:,} kernels", flush=True)
+    columns = (
+        "step", "rows on", "kernels", "÷ the base model's", "host reads", "GiB read + written",
+        "floor, GiB", "÷ floor", "most launched",
+    )  # fmt: skip
+    caption = (
+        f"One decode step at the {args.shape} shape, bf16, {COUNT_ROWS} rows of "
+        f"{COUNT_FILLED:,} tokens in the cache, the adapters rank {args.rank}, counted on meta "
+        "tensors:"
+    )
+    facts = [
+        "No GPU: a count, not a timing; attention counted as one fused kernel over the "
+        "columns it reads; the floor is the linears' weights, the filled KV and the LoRA of "
+        "the adapters the rows use (floor_bytes)."
+    ]
+    body: list[Table | str] = [Table(columns, rows, caption=caption)]
+    command = f"{COMMAND} --count --shape {args.shape}"
+    return Report(COUNT_SECTION, command, engine_machine("cpu"), facts, (), body, {})
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser("bench.decode_step", __doc__, knobs=KNOBS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=list(SHAPES), default=None)
+    parser.add_argument(
+        "--count",
+        action="store_true",
+        help="count the kernels and bytes of one step on meta tensors (no GPU; 8B by default)",
+    )
     parser.add_argument(
         "--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="in order; graphs: CUDA only"
     )
     quick = {"rows": 4, "prompt": 16, "new": 8, "adapters": 2, "first_prompt": 32, "joiners": 2}
     args = cli.parse(parser, argv, quick)
     cuda = args.device.startswith("cuda")
-    args.shape = args.shape or ("llama-3.1-8b" if cuda else "small")
+    args.shape = args.shape or ("llama-3.1-8b" if cuda or args.count else "small")
     args.rows = args.rows or (64 if cuda else 8)
     args.prompt = args.prompt or (1024 if cuda else 64)
     args.new = args.new or (256 if cuda else 32)
@@ -280,6 +365,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.count:
+        emit(counted(args), docs_of(args), args.json)
+        return 0
     info = announce(engine_machine(args.device))
     results, figures = measure(args)
     emit(report(results, figures, info, args), docs_of(args), args.json)

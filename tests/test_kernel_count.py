@@ -85,6 +85,26 @@ def test_bench_mfu_counts_a_pass_of_one_and_of_eight_adapters() -> None:
     assert len({r[4] for r in rows}) == 1  # host reads
 
 
+def test_bench_decode_step_counts_each_step_kind_reading_the_device_once() -> None:
+    """bench.decode_step --count on the small shape: the padded step and the slot step, on
+    the base model and over the adapters, every row counted; a step reads the device on the
+    host once (its tokens), whatever the step kind and the adapters (a second read fails
+    here); the bytes at least the floor's; row blocks launch more for the adapters, the slot
+    step as many (its LoRA runs over every slot)."""
+    from bench import decode_step
+
+    args = decode_step.parse_args(["--count", "--shape", "small", "--no-docs"])
+    (table,) = decode_step.counted(args).body
+    rows = list(table.rows)  # type: ignore[union-attr]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("padded", "base"), ("padded", "8 adapters"), ("slots", "base"), ("slots", "8 adapters")
+    ]  # fmt: skip
+    assert [r[4] for r in rows] == [1, 1, 1, 1]
+    kernels = [int(str(r[2]).replace(",", "")) for r in rows]
+    assert kernels[1] > kernels[0] > 0 and kernels[3] == kernels[2] > 0
+    assert all(float(str(r[7]).strip("*×")) >= 1.0 for r in rows)
+
+
 def test_the_chunked_unembedding_reads_its_weight_once_a_chunk() -> None:
     """A batch wider than one logits chunk: each chunk of positions goes through the
     unembedding as one matrix (mm), not as a batched matmul over rows that reads the whole
