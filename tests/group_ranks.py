@@ -57,14 +57,14 @@ def spawned_ranks(
                 process.join(timeout=10)
 
 
-def make_engine(root: Path, shards: Shards | None) -> LoraExecutor:
+def make_engine(root: Path, shards: Shards | None, base: str = BASE) -> LoraExecutor:
     """One process's engine, or a rank's: as in a group, ranks 1..N-1 only read the storage
     (two ranks writing one snapshot's directory raced each other's rename)."""
     store: CheckpointStore = LocalStore(root / "storage")
     if shards is not None and shards.rank != 0:
         store = FollowerStore(store)
     return LoraExecutor(
-        BASE,
+        base,
         "cpu",
         store,
         root / "models",
@@ -95,7 +95,8 @@ def train_script(driver: Driver, steps: int) -> dict[str, Any]:
 def greedy_base_sample(driver: Driver, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the base model alone, as the engine samples them."""
     session = "s-greedy"
-    driver.op(session, OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "default", "base_model": BASE})
+    base = driver.engine.base_model
+    driver.op(session, OpKind.CREATE_SAMPLING_SESSION, {"tenant_id": "default", "base_model": base})
     body = {
         "prompt": ModelInput.from_ints(prompt).model_dump(),
         "num_samples": 1,
@@ -116,7 +117,7 @@ def greedy_samples(driver: Driver, path: str) -> list[list[int]]:
         driver.op(
             session,
             OpKind.CREATE_SAMPLING_SESSION,
-            {"tenant_id": "default", "base_model": BASE, "model_path": weights},
+            {"tenant_id": "default", "base_model": driver.engine.base_model, "model_path": weights},
         )
         body = {
             "prompt": ModelInput.from_ints([72, 101, 108]).model_dump(),
@@ -149,12 +150,15 @@ def whole(driver: Driver, model_id: str, *, grads: bool) -> dict[str, torch.Tens
     return lora_shards.gather(tensors, shards, engine.pool.family.tensor_parallel)
 
 
-def run_rank(rank: int, world: int, root: str, port: int, steps: int, results: Any) -> None:
+def run_rank(
+    rank: int, world: int, root: str, port: int, steps: int, results: Any, base: str = BASE
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        driver = Driver(make_engine(Path(root), Shards(rank, world)), Path(root) / "storage")
+        engine = make_engine(Path(root), Shards(rank, world), base)
+        driver = Driver(engine, Path(root) / "storage", base)
         out = train_script(driver, steps)
         if rank == 0:  # pickled by value: a tensor shared by handle dies with this process
             results.put(pickle.dumps(out))

@@ -86,21 +86,26 @@ def test_a_model_the_group_cannot_split_is_refused_by_name(
 
 
 @pytest.mark.timeout(300)  # two fresh interpreters import torch: ~30 s beside a busy suite
-def test_two_ranks_train_and_sample_as_one_process(scratch: Path) -> None:
+@pytest.mark.parametrize("base", ["queue-tinker/tiny-llama", "queue-tinker/tiny-qwen3"])
+def test_two_ranks_train_and_sample_as_one_process(scratch: Path, base: str) -> None:
     """Two gloo ranks, each with half of every attention and MLP matrix, run the same ops as
     one process: losses, whole LoRA gradients (clipped), weights after AdamW and greedy
     samples from the base and from saved weights equal one process's (fp32, 1e-5), and the
-    saved checkpoint's files hold the same tensors."""
-    ensure_builtin_model("queue-tinker/tiny-llama", scratch / "models")  # made once, not raced
-    group_root, alone_root = scratch / "group", scratch / "alone"
+    saved checkpoint's files hold the same tensors. On Llama and on Qwen3 (whose q / k norms
+    over each head's width a rank's share of the heads keeps whole)."""
+    ensure_builtin_model(base, scratch / "models")  # made once, not raced
+    home = scratch / base.rsplit("/", 1)[-1]  # one a base: the module's scratch is shared
+    home.mkdir()
+    group_root, alone_root = home / "group", home / "alone"
     for root in (group_root, alone_root):
         root.mkdir()
         (root / "models").symlink_to(scratch / "models")
     results = multiprocessing.get_context("spawn").Queue()
     port = free_port()
-    args = [(rank, 2, str(group_root), port, 2, results) for rank in range(2)]
+    args = [(rank, 2, str(group_root), port, 2, results, base) for rank in range(2)]
     with spawned_ranks(run_rank, args) as ranks:
-        alone = train_script(Driver(make_engine(alone_root, None), alone_root / "storage"), 2)
+        alone_driver = Driver(make_engine(alone_root, None, base), alone_root / "storage", base)
+        alone = train_script(alone_driver, 2)
         group = pickle.loads(results.get(timeout=240))
         for process in ranks:
             process.join(timeout=30)
