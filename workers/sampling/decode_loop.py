@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from peft import PeftModel
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.base_model import cache_keyword, forward_takes
@@ -516,7 +516,7 @@ class DecodeLoop:
             return parts
         keys = list(dict.fromkeys(prompt_key(r) for r, _ in taken))
         cache = DynamicCache(config=getattr(model, "config", None))
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        if any(type(layer) not in (DynamicLayer, LinearAttentionLayer) for layer in cache.layers):
             return [*parts, self._prefill_group(model, taken)]
         groups = length_groups([len(prompt) for prompt, _ in keys], self.call_tokens)
         for group in groups:

@@ -12,11 +12,15 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse, StopReason
 from queue_tinker.workers.sampling.host_reads import to_device
-from queue_tinker.workers.sampling.kv_cache import GrowingLayer
+from queue_tinker.workers.sampling.kv_cache import GrowingLayer, join_states
 from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed, sample_stream
 
 if TYPE_CHECKING:
@@ -177,8 +181,9 @@ class Rows:
 
     def mergeable(self) -> bool:
         """Whether other rows can join this cache: plain per-layer key / value tensors (a
-        sliding-window or quantised cache keeps its own bookkeeping)."""
-        return growing_layers(self.cache) is not None
+        sliding-window or quantised cache keeps its own bookkeeping), beside linear-attention
+        layers' per-row states (Qwen3.5's)."""
+        return joinable(self.cache)
 
     def select(self, keep: list[int]) -> None:
         """Keep these rows only, in order; then cut the columns no remaining row uses."""
@@ -188,13 +193,13 @@ class Rows:
         self.samples = [self.samples[i] for i in keep]
         self.mask = self.mask[index]
         self._index_fields(index)
-        layers = growing_layers(self.cache)
         # The first column anyone uses, from the rows' lengths: no read of the mask.
         start = self.mask.shape[1] - self.used_columns()
-        if start > 0 and layers is not None:
+        if start > 0 and joinable(self.cache):
             self.mask = self.mask[:, start:]
-            for layer in layers:
-                layer.drop_left(start)
+            for layer in self.cache.layers:
+                if isinstance(layer, GrowingLayer):
+                    layer.drop_left(start)
 
     def used_columns(self) -> int:
         """The cache columns the longest row uses (row_lengths)."""
@@ -211,10 +216,15 @@ class Rows:
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (and cache) after these; the narrower side is left-padded."""
         width = max(self.mask.shape[1], other.mask.shape[1])
-        ours, theirs = growing_layers(self.cache), growing_layers(other.cache)
-        assert ours is not None and theirs is not None, "merge() needs mergeable() caches"
-        for index, (layer, new_layer) in enumerate(zip(ours, theirs, strict=True)):
-            self.cache.layers[index] = GrowingLayer.joined(layer, new_layer, width)
+        assert joinable(self.cache) and joinable(other.cache), "merge() needs mergeable() caches"
+        pairs = zip(self.cache.layers, other.cache.layers, strict=True)
+        for index, (layer, new_layer) in enumerate(pairs):
+            if isinstance(layer, GrowingLayer) and isinstance(new_layer, GrowingLayer):
+                self.cache.layers[index] = GrowingLayer.joined(layer, new_layer, width)
+            else:
+                assert isinstance(layer, LinearAttentionLayer)
+                assert isinstance(new_layer, LinearAttentionLayer)
+                join_states(layer, new_layer)
         self.mask = torch.cat(
             [
                 F.pad(self.mask, (width - self.mask.shape[1], 0)),
@@ -273,13 +283,30 @@ def growing_layers(cache: DynamicCache) -> list[GrowingLayer] | None:
     return layers if layers and len(layers) == len(cache.layers) else None
 
 
+def joinable(cache: DynamicCache) -> bool:
+    """Whether every layer is a GrowingLayer or a linear-attention layer (whose per-row state
+    rows join by concatenation): then rows can join and leave the cache."""
+    return bool(cache.layers) and all(
+        isinstance(layer, GrowingLayer) or type(layer) is LinearAttentionLayer
+        for layer in cache.layers
+    )
+
+
 def _grow_in_place(cache: DynamicCache, room: int) -> None:
-    """Make a plain cache's layers GrowingLayers with `room` more columns at most (others stay
-    as they are: a sliding-window or quantised cache keeps its own bookkeeping)."""
-    layers = plain_layers(cache)
-    if layers is None:
-        return
-    for index, (_, (keys, values)) in enumerate(layers):
+    """Make a plain cache's key / value layers GrowingLayers with `room` more columns at most,
+    beside any linear-attention layers (others stay as they are: a sliding-window or quantised
+    cache keeps its own bookkeeping)."""
+    plain = (DynamicLayer, GrowingLayer)
+    keyed: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is LinearAttentionLayer:
+            continue
+        if not isinstance(layer, DynamicLayer) or type(layer) not in plain:
+            return
+        if layer.keys is None or layer.values is None:
+            return
+        keyed.append((index, layer.keys, layer.values))
+    for index, keys, values in keyed:
         cache.layers[index] = GrowingLayer.holding(keys, values, room)
 
 

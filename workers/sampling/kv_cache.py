@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 # Spare columns at least, when the room allows: a buffer is not re-made every few steps.
 MIN_SPARE = 64
@@ -151,3 +151,16 @@ def _spare(used: int, extra: int, room: int) -> int:
     past the room while the room holds."""
     grown = max(extra, MIN_SPARE, used // GROWTH_DIVISOR)
     return grown if extra > room else min(room, grown)
+
+
+def join_states(first: LinearAttentionLayer, second: LinearAttentionLayer) -> None:
+    """`second`'s rows after `first`'s in a linear-attention layer (Qwen3.5's): each row's
+    recurrent and convolution states, which have no columns, so nothing is padded."""
+    for ours, theirs in (
+        (first.conv_states, second.conv_states),
+        (first.recurrent_states, second.recurrent_states),
+    ):
+        for index, state in ours.items():  # by state index (a layer may keep several)
+            other = theirs[index]
+            if state is not None and other is not None:  # else not made yet
+                ours[index] = torch.cat([state, other])

@@ -217,3 +217,44 @@ def test_the_slot_step_samples_what_the_padded_step_samples(family: BatchDriver)
     decoder = slots.engine.sampling._loop_of().slots
     assert decoder is not None
     assert (decoder.kv is not None) is (family.base in ON_SLOTS)
+
+
+# The families whose running rows others join mid-decode (decode_rows.joinable): key / value
+# layers that grow, beside any linear-attention layers' per-row states; a sliding window's
+# cache keeps its own bookkeeping, and a request waits for its rows to finish.
+JOINED = {
+    "queue-tinker/tiny-qwen3",
+    "queue-tinker/tiny-deepseek-v3",
+    "queue-tinker/tiny-qwen3.5",
+    "queue-tinker/tiny-qwen3-vl",
+}
+
+
+def test_a_request_joining_running_rows_samples_what_it_samples_alone(
+    family: BatchDriver,
+) -> None:
+    """A second request joins while the first decodes (left-padded to the running rows'
+    columns; Qwen3.5's linear-attention states appended by row): both return the seeded
+    tokens and logprobs each returns alone; the second shares steps with the first where
+    the family's cache takes joiners."""
+    bodies = sample_ops(family, "join")
+    ops = [family.make(f"late{i}", OpKind.SAMPLE, b.model_dump()) for i, b in enumerate(bodies)]
+    engine = family.engine
+    engine.sampling.join(ops[:1])
+    together: dict[str, OpResult | Exception] = {}
+    for _ in range(3):  # the first request's prefill and two decode steps
+        together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
+    engine.sampling.join(ops[1:])
+    widest = 0
+    while engine.sampling.stepping():
+        together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
+        widest = max(widest, engine.sampling._loop_of().step_rows)
+    assert (widest == 4) is (family.base in JOINED)  # 2 samples each
+    for op, body in zip(ops, bodies, strict=True):
+        result = together[op.job_id]
+        assert isinstance(result, OpResult), result
+        alone = run_op(engine, family.make(op.model_id, OpKind.SAMPLE, body.model_dump()))
+        got, want = codec.decode(result.result), codec.decode(alone.result)
+        for a, b in zip(got["sequences"], want["sequences"], strict=True):
+            assert a["tokens"] == b["tokens"]
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
