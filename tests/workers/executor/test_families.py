@@ -258,3 +258,46 @@ def test_a_request_joining_running_rows_samples_what_it_samples_alone(
         for a, b in zip(got["sequences"], want["sequences"], strict=True):
             assert a["tokens"] == b["tokens"]
             np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+
+
+def test_an_architecture_no_family_declares_trains_and_samples(root: Path) -> None:
+    """A checkpoint of an architecture the registry has no family for (Phi-3's fused qkv_proj
+    and gate_up_proj) is served by the generic one: its fused linears adapted, the loss
+    falls, its weights sample."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from queue_tinker.builtin_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+    from queue_tinker.workers.model.families import GENERIC
+
+    config = AutoConfig.for_model(
+        "phi3",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    assert family_of(config) is GENERIC
+    torch.manual_seed(0)
+    path = root / "phi3-checkpoint"
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    write_tokenizer(path)
+    driver = BatchDriver(root, "phi3", base=str(path))
+    driver.create("m", LoraConfig(rank=4, seed=1))
+    adapted = {key.split(".lora_")[0].rsplit(".", 1)[-1] for key in driver.weights("m")}
+    assert adapted == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    data = [datum(text) for text in TEXTS]
+    losses = []
+    for _ in range(10):
+        out = run_op(driver.engine, driver.make("m", OpKind.FORWARD_BACKWARD, fb_body(data)))
+        losses.append(codec.decode(out.result)["metrics"]["loss:sum"])
+        run_op(driver.engine, driver.make("m", OpKind.OPTIM_STEP, {"learning_rate": 2e-2}))
+    assert losses[-1] < 0.8 * losses[0], losses
+    (body, _) = sample_ops(driver, "phi3-samples")
+    sampled = run_op(driver.engine, driver.make("s", OpKind.SAMPLE, body.model_dump()))
+    assert [len(s["tokens"]) for s in codec.decode(sampled.result)["sequences"]] == [10, 10]
