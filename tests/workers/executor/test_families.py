@@ -301,3 +301,22 @@ def test_an_architecture_no_family_declares_trains_and_samples(root: Path) -> No
     (body, _) = sample_ops(driver, "phi3-samples")
     sampled = run_op(driver.engine, driver.make("s", OpKind.SAMPLE, body.model_dump()))
     assert [len(s["tokens"]) for s in codec.decode(sampled.result)["sequences"]] == [10, 10]
+
+
+def test_sampled_logprobs_are_what_a_forward_pass_scores(family: BatchDriver) -> None:
+    """The logprobs a sample returns for its tokens equal a forward pass's over the prompt and
+    those tokens with the same weights (the trainer's path: the whole sequence at once, the
+    model's own masks, a sliding window's included), past gpt-oss's window of 8."""
+    (body, _) = sample_ops(family, "scored")
+    sampled = run_op(family.engine, family.make("scored-s", OpKind.SAMPLE, body.model_dump()))
+    prompt = body.prompt.to_ints()
+    for sequence in codec.decode(sampled.result)["sequences"]:
+        tokens = prompt + sequence["tokens"]
+        scored = Datum(
+            model_input=ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64)},
+        )
+        out = run_op(family.engine, family.make("scored", OpKind.FORWARD, fb_body([scored])))
+        (output,) = codec.decode(out.result)["loss_fn_outputs"]
+        forward = np.asarray(output["logprobs"]["data"])[len(prompt) - 1 :]
+        np.testing.assert_allclose(sequence["logprobs"], forward, rtol=1e-4, atol=1e-4)
