@@ -33,8 +33,9 @@ def _model_of(config: PretrainedConfig) -> PreTrainedModel:
     return Qwen2VLForConditionalGeneration(cast(Qwen2VLConfig, config))
 
 
-def _image_processor() -> type[Any]:
-    """The Pillow implementation: torchvision, which the other one needs, is no dependency."""
+def pil_image_processor() -> type[Any]:
+    """Qwen2-VL's image processor, the Pillow implementation (torchvision, which the other
+    one needs, is no dependency); Qwen3-VL's is the same."""
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
@@ -52,7 +53,7 @@ FAMILY = Family(
     vision=VisionTower(
         model_of=_model_of,
         builtin_config=_builtin_config,
-        image_processor=_image_processor,
+        image_processor=pil_image_processor,
     ),
     frozen=("visual",),
     fused_kernels=True,

@@ -42,7 +42,7 @@ FAMILY = Family(
     vision=VisionTower(
         model_of=_model_of,
         builtin_config=_builtin_config,
-        image_processor=qwen2_vl.FAMILY.vision.image_processor,  # type: ignore[union-attr]
+        image_processor=qwen2_vl.pil_image_processor,
     ),
     frozen=("visual",),
     builtins=("queue-tinker/tiny-qwen3-vl",),
