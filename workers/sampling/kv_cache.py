@@ -123,7 +123,8 @@ class GrowingLayer(DynamicLayer):
         """Copy `keys` / `values` into fresh buffers with room for `extra` columns at least."""
         used = keys.shape[2]
         columns = used + _spare(used, extra, self.room)
-        # Keys and values may differ in width (DeepSeek-V3's latent attention: 192 and 128).
+        # Keys and values may differ in width: DeepSeek-V3's cache holds its compressed latent
+        # (512 wide) as keys and its RoPE key (64) as values, one head each.
         key_buffer = keys.new_empty((*keys.shape[:2], columns, keys.shape[3]))
         value_buffer = values.new_empty((*values.shape[:2], columns, values.shape[3]))
         key_buffer[:, :, :used].copy_(keys)
