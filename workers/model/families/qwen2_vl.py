@@ -3,6 +3,7 @@ placeholders' embeddings, under 3-D (time, height, width) rotary positions."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 from transformers import (
@@ -13,24 +14,6 @@ from transformers import (
 )
 
 from queue_tinker.workers.model.families.family import Family, VisionTower
-
-
-def _builtin_config(
-    text: dict[str, Any], vision: dict[str, Any], tokens: dict[str, int]
-) -> PretrainedConfig:
-    return Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=tokens["image_token_id"],
-        video_token_id=tokens["video_token_id"],
-        vision_start_token_id=tokens["vision_start_token_id"],
-        vision_end_token_id=tokens["vision_end_token_id"],
-        tie_word_embeddings=False,
-    )
-
-
-def _model_of(config: PretrainedConfig) -> PreTrainedModel:
-    return Qwen2VLForConditionalGeneration(cast(Qwen2VLConfig, config))
 
 
 def pil_image_processor() -> type[Any]:
@@ -47,14 +30,38 @@ def pil_image_processor() -> type[Any]:
     return cast(type[Any], Qwen2VLImageProcessorPil)
 
 
+def qwen_vl_tower(
+    config_class: Callable[..., PretrainedConfig],
+    model_class: Callable[[Any], PreTrainedModel],
+) -> VisionTower:
+    """The vision side of a family that places images as Qwen2-VL does (its config's text and
+    vision parts and special token ids, its image processor), by its config and model
+    classes."""
+
+    def builtin_config(
+        text: dict[str, Any], vision: dict[str, Any], tokens: dict[str, int]
+    ) -> PretrainedConfig:
+        return config_class(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=tokens["image_token_id"],
+            video_token_id=tokens["video_token_id"],
+            vision_start_token_id=tokens["vision_start_token_id"],
+            vision_end_token_id=tokens["vision_end_token_id"],
+            tie_word_embeddings=False,
+        )
+
+    return VisionTower(
+        model_of=model_class,
+        builtin_config=builtin_config,
+        image_processor=pil_image_processor,
+    )
+
+
 FAMILY = Family(
     name="Qwen2-VL",
     model_types=frozenset({"qwen2_vl", "qwen2_5_vl"}),
-    vision=VisionTower(
-        model_of=_model_of,
-        builtin_config=_builtin_config,
-        image_processor=pil_image_processor,
-    ),
+    vision=qwen_vl_tower(Qwen2VLConfig, Qwen2VLForConditionalGeneration),
     frozen=("visual",),
     fused_kernels=True,
     builtins=("queue-tinker/tiny-vl",),
