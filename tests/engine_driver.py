@@ -46,6 +46,17 @@ def datum(text: str, **extra: Any) -> Datum:
     return Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
 
 
+def rl_datum(text: str, seed: int) -> Datum:
+    """A datum with the sampling policy's logprobs and advantages (for the RL losses)."""
+    n = len(text.encode()) - 1
+    rng = np.random.default_rng(seed)
+    return datum(
+        text,
+        logprobs=rng.uniform(-6.0, -4.0, n).astype(np.float32),
+        advantages=rng.normal(0.0, 1.0, n).astype(np.float32),
+    )
+
+
 def batch(texts: list[str] = TEXTS) -> list[Datum]:
     return [datum(t) for t in texts]
 

@@ -24,7 +24,9 @@ from engine_driver import (
     BatchDriver,
     assert_batched_tensors,
     assert_same_outcome,
+    datum,
     make_op,
+    rl_datum,
     run_op,
 )
 from procs import lora_deployment
@@ -57,24 +59,6 @@ Tensors = dict[str, torch.Tensor]
 
 
 # --- data ----------------------------------------------------------------------------------------
-def datum(text: str, **extra: np.ndarray) -> Datum:
-    """Byte tokens of `text`: inputs tokens[:-1], targets tokens[1:], plus loss inputs."""
-    ids = list(text.encode())
-    inputs = {"target_tokens": np.array(ids[1:], dtype=np.int64), **extra}
-    return Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
-
-
-def rl_datum(text: str, seed: int) -> Datum:
-    """A datum with the sampling policy's logprobs and advantages (for the RL losses)."""
-    n = len(text.encode()) - 1
-    rng = np.random.default_rng(seed)
-    return datum(
-        text,
-        logprobs=rng.uniform(-6.0, -4.0, n).astype(np.float32),
-        advantages=rng.normal(0.0, 1.0, n).astype(np.float32),
-    )
-
-
 def weighted(text: str) -> Datum:
     n = len(text.encode()) - 1
     return datum(text, weights=np.linspace(-0.5, 1.5, n, dtype=np.float32))

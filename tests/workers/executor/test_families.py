@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_driver import BatchDriver, datum, fb_body, run_op
+from engine_driver import BatchDriver, datum, fb_body, rl_datum, run_op
 from peft import get_peft_model
 
+from queue_tinker.queue.dispatch.dispatcher import Op
 from queue_tinker.types import OpKind, codec
 from queue_tinker.types.enums import BUILT_IN_LOSSES, LossFn
 from queue_tinker.types.requests.sampling import SampleInput, SamplingParams
@@ -47,16 +48,6 @@ TEXTS = ["hello lora world", "the quick brown fox jumps", "queue tinker!"]
 def family(request: pytest.FixtureRequest, root: Path) -> BatchDriver:
     name = request.param
     return BatchDriver(root, name.split("/")[1], base=name, max_resident_adapters=64)
-
-
-def rl_datum(text: str, seed: int) -> Datum:
-    n = len(text.encode()) - 1
-    rng = np.random.default_rng(seed)
-    return datum(
-        text,
-        logprobs=rng.uniform(-6.0, -4.0, n).astype(np.float32),
-        advantages=rng.normal(0.0, 1.0, n).astype(np.float32),
-    )
 
 
 def reference(driver: BatchDriver, root: Path, config: LoraConfig) -> torch.nn.Module:
@@ -167,6 +158,30 @@ def sample_ops(driver: BatchDriver, name: str) -> list[SampleInput]:
     ]
 
 
+def assert_same_samples(got: OpResult, want: OpResult, tokens: int | None = None) -> None:
+    """Two sample responses hold the same sequences: the same tokens (`tokens` of them each,
+    where given), logprobs to 1e-5."""
+    ours, theirs = codec.decode(got.result), codec.decode(want.result)
+    for a, b in zip(ours["sequences"], theirs["sequences"], strict=True):
+        assert a["tokens"] == b["tokens"] and len(a["tokens"]) == (tokens or len(b["tokens"]))
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+
+
+def assert_each_as_alone(
+    family: BatchDriver,
+    ops: list[Op],
+    bodies: list[SampleInput],
+    together: dict[str, OpResult | Exception],
+) -> None:
+    """Each op's response from a shared loop is what its request, sampled again alone,
+    returns: every one of its max_tokens (no stop: none ends early)."""
+    for op, body in zip(ops, bodies, strict=True):
+        result = together[op.job_id]
+        assert isinstance(result, OpResult), result
+        alone = run_op(family.engine, family.make(op.model_id, OpKind.SAMPLE, body.model_dump()))
+        assert_same_samples(result, alone, body.sampling_params.max_tokens)
+
+
 def test_samples_sharing_steps_equal_each_alone(family: BatchDriver) -> None:
     """Two requests of different prompt lengths in one loop (the shorter left-padded; in
     Qwen3.5 the padding runs through its recurrent layers) return the seeded tokens and the
@@ -180,14 +195,7 @@ def test_samples_sharing_steps_equal_each_alone(family: BatchDriver) -> None:
     together: dict[str, OpResult | Exception] = {}
     while engine.sampling.stepping():
         together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
-    for op, body in zip(ops, bodies, strict=True):
-        result = together[op.job_id]
-        assert isinstance(result, OpResult), result
-        alone = run_op(engine, family.make(op.model_id, OpKind.SAMPLE, body.model_dump()))
-        got, want = codec.decode(result.result), codec.decode(alone.result)
-        for a, b in zip(got["sequences"], want["sequences"], strict=True):
-            assert len(a["tokens"]) == 10 and a["tokens"] == b["tokens"]
-            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+    assert_each_as_alone(family, ops, bodies, together)
 
 
 # The families whose decode steps run on slots (slot_decode.slots_fit): plain KV in every
@@ -210,10 +218,7 @@ def test_the_slot_step_samples_what_the_padded_step_samples(family: BatchDriver)
     for i, body in enumerate(bodies):
         padded = run_op(family.engine, family.make(f"p{i}", OpKind.SAMPLE, body.model_dump()))
         slotted = run_op(slots.engine, slots.make(f"s{i}", OpKind.SAMPLE, body.model_dump()))
-        got, want = codec.decode(slotted.result), codec.decode(padded.result)
-        for a, b in zip(got["sequences"], want["sequences"], strict=True):
-            assert a["tokens"] == b["tokens"]
-            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+        assert_same_samples(slotted, padded)
     decoder = slots.engine.sampling._loop_of().slots
     assert decoder is not None
     assert (decoder.kv is not None) is (family.base in ON_SLOTS)
@@ -250,14 +255,7 @@ def test_a_request_joining_running_rows_samples_what_it_samples_alone(
         together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
         widest = max(widest, engine.sampling._loop_of().step_rows)
     assert (widest == 4) is (family.base in JOINED)  # 2 samples each
-    for op, body in zip(ops, bodies, strict=True):
-        result = together[op.job_id]
-        assert isinstance(result, OpResult), result
-        alone = run_op(engine, family.make(op.model_id, OpKind.SAMPLE, body.model_dump()))
-        got, want = codec.decode(result.result), codec.decode(alone.result)
-        for a, b in zip(got["sequences"], want["sequences"], strict=True):
-            assert a["tokens"] == b["tokens"]
-            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+    assert_each_as_alone(family, ops, bodies, together)
 
 
 def test_an_architecture_no_family_declares_trains_and_samples(root: Path) -> None:

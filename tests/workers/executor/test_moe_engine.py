@@ -26,6 +26,7 @@ from engine_driver import (
     batch,
     datum,
     fb_body,
+    rl_datum,
     run_op,
 )
 from peft import PeftModel, get_peft_model
@@ -44,16 +45,6 @@ from queue_tinker.workers.model.families import family_of
 
 MOE = "queue-tinker/tiny-moe"
 EXPERT = ".mlp.experts."
-
-
-def rl_datum(text: str, seed: int) -> Datum:
-    n = len(text.encode()) - 1
-    rng = np.random.default_rng(seed)
-    return datum(
-        text,
-        logprobs=rng.uniform(-6.0, -4.0, n).astype(np.float32),
-        advantages=rng.normal(0.0, 1.0, n).astype(np.float32),
-    )
 
 
 @pytest.fixture(scope="module")
