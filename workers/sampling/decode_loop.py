@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from peft import PeftModel
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.base_model import cache_keyword, forward_takes
@@ -63,6 +62,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     Rows,
     kept,
     per_sample,
+    prefilled_apart,
     select_rows,
 )
 from queue_tinker.workers.sampling.host_reads import to_device, to_host
@@ -516,7 +516,7 @@ class DecodeLoop:
             return parts
         keys = list(dict.fromkeys(prompt_key(r) for r, _ in taken))
         cache = DynamicCache(config=getattr(model, "config", None))
-        if any(type(layer) not in (DynamicLayer, LinearAttentionLayer) for layer in cache.layers):
+        if not prefilled_apart(cache):
             return [*parts, self._prefill_group(model, taken)]
         groups = length_groups([len(prompt) for prompt, _ in keys], self.call_tokens)
         for group in groups:

@@ -14,13 +14,19 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import (
     DynamicLayer,
+    DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
 
 from queue_tinker.types.requests.sampling import SampledSequence, SampleResponse, StopReason
 from queue_tinker.workers.sampling.host_reads import to_device
-from queue_tinker.workers.sampling.kv_cache import GrowingLayer, join_states
+from queue_tinker.workers.sampling.kv_cache import (
+    GrowingLayer,
+    drop_window_left,
+    join_states,
+    join_windows,
+)
 from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed, sample_stream
 
 if TYPE_CHECKING:
@@ -180,9 +186,9 @@ class Rows:
         return [r.adapter for r in self.requests]
 
     def mergeable(self) -> bool:
-        """Whether other rows can join this cache: plain per-layer key / value tensors (a
-        sliding-window or quantised cache keeps its own bookkeeping), beside linear-attention
-        layers' per-row states (Qwen3.5's)."""
+        """Whether other rows can join this cache: plain per-layer key / value tensors beside
+        sliding-window layers (gpt-oss's) and linear-attention layers' per-row states
+        (Qwen3.5's); a quantised cache keeps its own bookkeeping."""
         return joinable(self.cache)
 
     def select(self, keep: list[int]) -> None:
@@ -200,6 +206,8 @@ class Rows:
             for layer in self.cache.layers:
                 if isinstance(layer, GrowingLayer):
                     layer.drop_left(start)
+                elif isinstance(layer, DynamicSlidingWindowLayer):
+                    drop_window_left(layer, start)
 
     def used_columns(self) -> int:
         """The cache columns the longest row uses (row_lengths)."""
@@ -221,6 +229,9 @@ class Rows:
         for index, (layer, new_layer) in enumerate(pairs):
             if isinstance(layer, GrowingLayer) and isinstance(new_layer, GrowingLayer):
                 self.cache.layers[index] = GrowingLayer.joined(layer, new_layer, width)
+            elif isinstance(layer, DynamicSlidingWindowLayer):
+                assert isinstance(new_layer, DynamicSlidingWindowLayer)
+                self.cache.layers[index] = join_windows(layer, new_layer, width)
             else:
                 assert isinstance(layer, LinearAttentionLayer)
                 assert isinstance(new_layer, LinearAttentionLayer)
@@ -284,12 +295,26 @@ def growing_layers(cache: DynamicCache) -> list[GrowingLayer] | None:
 
 
 def joinable(cache: DynamicCache) -> bool:
-    """Whether every layer is a GrowingLayer or a linear-attention layer (whose per-row state
-    rows join by concatenation): then rows can join and leave the cache."""
+    """Whether every layer is a GrowingLayer, a linear-attention layer (whose per-row states
+    join by concatenation) or a sliding-window layer that keeps only its window: then rows
+    can join and leave the cache."""
     return bool(cache.layers) and all(
-        isinstance(layer, GrowingLayer) or type(layer) is LinearAttentionLayer
-        for layer in cache.layers
+        isinstance(layer, GrowingLayer) or _joined_as_it_is(layer) for layer in cache.layers
     )
+
+
+def prefilled_apart(cache: DynamicCache) -> bool:
+    """Whether prompts prefilled into separate caches like this (a fresh one) can be joined
+    after: plain key / value layers, beside those joined as they are."""
+    return all(type(layer) is DynamicLayer or _joined_as_it_is(layer) for layer in cache.layers)
+
+
+def _joined_as_it_is(layer: object) -> bool:
+    """A linear-attention layer, or a sliding-window layer keeping only its window (one that
+    records its past keeps more, for a crop to come)."""
+    if type(layer) is DynamicSlidingWindowLayer:
+        return not layer.record_past
+    return type(layer) is LinearAttentionLayer
 
 
 def _grow_in_place(cache: DynamicCache, room: int) -> None:
@@ -299,7 +324,7 @@ def _grow_in_place(cache: DynamicCache, room: int) -> None:
     plain = (DynamicLayer, GrowingLayer)
     keyed: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     for index, layer in enumerate(cache.layers):
-        if type(layer) is LinearAttentionLayer:
+        if _joined_as_it_is(layer):
             continue
         if not isinstance(layer, DynamicLayer) or type(layer) not in plain:
             return

@@ -14,14 +14,22 @@ leading columns no row uses any more (`drop_left`) nothing; rows joining (`joine
 both.
 Anything else that assigns `keys` / `values` (transformers' own cache methods) is noticed at the
 next update, which then copies them into a fresh buffer.
+
+A sliding-window layer (gpt-oss's every other layer) stays transformers' own: it keeps its rows'
+last `sliding_window - 1` columns and counts the columns seen, which the model slices the
+attention mask by. Rows are left-padded, so every row's newest columns are the layer's last:
+rows join (`join_windows`) by left-padding each side's window to the joined rows' and stacking
+them, and leading columns dropped (`drop_window_left`) leave the count, and at most the window,
+to what is left. Its states never grow past the window, so nothing is kept in place there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 # Spare columns at least, when the room allows: a buffer is not re-made every few steps.
 MIN_SPARE = 64
@@ -165,3 +173,41 @@ def join_states(first: LinearAttentionLayer, second: LinearAttentionLayer) -> No
             other = theirs[index]
             if state is not None and other is not None:  # else not made yet
                 ours[index] = torch.cat([state, other])
+
+
+def join_windows(
+    first: DynamicSlidingWindowLayer, second: DynamicSlidingWindowLayer, width: int
+) -> DynamicSlidingWindowLayer:
+    """`first`'s rows then `second`'s in a sliding-window layer, their rows left-padded to
+    `width` columns (the joined attention mask's): each side's window, right-aligned as its
+    rows are, left-padded with zeros to the joined rows' window and stacked; the layer counts
+    `width` columns seen, so the mask is sliced where the states begin."""
+    sides = [(layer.keys, layer.values) for layer in (first, second)]
+    assert all(k is not None and v is not None for k, v in sides), "an empty sliding-window layer"
+    (keys, values), (other_keys, other_values) = cast(
+        list[tuple[torch.Tensor, torch.Tensor]], sides
+    )
+    window = min(first.sliding_window - 1, width)
+    joined = DynamicSlidingWindowLayer(first.sliding_window)
+    joined.lazy_initialization(keys, values)
+    joined.keys = torch.cat([_pad_left(keys, window), _pad_left(other_keys, window)])
+    joined.values = torch.cat([_pad_left(values, window), _pad_left(other_values, window)])
+    joined.cumulative_length = width
+    return joined
+
+
+def drop_window_left(layer: DynamicSlidingWindowLayer, columns: int) -> None:
+    """Forget the first `columns` columns a sliding-window layer counts (no row attends to
+    them any more): the count goes down by as many, and the states keep at most the window of
+    what is left."""
+    assert layer.keys is not None and layer.values is not None, "an empty sliding-window layer"
+    layer.cumulative_length -= columns
+    window = min(layer.sliding_window - 1, layer.cumulative_length)
+    layer.keys = layer.keys[:, :, layer.keys.shape[2] - window :]
+    layer.values = layer.values[:, :, layer.values.shape[2] - window :]
+
+
+def _pad_left(states: torch.Tensor, columns: int) -> torch.Tensor:
+    """(rows, heads, used, dim) states zero-padded on the left to `columns` (a padded column
+    must hold finite numbers: the mask gives it weight 0, and 0 * inf is nan)."""
+    return F.pad(states, (0, 0, columns - states.shape[2], 0))
