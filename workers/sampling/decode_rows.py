@@ -24,8 +24,8 @@ from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.kv_cache import (
     GrowingLayer,
     drop_window_left,
-    join_states,
     join_windows,
+    stacked_states,
 )
 from queue_tinker.workers.sampling.token_choice import is_greedy, request_seed, sample_stream
 
@@ -231,11 +231,11 @@ class Rows:
                 self.cache.layers[index] = GrowingLayer.joined(layer, new_layer, width)
             elif isinstance(layer, DynamicSlidingWindowLayer):
                 assert isinstance(new_layer, DynamicSlidingWindowLayer)
-                self.cache.layers[index] = join_windows(layer, new_layer, width)
+                self.cache.layers[index] = join_windows([layer, new_layer], width)
             else:
                 assert isinstance(layer, LinearAttentionLayer)
                 assert isinstance(new_layer, LinearAttentionLayer)
-                join_states(layer, new_layer)
+                self.cache.layers[index] = stacked_states([layer, new_layer])
         self.mask = torch.cat(
             [
                 F.pad(self.mask, (width - self.mask.shape[1], 0)),
@@ -271,21 +271,6 @@ def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
             layer.reorder_cache(cast(torch.LongTensor, index))
         else:  # a key / value layer of any kind
             cast(DynamicLayer, layer).batch_select_indices(index)
-
-
-def plain_layers(
-    cache: DynamicCache,
-) -> list[tuple[DynamicLayer, tuple[torch.Tensor, torch.Tensor]]] | None:
-    """The cache's layers with their (keys, values), if every layer is a plain DynamicLayer
-    (or a GrowingLayer) holding tensors; else None."""
-    layers: list[tuple[DynamicLayer, tuple[torch.Tensor, torch.Tensor]]] = []
-    for layer in cache.layers:
-        if not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, GrowingLayer):
-            return None
-        if layer.keys is None or layer.values is None:
-            return None
-        layers.append((layer, (layer.keys, layer.values)))
-    return layers
 
 
 def growing_layers(cache: DynamicCache) -> list[GrowingLayer] | None:

@@ -25,10 +25,13 @@ to what is left. Its states never grow past the window, so nothing is kept in pl
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 # Spare columns at least, when the room allows: a buffer is not re-made every few steps.
@@ -162,38 +165,85 @@ def _spare(used: int, extra: int, room: int) -> int:
     return grown if extra > room else min(room, grown)
 
 
-def join_states(first: LinearAttentionLayer, second: LinearAttentionLayer) -> None:
-    """`second`'s rows after `first`'s in a linear-attention layer (Qwen3.5's): each row's
-    recurrent and convolution states, which have no columns, so nothing is padded."""
-    for ours, theirs in (
-        (first.conv_states, second.conv_states),
-        (first.recurrent_states, second.recurrent_states),
-    ):
-        for index, state in ours.items():  # by state index (a layer may keep several)
-            other = theirs[index]
-            if state is not None and other is not None:  # else not made yet
-                ours[index] = torch.cat([state, other])
+def stacked_states(layers: Sequence[LinearAttentionLayer]) -> LinearAttentionLayer:
+    """The layers' rows one after another in a new linear-attention layer (Qwen3.5's): each
+    row's recurrent and convolution states, which have no columns, so nothing is padded."""
+
+    def stacked(states: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        held = [state for state in states if state is not None]
+        return torch.cat(held) if len(held) == len(states) else None  # else not made yet
+
+    return _with_states(
+        layers[0],
+        {i: stacked([layer.conv_states[i] for layer in layers]) for i in layers[0].conv_states},
+        {
+            i: stacked([layer.recurrent_states[i] for layer in layers])
+            for i in layers[0].recurrent_states
+        },
+    )
+
+
+def state_rows(layer: LinearAttentionLayer, rows: slice) -> LinearAttentionLayer:
+    """A new linear-attention layer holding copies of these rows' states (a layer updates its
+    states in place, so a kept prompt's must be its own)."""
+
+    def taken(state: torch.Tensor | None) -> torch.Tensor | None:
+        return None if state is None else state[rows].clone()
+
+    return _with_states(
+        layer,
+        {i: taken(state) for i, state in layer.conv_states.items()},
+        {i: taken(state) for i, state in layer.recurrent_states.items()},
+    )
+
+
+def _with_states(
+    layer: LinearAttentionLayer,
+    conv: dict[int, torch.Tensor | None],
+    recurrent: dict[int, torch.Tensor | None],
+) -> LinearAttentionLayer:
+    """A copy of the layer (its kernel sizes, what is initialised) holding these states."""
+    made = copy.copy(layer)
+    made.conv_states, made.recurrent_states = conv, recurrent
+    for name in ("is_conv_states_initialized", "is_recurrent_states_initialized"):
+        setattr(made, name, dict(getattr(layer, name)))
+    made.has_previous_state = dict(layer.has_previous_state)
+    made.conv_kernel_size = dict(layer.conv_kernel_size)
+    return made
 
 
 def join_windows(
-    first: DynamicSlidingWindowLayer, second: DynamicSlidingWindowLayer, width: int
+    layers: Sequence[DynamicSlidingWindowLayer], width: int
 ) -> DynamicSlidingWindowLayer:
-    """`first`'s rows then `second`'s in a sliding-window layer, their rows left-padded to
-    `width` columns (the joined attention mask's): each side's window, right-aligned as its
-    rows are, left-padded with zeros to the joined rows' window and stacked; the layer counts
-    `width` columns seen, so the mask is sliced where the states begin."""
-    sides = [(layer.keys, layer.values) for layer in (first, second)]
+    """The layers' rows one after another in a new sliding-window layer, their rows
+    left-padded to `width` columns (the joined attention mask's): each layer's window,
+    right-aligned as its rows are, left-padded with zeros to the joined rows' window; the new
+    layer counts `width` columns seen, so the mask is sliced where the states begin."""
+    sides = [(layer.keys, layer.values) for layer in layers]
     assert all(k is not None and v is not None for k, v in sides), "an empty sliding-window layer"
-    (keys, values), (other_keys, other_values) = cast(
-        list[tuple[torch.Tensor, torch.Tensor]], sides
-    )
-    window = min(first.sliding_window - 1, width)
-    joined = DynamicSlidingWindowLayer(first.sliding_window)
-    joined.lazy_initialization(keys, values)
-    joined.keys = torch.cat([_pad_left(keys, window), _pad_left(other_keys, window)])
-    joined.values = torch.cat([_pad_left(values, window), _pad_left(other_values, window)])
+    states = cast(list[tuple[torch.Tensor, torch.Tensor]], sides)
+    window = min(layers[0].sliding_window - 1, width)
+    joined = DynamicSlidingWindowLayer(layers[0].sliding_window)
+    joined.lazy_initialization(*states[0])
+    joined.keys = torch.cat([_pad_left(keys, window) for keys, _ in states])
+    joined.values = torch.cat([_pad_left(values, window) for _, values in states])
     joined.cumulative_length = width
     return joined
+
+
+def window_rows(
+    layer: DynamicSlidingWindowLayer, rows: slice, columns: int
+) -> DynamicSlidingWindowLayer:
+    """A new sliding-window layer holding copies of these rows' window of their last `columns`
+    columns (a kept prompt's: its rows end at the layer's last column)."""
+    assert layer.keys is not None and layer.values is not None, "an empty sliding-window layer"
+    window = min(layer.sliding_window - 1, columns, layer.keys.shape[2])
+    made = DynamicSlidingWindowLayer(layer.sliding_window)
+    made.lazy_initialization(layer.keys, layer.values)
+    made.keys = layer.keys[rows, :, layer.keys.shape[2] - window :].clone()
+    made.values = layer.values[rows, :, layer.values.shape[2] - window :].clone()
+    made.cumulative_length = columns
+    return made
 
 
 def drop_window_left(layer: DynamicSlidingWindowLayer, columns: int) -> None:
@@ -205,6 +255,30 @@ def drop_window_left(layer: DynamicSlidingWindowLayer, columns: int) -> None:
     window = min(layer.sliding_window - 1, layer.cumulative_length)
     layer.keys = layer.keys[:, :, layer.keys.shape[2] - window :]
     layer.values = layer.values[:, :, layer.values.shape[2] - window :]
+
+
+def held_bytes(layer: DynamicLayer | LinearAttentionLayer) -> int:
+    """What a layer's states hold, in bytes."""
+    if isinstance(layer, LinearAttentionLayer):
+        states = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+    else:
+        states = [layer.keys, layer.values]
+    return sum(state.nbytes for state in states if state is not None)
+
+
+def cache_of(layers: list[DynamicLayer | LinearAttentionLayer]) -> DynamicCache:
+    """A cache holding these layers (one per decoder layer, in order)."""
+    cache = DynamicCache()
+    cache.layers = list(layers)
+    return cache
+
+
+def keys_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    """A plain layer holding these states as they are (no copy)."""
+    layer = DynamicLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return layer
 
 
 def _pad_left(states: torch.Tensor, columns: int) -> torch.Tensor:

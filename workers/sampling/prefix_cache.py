@@ -14,13 +14,21 @@ prefilling it again, and one whose prompt begins with a kept prompt prefills onl
   beside its rows' peak, KEPT_BYTES at least: the prompts kept share the sampler's memory with
   the rows, growing while few rows run and giving way as more join.
 
-Prefixes are found by a chain of block hashes (each block's hash covers every block before
-it), checked against the tokens on a hit, so a lookup costs one hash per block of the prompt.
-Adapter names stand for immutable weights (a checkpoint's), so a kept state never goes stale;
-inflight weights moving on change a request's adapter, and its next prompt misses.
+- **Prefixes only where a state was saved.** A key / value layer holds every position, so any
+  whole-block prefix of a kept prompt seeds a cache. A linear-attention layer's recurrent and
+  convolution states (Qwen3.5's) and a sliding-window layer's last columns (gpt-oss's) hold
+  the prompt's end only: a prompt with such layers is reused whole or as the exact beginning
+  of a longer prompt (a conversation's next turn, a long prompt's next chunk), never cut
+  inside. Every kept prompt is also found at its own end, whole blocks or not.
 
-Only plain per-layer key / value caches are kept (a sliding-window or quantised cache keeps its
-own bookkeeping, and such prompts are prefilled as usual).
+Prefixes are found by a chain of block hashes (each block's hash covers every block before
+it), checked against the tokens on a hit, so a lookup costs one hash per block of the prompt
+(a kept prompt's end is indexed under its last whole block's hash). Adapter names stand for
+immutable weights (a checkpoint's), so a kept state never goes stale; inflight weights moving
+on change a request's adapter, and its next prompt misses.
+
+A cache with any other kind of layer (a quantised one, say) is not kept; its prompts are
+prefilled as usual.
 """
 
 from __future__ import annotations
@@ -28,18 +36,30 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from queue_tinker.workers.sampling.decode_rows import (
     LiveRequest,
     Rows,
     pad_left,
     per_sample,
-    plain_layers,
+    select_rows,
 )
 from queue_tinker.workers.sampling.host_reads import to_device
+from queue_tinker.workers.sampling.kv_cache import (
+    GrowingLayer,
+    cache_of,
+    held_bytes,
+    join_windows,
+    keys_layer,
+    stacked_states,
+    state_rows,
+    window_rows,
+)
 
 PromptKey = tuple[tuple[int, ...], str]
 # The kept states are a second copy of their prompts' KV cache: past this many bytes the least
@@ -70,29 +90,89 @@ def charge_prefilled(
     return sum(tokens.values())
 
 
+# A kept prompt's layer: its (keys, values), (1, heads, prompt, dim) each; or a one-row layer
+# whose states hold the prompt's end only (a linear-attention or a sliding-window layer).
+KeptLayer = tuple[torch.Tensor, torch.Tensor] | LinearAttentionLayer | DynamicSlidingWindowLayer
+
+
 @dataclass(frozen=True)
 class SharedPrompt:
-    """One prompt's prefill: per layer (keys, values) of shape (1, heads, prompt, dim), and
-    the logits at its last position (vocab,), which its first token is chosen from."""
+    """One prompt's prefill: each layer's states (KeptLayer), the logits at its last position
+    (vocab,), which its first token is chosen from, and its length."""
 
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: list[KeptLayer]
     logits: torch.Tensor
+    length: int
 
     @property
-    def length(self) -> int:
-        return self.layers[0][0].shape[-2]
+    def sliceable(self) -> bool:
+        """Whether any prefix of it can seed a cache (key / value layers only), not only the
+        whole prompt."""
+        return all(isinstance(layer, tuple) for layer in self.layers)
 
     @property
     def nbytes(self) -> int:
-        states = sum(k.nbytes + v.nbytes for k, v in self.layers)
+        states = sum(
+            layer[0].nbytes + layer[1].nbytes if isinstance(layer, tuple) else held_bytes(layer)
+            for layer in self.layers
+        )
         return states + self.logits.nbytes
 
     def prefix_cache(self, tokens: int) -> DynamicCache:
-        """A cache holding this prompt's first `tokens` positions, to prefill more on top of
-        (the cache concatenates new states onto these, so the entry is never written)."""
-        return DynamicCache(
-            ddp_cache_data=[(k[..., :tokens, :], v[..., :tokens, :]) for k, v in self.layers]
+        """A cache holding this prompt's first `tokens` positions (all of them unless
+        sliceable), to prefill more on top of; the entry itself is never written (the key /
+        value layers concatenate onto its tensors, the others hold copies)."""
+        assert tokens == self.length or self.sliceable, "a state holds its prompt's end only"
+        whole = slice(0, 1)
+        return cache_of(
+            [
+                keys_layer(layer[0][..., :tokens, :], layer[1][..., :tokens, :])
+                if isinstance(layer, tuple)
+                else window_rows(layer, whole, tokens)
+                if isinstance(layer, DynamicSlidingWindowLayer)
+                else state_rows(layer, whole)
+                for layer in self.layers
+            ]
         )
+
+
+def keeps(cache: DynamicCache) -> bool:
+    """Whether prompts prefilled into a cache like this one (a fresh one) can be kept: every
+    layer a key / value, linear-attention or sliding-window layer (one that records its past
+    keeps more than its window, for a crop to come)."""
+    return all(
+        type(layer) in (DynamicLayer, GrowingLayer, LinearAttentionLayer)
+        or (type(layer) is DynamicSlidingWindowLayer and not layer.record_past)
+        for layer in cache.layers
+    )
+
+
+def prompt_layers(cache: DynamicCache, row: int, length: int) -> list[KeptLayer] | None:
+    """Row `row`'s prompt (its last `length` columns: prompts are left-padded) in every layer
+    of a prefill's cache, copied out so nothing else stays alive; None if the cache is not
+    kept (keeps) or a layer holds nothing."""
+    if not keeps(cache):
+        return None
+    rows = slice(row, row + 1)
+    kept: list[KeptLayer] = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            kept.append(state_rows(layer, rows))
+            continue
+        assert isinstance(layer, DynamicLayer)
+        if layer.keys is None or layer.values is None:
+            return None
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            kept.append(window_rows(layer, rows, length))
+        else:
+            width = layer.keys.shape[2]
+            kept.append(
+                (
+                    layer.keys[rows, :, width - length :].clone(),
+                    layer.values[rows, :, width - length :].clone(),
+                )
+            )
+    return kept
 
 
 @dataclass(frozen=True)
@@ -104,11 +184,19 @@ class PrefixHit:
 
 
 def block_hashes(prompt: Sequence[int], adapter: str) -> Iterator[tuple[int, int]]:
-    """(length, hash of prompt[:length] and the adapter) at every whole block of the prompt."""
+    """(length, hash of prompt[:length] and the adapter) at the prompt's start (length 0) and
+    at every whole block of it."""
     chained = hash(adapter)
+    yield 0, chained
     for end in range(BLOCK, len(prompt) + 1, BLOCK):
         chained = hash((chained, tuple(prompt[end - BLOCK : end])))
         yield end, chained
+
+
+def end_hash(prompt: Sequence[int], adapter: str) -> int:
+    """The block hash a kept prompt's end is indexed under: its last whole block's."""
+    *_, (_, chained) = block_hashes(prompt, adapter)
+    return chained
 
 
 class PrefixCache:
@@ -116,8 +204,10 @@ class PrefixCache:
         # Least recently used first.
         self.entries: OrderedDict[PromptKey, SharedPrompt] = OrderedDict()
         self.users: Counter[PromptKey] = Counter()  # requests in the loop per prompt
-        # Block-chain hash -> a kept prompt that starts with those blocks.
+        # Block-chain hash -> a kept sliceable prompt that starts with those blocks.
         self.prefixes: dict[int, PromptKey] = {}
+        # Block-chain hash -> the kept prompts whose last whole block it is (their ends).
+        self.ends: dict[int, set[PromptKey]] = {}
         self.max_bytes = max_bytes
         self.nbytes = 0  # what the entries hold
 
@@ -151,6 +241,7 @@ class PrefixCache:
         self.entries.clear()
         self.users.clear()
         self.prefixes.clear()
+        self.ends.clear()
         self.nbytes = 0
 
     def get(self, request: LiveRequest) -> SharedPrompt | None:
@@ -162,17 +253,24 @@ class PrefixCache:
         return entry
 
     def longest_prefix(self, request: LiveRequest) -> PrefixHit | None:
-        """The longest kept prefix of the request's prompt in whole blocks, leaving at least
-        one token to prefill (its logits choose the first token); marked recently used."""
+        """The longest kept prefix of the request's prompt, leaving at least one token to
+        prefill (its logits choose the first token): whole blocks of a sliceable kept prompt,
+        or a whole kept prompt; marked recently used."""
         prompt, adapter = prompt_key(request)
-        longest: tuple[int, PromptKey] | None = None
-        for end, chained in block_hashes(prompt[:-1], adapter):
+        limit = len(prompt) - 1
+        found: tuple[int, PromptKey] | None = None
+        for end, chained in block_hashes(prompt[:limit], adapter):
             key = self.prefixes.get(chained)
-            if key is not None:
-                longest = end, key
-        if longest is None:
+            if end > 0 and key is not None and (found is None or end > found[0]):
+                found = end, key
+            for kept in self.ends.get(chained, ()):  # prompts ending in the next block
+                length = len(kept[0])
+                longer = found is None or length > found[0]
+                if longer and length <= limit and kept == (prompt[:length], adapter):
+                    found = length, kept
+        if found is None:
             return None
-        end, key = longest
+        end, key = found
         if key[1] != adapter or key[0][:end] != prompt[:end]:
             return None  # a hash collision
         self.entries.move_to_end(key)
@@ -181,24 +279,15 @@ class PrefixCache:
     def keep(self, keys: list[PromptKey], cache: DynamicCache, last_logits: torch.Tensor) -> None:
         """Keep each prefill row's prompt (row i of the left-padded prefill is keys[i]): its
         own positions only, copied out of the padded batch so nothing else stays alive."""
-        layers = plain_layers(cache)
-        if layers is None:
+        if not keeps(cache):
             return
-        width = layers[0][1][0].shape[-2]
         for row, key in enumerate(keys):
             if key in self.entries:
                 continue
-            start = width - len(key[0])  # left padding: the prompt ends the row
-            self.add(
-                key,
-                SharedPrompt(
-                    layers=[
-                        (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone())
-                        for _, (k, v) in layers
-                    ],
-                    logits=last_logits[row].clone(),
-                ),
-            )
+            layers = prompt_layers(cache, row, len(key[0]))
+            if layers is None:
+                return
+            self.add(key, SharedPrompt(layers, last_logits[row].clone(), len(key[0])))
 
     def add(self, key: PromptKey, entry: SharedPrompt) -> bool:
         """Keep a prompt's states, evicting the least recently used entries no request in
@@ -209,8 +298,10 @@ class PrefixCache:
             return False
         self.entries[key] = entry
         self.nbytes += entry.nbytes
-        for _, chained in block_hashes(key[0], key[1]):
-            self.prefixes[chained] = key  # the newest: the last to be evicted
+        if entry.sliceable:
+            for _, chained in block_hashes(key[0], key[1]):
+                self.prefixes[chained] = key  # the newest: the last to be evicted
+        self.ends.setdefault(end_hash(*key), set()).add(key)
         return True
 
     def bytes_per_token(self) -> float | None:
@@ -243,6 +334,10 @@ class PrefixCache:
         for _, chained in block_hashes(key[0], key[1]):
             if self.prefixes.get(chained) == key:
                 del self.prefixes[chained]
+        ends = self.ends[end_hash(*key)]
+        ends.discard(key)
+        if not ends:
+            del self.ends[end_hash(*key)]
 
     def rows(
         self, taken: list[tuple[LiveRequest, range]], entries: Mapping[PromptKey, SharedPrompt]
@@ -258,21 +353,36 @@ class PrefixCache:
         logits = torch.stack([entry.logits for entry in stored])
         index = to_device(rows, torch.long, logits.device)
         width = max(entry.length for entry in stored)
-        data = [
-            tuple(
-                torch.cat([pad_left(entry.layers[layer][part], width) for entry in stored])[index]
-                for part in (0, 1)
-            )
-            for layer in range(len(stored[0].layers))
-        ]
+        cache = cache_of(
+            [
+                _joined([entry.layers[layer] for entry in stored], width)
+                for layer in range(len(stored[0].layers))
+            ]
+        )
+        if rows != list(range(len(stored))):  # to one row per sample
+            select_rows(cache, index)
         lengths = to_device([entry.length for entry in stored], torch.long, logits.device)[index]
         columns = torch.arange(width, device=logits.device)
         mask = (columns[None, :] >= width - lengths[:, None]).long()  # 1 at the real tokens
         incoming = Rows.build(
             requests=requests,
             samples=samples,
-            cache=DynamicCache(ddp_cache_data=data),
+            cache=cache,
             mask=mask,
             next_pos=lengths,  # real tokens count from 0, as alone
         )
         return incoming, logits[index]
+
+
+def _joined(layers: Sequence[KeptLayer], width: int) -> DynamicLayer | LinearAttentionLayer:
+    """One layer of several kept prompts, one row each, left-padded to `width` columns."""
+    first = layers[0]
+    if isinstance(first, tuple):
+        pairs = cast(Sequence[tuple[torch.Tensor, torch.Tensor]], layers)
+        return keys_layer(
+            torch.cat([pad_left(keys, width) for keys, _ in pairs]),
+            torch.cat([pad_left(values, width) for _, values in pairs]),
+        )
+    if isinstance(first, DynamicSlidingWindowLayer):
+        return join_windows(cast(Sequence[DynamicSlidingWindowLayer], layers), width)
+    return stacked_states(cast(Sequence[LinearAttentionLayer], layers))

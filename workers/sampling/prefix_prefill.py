@@ -2,10 +2,10 @@
 prompts, the rest of a prompt prefilled on top of its kept prefix, and chunked prefill.
 
 - **Look-up.** A request whose whole prompt is kept joins from it; one whose prompt begins
-  with a kept one (whole blocks) prefills only the rest, on top of the kept states, one prompt
-  per model call. A part that reports its prompt's scores (they need every position's logits)
-  and a prompt holding images (its ids are placeholder slots, the same for any image) are
-  prefilled whole, as before.
+  with a kept one (whole blocks, or a whole kept prompt: prefix_cache.py) prefills only the
+  rest, on top of the kept states, one prompt per model call. A part that reports its
+  prompt's scores (they need every position's logits) and a prompt holding images (its ids
+  are placeholder slots, the same for any image) are prefilled whole, as before.
 - **Chunked prefill.** While rows are decoding, a prompt with more than a step's prefill budget
   left to prefill goes in chunks of whole blocks, one per step: each chunk is prefilled on top
   of the one before and kept (pinned to its request, so it is not evicted meanwhile), and the
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import DynamicCache
 
-from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest, plain_layers
+from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest
 from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.prefix_cache import (
     BLOCK,
@@ -29,7 +29,9 @@ from queue_tinker.workers.sampling.prefix_cache import (
     PromptKey,
     SharedPrompt,
     charge_prefilled,
+    keeps,
     prompt_key,
+    prompt_layers,
 )
 from queue_tinker.workers.sampling.prompt_scores import wants_prompt_scores
 
@@ -78,14 +80,20 @@ def prefill_on(
     `hit` (from its first token without one): its states and last logits."""
     prompt, adapter = key
     done = 0 if hit is None else hit.tokens
-    cache = DynamicCache() if hit is None else hit.entry.prefix_cache(done)
+    cache = fresh_cache(model) if hit is None else hit.entry.prefix_cache(done)
     ids = to_device([prompt[done:]], torch.long, device)
     mask = torch.ones(1, len(prompt), dtype=torch.long, device=device)
     positions = torch.arange(done, len(prompt), device=device)[None]
     logits = forward(model, ids, mask, positions, cache, [adapter], last_only=True)
-    layers = plain_layers(cache)
-    assert layers is not None  # a DynamicCache of plain layers
-    return SharedPrompt([kv for _, kv in layers], logits[0, -1])
+    layers = prompt_layers(cache, 0, len(prompt))
+    assert layers is not None, "prefilled on top of a kept prompt, or into a cache that keeps"
+    return SharedPrompt(layers, logits[0, -1], len(prompt))
+
+
+def fresh_cache(model: torch.nn.Module) -> DynamicCache:
+    """An empty cache of the model's layer kinds (its config's: a Qwen3.5's linear-attention
+    layers, a gpt-oss's sliding windows)."""
+    return DynamicCache(config=getattr(model, "config", None))
 
 
 def extend(
@@ -119,6 +127,8 @@ def next_chunk(
     chunk = budget // BLOCK * BLOCK
     if chunk <= 0 or request.admitted or prefilled_whole(request, range(1)):
         return 0
+    if not keeps(fresh_cache(model)):
+        return 0  # its chunks could not be kept: the whole prompt is prefilled when it joins
     if cache.get(request) is not None:
         return 0
     hit = cache.longest_prefix(request)

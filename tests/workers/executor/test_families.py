@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -224,8 +225,6 @@ def test_the_slot_step_samples_what_the_padded_step_samples(family: BatchDriver)
     assert (decoder.kv is not None) is (family.base in ON_SLOTS)
 
 
-
-
 @pytest.mark.parametrize("first", [0, 1], ids=["longer-first", "shorter-first"])
 def test_a_request_joining_running_rows_samples_what_it_samples_alone(
     family: BatchDriver, first: int
@@ -252,6 +251,76 @@ def test_a_request_joining_running_rows_samples_what_it_samples_alone(
         widest = max(widest, engine.sampling._loop_of().step_rows)
     assert widest == 4  # 2 samples each
     assert_each_as_alone(family, ops, bodies, together)
+
+
+def test_a_kept_prompt_is_reused_whole_and_as_the_start_of_a_longer_one(
+    family: BatchDriver,
+) -> None:
+    """The prefix cache keeps every family's prompts: Qwen3.5's linear-attention states and
+    gpt-oss's sliding windows as they stand at the prompt's end, key / value layers whole. A
+    prompt seen before joins from it (every token a hit), a prompt that begins with it
+    prefills only the rest (11 tokens: no whole block, its end is what is found); both
+    sample what they sample with nothing kept."""
+    prompt = list(b"Q: 2+2?\nA:")
+    [body, *_] = sample_ops(family, "kept")
+    longer = [*prompt, *b" 4\nQ: 3+3?\nA:"]
+
+    def sampled(tokens: list[int], seed: int) -> tuple[OpResult, dict[str, Any]]:
+        again = body.model_copy(
+            update={
+                "prompt": ModelInput.from_ints(tokens),
+                "sampling_params": body.sampling_params.model_copy(update={"seed": seed}),
+            }
+        )
+        out = run_op(family.engine, family.make("kept", OpKind.SAMPLE, again.model_dump()))
+        return out, codec.decode(out.result)
+
+    prompts = family.engine.sampling._loop_of().prompts
+    prompts.clear()
+    assert sampled(prompt, 0)[1]["prompt_cache_hit_tokens"] == 0
+    whole, whole_body = sampled(prompt, 1)
+    start, start_body = sampled(longer, 2)
+    assert whole_body["prompt_cache_hit_tokens"] == len(prompt)
+    assert start_body["prompt_cache_hit_tokens"] == len(prompt)
+    for tokens, seed, kept in ((prompt, 1, whole), (longer, 2, start)):
+        prompts.clear()
+        fresh, fresh_body = sampled(tokens, seed)
+        assert fresh_body["prompt_cache_hit_tokens"] == 0
+        assert_same_samples(kept, fresh, body.sampling_params.max_tokens)
+
+
+def test_a_long_prompt_goes_in_kept_chunks_while_rows_decode(family: BatchDriver) -> None:
+    """While a request decodes, a prompt over the step's prefill budget is prefilled a chunk
+    of whole blocks a step, each on top of the kept one before (Qwen3.5's states and gpt-oss's
+    windows as they stand at the chunk's end), then joins; both requests sample what they
+    sample alone with nothing kept."""
+    short, _ = sample_ops(family, "chunks")
+    document = list((b"a long document to read before answering. " * 2)[:80])
+    long = short.model_copy(update={"prompt": ModelInput.from_ints(document)})
+    ops = [
+        family.make(f"chunked{i}", OpKind.SAMPLE, b.model_dump())
+        for i, b in enumerate([short, long])
+    ]
+    engine = family.engine
+    loop = engine.sampling._loop_of()
+    loop.prompts.clear()
+    engine.sampling.join(ops[:1])
+    together: dict[str, OpResult | Exception] = {}
+    for _ in range(2):  # the short request's prefill and a decode step
+        together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
+    budget, loop.prefill_tokens = loop.prefill_tokens, 40  # chunks of 32 tokens
+    try:
+        engine.sampling.join(ops[1:])
+        prefilled = []
+        while engine.sampling.stepping():
+            before = loop.prefilled_tokens
+            together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
+            prefilled.append(loop.prefilled_tokens - before)
+    finally:
+        loop.prefill_tokens = budget
+    assert prefilled[:3] == [32, 32, 16]
+    loop.prompts.clear()
+    assert_each_as_alone(family, ops, [short, long], together)
 
 
 def test_an_architecture_no_family_declares_trains_and_samples(root: Path) -> None:

@@ -867,7 +867,11 @@ def test_kept_prompts_go_least_recently_used_first_never_one_in_use(setup: Setup
     loop.add("y", request(PROMPTS[3], None, max_tokens=10, seed=2, stop=[]))
     loop.cancel({"x"})
     queued = loop.prompts.entries[(tuple(PROMPTS[3]), BASE_ADAPTER)]
-    small = SharedPrompt([(k[..., :2, :], v[..., :2, :]) for k, v in fox.layers], fox.logits)
+    small = SharedPrompt(
+        [(k[..., :2, :], v[..., :2, :]) for k, v in fox.layers],  # type: ignore[misc]
+        fox.logits,
+        2,
+    )
     loop.prompts.max_bytes = queued.nbytes + small.nbytes  # room for what y counts on + small
     assert loop.prompts.add((tuple(PROMPTS[2]), "a2"), small)
     assert [key[0] for key in loop.prompts.entries] == [tuple(PROMPTS[3]), tuple(PROMPTS[2])]
@@ -995,8 +999,9 @@ def prompt_key_of(prompt: list[int], adapter: str) -> tuple[tuple[int, ...], str
 
 
 def test_prefix_lookups_need_whole_matching_blocks(setup: Setup) -> None:
-    """A prefix hit is the longest run of whole blocks both prompts share, leaving at least
-    one token to prefill; a prompt that differs inside the first block misses."""
+    """A prefix hit is the longest run of whole blocks both prompts share, or a whole kept
+    prompt the new one begins with, leaving at least one token to prefill; a prompt that
+    differs inside the first block misses."""
     loop = new_loop(setup)
     loop.add("kept", request([*CONTEXT, 1, 2], "a1", max_tokens=1, stop=[]))
     drain(loop, setup.model)
@@ -1008,6 +1013,8 @@ def test_prefix_lookups_need_whole_matching_blocks(setup: Setup) -> None:
 
     assert hit(CONTEXT) == 32  # 48 tokens: the last one is left to prefill
     assert hit([*CONTEXT, 7]) == 48
+    assert hit([*CONTEXT, 1, 2, 3]) == 50  # the kept prompt's own end, past its last block
+    assert hit([*CONTEXT, 1, 3, 3]) == 48
     assert hit([*CONTEXT[:40], 9, 9]) == 32
     assert hit([9, *CONTEXT[1:]]) == 0
     assert hit([*CONTEXT, 7], "a2") == 0
