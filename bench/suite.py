@@ -70,6 +70,8 @@ BENCHES: tuple[Bench, ...] = tuple(
          "sampling: the prefix cache and chunked prefill against the same loop without them"),
         ("gateway", "bench.gateway_round_trip", DATA, (*QUICK, *DATA), 120,
          "a training round trip through the official SDK and the gateway vs the client"),
+        ("small_op", "bench.small_op", (), QUICK, 45,
+         "a 2-token forward's round trip against the queue's trivial op, and where it goes"),
         ("big_bodies", "bench.big_bodies", (), QUICK, 60,
          "another tenant's small requests while one sends ten 57 MiB bodies"),
         ("moe", "bench.moe", (), QUICK, 100,

@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from bench import sample_cache, sampling_engine, suite
+from bench import sample_cache, sampling_engine, small_op, suite
 from bench.decode_step import floor_ms
 from bench.harness.models import BASE_NAME, Shape, build_model, lora_pool
+from bench.harness.report import Table
+from bench.harness.run import Run
+from bench.harness.stats import Latency, LatencyResult, Stages
 from bench.mfu import SHAPES, flops_per_token, lora_params, matmul_params, peak_tflops, total_params
 from queue_tinker.storage.local import LocalStore
 from queue_tinker.types.requests.training import LoraConfig
@@ -39,6 +42,7 @@ def test_default_set_leaves_out_soak_and_only_picks_in_order() -> None:
         "sample_cache",
         "prefix_cache",
         "gateway",
+        "small_op",
         "big_bodies",
         "moe",
         "checkpoints",
@@ -313,3 +317,26 @@ def test_a_benchmark_names_the_commit_it_measured(
     assert machine.commit() == f"{head}+changes"
     monkeypatch.setenv("BENCH_COMMIT", "abc1234")
     assert machine.commit() == "abc1234"
+
+
+def test_the_small_op_target_divides_the_forward_by_the_queue_only_trivial_op(
+    tmp_path: Path,
+) -> None:
+    """bench.small_op holds the 2-token forward's p50 to 3x the queue-only worker's trivial
+    op's (not the LoRA worker's), and the table splits each kind at its stages."""
+
+    def result(ms: float) -> LatencyResult:
+        stages = Stages(rows=[(0.001, 0.0, 0.0005, ms / 2000, 0.0)] * 3)
+        return LatencyResult(Latency([ms / 1000] * 3), Latency([0.001] * 3), stages)
+
+    args = small_op.parse_args(["--quick"])
+    run = Run({"CPU": "x"}, tmp_path, "redis://", "postgresql://", 0.0)
+    for forward, met in ((2.9, True), (3.1, False)):
+        results = {small_op.TRIVIAL: result(1.0), small_op.TRIVIAL_LORA: result(0.5)}
+        results[small_op.FORWARD] = result(forward)
+        report = small_op.report(args, run, results)
+        [target] = report.targets
+        assert target.met is met and f"= {forward:.2f}×" in target.measured
+        assert report.results["ratio_p50"] == pytest.approx(forward)
+    [table] = report.body
+    assert isinstance(table, Table) and len(list(table.rows)) == 3
