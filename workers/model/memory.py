@@ -151,19 +151,61 @@ def layers_to_checkpoint(tokens: int, layers: int, per_layer: LayerBytes, budget
     return layers
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
-    """Key and value cache bytes of one token over every layer. Multi-head latent attention
-    (DeepSeek-V3, Kimi-K2: a `kv_lora_rank`) is counted as transformers' cache holds it: the
-    compressed latent and the RoPE key, one of each a token and layer whatever the heads (so a
-    tensor-parallel rank holds it whole)."""
+def attention_kinds(config: PretrainedConfig) -> list[str]:
+    """Each decoder layer's attention as its cache holds it: the config's `layer_types` where
+    it has them ("full_attention", "sliding_attention", "linear_attention", ...), else full
+    attention in every layer."""
     layers = int(config.num_hidden_layers)
+    kinds = getattr(config, "layer_types", None)
+    return list(kinds)[:layers] if kinds else ["full_attention"] * layers
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> int:
+    """The cache bytes one more token adds to a row: the keys and values of every layer whose
+    cache grows a column a token (full attention; a sliding window's and a linear-attention
+    layer's do not: row_state_bytes). Multi-head latent attention (DeepSeek-V3, Kimi-K2: a
+    `kv_lora_rank`) is counted as transformers' cache holds it: the compressed latent and the
+    RoPE key, one of each a token and layer whatever the heads (so a tensor-parallel rank
+    holds it whole)."""
+    growing = sum(kind == "full_attention" for kind in attention_kinds(config))
+    return max(1, growing * _token_layer_bytes(config, dtype_bytes))
+
+
+def row_state_bytes(config: PretrainedConfig, dtype_bytes: int) -> int:
+    """The cache bytes a row holds whatever its length, once past a sliding window: each
+    sliding-window layer's last `sliding_window - 1` tokens (gpt-oss's), each linear-attention
+    layer's convolution state (its inputs' last kernel columns) and recurrent state, which the
+    gated delta rule keeps in fp32 (Qwen3.5's)."""
+    kinds = attention_kinds(config)
+    sliding = sum(kind == "sliding_attention" for kind in kinds)
+    window = int(getattr(config, "sliding_window", None) or 0)
+    total = sliding * max(0, window - 1) * _token_layer_bytes(config, dtype_bytes)
+    linear = sum(kind == "linear_attention" for kind in kinds)
+    if linear:
+        key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        channels = 2 * key_heads * key_dim + value_heads * value_dim
+        conv = channels * int(config.linear_conv_kernel_dim) * dtype_bytes
+        recurrent = value_heads * key_dim * value_dim * 4
+        total += linear * (conv + recurrent)
+    return total
+
+
+def cache_bytes_per_token(config: PretrainedConfig, dtype_bytes: int) -> float:
+    """What a sampler's cache token costs for rows of SAMPLE_CONTEXT tokens: a token's bytes
+    and its share of its row's fixed state (row_state_bytes), as budgets are planned."""
+    per_row = row_state_bytes(config, dtype_bytes) / SAMPLE_CONTEXT
+    return kv_bytes_per_token(config, dtype_bytes) + per_row
+
+
+def _token_layer_bytes(config: PretrainedConfig, dtype_bytes: int) -> int:
+    """One token's keys and values in one attention layer."""
     if getattr(config, "kv_lora_rank", None):
-        latent = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
-        return layers * latent * dtype_bytes
+        return (int(config.kv_lora_rank) + int(config.qk_rope_head_dim)) * dtype_bytes
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return 2 * kv_heads * head_dim * dtype_bytes
 
 
 def budgets_for(
@@ -179,7 +221,7 @@ def budgets_for(
     activations = int(usable * TRAIN_SHARE)
     per_token = train_bytes_per_token(config, dtype_bytes, checkpointing, lora_copy=lora_copy)
     train = activations // per_token
-    cache_tokens = int(usable * SAMPLE_SHARE // kv_bytes_per_token(config, dtype_bytes))
+    cache_tokens = int(usable * SAMPLE_SHARE // cache_bytes_per_token(config, dtype_bytes))
     return Budgets(
         train_batch_tokens=max(1, train),
         sample_batch_sequences=max(1, cache_tokens // SAMPLE_CONTEXT),

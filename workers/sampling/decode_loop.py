@@ -204,6 +204,7 @@ class DecodeLoop:
         prefill_tokens: int | None = PREFILL_TOKENS,
         call_tokens: int | None = None,
         max_cache_tokens: int | None = None,
+        row_cache_tokens: int = 0,
         slots: bool = False,
         graphs: bool = False,
     ) -> None:
@@ -214,6 +215,9 @@ class DecodeLoop:
         # KV-cache tokens (rows x columns) the rows admitted may come to hold at their peak
         # (cache_budget.py); None: no cap. A sample that alone needs more runs alone.
         self.max_cache_tokens = max_cache_tokens
+        # Cache tokens' worth each row holds whatever its length, charged beside its columns:
+        # a sliding window's, a linear-attention layer's states (memory.row_state_bytes).
+        self.row_cache_tokens = row_cache_tokens
         self.prefill_tokens = prefill_tokens
         # What a prefill call costs in padded tokens' worth (prefill_groups.py).
         self.call_tokens = prefill_call_tokens(device) if call_tokens is None else call_tokens
@@ -462,7 +466,7 @@ class DecodeLoop:
             left = request.spec.num_samples - request.admitted
             free = left if self.max_rows is None else min(left, self.max_rows - rows)
             if free > 0 and self.max_cache_tokens is not None:
-                row = (len(request.spec.prompt), request.spec.max_tokens)
+                row = (len(request.spec.prompt) + self.row_cache_tokens, request.spec.max_tokens)
                 fits = rows_that_fit(committed, row, free, self.max_cache_tokens, self._peak)
                 free = fits if fits or rows else 1
                 committed += [row] * free
@@ -497,7 +501,8 @@ class DecodeLoop:
         rows = []
         for request, sample in zip(self.running.requests, self.running.samples, strict=True):
             generated = len(request.tokens[sample])
-            rows.append((len(request.spec.prompt) + generated, request.spec.max_tokens - generated))
+            held = len(request.spec.prompt) + generated + self.row_cache_tokens
+            rows.append((held, request.spec.max_tokens - generated))
         return rows
 
     def _prefill(

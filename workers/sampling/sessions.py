@@ -13,6 +13,7 @@ hands back the ops that finished in it. Between quanta the worker runs other mod
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import OpCancelledError, UserInputError
@@ -45,7 +47,7 @@ from queue_tinker.types.service.ops import Op
 from queue_tinker.workers.interface import OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.checkpoints import checkpoint_key, read_meta
-from queue_tinker.workers.model.memory import Budgets
+from queue_tinker.workers.model.memory import Budgets, kv_bytes_per_token, row_state_bytes
 from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.sampling.decode_loop import DecodeLoop, GenerationRequest, Key
 from queue_tinker.workers.sampling.slot_decode import PADDED, StepKind
@@ -317,6 +319,7 @@ class SamplingSessions:
                 lambda tokens: str(tokenizer.decode(tokens)),
                 max_rows=self.max_batch_sequences,
                 max_cache_tokens=self.max_cache_tokens,
+                row_cache_tokens=row_cache_tokens(self.pool.base),
                 slots=self.decode_step.slots,
                 graphs=self.decode_step.graphs,
             )
@@ -386,3 +389,14 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     elif isinstance(configured, list):
         ids.update(int(i) for i in configured)
     return sorted(ids)
+
+
+def row_cache_tokens(model: torch.nn.Module) -> int:
+    """The cache tokens' worth a row of this model holds whatever its length (its sliding
+    windows, its linear-attention states), in its own dtype: what the decode loop charges each
+    row beside its columns."""
+    if not isinstance(model, PreTrainedModel):
+        return 0  # no config to read it from
+    config = model.config.get_text_config()
+    itemsize = model.dtype.itemsize
+    return math.ceil(row_state_bytes(config, itemsize) / kv_bytes_per_token(config, itemsize))

@@ -5,16 +5,24 @@ every row of docs/operations.md's table against a fresh plan."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from procs import REPO
-from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DynamicCache,
+    LlamaConfig,
+    Qwen3MoeConfig,
+)
 
 from bench import fit_table
 from queue_tinker.config.engine import EngineConfig
 from queue_tinker.errors import ErrorCategory, WorkerFitError
 from queue_tinker.types.requests.training import LoraConfig
+from queue_tinker.workers.model.base_model import cache_keyword, load_base_model
 from queue_tinker.workers.model.fit import (
     WHOLE_IN_GROUP,
     FitPlan,
@@ -24,7 +32,8 @@ from queue_tinker.workers.model.fit import (
     plan_fit,
     require_fit,
 )
-from queue_tinker.workers.model.memory import kv_bytes_per_token
+from queue_tinker.workers.model.memory import kv_bytes_per_token, row_state_bytes
+from queue_tinker.workers.sampling.kv_cache import held_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -321,7 +330,7 @@ def test_docs_table_has_exactly_these_rows() -> None:
 H200_ROWS = {
     ("Qwen3-30B-A3B", 1): ("QT_MAX_RESIDENT_ADAPTERS=1", None),
     ("Qwen3-30B-A3B", 8): ("QT_MAX_RESIDENT_ADAPTERS=2", None),
-    ("gpt-oss-120b", 1): (None, "FP8 base weights, QT_MAX_RESIDENT_ADAPTERS=13, clients with"),
+    ("gpt-oss-120b", 1): (None, "FP8 base weights, QT_MAX_RESIDENT_ADAPTERS=17, clients with"),
     ("gpt-oss-120b", 8): ("QT_MAX_RESIDENT_ADAPTERS=1", None),
     ("Kimi-K2", 8): (None, "bf16 base weights on 32 GPUs (4 nodes of 8)"),
 }
@@ -417,3 +426,37 @@ def test_latent_attention_kv_is_counted_as_transformers_caches_it() -> None:
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
     held = sum(t.numel() * t.element_size() for t in tensors)
     assert held == 5 * kv_bytes_per_token(config, 4)
+
+
+FAMILY_BUILTINS = (
+    "queue-tinker/tiny-llama",
+    "queue-tinker/tiny-moe",
+    "queue-tinker/tiny-qwen3",
+    "queue-tinker/tiny-gpt-oss",
+    "queue-tinker/tiny-deepseek-v3",
+    "queue-tinker/tiny-qwen3.5",
+)
+
+
+@pytest.mark.parametrize("name", FAMILY_BUILTINS, ids=lambda name: name.split("/")[1])
+def test_the_sampler_s_cache_is_counted_per_token_and_per_row_as_it_is_held(
+    name: str, root: Path
+) -> None:
+    """What a token adds to a row's cache (kv_bytes_per_token) and what a row holds whatever
+    its length (row_state_bytes: gpt-oss's sliding windows of 8, Qwen3.5's linear-attention
+    states) are what a built-in's own cache holds after prompts of 20 and 40 tokens."""
+    model = load_base_model(name, "cpu", root / "models").eval()
+    config = model.config.get_text_config()
+
+    def held(tokens: int) -> int:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            ids = torch.arange(tokens)[None] + 3
+            model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})
+        return sum(held_bytes(layer) for layer in cache.layers)
+
+    short, long = held(20), held(40)
+    per_token = kv_bytes_per_token(config, 4)
+    assert long - short == 20 * per_token
+    assert short - 20 * per_token == row_state_bytes(config, 4)
+    assert (row_state_bytes(config, 4) > 0) is (name.endswith(("gpt-oss", "qwen3.5")))

@@ -1248,3 +1248,20 @@ def test_modules_added_with_an_adapter_sample_in_eval_mode(setup: Setup) -> None
     assert_same(first[0], second[0])  # dropout of 0.5 in training mode would differ
     reference = greedy_reference(model.eval(), "late", PROMPTS[1], 8)
     assert first[0].sequences[0].tokens == reference
+
+
+def test_a_row_s_fixed_state_is_charged_beside_its_columns(setup: Setup) -> None:
+    """Under a KV budget, each row is charged `row_cache_tokens` beside its columns (a sliding
+    window's, a linear-attention layer's states): a budget that admits two 8 + 4-token rows
+    at once admits one at a time when each row holds 6 tokens' worth more."""
+    requests = [request(PROMPTS[0][:8], None, max_tokens=4, seed=s, stop=[]) for s in (1, 2)]
+    widest = {}
+    for extra in (0, 6):
+        loop = new_loop(setup, max_cache_tokens=2 * (8 + 4), row_cache_tokens=extra)
+        for index, req in enumerate(requests):
+            loop.add(index, req)
+        widest[extra] = 0
+        while loop.busy:
+            loop.step(setup.model)
+            widest[extra] = max(widest[extra], loop.step_rows)
+    assert widest == {0: 2, 6: 1}
