@@ -159,7 +159,8 @@ def planned(
 ) -> list[list[Piece]]:
     """The micro-batches a worker runs these ops in (one: the pass whole)."""
     layers = len(decoder_layers(pool.model))
-    return planned_batches(ops, plan, device, layers, routed=bool(pool.expert_parameters))
+    routed = bool(pool.expert_parameters)
+    return planned_batches(ops, plan, device, layers, routed=routed, lora=pool.lora_layers())
 
 
 def pass_plan(

@@ -19,12 +19,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cache
 
 import torch
 
 from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import TensorData
 from queue_tinker.workers.model.adapters import AdapterPool
+from queue_tinker.workers.model.lora import grouped_lora
+from queue_tinker.workers.model.lora.row_blocks import LoraLayer, stacks
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.shared_pass import PassOp, kept_grads, shared_pass
@@ -52,30 +55,49 @@ class Piece:
         return replace(op, data=op.data[self.start : self.end], images=images)
 
 
-def recomputes_under(plan: PassPlan, device: torch.device, layers: int) -> Recomputes:
-    """The layers a pass checkpoints under `plan`, stacking its adapters' LoRA where the plan
-    may (an upper bound: stacks() also asks for plain LoRA)."""
+def recomputes_under(
+    plan: PassPlan, device: torch.device, layers: int, lora: Sequence[LoraLayer] = ()
+) -> Recomputes:
+    """The layers a pass checkpoints under `plan`. Its adapters' LoRA counts as stacked (every
+    token computing every adapter's columns) where the pass would stack it: given the model's
+    LoRA layers `lora`, where shared_pass.lora_form picks stacked for those adapters (a grouped
+    pass computes a row's own columns only); without them, wherever the plan may stack (an
+    upper bound)."""
+
+    @cache
+    def stacked(names: tuple[str, ...]) -> bool:
+        if len(names) < 2:
+            return False
+        if not lora:
+            return plan.lora_form_for(device, groups=False, stacks=True) == "stacked"
+        blocks = [(name, 1) for name in names]
+        groups, stack = grouped_lora.groups(lora, blocks), stacks(lora, blocks)
+        return plan.lora_form_for(device, groups=groups, stacks=stack) == "stacked"
 
     def recomputes(tokens: int, backward: bool, ranks: dict[str, int]) -> int:
-        stacked = (
-            len(ranks) > 1 and plan.lora_form_for(device, groups=False, stacks=True) == "stacked"
-        )
-        pass_plan = plan.for_pass(list(ranks.values()), stacked)
+        pass_plan = plan.for_pass(list(ranks.values()), stacked(tuple(sorted(ranks))))
         return pass_plan.checkpointed_layers(tokens, backward, layers)
 
     return recomputes
 
 
 def planned_batches(
-    ops: Sequence[PassOp], plan: PassPlan, device: torch.device, layers: int, *, routed: bool
+    ops: Sequence[PassOp],
+    plan: PassPlan,
+    device: torch.device,
+    layers: int,
+    *,
+    routed: bool,
+    lora: Sequence[LoraLayer] = (),
 ) -> list[list[Piece]]:
     """The pass's micro-batches as a worker plans them: under auto checkpointing (and
     plan.micro_batches), against the fixed budget (nothing borrowed), on a model without routed
-    experts (`routed`); else the pass whole."""
+    experts (`routed`); else the pass whole. `lora`: the model's LoRA layers
+    (recomputes_under)."""
     if plan.activation_checkpointing != "auto" or not plan.micro_batches or routed:
         return [[Piece(i, 0, len(op.data)) for i, op in enumerate(ops)]]
     fixed = replace(plan, spare_activations=None)
-    return micro_batches(ops, recomputes_under(fixed, device, layers))
+    return micro_batches(ops, recomputes_under(fixed, device, layers, lora))
 
 
 def micro_batches(ops: Sequence[PassOp], recomputes: Recomputes) -> list[list[Piece]]:

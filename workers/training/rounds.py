@@ -262,7 +262,8 @@ class TrainingRounds:
         if padded_tokens([*chunk, op]) > self.guard.train_batch_tokens:
             return False
 
-        recomputes = recomputes_under(self.plan, self.guard.device, self.layers)
+        lora = self.pool.lora_layers()
+        recomputes = recomputes_under(self.plan, self.guard.device, self.layers, lora)
 
         def recomputed(ops: Sequence[PassOp]) -> int:
             return recomputes(padded_tokens(ops), any(o.backward for o in ops), _ranks(ops))
@@ -273,10 +274,12 @@ class TrainingRounds:
         """The pass's micro-batches (micro_batches.planned_batches), said in the log."""
         device, layers = self.guard.device, self.layers
         routed = bool(self.pool.expert_parameters)
-        batches = planned_batches(ops, self.plan, device, layers, routed=routed)
+        lora = self.pool.lora_layers()
+        batches = planned_batches(ops, self.plan, device, layers, routed=routed, lora=lora)
         if len(batches) > 1:
             fixed = replace(self.plan, spare_activations=None)
-            whole = recomputes_under(fixed, device, layers)(padded_tokens(ops), True, _ranks(ops))
+            recomputes = recomputes_under(fixed, device, layers, lora)
+            whole = recomputes(padded_tokens(ops), True, _ranks(ops))
             said = (
                 f"a pass of {sum(len(op.data) for op in ops)} datums ({padded_tokens(ops)} "
                 f"padded tokens) that would recompute {whole} of {layers} layers runs as "

@@ -34,7 +34,15 @@ from queue_tinker.types.requests.loss_inputs import LOSS_SPECS, resolve_loss_con
 from queue_tinker.types.requests.training import AdamParams, ForwardBackwardInput
 from queue_tinker.types.requests.training import ForwardBackwardOutput as Output
 from queue_tinker.types.tensors import Datum
-from queue_tinker.workers.training.micro_batches import Piece, micro_batches, run_micro_batches
+from queue_tinker.workers.model.adapters import adapter_name
+from queue_tinker.workers.model.memory import layer_bytes, pass_bytes_per_token
+from queue_tinker.workers.training.micro_batches import (
+    Piece,
+    micro_batches,
+    recomputes_under,
+    run_micro_batches,
+)
+from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.rounds import prepare_pass
 from queue_tinker.workers.training.shared_pass import PassOp, kept_grads, shared_pass
 
@@ -236,3 +244,28 @@ def test_an_op_failing_in_a_later_micro_batch_adds_no_gradient(split: Driver) ->
         p.grad = None
     shared_pass(engine.pool, [ops[0]], engine.device, plan)
     assert_grads_close(after, split.grads("fail-a"))
+
+
+def test_a_grouped_pass_is_planned_with_its_own_columns_not_stacked(split: Driver) -> None:
+    """Planning a pass on a CUDA device, the LoRA of several adapters counts as stacked (every
+    token computing every adapter's columns) only where the pass would stack it: two rank-4
+    adapters group (a row's own columns), so a budget that holds the pass without extra
+    columns plans no recomputation; a rank-4 and a rank-8 adapter do not group and stack.
+    Without the LoRA layers the planner takes the upper bound, stacked."""
+    for model_id, rank in (("plan-a", 4), ("plan-b", 4), ("plan-c", 8)):
+        split.create(model_id, rank=rank)
+    pool = split.engine.pool
+    config = pool.base.config
+    layers = config.num_hidden_layers
+    per_layer = layer_bytes(config, 4, lora_copy=4)
+    tokens = 512
+    budget = tokens * pass_bytes_per_token(layers, 0, per_layer)
+    plan = PassPlan(activation_budget=budget, layer_bytes=per_layer)
+    cuda = torch.device("cuda")  # its type alone decides the form
+    known = recomputes_under(plan, cuda, layers, pool.lora_layers())
+    bound = recomputes_under(plan, cuda, layers)
+    a, b, c = (adapter_name(f"plan-{x}") for x in "abc")
+    assert known(tokens, True, {a: 4, b: 4}) == 0
+    assert known(tokens, True, {a: 4, c: 8}) > 0
+    assert bound(tokens, True, {a: 4, b: 4}) > 0
+    assert known(tokens, True, {a: 4}) == bound(tokens, True, {a: 4}) == 0
