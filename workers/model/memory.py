@@ -180,7 +180,8 @@ def row_state_bytes(config: PretrainedConfig, dtype_bytes: int) -> int:
     sliding = sum(kind == "sliding_attention" for kind in kinds)
     window = int(getattr(config, "sliding_window", None) or 0)
     total = sliding * max(0, window - 1) * _token_layer_bytes(config, dtype_bytes)
-    linear = sum(kind == "linear_attention" for kind in kinds)
+    # "linear_attention", or one named by its recurrence ("linear_attention_gated_delta_net").
+    linear = sum(kind.startswith("linear_attention") for kind in kinds)
     if linear:
         key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
         key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
