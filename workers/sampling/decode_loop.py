@@ -65,7 +65,7 @@ from queue_tinker.workers.sampling.decode_rows import (
     prefilled_apart,
     select_rows,
 )
-from queue_tinker.workers.sampling.host_reads import to_device, to_host
+from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.image_prefill import prefill_with_images
 from queue_tinker.workers.sampling.prefill_groups import (
     length_groups,
@@ -79,12 +79,12 @@ from queue_tinker.workers.sampling.prefix_cache import (
 )
 from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
 from queue_tinker.workers.sampling.slot_decode import SlotDecoder, SlotRows, slots_fit
+from queue_tinker.workers.sampling.step_outputs import record_step
 from queue_tinker.workers.sampling.token_choice import (
     Choices,
     Cuts,
     choose,
     step_uniforms,
-    top_logprob_rows,
 )
 
 # Padded prompt tokens (prefill rows x longest prompt) one step prefills at most; a request
@@ -571,53 +571,15 @@ class DecodeLoop:
 
     # --- choosing and stopping ---
     def _advance(self, rows: Rows, logits: torch.Tensor, finished: Finished) -> list[int]:
-        """Choose every row's next token, record it, and end the rows it ends (a request ends
-        with its last row); the rows that go on. The tokens, their logprobs and whether they
-        stop a row come to the host in one copy, the step's only wait for the device."""
+        """Choose every row's next token, record it and end the rows it ends
+        (step_outputs.py); a request ends with its last row. The rows that go on."""
         wanted = [r.spec.sample_topk for r in rows.requests]
-        choices = self._choose(rows, logits, wanted)
-        tokens, candidates = choices.tokens, choices.candidates
-        rows.tokens = tokens
-        rows.steps = rows.steps + 1
-        stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
-        # One copy for all of it; float64 holds every token id and float32 logprob exactly.
-        columns = [tokens.double(), choices.logprobs.double(), stop.double()]
-        if candidates is not None:
-            columns += [*candidates[0].double().T, *candidates[1].double().T]
-        host = to_host(torch.stack(columns))
-        token_list, logprob_list, stop_list = host[:3]
-        topk: list[list[tuple[int, float]] | None] = [None] * rows.size
-        if candidates is not None:
-            k = candidates[0].shape[1]
-            values = [list(row) for row in zip(*host[3 : 3 + k], strict=True)]
-            ids = [[int(i) for i in row] for row in zip(*host[3 + k :], strict=True)]
-            topk = top_logprob_rows(wanted, values, ids)
-        keep: list[int] = []
-        for i, (request, sample) in enumerate(zip(rows.requests, rows.samples, strict=True)):
-            sequence = request.tokens[sample]
-            sequence.append(int(token_list[i]))
-            request.logprobs[sample].append(logprob_list[i])
-            if (best := topk[i]) is not None:
-                request.topk[sample].append(best)
-            # Decode even a row at its length: "stop" wins when both end it on one token.
-            stopped = bool(stop_list[i]) or self._hits_stop_string(request, sequence)
-            if stopped or len(sequence) >= request.spec.max_tokens:
-                request.reasons[sample] = "stop" if stopped else "length"
-                request.live -= 1
-                if request.live == 0:
-                    finished.append((request.key, request.response()))
-                    self.finished_prefilled[request.key] = request.prefilled
-                    self.prompts.leave(request)
-            else:
-                keep.append(i)
+        keep, ended = record_step(rows, self._choose(rows, logits, wanted), wanted, self.decode)
+        for request in ended:
+            finished.append((request.key, request.response()))
+            self.finished_prefilled[request.key] = request.prefilled
+            self.prompts.leave(request)
         return keep
-
-    def _hits_stop_string(self, request: LiveRequest, sequence: list[int]) -> bool:
-        strings = request.spec.params.stop_strings
-        if not strings:
-            return False
-        decoded = self.decode(stop_string_tail(sequence, strings))
-        return any(s in decoded for s in strings)
 
     def _choose(self, rows: Rows, logits: torch.Tensor, wanted: list[int]) -> Choices:
         """Each row's next token (argmax for greedy rows; the others draw with their uniform
@@ -635,19 +597,3 @@ class DecodeLoop:
             Cuts.of(drawing, logits.shape[-1]),
             wanted,
         )
-
-
-# A stop string found now ends in the newest token's text (an earlier end would have stopped
-# the row then), so it begins at most this many tokens back per character: a character is at
-# most 4 byte-level tokens. STOP_CONTEXT_TOKENS more keep the tail's first characters (a cut
-# UTF-8 sequence, a leading space a decoder drops) away from the stop string.
-STOP_TOKENS_PER_CHAR = 4
-STOP_CONTEXT_TOKENS = 4
-
-
-def stop_string_tail(sequence: list[int], strings: Sequence[str]) -> list[int]:
-    """The end of `sequence` that can hold a stop string completed by its newest token:
-    decoding it each step is linear in a sample's length, where decoding the whole sequence
-    each step was quadratic."""
-    longest = max(len(s) for s in strings)
-    return sequence[-(STOP_TOKENS_PER_CHAR * longest + STOP_CONTEXT_TOKENS) :]

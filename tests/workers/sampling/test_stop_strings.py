@@ -19,11 +19,10 @@ from transformers import PreTrainedTokenizerFast
 from queue_tinker.builtin_models import load_tokenizer
 from queue_tinker.types.requests.sampling import SamplingParams
 from queue_tinker.workers.model.base_model import load_base_model
-from queue_tinker.workers.sampling.decode_loop import (
+from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
+from queue_tinker.workers.sampling.step_outputs import (
     STOP_CONTEXT_TOKENS,
     STOP_TOKENS_PER_CHAR,
-    GenerationRequest,
-    generate,
     stop_string_tail,
 )
 
