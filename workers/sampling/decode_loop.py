@@ -48,12 +48,10 @@ from queue_tinker.workers.model.lora.row_blocks import (
     row_blocks,
 )
 from queue_tinker.workers.model.vision_language import ImageInputs
-from queue_tinker.workers.sampling import prefix_cache, prefix_prefill
+from queue_tinker.workers.sampling import prefix_prefill
+from queue_tinker.workers.sampling.admission import Admission
 from queue_tinker.workers.sampling.cache_budget import (
     CacheRow,
-    peak_cache_tokens,
-    rows_that_fit,
-    slot_cache_tokens,
 )
 from queue_tinker.workers.sampling.decode_attention import grouped_decode, grouped_decode_fits
 from queue_tinker.workers.sampling.decode_rows import (
@@ -211,14 +209,10 @@ class DecodeLoop:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.decode = decode
-        self.max_rows = max_rows  # rows in the batch at once; None: no cap
-        # KV-cache tokens (rows x columns) the rows admitted may come to hold at their peak
-        # (cache_budget.py); None: no cap. A sample that alone needs more runs alone.
-        self.max_cache_tokens = max_cache_tokens
-        # Cache tokens' worth each row holds whatever its length, charged beside its columns:
-        # a sliding window's, a linear-attention layer's states (memory.row_state_bytes).
-        self.row_cache_tokens = row_cache_tokens
-        self.prefill_tokens = prefill_tokens
+        # Who joins the rows at a step, under the loop's budgets (admission.py).
+        self.admission = Admission(
+            max_rows, max_cache_tokens, row_cache_tokens, prefill_tokens, slots=slots
+        )
         # What a prefill call costs in padded tokens' worth (prefill_groups.py).
         self.call_tokens = prefill_call_tokens(device) if call_tokens is None else call_tokens
         self.waiting: deque[LiveRequest] = deque()
@@ -321,7 +315,7 @@ class DecodeLoop:
             if admits and not self._prefill_chunk(model):
                 self._admit(model, finished)
             self._launch(model)
-        self._fit_prompts([])
+        self.admission.fit_prompts(self.prompts, self._cache_rows())
         return finished
 
     def _launch(self, model: torch.nn.Module) -> None:
@@ -388,13 +382,12 @@ class DecodeLoop:
         self.running = kept(rows, self._advance(rows, logits, finished))
 
     def _admit(self, model: torch.nn.Module, finished: Finished) -> None:
-        taken = self._take()
+        taken = self.admission.take(self.waiting, self._cache_rows(), self.rows)
         if not taken:
             return  # the first in line waits for rows to free
         # Room for the taken rows first: kept prompts give way before their prefill.
-        self._fit_prompts(
-            [(len(r.spec.prompt), r.spec.max_tokens) for r, samples in taken for _ in samples]
-        )
+        joiners = [self.admission.joining_row(r) for r, samples in taken for _ in samples]
+        self.admission.fit_prompts(self.prompts, self._cache_rows() + joiners)
         cached, fresh, entries, hits = prefix_prefill.look_up(self.prompts, taken)
         parts = self._prefill(model, fresh) if fresh else []
         if hits:
@@ -434,76 +427,20 @@ class DecodeLoop:
         """While rows run, the next chunk of the first waiting prompt if it has more than a
         step's prefill left (prefix_prefill.py); whether it did (then no one joins this step:
         they wait behind it, first come first served)."""
-        if self.running is None or self.prefill_tokens is None:
+        budget = self.admission.prefill_tokens
+        if self.running is None or budget is None:
             return False
         chunk = prefix_prefill.next_chunk(
-            self._forward, model, self.prompts, self.waiting[0], self.prefill_tokens, self.device
+            self._forward, model, self.prompts, self.waiting[0], budget, self.device
         )
         self.prefilled_tokens += chunk
         return chunk > 0
-
-    def _take(self) -> list[tuple[LiveRequest, range]]:
-        """Waiting requests (and which of their samples), first come first served, while the
-        batch has rows for them, the cache they may grow to stays within its budget, and this
-        step's prefill within its own. A request with more samples than there is room for takes
-        what there is (at least one sample when the loop is empty) and waits for room for the
-        rest."""
-        taken: list[tuple[LiveRequest, range]] = []
-        rows = self.rows
-        committed = self._cache_rows() if self.max_cache_tokens is not None else []
-        prompts: set[tuple[tuple[int, ...], str]] = set()
-        width = 0
-        while self.waiting:
-            request = self.waiting[0]
-            more = prompts | {(tuple(request.spec.prompt), request.adapter)}
-            wider = max(width, len(request.spec.prompt))
-            if (
-                taken
-                and self.prefill_tokens is not None
-                and len(more) * wider > self.prefill_tokens
-            ):
-                break
-            left = request.spec.num_samples - request.admitted
-            free = left if self.max_rows is None else min(left, self.max_rows - rows)
-            if free > 0 and self.max_cache_tokens is not None:
-                row = (len(request.spec.prompt) + self.row_cache_tokens, request.spec.max_tokens)
-                fits = rows_that_fit(committed, row, free, self.max_cache_tokens, self._peak)
-                free = fits if fits or rows else 1
-                committed += [row] * free
-            if free <= 0:
-                break
-            taken.append((request, range(request.admitted, request.admitted + free)))
-            request.admitted += free
-            rows, prompts, width = rows + free, more, wider
-            if request.admitted < request.spec.num_samples:
-                break  # the rest of it waits for rows, and so does everyone behind it
-            self.waiting.popleft()
-        return taken
-
-    def _fit_prompts(self, joining: list[CacheRow]) -> None:
-        """Under a KV budget, the kept prompts may hold what the budget leaves beside the peak
-        of the rows running and `joining` (KEPT_BYTES at least): prefix_cache.py."""
-        per_token = self.prompts.bytes_per_token()
-        if self.max_cache_tokens is None or per_token is None:
-            return
-        room = self.max_cache_tokens - self._peak(self._cache_rows() + joining)
-        self.prompts.resize(max(prefix_cache.KEPT_BYTES, int(room * per_token)))
-
-    def _peak(self, rows: list[CacheRow]) -> int:
-        """The cache tokens rows may come to hold: in slots, every row as wide as the widest
-        (cache_budget.py)."""
-        return slot_cache_tokens(rows) if self.slots is not None else peak_cache_tokens(rows)
 
     def _cache_rows(self) -> list[CacheRow]:
         """Each running row's (tokens now, steps it may still take), for cache_budget.py."""
         if self.running is None:
             return []
-        rows = []
-        for request, sample in zip(self.running.requests, self.running.samples, strict=True):
-            generated = len(request.tokens[sample])
-            held = len(request.spec.prompt) + generated + self.row_cache_tokens
-            rows.append((held, request.spec.max_tokens - generated))
-        return rows
+        return self.admission.cache_rows(self.running.requests, self.running.samples)
 
     def _prefill(
         self, model: torch.nn.Module, taken: list[tuple[LiveRequest, range]]

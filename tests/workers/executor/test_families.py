@@ -308,7 +308,7 @@ def test_a_long_prompt_goes_in_kept_chunks_while_rows_decode(family: BatchDriver
     together: dict[str, OpResult | Exception] = {}
     for _ in range(2):  # the short request's prefill and a decode step
         together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
-    budget, loop.prefill_tokens = loop.prefill_tokens, 40  # chunks of 32 tokens
+    budget, loop.admission.prefill_tokens = loop.admission.prefill_tokens, 40  # chunks of 32
     try:
         engine.sampling.join(ops[1:])
         prefilled = []
@@ -317,7 +317,7 @@ def test_a_long_prompt_goes_in_kept_chunks_while_rows_decode(family: BatchDriver
             together.update((op.job_id, out) for op, out in engine.sampling.step(budget_s=0.0))
             prefilled.append(loop.prefilled_tokens - before)
     finally:
-        loop.prefill_tokens = budget
+        loop.admission.prefill_tokens = budget
     assert prefilled[:3] == [32, 32, 16]
     loop.prompts.clear()
     assert_each_as_alone(family, ops, [short, long], together)

@@ -30,7 +30,7 @@ from queue_tinker.workers.model.base_model import cache_keyword, load_base_model
 from queue_tinker.workers.model.families import family_of
 from queue_tinker.workers.model.lora.row_blocks import blocks_of
 from queue_tinker.workers.sampling import decode_loop as sampler
-from queue_tinker.workers.sampling import token_choice
+from queue_tinker.workers.sampling import prefix_cache, token_choice
 from queue_tinker.workers.sampling.cache_budget import peak_cache_tokens
 from queue_tinker.workers.sampling.decode_loop import GenerationRequest, generate
 from queue_tinker.workers.sampling.decode_rows import BASE_ADAPTER
@@ -893,7 +893,7 @@ def test_kept_prompts_share_the_kv_budget_with_the_rows(
     with no rows running they keep more than the fixed floor (here one prompt's worth), a
     prompt seen before joins from its kept states, and as rows join the least recently used
     prompts give way so rows and kept prompts stay within the budget."""
-    monkeypatch.setattr(sampler.prefix_cache, "KEPT_BYTES", 1)
+    monkeypatch.setattr(prefix_cache, "KEPT_BYTES", 1)
     budget = 600
     loop = new_loop(setup, max_cache_tokens=budget)
     prompts = [[*PROMPTS[1], 60 + i] for i in range(8)]  # 20 tokens each, distinct
