@@ -35,17 +35,13 @@ from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
-from peft import PeftModel
 from transformers import DynamicCache
 
 from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
-from queue_tinker.workers.model.base_model import cache_keyword, forward_takes
 from queue_tinker.workers.model.lora.row_blocks import (
     LoraLayer,
-    blocks_of,
     grouped_order,
     lora_layers_of,
-    row_blocks,
 )
 from queue_tinker.workers.model.vision_language import ImageInputs
 from queue_tinker.workers.sampling import prefix_prefill
@@ -65,6 +61,7 @@ from queue_tinker.workers.sampling.decode_rows import (
 )
 from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.image_prefill import prefill_with_images
+from queue_tinker.workers.sampling.model_call import ModelCall
 from queue_tinker.workers.sampling.prefill_groups import (
     length_groups,
     padded_prompts,
@@ -222,8 +219,7 @@ class DecodeLoop:
         self.step_rows = 0  # the most rows the last step ran at once (a statistic)
         # Prompt tokens prefilled for each request that finished in the last step.
         self.finished_prefilled: dict[Key, int] = {}
-        self._layers: Sequence[LoraLayer] = ()  # the model's LoRA layers, for this step
-        self._lora_compute: torch.dtype | None = None  # and their matmuls' dtype
+        self.call = ModelCall()  # the model call of this step (its LoRA layers, their dtype)
         # Decode steps on fixed slots (slot_decode.py), captured as CUDA graphs if `graphs`;
         # None: on the left-padded cache of kv_cache.py.
         self.slots = SlotDecoder(device, graphs) if slots else None
@@ -305,8 +301,8 @@ class DecodeLoop:
         dtype of LoRA's matmuls (None: the adapters' own)."""
         finished: Finished = []
         self.finished_prefilled = {}
-        self._layers = lora_layers_of(model) if lora_layers is None else lora_layers
-        self._lora_compute = lora_compute
+        layers = lora_layers_of(model) if lora_layers is None else lora_layers
+        self.call = ModelCall(layers, lora_compute)
         self.step_rows = self.rows
         with torch.inference_mode(), _eval_mode(model):
             if self.running is not None:
@@ -322,50 +318,26 @@ class DecodeLoop:
         """On slots, the next step's decode of the rows now running, started now."""
         if isinstance(self.running, SlotRows):
             assert self.slots is not None
-            logits = self.slots.decode(model, self.running, self._layers, self._lora_compute)
-            self._launched = _Launched(logits, model, tuple(self._layers), self._lora_compute)
+            logits = self.slots.decode(
+                model, self.running, self.call.layers, self.call.lora_compute
+            )
+            self._launched = _Launched(
+                logits, model, tuple(self.call.layers), self.call.lora_compute
+            )
 
     # --- model calls ---
-    def _forward(
-        self,
-        model: torch.nn.Module,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DynamicCache,
-        adapters: list[str],
-        last_only: bool = False,
-        extra: Mapping[str, object] | None = None,
-    ) -> torch.Tensor:
-        kwargs: dict[str, object] = {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": positions,
-            cache_keyword(model): cache,
-            "use_cache": True,
-            **(extra or {}),  # a prompt's images (image_prefill.py)
-        }
-        if last_only and forward_takes(model, "logits_to_keep"):
-            kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
-        if not isinstance(model, PeftModel):
-            return model(**kwargs).logits
-        # PeftModel.forward uses its active adapter: row_blocks replaces every LoRA layer's
-        # forward meanwhile, so each row gets its own adapter's update (the base's: none).
-        with row_blocks(
-            self._layers, blocks_of((name, 1) for name in adapters), self._lora_compute
-        ):
-            return model(**kwargs).logits
-
     def _decode(self, model: torch.nn.Module, finished: Finished) -> None:
         rows = self.running
         assert rows is not None
         if isinstance(rows, SlotRows):
             assert self.slots is not None
             launched, self._launched = self._launched, None
-            if launched is not None and launched.ran(model, self._layers, self._lora_compute):
+            if launched is not None and launched.ran(
+                model, self.call.layers, self.call.lora_compute
+            ):
                 logits = launched.logits
             else:  # none in flight, or on another model since
-                logits = self.slots.decode(model, rows, self._layers, self._lora_compute)
+                logits = self.slots.decode(model, rows, self.call.layers, self.call.lora_compute)
             rows.next_pos = rows.next_pos + 1
             self.running = kept(rows, self._advance(rows, logits, finished))
             return
@@ -374,9 +346,9 @@ class DecodeLoop:
         if grouped_decode_fits(model):  # a query's heads as one group per key / value head
             with grouped_decode(model):
                 attend = mask[:, None, None, :].bool()
-                logits = self._forward(model, ids, attend, positions, rows.cache, rows.adapters)
+                logits = self.call(model, ids, attend, positions, rows.cache, rows.adapters)
         else:
-            logits = self._forward(model, ids, mask, positions, rows.cache, rows.adapters)
+            logits = self.call(model, ids, mask, positions, rows.cache, rows.adapters)
         logits = logits[:, -1]
         rows.mask, rows.next_pos = mask, rows.next_pos + 1
         self.running = kept(rows, self._advance(rows, logits, finished))
@@ -392,7 +364,7 @@ class DecodeLoop:
         parts = self._prefill(model, fresh) if fresh else []
         if hits:
             extended, prefilled = prefix_prefill.extend(
-                self._forward, model, self.prompts, hits, cached, self.device
+                self.call, model, self.prompts, hits, cached, self.device
             )
             entries.update(extended)
             self.prefilled_tokens += prefilled
@@ -419,7 +391,7 @@ class DecodeLoop:
         """The rows that start a batch: in slots when the loop decodes on slots and the model
         allows it (slot_decode.slots_fit), else as they are."""
 
-        if self.slots is None or not slots_fit(model, self._layers, rows.cache):
+        if self.slots is None or not slots_fit(model, self.call.layers, rows.cache):
             return rows
         return SlotRows.adopt(rows, self.slots)
 
@@ -431,7 +403,7 @@ class DecodeLoop:
         if self.running is None or budget is None:
             return False
         chunk = prefix_prefill.next_chunk(
-            self._forward, model, self.prompts, self.waiting[0], budget, self.device
+            self.call, model, self.prompts, self.waiting[0], budget, self.device
         )
         self.prefilled_tokens += chunk
         return chunk > 0
@@ -452,7 +424,7 @@ class DecodeLoop:
         parts = []
         for request, samples in [(r, s) for r, s in taken if r.spec.images is not None]:
             self.prefilled_tokens += len(request.spec.prompt)
-            parts.append(prefill_with_images(self._forward, model, request, samples, self.device))
+            parts.append(prefill_with_images(self.call, model, request, samples, self.device))
         taken = [(r, samples) for r, samples in taken if r.spec.images is None]
         if not taken:
             return parts
@@ -481,7 +453,7 @@ class DecodeLoop:
         # What a request asks about its prompt comes with its first part.
         wanted = [wants_prompt_scores(r.spec) and samples.start == 0 for r, samples in taken]
         cache = DynamicCache(config=getattr(model, "config", None))
-        logits = self._forward(
+        logits = self.call(
             model,
             ids,
             mask,
