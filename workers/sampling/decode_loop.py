@@ -35,7 +35,6 @@ from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from queue_tinker.types.requests.sampling import SampleResponse, SamplingParams
 from queue_tinker.workers.model.lora.row_blocks import (
@@ -55,24 +54,12 @@ from queue_tinker.workers.sampling.decode_rows import (
     LiveRequest,
     Rows,
     kept,
-    per_sample,
-    prefilled_apart,
-    select_rows,
 )
-from queue_tinker.workers.sampling.host_reads import to_device
-from queue_tinker.workers.sampling.image_prefill import prefill_with_images
 from queue_tinker.workers.sampling.model_call import ModelCall
-from queue_tinker.workers.sampling.prefill_groups import (
-    length_groups,
-    padded_prompts,
-    prefill_call_tokens,
-)
+from queue_tinker.workers.sampling.prefill_groups import prefill_call_tokens, prefill_prompts
 from queue_tinker.workers.sampling.prefix_cache import (
     PrefixCache,
-    charge_prefilled,
-    prompt_key,
 )
-from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
 from queue_tinker.workers.sampling.slot_decode import SlotDecoder, SlotRows, slots_fit
 from queue_tinker.workers.sampling.step_outputs import record_step
 from queue_tinker.workers.sampling.token_choice import (
@@ -361,7 +348,12 @@ class DecodeLoop:
         joiners = [self.admission.joining_row(r) for r, samples in taken for _ in samples]
         self.admission.fit_prompts(self.prompts, self._cache_rows() + joiners)
         cached, fresh, entries, hits = prefix_prefill.look_up(self.prompts, taken)
-        parts = self._prefill(model, fresh) if fresh else []
+        parts: list[tuple[Rows, torch.Tensor]] = []
+        if fresh:
+            parts, prefilled = prefill_prompts(
+                self.call, model, self.prompts, fresh, self.device, self.call_tokens
+            )
+            self.prefilled_tokens += prefilled
         if hits:
             extended, prefilled = prefix_prefill.extend(
                 self.call, model, self.prompts, hits, cached, self.device
@@ -413,70 +405,6 @@ class DecodeLoop:
         if self.running is None:
             return []
         return self.admission.cache_rows(self.running.requests, self.running.samples)
-
-    def _prefill(
-        self, model: torch.nn.Module, taken: list[tuple[LiveRequest, range]]
-    ) -> list[tuple[Rows, torch.Tensor]]:
-        """The taken requests' prompts prefilled in groups of similar length
-        (prefill_groups.py), each group's rows and the logits they choose their first tokens
-        from. A cache that rows cannot be merged into (mergeable()) takes one group. A prompt
-        with images is prefilled alone (image_prefill.py)."""
-        parts = []
-        for request, samples in [(r, s) for r, s in taken if r.spec.images is not None]:
-            self.prefilled_tokens += len(request.spec.prompt)
-            parts.append(prefill_with_images(self.call, model, request, samples, self.device))
-        taken = [(r, samples) for r, samples in taken if r.spec.images is None]
-        if not taken:
-            return parts
-        keys = list(dict.fromkeys(prompt_key(r) for r, _ in taken))
-        cache = DynamicCache(config=getattr(model, "config", None))
-        if not prefilled_apart(cache):
-            return [*parts, self._prefill_group(model, taken)]
-        groups = length_groups([len(prompt) for prompt, _ in keys], self.call_tokens)
-        for group in groups:
-            chosen = {keys[i] for i in group}
-            part = [(r, samples) for r, samples in taken if prompt_key(r) in chosen]
-            parts.append(self._prefill_group(model, part))
-        return parts
-
-    def _prefill_group(
-        self, model: torch.nn.Module, taken: list[tuple[LiveRequest, range]]
-    ) -> tuple[Rows, torch.Tensor]:
-        """Each distinct (prompt, adapter) once, left-padded; the cache expanded to one row per
-        sample. The new rows, and the logits each row chooses its first token from."""
-        keys = list(dict.fromkeys(prompt_key(r) for r, _ in taken))
-        keys = [keys[i] for i in grouped_order([adapter for _, adapter in keys])]
-        unique = {key: row for row, key in enumerate(keys)}
-        source = [unique[prompt_key(r)] for r, _ in taken]
-        ids, mask = padded_prompts([prompt for prompt, _ in unique], self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0, as alone
-        # What a request asks about its prompt comes with its first part.
-        wanted = [wants_prompt_scores(r.spec) and samples.start == 0 for r, samples in taken]
-        cache = DynamicCache(config=getattr(model, "config", None))
-        logits = self.call(
-            model,
-            ids,
-            mask,
-            positions,
-            cache,
-            [adapter for _, adapter in unique],
-            last_only=not any(wanted),
-        )
-        self.prefilled_tokens += charge_prefilled(taken, {key: len(key[0]) for key in unique})
-        self.prompts.keep(list(unique), cache, logits[:, -1])
-        record_prompt_scores(taken, source, wanted, logits)
-        requests, samples, rows = per_sample(taken, source)
-        index = to_device(rows, torch.long, self.device)
-        if rows != list(range(len(unique))):  # expand to samples
-            select_rows(cache, index)
-        incoming = Rows.build(
-            requests=requests,
-            samples=samples,
-            cache=cache,
-            mask=mask[index],
-            next_pos=(positions[:, -1] + 1)[index],
-        )
-        return incoming, logits[:, -1][index]
 
     # --- choosing and stopping ---
     def _advance(self, rows: Rows, logits: torch.Tensor, finished: Finished) -> list[int]:
