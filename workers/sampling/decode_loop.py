@@ -341,12 +341,13 @@ class DecodeLoop:
         self.running = kept(rows, self._advance(rows, logits, finished))
 
     def _admit(self, model: torch.nn.Module, finished: Finished) -> None:
-        taken = self.admission.take(self.waiting, self._cache_rows(), self.rows)
+        running = self._cache_rows()
+        taken = self.admission.take(self.waiting, running, self.rows)
         if not taken:
             return  # the first in line waits for rows to free
         # Room for the taken rows first: kept prompts give way before their prefill.
         joiners = [self.admission.joining_row(r) for r, samples in taken for _ in samples]
-        self.admission.fit_prompts(self.prompts, self._cache_rows() + joiners)
+        self.admission.fit_prompts(self.prompts, running + joiners)
         cached, fresh, entries, hits = prefix_prefill.look_up(self.prompts, taken)
         parts: list[tuple[Rows, torch.Tensor]] = []
         if fresh:

@@ -5,9 +5,9 @@ a batch of rows aligned with its KV cache (`Rows`) that rows leave (`select`) an
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,22 +37,6 @@ BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter bat
 ROW_FIELDS = ("next_pos", "temperature", "top_k", "top_p", "greedy", "streams", "steps", "tokens")
 
 Key = Hashable
-
-
-class Forward(Protocol):
-    """The decode loop's model call: logits of (rows, positions) ids under their adapters."""
-
-    def __call__(
-        self,
-        model: torch.nn.Module,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DynamicCache,
-        adapters: list[str],
-        last_only: bool = False,
-        extra: Mapping[str, Any] | None = None,
-    ) -> torch.Tensor: ...
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -284,17 +268,23 @@ def joinable(cache: DynamicCache) -> bool:
     join by concatenation) or a sliding-window layer that keeps only its window: then rows
     can join and leave the cache."""
     return bool(cache.layers) and all(
-        isinstance(layer, GrowingLayer) or _joined_as_it_is(layer) for layer in cache.layers
+        isinstance(layer, GrowingLayer) or joined_as_it_is(layer) for layer in cache.layers
     )
+
+
+def fresh_cache(model: torch.nn.Module) -> DynamicCache:
+    """An empty cache of the model's layer kinds (its config's: a Qwen3.5's linear-attention
+    layers, a gpt-oss's sliding windows)."""
+    return DynamicCache(config=getattr(model, "config", None))
 
 
 def prefilled_apart(cache: DynamicCache) -> bool:
     """Whether prompts prefilled into separate caches like this (a fresh one) can be joined
     after: plain key / value layers, beside those joined as they are."""
-    return all(type(layer) is DynamicLayer or _joined_as_it_is(layer) for layer in cache.layers)
+    return all(type(layer) is DynamicLayer or joined_as_it_is(layer) for layer in cache.layers)
 
 
-def _joined_as_it_is(layer: object) -> bool:
+def joined_as_it_is(layer: object) -> bool:
     """A linear-attention layer, or a sliding-window layer keeping only its window (one that
     records its past keeps more, for a crop to come)."""
     if type(layer) is DynamicSlidingWindowLayer:
@@ -309,7 +299,7 @@ def _grow_in_place(cache: DynamicCache, room: int) -> None:
     plain = (DynamicLayer, GrowingLayer)
     keyed: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     for index, layer in enumerate(cache.layers):
-        if _joined_as_it_is(layer):
+        if joined_as_it_is(layer):
             continue
         if not isinstance(layer, DynamicLayer) or type(layer) not in plain:
             return
@@ -318,12 +308,6 @@ def _grow_in_place(cache: DynamicCache, room: int) -> None:
         keyed.append((index, layer.keys, layer.values))
     for index, keys, values in keyed:
         cache.layers[index] = GrowingLayer.holding(keys, values, room)
-
-
-def pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
-    """(batch, heads, positions, dim) key / value states, zero-padded to `width` positions on
-    the left (the attention mask hides them)."""
-    return F.pad(states, (0, 0, width - states.shape[-2], 0))
 
 
 def per_sample(

@@ -15,16 +15,17 @@ from typing import cast
 
 import torch
 from peft import PeftModel
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from queue_tinker.workers.model.vision_language import joined, rope_positions
-from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest, Rows, select_rows
+from queue_tinker.workers.sampling.decode_rows import LiveRequest, Rows, fresh_cache, select_rows
 from queue_tinker.workers.sampling.host_reads import to_device
+from queue_tinker.workers.sampling.model_call import ModelCall
 from queue_tinker.workers.sampling.prompt_scores import prompt_scores, wants_prompt_scores
 
 
 def prefill_with_images(
-    forward: Forward,
+    forward: ModelCall,
     model: torch.nn.Module,
     request: LiveRequest,
     samples: range,
@@ -41,7 +42,7 @@ def prefill_with_images(
     assert images is not None
     positions = rope_positions(ids, mask, images)
     wanted = wants_prompt_scores(spec) and samples.start == 0
-    cache = DynamicCache(config=getattr(model, "config", None))
+    cache = fresh_cache(model)
     logits = forward(
         model, ids, mask, positions, cache, [request.adapter], not wanted, images.kwargs
     )

@@ -225,8 +225,8 @@ def join_windows(
     window = min(layers[0].sliding_window - 1, width)
     joined = DynamicSlidingWindowLayer(layers[0].sliding_window)
     joined.lazy_initialization(*states[0])
-    joined.keys = torch.cat([_pad_left(keys, window) for keys, _ in states])
-    joined.values = torch.cat([_pad_left(values, window) for _, values in states])
+    joined.keys = torch.cat([pad_left(keys, window) for keys, _ in states])
+    joined.values = torch.cat([pad_left(values, window) for _, values in states])
     joined.cumulative_length = width
     return joined
 
@@ -281,7 +281,8 @@ def keys_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
     return layer
 
 
-def _pad_left(states: torch.Tensor, columns: int) -> torch.Tensor:
-    """(rows, heads, used, dim) states zero-padded on the left to `columns` (a padded column
-    must hold finite numbers: the mask gives it weight 0, and 0 * inf is nan)."""
-    return F.pad(states, (0, 0, columns - states.shape[2], 0))
+def pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
+    """(rows, heads, positions, dim) key / value states zero-padded to `width` positions on the
+    left (the attention mask hides them; a padded column must hold finite numbers: the mask
+    gives it weight 0, and 0 * inf is nan)."""
+    return F.pad(states, (0, 0, width - states.shape[-2], 0))

@@ -17,7 +17,7 @@ from queue_tinker.workers.model.lora.row_blocks import LoraLayer, blocks_of, row
 
 @dataclass(frozen=True)
 class ModelCall:
-    """One step's model call (decode_rows.Forward)."""
+    """One step's model call."""
 
     layers: Sequence[LoraLayer] = ()  # the model's LoRA layers (row_blocks.lora_layers_of)
     lora_compute: torch.dtype | None = None  # their matmuls' dtype (None: the adapters' own)

@@ -19,18 +19,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
 
 from queue_tinker.workers.model.lora.row_blocks import grouped_order
 from queue_tinker.workers.sampling.decode_rows import (
-    Forward,
     Rows,
+    fresh_cache,
     per_sample,
     prefilled_apart,
     select_rows,
 )
 from queue_tinker.workers.sampling.host_reads import to_device
 from queue_tinker.workers.sampling.image_prefill import prefill_with_images
+from queue_tinker.workers.sampling.model_call import ModelCall
 from queue_tinker.workers.sampling.prefix_cache import PrefixCache, charge_prefilled, prompt_key
 from queue_tinker.workers.sampling.prefix_prefill import Part
 from queue_tinker.workers.sampling.prompt_scores import record_prompt_scores, wants_prompt_scores
@@ -78,7 +78,7 @@ def padded_prompts(
 
 
 def prefill_prompts(
-    call: Forward,
+    call: ModelCall,
     model: torch.nn.Module,
     prompts: PrefixCache,
     taken: list[Part],
@@ -98,7 +98,7 @@ def prefill_prompts(
     if not taken:
         return parts, prefilled
     keys = list(dict.fromkeys(prompt_key(r) for r, _ in taken))
-    if not prefilled_apart(DynamicCache(config=getattr(model, "config", None))):
+    if not prefilled_apart(fresh_cache(model)):
         groups = [list(range(len(keys)))]
     else:
         groups = length_groups([len(prompt) for prompt, _ in keys], call_tokens)
@@ -112,7 +112,7 @@ def prefill_prompts(
 
 
 def _prefill_group(
-    call: Forward,
+    call: ModelCall,
     model: torch.nn.Module,
     prompts: PrefixCache,
     taken: list[Part],
@@ -129,7 +129,7 @@ def _prefill_group(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0, as alone
     # What a request asks about its prompt comes with its first part.
     wanted = [wants_prompt_scores(r.spec) and samples.start == 0 for r, samples in taken]
-    cache = DynamicCache(config=getattr(model, "config", None))
+    cache = fresh_cache(model)
     adapters = [adapter for _, adapter in unique]
     logits = call(model, ids, mask, positions, cache, adapters, last_only=not any(wanted))
     prefilled = charge_prefilled(taken, {key: len(key[0]) for key in unique})

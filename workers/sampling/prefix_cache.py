@@ -45,7 +45,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from queue_tinker.workers.sampling.decode_rows import (
     LiveRequest,
     Rows,
-    pad_left,
+    joined_as_it_is,
     per_sample,
     select_rows,
 )
@@ -56,6 +56,7 @@ from queue_tinker.workers.sampling.kv_cache import (
     held_bytes,
     join_windows,
     keys_layer,
+    pad_left,
     stacked_states,
     state_rows,
     window_rows,
@@ -138,11 +139,9 @@ class SharedPrompt:
 
 def keeps(cache: DynamicCache) -> bool:
     """Whether prompts prefilled into a cache like this one (a fresh one) can be kept: every
-    layer a key / value, linear-attention or sliding-window layer (one that records its past
-    keeps more than its window, for a crop to come)."""
+    layer a key / value layer, or one rows join as it is (decode_rows.joined_as_it_is)."""
     return all(
-        type(layer) in (DynamicLayer, GrowingLayer, LinearAttentionLayer)
-        or (type(layer) is DynamicSlidingWindowLayer and not layer.record_past)
+        type(layer) in (DynamicLayer, GrowingLayer) or joined_as_it_is(layer)
         for layer in cache.layers
     )
 
@@ -279,8 +278,6 @@ class PrefixCache:
     def keep(self, keys: list[PromptKey], cache: DynamicCache, last_logits: torch.Tensor) -> None:
         """Keep each prefill row's prompt (row i of the left-padded prefill is keys[i]): its
         own positions only, copied out of the padded batch so nothing else stays alive."""
-        if not keeps(cache):
-            return
         for row, key in enumerate(keys):
             if key in self.entries:
                 continue

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from transformers import DynamicCache
 
-from queue_tinker.workers.sampling.decode_rows import Forward, LiveRequest
+from queue_tinker.workers.sampling.decode_rows import LiveRequest, fresh_cache
 from queue_tinker.workers.sampling.host_reads import to_device
+from queue_tinker.workers.sampling.model_call import ModelCall
 from queue_tinker.workers.sampling.prefix_cache import (
     BLOCK,
     PrefixCache,
@@ -70,7 +70,7 @@ def look_up(
 
 
 def prefill_on(
-    forward: Forward,
+    forward: ModelCall,
     model: torch.nn.Module,
     key: PromptKey,
     hit: PrefixHit | None,
@@ -90,14 +90,8 @@ def prefill_on(
     return SharedPrompt(layers, logits[0, -1], len(prompt))
 
 
-def fresh_cache(model: torch.nn.Module) -> DynamicCache:
-    """An empty cache of the model's layer kinds (its config's: a Qwen3.5's linear-attention
-    layers, a gpt-oss's sliding windows)."""
-    return DynamicCache(config=getattr(model, "config", None))
-
-
 def extend(
-    forward: Forward,
+    forward: ModelCall,
     model: torch.nn.Module,
     cache: PrefixCache,
     hits: Mapping[PromptKey, PrefixHit],
@@ -114,7 +108,7 @@ def extend(
 
 
 def next_chunk(
-    forward: Forward,
+    forward: ModelCall,
     model: torch.nn.Module,
     cache: PrefixCache,
     request: LiveRequest,
@@ -127,8 +121,6 @@ def next_chunk(
     chunk = budget // BLOCK * BLOCK
     if chunk <= 0 or request.admitted or prefilled_whole(request, range(1)):
         return 0
-    if not keeps(fresh_cache(model)):
-        return 0  # its chunks could not be kept: the whole prompt is prefilled when it joins
     if cache.get(request) is not None:
         return 0
     hit = cache.longest_prefix(request)
@@ -136,6 +128,8 @@ def next_chunk(
     prompt = request.spec.prompt
     if len(prompt) - done <= budget:
         return 0
+    if not keeps(fresh_cache(model)):
+        return 0  # its chunks could not be kept: the whole prompt is prefilled when it joins
     key = (tuple(prompt[: done + chunk]), request.adapter)
     entry = prefill_on(forward, model, key, hit, device)
     if not cache.add(key, entry):
