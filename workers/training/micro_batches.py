@@ -26,11 +26,15 @@ import torch
 from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import TensorData
 from queue_tinker.workers.model.adapters import AdapterPool
-from queue_tinker.workers.model.lora import grouped_lora
-from queue_tinker.workers.model.lora.row_blocks import LoraLayer, stacks
+from queue_tinker.workers.model.lora.row_blocks import LoraLayer
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.model_pass import PassPlan
-from queue_tinker.workers.training.shared_pass import PassOp, kept_grads, shared_pass
+from queue_tinker.workers.training.shared_pass import (
+    PassOp,
+    kept_grads,
+    lora_form_of,
+    shared_pass,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +74,7 @@ def recomputes_under(
             return False
         if not lora:
             return plan.lora_form_for(device, groups=False, stacks=True) == "stacked"
-        blocks = [(name, 1) for name in names]
-        groups, stack = grouped_lora.groups(lora, blocks), stacks(lora, blocks)
-        return plan.lora_form_for(device, groups=groups, stacks=stack) == "stacked"
+        return lora_form_of(lora, names, device, plan)[0] == "stacked"
 
     def recomputes(tokens: int, backward: bool, ranks: dict[str, int]) -> int:
         pass_plan = plan.for_pass(list(ranks.values()), stacked(tuple(sorted(ranks))))

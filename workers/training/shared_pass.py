@@ -31,7 +31,6 @@ from queue_tinker.workers.model.lora.grouped_lora import grouped_blocks
 from queue_tinker.workers.model.lora.row_blocks import (
     LoraLayer,
     blocks_of,
-    grouped_order,
     row_blocks,
     stacked_blocks,
     stacks,
@@ -112,13 +111,22 @@ def lora_form(
     names = [op.adapter.name for op in ops]
     if len(set(names)) < 2:
         return "blocks"
-    layers = pool.lora_layers()
-    together = blocks_of((names[i], len(ops[i].data)) for i in grouped_order(names))
-    groups = grouped_lora.groups(layers, together)
-    as_they_come = blocks_of((name, len(op.data)) for name, op in zip(names, ops, strict=True))
-    form = plan.lora_form_for(device, groups=groups, stacks=stacks(layers, as_they_come))
+    form, groups = lora_form_of(pool.lora_layers(), names, device, plan)
     _say_form(form, len(set(names)), groups, plan)
     return form
+
+
+def lora_form_of(
+    layers: Sequence[LoraLayer], names: Sequence[str], device: torch.device, plan: PassPlan
+) -> tuple[LoraForm, bool]:
+    """The form a pass of these adapters' rows takes on these LoRA layers, and whether the
+    grouped form could stand in (grouped_lora.groups). Both questions ask only which adapters
+    share the pass, so each is one block here."""
+    if len(set(names)) < 2:
+        return "blocks", False
+    blocks = [(name, 1) for name in dict.fromkeys(names)]
+    groups = grouped_lora.groups(layers, blocks)
+    return plan.lora_form_for(device, groups=groups, stacks=stacks(layers, blocks)), groups
 
 
 _said: list[str] = [""]  # the last LoRA form logged
