@@ -169,3 +169,30 @@ def test_pending_gradients_are_added_in_one_multi_tensor_add() -> None:
     assert second.kernels["_foreach_add_"] == 1
     assert second.kernels["clone"] == first.kernels["clone"]  # the pass's own (repeated KV)
     assert second.total == first.total + 1
+
+
+def test_a_matrix_product_counts_its_flops() -> None:
+    """2 x the reduction x each output element, for mm, addmm and bmm alike; the rest none."""
+    a, b = torch.empty(4, 8, device=META), torch.empty(8, 16, device=META)
+    bias = torch.empty(16, device=META)
+    batched = torch.empty(3, 4, 8, device=META), torch.empty(3, 8, 16, device=META)
+    counts = count_kernels(lambda: (a @ b, torch.addmm(bias, a, b), torch.bmm(*batched), a + 1))
+    assert counts.gemm_flops == 2 * 8 * 64 + 2 * 8 * 64 + 2 * 8 * 3 * 64
+
+
+def test_attention_made_again_in_a_checkpoint_counts_as_the_fused_kernel() -> None:
+    """A checkpointed layer's attention, recomputed in backward, is the fused kernel again
+    (not SDPA's math: a second fused forward, no bmm)."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = (torch.empty(2, 4, 16, 8, device=META, requires_grad=True) for _ in range(3))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def step() -> None:
+        checkpoint(attend, q, k, v, use_reentrant=False).sum().backward()
+
+    counts = count_kernels(step)
+    assert counts.kernels[ATTENTION] == 2 and counts.kernels[f"{ATTENTION}_backward"] == 1
+    assert not {"bmm", "_safe_softmax"} & set(counts.kernels)

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +31,22 @@ FREE = frozenset({
     "empty", "empty_strided", "new_empty", "new_empty_strided",
 })  # fmt: skip
 HOST_READS = frozenset({"_local_scalar_dense", "is_nonzero", "item"})
+# Matrix products: 2 x the reduction x each output element; the operand whose last dimension
+# is the reduction.
+GEMMS = {"mm": 0, "bmm": 0, "_grouped_mm": 0, "addmm": 1, "baddbmm": 1}
 ATTENTION = "scaled_dot_product_attention"
 _sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention  # called with *qkv
 
 
 @dataclass
 class Counts:
-    """What a step launched: kernels by op name, the host reads among them, and bytes."""
+    """What a step launched: kernels by op name, the host reads among them, bytes, and the
+    FLOPs of its matrix products (attention's aside)."""
 
     kernels: Counter[str] = field(default_factory=Counter)
     host_reads: int = 0
     bytes_moved: int = 0
+    gemm_flops: int = 0
 
     @property
     def total(self) -> int:
@@ -74,6 +79,9 @@ class _Counting(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not (func.is_view or name in FREE):
             self._count(name, _bytes(args) + _bytes(out))
+            if name in GEMMS and not self.paused:
+                reduced = args[GEMMS[name]].shape[-1]
+                self.counts.gemm_flops += 2 * reduced * out.numel()
         return out
 
     def _count(self, name: str, moved: int, host: bool = False) -> None:
@@ -85,7 +93,8 @@ class _Counting(TorchDispatchMode):
 
 
 class _FusedAttention(TorchFunctionMode):
-    """F.scaled_dot_product_attention as one kernel each way (_Attention)."""
+    """F.scaled_dot_product_attention as one kernel each way (_Attention), where a caller
+    holds the function from before the count (_fused_sdpa replaces it for the others)."""
 
     def __init__(self, counting: _Counting) -> None:
         super().__init__()
@@ -145,9 +154,26 @@ def count_kernels(step: Callable[[], object]) -> Counts:
     """The kernels and bytes of `step` (its tensors on the meta device)."""
     counts = Counts()
     counting = _Counting(counts)
-    with counting, _FusedAttention(counting):
+    with counting, _FusedAttention(counting), _fused_sdpa(counting):
         step()
     return counts
+
+
+@contextmanager
+def _fused_sdpa(counting: _Counting) -> Iterator[None]:
+    """F.scaled_dot_product_attention as one kernel each way (_Attention) meanwhile, in place
+    of the function itself: a checkpointed layer's recomputation in backward runs outside
+    the function mode (_FusedAttention), but looks the function up as its forward did."""
+
+    def fused(*qkv: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return cast(torch.Tensor, _Attention.apply(counting, kwargs, *qkv))
+
+    # setattr: torch types the attribute as its builtin's exact signature.
+    setattr(F, "scaled_dot_product_attention", fused)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(F, "scaled_dot_product_attention", _sdpa)  # noqa: B010
 
 
 def _copies_to_host(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
