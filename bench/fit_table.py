@@ -194,7 +194,9 @@ def h200_row(model: str, gpus: int) -> str:
 
 
 def _cells(model: str, gpus: int, plan: FitPlan, adapters: str) -> tuple[str, ...]:
-    activations = f"{gib(plan.activations)} ({plan.checkpointed_layers}/{plan.layers})"
+    whole, selective = plan.recomputation.whole, plan.recomputation.selective
+    layers = f"{whole}+{selective}s/{plan.layers}" if selective else f"{whole}/{plan.layers}"
+    activations = f"{gib(plan.activations)} ({layers})"
     changes = "" if plan.fits else ("; ".join(plan.remedies) or "no single change")
     return (
         model, str(gpus), "yes" if plan.fits else "**no**", gib(plan.weights), adapters,

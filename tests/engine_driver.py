@@ -4,6 +4,7 @@ Shared by the engine tests under tests/workers/."""
 
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from queue_tinker.config.engine import EngineConfig
 from queue_tinker.queue.dispatch.dispatcher import Op
@@ -181,6 +184,36 @@ def saved_bytes(fn: Callable[[], T]) -> tuple[T, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, total
+
+
+class _Outputs(TorchDispatchMode):
+    """Holds the storage of every tensor an op makes meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, torch.UntypedStorage] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().nbytes():
+                storage = leaf.untyped_storage()
+                self.storages[storage.data_ptr()] = storage
+        return out
+
+
+def held_bytes(fn: Callable[[], T]) -> tuple[T, int]:
+    """fn's result, and the bytes of the tensors its ops made that something still holds once
+    it returns: what a forward keeps for its backward however it keeps it (autograd's saved
+    tensors, a checkpoint's inputs, selective checkpointing's cache), which saved_bytes does
+    not see inside a checkpoint."""
+    outputs = _Outputs()
+    with outputs:
+        out = fn()
+    gc.collect()
+    # One reference is the storage object held here; a second is a live tensor's.
+    held = [s for s in outputs.storages.values() if torch._C._storage_Use_Count(s._cdata) > 1]
+    return out, sum(s.nbytes() for s in held)
 
 
 def run_op(engine: LoraExecutor, op: Op) -> OpResult:

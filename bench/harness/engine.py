@@ -170,8 +170,9 @@ def pass_plan(
     data: Sequence[Datum],
     device: torch.device = CPU,
 ) -> str:
-    """ "k of L": the decoder layers a backward pass of the adapter's `data` checkpoints (its
-    largest micro-batch's), and "in n micro-batches" where the worker splits it so."""
+    """ "k of L layers checkpointed" (Recomputation.described) in a backward pass of the
+    adapter's `data` (its largest micro-batch), and "in n micro-batches" where the worker
+    splits it so."""
     layers = len(decoder_layers(pool.model))
     op = PassOp(adapter=adapter, data=data, loss_fn=LossFn.CROSS_ENTROPY, config={}, backward=True)
     batches = planned(pool, [op], device, plan)
@@ -180,8 +181,8 @@ def pass_plan(
         widths = [d.model_input.length for p in batch for d in data[p.start : p.end]]
         return len(widths) * max(widths)
 
-    checkpointed = plan.checkpointed_layers(max(map(padded, batches)), True, layers)
-    text = f"{checkpointed} of {layers}"
+    recomputation = plan.recomputation(max(map(padded, batches)), True, layers)
+    text = recomputation.described(layers)
     return text if len(batches) == 1 else f"{text} in {len(batches)} micro-batches"
 
 

@@ -112,13 +112,16 @@ class EngineConfig(LimitsConfig):
         "it (plain LoRA, one rank a layer among its adapters), else stacked on CUDA and "
         "blocks on the CPU. A form a pass does not allow gives way to auto's choice.",
     )
-    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+    activation_checkpointing: Literal["auto", "on", "selective", "off"] = Field(
         default="auto",
         description="Whether a training pass keeps only each decoder layer's input and "
-        "recomputes the layer in backward (less memory, one more forward of time; equal "
-        "results). auto: on CUDA, the fewest layers that keep each pass's activations within "
-        "the training budget from free memory (none when the pass fits); on the CPU, every "
-        "layer for passes of at least activation_checkpointing_tokens padded tokens.",
+        "recomputes the layer in backward (on: less memory, one more forward of time; equal "
+        "results), or keeps its GEMMs' and attention's outputs and recomputes only the "
+        "elementwise work between them (selective: about half a layer's memory for a few "
+        "percent of its time). auto: on CUDA, the fewest whole layers, then the fewest "
+        "selective ones, that keep each pass's activations within the training budget from "
+        "free memory (none when the pass fits); on the CPU, every layer for passes of at "
+        "least activation_checkpointing_tokens padded tokens.",
     )
     activation_checkpointing_tokens: int = Field(
         default=4_096,

@@ -359,7 +359,7 @@ def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     borrowed = plan.spare_activations()
     assert borrowed > 0  # no sample holds the sampler's share
     layers = int(engine.pool.base.config.num_hidden_layers)
-    planned = plan.checkpointed_layers(16 * 1024, True, layers)
+    planned = plan.recomputation(16 * 1024, True, layers)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     run.forward_backward(data(16, 1024, 30))
@@ -367,6 +367,45 @@ def test_budgets_from_free_memory_are_conservative(scratch: Path) -> None:
     estimate = 16 * 1024 * pass_bytes_per_token(layers, planned, plan.layer_bytes)
     assert estimate <= plan.activation_budget + borrowed
     assert used <= 1.5 * estimate + (256 << 20), (used, estimate, planned)  # + a logits chunk
+
+
+@cuda_only
+def test_selective_checkpointing_on_cuda_equals_plain_and_keeps_between(
+    scratch: Path, cuda: LoraExecutor
+) -> None:
+    """On CUDA (bf16, SDPA's flash or efficient kernel, whose outputs a selective layer keeps):
+    every layer selective gives the plain pass's loss and, within bf16's noise, its gradients,
+    and its pass peaks above whole layers' and below the plain pass's."""
+    batch = data(8, 512, 3)
+    source = Run(cuda, "selective-source")
+    source.forward_backward(batch)
+    source.op(OpKind.OPTIM_STEP, ADAM.model_dump())  # lora_B non-zero: every grad counts
+    results = {}
+    for mode in ("off", "on", "selective"):
+        engine = LoraExecutor(
+            BASE,
+            DEVICE,
+            scratch / f"storage-{mode}",
+            scratch / "models",
+            EngineConfig(activation_checkpointing=mode),  # type: ignore[arg-type]
+        )
+        run = Run(engine, f"selective-{mode}")
+        same_weights(run, source)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = run.forward_backward(batch)
+        results[mode] = (loss, run.grads(), torch.cuda.max_memory_allocated() - base)
+        del run, engine
+    (plain, plain_grads, plain_peak) = results["off"]
+    (_, _, whole_peak) = results["on"]
+    (selective, selective_grads, selective_peak) = results["selective"]
+    print(f"peaks: plain {plain_peak}, whole {whole_peak}, selective {selective_peak} bytes")
+    assert selective == pytest.approx(plain, rel=1e-3)
+    for key, grad in plain_grads.items():
+        error = float((selective_grads[key] - grad).norm() / grad.norm())
+        assert error < 1e-2, (key, error)
+    assert whole_peak < selective_peak < plain_peak
 
 
 # --- every family's built-in ---------------------------------------------------------------------

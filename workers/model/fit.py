@@ -51,10 +51,11 @@ from queue_tinker.workers.model.memory import (
     HEADROOM,
     Checkpointing,
     LoraMatmuls,
+    Recomputation,
     budgets_for,
     cache_bytes_per_token,
+    cheapest_recomputation,
     layer_bytes,
-    layers_to_checkpoint,
     lora_copy_bytes,
     pass_bytes_per_token,
 )
@@ -213,7 +214,7 @@ class FitPlan:
     kv_cache: int
     headroom: int
     layers: int
-    checkpointed_layers: int
+    recomputation: Recomputation
     targets: tuple[str, ...]  # the linear layers (and stacked experts) LoRA adapts
     demand: Demand
     remedies: tuple[str, ...] = ()  # changes that each alone would fit; none when it fits
@@ -254,8 +255,8 @@ class FitPlan:
             f"{targets}, "
             f"{gib(self.adapter_each)} each: fp32 weights, gradients, AdamW moments and a "
             f"sampler copy), activations {gib(self.activations)} (a pass of {d.pass_tokens} "
-            f"tokens from {d.pass_source}, {self.checkpointed_layers} of {self.layers} layers "
-            f"checkpointed), KV cache {gib(self.kv_cache)} ({d.kv_tokens} tokens from "
+            f"tokens from {d.pass_source}, {self.recomputation.described(self.layers)}), "
+            f"KV cache {gib(self.kv_cache)} ({d.kv_tokens} tokens from "
             f"{d.kv_source}), headroom {gib(self.headroom)} ({HEADROOM:.0%} of what the "
             f"weights leave)"
         )
@@ -432,18 +433,18 @@ class _Planner:
         adapter_each = lora * (TRAINED_LORA_BYTES + SAMPLER_LORA_BYTES)
         rank_config = self.rank_config(ranks)
         left = max(0, self.rank_bytes - weights)  # what the worker's budgets are sized from
-        checkpointed = self.checkpointed_layers(rank_config, left, demand)
+        recomputation = self.recomputation(rank_config, left, demand)
         return FitPlan(
             ranks=ranks,
             rank_bytes=self.rank_bytes,
             weights=weights,
             adapters=settings.max_resident_adapters * adapter_each,
             adapter_each=adapter_each,
-            activations=demand.pass_tokens * self.pass_bytes(rank_config, checkpointed, settings),
+            activations=demand.pass_tokens * self.pass_bytes(rank_config, recomputation, settings),
             kv_cache=int(demand.kv_tokens * cache_bytes_per_token(rank_config, dtype_bytes)),
             headroom=int(left * HEADROOM),
             layers=shape.layers,
-            checkpointed_layers=checkpointed,
+            recomputation=recomputation,
             targets=targets,
             demand=demand,
         )
@@ -464,27 +465,31 @@ class _Planner:
         return lora_copy_bytes(self.dtype_bytes, settings.lora_matmul_dtype)
 
     def pass_bytes(
-        self, rank_config: PretrainedConfig, checkpointed: int, settings: FitSettings
+        self, rank_config: PretrainedConfig, recomputation: Recomputation, settings: FitSettings
     ) -> int:
         per_layer = layer_bytes(rank_config, self.dtype_bytes, lora_copy=self.lora_copy(settings))
-        return pass_bytes_per_token(self.shape.layers, checkpointed, per_layer)
+        return pass_bytes_per_token(self.shape.layers, recomputation, per_layer)
 
-    def checkpointed_layers(self, rank_config: PretrainedConfig, left: int, demand: Demand) -> int:
+    def recomputation(
+        self, rank_config: PretrainedConfig, left: int, demand: Demand
+    ) -> Recomputation:
         """The worker's plan (training/model_pass.PassPlan) for a backward pass of the
-        demand's tokens: under auto, the fewest layers within the activation budget it derives
-        from the memory the weights leave."""
+        demand's tokens: under auto, the fewest whole layers, then selective ones, within the
+        activation budget it derives from the memory the weights leave."""
         layers = self.shape.layers
         mode = demand.settings.activation_checkpointing
         if mode == "off":
-            return 0
+            return Recomputation()
         if mode == "on":
-            return layers
+            return Recomputation(whole=layers)
+        if mode == "selective":
+            return Recomputation(selective=layers)
         lora_copy = self.lora_copy(demand.settings)
         budget = budgets_for(
             rank_config, left, self.dtype_bytes, checkpointing=True, lora_copy=lora_copy
         ).train_activation_bytes
         per_layer = layer_bytes(rank_config, self.dtype_bytes, lora_copy=lora_copy)
-        return layers_to_checkpoint(demand.pass_tokens, layers, per_layer, budget)
+        return cheapest_recomputation(demand.pass_tokens, layers, per_layer, budget)
 
     # --- what would fit instead -----------------------------------------------------------
     def fits(self, ranks: int, settings: FitSettings) -> bool:
@@ -519,8 +524,12 @@ class _Planner:
 
     def shorter_passes(self, plan: FitPlan) -> Changes:
         """The most tokens a pass may hold at the least activation memory a token (every layer
-        checkpointed, unless checkpointing is off): the budget, and the datums, cut to it."""
-        fewest = plan.layers if plan.demand.settings.activation_checkpointing != "off" else 0
+        checkpointed, selectively under selective, none under off): the budget, and the datums, cut
+        to it."""
+        fewest = {
+            "off": Recomputation(),
+            "selective": Recomputation(selective=plan.layers),
+        }.get(plan.demand.settings.activation_checkpointing, Recomputation(whole=plan.layers))
         per_token = self.pass_bytes(self.rank_config(plan.ranks), fewest, plan.demand.settings)
         most = _room(plan, plan.activations) // per_token
         return self.cut(plan.demand.settings, "train_batch_tokens", most, 1)

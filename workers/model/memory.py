@@ -31,8 +31,8 @@ CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 LoraMatmuls = Literal["auto", "fp32"]
 
 # QT_ACTIVATION_CHECKPOINTING: how a backward pass keeps its decoder layers' activations.
-Checkpointing = Literal["auto", "on", "off"]
-CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("auto", "on", "off")
+Checkpointing = Literal["auto", "on", "selective", "off"]
+CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("auto", "on", "selective", "off")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -73,14 +73,41 @@ class LayerBytes:
 
     kept: int  # the layer run plainly: its intermediates
     checkpointed: int  # the layer checkpointed: its input alone (made again in backward)
+    # The layer checkpointed selectively: its input and its wide GEMMs' and attention's
+    # outputs, the elementwise work between them (norms, RoPE, SwiGLU, LoRA's B) made again.
+    selective: int = 0
     # Each further column of LoRA's low-rank product (x·Aᵀ, which every LoRA layer keeps for
     # B's gradient) a token keeps: `kept` counts its own adapter's; a pass whose adapters'
     # LoRA is stacked computes every adapter's columns for every token (row_blocks.py).
     low_rank_column: int = 0
 
     def with_columns(self, columns: int) -> LayerBytes:
-        """A layer whose tokens keep `columns` more low-rank columns each."""
-        return replace(self, kept=self.kept + columns * self.low_rank_column)
+        """A layer whose tokens keep `columns` more low-rank columns each (a selectively
+        checkpointed layer keeps them too: x·Aᵀ is a GEMM over the hidden width)."""
+        more = columns * self.low_rank_column
+        return replace(self, kept=self.kept + more, selective=self.selective + more)
+
+
+@dataclass(frozen=True, order=True)
+class Recomputation:
+    """Which decoder layers of a backward pass recompute in backward: the first `whole` ones
+    entirely (their input kept), the next `selective` ones their elementwise work alone; the
+    rest run plainly. Ordered by cost: a whole layer recomputes its GEMMs and attention (a
+    forward's work), a selective one its norms, RoPE and SwiGLU (a few percent of it)."""
+
+    whole: int = 0
+    selective: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.whole or self.selective)
+
+    def described(self, layers: int) -> str:
+        """ "k of L layers checkpointed", "... selectively" or "..., s more selectively"."""
+        if not self.selective:
+            return f"{self.whole} of {layers} layers checkpointed"
+        if not self.whole:
+            return f"{self.selective} of {layers} layers checkpointed selectively"
+        return f"{self.whole} of {layers} layers checkpointed, {self.selective} more selectively"
 
 
 def lora_compute_dtype(base: torch.dtype, matmuls: LoraMatmuls) -> torch.dtype | None:
@@ -101,12 +128,22 @@ def layer_bytes(config: PretrainedConfig, dtype_bytes: int, *, lora_copy: int) -
     4 MLP widths in the base dtype), plus the copies of its inputs that LoRA keeps for its
     weight gradients, `lora_copy` bytes an element (q/k/v/o and gate/up take hidden-wide
     inputs, down an MLP-wide one). Measured on an H100 at the Llama-3.1-8B shape with fp32
-    copies: 0.88x this estimate (docs/benchmarks.md)."""
+    copies: 0.88x this estimate (docs/benchmarks.md). Selectively checkpointed it keeps its
+    input, q, k, v, attention's output (and its fp32 log-sum-exp a head), o, gate, up and down:
+    5 hidden + 2 KV + 2 MLP widths, whatever LoRA's matmul dtype (the copies are remade)."""
     hidden = int(config.hidden_size)
     mlp = mlp_width(config)
     kept = (10 * hidden + 4 * mlp) * dtype_bytes + (6 * hidden + mlp) * lora_copy
     low_rank = LINEARS_PER_LAYER * (lora_copy or dtype_bytes)  # in LoRA's matmul dtype
-    return LayerBytes(kept=kept, checkpointed=hidden * dtype_bytes, low_rank_column=low_rank)
+    kv = _token_layer_bytes(config, dtype_bytes) // 2
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    selective = (5 * hidden + 2 * mlp) * dtype_bytes + 2 * kv + 4 * heads
+    return LayerBytes(
+        kept=kept,
+        checkpointed=hidden * dtype_bytes,
+        selective=min(selective, kept),
+        low_rank_column=low_rank,
+    )
 
 
 def mlp_width(config: PretrainedConfig) -> int:
@@ -120,15 +157,18 @@ def mlp_width(config: PretrainedConfig) -> int:
     return int(getattr(config, "intermediate_size", 4 * int(config.hidden_size)))
 
 
-def pass_bytes_per_token(layers: int, checkpointed: int, per_layer: LayerBytes) -> int:
-    """Activation bytes one token of a backward pass keeps at its peak with the first
-    `checkpointed` of its `layers` decoder layers checkpointed: their inputs, plus the larger
-    of the other layers' intermediates (held when backward starts) and one checkpointed
-    layer's intermediates (made again when backward reaches it, the later layers' freed by
-    then)."""
-    plain = (layers - checkpointed) * per_layer.kept
-    recomputed = per_layer.kept if checkpointed else 0
-    return max(plain, recomputed) + checkpointed * per_layer.checkpointed
+def pass_bytes_per_token(layers: int, recomputation: Recomputation, per_layer: LayerBytes) -> int:
+    """Activation bytes one token of a backward pass keeps at its peak with `recomputation`
+    of its `layers` decoder layers: the whole layers' inputs, plus the larger of what the
+    others keep when backward starts (the plain layers' intermediates, the selective ones'
+    GEMM outputs) and what it holds while it recomputes a layer (that layer's intermediates
+    made again beside the earlier selective layers' outputs, the later layers freed by then:
+    backward meets the plain layers first, then the selective ones, then the whole ones)."""
+    whole, selective = recomputation.whole, recomputation.selective
+    plain = layers - whole - selective
+    at_start = plain * per_layer.kept + selective * per_layer.selective
+    recomputing = per_layer.kept + max(0, selective - 1) * per_layer.selective
+    return max(at_start, recomputing if recomputation else 0) + whole * per_layer.checkpointed
 
 
 def train_bytes_per_token(
@@ -138,17 +178,38 @@ def train_bytes_per_token(
     none."""
     layers = int(config.num_hidden_layers)
     per_layer = layer_bytes(config, dtype_bytes, lora_copy=lora_copy)
-    return pass_bytes_per_token(layers, layers if checkpointing else 0, per_layer)
+    whole = Recomputation(whole=layers if checkpointing else 0)
+    return pass_bytes_per_token(layers, whole, per_layer)
 
 
-def layers_to_checkpoint(tokens: int, layers: int, per_layer: LayerBytes, budget: int) -> int:
-    """The fewest decoder layers to checkpoint so that a backward pass of `tokens` padded
-    tokens keeps at most `budget` bytes of activations: none when the pass fits as it is, every
-    layer when even that does not fit (the pass is then split if it runs out of memory)."""
-    for checkpointed in range(layers + 1):
-        if tokens * pass_bytes_per_token(layers, checkpointed, per_layer) <= budget:
-            return checkpointed
-    return layers
+def cheapest_recomputation(
+    tokens: int, layers: int, per_layer: LayerBytes, budget: int, *, selective: bool = True
+) -> Recomputation:
+    """The cheapest recomputation that keeps a backward pass of `tokens` padded tokens within
+    `budget` bytes of activations: the fewest whole layers, then the fewest selective ones
+    (none without `selective`); nothing when the pass fits as it is, every layer whole when
+    even that does not fit (the pass is then split if it runs out of memory)."""
+    room = budget // max(1, tokens)  # tokens x bytes <= budget
+    for whole in range(layers + 1):
+        part = _fewest_selective(layers, whole, per_layer, room) if selective else 0
+        if part is not None:
+            planned = Recomputation(whole=whole, selective=part)
+            if pass_bytes_per_token(layers, planned, per_layer) <= room:
+                return planned
+    return Recomputation(whole=layers)
+
+
+def _fewest_selective(layers: int, whole: int, per_layer: LayerBytes, room: int) -> int | None:
+    """The fewest selective layers beside `whole` whole ones that bring what the pass keeps
+    when backward starts within a token's `room` bytes; None: not even all of them. More than
+    that only adds to what it holds while recomputing, so the caller checks this count alone."""
+    rest = layers - whole
+    excess = rest * per_layer.kept + whole * per_layer.checkpointed - room
+    if excess <= 0:
+        return 0
+    saved = per_layer.kept - per_layer.selective  # a layer made selective sheds this much
+    fewest = -(-excess // saved) if saved > 0 else rest + 1
+    return fewest if fewest <= rest else None
 
 
 def attention_kinds(config: PretrainedConfig) -> list[str]:

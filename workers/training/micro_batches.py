@@ -27,6 +27,7 @@ from queue_tinker.types.requests.training import ForwardBackwardOutput
 from queue_tinker.types.tensors import TensorData
 from queue_tinker.workers.model.adapters import AdapterPool
 from queue_tinker.workers.model.lora.row_blocks import LoraLayer
+from queue_tinker.workers.model.memory import Recomputation
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.model_pass import PassPlan
 from queue_tinker.workers.training.shared_pass import (
@@ -38,8 +39,8 @@ from queue_tinker.workers.training.shared_pass import (
 
 log = logging.getLogger(__name__)
 
-# Layers a pass of (padded tokens, backward, each adapter's LoRA rank) checkpoints.
-Recomputes = Callable[[int, bool, dict[str, int]], int]
+# The layers a pass of (padded tokens, backward, each adapter's LoRA rank) recomputes.
+Recomputes = Callable[[int, bool, dict[str, int]], Recomputation]
 PassOutcome = ForwardBackwardOutput | Exception
 
 
@@ -76,9 +77,9 @@ def recomputes_under(
             return plan.lora_form_for(device, groups=False, stacks=True) == "stacked"
         return lora_form_of(lora, names, device, plan)[0] == "stacked"
 
-    def recomputes(tokens: int, backward: bool, ranks: dict[str, int]) -> int:
+    def recomputes(tokens: int, backward: bool, ranks: dict[str, int]) -> Recomputation:
         pass_plan = plan.for_pass(list(ranks.values()), stacked(tuple(sorted(ranks))))
-        return pass_plan.checkpointed_layers(tokens, backward, layers)
+        return pass_plan.recomputation(tokens, backward, layers)
 
     return recomputes
 

@@ -11,6 +11,9 @@ memory that does not grow with tokens x vocabulary nor, past a threshold, with t
 - **Activation checkpointing per decoder layer.** Meanwhile each decoder layer keeps only its
   input and recomputes its activations in backward (torch.utils.checkpoint, non-reentrant), so
   a pass keeps (layers + 1) hidden states per token instead of every layer's intermediates.
+  A layer checkpointed selectively keeps its wide GEMMs' and attention's outputs as well and
+  recomputes only the cheap work between them (norms, RoPE, SwiGLU, LoRA's rank-wide B):
+  about half a plain layer's bytes for a few percent of its forward's time.
   Results are equal to a pass without it: the recomputation is the same computation.
 
 Both run inside whatever wraps the model's LoRA layers (PEFT's active adapter, or the shared
@@ -31,7 +34,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 from transformers import PretrainedConfig, PreTrainedModel
 
 from queue_tinker.config.engine import EngineConfig
@@ -39,8 +47,9 @@ from queue_tinker.workers.model.memory import (
     Budgets,
     Checkpointing,
     LayerBytes,
+    Recomputation,
+    cheapest_recomputation,
     layer_bytes,
-    layers_to_checkpoint,
     spare_activation_bytes,
 )
 from queue_tinker.workers.model.vision_language import RowImages, hidden_states
@@ -48,6 +57,9 @@ from queue_tinker.workers.training.packing import RowBatch, padding_fraction
 
 T = TypeVar("T")
 LoraForm = Literal["blocks", "stacked", "grouped"]
+# What a selectively checkpointed layer keeps (torch's selective activation checkpointing): an
+# op's outputs are saved (MUST_SAVE) or made again in backward (PREFER_RECOMPUTE).
+KeepPolicy = Callable[..., CheckpointPolicy]
 
 
 @dataclass(frozen=True)
@@ -56,9 +68,10 @@ class PassPlan:
 
     # auto, where the device's memory is known (activation_budget and layer_bytes, from its
     # free memory at start-up): checkpoint the fewest decoder layers that keep a backward
-    # pass's activations within the budget, none when the pass fits. Elsewhere (the CPU):
-    # every layer once a backward pass holds checkpoint_min_tokens padded tokens; below that
-    # the recomputation costs time and saves memory nobody needs.
+    # pass's activations within the budget (the fewest whole layers, then the fewest
+    # selective ones), none when the pass fits. Elsewhere (the CPU): every layer once a
+    # backward pass holds checkpoint_min_tokens padded tokens; below that the recomputation
+    # costs time and saves memory nobody needs. "selective": every layer selectively.
     activation_checkpointing: Checkpointing = "auto"
     checkpoint_min_tokens: int = 4_096
     activation_budget: int | None = None
@@ -84,21 +97,32 @@ class PassPlan:
     # Under auto, split a pass that would recompute layers into micro-batches that do not
     # (micro_batches.py); False: recompute in one pass (bench.mfu's baseline for the split).
     micro_batches: bool = True
+    # Under auto, recompute selectively before whole layers; False: whole layers only
+    # (bench.mfu's baseline for selective checkpointing).
+    selective_layers: bool = True
 
-    def checkpointed_layers(self, padded_tokens: int, backward: bool, layers: int) -> int:
-        """How many of a pass's `layers` decoder layers run checkpointed: the first ones, whose
-        recomputation in backward comes after the later layers' intermediates are freed."""
-        if not backward or self.activation_checkpointing == "off":
-            return 0
-        if self.activation_checkpointing == "on":
-            return layers
+    def recomputation(self, padded_tokens: int, backward: bool, layers: int) -> Recomputation:
+        """Which of a pass's `layers` decoder layers recompute in backward: the first ones,
+        whose recomputation comes after the later layers' intermediates are freed (the whole
+        ones first, then the selective ones)."""
+        mode = self.activation_checkpointing
+        if not backward or mode == "off":
+            return Recomputation()
+        if mode == "on":
+            return Recomputation(whole=layers)
+        if mode == "selective":
+            return Recomputation(selective=layers)
         if self.activation_budget is not None and self.layer_bytes is not None:
             borrowed = self.spare_activations() if self.spare_activations is not None else 0
             per_layer = self.layer_bytes.with_columns(self.extra_lora_columns)
-            return layers_to_checkpoint(
-                padded_tokens, layers, per_layer, self.activation_budget + borrowed
+            return cheapest_recomputation(
+                padded_tokens,
+                layers,
+                per_layer,
+                self.activation_budget + borrowed,
+                selective=self.selective_layers,
             )
-        return layers if padded_tokens >= self.checkpoint_min_tokens else 0
+        return Recomputation(whole=layers if padded_tokens >= self.checkpoint_min_tokens else 0)
 
     def lora_form_for(self, device: torch.device, *, groups: bool, stacks: bool) -> LoraForm:
         """The form a pass of several adapters takes: the plan's where it says and the pass
@@ -235,8 +259,10 @@ def target_logprobs(
     lm = causal_lm(model)
     backward = torch.is_grad_enabled()
     layers = decoder_layers(model)
-    planned = plan.checkpointed_layers(batch.padded_tokens, backward, len(layers))
-    with checkpointed(layers[:planned]):
+    planned = plan.recomputation(batch.padded_tokens, backward, len(layers))
+    whole, selective = layers[: planned.whole], layers[planned.whole :][: planned.selective]
+    keep = selective_policy(lm.config, selective) if selective else None
+    with checkpointed(whole), checkpointed(selective, keep):
         if images is not None:
             hidden = hidden_states(lm, batch.ids, batch.mask, images)
         else:
@@ -296,13 +322,80 @@ def _logprobs_of(
     return -flat.view(targets.shape)
 
 
+def gemm_width(config: PretrainedConfig) -> int:
+    """The narrowest reduction a decoder layer's own GEMMs run over: the hidden width, the
+    attention heads' (o's input), the MLP's or an expert's (down's input). LoRA's B reduces over
+    the rank alone, below it."""
+    text = config.get_text_config()
+    hidden = int(text.hidden_size)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(text, "head_dim", 0) or (hidden // heads if heads else hidden))
+    widths = [hidden, heads * head_dim or hidden]
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        width = getattr(text, key, None)
+        if isinstance(width, int) and width > 0:
+            widths.append(width)
+    return min(widths)
+
+
+def _aten_ops(*names: str) -> tuple[Any, ...]:
+    """The default overloads of the aten ops of these names this torch has."""
+    return tuple(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+# Attention kernels whose outputs (and log-sum-exp) a selective layer keeps: their backward
+# needs them, and remaking them is the layer's costliest work after its GEMMs.
+_ATTENTION = _aten_ops(
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+# Matrix products, each with the index of its operand whose last dimension is the reduction.
+_GEMMS = {
+    **dict.fromkeys(_aten_ops("mm", "bmm"), 0),
+    **dict.fromkeys(_aten_ops("addmm", "baddbmm"), 1),
+}
+# Routed experts' grouped GEMMs (transformers' grouped_mm experts).
+_GROUPED_GEMMS = dict.fromkeys(_aten_ops("_grouped_mm"), 0)
+
+
+def keeps_wide_gemms(width: int, *, grouped: bool = True) -> KeepPolicy:
+    """A selective layer's policy: keep attention's outputs and every GEMM's that reduces over
+    `width` or more (gemm_width: the base projections, LoRA's A, and with `grouped` the
+    experts' grouped GEMMs), make the rest again."""
+    gemms = {**_GEMMS, **_GROUPED_GEMMS} if grouped else _GEMMS
+
+    def policy(_ctx: Any, op: Any, *args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        if op in _ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        operand = gemms.get(op)
+        if operand is not None and args[operand].shape[-1] >= width:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def selective_policy(config: PretrainedConfig, layers: Sequence[torch.nn.Module]) -> KeepPolicy:
+    """The policy of these selective layers: experts that add a bias (gpt-oss) add it into
+    their grouped GEMM's output in place, which a kept output must never see (torch refuses
+    the recomputation), so theirs are made again."""
+    biased = any(getattr(m, "has_bias", False) for layer in layers for m in layer.modules())
+    return keeps_wide_gemms(gemm_width(config), grouped=not biased)
+
+
 @contextmanager
-def checkpointed(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
+def checkpointed(
+    layers: Sequence[torch.nn.Module], keep: KeepPolicy | None = None
+) -> Iterator[None]:
     """Meanwhile each layer's forward runs under non-reentrant activation checkpointing (the
     instance attribute shadows the class's forward; the checkpoint calls the class's, so a
-    recomputation in backward after this context is gone computes the same thing)."""
+    recomputation in backward after this context is gone computes the same thing); with
+    `keep`, selectively: the outputs it keeps are saved, the rest made again."""
     for layer in layers:
-        layer.forward = partial(_checkpointed_forward, type(layer).forward.__get__(layer))
+        forward = type(layer).forward.__get__(layer)
+        layer.forward = partial(_checkpointed_forward, keep, forward)
     try:
         yield
     finally:
@@ -310,18 +403,31 @@ def checkpointed(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
             del layer.forward
 
 
-def _checkpointed_forward(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpointed_call(forward, *args, **kwargs)
+def _checkpointed_forward(keep: KeepPolicy | None, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    return _checkpoint(forward, args, kwargs, keep)
 
 
 def checkpointed_call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """function(*args, **kwargs) under torch's non-reentrant checkpoint, whose saved-tensor
-    hooks do not outlive a call that raises. Before torch 2.13 they did: checkpoint() left its
-    generator suspended inside them, kept alive by the exception's traceback, so while a
-    handler held an out-of-memory error, the next pass's tensors were saved for the failed
-    pass's recomputation (on a GPU, the retried halves of a split pass then failed)."""
+    """function(*args, **kwargs) under torch's non-reentrant checkpoint (_checkpoint)."""
+    return _checkpoint(function, args, kwargs, None)
+
+
+def _checkpoint(
+    function: Callable[..., T], args: Any, kwargs: dict[str, Any], keep: KeepPolicy | None
+) -> T:
+    """function(*args, **kwargs) under torch's non-reentrant checkpoint (selective with
+    `keep`), whose saved-tensor hooks do not outlive a call that raises. Before torch 2.13 they
+    did: checkpoint() left its generator suspended inside them, kept alive by the exception's
+    traceback, so while a handler held an out-of-memory error, the next pass's tensors were
+    saved for the failed pass's recomputation (on a GPU, the retried halves of a split pass
+    then failed)."""
+    context = (
+        noop_context_fn if keep is None else partial(create_selective_checkpoint_contexts, keep)
+    )
     try:
-        return cast(T, checkpoint(function, *args, use_reentrant=False, **kwargs))
+        return cast(
+            T, checkpoint(function, *args, use_reentrant=False, context_fn=context, **kwargs)
+        )
     except BaseException as exc:
         # Dropping the finished frames' locals frees that generator now, which pops its hooks
         # (and the failed call's tensors with them).

@@ -41,7 +41,11 @@ from queue_tinker.types.service.ops import Op
 from queue_tinker.types.tensors import Datum
 from queue_tinker.workers.interface import PASS_KINDS, OpResult, ResultOrError, parse_body
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
-from queue_tinker.workers.model.memory import is_out_of_memory, release_cached_memory
+from queue_tinker.workers.model.memory import (
+    Recomputation,
+    is_out_of_memory,
+    release_cached_memory,
+)
 from queue_tinker.workers.model.vision_language import ImageSupport
 from queue_tinker.workers.training.custom_loss_graph import GraphLoss
 from queue_tinker.workers.training.micro_batches import (
@@ -265,7 +269,7 @@ class TrainingRounds:
         lora = self.pool.lora_layers()
         recomputes = recomputes_under(self.plan, self.guard.device, self.layers, lora)
 
-        def recomputed(ops: Sequence[PassOp]) -> int:
+        def recomputed(ops: Sequence[PassOp]) -> Recomputation:
             return recomputes(padded_tokens(ops), any(o.backward for o in ops), _ranks(ops))
 
         return recomputed([*chunk, op]) <= max(recomputed(chunk), recomputed([op]))
@@ -282,7 +286,7 @@ class TrainingRounds:
             whole = recomputes(padded_tokens(ops), True, _ranks(ops))
             said = (
                 f"a pass of {sum(len(op.data) for op in ops)} datums ({padded_tokens(ops)} "
-                f"padded tokens) that would recompute {whole} of {layers} layers runs as "
+                f"padded tokens) that would have {whole.described(layers)} runs as "
                 f"{len(batches)} micro-batches recomputing none"
             )
             # At info when the split changes (a training loop's steps split alike).

@@ -1,5 +1,6 @@
 """The checkpointing plan (workers/model/memory.py): the fewest decoder layers a backward pass
-checkpoints to keep its activations within the budget, on the configs it will meet."""
+recomputes whole, then the fewest it recomputes selectively, to keep its activations within the
+budget, on the configs it will meet."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import torch
 from transformers import LlamaConfig
 
 from queue_tinker.workers.model.memory import (
+    LayerBytes,
+    Recomputation,
     budgets_for,
+    cheapest_recomputation,
     layer_bytes,
-    layers_to_checkpoint,
     lora_compute_dtype,
     lora_copy_bytes,
     pass_bytes_per_token,
@@ -23,42 +26,92 @@ LLAMA_8B = LlamaConfig(
     hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32
 )
 TINY = LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+NONE = Recomputation()
+
+
+def whole(layers: int) -> Recomputation:
+    return Recomputation(whole=layers)
+
+
+def whole_only(tokens: int, layers: int, per_layer: LayerBytes, budget: int) -> int:
+    """The plan without selective layers: how many whole layers."""
+    return cheapest_recomputation(tokens, layers, per_layer, budget, selective=False).whole
 
 
 def test_the_ends_of_the_plan_are_the_two_old_modes() -> None:
     """No layer checkpointed keeps every layer's intermediates; every layer, every input plus
     one layer's intermediates (what train_bytes_per_token said of the two modes)."""
     per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=4)
-    assert pass_bytes_per_token(32, 0, per_layer) == 32 * per_layer.kept
-    assert pass_bytes_per_token(32, 32, per_layer) == 32 * per_layer.checkpointed + per_layer.kept
+    assert pass_bytes_per_token(32, NONE, per_layer) == 32 * per_layer.kept
+    assert (
+        pass_bytes_per_token(32, whole(32), per_layer)
+        == 32 * per_layer.checkpointed + per_layer.kept
+    )
     for checkpointing in (False, True):
         layers = 32 if checkpointing else 0
         assert train_bytes_per_token(
             LLAMA_8B, 2, checkpointing, lora_copy=4
-        ) == pass_bytes_per_token(32, layers, per_layer)
+        ) == pass_bytes_per_token(32, whole(layers), per_layer)
+
+
+def test_a_selective_layer_keeps_its_gemm_outputs_and_input() -> None:
+    """Selectively checkpointed, a Llama layer keeps its input, q, k, v, attention's output and
+    its fp32 log-sum-exp a head, o, gate, up and down (5 hidden + 2 KV + 2 MLP widths), whatever
+    LoRA's matmul dtype: at the 8B shape (8 KV heads) 0.52x a plain layer with bf16 LoRA, 0.29x
+    with fp32 copies; every layer selective keeps those, plus one layer's intermediates while
+    backward remakes its elementwise work."""
+    config = LlamaConfig(**{**LLAMA_8B.to_dict(), "num_key_value_heads": 8})
+    for lora_copy in (0, 4):
+        per_layer = layer_bytes(config, 2, lora_copy=lora_copy)
+        assert per_layer.selective == (5 * 4096 + 2 * 1024 + 2 * 14336) * 2 + 32 * 4
+        assert per_layer.checkpointed < per_layer.selective < per_layer.kept
+    assert layer_bytes(config, 2, lora_copy=0).selective / layer_bytes(
+        config, 2, lora_copy=0
+    ).kept == pytest.approx(0.52, abs=0.01)
+    per_layer = layer_bytes(config, 2, lora_copy=0)
+    every = Recomputation(selective=32)
+    assert pass_bytes_per_token(32, every, per_layer) == 31 * per_layer.selective + per_layer.kept
+    mixed = Recomputation(whole=20, selective=12)
+    assert pass_bytes_per_token(32, mixed, per_layer) == (
+        max(12 * per_layer.selective, per_layer.kept + 11 * per_layer.selective)
+        + 20 * per_layer.checkpointed
+    )
+    # Recomputing is costlier the more whole layers it takes, then selective ones.
+    assert NONE < Recomputation(selective=32) < whole(1) < Recomputation(whole=1, selective=1)
+    assert not NONE and Recomputation(selective=1) and whole(1)
 
 
 @pytest.mark.parametrize(
-    ("tokens", "budget_gib", "lora_copy", "expected"),
+    ("tokens", "budget_gib", "lora_copy", "expected", "whole_alone"),
     [
-        (1_024, 30, 4, 0),  # an RL-sized pass fits whole: nothing is recomputed
-        (2_048, 30, 4, 0),
-        (8 * 2_048, 30, 4, 28),  # the 8B shape on an 80 GB card: 4 of 32 layers spared
-        (8 * 2_048, 1, 4, 32),  # does not fit even checkpointed: every layer (split later)
-        (32_768, 80, 4, 26),  # 1 x 32,768 tokens on a whole card's worth of budget
-        # LoRA's matmuls in bf16 keep no fp32 copy of their inputs: 9 of 32 layers spared.
-        (8 * 2_048, 30, 0, 23),
+        (1_024, 30, 4, NONE, 0),  # an RL-sized pass fits whole: nothing is recomputed
+        (2_048, 30, 4, NONE, 0),
+        # The 8B shape on an 80 GB card: whole layers alone would take 28 of 32; with
+        # selective ones 19 whole and 12 selective (one layer plain).
+        (8 * 2_048, 30, 4, Recomputation(whole=19, selective=12), 28),
+        (8 * 2_048, 1, 4, whole(32), 32),  # does not fit even checkpointed (split later)
+        (32_768, 80, 4, Recomputation(whole=13, selective=18), 26),  # a whole card's budget
+        # LoRA's matmuls in bf16 keep no fp32 copy of their inputs: fewer to recompute.
+        (8 * 2_048, 30, 0, Recomputation(whole=17, selective=14), 23),
     ],
 )
 def test_the_plan_on_the_8b_shape(
-    tokens: int, budget_gib: int, lora_copy: int, expected: int
+    tokens: int, budget_gib: int, lora_copy: int, expected: Recomputation, whole_alone: int
 ) -> None:
     per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=lora_copy)
-    planned = layers_to_checkpoint(tokens, 32, per_layer, budget_gib * GIB)
+    budget = budget_gib * GIB
+    planned = cheapest_recomputation(tokens, 32, per_layer, budget)
     assert planned == expected
-    if 0 < planned < 32:  # the fewest: one layer fewer does not fit
-        assert tokens * pass_bytes_per_token(32, planned, per_layer) <= budget_gib * GIB
-        assert tokens * pass_bytes_per_token(32, planned - 1, per_layer) > budget_gib * GIB
+    assert whole_only(tokens, 32, per_layer, budget) == whole_alone
+    if planned and planned != whole(32):  # the cheapest: it fits, nothing cheaper does
+        assert tokens * pass_bytes_per_token(32, planned, per_layer) <= budget
+        cheaper = [
+            Recomputation(whole=w, selective=s)
+            for w in range(33)
+            for s in range(33 - w)
+            if Recomputation(whole=w, selective=s) < planned
+        ]
+        assert all(tokens * pass_bytes_per_token(32, r, per_layer) > budget for r in cheaper)
 
 
 def test_lora_matmuls_in_the_base_dtype_keep_no_copy_of_their_inputs() -> None:
@@ -79,16 +132,18 @@ def test_lora_matmuls_in_the_base_dtype_keep_no_copy_of_their_inputs() -> None:
 
 def test_more_tokens_never_checkpoint_fewer_layers() -> None:
     per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=4)
-    plans = [layers_to_checkpoint(t, 32, per_layer, 20 * GIB) for t in range(512, 40_000, 512)]
+    plans = [cheapest_recomputation(t, 32, per_layer, 20 * GIB) for t in range(512, 40_000, 512)]
     assert plans == sorted(plans)
-    assert plans[0] == 0 and plans[-1] == 32
+    assert plans[0] == NONE and plans[-1] == whole(32)
+    assert any(p.selective for p in plans)
 
 
 def test_a_budget_met_exactly_fits() -> None:
     per_layer = layer_bytes(TINY, 4, lora_copy=0)
-    exact = 96 * pass_bytes_per_token(2, 0, per_layer)
-    assert layers_to_checkpoint(96, 2, per_layer, exact) == 0
-    assert layers_to_checkpoint(96, 2, per_layer, exact - 1) == 1
+    exact = 96 * pass_bytes_per_token(2, NONE, per_layer)
+    assert cheapest_recomputation(96, 2, per_layer, exact) == NONE
+    assert cheapest_recomputation(96, 2, per_layer, exact - 1) == Recomputation(selective=1)
+    assert whole_only(96, 2, per_layer, exact - 1) == 1
 
 
 def test_budgets_carry_the_activation_budget_they_size_passes_from() -> None:
@@ -97,13 +152,14 @@ def test_budgets_carry_the_activation_budget_they_size_passes_from() -> None:
     budgets = budgets_for(LLAMA_8B, 62 * GIB, 2, checkpointing=True, lora_copy=4)
     per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=4)
     assert budgets.train_activation_bytes == int(62 * GIB * 0.8 * 0.6)
-    full = budgets.train_batch_tokens * pass_bytes_per_token(32, 32, per_layer)
+    full = budgets.train_batch_tokens * pass_bytes_per_token(32, whole(32), per_layer)
     assert full <= budgets.train_activation_bytes
+    planned = cheapest_recomputation(
+        budgets.train_batch_tokens, 32, per_layer, budgets.train_activation_bytes
+    )
     assert (
-        layers_to_checkpoint(
-            budgets.train_batch_tokens, 32, per_layer, budgets.train_activation_bytes
-        )
-        <= 32
+        budgets.train_batch_tokens * pass_bytes_per_token(32, planned, per_layer)
+        <= budgets.train_activation_bytes
     )
 
 
@@ -141,8 +197,10 @@ def test_a_pass_borrows_the_sampler_s_share_only_while_it_lies_free(
     assert spare_activation_bytes(cuda, budgets) == share
     per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=0)
     tokens = 8 * 2048
-    alone = layers_to_checkpoint(tokens, 32, per_layer, budgets.train_activation_bytes)
-    borrowing = layers_to_checkpoint(tokens, 32, per_layer, budgets.train_activation_bytes + share)
+    alone = cheapest_recomputation(tokens, 32, per_layer, budgets.train_activation_bytes)
+    borrowing = cheapest_recomputation(
+        tokens, 32, per_layer, budgets.train_activation_bytes + share
+    )
     assert borrowing < alone
 
 
@@ -156,3 +214,4 @@ def test_a_low_rank_column_costs_a_token_one_value_per_lora_linear_in_loras_dtyp
     per_layer = layer_bytes(LLAMA_8B, 2, lora_copy=0)
     assert per_layer.with_columns(24).kept == per_layer.kept + 24 * 14
     assert per_layer.with_columns(24).checkpointed == per_layer.checkpointed
+    assert per_layer.with_columns(24).selective == per_layer.selective + 24 * 14
