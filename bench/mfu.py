@@ -39,6 +39,7 @@ from queue_tinker.types.enums import LossFn
 from queue_tinker.types.requests.training import AdamParams, LoraConfig
 from queue_tinker.types.tensors import Datum
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
+from queue_tinker.workers.model.memory import Checkpointing
 
 SECTION = "## Model FLOPs utilisation: LoRA training on a GPU"
 COUNT_SECTION = "## Kernels of a training pass, counted without a GPU"
@@ -323,7 +324,7 @@ def measure_variant(s: Setup, data: list[Datum], variant: Variant) -> Variant:
         variant.peak_gib = torch.cuda.max_memory_allocated(s.device) / 2**30
     s.free_memory()
     shown = variant.error or f"{variant.median_ms():,.1f} ms (first {variant.first_s:.1f} s)"
-    print(f"  {variant.name} [{variant.checkpointed} checkpointed]: {shown}", flush=True)
+    print(f"  {variant.name} [{variant.checkpointed}]: {shown}", flush=True)
     return variant
 
 
@@ -351,8 +352,22 @@ def variants(pool: AdapterPool, device: torch.device, cap: int | None) -> list[V
     context = partial(engine.lora_matmuls, pool, "fp32")
     return [
         Variant("one pass, its layers recomputed (no micro-batches)", one_pass),
+        Variant(
+            "one pass, whole layers only (no micro-batches, no selective layers)",
+            replace(one_pass, selective_layers=False),
+        ),
+        Variant("every layer whole (QT_ACTIVATION_CHECKPOINTING=on)", on(one_pass, "on")),
+        Variant(
+            "every layer selective (QT_ACTIVATION_CHECKPOINTING=selective)",
+            on(one_pass, "selective"),
+        ),
         Variant("LoRA matmuls in fp32 (QT_LORA_MATMUL_DTYPE=fp32)", fp32, context),
     ]
+
+
+def on(plan: PassPlan, mode: Checkpointing) -> PassPlan:
+    """The plan with QT_ACTIVATION_CHECKPOINTING=`mode` (micro-batches are auto's alone)."""
+    return replace(plan, activation_checkpointing=mode)
 
 
 def fit_check(
@@ -549,8 +564,7 @@ def figure_lines(result: Result) -> list[str]:
         )
     if (v := result.long_pass) is not None:
         how = v.error or (
-            f"{v.median_ms():,.1f} ms ({v.checkpointed} layers checkpointed), peak "
-            f"{v.peak_gib or 0:.1f} GiB"
+            f"{v.median_ms():,.1f} ms ({v.checkpointed}), peak {v.peak_gib or 0:.1f} GiB"
         )
         lines.append(f"One row of {v.name.split(' ', 2)[2]}: {how}.")
     if result.layer_bytes is not None:
@@ -701,8 +715,47 @@ def counted(args: argparse.Namespace) -> Report:
     )
     facts = ["No GPU: a count, not a timing; attention counted as one fused kernel each way."]
     body: list[Table | str] = [Table(columns, rows, caption=caption)]
+    body.append(recomputation_table(pool, adapters[0], args))
     command = f"{COMMAND.replace('--device cuda', '--count')} --shape {args.shape}"
     return Report(COUNT_SECTION, command, engine_machine("cpu"), facts, (), body, {})
+
+
+# What --count's recomputation table compares: nothing, every layer whole, every one selective.
+RECOMPUTATIONS: dict[Checkpointing, str] = {
+    "off": "nothing recomputed",
+    "on": "every layer whole (QT_ACTIVATION_CHECKPOINTING=on)",
+    "selective": "every layer selective (QT_ACTIVATION_CHECKPOINTING=selective)",
+}
+
+
+def recomputation_table(pool: AdapterPool, adapter: Adapter, args: argparse.Namespace) -> Table:
+    """One adapter's pass of 1 x 2,048 tokens with each recomputation: what backward does
+    again, in kernels, GEMM FLOPs and bytes."""
+    meta, shape = torch.device("meta"), SHAPES[args.shape]
+    ops = [(adapter, random_data(shape, 1, 2048))]
+    counts = {}
+    for mode in RECOMPUTATIONS:
+        plan = PassPlan(activation_checkpointing=mode)
+        engine.clear_grads([adapter])
+        counts[mode] = count_kernels(partial(engine.forward_backward, pool, ops, meta, plan))
+    plain = counts["off"]
+    rows = [
+        (
+            name, f"{c.total:,}", f"+{c.total - plain.total:,}",
+            f"{c.gemm_flops / 1e12:,.2f}", f"+{(c.gemm_flops - plain.gemm_flops) / 1e12:,.2f}",
+            f"{c.gemm_flops / plain.gemm_flops:.3f}×", f"{c.bytes_moved / 2**30:,.1f}",
+        )
+        for name, c in ((RECOMPUTATIONS[m], counts[m]) for m in RECOMPUTATIONS)
+    ]  # fmt: skip
+    columns = (
+        "recomputation", "kernels", "more", "GEMM TFLOP", "more", "÷ nothing recomputed",
+        "GiB read + written",
+    )  # fmt: skip
+    caption = (
+        f"What recomputation costs: one forward_backward pass at the {args.shape} shape, one "
+        f"adapter's op of 1 × 2,048 tokens, rank {args.rank}, counted on meta tensors:"
+    )
+    return Table(columns, rows, caption=caption)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

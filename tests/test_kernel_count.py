@@ -66,11 +66,12 @@ def test_bench_mfu_counts_a_pass_of_one_and_of_eight_adapters() -> None:
     blocks than stacked, more stacked than grouped, and grouped within 1.2x of one adapter's
     op (the LoRA two grouped matmuls a linear whatever the adapters; what grows is each op's
     loss and the logit chunks, fewer in wider chunks); the pass reads the device on the host
-    as often whatever the adapters."""
+    as often whatever the adapters. Recomputing every layer whole runs the forward's GEMMs
+    again; selectively, almost none of them (LoRA's rank-wide B alone), in more kernels."""
     from bench import mfu
 
     report = mfu.counted(mfu.parse_args(["--count", "--shape", "small", "--no-docs"]))
-    (table,) = report.body
+    table, recomputation = report.body
     rows = list(table.rows)  # type: ignore[union-attr]
     assert [(r[0], r[1]) for r in rows] == [
         ("row blocks", 1), ("row blocks", 8), ("stacked", 1), ("stacked", 8),
@@ -83,6 +84,13 @@ def test_bench_mfu_counts_a_pass_of_one_and_of_eight_adapters() -> None:
     assert kernels[1] > kernels[3] > kernels[5] and kernels[5] <= 1.2 * one
     assert kernels[6] == one and kernels[7] <= kernels[5]  # wider logit chunks: no more
     assert len({r[4] for r in rows}) == 1  # host reads
+    plain, whole, selective = (
+        (int(str(r[1]).replace(",", "")), float(str(r[5]).rstrip("×")))
+        for r in recomputation.rows  # type: ignore[union-attr]
+    )
+    # At the small shape rank 32 is an eighth of the hidden width: B's GEMMs are 8% of whole's.
+    assert plain[1] == 1.0 and whole[1] > 1.2 and 0 < selective[1] - 1 < 0.1 * (whole[1] - 1)
+    assert whole[0] > selective[0] > plain[0]
 
 
 def test_bench_decode_step_counts_each_step_kind_reading_the_device_once() -> None:
