@@ -8,13 +8,23 @@ unembedding and its loss stay the engine's own: logprobs are computed in chunks 
 liger is an optional dependency (the `gpu` extra; Triton, CUDA only). It patches the model
 instance's modules (and transformers' rotary function for its architecture) for the life of
 the process: a worker serves one base model.
+
+liger's RoPE rotates q and k in place wherever they are contiguous, which they are when they
+are a projection's own output (a q_proj without LoRA): a selectively checkpointed layer keeps
+that output for backward (training/model_pass.keeps_wide_gemms), and a Triton kernel's write
+bumps no version counter, so torch would not see it and the recomputation would rotate the
+kept q and k a second time. Here the rotary function gets copies of q and k (rotating_copies):
+two copies a layer, far fewer bytes than transformers' eager RoPE moves.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
-from typing import Literal
+import sys
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
@@ -23,6 +33,9 @@ from queue_tinker.workers.model.families import family_of
 
 log = logging.getLogger(__name__)
 LigerKernels = Literal["auto", "on", "off"]
+# transformers' rotary functions, by the names its modeling modules give them, that liger
+# replaces with its in-place kernels.
+ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb")
 
 
 def liger_wanted(setting: LigerKernels, device: torch.device, *, grouped: bool) -> bool:
@@ -75,5 +88,25 @@ def apply_liger(model: torch.nn.Module) -> bool:
         cross_entropy=False,
         fused_linear_cross_entropy=False,
     )
+    rope_on_copies(sys.modules[type(model).__module__])
     log.info("liger's RMSNorm, RoPE and SwiGLU are in the %s model", model_type)
     return True
+
+
+def rope_on_copies(modeling: Any) -> None:
+    """The modeling module's rotary functions that are liger's, given copies of q and k."""
+    for name in ROTARY_FUNCTIONS:
+        rope = getattr(modeling, name, None)
+        if rope is not None and getattr(rope, "__module__", "").startswith("liger_kernel"):
+            setattr(modeling, name, rotating_copies(rope))
+
+
+def rotating_copies(rope: Callable[..., Any]) -> Callable[..., Any]:
+    """`rope` applied to copies of q and k, which it may then overwrite: the tensors it is
+    given (a projection's output a selective layer keeps) stay as they were."""
+
+    @functools.wraps(rope)
+    def rotated(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return rope(q.clone(), k.clone(), *args, **kwargs)
+
+    return rotated

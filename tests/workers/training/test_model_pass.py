@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import torch
 from engine_driver import held_bytes, saved_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama
 
 from queue_tinker.config.engine import EngineConfig
 from queue_tinker.types.enums import LossFn
@@ -25,6 +28,7 @@ from queue_tinker.types.requests.training import ForwardBackwardOutput, LoraConf
 from queue_tinker.types.tensors import Datum, ModelInput
 from queue_tinker.workers.model.adapters import Adapter, AdapterPool
 from queue_tinker.workers.model.base_model import load_base_model
+from queue_tinker.workers.model.fused_kernels import rope_on_copies, rotating_copies
 from queue_tinker.workers.model.lora.row_blocks import stacks
 from queue_tinker.workers.model.memory import (
     Checkpointing,
@@ -56,6 +60,7 @@ TEXTS = ["hello lora world, at some length", "short", "the quick brown fox jumps
 # A handful of positions per chunk: many chunks, the last one partial.
 SMALL_CHUNKS = PassPlan(activation_checkpointing="off", logit_chunk_elements=3 * 3 * 259)
 CHECKPOINTED = PassPlan(activation_checkpointing="on", logit_chunk_elements=3 * 3 * 259)
+EAGER_ROPE = modeling_llama.apply_rotary_pos_emb
 SELECTIVE = PassPlan(activation_checkpointing="selective", logit_chunk_elements=3 * 3 * 259)
 WHOLE = PassPlan(activation_checkpointing="off", logit_chunk_elements=1 << 40)
 PACKED = PassPlan(activation_checkpointing="off", pack_above_padding=0.0)
@@ -568,6 +573,88 @@ def test_whole_and_selective_layers_in_one_pass_equal_plain_ones(
     assert got.keys() == expected.keys() and expected
     for key, grad in expected.items():
         torch.testing.assert_close(got[key], grad, **CLOSE, msg=key)
+
+
+class _RopeInPlace(torch.autograd.Function):
+    """transformers' RoPE written into q and k themselves where they are contiguous, as liger's
+    Triton kernel writes them: through `.data`, so no version counter sees it."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Any:
+        ctx.save_for_backward(cos, sin)
+        rotated_q, rotated_k = EAGER_ROPE(q, k, cos, sin)
+        q_rows, k_rows = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        q_rows.data.copy_(rotated_q.transpose(1, 2))
+        k_rows.data.copy_(rotated_k.transpose(1, 2))
+        return q_rows.transpose(1, 2), k_rows.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor) -> Any:
+        cos, sin = ctx.saved_tensors
+        return (*EAGER_ROPE(dq, dk, cos, -sin), None, None)  # the rotation back
+
+
+def rope_in_place(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *_: Any, **__: Any
+) -> Any:
+    return _RopeInPlace.apply(q, k, cos, sin)
+
+
+def test_selective_layers_give_an_in_place_rotary_kernel_copies(models_dir: Path) -> None:
+    """With q_proj and k_proj unadapted (train_attn=False), q and k are the projections' own
+    outputs, which a selective layer keeps. A rotary kernel that rotates them in place where
+    torch cannot see it (liger's) left the kept q and k rotated, and the recomputation rotated
+    them again: the LoRA gradients came out wrong. Given copies (fused_kernels.rotating_copies,
+    which the worker wraps liger's RoPE in), they equal the plain pass's."""
+    model = load_base_model(BASE, "cpu", models_dir)
+    model.name_or_path = BASE
+    pool = AdapterPool(model, BASE, max_resident=2)
+    adapter = pool.add("m", "t", LoraConfig(rank=4, train_attn=False), seed=0)
+    with torch.no_grad():
+        for key, param in adapter.params.items():
+            if "lora_B" in key:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    pool.activate(adapter)
+    data = [datum(t, weights=False) for t in TEXTS]
+
+    def grads(mode: Checkpointing) -> dict[str, torch.Tensor]:
+        logprobs, _ = forward_kept(pool.model, data, PassPlan(activation_checkpointing=mode))
+        logprobs.sum().backward()
+        out = {k: p.grad.clone() for k, p in adapter.params.items() if p.grad is not None}
+        for param in adapter.params.values():
+            param.grad = None
+        return out
+
+    def error(rope: Any) -> float:
+        modeling_llama.apply_rotary_pos_emb = rope
+        try:
+            plain, selective = grads("off"), grads("selective")
+        finally:
+            modeling_llama.apply_rotary_pos_emb = EAGER_ROPE
+        assert plain.keys() == selective.keys() and plain
+        return max(float((selective[k] - plain[k]).abs().max()) for k in plain)
+
+    assert error(EAGER_ROPE) == 0.0
+    assert error(rope_in_place) > 1e-3  # the hazard, shown
+    assert error(rotating_copies(rope_in_place)) == 0.0
+
+
+def test_only_liger_s_rotary_functions_are_given_copies() -> None:
+    def liger_rope(q: torch.Tensor, k: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return q.mul_(2), k.mul_(2)
+
+    liger_rope.__module__ = "liger_kernel.transformers.rope"
+    modeling = SimpleNamespace(
+        apply_rotary_pos_emb=liger_rope, apply_multimodal_rotary_pos_emb=EAGER_ROPE
+    )
+    rope_on_copies(modeling)
+    assert modeling.apply_multimodal_rotary_pos_emb is EAGER_ROPE
+    q, k = torch.ones(2, 3), torch.ones(2, 3)
+    rotated_q, rotated_k = modeling.apply_rotary_pos_emb(q, k)
+    assert torch.equal(q, torch.ones(2, 3)) and torch.equal(k, torch.ones(2, 3))
+    assert torch.equal(rotated_q, torch.full((2, 3), 2.0)) and torch.equal(rotated_k, rotated_q)
 
 
 MIXED = [
