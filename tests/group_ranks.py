@@ -31,6 +31,7 @@ from queue_tinker.workers.group.channel import Channel
 from queue_tinker.workers.group.follower import follow
 from queue_tinker.workers.group.follower_store import FollowerStore
 from queue_tinker.workers.group.leader import LeaderEngine
+from queue_tinker.workers.model.memory import Checkpointing
 from queue_tinker.workers.model.tensor_parallel import Shards
 
 BASE = "queue-tinker/tiny-llama"
@@ -57,7 +58,9 @@ def spawned_ranks(
                 process.join(timeout=10)
 
 
-def make_engine(root: Path, shards: Shards | None, base: str = BASE) -> LoraExecutor:
+def make_engine(
+    root: Path, shards: Shards | None, base: str = BASE, checkpointing: Checkpointing = "auto"
+) -> LoraExecutor:
     """One process's engine, or a rank's: as in a group, ranks 1..N-1 only read the storage
     (two ranks writing one snapshot's directory raced each other's rename)."""
     store: CheckpointStore = LocalStore(root / "storage")
@@ -68,7 +71,7 @@ def make_engine(root: Path, shards: Shards | None, base: str = BASE) -> LoraExec
         "cpu",
         store,
         root / "models",
-        EngineConfig(max_resident_adapters=4, dtype="fp32"),
+        EngineConfig(max_resident_adapters=4, dtype="fp32", activation_checkpointing=checkpointing),
         GroupRank(shards) if shards is not None else None,
     )
 
@@ -151,13 +154,20 @@ def whole(driver: Driver, model_id: str, *, grads: bool) -> dict[str, torch.Tens
 
 
 def run_rank(
-    rank: int, world: int, root: str, port: int, steps: int, results: Any, base: str = BASE
+    rank: int,
+    world: int,
+    root: str,
+    port: int,
+    steps: int,
+    results: Any,
+    base: str = BASE,
+    checkpointing: Checkpointing = "auto",
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        engine = make_engine(Path(root), Shards(rank, world), base)
+        engine = make_engine(Path(root), Shards(rank, world), base, checkpointing)
         driver = Driver(engine, Path(root) / "storage", base)
         out = train_script(driver, steps)
         if rank == 0:  # pickled by value: a tensor shared by handle dies with this process

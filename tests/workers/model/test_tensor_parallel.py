@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from queue_tinker.workers.model import lora_shards
 from queue_tinker.workers.model.base_model import ensure_builtin_model
 from queue_tinker.workers.model.families import family_of
+from queue_tinker.workers.model.memory import Checkpointing
 from queue_tinker.workers.model.tensor_parallel import ShardingError, Shards, check_shardable
 
 KEY = "base_model.model.model.layers.0.{}.{}.weight"
@@ -86,13 +87,20 @@ def test_a_model_the_group_cannot_split_is_refused_by_name(
 
 
 @pytest.mark.timeout(300)  # two fresh interpreters import torch: ~30 s beside a busy suite
-@pytest.mark.parametrize("base", ["queue-tinker/tiny-llama", "queue-tinker/tiny-qwen3"])
-def test_two_ranks_train_and_sample_as_one_process(scratch: Path, base: str) -> None:
+@pytest.mark.parametrize(
+    ("base", "checkpointing"),
+    [("queue-tinker/tiny-llama", "auto"), ("queue-tinker/tiny-qwen3", "selective")],
+)
+def test_two_ranks_train_and_sample_as_one_process(
+    scratch: Path, base: str, checkpointing: Checkpointing
+) -> None:
     """Two gloo ranks, each with half of every attention and MLP matrix, run the same ops as
     one process: losses, whole LoRA gradients (clipped), weights after AdamW and greedy
     samples from the base and from saved weights equal one process's (fp32, 1e-5), and the
     saved checkpoint's files hold the same tensors. On Llama and on Qwen3 (whose q / k norms
-    over each head's width a rank's share of the heads keeps whole)."""
+    over each head's width a rank's share of the heads keeps whole), the latter with every
+    layer checkpointed selectively: backward remakes each layer's elementwise work, and the
+    collectives in it, on both ranks alike."""
     ensure_builtin_model(base, scratch / "models")  # made once, not raced
     home = scratch / base.rsplit("/", 1)[-1]  # one a base: the module's scratch is shared
     home.mkdir()
@@ -102,9 +110,10 @@ def test_two_ranks_train_and_sample_as_one_process(scratch: Path, base: str) -> 
         (root / "models").symlink_to(scratch / "models")
     results = multiprocessing.get_context("spawn").Queue()
     port = free_port()
-    args = [(rank, 2, str(group_root), port, 2, results, base) for rank in range(2)]
+    args = [(rank, 2, str(group_root), port, 2, results, base, checkpointing) for rank in range(2)]
     with spawned_ranks(run_rank, args) as ranks:
-        alone_driver = Driver(make_engine(alone_root, None, base), alone_root / "storage", base)
+        alone_engine = make_engine(alone_root, None, base, checkpointing)
+        alone_driver = Driver(alone_engine, alone_root / "storage", base)
         alone = train_script(alone_driver, 2)
         group = pickle.loads(results.get(timeout=240))
         for process in ranks:
