@@ -69,6 +69,9 @@ SHAPES = {
     ),
     # Small enough for a CPU smoke run in seconds; same structure.
     "small": Shape(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=896, vocab=4096),
+    # Where a CPU's layer is its GEMMs, not the host's per-op work: what recomputing costs
+    # there, in minutes (the variants' rows).
+    "cpu-medium": Shape(layers=4, hidden=1024, heads=8, kv_heads=4, intermediate=2816, vocab=4096),
 }
 
 
