@@ -260,17 +260,19 @@ def test_checkpointing_inside_a_cross_adapter_pass(pool: AdapterPool) -> None:
         assert_same(got[name], expected[name])
 
 
+@pytest.mark.parametrize("plan", [CHECKPOINTED, SELECTIVE], ids=["whole", "selective"])
 def test_a_pass_that_fails_inside_a_checkpointed_layer_leaves_nothing_behind(
-    pool: AdapterPool,
+    pool: AdapterPool, plan: PassPlan
 ) -> None:
-    """Out of memory inside a checkpointed layer (raised where a CUDA allocation would fail)
-    while the exception is still held, as the worker's memory guard holds it: the next pass,
-    on other rows and adapters, gets the gradients of a pass on a fresh start. torch's
+    """Out of memory inside a checkpointed layer, whole or selective (raised where a CUDA
+    allocation would fail) while the exception is still held, as the worker's memory guard
+    holds it: the next pass, on other rows and adapters, gets the gradients of a pass on a
+    fresh start. torch's
     checkpoint leaves its saved-tensor hooks installed when the function raises; the next
     pass's tensors then went to the failed pass's recomputation (on the GPU: "split_with_sizes
     expects split_sizes to sum exactly to 16 ... got [8]")."""
     data = {name: [datum(t) for t in TEXTS[i:] + TEXTS[:i]] for i, name in enumerate(pool.adapters)}
-    expected = shared_pass_grads(pool, data, CHECKPOINTED)
+    expected = shared_pass_grads(pool, data, plan)
 
     layer = pool.model.get_base_model().model.layers[-1]
     calls = {"n": 0}
@@ -283,8 +285,8 @@ def test_a_pass_that_fails_inside_a_checkpointed_layer_leaves_nothing_behind(
     handle = layer.mlp.register_forward_pre_hook(fail_once)
     try:
         with pytest.raises(torch.OutOfMemoryError) as failed:
-            shared_pass_grads(pool, {"m0": data["m0"] * 2, "m1": data["m1"]}, CHECKPOINTED)
-        got = shared_pass_grads(pool, data, CHECKPOINTED)
+            shared_pass_grads(pool, {"m0": data["m0"] * 2, "m1": data["m1"]}, plan)
+        got = shared_pass_grads(pool, data, plan)
     finally:
         handle.remove()
     assert failed.value is not None  # held until here, as a handler holds it
