@@ -950,14 +950,19 @@ def pass_outputs(
     return losses, grads
 
 
-@pytest.mark.parametrize("plan", [UNPACKED, PACKED, CHECKPOINTED], ids=["rows", "packed", "ckpt"])
+@pytest.mark.parametrize(
+    "plan",
+    [UNPACKED, PACKED, CHECKPOINTED, SELECTIVE],
+    ids=["rows", "packed", "ckpt", "selective"],
+)
 def test_grouped_lora_gives_the_row_blocks_losses_and_gradients(
     pool: AdapterPool, plan: PassPlan
 ) -> None:
     """Ops of three adapters out of slot order, one adapter's ops apart (m2, m0, m1, m2), in
     one grouped pass: every op's loss and every adapter's gradients are the row blocks'
-    (fp32, 1e-5), packed, unpacked and with layers recomputed; the ops' outputs come back in
-    their order."""
+    (fp32, 1e-5), packed, unpacked and with layers recomputed (whole or selectively, the
+    logits in many chunks: each layer's stacks cast once a pass serve every call of it); the
+    ops' outputs come back in their order."""
     adapters = pool.adapters
     names = ["m2", "m0", "m1", "m2"]
     ops = [
