@@ -694,12 +694,13 @@ def counted(args: argparse.Namespace) -> Report:
         return count_kernels(pass_)
 
     # The last form again with logits in chunks of 2^30 elements: with 8x the tokens a pass
-    # makes 8x the 2^26-element chunks (QT_LOGIT_CHUNK_ELEMENTS), each a dozen kernels.
-    forms = [(f, 1 << 26) for f in FORM_NAMES] + [("grouped", WIDE_LOGIT_CHUNKS)]
+    # makes 8x the default's chunks (QT_LOGIT_CHUNK_ELEMENTS), each a few dozen kernels.
+    default = PassPlan().logit_chunk_elements
+    forms = [(f, default) for f in FORM_NAMES] + [("grouped", WIDE_LOGIT_CHUNKS)]
     for form, chunk in forms:
         plan = PassPlan(activation_checkpointing="off", lora_form=form, logit_chunk_elements=chunk)
         one = count(1, plan)
-        name = FORM_NAMES[form] + (", 2^30-element logit chunks" if chunk > 1 << 26 else "")
+        name = FORM_NAMES[form] + (", 2^30-element logit chunks" if chunk > default else "")
         for n in (1, COUNT_ADAPTERS):
             got = one if n == 1 else count(n, plan)
             rows.append((

@@ -130,12 +130,12 @@ class EngineConfig(LimitsConfig):
         "checkpointing turns on where no memory budget is known (the CPU).",
     )
     logit_chunk_elements: int = Field(
-        default=1 << 26,
+        default=1 << 27,
         ge=1,
         description="Logits (rows x positions x vocabulary) a training pass computes at once "
-        "on its way to each target's log-probability: 2^26 fp32 elements are 256 MiB, 523 "
+        "on its way to each target's log-probability: 2^27 fp32 elements are 512 MiB, 1,046 "
         "positions of a 128k vocabulary. Smaller bounds the pass's peak memory; larger takes "
-        "fewer unembedding calls.",
+        "fewer unembedding calls (each chunk a few dozen kernels).",
     )
     pack_above_padding: float = Field(
         default=0.5,

@@ -79,9 +79,13 @@ class PassPlan:
     # Bytes a pass may borrow on top of activation_budget now (memory.spare_activation_bytes:
     # the sampler's share while it lies free); None: nothing is borrowed.
     spare_activations: Callable[[], int] | None = None
-    # (rows x positions x vocab) logits computed at once: 2^26 fp32 elements are 256 MiB,
-    # 523 positions of a 128k vocabulary, the whole batch of a small-vocabulary model.
-    logit_chunk_elements: int = 1 << 26
+    # (rows x positions x vocab) logits computed at once: 2^27 fp32 elements are 512 MiB,
+    # 1,046 positions of a 128k vocabulary, the whole batch of a small-vocabulary model. A
+    # chunk's backward holds ~20 bytes an element (bf16 and fp32 logits, log-softmax, their
+    # gradients): 2.5 GiB, within the headroom the budgets keep (memory.HEADROOM). Half as
+    # many chunks as 2^26 took: 8 adapters' ops of 4 x 512 tokens at the 8B shape launch
+    # 1.09x one op's kernels, 1.16x at 2^26 (bench.mfu --count).
+    logit_chunk_elements: int = 1 << 27
     # How a pass of several adapters' ops runs their LoRA: "blocks" (row_blocks.row_blocks:
     # two matmuls an adapter and layer), "stacked" (row_blocks.stacked_blocks: two matmuls a
     # layer over every adapter's columns) or "grouped" (grouped_lora.py: two grouped matmuls
