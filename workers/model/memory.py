@@ -26,6 +26,12 @@ SAMPLE_SHARE = 0.3
 # are held to the cache budget by admission (cache_budget.py), so fewer of them run at once.
 SAMPLE_CONTEXT = 4_096
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+# Bytes an element of a logits chunk holds while its backward runs (model_pass.py): its bf16
+# and fp32 logits, the log-softmax and their gradients. The activation budget does not count
+# the chunk: it lives in the headroom beside it (logit_chunk_cap).
+LOGIT_BYTES_PER_ELEMENT = 20
+# The smallest chunk the cap leaves: 2^24 elements, 131 positions of a 128k vocabulary.
+FEWEST_LOGIT_ELEMENTS = 1 << 24
 
 # QT_LORA_MATMUL_DTYPE: auto runs LoRA's matmuls in the base's dtype, fp32 in the adapters'.
 LoraMatmuls = Literal["auto", "fp32"]
@@ -292,6 +298,13 @@ def budgets_for(
         sample_cache_bytes=int(usable * SAMPLE_SHARE),
         headroom_bytes=int(free_bytes * HEADROOM),
     )
+
+
+def logit_chunk_cap(budgets: Budgets) -> int:
+    """The most logits elements a chunk may hold on a device with these budgets: what its
+    headroom holds at LOGIT_BYTES_PER_ELEMENT (an 80 GiB card at the 8B shape: ~12 GiB, far
+    above the default; a 24 GiB one: ~1.6 GiB, about 2^26), at least FEWEST_LOGIT_ELEMENTS."""
+    return max(FEWEST_LOGIT_ELEMENTS, budgets.headroom_bytes // LOGIT_BYTES_PER_ELEMENT)
 
 
 def memory_cap(gib: float | None) -> int | None:

@@ -50,6 +50,7 @@ from queue_tinker.workers.model.memory import (
     Recomputation,
     cheapest_recomputation,
     layer_bytes,
+    logit_chunk_cap,
     spare_activation_bytes,
 )
 from queue_tinker.workers.model.vision_language import RowImages, hidden_states
@@ -184,7 +185,8 @@ def budgeted(
     CUDA, where the plan stays as it is): auto checkpointing then checkpoints the fewest layers
     that fit each pass, borrowing the sampler's share while it lies free on `device` (None:
     never; a worker group's ranks must plan alike, and what lies free differs between them),
-    within `cap` bytes of it (QT_DEVICE_MEMORY_GIB). `lora_copy`: memory.lora_copy_bytes."""
+    within `cap` bytes of it (QT_DEVICE_MEMORY_GIB); and the logits' chunks are at most what
+    the headroom holds (memory.logit_chunk_cap). `lora_copy`: memory.lora_copy_bytes."""
     if budgets is None:
         return plan
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
@@ -194,6 +196,7 @@ def budgeted(
         activation_budget=budgets.train_activation_bytes,
         layer_bytes=layer_bytes(config, dtype_bytes, lora_copy=lora_copy),
         spare_activations=spare,
+        logit_chunk_elements=min(plan.logit_chunk_elements, logit_chunk_cap(budgets)),
     )
 
 

@@ -215,3 +215,28 @@ def test_a_low_rank_column_costs_a_token_one_value_per_lora_linear_in_loras_dtyp
     assert per_layer.with_columns(24).kept == per_layer.kept + 24 * 14
     assert per_layer.with_columns(24).checkpointed == per_layer.checkpointed
     assert per_layer.with_columns(24).selective == per_layer.selective + 24 * 14
+
+
+def test_a_logits_chunk_is_held_to_what_the_headroom_holds() -> None:
+    """A chunk's backward holds ~20 bytes an element beside the activation budget, in the
+    headroom: at the 8B shape an 80 GiB card (62 GiB free after the weights) leaves room for
+    far more than the default 2^27 elements, a 24 GiB card (8 GiB free) for about 2^26, and a
+    budget too small for anything still gets the fewest; a plan with budgets takes the smaller
+    of its own and the cap."""
+    from queue_tinker.workers.model.memory import FEWEST_LOGIT_ELEMENTS, logit_chunk_cap
+    from queue_tinker.workers.training.model_pass import PassPlan, budgeted
+
+    roomy = budgets_for(LLAMA_8B, 62 * GIB, 2, checkpointing=True, lora_copy=0)
+    tight = budgets_for(LLAMA_8B, 8 * GIB, 2, checkpointing=True, lora_copy=0)
+    default = PassPlan().logit_chunk_elements
+    assert default == 1 << 27
+    assert logit_chunk_cap(roomy) == int(62 * GIB * 0.2) // 20 > default
+    assert 1 << 26 < logit_chunk_cap(tight) == int(8 * GIB * 0.2) // 20 < default
+    tiny = budgets_for(LLAMA_8B, 1 << 20, 2, checkpointing=True, lora_copy=0)
+    assert logit_chunk_cap(tiny) == FEWEST_LOGIT_ELEMENTS
+    plans = [budgeted(PassPlan(), b, LLAMA_8B, torch.bfloat16, lora_copy=0) for b in (roomy, tight)]
+    assert [p.logit_chunk_elements for p in plans] == [default, logit_chunk_cap(tight)]
+    assert (
+        budgeted(PassPlan(), None, LLAMA_8B, torch.bfloat16, lora_copy=0).logit_chunk_elements
+        == default
+    )
