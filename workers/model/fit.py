@@ -58,6 +58,7 @@ from queue_tinker.workers.model.memory import (
     layer_bytes,
     lora_copy_bytes,
     pass_bytes_per_token,
+    set_recomputation,
 )
 from queue_tinker.workers.model.vision_language import is_vl
 
@@ -477,13 +478,9 @@ class _Planner:
         demand's tokens: under auto, the fewest whole layers, then selective ones, within the
         activation budget it derives from the memory the weights leave."""
         layers = self.shape.layers
-        mode = demand.settings.activation_checkpointing
-        if mode == "off":
-            return Recomputation()
-        if mode == "on":
-            return Recomputation(whole=layers)
-        if mode == "selective":
-            return Recomputation(selective=layers)
+        fixed = set_recomputation(demand.settings.activation_checkpointing, layers)
+        if fixed is not None:
+            return fixed
         lora_copy = self.lora_copy(demand.settings)
         budget = budgets_for(
             rank_config, left, self.dtype_bytes, checkpointing=True, lora_copy=lora_copy
@@ -526,10 +523,8 @@ class _Planner:
         """The most tokens a pass may hold at the least activation memory a token (every layer
         checkpointed, selectively under selective, none under off): the budget, and the datums, cut
         to it."""
-        fewest = {
-            "off": Recomputation(),
-            "selective": Recomputation(selective=plan.layers),
-        }.get(plan.demand.settings.activation_checkpointing, Recomputation(whole=plan.layers))
+        fixed = set_recomputation(plan.demand.settings.activation_checkpointing, plan.layers)
+        fewest = Recomputation(whole=plan.layers) if fixed is None else fixed
         per_token = self.pass_bytes(self.rank_config(plan.ranks), fewest, plan.demand.settings)
         most = _room(plan, plan.activations) // per_token
         return self.cut(plan.demand.settings, "train_batch_tokens", most, 1)

@@ -163,6 +163,18 @@ def mlp_width(config: PretrainedConfig) -> int:
     return int(getattr(config, "intermediate_size", 4 * int(config.hidden_size)))
 
 
+def set_recomputation(mode: Checkpointing, layers: int) -> Recomputation | None:
+    """What a setting other than auto fixes for every backward pass of `layers` decoder layers
+    (off: none, on: every layer whole, selective: every layer selectively); None under auto,
+    which plans each pass."""
+    fixed = {
+        "off": Recomputation(),
+        "on": Recomputation(whole=layers),
+        "selective": Recomputation(selective=layers),
+    }
+    return fixed.get(mode)
+
+
 def pass_bytes_per_token(layers: int, recomputation: Recomputation, per_layer: LayerBytes) -> int:
     """Activation bytes one token of a backward pass keeps at its peak with `recomputation`
     of its `layers` decoder layers: the whole layers' inputs, plus the larger of what the

@@ -51,6 +51,7 @@ from queue_tinker.workers.model.memory import (
     cheapest_recomputation,
     layer_bytes,
     logit_chunk_cap,
+    set_recomputation,
     spare_activation_bytes,
 )
 from queue_tinker.workers.model.vision_language import RowImages, hidden_states
@@ -110,13 +111,11 @@ class PassPlan:
         """Which of a pass's `layers` decoder layers recompute in backward: the first ones,
         whose recomputation comes after the later layers' intermediates are freed (the whole
         ones first, then the selective ones)."""
-        mode = self.activation_checkpointing
-        if not backward or mode == "off":
+        if not backward:
             return Recomputation()
-        if mode == "on":
-            return Recomputation(whole=layers)
-        if mode == "selective":
-            return Recomputation(selective=layers)
+        fixed = set_recomputation(self.activation_checkpointing, layers)
+        if fixed is not None:
+            return fixed
         if self.activation_budget is not None and self.layer_bytes is not None:
             borrowed = self.spare_activations() if self.spare_activations is not None else 0
             per_layer = self.layer_bytes.with_columns(self.extra_lora_columns)

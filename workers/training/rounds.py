@@ -283,10 +283,10 @@ class TrainingRounds:
         if len(batches) > 1:
             fixed = replace(self.plan, spare_activations=None)
             recomputes = recomputes_under(fixed, device, layers, lora)
-            whole = recomputes(padded_tokens(ops), True, _ranks(ops))
+            recomputed = recomputes(padded_tokens(ops), True, _ranks(ops))
             said = (
                 f"a pass of {sum(len(op.data) for op in ops)} datums ({padded_tokens(ops)} "
-                f"padded tokens) that would have {whole.described(layers)} runs as "
+                f"padded tokens) that would have {recomputed.described(layers)} runs as "
                 f"{len(batches)} micro-batches recomputing none"
             )
             # At info when the split changes (a training loop's steps split alike).
