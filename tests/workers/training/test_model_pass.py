@@ -511,6 +511,35 @@ def test_selective_layers_inside_a_cross_adapter_pass(pool: AdapterPool, form: L
         assert_same(got[name], expected[name])
 
 
+def one_adapter(
+    base: str, models_dir: Path, lora: LoraConfig, seed: int
+) -> tuple[AdapterPool, Adapter]:
+    """`base` with one active adapter whose B is drawn non-zero (every update counts)."""
+    model = load_base_model(base, "cpu", models_dir)
+    model.name_or_path = base
+    pool = AdapterPool(model, base, max_resident=2)
+    adapter = pool.add("m", "t", lora, seed=seed)
+    with torch.no_grad():
+        for key, param in adapter.params.items():
+            if "lora_B" in key:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+    pool.activate(adapter)
+    return pool, adapter
+
+
+def backward_pass(
+    pool: AdapterPool, adapter: Adapter, data: list[Datum], mode: Checkpointing
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A backward pass's logprobs and the adapter's LoRA gradients under `mode` (cleared
+    after)."""
+    logprobs, _ = forward_kept(pool.model, data, PassPlan(activation_checkpointing=mode))
+    logprobs.sum().backward()
+    grads = {k: p.grad.clone() for k, p in adapter.params.items() if p.grad is not None}
+    for param in adapter.params.values():
+        param.grad = None
+    return logprobs.detach(), grads
+
+
 @pytest.mark.parametrize(
     "base", ["queue-tinker/tiny-moe", "queue-tinker/tiny-gpt-oss", "queue-tinker/tiny-qwen3.5"]
 )
@@ -518,26 +547,11 @@ def test_selective_layers_equal_plain_ones_in_other_families(models_dir: Path, b
     """Routed experts (their grouped GEMMs kept; gpt-oss adds its experts' bias into theirs in
     place, so those are remade) and linear attention: the logprobs and LoRA gradients of a pass
     of selective layers are the plain pass's."""
-    model = load_base_model(base, "cpu", models_dir)
-    model.name_or_path = base
-    pool = AdapterPool(model, base, max_resident=2)
-    adapter = pool.add("m", "t", LoraConfig(rank=4), seed=0)
-    with torch.no_grad():
-        for key, param in adapter.params.items():
-            if "lora_B" in key:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
-    pool.activate(adapter)
+    pool, adapter = one_adapter(base, models_dir, LoraConfig(rank=4), seed=0)
     data = [datum(t, weights=False) for t in TEXTS]
-    results = []
-    modes: tuple[Checkpointing, ...] = ("off", "selective")
-    for mode in modes:
-        plan = PassPlan(activation_checkpointing=mode)
-        logprobs, _ = forward_kept(pool.model, data, plan)
-        logprobs.sum().backward()
-        results.append((logprobs.detach(), {k: p.grad.clone() for k, p in adapter.params.items()}))
-        for param in adapter.params.values():
-            param.grad = None
-    (plain, plain_grads), (selective, selective_grads) = results
+    plain, plain_grads = backward_pass(pool, adapter, data, "off")
+    selective, selective_grads = backward_pass(pool, adapter, data, "selective")
+    assert selective_grads.keys() == plain_grads.keys() == adapter.params.keys()
     torch.testing.assert_close(selective, plain, **CLOSE)
     for key, grad in plain_grads.items():
         torch.testing.assert_close(selective_grads[key], grad, **CLOSE, msg=key)
@@ -556,14 +570,7 @@ def test_whole_and_selective_layers_in_one_pass_equal_plain_ones(
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "three-layers")
     base = str(tmp_path / "three-layers")
-    model = load_base_model(base, "cpu", models_dir)
-    pool = AdapterPool(model, base, max_resident=2)
-    adapter = pool.add("m", "t", LoraConfig(rank=4), seed=1)
-    with torch.no_grad():
-        for key, param in adapter.params.items():
-            if "lora_B" in key:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    pool.activate(adapter)
+    pool, adapter = one_adapter(base, models_dir, LoraConfig(rank=4), seed=1)
     data = [datum(t) for t in TEXTS]
     tokens = len(data) * max(d.model_input.length for d in data)
     # Plain 300 a token; every layer selective 220; one whole, one selective 161.
@@ -610,29 +617,14 @@ def test_selective_layers_give_an_in_place_rotary_kernel_copies(models_dir: Path
     torch cannot see it (liger's) left the kept q and k rotated, and the recomputation rotated
     them again: the LoRA gradients came out wrong. Given copies (fused_kernels.rotating_copies,
     which the worker wraps liger's RoPE in), they equal the plain pass's."""
-    model = load_base_model(BASE, "cpu", models_dir)
-    model.name_or_path = BASE
-    pool = AdapterPool(model, BASE, max_resident=2)
-    adapter = pool.add("m", "t", LoraConfig(rank=4, train_attn=False), seed=0)
-    with torch.no_grad():
-        for key, param in adapter.params.items():
-            if "lora_B" in key:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
-    pool.activate(adapter)
+    pool, adapter = one_adapter(BASE, models_dir, LoraConfig(rank=4, train_attn=False), seed=0)
     data = [datum(t, weights=False) for t in TEXTS]
-
-    def grads(mode: Checkpointing) -> dict[str, torch.Tensor]:
-        logprobs, _ = forward_kept(pool.model, data, PassPlan(activation_checkpointing=mode))
-        logprobs.sum().backward()
-        out = {k: p.grad.clone() for k, p in adapter.params.items() if p.grad is not None}
-        for param in adapter.params.values():
-            param.grad = None
-        return out
 
     def error(rope: Any) -> float:
         modeling_llama.apply_rotary_pos_emb = rope
         try:
-            plain, selective = grads("off"), grads("selective")
+            _, plain = backward_pass(pool, adapter, data, "off")
+            _, selective = backward_pass(pool, adapter, data, "selective")
         finally:
             modeling_llama.apply_rotary_pos_emb = EAGER_ROPE
         assert plain.keys() == selective.keys() and plain
