@@ -21,10 +21,11 @@ with real strides only (not an expanded one, as `y.sum()` would send): a LoRA up
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import torch
+
+from queue_tinker.workers.kernels.launch import kernel
 
 Backend = Literal["torch", "triton"]
 
@@ -133,7 +134,7 @@ def _launch_segment_matmul(
     # kernel avoids, so the bound is every row (programs past their group's end return).
     rows = x.shape[0]
     grid = (groups, -(-rows // block_m), -(-n // block_n))
-    _kernel("segment_matmul", x)[grid](
+    kernel("segment_gemm", "segment_matmul", x)[grid](
         x, w, ends, out, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
@@ -149,37 +150,9 @@ def _launch_segment_outer(
         return
     block_t, block_n, block_k = 32, _blocks(n), _blocks(k)
     grid = (groups, -(-n // block_n), -(-k // block_k))
-    _kernel("segment_outer", x)[grid](
+    kernel("segment_gemm", "segment_outer", x)[grid](
         grad, x, ends, out, n, k,
         grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
     )  # fmt: skip
-
-
-_KERNELS: dict[tuple[str, bool], Any] = {}
-
-
-def _kernel(name: str, x: torch.Tensor) -> Any:
-    """The Triton kernel `name`, compiled for CUDA tensors, interpreted for CPU tensors
-    (TRITON_INTERPRET=1, read at the call, so a test may set it after import)."""
-    interpreted = x.device.type == "cpu"
-    if interpreted and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "the Triton segment GEMM runs on CUDA, or on the CPU under TRITON_INTERPRET=1"
-        )
-    key = (name, interpreted)
-    if key not in _KERNELS:
-        _KERNELS[key] = _build(name, interpreted)
-    return _KERNELS[key]
-
-
-def _build(name: str, interpreted: bool) -> Any:
-    # Imported here: CUDA workers and the tests have Triton, torch's CPU wheel does not.
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from queue_tinker.workers.kernels import segment_gemm
-
-    source = getattr(segment_gemm, f"{name}_kernel")
-    return InterpretedFunction(source) if interpreted else triton.jit(source)
