@@ -2,17 +2,13 @@
 selecting its own by index, so a step of rows on many adapters is one fixed sequence of kernels
 (what a captured CUDA graph needs) with no per-adapter loop.
 
-Per LoRA linear, every slot's A is one column block of `stacked_a` (in x slots*rank) and its B
-(scaling folded in) one row block of `stacked_b` (slots*rank x out). A row's update is
-((x @ stacked_a) * its columns' mask) @ stacked_b: the columns of other slots are zeroed, so it
-gets lora_B(lora_A(x)) * scaling of its own adapter and nothing of the others; a row on the base
-model (slot -1) selects no column. An adapter of a smaller rank, or one that does not adapt a
-layer, leaves its unused columns zero.
-
-The cost over the base model's step is reading every slot's A and B once per step (at 8B, rank
-32 on every linear, ~170 MB an adapter in bf16 against 16 GB of base weights) and two thin
-matmuls per linear, whatever mix of adapters the rows are on; row_blocks.py's per-block
-updates cost a slice, two matmuls and a copy per block and layer instead, launched from Python.
+The stacks take the grouped kernels' layout (workers/kernels: (slots, out, in), as the training
+pass's grouped LoRA): per group of LoRA linears that read one input (q/k/v, gate/up: the fused
+step's GEMMs; any other linear alone) one A stack (slots, linears * rank, in) and one B stack
+(slots, the linears' outputs, rank, scaling folded in). A row's update is two kernels a group,
+whatever mix of adapters the rows are on (decode_ops.lora_shrink / lora_expand_: BGMV), each
+reading only the slots rows use; a row on the base model (slot -1) reads none. An adapter of a
+smaller rank, or one that does not adapt a linear, leaves its part zero.
 
 The stacks are copies: adapter names stand for immutable weights (a checkpoint's), so a slot is
 filled once, when its adapter first runs, and kept until its place is needed. The buffers keep
@@ -30,6 +26,7 @@ from weakref import ref
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 
+from queue_tinker.workers.kernels.decode_ops import lora_expand_, lora_shrink
 from queue_tinker.workers.model.lora.row_blocks import LoraLayer, forwards_replaced, plain_lora
 
 BASE_SLOT = -1  # a row on the base model: no slot, no update
@@ -42,30 +39,58 @@ def slots_support(layers: Sequence[LoraLayer]) -> bool:
     return all(plain_lora(layer) for layer in layers)
 
 
+# Linears that read one input and that the fused step computes in one GEMM, in its order.
+SIBLINGS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
+            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1)}  # fmt: skip
+
+
+def lora_groups(model: torch.nn.Module, layers: Sequence[LoraLinear]) -> list[list[LoraLinear]]:
+    """The LoRA linears in groups of siblings (SIBLINGS, under one parent), the others alone."""
+    wanted = {id(layer) for layer in layers}
+    groups: dict[tuple[str, str], list[tuple[int, LoraLinear]]] = {}
+    for name, module in model.named_modules():
+        if id(module) not in wanted:
+            continue
+        parent, _, short = name.rpartition(".")
+        group, order = SIBLINGS.get(short, (short, 0))
+        groups.setdefault((parent, group), []).append((order, module))
+    return [
+        [layer for _, layer in sorted(members, key=lambda m: m[0])] for members in groups.values()
+    ]
+
+
 class AdapterSlots:
-    """Every LoRA linear's A and B for up to `count` adapters, stacked; which adapter holds
-    which slot."""
+    """Every LoRA group's A and B stacks for up to `count` adapters; which adapter holds which
+    slot."""
 
     def __init__(
-        self, layers: Sequence[LoraLinear], count: int, rank: int, dtype: torch.dtype
+        self, groups: Sequence[Sequence[LoraLinear]], count: int, rank: int, dtype: torch.dtype
     ) -> None:
-        self.layers = list(layers)
+        self.groups = [list(group) for group in groups]
+        self.layers = [layer for group in self.groups for layer in group]
         self.count, self.rank, self.dtype = count, rank, dtype
         self.names: list[str | None] = [None] * count  # the adapter in each slot
         # The weights each slot was filled from, known by one of its tensors (weakly: an evicted
         # adapter's go); an adapter loaded again has new tensors.
         self._weights: list[ref[torch.Tensor] | None] = [None] * count
-        self.stacked_a: list[torch.Tensor] = []
-        self.stacked_b: list[torch.Tensor] = []
-        for layer in self.layers:
-            weight: torch.Tensor = layer.base_layer.weight  # type: ignore[assignment]
-            outputs, inputs = weight.shape
-            width = count * rank
-            self.stacked_a.append(torch.zeros(inputs, width, dtype=dtype, device=weight.device))
-            self.stacked_b.append(torch.zeros(width, outputs, dtype=dtype, device=weight.device))
-        device = self.stacked_a[0].device if self.stacked_a else torch.device("cpu")
-        # The slot each stacked column belongs to, to build a row's column mask from its slot.
-        self.column_slot = torch.arange(count * rank, device=device) // rank
+        self.a: list[torch.Tensor] = []  # per group (count, linears * rank, in)
+        self.b: list[torch.Tensor] = []  # per group (count, outputs, rank)
+        self.ends: list[list[int]] = []  # per group: each linear's output end but the last's
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: its A, B parts
+        self.group_of: dict[int, int] = {}  # a group's first layer (by id) -> its index
+        for index, group in enumerate(self.groups):
+            weights: list[torch.Tensor] = [layer.base_layer.weight for layer in group]  # type: ignore[misc]
+            outputs = [w.shape[0] for w in weights]
+            inputs, device = weights[0].shape[1], weights[0].device
+            a = torch.zeros(count, len(group) * rank, inputs, dtype=dtype, device=device)
+            b = torch.zeros(count, sum(outputs), rank, dtype=dtype, device=device)
+            ends = [sum(outputs[: i + 1]) for i in range(len(group))]
+            self.a.append(a)
+            self.b.append(b)
+            self.ends.append(ends[:-1])
+            self.group_of[id(group[0])] = index
+            for i, (start, end) in enumerate(zip([0, *ends], ends, strict=False)):
+                self.views.append((a[:, i * rank : (i + 1) * rank], b[:, start:end]))
 
     @staticmethod
     def widest_rank(layers: Sequence[LoraLinear], names: Iterable[str]) -> int:
@@ -120,39 +145,36 @@ class AdapterSlots:
         token = self._token(name)
         if token is None:  # else its rows would get the base model's tokens, refilled each step
             raise ValueError(f"adapter {name!r} adapts none of the model's LoRA layers")
-        columns = slice(slot * self.rank, (slot + 1) * self.rank)
-        for layer, a, b in zip(self.layers, self.stacked_a, self.stacked_b, strict=True):
-            a[:, columns].zero_()
-            b[columns].zero_()
+        for a, b in zip(self.a, self.b, strict=True):
+            a[slot].zero_()
+            b[slot].zero_()
+        for layer, (a, b) in zip(self.layers, self.views, strict=True):
             if name not in layer.lora_A:
                 continue
             rank = layer.r[name]
             lora_a: torch.Tensor = layer.lora_A[name].weight  # type: ignore[assignment]
             lora_b: torch.Tensor = layer.lora_B[name].weight  # type: ignore[assignment]
-            a[:, columns][:, :rank].copy_(lora_a.t())
-            b[columns][:rank].copy_(lora_b.t() * layer.scaling[name])
+            a[slot, :rank].copy_(lora_a)
+            b[slot, :, :rank].copy_(lora_b * layer.scaling[name])
         self.names[slot] = name
         self._weights[slot] = ref(token)
-
-    def column_mask(self, row_slot: torch.Tensor) -> torch.Tensor:
-        """(rows, slots*rank): 1 at the columns of each row's slot, 0 elsewhere."""
-        return (self.column_slot[None, :] == row_slot[:, None]).to(self.dtype)
 
 
 @contextmanager
 def slotted_lora(slots: AdapterSlots, row_slot: torch.Tensor) -> Iterator[None]:
     """Meanwhile every stacked LoRA layer computes its base layer plus each row's own
     adapter's update, the row's adapter given by `row_slot` (rows,), dim 0 of the input."""
-    mask = slots.column_mask(row_slot)
 
     def forward(
         a: torch.Tensor, b: torch.Tensor, layer: LoraLinear, x: torch.Tensor, *args: Any, **kw: Any
     ) -> torch.Tensor:
         result = layer.base_layer(x, *args, **kw)
-        low_rank = torch.matmul(x.to(a.dtype), a)  # (rows, tokens, slots*rank)
-        update = torch.matmul(low_rank * mask[:, None, :], b)
-        return (result + update).to(result.dtype)
+        tokens = x[0].numel() // x.shape[-1]  # a decode step's 1; a whole prompt's in tests
+        token_slot = row_slot if tokens == 1 else row_slot.repeat_interleave(tokens)
+        low = lora_shrink(x.reshape(-1, x.shape[-1]), a, token_slot)
+        lora_expand_(result.view(-1, result.shape[-1]), low, b, token_slot, slots.rank, [])
+        return result
 
-    stacks = zip(slots.layers, slots.stacked_a, slots.stacked_b, strict=True)
-    with forwards_replaced((layer, partial(forward, a, b, layer)) for layer, a, b in stacks):
+    stacks = zip(slots.layers, slots.views, strict=True)
+    with forwards_replaced((layer, partial(forward, a, b, layer)) for layer, (a, b) in stacks):
         yield

@@ -1,6 +1,7 @@
-"""The decode step's KV cache in fixed slots: per attention layer one (slots, heads, columns,
+"""The decode step's KV cache in fixed slots: per attention layer one (slots, columns, heads,
 dim) buffer of keys and one of values, a row in flight owning one slot for its life and its
-token at position p in column p.
+token at position p in column p. transformers' layers see them head-major (a transposed view);
+the fused step (families/llama.py) sees them as pages of PAGE_SIZE columns, slot s's in order.
 
 A decode step writes each row's new key / value in place, at the row's own column (one scatter
 per layer), and attends over the first `rows` slots' first `columns` columns under a mask of
@@ -24,8 +25,9 @@ from transformers.cache_utils import DynamicLayer
 from queue_tinker.workers.sampling.decode_rows import growing_layers
 from queue_tinker.workers.sampling.host_reads import to_device
 
-# Columns are allocated in multiples of this, so that a few tokens more do not re-make buffers.
-COLUMN_QUANTUM = 64
+# Columns are allocated in multiples of this, so that a few tokens more do not re-make buffers:
+# a page of the fused step's paged attention (a slot is its pages, in order).
+COLUMN_QUANTUM = PAGE_SIZE = 64
 
 
 class SlotLayer(DynamicLayer):
@@ -37,7 +39,7 @@ class SlotLayer(DynamicLayer):
         super().__init__()
         self.store, self.index = store, index
         self.is_initialized = True
-        self.keys, self.values = store.keys[index], store.values[index]
+        self.keys, self.values = store.head_major(index)
         self.dtype, self.device = self.keys.dtype, self.keys.device
 
     def update(
@@ -45,7 +47,7 @@ class SlotLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         store = self.store
         rows, columns = store.rows, store.columns
-        keys, values = store.keys[self.index], store.values[self.index]
+        keys, values = store.head_major(self.index)
         at = store.write_at[:rows].view(rows, 1, 1, 1).expand_as(key_states)
         keys[:rows].scatter_(2, at, key_states)
         values[:rows].scatter_(2, at, value_states)
@@ -87,7 +89,20 @@ class KvSlots:
     @property
     def capacity(self) -> int:
         """Columns a slot holds."""
-        return self.keys[0].shape[2] if self.keys else 0
+        return self.keys[0].shape[1] if self.keys else 0
+
+    def head_major(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values as transformers' caches hold them: (slots, heads, columns,
+        dim), views of the (slots, columns, heads, dim) buffers."""
+        return self.keys[layer].transpose(1, 2), self.values[layer].transpose(1, 2)
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values as pages (pages, PAGE_SIZE, heads, dim), slot s's pages
+        s * capacity / PAGE_SIZE on (`table`): views of the same buffers."""
+        keys, values = self.keys[layer], self.values[layer]
+        return keys.view(-1, PAGE_SIZE, *keys.shape[2:]), values.view(
+            -1, PAGE_SIZE, *values.shape[2:]
+        )
 
     def cache(self) -> DynamicCache:
         """A cache whose layers read and write these slots (made per step: cheap)."""
@@ -108,8 +123,8 @@ class KvSlots:
         for (keys, values), (old_keys, old_values) in zip(
             zip(self.keys, self.values, strict=True), old, strict=True
         ):
-            keys[:live, :, :used].copy_(old_keys[:live, :, :used])
-            values[:live, :, :used].copy_(old_values[:live, :, :used])
+            keys[:live, :used].copy_(old_keys[:live, :used])
+            values[:live, :used].copy_(old_values[:live, :used])
         return True
 
     @torch.inference_mode()  # the buffers are inference tensors; a cancel comes between steps
@@ -126,8 +141,8 @@ class KvSlots:
         source = (torch.arange(widest, device=self.device)[None, :] + shift[:, None]).clamp(
             max=width - 1
         )
-        for layer, keys, values in zip(layers, self.keys, self.values, strict=True):
-            for buffer, states in zip((keys, values), layer.states(), strict=True):
+        for number, layer in enumerate(layers):
+            for buffer, states in zip(self.head_major(number), layer.states(), strict=True):
                 heads, dim = states.shape[1], states.shape[3]
                 index = source.view(rows, 1, widest, 1).expand(rows, heads, widest, dim)
                 buffer[at : at + rows, :, :widest].copy_(states.gather(2, index))
@@ -145,8 +160,13 @@ class KvSlots:
 
     def _allocate(self, slots: int, columns: int) -> None:
         def buffer(heads: int, dim: int) -> torch.Tensor:
-            return torch.zeros((slots, heads, columns, dim), dtype=self.dtype, device=self.device)
+            return torch.zeros((slots, columns, heads, dim), dtype=self.dtype, device=self.device)
 
         self.keys = [buffer(heads, dim) for heads, dim, _ in self.layout]
         self.values = [buffer(heads, dim) for heads, _, dim in self.layout]
         self.write_at = torch.zeros(slots, dtype=torch.long, device=self.device)
+        # Slot s's pages in order (what a row's page table is while rows own whole slots).
+        per_slot = columns // PAGE_SIZE
+        self.table = torch.arange(slots * per_slot, dtype=torch.int32, device=self.device).view(
+            slots, per_slot
+        )

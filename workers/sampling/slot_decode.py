@@ -38,6 +38,7 @@ from queue_tinker.workers.model.lora.row_blocks import LoraLayer
 from queue_tinker.workers.sampling.adapter_slots import (
     BASE_SLOT,
     AdapterSlots,
+    lora_groups,
     slots_support,
     slotted_lora,
 )
@@ -283,7 +284,8 @@ class SlotDecoder:
         count = max(MIN_ADAPTER_SLOTS, bucket(len(set(wanted))))
         rank = max(AdapterSlots.widest_rank(linears, wanted), 1)
         dtype = lora_compute or linears[0].lora_A[next(iter(linears[0].lora_A))].weight.dtype
-        self.adapters = AdapterSlots(linears, count, rank, dtype)  # type: ignore[arg-type]
+        groups = lora_groups(model, linears)
+        self.adapters = AdapterSlots(groups, count, rank, dtype)  # type: ignore[arg-type]
         self.graphs.clear()
 
     def _step(self, model: torch.nn.Module, size: int, columns: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from queue_tinker.workers.sampling import decode_loop as sampler
 from queue_tinker.workers.sampling.adapter_slots import (
     BASE_SLOT,
     AdapterSlots,
+    lora_groups,
     slots_support,
     slotted_lora,
 )
@@ -212,7 +213,8 @@ def test_slotted_lora_gives_each_row_its_own_adapter(setup: Setup) -> None:
     assert slots_support(layers)
     names = ["a1", None, "a2", "sharp", "a1"]
     adapters = [name for name in names if name is not None]
-    slots = AdapterSlots(layers, 4, AdapterSlots.widest_rank(layers, adapters), torch.float32)  # type: ignore[arg-type]
+    rank = AdapterSlots.widest_rank(layers, adapters)  # type: ignore[arg-type]
+    slots = AdapterSlots(lora_groups(setup.model, layers), 4, rank, torch.float32)  # type: ignore[arg-type]
     row_slot = torch.tensor(slots.slots_of(names))
     assert row_slot[1] == BASE_SLOT and row_slot[0] == row_slot[4]
     ids = torch.tensor([PROMPTS[1][:5]] * len(names))
@@ -228,14 +230,14 @@ def test_a_slot_is_refilled_when_its_adapter_is_loaded_again(setup: Setup) -> No
     a newcomer takes the slot of an adapter no row names."""
     model = copy.deepcopy(setup.model)
     layers = lora_layers_of(model)
-    slots = AdapterSlots(layers, 2, 8, torch.float32)  # type: ignore[arg-type]
+    slots = AdapterSlots(lora_groups(model, layers), 2, 8, torch.float32)  # type: ignore[arg-type]
     assert slots.slots_of(["a1", "a2"]) == [0, 1]
     first = layers[0]
     fresh = torch.nn.Parameter(torch.randn_like(first.lora_A["a1"].weight))
     first.lora_A["a1"].weight = fresh
     assert slots.slots_of(["a1"]) == [0]
     rank = first.r["a1"]
-    torch.testing.assert_close(slots.stacked_a[0][:, :rank], fresh.detach().t())
+    torch.testing.assert_close(slots.views[0][0][0, :rank], fresh.detach())
     assert slots.slots_of(["sharp", "a1"]) == [1, 0]  # a2 is not named: its slot is taken
     assert slots.names == ["a1", "sharp"]
     assert not slots.fits(["a1", "a2", "sharp"], layers)  # type: ignore[arg-type]
@@ -246,7 +248,7 @@ def test_an_adapter_the_model_lacks_is_refused_not_sampled_as_the_base(setup: Se
     bench.decode_step once passed) fails with the name, rather than taking an empty slot that
     samples the base model's tokens and is refilled at every step."""
     layers = lora_layers_of(setup.model)
-    slots = AdapterSlots(layers, 2, 8, torch.float32)  # type: ignore[arg-type]
+    slots = AdapterSlots(lora_groups(setup.model, layers), 2, 8, torch.float32)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'m-unknown' adapts none"):
         slots.slots_of(["a1", "m-unknown"])
 
@@ -301,10 +303,11 @@ def test_placing_left_padded_rows_puts_each_row_s_tokens_from_column_0() -> None
     slots = KvSlots([(1, 2, 2)], torch.float32, CPU)
     slots.reserve(4, 8, live=0)
     slots.place(1, cache, [2, 4])  # row 0 holds 2 real columns, row 1 all 4
-    assert torch.equal(slots.keys[0][1, :, :2], keys[0, :, 2:])
-    assert torch.equal(slots.keys[0][2, :, :4], keys[1])
-    assert torch.equal(slots.values[0][2, :, :4], -keys[1])
-    assert slots.keys[0][0].abs().sum() == 0  # slot 0 untouched
+    placed_keys, placed_values = slots.head_major(0)
+    assert torch.equal(placed_keys[1, :, :2], keys[0, :, 2:])
+    assert torch.equal(placed_keys[2, :, :4], keys[1])
+    assert torch.equal(placed_values[2, :, :4], -keys[1])
+    assert placed_keys[0].abs().sum() == 0  # slot 0 untouched
 
 
 def test_a_loop_that_moves_to_a_plain_model_drops_its_lora_slots(setup: Setup) -> None:
@@ -464,7 +467,7 @@ class ReplayedStep:
     def tensors(self) -> list[torch.Tensor]:
         decoder = self.decoder
         kv = decoder.slots
-        stacks = decoder.adapters.stacked_a + decoder.adapters.stacked_b if decoder.adapters else []
+        stacks = decoder.adapters.a + decoder.adapters.b if decoder.adapters else []
         inputs = [decoder.tokens, decoder.row_slots, kv.write_at]
         return [*inputs, *kv.keys, *kv.values, *stacks]
 
