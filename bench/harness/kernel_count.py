@@ -13,7 +13,7 @@ batch with no padding takes (transformers asks whether the attention mask is all
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -47,16 +47,25 @@ class Counts:
     host_reads: int = 0
     bytes_moved: int = 0
     gemm_flops: int = 0
+    bytes_by_op: Counter[str] = field(default_factory=Counter)
 
     @property
     def total(self) -> int:
         return sum(self.kernels.values())
 
 
+# An op's bytes where its arguments overstate them: a gather of rows from a table (the
+# embedding), a kernel that reads a cache only where rows have filled it (the decode step's
+# attention), a pool of adapters of which it reads only the rows' own. From the op's arguments
+# and what the caller knows on the host.
+Moved = Mapping[str, Callable[[tuple[Any, ...], Any], int]]
+
+
 class _Counting(TorchDispatchMode):
-    def __init__(self, counts: Counts) -> None:
+    def __init__(self, counts: Counts, moved: Moved) -> None:
         super().__init__()
         self.counts = counts
+        self.moved = moved
         self.paused = 0
 
     def __torch_dispatch__(
@@ -78,7 +87,8 @@ class _Counting(TorchDispatchMode):
             return to_host
         out = func(*args, **kwargs)
         if not (func.is_view or name in FREE):
-            self._count(name, _bytes(args) + _bytes(out))
+            rule = self.moved.get(name)
+            self._count(name, rule(args, out) if rule else _bytes(args) + _bytes(out))
             if name in GEMMS and not self.paused:
                 reduced = args[GEMMS[name]].shape[-1]
                 self.counts.gemm_flops += 2 * reduced * out.numel()
@@ -89,6 +99,7 @@ class _Counting(TorchDispatchMode):
             return
         self.counts.kernels[name] += 1
         self.counts.bytes_moved += moved
+        self.counts.bytes_by_op[name] += moved
         self.counts.host_reads += int(host)
 
 
@@ -150,10 +161,11 @@ def _paused(counting: _Counting) -> Iterator[None]:
         counting.paused -= 1
 
 
-def count_kernels(step: Callable[[], object]) -> Counts:
-    """The kernels and bytes of `step` (its tensors on the meta device)."""
+def count_kernels(step: Callable[[], object], moved: Moved | None = None) -> Counts:
+    """The kernels and bytes of `step` (its tensors on the meta device); `moved` an op's
+    bytes by name, where its arguments' and outputs' would overstate them."""
     counts = Counts()
-    counting = _Counting(counts)
+    counting = _Counting(counts, moved or {})
     with counting, _FusedAttention(counting), _fused_sdpa(counting):
         step()
     return counts
