@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from bench.harness import cli
 from bench.harness.baselines import generate, left_padded
 from bench.harness.data import sampling_params
 from bench.harness.engine import set_lora_matmuls
-from bench.harness.kernel_count import Counts, count_kernels
+from bench.harness.kernel_count import Counts, Moved, count_kernels
 from bench.harness.machine import announce, engine_machine
 from bench.harness.meters import synchronize, timed
 from bench.harness.models import BASE_NAME, Shape, add_adapters, build_model, lora_pool
@@ -275,16 +276,22 @@ def report(
 
 # --- counting ----------------------------------------------------------------------------------
 def counted_step(
-    pool: AdapterPool, shape_name: str, kind: DecodeStep, adapters: Sequence[str | None]
+    pool: AdapterPool,
+    shape_name: str,
+    kind: DecodeStep,
+    adapters: Sequence[str | None],
+    fused: bool = True,
 ) -> Counts:
     """One decode step of COUNT_ROWS rows with COUNT_FILLED tokens each in the cache once it
-    runs, every row admitted first (their prefill uncounted), on meta tensors."""
+    runs, every row admitted first (their prefill uncounted), on meta tensors; on slots in the
+    family's fused step if `fused`, else in transformers' layers."""
     meta, vocab = torch.device("meta"), SHAPES[shape_name].vocab
     mode = decode_step_of(kind, torch.device("cuda"), grouped=False)  # as a CUDA worker's
     # Every prompt prefilled in the first step (no prefill cap): a cap would chunk them.
     loop = DecodeLoop(
-        meta, [], lambda t: "", max_rows=None, prefill_tokens=None, slots=mode.slots, graphs=False
-    )
+        meta, [], lambda t: "", max_rows=None, prefill_tokens=None, slots=mode.slots,
+        graphs=False, fused=fused,
+    )  # fmt: skip
     step = partial(loop.step, pool.model, lora_layers_of(pool.model), pool.lora_compute)
     batch = requests(prompts(COUNT_ROWS, COUNT_FILLED - 1, vocab, 1), 8, adapters)
     for index, request in enumerate(batch):
@@ -292,7 +299,53 @@ def counted_step(
     count_kernels(step)  # the prefill (a step on meta tensors needs the counter's answers)
     if loop.rows != COUNT_ROWS:
         raise RuntimeError(f"{loop.rows} of {COUNT_ROWS} rows admitted")
-    return count_kernels(step)
+    used = len({name for name in adapters if name is not None})
+    return count_kernels(step, kernel_bytes(COUNT_FILLED, used))
+
+
+def kernel_bytes(filled: int, adapters: int) -> Moved:
+    """What the step's kernels read and write where their arguments say more, from what the
+    host knows: the embedding gathers the rows' rows of its table; the KV write writes each
+    row's one column; attention reads each row's `filled` columns (the first GPU row checks
+    this against the profiler); a LoRA kernel reads the slots of the `adapters` the rows use."""
+
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def embedding(args: tuple[Any, ...], out: Any) -> int:
+        return 2 * size(out) + size(args[1])
+
+    def kv_write(args: tuple[Any, ...], out: Any) -> int:
+        qkv, positions, keys = args[0], args[1], args[6]
+        column = qkv.shape[0] * keys.shape[2] * keys.shape[3] * keys.element_size()
+        return size(qkv) + size(out) + size(positions) + 2 * column
+
+    def attention(args: tuple[Any, ...], out: Any) -> int:
+        q, keys, table, lengths = args[0], args[1], args[3], args[4]
+        read = q.shape[0] * filled * keys.shape[2] * keys.shape[3] * keys.element_size()
+        outs = out if isinstance(out, tuple) else (out,)
+        return size(q) + sum(size(o) for o in outs) + 2 * read + size(table) + size(lengths)
+
+    def shrink(args: tuple[Any, ...], out: Any) -> int:
+        x, a, slots = args[:3]
+        return size(x) + size(out) + size(slots) + min(adapters, a.shape[0]) * size(a[0])
+
+    def expand(args: tuple[Any, ...], out: Any) -> int:
+        y, low, b, slots = args[:4]
+        return 2 * size(y) + size(low) + size(slots) + min(adapters, b.shape[0]) * size(b[0])
+
+    return {
+        "embedding": embedding, "rope_kv_write": kv_write, "paged_attention": attention,
+        "paged_attention_parts": attention, "lora_shrink": shrink, "lora_expand_": expand,
+    }  # fmt: skip
+
+
+# The step kinds counted: (name, QT_DECODE_STEP, the family's fused step).
+COUNTED = (
+    ("padded", "padded", False),
+    ("slots, transformers' layers", "slots", False),
+    ("slots, fused", "slots", True),
+)
 
 
 def counted(args: argparse.Namespace) -> Report:
@@ -311,17 +364,17 @@ def counted(args: argparse.Namespace) -> Report:
         (f"{args.adapters} adapters", [a.name for a in adapters], lora_bytes),
     ]
     rows, totals = [], {}
-    for kind in ("padded", "slots"):
+    for label, kind, fused in COUNTED:
         for name, names, read in mixes:
-            got = totals[kind, name] = counted_step(pool, args.shape, kind, names)
+            got = totals[label, name] = counted_step(pool, args.shape, kind, names, fused)  # type: ignore[arg-type]
             floor = floor_bytes(pool.base, shape, COUNT_ROWS, COUNT_FILLED, read)
             rows.append((
-                kind, name, f"{got.total:,}", f"{got.total / totals[kind, 'base'].total:.2f}×",
+                label, name, f"{got.total:,}", f"{got.total / totals[label, 'base'].total:.2f}×",
                 got.host_reads, f"{got.bytes_moved / 2**30:,.1f}", f"{floor / 2**30:,.1f}",
                 f"**{got.bytes_moved / floor:.2f}×**",
                 ", ".join(f"{k} {v:,}" for k, v in got.kernels.most_common(4)),
             ))  # fmt: skip
-            print(f"{kind} {name}: {got.total:,} kernels", flush=True)
+            print(f"{label} {name}: {got.total:,} kernels", flush=True)
     columns = (
         "step", "rows on", "kernels", "÷ the base model's", "host reads", "GiB read + written",
         "floor, GiB", "÷ floor", "most launched",
@@ -332,9 +385,11 @@ def counted(args: argparse.Namespace) -> Report:
         "tensors:"
     )
     facts = [
-        "No GPU: a count, not a timing; attention counted as one fused kernel over the "
-        "columns it reads; the floor is the linears' weights, the filled KV and the LoRA of "
-        "the adapters the rows use (floor_bytes)."
+        "No GPU: a count, not a timing; transformers' attention counted as one fused kernel "
+        "over the columns it reads, the fused step's over each row's filled columns, its LoRA "
+        "kernels over the slots the rows use, the embedding over the rows it gathers "
+        "(kernel_bytes); the floor is the linears' weights, the filled KV and the LoRA of the "
+        "adapters the rows use (floor_bytes)."
     ]
     body: list[Table | str] = [Table(columns, rows, caption=caption)]
     command = f"{COMMAND} --count --shape {args.shape}"

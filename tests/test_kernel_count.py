@@ -132,23 +132,54 @@ def test_eight_adapters_grouped_launch_within_a_tenth_more_than_one_at_the_8b_sh
 
 
 def test_bench_decode_step_counts_each_step_kind_reading_the_device_once() -> None:
-    """bench.decode_step --count on the small shape: the padded step and the slot step, on
-    the base model and over the adapters, every row counted; a step reads the device on the
-    host once (its tokens), whatever the step kind and the adapters (a second read fails
-    here); the bytes at least the floor's; row blocks launch more for the adapters, the slot
-    step as many (its LoRA runs over every slot)."""
+    """bench.decode_step --count on the small shape: the padded step, the slot step in
+    transformers' layers and in the fused step, on the base model and over the adapters, every
+    row counted; a step reads the device on the host once (its tokens), whatever the step kind
+    and the adapters (a second read fails here); the bytes at least the floor's; row blocks
+    launch more for the adapters; the fused step fewest, and its LoRA kernels only where rows
+    use an adapter."""
     from bench import decode_step
 
     args = decode_step.parse_args(["--count", "--shape", "small", "--no-docs"])
     (table,) = decode_step.counted(args).body
     rows = list(table.rows)  # type: ignore[union-attr]
+    steps = ("padded", "slots, transformers' layers", "slots, fused")
     assert [(r[0], r[1]) for r in rows] == [
-        ("padded", "base"), ("padded", "8 adapters"), ("slots", "base"), ("slots", "8 adapters")
-    ]  # fmt: skip
-    assert [r[4] for r in rows] == [1, 1, 1, 1]
+        (step, mix) for step in steps for mix in ("base", "8 adapters")
+    ]
+    assert [r[4] for r in rows] == [1] * 6
     kernels = [int(str(r[2]).replace(",", "")) for r in rows]
     assert kernels[1] > kernels[0] > 0 and kernels[3] == kernels[2] > 0
+    assert kernels[2] > kernels[5] > kernels[4] > 0
     assert all(float(str(r[7]).strip("*×")) >= 1.0 for r in rows)
+
+
+@pytest.mark.slow  # ~25 s: the 8B shape's 32 layers, twice
+def test_the_fused_decode_step_at_the_8b_shape_meets_the_sampling_targets() -> None:
+    """At Llama-3.1-8B, 64 rows of 1,280 tokens: the fused step launches at most 350 kernels
+    on the base model and 600 with the rows over 8 adapters (transformers' layers: ~2,100),
+    moves at most 1.15x the floor's bytes (weights, filled KV, the adapters used) and reads
+    the device on the host once."""
+    from bench import decode_step
+    from bench.harness.engine import set_lora_matmuls
+    from bench.harness.models import BASE_NAME, add_adapters, build_model, lora_pool
+    from bench.mfu import SHAPES
+    from queue_tinker.types.requests.training import LoraConfig
+
+    shape = SHAPES["llama-3.1-8b"]
+    pool = lora_pool(build_model(shape, "meta", torch.bfloat16), BASE_NAME, 8)
+    set_lora_matmuls(pool, "auto")
+    with META:
+        adapters = add_adapters(pool, LoraConfig(rank=32), range(8))
+    lora = [p for k, p in pool.model.named_parameters() if ".lora_" in k]
+    lora_bytes = sum(p.numel() * (pool.lora_compute or p.dtype).itemsize for p in lora)
+    rows, filled = decode_step.COUNT_ROWS, decode_step.COUNT_FILLED
+    for names, most, read in (([None], 350, 0), ([a.name for a in adapters], 600, lora_bytes)):
+        got = decode_step.counted_step(pool, "llama-3.1-8b", "slots", names, fused=True)
+        floor = decode_step.floor_bytes(pool.base, shape, rows, filled, read)
+        print(f"8B decode step: {got.total} kernels, {got.bytes_moved / floor:.3f}x the floor")
+        assert got.total <= most and got.host_reads == 1
+        assert got.bytes_moved <= 1.15 * floor
 
 
 def test_the_chunked_unembedding_reads_its_weight_once_a_chunk() -> None:

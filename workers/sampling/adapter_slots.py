@@ -77,8 +77,9 @@ class AdapterSlots:
         self.b: list[torch.Tensor] = []  # per group (count, outputs, rank)
         self.ends: list[list[int]] = []  # per group: each linear's output end but the last's
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: its A, B parts
-        self.group_of: dict[int, int] = {}  # a group's first layer (by id) -> its index
-        for index, group in enumerate(self.groups):
+        # A group's stacks by its first layer's id (the fused step's SlotLora.stacks).
+        self.stacks: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+        for group in self.groups:
             weights: list[torch.Tensor] = [layer.base_layer.weight for layer in group]  # type: ignore[misc]
             outputs = [w.shape[0] for w in weights]
             inputs, device = weights[0].shape[1], weights[0].device
@@ -88,7 +89,7 @@ class AdapterSlots:
             self.a.append(a)
             self.b.append(b)
             self.ends.append(ends[:-1])
-            self.group_of[id(group[0])] = index
+            self.stacks[id(group[0])] = (a, b, ends[:-1])
             for i, (start, end) in enumerate(zip([0, *ends], ends, strict=False)):
                 self.views.append((a[:, i * rank : (i + 1) * rank], b[:, start:end]))
 

@@ -189,6 +189,7 @@ class DecodeLoop:
         row_cache_tokens: int = 0,
         slots: bool = False,
         graphs: bool = False,
+        fused: bool = True,
     ) -> None:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
@@ -207,9 +208,10 @@ class DecodeLoop:
         # Prompt tokens prefilled for each request that finished in the last step.
         self.finished_prefilled: dict[Key, int] = {}
         self.call = ModelCall()  # the model call of this step (its LoRA layers, their dtype)
-        # Decode steps on fixed slots (slot_decode.py), captured as CUDA graphs if `graphs`;
-        # None: on the left-padded cache of kv_cache.py.
-        self.slots = SlotDecoder(device, graphs) if slots else None
+        # Decode steps on fixed slots (slot_decode.py), captured as CUDA graphs if `graphs`,
+        # in the family's fused step if `fused` and it has one; None: on the left-padded cache
+        # of kv_cache.py.
+        self.slots = SlotDecoder(device, graphs, fused) if slots else None
         # On slots, the next decode step is launched at the end of a step, so the device runs
         # it while the worker does its own work until the next: consumed by that step, dropped
         # when rows are cancelled or moved meanwhile (launched again: it writes the same
@@ -271,7 +273,7 @@ class DecodeLoop:
         self._launched = None
         self.prompts.clear()
         if self.slots is not None:  # a failed step may have left a capture half made
-            self.slots = SlotDecoder(self.device, self.slots.graphs_wanted)
+            self.slots = SlotDecoder(self.device, self.slots.graphs_wanted, self.slots.fused_wanted)
         return list(dict.fromkeys(r.key for r in requests))
 
     def step(

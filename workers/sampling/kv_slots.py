@@ -67,6 +67,7 @@ class KvSlots:
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.pages: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Each row's position, the column its step writes (the decoder fills it every step).
         self.write_at = torch.zeros(0, dtype=torch.long, device=device)
         self.rows = 0  # slots the next step runs (a batch bucket: some may be empty)
@@ -95,14 +96,6 @@ class KvSlots:
         """A layer's keys and values as transformers' caches hold them: (slots, heads, columns,
         dim), views of the (slots, columns, heads, dim) buffers."""
         return self.keys[layer].transpose(1, 2), self.values[layer].transpose(1, 2)
-
-    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's keys and values as pages (pages, PAGE_SIZE, heads, dim), slot s's pages
-        s * capacity / PAGE_SIZE on (`table`): views of the same buffers."""
-        keys, values = self.keys[layer], self.values[layer]
-        return keys.view(-1, PAGE_SIZE, *keys.shape[2:]), values.view(
-            -1, PAGE_SIZE, *values.shape[2:]
-        )
 
     def cache(self) -> DynamicCache:
         """A cache whose layers read and write these slots (made per step: cheap)."""
@@ -165,7 +158,17 @@ class KvSlots:
         self.keys = [buffer(heads, dim) for heads, dim, _ in self.layout]
         self.values = [buffer(heads, dim) for heads, _, dim in self.layout]
         self.write_at = torch.zeros(slots, dtype=torch.long, device=self.device)
-        # Slot s's pages in order (what a row's page table is while rows own whole slots).
+        # Every layer's keys and values as pages (pages, PAGE_SIZE, heads, dim): views of the
+        # same buffers, slot s's pages s * per_slot on, in order (`table`: a row's page table
+        # while rows own whole slots).
+        self.pages = (
+            [
+                (k.view(-1, PAGE_SIZE, *k.shape[2:]), v.view(-1, PAGE_SIZE, *v.shape[2:]))
+                for k, v in zip(self.keys, self.values, strict=True)
+            ]
+            if slots
+            else []
+        )
         per_slot = columns // PAGE_SIZE
         self.table = torch.arange(slots * per_slot, dtype=torch.int32, device=self.device).view(
             slots, per_slot

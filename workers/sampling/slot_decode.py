@@ -34,6 +34,8 @@ from peft.tuners.lora import Linear as LoraLinear
 from transformers import DynamicCache
 
 from queue_tinker.workers.model.base_model import cache_keyword
+from queue_tinker.workers.model.families import family_of
+from queue_tinker.workers.model.families.fused_decode import FusedDecoder, SlotLora
 from queue_tinker.workers.model.lora.row_blocks import LoraLayer
 from queue_tinker.workers.sampling.adapter_slots import (
     BASE_SLOT,
@@ -184,14 +186,20 @@ def _end(request: LiveRequest) -> int:
 class SlotDecoder:
     """The slots of a decode loop, and the steps captured on them."""
 
-    def __init__(self, device: torch.device, graphs: bool) -> None:
+    def __init__(self, device: torch.device, graphs: bool, fused: bool = True) -> None:
         self.device = device
         self.graphs_wanted = graphs and device.type == "cuda"
+        # The family's fused step (families/fused_decode.py) where it has one, made for the
+        # model last stepped; else transformers' layers on the slots.
+        self.fused_wanted = fused
+        self._fused: tuple[torch.nn.Module, FusedDecoder | None] | None = None
         self.kv: KvSlots | None = None  # made from the first rows' prefill
         self.adapters: AdapterSlots | None = None
         self.tokens = torch.zeros(0, dtype=torch.long, device=device)
         self.row_slots = torch.zeros(0, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # By (rows, columns, whether LoRA applies).
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.lora_on = False  # whether the next step's rows use an adapter
         self._pool: Any = None  # the graphs' shared memory pool
         self.captured = 0  # graphs captured so far (a statistic)
 
@@ -241,6 +249,10 @@ class SlotDecoder:
                 on_device = to_device(slots, self.row_slots.dtype, self.row_slots.device)
                 self.row_slots[:size].copy_(on_device)
                 self.written_slots = slots
+        # A step whose rows are all on the base model launches no LoRA kernel (its own graph).
+        self.lora_on = self.adapters is not None and any(
+            slot != BASE_SLOT for slot in self.written_slots
+        )
         # The columns in use, known on the host (next_pos is on the device): a row has its
         # prompt's and its tokens' but the last, which it is fed now.
         used = max(
@@ -248,10 +260,12 @@ class SlotDecoder:
             for request, sample in zip(rows.requests, rows.samples, strict=True)
         )
         columns = column_bucket(used, kv.capacity) if self.graphs_wanted else used
+        if self._decoder(model) is not None:
+            columns = 0  # the fused step reads each row's own length: one graph a row count
         kv.rows, kv.columns = size, columns
         if not self.graphs_wanted:
             return self._step(model, size, columns)[:count]
-        graph = self.graphs.get((size, columns))
+        graph = self.graphs.get((size, columns, self.lora_on))
         if graph is None:
             try:
                 graph = self._capture(model, size, columns)
@@ -288,8 +302,23 @@ class SlotDecoder:
         self.adapters = AdapterSlots(groups, count, rank, dtype)  # type: ignore[arg-type]
         self.graphs.clear()
 
+    def _decoder(self, model: torch.nn.Module) -> FusedDecoder | None:
+        """The model's fused step, if its family has one that fits it (made once a model)."""
+        if self._fused is None or self._fused[0] is not model:
+            config = getattr(model, "config", None)
+            family = family_of(config) if config is not None else None
+            made = family.decoder if family is not None and self.fused_wanted else None
+            self._fused = (model, made(model) if made is not None else None)  # type: ignore[arg-type]
+        return self._fused[1]
+
     def _step(self, model: torch.nn.Module, size: int, columns: int) -> torch.Tensor:
         """The step itself, on the input buffers: logits (size, vocab)."""
+        decoder = self._decoder(model)
+        if decoder is not None:
+            kv, slots = self.slots, self.adapters if self.lora_on else None
+            lora = SlotLora(slots.stacks, slots.rank, self.row_slots[:size]) if slots else None
+            positions = kv.write_at[:size]
+            return decoder.step(self.tokens[:size], positions, kv.pages, kv.table[:size], lora)
         positions = self.slots.write_at[:size]
         filled = torch.arange(columns, device=self.device)[None, :] <= positions[:, None]
         kwargs = {
@@ -300,7 +329,7 @@ class SlotDecoder:
             "use_cache": True,
         }
         with grouped_decode(model):
-            if self.adapters is None:
+            if self.adapters is None:  # (a PeftModel's own forward would add its adapter)
                 return model(**kwargs).logits[:, -1]
             with slotted_lora(self.adapters, self.row_slots[:size]):
                 return model(**kwargs).logits[:, -1]
@@ -322,7 +351,7 @@ class SlotDecoder:
         # statistics) may call into CUDA meanwhile; only this thread's calls are captured.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._step(model, size, columns)
-        self.graphs[(size, columns)] = (graph, logits)
+        self.graphs[(size, columns, self.lora_on)] = (graph, logits)
         self.captured += 1
         log.debug("captured the decode step of %d rows x %d columns", size, columns)
         return graph, logits

@@ -55,9 +55,19 @@ def setup() -> Iterator[Setup]:
     yield from sampler_setup()
 
 
-def loop_of(setup: Setup, slots: bool, **options: Any) -> sampler.DecodeLoop:
+# The slot step's two layer codes: the family's fused step (tiny-llama has one) and
+# transformers' layers on the slots.
+LAYERS = ("fused", "transformers")
+
+
+def loop_of(setup: Setup, slots: bool, layers: str = "fused", **options: Any) -> sampler.DecodeLoop:
     return sampler.DecodeLoop(
-        CPU, [EOS], setup.decode, **{"max_rows": None, **options}, slots=slots
+        CPU,
+        [EOS],
+        setup.decode,
+        **{"max_rows": None, **options},
+        slots=slots,
+        fused=layers == "fused",
     )
 
 
@@ -90,13 +100,14 @@ def assert_equal_samples(got: dict[Any, SampleResponse], want: dict[Any, SampleR
 
 
 # --- the loop on slots against the left-padded loop -----------------------------------------
-def test_slots_sample_what_the_padded_loop_samples(setup: Setup) -> None:
+@pytest.mark.parametrize("layers", LAYERS)
+def test_slots_sample_what_the_padded_loop_samples(setup: Setup, layers: str) -> None:
     """Mixed adapters, settings and lengths, rows waiting for room (max_rows) and joining in
     parts as others leave: the same tokens for the same seeds, logprobs to rounding."""
     arrivals = {0: list(enumerate(mixed_requests()))}
-    options = {"max_rows": 4, "prefill_tokens": 20}
+    options: dict[str, Any] = {"max_rows": 4, "prefill_tokens": 20}
     want, _, padded = run_loop(setup, False, arrivals, **options)
-    got, loop, slotted = run_loop(setup, True, arrivals, **options)
+    got, loop, slotted = run_loop(setup, True, arrivals, layers=layers, **options)
     assert padded == {"Rows"} and slotted == {"SlotRows"}
     assert_equal_samples(got, want)
     assert loop.slots is not None and loop.slots.slots.slots == 4  # a bucket of 4 rows
@@ -167,10 +178,11 @@ def test_rows_leaving_move_only_the_last_rows_into_their_slots(
     assert after == [before[0], before[4], before[5], before[3]]
 
 
-def test_the_slot_step_s_logits_equal_a_plain_forward(setup: Setup) -> None:
+@pytest.mark.parametrize("layers", LAYERS)
+def test_the_slot_step_s_logits_equal_a_plain_forward(setup: Setup, layers: str) -> None:
     """Each row's logits at a decode step on slots equal those of its whole sequence run
     through the model alone with its adapter (no cache)."""
-    loop = loop_of(setup, True)
+    loop = loop_of(setup, True, layers)
     adapters = ["a1", None, "a2", "sharp", "a1"]
     for index, adapter in enumerate(adapters):
         loop.add(index, request(PROMPTS[index % 4], adapter, max_tokens=8, temperature=0, stop=[]))
@@ -353,8 +365,9 @@ def test_grouped_decode_attention_equals_sdpa_with_repeated_heads() -> None:
 
 @pytest.mark.parametrize("slots", [False, True])
 def test_decode_steps_attend_grouped_and_sample_as_before(setup: Setup, slots: bool) -> None:
-    """Padded and slot decode steps both run the grouped attention (prefill does not), and a
-    padded loop's samples still equal each request's alone (test_sampler's reference)."""
+    """Padded and slot decode steps in transformers' layers both run the grouped attention
+    (prefill does not), and a padded loop's samples still equal each request's alone
+    (test_sampler's reference)."""
     from transformers import AttentionInterface
 
     from queue_tinker.workers.sampling import decode_attention
@@ -367,7 +380,8 @@ def test_decode_steps_attend_grouped_and_sample_as_before(setup: Setup, slots: b
 
     AttentionInterface.register(decode_attention.NAME, counting)
     try:
-        got, _, _ = run_loop(setup, slots, {0: list(enumerate(mixed_requests()))})
+        arrivals = {0: list(enumerate(mixed_requests()))}
+        got, _, _ = run_loop(setup, slots, arrivals, layers="transformers")
     finally:
         AttentionInterface.register(
             decode_attention.NAME, decode_attention.grouped_decode_attention
@@ -482,7 +496,7 @@ def replayed_capture(
     decoder: SlotDecoder, model: torch.nn.Module, size: int, columns: int
 ) -> tuple[Any, torch.Tensor]:
     step = ReplayedStep(decoder, model, size, columns)
-    decoder.graphs[(size, columns)] = (step, step.output)  # type: ignore[assignment]
+    decoder.graphs[(size, columns, decoder.lora_on)] = (step, step.output)  # type: ignore[assignment]
     decoder.captured += 1
     return step, step.output
 
@@ -510,7 +524,7 @@ def test_bucketed_steps_replayed_sample_what_the_padded_loop_samples(
         step += 1
     assert_equal_samples(done, want)
     assert loop.slots.captured >= 2 and all(
-        size == graph_rows(size) for size, _ in loop.slots.graphs
+        size == graph_rows(size) for size, _, _ in loop.slots.graphs
     )
 
 

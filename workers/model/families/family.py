@@ -10,6 +10,8 @@ from typing import Any
 
 from transformers import PretrainedConfig, PreTrainedModel
 
+from queue_tinker.workers.model.families.fused_decode import FusedDecoder
+
 # The linears of a Llama-style decoder layer, which most families keep.
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -56,4 +58,7 @@ class Family:
     # Modules that stay frozen, no LoRA under them (a vision tower: `visual`).
     frozen: tuple[str, ...] = ()
     fused_kernels: bool = False  # whether liger's RMSNorm, RoPE and SwiGLU apply
+    # Its decode step in the fused kernels for a model (fused_decode.py), None where it has
+    # none or the model does not fit it: the sampler's slots run transformers' layers then.
+    decoder: Callable[[PreTrainedModel], FusedDecoder | None] | None = None
     builtins: tuple[str, ...] = ()  # its tiny built-in models (queue_tinker.builtin_models)

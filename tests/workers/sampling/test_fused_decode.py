@@ -1,0 +1,112 @@
+"""The family's fused decode step on the slots (families/llama.py, fused_decode.py): it is the
+slot step of a Llama model, samples what the left-padded loop samples with its kernels'
+torch references and with the Triton kernels under the interpreter, reads the model's own
+weights (views, never copies), and leaves a model it does not fit to transformers' layers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_sampler import CPU, EOS, PROMPTS, Setup, mixed_requests, request, sampler_setup
+from test_slot_decode import assert_equal_samples, run_loop
+
+from queue_tinker.workers.model.families.fused_decode import fused_rows
+from queue_tinker.workers.model.families.llama import LlamaDecoder
+from queue_tinker.workers.sampling import decode_loop as sampler
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[Setup]:
+    yield from sampler_setup()
+
+
+def test_a_llama_model_s_slot_step_is_the_fused_one(setup: Setup) -> None:
+    """On slots the tiny Llama's steps run the fused step: transformers' attention never runs
+    a decode step (only the prefill's)."""
+    from transformers import AttentionInterface
+
+    from queue_tinker.workers.sampling import decode_attention
+
+    calls: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return decode_attention.grouped_decode_attention(*args, **kwargs)
+
+    AttentionInterface.register(decode_attention.NAME, counting)
+    try:
+        _, loop, kinds = run_loop(setup, True, {0: list(enumerate(mixed_requests()))})
+    finally:
+        AttentionInterface.register(
+            decode_attention.NAME, decode_attention.grouped_decode_attention
+        )
+    assert kinds == {"SlotRows"} and calls == []
+    assert loop.slots is not None and isinstance(loop.slots._decoder(setup.model), LlamaDecoder)
+
+
+@pytest.mark.parametrize("layers", ["fused", "transformers"])
+def test_rows_all_on_the_base_model_of_a_peft_model(setup: Setup, layers: str) -> None:
+    """A step whose rows all sample the base model (no LoRA kernel: a graph of its own) gives
+    the padded loop's samples, though the model holds adapters."""
+    arrivals = {0: [(i, request(PROMPTS[i], None, max_tokens=6, seed=i)) for i in range(3)]}
+    want, _, _ = run_loop(setup, False, arrivals)
+    got, loop, _ = run_loop(setup, True, arrivals, layers=layers)
+    assert_equal_samples(got, want)
+    assert loop.slots is not None and loop.slots.adapters is not None
+    assert not loop.slots.lora_on
+
+
+def test_the_triton_kernels_sample_what_the_padded_loop_samples(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused step's Triton kernels run by Triton's interpreter on CPU tensors: mixed
+    adapters, the base model, settings and lengths give the padded loop's tokens and logprobs
+    to float32 rounding."""
+    arrivals = {0: list(enumerate(mixed_requests()[:4]))}
+    want, _, _ = run_loop(setup, False, arrivals)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got, _, kinds = run_loop(setup, True, arrivals)
+    assert kinds == {"SlotRows"}
+    assert_equal_samples(got, want)
+
+
+def test_fused_weights_are_the_model_s_own(setup: Setup) -> None:
+    """q/k/v and gate/up's fused weights are views of one buffer that the linears' weights
+    are views of too: no copy beside them, the same Parameters, and a second decoder made on
+    the model reads the same buffers."""
+    model = setup.model
+    first = LlamaDecoder(model)
+    attention = model.get_base_model().model.layers[0].self_attn
+    q = attention.q_proj.base_layer.weight
+    assert q.untyped_storage().data_ptr() == first.layers[0].qkv.untyped_storage().data_ptr()
+    assert torch.equal(first.layers[0].qkv[: q.shape[0]], q)
+    assert attention.q_proj.base_layer.weight is q  # the Parameter kept
+    again = LlamaDecoder(model)
+    assert again.layers[0].qkv.data_ptr() == first.layers[0].qkv.data_ptr()
+    before = fused_rows([attention.q_proj, attention.k_proj, attention.v_proj]).data_ptr()
+    assert before == first.layers[0].qkv.data_ptr()
+
+
+def test_a_model_the_fused_step_does_not_fit_decodes_in_transformers_layers(
+    setup: Setup,
+) -> None:
+    """Linears with biases (as Qwen2's q/k/v) are not Llama's layer: the slots run
+    transformers' layers, and sample what the padded loop samples."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    assert not LlamaDecoder.fits(model)
+    assert LlamaDecoder.fits(setup.plain)
+    loop = sampler.DecodeLoop(CPU, [EOS], setup.decode, max_rows=None, slots=True)
+    loop.add(0, request(PROMPTS[0], None, max_tokens=3, seed=1))
+    while loop.busy:
+        loop.step(model)
+    assert loop.slots is not None and loop.slots._decoder(model) is None
