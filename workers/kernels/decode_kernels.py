@@ -79,7 +79,7 @@ def rope_kv_write_kernel(
 
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, out_ptr, max_ptr, sum_ptr,
-    group, head_dim, scale, pages_per_split,
+    group, head_dim, scale,
     stride_qr, stride_qh, stride_kp, stride_kt, stride_kh, stride_table,
     stride_or, stride_oh, stride_os, stride_mr, stride_mh,
     PAGE: tl.constexpr, DIM: tl.constexpr, BLOCK_G: tl.constexpr, FINAL: tl.constexpr,
@@ -102,8 +102,11 @@ def paged_attention_kernel(
     best = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     total = tl.full((BLOCK_G,), 0.0, dtype=tl.float32)
     acc = tl.full((BLOCK_G, DIM), 0.0, dtype=tl.float32)
-    first = split * pages_per_split
-    last = tl.minimum((length + PAGE - 1) // PAGE, first + pages_per_split)
+    # Each row's own pages split evenly (a short row's splits past its pages do nothing).
+    pages = (length + PAGE - 1) // PAGE
+    per_split = (pages + tl.num_programs(2) - 1) // tl.num_programs(2)
+    first = split * per_split
+    last = tl.minimum(pages, first + per_split)
     t = tl.arange(0, PAGE)
     for p in range(first, last):
         page = tl.load(table_ptr + row * stride_table + p).to(tl.int64)  # a pool past 2^31

@@ -327,13 +327,12 @@ def _launch_attention(
         return
     _, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
-    pages_per_split = -(-table.shape[1] // splits)
     final = splits == 1
     out = outs[0]
     best, total = (outs[1], outs[2]) if not final else (out, out)  # unread when final
     kernel(SOURCE, "paged_attention", q)[(rows, kv_heads, splits)](
         q, k_pages, v_pages, table, lengths, out, best, total,
-        group, dim, scale, pages_per_split,
+        group, dim, scale,
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         table.stride(0), out.stride(0), out.stride(1), out.stride(2) if not final else 0,
         best.stride(0) if not final else 0, best.stride(1) if not final else 0,

@@ -211,7 +211,9 @@ class DecodeLoop:
         # Decode steps on fixed slots (slot_decode.py), captured as CUDA graphs if `graphs`,
         # in the family's fused step if `fused` and it has one; None: on the left-padded cache
         # of kv_cache.py.
-        self.slots = SlotDecoder(device, graphs, fused) if slots else None
+        self.slots = (
+            SlotDecoder(device, graphs, fused, max_cache_tokens, max_rows) if slots else None
+        )
         # On slots, the next decode step is launched at the end of a step, so the device runs
         # it while the worker does its own work until the next: consumed by that step, dropped
         # when rows are cancelled or moved meanwhile (launched again: it writes the same
@@ -273,7 +275,10 @@ class DecodeLoop:
         self._launched = None
         self.prompts.clear()
         if self.slots is not None:  # a failed step may have left a capture half made
-            self.slots = SlotDecoder(self.device, self.slots.graphs_wanted, self.slots.fused_wanted)
+            old = self.slots
+            self.slots = SlotDecoder(
+                self.device, old.graphs_wanted, old.fused_wanted, old.cache_tokens, old.most_rows
+            )
         return list(dict.fromkeys(r.key for r in requests))
 
     def step(
@@ -388,6 +393,7 @@ class DecodeLoop:
 
         if self.slots is None or not slots_fit(model, self.call.layers, rows.cache):
             return rows
+        self.slots.bind(model)
         return SlotRows.adopt(rows, self.slots)
 
     def _prefill_chunk(self, model: torch.nn.Module) -> bool:

@@ -169,6 +169,9 @@ class Rows:
     def adapters(self) -> list[str]:
         return [r.adapter for r in self.requests]
 
+    def close(self) -> None:
+        """Every row left (nothing to give back: the cache goes with the rows)."""
+
     def mergeable(self) -> bool:
         """Whether other rows can join this cache: plain per-layer key / value tensors beside
         sliding-window layers (gpt-oss's) and linear-attention layers' per-row states
@@ -328,6 +331,7 @@ def per_sample(
 def kept(rows: Rows, keep: list[int]) -> Rows | None:
     """The rows after keeping `keep`; None when none is left."""
     if not keep:
+        rows.close()
         return None
     if len(keep) < rows.size:
         rows.select(keep)

@@ -1,7 +1,7 @@
 """The decode step's KV cache in fixed slots: per attention layer one (slots, columns, heads,
 dim) buffer of keys and one of values, a row in flight owning one slot for its life and its
-token at position p in column p. transformers' layers see them head-major (a transposed view);
-the fused step (families/llama.py) sees them as pages of PAGE_SIZE columns, slot s's in order.
+token at position p in column p, seen by transformers' layers head-major (a transposed view).
+The family's fused step keeps its KV in pages instead (kv_pages.py).
 
 A decode step writes each row's new key / value in place, at the row's own column (one scatter
 per layer), and attends over the first `rows` slots' first `columns` columns under a mask of
@@ -25,9 +25,9 @@ from transformers.cache_utils import DynamicLayer
 from queue_tinker.workers.sampling.decode_rows import growing_layers
 from queue_tinker.workers.sampling.host_reads import to_device
 
-# Columns are allocated in multiples of this, so that a few tokens more do not re-make buffers:
-# a page of the fused step's paged attention (a slot is its pages, in order).
-COLUMN_QUANTUM = PAGE_SIZE = 64
+# Columns are allocated in multiples of this, so that a few tokens more do not re-make buffers.
+COLUMN_QUANTUM = 64
+PAGE_SIZE = 64  # the columns of a page of kv_pages.py
 
 
 class SlotLayer(DynamicLayer):
@@ -67,7 +67,6 @@ class KvSlots:
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.pages: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Each row's position, the column its step writes (the decoder fills it every step).
         self.write_at = torch.zeros(0, dtype=torch.long, device=device)
         self.rows = 0  # slots the next step runs (a batch bucket: some may be empty)
@@ -104,9 +103,10 @@ class KvSlots:
         return cache
 
     @torch.inference_mode()  # the buffers are inference tensors; a cancel comes between steps
-    def reserve(self, slots: int, columns: int, live: int) -> bool:
+    def reserve(self, slots: int, columns: int, live: int, ends: list[int] | None = None) -> bool:
         """Room for `slots` slots of `columns` columns; the first `live` slots' contents kept.
-        Whether the buffers were made anew (a captured graph of the old ones is stale)."""
+        Whether the buffers were made anew (a captured graph of the old ones is stale). (The
+        joiners' `ends` are kv_pages.py's: a slot is as wide as the widest.)"""
         if slots <= self.slots and columns <= self.capacity:
             return False
         columns = -(-max(columns, self.capacity) // COLUMN_QUANTUM) * COLUMN_QUANTUM
@@ -121,7 +121,9 @@ class KvSlots:
         return True
 
     @torch.inference_mode()  # the buffers are inference tensors; a cancel comes between steps
-    def place(self, at: int, cache: DynamicCache, lengths: list[int]) -> None:
+    def place(
+        self, at: int, cache: DynamicCache, lengths: list[int], ends: list[int] | None = None
+    ) -> None:
         """Copy a left-padded cache's rows (kv_cache.py's GrowingLayers: row r's real tokens
         are its last lengths[r] columns) into slots at, at+1, ..., each from column 0."""
         layers = growing_layers(cache)
@@ -139,6 +141,9 @@ class KvSlots:
                 heads, dim = states.shape[1], states.shape[3]
                 index = source.view(rows, 1, widest, 1).expand(rows, heads, widest, dim)
                 buffer[at : at + rows, :, :widest].copy_(states.gather(2, index))
+
+    def release(self, slots: list[int]) -> None:
+        """These slots' rows left (their columns are written over by the next to come)."""
 
     @torch.inference_mode()  # the buffers are inference tensors; a cancel comes between steps
     def move(self, sources: list[int], targets: list[int]) -> None:
@@ -158,18 +163,3 @@ class KvSlots:
         self.keys = [buffer(heads, dim) for heads, dim, _ in self.layout]
         self.values = [buffer(heads, dim) for heads, _, dim in self.layout]
         self.write_at = torch.zeros(slots, dtype=torch.long, device=self.device)
-        # Every layer's keys and values as pages (pages, PAGE_SIZE, heads, dim): views of the
-        # same buffers, slot s's pages s * per_slot on, in order (`table`: a row's page table
-        # while rows own whole slots).
-        self.pages = (
-            [
-                (k.view(-1, PAGE_SIZE, *k.shape[2:]), v.view(-1, PAGE_SIZE, *v.shape[2:]))
-                for k, v in zip(self.keys, self.values, strict=True)
-            ]
-            if slots
-            else []
-        )
-        per_slot = columns // PAGE_SIZE
-        self.table = torch.arange(slots * per_slot, dtype=torch.int32, device=self.device).view(
-            slots, per_slot
-        )

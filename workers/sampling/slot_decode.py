@@ -52,12 +52,13 @@ from queue_tinker.workers.sampling.decode_rows import (
     growing_layers,
 )
 from queue_tinker.workers.sampling.host_reads import to_device
+from queue_tinker.workers.sampling.kv_pages import KvPages, pages_for, pool_pages
 from queue_tinker.workers.sampling.kv_slots import KvSlots
 
 log = logging.getLogger(__name__)
 
 # LoRA slots at least (more are made when more adapters are in flight at once).
-MIN_ADAPTER_SLOTS = 4
+MIN_ADAPTER_SLOTS = 8
 # Column buckets are powers of two from this on (capped by what the slots hold).
 MIN_COLUMN_BUCKET = 256
 
@@ -145,10 +146,16 @@ class SlotRows(Rows):
     def mergeable(self) -> bool:
         return True
 
+    def close(self) -> None:
+        """Every row left: their slots (pages) given back."""
+        self.decoder.slots.release(list(range(self.size)))
+
     def select(self, keep: list[int]) -> None:
         """Keep these rows: those past the kept count move into the slots of those that left
         (the rest keep theirs), so only moved rows' columns are copied."""
         count = len(keep)
+        kept = set(keep)
+        self.decoder.slots.release([row for row in range(self.size) if row not in kept])
         if sorted(keep) == keep:
             staying = {row for row in keep if row < count}
             holes = [slot for slot in range(count) if slot not in staying]
@@ -169,9 +176,10 @@ class SlotRows(Rows):
     def merge(self, other: Rows) -> None:
         """Append `other`'s rows (a prefill's left-padded cache) in the next free slots."""
         lengths = other.row_lengths()  # known on the host: no read of the mask
+        ends = [_end(request) for request in other.requests]
         columns = max(_end(request) for request in [*self.requests, *other.requests])
-        self.decoder.reserve(self.size + other.size, columns, self.size, other.cache)
-        self.decoder.slots.place(self.size, other.cache, lengths)
+        self.decoder.reserve(self.size + other.size, columns, self.size, other.cache, ends)
+        self.decoder.slots.place(self.size, other.cache, lengths, ends)
         self._append_fields(other)
         self.requests += other.requests
         self.samples += other.samples
@@ -186,14 +194,26 @@ def _end(request: LiveRequest) -> int:
 class SlotDecoder:
     """The slots of a decode loop, and the steps captured on them."""
 
-    def __init__(self, device: torch.device, graphs: bool, fused: bool = True) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        graphs: bool,
+        fused: bool = True,
+        cache_tokens: int | None = None,
+        most_rows: int | None = None,
+    ) -> None:
         self.device = device
+        # What the fused step's page pool is sized by (kv_pages.py): the budget of cache
+        # tokens, the most rows at once.
+        self.cache_tokens, self.most_rows = cache_tokens, most_rows
+        self.row_columns = 0  # the most columns a row may have (the model's positions)
         self.graphs_wanted = graphs and device.type == "cuda"
         # The family's fused step (families/fused_decode.py) where it has one, made for the
         # model last stepped; else transformers' layers on the slots.
         self.fused_wanted = fused
         self._fused: tuple[torch.nn.Module, FusedDecoder | None] | None = None
-        self.kv: KvSlots | None = None  # made from the first rows' prefill
+        # Made from the first rows' prefill: pages for the fused step, else slots.
+        self.kv: KvSlots | KvPages | None = None
         self.adapters: AdapterSlots | None = None
         self.tokens = torch.zeros(0, dtype=torch.long, device=device)
         self.row_slots = torch.zeros(0, dtype=torch.long, device=device)
@@ -204,15 +224,32 @@ class SlotDecoder:
         self.captured = 0  # graphs captured so far (a statistic)
 
     @property
-    def slots(self) -> KvSlots:
+    def slots(self) -> KvSlots | KvPages:
         assert self.kv is not None, "no rows have joined yet"
         return self.kv
 
-    def reserve(self, rows: int, columns: int, live: int, like: DynamicCache) -> None:
-        """Room for `rows` rows of `columns` columns, the first `live` rows kept."""
+    def bind(self, model: torch.nn.Module) -> None:
+        """The model the first rows decode on: its fused step made (if its family has one), so
+        that their KV goes to pages."""
+        self._decoder(model)
+        config = getattr(model, "config", None)
+        self.row_columns = int(getattr(config, "max_position_embeddings", 0) or 0)
+
+    def reserve(
+        self, rows: int, columns: int, live: int, like: DynamicCache, ends: list[int]
+    ) -> None:
+        """Room for `rows` rows of `columns` columns (the joiners' ends `ends`), the first
+        `live` rows kept."""
         if self.kv is None:
-            self.kv = KvSlots.like(like)
-        if self.kv.reserve(bucket(rows), columns, live):
+            if self._fused is not None and self._fused[1] is not None:
+                most = bucket(max(rows, self.most_rows or 0))
+                pages = pool_pages(self.cache_tokens, most, ends)
+                row_pages = pages_for(max(columns, min(self.row_columns, 1 << 20)))
+                self.kv = KvPages.like(like, pages, most, row_pages)
+            else:
+                self.kv = KvSlots.like(like)
+            self._inputs(self.kv.slots)
+        if self.kv.reserve(bucket(rows), columns, live, ends):
             self._inputs(self.kv.slots)  # as many as the slots (which never shrink)
             self.graphs.clear()
 
@@ -260,7 +297,7 @@ class SlotDecoder:
             for request, sample in zip(rows.requests, rows.samples, strict=True)
         )
         columns = column_bucket(used, kv.capacity) if self.graphs_wanted else used
-        if self._decoder(model) is not None:
+        if isinstance(kv, KvPages):
             columns = 0  # the fused step reads each row's own length: one graph a row count
         kv.rows, kv.columns = size, columns
         if not self.graphs_wanted:
@@ -296,7 +333,9 @@ class SlotDecoder:
         if self.adapters is not None and self.adapters.fits(wanted, linears):
             return
         count = max(MIN_ADAPTER_SLOTS, bucket(len(set(wanted))))
-        rank = max(AdapterSlots.widest_rank(linears, wanted), 1)
+        # As wide as every adapter the model holds, so that one of them arriving later fits.
+        resident = {name for layer in linears for name in layer.lora_A}
+        rank = max(AdapterSlots.widest_rank(linears, resident | set(wanted)), 1)
         dtype = lora_compute or linears[0].lora_A[next(iter(linears[0].lora_A))].weight.dtype
         groups = lora_groups(model, linears)
         self.adapters = AdapterSlots(groups, count, rank, dtype)  # type: ignore[arg-type]
@@ -313,19 +352,22 @@ class SlotDecoder:
 
     def _step(self, model: torch.nn.Module, size: int, columns: int) -> torch.Tensor:
         """The step itself, on the input buffers: logits (size, vocab)."""
-        decoder = self._decoder(model)
-        if decoder is not None:
-            kv, slots = self.slots, self.adapters if self.lora_on else None
+        kv = self.slots
+        decoder = self._decoder(model) if isinstance(kv, KvPages) else None
+        if decoder is not None and isinstance(kv, KvPages):
+            slots = self.adapters if self.lora_on else None
             lora = SlotLora(slots.stacks, slots.rank, self.row_slots[:size]) if slots else None
             positions = kv.write_at[:size]
             return decoder.step(self.tokens[:size], positions, kv.pages, kv.table[:size], lora)
-        positions = self.slots.write_at[:size]
+        slotted = self.slots
+        assert isinstance(slotted, KvSlots), "pages are the fused step's"
+        positions = slotted.write_at[:size]
         filled = torch.arange(columns, device=self.device)[None, :] <= positions[:, None]
         kwargs = {
             "input_ids": self.tokens[:size, None],
             "position_ids": positions[:, None],
             "attention_mask": filled[:, None, None, :],
-            cache_keyword(model): self.slots.cache(),
+            cache_keyword(model): slotted.cache(),
             "use_cache": True,
         }
         with grouped_decode(model):

@@ -161,7 +161,7 @@ def test_each_op_is_one_kernel_on_meta_tensors() -> None:
 
 
 INT_ARGS = {
-    "n", "heads", "head_dim", "group", "pages_per_split", "k", "width", "rank", "end1", "end2",
+    "n", "heads", "head_dim", "group", "k", "width", "rank", "end1", "end2",
     "splits", "page_size",
 }  # fmt: skip
 FLOAT_ARGS = {"eps", "attention_scaling", "scale"}

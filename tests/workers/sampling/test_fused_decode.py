@@ -110,3 +110,47 @@ def test_a_model_the_fused_step_does_not_fit_decodes_in_transformers_layers(
     while loop.busy:
         loop.step(model)
     assert loop.slots is not None and loop.slots._decoder(model) is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_graph_is_dropped_over_a_run(
+    setup: Setup, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graphs' way on the CPU (each bucket's step made once and replayed, as
+    test_slot_decode's), under a cache budget: random joins and leaves over several row
+    buckets, adapters arriving and leaving, long rows and a long prompt; every step captured
+    is kept to the end (a graph dropped would be captured again: more captures than graphs),
+    the pages' pool and table are the first ones, and the samples are the padded loop's."""
+    import random
+
+    from test_slot_decode import random_arrivals, replayed_capture
+
+    from queue_tinker.workers.sampling.kv_pages import KvPages
+    from queue_tinker.workers.sampling.slot_decode import SlotDecoder
+
+    monkeypatch.setattr(SlotDecoder, "_capture", replayed_capture)
+    draws = random.Random(200 + seed)
+    arrivals = random_arrivals(draws, 14, steps=30, longest=40)
+    late = max(arrivals) + 1  # a long prompt and a long row, after the others started
+    arrivals[late] = [("long", request([7] * 150, "a2", max_tokens=60, seed=9, stop=[]))]
+    options: dict[str, Any] = {"max_rows": 8, "max_cache_tokens": 3000}
+    want, _, _ = run_loop(setup, False, arrivals, **options)
+    loop = sampler.DecodeLoop(CPU, [EOS], setup.decode, slots=True, **options)
+    assert loop.slots is not None
+    loop.slots.graphs_wanted = True  # as on CUDA
+    done: dict[Any, Any] = {}
+    first: tuple[Any, ...] | None = None
+    step = 0
+    while loop.busy or step <= max(arrivals):
+        for key, req in arrivals.get(step, []):
+            loop.add(key, req)
+        done.update(loop.step(setup.model))
+        kv = loop.slots.kv
+        if isinstance(kv, KvPages):
+            now = (kv.pages[0][0], kv.table, loop.slots.adapters)
+            first = first or now
+            assert [a is b for a, b in zip(now, first, strict=True)] == [True] * 3, step
+        step += 1
+    assert_equal_samples(done, want)
+    assert first is not None
+    assert loop.slots.captured == len(loop.slots.graphs) >= 2

@@ -35,6 +35,7 @@ from queue_tinker.workers.sampling.adapter_slots import (
     slotted_lora,
 )
 from queue_tinker.workers.sampling.cache_budget import slot_cache_tokens
+from queue_tinker.workers.sampling.kv_pages import KvPages
 from queue_tinker.workers.sampling.kv_slots import KvSlots
 from queue_tinker.workers.sampling.slot_decode import (
     SlotDecoder,
@@ -148,20 +149,22 @@ def test_a_cancelled_request_gives_up_its_slots(setup: Setup) -> None:
     assert_equal_samples(done, want)
 
 
+@pytest.mark.parametrize(("layers", "store"), [("transformers", KvSlots), ("fused", KvPages)])
 def test_rows_leaving_move_only_the_last_rows_into_their_slots(
-    setup: Setup, monkeypatch: pytest.MonkeyPatch
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, layers: str, store: Any
 ) -> None:
-    """Rows 1 and 2 of 6 leave: rows 4 and 5 move into slots 1 and 2 (one copy each), rows 0
-    and 3 stay where they are, and every row keeps its settings and state."""
+    """Rows 1 and 2 of 6 leave: rows 4 and 5 move into slots 1 and 2 (one copy each, of their
+    columns or of their pages' row of the table), rows 0 and 3 stay where they are, and every
+    row keeps its settings and state."""
     moves: list[tuple[list[int], list[int]]] = []
-    original = KvSlots.move
+    original = store.move
 
-    def record(self: KvSlots, sources: list[int], targets: list[int]) -> None:
+    def record(self: Any, sources: list[int], targets: list[int]) -> None:
         moves.append((list(sources), list(targets)))
         original(self, sources, targets)
 
-    monkeypatch.setattr(KvSlots, "move", record)
-    loop = loop_of(setup, True)
+    monkeypatch.setattr(store, "move", record)
+    loop = loop_of(setup, True, layers)
     for seed in range(6):
         loop.add(seed, request(PROMPTS[seed % 4], "a1", max_tokens=30, seed=seed, stop=[]))
     loop.step(setup.model)
@@ -483,7 +486,9 @@ class ReplayedStep:
         kv = decoder.slots
         stacks = decoder.adapters.a + decoder.adapters.b if decoder.adapters else []
         inputs = [decoder.tokens, decoder.row_slots, kv.write_at]
-        return [*inputs, *kv.keys, *kv.values, *stacks]
+        if isinstance(kv, KvSlots):
+            return [*inputs, *kv.keys, *kv.values, *stacks]
+        return [*inputs, *(pool for pair in kv.pages for pool in pair), kv.table, *stacks]
 
     def replay(self) -> None:
         now = self.tensors()
