@@ -40,10 +40,10 @@ def add_rms_norm_kernel(
 
 
 def rope_kv_write_kernel(
-    qkv_ptr, pos_ptr, freq_ptr, q_ptr, k_ptr, v_ptr, table_ptr,
-    heads, head_dim, attention_scaling,
+    qkv_ptr, pos_ptr, freq_ptr, q_ptr, k_ptr, v_ptr, table_ptr, q_norm_ptr, k_norm_ptr,
+    heads, head_dim, attention_scaling, norm_eps,
     stride_qkv, stride_q, stride_kp, stride_kt, stride_kh, stride_table, page_size,
-    HALF: tl.constexpr,
+    HALF: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     head = tl.program_id(1)  # heads query heads, then the key / value heads
@@ -57,6 +57,17 @@ def rope_kv_write_kernel(
     source = qkv_ptr + row * stride_qkv + head * head_dim
     x1 = tl.load(source + offs, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(source + head_dim // 2 + offs, mask=ok, other=0.0).to(tl.float32)
+    if QK_NORM:  # Qwen3: each head RMS-normed over its dim (its q or k weight) before rotary
+        variance = (tl.reduce(x1 * x1, 0, SUM) + tl.reduce(x2 * x2, 0, SUM)) / head_dim
+        if head < heads:
+            w1 = tl.load(q_norm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(q_norm_ptr + head_dim // 2 + offs, mask=ok, other=0.0).to(tl.float32)
+        else:
+            w1 = tl.load(k_norm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(k_norm_ptr + head_dim // 2 + offs, mask=ok, other=0.0).to(tl.float32)
+        scale = 1.0 / tl.sqrt(variance + norm_eps)
+        x1 = (w1 * (x1 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     first = (x1 * cos - x2 * sin).to(dtype)
     second = (x2 * cos + x1 * sin).to(dtype)
     if head < heads:

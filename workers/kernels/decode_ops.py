@@ -5,7 +5,8 @@ reference on a CPU worker; a fake implementation makes it count as one kernel on
 
 - `rms_norm`, `add_rms_norm_` (the residual added in place, then normed): a decoder layer's
   norms, one kernel each where the model runs three (or five) elementwise ones.
-- `rope_kv_write`: q and k rotated and k, v written into their pages of the KV cache.
+- `rope_kv_write`: q and k rotated (each head RMS-normed first for Qwen3) and k, v written
+  into their pages of the KV cache.
 - `paged_attention` (and, split over a long row's pages, `paged_attention_parts` +
   `merge_attention_splits`): one query token a row against its filled pages only, the query
   heads sharing a key / value head read together (grouped-query attention without copies).
@@ -106,12 +107,19 @@ def rope_kv_write_reference(
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
     table: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> torch.Tensor:
-    """transformers' rotary embedding (rotate_half) on q and k, k and v written to each row's
-    position; q back (rows, heads * head_dim)."""
+    """transformers' rotary embedding (rotate_half) on q and k (each head RMS-normed first
+    where q_norm / k_norm are given: Qwen3's), k and v written to each row's position; q back
+    (rows, heads * head_dim)."""
     rows = qkv.shape[0]
     kv_heads = k_pages.shape[2]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    if q_norm is not None and k_norm is not None:
+        q = rms_norm_reference(q.reshape(rows, heads, head_dim), q_norm, norm_eps)
+        k = rms_norm_reference(k.reshape(rows, kv_heads, head_dim), k_norm, norm_eps)
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
     angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
     cos = (angles.cos() * attention_scaling).to(qkv.dtype)
@@ -141,22 +149,28 @@ def rope_kv_write(
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
     table: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> torch.Tensor:
     """qkv (rows, (heads + 2 kv heads) * head_dim) at `positions` (rows,): q rotated back,
-    k rotated and v written to the pages."""
+    k rotated and v written to the pages; q and k each head RMS-normed first where q_norm /
+    k_norm (head_dim,) are given."""
     args = (qkv, positions, inv_freq, attention_scaling, heads, head_dim, k_pages, v_pages, table)
     if not runs_triton(qkv):
-        return rope_kv_write_reference(*args)
+        return rope_kv_write_reference(*args, q_norm, k_norm, norm_eps)
     rows = qkv.shape[0]
     q = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
     if rows:
         kv_heads = k_pages.shape[2]
+        normed = q_norm is not None and k_norm is not None
         kernel(SOURCE, "rope_kv_write", qkv)[(rows, heads + kv_heads)](
             qkv, positions, inv_freq, q, k_pages, v_pages, table,
-            heads, head_dim, attention_scaling,
+            q_norm if normed else inv_freq, k_norm if normed else inv_freq,
+            heads, head_dim, attention_scaling, norm_eps,
             qkv.stride(0), q.stride(0), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             table.stride(0), k_pages.shape[1],
-            HALF=_pow2(head_dim // 2),
+            HALF=_pow2(head_dim // 2), QK_NORM=normed,
         )  # fmt: skip
     return q
 
@@ -172,6 +186,9 @@ def _(
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
     table: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> torch.Tensor:
     return qkv.new_empty(qkv.shape[0], heads * head_dim)
 

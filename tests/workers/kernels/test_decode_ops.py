@@ -97,6 +97,39 @@ def test_rope_and_the_kv_write(monkeypatch: pytest.MonkeyPatch) -> None:
     close(k_pages[7, 5], want_k[2, :, 0])  # row 2 at 21: its third page (7), column 5
 
 
+def test_rope_after_each_head_s_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's q / k norms: each head RMS-normed over its dim by its own weight, then rotated,
+    as transformers' Qwen3 attention does."""
+    heads, kv_heads, dim = 4, 2, 16
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim)
+    positions = LENGTHS.long() - 1
+    inv_freq = 1 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+    q_norm, k_norm = torch.rand(dim) + 0.5, torch.rand(dim) + 0.5
+    keys, values = (torch.zeros(10, 8, kv_heads, dim) for _ in range(2))
+
+    def written(*args: Any) -> torch.Tensor:
+        q = ops.rope_kv_write(*args)
+        return torch.cat([q.flatten(), args[6].flatten(), args[7].flatten()])
+
+    args = (qkv, positions, inv_freq, 1.0, heads, dim, keys, values, TABLE, q_norm, k_norm, 1e-6)
+    reference, kernel = both(monkeypatch, written, *args)
+    close(reference, kernel)
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    norm = Qwen3RMSNorm(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(q_norm)
+        q = norm(qkv[:, : heads * dim].view(3, heads, dim))[:, :, None]
+        norm.weight.copy_(k_norm)
+        k = norm(qkv[:, heads * dim : (heads + kv_heads) * dim].view(3, kv_heads, dim))[:, :, None]
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([freqs, freqs], -1)[:, None]
+    want_q, want_k = apply_rotary_pos_emb(q, k, angles.cos(), angles.sin())
+    close(reference[: q.numel()], want_q.flatten())
+    k_pages = reference[q.numel() : q.numel() + keys.numel()].view_as(keys)
+    close(k_pages[7, 5], want_k[2, :, 0])
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_paged_attention(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
     """Each row against its own filled columns only, by pages, whole or split and merged."""
@@ -164,11 +197,12 @@ INT_ARGS = {
     "n", "heads", "head_dim", "group", "k", "width", "rank", "end1", "end2",
     "splits", "page_size",
 }  # fmt: skip
-FLOAT_ARGS = {"eps", "attention_scaling", "scale"}
+FLOAT_ARGS = {"eps", "attention_scaling", "scale", "norm_eps"}
 KERNELS = {  # name: (pointer dtypes other than the model's, constexprs) as the launchers pick
     "add_rms_norm": ({}, {"HAS_RESIDUAL": True, "BLOCK": 4096}),
     "rope_kv_write": (
-        {"pos_ptr": "*i64", "freq_ptr": "*fp32", "table_ptr": "*i32"}, {"HALF": 64}
+        {"pos_ptr": "*i64", "freq_ptr": "*fp32", "table_ptr": "*i32"},
+        {"HALF": 64, "QK_NORM": True},
     ),
     "paged_attention": (
         {"table_ptr": "*i32", "len_ptr": "*i32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},

@@ -5,6 +5,7 @@ weights (views, never copies), and leaves a model it does not fit to transformer
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -154,3 +155,40 @@ def test_no_graph_is_dropped_over_a_run(
     assert_equal_samples(done, want)
     assert first is not None
     assert loop.slots.captured == len(loop.slots.graphs) >= 2
+
+
+@pytest.mark.parametrize("kernels", ["references", "triton"])
+def test_qwen3_decodes_in_the_fused_step_with_its_q_k_norms(
+    setup: Setup, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
+    """Qwen3's layer (q / k norms before rotary) in the fused step, by the kernels' torch
+    references and by the Triton kernels interpreted: the padded loop's samples."""
+    from test_sampler import with_adapters
+
+    from queue_tinker.workers.model.base_model import load_base_model
+    from queue_tinker.workers.model.families.qwen3 import Qwen3Decoder
+
+    torch.manual_seed(0)
+    base = load_base_model("queue-tinker/tiny-qwen3", "cpu", tmp_path)
+    with warnings.catch_warnings():  # with_adapters' configs name the tiny Llama as their base
+        warnings.filterwarnings("ignore", "The PEFT config's `base_model_name_or_path`")
+        model = with_adapters(base)
+    assert Qwen3Decoder.fits(model) and not LlamaDecoder.fits(model)
+    requests = [
+        request(PROMPTS[0], None, n=2, max_tokens=6, seed=1, stop=[]),
+        request(PROMPTS[1], "a1", max_tokens=5, seed=2, temperature=0.8, stop=[]),
+        request(PROMPTS[2], "sharp", max_tokens=4, temperature=0, stop=[]),
+    ]
+    results = []
+    for slots in (False, True):
+        if slots and kernels == "triton":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        loop = sampler.DecodeLoop(CPU, [EOS], setup.decode, max_rows=None, slots=slots)
+        for key, req in enumerate(requests):
+            loop.add(key, req)
+        done: dict[Any, Any] = {}
+        while loop.busy:
+            done.update(loop.step(model))
+        results.append(done)
+    assert_equal_samples(results[1], results[0])
+    assert loop.slots is not None and isinstance(loop.slots._decoder(model), Qwen3Decoder)

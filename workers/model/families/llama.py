@@ -47,12 +47,23 @@ class _Layer:
     o_module: torch.nn.Module
     gate_up_module: torch.nn.Module
     down_module: torch.nn.Module
+    q_norm: torch.Tensor | None  # each head's norm before rotary (Qwen3's), else None
+    k_norm: torch.Tensor | None
 
 
 class LlamaDecoder:
     """A Llama decoder's step for one token a row, per layer: add + RMSNorm, the q/k/v GEMM,
     rotary + the KV write, attention over the row's pages, the o GEMM, add + RMSNorm, the
-    gate/up GEMM, SwiGLU, the down GEMM (9 kernels; with LoRA slots 2 more a GEMM)."""
+    gate/up GEMM, SwiGLU, the down GEMM (9 kernels; with LoRA slots 2 more a GEMM). A family
+    of the same layer with q / k norms (Qwen3) subclasses it with QK_NORM."""
+
+    MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral"})
+    QK_NORM = False  # whether each head's q and k are RMS-normed before rotary
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> FusedDecoder | None:
+        """The fused decode step of a model of this layer, or None where it does not fit."""
+        return cls(model) if cls.fits(model) else None
 
     def __init__(self, model: PreTrainedModel) -> None:
         causal: Any = _causal_lm(model)
@@ -62,6 +73,8 @@ class LlamaDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scale = float(inner.layers[0].self_attn.scaling)
         self.eps = float(inner.norm.variance_epsilon)
+        attention = inner.layers[0].self_attn
+        self.norm_eps = float(attention.q_norm.variance_epsilon) if self.QK_NORM else 0.0
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head_module = causal.lm_head
@@ -70,13 +83,14 @@ class LlamaDecoder:
         self.attention_scaling = float(inner.rotary_emb.attention_scaling)
         self.layers = [_layer(layer) for layer in inner.layers]
 
-    @staticmethod
-    def fits(model: torch.nn.Module) -> bool:
+    @classmethod
+    def fits(cls, model: torch.nn.Module) -> bool:
         """Whether the fused step computes what this model does: Llama's layer (SiLU MLP,
-        linears without bias, plain RMSNorm), rotary frequencies fixed for every length."""
+        linears without bias, plain RMSNorm; q / k norms exactly where QK_NORM), rotary
+        frequencies fixed for every length."""
         causal: Any = _causal_lm(model)
         config = getattr(causal, "config", None)
-        if config is None or getattr(config, "model_type", None) not in FAMILY.model_types:
+        if config is None or getattr(config, "model_type", None) not in cls.MODEL_TYPES:
             return False
         inner = getattr(causal, "model", None)
         rotary = getattr(inner, "rotary_emb", None)
@@ -87,6 +101,8 @@ class LlamaDecoder:
         linears = [causal.lm_head]
         for layer in inner.layers:
             attention, mlp = layer.self_attn, layer.mlp
+            if (getattr(attention, "q_norm", None) is not None) != cls.QK_NORM:
+                return False
             linears += [getattr(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
             linears += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
         return all(plain_linear(module) for module in linears)
@@ -110,7 +126,7 @@ class LlamaDecoder:
             qkv = linear(normed, layer.qkv, layer.qkv_module, lora)
             q = rope_kv_write(
                 qkv, positions, self.inv_freq, self.attention_scaling, self.heads, self.head_dim,
-                keys, values, table,
+                keys, values, table, layer.q_norm, layer.k_norm, self.norm_eps,
             )  # fmt: skip
             attended = decode_attention(
                 q.view(rows, self.heads, self.head_dim), keys, values, table, lengths,
@@ -144,12 +160,9 @@ def _layer(layer: Any) -> _Layer:
         o_module=attention.o_proj,
         gate_up_module=mlp.gate_proj,
         down_module=mlp.down_proj,
+        q_norm=attention.q_norm.weight if hasattr(attention, "q_norm") else None,
+        k_norm=attention.k_norm.weight if hasattr(attention, "k_norm") else None,
     )
-
-
-def decoder_of(model: PreTrainedModel) -> FusedDecoder | None:
-    """The fused decode step of a Llama-family model, or None where it does not fit."""
-    return LlamaDecoder(model) if LlamaDecoder.fits(model) else None
 
 
 FAMILY = Family(
@@ -158,5 +171,5 @@ FAMILY = Family(
     shards=True,
     fused_kernels=True,
     builtins=("queue-tinker/tiny-llama", "queue-tinker/llama-100m"),
-    decoder=decoder_of,
+    decoder=LlamaDecoder.of,
 )
