@@ -24,6 +24,7 @@ samples there.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -380,7 +381,9 @@ class SlotDecoder:
         self, model: torch.nn.Module, size: int, columns: int
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The step of this bucket captured as a CUDA graph (after one eager run on a side
-        stream, which lazy initialisations need; the run writes what the replay writes)."""
+        stream, which lazy initialisations need, and the kernels' first compile; the run writes
+        what the replay writes). Its time is logged: a first step per bucket pays it once."""
+        began = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -395,5 +398,11 @@ class SlotDecoder:
             logits = self._step(model, size, columns)
         self.graphs[(size, columns, self.lora_on)] = (graph, logits)
         self.captured += 1
-        log.debug("captured the decode step of %d rows x %d columns", size, columns)
+        log.info(
+            "captured the decode step of %d rows (%s, %s) in %.2f s",
+            size,
+            f"{columns} columns" if columns else "each row's own length",
+            "LoRA" if self.lora_on else "no LoRA",
+            time.perf_counter() - began,
+        )
         return graph, logits

@@ -208,6 +208,11 @@ KERNELS = {  # name: (pointer dtypes other than the model's, constexprs) as the 
         {"table_ptr": "*i32", "len_ptr": "*i32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
         {"PAGE": 64, "DIM": 128, "BLOCK_G": 16, "FINAL": True, "IEEE": False},
     ),
+    "paged_attention_fp32": (  # fp32 models (the GPU suite's): the dots in IEEE
+        {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": "*fp32",
+         "table_ptr": "*i32", "len_ptr": "*i32", "max_ptr": "*fp32", "sum_ptr": "*fp32"},
+        {"PAGE": 64, "DIM": 128, "BLOCK_G": 16, "FINAL": True, "IEEE": True},
+    ),
     "paged_attention_parts": (
         {"table_ptr": "*i32", "len_ptr": "*i32", "out_ptr": "*fp32", "max_ptr": "*fp32",
          "sum_ptr": "*fp32"},
@@ -233,7 +238,7 @@ def test_compiles_for_sm90(name: str) -> None:
     from queue_tinker.workers.kernels import decode_kernels
 
     pointers, constexprs = KERNELS[name]
-    source = "paged_attention" if name == "paged_attention_parts" else name
+    source = "paged_attention" if name.startswith("paged_attention") else name
     kernel = triton.jit(getattr(decode_kernels, f"{source}_kernel"))
     signature: dict[str, str] = {}
     for arg in kernel.arg_names:

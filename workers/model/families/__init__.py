@@ -4,9 +4,9 @@ the worker asks (`family_of`): no family's name appears outside this folder.
 A family declares (family.Family) which linears Tinker's train_attn / train_mlp /
 train_unembed adapt, whether stacked experts are adapted with the MLP, its tensor-parallel
 split and whether a worker group runs it, its vision tower, whether liger's fused kernels
-apply, its fused decode step (fused_decode.py), and its tiny built-ins. A new family is one module here and a line in FAMILIES. What
-a model's own structure says (its decoder layers, routers, expert weights, KV cache layers)
-is read off the model, not declared.
+apply, its fused decode step (fused_decode.py), and its tiny built-ins. A new family is one
+module here and a line in FAMILIES. What a model's own structure says (its decoder layers,
+routers, expert weights, KV cache layers) is read off the model, not declared.
 """
 
 from __future__ import annotations
