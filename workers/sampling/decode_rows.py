@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from queue_tinker.workers.sampling.decode_loop import GenerationRequest
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
-# Per-row state indexed and concatenated with the rows (all (rows, ...) device tensors).
-ROW_FIELDS = ("next_pos", "temperature", "top_k", "top_p", "greedy", "streams", "steps", "tokens")
 
 Key = Hashable
 
@@ -236,8 +234,14 @@ class Rows:
     def _index_fields(self, index: torch.Tensor) -> None:
         """Keep the per-row settings and state of the rows `index` (on the device) names, in
         its order."""
-        for name in (*ROW_FIELDS, "stop_ids"):
-            setattr(self, name, getattr(self, name)[index])
+        self.next_pos, self.tokens = self.next_pos[index], self.tokens[index]
+        self.temperature, self.top_k, self.top_p = (
+            self.temperature[index], self.top_k[index], self.top_p[index]
+        )  # fmt: skip
+        self.greedy, self.streams, self.steps = (
+            self.greedy[index], self.streams[index], self.steps[index]
+        )  # fmt: skip
+        self.stop_ids = self.stop_ids[index]
 
     def _append_fields(self, other: Rows) -> None:
         """Append `other`'s per-row settings and state after these rows'."""
@@ -245,8 +249,14 @@ class Rows:
         self.stop_ids = torch.cat(
             [F.pad(s, (0, stops - s.shape[1]), value=-1) for s in (self.stop_ids, other.stop_ids)]
         )
-        for name in ROW_FIELDS:
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+        self.tokens = torch.cat([self.tokens, other.tokens])
+        self.temperature = torch.cat([self.temperature, other.temperature])
+        self.top_k = torch.cat([self.top_k, other.top_k])
+        self.top_p = torch.cat([self.top_p, other.top_p])
+        self.greedy = torch.cat([self.greedy, other.greedy])
+        self.streams = torch.cat([self.streams, other.streams])
+        self.steps = torch.cat([self.steps, other.steps])
 
 
 def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:

@@ -1265,3 +1265,32 @@ def test_a_row_s_fixed_state_is_charged_beside_its_columns(setup: Setup) -> None
             loop.step(setup.model)
             widest[extra] = max(widest[extra], loop.step_rows)
     assert widest == {0: 2, 6: 1}
+
+
+def test_rows_leaving_and_joining_carry_every_per_row_field(setup: Setup) -> None:
+    """Every per-row tensor of Rows is kept for the rows that stay, in their order, and
+    joined for the rows that join (a field added to Rows but not to select / merge fails)."""
+    import dataclasses
+
+    from queue_tinker.workers.sampling.decode_rows import Rows
+
+    loop = sampler.DecodeLoop(CPU, [EOS], setup.decode, max_rows=None)
+    for key in range(3):
+        loop.add(key, request(PROMPTS[key], None, max_tokens=8, seed=key, stop=[]))
+    loop.step(setup.model)
+    rows = loop.running
+    assert isinstance(rows, Rows) and rows.size == 3
+    per_row = [
+        f.name
+        for f in dataclasses.fields(Rows)
+        if isinstance(getattr(rows, f.name), torch.Tensor) and f.name != "mask"
+    ]
+    assert len(per_row) == 9
+    before = {name: getattr(rows, name).clone() for name in per_row}
+    rows.select([2, 0])
+    for name in per_row:
+        torch.testing.assert_close(getattr(rows, name), before[name][[2, 0]], msg=name)
+    other = copy.deepcopy(rows)
+    rows.merge(other)
+    for name in per_row:
+        assert getattr(rows, name).shape[0] == 4, name
