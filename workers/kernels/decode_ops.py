@@ -207,6 +207,9 @@ def paged_attention_reference(
     """q (rows, heads, dim) against each row's first lengths[r] tokens; (rows, heads, dim)."""
     rows, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
+    # Only the pages some row fills (a table is as wide as the model's positions): on the CPU,
+    # where this runs, reading the longest length costs nothing.
+    table = table[:, : -(-int(lengths.max()) // page_size)] if rows else table[:, :0]
     columns = table.shape[1] * page_size
 
     def gathered(pages: torch.Tensor) -> torch.Tensor:  # (rows, kv heads, columns, dim)

@@ -254,3 +254,19 @@ def test_compiles_for_sm90(name: str) -> None:
         ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 64)
     )
     assert compiled.asm["cubin"]
+
+
+def test_the_attention_reference_reads_only_the_filled_pages() -> None:
+    """A page table as wide as a long-context model's positions (the fused step's) costs the
+    CPU reference nothing past the pages rows fill: with 10^7 pages a row (what gathering them
+    all would need is ~60 GB), rows of a few tokens attend at once, as over a narrow table."""
+    keys, values = pages(4, 8, 2, 16)
+    q = torch.randn(3, 4, 16)
+    wide = torch.zeros(3, 10**7, dtype=torch.int32)
+    wide[:, :3] = TABLE
+    narrow = ops.paged_attention_reference(q, keys.repeat(3, 1, 1, 1), values.repeat(3, 1, 1, 1),
+                                           TABLE, LENGTHS, 0.25)  # fmt: skip
+    got = ops.paged_attention_reference(
+        q, keys.repeat(3, 1, 1, 1), values.repeat(3, 1, 1, 1), wide, LENGTHS, 0.25
+    )
+    close(got, narrow)
