@@ -49,6 +49,8 @@ KNOBS = {
 }
 # New tokens of an eager step kind's warm-up pass.
 WARM_TOKENS = 16
+# New tokens of the requests whose full-batch step the profiler counts (slots, CUDA).
+PROFILED_TOKENS = 4
 Prompts = list[list[int]]
 Requests = list[GenerationRequest]
 Info = dict[str, str]  # what a report's machine line says
@@ -69,6 +71,9 @@ class Measured:
     # The widest captured step replayed back to back, no host work between: the device's
     # time of a step, against which the median step shows the host's share (graphs only).
     replay_ms: float | None = None
+    # The kernels one full-batch step launched on the device, by the profiler (eager slots on
+    # CUDA): the card's check of what --count counts on meta tensors.
+    device_kernels: int | None = None
 
     @property
     def median_ms(self) -> float:
@@ -127,6 +132,27 @@ def first_token_times(
         times.append((time.perf_counter() - start) * 1e3)
     loop.cancel({("background", index) for index in range(len(background))})
     return times
+
+
+def device_kernels(loop: DecodeLoop, step: Step, batch: Requests) -> int | None:
+    """The kernels (and device copies) one full-batch step launches, counted by torch's
+    profiler on CUDA (None elsewhere): every request admitted first, then one step profiled,
+    then the rest run out."""
+    if loop.device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for index, request in enumerate(batch):
+        loop.add(("profiled", index), request)
+    while loop.rows < len(batch):
+        step()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiled:
+        step()
+        synchronize(loop.device)
+    while loop.busy:
+        step()
+    return sum(1 for event in profiled.events() if event.device_type == DeviceType.CUDA)
 
 
 def replay_alone_ms(loop: DecodeLoop, reps: int = 20) -> float | None:
@@ -225,15 +251,19 @@ def one_kind(args: argparse.Namespace, pool: AdapterPool, kind: DecodeStep, mix:
     captured = loop.slots.captured if loop.slots is not None else 0
     measured = Measured(kind, name, steps, args.rows * args.new / seconds, captured)
     measured.replay_ms = replay_alone_ms(loop)
+    if kind == "slots":  # eager: the profiler sees each kernel a graph would replay
+        few = requests(warm_prompts, PROFILED_TOKENS, adapters)
+        measured.device_kernels = device_kernels(loop, step, few)
     first = ""
     if name == "base":  # the rows but one decoding, a joiner's first token
         background = requests(warm_prompts[1:], args.new, adapters)
         joiners = prompts(args.joiners, args.first_prompt, vocab, 3)
         measured.first_token_ms = first_token_times(loop, step, background, joiners)
         first = f", first token p50 {statistics.median(measured.first_token_ms):.1f} ms"
+    profiled = f", {measured.device_kernels:,} kernels a step" if measured.device_kernels else ""
     print(
         f"{kind} {name}: step {measured.median_ms:.2f} ms, {measured.tokens_per_s:,.0f} tok/s, "
-        f"graphs {captured}{first}",
+        f"graphs {captured}{first}{profiled}",
         flush=True,
     )
     return measured
@@ -243,6 +273,7 @@ COLUMNS = (
     "step", "rows on", "decode step, ms (median)", "memory floor, ms", "step ÷ floor",
     "÷ the base model's step", "tokens/s (prefill included)", "÷ generate()",
     "first token, ms (p50)", "widest graph replayed alone, ms", "graphs captured",
+    "kernels a step (profiler)",
 )  # fmt: skip
 
 
@@ -256,7 +287,8 @@ def report(
          f"{r.median_ms / base_ms[r.kind]:.2f}×", f"{r.tokens_per_s:,.0f}",
          f"**{r.tokens_per_s / figures['generate_tok_s']:.2f}×**",
          f"{statistics.median(r.first_token_ms):,.1f}" if r.first_token_ms else "",
-         f"{r.replay_ms:,.2f}" if r.replay_ms is not None else "", r.captured)
+         f"{r.replay_ms:,.2f}" if r.replay_ms is not None else "", r.captured,
+         f"{r.device_kernels:,}" if r.device_kernels is not None else "")
         for r in results
         for floor in (figures["floor_base_ms" if r.mix == "base" else "floor_adapters_ms"],)
     ]  # fmt: skip
