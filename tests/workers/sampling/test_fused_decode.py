@@ -192,3 +192,54 @@ def test_qwen3_decodes_in_the_fused_step_with_its_q_k_norms(
         results.append(done)
     assert_equal_samples(results[1], results[0])
     assert loop.slots is not None and isinstance(loop.slots._decoder(model), Qwen3Decoder)
+
+
+@pytest.mark.parametrize("kernels", ["references", "triton"])
+def test_qwen2_decodes_in_the_fused_step_with_its_q_k_v_biases(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
+    """Qwen2's layer (biases on q, k and v, drawn non-zero) in the fused step with adapters,
+    by the references and by the interpreted kernels: the padded loop's samples; the fused
+    bias is a view of one buffer that the three biases are views of too."""
+    from test_sampler import with_adapters
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from queue_tinker.workers.model.families.qwen3 import Qwen2Decoder
+
+    config = Qwen2Config(
+        vocab_size=setup.plain.config.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in base.model.layers:
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                linear.bias.normal_(std=0.5)
+    with warnings.catch_warnings():  # with_adapters' configs name the tiny Llama as their base
+        warnings.filterwarnings("ignore", "The PEFT config's `base_model_name_or_path`")
+        model = with_adapters(base)
+    assert Qwen2Decoder.fits(model) and not LlamaDecoder.fits(model)
+    requests = [
+        request(PROMPTS[0], None, n=2, max_tokens=6, seed=1, stop=[]),
+        request(PROMPTS[1], "a1", max_tokens=5, seed=2, temperature=0.8, stop=[]),
+        request(PROMPTS[2], "sharp", max_tokens=4, temperature=0, stop=[]),
+    ]
+    results = []
+    for slots in (False, True):
+        if slots and kernels == "triton":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        loop = sampler.DecodeLoop(CPU, [EOS], setup.decode, max_rows=None, slots=slots)
+        for key, req in enumerate(requests):
+            loop.add(key, req)
+        done: dict[Any, Any] = {}
+        while loop.busy:
+            done.update(loop.step(model))
+        results.append(done)
+    assert_equal_samples(results[1], results[0])
+    decoder = loop.slots._decoder(model) if loop.slots is not None else None
+    assert isinstance(decoder, Qwen2Decoder)
+    bias = decoder.layers[0].qkv_bias
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    assert bias is not None and q_proj.bias.data_ptr() == bias.data_ptr()

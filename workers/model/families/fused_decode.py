@@ -58,31 +58,44 @@ def base_weight(module: torch.nn.Module) -> torch.Tensor:
     return weight
 
 
-def plain_linear(module: torch.nn.Module) -> bool:
-    """A torch Linear without bias (under its LoRA wrapper, if any): what a fused GEMM takes."""
+def plain_linear(module: torch.nn.Module, bias: bool = False) -> bool:
+    """A torch Linear (under its LoRA wrapper, if any) with a bias exactly where `bias`: what a
+    fused GEMM takes."""
     linear = getattr(module, "base_layer", module)
-    return type(linear) is torch.nn.Linear and linear.bias is None
+    return type(linear) is torch.nn.Linear and (linear.bias is not None) == bias
 
 
-@torch.inference_mode(False)  # a normal tensor, as the Parameters' data must be (a step
-@torch.no_grad()  # runs in inference mode)
 def fused_rows(modules: Sequence[torch.nn.Module]) -> torch.Tensor:
     """One (sum of outputs, in) weight whose row blocks are these linears' weights, in order:
     made once, the weights becoming views of it (their Parameters kept); a view over them when
     they are already one buffer's consecutive blocks."""
-    weights = [base_weight(module) for module in modules]
-    first = weights[0]
-    if all(w.is_contiguous() for w in weights) and _consecutive(weights):
-        rows = sum(w.shape[0] for w in weights)
-        columns = first.shape[1]
+    return _fused([base_weight(module) for module in modules])
+
+
+def fused_bias(modules: Sequence[torch.nn.Module]) -> torch.Tensor | None:
+    """The linears' biases as one (sum of outputs,) vector, as fused_rows makes weights; None
+    where they have none."""
+    linears: list[Any] = [getattr(module, "base_layer", module) for module in modules]
+    biases: list[torch.Tensor | None] = [linear.bias for linear in linears]
+    present = [b for b in biases if b is not None]
+    return _fused(present) if len(present) == len(biases) else None
+
+
+@torch.inference_mode(False)  # a normal tensor, as the Parameters' data must be (a step
+@torch.no_grad()  # runs in inference mode)
+def _fused(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    first = tensors[0]
+    if all(t.is_contiguous() for t in tensors) and _consecutive(tensors):
+        rows = sum(t.shape[0] for t in tensors)
+        shape, strides = (rows, *first.shape[1:]), first.stride()
         return first.new_empty(0).set_(
-            first.untyped_storage(), first.storage_offset(), (rows, columns), (columns, 1)
+            first.untyped_storage(), first.storage_offset(), shape, strides
         )
-    fused = torch.cat([w.detach() for w in weights])
+    fused = torch.cat([t.detach() for t in tensors])
     start = 0
-    for weight in weights:
-        weight.data = fused[start : start + weight.shape[0]]
-        start += weight.shape[0]
+    for tensor in tensors:
+        tensor.data = fused[start : start + tensor.shape[0]]
+        start += tensor.shape[0]
     return fused
 
 
@@ -97,11 +110,15 @@ def _consecutive(weights: Sequence[torch.Tensor]) -> bool:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, module: torch.nn.Module, lora: SlotLora | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    module: torch.nn.Module,
+    lora: SlotLora | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x times a (fused) weight, plus each row's adapter's update where the linear has LoRA
-    slots (keyed by its first module)."""
-    y = F.linear(x, weight)
+    """x times a (fused) weight (plus its bias), plus each row's adapter's update where the
+    linear has LoRA slots (keyed by its first module)."""
+    y = F.linear(x, weight, bias)
     stack = lora.stacks.get(id(module)) if lora is not None else None
     if lora is not None and stack is not None:
         a, b, ends = stack

@@ -23,6 +23,7 @@ from queue_tinker.workers.model.families.fused_decode import (
     FusedDecoder,
     SlotLora,
     attention_splits,
+    fused_bias,
     fused_rows,
     linear,
     plain_linear,
@@ -49,16 +50,19 @@ class _Layer:
     down_module: torch.nn.Module
     q_norm: torch.Tensor | None  # each head's norm before rotary (Qwen3's), else None
     k_norm: torch.Tensor | None
+    qkv_bias: torch.Tensor | None  # q/k/v's biases (Qwen2's), else None
 
 
 class LlamaDecoder:
     """A Llama decoder's step for one token a row, per layer: add + RMSNorm, the q/k/v GEMM,
     rotary + the KV write, attention over the row's pages, the o GEMM, add + RMSNorm, the
     gate/up GEMM, SwiGLU, the down GEMM (9 kernels; with LoRA slots 2 more a GEMM). A family
-    of the same layer with q / k norms (Qwen3) subclasses it with QK_NORM."""
+    of the same layer with q / k norms (Qwen3) or q/k/v biases (Qwen2) subclasses it with
+    QK_NORM or QKV_BIAS."""
 
     MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral"})
     QK_NORM = False  # whether each head's q and k are RMS-normed before rotary
+    QKV_BIAS = False  # whether q, k and v have biases (no other linear may)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> FusedDecoder | None:
@@ -99,13 +103,17 @@ class LlamaDecoder:
         if getattr(config, "hidden_act", None) != "silu":
             return False
         linears = [causal.lm_head]
+        biased = []
         for layer in inner.layers:
             attention, mlp = layer.self_attn, layer.mlp
             if (getattr(attention, "q_norm", None) is not None) != cls.QK_NORM:
                 return False
-            linears += [getattr(attention, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            biased += [getattr(attention, n) for n in ("q_proj", "k_proj", "v_proj")]
+            linears += [attention.o_proj]
             linears += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-        return all(plain_linear(module) for module in linears)
+        return all(plain_linear(module) for module in linears) and all(
+            plain_linear(module, bias=cls.QKV_BIAS) for module in biased
+        )
 
     @torch.inference_mode()
     def step(
@@ -123,7 +131,7 @@ class LlamaDecoder:
         normed = rms_norm(residual, self.layers[0].input_norm, self.eps)
         for index, layer in enumerate(self.layers):
             keys, values = pages[index]
-            qkv = linear(normed, layer.qkv, layer.qkv_module, lora)
+            qkv = linear(normed, layer.qkv, layer.qkv_module, lora, layer.qkv_bias)
             q = rope_kv_write(
                 qkv, positions, self.inv_freq, self.attention_scaling, self.heads, self.head_dim,
                 keys, values, table, layer.q_norm, layer.k_norm, self.norm_eps,
@@ -162,6 +170,7 @@ def _layer(layer: Any) -> _Layer:
         down_module=mlp.down_proj,
         q_norm=attention.q_norm.weight if hasattr(attention, "q_norm") else None,
         k_norm=attention.k_norm.weight if hasattr(attention, "k_norm") else None,
+        qkv_bias=fused_bias([attention.q_proj, attention.k_proj, attention.v_proj]),
     )
 
 
