@@ -22,9 +22,10 @@ from transformers import DynamicCache
 
 from queue_tinker.workers.sampling.decode_rows import growing_layers
 from queue_tinker.workers.sampling.host_reads import to_device
-from queue_tinker.workers.sampling.kv_slots import PAGE_SIZE
 
-SCRATCH = 0
+# Columns a page holds (a row's last page is partly used): the attention kernel's block of keys.
+PAGE_SIZE = 64
+SCRATCH = 0  # the page the table's empty rows point at
 
 
 def pages_for(columns: int) -> int:

@@ -27,7 +27,6 @@ from queue_tinker.workers.sampling.host_reads import to_device
 
 # Columns are allocated in multiples of this, so that a few tokens more do not re-make buffers.
 COLUMN_QUANTUM = 64
-PAGE_SIZE = 64  # the columns of a page of kv_pages.py
 
 
 class SlotLayer(DynamicLayer):
