@@ -100,14 +100,16 @@ class KvPages:
         for r, (length, end) in enumerate(zip(lengths, ends, strict=True)):
             slot = at + r
             self.held[slot] = [self.free.pop() for _ in range(pages_for(end))]
-            for t in range(length):
-                rows.append(r)
-                columns.append(width - length + t)
-                targets.append(self.held[slot][t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE)
+            # On the host, a tensor a row (a prompt of thousands of tokens is one op, not a loop).
+            t = torch.arange(length)
+            pages = torch.tensor(self.held[slot], dtype=torch.long)
+            rows.append(torch.full((length,), r))
+            columns.append(width - length + t)
+            targets.append(pages[t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE)
         self._write_table(list(range(at, at + len(lengths))))
-        source_row = to_device(rows, torch.long, self.device)
-        source_column = to_device(columns, torch.long, self.device)
-        target = to_device(targets, torch.long, self.device)
+        source_row = to_device(torch.cat(rows), torch.long, self.device)
+        source_column = to_device(torch.cat(columns), torch.long, self.device)
+        target = to_device(torch.cat(targets), torch.long, self.device)
         for layer, pools in zip(layers, self.pages, strict=True):
             for pool, states in zip(pools, layer.states(), strict=True):
                 flat = pool.view(-1, *pool.shape[2:])  # (pages * PAGE_SIZE, heads, dim)
