@@ -144,8 +144,10 @@ class KvPages:
             self.table.index_fill_(0, to_device(slots, torch.long, self.device), SCRATCH)
 
     def _write_table(self, slots: list[int]) -> None:
-        width = self.table.shape[1]
-        rows = [self.held[s] + [SCRATCH] * (width - len(self.held[s])) for s in slots]
+        """These consecutive slots' rows of the table, from their pages (scratch past them)."""
+        rows = torch.full((len(slots), self.table.shape[1]), SCRATCH, dtype=torch.int32)
+        for row, slot in enumerate(slots):
+            rows[row, : len(self.held[slot])] = torch.tensor(self.held[slot], dtype=torch.int32)
         self.table[slots[0] : slots[-1] + 1].copy_(to_device(rows, torch.int32, self.device))
 
     def _pool(self, pages: int) -> None:
