@@ -66,7 +66,13 @@ def test_the_triton_kernels_sample_what_the_padded_loop_samples(
     """The fused step's Triton kernels run by Triton's interpreter on CPU tensors: mixed
     adapters, the base model, settings and lengths give the padded loop's tokens and logprobs
     to float32 rounding."""
-    arrivals = {0: list(enumerate(mixed_requests()[:4]))}
+    requests = [  # short: the interpreter runs each program in Python
+        request(PROMPTS[0], None, n=2, max_tokens=5, seed=1, stop=[]),
+        request(PROMPTS[1], "a1", max_tokens=4, seed=3, temperature=0.9, stop=[]),
+        request(PROMPTS[2], "a2", max_tokens=4, temperature=0),
+        request(PROMPTS[3], "sharp", max_tokens=3, seed=5, top_k=50, top_p=0.9, stop=[]),
+    ]
+    arrivals = {0: list(enumerate(requests))}
     want, _, _ = run_loop(setup, False, arrivals)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got, _, kinds = run_loop(setup, True, arrivals)
