@@ -23,6 +23,7 @@ from queue_tinker.workers.model.families.fused_decode import (
     FusedDecoder,
     SlotLora,
     attention_splits,
+    base_weight,
     fused_bias,
     fused_rows,
     linear,
@@ -82,7 +83,7 @@ class LlamaDecoder:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.lm_head_module = causal.lm_head
-        self.lm_head = getattr(causal.lm_head, "base_layer", causal.lm_head).weight
+        self.lm_head = base_weight(causal.lm_head)
         self.inv_freq = inner.rotary_emb.inv_freq
         self.attention_scaling = float(inner.rotary_emb.attention_scaling)
         self.layers = [_layer(layer) for layer in inner.layers]
@@ -160,10 +161,10 @@ def _layer(layer: Any) -> _Layer:
     return _Layer(
         input_norm=layer.input_layernorm.weight,
         qkv=fused_rows([attention.q_proj, attention.k_proj, attention.v_proj]),
-        o=getattr(attention.o_proj, "base_layer", attention.o_proj).weight,
+        o=base_weight(attention.o_proj),
         post_norm=layer.post_attention_layernorm.weight,
         gate_up=fused_rows([mlp.gate_proj, mlp.up_proj]),
-        down=getattr(mlp.down_proj, "base_layer", mlp.down_proj).weight,
+        down=base_weight(mlp.down_proj),
         qkv_module=attention.q_proj,
         o_module=attention.o_proj,
         gate_up_module=mlp.gate_proj,
