@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from queue_tinker.workers.sampling.decode_rows import growing_layers
 from queue_tinker.workers.sampling.host_reads import to_device
+from queue_tinker.workers.sampling.kv_slots import Layout, cache_layout
 
 # Columns a page holds (a row's last page is partly used): the attention kernel's block of keys.
 PAGE_SIZE = 64
@@ -37,7 +38,7 @@ class KvPages:
 
     def __init__(
         self,
-        layout: list[tuple[int, int, int]],
+        layout: Layout,
         dtype: torch.dtype,
         device: torch.device,
         pages: int,
@@ -59,11 +60,7 @@ class KvPages:
     @classmethod
     def like(cls, cache: DynamicCache, pages: int, rows: int, row_pages: int) -> KvPages:
         """Empty pools for caches shaped like this one (a prefill's GrowingLayers)."""
-        layers = growing_layers(cache)
-        assert layers is not None, "pages take plain per-layer key / value caches"
-        states = [layer.states() for layer in layers]
-        layout = [(k.shape[1], k.shape[3], v.shape[3]) for k, v in states]
-        return cls(layout, states[0][0].dtype, states[0][0].device, pages, rows, row_pages)
+        return cls(*cache_layout(cache), pages, rows, row_pages)
 
     @property
     def slots(self) -> int:

@@ -29,6 +29,20 @@ from queue_tinker.workers.sampling.host_reads import to_device
 COLUMN_QUANTUM = 64
 
 
+Layout = list[tuple[int, int, int]]  # per attention layer (heads, key dim, value dim)
+
+
+def cache_layout(cache: DynamicCache) -> tuple[Layout, torch.dtype, torch.device]:
+    """A prefill's cache (plain per-layer keys and values, GrowingLayers): each layer's heads
+    and key / value dims, their dtype and device (what slots or pages for its rows are made
+    of)."""
+    layers = growing_layers(cache)
+    assert layers is not None, "slots and pages take plain per-layer key / value caches"
+    states = [layer.states() for layer in layers]
+    layout = [(k.shape[1], k.shape[3], v.shape[3]) for k, v in states]
+    return layout, states[0][0].dtype, states[0][0].device
+
+
 class SlotLayer(DynamicLayer):
     """One attention layer of the slots: `update` writes the step's column of each row at
     `store.write_at` and hands back the first `store.rows` slots' first `store.columns`
@@ -59,9 +73,7 @@ class SlotLayer(DynamicLayer):
 class KvSlots:
     """Every attention layer's slot buffers, and what the next step reads and writes."""
 
-    def __init__(
-        self, layout: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device
-    ):
+    def __init__(self, layout: Layout, dtype: torch.dtype, device: torch.device):
         self.layout = layout  # per layer (heads, key dim, value dim)
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = []
@@ -75,11 +87,7 @@ class KvSlots:
     @classmethod
     def like(cls, cache: DynamicCache) -> KvSlots:
         """Empty slots for caches shaped like this one (a prefill's GrowingLayers)."""
-        layers = growing_layers(cache)
-        assert layers is not None, "slots take plain per-layer key / value caches"
-        states = [layer.states() for layer in layers]
-        layout = [(k.shape[1], k.shape[3], v.shape[3]) for k, v in states]
-        return cls(layout, states[0][0].dtype, states[0][0].device)
+        return cls(*cache_layout(cache))
 
     @property
     def slots(self) -> int:
