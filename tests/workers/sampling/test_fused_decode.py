@@ -169,34 +169,14 @@ def test_qwen3_decodes_in_the_fused_step_with_its_q_k_norms(
 ) -> None:
     """Qwen3's layer (q / k norms before rotary) in the fused step, by the kernels' torch
     references and by the Triton kernels interpreted: the padded loop's samples."""
-    from test_sampler import with_adapters
-
     from queue_tinker.workers.model.base_model import load_base_model
     from queue_tinker.workers.model.families.qwen3 import Qwen3Decoder
 
     torch.manual_seed(0)
     base = load_base_model("queue-tinker/tiny-qwen3", "cpu", tmp_path)
-    with warnings.catch_warnings():  # with_adapters' configs name the tiny Llama as their base
-        warnings.filterwarnings("ignore", "The PEFT config's `base_model_name_or_path`")
-        model = with_adapters(base)
+    model = with_test_adapters(base)
     assert Qwen3Decoder.fits(model) and not LlamaDecoder.fits(model)
-    requests = [
-        request(PROMPTS[0], None, n=2, max_tokens=6, seed=1, stop=[]),
-        request(PROMPTS[1], "a1", max_tokens=5, seed=2, temperature=0.8, stop=[]),
-        request(PROMPTS[2], "sharp", max_tokens=4, temperature=0, stop=[]),
-    ]
-    results = []
-    for slots in (False, True):
-        if slots and kernels == "triton":
-            monkeypatch.setenv("TRITON_INTERPRET", "1")
-        loop = sampler.DecodeLoop(CPU, [EOS], setup.decode, max_rows=None, slots=slots)
-        for key, req in enumerate(requests):
-            loop.add(key, req)
-        done: dict[Any, Any] = {}
-        while loop.busy:
-            done.update(loop.step(model))
-        results.append(done)
-    assert_equal_samples(results[1], results[0])
+    loop = assert_fused_samples_as_padded(setup, model, monkeypatch, kernels)
     assert loop.slots is not None and isinstance(loop.slots._decoder(model), Qwen3Decoder)
 
 
@@ -207,7 +187,6 @@ def test_qwen2_decodes_in_the_fused_step_with_its_q_k_v_biases(
     """Qwen2's layer (biases on q, k and v, drawn non-zero) in the fused step with adapters,
     by the references and by the interpreted kernels: the padded loop's samples; the fused
     bias is a view of one buffer that the three biases are views of too."""
-    from test_sampler import with_adapters
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from queue_tinker.workers.model.families.qwen3 import Qwen2Decoder
@@ -223,10 +202,30 @@ def test_qwen2_decodes_in_the_fused_step_with_its_q_k_v_biases(
         for layer in base.model.layers:
             for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 linear.bias.normal_(std=0.5)
-    with warnings.catch_warnings():  # with_adapters' configs name the tiny Llama as their base
-        warnings.filterwarnings("ignore", "The PEFT config's `base_model_name_or_path`")
-        model = with_adapters(base)
+    model = with_test_adapters(base)
     assert Qwen2Decoder.fits(model) and not LlamaDecoder.fits(model)
+    loop = assert_fused_samples_as_padded(setup, model, monkeypatch, kernels)
+    decoder = loop.slots._decoder(model) if loop.slots is not None else None
+    assert isinstance(decoder, Qwen2Decoder)
+    bias = decoder.layers[0].qkv_bias
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
+    assert bias is not None and q_proj.bias.data_ptr() == bias.data_ptr()
+
+
+def with_test_adapters(base: torch.nn.Module) -> Any:
+    """The test adapters on another family's base (their configs name the tiny Llama)."""
+    from test_sampler import with_adapters
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The PEFT config's `base_model_name_or_path`")
+        return with_adapters(base)
+
+
+def assert_fused_samples_as_padded(
+    setup: Setup, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> sampler.DecodeLoop:
+    """A few requests over the base model and two adapters, padded then on the fused step
+    (its Triton kernels interpreted if `kernels` says so): the same samples. The fused loop."""
     requests = [
         request(PROMPTS[0], None, n=2, max_tokens=6, seed=1, stop=[]),
         request(PROMPTS[1], "a1", max_tokens=5, seed=2, temperature=0.8, stop=[]),
@@ -244,8 +243,4 @@ def test_qwen2_decodes_in_the_fused_step_with_its_q_k_v_biases(
             done.update(loop.step(model))
         results.append(done)
     assert_equal_samples(results[1], results[0])
-    decoder = loop.slots._decoder(model) if loop.slots is not None else None
-    assert isinstance(decoder, Qwen2Decoder)
-    bias = decoder.layers[0].qkv_bias
-    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
-    assert bias is not None and q_proj.bias.data_ptr() == bias.data_ptr()
+    return loop
